@@ -1,0 +1,289 @@
+# Invariants: the wire format is the msgpack map {"v": [major, minor], "t": <type code>, "b": {<key>: ...}}.
+# Type codes and body keys are stable: within a major version fields are only appended (each with a default
+# in its dataclass), never renamed, retyped or reused; decoders ignore unknown keys.  Every failure to turn
+# bytes into a valid message leaves this module as `DecodeError` (or `VersionMismatch` / `PayloadTooLarge`,
+# both `RemoteProtocolError`s); no msgpack exception crosses the boundary.  The tables below are constants.
+"""Versioned, table-driven msgpack codec for the round messages in `protocol.messages`.
+
+Reserved type codes: 1–10 are the SecAgg round messages; 11–19 are reserved for registration / check-in
+messages; 20+ are free.  Never reuse a code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from enum import Enum
+from types import MappingProxyType
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from protocol.errors import DecodeError, PayloadTooLarge, VersionMismatch
+from protocol.messages import (
+    Abort,
+    EncryptedShares,
+    ErrorMessage,
+    MaskedInput,
+    MaskedInputRequest,
+    Message,
+    PublicKeys,
+    RoundInvite,
+    ShareKeysBroadcast,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "is_compatible",
+    "check_version",
+    "encode",
+    "decode",
+]
+
+PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+#: Default total size limit for one encoded message (a 10**6-element masked vector is 4 MB).
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Far above any legitimate list (neighbourhoods are at most a few thousand), far below what would hurt.
+_MAX_ARRAY_LEN = 1 << 20
+_MAX_MAP_LEN = 64
+_MAX_STR_LEN = 1 << 16
+
+
+class Kind(Enum):
+    """How one body field travels."""
+
+    INT = "int"
+    FLOAT = "float"
+    STR = "str"
+    BYTES = "bytes"
+    INTS = "ints"  # msgpack array of ints  <-> tuple[int, ...]
+    BYTES_LIST = "bytes_list"  # msgpack array of bin  <-> tuple[bytes, ...]
+    U32 = "u32"  # {"dt": "<u4", "sh": [n], "by": bin little-endian}  <-> 1-D np.uint32
+
+
+_U32_WIRE_DTYPE = "<u4"
+
+# type code -> (message class, ((field name, wire key, kind), ...)).  Wire keys are short and stable.
+_SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] = MappingProxyType({
+    RoundInvite.TYPE: (RoundInvite, (
+        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("vector_length", "L", Kind.INT),
+        ("graph_k", "k", Kind.INT), ("graph_t", "t", Kind.INT), ("clip_norm", "c", Kind.FLOAT),
+        ("scale_bits", "sb", Kind.INT), ("dp_mu", "mu", Kind.FLOAT), ("dp_t_min", "tm", Kind.INT),
+        ("advertise_deadline", "d0", Kind.FLOAT), ("share_keys_deadline", "d1", Kind.FLOAT),
+        ("masked_input_deadline", "d2", Kind.FLOAT), ("unmask_deadline", "d3", Kind.FLOAT),
+    )),
+    PublicKeys.TYPE: (PublicKeys, (
+        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT),
+        ("c_public_key", "pc", Kind.BYTES), ("s_public_key", "ps", Kind.BYTES),
+    )),
+    ShareKeysBroadcast.TYPE: (ShareKeysBroadcast, (
+        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("session_id", "sid", Kind.BYTES),
+        ("neighbour_ids", "n", Kind.INTS), ("c_public_keys", "pc", Kind.BYTES_LIST),
+        ("s_public_keys", "ps", Kind.BYTES_LIST),
+    )),
+    EncryptedShares.TYPE: (EncryptedShares, (
+        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("session_id", "sid", Kind.BYTES),
+        ("recipient_ids", "to", Kind.INTS), ("ciphertexts", "ct", Kind.BYTES_LIST),
+    )),
+    MaskedInputRequest.TYPE: (MaskedInputRequest, (
+        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("session_id", "sid", Kind.BYTES),
+        ("sender_ids", "fr", Kind.INTS), ("ciphertexts", "ct", Kind.BYTES_LIST),
+    )),
+    MaskedInput.TYPE: (MaskedInput, (
+        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("session_id", "sid", Kind.BYTES),
+        ("masked", "y", Kind.U32),
+    )),
+    UnmaskRequest.TYPE: (UnmaskRequest, (
+        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("session_id", "sid", Kind.BYTES),
+        ("survivors", "u3", Kind.INTS), ("dropped", "dr", Kind.INTS), ("n_survivors", "ns", Kind.INT),
+    )),
+    UnmaskResponse.TYPE: (UnmaskResponse, (
+        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("session_id", "sid", Kind.BYTES),
+        ("b_share_ids", "bi", Kind.INTS), ("b_shares", "bs", Kind.BYTES_LIST),
+        ("s_share_ids", "si", Kind.INTS), ("s_shares", "ss", Kind.BYTES_LIST),
+        ("dp_excess", "dp", Kind.U32),
+    )),
+    Abort.TYPE: (Abort, (
+        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("reason", "why", Kind.STR),
+    )),
+    ErrorMessage.TYPE: (ErrorMessage, (
+        ("code", "c", Kind.STR), ("message", "m", Kind.STR),
+    )),
+})
+
+
+def is_compatible(version: tuple[int, int]) -> bool:
+    """Decide whether a peer speaking ``version`` can be understood (the one place this is decided).
+
+    Parameters
+    ----------
+    version : tuple of int
+        The peer's ``(major, minor)``.
+
+    Returns
+    -------
+    bool
+        True when the majors agree: within a major version fields are only appended with defaults, so
+        any minor works both ways.
+    """
+    return version[0] == PROTOCOL_VERSION[0]
+
+
+def check_version(version: tuple[int, int]) -> None:
+    """Raise unless `is_compatible` accepts ``version``.
+
+    Raises
+    ------
+    VersionMismatch
+        The majors differ.
+    """
+    if not is_compatible(version):
+        raise VersionMismatch(
+            f"peer speaks protocol {version[0]}.{version[1]}, we speak "
+            f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}"
+        )
+
+
+def _encode_value(kind: Kind, value: Any) -> Any:
+    if kind is Kind.INTS or kind is Kind.BYTES_LIST:
+        return list(value)
+    if kind is Kind.U32:
+        arr = np.asarray(value)
+        raw = arr.astype(_U32_WIRE_DTYPE, copy=False).tobytes()
+        return {"dt": _U32_WIRE_DTYPE, "sh": list(arr.shape), "by": raw}
+    return value
+
+
+def encode(message: Message) -> bytes:
+    """Encode a message into its versioned msgpack envelope.
+
+    Parameters
+    ----------
+    message : Message
+        Any message class in the codec table.
+
+    Returns
+    -------
+    bytes
+
+    Raises
+    ------
+    TypeError
+        ``message`` is not a registered message type (a programming error, not a wire error).
+    """
+    entry = _SCHEMA.get(getattr(type(message), "TYPE", -1))
+    if entry is None or entry[0] is not type(message):
+        raise TypeError(f"no codec entry for {type(message).__name__}")
+    body = {key: _encode_value(kind, getattr(message, name)) for name, key, kind in entry[1]}
+    envelope = {"v": list(PROTOCOL_VERSION), "t": message.TYPE, "b": body}
+    packed: bytes = msgpack.packb(envelope, use_bin_type=True)
+    return packed
+
+
+def _want(ok: bool, what: str) -> None:
+    if not ok:
+        raise DecodeError(what)
+
+
+def _decode_int(value: Any, key: str) -> int:
+    _want(type(value) is int, f"field {key!r} must be an integer")
+    return int(value)
+
+
+def _decode_value(kind: Kind, value: Any, key: str) -> Any:
+    if kind is Kind.INT:
+        return _decode_int(value, key)
+    if kind is Kind.FLOAT:
+        # msgpack gives float for float32/64; an integer is accepted for a float field (it is exact).
+        _want(type(value) in (float, int), f"field {key!r} must be a number")
+        return float(value)
+    if kind is Kind.STR:
+        _want(type(value) is str, f"field {key!r} must be a string")
+        return value
+    if kind is Kind.BYTES:
+        _want(type(value) is bytes, f"field {key!r} must be binary")
+        return value
+    if kind is Kind.INTS:
+        _want(type(value) is list, f"field {key!r} must be an array")
+        return tuple(_decode_int(v, key) for v in value)
+    if kind is Kind.BYTES_LIST:
+        _want(type(value) is list and all(type(v) is bytes for v in value), f"field {key!r} must be binaries")
+        return tuple(value)
+    # Kind.U32
+    _want(type(value) is dict, f"field {key!r} must be an array map")
+    _want(value.get("dt") == _U32_WIRE_DTYPE, f"field {key!r}: dtype must be {_U32_WIRE_DTYPE}")
+    shape, raw = value.get("sh"), value.get("by")
+    _want(type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0,
+          f"field {key!r}: shape must be [n]")
+    _want(type(raw) is bytes and len(raw) == 4 * shape[0], f"field {key!r}: byte length does not match shape")
+    return np.frombuffer(raw, dtype=_U32_WIRE_DTYPE).astype(np.uint32, copy=False)
+
+
+def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+    """Decode and validate one envelope.
+
+    Parameters
+    ----------
+    data : bytes
+        Bytes from the peer.
+    max_size : int
+        Refuse larger inputs before parsing.
+
+    Returns
+    -------
+    Message
+        A validated, immutable message.
+
+    Raises
+    ------
+    PayloadTooLarge
+        ``len(data) > max_size``.
+    VersionMismatch
+        The envelope is well-formed but its major version differs from ours.
+    DecodeError
+        Anything else: malformed msgpack, wrong types or shapes, unknown type code, missing fields, or
+        values the message class refuses.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise DecodeError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > max_size:
+        raise PayloadTooLarge(f"message of {len(data)} bytes exceeds the limit of {max_size}")
+    try:
+        obj = msgpack.unpackb(
+            data, raw=False, use_list=True, strict_map_key=True, max_bin_len=max_size,
+            max_str_len=min(max_size, _MAX_STR_LEN), max_array_len=_MAX_ARRAY_LEN,
+            max_map_len=_MAX_MAP_LEN, max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types; all mean "not a message"
+        raise DecodeError(f"malformed msgpack: {exc}") from None
+    try:
+        _want(type(obj) is dict, "envelope must be a map")
+        version = obj.get("v")
+        _want(type(version) is list and len(version) == 2 and all(type(x) is int for x in version),
+              "envelope version must be [major, minor]")
+        check_version((version[0], version[1]))
+        type_code, body = obj.get("t"), obj.get("b")
+        _want(type(type_code) is int, "envelope type must be an integer")
+        entry = _SCHEMA.get(type_code)
+        if entry is None:
+            raise DecodeError(f"unknown message type {type_code}")
+        cls, fields = entry
+        _want(type(body) is dict, "envelope body must be a map")
+        defaults = {f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                    if f.default is not dataclasses.MISSING}
+        kwargs: dict[str, Any] = {}
+        for name, key, kind in fields:
+            if key in body:
+                kwargs[name] = _decode_value(kind, body[key], key)
+            elif name not in defaults:
+                raise DecodeError(f"{cls.__name__}: missing field {key!r}")
+        return cls(**kwargs)
+    except (DecodeError, VersionMismatch):
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
+        raise DecodeError(f"invalid message: {exc}") from None
+

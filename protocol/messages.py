@@ -1,0 +1,534 @@
+# Invariants: every message is an immutable value; `__post_init__` rejects anything whose types, ranges or
+# lengths are wrong, so an invalid message can be built neither by a peer's bytes nor by our own code.
+# Relational rules that need session context (an id listed twice, an id in both lists, an id outside the
+# neighbourhood, keys not distinct) are protocol rules: the receiving session checks them and raises
+# `RemoteProtocolError`, which keeps those malicious-server defences testable on their own.
+# Arrays are stored as read-only, C-contiguous copies, so a message cannot change after it was built.
+"""SecAgg+ round messages (DESIGN.md section 4).
+
+Device ids are non-negative integers below 2**63; round ids likewise.  Byte strings are raw: X25519 public
+keys are 32 bytes, the session id is a 32-byte SHA-256 digest.  Ring vectors are 1-D ``np.uint32`` arrays
+(arithmetic mod 2**32).  Deadlines are absolute times on the coordinator's clock, in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from protocol.errors import FedRecError, error_class_for_code
+
+__all__ = [
+    "KEY_BYTES",
+    "SESSION_ID_BYTES",
+    "MAX_ID",
+    "Message",
+    "RoundInvite",
+    "PublicKeys",
+    "ShareKeysBroadcast",
+    "EncryptedShares",
+    "MaskedInputRequest",
+    "MaskedInput",
+    "UnmaskRequest",
+    "UnmaskResponse",
+    "Abort",
+    "ErrorMessage",
+]
+
+KEY_BYTES = 32
+SESSION_ID_BYTES = 32
+MAX_ID = 2**63 - 1
+_MAX_TEXT = 4096
+_MAX_CODE = 64
+
+
+def _fail(cls_name: str, text: str) -> None:
+    # ValueError, not a FedRecError: building an invalid message is a programming or decoding error; the
+    # codec translates it into DecodeError at the wire boundary.
+    raise ValueError(f"{cls_name}: {text}")
+
+
+def _check_id(owner: str, name: str, value: object) -> None:
+    if type(value) is not int or not 0 <= value <= MAX_ID:
+        _fail(owner, f"{name} must be an int in [0, 2**63), got {value!r}")
+
+
+def _check_ids(owner: str, name: str, values: object) -> None:
+    if type(values) is not tuple:
+        _fail(owner, f"{name} must be a tuple of ints")
+    for v in values:  # type: ignore[attr-defined]
+        _check_id(owner, name, v)
+
+
+def _check_bytes(
+    owner: str, name: str, value: object, length: int | None = None, max_len: int = 1 << 20
+) -> None:
+    if type(value) is not bytes:
+        _fail(owner, f"{name} must be bytes, got {type(value).__name__}")
+    n = len(value)  # type: ignore[arg-type]
+    if length is not None and n != length:
+        _fail(owner, f"{name} must be {length} bytes, got {n}")
+    if n > max_len:
+        _fail(owner, f"{name} is {n} bytes, limit {max_len}")
+
+
+def _check_bytes_tuple(owner: str, name: str, values: object, length: int | None = None) -> None:
+    if type(values) is not tuple:
+        _fail(owner, f"{name} must be a tuple of bytes")
+    for v in values:  # type: ignore[attr-defined]
+        _check_bytes(owner, name, v, length)
+
+
+def _check_text(owner: str, name: str, value: object, max_len: int) -> None:
+    if type(value) is not str or len(value) > max_len:
+        _fail(owner, f"{name} must be a str of at most {max_len} characters")
+
+
+def _check_float(owner: str, name: str, value: object, *, minimum: float | None = None) -> None:
+    if type(value) is not float or not math.isfinite(value):
+        _fail(owner, f"{name} must be a finite float, got {value!r}")
+    if minimum is not None and value < minimum:  # type: ignore[operator]
+        _fail(owner, f"{name} must be >= {minimum}, got {value!r}")
+
+
+def _frozen_u32(owner: str, name: str, value: object) -> NDArray[np.uint32]:
+    if not isinstance(value, np.ndarray) or value.dtype != np.uint32 or value.ndim != 1:
+        _fail(owner, f"{name} must be a 1-D numpy uint32 array")
+    arr: NDArray[np.uint32] = np.array(value, dtype=np.uint32, order="C", copy=True)
+    arr.setflags(write=False)
+    return arr
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)
+
+
+class Message:
+    """Base of every round message: equality that compares numpy fields by value.
+
+    Dataclass equality would compare arrays with ``==`` and fail on truth-testing; messages holding
+    arrays are therefore unhashable and compared field by field here.
+    """
+
+    __slots__ = ()
+    #: Stable wire type code (never reused); the codec table is keyed by it.
+    TYPE: ClassVar[int]
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            a: Any = getattr(self, f.name)
+            b: Any = getattr(other, f.name)
+            if isinstance(a, np.ndarray):
+                if not (isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class RoundInvite(Message):
+    """Server → device, before ADVERTISE_KEYS: the round's session parameters.
+
+    Attributes
+    ----------
+    round_id : int
+        Round number chosen by the coordinator.
+    device_id : int
+        The invited device (the recipient).
+    vector_length : int
+        L, number of uint32 ring elements in the masked input (>= 1).
+    graph_k : int
+        Neighbourhood size including the device itself (Bell et al. 2020 self-edge convention).
+    graph_t : int
+        Shamir threshold, 1 <= t <= k.
+    clip_norm : float
+        L2 clipping norm C of the update, in model units (> 0).
+    scale_bits : int
+        Quantization scale s: values are multiplied by 2**s before rounding (0..31).
+    dp_mu : float
+        Aggregate Skellam noise variance in quantized units; 0.0 disables DP noise.
+    dp_t_min : int
+        Worst-case survivor count the noise is calibrated for; 0 iff ``dp_mu == 0``.
+    advertise_deadline, share_keys_deadline, masked_input_deadline, unmask_deadline : float
+        Absolute phase deadlines in seconds on the coordinator's clock, non-decreasing.
+    """
+
+    TYPE: ClassVar[int] = 1
+    round_id: int
+    device_id: int
+    vector_length: int
+    graph_k: int
+    graph_t: int
+    clip_norm: float
+    scale_bits: int
+    dp_mu: float = 0.0
+    dp_t_min: int = 0
+    advertise_deadline: float
+    share_keys_deadline: float
+    masked_input_deadline: float
+    unmask_deadline: float
+
+    def __post_init__(self) -> None:
+        n = "RoundInvite"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        for name in ("vector_length", "graph_k", "graph_t", "scale_bits", "dp_t_min"):
+            _check_id(n, name, getattr(self, name))
+        if not 1 <= self.vector_length <= 1 << 28:
+            _fail(n, f"vector_length must be in [1, 2**28], got {self.vector_length}")
+        if not 1 <= self.graph_t <= self.graph_k:
+            _fail(n, f"need 1 <= graph_t <= graph_k, got t={self.graph_t}, k={self.graph_k}")
+        _check_float(n, "clip_norm", self.clip_norm)
+        if self.clip_norm <= 0.0:
+            _fail(n, f"clip_norm must be > 0, got {self.clip_norm}")
+        if self.scale_bits > 31:
+            _fail(n, f"scale_bits must be <= 31, got {self.scale_bits}")
+        _check_float(n, "dp_mu", self.dp_mu, minimum=0.0)
+        if (self.dp_mu == 0.0) != (self.dp_t_min == 0):
+            _fail(n, "dp_mu and dp_t_min must both be zero (no DP) or both positive")
+        deadlines = self.deadlines
+        for name, d in zip(("advertise", "share_keys", "masked_input", "unmask"), deadlines, strict=True):
+            _check_float(n, f"{name}_deadline", d)
+        if any(b < a for a, b in zip(deadlines, deadlines[1:], strict=False)):
+            _fail(n, "phase deadlines must be non-decreasing")
+
+    @property
+    def deadlines(self) -> tuple[float, float, float, float]:
+        """The four phase deadlines in protocol order."""
+        return (self.advertise_deadline, self.share_keys_deadline, self.masked_input_deadline,
+                self.unmask_deadline)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class PublicKeys(Message):
+    """Device → server, ADVERTISE_KEYS: the device's two fresh X25519 public keys for this round.
+
+    Attributes
+    ----------
+    round_id, device_id : int
+        Round and sender.
+    c_public_key : bytes
+        32 raw bytes; key agreement for encrypting Shamir shares.
+    s_public_key : bytes
+        32 raw bytes; key agreement for the pairwise masks. Must differ from ``c_public_key``.
+    """
+
+    TYPE: ClassVar[int] = 2
+    round_id: int
+    device_id: int
+    c_public_key: bytes
+    s_public_key: bytes
+
+    def __post_init__(self) -> None:
+        n = "PublicKeys"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        _check_bytes(n, "c_public_key", self.c_public_key, KEY_BYTES)
+        _check_bytes(n, "s_public_key", self.s_public_key, KEY_BYTES)
+        if self.c_public_key == self.s_public_key:
+            _fail(n, "c_public_key and s_public_key must differ")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ShareKeysBroadcast(Message):
+    """Server → device, start of SHARE_KEYS: the recipient's neighbourhood N(u) ∩ U1 and its keys.
+
+    Attributes
+    ----------
+    round_id, device_id : int
+        Round and recipient.
+    session_id : bytes
+        32-byte SHA-256 over the round id and every advertised key (see `protocol.crypto.session_id`).
+    neighbour_ids : tuple of int
+        Strictly increasing ids of the neighbourhood, the recipient included.
+    c_public_keys, s_public_keys : tuple of bytes
+        32-byte keys aligned with ``neighbour_ids``.
+    """
+
+    TYPE: ClassVar[int] = 3
+    round_id: int
+    device_id: int
+    session_id: bytes
+    neighbour_ids: tuple[int, ...]
+    c_public_keys: tuple[bytes, ...]
+    s_public_keys: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        n = "ShareKeysBroadcast"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
+        _check_ids(n, "neighbour_ids", self.neighbour_ids)
+        _check_bytes_tuple(n, "c_public_keys", self.c_public_keys, KEY_BYTES)
+        _check_bytes_tuple(n, "s_public_keys", self.s_public_keys, KEY_BYTES)
+        if not len(self.neighbour_ids) == len(self.c_public_keys) == len(self.s_public_keys):
+            _fail(n, "neighbour_ids, c_public_keys and s_public_keys must have equal lengths")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class EncryptedShares(Message):
+    """Device → server, SHARE_KEYS: one AES-256-GCM ciphertext per neighbour (the sender excluded).
+
+    Attributes
+    ----------
+    round_id, device_id : int
+        Round and sender.
+    session_id : bytes
+        32-byte session id from the broadcast.
+    recipient_ids : tuple of int
+        Neighbour each ciphertext is addressed to.
+    ciphertexts : tuple of bytes
+        nonce (12 B) ‖ AEAD(src ‖ dst ‖ b-share ‖ s-share) ‖ tag (16 B), aligned with ``recipient_ids``.
+    """
+
+    TYPE: ClassVar[int] = 4
+    round_id: int
+    device_id: int
+    session_id: bytes
+    recipient_ids: tuple[int, ...]
+    ciphertexts: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        n = "EncryptedShares"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
+        _check_ids(n, "recipient_ids", self.recipient_ids)
+        _check_bytes_tuple(n, "ciphertexts", self.ciphertexts)
+        if len(self.recipient_ids) != len(self.ciphertexts):
+            _fail(n, "recipient_ids and ciphertexts must have equal lengths")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class MaskedInputRequest(Message):
+    """Server → device, start of MASKED_INPUT: the ciphertexts addressed to the recipient.
+
+    The senders are exactly the recipient's neighbours in U2 (those whose shares reached the server), so
+    they also tell the device which pairwise masks to add.
+
+    Attributes
+    ----------
+    round_id, device_id : int
+        Round and recipient.
+    session_id : bytes
+        32-byte session id.
+    sender_ids : tuple of int
+        Neighbour that produced each ciphertext.
+    ciphertexts : tuple of bytes
+        As in `EncryptedShares`, aligned with ``sender_ids``.
+    """
+
+    TYPE: ClassVar[int] = 5
+    round_id: int
+    device_id: int
+    session_id: bytes
+    sender_ids: tuple[int, ...]
+    ciphertexts: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        n = "MaskedInputRequest"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
+        _check_ids(n, "sender_ids", self.sender_ids)
+        _check_bytes_tuple(n, "ciphertexts", self.ciphertexts)
+        if len(self.sender_ids) != len(self.ciphertexts):
+            _fail(n, "sender_ids and ciphertexts must have equal lengths")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class MaskedInput(Message):
+    """Device → server, MASKED_INPUT: y_u = q(x_u) + noise_u + PRG(b_u) + Σ ±PRG(s_uv) mod 2**32.
+
+    Attributes
+    ----------
+    round_id, device_id : int
+        Round and sender.
+    session_id : bytes
+        32-byte session id.
+    masked : ndarray of uint32, shape (L,)
+        The masked ring vector (4 bytes per element on the wire).
+    """
+
+    TYPE: ClassVar[int] = 6
+    round_id: int
+    device_id: int
+    session_id: bytes
+    masked: NDArray[np.uint32]
+
+    def __post_init__(self) -> None:
+        n = "MaskedInput"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
+        _set(self, "masked", _frozen_u32(n, "masked", self.masked))
+        if self.masked.size == 0:
+            _fail(n, "masked must not be empty")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class UnmaskRequest(Message):
+    """Server → device, start of UNMASK: who survived (U3) and who dropped after sharing (U2 ∖ U3).
+
+    Both lists are restricted to the recipient's neighbourhood.
+
+    Attributes
+    ----------
+    round_id, device_id : int
+        Round and recipient.
+    session_id : bytes
+        32-byte session id.
+    survivors : tuple of int
+        Neighbours in U3 (the recipient included); their self-mask (b) shares are requested.
+    dropped : tuple of int
+        Neighbours in U2 ∖ U3; their mask-key (s) shares are requested.
+    n_survivors : int
+        |U3| over the whole cohort, for the DP correction (section 5).
+    """
+
+    TYPE: ClassVar[int] = 7
+    round_id: int
+    device_id: int
+    session_id: bytes
+    survivors: tuple[int, ...]
+    dropped: tuple[int, ...]
+    n_survivors: int
+
+    def __post_init__(self) -> None:
+        n = "UnmaskRequest"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
+        _check_ids(n, "survivors", self.survivors)
+        _check_ids(n, "dropped", self.dropped)
+        _check_id(n, "n_survivors", self.n_survivors)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class UnmaskResponse(Message):
+    """Device → server, UNMASK: Shamir shares for reconstruction and the DP correction.
+
+    Attributes
+    ----------
+    round_id, device_id : int
+        Round and sender.
+    session_id : bytes
+        32-byte session id.
+    b_share_ids : tuple of int
+        Survivors whose self-mask seed share is released (never also in ``s_share_ids``).
+    b_shares : tuple of bytes
+        Serialised Shamir shares (`protocol.shamir.Share.to_bytes`), aligned with ``b_share_ids``.
+    s_share_ids : tuple of int
+        Dropped devices whose mask-key share is released.
+    s_shares : tuple of bytes
+        Serialised Shamir shares, aligned with ``s_share_ids``.
+    dp_excess : ndarray of uint32, shape (L,) or (0,)
+        The revealed noise excess mod 2**32 (pure noise, independent of the input); empty without DP.
+    """
+
+    TYPE: ClassVar[int] = 8
+    round_id: int
+    device_id: int
+    session_id: bytes
+    b_share_ids: tuple[int, ...]
+    b_shares: tuple[bytes, ...]
+    s_share_ids: tuple[int, ...]
+    s_shares: tuple[bytes, ...]
+    dp_excess: NDArray[np.uint32]
+
+    def __post_init__(self) -> None:
+        n = "UnmaskResponse"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
+        _check_ids(n, "b_share_ids", self.b_share_ids)
+        _check_bytes_tuple(n, "b_shares", self.b_shares)
+        _check_ids(n, "s_share_ids", self.s_share_ids)
+        _check_bytes_tuple(n, "s_shares", self.s_shares)
+        if len(self.b_share_ids) != len(self.b_shares) or len(self.s_share_ids) != len(self.s_shares):
+            _fail(n, "share id lists and share lists must have equal lengths")
+        _set(self, "dp_excess", _frozen_u32(n, "dp_excess", self.dp_excess))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Abort(Message):
+    """Either direction, any phase: the sender leaves (device) or ends (server) the round.
+
+    Attributes
+    ----------
+    round_id : int
+        The round being aborted.
+    device_id : int
+        The device that leaves, or the device the server tells.
+    reason : str
+        Human-readable reason (at most 4096 characters).
+    """
+
+    TYPE: ClassVar[int] = 9
+    round_id: int
+    device_id: int
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        n = "Abort"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        _check_text(n, "reason", self.reason, _MAX_TEXT)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ErrorMessage(Message):
+    """Either direction: an error from the `protocol.errors` tree, by its stable code.
+
+    Attributes
+    ----------
+    code : str
+        ``FedRecError.code`` of a class in `protocol.errors` (unknown codes are refused).
+    message : str
+        Human-readable detail (at most 4096 characters).
+    """
+
+    TYPE: ClassVar[int] = 10
+    code: str
+    message: str = ""
+
+    def __post_init__(self) -> None:
+        n = "ErrorMessage"
+        _check_text(n, "code", self.code, _MAX_CODE)
+        _check_text(n, "message", self.message, _MAX_TEXT)
+        if error_class_for_code(self.code).code != self.code:
+            _fail(n, f"unknown error code {self.code!r}")
+
+    @classmethod
+    def from_exception(cls, exc: FedRecError) -> ErrorMessage:
+        """Wrap an exception of the fedrec tree for the wire.
+
+        Parameters
+        ----------
+        exc : FedRecError
+            The error to report.
+
+        Returns
+        -------
+        ErrorMessage
+        """
+        return cls(code=exc.code, message=str(exc)[:_MAX_TEXT])
+
+    def to_exception(self) -> FedRecError:
+        """Rebuild the exception class named by ``code`` with ``message``.
+
+        Returns
+        -------
+        FedRecError
+        """
+        return error_class_for_code(self.code)(self.message)
