@@ -1,0 +1,264 @@
+"""LightFR numeric kernels (Zhang et al., LightFR, section 3): discrete coordinate descent (DCD) for
+user codes, the item gradient a device uploads, and cold-start fold-in.
+
+Invariants:
+- Codes are int8 matrices of ±1: user codes ``B`` (n, f), item codes ``D`` (m, f).
+- A batch of users is given in CSR form: ``indptr`` (n + 1,) int64 and, per entry, ``items`` (int64)
+  and target ratings ``r`` (float64, normalised to [0, 1]; sampled negatives carry r = 0).  A single
+  device is the batch with n = 1, so the device and the simulator run the very same code.
+- The kernels are pure: arrays in, new arrays out; no logging, no config, no global randomness.
+
+The local objective that DCD minimises exactly, one bit at a time, is
+    L_u(b) = Σ_{i∈Ω_u} (r_ui − sim(b, d_i))² + λ (Σ_k b_k)²,   sim(b, d) = 1/2 + bᵀd / (2f).
+Its coordinate minimiser is the paper's eq. 9–10 (b*_uk, sign, keep the bit when b* = 0).  The
+paper's eq. 6 writes the quadratic term as (Σ_i d_iᵀb)² and the balance term as λ‖b‖²; the first is a
+typo for Σ_i (d_iᵀb)² and the second is constant for binary codes — the form above is the one whose
+derivative gives eq. 9, and it is what `local_objective` evaluates.
+
+Cost: with the inner products s_i = d_iᵀb kept up to date on every flip, one bit costs O(|Ω_u|) and a
+sweep O(f·|Ω_u|); the float part Σ_i (r_ui − 1/2) d_ik does not change during the sweeps and is
+computed once.  Users are processed together, bit by bit, so Python loops run over bits and sweeps
+only, never over users or ratings.  Every user's result is exactly what a per-user sweep would give:
+a user whose sweep flipped nothing keeps an unchanged state and so flips nothing later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+from numpy.typing import NDArray
+
+from device_sdk.codes import pack_signs
+
+__all__ = [
+    "inner_products",
+    "dcd_update",
+    "fold_in_codes",
+    "item_gradient_sum",
+    "local_objective",
+    "sample_negatives",
+    "DCDStats",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class DCDStats:
+    """What a DCD call did: sweeps run, total bit flips, and whether every user converged."""
+
+    sweeps: int
+    flips: int
+    converged: bool
+
+
+def _check_csr(indptr: NDArray[np.int64], items: NDArray[np.int64], r: NDArray[np.float64], m: int) -> None:
+    if indptr.ndim != 1 or indptr.size < 1 or indptr[0] != 0 or indptr[-1] != items.size:
+        raise ValueError("indptr must start at 0 and end at len(items)")
+    if np.any(np.diff(indptr) < 0):
+        raise ValueError("indptr must be non-decreasing")
+    if items.shape != r.shape:
+        raise ValueError(f"items and r differ in shape: {items.shape} vs {r.shape}")
+    if items.size and (items.min() < 0 or items.max() >= m):
+        raise ValueError(f"item index out of range [0, {m})")
+    if not np.all(np.isfinite(r)):
+        raise ValueError("ratings must be finite")
+
+
+def _row_of(indptr: NDArray[np.int64]) -> NDArray[np.int64]:
+    counts = np.diff(indptr)
+    return np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+
+
+def inner_products(
+    indptr: NDArray[np.int64], items: NDArray[np.int64], B: NDArray[np.int8], D: NDArray[np.int8]
+) -> NDArray[np.int32]:
+    """s_e = d_{items[e]}ᵀ b_{user(e)} for every CSR entry e, as exact integers."""
+    rows = _row_of(indptr)
+    f = B.shape[1]
+    Dp = pack_signs(D)
+    Bp = pack_signs(B)
+    # d·b = f − 2·Hamming(d, b): XOR + popcount over the packed words, exact.
+    ham = np.zeros(items.size, dtype=np.int32)
+    for w in range(Dp.shape[0]):
+        ham += np.bitwise_count(Dp[w, items] ^ Bp[w, rows])
+    return (f - 2 * ham).astype(np.int32)
+
+
+def dcd_update(
+    indptr: NDArray[np.int64],
+    items: NDArray[np.int64],
+    r: NDArray[np.float64],
+    B: NDArray[np.int8],
+    D: NDArray[np.int8],
+    lam: float,
+    *,
+    max_sweeps: int = 20,
+) -> tuple[NDArray[np.int8], DCDStats]:
+    """DCD update of user codes with item codes fixed (LightFR eq. 9–10); eq. 19 when ``lam == 0``.
+
+    Parameters
+    ----------
+    indptr, items, r : CSR batch of users (see module docstring); r normalised to [0, 1].
+    B : (n, f) int8 ±1 current user codes (not modified).
+    D : (m, f) int8 ±1 item codes.
+    lam : balance weight λ ≥ 0.
+    max_sweeps : cap on full sweeps over the f bits; sweeping stops earlier once no bit flips.
+
+    Returns
+    -------
+    (new B, DCDStats)
+    """
+    B = np.asarray(B)
+    D = np.asarray(D)
+    n, f = B.shape
+    m, f2 = D.shape
+    if f != f2:
+        raise ValueError(f"user codes have {f} bits but item codes have {f2}")
+    if indptr.size != n + 1:
+        raise ValueError(f"indptr has {indptr.size} entries for {n} users")
+    if lam < 0 or not np.isfinite(lam):
+        raise ValueError(f"lam must be a finite value >= 0, got {lam}")
+    if max_sweeps < 1:
+        raise ValueError("max_sweeps must be >= 1")
+    _check_csr(indptr, items, r, m)
+    B = B.astype(np.int8, copy=True)
+    counts = np.diff(indptr)
+    nonempty = np.flatnonzero(counts)
+    starts = indptr[:-1][nonempty]
+    # (f, nnz) int8: bit k of every entry's item, one contiguous row per bit.
+    Dt = np.ascontiguousarray(D.T)[:, items]
+    # s_e = d_iᵀ b_u, kept exact on each flip; |s| ≤ f so int16 holds it for f < 2^15.
+    s = inner_products(indptr, items, B, D).astype(np.int16 if f < 2**15 else np.int32)
+    # A[u, k] = Σ_i (r_ui − 1/2) d_ik is constant while D is fixed (eq. 9's rating term).
+    R = sp.csr_matrix((r - 0.5, items, indptr), shape=(n, m))
+    # Work with z = 2f²·b*_uk = 2f·A_uk − Σ_i (s_i − d_ik b_uk) d_ik − 4λf²·Σ_{k'≠k} b_uk', which has
+    # the sign of b* but no divisions: exact whenever ratings and λ are short binary fractions, so
+    # b* = 0 (keep the bit) is detected exactly rather than lost to rounding.
+    X = 2.0 * f * np.asarray(R @ D.astype(np.float64))  # (n, f)
+    S = B.sum(axis=1, dtype=np.int64)  # Σ_k b_uk, for the balance term
+    bal = 4.0 * lam * f * f
+    sd = np.zeros(n, dtype=np.int64)
+    total_flips = 0
+    sweeps = 0
+    converged = False
+    while sweeps < max_sweeps:
+        sweeps += 1
+        sweep_flips = 0
+        for k in range(f):
+            dk = Dt[k]
+            bk = B[:, k].astype(np.int64)
+            # Σ_i (s_i − d_ik b_uk) d_ik = Σ_i s_i d_ik − |Ω_u| b_uk  (d_ik² = 1), exact integers.
+            if starts.size:
+                sd[nonempty] = np.add.reduceat(s * dk, starts, dtype=np.int64)
+            z = X[:, k] - (sd - counts * bk) - bal * (S - bk)
+            new = np.where(z > 0, 1, np.where(z < 0, -1, bk))
+            delta = new - bk  # in {-2, 0, 2}
+            flipped = np.flatnonzero(delta)
+            if flipped.size:
+                sweep_flips += int(flipped.size)
+                B[flipped, k] = new[flipped].astype(np.int8)
+                S += delta
+                s += np.repeat(delta.astype(np.int8), counts) * dk
+        total_flips += sweep_flips
+        if sweep_flips == 0:
+            converged = True
+            break
+    return B, DCDStats(sweeps=sweeps, flips=total_flips, converged=converged)
+
+
+def fold_in_codes(
+    indptr: NDArray[np.int64],
+    items: NDArray[np.int64],
+    r: NDArray[np.float64],
+    D: NDArray[np.int8],
+    *,
+    max_sweeps: int = 20,
+) -> tuple[NDArray[np.int8], DCDStats]:
+    """Cold-start codes for new users against fixed item codes (eq. 18–19: DCD without balance).
+
+    Starts from b = sign(Σ_i (r_ui − 1/2) d_i) (the linear part of the loss; +1 where it is 0), so the
+    result is deterministic and needs no randomness.
+    """
+    n = indptr.size - 1
+    m, f = D.shape
+    _check_csr(indptr, items, r, m)
+    R = sp.csr_matrix((r - 0.5, items, indptr), shape=(n, m))
+    A = np.asarray(R @ D.astype(np.float64))
+    B0 = np.where(A < 0, -1, 1).astype(np.int8)
+    return dcd_update(indptr, items, r, B0, D, 0.0, max_sweeps=max_sweeps)
+
+
+def item_gradient_sum(
+    indptr: NDArray[np.int64],
+    items: NDArray[np.int64],
+    r: NDArray[np.float64],
+    B: NDArray[np.int8],
+    D: NDArray[np.int8],
+) -> NDArray[np.float64]:
+    """Σ over the batch's users of the item gradients ΔD^u (LightFR eq. 12), dense (m, f).
+
+    Δd^u_ik = (r_ui − 1/2 − (s_i − d_ik b_uk)/(2f)) b_uk = (r_ui − 1/2 − s_i/(2f)) b_uk + d_ik/(2f)
+    for every entry (rated item or sampled negative) of user u, and 0 for items u has no entry for.
+    For one device (n = 1) this is exactly its upload; for a cohort it is the plain (non-secure) sum.
+    """
+    n, f = B.shape
+    m = D.shape[0]
+    _check_csr(indptr, items, r, m)
+    s = inner_products(indptr, items, B, D)
+    resid = r - 0.5 - s / (2.0 * f)
+    # Σ_u resid_ui b_u, as a sparse (m × n) product; then + (entries of i) · d_i / (2f).
+    Rt = sp.csr_matrix((resid, items, indptr), shape=(n, m)).T.tocsr()
+    G = np.asarray(Rt @ B.astype(np.float64))
+    n_entries = np.bincount(items, minlength=m).astype(np.float64)
+    G += (n_entries / (2.0 * f))[:, None] * D
+    return G
+
+
+def local_objective(
+    items: NDArray[np.int64], r: NDArray[np.float64], b: NDArray[np.int8], D: NDArray[np.int8], lam: float
+) -> float:
+    """L_u(b) = Σ_i (r_i − sim(b, d_i))² + λ (Σ_k b_k)² for one user (see module docstring)."""
+    f = b.size
+    sim = 0.5 + (D[items].astype(np.int64) @ b.astype(np.int64)) / (2.0 * f)
+    return float(np.sum((r - sim) ** 2) + lam * float(np.sum(b, dtype=np.int64)) ** 2)
+
+
+def sample_negatives(
+    indptr: NDArray[np.int64],
+    items: NDArray[np.int64],
+    n_items: int,
+    per_positive: int,
+    rng: np.random.Generator,
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """Sample ``per_positive`` unobserved items per observed entry of each user (uniform, with
+    replacement, never an item the user has an entry for).
+
+    Returns the negatives in CSR form ``(neg_indptr, neg_items)``.  Users whose entries cover every
+    item get no negatives.
+    """
+    if per_positive < 0:
+        raise ValueError("per_positive must be >= 0")
+    n = indptr.size - 1
+    counts = np.diff(indptr)
+    rows = _row_of(indptr)
+    seen_keys = np.unique(rows * n_items + items)
+    covered = np.bincount(seen_keys // n_items, minlength=n) >= n_items if n_items else np.ones(n, bool)
+    want = counts * per_positive
+    want[covered] = 0
+    neg_indptr = np.concatenate(([0], np.cumsum(want))).astype(np.int64)
+    neg_rows = np.repeat(np.arange(n, dtype=np.int64), want)
+    neg = rng.integers(0, max(n_items, 1), size=neg_rows.size, dtype=np.int64)
+    todo = np.arange(neg.size)
+    for _ in range(1000):
+        keys = neg_rows[todo] * n_items + neg[todo]
+        pos = np.searchsorted(seen_keys, keys)
+        pos[pos == seen_keys.size] = 0
+        clash = seen_keys[pos] == keys if seen_keys.size else np.zeros(todo.size, bool)
+        todo = todo[clash]
+        if todo.size == 0:
+            break
+        neg[todo] = rng.integers(0, n_items, size=todo.size, dtype=np.int64)
+    else:  # pragma: no cover - only for users with nearly every item rated
+        raise ValueError("could not sample negatives: users have rated almost every item")
+    return neg_indptr, neg
