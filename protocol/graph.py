@@ -1,0 +1,304 @@
+"""SecAgg+ communication graph (Bell et al. 2020) and its (k, t) parameter finder.
+
+Invariants of this module:
+
+* ``k`` always counts the device itself (the self-edge convention of Bell et al. and FCP): a device
+  Shamir-shares its secrets into exactly ``min(k, n)`` shares, one of which it holds itself.
+* A sparse graph (``k < n``) always has odd ``k``: self plus ``(k - 1) / 2`` ring neighbours on each
+  side.  ``k == n`` means the complete graph (plain SecAgg).
+* Parameters returned by `find_parameters` always pass `validate_parameters`.
+* Probabilities are exact hypergeometric tails summed in log space; nothing is a Chernoff bound.
+* No global randomness: the graph's permutation comes from the generator passed in.
+
+The parameter search (Bell et al. 2020, §3 and Appendix; the same formulation as Google FCP's
+``graph_parameter_finder``).  Let ``d = k - 1`` be the number of neighbours other than the device,
+``A = floor(gamma * n)`` the adversary's devices, ``D = floor(omega * n)`` the dropouts and
+``S = n - D`` the guaranteed survivors.  A neighbourhood is modelled as ``d`` devices drawn without
+replacement from the ``n`` (the random permutation makes this exact up to the self-exclusion, which
+FCP also ignores), so the number of adversarial neighbours is Hypergeom(n, A, d) and the number of
+surviving neighbours Hypergeom(n, S, d).  The 40-bit security budget is split evenly over two bad events
+(2^-41 each) and both per-device events are union-bounded over the n devices:
+
+1. *disconnection*: removing the A + D bad devices disconnects the ring-Harary graph only if two
+   disjoint runs of d/2 consecutive ring positions are all bad; at most n (n - d - 1) / 2 pairs of
+   runs, each all-bad with probability (A+D)! (n-d)! / (n! (A+D-d)!), must total < 2^-41;
+2. *privacy*: t is the smallest threshold with P[Hypergeom(n, A, d) >= t] < 2^-41 / n, so with
+   probability > 1 - 2^-41 no honest device has t adversarial share holders;
+3. *correctness*: P[Hypergeom(n, S, d) <= t - 1] < 2^-20 / n, so with probability > 1 - 2^-20 every
+   neighbourhood keeps at least t live share holders.
+
+The smallest even ``d`` (from 2 up to n - 2) meeting all three gives ``k = d + 1`` and ``t`` (at least 2,
+since one share must not reveal the secret).  If none exists the graph is complete: ``k = n`` and
+``t = S`` (the guaranteed survivors), which is deterministic-safe iff ``S > A``.  This reproduces the
+FCP test table: its "degree" column is ``d`` (FCP adds the self-edge afterwards), so FCP's
+n=100, gamma=5%, omega=33% row "28, 6" is ``GraphParams(k=29, t=6)`` here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.special import gammaln
+from scipy.stats import hypergeom
+
+from protocol.errors import ConfigError
+from protocol.noise import exact_rate
+
+__all__ = [
+    "SECURITY_BITS",
+    "CORRECTNESS_BITS",
+    "GraphParams",
+    "find_parameters",
+    "validate_parameters",
+    "harary_graph",
+]
+
+SECURITY_BITS = 40
+"""Statistical security: an adversary learns an honest input with probability < 2^-40."""
+
+CORRECTNESS_BITS = 20
+"""A round fails to reconstruct (under the assumed dropout rate) with probability < 2^-20."""
+
+_LN2 = math.log(2.0)
+# Each of the two bad events (disconnection, t adversarial share holders) gets half the budget.
+_LOG_SECURITY_PER_EVENT = -(SECURITY_BITS + 1) * _LN2
+_LOG_CORRECTNESS = -CORRECTNESS_BITS * _LN2
+
+
+@dataclass(frozen=True, slots=True)
+class GraphParams:
+    """Neighbourhood size and Shamir threshold of a SecAgg+ round.
+
+    Attributes
+    ----------
+    k : int
+        Neighbourhood size INCLUDING the device itself; ``k == n`` means the complete graph.
+    t : int
+        Shamir threshold: shares needed to reconstruct a device's secrets (2 <= t <= k).
+    """
+
+    k: int
+    t: int
+
+    @property
+    def degree(self) -> int:
+        """Number of neighbours other than the device itself (``k - 1``; FCP's "degree")."""
+        return self.k - 1
+
+
+def _check_n(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 2:
+        raise ConfigError(f"cohort size n must be an integer >= 2 for secure aggregation, got {n!r}")
+
+
+def _counts(n: int, dropout_rate: float, adversary_rate: float) -> tuple[int, int, int]:
+    """Return (A, D, S): adversarial devices, dropouts, guaranteed survivors, in exact arithmetic."""
+    omega = exact_rate(dropout_rate, "dropout_rate")
+    gamma = exact_rate(adversary_rate, "adversary_rate")
+    adversaries = math.floor(gamma * n)
+    dropouts = math.floor(omega * n)
+    return adversaries, dropouts, n - dropouts
+
+
+def _log_prob_disconnected(n: int, d: int, bad: int) -> float:
+    """Log union bound on the ring-Harary graph (d ring neighbours) being cut by ``bad`` removals."""
+    if d > bad:
+        return -math.inf
+    log_pairs = math.log(n) + math.log(n - d - 1) - _LN2
+    log_all_bad = gammaln(bad + 1) + gammaln(n - d + 1) - gammaln(n + 1) - gammaln(bad - d + 1)
+    return float(log_pairs + log_all_bad)
+
+
+def _log_sf(n: int, marked: int, d: int) -> np.ndarray:
+    """``out[a] = log P[Hypergeom(n, marked, d) >= a]`` for a = 0..d (exact, log space)."""
+    lp = hypergeom.logpmf(np.arange(d + 1), n, marked, d)
+    return np.logaddexp.accumulate(lp[::-1])[::-1]
+
+
+def _log_cdf(n: int, marked: int, d: int) -> np.ndarray:
+    """``out[x] = log P[Hypergeom(n, marked, d) <= x]`` for x = 0..d (exact, log space)."""
+    lp = hypergeom.logpmf(np.arange(d + 1), n, marked, d)
+    return np.logaddexp.accumulate(lp)
+
+
+def _sparse_threshold(n: int, d: int, adversaries: int, survivors: int, dropouts: int) -> int | None:
+    """Return t for ``d`` ring neighbours if the three conditions (module docstring) hold, else None."""
+    if _log_prob_disconnected(n, d, adversaries + dropouts) >= _LOG_SECURITY_PER_EVENT:
+        return None
+    log_sec = _LOG_SECURITY_PER_EVENT - math.log(n)
+    ok = np.nonzero(_log_sf(n, adversaries, d) < log_sec)[0]
+    if ok.size == 0:
+        return None
+    t = max(int(ok[0]), 2)
+    if t > d:
+        return None
+    if _log_cdf(n, survivors, d)[t - 1] >= _LOG_CORRECTNESS - math.log(n):
+        return None
+    return t
+
+
+def find_parameters(n: int, dropout_rate: float, adversary_rate: float) -> GraphParams:
+    """Find the smallest SecAgg+ neighbourhood ``k`` and its threshold ``t`` (semi-honest server).
+
+    Parameters
+    ----------
+    n : int
+        Cohort size (devices that advertised keys), n >= 2.
+    dropout_rate : float
+        omega in [0, 1): the largest fraction of the cohort that may drop out.
+    adversary_rate : float
+        gamma in [0, 1): the fraction of devices the adversary may control (colluding with the server).
+
+    Returns
+    -------
+    GraphParams
+        ``k`` includes the device itself and is odd, or ``k == n`` (complete graph, ``t`` = the
+        guaranteed survivors).  Failure probability < 2^-20, security 40 bits (module docstring).
+
+    Raises
+    ------
+    ConfigError
+        If n or a rate is invalid, or no (k, t) is safe (too many adversaries plus dropouts for n).
+    """
+    _check_n(n)
+    n = int(n)
+    adversaries, dropouts, survivors = _counts(n, dropout_rate, adversary_rate)
+    for d in range(2, n - 1, 2):
+        t = _sparse_threshold(n, d, adversaries, survivors, dropouts)
+        if t is not None:
+            return GraphParams(k=d + 1, t=t)
+    params = GraphParams(k=n, t=max(survivors, 2))
+    validate_parameters(n, params.k, params.t, dropout_rate, adversary_rate)
+    return params
+
+
+def validate_parameters(n: int, k: int, t: int, dropout_rate: float, adversary_rate: float) -> None:
+    """Refuse an unsafe or impossible SecAgg+ configuration.
+
+    Parameters
+    ----------
+    n : int
+        Cohort size, n >= 2.
+    k : int
+        Neighbourhood size including the device itself; odd if ``k < n``; ``k == n`` is complete.
+    t : int
+        Shamir threshold, 2 <= t <= k.
+    dropout_rate : float
+        omega in [0, 1).
+    adversary_rate : float
+        gamma in [0, 1).
+
+    Raises
+    ------
+    ConfigError
+        Naming the offending value: rates outside [0, 1); k outside [2, n] or even for a sparse
+        graph; t outside [2, k]; t reachable by the adversary (complete graph: t <= floor(gamma*n);
+        sparse: probability >= 2^-41/n per device); t not reachable by the survivors (complete graph:
+        t > n - floor(omega*n); sparse: probability >= 2^-20/n per device); or a graph that the bad
+        devices disconnect with probability >= 2^-41.
+    """
+    _check_n(n)
+    adversaries, dropouts, survivors = _counts(int(n), dropout_rate, adversary_rate)
+    for name, value in (("k", k), ("t", t)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+    n, k, t = int(n), int(k), int(t)
+    if not 2 <= k <= n:
+        raise ConfigError(f"neighbourhood size k={k} must be in [2, n={n}] (k counts the device itself)")
+    if not 2 <= t <= k:
+        raise ConfigError(f"threshold t={t} must be in [2, k={k}]")
+    if k == n:
+        if t <= adversaries:
+            raise ConfigError(
+                f"threshold t={t} is unsafe: an adversary controlling adversary_rate={adversary_rate} "
+                f"of n={n} devices ({adversaries} devices) could collect t shares; need t > {adversaries}"
+            )
+        if t > survivors:
+            raise ConfigError(
+                f"threshold t={t} is too high: with dropout_rate={dropout_rate} only {survivors} of "
+                f"n={n} devices are guaranteed to survive; need t <= {survivors}"
+            )
+        return
+    if k % 2 == 0:
+        raise ConfigError(
+            f"neighbourhood size k={k} must be odd for a sparse graph (self + (k-1)/2 ring neighbours "
+            f"on each side), or k == n={n} for the complete graph"
+        )
+    d = k - 1
+    log_disc = _log_prob_disconnected(n, d, adversaries + dropouts)
+    if log_disc >= _LOG_SECURITY_PER_EVENT:
+        raise ConfigError(
+            f"neighbourhood size k={k} is unsafe for n={n}: adversaries plus dropouts "
+            f"({adversaries}+{dropouts}) disconnect the graph with probability up to "
+            f"2^{log_disc / _LN2:.1f} (need < 2^-{SECURITY_BITS + 1})"
+        )
+    log_adv = float(_log_sf(n, adversaries, d)[t]) if t <= d else -math.inf
+    if log_adv >= _LOG_SECURITY_PER_EVENT - math.log(n):
+        raise ConfigError(
+            f"threshold t={t} is unsafe for k={k}, n={n}: an adversary controlling "
+            f"adversary_rate={adversary_rate} ({adversaries} devices) holds >= t shares of a device with "
+            f"probability 2^{log_adv / _LN2:.1f} (need < 2^-{SECURITY_BITS + 1}/n); raise t or k"
+        )
+    log_fail = float(_log_cdf(n, survivors, d)[t - 1])
+    if log_fail >= _LOG_CORRECTNESS - math.log(n):
+        raise ConfigError(
+            f"threshold t={t} is too high for k={k}, n={n}, dropout_rate={dropout_rate}: a neighbourhood "
+            f"keeps fewer than t live share holders with probability 2^{log_fail / _LN2:.1f} "
+            f"(need < 2^-{CORRECTNESS_BITS}/n); lower t or raise k"
+        )
+
+
+def harary_graph(ids: Sequence[int], k: int, rng: np.random.Generator) -> dict[int, tuple[int, ...]]:
+    """Build a random k-regular (self included) Harary graph over device ids.
+
+    The ids (sorted first, so the graph depends only on the id set and the generator) are placed on a
+    ring in a uniformly random order; each is linked to itself and to the ``(k - 1) / 2`` nearest ring
+    positions on each side.  The random placement is what the security analysis of Bell et al. needs.
+    Even ``k < n`` is refused rather than rounded: an odd number of ring neighbours cannot be placed
+    symmetrically, and silently changing k would change the analysed guarantee.
+
+    Parameters
+    ----------
+    ids : Sequence[int]
+        Distinct device ids.
+    k : int
+        Neighbourhood size including the device itself; odd, or >= len(ids) for all-to-all.
+    rng : np.random.Generator
+        Source of the random permutation.
+
+    Returns
+    -------
+    dict[int, tuple[int, ...]]
+        Each id mapped to its sorted neighbourhood, itself included, of size ``min(k, n)``.
+        The relation is symmetric.
+
+    Raises
+    ------
+    ConfigError
+        If ``k < 1``, or ``k`` is even and smaller than the number of ids.
+    ValueError
+        If the ids are not distinct.
+    """
+    id_list = sorted(int(i) for i in ids)
+    n = len(id_list)
+    if len(set(id_list)) != n:
+        raise ValueError("device ids passed to harary_graph must be distinct")
+    if k < 1:
+        raise ConfigError(f"neighbourhood size k={k} must be >= 1")
+    if n == 0:
+        return {}
+    if k >= n:
+        everyone = tuple(id_list)
+        return {i: everyone for i in id_list}
+    if k % 2 == 0:
+        raise ConfigError(
+            f"neighbourhood size k={k} must be odd when k < n={n} (self + (k-1)/2 on each side of the ring)"
+        )
+    half = (k - 1) // 2
+    ring = np.asarray(id_list, dtype=np.int64)[rng.permutation(n)]
+    offsets = np.arange(-half, half + 1)
+    rows = np.sort(ring[(np.arange(n)[:, None] + offsets[None, :]) % n], axis=1)
+    return {int(node): tuple(row) for node, row in zip(ring.tolist(), rows.tolist(), strict=True)}

@@ -1,0 +1,294 @@
+"""Integer Skellam noise in the ring Z_{2^32} and the corrected two-round DP scheme (DESIGN.md §5).
+
+Invariants of this module:
+
+* Noise is integer-valued, so it adds exactly to quantized updates and pairwise masks mod 2^32.
+* A `SkellamDraw` keeps its two Poisson halves, because the dropout correction thins each half
+  separately; `value()` is always ``pos - neg`` and nothing else.
+* Thinning never creates noise: the kept part and the revealed excess are functions of one draw plus
+  fresh binomial coins, and by the Poisson thinning theorem they are independent.
+* Every rate is turned into an exact fraction from its shortest decimal form before it meets ``n``,
+  so ``0.3 * 100`` is 30 and not 30.000000000000004.
+* All randomness comes from the `np.random.Generator` passed in; nothing here touches a clock or I/O.
+
+The scheme (DESIGN.md §5, correcting section 6 of the FMF privacy paper): each device of a cohort of
+``n`` adds Skellam(mu / t_min), with t_min = ceil((1 - omega) * n), so that any surviving set of at least
+t_min devices carries aggregate variance >= mu.  When the server announces s survivors, each survivor
+splits its draw by binomial thinning with keep fraction t_min / s: it keeps Skellam(mu / s) and reveals
+the excess, which is independent of the kept part.  The final sum carries variance exactly mu (for the
+survivors who corrected) and the server, holding both the pre- and post-correction sums, learns only the
+excess, which is independent of what protects the data.  The paper's own correction ("subtract my noise,
+add fresh noise") gives the server two independent noisy views whose best combination has variance
+mu * s / (s + t_min) < mu; tests/test_protocol_noise.py demonstrates both facts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+from numpy.typing import NDArray
+
+from protocol.errors import ConfigError, NotEnoughParticipants
+
+__all__ = [
+    "SkellamDraw",
+    "sample_skellam",
+    "thin",
+    "to_ring",
+    "exact_rate",
+    "minimum_survivors",
+    "device_variance",
+    "correction_keep_fraction",
+]
+
+_RING_MASK = np.int64(0xFFFFFFFF)
+
+
+@dataclass(frozen=True, slots=True)
+class SkellamDraw:
+    """One Skellam noise vector, kept as its two independent Poisson halves.
+
+    Attributes
+    ----------
+    pos, neg : NDArray[np.int64]
+        Non-negative Poisson(variance / 2) counts of equal shape; the noise is ``pos - neg``.
+    """
+
+    pos: NDArray[np.int64]
+    neg: NDArray[np.int64]
+
+    def __post_init__(self) -> None:
+        if self.pos.shape != self.neg.shape:
+            raise ValueError(f"Skellam halves differ in shape: {self.pos.shape} vs {self.neg.shape}")
+        if self.pos.dtype != np.int64 or self.neg.dtype != np.int64:
+            raise ValueError(f"Skellam halves must be int64, got {self.pos.dtype} and {self.neg.dtype}")
+
+    def value(self) -> NDArray[np.int64]:
+        """Return the noise vector ``pos - neg`` (int64)."""
+        return self.pos - self.neg
+
+
+def _check_variance(variance: float) -> float:
+    v = float(variance)
+    if not math.isfinite(v) or v < 0.0:
+        raise ConfigError(f"noise variance must be finite and >= 0, got {variance!r}")
+    return v
+
+
+def sample_skellam(variance: float, size: int, rng: np.random.Generator) -> SkellamDraw:
+    """Draw a Skellam vector of the given per-coordinate variance.
+
+    Skellam(v) is the difference of two independent Poisson(v / 2) variables: mean 0, variance v,
+    integer-valued (Agarwal, Kairouz, Liu 2021, §3).
+
+    Parameters
+    ----------
+    variance : float
+        Per-coordinate variance v >= 0 (in quantized units).
+    size : int
+        Number of coordinates.
+    rng : np.random.Generator
+        Source of randomness (seeded by the caller from ``secrets``).
+
+    Returns
+    -------
+    SkellamDraw
+        The two Poisson halves.
+
+    Raises
+    ------
+    ConfigError
+        If the variance is negative or not finite.
+    ValueError
+        If ``size`` is negative.
+    """
+    v = _check_variance(variance)
+    if size < 0:
+        raise ValueError(f"size must be >= 0, got {size}")
+    lam = v / 2.0
+    pos = rng.poisson(lam, size).astype(np.int64)
+    neg = rng.poisson(lam, size).astype(np.int64)
+    return SkellamDraw(pos=pos, neg=neg)
+
+
+def thin(
+    draw: SkellamDraw, keep_fraction: float, rng: np.random.Generator
+) -> tuple[SkellamDraw, NDArray[np.int64]]:
+    """Split a Skellam draw into a kept part and an independent revealed excess.
+
+    Each Poisson count N ~ Poisson(lam) is thinned as K | N ~ Binomial(N, p).  By the Poisson
+    thinning theorem K ~ Poisson(p * lam) and N - K ~ Poisson((1 - p) * lam) and the two are
+    independent; applying it to both halves gives kept ~ Skellam(p * v), excess ~ Skellam((1 - p) * v),
+    independent.  Independence is what lets the excess travel in the clear (DESIGN.md §5).
+
+    Parameters
+    ----------
+    draw : SkellamDraw
+        The device's original noise.
+    keep_fraction : float
+        p in [0, 1]; normally `correction_keep_fraction`.
+    rng : np.random.Generator
+        Source of the binomial coins.
+
+    Returns
+    -------
+    kept : SkellamDraw
+        The part that stays in the sum.
+    excess : NDArray[np.int64]
+        ``draw.value() - kept.value()``, to be revealed.
+
+    Raises
+    ------
+    ValueError
+        If ``keep_fraction`` is not in [0, 1].
+    """
+    p = float(keep_fraction)
+    if not (0.0 <= p <= 1.0):
+        raise ValueError(f"keep_fraction must be in [0, 1], got {keep_fraction!r}")
+    kept_pos = rng.binomial(draw.pos, p).astype(np.int64)
+    kept_neg = rng.binomial(draw.neg, p).astype(np.int64)
+    kept = SkellamDraw(pos=kept_pos, neg=kept_neg)
+    excess = (draw.pos - kept_pos) - (draw.neg - kept_neg)
+    return kept, excess
+
+
+def to_ring(values: NDArray[np.int64]) -> NDArray[np.uint32]:
+    """Reduce signed integers into the ring Z_{2^32} (two's complement).
+
+    Parameters
+    ----------
+    values : NDArray[np.int64]
+        Signed integers.
+
+    Returns
+    -------
+    NDArray[np.uint32]
+        ``values mod 2**32``.
+    """
+    v = np.asarray(values)
+    if not np.issubdtype(v.dtype, np.integer):
+        raise ValueError(f"to_ring needs integers, got dtype {v.dtype}")
+    return np.bitwise_and(v.astype(np.int64), _RING_MASK).astype(np.uint32)
+
+
+def exact_rate(rate: float, name: str = "rate") -> Fraction:
+    """Return a rate in [0, 1) as the exact fraction of its shortest decimal form.
+
+    ``Fraction(0.3)`` is 0.299999999999999988...; ``Fraction(repr(0.3))`` is 3/10, which is what a
+    person writing ``0.3`` in a config file means.  Counts derived from rates (minimum survivors, the
+    adversary's size) then come out as integers with no rounding surprise.
+
+    Parameters
+    ----------
+    rate : float
+        A dropout or adversary rate.
+    name : str
+        Name used in the error message.
+
+    Returns
+    -------
+    Fraction
+        The exact rate.
+
+    Raises
+    ------
+    ConfigError
+        If the rate is not a finite number in [0, 1).
+    """
+    r = float(rate)
+    if not math.isfinite(r) or not (0.0 <= r < 1.0):
+        raise ConfigError(f"{name} must be a finite number in [0, 1), got {rate!r}")
+    return Fraction(repr(r))
+
+
+def minimum_survivors(n: int, dropout_rate: float) -> int:
+    """Return t_min = ceil((1 - omega) * n), the fewest survivors a round may finish with.
+
+    Parameters
+    ----------
+    n : int
+        Cohort size (devices that advertised keys), n >= 1.
+    dropout_rate : float
+        omega in [0, 1).
+
+    Returns
+    -------
+    int
+        t_min, computed in exact rational arithmetic (see `exact_rate`); at least 1.
+
+    Raises
+    ------
+    ConfigError
+        If ``n < 1`` or the rate is outside [0, 1).
+    """
+    if n < 1:
+        raise ConfigError(f"cohort size n must be >= 1, got {n}")
+    omega = exact_rate(dropout_rate, "dropout_rate")
+    return max(1, math.ceil((1 - omega) * n))
+
+
+def device_variance(mu: float, n: int, dropout_rate: float) -> float:
+    """Return the per-device Skellam variance mu / t_min (DESIGN.md §5).
+
+    Parameters
+    ----------
+    mu : float
+        Aggregate variance the accountant requires, in quantized units.
+    n : int
+        Cohort size.
+    dropout_rate : float
+        omega in [0, 1).
+
+    Returns
+    -------
+    float
+        Per-device variance, so any t_min survivors together carry variance >= mu.
+
+    Raises
+    ------
+    ConfigError
+        If mu is negative or not finite, or n / omega are invalid.
+    """
+    m = _check_variance(mu)
+    return m / minimum_survivors(n, dropout_rate)
+
+
+def correction_keep_fraction(n: int, dropout_rate: float, survivors: int) -> float:
+    """Return the binomial-thinning keep fraction t_min / s for s announced survivors.
+
+    Each survivor holds Skellam(mu / t_min); keeping the fraction t_min / s leaves Skellam(mu / s), so
+    s survivors together keep exactly mu.
+
+    Parameters
+    ----------
+    n : int
+        Cohort size.
+    dropout_rate : float
+        omega in [0, 1).
+    survivors : int
+        s = |U3|, the number of devices whose masked input the server holds.
+
+    Returns
+    -------
+    float
+        t_min / s in (0, 1].
+
+    Raises
+    ------
+    NotEnoughParticipants
+        If s < t_min: the noise cannot cover the DP guarantee and the round must abort unrevealed.
+    ValueError
+        If s > n.
+    """
+    t_min = minimum_survivors(n, dropout_rate)
+    if survivors > n:
+        raise ValueError(f"survivors ({survivors}) cannot exceed the cohort size n={n}")
+    if survivors < t_min:
+        raise NotEnoughParticipants(
+            f"{survivors} survivors is below t_min={t_min} (n={n}, dropout_rate={dropout_rate}); "
+            "the noise would be too small, so the round must abort"
+        )
+    return t_min / survivors
