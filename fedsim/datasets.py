@@ -412,7 +412,8 @@ def _parse(
         raise DatasetError(f"{path}: no data lines (empty file, or only blank/comment lines)")
     if sep is None:
         sep = _detect_sep(stripped[keep[0]])
-    if allow_header and not all(_is_number(f.strip()) for f in stripped[keep[0]].split(sep)[:3]):
+    # a header is a first line none of whose first three fields is a number (`user,item,rating`)
+    if allow_header and not any(_is_number(f.strip()) for f in stripped[keep[0]].split(sep)[:3]):
         keep = keep[1:]
         if not keep:
             raise DatasetError(f"{path}: only a header line, no data lines")
@@ -580,7 +581,7 @@ def load_generic(
     Parameters
     ----------
     path : path-like
-        The file.  Blank lines and lines starting with ``#`` are skipped; a first line whose fields
+        The file.  Blank lines and lines starting with ``#`` are skipped; a first line none of whose
         are not numeric is taken as a header.
     sep : str, optional
         Field separator; auto-detected from the first data line (tab, ``::``, comma, else whitespace).

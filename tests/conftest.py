@@ -1,0 +1,36 @@
+"""Shared pytest fixtures.
+
+``shared_data`` locates the real datasets (``$FEDREC_DATA`` or ``../shared/data``).  When they are
+missing, tests using it skip with the reason, except under CI (``$CI`` set), where missing data is a
+failure: CI must exercise the real-data checks.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+from fedsim.datasets import find_data_dir
+
+_EXPECTED = ("ml-100k/u.data", "filmtrust/ratings.txt", "filmtrust-lightfr-split/filmtrust_train.csv")
+
+
+def _unavailable(reason: str) -> NoReturn:
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI is set, so real-data tests must run)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """Path of the shared dataset folder; skips (or fails under ``$CI``) when it is missing."""
+    base = find_data_dir()
+    if base is None or not base.is_dir():
+        _unavailable(f"real datasets not found ({base}); set FEDREC_DATA or provide ../shared/data")
+    missing = [name for name in _EXPECTED if not (base / name).is_file()]
+    if missing:
+        _unavailable(f"real datasets incomplete under {base}: missing {', '.join(missing)}")
+    return base

@@ -1,0 +1,428 @@
+"""Tests of fedsim.datasets: the Ratings container, loaders (clean and malformed input), synthetic data."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedsim.datasets import (
+    LightFRSplit,
+    Ratings,
+    find_data_dir,
+    load_dataset,
+    load_filmtrust,
+    load_generic,
+    load_lightfr_split,
+    load_movielens,
+    synthetic,
+)
+from protocol.errors import DatasetError
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _tiny() -> Ratings:
+    return Ratings(
+        users=np.array([1, 0, 1, 2, 0], dtype=np.int64),
+        items=np.array([0, 1, 2, 2, 0], dtype=np.int64),
+        ratings=np.array([5.0, 3.0, 1.0, 4.0, 2.0]),
+        timestamps=np.array([10, 20, 30, 40, 50], dtype=np.int64),
+        n_users=3,
+        n_items=3,
+        user_ids=np.array([7, 8, 9]),
+        item_ids=np.array([100, 200, 300]),
+        name="tiny",
+    )
+
+
+# ---------------------------------------------------------------------------------------- Ratings
+
+
+class TestRatings:
+    def test_len_and_readonly(self) -> None:
+        r = _tiny()
+        assert len(r) == 5
+        with pytest.raises(ValueError, match="read-only"):
+            r.ratings[0] = 1.0
+
+    def test_by_user_matches_reference(self) -> None:
+        r = synthetic(n_users=50, n_items=60, ratings_per_user=10, seed=3)
+        idx = r.by_user()
+        for u in range(r.n_users):
+            rows = np.flatnonzero(r.users == u)  # file order
+            sl = slice(idx.indptr[u], idx.indptr[u + 1])
+            np.testing.assert_array_equal(idx.items[sl], r.items[rows])
+            np.testing.assert_array_equal(idx.ratings[sl], r.ratings[rows])
+            np.testing.assert_array_equal(idx.order[sl], rows)
+        assert idx.indptr[-1] == len(r)
+
+    def test_normalized(self) -> None:
+        r = _tiny()
+        np.testing.assert_allclose(r.normalized(1, 5).ratings, [1.0, 0.5, 0.0, 0.75, 0.25])
+        np.testing.assert_allclose(r.normalized().ratings, [1.0, 0.5, 0.0, 0.75, 0.25])
+        with pytest.raises(ValueError, match="r_max > r_min"):
+            r.normalized(3, 3)
+
+    def test_popularity_and_subset(self) -> None:
+        r = _tiny()
+        np.testing.assert_array_equal(r.item_popularity(), [2, 1, 2])
+        np.testing.assert_array_equal(r.user_counts(), [2, 2, 1])
+        s = r.subset(r.users == 1, name="u1")
+        assert len(s) == 2 and s.n_users == 3 and s.name == "u1"
+        np.testing.assert_array_equal(s.items, [0, 2])
+        assert s.timestamps is not None
+        np.testing.assert_array_equal(s.timestamps, [10, 30])
+        np.testing.assert_array_equal(r.subset(np.array([4, 0])).ratings, [2.0, 5.0])
+        with pytest.raises(ValueError, match="mask"):
+            r.subset(np.array([True, False]))
+
+    @pytest.mark.parametrize(
+        ("change", "message"),
+        [
+            ({"users": np.array([0, 1], dtype=np.int64)}, "one length"),
+            ({"users": np.array([0, 1, 2, 3, 0], dtype=np.int64)}, "user index outside"),
+            ({"items": np.array([0, 1, 2, -1, 0], dtype=np.int64)}, "item index outside"),
+            ({"ratings": np.array([1.0, np.nan, 1.0, 1.0, 1.0])}, "finite"),
+            ({"users": np.array([0, 1, 2, 1, 0], dtype=np.int32)}, "int64"),
+            ({"timestamps": np.array([1, 2], dtype=np.int64)}, "timestamps"),
+            ({"item_ids": np.array([1, 2])}, "item_ids"),
+        ],
+    )
+    def test_invalid_construction(self, change: dict[str, object], message: str) -> None:
+        r = _tiny()
+        fields = {
+            "users": r.users,
+            "items": r.items,
+            "ratings": r.ratings,
+            "timestamps": r.timestamps,
+            "n_users": 3,
+            "n_items": 3,
+            "user_ids": r.user_ids,
+            "item_ids": r.item_ids,
+        }
+        fields.update(change)
+        with pytest.raises(DatasetError, match=message):
+            Ratings(**fields)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------- clean input
+
+
+class TestGeneric:
+    @pytest.mark.parametrize("sep", [",", "\t", " ", "  ", ";"])
+    def test_separators(self, tmp_path: Path, sep: str) -> None:
+        lines = ["10", "20", "4.5", "1000"], ["11", "20", "3", "1001"], ["10", "30", "1", "999"]
+        path = _write(tmp_path, "r.txt", "\n".join(sep.join(f) for f in lines) + "\n")
+        r = load_generic(path, sep=";" if sep == ";" else None)
+        assert (len(r), r.n_users, r.n_items) == (3, 2, 2)
+        np.testing.assert_array_equal(r.user_ids, [10, 11])
+        np.testing.assert_array_equal(r.item_ids, [20, 30])
+        np.testing.assert_array_equal(r.users, [0, 1, 0])
+        np.testing.assert_array_equal(r.items, [0, 0, 1])
+        np.testing.assert_array_equal(r.ratings, [4.5, 3.0, 1.0])
+        assert r.timestamps is not None
+        np.testing.assert_array_equal(r.timestamps, [1000, 1001, 999])
+
+    def test_header_comments_blank_lines_no_timestamps(self, tmp_path: Path) -> None:
+        text = "# exported ratings\nuser,item,rating\n\n1,2,3.5\n  # comment\n2, 2 ,4\r\n\n"
+        r = load_generic(_write(tmp_path, "r.csv", text))
+        assert r.timestamps is None
+        np.testing.assert_array_equal(r.ratings, [3.5, 4.0])
+        assert r.name == "r"
+
+    def test_deduplicates_keeping_last(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "r.tsv", "1\t1\t2\n1\t1\t2\n1\t2\t5\n1\t2\t1\n2\t1\t3\n")
+        r = load_generic(path)
+        assert len(r) == 3
+        np.testing.assert_array_equal(r.ratings, [2.0, 1.0, 3.0])
+        assert r.meta["exact_duplicates"] == 1 and r.meta["conflicting_duplicates"] == 1
+        assert len(load_generic(path, deduplicate=False)) == 5
+
+
+class TestMovieLens:
+    def test_u_data_file_and_folder(self, tmp_path: Path) -> None:
+        _write(tmp_path, "u.data", "196\t242\t3\t881250949\n186\t302\t3\t891717742\n22\t377\t1\t878887116\n")
+        for arg in (tmp_path, tmp_path / "u.data"):
+            r = load_movielens(arg)
+            assert (len(r), r.n_users, r.n_items, r.name) == (3, 3, 3, "ml-100k")
+            np.testing.assert_array_equal(r.user_ids, [22, 186, 196])
+            assert r.timestamps is not None and r.timestamps.dtype == np.int64
+
+    def test_ratings_dat(self, tmp_path: Path) -> None:
+        _write(
+            tmp_path, "ratings.dat", "1::1193::5::978300760\n1::661::3::978302109\n2::1193::4::978298413\n"
+        )
+        r = load_movielens(tmp_path)
+        assert (len(r), r.n_users, r.n_items, r.name) == (3, 2, 2, "ml-1m")
+        np.testing.assert_array_equal(r.ratings, [5.0, 3.0, 4.0])
+
+    def test_missing(self, tmp_path: Path) -> None:
+        with pytest.raises(DatasetError, match="no u.data or ratings.dat"):
+            load_movielens(tmp_path)
+        with pytest.raises(DatasetError, match=re.escape(str(tmp_path / "nope.data"))):
+            load_movielens(tmp_path / "nope.data")
+
+
+class TestFilmTrust:
+    def test_duplicates(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "ratings.txt", "1 1 2\n1 1 2\n1 2 4\n3 2 1.5\n1 2 3.5\n")
+        r = load_filmtrust(path)
+        assert len(r) == 3 and r.timestamps is None
+        # exact duplicate dropped; conflicting pair (1, 2) keeps the last line (3.5), file order kept
+        np.testing.assert_array_equal(r.ratings, [2.0, 1.5, 3.5])
+        assert r.meta["exact_duplicates"] == 1
+        assert r.meta["conflicting_duplicates"] == 1
+
+
+# ------------------------------------------------------------------------------- malformed input
+
+BAD_LINES = [
+    ("1,2", "expected 3 fields (as on line 1), got 2"),
+    ("1,2,3,4,5", "expected 3 fields (as on line 1), got 5"),
+    ("a,2,3", "user id is not an integer"),
+    ("1,b,3", "item id is not an integer"),
+    ("1.5,2,3", "user id is not an integer"),
+    ("1,2,good", "rating is not a number"),
+    ("1,2,nan", "rating is NaN or infinite"),
+    ("1,2,inf", "rating is NaN or infinite"),
+    ("1,2,-inf", "rating is NaN or infinite"),
+    ("-1,2,3", "negative user id"),
+    ("1,-2,3", "negative item id"),
+    ("1,2,", "rating is not a number"),
+    ("99999999999999999999,2,3", "user id is not an integer"),
+]
+
+
+class TestMalformed:
+    @pytest.mark.parametrize(("line", "reason"), BAD_LINES)
+    def test_each_kind_names_file_line_and_reason(self, tmp_path: Path, line: str, reason: str) -> None:
+        path = _write(tmp_path, "r.csv", f"1,1,4\n# comment\n\n{line}\n2,2,5\n")
+        with pytest.raises(DatasetError) as info:
+            load_generic(path)
+        msg = str(info.value)
+        assert f"{path}:4: {reason}" in msg
+        assert "1 malformed line(s)" in msg
+
+    def test_bad_timestamp(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "r.csv", "1,1,4,100\n1,2,4,1.5e9\n1,3,4\n")
+        msg = str(pytest.raises(DatasetError, load_generic, path).value)
+        assert f"{path}:2: timestamp is not an integer" in msg
+        assert f"{path}:3: expected 4 fields (as on line 1), got 3" in msg
+
+    def test_reports_every_line_with_total(self, tmp_path: Path) -> None:
+        good = [f"{u} {u} 3" for u in range(50)]
+        bad = [f"{u} x 3" for u in range(30)]
+        path = _write(tmp_path, "r.txt", "\n".join(good + bad + ["1 2 nan nan nan"]) + "\n")
+        msg = str(pytest.raises(DatasetError, load_generic, path).value)
+        assert "31 malformed line(s)" in msg
+        assert f"{path}:51: item id is not an integer" in msg
+        assert "... and 11 more" in msg
+        assert msg.count(f"{path}:") == 1 + 20  # the headline and 20 listed lines
+
+    def test_several_reasons_on_one_line(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "r.txt", "-1 x nan\n")
+        msg = str(pytest.raises(DatasetError, load_generic, path).value)
+        assert "1 malformed line(s)" in msg
+        assert "negative user id" in msg and "item id is not an integer" in msg and "NaN" in msg
+
+    @pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "   \n"])
+    def test_empty(self, tmp_path: Path, text: str) -> None:
+        path = _write(tmp_path, "r.txt", text)
+        with pytest.raises(DatasetError, match=re.escape(f"{path}: no data lines")):
+            load_generic(path)
+
+    def test_only_header(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "r.csv", "user,item,rating\n")
+        with pytest.raises(DatasetError, match="only a header"):
+            load_generic(path)
+
+    def test_missing_file(self, tmp_path: Path) -> None:
+        with pytest.raises(DatasetError, match=re.escape(f"{tmp_path / 'x.csv'}: file not found")):
+            load_generic(tmp_path / "x.csv")
+
+    def test_movielens_rating_range_and_no_header(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "u.data", "1\t1\t3\t5\n1\t2\t6\t5\nuser\titem\trating\tts\n1\t3\t0\t5\n")
+        msg = str(pytest.raises(DatasetError, load_movielens, path).value)
+        assert "3 malformed line(s)" in msg
+        assert f"{path}:2: rating outside [1, 5]" in msg
+        assert f"{path}:3: user id is not an integer" in msg
+        assert f"{path}:4: rating outside [1, 5]" in msg
+
+    def test_filmtrust_wrong_fields(self, tmp_path: Path) -> None:
+        path = _write(tmp_path, "ratings.txt", "1 1 2\n1 2 4 7\n")
+        with pytest.raises(DatasetError, match=re.escape(f"{path}:2: expected 3 fields, got 4")):
+            load_filmtrust(path)
+
+    def test_latin1_bytes_are_reported_not_crashing(self, tmp_path: Path) -> None:
+        path = tmp_path / "r.txt"
+        path.write_bytes(b"1 1 3\n1 \xe9 3\n")
+        with pytest.raises(DatasetError, match=re.escape(f"{path}:2: item id is not an integer")):
+            load_generic(path)
+
+
+# ------------------------------------------------------------------------------ LightFR split
+
+
+def _write_split(folder: Path, blocks: dict[str, list[tuple[int, int, float]]]) -> Path:
+    folder.mkdir(exist_ok=True)
+    for part, rows in blocks.items():
+        text = "user_id,item_id,ratings\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows)
+        (folder / f"filmtrust_{part}.csv").write_text(text, encoding="utf-8")
+    return folder
+
+
+def _block(user: int, positive: int, negatives: range, rating: float = 4.0) -> list[tuple[int, int, float]]:
+    return [(user, positive, rating)] + [(user, i, 0.0) for i in negatives][:49]
+
+
+def _split_rows() -> dict[str, list[tuple[int, int, float]]]:
+    train = [(0, 1, 0.5), (0, 2, 1.01), (1, 2, 0.01)]
+    return {
+        "train": train,
+        "val": _block(0, 3, range(100, 149)) + _block(1, 4, range(100, 149)),
+        "test": _block(0, 5, range(200, 249)) + _block(1, 6, range(200, 249), 0.5),
+    }
+
+
+class TestLightFRSplit:
+    def test_layout_and_shared_mapping(self, tmp_path: Path) -> None:
+        sp = load_lightfr_split(_write_split(tmp_path / "s", _split_rows()))
+        assert isinstance(sp, LightFRSplit)
+        assert (len(sp.train), sp.train.n_users) == (3, 2)
+        assert sp.train.n_items == 6 + 49 + 49  # items only in val/test are indexed too
+        assert sp.val.candidates.shape == (2, 50) and sp.test.candidates.shape == (2, 50)
+        ids = sp.train.item_ids
+        np.testing.assert_array_equal(ids[sp.test.candidates[:, 0]], [5, 6])
+        np.testing.assert_array_equal(ids[sp.val.candidates[1, 1:]], np.arange(100, 149))
+        np.testing.assert_array_equal(sp.test.positive_ratings, [4.0, 0.5])
+        np.testing.assert_array_equal(sp.train.user_ids[sp.val.users], [0, 1])
+        assert len(sp.val) == 2
+
+    @pytest.mark.parametrize(
+        ("edit", "message"),
+        [
+            (lambda t: t.__setitem__(10, (1, t[10][1], 0.0)), "mixes users"),
+            (lambda t: t.__setitem__(0, (0, 5, 0.0)), "first row of a block must be the positive"),
+            (lambda t: t.__setitem__(7, (0, t[7][1], 1.0)), "negative candidate must have rating 0.0"),
+            (lambda t: t.__delitem__(7), "not a multiple of 50"),
+            (lambda t: t.__setitem__(slice(50, 100), _block(0, 6, range(200, 249))), "more than one block"),
+        ],
+    )
+    def test_block_violations(self, tmp_path: Path, edit: object, message: str) -> None:
+        rows = _split_rows()
+        edit(rows["test"])  # type: ignore[operator]
+        folder = _write_split(tmp_path / "s", rows)
+        with pytest.raises(DatasetError, match=message) as info:
+            load_lightfr_split(folder)
+        assert "filmtrust_test.csv" in str(info.value)
+
+    def test_missing_file_names_path(self, tmp_path: Path) -> None:
+        rows = _split_rows()
+        del rows["val"]
+        folder = _write_split(tmp_path / "s", rows)
+        with pytest.raises(DatasetError, match=re.escape(str(folder / "filmtrust_val.csv"))):
+            load_lightfr_split(folder)
+
+
+# ---------------------------------------------------------------------------------- synthetic
+
+
+class TestSynthetic:
+    def test_deterministic_and_shaped(self) -> None:
+        a, b, c = synthetic(seed=1), synthetic(seed=1), synthetic(seed=2)
+        np.testing.assert_array_equal(a.items, b.items)
+        np.testing.assert_array_equal(a.ratings, b.ratings)
+        assert a.timestamps is not None and b.timestamps is not None
+        np.testing.assert_array_equal(a.timestamps, b.timestamps)
+        assert len(a) != len(c) or not np.array_equal(a.items, c.items)
+        assert (a.n_users, a.n_items) == (600, 400)
+        assert 35 < len(a) / a.n_users < 45
+        assert set(np.unique(a.ratings).tolist()) <= {1.0, 2.0, 3.0, 4.0, 5.0}
+        assert np.unique(a.users * a.n_items + a.items).size == len(a)  # no repeated pair
+        assert a.user_counts().min() >= 3
+        pop = np.sort(a.item_popularity())
+        assert pop[-40:].sum() > 3 * pop[:40].sum()  # popularity skew
+
+    def test_planted_clusters_are_recoverable(self) -> None:
+        # users of one cluster share items: the nearest neighbour (by co-rated items) of most users
+        # sits in the same taste cluster, visible as much larger overlap than between random pairs
+        r = synthetic(n_users=200, n_items=200, n_clusters=4, ratings_per_user=30, seed=5)
+        m = np.zeros((r.n_users, r.n_items))
+        m[r.users, r.items] = 1.0
+        overlap = m @ m.T
+        np.fill_diagonal(overlap, 0.0)
+        assert overlap.max(axis=1).mean() > 2.0 * overlap.mean()
+
+    def test_invalid(self) -> None:
+        with pytest.raises(ValueError, match="exceeds"):
+            synthetic(n_items=10, ratings_per_user=6)
+        with pytest.raises(ValueError, match=">= 1"):
+            synthetic(n_users=0)
+
+
+# ------------------------------------------------------------------------- finding datasets
+
+
+class TestFindAndLoad:
+    def test_env_variable_wins(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("FEDREC_DATA", str(tmp_path))
+        assert find_data_dir() == tmp_path
+
+    def test_load_dataset_names_and_paths(self, tmp_path: Path) -> None:
+        syn = load_dataset("synthetic")
+        assert isinstance(syn, Ratings) and syn.name == "synthetic"
+        _write(tmp_path, "u.data", "1\t1\t3\t5\n")
+        assert isinstance(load_dataset(tmp_path), Ratings)
+        assert load_dataset(tmp_path / "u.data").name == "ml-100k"  # type: ignore[union-attr]
+        generic = _write(tmp_path, "mine.csv", "1,2,3\n")
+        assert load_dataset(generic).name == "mine"  # type: ignore[union-attr]
+        with pytest.raises(DatasetError, match="neither a dataset name"):
+            load_dataset("ml-10m")
+        with pytest.raises(DatasetError, match="data folder not found|file not found"):
+            load_dataset("ml-100k", data_dir=tmp_path / "absent")
+
+
+# ------------------------------------------------------------------------------- real data
+
+
+@pytest.mark.data
+class TestRealData:
+    def test_ml_100k(self, shared_data: Path) -> None:
+        r = load_movielens(shared_data / "ml-100k")
+        assert (len(r), r.n_users, r.n_items) == (100_000, 943, 1_682)
+        np.testing.assert_array_equal(np.unique(r.ratings), [1, 2, 3, 4, 5])
+        assert r.timestamps is not None and r.timestamps.min() > 8.7e8
+        np.testing.assert_array_equal(r.user_ids, np.arange(1, 944))
+
+    def test_filmtrust(self, shared_data: Path) -> None:
+        r = load_filmtrust(shared_data / "filmtrust" / "ratings.txt")
+        assert (len(r), r.n_users, r.n_items) == (35_494, 1_508, 2_071)
+        # 35,498 lines (the last has no newline): 2 exact duplicates, 2 conflicting pairs (user 308)
+        assert r.meta["exact_duplicates"] == 2 and r.meta["conflicting_duplicates"] == 2
+        np.testing.assert_array_equal(np.unique(r.ratings), np.arange(1, 9) / 2)
+
+    def test_lightfr_split(self, shared_data: Path) -> None:
+        sp = load_lightfr_split(shared_data / "filmtrust-lightfr-split")
+        assert (len(sp.train), sp.train.n_users, sp.train.n_items) == (31_367, 1_002, 2_042)
+        assert sp.val.candidates.shape == sp.test.candidates.shape == (1_002, 50)
+        assert np.unique(sp.train.items).size == 2_016  # 26 items appear only in val/test
+        assert 0.0 < sp.train.ratings.min() and sp.train.ratings.max() < 1.02
+        # known quirks of the published split (negatives were drawn with replacement and without
+        # excluding the user's train items):
+        dup_blocks = sum(np.unique(row).size < 50 for row in sp.test.candidates)
+        assert dup_blocks == 450
+        train_keys = np.unique(sp.train.users * sp.train.n_items + sp.train.items)
+        neg_keys = sp.test.users[:, None] * sp.train.n_items + sp.test.candidates[:, 1:]
+        assert int(np.isin(neg_keys, train_keys).sum()) == 747
+
+    def test_load_dataset_by_name(self, shared_data: Path) -> None:
+        r = load_dataset("ml-100k", data_dir=shared_data)
+        assert isinstance(r, Ratings) and len(r) == 100_000
+        assert isinstance(load_dataset("filmtrust-lightfr", data_dir=shared_data), LightFRSplit)
