@@ -582,7 +582,7 @@ def load_generic(
     ----------
     path : path-like
         The file.  Blank lines and lines starting with ``#`` are skipped; a first line none of whose
-        are not numeric is taken as a header.
+        first three fields is a number is taken as a header (e.g. ``user,item,rating``).
     sep : str, optional
         Field separator; auto-detected from the first data line (tab, ``::``, comma, else whitespace).
     deduplicate : bool
