@@ -75,6 +75,18 @@ class InteractionCSR(NamedTuple):
     indices: IntArray
 
 
+def _unique_sorted(a: IntArray) -> IntArray:
+    """Sorted distinct values; sort-based, as numpy 2.x's plain `np.unique` (hash-based) is ~15x
+    slower on a million int64 keys."""
+    s = np.sort(a, kind="stable")
+    if s.size == 0:
+        return s
+    keep = np.empty(s.shape[0], dtype=np.bool_)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
+
+
 def interaction_csr(*parts: Ratings) -> InteractionCSR:
     """Union of the user-item pairs of several `Ratings` in one id space, as CSR.
 
@@ -93,7 +105,7 @@ def interaction_csr(*parts: Ratings) -> InteractionCSR:
     n_users, n_items = parts[0].n_users, parts[0].n_items
     if any(p.n_users != n_users or p.n_items != n_items for p in parts):
         raise ValueError("all parts must share one id space (n_users, n_items)")
-    keys = np.unique(np.concatenate([p.users * n_items + p.items for p in parts]))
+    keys = _unique_sorted(np.concatenate([p.users * n_items + p.items for p in parts]))
     users = keys // max(n_items, 1)
     indptr = np.zeros(n_users + 1, dtype=np.int64)
     np.cumsum(np.bincount(users, minlength=n_users), out=indptr[1:])
@@ -108,7 +120,7 @@ def _pair_keys(interacted: tuple[npt.ArrayLike, npt.ArrayLike], n_items: int) ->
     if indices.size and (indices.min() < 0 or indices.max() >= n_items):
         raise ValueError(f"interacted item index outside [0, {n_items})")
     owners = np.repeat(np.arange(indptr.shape[0] - 1, dtype=np.int64), np.diff(indptr))
-    return np.unique(owners * n_items + indices)
+    return _unique_sorted(owners * n_items + indices)
 
 
 def _is_member(sorted_keys: IntArray, query: IntArray) -> npt.NDArray[np.bool_]:
@@ -396,10 +408,10 @@ def evaluate_full_ranking(
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     n_items = train.n_items
-    train_keys = np.unique(train.users * n_items + train.items)
+    train_keys = _unique_sorted(train.users * n_items + train.items)
     order = np.argsort(test.users, kind="stable")
     t_users, t_items = test.users[order], test.items[order]
-    test_users = np.unique(t_users)
+    test_users = _unique_sorted(t_users)
     greater = np.empty(t_users.shape[0], dtype=np.int64)
     tied = np.empty(t_users.shape[0], dtype=np.int64)
     all_items = np.arange(n_items, dtype=np.int64)
