@@ -464,45 +464,60 @@ def _densify(raw: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], IntArra
     return ids.astype(np.int64), inverse.astype(np.int64).reshape(-1)
 
 
-def _deduplicate(p: _Parsed) -> tuple[_Parsed, int, int]:
-    """Drop exact duplicate lines and, for a user-item pair listed with conflicting ratings, keep the
-    last line.  Returns the parsed rows (file order kept) and the two counts."""
-    n = p.users.shape[0]
-    if n == 0:
-        return p, 0, 0
-    _, u = np.unique(p.users, return_inverse=True)
-    _, i = np.unique(p.items, return_inverse=True)
-    key = u.reshape(-1).astype(np.int64) * (int(i.max()) + 1) + i.reshape(-1)
-    # last occurrence of each pair = first occurrence in the reversed arrays
-    _, first_rev = np.unique(key[::-1], return_index=True)
-    keep = np.sort(n - 1 - first_rev)
-    n_pairs = keep.shape[0]
-    # exact duplicates: same pair and same rating (and timestamp, if any)
-    cols = [key, p.ratings.view(np.int64)]
-    if p.timestamps is not None:
-        cols.append(p.timestamps)
-    n_distinct_lines = np.unique(np.stack(cols, axis=1), axis=0).shape[0]
-    exact = n - n_distinct_lines
-    conflicting = n_distinct_lines - n_pairs
-    ts = None if p.timestamps is None else p.timestamps[keep]
-    out = _Parsed(p.line_nos[keep], p.users[keep], p.items[keep], p.ratings[keep], ts)
-    return out, exact, conflicting
+def _last_of_each_pair(
+    users: IntArray, items: IntArray, n_items: int, parsed: _Parsed
+) -> tuple[IntArray, int, int]:
+    """Rows to keep when a user-item pair repeats: the last line of each pair, in file order.
+
+    Also returns the number of exact duplicate lines (same pair, rating and timestamp) and of
+    conflicting ones (same pair, different values) that were dropped.
+    """
+    n = users.shape[0]
+    key = users * n_items + items
+    order = np.argsort(key, kind="stable")  # equal keys keep file order
+    k_sorted = key[order]
+    is_last = np.ones(n, dtype=np.bool_)
+    np.not_equal(k_sorted[1:], k_sorted[:-1], out=is_last[:-1])
+    keep = np.sort(order[is_last])
+    if keep.shape[0] == n:
+        return keep, 0, 0
+    # duplicates are rare: count distinct (pair, rating, timestamp) among the repeated pairs only
+    repeated = np.isin(key, k_sorted[~is_last])
+    cols = [key[repeated], parsed.ratings[repeated].view(np.int64)]
+    if parsed.timestamps is not None:
+        cols.append(parsed.timestamps[repeated])
+    distinct_lines = np.unique(np.stack(cols, axis=1), axis=0).shape[0]
+    distinct_pairs = np.unique(cols[0]).shape[0]
+    exact = int(repeated.sum()) - distinct_lines
+    return keep, exact, distinct_lines - distinct_pairs
 
 
-def _to_ratings(p: _Parsed, name: str, meta: dict[str, int | str] | None = None) -> Ratings:
+def _to_ratings(
+    p: _Parsed, name: str, meta: dict[str, int | str] | None = None, *, deduplicate: bool = False
+) -> Ratings:
     user_ids, users = _densify(p.users)
     item_ids, items = _densify(p.items)
+    info: dict[str, int | str] = dict(meta or {})
+    ratings = p.ratings.astype(np.float64)
+    timestamps = p.timestamps
+    if deduplicate:
+        keep, exact, conflicting = _last_of_each_pair(users, items, int(item_ids.shape[0]), p)
+        info |= {"exact_duplicates": exact, "conflicting_duplicates": conflicting}
+        if keep.shape[0] != users.shape[0]:
+            # every user and item keeps at least one row (its last pair), so the id maps stay dense
+            users, items, ratings = users[keep], items[keep], ratings[keep]
+            timestamps = None if timestamps is None else timestamps[keep]
     return Ratings(
         users=users,
         items=items,
-        ratings=p.ratings.astype(np.float64),
-        timestamps=p.timestamps,
+        ratings=ratings,
+        timestamps=timestamps,
         n_users=int(user_ids.shape[0]),
         n_items=int(item_ids.shape[0]),
         user_ids=user_ids,
         item_ids=item_ids,
         name=name,
-        meta=MappingProxyType(dict(meta or {})),
+        meta=MappingProxyType(info),
     )
 
 
@@ -564,13 +579,7 @@ def load_filmtrust(path: str | os.PathLike[str]) -> Ratings:
     if p.is_dir():
         p = p / "ratings.txt"
     parsed = _parse(p, sep=None, n_fields=(3,), rating_range=(0.0, 5.0), allow_header=False)
-    parsed, exact, conflicting = _deduplicate(parsed)
-    meta: dict[str, int | str] = {
-        "source": str(p),
-        "exact_duplicates": exact,
-        "conflicting_duplicates": conflicting,
-    }
-    return _to_ratings(parsed, "filmtrust", meta)
+    return _to_ratings(parsed, "filmtrust", {"source": str(p)}, deduplicate=True)
 
 
 def load_generic(
@@ -595,11 +604,7 @@ def load_generic(
     """
     p = Path(path)
     parsed = _parse(p, sep=sep, n_fields=(3, 4))
-    meta: dict[str, int | str] = {"source": str(p)}
-    if deduplicate:
-        parsed, exact, conflicting = _deduplicate(parsed)
-        meta |= {"exact_duplicates": exact, "conflicting_duplicates": conflicting}
-    return _to_ratings(parsed, p.stem, meta)
+    return _to_ratings(parsed, p.stem, {"source": str(p)}, deduplicate=deduplicate)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
