@@ -97,7 +97,7 @@ class TestRatings:
     )
     def test_invalid_construction(self, change: dict[str, object], message: str) -> None:
         r = _tiny()
-        fields = {
+        fields: dict[str, object] = {
             "users": r.users,
             "items": r.items,
             "ratings": r.ratings,
