@@ -30,13 +30,14 @@ import numpy as np
 import scipy.sparse as sp
 from numpy.typing import NDArray
 
-from device_sdk.codes import pack_signs
+from protocol.codes import pack_signs
 
 __all__ = [
     "inner_products",
     "dcd_update",
     "fold_in_codes",
     "item_gradient_sum",
+    "item_codes_sum",
     "local_objective",
     "sample_negatives",
     "DCDStats",
@@ -262,3 +263,49 @@ def sample_negatives(
     else:  # pragma: no cover - only for users with nearly every item rated
         raise ValueError("could not sample negatives: users have rated almost every item")
     return neg_indptr, neg
+
+
+def item_codes_sum(
+    indptr: NDArray[np.int64],
+    items: NDArray[np.int64],
+    r: NDArray[np.float64],
+    B: NDArray[np.int8],
+    D: NDArray[np.int8],
+    lam: float,
+) -> NDArray[np.int64]:
+    """Σ over the batch's users of their locally updated item codes D^u (LightFR eq. 11–12, the
+    upload of the Agg_para ablation, eq. 17), as an (m, f) int64 matrix.
+
+    Each user updates, bit by bit, the codes of the items it has entries for:
+    d*_ik = (1/f)·Δd^u_ik − 2λ Σ_{k'≠k} d_ik', d_ik ← sign(d*) unless 0, with Δd^u_ik from eq. 12
+    recomputed as the item's own bits change; other items keep the global code.  Repeated entries of
+    one (user, item) pair count once.  For one device (n = 1) the result is its upload D^u.
+    """
+    n, f = B.shape
+    m = D.shape[0]
+    _check_csr(indptr, items, r, m)
+    rows = _row_of(indptr)
+    # One entry per (user, item): the first occurrence wins (repeats are sampled negatives, r = 0).
+    _, first = np.unique(rows * m + items, return_index=True)
+    first.sort()
+    rows, items, r = rows[first], items[first], r[first]
+    E = D[items].astype(np.int64)  # (nnz, f): each entry's private copy of its item's code
+    Bu = B[rows].astype(np.int64)
+    s = np.einsum("ij,ij->i", E, Bu)
+    S = E.sum(axis=1)
+    w = 2.0 * f * (r - 0.5)
+    bal = 4.0 * lam * f * f
+    for k in range(f):
+        ek, bk = E[:, k], Bu[:, k]
+        # z = 2f²·d*_ik = (2f(r − 1/2) − (s − d_ik b_k)) b_k − 4λf²·Σ_{k'≠k} d_ik'
+        z = (w - (s - ek * bk)) * bk - bal * (S - ek)
+        new = np.where(z > 0, 1, np.where(z < 0, -1, ek))
+        delta = new - ek
+        s += delta * bk
+        S += delta
+        E[:, k] = new
+    total = n * D.astype(np.int64)
+    change = E - D[items].astype(np.int64)
+    Ct = sp.csr_matrix((np.ones(items.size), (items, np.arange(items.size))), shape=(m, items.size))
+    total += np.rint(np.asarray(Ct @ change.astype(np.float64))).astype(np.int64)
+    return total

@@ -113,9 +113,7 @@ def topk_hamming(
         if tau >= nbins:
             # First block(s): derive the threshold from the block itself once it holds kk items.
             if n_found + size >= kk:
-                tau = _kth_threshold(
-                    np.concatenate([*found_dist, d]).astype(np.intp), kk, nbins
-                )
+                tau = _kth_threshold(np.concatenate([*found_dist, d]).astype(np.intp), kk, nbins)
             keep = np.flatnonzero(d <= tau) if tau < nbins else np.arange(size)
         else:
             keep = np.flatnonzero(d <= tau)

@@ -1,0 +1,393 @@
+"""`LightFRModel`: the on-device LightFR recommender with an implicit-style API.
+
+Invariants:
+- The model holds the global item codes ``D`` (m, f) as received from the server (plus their packed
+  (w, m) words for retrieval) and this device's private user code(s) ``B`` (n_users, f); a phone has
+  n_users = 1, a cross-silo client or a simulator may hold more.
+- `fit_local` and `fold_in` change only user codes; item codes change only through `set_item_codes`
+  (a new global model).  Ratings never leave the object except through the update `fit_local`
+  returns, which is what the secure-aggregation client uploads.
+- All randomness comes from a generator passed in (or one the model was constructed with).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+from numpy.typing import ArrayLike, NDArray
+
+from device_sdk import lightfr
+from device_sdk.store import load_store, save_store
+from device_sdk.topk import topk_hamming
+from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
+from protocol.errors import ModelError, StorageError
+from protocol.spec import Aggregation
+
+__all__ = ["LightFRConfig", "LightFRModel", "LocalUpdate"]
+
+_KIND = "lightfr"
+
+
+@dataclass(frozen=True, slots=True)
+class LightFRConfig:
+    """Hyper-parameters of LightFR on a device.
+
+    Attributes
+    ----------
+    bits : code length f (64 by default, as in the paper).
+    lam : balance weight λ.  The paper uses 0.6, but at f = 64 the balance term (≥ 2λ per bit)
+        then outweighs the data term (≈ |Ω_u|/f) for almost every user, so DCD flips nothing and codes
+        stay random; 0 (the authors' reference code) learns.  See DESIGN.md section 2.
+    negatives : sampled unobserved items per observed rating, fitted as rating 0 (implicit feedback,
+        resampled every local epoch); 0 fits the observed ratings only (the paper's explicit setting).
+    local_epochs : local epochs E per round.
+    max_sweeps : cap on DCD sweeps over the f bits per epoch.
+    rating_range : (r_min, r_max) used to normalise raw ratings to [0, 1]; None means the ratings
+        given are already normalised.
+    binary_positives : fit every observed rating as 1 (pure implicit feedback) instead of its
+        normalised value.
+    """
+
+    bits: int = 64
+    lam: float = 0.0
+    negatives: int = 4
+    local_epochs: int = 1
+    max_sweeps: int = 10
+    rating_range: tuple[float, float] | None = (1.0, 5.0)
+    binary_positives: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.bits <= 4096:
+            raise ValueError(f"bits must be in [1, 4096], got {self.bits}")
+        if not (self.lam >= 0 and np.isfinite(self.lam)):
+            raise ValueError(f"lam must be a finite value >= 0, got {self.lam}")
+        if self.negatives < 0:
+            raise ValueError(f"negatives must be >= 0, got {self.negatives}")
+        if self.local_epochs < 1:
+            raise ValueError(f"local_epochs must be >= 1, got {self.local_epochs}")
+        if self.max_sweeps < 1:
+            raise ValueError(f"max_sweeps must be >= 1, got {self.max_sweeps}")
+        if self.rating_range is not None:
+            lo, hi = self.rating_range
+            if not (np.isfinite(lo) and np.isfinite(hi) and hi > lo):
+                raise ValueError(f"rating_range must be (low, high) with high > low, got {self.rating_range}")
+
+    def normalize(self, ratings: NDArray[np.float64] | None, n: int) -> NDArray[np.float64]:
+        """Targets in [0, 1] for ``n`` observed ratings (all 1 when ``ratings`` is None)."""
+        if ratings is None or self.binary_positives:
+            return np.ones(n)
+        r = np.asarray(ratings, dtype=np.float64)
+        if r.shape != (n,):
+            raise ValueError(f"expected {n} ratings, got shape {r.shape}")
+        if not np.all(np.isfinite(r)):
+            raise ValueError("ratings must be finite")
+        if self.rating_range is None:
+            return r
+        lo, hi = self.rating_range
+        return (r - lo) / (hi - lo)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalUpdate:
+    """What one device uploads after a local round.
+
+    Attributes
+    ----------
+    values : (m, f) float64 item gradient (Agg_grad) or int64 updated item codes (Agg_para); dense,
+        so that which items the user rated stays hidden inside secure aggregation.
+    aggregation : which rule the values are for.
+    n_examples : observed ratings plus sampled negatives fitted in the last epoch.
+    flips : user-code bits flipped by DCD over all epochs.
+    """
+
+    values: NDArray[Any]
+    aggregation: Aggregation
+    n_examples: int
+    flips: int
+
+
+def _as_items(user_items: ArrayLike, n_items: int) -> NDArray[np.int64]:
+    if sp.issparse(user_items):
+        row = sp.csr_matrix(user_items)
+        if row.shape[0] != 1:
+            raise ValueError("pass one user's items as a 1 × n_items sparse row or an array of ids")
+        items = row.indices.astype(np.int64)
+    else:
+        items = np.asarray(user_items, dtype=np.int64).ravel()
+    if items.size and (items.min() < 0 or items.max() >= n_items):
+        raise ValueError(f"item id out of range [0, {n_items})")
+    return items
+
+
+@dataclass
+class LightFRModel:
+    """LightFR binary-code recommender for one device (or a small batch of users).
+
+    Parameters
+    ----------
+    n_items : number of items m in the global catalogue.
+    config : hyper-parameters.
+    n_users : user codes held (1 on a phone).
+    rng : generator for initial codes, negative sampling and tie-breaking.
+    """
+
+    n_items: int
+    config: LightFRConfig = field(default_factory=LightFRConfig)
+    n_users: int = 1
+    rng: np.random.Generator = field(default_factory=np.random.default_rng, repr=False)
+    model_version: int = 0
+    item_codes: NDArray[np.int8] = field(init=False, repr=False)
+    user_codes: NDArray[np.int8] = field(init=False, repr=False)
+    _item_words: NDArray[np.uint64] = field(init=False, repr=False)
+    _user_words: NDArray[np.uint64] = field(init=False, repr=False)
+    user_trained: NDArray[np.bool_] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.n_items <= 0:
+            raise ValueError(f"n_items must be positive, got {self.n_items}")
+        if self.n_users <= 0:
+            raise ValueError(f"n_users must be positive, got {self.n_users}")
+        f = self.config.bits
+        self.item_codes = random_signs(self.n_items, f, self.rng)
+        self._item_words = pack_signs(self.item_codes)
+        self.user_codes = random_signs(self.n_users, f, self.rng)
+        self._user_words = pack_signs(self.user_codes)
+        self.user_trained = np.zeros(self.n_users, dtype=bool)
+
+    # -- the global model -------------------------------------------------------------------------
+    def set_item_codes(self, codes: NDArray[np.int8] | NDArray[np.uint64], version: int) -> None:
+        """Install new global item codes, as ±1 (m, f) int8 or packed (w, m) uint64 words."""
+        f, m = self.config.bits, self.n_items
+        codes = np.asarray(codes)
+        if codes.dtype == np.uint64:
+            if codes.shape != (words_for(f), m):
+                raise ValueError(f"packed item codes must be {(words_for(f), m)}, got {codes.shape}")
+            signs = unpack_signs(codes, f)
+        else:
+            if codes.shape != (m, f) or not np.isin(codes, (-1, 1)).all():
+                raise ValueError(f"item codes must be a ({m}, {f}) matrix of ±1")
+            signs = codes.astype(np.int8)
+        self.item_codes = signs
+        self._item_words = pack_signs(signs)
+        self.model_version = int(version)
+
+    # -- training -------------------------------------------------------------------------------
+    def _user_csr(
+        self, items: NDArray[np.int64], targets: NDArray[np.float64], rng: np.random.Generator, negatives: int
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64]]:
+        indptr = np.array([0, items.size], dtype=np.int64)
+        if negatives == 0 or items.size == 0:
+            return indptr, items, targets
+        _, neg = lightfr.sample_negatives(indptr, items, self.n_items, negatives, rng)
+        all_items = np.concatenate([items, neg])
+        return (
+            np.array([0, all_items.size], np.int64),
+            all_items,
+            np.concatenate([targets, np.zeros(neg.size)]),
+        )
+
+    def fit_local(
+        self,
+        user_items: ArrayLike,
+        ratings: ArrayLike | None = None,
+        *,
+        userid: int = 0,
+        aggregation: Aggregation = Aggregation.GRAD,
+        rng: np.random.Generator | None = None,
+    ) -> LocalUpdate:
+        """One local round (LightFR Algorithm 1, ClientUpdate): E epochs of DCD on the user code with
+        the item codes fixed, then the upload for the server.
+
+        Parameters
+        ----------
+        user_items : ids of the items this user rated (array or a 1 × m sparse row).
+        ratings : raw ratings of those items (normalised with ``config.rating_range``); None for
+            implicit feedback (every observed item counts as 1).
+        userid : which of the held user codes to train.
+        aggregation : upload item gradients (GRAD, eq. 12) or locally updated codes (PARA, eq. 17).
+        rng : generator for negative sampling (defaults to the model's).
+
+        Returns
+        -------
+        LocalUpdate with the dense (m, f) upload, averaged over epochs for GRAD.
+        """
+        rng = rng or self.rng
+        cfg = self.config
+        items = _as_items(user_items, self.n_items)
+        if not 0 <= userid < self.n_users:
+            raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
+        targets = cfg.normalize(None if ratings is None else np.asarray(ratings, float), items.size)
+        b = self.user_codes[userid : userid + 1]
+        acc: NDArray[Any] | None = None
+        flips = 0
+        n_examples = 0
+        for _ in range(cfg.local_epochs):
+            indptr, all_items, r = self._user_csr(items, targets, rng, cfg.negatives)
+            b, stats = lightfr.dcd_update(
+                indptr, all_items, r, b, self.item_codes, cfg.lam, max_sweeps=cfg.max_sweeps
+            )
+            flips += stats.flips
+            n_examples = all_items.size
+            if aggregation is Aggregation.GRAD:
+                g = lightfr.item_gradient_sum(indptr, all_items, r, b, self.item_codes)
+                acc = g if acc is None else acc + g
+            else:
+                acc = lightfr.item_codes_sum(indptr, all_items, r, b, self.item_codes, cfg.lam)
+        assert acc is not None  # local_epochs >= 1 is validated in the config
+        if aggregation is Aggregation.GRAD:
+            acc = acc / cfg.local_epochs
+        self._set_user(userid, b[0])
+        return LocalUpdate(values=acc, aggregation=aggregation, n_examples=n_examples, flips=flips)
+
+    def fold_in(
+        self, user_items: ArrayLike, ratings: ArrayLike | None = None, *, userid: int = 0
+    ) -> NDArray[np.int8]:
+        """Cold-start code for a new user from its ratings against the current item codes, offline
+        and without a server round (LightFR eq. 18–19: DCD without the balance term)."""
+        cfg = self.config
+        items = _as_items(user_items, self.n_items)
+        if not 0 <= userid < self.n_users:
+            raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
+        if items.size == 0:
+            raise ValueError("fold_in needs at least one rated item")
+        targets = cfg.normalize(None if ratings is None else np.asarray(ratings, float), items.size)
+        indptr, all_items, r = self._user_csr(items, targets, self.rng, cfg.negatives)
+        codes, _ = lightfr.fold_in_codes(indptr, all_items, r, self.item_codes, max_sweeps=cfg.max_sweeps)
+        self._set_user(userid, codes[0])
+        return codes[0].copy()
+
+    def _set_user(self, userid: int, code: NDArray[np.int8]) -> None:
+        self.user_codes[userid] = code
+        self._user_words[:, userid] = pack_signs(code[None, :])[:, 0]
+        self.user_trained[userid] = True
+
+    # -- retrieval ------------------------------------------------------------------------------
+    def recommend(
+        self,
+        user_items: ArrayLike | None = None,
+        N: int = 10,
+        filter_already_liked_items: bool = True,
+        filter_items: ArrayLike | None = None,
+        items: ArrayLike | None = None,
+        *,
+        userid: int | ArrayLike = 0,
+        rng: np.random.Generator | None = None,
+    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+        """Top-N items by Hamming similarity (XOR + popcount), ties broken at random.
+
+        Parameters
+        ----------
+        user_items : the user's rated items (ids or a 1 × m sparse row); for a batch of users, a
+            sparse (len(userid) × m) matrix or a list of id arrays.
+        N : number of items.
+        filter_already_liked_items : exclude ``user_items`` from the results.
+        filter_items : item ids never to return.
+        items : if given, rank only these item ids.
+        userid : index of the held user code, or an array of them for a batch.
+        rng : generator for tie-breaking (defaults to the model's).
+
+        Returns
+        -------
+        (item_ids, scores): 1-D for one user; (n, N) for a batch, padded with -1 / -inf where fewer
+        than N items are eligible.  Scores are similarities 1 − Hamming/f in [0, 1].
+        """
+        if N < 0:
+            raise ValueError(f"N must be >= 0, got {N}")
+        rng = rng or self.rng
+        batch = np.ndim(userid) > 0
+        users = np.atleast_1d(np.asarray(userid, dtype=np.int64))
+        if users.size and (users.min() < 0 or users.max() >= self.n_users):
+            raise ValueError(f"userid out of range [0, {self.n_users})")
+        if not self.user_trained[users].all():
+            raise ModelError("this user has no trained code yet: call fit_local or fold_in first")
+        liked = self._liked_per_user(user_items, users.size, batch)
+        blocked = None if filter_items is None else _as_items(filter_items, self.n_items)
+        cand = None if items is None else _as_items(items, self.n_items)
+        f = self.config.bits
+        out_ids = np.full((users.size, N), -1, dtype=np.int64)
+        out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
+        for row, u in enumerate(users):
+            parts = [
+                p for p in (liked[row] if filter_already_liked_items else None, blocked) if p is not None
+            ]
+            exclude = np.concatenate(parts) if parts else None
+            ids, dist = topk_hamming(
+                self._user_words[:, u], self._item_words, f, N, rng, exclude=exclude, candidates=cand
+            )
+            out_ids[row, : ids.size] = ids
+            out_scores[row, : ids.size] = 1.0 - dist / f
+        if batch:
+            return out_ids, out_scores
+        n_ok = int((out_ids[0] >= 0).sum())
+        return out_ids[0, :n_ok], out_scores[0, :n_ok]
+
+    def _liked_per_user(
+        self, user_items: ArrayLike | None, n: int, batch: bool
+    ) -> list[NDArray[np.int64] | None]:
+        if user_items is None:
+            return [None] * n
+        if not batch:
+            return [_as_items(user_items, self.n_items)]
+        if sp.issparse(user_items):
+            mat = sp.csr_matrix(user_items)
+            if mat.shape[0] != n:
+                raise ValueError(f"user_items has {mat.shape[0]} rows for {n} users")
+            return [mat.indices[mat.indptr[i] : mat.indptr[i + 1]].astype(np.int64) for i in range(n)]
+        rows = list(user_items)  # type: ignore[arg-type]
+        if len(rows) != n:
+            raise ValueError(f"user_items has {len(rows)} rows for {n} users")
+        return [_as_items(r, self.n_items) for r in rows]
+
+    def similarity(self, item_ids: ArrayLike, *, userid: int = 0) -> NDArray[np.float64]:
+        """sim(b_u, d_i) = 1/2 + b_uᵀd_i/(2f) (LightFR eq. 4) for the given items."""
+        ids = _as_items(item_ids, self.n_items)
+        f = self.config.bits
+        dots = self.item_codes[ids].astype(np.int32) @ self.user_codes[userid].astype(np.int32)
+        return 0.5 + dots / (2.0 * f)
+
+    # -- persistence ----------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the model atomically to one store file (see `device_sdk.store`)."""
+        cfg = asdict(self.config)
+        cfg["rating_range"] = list(cfg["rating_range"]) if cfg["rating_range"] is not None else None
+        save_store(
+            path,
+            _KIND,
+            {
+                "config": cfg,
+                "n_items": self.n_items,
+                "n_users": self.n_users,
+                "model_version": self.model_version,
+                "item_words": to_bytes(self._item_words),
+                "user_words": to_bytes(self._user_words),
+                "user_trained": np.packbits(self.user_trained).tobytes(),
+            },
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, rng: np.random.Generator | None = None) -> LightFRModel:
+        """Read a model written by `save`; raises `StorageError` on any problem with the file."""
+        state = load_store(path, _KIND)
+        try:
+            raw_cfg = dict(state["config"])
+            if raw_cfg.get("rating_range") is not None:
+                raw_cfg["rating_range"] = tuple(raw_cfg["rating_range"])
+            config = LightFRConfig(**raw_cfg)
+            n_items, n_users = int(state["n_items"]), int(state["n_users"])
+            model = cls(n_items, config, n_users=n_users, rng=rng or np.random.default_rng())
+            f = config.bits
+            model.set_item_codes(from_bytes(state["item_words"], f, n_items), int(state["model_version"]))
+            uw = from_bytes(state["user_words"], f, n_users)
+            model.user_codes = unpack_signs(uw, f)
+            model._user_words = uw.copy()
+            trained = np.unpackbits(np.frombuffer(state["user_trained"], np.uint8))[:n_users]
+            model.user_trained = trained.astype(bool)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StorageError(
+                f"{path} is a valid store file but its LightFR state is invalid: {exc}"
+            ) from exc
+        return model

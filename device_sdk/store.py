@@ -1,0 +1,165 @@
+"""On-device store: one msgpack file per model, with a versioned header and a checksum, written
+atomically.
+
+File layout (a single msgpack map):
+    {"magic": "fedrec-store", "format": [major, minor], "kind": str,
+     "sha256": bytes(32), "payload": bytes}
+where ``payload`` is itself a msgpack map (the model's state) and ``sha256`` is its digest.
+
+Invariants:
+- A save never damages the previous file: the new content goes to a temporary file in the same
+  directory, is flushed and fsync'ed, then atomically renamed over the old name, and the directory
+  is fsync'ed.  A crash at any point leaves either the old file or the new one, never a mix.
+- A load verifies everything (msgpack structure, magic, major version, kind, checksum) before any
+  field is used.  A file that fails is moved aside to ``<name>.corrupt-<n>`` (never deleted or
+  overwritten) and `StorageError` is raised naming the file and the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from protocol.errors import StorageError
+
+__all__ = ["STORE_FORMAT", "save_store", "load_store", "MAX_STORE_BYTES"]
+
+STORE_MAGIC = "fedrec-store"
+STORE_FORMAT = (1, 0)
+MAX_STORE_BYTES = 2**31  # refuse to read anything larger (a 10^7-item, 128-bit model is 160 MB)
+_CHUNK = 1 << 20
+
+
+def _write_all(fh: Any, data: bytes) -> None:
+    # Written in chunks through one seam (`_write_chunk`) so tests can fail a save part-way through.
+    for start in range(0, len(data), _CHUNK):
+        _write_chunk(fh, data[start : start + _CHUNK])
+
+
+def _write_chunk(fh: Any, chunk: bytes) -> None:
+    fh.write(chunk)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_store(path: str | os.PathLike[str], kind: str, state: dict[str, Any]) -> None:
+    """Atomically write ``state`` (msgpack-serialisable builtins and bytes) as a store file.
+
+    Raises
+    ------
+    StorageError
+        If the state cannot be serialised or the file cannot be written; the previous file, if
+        any, is left untouched.
+    """
+    path = Path(path)
+    try:
+        payload = msgpack.packb(state, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise StorageError(f"cannot serialise {kind} state for {path}: {exc}") from exc
+    blob = msgpack.packb(
+        {
+            "magic": STORE_MAGIC,
+            "format": list(STORE_FORMAT),
+            "kind": kind,
+            "sha256": hashlib.sha256(payload).digest(),
+            "payload": payload,
+        },
+        use_bin_type=True,
+    )
+    directory = path.parent if str(path.parent) else Path(".")
+    tmp = directory / f".{path.name}.tmp-{secrets.token_hex(6)}"
+    try:
+        with open(tmp, "xb") as fh:
+            _write_all(fh, blob)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(directory)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StorageError(f"could not write {path}: {exc}") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _move_aside(path: Path) -> Path:
+    for n in range(1, 10_000):
+        target = path.with_name(f"{path.name}.corrupt-{n}")
+        if not target.exists():
+            os.replace(path, target)
+            return target
+    raise StorageError(f"too many corrupt copies of {path}; clean them up")  # pragma: no cover
+
+
+def _corrupt(path: Path, reason: str) -> StorageError:
+    try:
+        moved = _move_aside(path)
+    except OSError as exc:  # pragma: no cover - read-only media
+        return StorageError(f"{path} is corrupt ({reason}) and could not be moved aside: {exc}")
+    return StorageError(f"{path} is corrupt ({reason}); moved it aside to {moved.name}")
+
+
+def load_store(path: str | os.PathLike[str], kind: str) -> dict[str, Any]:
+    """Read and verify a store file written by :func:`save_store`.
+
+    Raises
+    ------
+    StorageError
+        If the file is missing, truncated, corrupted, of another kind or of an incompatible
+        format.  A corrupted file is moved aside first (``<name>.corrupt-<n>``).
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_STORE_BYTES:
+            raise StorageError(f"{path} is {size} bytes, larger than the {MAX_STORE_BYTES} limit")
+        data = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise StorageError(f"no store file at {path}") from exc
+    except OSError as exc:
+        raise StorageError(f"cannot read {path}: {exc}") from exc
+    try:
+        outer = msgpack.unpackb(data, raw=False, max_bin_len=MAX_STORE_BYTES, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise _corrupt(path, f"not a valid msgpack document: {type(exc).__name__}") from exc
+    if not isinstance(outer, dict) or outer.get("magic") != STORE_MAGIC:
+        raise _corrupt(path, "missing fedrec-store header")
+    fmt = outer.get("format")
+    if not (isinstance(fmt, list) and len(fmt) == 2 and all(isinstance(x, int) for x in fmt)):
+        raise _corrupt(path, "malformed format version")
+    if fmt[0] != STORE_FORMAT[0]:
+        # Not corrupt: written by an incompatible version. Leave it where it is.
+        raise StorageError(
+            f"{path} has store format {fmt[0]}.{fmt[1]}; this fedrec reads {STORE_FORMAT[0]}.x"
+        )
+    payload, digest = outer.get("payload"), outer.get("sha256")
+    if not isinstance(payload, bytes) or not isinstance(digest, bytes):
+        raise _corrupt(path, "missing payload or checksum")
+    if hashlib.sha256(payload).digest() != digest:
+        raise _corrupt(path, "checksum mismatch")
+    if outer.get("kind") != kind:
+        raise StorageError(f"{path} holds a {outer.get('kind')!r} model, expected {kind!r}")
+    try:
+        state = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise _corrupt(path, f"payload is not valid msgpack: {type(exc).__name__}") from exc
+    if not isinstance(state, dict):
+        raise _corrupt(path, "payload is not a map")
+    return state

@@ -1,0 +1,209 @@
+"""In-process federated LightFR (no sockets): LightFR Algorithm 1 with a whole cohort's devices
+computed together.
+
+Invariants:
+- Each device's work is exactly `device_sdk`'s kernels on that device's own ratings (the kernels are
+  per-user; a cohort is a batch of independent users), and the server sees only the cohort **sum**
+  of uploads, passed to the `agg_server` strategy — the same split of work as over HTTP, without
+  secure aggregation (which `fedsim.secagg_harness` and the server add).
+- All randomness (initial codes, cohorts, negative sampling) comes from one seeded generator, so a
+  run is reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+from agg_server.strategy import LightFRStrategy
+from device_sdk import lightfr
+from device_sdk.models import LightFRConfig
+from fedsim.datasets import Ratings
+from fedsim.evaluation import EvalResult
+from protocol.codes import random_signs
+from protocol.spec import Aggregation
+
+__all__ = [
+    "FederationConfig",
+    "UserData",
+    "RoundReport",
+    "FederatedLightFR",
+    "user_data",
+    "run_lightfr",
+    "with_negatives",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class FederationConfig:
+    """Federation schedule.
+
+    Attributes
+    ----------
+    rounds : global rounds T.
+    fraction : share p of the users selected per round (the paper uses 0.6).
+    seed : seed of the run's generator.
+    aggregation : LightFR aggregation rule on the server.
+    """
+
+    rounds: int = 50
+    fraction: float = 0.6
+    seed: int = 0
+    aggregation: Aggregation = Aggregation.GRAD
+    flip_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rounds < 0:
+            raise ValueError(f"rounds must be >= 0, got {self.rounds}")
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+
+
+@dataclass(frozen=True, slots=True)
+class UserData:
+    """Every user's local training examples in CSR form, targets already normalised to [0, 1]."""
+
+    indptr: NDArray[np.int64]
+    items: NDArray[np.int64]
+    targets: NDArray[np.float64]
+    n_items: int
+
+    @property
+    def n_users(self) -> int:
+        return int(self.indptr.size - 1)
+
+    def rows(self, users: NDArray[np.int64]) -> UserData:
+        """The CSR restricted to ``users`` (in that order)."""
+        counts = np.diff(self.indptr)[users]
+        indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        take = (
+            np.concatenate([np.arange(self.indptr[u], self.indptr[u + 1]) for u in users])
+            if users.size
+            else []
+        )
+        take = np.asarray(take, dtype=np.int64)
+        return UserData(indptr, self.items[take], self.targets[take], self.n_items)
+
+
+def user_data(train: Ratings, config: LightFRConfig) -> UserData:
+    """Group training ratings by user and normalise them as ``config`` says."""
+    idx = train.by_user()
+    targets = config.normalize(idx.ratings, idx.items.size)
+    return UserData(idx.indptr.astype(np.int64), idx.items.astype(np.int64), targets, train.n_items)
+
+
+def with_negatives(data: UserData, per_positive: int, rng: np.random.Generator) -> UserData:
+    """Each user's entries plus ``per_positive`` sampled unobserved items per entry, at target 0."""
+    if per_positive == 0:
+        return data
+    neg_ptr, neg = lightfr.sample_negatives(data.indptr, data.items, data.n_items, per_positive, rng)
+    n = data.n_users
+    rows = np.concatenate(
+        [np.repeat(np.arange(n), np.diff(data.indptr)), np.repeat(np.arange(n), np.diff(neg_ptr))]
+    )
+    order = np.argsort(rows, kind="stable")
+    items = np.concatenate([data.items, neg])[order]
+    targets = np.concatenate([data.targets, np.zeros(neg.size)])[order]
+    counts = np.bincount(rows, minlength=n)
+    indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    return UserData(indptr, items, targets, data.n_items)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundReport:
+    """What one round did."""
+
+    round: int
+    cohort: int
+    user_flips: int
+    item_flips: int
+    seconds: float
+    metric: EvalResult | None = None
+
+
+@dataclass
+class FederatedLightFR:
+    """Result of a run: every user's private code (held on the devices in reality) and the global
+    item codes, with per-round reports."""
+
+    user_codes: NDArray[np.int8]
+    item_codes: NDArray[np.int8]
+    history: list[RoundReport] = field(default_factory=list)
+
+    def scores(self, users: NDArray[np.int64], candidates: NDArray[np.int64]) -> NDArray[np.int32]:
+        """bᵀd (= 2f·sim − f, so it ranks exactly like Hamming similarity) for each user's candidates."""
+        B = self.user_codes[users].astype(np.int32)
+        Dc = self.item_codes[candidates].astype(np.int32)
+        return np.einsum("nf,ncf->nc", B, Dc).astype(np.int32)
+
+
+def run_lightfr(
+    data: UserData,
+    model: LightFRConfig,
+    federation: FederationConfig,
+    *,
+    evaluate: Callable[[FederatedLightFR], EvalResult] | None = None,
+    eval_every: int = 1,
+    on_round: Callable[[RoundReport], None] | None = None,
+) -> FederatedLightFR:
+    """Federated LightFR (Algorithm 1): T rounds; each round a random cohort of ⌈p·n⌉ users runs E
+    local epochs (DCD on its code, then its item-gradient or item-code upload) and the server
+    aggregates the cohort's sum.
+
+    Parameters
+    ----------
+    data : every user's training examples (see `user_data`).
+    model : device-side hyper-parameters (bits, λ, negatives, epochs, sweeps).
+    federation : rounds, client fraction, seed, aggregation rule.
+    evaluate : optional callback scoring the current model; run every ``eval_every`` rounds and
+        after the last round.
+    on_round : called with each round's report (progress display).
+    """
+    rng = np.random.default_rng(federation.seed)
+    strategy = LightFRStrategy(
+        bits=model.bits,
+        lam=model.lam,
+        aggregation=federation.aggregation,
+        flip_fraction=federation.flip_fraction,
+    )
+    n, m = data.n_users, data.n_items
+    state = FederatedLightFR(
+        user_codes=random_signs(n, model.bits, rng), item_codes=strategy.initialize(m, rng)
+    )
+    cohort_size = max(1, int(np.ceil(federation.fraction * n)))
+    for t in range(1, federation.rounds + 1):
+        start = time.perf_counter()
+        cohort = np.sort(rng.choice(n, size=cohort_size, replace=False)).astype(np.int64)
+        local = data.rows(cohort)
+        B = state.user_codes[cohort]
+        D = state.item_codes
+        upload = np.zeros((m, model.bits), dtype=np.float64)
+        flips = 0
+        for _ in range(model.local_epochs):
+            batch = with_negatives(local, model.negatives, rng)
+            B, stats = lightfr.dcd_update(
+                batch.indptr, batch.items, batch.targets, B, D, model.lam, max_sweeps=model.max_sweeps
+            )
+            flips += stats.flips
+            if federation.aggregation is Aggregation.GRAD:
+                upload += lightfr.item_gradient_sum(batch.indptr, batch.items, batch.targets, B, D)
+            else:
+                upload = lightfr.item_codes_sum(batch.indptr, batch.items, batch.targets, B, D, model.lam)
+        if federation.aggregation is Aggregation.GRAD:
+            upload /= model.local_epochs
+        state.user_codes[cohort] = B
+        new_D = strategy.aggregate(D, upload, rng)
+        item_flips = int(np.count_nonzero(new_D != D))
+        state.item_codes = new_D
+        metric = None
+        if evaluate is not None and (t % eval_every == 0 or t == federation.rounds):
+            metric = evaluate(state)
+        report = RoundReport(t, cohort.size, flips, item_flips, time.perf_counter() - start, metric)
+        state.history.append(report)
+        if on_round is not None:
+            on_round(report)
+    return state
