@@ -57,9 +57,7 @@ def test_item_gradient_matches_reference(seed: int, f: int, dyadic: bool) -> Non
     total = np.zeros((m, f))
     for u in range(n):
         sl = slice(indptr[u], indptr[u + 1])
-        one = lightfr.item_gradient_sum(
-            np.array([0, sl.stop - sl.start]), items[sl], r[sl], B[u : u + 1], D
-        )
+        one = lightfr.item_gradient_sum(np.array([0, sl.stop - sl.start]), items[sl], r[sl], B[u : u + 1], D)
         np.testing.assert_allclose(one, item_gradient_reference(items[sl], r[sl], B[u], D, m), atol=1e-12)
         total += one
     np.testing.assert_allclose(lightfr.item_gradient_sum(indptr, items, r, B, D), total, atol=1e-12)
@@ -174,4 +172,11 @@ def test_kernels_reject_bad_input() -> None:
     with pytest.raises(ValueError, match="lam"):
         lightfr.dcd_update(np.array([0, 1]), np.array([1]), np.array([1.0]), B, D, -1.0)
     with pytest.raises(ValueError, match="bits"):
-        lightfr.dcd_update(np.array([0, 1]), np.array([1]), np.array([1.0]), random_signs(1, 4, np.random.default_rng()), D, 0.0)
+        lightfr.dcd_update(
+            np.array([0, 1]),
+            np.array([1]),
+            np.array([1.0]),
+            random_signs(1, 4, np.random.default_rng()),
+            D,
+            0.0,
+        )

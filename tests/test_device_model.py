@@ -1,0 +1,244 @@
+"""LightFRModel: the implicit-style contract, persistence, and the on-device store's failure modes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import device_sdk.store as store
+from device_sdk.models import LightFRConfig, LightFRModel
+from fedsim.federation import FederationConfig, UserData, run_lightfr
+from protocol.codes import random_signs
+from protocol.errors import ModelError, StorageError
+from protocol.spec import Aggregation
+
+
+def _checkerboard(n_users: int = 40, n_items: int = 20) -> UserData:
+    """Even users like the even items, odd users the odd items (implicit's checkerboard idea)."""
+    rows, cols = np.nonzero((np.arange(n_users)[:, None] + np.arange(n_items)[None, :]) % 2 == 0)
+    indptr = np.concatenate(([0], np.cumsum(np.bincount(rows, minlength=n_users)))).astype(np.int64)
+    return UserData(indptr, cols.astype(np.int64), np.ones(cols.size), n_items)
+
+
+@pytest.fixture(scope="module")
+def trained_items() -> np.ndarray:
+    cfg = LightFRConfig(bits=32, negatives=2, rating_range=None)
+    fed = FederationConfig(rounds=30, fraction=1.0, seed=0, flip_fraction=0.3)
+    return run_lightfr(_checkerboard(), cfg, fed).item_codes
+
+
+class ModelContract:
+    """Checks every model family must pass; subclasses provide `make`."""
+
+    def make(self, n_items: int) -> LightFRModel:
+        raise NotImplementedError
+
+    def test_withheld_item_liked_by_similar_users_ranks_first(self, trained_items: np.ndarray) -> None:
+        model = self.make(trained_items.shape[0])
+        model.set_item_codes(trained_items, version=1)
+        liked = np.arange(0, 20, 2)[1:]  # an "even" user who has not seen item 0
+        model.fold_in(liked)
+        ids, scores = model.recommend(liked, N=5)
+        assert ids[0] == 0
+        assert np.all(np.diff(scores) <= 0)
+        assert not np.isin(ids, liked).any()
+
+    def test_recommend_filters_and_batches(self, trained_items: np.ndarray) -> None:
+        model = self.make(trained_items.shape[0])
+        model.set_item_codes(trained_items, version=1)
+        model.fold_in(np.arange(0, 20, 2))
+        ids, _ = model.recommend(np.arange(0, 20, 2), N=20)
+        assert ids.size == 10 and set(ids) == set(range(1, 20, 2))
+        ids, _ = model.recommend(np.array([2]), N=20, filter_items=np.array([0, 4]))
+        assert not np.isin(ids, [0, 2, 4]).any() and ids.size == 17
+        ids, _ = model.recommend(np.array([2]), N=20, filter_already_liked_items=False)
+        assert 2 in ids and ids.size == 20
+        ids, _ = model.recommend(None, N=3, items=np.array([1, 3, 5, 7]))
+        assert set(ids) <= {1, 3, 5, 7} and ids.size == 3
+
+    def test_misuse_raises_value_error(self, trained_items: np.ndarray) -> None:
+        model = self.make(trained_items.shape[0])
+        with pytest.raises(ModelError):
+            model.recommend(np.array([1]))  # no user code trained yet
+        model.fold_in(np.array([1, 2]))
+        with pytest.raises(ValueError, match="out of range"):
+            model.recommend(np.array([99]))
+        with pytest.raises(ValueError):
+            model.recommend(np.array([1]), N=-1)
+        with pytest.raises(ValueError, match="userid"):
+            model.recommend(np.array([1]), userid=3)
+
+
+class TestLightFRContract(ModelContract):
+    def make(self, n_items: int) -> LightFRModel:
+        return LightFRModel(
+            n_items, LightFRConfig(bits=32, negatives=2, rating_range=None), rng=np.random.default_rng(0)
+        )
+
+
+def test_batch_recommend_pads_and_matches_single_calls(trained_items: np.ndarray) -> None:
+    cfg = LightFRConfig(bits=32, negatives=2, rating_range=None)
+    model = LightFRModel(20, cfg, n_users=3, rng=np.random.default_rng(0))
+    model.set_item_codes(trained_items, 1)
+    for u, liked in enumerate([np.arange(0, 20, 2), np.arange(1, 20, 2), np.arange(19)]):
+        model.fold_in(liked, userid=u)
+    user_items = sp.csr_matrix(
+        (
+            np.ones(39),
+            (
+                np.r_[np.zeros(10), np.ones(10), np.full(19, 2)],
+                np.r_[np.arange(0, 20, 2), np.arange(1, 20, 2), np.arange(19)],
+            ),
+        ),
+        shape=(3, 20),
+    )
+    ids, scores = model.recommend(user_items, N=2, userid=np.arange(3))
+    assert ids.shape == (3, 2)
+    assert ids[2].tolist() == [19, -1] and scores[2, 1] == -np.inf
+    single, _ = model.recommend(np.arange(1, 20, 2), N=2, userid=1, rng=np.random.default_rng(5))
+    assert set(single) <= set(range(0, 20, 2))
+
+
+def test_fit_local_uploads_dense_update_and_trains_user_code() -> None:
+    rng = np.random.default_rng(3)
+    model = LightFRModel(50, LightFRConfig(bits=16, negatives=4), rng=rng)
+    update = model.fit_local(np.array([1, 5, 9]), np.array([5.0, 4.0, 1.0]))
+    assert update.values.shape == (50, 16) and update.aggregation is Aggregation.GRAD
+    assert update.n_examples == 3 + 12
+    assert model.user_trained[0]
+    para = model.fit_local(np.array([1, 5, 9]), aggregation=Aggregation.PARA)
+    assert np.isin(para.values, (-1, 1)).all()
+    with pytest.raises(ValueError, match="ratings"):
+        model.fit_local(np.array([1, 2]), np.array([1.0]))
+    with pytest.raises(ValueError, match="finite"):
+        model.fit_local(np.array([1]), np.array([np.inf]))
+
+
+def test_config_validation_names_the_field() -> None:
+    for kwargs, word in [
+        ({"bits": 0}, "bits"),
+        ({"lam": -1.0}, "lam"),
+        ({"negatives": -1}, "negatives"),
+        ({"local_epochs": 0}, "local_epochs"),
+        ({"rating_range": (5.0, 1.0)}, "rating_range"),
+    ]:
+        with pytest.raises(ValueError, match=word):
+            LightFRConfig(**kwargs)  # type: ignore[arg-type]
+
+
+# -- persistence ----------------------------------------------------------------------------------
+
+
+def _model() -> LightFRModel:
+    rng = np.random.default_rng(9)
+    model = LightFRModel(300, LightFRConfig(bits=70), rng=rng)
+    model.set_item_codes(random_signs(300, 70, rng), version=7)
+    model.fold_in(np.array([1, 2, 3]), np.array([5.0, 4.0, 2.0]))
+    return model
+
+
+def test_save_load_roundtrip(tmp_path: Path) -> None:
+    model = _model()
+    path = tmp_path / "model.fedrec"
+    model.save(path)
+    back = LightFRModel.load(path, rng=np.random.default_rng(0))
+    assert back.config == model.config and back.model_version == 7
+    assert np.array_equal(back.item_codes, model.item_codes)
+    assert np.array_equal(back.user_codes, model.user_codes) and back.user_trained.all()
+    a, _ = model.recommend(np.array([1, 2, 3]), N=20, rng=np.random.default_rng(1))
+    b, _ = back.recommend(np.array([1, 2, 3]), N=20, rng=np.random.default_rng(1))
+    assert np.array_equal(a, b)
+    assert not list(tmp_path.glob(".*tmp*"))  # no temporary file left behind
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
+def test_corrupt_file_raises_and_is_moved_aside(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "model.fedrec"
+    _model().save(path)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data[len(data) - 100] ^= 0x01  # inside the payload: checksum must catch it
+    elif damage == "garbage":
+        data = bytearray(b"\xc1not msgpack at all")
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    with pytest.raises(StorageError, match="corrupt"):
+        LightFRModel.load(path)
+    assert not path.exists()
+    aside = tmp_path / "model.fedrec.corrupt-1"
+    assert aside.read_bytes() == bytes(data)  # kept byte for byte, never overwritten
+    # A second corrupt file gets its own name.
+    path.write_bytes(bytes(data))
+    with pytest.raises(StorageError):
+        LightFRModel.load(path)
+    assert (tmp_path / "model.fedrec.corrupt-2").exists() and aside.read_bytes() == bytes(data)
+
+
+def test_crash_during_save_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "model.fedrec"
+    first = _model()
+    first.save(path)
+    before = path.read_bytes()
+    calls = {"n": 0}
+
+    def failing_write(fh: object, chunk: bytes) -> None:
+        calls["n"] += 1
+        fh.write(chunk[: len(chunk) // 2])  # type: ignore[attr-defined]
+        raise OSError("disk full (simulated, half-way through the write)")
+
+    monkeypatch.setattr(store, "_write_chunk", failing_write)
+    second = _model()
+    second.set_item_codes(-second.item_codes, version=8)
+    with pytest.raises(StorageError, match="disk full"):
+        second.save(path)
+    assert calls["n"] == 1
+    assert path.read_bytes() == before
+    assert LightFRModel.load(path).model_version == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.fedrec"]
+
+
+def test_crash_before_rename_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "model.fedrec"
+    _model().save(path)
+    before = path.read_bytes()
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # the process dies between fsync and rename
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(KeyboardInterrupt):
+        _model().save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.fedrec"]
+
+
+def test_wrong_kind_and_future_format_are_refused_without_moving(tmp_path: Path) -> None:
+    path = tmp_path / "other.fedrec"
+    store.save_store(path, "mf", {"x": 1})
+    with pytest.raises(StorageError, match="'mf' model"):
+        LightFRModel.load(path)
+    assert path.exists()
+    blob = msgpack.unpackb(path.read_bytes())
+    blob["format"] = [2, 0]
+    path.write_bytes(msgpack.packb(blob))
+    with pytest.raises(StorageError, match="format 2.0"):
+        store.load_store(path, "mf")
+    assert path.exists()
+    with pytest.raises(StorageError, match="no store file"):
+        LightFRModel.load(tmp_path / "missing.fedrec")
+
+
+def test_valid_store_with_invalid_state_is_a_storage_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.fedrec"
+    store.save_store(path, "lightfr", {"config": {"bits": 64}, "n_items": 3})
+    with pytest.raises(StorageError, match="LightFR state is invalid"):
+        LightFRModel.load(path)
