@@ -1,0 +1,284 @@
+"""Codec: round trips for every message type, envelope rules, versioning, validation."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.codec import PROTOCOL_VERSION, check_version, decode, encode, is_compatible
+from protocol.errors import DecodeError, PayloadTooLarge, VersionMismatch
+from protocol.messages import (
+    Abort,
+    EncryptedShares,
+    ErrorMessage,
+    MaskedInput,
+    MaskedInputRequest,
+    Message,
+    PublicKeys,
+    RoundInvite,
+    ShareKeysBroadcast,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+
+from .secagg_helpers import sample_messages
+
+ids = st.integers(0, 2**63 - 1)
+small_ids = st.lists(ids, max_size=8).map(tuple)
+key = st.binary(min_size=32, max_size=32)
+blob = st.binary(max_size=200)
+u32 = st.lists(st.integers(0, 2**32 - 1), max_size=50).map(lambda v: np.array(v, dtype=np.uint32))
+text = st.text(max_size=50)
+finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+
+
+@st.composite
+def invites(draw: st.DrawFn) -> RoundInvite:
+    k = draw(st.integers(1, 1000))
+    deadlines = sorted(draw(st.lists(finite, min_size=4, max_size=4)))
+    mu = draw(st.floats(0.0, 1e9))
+    return RoundInvite(
+        round_id=draw(ids),
+        device_id=draw(ids),
+        vector_length=draw(st.integers(1, 2**28)),
+        graph_k=k,
+        graph_t=draw(st.integers(1, k)),
+        clip_norm=draw(st.floats(1e-9, 1e9)),
+        scale_bits=draw(st.integers(0, 31)),
+        dp_mu=mu,
+        dp_t_min=draw(st.integers(1, 10**6)) if mu > 0 else 0,
+        advertise_deadline=deadlines[0],
+        share_keys_deadline=deadlines[1],
+        masked_input_deadline=deadlines[2],
+        unmask_deadline=deadlines[3],
+    )
+
+
+@st.composite
+def aligned(draw: st.DrawFn, elements: st.SearchStrategy[bytes]) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+    n = draw(st.integers(0, 8))
+    return tuple(draw(st.lists(ids, min_size=n, max_size=n))), tuple(
+        draw(st.lists(elements, min_size=n, max_size=n))
+    )
+
+
+@st.composite
+def messages(draw: st.DrawFn) -> Message:
+    kind = draw(st.integers(0, 9))
+    r, d, sid = draw(ids), draw(ids), draw(key)
+    if kind == 0:
+        return draw(invites())
+    if kind == 1:
+        c, s = draw(key), draw(key.filter(lambda x: True))
+        if c == s:
+            s = bytes([c[0] ^ 1]) + c[1:]
+        return PublicKeys(round_id=r, device_id=d, c_public_key=c, s_public_key=s)
+    if kind == 2:
+        n = draw(st.integers(0, 8))
+        return ShareKeysBroadcast(
+            round_id=r,
+            device_id=d,
+            session_id=sid,
+            neighbour_ids=tuple(draw(st.lists(ids, min_size=n, max_size=n))),
+            c_public_keys=tuple(draw(st.lists(key, min_size=n, max_size=n))),
+            s_public_keys=tuple(draw(st.lists(key, min_size=n, max_size=n))),
+        )
+    if kind == 3:
+        to, ct = draw(aligned(blob))
+        return EncryptedShares(round_id=r, device_id=d, session_id=sid, recipient_ids=to, ciphertexts=ct)
+    if kind == 4:
+        fr, ct = draw(aligned(blob))
+        return MaskedInputRequest(round_id=r, device_id=d, session_id=sid, sender_ids=fr, ciphertexts=ct)
+    if kind == 5:
+        y = draw(u32.filter(lambda a: a.size > 0))
+        return MaskedInput(round_id=r, device_id=d, session_id=sid, masked=y)
+    if kind == 6:
+        return UnmaskRequest(
+            round_id=r,
+            device_id=d,
+            session_id=sid,
+            survivors=draw(small_ids),
+            dropped=draw(small_ids),
+            n_survivors=draw(ids),
+        )
+    if kind == 7:
+        bi, bs = draw(aligned(blob))
+        si, ss = draw(aligned(blob))
+        return UnmaskResponse(
+            round_id=r,
+            device_id=d,
+            session_id=sid,
+            b_share_ids=bi,
+            b_shares=bs,
+            s_share_ids=si,
+            s_shares=ss,
+            dp_excess=draw(u32),
+        )
+    if kind == 8:
+        return Abort(round_id=r, device_id=d, reason=draw(text))
+    return ErrorMessage(
+        code=draw(st.sampled_from(["decode_error", "round_closed", "crypto_error"])), message=draw(text)
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(message=messages())
+def test_round_trip_every_message_type(message: Message) -> None:
+    assert decode(encode(message)) == message
+
+
+def test_every_type_round_trips_and_has_a_distinct_code() -> None:
+    samples = sample_messages()
+    assert len({type(m).TYPE for m in samples}) == len(samples) == 10
+    for m in samples:
+        raw = encode(m)
+        assert decode(raw) == m
+        env = msgpack.unpackb(raw, raw=False)
+        assert env["v"] == list(PROTOCOL_VERSION) and env["t"] == type(m).TYPE
+
+
+def test_arrays_travel_as_little_endian_bin_with_dtype_and_shape() -> None:
+    m = MaskedInput(
+        round_id=1, device_id=2, session_id=b"s" * 32, masked=np.array([1, 2**32 - 1], dtype=np.uint32)
+    )
+    body = msgpack.unpackb(encode(m), raw=False)["b"]["y"]
+    assert body == {"dt": "<u4", "sh": [2], "by": b"\x01\x00\x00\x00\xff\xff\xff\xff"}
+
+
+def test_masked_input_costs_about_four_bytes_per_element() -> None:
+    m = MaskedInput(round_id=1, device_id=2, session_id=b"s" * 32, masked=np.zeros(100_000, dtype=np.uint32))
+    assert 400_000 <= len(encode(m)) < 400_100
+
+
+def test_messages_are_immutable_and_validated() -> None:
+    m = MaskedInput(round_id=1, device_id=2, session_id=b"s" * 32, masked=np.zeros(3, dtype=np.uint32))
+    with pytest.raises(AttributeError):
+        m.round_id = 5  # type: ignore[misc]
+    with pytest.raises(ValueError):
+        m.masked[0] = 1
+    for bad in (
+        lambda: PublicKeys(round_id=1, device_id=1, c_public_key=b"a" * 31, s_public_key=b"b" * 32),
+        lambda: PublicKeys(round_id=-1, device_id=1, c_public_key=b"a" * 32, s_public_key=b"b" * 32),
+        lambda: PublicKeys(round_id=True, device_id=1, c_public_key=b"a" * 32, s_public_key=b"b" * 32),
+        lambda: PublicKeys(round_id=1, device_id=1, c_public_key=b"a" * 32, s_public_key=b"a" * 32),
+        lambda: MaskedInput(
+            round_id=1, device_id=2, session_id=b"s" * 32, masked=np.zeros(3, dtype=np.int64)
+        ),
+        lambda: MaskedInput(
+            round_id=1, device_id=2, session_id=b"s" * 31, masked=np.zeros(3, dtype=np.uint32)
+        ),
+        lambda: EncryptedShares(
+            round_id=1, device_id=2, session_id=b"s" * 32, recipient_ids=(1, 2), ciphertexts=(b"x",)
+        ),
+        lambda: ErrorMessage(code="no_such_code"),
+        lambda: RoundInvite(
+            round_id=1,
+            device_id=0,
+            vector_length=4,
+            graph_k=3,
+            graph_t=4,
+            clip_norm=1.0,
+            scale_bits=8,
+            advertise_deadline=1.0,
+            share_keys_deadline=2.0,
+            masked_input_deadline=3.0,
+            unmask_deadline=4.0,
+        ),
+        lambda: RoundInvite(
+            round_id=1,
+            device_id=0,
+            vector_length=4,
+            graph_k=3,
+            graph_t=2,
+            clip_norm=1.0,
+            scale_bits=8,
+            dp_mu=1.0,
+            advertise_deadline=1.0,
+            share_keys_deadline=2.0,
+            masked_input_deadline=3.0,
+            unmask_deadline=4.0,
+        ),
+        lambda: RoundInvite(
+            round_id=1,
+            device_id=0,
+            vector_length=4,
+            graph_k=3,
+            graph_t=2,
+            clip_norm=1.0,
+            scale_bits=8,
+            advertise_deadline=3.0,
+            share_keys_deadline=2.0,
+            masked_input_deadline=3.0,
+            unmask_deadline=4.0,
+        ),
+    ):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def _env(t: int, body: object, v: object = None) -> bytes:
+    return msgpack.packb(
+        {"v": v if v is not None else list(PROTOCOL_VERSION), "t": t, "b": body}, use_bin_type=True
+    )
+
+
+def test_unknown_keys_are_ignored_and_missing_defaults_filled() -> None:
+    m = Abort(round_id=3, device_id=4, reason="x")
+    env = msgpack.unpackb(encode(m), raw=False)
+    env["b"]["future_field"] = [1, 2, 3]
+    env["extra"] = "ignored"
+    assert decode(msgpack.packb(env, use_bin_type=True)) == m
+    del env["b"]["why"]  # has a default
+    assert decode(msgpack.packb(env, use_bin_type=True)) == Abort(round_id=3, device_id=4)
+
+
+def test_minor_versions_are_compatible_majors_are_not() -> None:
+    assert is_compatible((PROTOCOL_VERSION[0], 99))
+    assert not is_compatible((PROTOCOL_VERSION[0] + 1, 0))
+    check_version((PROTOCOL_VERSION[0], 7))
+    with pytest.raises(VersionMismatch):
+        check_version((PROTOCOL_VERSION[0] + 1, 0))
+    body = msgpack.unpackb(encode(sample_messages()[8]), raw=False)["b"]
+    assert decode(_env(9, body, [PROTOCOL_VERSION[0], 5])) == sample_messages()[8]
+    with pytest.raises(VersionMismatch):
+        decode(_env(9, body, [PROTOCOL_VERSION[0] + 1, 0]))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\xc1",
+        msgpack.packb([1, 2, 3]),
+        _env(99, {}),
+        _env(9, {"r": 1}),  # missing required field
+        _env(9, {"r": "1", "d": 1}),
+        _env(9, {"r": True, "d": 1}),
+        _env(9, {"r": -1, "d": 1}),
+        _env(9, []),
+        _env(6, {"r": 1, "d": 1, "sid": b"s" * 32, "y": {"dt": "<u8", "sh": [1], "by": b"\x00" * 8}}),
+        _env(6, {"r": 1, "d": 1, "sid": b"s" * 32, "y": {"dt": "<u4", "sh": [2], "by": b"\x00" * 4}}),
+        _env(6, {"r": 1, "d": 1, "sid": b"s" * 32, "y": {"dt": "<u4", "sh": [1, 1], "by": b"\x00" * 4}}),
+        _env(6, {"r": 1, "d": 1, "sid": b"s" * 32, "y": b"\x00" * 4}),
+        _env(3, {"r": 1, "d": 1, "sid": b"s" * 32, "n": [1], "pc": ["not bytes"], "ps": [b"k" * 32]}),
+        {"v": [1, 0], "t": 9, "b": {"r": 1, "d": 1}}.__repr__().encode(),
+        msgpack.packb({"v": [1], "t": 9, "b": {}}),
+        msgpack.packb({1: 2}),
+        msgpack.packb({"v": [1, 0], "t": 9, "b": {"r": 1, "d": 1}}) + b"\x00",  # trailing bytes
+    ],
+)
+def test_malformed_input_raises_decode_error(raw: bytes) -> None:
+    with pytest.raises(DecodeError):
+        decode(raw)
+
+
+def test_size_limit() -> None:
+    raw = encode(
+        MaskedInput(round_id=1, device_id=2, session_id=b"s" * 32, masked=np.zeros(1000, dtype=np.uint32))
+    )
+    with pytest.raises(PayloadTooLarge):
+        decode(raw, max_size=1000)
+    assert isinstance(decode(raw, max_size=len(raw)), MaskedInput)
