@@ -1,0 +1,502 @@
+"""The ``fedrec`` command line: ``demo``, ``simulate``, ``eval`` and ``data``.
+
+This is the edge of the program: it reads the environment, parses and validates arguments, and turns
+every `FedRecError`/`ValueError` into one clear line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from device_sdk.models import LightFRConfig, LightFRModel
+from device_sdk.store import load_store, save_store
+from fedsim.datasets import DATASET_NAMES, LightFRSplit, Ratings, find_data_dir, load_dataset
+from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
+from fedsim.experiment import Experiment, Protocol, baselines, item_titles, prepare
+from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, run_lightfr, user_data
+from protocol.codes import from_bytes, pack_signs, to_bytes, unpack_signs
+from protocol.errors import FedRecError
+from protocol.spec import Aggregation
+
+__all__ = ["main", "build_parser"]
+
+_RUN_KIND = "lightfr-run"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= 0 and np.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LightFR model")
+    g.add_argument("--model", choices=["lightfr"], default="lightfr", help="model family (default: lightfr)")
+    g.add_argument("--bits", type=_positive_int, default=64, help="code length f (default: 64)")
+    g.add_argument(
+        "--lam",
+        type=_nonneg_float,
+        default=0.0,
+        help="balance weight λ (default 0; the paper's 0.6 learns nothing)",
+    )
+    g.add_argument(
+        "--negatives",
+        type=_nonneg_int,
+        default=4,
+        help="sampled unobserved items per rating, fitted as 0 (default 4; 0 = explicit ratings only)",
+    )
+    g.add_argument(
+        "--targets",
+        choices=["binary", "ratings"],
+        default="binary",
+        help="fit observed items as 1 (binary, default) or as their normalised rating",
+    )
+    g.add_argument("--epochs", type=_positive_int, default=1, help="local epochs E per round (default: 1)")
+    g.add_argument(
+        "--sweeps", type=_positive_int, default=10, help="cap on DCD sweeps per epoch (default: 10)"
+    )
+
+
+def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
+    g = p.add_argument_group("federation")
+    g.add_argument("--rounds", type=_nonneg_int, default=rounds, help=f"global rounds T (default: {rounds})")
+    g.add_argument(
+        "--fraction", type=_fraction, default=0.6, help="client fraction p per round (default: 0.6)"
+    )
+    g.add_argument(
+        "--aggregation",
+        choices=[a.value for a in Aggregation],
+        default="grad",
+        help="server rule: grad (Agg_grad, eq. 16) or para (Agg_para, eq. 17)",
+    )
+    g.add_argument(
+        "--flip-fraction",
+        type=_fraction,
+        default=0.1,
+        help="probability that an item bit Agg_grad wants to flip is flipped "
+        "(default 0.1; 1 = the paper's rule)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of the simulation (default: 0)")
+
+
+def _add_data_args(p: argparse.ArgumentParser, default: str | None) -> None:
+    g = p.add_argument_group("data and evaluation")
+    g.add_argument(
+        "--dataset",
+        default=default,
+        required=default is None,
+        help=f"dataset name ({', '.join(DATASET_NAMES)}, synthetic) or a ratings file/folder",
+    )
+    g.add_argument("--data-dir", type=Path, default=None, help="folder of the named datasets (default: auto)")
+    g.add_argument(
+        "--protocol",
+        choices=[p.value for p in Protocol],
+        default=None,
+        help="loo (default) or chrono; the filmtrust-lightfr split always uses its own blocks",
+    )
+    g.add_argument(
+        "--eval-negatives",
+        type=_positive_int,
+        default=99,
+        help="sampled negatives per test positive (default: 99)",
+    )
+    g.add_argument(
+        "--eval-every",
+        type=_positive_int,
+        default=5,
+        help="evaluate on validation every N rounds (default: 5)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fedrec`` argument parser (also used to generate the CLI reference)."""
+    parser = argparse.ArgumentParser(
+        prog="fedrec",
+        description="fedrec: on-device federated recommendation (LightFR binary codes).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo",
+        help="train federated LightFR in-process and show recommendations",
+        description="A real federated LightFR run: MovieLens-100K when ../shared/data (or --data-dir) "
+        "has it, else a built-in synthetic dataset; prints a per-round table, HR@10/NDCG@10 beside "
+        "popularity, "
+        "and recommendations for one user.",
+    )
+    _add_model_args(demo)
+    _add_fed_args(demo, rounds=40)
+    _add_data_args(demo, default="auto")
+
+    sim = sub.add_parser(
+        "simulate",
+        help="run an in-process federated training and evaluate it",
+        description="In-process federated LightFR (no sockets) on a dataset, evaluated with HR@10/NDCG@10 "
+        "in both tie modes beside popularity and random baselines.",
+    )
+    _add_model_args(sim)
+    _add_fed_args(sim, rounds=50)
+    _add_data_args(sim, default=None)
+    sim.add_argument("--save", type=Path, default=None, help="write the trained run to this file")
+    sim.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    ev = sub.add_parser(
+        "eval",
+        help="evaluate a saved run or a baseline",
+        description="Evaluate a run saved by 'fedrec simulate --save' on its test blocks, or a baseline "
+        "(popularity, random) on a dataset.",
+    )
+    ev.add_argument("run", nargs="?", type=Path, help="a run file written by 'fedrec simulate --save'")
+    ev.add_argument(
+        "--baseline", choices=["popularity", "random"], default=None, help="evaluate a baseline instead"
+    )
+    ev.add_argument("--dataset", default=None, help="dataset (for --baseline; a run file names its own)")
+    ev.add_argument("--data-dir", type=Path, default=None)
+    ev.add_argument("--protocol", choices=[p.value for p in Protocol], default=None)
+    ev.add_argument("--eval-negatives", type=_positive_int, default=99)
+    ev.add_argument("--seed", type=int, default=0, help="seed of the negative sampling (default: 0)")
+
+    data = sub.add_parser("data", help="list the datasets fedrec can find")
+    data.add_argument("--data-dir", type=Path, default=None)
+    return parser
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _data_dir(arg: Path | None) -> Path | None:
+    if arg is not None:
+        return arg
+    env = os.environ.get("FEDREC_DATA")
+    return Path(env) if env else find_data_dir()
+
+
+def _model_config(args: argparse.Namespace, exp: Experiment) -> LightFRConfig:
+    return LightFRConfig(
+        bits=args.bits,
+        lam=args.lam,
+        negatives=args.negatives,
+        local_epochs=args.epochs,
+        max_sweeps=args.sweeps,
+        rating_range=exp.rating_range,
+        binary_positives=args.targets == "binary",
+    )
+
+
+def _fed_config(args: argparse.Namespace) -> FederationConfig:
+    return FederationConfig(
+        rounds=args.rounds,
+        fraction=args.fraction,
+        seed=args.seed,
+        aggregation=Aggregation(args.aggregation),
+        flip_fraction=args.flip_fraction,
+    )
+
+
+def _score(state: FederatedLightFR, blocks: Any, tie_mode: TieMode) -> EvalResult:
+    return evaluate_candidates(state.scores(blocks.users, blocks.items), 10, tie_mode)
+
+
+def _table(rows: list[list[str]], out: TextIO) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for j, row in enumerate(rows):
+        out.write(
+            "  ".join(
+                c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+        out.write("\n")
+        if j == 0:
+            out.write("  ".join("-" * w for w in widths) + "\n")
+
+
+def _train(args: argparse.Namespace, exp: Experiment, out: TextIO, progress: bool) -> FederatedLightFR:
+    cfg, fed = _model_config(args, exp), _fed_config(args)
+    data = user_data(exp.train, cfg)
+    bar: Any = None
+    if progress and fed.rounds:
+        from tqdm import tqdm
+
+        bar = tqdm(total=fed.rounds, desc="rounds", unit="round", file=sys.stderr, leave=False)
+    rows = [["round", "cohort", "user flips", "item flips", "seconds", "val HR@10", "val NDCG@10"]]
+
+    def on_round(r: RoundReport) -> None:
+        if bar is not None:
+            bar.update(1)
+            if r.metric is not None:
+                bar.set_postfix(hr=f"{r.metric.hr:.3f}")
+        if r.metric is not None:
+            rows.append(
+                [
+                    str(r.round),
+                    str(r.cohort),
+                    str(r.user_flips),
+                    str(r.item_flips),
+                    f"{r.seconds:.2f}",
+                    f"{r.metric.hr:.4f}",
+                    f"{r.metric.ndcg:.4f}",
+                ]
+            )
+
+    state = run_lightfr(
+        data,
+        cfg,
+        fed,
+        evaluate=lambda s: _score(s, exp.val, TieMode.RANDOM),
+        eval_every=args.eval_every,
+        on_round=on_round,
+    )
+    if bar is not None:
+        bar.close()
+    if len(rows) > 1:
+        out.write("\nPer-round progress (validation blocks, random ties):\n")
+        _table(rows, out)
+    return state
+
+
+def _report(exp: Experiment, results: dict[str, dict[TieMode, EvalResult]], out: TextIO) -> None:
+    out.write(
+        f"\nTest: {len(exp.test)} positives, each ranked among {exp.n_negatives} sampled negatives "
+        f"({exp.protocol.value}); HR@10 / NDCG@10\n"
+    )
+    rows = [
+        [
+            "model",
+            "HR@10 (random ties)",
+            "NDCG@10 (random ties)",
+            "HR@10 (optimistic)",
+            "NDCG@10 (optimistic)",
+        ]
+    ]
+    for name, res in results.items():
+        r, o = res[TieMode.RANDOM], res[TieMode.OPTIMISTIC]
+        rows.append([name, f"{r.hr:.4f}", f"{r.ndcg:.4f}", f"{o.hr:.4f}", f"{o.ndcg:.4f}"])
+    _table(rows, out)
+    out.write(
+        "Random ties: a positive tied with negatives lands at a uniformly random place among them (exact\n"
+        "expectation). Optimistic: ties favour the positive, as the LightFR paper's evaluation does.\n"
+    )
+
+
+def _all_results(
+    exp: Experiment, state: FederatedLightFR | None, label: str
+) -> dict[str, dict[TieMode, EvalResult]]:
+    results: dict[str, dict[TieMode, EvalResult]] = {}
+    if state is not None:
+        results[label] = {t: _score(state, exp.test, t) for t in TieMode}
+    base = {t: baselines(exp, t) for t in TieMode}
+    for name in ("popularity", "random"):
+        results[name] = {t: base[t][name] for t in TieMode}
+    return results
+
+
+def _resolve_dataset(args: argparse.Namespace, out: TextIO) -> tuple[Experiment, Path | None]:
+    data_dir = _data_dir(args.data_dir)
+    name = args.dataset
+    if name == "auto":
+        name = (
+            "ml-100k" if data_dir is not None and (data_dir / "ml-100k" / "u.data").is_file() else "synthetic"
+        )
+        out.write(
+            f"dataset: {name}"
+            + (f" (from {data_dir})" if name != "synthetic" else " (built-in generator)")
+            + "\n"
+        )
+    protocol = Protocol(args.protocol) if args.protocol else None
+    exp = prepare(name, protocol, n_negatives=args.eval_negatives, seed=args.seed, data_dir=data_dir)
+    return exp, data_dir
+
+
+# -- commands --------------------------------------------------------------------------------------
+
+
+def _cmd_simulate(args: argparse.Namespace, out: TextIO, demo: bool = False) -> int:
+    t0 = time.perf_counter()
+    exp, data_dir = _resolve_dataset(args, out)
+    out.write(exp.describe() + "\n")
+    out.write(
+        f"LightFR f={args.bits}, λ={args.lam}, {args.negatives} negatives per rating, E={args.epochs}; "
+        f"T={args.rounds} rounds, p={args.fraction}, Agg_{args.aggregation} "
+        f"(flip fraction {args.flip_fraction}), "
+        f"seed {args.seed}\n"
+    )
+    state = _train(args, exp, out, progress=not getattr(args, "quiet", False))
+    label = f"LightFR (Agg_{args.aggregation})"
+    _report(exp, _all_results(exp, state, label), out)
+    if demo:
+        _show_recommendations(exp, state, data_dir, args, out)
+    if getattr(args, "save", None) is not None:
+        save_store(
+            args.save,
+            _RUN_KIND,
+            {
+                "dataset": str(args.dataset),
+                "protocol": exp.protocol.value,
+                "eval_negatives": exp.n_negatives,
+                "seed": args.seed,
+                "bits": args.bits,
+                "n_users": int(state.user_codes.shape[0]),
+                "n_items": int(state.item_codes.shape[0]),
+                "user_words": to_bytes(pack_signs(state.user_codes)),
+                "item_words": to_bytes(pack_signs(state.item_codes)),
+            },
+        )
+        out.write(f"saved the run to {args.save}\n")
+    out.write(f"done in {time.perf_counter() - t0:.1f} s\n")
+    return 0
+
+
+def _show_recommendations(
+    exp: Experiment, state: FederatedLightFR, data_dir: Path | None, args: argparse.Namespace, out: TextIO
+) -> None:
+    titles = item_titles(exp, data_dir)
+    user = int(exp.test.users[0])
+    train = exp.train
+    liked = np.asarray(train.items[train.users == user], dtype=np.int64)
+    # The device's view: its own code and ratings, and the downloaded item codes.
+    model = LightFRModel(train.n_items, LightFRConfig(bits=args.bits), rng=np.random.default_rng(args.seed))
+    model.set_item_codes(state.item_codes, version=args.rounds)
+    model.user_codes[0] = state.user_codes[user]
+    model._user_words[:, 0] = pack_signs(state.user_codes[user : user + 1])[:, 0]
+    model.user_trained[0] = True
+    ids, scores = model.recommend(liked, N=5)
+
+    def name(i: int) -> str:
+        return titles[i] if titles else f"item {train.item_ids[i]}"
+
+    held = int(exp.test.items[0, 0])
+    out.write(
+        f"\nTop-5 for user {train.user_ids[user]} on the device ({liked.size} rated items, "
+        f"e.g. {', '.join(name(int(i)) for i in liked[:3])}):\n"
+    )
+    for rank, (i, s) in enumerate(zip(ids, scores, strict=True), start=1):
+        mark = "   <- the held-out test item" if int(i) == held else ""
+        out.write(f"  {rank}. {name(int(i))}  (similarity {s:.3f}){mark}\n")
+
+
+def _cmd_eval(args: argparse.Namespace, out: TextIO) -> int:
+    if (args.run is None) == (args.baseline is None):
+        raise ValueError("give either a run file or --baseline")
+    if args.baseline is not None:
+        if args.dataset is None:
+            raise ValueError("--baseline needs --dataset")
+        exp = prepare(
+            args.dataset,
+            Protocol(args.protocol) if args.protocol else None,
+            n_negatives=args.eval_negatives,
+            seed=args.seed,
+            data_dir=_data_dir(args.data_dir),
+        )
+        res = _all_results(exp, None, "")
+        _report(exp, {args.baseline: res[args.baseline]}, out)
+        return 0
+    state_dict = load_store(args.run, _RUN_KIND)
+    try:
+        bits, n_users, n_items = (
+            int(state_dict["bits"]),
+            int(state_dict["n_users"]),
+            int(state_dict["n_items"]),
+        )
+        state = FederatedLightFR(
+            user_codes=unpack_signs(from_bytes(state_dict["user_words"], bits, n_users), bits),
+            item_codes=unpack_signs(from_bytes(state_dict["item_words"], bits, n_items), bits),
+        )
+        dataset, protocol = str(state_dict["dataset"]), Protocol(state_dict["protocol"])
+        n_neg, seed = int(state_dict["eval_negatives"]), int(state_dict["seed"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FedRecError(f"{args.run}: not a valid run file ({exc})") from exc
+    data_dir = _data_dir(args.data_dir)
+    if dataset == "auto":
+        dataset = "ml-100k" if data_dir is not None and (data_dir / "ml-100k").is_dir() else "synthetic"
+    exp = prepare(dataset, protocol, n_negatives=n_neg, seed=seed, data_dir=data_dir)
+    if (exp.train.n_users, exp.train.n_items) != (n_users, n_items):
+        raise FedRecError(
+            f"{args.run} was trained on {n_users}×{n_items}, the dataset is "
+            f"{exp.train.n_users}×{exp.train.n_items}"
+        )
+    out.write(exp.describe() + "\n")
+    _report(exp, _all_results(exp, state, "LightFR (saved run)"), out)
+    return 0
+
+
+def _cmd_data(args: argparse.Namespace, out: TextIO) -> int:
+    base = _data_dir(args.data_dir)
+    out.write(f"data folder: {base if base is not None else 'not found (set FEDREC_DATA or --data-dir)'}\n")
+    names: list[str] = ["synthetic"] + (list(DATASET_NAMES) if base is not None else [])
+    for name in names:
+        try:
+            data = load_dataset(name, base)
+        except FedRecError as exc:
+            out.write(f"  {name:<18} unavailable: {exc}\n")
+            continue
+        train = data.train if isinstance(data, LightFRSplit) else data
+        assert isinstance(train, Ratings)
+        out.write(f"  {name:<18} {train.n_users:>6} users {train.n_items:>6} items {len(train):>8} ratings\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``fedrec``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    out = sys.stdout
+    try:
+        if args.command == "demo":
+            return _cmd_simulate(args, out, demo=True)
+        if args.command == "simulate":
+            return _cmd_simulate(args, out)
+        if args.command == "eval":
+            return _cmd_eval(args, out)
+        return _cmd_data(args, out)
+    except (FedRecError, ValueError) as exc:
+        print(f"fedrec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fedrec {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
