@@ -1,0 +1,45 @@
+"""fedrec device SDK: LightFR binary codes trained on the device, Hamming top-k, the on-device store.
+
+Importing this package never imports aiohttp (the HTTP transport is a separate module).
+"""
+
+from __future__ import annotations
+
+from device_sdk.codes import (
+    from_bitarray,
+    from_bytes,
+    pack_signs,
+    pack_user,
+    random_signs,
+    to_bitarray,
+    to_bytes,
+    unpack_signs,
+    words_for,
+)
+from device_sdk.models import LightFRConfig, LightFRModel, LocalUpdate
+from device_sdk.store import load_store, save_store
+from device_sdk.topk import hamming_distances, topk_hamming
+from protocol.errors import *  # noqa: F403
+from protocol.errors import __all__ as _errors_all
+from protocol.spec import Aggregation
+
+__all__ = [
+    "LightFRConfig",
+    "LightFRModel",
+    "LocalUpdate",
+    "Aggregation",
+    "topk_hamming",
+    "hamming_distances",
+    "save_store",
+    "load_store",
+    "pack_signs",
+    "unpack_signs",
+    "pack_user",
+    "to_bitarray",
+    "from_bitarray",
+    "to_bytes",
+    "from_bytes",
+    "random_signs",
+    "words_for",
+    *_errors_all,
+]
