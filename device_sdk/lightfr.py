@@ -25,6 +25,7 @@ a user whose sweep flipped nothing keeps an unchanged state and so flips nothing
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -130,7 +131,9 @@ def dcd_update(
     # (f, nnz) int8: bit k of every entry's item, one contiguous row per bit.
     Dt = np.ascontiguousarray(D.T)[:, items]
     # s_e = d_iᵀ b_u, kept exact on each flip; |s| ≤ f so int16 holds it for f < 2^15.
-    s = inner_products(indptr, items, B, D).astype(np.int16 if f < 2**15 else np.int32)
+    s: NDArray[np.signedinteger[Any]] = inner_products(indptr, items, B, D).astype(
+        np.int16 if f < 2**15 else np.int32
+    )
     # A[u, k] = Σ_i (r_ui − 1/2) d_ik is constant while D is fixed (eq. 9's rating term).
     R = sp.csr_matrix((r - 0.5, items, indptr), shape=(n, m))
     # Work with z = 2f²·b*_uk = 2f·A_uk − Σ_i (s_i − d_ik b_uk) d_ik − 4λf²·Σ_{k'≠k} b_uk', which has
@@ -160,7 +163,7 @@ def dcd_update(
                 sweep_flips += int(flipped.size)
                 B[flipped, k] = new[flipped].astype(np.int8)
                 S += delta
-                s += np.repeat(delta.astype(np.int8), counts) * dk
+                s = s + np.repeat(delta.astype(np.int8), counts) * dk
         total_flips += sweep_flips
         if sweep_flips == 0:
             converged = True

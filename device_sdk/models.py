@@ -162,15 +162,15 @@ class LightFRModel:
     def set_item_codes(self, codes: NDArray[np.int8] | NDArray[np.uint64], version: int) -> None:
         """Install new global item codes, as ±1 (m, f) int8 or packed (w, m) uint64 words."""
         f, m = self.config.bits, self.n_items
-        codes = np.asarray(codes)
-        if codes.dtype == np.uint64:
-            if codes.shape != (words_for(f), m):
-                raise ValueError(f"packed item codes must be {(words_for(f), m)}, got {codes.shape}")
-            signs = unpack_signs(codes, f)
+        arr = np.asarray(codes)
+        if arr.dtype == np.uint64:
+            if arr.shape != (words_for(f), m):
+                raise ValueError(f"packed item codes must be {(words_for(f), m)}, got {arr.shape}")
+            signs = unpack_signs(arr.astype(np.uint64), f)
         else:
-            if codes.shape != (m, f) or not np.isin(codes, (-1, 1)).all():
+            if arr.shape != (m, f) or not np.isin(arr, (-1, 1)).all():
                 raise ValueError(f"item codes must be a ({m}, {f}) matrix of ±1")
-            signs = codes.astype(np.int8)
+            signs = arr.astype(np.int8)
         self.item_codes = signs
         self._item_words = pack_signs(signs)
         self.model_version = int(version)

@@ -80,12 +80,8 @@ class UserData:
         """The CSR restricted to ``users`` (in that order)."""
         counts = np.diff(self.indptr)[users]
         indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-        take = (
-            np.concatenate([np.arange(self.indptr[u], self.indptr[u + 1]) for u in users])
-            if users.size
-            else []
-        )
-        take = np.asarray(take, dtype=np.int64)
+        starts = self.indptr[users]
+        take = np.arange(int(indptr[-1]), dtype=np.int64) + np.repeat(starts - indptr[:-1], counts)
         return UserData(indptr, self.items[take], self.targets[take], self.n_items)
 
 
@@ -192,7 +188,9 @@ def run_lightfr(
             if federation.aggregation is Aggregation.GRAD:
                 upload += lightfr.item_gradient_sum(batch.indptr, batch.items, batch.targets, B, D)
             else:
-                upload = lightfr.item_codes_sum(batch.indptr, batch.items, batch.targets, B, D, model.lam)
+                upload = lightfr.item_codes_sum(
+                    batch.indptr, batch.items, batch.targets, B, D, model.lam
+                ).astype(np.float64)
         if federation.aggregation is Aggregation.GRAD:
             upload /= model.local_epochs
         state.user_codes[cohort] = B

@@ -65,17 +65,26 @@ def _seq(lo: int, hi: int) -> bytes:
     ("ikm", "salt", "info", "length", "okm"),
     [
         (
-            b"\x0b" * 22, _seq(0x00, 0x0C), _seq(0xF0, 0xF9), 42,
+            b"\x0b" * 22,
+            _seq(0x00, 0x0C),
+            _seq(0xF0, 0xF9),
+            42,
             "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf34007208d5b887185865",
         ),
         (
-            _seq(0x00, 0x4F), _seq(0x60, 0xAF), _seq(0xB0, 0xFF), 82,
+            _seq(0x00, 0x4F),
+            _seq(0x60, 0xAF),
+            _seq(0xB0, 0xFF),
+            82,
             "b11e398dc80327a1c8e7f78c596a49344f012eda2d4efad8a050cc4c19afa97c"
             "59045a99cac7827271cb41c65e590e09da3275600c2f09b8367793a9aca3db71"
             "cc30c58179ec3e87c14c01d5c1f3434f1d87",
         ),
         (
-            b"\x0b" * 22, b"", b"", 42,
+            b"\x0b" * 22,
+            b"",
+            b"",
+            42,
             "8da4e775a563c18f715f802a063c5a31b8a11f5c5ee1879ec3454e5f3c738d2d9d201395faa4b61a96c8",
         ),
     ],
@@ -101,11 +110,23 @@ _GCM_C = H(
 @pytest.mark.parametrize(
     ("key", "iv", "plaintext", "aad", "ciphertext", "tag"),
     [
-        (bytes(32), bytes(12), bytes(16), b"", H("cea7403d4d606b6e074ec5d3baf39d18"),
-         H("d0d1c8a799996bf0265b98b5d48ab919")),
+        (
+            bytes(32),
+            bytes(12),
+            bytes(16),
+            b"",
+            H("cea7403d4d606b6e074ec5d3baf39d18"),
+            H("d0d1c8a799996bf0265b98b5d48ab919"),
+        ),
         (_GCM_KEY, _GCM_IV, _GCM_P, b"", _GCM_C, H("b094dac5d93471bdec1a502270e3cc6c")),
-        (_GCM_KEY, _GCM_IV, _GCM_P[:60], H("feedfacedeadbeeffeedfacedeadbeefabaddad2"), _GCM_C[:60],
-         H("76fc6ece0f4e1768cddf8853bb2d551b")),
+        (
+            _GCM_KEY,
+            _GCM_IV,
+            _GCM_P[:60],
+            H("feedfacedeadbeeffeedfacedeadbeefabaddad2"),
+            _GCM_C[:60],
+            H("76fc6ece0f4e1768cddf8853bb2d551b"),
+        ),
     ],
     ids=["tc14", "tc15", "tc16"],
 )

@@ -85,7 +85,7 @@ def agg_grad(
     return out
 
 
-def agg_para(D: NDArray[np.int8], codes_sum: NDArray[np.integer]) -> NDArray[np.int8]:
+def agg_para(D: NDArray[np.int8], codes_sum: NDArray[np.integer] | NDArray[np.floating]) -> NDArray[np.int8]:
     """Agg_para (eq. 17): D ← sign(Σ_u D^u), keeping the current bit where the sum is 0."""
     _check(D, codes_sum)
     return np.where(codes_sum > 0, 1, np.where(codes_sum < 0, -1, D)).astype(np.int8)
