@@ -68,52 +68,116 @@ class Kind(Enum):
 _U32_WIRE_DTYPE = "<u4"
 
 # type code -> (message class, ((field name, wire key, kind), ...)).  Wire keys are short and stable.
-_SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] = MappingProxyType({
-    RoundInvite.TYPE: (RoundInvite, (
-        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("vector_length", "L", Kind.INT),
-        ("graph_k", "k", Kind.INT), ("graph_t", "t", Kind.INT), ("clip_norm", "c", Kind.FLOAT),
-        ("scale_bits", "sb", Kind.INT), ("dp_mu", "mu", Kind.FLOAT), ("dp_t_min", "tm", Kind.INT),
-        ("advertise_deadline", "d0", Kind.FLOAT), ("share_keys_deadline", "d1", Kind.FLOAT),
-        ("masked_input_deadline", "d2", Kind.FLOAT), ("unmask_deadline", "d3", Kind.FLOAT),
-    )),
-    PublicKeys.TYPE: (PublicKeys, (
-        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT),
-        ("c_public_key", "pc", Kind.BYTES), ("s_public_key", "ps", Kind.BYTES),
-    )),
-    ShareKeysBroadcast.TYPE: (ShareKeysBroadcast, (
-        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("session_id", "sid", Kind.BYTES),
-        ("neighbour_ids", "n", Kind.INTS), ("c_public_keys", "pc", Kind.BYTES_LIST),
-        ("s_public_keys", "ps", Kind.BYTES_LIST),
-    )),
-    EncryptedShares.TYPE: (EncryptedShares, (
-        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("session_id", "sid", Kind.BYTES),
-        ("recipient_ids", "to", Kind.INTS), ("ciphertexts", "ct", Kind.BYTES_LIST),
-    )),
-    MaskedInputRequest.TYPE: (MaskedInputRequest, (
-        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("session_id", "sid", Kind.BYTES),
-        ("sender_ids", "fr", Kind.INTS), ("ciphertexts", "ct", Kind.BYTES_LIST),
-    )),
-    MaskedInput.TYPE: (MaskedInput, (
-        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("session_id", "sid", Kind.BYTES),
-        ("masked", "y", Kind.U32),
-    )),
-    UnmaskRequest.TYPE: (UnmaskRequest, (
-        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("session_id", "sid", Kind.BYTES),
-        ("survivors", "u3", Kind.INTS), ("dropped", "dr", Kind.INTS), ("n_survivors", "ns", Kind.INT),
-    )),
-    UnmaskResponse.TYPE: (UnmaskResponse, (
-        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("session_id", "sid", Kind.BYTES),
-        ("b_share_ids", "bi", Kind.INTS), ("b_shares", "bs", Kind.BYTES_LIST),
-        ("s_share_ids", "si", Kind.INTS), ("s_shares", "ss", Kind.BYTES_LIST),
-        ("dp_excess", "dp", Kind.U32),
-    )),
-    Abort.TYPE: (Abort, (
-        ("round_id", "r", Kind.INT), ("device_id", "d", Kind.INT), ("reason", "why", Kind.STR),
-    )),
-    ErrorMessage.TYPE: (ErrorMessage, (
-        ("code", "c", Kind.STR), ("message", "m", Kind.STR),
-    )),
-})
+_SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] = MappingProxyType(
+    {
+        RoundInvite.TYPE: (
+            RoundInvite,
+            (
+                ("round_id", "r", Kind.INT),
+                ("device_id", "d", Kind.INT),
+                ("vector_length", "L", Kind.INT),
+                ("graph_k", "k", Kind.INT),
+                ("graph_t", "t", Kind.INT),
+                ("clip_norm", "c", Kind.FLOAT),
+                ("scale_bits", "sb", Kind.INT),
+                ("dp_mu", "mu", Kind.FLOAT),
+                ("dp_t_min", "tm", Kind.INT),
+                ("advertise_deadline", "d0", Kind.FLOAT),
+                ("share_keys_deadline", "d1", Kind.FLOAT),
+                ("masked_input_deadline", "d2", Kind.FLOAT),
+                ("unmask_deadline", "d3", Kind.FLOAT),
+            ),
+        ),
+        PublicKeys.TYPE: (
+            PublicKeys,
+            (
+                ("round_id", "r", Kind.INT),
+                ("device_id", "d", Kind.INT),
+                ("c_public_key", "pc", Kind.BYTES),
+                ("s_public_key", "ps", Kind.BYTES),
+            ),
+        ),
+        ShareKeysBroadcast.TYPE: (
+            ShareKeysBroadcast,
+            (
+                ("round_id", "r", Kind.INT),
+                ("device_id", "d", Kind.INT),
+                ("session_id", "sid", Kind.BYTES),
+                ("neighbour_ids", "n", Kind.INTS),
+                ("c_public_keys", "pc", Kind.BYTES_LIST),
+                ("s_public_keys", "ps", Kind.BYTES_LIST),
+            ),
+        ),
+        EncryptedShares.TYPE: (
+            EncryptedShares,
+            (
+                ("round_id", "r", Kind.INT),
+                ("device_id", "d", Kind.INT),
+                ("session_id", "sid", Kind.BYTES),
+                ("recipient_ids", "to", Kind.INTS),
+                ("ciphertexts", "ct", Kind.BYTES_LIST),
+            ),
+        ),
+        MaskedInputRequest.TYPE: (
+            MaskedInputRequest,
+            (
+                ("round_id", "r", Kind.INT),
+                ("device_id", "d", Kind.INT),
+                ("session_id", "sid", Kind.BYTES),
+                ("sender_ids", "fr", Kind.INTS),
+                ("ciphertexts", "ct", Kind.BYTES_LIST),
+            ),
+        ),
+        MaskedInput.TYPE: (
+            MaskedInput,
+            (
+                ("round_id", "r", Kind.INT),
+                ("device_id", "d", Kind.INT),
+                ("session_id", "sid", Kind.BYTES),
+                ("masked", "y", Kind.U32),
+            ),
+        ),
+        UnmaskRequest.TYPE: (
+            UnmaskRequest,
+            (
+                ("round_id", "r", Kind.INT),
+                ("device_id", "d", Kind.INT),
+                ("session_id", "sid", Kind.BYTES),
+                ("survivors", "u3", Kind.INTS),
+                ("dropped", "dr", Kind.INTS),
+                ("n_survivors", "ns", Kind.INT),
+            ),
+        ),
+        UnmaskResponse.TYPE: (
+            UnmaskResponse,
+            (
+                ("round_id", "r", Kind.INT),
+                ("device_id", "d", Kind.INT),
+                ("session_id", "sid", Kind.BYTES),
+                ("b_share_ids", "bi", Kind.INTS),
+                ("b_shares", "bs", Kind.BYTES_LIST),
+                ("s_share_ids", "si", Kind.INTS),
+                ("s_shares", "ss", Kind.BYTES_LIST),
+                ("dp_excess", "dp", Kind.U32),
+            ),
+        ),
+        Abort.TYPE: (
+            Abort,
+            (
+                ("round_id", "r", Kind.INT),
+                ("device_id", "d", Kind.INT),
+                ("reason", "why", Kind.STR),
+            ),
+        ),
+        ErrorMessage.TYPE: (
+            ErrorMessage,
+            (
+                ("code", "c", Kind.STR),
+                ("message", "m", Kind.STR),
+            ),
+        ),
+    }
+)
 
 
 def is_compatible(version: tuple[int, int]) -> bool:
@@ -217,8 +281,10 @@ def _decode_value(kind: Kind, value: Any, key: str) -> Any:
     _want(type(value) is dict, f"field {key!r} must be an array map")
     _want(value.get("dt") == _U32_WIRE_DTYPE, f"field {key!r}: dtype must be {_U32_WIRE_DTYPE}")
     shape, raw = value.get("sh"), value.get("by")
-    _want(type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0,
-          f"field {key!r}: shape must be [n]")
+    _want(
+        type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0,
+        f"field {key!r}: shape must be [n]",
+    )
     _want(type(raw) is bytes and len(raw) == 4 * shape[0], f"field {key!r}: byte length does not match shape")
     return np.frombuffer(raw, dtype=_U32_WIRE_DTYPE).astype(np.uint32, copy=False)
 
@@ -254,17 +320,25 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message
         raise PayloadTooLarge(f"message of {len(data)} bytes exceeds the limit of {max_size}")
     try:
         obj = msgpack.unpackb(
-            data, raw=False, use_list=True, strict_map_key=True, max_bin_len=max_size,
-            max_str_len=min(max_size, _MAX_STR_LEN), max_array_len=_MAX_ARRAY_LEN,
-            max_map_len=_MAX_MAP_LEN, max_ext_len=0,
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_bin_len=max_size,
+            max_str_len=min(max_size, _MAX_STR_LEN),
+            max_array_len=_MAX_ARRAY_LEN,
+            max_map_len=_MAX_MAP_LEN,
+            max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises several unrelated types; all mean "not a message"
         raise DecodeError(f"malformed msgpack: {exc}") from None
     try:
         _want(type(obj) is dict, "envelope must be a map")
         version = obj.get("v")
-        _want(type(version) is list and len(version) == 2 and all(type(x) is int for x in version),
-              "envelope version must be [major, minor]")
+        _want(
+            type(version) is list and len(version) == 2 and all(type(x) is int for x in version),
+            "envelope version must be [major, minor]",
+        )
         check_version((version[0], version[1]))
         type_code, body = obj.get("t"), obj.get("b")
         _want(type(type_code) is int, "envelope type must be an integer")
@@ -273,8 +347,11 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message
             raise DecodeError(f"unknown message type {type_code}")
         cls, fields = entry
         _want(type(body) is dict, "envelope body must be a map")
-        defaults = {f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-                    if f.default is not dataclasses.MISSING}
+        defaults = {
+            f.name
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            if f.default is not dataclasses.MISSING
+        }
         kwargs: dict[str, Any] = {}
         for name, key, kind in fields:
             if key in body:
@@ -286,4 +363,3 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message
         raise
     except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
         raise DecodeError(f"invalid message: {exc}") from None
-

@@ -203,13 +203,15 @@ def derive_key(secret: bytes, *, label: bytes, session: bytes, parties: Sequence
     bytes
         32 bytes.
     """
-    info = b"".join((
-        _len_prefixed(label),
-        struct.pack(">HH", *PROTOCOL_VERSION),
-        _len_prefixed(session),
-        struct.pack(">I", len(parties)),
-        *(_u64(p) for p in parties),
-    ))
+    info = b"".join(
+        (
+            _len_prefixed(label),
+            struct.pack(">HH", *PROTOCOL_VERSION),
+            _len_prefixed(session),
+            struct.pack(">I", len(parties)),
+            *(_u64(p) for p in parties),
+        )
+    )
     return hkdf_sha256(secret, info=info)
 
 

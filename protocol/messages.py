@@ -205,8 +205,12 @@ class RoundInvite(Message):
     @property
     def deadlines(self) -> tuple[float, float, float, float]:
         """The four phase deadlines in protocol order."""
-        return (self.advertise_deadline, self.share_keys_deadline, self.masked_input_deadline,
-                self.unmask_deadline)
+        return (
+            self.advertise_deadline,
+            self.share_keys_deadline,
+            self.masked_input_deadline,
+            self.unmask_deadline,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

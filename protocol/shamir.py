@@ -17,8 +17,16 @@ from dataclasses import dataclass
 
 from protocol.errors import CryptoError, NotEnoughParticipants
 
-__all__ = ["PRIME", "SECRET_BYTES", "SHARE_BYTES", "MAX_SHARES", "Share", "split", "reconstruct",
-           "lagrange_at_zero"]
+__all__ = [
+    "PRIME",
+    "SECRET_BYTES",
+    "SHARE_BYTES",
+    "MAX_SHARES",
+    "Share",
+    "split",
+    "reconstruct",
+    "lagrange_at_zero",
+]
 
 PRIME = 2**521 - 1
 SECRET_BYTES = 32
