@@ -5,8 +5,8 @@
 # both `RemoteProtocolError`s); no msgpack exception crosses the boundary.  The tables below are constants.
 """Versioned, table-driven msgpack codec for the round messages in `protocol.messages`.
 
-Reserved type codes: 1–10 are the SecAgg round messages; 11–19 are reserved for registration / check-in
-messages; 20+ are free.  Never reuse a code.
+Type codes: 1–10 are the SecAgg round messages; 11–16 registration, check-in, model download and the
+round result (protocol 1.1); 17–19 reserved; 20+ are free.  Never reuse a code.
 """
 
 from __future__ import annotations
@@ -23,16 +23,22 @@ import numpy as np
 from protocol.errors import DecodeError, PayloadTooLarge, VersionMismatch
 from protocol.messages import (
     Abort,
+    CheckIn,
     EncryptedShares,
     ErrorMessage,
     MaskedInput,
     MaskedInputRequest,
     Message,
+    ModelPayload,
     PublicKeys,
+    RegisterRequest,
+    RegisterResponse,
     RoundInvite,
+    RoundResult,
     ShareKeysBroadcast,
     UnmaskRequest,
     UnmaskResponse,
+    Wait,
 )
 
 __all__ = [
@@ -44,7 +50,7 @@ __all__ = [
     "decode",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (1, 1)
 #: Default total size limit for one encoded message (a 10**6-element masked vector is 4 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Far above any legitimate list (neighbourhoods are at most a few thousand), far below what would hurt.
@@ -59,6 +65,7 @@ class Kind(Enum):
     INT = "int"
     FLOAT = "float"
     STR = "str"
+    BOOL = "bool"
     BYTES = "bytes"
     INTS = "ints"  # msgpack array of ints  <-> tuple[int, ...]
     BYTES_LIST = "bytes_list"  # msgpack array of bin  <-> tuple[bytes, ...]
@@ -86,6 +93,17 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("share_keys_deadline", "d1", Kind.FLOAT),
                 ("masked_input_deadline", "d2", Kind.FLOAT),
                 ("unmask_deadline", "d3", Kind.FLOAT),
+                # protocol 1.1: the training plan
+                ("model_version", "mv", Kind.INT),
+                ("model_kind", "mk", Kind.STR),
+                ("aggregation", "ag", Kind.STR),
+                ("bits", "f", Kind.INT),
+                ("n_items", "m", Kind.INT),
+                ("lam", "lam", Kind.FLOAT),
+                ("negatives", "neg", Kind.INT),
+                ("local_epochs", "E", Kind.INT),
+                ("max_sweeps", "sw", Kind.INT),
+                ("example_cap", "th", Kind.INT),
             ),
         ),
         PublicKeys.TYPE: (
@@ -174,6 +192,29 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
             (
                 ("code", "c", Kind.STR),
                 ("message", "m", Kind.STR),
+            ),
+        ),
+        RegisterRequest.TYPE: (RegisterRequest, (("platform", "p", Kind.STR),)),
+        RegisterResponse.TYPE: (RegisterResponse, (("device_id", "d", Kind.INT), ("token", "tok", Kind.STR))),
+        CheckIn.TYPE: (CheckIn, (("device_id", "d", Kind.INT), ("model_version", "mv", Kind.INT))),
+        Wait.TYPE: (Wait, (("retry_after", "ra", Kind.FLOAT), ("reason", "why", Kind.STR))),
+        ModelPayload.TYPE: (
+            ModelPayload,
+            (
+                ("model_version", "mv", Kind.INT),
+                ("model_kind", "mk", Kind.STR),
+                ("bits", "f", Kind.INT),
+                ("n_items", "m", Kind.INT),
+                ("words", "w", Kind.BYTES),
+            ),
+        ),
+        RoundResult.TYPE: (
+            RoundResult,
+            (
+                ("round_id", "r", Kind.INT),
+                ("committed", "ok", Kind.BOOL),
+                ("model_version", "mv", Kind.INT),
+                ("reason", "why", Kind.STR),
             ),
         ),
     }
@@ -267,6 +308,9 @@ def _decode_value(kind: Kind, value: Any, key: str) -> Any:
         return float(value)
     if kind is Kind.STR:
         _want(type(value) is str, f"field {key!r} must be a string")
+        return value
+    if kind is Kind.BOOL:
+        _want(type(value) is bool, f"field {key!r} must be a boolean")
         return value
     if kind is Kind.BYTES:
         _want(type(value) is bytes, f"field {key!r} must be binary")

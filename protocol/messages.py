@@ -38,6 +38,12 @@ __all__ = [
     "UnmaskResponse",
     "Abort",
     "ErrorMessage",
+    "RegisterRequest",
+    "RegisterResponse",
+    "CheckIn",
+    "Wait",
+    "ModelPayload",
+    "RoundResult",
 ]
 
 KEY_BYTES = 32
@@ -161,6 +167,23 @@ class RoundInvite(Message):
         Worst-case survivor count the noise is calibrated for; 0 iff ``dp_mu == 0``.
     advertise_deadline, share_keys_deadline, masked_input_deadline, unmask_deadline : float
         Absolute phase deadlines in seconds on the coordinator's clock, non-decreasing.
+    model_version : int
+        Version of the global model this round trains (download it from the model endpoint).
+    model_kind : str
+        Model family (`protocol.spec.ModelKind` value), "lightfr" by default.
+    aggregation : str
+        LightFR upload kind (`protocol.spec.Aggregation` value): "grad" or "para".
+    bits, n_items : int
+        Code length f and catalogue size m; the update has ``vector_length == n_items * bits``.
+    lam : float
+        LightFR balance weight λ for the local DCD.
+    negatives : int
+        Sampled unobserved items per rating, fitted as 0.
+    local_epochs, max_sweeps : int
+        Local epochs E and the DCD sweep cap.
+    example_cap : int
+        θ: at most this many of the device's ratings are used this round (0 = all); bounds each
+        device's contribution for differential privacy.
     """
 
     TYPE: ClassVar[int] = 1
@@ -177,9 +200,32 @@ class RoundInvite(Message):
     share_keys_deadline: float
     masked_input_deadline: float
     unmask_deadline: float
+    # Appended in protocol 1.1 (training plan); every field has a default, as the evolution rule asks.
+    model_version: int = 0
+    model_kind: str = "lightfr"
+    aggregation: str = "grad"
+    bits: int = 0
+    n_items: int = 0
+    lam: float = 0.0
+    negatives: int = 0
+    local_epochs: int = 1
+    max_sweeps: int = 10
+    example_cap: int = 0
 
     def __post_init__(self) -> None:
         n = "RoundInvite"
+        for name in ("model_version", "bits", "n_items", "negatives", "example_cap"):
+            _check_id(n, name, getattr(self, name))
+        for name in ("local_epochs", "max_sweeps"):
+            _check_id(n, name, getattr(self, name))
+            if not 1 <= getattr(self, name) <= 1000:
+                _fail(n, f"{name} must be in [1, 1000], got {getattr(self, name)}")
+        _check_text(n, "model_kind", self.model_kind, 32)
+        if self.aggregation not in ("grad", "para"):
+            _fail(n, f"aggregation must be 'grad' or 'para', got {self.aggregation!r}")
+        _check_float(n, "lam", self.lam, minimum=0.0)
+        if self.bits and self.n_items and self.bits * self.n_items != self.vector_length:
+            _fail(n, f"vector_length {self.vector_length} != n_items {self.n_items} × bits {self.bits}")
         _check_id(n, "round_id", self.round_id)
         _check_id(n, "device_id", self.device_id)
         for name in ("vector_length", "graph_k", "graph_t", "scale_bits", "dp_t_min"):
@@ -536,3 +582,153 @@ class ErrorMessage(Message):
         FedRecError
         """
         return error_class_for_code(self.code)(self.message)
+
+
+# -- registration, check-in and model distribution (type codes 11–16) -------------------------------
+
+_MAX_TOKEN = 256
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class RegisterRequest(Message):
+    """Device → server: ask for an identity (``POST /v1/devices``).
+
+    Attributes
+    ----------
+    platform : str
+        Free-form description of the device software (at most 128 characters), for operators.
+    """
+
+    TYPE: ClassVar[int] = 11
+    platform: str = ""
+
+    def __post_init__(self) -> None:
+        _check_text("RegisterRequest", "platform", self.platform, 128)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class RegisterResponse(Message):
+    """Server → device: the new device id and its bearer token (shown once; the server keeps a hash).
+
+    Attributes
+    ----------
+    device_id : int
+    token : str
+        Opaque bearer token (URL-safe text, 16..256 characters).
+    """
+
+    TYPE: ClassVar[int] = 12
+    device_id: int
+    token: str
+
+    def __post_init__(self) -> None:
+        _check_id("RegisterResponse", "device_id", self.device_id)
+        _check_text("RegisterResponse", "token", self.token, _MAX_TOKEN)
+        if len(self.token) < 16:
+            _fail("RegisterResponse", "token must be at least 16 characters")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class CheckIn(Message):
+    """Device → server: "I am available" (``POST /v1/checkin``).
+
+    The answer is a `RoundInvite` (join the round now) or a `Wait`.
+
+    Attributes
+    ----------
+    device_id : int
+    model_version : int
+        Version of the global model the device holds (0 = none).
+    """
+
+    TYPE: ClassVar[int] = 13
+    device_id: int
+    model_version: int = 0
+
+    def __post_init__(self) -> None:
+        _check_id("CheckIn", "device_id", self.device_id)
+        _check_id("CheckIn", "model_version", self.model_version)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Wait(Message):
+    """Server → device: no round for you now; check in again after ``retry_after`` seconds.
+
+    Attributes
+    ----------
+    retry_after : float
+        Seconds (>= 0) before the next check-in.
+    reason : str
+        Why (e.g. "no round open", "round abandoned after a restart").
+    """
+
+    TYPE: ClassVar[int] = 14
+    retry_after: float
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        _check_float("Wait", "retry_after", self.retry_after, minimum=0.0)
+        _check_text("Wait", "reason", self.reason, _MAX_TEXT)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ModelPayload(Message):
+    """Server → device: the global model (``GET /v1/model``).
+
+    Attributes
+    ----------
+    model_version : int
+    model_kind : str
+    bits, n_items : int
+        Code length f and catalogue size m.
+    words : bytes
+        LightFR item codes in the wire form of `protocol.codes` (little-endian (w, m) uint64 words,
+        ``8 * ceil(f / 64) * m`` bytes).
+    """
+
+    TYPE: ClassVar[int] = 15
+    model_version: int
+    model_kind: str = "lightfr"
+    bits: int
+    n_items: int
+    words: bytes
+
+    def __post_init__(self) -> None:
+        n = "ModelPayload"
+        _check_id(n, "model_version", self.model_version)
+        _check_text(n, "model_kind", self.model_kind, 32)
+        _check_id(n, "bits", self.bits)
+        _check_id(n, "n_items", self.n_items)
+        if not (1 <= self.bits <= 4096 and 1 <= self.n_items <= 1 << 26):
+            _fail(n, f"bits must be in [1, 4096] and n_items in [1, 2**26], got {self.bits}, {self.n_items}")
+        expected = 8 * ((self.bits + 63) // 64) * self.n_items
+        _check_bytes(n, "words", self.words, expected, max_len=1 << 31)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class RoundResult(Message):
+    """Server → device, answering the last phase: how the round ended.
+
+    Attributes
+    ----------
+    round_id : int
+    committed : bool
+        True if a new model was committed from this round.
+    model_version : int
+        The global model version after the round.
+    reason : str
+        Why the round aborted, if it did.
+    """
+
+    TYPE: ClassVar[int] = 16
+    round_id: int
+    committed: bool
+    model_version: int
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        _check_id("RoundResult", "round_id", self.round_id)
+        if type(self.committed) is not bool:
+            _fail("RoundResult", "committed must be a bool")
+        _check_id("RoundResult", "model_version", self.model_version)
+        _check_text("RoundResult", "reason", self.reason, _MAX_TEXT)

@@ -6,16 +6,22 @@ import numpy as np
 
 from protocol.messages import (
     Abort,
+    CheckIn,
     EncryptedShares,
     ErrorMessage,
     MaskedInput,
     MaskedInputRequest,
     Message,
+    ModelPayload,
     PublicKeys,
+    RegisterRequest,
+    RegisterResponse,
     RoundInvite,
+    RoundResult,
     ShareKeysBroadcast,
     UnmaskRequest,
     UnmaskResponse,
+    Wait,
 )
 from protocol.session import DeviceSecAggSession, Phase, RoundParameters, ServerSecAggSession
 
@@ -68,6 +74,12 @@ def sample_messages(round_id: int = 1, device_id: int = 0) -> list[Message]:
         ),
         Abort(round_id=r, device_id=d, reason="test"),
         ErrorMessage(code="decode_error", message="bad"),
+        RegisterRequest(platform="pytest"),
+        RegisterResponse(device_id=d, token="t" * 32),
+        CheckIn(device_id=d, model_version=3),
+        Wait(retry_after=2.5, reason="no round open"),
+        ModelPayload(model_version=3, bits=70, n_items=2, words=bytes(32)),
+        RoundResult(round_id=r, committed=True, model_version=4),
     ]
 
 

@@ -12,16 +12,22 @@ from protocol.codec import PROTOCOL_VERSION, check_version, decode, encode, is_c
 from protocol.errors import DecodeError, PayloadTooLarge, VersionMismatch
 from protocol.messages import (
     Abort,
+    CheckIn,
     EncryptedShares,
     ErrorMessage,
     MaskedInput,
     MaskedInputRequest,
     Message,
+    ModelPayload,
     PublicKeys,
+    RegisterRequest,
+    RegisterResponse,
     RoundInvite,
+    RoundResult,
     ShareKeysBroadcast,
     UnmaskRequest,
     UnmaskResponse,
+    Wait,
 )
 
 from .secagg_helpers import sample_messages
@@ -67,7 +73,7 @@ def aligned(draw: st.DrawFn, elements: st.SearchStrategy[bytes]) -> tuple[tuple[
 
 @st.composite
 def messages(draw: st.DrawFn) -> Message:
-    kind = draw(st.integers(0, 9))
+    kind = draw(st.integers(0, 15))
     r, d, sid = draw(ids), draw(ids), draw(key)
     if kind == 0:
         return draw(invites())
@@ -119,6 +125,22 @@ def messages(draw: st.DrawFn) -> Message:
         )
     if kind == 8:
         return Abort(round_id=r, device_id=d, reason=draw(text))
+    if kind == 10:
+        return RegisterRequest(platform=draw(st.text(max_size=128)))
+    if kind == 11:
+        return RegisterResponse(device_id=d, token=draw(st.text(min_size=16, max_size=256)))
+    if kind == 12:
+        return CheckIn(device_id=d, model_version=draw(ids))
+    if kind == 13:
+        return Wait(retry_after=draw(st.floats(0, 1e6)), reason=draw(text))
+    if kind == 14:
+        f, m = draw(st.integers(1, 200)), draw(st.integers(1, 20))
+        words = draw(st.binary(min_size=8 * ((f + 63) // 64) * m, max_size=8 * ((f + 63) // 64) * m))
+        return ModelPayload(model_version=draw(ids), bits=f, n_items=m, words=words)
+    if kind == 15:
+        return RoundResult(
+            round_id=r, committed=draw(st.booleans()), model_version=draw(ids), reason=draw(text)
+        )
     return ErrorMessage(
         code=draw(st.sampled_from(["decode_error", "round_closed", "crypto_error"])), message=draw(text)
     )
@@ -132,7 +154,7 @@ def test_round_trip_every_message_type(message: Message) -> None:
 
 def test_every_type_round_trips_and_has_a_distinct_code() -> None:
     samples = sample_messages()
-    assert len({type(m).TYPE for m in samples}) == len(samples) == 10
+    assert len({type(m).TYPE for m in samples}) == len(samples) == 16
     for m in samples:
         raw = encode(m)
         assert decode(raw) == m
