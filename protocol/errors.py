@@ -26,6 +26,7 @@ __all__ = [
     "StorageError",
     "ModelError",
     "AuthError",
+    "PermissionDenied",
     "PayloadTooLarge",
     "error_class_for_code",
 ]
@@ -131,6 +132,12 @@ class AuthError(FedRecError):
     """Missing, unknown or wrong credentials."""
 
     code = "auth_error"
+
+
+class PermissionDenied(AuthError):
+    """Valid credentials, but for another device than the message names."""
+
+    code = "permission_denied"
 
 
 class PayloadTooLarge(RemoteProtocolError):
