@@ -1,0 +1,559 @@
+"""The aggregation server's configuration: frozen dataclasses built once at the edge and passed down.
+
+Invariants of this module:
+
+* A config object that exists is valid: every dataclass checks its fields in ``__post_init__`` (types,
+  ranges, cross-field rules), so an invalid configuration cannot be built from TOML or from code.
+* Every error is a `ConfigError` whose message starts with the exact TOML key (``rounds.cohort_size:``),
+  so an operator can find the line to fix.  The [server] table maps to `ListenConfig` plus ``data_dir``.
+* Numbers are normalised on construction: an int given for a float field is stored as a float; bools
+  are never accepted as numbers (in Python ``True`` is an int, in TOML it is not a number).
+* Relative paths in a file resolve against the file's folder, never the process's working directory,
+  so a config means the same thing wherever the server is started from.
+* Apart from checking that TLS files exist, nothing here does I/O; reading the file is `load_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from protocol.errors import ConfigError
+from protocol.graph import find_parameters, validate_parameters
+from protocol.quantization import QuantizationConfig
+from protocol.spec import Aggregation, ModelKind
+
+__all__ = [
+    "ListenConfig",
+    "ModelSection",
+    "RoundSection",
+    "PrivacySection",
+    "LogSection",
+    "ServerConfig",
+    "LOG_FORMATS",
+    "LOG_LEVELS",
+    "MAX_VECTOR_LENGTH",
+    "load_config",
+    "config_from_dict",
+]
+
+MAX_VECTOR_LENGTH = 1 << 28
+"""Largest masked update (n_items * bits ring elements) a round may carry; RoundInvite's limit."""
+
+LOG_FORMATS = ("text", "json")
+"""Accepted values of ``log.format``."""
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+"""Accepted values of ``log.level`` (case-insensitive on input, stored lower-case)."""
+
+_MIB = 1 << 20
+# Limits shared with the wire messages (protocol.messages): a config the messages would refuse must be
+# refused here, at start-up, instead of at the first round.
+_MAX_BITS = 4096
+_MAX_ITEMS = 1 << 26
+_MAX_LOCAL_STEPS = 1000
+_MAX_SCALE_BITS = 30
+
+
+# -- field checks -------------------------------------------------------------------------------------
+# Each returns the normalised value or raises ConfigError("<key>: must be <what>, got <value>").
+
+
+def _fail(key: str, what: str, value: object) -> ConfigError:
+    return ConfigError(f"{key}: must be {what}, got {value!r}")
+
+
+def _range_text(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {lo}"
+    if hi is not None:
+        return f"{'<' if hi_open else '<='} {hi}"
+    return ""
+
+
+def _int(key: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
+    what = f"an integer {_range_text(lo, hi, False, False)}".rstrip()
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(key, what, value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise _fail(key, what, value)
+    return int(value)
+
+
+def _float(
+    key: str,
+    value: object,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> float:
+    what = f"a finite number {_range_text(lo, hi, lo_open, hi_open)}".rstrip()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(key, what, value)
+    x = float(value)
+    if not math.isfinite(x):
+        raise _fail(key, what, value)
+    if lo is not None and (x <= lo if lo_open else x < lo):
+        raise _fail(key, what, value)
+    if hi is not None and (x >= hi if hi_open else x > hi):
+        raise _fail(key, what, value)
+    return x
+
+
+def _bool(key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(key, "true or false", value)
+    return value
+
+
+def _choice(key: str, value: object, choices: tuple[str, ...], *, fold_case: bool = False) -> str:
+    what = "one of " + ", ".join(repr(c) for c in choices)
+    if not isinstance(value, str):
+        raise _fail(key, what, value)
+    text = value.lower() if fold_case else value
+    if text not in choices:
+        raise _fail(key, what, value)
+    return text
+
+
+def _optional_path(key: str, value: object) -> Path | None:
+    if value is None:
+        return None
+    return _path(key, value)
+
+
+def _path(key: str, value: object) -> Path:
+    if isinstance(value, Path):
+        return value
+    if isinstance(value, str | os.PathLike) and os.fspath(value):
+        return Path(value)
+    raise _fail(key, "a non-empty path", value)
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    # Normalising a frozen dataclass's own field during __post_init__ is the one sanctioned bypass.
+    object.__setattr__(obj, name, value)
+
+
+# -- sections ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ListenConfig:
+    """Where and how the HTTP server listens (TOML table ``[server]``, minus ``data_dir``).
+
+    Attributes
+    ----------
+    host : str
+        Interface to bind, e.g. "127.0.0.1" or "0.0.0.0".
+    port : int
+        TCP port in [0, 65535]; 0 lets the OS pick a free port.
+    max_body_bytes : int
+        Largest request body accepted, in bytes (>= 1); larger requests get 413.
+    tls_cert, tls_key : Path or None
+        PEM certificate chain and private key; both or neither, and both files must exist.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 64 * _MIB
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise _fail("server.host", "a non-empty string", self.host)
+        _int("server.port", self.port, lo=0, hi=65535)
+        _int("server.max_body_bytes", self.max_body_bytes, lo=1)
+        _set(self, "tls_cert", _optional_path("server.tls_cert", self.tls_cert))
+        _set(self, "tls_key", _optional_path("server.tls_key", self.tls_key))
+        if (self.tls_cert is None) != (self.tls_key is None):
+            missing = "server.tls_key" if self.tls_key is None else "server.tls_cert"
+            raise ConfigError(f"{missing}: server.tls_cert and server.tls_key must be set together")
+        for key, path in (("server.tls_cert", self.tls_cert), ("server.tls_key", self.tls_key)):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{key}: file {str(path)!r} does not exist")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSection:
+    """The global model and each device's local training plan (TOML table ``[model]``).
+
+    Attributes
+    ----------
+    kind : str
+        Model family, a `protocol.spec.ModelKind` value ("lightfr").
+    n_items : int
+        Catalogue size m (required), 1 <= m <= 2**26.
+    bits : int
+        Code length f in [1, 4096]; ``n_items * bits`` must not exceed 2**28.
+    lam : float
+        LightFR balance weight λ >= 0 for the local DCD.
+    negatives : int
+        Sampled unobserved items per rating (>= 0), fitted as 0.
+    local_epochs, max_sweeps : int
+        Local epochs E and the DCD sweep cap, each in [1, 1000].
+    aggregation : str
+        "grad" (Agg_grad, the default) or "para" (Agg_para), a `protocol.spec.Aggregation` value.
+    flip_fraction : float
+        Damping ρ in (0, 1] of Agg_grad: the probability a bit that wants to flip does.
+    binary_positives : bool
+        Fit observed ratings as 1 (implicit feedback) instead of the rescaled rating.
+    rating_min, rating_max : float
+        The rating scale, rating_min < rating_max.
+    """
+
+    kind: str = ModelKind.LIGHTFR.value
+    n_items: int
+    bits: int = 64
+    lam: float = 0.0
+    negatives: int = 4
+    local_epochs: int = 1
+    max_sweeps: int = 10
+    aggregation: str = Aggregation.GRAD.value
+    flip_fraction: float = 0.1
+    binary_positives: bool = True
+    rating_min: float = 1.0
+    rating_max: float = 5.0
+
+    def __post_init__(self) -> None:
+        # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
+        _set(self, "kind", _choice("model.kind", self.kind, tuple(k.value for k in ModelKind)))
+        _int("model.n_items", self.n_items, lo=1, hi=_MAX_ITEMS)
+        _int("model.bits", self.bits, lo=1, hi=_MAX_BITS)
+        if self.n_items * self.bits > MAX_VECTOR_LENGTH:
+            raise ConfigError(
+                f"model.n_items: n_items * bits = {self.n_items} * {self.bits} = {self.n_items * self.bits} "
+                f"exceeds the largest update vector 2**28 = {MAX_VECTOR_LENGTH}; lower model.bits or n_items"
+            )
+        _set(self, "lam", _float("model.lam", self.lam, lo=0.0))
+        _int("model.negatives", self.negatives, lo=0)
+        _int("model.local_epochs", self.local_epochs, lo=1, hi=_MAX_LOCAL_STEPS)
+        _int("model.max_sweeps", self.max_sweeps, lo=1, hi=_MAX_LOCAL_STEPS)
+        _set(
+            self,
+            "aggregation",
+            _choice("model.aggregation", self.aggregation, tuple(a.value for a in Aggregation)),
+        )
+        _set(
+            self,
+            "flip_fraction",
+            _float("model.flip_fraction", self.flip_fraction, lo=0.0, hi=1.0, lo_open=True),
+        )
+        _bool("model.binary_positives", self.binary_positives)
+        _set(self, "rating_min", _float("model.rating_min", self.rating_min))
+        _set(self, "rating_max", _float("model.rating_max", self.rating_max))
+        if not self.rating_min < self.rating_max:
+            raise ConfigError(
+                f"model.rating_max: must be > model.rating_min ({self.rating_min}), got {self.rating_max}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundSection:
+    """How rounds are run (TOML table ``[rounds]``).
+
+    Attributes
+    ----------
+    cohort_size : int
+        Devices invited per round, n >= 3.
+    min_cohort : int
+        Fewest waiting devices a round starts with, 3 <= min_cohort <= cohort_size.
+    dropout_rate : float
+        ω in [0, 1): the fraction of the cohort SecAgg+ must tolerate losing.
+    adversary_rate : float
+        γ in [0, 1): the fraction of the cohort assumed malicious.
+    k, t : int or None
+        SecAgg+ graph overrides (neighbourhood size incl. self, Shamir threshold); both or neither,
+        1 <= t <= k <= cohort_size, and safe for cohort_size under ω and γ.  None: derived per round.
+    clip_norm : float
+        L2 clipping norm C > 0 of each device's update, in model units.
+    scale_bits : int
+        Fixed-point scale s in [0, 30]; C * 2**s must fit a signed 32-bit ring element.
+    example_cap : int
+        θ >= 0: at most this many ratings per device per round (0 = all); bounds DP sensitivity.
+    advertise_timeout, share_keys_timeout, masked_input_timeout, unmask_timeout : float
+        Per-phase deadlines in seconds (> 0).
+    round_interval : float
+        Pause between rounds in seconds (>= 0).
+    max_rounds : int
+        Stop after this many rounds (>= 0; 0 = unlimited).
+    seed : int or None
+        Seeds the server's cohort and damping generator for reproducible simulations only (>= 0);
+        production leaves it unset and the server seeds from `secrets`.
+    """
+
+    cohort_size: int = 50
+    min_cohort: int = 3
+    dropout_rate: float = 0.33
+    adversary_rate: float = 0.05
+    k: int | None = None
+    t: int | None = None
+    clip_norm: float = 64.0
+    scale_bits: int = 10
+    example_cap: int = 0
+    advertise_timeout: float = 30.0
+    share_keys_timeout: float = 30.0
+    masked_input_timeout: float = 120.0
+    unmask_timeout: float = 30.0
+    round_interval: float = 1.0
+    max_rounds: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _int("rounds.cohort_size", self.cohort_size, lo=3)
+        _int("rounds.min_cohort", self.min_cohort, lo=3)
+        if self.min_cohort > self.cohort_size:
+            raise ConfigError(
+                f"rounds.min_cohort: must be <= rounds.cohort_size ({self.cohort_size}), "
+                f"got {self.min_cohort}"
+            )
+        for name in ("dropout_rate", "adversary_rate"):
+            key = f"rounds.{name}"
+            _set(self, name, _float(key, getattr(self, name), lo=0.0, hi=1.0, hi_open=True))
+        self._check_graph()
+        _set(self, "clip_norm", _float("rounds.clip_norm", self.clip_norm, lo=0.0, lo_open=True))
+        _int("rounds.scale_bits", self.scale_bits, lo=0, hi=_MAX_SCALE_BITS)
+        try:
+            QuantizationConfig(clip_norm=self.clip_norm, scale_bits=self.scale_bits)
+        except ConfigError as exc:
+            raise ConfigError(f"rounds.scale_bits: {exc}") from None
+        _int("rounds.example_cap", self.example_cap, lo=0)
+        for name in ("advertise_timeout", "share_keys_timeout", "masked_input_timeout", "unmask_timeout"):
+            _set(self, name, _float(f"rounds.{name}", getattr(self, name), lo=0.0, lo_open=True))
+        _set(self, "round_interval", _float("rounds.round_interval", self.round_interval, lo=0.0))
+        _int("rounds.max_rounds", self.max_rounds, lo=0)
+        if self.seed is not None:
+            # numpy's SeedSequence refuses negative entropy.
+            _int("rounds.seed", self.seed, lo=0)
+
+    def _check_graph(self) -> None:
+        if (self.k is None) != (self.t is None):
+            missing = "rounds.t" if self.t is None else "rounds.k"
+            raise ConfigError(f"{missing}: rounds.k and rounds.t must be set together (or both left out)")
+        n, omega, gamma = self.cohort_size, self.dropout_rate, self.adversary_rate
+        if self.k is not None and self.t is not None:
+            _int("rounds.k", self.k, lo=1, hi=n)
+            _int("rounds.t", self.t, lo=1, hi=self.k)
+            try:
+                validate_parameters(n, self.k, self.t, omega, gamma)
+            except ConfigError as exc:
+                raise ConfigError(f"rounds.t: unsafe for rounds.cohort_size={n}: {exc}") from None
+            return
+        # With no override the coordinator derives (k, t) for every cohort between min_cohort and
+        # cohort_size; refusing rates no cohort size can meet turns a failure at the first round into
+        # an error at start-up.  The search is a few milliseconds.
+        for key, size in (("rounds.cohort_size", n), ("rounds.min_cohort", self.min_cohort)):
+            try:
+                find_parameters(size, omega, gamma)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"{key}: no safe SecAgg+ graph for {size} devices with rounds.dropout_rate={omega} "
+                    f"and rounds.adversary_rate={gamma}: {exc}"
+                ) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrivacySection:
+    """Distributed differential privacy (TOML table ``[privacy]``).
+
+    Attributes
+    ----------
+    enabled : bool
+        Add Skellam noise and keep a privacy ledger.
+    epsilon : float
+        ε > 0: the budget over the whole run.
+    delta : float
+        δ in (0, 1) at which ε is accounted.
+    planned_rounds : int
+        Rounds the noise is calibrated for (>= 1); the ledger refuses rounds beyond the budget.
+    """
+
+    enabled: bool = False
+    epsilon: float = 8.0
+    delta: float = 1e-5
+    planned_rounds: int = 10
+
+    def __post_init__(self) -> None:
+        _bool("privacy.enabled", self.enabled)
+        _set(self, "epsilon", _float("privacy.epsilon", self.epsilon, lo=0.0, lo_open=True))
+        _set(self, "delta", _float("privacy.delta", self.delta, lo=0.0, hi=1.0, lo_open=True, hi_open=True))
+        _int("privacy.planned_rounds", self.planned_rounds, lo=1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogSection:
+    """Logging (TOML table ``[log]``).
+
+    Attributes
+    ----------
+    format : str
+        "text" or "json" (one object per line).
+    level : str
+        "debug", "info", "warning", "error" or "critical" (stored lower-case).
+    """
+
+    format: str = "text"
+    level: str = "info"
+
+    def __post_init__(self) -> None:
+        _choice("log.format", self.format, LOG_FORMATS)
+        _set(self, "level", _choice("log.level", self.level, LOG_LEVELS, fold_case=True))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    """The whole server configuration.
+
+    Attributes
+    ----------
+    data_dir : Path
+        Folder of the SQLite database and model checkpoints (created on start-up if missing).
+    listen : ListenConfig
+    model : ModelSection
+    rounds : RoundSection
+    privacy : PrivacySection
+    log : LogSection
+    """
+
+    data_dir: Path
+    model: ModelSection
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    rounds: RoundSection = field(default_factory=RoundSection)
+    privacy: PrivacySection = field(default_factory=PrivacySection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def __post_init__(self) -> None:
+        _set(self, "data_dir", _path("server.data_dir", self.data_dir))
+        for name, cls in _SECTION_TYPES.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name}: must be a {cls.__name__}, got {getattr(self, name)!r}")
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "listen": ListenConfig,
+    "model": ModelSection,
+    "rounds": RoundSection,
+    "privacy": PrivacySection,
+    "log": LogSection,
+}
+
+# TOML table -> (attribute of ServerConfig, dataclass); [server] also carries data_dir.
+_TABLES: dict[str, tuple[str, type]] = {
+    "server": ("listen", ListenConfig),
+    "model": ("model", ModelSection),
+    "rounds": ("rounds", RoundSection),
+    "privacy": ("privacy", PrivacySection),
+    "log": ("log", LogSection),
+}
+_PATH_KEYS = {("server", "data_dir"), ("server", "tls_cert"), ("server", "tls_key")}
+_REQUIRED = (("server", "data_dir"), ("model", "n_items"))
+
+
+def _table_keys(table: str) -> list[str]:
+    names = [f.name for f in dataclasses.fields(_TABLES[table][1])]
+    return ["data_dir", *names] if table == "server" else names
+
+
+def _unknown(key: str, candidates: list[str], what: str) -> ConfigError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], candidates, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{key}: unknown {what}{hint}")
+
+
+def config_from_dict(data: Mapping[str, Any], *, base_dir: Path) -> ServerConfig:
+    """Build and validate a server configuration from parsed TOML (or an equivalent mapping).
+
+    Parameters
+    ----------
+    data : Mapping[str, Any]
+        Tables ``server``, ``model``, ``rounds``, ``privacy``, ``log``; only ``server.data_dir`` and
+        ``model.n_items`` are required, every other key has a default.
+    base_dir : Path
+        Folder that relative paths (``data_dir``, ``tls_cert``, ``tls_key``) resolve against,
+        normally the TOML file's folder.
+
+    Returns
+    -------
+    ServerConfig
+        The validated configuration.
+
+    Raises
+    ------
+    ConfigError
+        Naming the offending key: an unknown table or key (with a "did you mean" hint), a missing
+        required key, a wrong type, a value out of range or a broken cross-field rule.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"configuration must be a table of tables, got {type(data).__name__}")
+    for table in data:
+        if table not in _TABLES:
+            raise _unknown(str(table), list(_TABLES), "section")
+    values: dict[str, dict[str, Any]] = {}
+    for table in _TABLES:
+        section = data.get(table, {})
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{table}: must be a table, got {section!r}")
+        allowed = _table_keys(table)
+        for key in section:
+            if key not in allowed:
+                raise _unknown(f"{table}.{key}", allowed, "key")
+        values[table] = dict(section)
+    for table, key in _REQUIRED:
+        if key not in values[table]:
+            raise ConfigError(f"{table}.{key}: required key is missing")
+    for table, key in _PATH_KEYS:
+        if key in values[table]:
+            path = _path(f"{table}.{key}", values[table][key]).expanduser()
+            # An absolute path stays as it is: base_dir / "/abs" == "/abs".
+            values[table][key] = Path(base_dir) / path
+    data_dir = values["server"].pop("data_dir")
+    sections = {attr: cls(**values[table]) for table, (attr, cls) in _TABLES.items()}
+    return ServerConfig(data_dir=data_dir, **sections)
+
+
+def load_config(path: Path) -> ServerConfig:
+    """Read and validate a server TOML file.
+
+    Parameters
+    ----------
+    path : Path
+        The TOML file; relative paths inside it resolve against its folder.
+
+    Returns
+    -------
+    ServerConfig
+        The validated configuration.
+
+    Raises
+    ------
+    ConfigError
+        If the file cannot be read, is not valid TOML (the message carries the parser's line and
+        column) or holds an invalid configuration (see `config_from_dict`).
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the configuration file: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: not UTF-8 (byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    try:
+        return config_from_dict(data, base_dir=path.resolve().parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
