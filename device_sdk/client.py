@@ -1,0 +1,860 @@
+# Invariants:
+# - The only async code of the SDK.  It talks to the server through a `Transport` only and never imports
+#   aiohttp at module level (`DeviceClient.connect` imports `device_sdk.http` lazily).
+# - Store files under ``store_dir`` are written atomically by `device_sdk.store`: the identity once, at
+#   registration; the model right after local training (so an app restart mid-round loses no training
+#   and corrupts nothing) and at commit; the ETag record ("sync") only after the model it describes is
+#   on disk, so it never vouches for item codes that are not stored.
+# - A corrupt model or ETag record is moved aside by the store and replaced by a fresh one (with a
+#   warning); a file the store could not move aside is never overwritten: the error propagates.
+# - The plaintext update lives only between local training and the SecAgg session; every way out of a
+#   round (commit, abort, dropout, error) leaves the session finished, so its secrets are dropped.
+# - Randomness: training and DP-noise generators come from ``rng_for_round`` (default: fresh ``secrets``
+#   seeds every round); key material is generated inside `protocol` only.
+"""`DeviceClient`: one device taking part in federated rounds over a `Transport` (DESIGN.md §4, §7)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from enum import Enum, StrEnum
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from device_sdk.models import LightFRConfig, LightFRModel
+from device_sdk.store import load_store, save_store
+from device_sdk.training import local_round
+from device_sdk.transport import Response, Transport, TransportError, raise_for_error
+from protocol.codes import from_bytes
+from protocol.errors import (
+    ConfigError,
+    FedRecError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    RoundError,
+    StaleRound,
+    StorageError,
+)
+from protocol.messages import (
+    Abort,
+    CheckIn,
+    MaskedInputRequest,
+    Message,
+    ModelPayload,
+    RegisterRequest,
+    RegisterResponse,
+    RoundInvite,
+    RoundResult,
+    ShareKeysBroadcast,
+    UnmaskRequest,
+    Wait,
+)
+from protocol.session import ACTIVE_PHASES, DeviceSecAggSession
+
+__all__ = [
+    "MODEL_FILE",
+    "IDENTITY_FILE",
+    "SYNC_FILE",
+    "ClientConfig",
+    "DropoutAt",
+    "RoundStatus",
+    "RoundOutcome",
+    "DeviceClient",
+    "RoundRngs",
+    "seeded_rngs",
+]
+
+MODEL_FILE = "model.fedrec"
+IDENTITY_FILE = "identity.fedrec"
+SYNC_FILE = "sync.fedrec"
+_IDENTITY_KIND = "identity"
+_SYNC_KIND = "sync"
+_MAX_REASON = 4096
+
+_log = logging.getLogger(__name__)
+
+#: ``rng_for_round(round_id) -> (training_rng, noise_rng)``.
+RoundRngs = Callable[[int], tuple[np.random.Generator, np.random.Generator]]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """Settings of one device client.
+
+    Attributes
+    ----------
+    store_dir : Path
+        Folder of the device's store files (identity, model, ETag record); created if missing.
+    platform : str
+        Sent at registration, for operators.
+    request_timeout : float
+        Seconds per attempt of a short request (register, check-in, model download, abort).
+    long_poll_timeout : float
+        Seconds per attempt of a SecAgg phase request, which the server holds until the phase closes.
+    disconnect_after : float
+        Fault injection only (`DropoutAt.DISCONNECT_MASKED`): seconds the masked-input request may run
+        before the client abandons it and closes the connection.
+
+    Raises
+    ------
+    ConfigError
+        A timeout is not a positive number, or ``platform`` is longer than 128 characters.
+    """
+
+    store_dir: Path
+    platform: str = "fedrec-python"
+    request_timeout: float = 30.0
+    long_poll_timeout: float = 300.0
+    disconnect_after: float = 0.05
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "store_dir", Path(self.store_dir))
+        for name in ("request_timeout", "long_poll_timeout", "disconnect_after"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if len(self.platform) > 128:
+            raise ConfigError("platform must be at most 128 characters")
+
+
+class DropoutAt(Enum):
+    """Fault injection: where a device stops taking part in a round (tests and load tests).
+
+    ``BEFORE_*`` stop silently right before sending that phase's message (no `Abort`: a vanished phone
+    says nothing).  ``DISCONNECT_MASKED`` sends the masked input, then closes the connection before the
+    answer arrives.
+    """
+
+    NONE = "none"
+    BEFORE_KEYS = "before_keys"
+    BEFORE_SHARES = "before_shares"
+    BEFORE_MASKED = "before_masked"
+    BEFORE_UNMASK = "before_unmask"
+    DISCONNECT_MASKED = "disconnect_masked"
+
+
+class RoundStatus(StrEnum):
+    """How `DeviceClient.run_round` ended (equal to its string value)."""
+
+    WAITED = "waited"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    DROPPED = "dropped"
+
+
+@dataclass(frozen=True, slots=True)
+class RoundOutcome:
+    """What one `DeviceClient.run_round` call did.
+
+    Attributes
+    ----------
+    status : RoundStatus
+        "waited" (no round now), "committed", "aborted" (by the server, or the round closed/went
+        stale) or "dropped" (fault injection).
+    round_id : int or None
+        The round joined, None when told to wait.
+    model_version : int
+        Global model version after the round (from the `RoundResult`), else the version the device
+        holds.
+    retry_after : float or None
+        Seconds to wait before checking in again ("waited" only).
+    timings : dict of str to float
+        Seconds per step: "register", "checkin", "model", "train", "keys", "shares", "masked",
+        "unmask" (the phase steps include the long-poll wait), and "total".
+    bytes_up, bytes_down : int
+        Encoded message bytes sent and received during the call, retries included.
+    reason : str
+        Why the round aborted or the device dropped.
+    """
+
+    status: RoundStatus
+    round_id: int | None
+    model_version: int
+    retry_after: float | None
+    timings: dict[str, float]
+    bytes_up: int
+    bytes_down: int
+    reason: str = ""
+
+
+def seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Generator, np.random.Generator]:
+    """Reproducible per-round generators of one device: ``(training_rng, noise_rng)``.
+
+    The in-process simulator and a device driven over HTTP must both use exactly this function so that
+    they produce bit-identical updates and noise.  Pass it to `DeviceClient` once the device id is known,
+    e.g. ``rng_for_round=lambda r: seeded_rngs(seed, r, client.device_id)`` (the lambda reads the id at
+    call time, after registration).
+
+    Parameters
+    ----------
+    seed : int
+        Root seed of the simulation (>= 0).
+    round_id, device_id : int
+        The round and the device (>= 0).
+
+    Returns
+    -------
+    tuple of np.random.Generator
+        Children 0 and 1 of ``np.random.SeedSequence([seed, round_id, device_id])``.
+
+    Raises
+    ------
+    ValueError
+        A negative or non-integer argument.
+    """
+    for name, value in (("seed", seed), ("round_id", round_id), ("device_id", device_id)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    training, noise = np.random.SeedSequence([int(seed), int(round_id), int(device_id)]).spawn(2)
+    return np.random.default_rng(training), np.random.default_rng(noise)
+
+
+def _secret_generator() -> np.random.Generator:
+    return np.random.default_rng(secrets.randbits(128))
+
+
+def _secret_round_rngs(round_id: int) -> tuple[np.random.Generator, np.random.Generator]:
+    return _secret_generator(), _secret_generator()
+
+
+@dataclass(frozen=True, slots=True)
+class _Identity:
+    device_id: int
+    token: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Sync:
+    # The ETag the server gave for the global model version this device stores.
+    etag: str | None
+    model_version: int
+
+
+@dataclass(slots=True)
+class _Tally:
+    timings: dict[str, float] = field(default_factory=dict)
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+
+    def count(self, response: Response) -> None:
+        self.bytes_up += response.bytes_up
+        self.bytes_down += response.bytes_down
+
+
+# (step name = path segment, the dropout that stops before it, the answer expected unless the round ends)
+_STEPS: tuple[tuple[str, DropoutAt, type[Message]], ...] = (
+    ("keys", DropoutAt.BEFORE_KEYS, ShareKeysBroadcast),
+    ("shares", DropoutAt.BEFORE_SHARES, MaskedInputRequest),
+    ("masked", DropoutAt.BEFORE_MASKED, UnmaskRequest),
+    ("unmask", DropoutAt.BEFORE_UNMASK, RoundResult),
+)
+
+
+class DeviceClient:
+    """One device: registers once, checks in, trains locally and takes part in SecAgg+ rounds.
+
+    On construction the client loads ``store_dir/model.fedrec`` when present.  A corrupt model file is
+    moved aside by the store; the client logs a warning and starts from a fresh model (random user code,
+    no global model: it downloads the current one at its next round).  A corrupt identity file likewise
+    leads to a new registration.
+
+    Parameters
+    ----------
+    transport : Transport
+        Connection to the server (`device_sdk.http.HttpTransport`, or a fake in tests).
+    config : ClientConfig
+        Store folder and timeouts.
+    items : array_like of int
+        Ids of the items this device's user rated (in ``[0, n_items)``).
+    ratings : array_like of float or None
+        Raw ratings aligned with ``items``; None for implicit feedback.
+    n_items : int
+        Catalogue size m.
+    bits : int
+        Code length f.
+    rating_range : (float, float) or None
+        Range used to normalise raw ratings (None: already in [0, 1]).
+    binary_positives : bool
+        Fit every observed rating as 1.
+    rng_for_round : callable, optional
+        ``rng_for_round(round_id) -> (training_rng, noise_rng)``; default: both freshly seeded from
+        ``secrets`` each round.  Simulations pass `seeded_rngs` (see there).
+
+    Raises
+    ------
+    ValueError
+        ``items``/``ratings`` have different lengths or an item id is out of range.
+    ConfigError
+        The stored model was built for another catalogue size or code length.
+    StorageError
+        A store file is unreadable and could not be moved aside (it is never overwritten).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        config: ClientConfig,
+        *,
+        items: ArrayLike,
+        ratings: ArrayLike | None,
+        n_items: int,
+        bits: int = 64,
+        rating_range: tuple[float, float] | None = (1.0, 5.0),
+        binary_positives: bool = True,
+        rng_for_round: RoundRngs | None = None,
+    ) -> None:
+        if n_items <= 0:
+            raise ValueError(f"n_items must be positive, got {n_items}")
+        item_ids = np.array(items, dtype=np.int64).ravel()
+        if item_ids.size and (item_ids.min() < 0 or item_ids.max() >= n_items):
+            raise ValueError(f"item id out of range [0, {n_items})")
+        values: NDArray[np.float64] | None = None
+        if ratings is not None:
+            values = np.array(ratings, dtype=np.float64).ravel()
+            if values.shape != item_ids.shape:
+                raise ValueError(f"{item_ids.size} items but {values.size} ratings")
+        self.config = config
+        self._transport = transport
+        self._owns_transport = False
+        self._items = item_ids
+        self._ratings = values
+        self._n_items = n_items
+        self._lightfr = LightFRConfig(bits=bits, rating_range=rating_range, binary_positives=binary_positives)
+        self._rng_for_round: RoundRngs = rng_for_round if rng_for_round is not None else _secret_round_rngs
+        self._lock = asyncio.Lock()
+        try:
+            config.store_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create the store folder {config.store_dir}: {exc}") from exc
+        self._identity = self._load_identity()
+        self._sync = self._load_sync()
+        self._model = self._load_model()
+
+    @classmethod
+    def connect(
+        cls,
+        base_url: str,
+        config: ClientConfig,
+        *,
+        items: ArrayLike,
+        ratings: ArrayLike | None,
+        n_items: int,
+        bits: int = 64,
+        rating_range: tuple[float, float] | None = (1.0, 5.0),
+        binary_positives: bool = True,
+        rng_for_round: RoundRngs | None = None,
+        retries: int = 5,
+    ) -> DeviceClient:
+        """A client over `device_sdk.http.HttpTransport` (imported here, so aiohttp loads only now).
+
+        Parameters
+        ----------
+        base_url : str
+            Server root, e.g. ``http://127.0.0.1:8080``.
+        config, items, ratings, n_items, bits, rating_range, binary_positives, rng_for_round
+            As for `DeviceClient`.
+        retries : int
+            Retries of the HTTP transport.
+
+        Returns
+        -------
+        DeviceClient
+            It owns the transport: `close` closes it.
+        """
+        from device_sdk.http import HttpTransport  # lazy: `import device_sdk` must not import aiohttp
+
+        client = cls(
+            HttpTransport(base_url, retries=retries),
+            config,
+            items=items,
+            ratings=ratings,
+            n_items=n_items,
+            bits=bits,
+            rating_range=rating_range,
+            binary_positives=binary_positives,
+            rng_for_round=rng_for_round,
+        )
+        client._owns_transport = True
+        return client
+
+    async def __aenter__(self) -> DeviceClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the transport if this client created it (`connect`); otherwise it stays the caller's."""
+        if self._owns_transport:
+            await self._transport.close()
+
+    # -- state ------------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> LightFRModel:
+        """The on-device model (user code and global item codes); ``recommend`` works offline."""
+        return self._model
+
+    @property
+    def device_id(self) -> int | None:
+        """The registered device id, None before `register`."""
+        return None if self._identity is None else self._identity.device_id
+
+    # -- protocol ---------------------------------------------------------------------------------
+
+    async def register(self) -> int:
+        """Get an identity from the server once (``POST /v1/devices``) and persist it.
+
+        Later calls, and later runs with the same ``store_dir``, reuse the stored identity.
+
+        Returns
+        -------
+        int
+            The device id.
+
+        Raises
+        ------
+        FedRecError
+            The error the server answered with, `TransportError` when it cannot be reached, or
+            `StorageError` when the identity cannot be written.
+        """
+        async with self._lock:
+            return (await self._ensure_identity(_Tally())).device_id
+
+    async def run_round(self, *, dropout: DropoutAt = DropoutAt.NONE) -> RoundOutcome:
+        """Check in and, when invited, take part in one round.
+
+        Check in with the model version held; a `Wait` ends the call ("waited").  On a `RoundInvite`:
+        download the round's model if it differs from the stored one (``If-None-Match`` with the stored
+        ETag), train locally as the invite's plan says, save the model, then drive the SecAgg+ session
+        through the keys, shares, masked and unmask long-polls.  A `RoundResult` at any phase ends the
+        round; `RoundError`s from the server (round closed, stale round, not enough participants)
+        become an "aborted" outcome with the reason.
+
+        Parameters
+        ----------
+        dropout : DropoutAt
+            Fault injection: stop taking part at that point ("dropped").
+
+        Returns
+        -------
+        RoundOutcome
+
+        Raises
+        ------
+        AuthError, PrivacyBudgetExceeded, VersionMismatch, ...
+            Any other error the server answered with.
+        TransportError
+            The server could not be reached.
+        RemoteProtocolError, CryptoError
+            The server broke the protocol (the device leaves the round, telling the server if it can).
+        ConfigError
+            The round trains a model this device is not configured for.
+        StorageError
+            The model could not be saved.
+        """
+        async with self._lock:
+            tally = _Tally()
+            start = time.perf_counter()
+            try:
+                return await self._round(dropout, tally)
+            finally:
+                tally.timings["total"] = time.perf_counter() - start
+
+    async def run(
+        self, *, rounds: int | None = None, stop: asyncio.Event | None = None
+    ) -> list[RoundOutcome]:
+        """Take part in rounds until ``rounds`` were joined or ``stop`` is set.
+
+        Parameters
+        ----------
+        rounds : int, optional
+            Stop after this many rounds joined (committed, aborted or dropped); waits do not count.
+            None: until ``stop`` is set.
+        stop : asyncio.Event, optional
+            Checked between rounds and while waiting to check in again (a round in progress finishes).
+
+        Returns
+        -------
+        list of RoundOutcome
+            Every outcome, waits included.
+        """
+        if rounds is not None and rounds < 0:
+            raise ValueError(f"rounds must be >= 0, got {rounds}")
+        outcomes: list[RoundOutcome] = []
+        joined = 0
+        while rounds is None or joined < rounds:
+            if stop is not None and stop.is_set():
+                break
+            outcome = await self.run_round()
+            outcomes.append(outcome)
+            if outcome.status is RoundStatus.WAITED:
+                await _pause(outcome.retry_after or 0.0, stop)
+            else:
+                joined += 1
+        return outcomes
+
+    # -- one round --------------------------------------------------------------------------------
+
+    async def _round(self, dropout: DropoutAt, tally: _Tally) -> RoundOutcome:
+        identity = await self._ensure_identity(tally)
+        try:
+            with tally.step("checkin"):
+                checkin = CheckIn(device_id=identity.device_id, model_version=self._held_version() or 0)
+                response = await self._call(
+                    "POST", "/v1/checkin", checkin, tally, timeout=self.config.request_timeout
+                )
+        except RoundError as exc:
+            return self._outcome(RoundStatus.ABORTED, None, tally, reason=str(exc))
+        message = response.message
+        if isinstance(message, Wait):
+            return self._outcome(RoundStatus.WAITED, None, tally, retry_after=message.retry_after)
+        if not isinstance(message, RoundInvite):
+            raise RemoteProtocolError(
+                f"check-in answered with {_name(message)}, expected RoundInvite or Wait"
+            )
+        if message.device_id != identity.device_id:
+            raise RemoteProtocolError(f"invite addressed to device {message.device_id}")
+        return await self._join(message, dropout, tally)
+
+    async def _join(self, invite: RoundInvite, dropout: DropoutAt, tally: _Tally) -> RoundOutcome:
+        rid = invite.round_id
+        session: DeviceSecAggSession | None = None
+        try:
+            self._check_plan(invite)
+            with tally.step("model"):
+                await self._sync_model(invite, tally)
+            training_rng, noise_rng = self._rng_for_round(rid)
+            with tally.step("train"):
+                update, _ = local_round(self._model, invite, self._items, self._ratings, training_rng)
+                self._save_model()
+            session = DeviceSecAggSession(invite, rng=noise_rng)
+            session.provide_input(update)
+            del update  # the session holds the only copy until it is masked
+            for name, stop_before, answer_type in _STEPS:
+                if dropout is stop_before:
+                    return self._dropped(session, rid, tally, f"fault injection: dropped {dropout.name}")
+                outgoing = session.send()
+                path = f"/v1/rounds/{rid}/{name}"
+                if name == "masked" and dropout is DropoutAt.DISCONNECT_MASKED:
+                    with tally.step(name):
+                        await self._send_and_disconnect(path, outgoing, tally)
+                    return self._dropped(
+                        session, rid, tally, "fault injection: disconnected after masked input"
+                    )
+                with tally.step(name):
+                    response = await self._call(
+                        "POST", path, outgoing, tally, timeout=self.config.long_poll_timeout
+                    )
+                answer = response.message
+                if isinstance(answer, RoundResult):
+                    return self._finish(session, invite, answer, tally)
+                if not isinstance(answer, answer_type):
+                    raise RemoteProtocolError(
+                        f"{name} answered with {_name(answer)}, expected {answer_type.__name__}"
+                    )
+                session.receive(answer)
+            raise LocalProtocolError("the unmask phase must end with a RoundResult")  # pragma: no cover
+        except RoundError as exc:
+            _forget(session)
+            return self._outcome(RoundStatus.ABORTED, rid, tally, reason=str(exc))
+        except Exception as exc:
+            _forget(session)
+            if not isinstance(exc, TransportError):
+                await self._leave(invite, f"device error: {type(exc).__name__}: {exc}")
+            raise
+
+    def _finish(
+        self, session: DeviceSecAggSession, invite: RoundInvite, result: RoundResult, tally: _Tally
+    ) -> RoundOutcome:
+        if result.round_id != invite.round_id:
+            raise StaleRound(
+                f"result of round {result.round_id} while taking part in round {invite.round_id}"
+            )
+        _forget(session)
+        if not result.committed:
+            return self._outcome(
+                RoundStatus.ABORTED,
+                invite.round_id,
+                tally,
+                model_version=result.model_version,
+                reason=result.reason,
+            )
+        self._save_model()
+        _log.info("round %d committed; global model is now version %d", invite.round_id, result.model_version)
+        return self._outcome(
+            RoundStatus.COMMITTED, invite.round_id, tally, model_version=result.model_version
+        )
+
+    def _dropped(self, session: DeviceSecAggSession, rid: int, tally: _Tally, reason: str) -> RoundOutcome:
+        _forget(session)
+        return self._outcome(RoundStatus.DROPPED, rid, tally, reason=reason)
+
+    async def _send_and_disconnect(self, path: str, message: Message, tally: _Tally) -> None:
+        # The request runs as a task; after `disconnect_after` it is cancelled, which closes its
+        # connection.  If the body had not left by then the device is a MASKED_INPUT dropout instead;
+        # either way the round must go on without it.
+        token = self._identity.token if self._identity is not None else None
+        request = self._transport.request(
+            "POST", path, message, token=token, timeout=self.config.long_poll_timeout
+        )
+        task = asyncio.ensure_future(request)
+        done, _ = await asyncio.wait({task}, timeout=self.config.disconnect_after)
+        if task in done:
+            if task.exception() is None:
+                tally.count(task.result())
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def _leave(self, invite: RoundInvite, reason: str) -> None:
+        # Best effort: tell the server this device leaves, so it need not wait for the deadline.
+        if self._identity is None:  # pragma: no cover - a round needs an identity
+            return
+        abort = Abort(round_id=invite.round_id, device_id=invite.device_id, reason=reason[:_MAX_REASON])
+        try:
+            await self._transport.request(
+                "POST",
+                f"/v1/rounds/{invite.round_id}/abort",
+                abort,
+                token=self._identity.token,
+                timeout=self.config.request_timeout,
+            )
+        except FedRecError as exc:
+            _log.debug("could not tell the server this device left round %d: %s", invite.round_id, exc)
+
+    # -- model ------------------------------------------------------------------------------------
+
+    def _check_plan(self, invite: RoundInvite) -> None:
+        bits, m = self._lightfr.bits, self._n_items
+        if invite.model_kind != "lightfr" or invite.bits != bits or invite.n_items != m:
+            raise ConfigError(
+                f"round {invite.round_id} trains {invite.model_kind!r} with f={invite.bits}, "
+                f"m={invite.n_items}; this device runs 'lightfr' with f={bits}, m={m}"
+            )
+
+    def _held_version(self) -> int | None:
+        """Version of the global model stored on the device; None if its item codes are not global."""
+        sync = self._sync
+        if sync is None or sync.model_version != self._model.model_version:
+            return None
+        return sync.model_version
+
+    async def _sync_model(self, invite: RoundInvite, tally: _Tally) -> None:
+        held = self._held_version()
+        if held == invite.model_version:
+            return
+        etag = self._sync.etag if held is not None and self._sync is not None else None
+        response = await self._call(
+            "GET", "/v1/model", None, tally, timeout=self.config.request_timeout, if_none_match=etag
+        )
+        if response.status == 304:
+            # The server's current model is the one we hold; it must be the round's.
+            raise StaleRound(
+                f"round {invite.round_id} trains model {invite.model_version}, the server serves {held}"
+            )
+        payload = response.message
+        if not isinstance(payload, ModelPayload):
+            raise RemoteProtocolError(f"model download answered with {_name(payload)}")
+        if payload.model_version != invite.model_version:
+            raise StaleRound(
+                f"round {invite.round_id} trains model {invite.model_version}, "
+                f"the server serves {payload.model_version}"
+            )
+        bits, m = self._lightfr.bits, self._n_items
+        if payload.model_kind != "lightfr" or payload.bits != bits or payload.n_items != m:
+            raise ConfigError(
+                f"the server's model is {payload.model_kind!r} with f={payload.bits}, m={payload.n_items}; "
+                f"this device runs 'lightfr' with f={bits}, m={m}"
+            )
+        try:
+            words = from_bytes(payload.words, bits, m)
+        except ValueError as exc:
+            raise RemoteProtocolError(f"model {payload.model_version}: {exc}") from exc
+        self._model.set_item_codes(words, payload.model_version)
+        # Persisted after the model itself (`_save_model`), never before.
+        self._sync = _Sync(etag=response.etag, model_version=payload.model_version)
+
+    def _save_model(self) -> None:
+        store = self.config.store_dir
+        self._model.save(store / MODEL_FILE)
+        if self._sync is not None:
+            save_store(
+                store / SYNC_FILE,
+                _SYNC_KIND,
+                {"etag": self._sync.etag, "model_version": self._sync.model_version},
+            )
+
+    def _fresh_model(self) -> LightFRModel:
+        self._sync = None  # a fresh model holds no global item codes
+        return LightFRModel(self._n_items, self._lightfr, rng=_secret_generator())
+
+    def _load_model(self) -> LightFRModel:
+        path = self.config.store_dir / MODEL_FILE
+        if not path.exists():
+            return self._fresh_model()
+        try:
+            model = LightFRModel.load(path, rng=_secret_generator())
+        except StorageError as exc:
+            if path.exists():  # not moved aside (e.g. written by a newer format): never overwrite it
+                raise
+            _log.warning("device model store is corrupt, starting with a fresh model: %s", exc)
+            return self._fresh_model()
+        if model.n_items != self._n_items or model.config.bits != self._lightfr.bits:
+            raise ConfigError(
+                f"{path} holds a model with m={model.n_items}, f={model.config.bits}; "
+                f"this device is configured for m={self._n_items}, f={self._lightfr.bits}"
+            )
+        model.config = replace(
+            model.config,
+            rating_range=self._lightfr.rating_range,
+            binary_positives=self._lightfr.binary_positives,
+        )
+        return model
+
+    def _load_sync(self) -> _Sync | None:
+        state = self._load_small(SYNC_FILE, _SYNC_KIND)
+        if state is None:
+            return None
+        etag, version = state.get("etag"), state.get("model_version")
+        if not (etag is None or isinstance(etag, str)) or type(version) is not int or version < 0:
+            _log.warning("ignoring a malformed ETag record in %s", self.config.store_dir / SYNC_FILE)
+            return None
+        return _Sync(etag=etag, model_version=version)
+
+    # -- identity ---------------------------------------------------------------------------------
+
+    async def _ensure_identity(self, tally: _Tally) -> _Identity:
+        if self._identity is not None:
+            return self._identity
+        with tally.step("register"):
+            response = await self._call(
+                "POST",
+                "/v1/devices",
+                RegisterRequest(platform=self.config.platform),
+                tally,
+                timeout=self.config.request_timeout,
+                authorized=False,
+            )
+        message = response.message
+        if not isinstance(message, RegisterResponse):
+            raise RemoteProtocolError(f"registration answered with {_name(message)}")
+        identity = _Identity(device_id=message.device_id, token=message.token)
+        save_store(
+            self.config.store_dir / IDENTITY_FILE,
+            _IDENTITY_KIND,
+            {"device_id": identity.device_id, "token": identity.token},
+        )
+        self._identity = identity
+        _log.info("registered as device %d", identity.device_id)
+        return identity
+
+    def _load_identity(self) -> _Identity | None:
+        state = self._load_small(IDENTITY_FILE, _IDENTITY_KIND)
+        if state is None:
+            return None
+        device_id, token = state.get("device_id"), state.get("token")
+        if type(device_id) is not int or device_id < 0 or not isinstance(token, str) or not token:
+            raise StorageError(f"{self.config.store_dir / IDENTITY_FILE} holds a malformed identity")
+        return _Identity(device_id=device_id, token=token)
+
+    def _load_small(self, name: str, kind: str) -> dict[str, Any] | None:
+        path = self.config.store_dir / name
+        if not path.exists():
+            return None
+        try:
+            return load_store(path, kind)
+        except StorageError as exc:
+            if path.exists():  # not moved aside: leave it alone and let the caller see why
+                raise
+            _log.warning("%s store is corrupt and was moved aside; starting without it: %s", kind, exc)
+            return None
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        message: Message | None,
+        tally: _Tally,
+        *,
+        timeout: float,
+        if_none_match: str | None = None,
+        authorized: bool = True,
+    ) -> Response:
+        token = None
+        if authorized:
+            if self._identity is None:  # pragma: no cover - every authorized call follows registration
+                raise LocalProtocolError("not registered")
+            token = self._identity.token
+        response = await self._transport.request(
+            method, path, message, token=token, if_none_match=if_none_match, timeout=timeout
+        )
+        tally.count(response)
+        return raise_for_error(response)
+
+    def _outcome(
+        self,
+        status: RoundStatus,
+        round_id: int | None,
+        tally: _Tally,
+        *,
+        model_version: int | None = None,
+        retry_after: float | None = None,
+        reason: str = "",
+    ) -> RoundOutcome:
+        # `timings` is the tally's own dict: run_round adds "total" to it after this returns.
+        return RoundOutcome(
+            status=status,
+            round_id=round_id,
+            model_version=self._model.model_version if model_version is None else model_version,
+            retry_after=retry_after,
+            timings=tally.timings,
+            bytes_up=tally.bytes_up,
+            bytes_down=tally.bytes_down,
+            reason=reason,
+        )
+
+
+def _forget(session: DeviceSecAggSession | None) -> None:
+    # Finish the session locally so it drops its secrets and the plaintext input; nothing is sent.
+    if session is not None and session.phase in ACTIVE_PHASES:
+        session.abort("left the round")
+
+
+def _name(message: Message | None) -> str:
+    return "no body" if message is None else type(message).__name__
+
+
+async def _pause(seconds: float, stop: asyncio.Event | None) -> None:
+    if stop is None:
+        await asyncio.sleep(seconds)
+        return
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        pass
