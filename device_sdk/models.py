@@ -260,6 +260,17 @@ class LightFRModel:
         self._set_user(userid, codes[0])
         return codes[0].copy()
 
+    def reset_user(self, rng: np.random.Generator, *, userid: int = 0) -> None:
+        """Draw a fresh random code for a user (LightFR Algorithm 1: clients start from random codes).
+
+        The code stays marked as untrained until `fit_local` or `fold_in` runs.
+        """
+        if not 0 <= userid < self.n_users:
+            raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
+        code = random_signs(1, self.config.bits, rng)[0]
+        self.user_codes[userid] = code
+        self._user_words[:, userid] = pack_signs(code[None, :])[:, 0]
+
     def _set_user(self, userid: int, code: NDArray[np.int8]) -> None:
         self.user_codes[userid] = code
         self._user_words[:, userid] = pack_signs(code[None, :])[:, 0]

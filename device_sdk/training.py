@@ -71,6 +71,10 @@ def local_round(
     rng : the round's generator for sampling and stochastic rounding.
     """
     apply_plan(model, invite)
+    if not model.user_trained[0]:
+        # The first round starts from a random code drawn from the round's generator, so that a
+        # seeded simulation is reproducible and a real device's start is cryptographically random.
+        model.reset_user(rng)
     item_ids = np.asarray(items, dtype=np.int64).ravel()
     values = None if ratings is None else np.asarray(ratings, dtype=np.float64).ravel()
     if values is not None and values.shape != item_ids.shape:
