@@ -1,0 +1,1110 @@
+"""The aggregation server's durable state: SQLite (WAL) plus model checkpoint files.
+
+Invariants of this module:
+
+* One `Storage` owns one data directory: ``fedrec.sqlite3`` and ``checkpoints/model-<version>.msgpack``.
+  It is used from one thread (the server's event loop); nothing here is shared between instances.
+* Every multi-row change runs in one explicit ``BEGIN IMMEDIATE`` … ``COMMIT`` transaction, so a crash
+  leaves either the old rows or the new ones.  ``synchronous=FULL`` makes a returned commit durable.
+* A checkpoint row exists only for a file that was completely written and fsynced first (temp file,
+  fsync, ``os.replace``, fsync of the folder).  A file without a row is an orphan of a crash: it is
+  ignored and overwritten by the next commit of that version.
+* Model versions only increase: a commit must be newer than every good checkpoint.
+* A checkpoint is trusted only if its file's SHA-256 matches the row; a mismatching or missing file is
+  marked 'corrupt', logged at ERROR and never served again.
+* Paths in the database are relative to the data directory, so the directory can be moved.
+* Every `sqlite3.Error` leaving this class becomes a `StorageError` naming the operation and database;
+  argument misuse (wrong status name, bad digest length) raises plain `ValueError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import sqlite3
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from protocol.errors import StorageError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DATABASE_NAME",
+    "COHORT_PHASE",
+    "RoundStatus",
+    "CheckpointStatus",
+    "ParticipationStatus",
+    "RoundRecord",
+    "PhaseRecord",
+    "CheckpointRecord",
+    "Storage",
+]
+
+_log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+"""Schema version stored in ``PRAGMA user_version``; a database with a newer one is refused."""
+
+DATABASE_NAME = "fedrec.sqlite3"
+"""File name of the database inside the data directory."""
+
+COHORT_PHASE = "cohort"
+"""Participation phase under which `Storage.start_round` records the invited cohort."""
+
+_CHECKPOINT_DIR = "checkpoints"
+_TEMP_SUFFIX = ".tmp"
+_DIGEST_BYTES = 32
+
+
+class RoundStatus(StrEnum):
+    """Lifecycle of a round row."""
+
+    OPEN = "open"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    ABANDONED = "abandoned"  # open when the server stopped; see `Storage.abandon_open_rounds`
+
+
+class CheckpointStatus(StrEnum):
+    """Whether a checkpoint file can still be trusted."""
+
+    GOOD = "good"
+    CORRUPT = "corrupt"
+
+
+class ParticipationStatus(StrEnum):
+    """What one device did in one phase of a round."""
+
+    OK = "ok"
+    DROPPED = "dropped"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundRecord:
+    """One stored round.
+
+    Attributes
+    ----------
+    round_id : int
+    started_at, finished_at : float, float or None
+        Coordinator clock in seconds; ``finished_at`` is None while the round is open.
+    status : RoundStatus
+    reason : str
+        Why the round aborted or was abandoned ("" otherwise).
+    base_model_version : int
+        Model version the cohort trained.
+    new_model_version : int or None
+        Version committed by the round, if it committed.
+    cohort_size : int
+        Devices invited.
+    survivors : int or None
+        Devices whose input made it into the sum.
+    epsilon_spent : float or None
+        Privacy ledger's ε after the round, if DP is on.
+    params : dict[str, Any]
+        The round's parameters as given to `Storage.start_round`.
+    """
+
+    round_id: int
+    started_at: float
+    finished_at: float | None
+    status: RoundStatus
+    reason: str
+    base_model_version: int
+    new_model_version: int | None
+    cohort_size: int
+    survivors: int | None
+    epsilon_spent: float | None
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseRecord:
+    """Timing and head-count of one closed phase of a round.
+
+    Attributes
+    ----------
+    round_id : int
+    phase : str
+        Phase name (a `protocol.session.Phase` value).
+    seconds : float
+        How long the phase was open.
+    arrived, dropped : int
+        Devices that answered in time, devices dropped in this phase.
+    """
+
+    round_id: int
+    phase: str
+    seconds: float
+    arrived: int
+    dropped: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointRecord:
+    """One stored model checkpoint.
+
+    Attributes
+    ----------
+    model_version : int
+    round_id : int or None
+        Round that produced it (None for the initial model).
+    path : Path
+        Absolute path of the file.
+    sha256 : bytes
+        Digest of the file's bytes at commit time (32 bytes).
+    size : int
+        File size in bytes at commit time.
+    created_at : float
+    status : CheckpointStatus
+    """
+
+    model_version: int
+    round_id: int | None
+    path: Path
+    sha256: bytes
+    size: int
+    created_at: float
+    status: CheckpointStatus
+
+
+# Every statement of version 1, created in one transaction.  Never edit a released version: add a
+# migration step and bump SCHEMA_VERSION instead.
+_SCHEMA_V1 = (
+    """CREATE TABLE devices (
+        device_id INTEGER PRIMARY KEY,
+        token_sha256 BLOB UNIQUE NOT NULL CHECK (length(token_sha256) = 32),
+        platform TEXT NOT NULL DEFAULT '',
+        registered_at REAL NOT NULL
+    )""",
+    """CREATE TABLE rounds (
+        round_id INTEGER PRIMARY KEY,
+        started_at REAL NOT NULL,
+        finished_at REAL,
+        status TEXT NOT NULL CHECK (status IN ('open', 'committed', 'aborted', 'abandoned')),
+        reason TEXT NOT NULL DEFAULT '',
+        base_model_version INTEGER NOT NULL,
+        new_model_version INTEGER,
+        cohort_size INTEGER NOT NULL,
+        survivors INTEGER,
+        epsilon_spent REAL,
+        params TEXT NOT NULL DEFAULT '{}'
+    )""",
+    "CREATE INDEX rounds_by_status ON rounds (status)",
+    """CREATE TABLE participation (
+        round_id INTEGER NOT NULL REFERENCES rounds (round_id),
+        device_id INTEGER NOT NULL REFERENCES devices (device_id),
+        phase TEXT NOT NULL,
+        status TEXT NOT NULL CHECK (status IN ('ok', 'dropped')),
+        at REAL NOT NULL,
+        PRIMARY KEY (round_id, device_id, phase)
+    )""",
+    "CREATE INDEX participation_by_device ON participation (device_id)",
+    """CREATE TABLE phase_timings (
+        round_id INTEGER NOT NULL REFERENCES rounds (round_id),
+        phase TEXT NOT NULL,
+        seconds REAL NOT NULL,
+        arrived INTEGER NOT NULL,
+        dropped INTEGER NOT NULL,
+        PRIMARY KEY (round_id, phase)
+    )""",
+    """CREATE TABLE privacy_ledger (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        ledger TEXT NOT NULL
+    )""",
+    """CREATE TABLE checkpoints (
+        model_version INTEGER PRIMARY KEY,
+        round_id INTEGER REFERENCES rounds (round_id),
+        path TEXT NOT NULL,
+        sha256 BLOB NOT NULL CHECK (length(sha256) = 32),
+        size INTEGER NOT NULL,
+        created_at REAL NOT NULL,
+        status TEXT NOT NULL CHECK (status IN ('good', 'corrupt'))
+    )""",
+)
+
+_ROUND_COLUMNS = (
+    "round_id, started_at, finished_at, status, reason, base_model_version, new_model_version, "
+    "cohort_size, survivors, epsilon_spent, params"
+)
+_ROUND_UPDATE_KEYS = frozenset({"survivors", "epsilon_spent", "reason"})
+
+
+def _check_id(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _check_time(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _optional_number(name: str, value: object) -> float | None:
+    return None if value is None else _check_time(name, value)
+
+
+def _json_default(obj: object) -> Any:
+    # numpy scalars and arrays (e.g. an np.int64 graph parameter) store as their Python values.
+    tolist = getattr(obj, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    raise TypeError(f"{type(obj).__name__} is not JSON-serialisable")
+
+
+def _to_json(name: str, value: Mapping[str, Any]) -> str:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a mapping, got {type(value).__name__}")
+    try:
+        # allow_nan=False: NaN is not JSON, and the status page serves these values as JSON.
+        return json.dumps(dict(value), allow_nan=False, sort_keys=True, default=_json_default)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} cannot be stored as JSON: {exc}") from None
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable.  Windows cannot open a directory for fsync; NTFS journals renames.
+    if os.name == "nt":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Storage:
+    """Devices, rounds, participation, the privacy ledger and model checkpoints of one server.
+
+    Parameters
+    ----------
+    data_dir : Path
+        Folder for ``fedrec.sqlite3`` and ``checkpoints/`` (created if missing).
+    keep_checkpoints : int
+        Good checkpoint files to keep (>= 1); older ones are deleted after each commit.
+
+    Raises
+    ------
+    StorageError
+        If the folder cannot be created, or the database cannot be opened, is corrupt, is not a
+        fedrec database, has a newer schema, or cannot switch to WAL mode.
+    ValueError
+        If ``keep_checkpoints < 1``.
+
+    Notes
+    -----
+    Use from one thread.  `close` (or leaving a ``with`` block) checkpoints the WAL and closes.
+    """
+
+    def __init__(self, data_dir: Path, *, keep_checkpoints: int = 5) -> None:
+        if (
+            isinstance(keep_checkpoints, bool)
+            or not isinstance(keep_checkpoints, int)
+            or keep_checkpoints < 1
+        ):
+            raise ValueError(f"keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
+        self.data_dir = Path(data_dir)
+        self.db_path = self.data_dir / DATABASE_NAME
+        self.keep_checkpoints = keep_checkpoints
+        self._checkpoint_dir = self.data_dir / _CHECKPOINT_DIR
+        self._conn: sqlite3.Connection | None = None
+        try:
+            self._checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create data directory {self._checkpoint_dir}: {exc}") from exc
+        self._conn = self._open()
+        self._remove_temp_files()
+
+    # -- connection -----------------------------------------------------------------------------
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            # isolation_level=None: no implicit transactions; every write below says BEGIN/COMMIT itself.
+            conn = sqlite3.connect(self.db_path, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StorageError(f"cannot open database {self.db_path}: {exc}") from exc
+        try:
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise StorageError(f"database {self.db_path} cannot use WAL mode (journal_mode={mode})")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.execute("PRAGMA busy_timeout=5000")
+            self._migrate(conn)
+        except sqlite3.Error as exc:
+            conn.close()
+            raise StorageError(f"cannot open database {self.db_path}: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _migrate(self, conn: sqlite3.Connection) -> None:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise StorageError(
+                f"database {self.db_path} has schema version {version}, newer than this server's "
+                f"{SCHEMA_VERSION}; run a newer fedrec or restore a matching backup"
+            )
+        if version == SCHEMA_VERSION:
+            return
+        tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
+        if tables:
+            raise StorageError(
+                f"{self.db_path} is not a fedrec database (no schema version, {tables} tables)"
+            )
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _SCHEMA_V1:
+                conn.execute(statement)
+            # user_version lives in the file header and is part of this transaction.
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise
+
+    def _connection(self, op: str) -> sqlite3.Connection:
+        if self._conn is None:
+            raise StorageError(f"{op}: storage {self.db_path} is closed")
+        return self._conn
+
+    @contextlib.contextmanager
+    def _guard(self, op: str) -> Iterator[sqlite3.Connection]:
+        conn = self._connection(op)
+        try:
+            yield conn
+        except sqlite3.Error as exc:
+            raise StorageError(f"{op} failed on database {self.db_path}: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _transaction(self, op: str) -> Iterator[sqlite3.Connection]:
+        # BEGIN IMMEDIATE takes the write lock up front, so a transaction never fails half-way on
+        # lock upgrade; any exception (ours or sqlite's) rolls the whole transaction back.
+        with self._guard(op) as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                raise
+
+    def close(self) -> None:
+        """Checkpoint the WAL into the database file and close; calling it again does nothing.
+
+        Raises
+        ------
+        StorageError
+            If the connection cannot be closed.  A failed WAL checkpoint is only logged: the WAL
+            is replayed on the next open, so no data is lost.
+        """
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as exc:
+            _log.warning("could not checkpoint the WAL of %s on close: %s", self.db_path, exc)
+        try:
+            conn.close()
+        except sqlite3.Error as exc:
+            raise StorageError(f"close failed on database {self.db_path}: {exc}") from exc
+
+    def __enter__(self) -> Storage:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._conn is None else "open"
+        return f"Storage({str(self.data_dir)!r}, {state})"
+
+    def integrity_check(self) -> str:
+        """Run SQLite's ``PRAGMA integrity_check``.
+
+        Returns
+        -------
+        str
+            "ok" for a healthy database, otherwise SQLite's findings, one per line.
+
+        Raises
+        ------
+        StorageError
+            If the check cannot run.
+        """
+        with self._guard("integrity_check") as conn:
+            rows = conn.execute("PRAGMA integrity_check").fetchall()
+        return "\n".join(str(row[0]) for row in rows)
+
+    # -- devices --------------------------------------------------------------------------------
+
+    def add_device(self, token_sha256: bytes, platform: str, now: float) -> int:
+        """Register a device by the SHA-256 of its bearer token.
+
+        Parameters
+        ----------
+        token_sha256 : bytes
+            32-byte digest of the token (the token itself is never stored).
+        platform : str
+            Free-form platform label reported by the device.
+        now : float
+            Registration time on the coordinator's clock.
+
+        Returns
+        -------
+        int
+            The new device id (>= 1).
+
+        Raises
+        ------
+        StorageError
+            If the digest is already registered or the database fails.
+        ValueError
+            If the digest is not 32 bytes.
+        """
+        digest = _check_digest(token_sha256)
+        at = _check_time("now", now)
+        with self._transaction("add_device") as conn:
+            if conn.execute("SELECT 1 FROM devices WHERE token_sha256 = ?", (digest,)).fetchone():
+                raise StorageError("add_device: this token digest is already registered")
+            cur = conn.execute(
+                "INSERT INTO devices (token_sha256, platform, registered_at) VALUES (?, ?, ?)",
+                (digest, str(platform), at),
+            )
+            device_id = cur.lastrowid
+        if device_id is None:  # pragma: no cover - sqlite always sets it after an INSERT
+            raise StorageError("add_device: no row id returned")
+        return device_id
+
+    def device_for_token(self, token_sha256: bytes) -> int | None:
+        """Return the device id registered with this token digest, or None."""
+        digest = _check_digest(token_sha256)
+        with self._guard("device_for_token") as conn:
+            row = conn.execute("SELECT device_id FROM devices WHERE token_sha256 = ?", (digest,)).fetchone()
+        return None if row is None else int(row[0])
+
+    def device_count(self) -> int:
+        """Return the number of registered devices."""
+        with self._guard("device_count") as conn:
+            return int(conn.execute("SELECT count(*) FROM devices").fetchone()[0])
+
+    def device_ids(self) -> list[int]:
+        """Return every registered device id, ascending."""
+        with self._guard("device_ids") as conn:
+            return [int(r[0]) for r in conn.execute("SELECT device_id FROM devices ORDER BY device_id")]
+
+    # -- rounds ---------------------------------------------------------------------------------
+
+    def next_round_id(self) -> int:
+        """Return one more than the largest round id ever stored (1 for a new database)."""
+        with self._guard("next_round_id") as conn:
+            return int(conn.execute("SELECT coalesce(max(round_id), 0) + 1 FROM rounds").fetchone()[0])
+
+    def start_round(
+        self,
+        round_id: int,
+        base_model_version: int,
+        cohort: Sequence[int],
+        params: Mapping[str, Any],
+        now: float,
+    ) -> None:
+        """Record a new open round and its invited cohort.
+
+        Parameters
+        ----------
+        round_id : int
+            New, unused round id (see `next_round_id`).
+        base_model_version : int
+            Model version the cohort trains.
+        cohort : Sequence[int]
+            Registered device ids invited (stored as participation phase `COHORT_PHASE`).
+        params : Mapping[str, Any]
+            JSON-serialisable round parameters (graph, deadlines, training plan…).
+        now : float
+            Start time on the coordinator's clock.
+
+        Raises
+        ------
+        StorageError
+            If the round id exists, a device is unknown, or the database fails.
+        ValueError
+            If an argument is malformed (negative id, duplicate device, params not JSON).
+        """
+        rid = _check_id("round_id", round_id)
+        base = _check_id("base_model_version", base_model_version)
+        members = _check_devices("cohort", cohort)
+        text = _to_json("params", params)
+        at = _check_time("now", now)
+        with self._transaction("start_round") as conn:
+            if conn.execute("SELECT 1 FROM rounds WHERE round_id = ?", (rid,)).fetchone():
+                raise StorageError(f"start_round: round {rid} already exists")
+            conn.execute(
+                "INSERT INTO rounds (round_id, started_at, status, base_model_version, cohort_size, params) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (rid, at, RoundStatus.OPEN.value, base, len(members), text),
+            )
+            conn.executemany(
+                "INSERT INTO participation (round_id, device_id, phase, status, at) VALUES (?, ?, ?, ?, ?)",
+                [(rid, d, COHORT_PHASE, ParticipationStatus.OK.value, at) for d in members],
+            )
+
+    def finish_round(
+        self,
+        round_id: int,
+        status: str,
+        *,
+        reason: str = "",
+        new_model_version: int | None = None,
+        survivors: int | None = None,
+        epsilon_spent: float | None = None,
+        now: float,
+    ) -> None:
+        """Close an open round.
+
+        Parameters
+        ----------
+        round_id : int
+            An open round.
+        status : str
+            "committed", "aborted" or "abandoned" (a `RoundStatus` other than OPEN).
+        reason : str
+            Why the round did not commit.
+        new_model_version, survivors, epsilon_spent : optional
+            Outcome of the round, when known.
+        now : float
+            Finish time on the coordinator's clock.
+
+        Raises
+        ------
+        StorageError
+            If the round does not exist or is not open, or the database fails.
+        ValueError
+            If ``status`` is not a final status or a value is malformed.
+        """
+        with self._transaction("finish_round") as conn:
+            self._finish_round(
+                conn,
+                round_id,
+                status,
+                reason=reason,
+                new_model_version=new_model_version,
+                survivors=survivors,
+                epsilon_spent=epsilon_spent,
+                now=now,
+            )
+
+    def _finish_round(
+        self,
+        conn: sqlite3.Connection,
+        round_id: int,
+        status: str,
+        *,
+        reason: str,
+        new_model_version: int | None,
+        survivors: int | None,
+        epsilon_spent: float | None,
+        now: float,
+    ) -> None:
+        # Runs inside the caller's transaction (finish_round's own, or commit_model's).
+        rid = _check_id("round_id", round_id)
+        final = _round_status(status)
+        if final is RoundStatus.OPEN:
+            raise ValueError("finish_round: status must be 'committed', 'aborted' or 'abandoned'")
+        version = None if new_model_version is None else _check_id("new_model_version", new_model_version)
+        count = None if survivors is None else _check_id("survivors", survivors)
+        epsilon = _optional_number("epsilon_spent", epsilon_spent)
+        at = _check_time("now", now)
+        cur = conn.execute(
+            "UPDATE rounds SET status = ?, reason = ?, finished_at = ?, new_model_version = ?, "
+            "survivors = ?, epsilon_spent = ? WHERE round_id = ? AND status = ?",
+            (final.value, str(reason), at, version, count, epsilon, rid, RoundStatus.OPEN.value),
+        )
+        if cur.rowcount != 1:
+            row = conn.execute("SELECT status FROM rounds WHERE round_id = ?", (rid,)).fetchone()
+            if row is None:
+                raise StorageError(f"finish_round: round {rid} does not exist")
+            raise StorageError(f"finish_round: round {rid} is already {row[0]}")
+
+    def abandon_open_rounds(self, now: float) -> list[int]:
+        """Mark every open round 'abandoned' with reason "server restarted" (call on start-up).
+
+        A round's secrets lived only in the stopped process, so it can never finish; its devices
+        will be told to check in again.
+
+        Parameters
+        ----------
+        now : float
+            Time on the coordinator's clock.
+
+        Returns
+        -------
+        list[int]
+            The abandoned round ids, ascending.
+        """
+        at = _check_time("now", now)
+        with self._transaction("abandon_open_rounds") as conn:
+            ids = [
+                int(r[0])
+                for r in conn.execute(
+                    "SELECT round_id FROM rounds WHERE status = ? ORDER BY round_id",
+                    (RoundStatus.OPEN.value,),
+                )
+            ]
+            conn.execute(
+                "UPDATE rounds SET status = ?, reason = ?, finished_at = ? WHERE status = ?",
+                (RoundStatus.ABANDONED.value, "server restarted", at, RoundStatus.OPEN.value),
+            )
+        return ids
+
+    def recent_rounds(self, limit: int = 20) -> list[RoundRecord]:
+        """Return up to ``limit`` rounds, newest first.
+
+        Raises
+        ------
+        StorageError
+            If the database fails or a stored row is malformed.
+        """
+        n = _check_id("limit", limit)
+        with self._guard("recent_rounds") as conn:
+            rows = conn.execute(
+                f"SELECT {_ROUND_COLUMNS} FROM rounds ORDER BY round_id DESC LIMIT ?", (n,)
+            ).fetchall()
+        return [_round_record(row) for row in rows]
+
+    def round_counts(self) -> dict[str, int]:
+        """Return the number of rounds per status, with every status present (zeros included)."""
+        counts = {s.value: 0 for s in RoundStatus}
+        with self._guard("round_counts") as conn:
+            for status, count in conn.execute("SELECT status, count(*) FROM rounds GROUP BY status"):
+                counts[str(status)] = int(count)
+        return counts
+
+    # -- participation --------------------------------------------------------------------------
+
+    def record_phase(
+        self,
+        round_id: int,
+        phase: str,
+        arrived: Sequence[int],
+        dropped: Sequence[int],
+        seconds: float,
+        now: float,
+    ) -> None:
+        """Record who answered and who dropped in one closed phase, and how long it took.
+
+        Parameters
+        ----------
+        round_id : int
+            The round (must exist).
+        phase : str
+            Phase name, e.g. a `protocol.session.Phase` value; recorded once per round.
+        arrived, dropped : Sequence[int]
+            Disjoint registered device ids.
+        seconds : float
+            How long the phase was open.
+        now : float
+            Time on the coordinator's clock.
+
+        Raises
+        ------
+        StorageError
+            If the phase was already recorded, the round or a device is unknown, or the database fails.
+        ValueError
+            If a device appears twice or in both lists, or a value is malformed.
+        """
+        rid = _check_id("round_id", round_id)
+        name = str(phase)
+        if not name:
+            raise ValueError("phase must be a non-empty string")
+        ok = _check_devices("arrived", arrived)
+        gone = _check_devices("dropped", dropped)
+        both = set(ok) & set(gone)
+        if both:
+            raise ValueError(f"devices {sorted(both)} are listed as both arrived and dropped")
+        secs = _check_time("seconds", seconds)
+        at = _check_time("now", now)
+        with self._transaction("record_phase") as conn:
+            conn.execute(
+                "INSERT INTO phase_timings (round_id, phase, seconds, arrived, dropped) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (rid, name, secs, len(ok), len(gone)),
+            )
+            rows = [(rid, d, name, ParticipationStatus.OK.value, at) for d in ok]
+            rows += [(rid, d, name, ParticipationStatus.DROPPED.value, at) for d in gone]
+            conn.executemany(
+                "INSERT INTO participation (round_id, device_id, phase, status, at) VALUES (?, ?, ?, ?, ?)",
+                rows,
+            )
+
+    def phase_stats(self, round_id: int) -> list[PhaseRecord]:
+        """Return the recorded phases of a round, in the order they were recorded."""
+        rid = _check_id("round_id", round_id)
+        with self._guard("phase_stats") as conn:
+            rows = conn.execute(
+                "SELECT phase, seconds, arrived, dropped FROM phase_timings WHERE round_id = ? "
+                "ORDER BY rowid",
+                (rid,),
+            ).fetchall()
+        return [
+            PhaseRecord(round_id=rid, phase=str(p), seconds=float(s), arrived=int(a), dropped=int(d))
+            for p, s, a, d in rows
+        ]
+
+    def phase_devices(self, round_id: int, phase: str) -> tuple[list[int], list[int]]:
+        """Return the device ids that were ok and that dropped in one phase (`COHORT_PHASE`: invited).
+
+        Returns
+        -------
+        tuple[list[int], list[int]]
+            (ok, dropped), each ascending.
+        """
+        rid = _check_id("round_id", round_id)
+        ok: list[int] = []
+        dropped: list[int] = []
+        with self._guard("phase_devices") as conn:
+            for device, status in conn.execute(
+                "SELECT device_id, status FROM participation WHERE round_id = ? AND phase = ? "
+                "ORDER BY device_id",
+                (rid, str(phase)),
+            ):
+                (ok if status == ParticipationStatus.OK.value else dropped).append(int(device))
+        return ok, dropped
+
+    # -- privacy ledger -------------------------------------------------------------------------
+
+    def save_ledger(self, ledger: Mapping[str, Any]) -> None:
+        """Store the privacy ledger (`PrivacyLedger.to_dict` output), replacing the previous one.
+
+        Raises
+        ------
+        StorageError
+            If the database fails.
+        ValueError
+            If the ledger is not JSON-serialisable.
+        """
+        text = _to_json("ledger", ledger)
+        with self._transaction("save_ledger") as conn:
+            _store_ledger(conn, text)
+
+    def load_ledger(self) -> dict[str, Any] | None:
+        """Return the stored privacy ledger, or None if none was saved.
+
+        Raises
+        ------
+        StorageError
+            If the database fails or the stored ledger is not a JSON object.
+        """
+        with self._guard("load_ledger") as conn:
+            row = conn.execute("SELECT ledger FROM privacy_ledger WHERE id = 1").fetchone()
+        if row is None:
+            return None
+        try:
+            value = json.loads(row[0])
+        except ValueError as exc:
+            raise StorageError(
+                f"load_ledger: the stored privacy ledger in {self.db_path} is not JSON: {exc}"
+            ) from exc
+        if not isinstance(value, dict):
+            raise StorageError(f"load_ledger: the stored privacy ledger in {self.db_path} is not an object")
+        return value
+
+    # -- model checkpoints ----------------------------------------------------------------------
+
+    def commit_model(
+        self,
+        model_version: int,
+        round_id: int | None,
+        payload: bytes,
+        now: float,
+        *,
+        ledger: Mapping[str, Any] | None = None,
+        round_update: dict[str, Any] | None = None,
+    ) -> None:
+        """Durably commit a new global model, and optionally the ledger and its round, all or nothing.
+
+        The file is written and fsynced first; then one transaction records its checksum, saves the
+        ledger and marks the round committed.  A crash before that transaction commits leaves the
+        previous model current (the new file is an ignored orphan); after it, the new one.
+
+        Parameters
+        ----------
+        model_version : int
+            Newer than every good checkpoint.
+        round_id : int or None
+            The round that produced the model (None for an initial model).
+        payload : bytes
+            The encoded `ModelPayload`; stored verbatim.
+        now : float
+            Time on the coordinator's clock.
+        ledger : Mapping or None
+            Privacy ledger to save in the same transaction.
+        round_update : dict or None
+            If given, round ``round_id`` is finished as committed with ``new_model_version =
+            model_version`` in the same transaction; allowed keys: "survivors", "epsilon_spent",
+            "reason".
+
+        Raises
+        ------
+        StorageError
+            If the version is not newer than the latest good checkpoint, the file cannot be written
+            (naming the path), the round is not open, or the database fails.
+        ValueError
+            If an argument is malformed.
+        """
+        version = _check_id("model_version", model_version)
+        rid = None if round_id is None else _check_id("round_id", round_id)
+        if not isinstance(payload, bytes | bytearray | memoryview):
+            raise ValueError(f"payload must be bytes, got {type(payload).__name__}")
+        data = bytes(payload)
+        at = _check_time("now", now)
+        # Everything that can be refused is checked before touching the disk.
+        ledger_text = None if ledger is None else _to_json("ledger", ledger)
+        update: dict[str, Any] = {}
+        if round_update is not None:
+            if rid is None:
+                raise ValueError("round_update needs a round_id")
+            unknown = set(round_update) - _ROUND_UPDATE_KEYS
+            if unknown:
+                raise ValueError(
+                    f"round_update: unknown keys {sorted(unknown)}; allowed {sorted(_ROUND_UPDATE_KEYS)}"
+                )
+            update = {"reason": "", "survivors": None, "epsilon_spent": None, **round_update}
+        with self._guard("commit_model") as conn:
+            newest = conn.execute(
+                "SELECT max(model_version) FROM checkpoints WHERE status = ?", (CheckpointStatus.GOOD.value,)
+            ).fetchone()[0]
+        if newest is not None and version <= newest:
+            raise StorageError(
+                f"commit_model: model version {version} is not newer than the committed {newest}"
+            )
+        relative = f"{_CHECKPOINT_DIR}/model-{version}.msgpack"
+        digest = hashlib.sha256(data).digest()
+        self._write_file(self.data_dir / relative, data)
+        with self._transaction("commit_model") as conn:
+            self._record_checkpoint(conn, version, rid, relative, digest, len(data), at)
+            if ledger_text is not None:
+                _store_ledger(conn, ledger_text)
+            if round_update is not None and rid is not None:
+                self._finish_round(
+                    conn, rid, RoundStatus.COMMITTED, new_model_version=version, now=at, **update
+                )
+        self._prune_checkpoints()
+
+    def _record_checkpoint(
+        self,
+        conn: sqlite3.Connection,
+        version: int,
+        round_id: int | None,
+        relative: str,
+        digest: bytes,
+        size: int,
+        now: float,
+    ) -> None:
+        # A 'corrupt' row of the same version (a fallback happened) is replaced by the new model.
+        conn.execute(
+            "DELETE FROM checkpoints WHERE model_version = ? AND status = ?",
+            (version, CheckpointStatus.CORRUPT.value),
+        )
+        conn.execute(
+            "INSERT INTO checkpoints (model_version, round_id, path, sha256, size, created_at, status) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (version, round_id, relative, digest, size, now, CheckpointStatus.GOOD.value),
+        )
+
+    def _write_file(self, path: Path, data: bytes) -> None:
+        temp: str | None = None
+        try:
+            fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TEMP_SUFFIX, dir=path.parent)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(temp, path)
+            temp = None
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            raise StorageError(f"cannot write checkpoint {path}: {exc}") from exc
+        finally:
+            if temp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+
+    def _remove_temp_files(self) -> None:
+        # Temp files are only ever left by a crash mid-write; this process owns the directory.
+        for temp in self._checkpoint_dir.glob(f".model-*{_TEMP_SUFFIX}"):
+            with contextlib.suppress(OSError):
+                temp.unlink()
+
+    def _prune_checkpoints(self) -> None:
+        # Runs after the commit: a failure here must not turn a committed model into an error, so
+        # it is logged, not raised.  Rows go first: a crash between the two steps leaves orphan
+        # files (harmless), never rows pointing at deleted files (which would look corrupt).
+        try:
+            with self._transaction("prune_checkpoints") as conn:
+                row = conn.execute(
+                    "SELECT model_version FROM checkpoints WHERE status = ? "
+                    "ORDER BY model_version DESC LIMIT 1 OFFSET ?",
+                    (CheckpointStatus.GOOD.value, self.keep_checkpoints - 1),
+                ).fetchone()
+                if row is None:
+                    return
+                old = conn.execute(
+                    "SELECT path FROM checkpoints WHERE model_version < ?", (row[0],)
+                ).fetchall()
+                conn.execute("DELETE FROM checkpoints WHERE model_version < ?", (row[0],))
+        except StorageError as exc:
+            _log.error("could not prune old checkpoints: %s", exc)
+            return
+        for (relative,) in old:
+            try:
+                (self.data_dir / relative).unlink(missing_ok=True)
+            except OSError as exc:
+                _log.warning("could not delete old checkpoint %s: %s", self.data_dir / relative, exc)
+
+    def load_latest_model(self) -> tuple[int, bytes] | None:
+        """Return the newest intact checkpoint, falling back past missing or corrupted files.
+
+        Each candidate's file must exist and match its recorded SHA-256.  One that does not is
+        marked 'corrupt' and logged at ERROR (file, expected and actual digests), and the next
+        older good checkpoint is tried.
+
+        Returns
+        -------
+        tuple[int, bytes] or None
+            (model_version, payload bytes), or None if no checkpoint was ever committed.
+
+        Raises
+        ------
+        StorageError
+            If checkpoints were committed but none is intact: starting a fresh model silently would
+            discard the training so far, so the operator must decide; or if the database fails.
+        """
+        with self._guard("load_latest_model") as conn:
+            candidates = conn.execute(
+                "SELECT model_version, path, sha256, size FROM checkpoints WHERE status = ? "
+                "ORDER BY model_version DESC",
+                (CheckpointStatus.GOOD.value,),
+            ).fetchall()
+        for version, relative, expected, size in candidates:
+            path = self.data_dir / relative
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                found = "no file"
+            except OSError as exc:
+                found = f"an unreadable file ({exc.strerror or exc})"
+            else:
+                actual = hashlib.sha256(data).digest()
+                if actual == expected:
+                    return int(version), data
+                found = f"sha256 {actual.hex()} ({len(data)} bytes)"
+            _log.error(
+                "CORRUPT MODEL CHECKPOINT %s (model version %d): expected sha256 %s (%d bytes), found %s; "
+                "marking it corrupt and falling back to the previous checkpoint",
+                path,
+                version,
+                bytes(expected).hex(),
+                size,
+                found,
+            )
+            with self._transaction("load_latest_model") as conn:
+                conn.execute(
+                    "UPDATE checkpoints SET status = ? WHERE model_version = ?",
+                    (CheckpointStatus.CORRUPT.value, version),
+                )
+        with self._guard("load_latest_model") as conn:
+            total = int(conn.execute("SELECT count(*) FROM checkpoints").fetchone()[0])
+        if total:
+            raise StorageError(
+                f"load_latest_model: none of the {total} recorded checkpoints in {self._checkpoint_dir} is "
+                "intact (see the errors logged above); restore the files from a backup"
+            )
+        return None
+
+    def checkpoints(self) -> list[CheckpointRecord]:
+        """Return every checkpoint row, newest version first."""
+        with self._guard("checkpoints") as conn:
+            rows = conn.execute(
+                "SELECT model_version, round_id, path, sha256, size, created_at, status FROM checkpoints "
+                "ORDER BY model_version DESC"
+            ).fetchall()
+        return [
+            CheckpointRecord(
+                model_version=int(v),
+                round_id=None if r is None else int(r),
+                path=self.data_dir / p,
+                sha256=bytes(h),
+                size=int(n),
+                created_at=float(c),
+                status=CheckpointStatus(s),
+            )
+            for v, r, p, h, n, c, s in rows
+        ]
+
+
+def _store_ledger(conn: sqlite3.Connection, text: str) -> None:
+    conn.execute("INSERT OR REPLACE INTO privacy_ledger (id, ledger) VALUES (1, ?)", (text,))
+
+
+def _check_digest(value: object) -> bytes:
+    if not isinstance(value, bytes | bytearray | memoryview) or len(value) != _DIGEST_BYTES:
+        raise ValueError(f"token_sha256 must be {_DIGEST_BYTES} bytes, got {value!r:.40}")
+    return bytes(value)
+
+
+def _check_devices(name: str, devices: Sequence[int]) -> list[int]:
+    ids = [_check_id(f"{name} device id", d) for d in devices]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{name} lists a device more than once")
+    return ids
+
+
+def _round_status(value: str) -> RoundStatus:
+    try:
+        return RoundStatus(value)
+    except ValueError:
+        allowed = ", ".join(repr(s.value) for s in RoundStatus)
+        raise ValueError(f"round status must be one of {allowed}, got {value!r}") from None
+
+
+def _round_record(row: tuple[Any, ...]) -> RoundRecord:
+    rid, started, finished, status, reason, base, new, cohort, survivors, epsilon, params = row
+    try:
+        decoded = json.loads(params)
+        state = RoundStatus(status)
+    except ValueError as exc:
+        raise StorageError(f"round {rid} is malformed in the database: {exc}") from exc
+    return RoundRecord(
+        round_id=int(rid),
+        started_at=float(started),
+        finished_at=None if finished is None else float(finished),
+        status=state,
+        reason=str(reason),
+        base_model_version=int(base),
+        new_model_version=None if new is None else int(new),
+        cohort_size=int(cohort),
+        survivors=None if survivors is None else int(survivors),
+        epsilon_spent=None if epsilon is None else float(epsilon),
+        params=decoded if isinstance(decoded, dict) else {"value": decoded},
+    )
