@@ -545,8 +545,13 @@ class DeviceClient:
         session: DeviceSecAggSession | None = None
         try:
             self._check_plan(invite)
-            with tally.step("model"):
-                await self._sync_model(invite, tally)
+            try:
+                with tally.step("model"):
+                    await self._sync_model(invite, tally)
+            except StaleRound as exc:
+                # Found out locally: tell the server, which would otherwise wait for us until the deadline.
+                await self._leave(invite, str(exc))
+                raise
             training_rng, noise_rng = self._rng_for_round(rid)
             with tally.step("train"):
                 update, _ = local_round(self._model, invite, self._items, self._ratings, training_rng)
@@ -556,14 +561,17 @@ class DeviceClient:
             del update  # the session holds the only copy until it is masked
             for name, stop_before, answer_type in _STEPS:
                 if dropout is stop_before:
-                    return self._dropped(session, rid, tally, f"fault injection: dropped {dropout.name}")
+                    return self._dropped(session, rid, tally, f"fault injection: {dropout.value}")
                 outgoing = session.send()
                 path = f"/v1/rounds/{rid}/{name}"
                 if name == "masked" and dropout is DropoutAt.DISCONNECT_MASKED:
                     with tally.step(name):
                         await self._send_and_disconnect(path, outgoing, tally)
                     return self._dropped(
-                        session, rid, tally, "fault injection: disconnected after masked input"
+                        session,
+                        rid,
+                        tally,
+                        "fault injection: disconnect_masked (closed the connection after the masked input)",
                     )
                 with tally.step(name):
                     response = await self._call(
