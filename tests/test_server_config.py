@@ -1,0 +1,318 @@
+"""agg_server.config: every validation rule names its TOML key; the example file documents the defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agg_server.config import (
+    ListenConfig,
+    LogSection,
+    ModelSection,
+    PrivacySection,
+    RoundSection,
+    ServerConfig,
+    config_from_dict,
+    load_config,
+)
+from protocol.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "server.toml"
+
+
+def _minimal() -> dict[str, dict[str, Any]]:
+    return {"server": {"data_dir": "data"}, "model": {"n_items": 100}}
+
+
+def _build(section: str, key: str, value: object, base: Path = Path("/srv")) -> ServerConfig:
+    data = _minimal()
+    data.setdefault(section, {})[key] = value
+    return config_from_dict(data, base_dir=base)
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "server.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# -- the example file ------------------------------------------------------------------------------
+
+
+def test_example_loads_and_states_the_defaults() -> None:
+    config = load_config(EXAMPLE)
+    assert config.data_dir == EXAMPLE.parent / "fedrec-data"
+    # Every value in the example is the default: the same config from only the required keys.
+    defaults = config_from_dict(
+        {"server": {"data_dir": "fedrec-data"}, "model": {"n_items": 1682}}, base_dir=EXAMPLE.parent
+    )
+    assert config == defaults
+
+
+def test_example_lists_every_key() -> None:
+    text = EXAMPLE.read_text(encoding="utf-8")
+    tables = {
+        "server": ["data_dir", *[f.name for f in dataclasses.fields(ListenConfig)]],
+        "model": [f.name for f in dataclasses.fields(ModelSection)],
+        "rounds": [f.name for f in dataclasses.fields(RoundSection)],
+        "privacy": [f.name for f in dataclasses.fields(PrivacySection)],
+        "log": [f.name for f in dataclasses.fields(LogSection)],
+    }
+    sections = re.split(r"^\[(\w+)\]$", text, flags=re.MULTILINE)
+    bodies = dict(zip(sections[1::2], sections[2::2], strict=True))
+    assert set(bodies) == set(tables)
+    for table, keys in tables.items():
+        for key in keys:
+            line = re.search(rf"^(# )?{key} = .+# .+$", bodies[table], flags=re.MULTILINE)
+            assert line, f"{table}.{key} is not documented in {EXAMPLE.name}"
+
+
+def test_defaults_match_the_brief() -> None:
+    config = config_from_dict(_minimal(), base_dir=Path("/srv"))
+    assert config.listen == ListenConfig(host="127.0.0.1", port=8080, max_body_bytes=64 << 20)
+    assert (config.model.kind, config.model.bits, config.model.aggregation) == ("lightfr", 64, "grad")
+    assert config.rounds.cohort_size == 50 and config.rounds.seed is None and config.rounds.k is None
+    assert config.rounds.masked_input_timeout == 120.0
+    assert config.privacy == PrivacySection(enabled=False, epsilon=8.0, delta=1e-5, planned_rounds=10)
+    assert config.log == LogSection(format="text", level="info")
+
+
+# -- paths -----------------------------------------------------------------------------------------
+
+
+def test_relative_paths_resolve_against_the_file_folder(tmp_path: Path) -> None:
+    (tmp_path / "tls").mkdir()
+    (tmp_path / "tls" / "cert.pem").write_text("cert")
+    (tmp_path / "tls" / "key.pem").write_text("key")
+    path = _write(
+        tmp_path,
+        '[server]\ndata_dir = "state"\ntls_cert = "tls/cert.pem"\ntls_key = "tls/key.pem"\n'
+        "[model]\nn_items = 10\n",
+    )
+    config = load_config(path)
+    assert config.data_dir == tmp_path.resolve() / "state"
+    assert config.listen.tls_cert == tmp_path.resolve() / "tls" / "cert.pem"
+    assert config.listen.tls_key == tmp_path.resolve() / "tls" / "key.pem"
+
+
+def test_absolute_data_dir_is_kept(tmp_path: Path) -> None:
+    config = _build("server", "data_dir", str(tmp_path / "abs"), base=Path("/elsewhere"))
+    assert config.data_dir == tmp_path / "abs"
+
+
+def test_tls_needs_both_files(tmp_path: Path) -> None:
+    cert = tmp_path / "cert.pem"
+    cert.write_text("cert")
+    with pytest.raises(ConfigError, match=r"^server\.tls_key: .* must be set together"):
+        _build("server", "tls_cert", str(cert))
+    with pytest.raises(ConfigError, match=r"^server\.tls_cert: .*together"):
+        _build("server", "tls_key", str(cert))
+    data = _minimal()
+    data["server"].update(tls_cert=str(cert), tls_key=str(tmp_path / "missing.pem"))
+    with pytest.raises(ConfigError, match=r"^server\.tls_key: file .*missing\.pem.* does not exist"):
+        config_from_dict(data, base_dir=tmp_path)
+
+
+# -- unknown, missing, malformed -------------------------------------------------------------------
+
+
+def test_unknown_key_with_hint() -> None:
+    with pytest.raises(ConfigError, match=re.escape("model.bitz: unknown key (did you mean 'bits'?)")):
+        _build("model", "bitz", 32)
+
+
+def test_unknown_key_without_a_close_match() -> None:
+    with pytest.raises(ConfigError, match=r"^rounds\.zzzzzz: unknown key$"):
+        _build("rounds", "zzzzzz", 1)
+
+
+def test_unknown_section_with_hint() -> None:
+    data: dict[str, Any] = {**_minimal(), "round": {"cohort_size": 10}}
+    with pytest.raises(ConfigError, match=re.escape("round: unknown section (did you mean 'rounds'?)")):
+        config_from_dict(data, base_dir=Path("/srv"))
+
+
+def test_section_must_be_a_table() -> None:
+    data: dict[str, Any] = {**_minimal(), "log": "json"}
+    with pytest.raises(ConfigError, match=r"^log: must be a table, got 'json'"):
+        config_from_dict(data, base_dir=Path("/srv"))
+
+
+@pytest.mark.parametrize(("section", "key"), [("server", "data_dir"), ("model", "n_items")])
+def test_required_keys(section: str, key: str) -> None:
+    data = _minimal()
+    del data[section][key]
+    with pytest.raises(ConfigError, match=rf"^{section}\.{key}: required key is missing"):
+        config_from_dict(data, base_dir=Path("/srv"))
+
+
+def test_invalid_toml_reports_line_and_column(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[server]\ndata_dir = "d"\n\n[model]\nn_items = = 3\n')
+    with pytest.raises(ConfigError, match=r"invalid TOML: .*line 5, column \d+") as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_non_utf8_file(tmp_path: Path) -> None:
+    path = tmp_path / "server.toml"
+    path.write_bytes(b'[server]\ndata_dir = "\xff"\n')
+    with pytest.raises(ConfigError, match="invalid TOML: not UTF-8"):
+        load_config(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"nope\.toml: cannot read"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_load_config_names_file_and_key(tmp_path: Path) -> None:
+    text = '[server]\ndata_dir = "d"\n[model]\nn_items = 10\n[rounds]\ncohort_size = "ten"\n'
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: rounds.cohort_size: must be an integer >= 3, got 'ten'"
+
+
+# -- every rule names its key ----------------------------------------------------------------------
+
+BAD_VALUES = [
+    ("server", "host", "", "must be a non-empty string"),
+    ("server", "port", 70000, "must be an integer in [0, 65535]"),
+    ("server", "port", -1, "must be an integer in [0, 65535]"),
+    ("server", "port", "8080", "must be an integer"),
+    ("server", "port", True, "must be an integer"),
+    ("server", "max_body_bytes", 0, "must be an integer >= 1"),
+    ("server", "data_dir", 3, "must be a non-empty path"),
+    ("server", "tls_cert", "", "must be a non-empty path"),
+    ("model", "kind", "mf", "must be one of 'lightfr'"),
+    ("model", "n_items", 0, "must be an integer in [1, 67108864]"),
+    ("model", "n_items", 1.5, "must be an integer"),
+    ("model", "bits", 0, "must be an integer in [1, 4096]"),
+    ("model", "bits", 5000, "must be an integer in [1, 4096]"),
+    ("model", "bits", True, "must be an integer"),
+    ("model", "lam", -0.5, "must be a finite number >= 0.0"),
+    ("model", "lam", math.nan, "must be a finite number"),
+    ("model", "lam", "0", "must be a finite number"),
+    ("model", "negatives", -1, "must be an integer >= 0"),
+    ("model", "local_epochs", 0, "must be an integer in [1, 1000]"),
+    ("model", "max_sweeps", 1001, "must be an integer in [1, 1000]"),
+    ("model", "aggregation", "sum", "must be one of 'grad', 'para'"),
+    ("model", "flip_fraction", 0, "must be a finite number in (0.0, 1.0]"),
+    ("model", "flip_fraction", 1.5, "must be a finite number in (0.0, 1.0]"),
+    ("model", "binary_positives", 1, "must be true or false"),
+    ("model", "rating_min", "1", "must be a finite number"),
+    ("model", "rating_max", math.inf, "must be a finite number"),
+    ("model", "rating_max", 0.5, "must be > model.rating_min (1.0)"),
+    ("rounds", "cohort_size", "ten", "must be an integer >= 3, got 'ten'"),
+    ("rounds", "cohort_size", 2, "must be an integer >= 3"),
+    ("rounds", "min_cohort", 2, "must be an integer >= 3"),
+    ("rounds", "min_cohort", 51, "must be <= rounds.cohort_size (50)"),
+    ("rounds", "dropout_rate", 1.0, "must be a finite number in [0.0, 1.0)"),
+    ("rounds", "dropout_rate", -0.1, "must be a finite number in [0.0, 1.0)"),
+    ("rounds", "adversary_rate", 1, "must be a finite number in [0.0, 1.0)"),
+    ("rounds", "clip_norm", 0, "must be a finite number > 0.0"),
+    ("rounds", "clip_norm", math.inf, "must be a finite number > 0.0"),
+    ("rounds", "scale_bits", 31, "must be an integer in [0, 30]"),
+    ("rounds", "scale_bits", -1, "must be an integer in [0, 30]"),
+    ("rounds", "example_cap", -1, "must be an integer >= 0"),
+    ("rounds", "advertise_timeout", 0, "must be a finite number > 0.0"),
+    ("rounds", "share_keys_timeout", -1.0, "must be a finite number > 0.0"),
+    ("rounds", "masked_input_timeout", "2m", "must be a finite number > 0.0"),
+    ("rounds", "unmask_timeout", math.nan, "must be a finite number > 0.0"),
+    ("rounds", "round_interval", -1, "must be a finite number >= 0.0"),
+    ("rounds", "max_rounds", -1, "must be an integer >= 0"),
+    ("rounds", "seed", -1, "must be an integer >= 0"),
+    ("rounds", "seed", 1.5, "must be an integer >= 0"),
+    ("privacy", "enabled", "yes", "must be true or false"),
+    ("privacy", "epsilon", 0, "must be a finite number > 0.0"),
+    ("privacy", "delta", 0, "must be a finite number in (0.0, 1.0)"),
+    ("privacy", "delta", 1, "must be a finite number in (0.0, 1.0)"),
+    ("privacy", "planned_rounds", 0, "must be an integer >= 1"),
+    ("log", "format", "xml", "must be one of 'text', 'json'"),
+    ("log", "level", "verbose", "must be one of 'debug', 'info', 'warning', 'error', 'critical'"),
+    ("log", "level", 10, "must be one of"),
+]
+
+
+@pytest.mark.parametrize(("section", "key", "value", "message"), BAD_VALUES)
+def test_bad_value_names_the_key(section: str, key: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _build(section, key, value)
+    text = str(info.value)
+    assert text.startswith(f"{section}.{key}: "), text
+    assert message in text
+
+
+@pytest.mark.parametrize(
+    ("rounds", "key", "message"),
+    [
+        ({"k": 21}, "rounds.t", "rounds.k and rounds.t must be set together"),
+        ({"t": 3}, "rounds.k", "rounds.k and rounds.t must be set together"),
+        ({"k": 5, "t": 6}, "rounds.t", "must be an integer in [1, 5]"),
+        ({"k": 21, "t": 0}, "rounds.t", "must be an integer in [1, 21]"),
+        ({"k": 51, "t": 3}, "rounds.k", "must be an integer in [1, 50]"),
+        ({"k": 21, "t": 1}, "rounds.t", "unsafe for rounds.cohort_size=50"),
+        ({"k": 3, "t": 2}, "rounds.t", "unsafe"),
+        ({"dropout_rate": 0.5, "adversary_rate": 0.5}, "rounds.cohort_size", "no safe SecAgg+ graph"),
+        ({"clip_norm": 1e9, "scale_bits": 30}, "rounds.scale_bits", "does not fit a signed 32-bit"),
+    ],
+)
+def test_round_cross_field_rules(rounds: dict[str, Any], key: str, message: str) -> None:
+    data = _minimal()
+    data["rounds"] = rounds
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data, base_dir=Path("/srv"))
+    assert str(info.value).startswith(f"{key}: ") and message in str(info.value), str(info.value)
+
+
+def test_graph_override_accepted_when_safe() -> None:
+    data = _minimal()
+    data["rounds"] = {"k": 21, "t": 3}
+    assert config_from_dict(data, base_dir=Path("/srv")).rounds.k == 21
+
+
+def test_vector_length_limit() -> None:
+    data = _minimal()
+    data["model"] = {"n_items": 1 << 22, "bits": 128}
+    with pytest.raises(ConfigError, match=r"^model\.n_items: n_items \* bits = .* exceeds .* 2\*\*28"):
+        config_from_dict(data, base_dir=Path("/srv"))
+    data["model"] = {"n_items": 1 << 22, "bits": 64}
+    assert config_from_dict(data, base_dir=Path("/srv")).model.n_items == 1 << 22
+
+
+def test_int_is_accepted_for_a_float_and_stored_as_float() -> None:
+    config = _build("privacy", "epsilon", 8)
+    assert config.privacy.epsilon == 8.0 and type(config.privacy.epsilon) is float
+    assert type(_build("rounds", "round_interval", 0).rounds.round_interval) is float
+
+
+def test_log_level_is_case_insensitive() -> None:
+    assert _build("log", "level", "WARNING").log.level == "warning"
+
+
+# -- built in code ---------------------------------------------------------------------------------
+
+
+def test_dataclasses_validate_when_built_in_code() -> None:
+    with pytest.raises(ConfigError, match=r"^model\.n_items: "):
+        ModelSection(n_items=0)
+    with pytest.raises(ConfigError, match=r"^rounds\.min_cohort: "):
+        RoundSection(cohort_size=5, min_cohort=6)
+    with pytest.raises(ConfigError, match=r"^server\.port: "):
+        ListenConfig(port=99999)
+    with pytest.raises(ConfigError, match=r"^model: must be a ModelSection"):
+        ServerConfig(data_dir=Path("d"), model={"n_items": 3})  # type: ignore[arg-type]
+
+
+def test_replace_revalidates_and_objects_are_frozen() -> None:
+    config = ServerConfig(data_dir="d", model=ModelSection(n_items=10))  # type: ignore[arg-type]
+    assert config.data_dir == Path("d")
+    with pytest.raises(ConfigError, match=r"^log\.format: "):
+        dataclasses.replace(config.log, format="xml")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.rounds.cohort_size = 3  # type: ignore[misc]
