@@ -1,0 +1,338 @@
+"""The aiohttp application: routes, the error middleware, long-polls and the round ticker.
+
+Invariants:
+- `create_app(config)` is the only factory; state lives under typed `web.AppKey`s; the storage and
+  coordinator are created in `cleanup_ctx` (on start-up, not at import or construction time) and
+  closed there on shutdown, after the ticker has stopped.
+- Handlers stay short: read bytes, decode, call the coordinator, encode, respond.  All decisions are
+  the coordinator's.
+- Every error leaves as an encoded `ErrorMessage` with the status the one middleware assigns.
+- Every state change (an upload, a tick that closed a phase) wakes the waiting long-polls, which then
+  ask the coordinator whether their answer is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from agg_server.config import ServerConfig
+from agg_server.coordinator import RoundCoordinator
+from agg_server.storage import Storage
+from protocol.codec import decode, encode
+from protocol.errors import (
+    AuthError,
+    ConfigError,
+    DatasetError,
+    FedRecError,
+    PayloadTooLarge,
+    PermissionDenied,
+    PrivacyBudgetExceeded,
+    ProtocolError,
+    RemoteProtocolError,
+    RoundError,
+    VersionMismatch,
+)
+from protocol.messages import (
+    Abort,
+    CheckIn,
+    EncryptedShares,
+    ErrorMessage,
+    MaskedInput,
+    Message,
+    PublicKeys,
+    RegisterRequest,
+    RoundResult,
+    UnmaskResponse,
+    Wait,
+)
+
+__all__ = ["create_app", "CONFIG", "COORDINATOR", "status_for", "MSGPACK"]
+
+log = logging.getLogger("agg_server.app")
+
+MSGPACK = "application/msgpack"
+TICK_SECONDS = 0.05
+
+
+class _Changes:
+    """Wakes every waiter when the coordinator's state moved (an asyncio 'broadcast')."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout)
+
+
+CONFIG = web.AppKey("config", ServerConfig)
+COORDINATOR = web.AppKey("coordinator", RoundCoordinator)
+_STORAGE = web.AppKey("storage", Storage)
+_CHANGES = web.AppKey("changes", _Changes)
+Clock = Callable[[], float]
+_CLOCK: web.AppKey[Clock] = web.AppKey("clock")
+_COUNTERS = web.AppKey("counters", dict)
+
+_STATUS: list[tuple[type[FedRecError], int]] = [
+    (PermissionDenied, 403),
+    (AuthError, 401),
+    (PayloadTooLarge, 413),
+    (VersionMismatch, 426),
+    (ProtocolError, 400),
+    (ConfigError, 400),
+    (DatasetError, 400),
+    (RoundError, 409),
+    (PrivacyBudgetExceeded, 409),
+]
+
+
+def status_for(exc: FedRecError) -> int:
+    """The HTTP status of an error of the fedrec tree (500 for anything unlisted)."""
+    for cls, status in _STATUS:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+def _error_response(exc: FedRecError, status: int, request_id: str) -> web.Response:
+    return web.Response(
+        body=encode(ErrorMessage.from_exception(exc)),
+        status=status,
+        content_type=MSGPACK,
+        headers={"X-Request-Id": request_id},
+    )
+
+
+@web.middleware
+async def _errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    request_id = request.headers.get("X-Request-Id", "")[:64] or secrets.token_hex(8)
+    counters = request.app[_COUNTERS]
+    try:
+        response = await handler(request)
+    except FedRecError as exc:
+        status = status_for(exc)
+        counters[status] = counters.get(status, 0) + 1
+        if status >= 500:
+            log.error("request %s %s %s failed: %s", request_id, request.method, request.path, exc)
+        else:
+            log.info(
+                "request %s %s %s -> %d %s: %s",
+                request_id,
+                request.method,
+                request.path,
+                status,
+                exc.code,
+                exc,
+            )
+        return _error_response(exc, status, request_id)
+    except web.HTTPRequestEntityTooLarge as exc:
+        counters[413] = counters.get(413, 0) + 1
+        return _error_response(PayloadTooLarge(exc.text or "request body too large"), 413, request_id)
+    except web.HTTPNotFound:
+        return _error_response(
+            RemoteProtocolError(f"no route {request.method} {request.path}"), 404, request_id
+        )
+    except web.HTTPMethodNotAllowed:
+        return _error_response(
+            RemoteProtocolError(f"method {request.method} not allowed on {request.path}"), 405, request_id
+        )
+    except web.HTTPException:
+        raise
+    except Exception:
+        counters[500] = counters.get(500, 0) + 1
+        log.exception("request %s %s %s crashed", request_id, request.method, request.path)
+        return _error_response(FedRecError(f"internal error (request id {request_id})"), 500, request_id)
+    response.headers.setdefault("X-Request-Id", request_id)
+    return response
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+async def _read(request: web.Request) -> Message:
+    data = await request.read()
+    return decode(data, max_size=request.app[CONFIG].listen.max_body_bytes)
+
+
+def _send(message: Message, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=encode(message), status=status, content_type=MSGPACK, headers=headers)
+
+
+def _device(request: web.Request) -> int:
+    header = request.headers.get("Authorization", "")
+    token = header[7:].strip() if header.lower().startswith("bearer ") else None
+    return request.app[COORDINATOR].authenticate(token)
+
+
+def _round_id(request: web.Request) -> int:
+    raw = request.match_info["round_id"]
+    if not raw.isdigit() or len(raw) > 18:
+        raise RemoteProtocolError(f"round id must be a non-negative integer, got {raw!r}")
+    return int(raw)
+
+
+# -- handlers -------------------------------------------------------------------------------------
+
+
+async def register(request: web.Request) -> web.Response:
+    msg = await _read(request)
+    if not isinstance(msg, RegisterRequest):
+        raise RemoteProtocolError(f"expected RegisterRequest, got {type(msg).__name__}")
+    reply = request.app[COORDINATOR].register(msg.platform, request.app[_CLOCK]())
+    return _send(reply, status=201)
+
+
+async def check_in(request: web.Request) -> web.Response:
+    device = _device(request)
+    msg = await _read(request)
+    if not isinstance(msg, CheckIn):
+        raise RemoteProtocolError(f"expected CheckIn, got {type(msg).__name__}")
+    coordinator = request.app[COORDINATOR]
+    coordinator.check_sender(device, msg)
+    reply = coordinator.check_in(device, request.app[_CLOCK]())
+    if isinstance(reply, Wait):
+        return _send(reply, headers={"Retry-After": str(max(1, math.ceil(reply.retry_after)))})
+    return _send(reply)
+
+
+async def model(request: web.Request) -> web.Response:
+    _device(request)
+    coordinator = request.app[COORDINATOR]
+    etag = coordinator.model_etag
+    if request.headers.get("If-None-Match") == etag:
+        return web.Response(status=304, headers={"ETag": etag})
+    return web.Response(body=coordinator.model_bytes, content_type=MSGPACK, headers={"ETag": etag})
+
+
+def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        device = _device(request)
+        round_id = _round_id(request)
+        msg = await _read(request)
+        if not isinstance(msg, expected):
+            raise RemoteProtocolError(f"expected {expected.__name__} on this route, got {type(msg).__name__}")
+        app = request.app
+        coordinator, changes, clock = app[COORDINATOR], app[_CHANGES], app[_CLOCK]
+        try:
+            after = coordinator.submit(device, round_id, msg, clock())
+        finally:
+            changes.notify()
+        if isinstance(msg, Abort):
+            return _send(
+                RoundResult(
+                    round_id=round_id,
+                    committed=False,
+                    model_version=coordinator.model_version,
+                    reason="left the round",
+                )
+            )
+        cfg = app[CONFIG].rounds
+        give_up = clock() + cfg.advertise_timeout + cfg.share_keys_timeout + cfg.masked_input_timeout
+        give_up += cfg.unmask_timeout + 30.0
+        while True:
+            reply = coordinator.reply(device, round_id, after)
+            if reply is not None:
+                return _send(reply)
+            remaining = give_up - clock()
+            if remaining <= 0:
+                raise RoundError(f"round {round_id} did not move on in time")
+            await changes.wait(min(remaining, 1.0))
+
+    handler.__name__ = f"upload_{expected.__name__}"
+    return handler
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def status(request: web.Request) -> web.Response:
+    body = request.app[COORDINATOR].status(request.app[_CLOCK]())
+    body["errors_by_status"] = {str(k): v for k, v in sorted(request.app[_COUNTERS].items())}
+    return web.json_response(body)
+
+
+# -- lifecycle ------------------------------------------------------------------------------------
+
+
+async def _ticker(app: web.Application) -> None:
+    coordinator, changes, clock = app[COORDINATOR], app[_CHANGES], app[_CLOCK]
+    while True:
+        before = _fingerprint(coordinator)
+        try:
+            coordinator.tick(clock())
+        except FedRecError:
+            log.exception("round ticker: a round could not be advanced")
+        except Exception:  # keep the server alive; the error is logged with its traceback
+            log.exception("round ticker crashed on one tick")
+        if _fingerprint(coordinator) != before:
+            changes.notify()
+        await asyncio.sleep(TICK_SECONDS)
+
+
+def _fingerprint(coordinator: RoundCoordinator) -> tuple[Any, ...]:
+    r = coordinator.open_round
+    return (coordinator.model_version, None if r is None else (r.round_id, r.session.phase))
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    storage = Storage(config.data_dir)
+    app[_STORAGE] = storage
+    try:
+        app[COORDINATOR] = RoundCoordinator(config, storage, now=app[_CLOCK]())
+        app[_CHANGES] = _Changes()
+        task = asyncio.create_task(_ticker(app), name="fedrec-round-ticker")
+    except BaseException:
+        storage.close()
+        raise
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        app[_CHANGES].notify()
+        storage.close()
+        log.info("storage closed")
+
+
+def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) -> web.Application:
+    """Build the fedrec aggregation server.
+
+    Parameters
+    ----------
+    config : the validated server configuration.
+    clock : wall-clock source (seconds); tests may pass their own.
+    """
+    app = web.Application(client_max_size=config.listen.max_body_bytes, middlewares=[_errors])
+    app[CONFIG] = config
+    app[_CLOCK] = clock
+    app[_COUNTERS] = {}
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post("/v1/devices", register)
+    app.router.add_post("/v1/checkin", check_in)
+    app.router.add_get("/v1/model", model)
+    app.router.add_post("/v1/rounds/{round_id}/keys", _phase_handler(PublicKeys))
+    app.router.add_post("/v1/rounds/{round_id}/shares", _phase_handler(EncryptedShares))
+    app.router.add_post("/v1/rounds/{round_id}/masked", _phase_handler(MaskedInput))
+    app.router.add_post("/v1/rounds/{round_id}/unmask", _phase_handler(UnmaskResponse))
+    app.router.add_post("/v1/rounds/{round_id}/abort", _phase_handler(Abort))
+    app.router.add_get("/v1/health", health)
+    app.router.add_get("/v1/status", status)
+    return app

@@ -1,0 +1,133 @@
+"""``fedrec-server`` (and ``python -m agg_server``): run the aggregation server from a TOML config.
+
+This is the edge: it reads the command line and environment, sets up logging, and turns SIGTERM /
+SIGINT into a graceful shutdown (stop accepting, let the cleanup close the database).  Once the
+server listens it prints one line ``fedrec-server listening on http://HOST:PORT`` on stdout, which
+tools that start it (``fedrec demo``, tests) read to learn a port chosen by the OS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import ssl
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from aiohttp import web
+
+from agg_server.app import create_app
+from agg_server.config import ServerConfig, load_config
+from protocol.errors import FedRecError
+
+__all__ = ["main", "build_parser", "configure_logging"]
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        body = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            body["exc"] = self.formatException(record.exc_info)
+        return json.dumps(body, ensure_ascii=False)
+
+
+def configure_logging(fmt: str, level: str) -> None:
+    """Log to stderr as text or one JSON object per line."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fedrec-server`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="fedrec-server",
+        description="fedrec aggregation server: federated LightFR rounds with SecAgg+ and distributed DP.",
+    )
+    p.add_argument("--config", type=Path, required=True, help="server TOML file (see examples/server.toml)")
+    p.add_argument("--host", default=None, help="override [server] host")
+    p.add_argument("--port", type=int, default=None, help="override [server] port (0 = any free port)")
+    p.add_argument("--data-dir", type=Path, default=None, help="override [server] data_dir")
+    p.add_argument("--log-format", choices=["text", "json"], default=None, help="override [log] format")
+    return p
+
+
+def _override(config: ServerConfig, args: argparse.Namespace) -> ServerConfig:
+    listen = config.listen
+    if args.host is not None:
+        listen = dataclasses.replace(listen, host=args.host)
+    if args.port is not None:
+        listen = dataclasses.replace(listen, port=args.port)
+    out = dataclasses.replace(config, listen=listen)
+    if args.data_dir is not None:
+        out = dataclasses.replace(out, data_dir=args.data_dir)
+    if args.log_format is not None:
+        out = dataclasses.replace(out, log=dataclasses.replace(out.log, format=args.log_format))
+    return out
+
+
+async def _serve(config: ServerConfig) -> None:
+    app = create_app(config, clock=time.time)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    context = None
+    if config.listen.tls_cert is not None and config.listen.tls_key is not None:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(config.listen.tls_cert, config.listen.tls_key)
+    site = web.TCPSite(runner, config.listen.host, config.listen.port, ssl_context=context)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await site.start()
+        port = config.listen.port
+        for address in runner.addresses:  # the bound (host, port), which tells a port chosen by the OS
+            port = int(address[1])
+            break
+        scheme = "https" if context else "http"
+        print(f"fedrec-server listening on {scheme}://{config.listen.host}:{port}", flush=True)
+        await stop.wait()
+        logging.getLogger("agg_server").info("shutting down")
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``fedrec-server``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = _override(load_config(args.config), args)
+    except (FedRecError, OSError) as exc:
+        print(f"fedrec-server: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log.format, config.log.level)
+    try:
+        asyncio.run(_serve(config))
+    except FedRecError as exc:
+        print(f"fedrec-server: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(
+            f"fedrec-server: cannot listen on {config.listen.host}:{config.listen.port}: {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    return 0

@@ -1,0 +1,572 @@
+"""`RoundCoordinator`: registration, check-in, cohort selection, the SecAgg+ round, aggregation and
+commit — without aiohttp, time or global randomness (``now`` is passed in; HTTP handlers and the
+in-process simulator drive the very same object).
+
+Invariants:
+- At most one round is open.  A round's devices were sampled from the devices that checked in
+  recently; they learn of the round at their next check-in (a `RoundInvite` carrying the training
+  plan) and then speak the phases in order.  A device that misses a deadline is dropped by the
+  `ServerSecAggSession`; fewer than t survivors abort the round with nothing revealed.
+- The only thing the coordinator learns from devices' updates is the secure sum of the survivors'
+  quantized updates plus their DP noise; the strategy turns that sum into the new item codes.
+- Every committed model is on disk (checkpoint + SQLite row) before any device is told "committed";
+  the privacy ledger is charged as soon as a sum is unmasked — even if the commit then fails, since
+  the release already happened.
+- All server-side randomness of round r (cohort, graph, damping) comes from one generator seeded by
+  ``SeedSequence([seed, r])`` when the operator set a seed (reproducible simulations), else from
+  `secrets`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import logging
+import math
+import resource
+import secrets
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from agg_server.config import ServerConfig
+from agg_server.storage import Storage
+from agg_server.strategy import LightFRStrategy
+from protocol.accounting import PrivacyLedger, calibrate_mu
+from protocol.codec import decode, encode
+from protocol.codes import from_bytes, pack_signs, to_bytes, unpack_signs
+from protocol.errors import (
+    AuthError,
+    ConfigError,
+    PermissionDenied,
+    PrivacyBudgetExceeded,
+    RemoteProtocolError,
+    StaleRound,
+    StorageError,
+)
+from protocol.graph import find_parameters, validate_parameters
+from protocol.messages import (
+    Abort,
+    EncryptedShares,
+    MaskedInput,
+    Message,
+    ModelPayload,
+    PublicKeys,
+    RegisterResponse,
+    RoundInvite,
+    RoundResult,
+    UnmaskResponse,
+    Wait,
+)
+from protocol.noise import minimum_survivors
+from protocol.quantization import QuantizationConfig, check_bit_budget, dequantize_sum, sensitivity
+from protocol.session import ACTIVE_PHASES, Phase, RoundParameters, ServerSecAggSession
+from protocol.spec import Aggregation
+
+__all__ = ["RoundCoordinator", "PHASE_OF_MESSAGE", "token_digest"]
+
+log = logging.getLogger("agg_server.coordinator")
+
+#: The phase in which each device upload is legal (and after which its long-poll is answered).
+PHASE_OF_MESSAGE: dict[type[Message], Phase] = {
+    PublicKeys: Phase.ADVERTISE_KEYS,
+    EncryptedShares: Phase.SHARE_KEYS,
+    MaskedInput: Phase.MASKED_INPUT,
+    UnmaskResponse: Phase.UNMASK,
+}
+
+_KEEP_FINISHED = 64  # outcomes of recent rounds kept for late long-polls
+CHECKIN_RATE = 400.0  # target check-ins per second from waiting devices
+
+
+def token_digest(token: str) -> bytes:
+    """SHA-256 of a bearer token: the only form in which the server stores it."""
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+@dataclass
+class _OpenRound:
+    round_id: int
+    session: ServerSecAggSession
+    cohort: tuple[int, ...]
+    plan: dict[str, Any]
+    rng: np.random.Generator
+    base_version: int
+    started: float
+    phase: Phase
+    phase_started: float
+    alive: set[int]
+    mu: float = 0.0
+    l1: float = 0.0
+    l2: float = 0.0
+    invited_seen: set[int] = field(default_factory=set)
+
+
+class RoundCoordinator:
+    """Runs training rounds for one model.
+
+    Parameters
+    ----------
+    config : the server configuration.
+    storage : the opened storage (devices, rounds, ledger, checkpoints).
+    now : the caller's clock at start-up.
+    """
+
+    def __init__(self, config: ServerConfig, storage: Storage, *, now: float) -> None:
+        self.config = config
+        self.storage = storage
+        m = config.model
+        self.strategy = LightFRStrategy(
+            bits=m.bits, lam=m.lam, aggregation=Aggregation(m.aggregation), flip_fraction=m.flip_fraction
+        )
+        self.quantization = QuantizationConfig(
+            clip_norm=config.rounds.clip_norm, scale_bits=config.rounds.scale_bits
+        )
+        self.vector_length = m.n_items * m.bits
+        self._seed = config.rounds.seed
+        self.abandoned = storage.abandon_open_rounds(now)
+        for rid in self.abandoned:
+            log.warning(
+                "round %d was open when the server stopped; abandoned (its devices will check in again)", rid
+            )
+        self._load_or_create_model(now)
+        self.ledger: PrivacyLedger | None = None
+        self.mu = 0.0
+        self.l2, self.l1 = sensitivity(self.quantization, self.vector_length)
+        if config.privacy.enabled:
+            saved = storage.load_ledger()
+            self.ledger = (
+                PrivacyLedger.from_dict(saved)
+                if saved is not None
+                else PrivacyLedger(epsilon_budget=config.privacy.epsilon, delta=config.privacy.delta)
+            )
+            self.mu = calibrate_mu(
+                config.privacy.epsilon, config.privacy.delta, config.privacy.planned_rounds, self.l1, self.l2
+            )
+        self._check_bit_budget()
+        self._pool: dict[int, float] = {}
+        self._round: _OpenRound | None = None
+        self._finished: dict[int, RoundResult] = {}
+        self._next_open = now
+        self._rounds_run = 0
+        self.stopped_reason = ""
+
+    # -- model --------------------------------------------------------------------------------------
+    def _load_or_create_model(self, now: float) -> None:
+        m = self.config.model
+        loaded = self.storage.load_latest_model()
+        if loaded is not None:
+            version, payload = loaded
+            msg = decode(payload, max_size=len(payload) + 1)
+            if not isinstance(msg, ModelPayload) or (msg.bits, msg.n_items) != (m.bits, m.n_items):
+                raise ConfigError(
+                    f"the checkpoint in {self.config.data_dir} is for f={getattr(msg, 'bits', '?')}, "
+                    f"m={getattr(msg, 'n_items', '?')}; the configuration says f={m.bits}, m={m.n_items}"
+                )
+            self._set_model(version, unpack_signs(from_bytes(msg.words, m.bits, m.n_items), m.bits), payload)
+            log.info("resumed from model version %d", version)
+            return
+        rng = self._rng(0)
+        codes = self.strategy.initialize(m.n_items, rng)
+        payload = self._payload(1, codes)
+        self.storage.commit_model(1, None, payload, now)
+        self._set_model(1, codes, payload)
+        log.info("initialised model version 1 (f=%d, m=%d)", m.bits, m.n_items)
+
+    def _payload(self, version: int, codes: NDArray[np.int8]) -> bytes:
+        m = self.config.model
+        return encode(
+            ModelPayload(
+                model_version=version,
+                model_kind=m.kind,
+                bits=m.bits,
+                n_items=m.n_items,
+                words=to_bytes(pack_signs(codes)),
+            )
+        )
+
+    def _set_model(self, version: int, codes: NDArray[np.int8], payload: bytes) -> None:
+        self.model_version = version
+        self.item_codes = codes
+        self.model_bytes = payload
+        self.model_etag = f'"{version}-{hashlib.sha256(payload).hexdigest()[:16]}"'
+
+    def _rng(self, round_id: int) -> np.random.Generator:
+        if self._seed is None:
+            return np.random.default_rng(secrets.randbits(128))
+        return np.random.default_rng(np.random.SeedSequence([self._seed, round_id]))
+
+    def _check_bit_budget(self) -> None:
+        n = self.config.rounds.cohort_size
+        t_min = minimum_survivors(n, self.config.rounds.dropout_rate) if self.mu else 1
+        # Before correction every device carries μ/t_min, so n of them carry n·μ/t_min.
+        check_bit_budget(n, self.quantization, self.vector_length, n * self.mu / t_min)
+
+    # -- devices ------------------------------------------------------------------------------------
+    def register(self, platform: str, now: float) -> RegisterResponse:
+        """Create a device identity; the token is returned once and stored only as its SHA-256."""
+        token = secrets.token_urlsafe(32)
+        device_id = self.storage.add_device(token_digest(token), platform, now)
+        return RegisterResponse(device_id=device_id, token=token)
+
+    def authenticate(self, token: str | None) -> int:
+        """The device a bearer token belongs to.
+
+        Raises
+        ------
+        AuthError
+            Missing or unknown token.
+        """
+        if not token:
+            raise AuthError("missing bearer token")
+        device = self.storage.device_for_token(token_digest(token))
+        if device is None:
+            raise AuthError("unknown bearer token")
+        return device
+
+    @staticmethod
+    def check_sender(device_id: int, message: Message) -> None:
+        """Refuse a message that names another device than the authenticated one."""
+        claimed = getattr(message, "device_id", device_id)
+        if claimed != device_id:
+            raise PermissionDenied(f"authenticated as device {device_id}, message names device {claimed}")
+
+    @property
+    def retry_after(self) -> float:
+        """Seconds a waiting device should pause before checking in again.  It grows with the number
+        of waiting devices so that check-ins arrive at about `CHECKIN_RATE` per second."""
+        return max(0.2, self.config.rounds.round_interval, len(self._pool) / CHECKIN_RATE)
+
+    def check_in(self, device_id: int, now: float) -> RoundInvite | Wait:
+        """A device is available: invite it if it is in the open round's cohort, else pool it."""
+        r = self._round
+        if r is not None and device_id in r.session.invited:
+            if r.session.phase is Phase.ADVERTISE_KEYS and device_id in r.session.expected():
+                r.invited_seen.add(device_id)
+                invite = r.session.outbox(device_id)
+                if isinstance(invite, RoundInvite):
+                    return replace(invite, **r.plan)
+            return Wait(retry_after=self.retry_after, reason=f"round {r.round_id} is past its first phase")
+        self._pool[device_id] = now
+        if self.stopped_reason:
+            return Wait(retry_after=max(60.0, self.retry_after), reason=self.stopped_reason)
+        reason = "no round open" if r is None else f"round {r.round_id} in progress"
+        return Wait(retry_after=self.retry_after, reason=reason)
+
+    # -- rounds -------------------------------------------------------------------------------------
+    def _maybe_open(self, now: float) -> None:
+        cfg = self.config.rounds
+        if self._round is not None or now < self._next_open or self.stopped_reason:
+            return
+        if cfg.max_rounds and self._rounds_run >= cfg.max_rounds:
+            self.stopped_reason = f"max_rounds={cfg.max_rounds} reached"
+            return
+        ttl = 10 * self.retry_after
+        fresh = sorted(d for d, t in self._pool.items() if now - t <= ttl)
+        if len(fresh) < cfg.min_cohort:
+            return
+        oldest = min(self._pool[d] for d in fresh)
+        if len(fresh) < cfg.cohort_size and now - oldest < 5 * self.retry_after:
+            return  # give the pool a moment to fill
+        if self.ledger is not None:
+            try:
+                self.ledger.check_round(self.mu, self.l1, self.l2)
+            except PrivacyBudgetExceeded as exc:
+                self.stopped_reason = f"privacy budget exhausted: {exc}"
+                log.warning("%s", self.stopped_reason)
+                return
+        round_id = self.storage.next_round_id()
+        rng = self._rng(round_id)
+        n = min(cfg.cohort_size, len(fresh))
+        cohort = tuple(sorted(int(d) for d in rng.choice(np.array(fresh), size=n, replace=False)))
+        if cfg.k is not None and cfg.t is not None:
+            k, t = min(cfg.k, n), min(cfg.t, n)
+            validate_parameters(n, k, t, cfg.dropout_rate, cfg.adversary_rate)
+        else:
+            gp = find_parameters(n, cfg.dropout_rate, cfg.adversary_rate)
+            k, t = gp.k, gp.t
+        t_min = minimum_survivors(n, cfg.dropout_rate) if self.mu else 0
+        timeouts = (
+            cfg.advertise_timeout,
+            cfg.share_keys_timeout,
+            cfg.masked_input_timeout,
+            cfg.unmask_timeout,
+        )
+        d0, d1, d2, d3 = (now + t for t in itertools.accumulate(timeouts))
+        deadlines = (d0, d1, d2, d3)
+        params = RoundParameters(
+            round_id=round_id,
+            vector_length=self.vector_length,
+            k=k,
+            t=t,
+            clip_norm=float(self.quantization.clip_norm),
+            scale_bits=self.quantization.scale_bits,
+            dp_mu=float(self.mu),
+            dp_t_min=t_min,
+            deadlines=deadlines,
+        )
+        session = ServerSecAggSession(params, cohort, rng=rng)
+        m = self.config.model
+        plan = {
+            "model_version": self.model_version,
+            "model_kind": m.kind,
+            "aggregation": m.aggregation,
+            "bits": m.bits,
+            "n_items": m.n_items,
+            "lam": float(m.lam),
+            "negatives": m.negatives,
+            "local_epochs": m.local_epochs,
+            "max_sweeps": m.max_sweeps,
+            "example_cap": cfg.example_cap,
+        }
+        self.storage.start_round(
+            round_id,
+            self.model_version,
+            cohort,
+            {"k": k, "t": t, "mu": self.mu, "t_min": t_min, "deadlines": list(deadlines), **plan},
+            now,
+        )
+        for d in cohort:
+            self._pool.pop(d, None)
+        self._round = _OpenRound(
+            round_id=round_id,
+            session=session,
+            cohort=cohort,
+            plan=plan,
+            rng=rng,
+            base_version=self.model_version,
+            started=now,
+            phase=Phase.ADVERTISE_KEYS,
+            phase_started=now,
+            alive=set(cohort),
+            mu=self.mu,
+            l1=self.l1,
+            l2=self.l2,
+        )
+        self._rounds_run += 1
+        log.info("round %d opened: %d devices, k=%d, t=%d, mu=%.4g", round_id, n, k, t, self.mu)
+
+    def submit(self, device_id: int, round_id: int, message: Message, now: float) -> Phase:
+        """Accept a device's upload for ``round_id``; returns the phase it belongs to.
+
+        Raises
+        ------
+        StaleRound
+            ``round_id`` is not the open round.
+        PermissionDenied
+            The message names another device.
+        RemoteProtocolError, RoundClosed
+            From the SecAgg session (wrong phase, replay, illegal content); the device is dropped
+            from the round and everyone else goes on.
+        """
+        self.check_sender(device_id, message)
+        r = self._current(round_id)
+        phase = PHASE_OF_MESSAGE.get(type(message))
+        if isinstance(message, Abort):
+            phase = r.session.phase
+        elif phase is None:
+            raise RemoteProtocolError(f"{type(message).__name__} is not a round upload")
+        try:
+            r.session.receive(device_id, message)
+        finally:
+            self._after_change(now)
+        return phase
+
+    def reply(self, device_id: int, round_id: int, after: Phase) -> Message | None:
+        """The answer to a long-poll of a device that uploaded in phase ``after``: the next phase's
+        broadcast, a `RoundResult` when the round ended (or the device was dropped), or None while
+        the phase is still open."""
+        done = self._finished.get(round_id)
+        if done is not None:
+            return done
+        r = self._current(round_id)
+        if device_id not in r.session.invited:
+            raise RemoteProtocolError(f"device {device_id} is not part of round {round_id}")
+        if r.session.phase is after:
+            return None
+        out = r.session.outbox(device_id)
+        if out is None:
+            return None  # DONE but not yet committed: the caller waits for the next change
+        if isinstance(out, Abort):
+            return RoundResult(
+                round_id=round_id, committed=False, model_version=self.model_version, reason=out.reason
+            )
+        return out
+
+    def _current(self, round_id: int) -> _OpenRound:
+        r = self._round
+        if r is None or r.round_id != round_id:
+            raise StaleRound(f"round {round_id} is not the open round")
+        return r
+
+    def tick(self, now: float) -> None:
+        """Advance deadlines, finish rounds, and open the next round when devices are waiting."""
+        r = self._round
+        if r is not None:
+            try:
+                r.session.advance(now)
+            finally:
+                self._after_change(now)
+        self._maybe_open(now)
+
+    def _after_change(self, now: float) -> None:
+        r = self._round
+        if r is None:
+            return
+        phase = r.session.phase
+        if phase is not r.phase:
+            self._record_phases(r, phase, now)
+        if phase in (Phase.DONE, Phase.ABORTED, Phase.ERROR):
+            self._finish(r, now)
+
+    def _record_phases(self, r: _OpenRound, phase: Phase, now: float) -> None:
+        drops = r.session.dropouts
+        order = list(ACTIVE_PHASES)
+        start = order.index(r.phase) if r.phase in order else len(order)
+        stop = order.index(phase) if phase in order else len(order)
+        for p in order[start:stop]:
+            dropped = sorted(drops.get(p, frozenset()) & r.alive)
+            r.alive -= set(dropped)
+            try:
+                self.storage.record_phase(
+                    r.round_id, p.value, sorted(r.alive), dropped, now - r.phase_started, now
+                )
+            except StorageError:
+                log.exception("could not record phase %s of round %d", p.value, r.round_id)
+            r.phase_started = now
+        r.phase = phase
+
+    def _finish(self, r: _OpenRound, now: float) -> None:
+        session = r.session
+        outcome: RoundResult
+        if session.phase is Phase.DONE:
+            outcome = self._commit(r, now)
+        else:
+            reason = str(session.abort_error or "round failed")
+            outcome = RoundResult(
+                round_id=r.round_id, committed=False, model_version=self.model_version, reason=reason
+            )
+            self.storage.finish_round(r.round_id, "aborted", reason=reason, now=now)
+            log.warning("round %d aborted: %s", r.round_id, reason)
+        self._finished[r.round_id] = outcome
+        while len(self._finished) > _KEEP_FINISHED:
+            self._finished.pop(next(iter(self._finished)))
+        self._round = None
+        self._next_open = now + self.config.rounds.round_interval
+
+    def _commit(self, r: _OpenRound, now: float) -> RoundResult:
+        result = r.session.result()
+        m = self.config.model
+        total = dequantize_sum(result.total, self.quantization).reshape(m.n_items, m.bits)
+        survivors = len(result.survivors)
+        if self.strategy.aggregation is Aggregation.PARA:
+            # Devices uploaded D^u − D; Σ_u D^u = s·D + Σ (D^u − D).
+            total = total + survivors * self.item_codes
+        epsilon = None
+        if self.ledger is not None:
+            # The sum is released the moment it is unmasked: charge it before anything can fail.
+            epsilon = self.ledger.record_round(r.mu, r.l1, r.l2, round_id=r.round_id)
+        codes = self.strategy.aggregate(self.item_codes, total, r.rng)
+        version = self.model_version + 1
+        payload = self._payload(version, codes)
+        try:
+            self.storage.commit_model(
+                version,
+                r.round_id,
+                payload,
+                now,
+                ledger=self.ledger.to_dict() if self.ledger is not None else None,
+                round_update={"survivors": survivors, "epsilon_spent": epsilon},
+            )
+        except StorageError as exc:
+            log.error("round %d: could not commit model version %d: %s", r.round_id, version, exc)
+            if self.ledger is not None:
+                try:
+                    self.storage.save_ledger(self.ledger.to_dict())
+                except StorageError:
+                    log.exception("could not save the privacy ledger")
+            self.storage.finish_round(r.round_id, "aborted", reason=f"commit failed: {exc}", now=now)
+            return RoundResult(
+                round_id=r.round_id, committed=False, model_version=self.model_version, reason=str(exc)
+            )
+        flips = int(np.count_nonzero(codes != self.item_codes))
+        self._set_model(version, codes, payload)
+        log.info(
+            "round %d committed model version %d: %d survivors, %d item bits flipped%s",
+            r.round_id,
+            version,
+            survivors,
+            flips,
+            f", epsilon spent {epsilon:.4g}" if epsilon is not None else "",
+        )
+        return RoundResult(round_id=r.round_id, committed=True, model_version=version)
+
+    # -- introspection ------------------------------------------------------------------------------
+    @property
+    def open_round(self) -> _OpenRound | None:
+        return self._round
+
+    def status(self, now: float) -> dict[str, Any]:
+        """A JSON-able snapshot for `/v1/status` and the dashboard."""
+        r = self._round
+        current = None
+        if r is not None:
+            current = {
+                "round_id": r.round_id,
+                "phase": r.session.phase.value,
+                "cohort": len(r.cohort),
+                "alive": len(r.alive),
+                "awaiting": len(r.session.expected()) if r.session.phase in ACTIVE_PHASES else 0,
+                "seconds": round(now - r.started, 3),
+                "dropouts": {p.value: len(v) for p, v in r.session.dropouts.items()},
+            }
+        privacy = None
+        if self.ledger is not None:
+            privacy = {
+                "epsilon_spent": self.ledger.spent(),
+                "epsilon_budget": self.ledger.epsilon_budget,
+                "delta": self.ledger.delta,
+                "mu": self.mu,
+                "rounds_charged": len(self.ledger.rounds),
+            }
+        return {
+            "model": {
+                "version": self.model_version,
+                "kind": self.config.model.kind,
+                "bits": self.config.model.bits,
+                "n_items": self.config.model.n_items,
+            },
+            "round": current,
+            "waiting_devices": len(self._pool),
+            "registered_devices": self.storage.device_count(),
+            "rounds": self.storage.round_counts(),
+            "recent_rounds": [
+                {**rec, "phases": _records(self.storage.phase_stats(rec["round_id"]))}
+                for rec in _records(self.storage.recent_rounds(10))
+            ],
+            "process": _process_stats(),
+            "privacy": privacy,
+            "stopped": self.stopped_reason or None,
+            "abandoned_at_start": list(self.abandoned),
+        }
+
+
+def _process_stats() -> dict[str, float]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    # ru_maxrss is in kilobytes on Linux.
+    return {"cpu_seconds": usage.ru_utime + usage.ru_stime, "max_rss_mb": usage.ru_maxrss / 1024.0}
+
+
+def _records(records: Any) -> list[dict[str, Any]]:
+    out = []
+    for rec in records:
+        d = (
+            dataclasses.asdict(rec)
+            if dataclasses.is_dataclass(rec) and not isinstance(rec, type)
+            else dict(rec)
+        )
+        out.append({k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in d.items()})
+    return out

@@ -1,0 +1,314 @@
+"""Fleets of simulated devices against a real server over HTTP: the engine of ``fedrec demo`` and
+``fedrec loadtest``.
+
+Invariants:
+- Every simulated device is a real `device_sdk.client.DeviceClient` over a real
+  `device_sdk.http.HttpTransport`, with its own store folder; only the ratings are simulated.
+- Traffic goes only to the URL given (the demo and the tests use loopback).  Loops are bounded:
+  the fleet stops after the requested number of finished rounds or at its time limit.
+- Dropouts are injected at every phase (including a disconnect in the middle of the masked-input
+  request) with the given probability, decided per device and round from the fleet's seeded
+  generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundOutcome, RoundStatus, seeded_rngs
+
+__all__ = ["FleetConfig", "FleetReport", "run_fleet", "fetch_status", "PHASE_STEPS"]
+
+PHASE_STEPS = ("checkin", "model", "train", "keys", "shares", "masked", "unmask")
+_DROPS = (
+    DropoutAt.BEFORE_KEYS,
+    DropoutAt.BEFORE_SHARES,
+    DropoutAt.BEFORE_MASKED,
+    DropoutAt.DISCONNECT_MASKED,
+    DropoutAt.BEFORE_UNMASK,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """How the fleet behaves.
+
+    Attributes
+    ----------
+    url : server root, e.g. ``http://127.0.0.1:8080``.
+    store_root : folder holding one store folder per device.
+    n_items, bits : the model shape the server trains.
+    rounds : stop after this many rounds have finished (committed or aborted) on the server.
+    dropout : probability that a device taking part in a round drops, at a phase chosen uniformly.
+    seed : seed of the dropout choices and, when ``reproducible``, of the devices' generators.
+    reproducible : use `seeded_rngs` for the devices' generators (simulation), else `secrets`.
+    rating_range, binary_positives : how devices normalise their ratings.
+    time_limit : seconds after which the fleet stops regardless.
+    long_poll_timeout : seconds a device waits on one phase request.
+    schedule : a fixed dropout schedule ``schedule(round_number, device_id)`` used instead of
+        ``dropout`` (round_number counts the rounds the device was invited to, from 1: equal to the
+        round id on a fresh server where every device joins every round).
+    """
+
+    url: str
+    store_root: Path
+    n_items: int
+    bits: int = 64
+    rounds: int = 3
+    dropout: float = 0.0
+    seed: int = 0
+    reproducible: bool = True
+    rating_range: tuple[float, float] | None = (1.0, 5.0)
+    binary_positives: bool = True
+    time_limit: float = 3600.0
+    long_poll_timeout: float = 600.0
+    schedule: Callable[[int, int], DropoutAt] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+
+
+@dataclass
+class FleetReport:
+    """What the fleet saw."""
+
+    devices: int
+    rounds_finished: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    drops: Counter[str] = field(default_factory=Counter)
+    latencies: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in PHASE_STEPS})
+    bytes_up: list[int] = field(default_factory=list)
+    bytes_down: list[int] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    server_rounds: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def merge(self, other: FleetReport) -> None:
+        self.devices += other.devices
+        self.outcomes.update(other.outcomes)
+        self.drops.update(other.drops)
+        for k, v in other.latencies.items():
+            self.latencies.setdefault(k, []).extend(v)
+        self.bytes_up.extend(other.bytes_up)
+        self.bytes_down.extend(other.bytes_down)
+        self.errors.update(other.errors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "devices": self.devices,
+            "rounds_finished": self.rounds_finished,
+            "outcomes": dict(self.outcomes),
+            "drops": dict(self.drops),
+            "latencies": self.latencies,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "errors": dict(self.errors),
+            "server_rounds": self.server_rounds,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FleetReport:
+        rep = cls(devices=int(d["devices"]), rounds_finished=int(d["rounds_finished"]))
+        rep.outcomes.update(d["outcomes"])
+        rep.drops.update(d["drops"])
+        rep.latencies = {k: list(v) for k, v in d["latencies"].items()}
+        rep.bytes_up, rep.bytes_down = list(d["bytes_up"]), list(d["bytes_down"])
+        rep.errors.update(d["errors"])
+        rep.server_rounds = list(d["server_rounds"])
+        rep.seconds = float(d["seconds"])
+        return rep
+
+
+async def fetch_status(session: Any, url: str) -> dict[str, Any]:
+    """GET ``/v1/status`` as JSON (``session`` is an aiohttp ClientSession)."""
+    async with session.get(f"{url}/v1/status") as resp:
+        text = await resp.text()
+        if resp.status != 200:
+            raise RuntimeError(f"status endpoint answered {resp.status}")
+        data: dict[str, Any] = json.loads(text)
+        return data
+
+
+def _record(report: FleetReport, outcome: RoundOutcome) -> None:
+    report.outcomes[str(outcome.status)] += 1
+    if outcome.status is RoundStatus.WAITED:
+        return
+    for step in PHASE_STEPS:
+        if step in outcome.timings:
+            report.latencies[step].append(outcome.timings[step])
+    report.bytes_up.append(outcome.bytes_up)
+    report.bytes_down.append(outcome.bytes_down)
+
+
+async def run_fleet(
+    config: FleetConfig,
+    users: Sequence[tuple[NDArray[np.int64], NDArray[np.float64] | None]],
+    *,
+    first_index: int = 0,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    monitor: bool = True,
+) -> tuple[FleetReport, list[DeviceClient]]:
+    """Run one device per entry of ``users`` until ``config.rounds`` rounds have finished.
+
+    Parameters
+    ----------
+    config : fleet behaviour.
+    users : each device's (item ids, raw ratings or None).
+    first_index : index of ``users[0]`` in the whole fleet (store folder names, dropout choices).
+    on_round : called with the server's record of each round that finishes (from ``/v1/status``).
+    monitor : watch ``/v1/status`` and stop when enough rounds finished (one process per fleet
+        should monitor; worker shards of a load test may be stopped by a shared deadline instead).
+
+    Returns
+    -------
+    (report, clients): the clients stay usable offline (their models are on disk) but are closed.
+    """
+    import aiohttp
+
+    from device_sdk.http import HttpTransport
+
+    report = FleetReport(devices=len(users))
+    stop = asyncio.Event()
+    start = time.perf_counter()
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    session = aiohttp.ClientSession(connector=connector)
+    clients: list[DeviceClient] = []
+    try:
+        for offset, (items, ratings) in enumerate(users):
+            index = first_index + offset
+            transport = HttpTransport(config.url, session=session)
+            holder: dict[str, DeviceClient] = {}
+
+            def rngs(
+                round_id: int, _h: dict[str, DeviceClient] = holder
+            ) -> tuple[np.random.Generator, np.random.Generator]:
+                device_id = _h["c"].device_id
+                return seeded_rngs(config.seed, round_id, int(device_id or 0))
+
+            client = DeviceClient(
+                transport,
+                ClientConfig(
+                    store_dir=config.store_root / f"device-{index:06d}",
+                    long_poll_timeout=config.long_poll_timeout,
+                ),
+                items=items,
+                ratings=ratings,
+                n_items=config.n_items,
+                bits=config.bits,
+                rating_range=config.rating_range,
+                binary_positives=config.binary_positives,
+                rng_for_round=rngs if config.reproducible else None,
+            )
+            holder["c"] = client
+            clients.append(client)
+        # Register one after the other: device ids then follow the order of ``users``, which makes a
+        # seeded run reproducible (the in-process reference registers in the same order).
+        for c in clients:
+            await c.register()
+        tasks = [
+            asyncio.create_task(_device_loop(c, first_index + i, config, report, stop))
+            for i, c in enumerate(clients)
+        ]
+        if monitor:
+            tasks.append(asyncio.create_task(_monitor(session, config, report, stop, on_round)))
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=config.time_limit)
+        except TimeoutError:
+            report.errors["fleet time limit reached"] += 1
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for c in clients:
+            await c.close()
+        await session.close()
+    report.seconds = time.perf_counter() - start
+    return report, clients
+
+
+async def _device_loop(
+    client: DeviceClient, index: int, config: FleetConfig, report: FleetReport, stop: asyncio.Event
+) -> None:
+    rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, index]))
+    backoff = 0.5
+    invited = 0
+    while not stop.is_set():
+        drop = DropoutAt.NONE
+        if config.schedule is not None:
+            drop = config.schedule(invited + 1, int(client.device_id or 0))
+        elif config.dropout and rng.random() < config.dropout:
+            drop = _DROPS[int(rng.integers(len(_DROPS)))]
+        try:
+            outcome = await client.run_round(dropout=drop)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a load test counts every error type and keeps going
+            report.errors[type(exc).__name__] += 1
+            await _sleep(stop, backoff)
+            backoff = min(backoff * 2, 10.0)
+            continue
+        backoff = 0.5
+        _record(report, outcome)
+        if outcome.status is not RoundStatus.WAITED:
+            invited += 1
+        if outcome.status is RoundStatus.DROPPED:
+            report.drops[drop.value] += 1
+        if outcome.status is RoundStatus.WAITED:
+            await _sleep(stop, outcome.retry_after or 1.0)
+
+
+async def _sleep(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        pass
+
+
+async def _monitor(
+    session: Any,
+    config: FleetConfig,
+    report: FleetReport,
+    stop: asyncio.Event,
+    on_round: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    seen: set[int] = set()
+    baseline: set[int] | None = None
+    while not stop.is_set():
+        try:
+            status = await fetch_status(session, config.url)
+        except Exception as exc:  # the server may be busy unmasking; try again shortly
+            report.errors[f"status: {type(exc).__name__}"] += 1
+            await _sleep(stop, 1.0)
+            continue
+        finished = [r for r in status.get("recent_rounds", []) if r.get("status") in ("committed", "aborted")]
+        if baseline is None:
+            baseline = {r["round_id"] for r in finished}
+        for rec in sorted(finished, key=lambda r: r["round_id"]):
+            rid = rec["round_id"]
+            if rid in seen or rid in baseline:
+                continue
+            seen.add(rid)
+            rec = {**rec, "process": status.get("process"), "privacy": status.get("privacy")}
+            report.server_rounds.append(rec)
+            report.rounds_finished += 1
+            if on_round is not None:
+                on_round(rec)
+        if report.rounds_finished >= config.rounds or status.get("stopped"):
+            stop.set()
+            return
+        await _sleep(stop, 0.25)
