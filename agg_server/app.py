@@ -307,6 +307,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        try:
+            app[COORDINATOR].shutdown(app[_CLOCK]())
+        except FedRecError:
+            log.exception("could not close the open round at shutdown")
         app[_CHANGES].notify()
         storage.close()
         log.info("storage closed")

@@ -504,6 +504,20 @@ class RoundCoordinator:
         )
         return RoundResult(round_id=r.round_id, committed=True, model_version=version)
 
+    def shutdown(self, now: float) -> None:
+        """Close an open round as abandoned (graceful stop): nothing is revealed, devices retry."""
+        r = self._round
+        if r is None:
+            return
+        if r.session.phase in ACTIVE_PHASES:
+            r.session.abort("server shutting down")
+        self.storage.finish_round(r.round_id, "abandoned", reason="server shut down", now=now)
+        self._finished[r.round_id] = RoundResult(
+            round_id=r.round_id, committed=False, model_version=self.model_version, reason="server shut down"
+        )
+        self._round = None
+        log.info("round %d abandoned at shutdown", r.round_id)
+
     # -- introspection ------------------------------------------------------------------------------
     @property
     def open_round(self) -> _OpenRound | None:
