@@ -324,7 +324,11 @@ class Storage:
         except OSError as exc:
             raise StorageError(f"cannot create data directory {self._checkpoint_dir}: {exc}") from exc
         self._conn = self._open()
-        self._remove_temp_files()
+        try:
+            self._remove_leftovers()
+        except BaseException:
+            self.close()
+            raise
 
     # -- connection -----------------------------------------------------------------------------
 
@@ -909,7 +913,8 @@ class Storage:
                 self._finish_round(
                     conn, rid, RoundStatus.COMMITTED, new_model_version=version, now=at, **update
                 )
-        self._prune_checkpoints()
+            expired = self._expire_checkpoints(conn)
+        self._delete_files(expired)
 
     def _record_checkpoint(
         self,
@@ -950,33 +955,43 @@ class Storage:
                 with contextlib.suppress(OSError):
                     os.unlink(temp)
 
-    def _remove_temp_files(self) -> None:
-        # Temp files are only ever left by a crash mid-write; this process owns the directory.
+    def _remove_leftovers(self) -> None:
+        # Only crashes leave these, and this process owns the directory: temp files of an unfinished
+        # write, and files whose rows were pruned by a commit that died before unlinking them.  Files
+        # newer than every row are left alone (an orphan commit is overwritten by the next one).
         for temp in self._checkpoint_dir.glob(f".model-*{_TEMP_SUFFIX}"):
             with contextlib.suppress(OSError):
                 temp.unlink()
-
-    def _prune_checkpoints(self) -> None:
-        # Runs after the commit: a failure here must not turn a committed model into an error, so
-        # it is logged, not raised.  Rows go first: a crash between the two steps leaves orphan
-        # files (harmless), never rows pointing at deleted files (which would look corrupt).
-        try:
-            with self._transaction("prune_checkpoints") as conn:
-                row = conn.execute(
-                    "SELECT model_version FROM checkpoints WHERE status = ? "
-                    "ORDER BY model_version DESC LIMIT 1 OFFSET ?",
-                    (CheckpointStatus.GOOD.value, self.keep_checkpoints - 1),
-                ).fetchone()
-                if row is None:
-                    return
-                old = conn.execute(
-                    "SELECT path FROM checkpoints WHERE model_version < ?", (row[0],)
-                ).fetchall()
-                conn.execute("DELETE FROM checkpoints WHERE model_version < ?", (row[0],))
-        except StorageError as exc:
-            _log.error("could not prune old checkpoints: %s", exc)
+        with self._guard("open") as conn:
+            oldest = conn.execute("SELECT min(model_version) FROM checkpoints").fetchone()[0]
+        if oldest is None:
             return
-        for (relative,) in old:
+        for path in self._checkpoint_dir.glob("model-*.msgpack"):
+            version = path.name[len("model-") : -len(".msgpack")]
+            if version.isdigit() and int(version) < oldest:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+    def _expire_checkpoints(self, conn: sqlite3.Connection) -> list[str]:
+        # Inside the commit's transaction, so the row count never exceeds keep_checkpoints good ones
+        # whatever the moment of a crash.  Everything older than the keep-th newest good checkpoint
+        # goes, corrupt rows included.  Returns the files to delete once the transaction committed:
+        # rows go first, so a crash leaves orphan files (removed on the next open), never rows
+        # pointing at deleted files (which would look corrupt).
+        row = conn.execute(
+            "SELECT model_version FROM checkpoints WHERE status = ? "
+            "ORDER BY model_version DESC LIMIT 1 OFFSET ?",
+            (CheckpointStatus.GOOD.value, self.keep_checkpoints - 1),
+        ).fetchone()
+        if row is None:
+            return []
+        old = conn.execute("SELECT path FROM checkpoints WHERE model_version < ?", (row[0],)).fetchall()
+        conn.execute("DELETE FROM checkpoints WHERE model_version < ?", (row[0],))
+        return [str(r[0]) for r in old]
+
+    def _delete_files(self, relatives: list[str]) -> None:
+        # After the commit: a failure here must not turn a committed model into an error.
+        for relative in relatives:
             try:
                 (self.data_dir / relative).unlink(missing_ok=True)
             except OSError as exc:
