@@ -587,13 +587,14 @@ class DeviceClient:
                 session.receive(answer)
             raise LocalProtocolError("the unmask phase must end with a RoundResult")  # pragma: no cover
         except RoundError as exc:
-            _forget(session)
             return self._outcome(RoundStatus.ABORTED, rid, tally, reason=str(exc))
         except Exception as exc:
             _forget(session)
             if not isinstance(exc, TransportError):
                 await self._leave(invite, f"device error: {type(exc).__name__}: {exc}")
             raise
+        finally:
+            _forget(session)  # every exit, cancellation included, drops the session's secrets
 
     def _finish(
         self, session: DeviceSecAggSession, invite: RoundInvite, result: RoundResult, tally: _Tally

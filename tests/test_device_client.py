@@ -641,3 +641,18 @@ def test_import_device_sdk_does_not_import_aiohttp() -> None:
         "assert 'aiohttp' not in sys.modules, sorted(m for m in sys.modules if 'aiohttp' in m)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.asyncio
+async def test_cancelled_round_drops_the_session_secrets(
+    tmp_path: Path, recording: list[RecordingSession]
+) -> None:
+    server = FakeServer(k=3, t=2, dp_mu=0.0, dp_t_min=0)
+    devices = await cohort(server, tmp_path, 3)
+    task = asyncio.ensure_future(devices[0].client.run_round())  # the others never answer: it long-polls
+    while not recording or recording[0].phase is Phase.ADVERTISE_KEYS:
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert recording[0].phase is Phase.ABORTED
