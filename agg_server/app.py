@@ -144,9 +144,7 @@ async def _errors(
         counters[413] = counters.get(413, 0) + 1
         return _error_response(PayloadTooLarge(exc.text or "request body too large"), 413, request_id)
     except web.HTTPNotFound:
-        return _error_response(
-            RemoteProtocolError(f"no route {request.method} {request.path}"), 404, request_id
-        )
+        return _error_response(RemoteProtocolError(f"no route {request.method} {request.path}"), 404, request_id)
     except web.HTTPMethodNotAllowed:
         return _error_response(
             RemoteProtocolError(f"method {request.method} not allowed on {request.path}"), 405, request_id

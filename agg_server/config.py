@@ -316,8 +316,7 @@ class RoundSection:
         _int("rounds.min_cohort", self.min_cohort, lo=3)
         if self.min_cohort > self.cohort_size:
             raise ConfigError(
-                f"rounds.min_cohort: must be <= rounds.cohort_size ({self.cohort_size}), "
-                f"got {self.min_cohort}"
+                f"rounds.min_cohort: must be <= rounds.cohort_size ({self.cohort_size}), got {self.min_cohort}"
             )
         for name in ("dropout_rate", "adversary_rate"):
             key = f"rounds.{name}"

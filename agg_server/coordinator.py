@@ -122,16 +122,12 @@ class RoundCoordinator:
         self.strategy = LightFRStrategy(
             bits=m.bits, lam=m.lam, aggregation=Aggregation(m.aggregation), flip_fraction=m.flip_fraction
         )
-        self.quantization = QuantizationConfig(
-            clip_norm=config.rounds.clip_norm, scale_bits=config.rounds.scale_bits
-        )
+        self.quantization = QuantizationConfig(clip_norm=config.rounds.clip_norm, scale_bits=config.rounds.scale_bits)
         self.vector_length = m.n_items * m.bits
         self._seed = config.rounds.seed
         self.abandoned = storage.abandon_open_rounds(now)
         for rid in self.abandoned:
-            log.warning(
-                "round %d was open when the server stopped; abandoned (its devices will check in again)", rid
-            )
+            log.warning("round %d was open when the server stopped; abandoned (its devices will check in again)", rid)
         self._load_or_create_model(now)
         self.ledger: PrivacyLedger | None = None
         self.mu = 0.0
@@ -391,9 +387,7 @@ class RoundCoordinator:
         if out is None:
             return None  # DONE but not yet committed: the caller waits for the next change
         if isinstance(out, Abort):
-            return RoundResult(
-                round_id=round_id, committed=False, model_version=self.model_version, reason=out.reason
-            )
+            return RoundResult(round_id=round_id, committed=False, model_version=self.model_version, reason=out.reason)
         return out
 
     def _current(self, round_id: int) -> _OpenRound:
@@ -431,9 +425,7 @@ class RoundCoordinator:
             dropped = sorted(drops.get(p, frozenset()) & r.alive)
             r.alive -= set(dropped)
             try:
-                self.storage.record_phase(
-                    r.round_id, p.value, sorted(r.alive), dropped, now - r.phase_started, now
-                )
+                self.storage.record_phase(r.round_id, p.value, sorted(r.alive), dropped, now - r.phase_started, now)
             except StorageError:
                 log.exception("could not record phase %s of round %d", p.value, r.round_id)
             r.phase_started = now
@@ -446,9 +438,7 @@ class RoundCoordinator:
             outcome = self._commit(r, now)
         else:
             reason = str(session.abort_error or "round failed")
-            outcome = RoundResult(
-                round_id=r.round_id, committed=False, model_version=self.model_version, reason=reason
-            )
+            outcome = RoundResult(round_id=r.round_id, committed=False, model_version=self.model_version, reason=reason)
             self.storage.finish_round(r.round_id, "aborted", reason=reason, now=now)
             log.warning("round %d aborted: %s", r.round_id, reason)
         self._finished[r.round_id] = outcome
@@ -489,9 +479,7 @@ class RoundCoordinator:
                 except StorageError:
                     log.exception("could not save the privacy ledger")
             self.storage.finish_round(r.round_id, "aborted", reason=f"commit failed: {exc}", now=now)
-            return RoundResult(
-                round_id=r.round_id, committed=False, model_version=self.model_version, reason=str(exc)
-            )
+            return RoundResult(round_id=r.round_id, committed=False, model_version=self.model_version, reason=str(exc))
         flips = int(np.count_nonzero(codes != self.item_codes))
         self._set_model(version, codes, payload)
         log.info(
@@ -577,10 +565,6 @@ def _process_stats() -> dict[str, float]:
 def _records(records: Any) -> list[dict[str, Any]]:
     out = []
     for rec in records:
-        d = (
-            dataclasses.asdict(rec)
-            if dataclasses.is_dataclass(rec) and not isinstance(rec, type)
-            else dict(rec)
-        )
+        d = dataclasses.asdict(rec) if dataclasses.is_dataclass(rec) and not isinstance(rec, type) else dict(rec)
         out.append({k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in d.items()})
     return out

@@ -308,11 +308,7 @@ class Storage:
     """
 
     def __init__(self, data_dir: Path, *, keep_checkpoints: int = 5) -> None:
-        if (
-            isinstance(keep_checkpoints, bool)
-            or not isinstance(keep_checkpoints, int)
-            or keep_checkpoints < 1
-        ):
+        if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
         self.data_dir = Path(data_dir)
         self.db_path = self.data_dir / DATABASE_NAME
@@ -365,9 +361,7 @@ class Storage:
             return
         tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
         if tables:
-            raise StorageError(
-                f"{self.db_path} is not a fedrec database (no schema version, {tables} tables)"
-            )
+            raise StorageError(f"{self.db_path} is not a fedrec database (no schema version, {tables} tables)")
         conn.execute("BEGIN IMMEDIATE")
         try:
             for statement in _SCHEMA_V1:
@@ -691,9 +685,7 @@ class Storage:
         """
         n = _check_id("limit", limit)
         with self._guard("recent_rounds") as conn:
-            rows = conn.execute(
-                f"SELECT {_ROUND_COLUMNS} FROM rounds ORDER BY round_id DESC LIMIT ?", (n,)
-            ).fetchall()
+            rows = conn.execute(f"SELECT {_ROUND_COLUMNS} FROM rounds ORDER BY round_id DESC LIMIT ?", (n,)).fetchall()
         return [_round_record(row) for row in rows]
 
     def round_counts(self) -> dict[str, int]:
@@ -750,8 +742,7 @@ class Storage:
         at = _check_time("now", now)
         with self._transaction("record_phase") as conn:
             conn.execute(
-                "INSERT INTO phase_timings (round_id, phase, seconds, arrived, dropped) "
-                "VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO phase_timings (round_id, phase, seconds, arrived, dropped) VALUES (?, ?, ?, ?, ?)",
                 (rid, name, secs, len(ok), len(gone)),
             )
             rows = [(rid, d, name, ParticipationStatus.OK.value, at) for d in ok]
@@ -766,8 +757,7 @@ class Storage:
         rid = _check_id("round_id", round_id)
         with self._guard("phase_stats") as conn:
             rows = conn.execute(
-                "SELECT phase, seconds, arrived, dropped FROM phase_timings WHERE round_id = ? "
-                "ORDER BY rowid",
+                "SELECT phase, seconds, arrived, dropped FROM phase_timings WHERE round_id = ? ORDER BY rowid",
                 (rid,),
             ).fetchall()
         return [
@@ -788,8 +778,7 @@ class Storage:
         dropped: list[int] = []
         with self._guard("phase_devices") as conn:
             for device, status in conn.execute(
-                "SELECT device_id, status FROM participation WHERE round_id = ? AND phase = ? "
-                "ORDER BY device_id",
+                "SELECT device_id, status FROM participation WHERE round_id = ? AND phase = ? ORDER BY device_id",
                 (rid, str(phase)),
             ):
                 (ok if status == ParticipationStatus.OK.value else dropped).append(int(device))
@@ -826,9 +815,7 @@ class Storage:
         try:
             value = json.loads(row[0])
         except ValueError as exc:
-            raise StorageError(
-                f"load_ledger: the stored privacy ledger in {self.db_path} is not JSON: {exc}"
-            ) from exc
+            raise StorageError(f"load_ledger: the stored privacy ledger in {self.db_path} is not JSON: {exc}") from exc
         if not isinstance(value, dict):
             raise StorageError(f"load_ledger: the stored privacy ledger in {self.db_path} is not an object")
         return value
@@ -890,18 +877,14 @@ class Storage:
                 raise ValueError("round_update needs a round_id")
             unknown = set(round_update) - _ROUND_UPDATE_KEYS
             if unknown:
-                raise ValueError(
-                    f"round_update: unknown keys {sorted(unknown)}; allowed {sorted(_ROUND_UPDATE_KEYS)}"
-                )
+                raise ValueError(f"round_update: unknown keys {sorted(unknown)}; allowed {sorted(_ROUND_UPDATE_KEYS)}")
             update = {"reason": "", "survivors": None, "epsilon_spent": None, **round_update}
         with self._guard("commit_model") as conn:
             newest = conn.execute(
                 "SELECT max(model_version) FROM checkpoints WHERE status = ?", (CheckpointStatus.GOOD.value,)
             ).fetchone()[0]
         if newest is not None and version <= newest:
-            raise StorageError(
-                f"commit_model: model version {version} is not newer than the committed {newest}"
-            )
+            raise StorageError(f"commit_model: model version {version} is not newer than the committed {newest}")
         relative = f"{_CHECKPOINT_DIR}/model-{version}.msgpack"
         digest = hashlib.sha256(data).digest()
         self._write_file(self.data_dir / relative, data)
@@ -910,9 +893,7 @@ class Storage:
             if ledger_text is not None:
                 _store_ledger(conn, ledger_text)
             if round_update is not None and rid is not None:
-                self._finish_round(
-                    conn, rid, RoundStatus.COMMITTED, new_model_version=version, now=at, **update
-                )
+                self._finish_round(conn, rid, RoundStatus.COMMITTED, new_model_version=version, now=at, **update)
             expired = self._expire_checkpoints(conn)
         self._delete_files(expired)
 
@@ -979,8 +960,7 @@ class Storage:
         # rows go first, so a crash leaves orphan files (removed on the next open), never rows
         # pointing at deleted files (which would look corrupt).
         row = conn.execute(
-            "SELECT model_version FROM checkpoints WHERE status = ? "
-            "ORDER BY model_version DESC LIMIT 1 OFFSET ?",
+            "SELECT model_version FROM checkpoints WHERE status = ? ORDER BY model_version DESC LIMIT 1 OFFSET ?",
             (CheckpointStatus.GOOD.value, self.keep_checkpoints - 1),
         ).fetchone()
         if row is None:

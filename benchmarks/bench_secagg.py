@@ -75,14 +75,10 @@ def _run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--length", type=int, default=100_000, help="L, ring elements per vector")
-    parser.add_argument(
-        "--drop", type=float, nargs="+", default=[0.1, 0.3], help="dropout before masked input"
-    )
+    parser.add_argument("--drop", type=float, nargs="+", default=[0.1, 0.3], help="dropout before masked input")
     parser.add_argument("--late-drop", type=float, default=0.05, help="dropout after masked input")
     parser.add_argument("--adversary", type=float, default=0.05, help="gamma for the parameter finder")
     parser.add_argument("--omega", type=float, default=0.33, help="omega for the parameter finder")

@@ -54,10 +54,7 @@ def main() -> None:
         V = rng.standard_normal((m, 32), dtype=np.float32)
         u = rng.standard_normal(32, dtype=np.float32)
         t_float = _best_of(partial(float_topk, V, u, args.k), args.repeat)
-        print(
-            f"{m:>10} {'float32 d=32 inner prod':<24} {t_float * 1e3:>9.2f} "
-            f"{m / t_float / 1e6:>10.0f} {'1.0x':>10}"
-        )
+        print(f"{m:>10} {'float32 d=32 inner prod':<24} {t_float * 1e3:>9.2f} {m / t_float / 1e6:>10.0f} {'1.0x':>10}")
         for f in args.bits:
             w = (f + 63) // 64
             words = rng.integers(0, 2**63, size=(w, m), dtype=np.uint64) ^ rng.integers(
@@ -66,8 +63,7 @@ def main() -> None:
             user = rng.integers(0, 2**63, size=w, dtype=np.uint64)
             t_bin = _best_of(partial(topk_hamming, user, words, f, args.k, rng), args.repeat)
             print(
-                f"{m:>10} {f'hamming f={f}':<24} {t_bin * 1e3:>9.2f} "
-                f"{m / t_bin / 1e6:>10.0f} {t_float / t_bin:>9.1f}x"
+                f"{m:>10} {f'hamming f={f}':<24} {t_bin * 1e3:>9.2f} {m / t_bin / 1e6:>10.0f} {t_float / t_bin:>9.1f}x"
             )
 
 

@@ -41,14 +41,9 @@ def main() -> None:
     args = p.parse_args()
     for name in args.datasets:
         exp = prepare(name, seed=0)
-        base_cfg = LightFRConfig(
-            bits=64, lam=0.0, negatives=4, rating_range=exp.rating_range, binary_positives=True
-        )
+        base_cfg = LightFRConfig(bits=64, lam=0.0, negatives=4, rating_range=exp.rating_range, binary_positives=True)
         fed = FederationConfig(rounds=args.rounds, fraction=0.6, seed=args.seed, flip_fraction=0.1)
-        print(
-            f"\n### {exp.describe()}\n"
-            f"T={args.rounds}, p=0.6, E=1, f=64, λ=0, 4 negatives/rating, seed {args.seed}\n"
-        )
+        print(f"\n### {exp.describe()}\nT={args.rounds}, p=0.6, E=1, f=64, λ=0, 4 negatives/rating, seed {args.seed}\n")
         print("| model | HR@10 random | NDCG@10 random | HR@10 optimistic | NDCG@10 optimistic |")
         print("|---|---|---|---|---|")
         runs = [

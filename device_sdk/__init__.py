@@ -5,6 +5,14 @@ Importing this package never imports aiohttp (the HTTP transport is a separate m
 
 from __future__ import annotations
 
+from device_sdk.client import (
+    ClientConfig,
+    DeviceClient,
+    DropoutAt,
+    RoundOutcome,
+    RoundStatus,
+    seeded_rngs,
+)
 from device_sdk.codes import (
     from_bitarray,
     from_bytes,
@@ -19,11 +27,24 @@ from device_sdk.codes import (
 from device_sdk.models import LightFRConfig, LightFRModel, LocalUpdate
 from device_sdk.store import load_store, save_store
 from device_sdk.topk import hamming_distances, topk_hamming
+from device_sdk.training import local_round
+from device_sdk.transport import Response, Transport, TransportError, raise_for_error
 from protocol.errors import *  # noqa: F403
 from protocol.errors import __all__ as _errors_all
 from protocol.spec import Aggregation
 
 __all__ = [
+    "DeviceClient",
+    "ClientConfig",
+    "DropoutAt",
+    "RoundOutcome",
+    "RoundStatus",
+    "seeded_rngs",
+    "local_round",
+    "Transport",
+    "Response",
+    "TransportError",
+    "raise_for_error",
     "LightFRConfig",
     "LightFRModel",
     "LocalUpdate",

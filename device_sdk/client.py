@@ -444,7 +444,12 @@ class DeviceClient:
         async with self._lock:
             return (await self._ensure_identity(_Tally())).device_id
 
-    async def run_round(self, *, dropout: DropoutAt = DropoutAt.NONE) -> RoundOutcome:
+    async def run_round(
+        self,
+        *,
+        dropout: DropoutAt | Callable[[int], DropoutAt] = DropoutAt.NONE,
+        announce_drop: bool = False,
+    ) -> RoundOutcome:
         """Check in and, when invited, take part in one round.
 
         Check in with the model version held; a `Wait` ends the call ("waited").  On a `RoundInvite`:
@@ -456,8 +461,12 @@ class DeviceClient:
 
         Parameters
         ----------
-        dropout : DropoutAt
-            Fault injection: stop taking part at that point ("dropped").
+        dropout : DropoutAt or callable
+            Fault injection: stop taking part at that point ("dropped").  A callable is asked with the
+            round id once the invitation arrived (schedules keyed by round).
+        announce_drop : bool
+            With a ``BEFORE_*`` dropout, tell the server the device leaves (an `Abort`), as an app
+            that is closed cleanly would; by default the device vanishes silently.
 
         Returns
         -------
@@ -480,13 +489,11 @@ class DeviceClient:
             tally = _Tally()
             start = time.perf_counter()
             try:
-                return await self._round(dropout, tally)
+                return await self._round(dropout, tally, announce_drop)
             finally:
                 tally.timings["total"] = time.perf_counter() - start
 
-    async def run(
-        self, *, rounds: int | None = None, stop: asyncio.Event | None = None
-    ) -> list[RoundOutcome]:
+    async def run(self, *, rounds: int | None = None, stop: asyncio.Event | None = None) -> list[RoundOutcome]:
         """Take part in rounds until ``rounds`` were joined or ``stop`` is set.
 
         Parameters
@@ -519,28 +526,29 @@ class DeviceClient:
 
     # -- one round --------------------------------------------------------------------------------
 
-    async def _round(self, dropout: DropoutAt, tally: _Tally) -> RoundOutcome:
+    async def _round(
+        self, dropout: DropoutAt | Callable[[int], DropoutAt], tally: _Tally, announce_drop: bool = False
+    ) -> RoundOutcome:
         identity = await self._ensure_identity(tally)
         try:
             with tally.step("checkin"):
                 checkin = CheckIn(device_id=identity.device_id, model_version=self._held_version() or 0)
-                response = await self._call(
-                    "POST", "/v1/checkin", checkin, tally, timeout=self.config.request_timeout
-                )
+                response = await self._call("POST", "/v1/checkin", checkin, tally, timeout=self.config.request_timeout)
         except RoundError as exc:
             return self._outcome(RoundStatus.ABORTED, None, tally, reason=str(exc))
         message = response.message
         if isinstance(message, Wait):
             return self._outcome(RoundStatus.WAITED, None, tally, retry_after=message.retry_after)
         if not isinstance(message, RoundInvite):
-            raise RemoteProtocolError(
-                f"check-in answered with {_name(message)}, expected RoundInvite or Wait"
-            )
+            raise RemoteProtocolError(f"check-in answered with {_name(message)}, expected RoundInvite or Wait")
         if message.device_id != identity.device_id:
             raise RemoteProtocolError(f"invite addressed to device {message.device_id}")
-        return await self._join(message, dropout, tally)
+        plan = dropout(message.round_id) if callable(dropout) else dropout
+        return await self._join(message, plan, tally, announce_drop)
 
-    async def _join(self, invite: RoundInvite, dropout: DropoutAt, tally: _Tally) -> RoundOutcome:
+    async def _join(
+        self, invite: RoundInvite, dropout: DropoutAt, tally: _Tally, announce_drop: bool = False
+    ) -> RoundOutcome:
         rid = invite.round_id
         session: DeviceSecAggSession | None = None
         try:
@@ -561,6 +569,8 @@ class DeviceClient:
             del update  # the session holds the only copy until it is masked
             for name, stop_before, answer_type in _STEPS:
                 if dropout is stop_before:
+                    if announce_drop:
+                        await self._leave(invite, f"left before {name}")
                     return self._dropped(session, rid, tally, f"fault injection: {dropout.value}")
                 outgoing = session.send()
                 path = f"/v1/rounds/{rid}/{name}"
@@ -574,16 +584,12 @@ class DeviceClient:
                         "fault injection: disconnect_masked (closed the connection after the masked input)",
                     )
                 with tally.step(name):
-                    response = await self._call(
-                        "POST", path, outgoing, tally, timeout=self.config.long_poll_timeout
-                    )
+                    response = await self._call("POST", path, outgoing, tally, timeout=self.config.long_poll_timeout)
                 answer = response.message
                 if isinstance(answer, RoundResult):
                     return self._finish(session, invite, answer, tally)
                 if not isinstance(answer, answer_type):
-                    raise RemoteProtocolError(
-                        f"{name} answered with {_name(answer)}, expected {answer_type.__name__}"
-                    )
+                    raise RemoteProtocolError(f"{name} answered with {_name(answer)}, expected {answer_type.__name__}")
                 session.receive(answer)
             raise LocalProtocolError("the unmask phase must end with a RoundResult")  # pragma: no cover
         except RoundError as exc:
@@ -600,9 +606,7 @@ class DeviceClient:
         self, session: DeviceSecAggSession, invite: RoundInvite, result: RoundResult, tally: _Tally
     ) -> RoundOutcome:
         if result.round_id != invite.round_id:
-            raise StaleRound(
-                f"result of round {result.round_id} while taking part in round {invite.round_id}"
-            )
+            raise StaleRound(f"result of round {result.round_id} while taking part in round {invite.round_id}")
         _forget(session)
         if not result.committed:
             return self._outcome(
@@ -614,9 +618,7 @@ class DeviceClient:
             )
         self._save_model()
         _log.info("round %d committed; global model is now version %d", invite.round_id, result.model_version)
-        return self._outcome(
-            RoundStatus.COMMITTED, invite.round_id, tally, model_version=result.model_version
-        )
+        return self._outcome(RoundStatus.COMMITTED, invite.round_id, tally, model_version=result.model_version)
 
     def _dropped(self, session: DeviceSecAggSession, rid: int, tally: _Tally, reason: str) -> RoundOutcome:
         _forget(session)
@@ -627,9 +629,7 @@ class DeviceClient:
         # connection.  If the body had not left by then the device is a MASKED_INPUT dropout instead;
         # either way the round must go on without it.
         token = self._identity.token if self._identity is not None else None
-        request = self._transport.request(
-            "POST", path, message, token=token, timeout=self.config.long_poll_timeout
-        )
+        request = self._transport.request("POST", path, message, token=token, timeout=self.config.long_poll_timeout)
         task = asyncio.ensure_future(request)
         done, _ = await asyncio.wait({task}, timeout=self.config.disconnect_after)
         if task in done:
@@ -682,9 +682,7 @@ class DeviceClient:
         )
         if response.status == 304:
             # The server's current model is the one we hold; it must be the round's.
-            raise StaleRound(
-                f"round {invite.round_id} trains model {invite.model_version}, the server serves {held}"
-            )
+            raise StaleRound(f"round {invite.round_id} trains model {invite.model_version}, the server serves {held}")
         payload = response.message
         if not isinstance(payload, ModelPayload):
             raise RemoteProtocolError(f"model download answered with {_name(payload)}")

@@ -193,9 +193,7 @@ class HttpTransport:
         failure = ""
         for attempt in range(self.retries + 1):
             try:
-                async with session.request(
-                    method, url, data=body, headers=headers, timeout=client_timeout
-                ) as resp:
+                async with session.request(method, url, data=body, headers=headers, timeout=client_timeout) as resp:
                     bytes_up += len(body) if body is not None else 0
                     raw = await self._read(resp)
                     bytes_down += len(raw)
@@ -260,8 +258,7 @@ class HttpTransport:
         content_type = headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if content_type != MSGPACK_CONTENT_TYPE:
             raise RemoteProtocolError(
-                f"HTTP {status} answered with content type {content_type or 'none'!r}, "
-                f"expected {MSGPACK_CONTENT_TYPE}"
+                f"HTTP {status} answered with content type {content_type or 'none'!r}, expected {MSGPACK_CONTENT_TYPE}"
             )
         message = decode(raw, max_size=self.max_message_bytes)
         return Response(status, message, etag, retry_after, bytes_up, bytes_down)

@@ -131,9 +131,7 @@ def dcd_update(
     # (f, nnz) int8: bit k of every entry's item, one contiguous row per bit.
     Dt = np.ascontiguousarray(D.T)[:, items]
     # s_e = d_iᵀ b_u, kept exact on each flip; |s| ≤ f so int16 holds it for f < 2^15.
-    s: NDArray[np.signedinteger[Any]] = inner_products(indptr, items, B, D).astype(
-        np.int16 if f < 2**15 else np.int32
-    )
+    s: NDArray[np.signedinteger[Any]] = inner_products(indptr, items, B, D).astype(np.int16 if f < 2**15 else np.int32)
     # A[u, k] = Σ_i (r_ui − 1/2) d_ik is constant while D is fixed (eq. 9's rating term).
     R = sp.csr_matrix((r - 0.5, items, indptr), shape=(n, m))
     # Work with z = 2f²·b*_uk = 2f·A_uk − Σ_i (s_i − d_ik b_uk) d_ik − 4λf²·Σ_{k'≠k} b_uk', which has

@@ -227,9 +227,7 @@ class LightFRModel:
         n_examples = 0
         for _ in range(cfg.local_epochs):
             indptr, all_items, r = self._user_csr(items, targets, rng, cfg.negatives)
-            b, stats = lightfr.dcd_update(
-                indptr, all_items, r, b, self.item_codes, cfg.lam, max_sweeps=cfg.max_sweeps
-            )
+            b, stats = lightfr.dcd_update(indptr, all_items, r, b, self.item_codes, cfg.lam, max_sweeps=cfg.max_sweeps)
             flips += stats.flips
             n_examples = all_items.size
             if aggregation is Aggregation.GRAD:
@@ -243,9 +241,7 @@ class LightFRModel:
         self._set_user(userid, b[0])
         return LocalUpdate(values=acc, aggregation=aggregation, n_examples=n_examples, flips=flips)
 
-    def fold_in(
-        self, user_items: ArrayLike, ratings: ArrayLike | None = None, *, userid: int = 0
-    ) -> NDArray[np.int8]:
+    def fold_in(self, user_items: ArrayLike, ratings: ArrayLike | None = None, *, userid: int = 0) -> NDArray[np.int8]:
         """Cold-start code for a new user from its ratings against the current item codes, offline
         and without a server round (LightFR eq. 18–19: DCD without the balance term)."""
         cfg = self.config
@@ -322,9 +318,7 @@ class LightFRModel:
         out_ids = np.full((users.size, N), -1, dtype=np.int64)
         out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
         for row, u in enumerate(users):
-            parts = [
-                p for p in (liked[row] if filter_already_liked_items else None, blocked) if p is not None
-            ]
+            parts = [p for p in (liked[row] if filter_already_liked_items else None, blocked) if p is not None]
             exclude = np.concatenate(parts) if parts else None
             ids, dist = topk_hamming(
                 self._user_words[:, u], self._item_words, f, N, rng, exclude=exclude, candidates=cand
@@ -336,9 +330,7 @@ class LightFRModel:
         n_ok = int((out_ids[0] >= 0).sum())
         return out_ids[0, :n_ok], out_scores[0, :n_ok]
 
-    def _liked_per_user(
-        self, user_items: ArrayLike | None, n: int, batch: bool
-    ) -> list[NDArray[np.int64] | None]:
+    def _liked_per_user(self, user_items: ArrayLike | None, n: int, batch: bool) -> list[NDArray[np.int64] | None]:
         if user_items is None:
             return [None] * n
         if not batch:
@@ -398,7 +390,5 @@ class LightFRModel:
             trained = np.unpackbits(np.frombuffer(state["user_trained"], np.uint8))[:n_users]
             model.user_trained = trained.astype(bool)
         except (KeyError, TypeError, ValueError) as exc:
-            raise StorageError(
-                f"{path} is a valid store file but its LightFR state is invalid: {exc}"
-            ) from exc
+            raise StorageError(f"{path} is a valid store file but its LightFR state is invalid: {exc}") from exc
         return model

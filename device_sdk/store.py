@@ -146,9 +146,7 @@ def load_store(path: str | os.PathLike[str], kind: str) -> dict[str, Any]:
         raise _corrupt(path, "malformed format version")
     if fmt[0] != STORE_FORMAT[0]:
         # Not corrupt: written by an incompatible version. Leave it where it is.
-        raise StorageError(
-            f"{path} has store format {fmt[0]}.{fmt[1]}; this fedrec reads {STORE_FORMAT[0]}.x"
-        )
+        raise StorageError(f"{path} has store format {fmt[0]}.{fmt[1]}; this fedrec reads {STORE_FORMAT[0]}.x")
     payload, digest = outer.get("payload"), outer.get("sha256")
     if not isinstance(payload, bytes) or not isinstance(digest, bytes):
         raise _corrupt(path, "missing payload or checksum")

@@ -94,17 +94,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="fit observed items as 1 (binary, default) or as their normalised rating",
     )
     g.add_argument("--epochs", type=_positive_int, default=1, help="local epochs E per round (default: 1)")
-    g.add_argument(
-        "--sweeps", type=_positive_int, default=10, help="cap on DCD sweeps per epoch (default: 10)"
-    )
+    g.add_argument("--sweeps", type=_positive_int, default=10, help="cap on DCD sweeps per epoch (default: 10)")
 
 
 def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
     g = p.add_argument_group("federation")
     g.add_argument("--rounds", type=_nonneg_int, default=rounds, help=f"global rounds T (default: {rounds})")
-    g.add_argument(
-        "--fraction", type=_fraction, default=0.6, help="client fraction p per round (default: 0.6)"
-    )
+    g.add_argument("--fraction", type=_fraction, default=0.6, help="client fraction p per round (default: 0.6)")
     g.add_argument(
         "--aggregation",
         choices=[a.value for a in Aggregation],
@@ -115,8 +111,7 @@ def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
         "--flip-fraction",
         type=_fraction,
         default=0.1,
-        help="probability that an item bit Agg_grad wants to flip is flipped "
-        "(default 0.1; 1 = the paper's rule)",
+        help="probability that an item bit Agg_grad wants to flip is flipped (default 0.1; 1 = the paper's rule)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the simulation (default: 0)")
 
@@ -160,15 +155,48 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="train federated LightFR in-process and show recommendations",
-        description="A real federated LightFR run: MovieLens-100K when ../shared/data (or --data-dir) "
-        "has it, else a built-in synthetic dataset; prints a per-round table, HR@10/NDCG@10 beside "
-        "popularity, "
-        "and recommendations for one user.",
+        help="run a real server and a fleet of devices on loopback, then show recommendations",
+        description="Starts fedrec-server on a free loopback port, registers one simulated device per user "
+        "(MovieLens-100K when ../shared/data or --data-dir has it, else a built-in synthetic dataset), runs "
+        "federated LightFR rounds with SecAgg+ and distributed DP, prints a per-round table, then each "
+        "device's HR@10/NDCG@10 averaged beside popularity and a few recommendations for one device.",
     )
-    _add_model_args(demo)
-    _add_fed_args(demo, rounds=40)
-    _add_data_args(demo, default="auto")
+    demo.add_argument("--dataset", default="auto", help="dataset name or file (default: ml-100k if found)")
+    demo.add_argument("--data-dir", type=Path, default=None, help="folder of the named datasets")
+    demo.add_argument("--rounds", type=_positive_int, default=10, help="server rounds (default: 10)")
+    demo.add_argument("--cohort", type=_positive_int, default=300, help="devices per round (default: 300)")
+    demo.add_argument("--devices", type=_positive_int, default=None, help="use only the first N users")
+    demo.add_argument("--bits", type=_positive_int, default=64, help="code length f (default: 64)")
+    demo.add_argument("--dropout", type=_nonneg_float, default=0.05, help="chance a device drops (default 0.05)")
+    demo.add_argument(
+        "--epsilon",
+        type=_nonneg_float,
+        default=8.0,
+        help="DP budget ε over the run at δ=1e-5 (0 = no DP; default 8)",
+    )
+    demo.add_argument("--flip-fraction", type=_fraction, default=0.3, help="Agg_grad damping ρ (default 0.3)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the simulation (default: 0)")
+    demo.add_argument("--workdir", type=Path, default=None, help="keep server data and device stores here")
+
+    lt = sub.add_parser(
+        "loadtest",
+        help="run simulated devices against a server",
+        description="Simulated devices as asyncio tasks (in several worker processes when asked) against "
+        "a running fedrec-server, with dropouts injected at every phase (including disconnects in the middle "
+        "of a request); prints per-phase latency percentiles, rounds completed, server CPU and memory per "
+        "round, bytes per device and errors by type.",
+    )
+    lt.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8080")
+    lt.add_argument("--devices", type=_positive_int, default=100, help="number of devices (default: 100)")
+    lt.add_argument("--dropout", type=_nonneg_float, default=0.2, help="chance a device drops per round")
+    lt.add_argument("--rounds", type=_positive_int, default=3, help="stop after this many rounds (default: 3)")
+    lt.add_argument("--n-items", type=_positive_int, default=3706, help="catalogue size the server trains")
+    lt.add_argument("--bits", type=_positive_int, default=64, help="code length of the server's model")
+    lt.add_argument("--ratings-per-user", type=_positive_int, default=166, help="synthetic ratings per device")
+    lt.add_argument("--workers", type=_positive_int, default=1, help="worker processes (default: 1)")
+    lt.add_argument("--seed", type=int, default=0)
+    lt.add_argument("--time-limit", type=_nonneg_float, default=3600.0, help="seconds before giving up")
+    lt.add_argument("--store", type=Path, default=None, help="device store folder (default: a temporary one)")
 
     sim = sub.add_parser(
         "simulate",
@@ -189,9 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(popularity, random) on a dataset.",
     )
     ev.add_argument("run", nargs="?", type=Path, help="a run file written by 'fedrec simulate --save'")
-    ev.add_argument(
-        "--baseline", choices=["popularity", "random"], default=None, help="evaluate a baseline instead"
-    )
+    ev.add_argument("--baseline", choices=["popularity", "random"], default=None, help="evaluate a baseline instead")
     ev.add_argument("--dataset", default=None, help="dataset (for --baseline; a run file names its own)")
     ev.add_argument("--data-dir", type=Path, default=None)
     ev.add_argument("--protocol", choices=[p.value for p in Protocol], default=None)
@@ -242,11 +268,7 @@ def _score(state: FederatedLightFR, blocks: Any, tie_mode: TieMode) -> EvalResul
 def _table(rows: list[list[str]], out: TextIO) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for j, row in enumerate(rows):
-        out.write(
-            "  ".join(
-                c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            )
-        )
+        out.write("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
         out.write("\n")
         if j == 0:
             out.write("  ".join("-" * w for w in widths) + "\n")
@@ -320,9 +342,7 @@ def _report(exp: Experiment, results: dict[str, dict[TieMode, EvalResult]], out:
     )
 
 
-def _all_results(
-    exp: Experiment, state: FederatedLightFR | None, label: str
-) -> dict[str, dict[TieMode, EvalResult]]:
+def _all_results(exp: Experiment, state: FederatedLightFR | None, label: str) -> dict[str, dict[TieMode, EvalResult]]:
     results: dict[str, dict[TieMode, EvalResult]] = {}
     if state is not None:
         results[label] = {t: _score(state, exp.test, t) for t in TieMode}
@@ -336,16 +356,13 @@ def _resolve_dataset(args: argparse.Namespace, out: TextIO) -> tuple[Experiment,
     data_dir = _data_dir(args.data_dir)
     name = args.dataset
     if name == "auto":
-        name = (
-            "ml-100k" if data_dir is not None and (data_dir / "ml-100k" / "u.data").is_file() else "synthetic"
-        )
+        name = "ml-100k" if data_dir is not None and (data_dir / "ml-100k" / "u.data").is_file() else "synthetic"
         out.write(
-            f"dataset: {name}"
-            + (f" (from {data_dir})" if name != "synthetic" else " (built-in generator)")
-            + "\n"
+            f"dataset: {name}" + (f" (from {data_dir})" if name != "synthetic" else " (built-in generator)") + "\n"
         )
-    protocol = Protocol(args.protocol) if args.protocol else None
-    exp = prepare(name, protocol, n_negatives=args.eval_negatives, seed=args.seed, data_dir=data_dir)
+    protocol = Protocol(args.protocol) if getattr(args, "protocol", None) else None
+    n_neg = getattr(args, "eval_negatives", 99)
+    exp = prepare(name, protocol, n_negatives=n_neg, seed=args.seed, data_dir=data_dir)
     return exp, data_dir
 
 
@@ -453,8 +470,7 @@ def _cmd_eval(args: argparse.Namespace, out: TextIO) -> int:
     exp = prepare(dataset, protocol, n_negatives=n_neg, seed=seed, data_dir=data_dir)
     if (exp.train.n_users, exp.train.n_items) != (n_users, n_items):
         raise FedRecError(
-            f"{args.run} was trained on {n_users}×{n_items}, the dataset is "
-            f"{exp.train.n_users}×{exp.train.n_items}"
+            f"{args.run} was trained on {n_users}×{n_items}, the dataset is {exp.train.n_users}×{exp.train.n_items}"
         )
     out.write(exp.describe() + "\n")
     _report(exp, _all_results(exp, state, "LightFR (saved run)"), out)
@@ -477,6 +493,125 @@ def _cmd_data(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
+    from fedsim.demo import run_demo_fleet
+
+    if not 0 <= args.dropout < 1:
+        raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    exp, data_dir = _resolve_dataset(args, out)
+    if args.devices is not None and args.devices < exp.train.n_users:
+        exp = _first_users(exp, args.devices)
+    out.write(exp.describe() + "\n")
+    eps = args.epsilon or None
+    out.write(
+        f"LightFR f={args.bits}; {args.rounds} rounds of up to {min(args.cohort, exp.train.n_users)} devices; "
+        f"SecAgg+ (ω=0.33); "
+        + (f"distributed DP ε={eps:g} at δ=1e-5 over the run; " if eps else "no DP; ")
+        + f"dropout {args.dropout:.0%} per device and round\n"
+    )
+    res = run_demo_fleet(
+        exp,
+        rounds=args.rounds,
+        cohort=args.cohort,
+        bits=args.bits,
+        dropout=args.dropout,
+        privacy_epsilon=eps,
+        flip_fraction=args.flip_fraction,
+        seed=args.seed,
+        out=out,
+        workdir=args.workdir,
+    )
+    results = {"LightFR over the server": res["results"]}
+    for name in ("popularity", "random"):
+        results[name] = {t: res["baselines"][t][name] for t in TieMode}
+    _report(exp, results, out)
+    privacy = res["status"].get("privacy")
+    if privacy:
+        out.write(
+            f"privacy: ε spent {privacy['epsilon_spent']:.3f} of {privacy['epsilon_budget']:g} "
+            f"at δ={privacy['delta']:g}\n"
+        )
+    client = res["clients"][int(exp.test.users[0])]
+    _show_device(exp, client.model, data_dir, out)
+    out.write(f"done in {res['seconds']:.1f} s\n")
+    return 0
+
+
+def _first_users(exp: Experiment, n: int) -> Experiment:
+    from dataclasses import replace
+
+    from fedsim.experiment import Candidates
+
+    keep = np.asarray(exp.train.users) < n
+    train = exp.train.subset(keep)
+
+    def cut(c: Candidates) -> Candidates:
+        sel = c.users < n
+        return Candidates(c.users[sel], c.items[sel])
+
+    return replace(exp, train=train, val=cut(exp.val), test=cut(exp.test))
+
+
+def _show_device(exp: Experiment, model: LightFRModel, data_dir: Path | None, out: TextIO) -> None:
+    titles = item_titles(exp, data_dir)
+    user = int(exp.test.users[0])
+    train = exp.train
+    liked = np.asarray(train.items[train.users == user], dtype=np.int64)
+    ids, scores = model.recommend(liked, N=5)
+
+    def name(i: int) -> str:
+        return titles[i] if titles else f"item {train.item_ids[i]}"
+
+    held = int(exp.test.items[0, 0])
+    out.write(
+        f"\nTop-5 computed on device {user} (offline, XOR + popcount; {liked.size} rated items, "
+        f"e.g. {', '.join(name(int(i)) for i in liked[:3])}):\n"
+    )
+    for rank, (i, s) in enumerate(zip(ids, scores, strict=True), start=1):
+        mark = "   <- its held-out test item" if int(i) == held else ""
+        out.write(f"  {rank}. {name(int(i))}  (similarity {s:.3f}){mark}\n")
+
+
+def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
+    import tempfile
+
+    from fedsim.datasets import synthetic
+    from fedsim.demo import format_loadtest, run_loadtest
+    from fedsim.fleet import FleetConfig
+
+    if not 0 <= args.dropout < 1:
+        raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    data = synthetic(n_users=args.devices, n_items=args.n_items, ratings_per_user=args.ratings_per_user, seed=args.seed)
+    idx = data.by_user()
+    users = [
+        (
+            np.asarray(idx.items[idx.indptr[u] : idx.indptr[u + 1]]),
+            np.asarray(idx.ratings[idx.indptr[u] : idx.indptr[u + 1]]),
+        )
+        for u in range(data.n_users)
+    ]
+    out.write(
+        f"load test: {args.devices} devices ({args.workers} worker process(es)) against {args.url}; "
+        f"m={args.n_items}, f={args.bits}, ~{args.ratings_per_user} ratings each; dropout {args.dropout:.0%}; "
+        f"{args.rounds} rounds\n"
+    )
+    with tempfile.TemporaryDirectory(prefix="fedrec-loadtest-") as tmp:
+        cfg = FleetConfig(
+            url=args.url.rstrip("/"),
+            store_root=args.store or Path(tmp),
+            n_items=args.n_items,
+            bits=args.bits,
+            rounds=args.rounds,
+            dropout=args.dropout,
+            seed=args.seed,
+            reproducible=False,
+            time_limit=args.time_limit,
+        )
+        report = run_loadtest(cfg, users, args.workers)
+    format_loadtest(report, out)
+    return 0 if report.rounds_finished >= args.rounds else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fedrec``; returns the exit status."""
     parser = build_parser()
@@ -484,7 +619,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = sys.stdout
     try:
         if args.command == "demo":
-            return _cmd_simulate(args, out, demo=True)
+            return _cmd_demo(args, out)
+        if args.command == "loadtest":
+            return _cmd_loadtest(args, out)
         if args.command == "simulate":
             return _cmd_simulate(args, out)
         if args.command == "eval":

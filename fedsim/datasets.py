@@ -264,9 +264,7 @@ class _Problems:
             return
         lines = sorted(self.by_line)
         total = len(lines)
-        shown = "\n".join(
-            f"  {self.path}:{ln}: {'; '.join(self.by_line[ln])}" for ln in lines[:_MAX_REPORTED]
-        )
+        shown = "\n".join(f"  {self.path}:{ln}: {'; '.join(self.by_line[ln])}" for ln in lines[:_MAX_REPORTED])
         more = f"\n  ... and {total - _MAX_REPORTED} more" if total > _MAX_REPORTED else ""
         raise DatasetError(f"{self.path}: {total} malformed line(s):\n{shown}{more}")
 
@@ -367,9 +365,7 @@ def _value_checks(
     ]
     if rating_range is not None:
         lo, hi = rating_range
-        checks.append(
-            (~bad_r & finite & ((ratings < lo) | (ratings > hi)), f"rating outside [{lo:g}, {hi:g}]")
-        )
+        checks.append((~bad_r & finite & ((ratings < lo) | (ratings > hi)), f"rating outside [{lo:g}, {hi:g}]"))
     return [(mask, why) for mask, why in checks if mask.any()]
 
 
@@ -464,9 +460,7 @@ def _densify(raw: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], IntArra
     return ids.astype(np.int64), inverse.astype(np.int64).reshape(-1)
 
 
-def _last_of_each_pair(
-    users: IntArray, items: IntArray, n_items: int, parsed: _Parsed
-) -> tuple[IntArray, int, int]:
+def _last_of_each_pair(users: IntArray, items: IntArray, n_items: int, parsed: _Parsed) -> tuple[IntArray, int, int]:
     """Rows to keep when a user-item pair repeats: the last line of each pair, in file order.
 
     Also returns the number of exact duplicate lines (same pair, rating and timestamp) and of
@@ -552,9 +546,7 @@ def load_movielens(path: str | os.PathLike[str]) -> Ratings:
         else:
             raise DatasetError(f"{p}: no u.data or ratings.dat in this folder")
     sep = "::" if p.suffix == ".dat" else "\t"
-    parsed = _parse(
-        p, sep=sep, n_fields=(4,), rating_range=(1.0, 5.0), allow_comments=False, allow_header=False
-    )
+    parsed = _parse(p, sep=sep, n_fields=(4,), rating_range=(1.0, 5.0), allow_comments=False, allow_header=False)
     name = "ml-100k" if p.name == "u.data" else ("ml-1m" if p.name == "ratings.dat" else p.stem)
     return _to_ratings(parsed, name, {"source": str(p)})
 
@@ -582,9 +574,7 @@ def load_filmtrust(path: str | os.PathLike[str]) -> Ratings:
     return _to_ratings(parsed, "filmtrust", {"source": str(p)}, deduplicate=True)
 
 
-def load_generic(
-    path: str | os.PathLike[str], sep: str | None = None, *, deduplicate: bool = True
-) -> Ratings:
+def load_generic(path: str | os.PathLike[str], sep: str | None = None, *, deduplicate: bool = True) -> Ratings:
     """Load a ``user item rating [timestamp]`` file with integer ids.
 
     Parameters
@@ -839,9 +829,7 @@ def find_data_dir() -> Path | None:
     return None
 
 
-def load_dataset(
-    name_or_path: str | os.PathLike[str], data_dir: Path | None = None
-) -> Ratings | LightFRSplit:
+def load_dataset(name_or_path: str | os.PathLike[str], data_dir: Path | None = None) -> Ratings | LightFRSplit:
     """Load a dataset by name or path.
 
     Parameters

@@ -242,9 +242,7 @@ def _tie_counts(scores: FloatArray) -> tuple[IntArray, IntArray]:
     return greater, tied
 
 
-def _break_ties(
-    greater: IntArray, tied: IntArray, tie_mode: TieMode, rng: np.random.Generator | None
-) -> IntArray:
+def _break_ties(greater: IntArray, tied: IntArray, tie_mode: TieMode, rng: np.random.Generator | None) -> IntArray:
     if tie_mode is TieMode.OPTIMISTIC:
         return greater.copy()
     if rng is None:

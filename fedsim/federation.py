@@ -98,9 +98,7 @@ def with_negatives(data: UserData, per_positive: int, rng: np.random.Generator) 
         return data
     neg_ptr, neg = lightfr.sample_negatives(data.indptr, data.items, data.n_items, per_positive, rng)
     n = data.n_users
-    rows = np.concatenate(
-        [np.repeat(np.arange(n), np.diff(data.indptr)), np.repeat(np.arange(n), np.diff(neg_ptr))]
-    )
+    rows = np.concatenate([np.repeat(np.arange(n), np.diff(data.indptr)), np.repeat(np.arange(n), np.diff(neg_ptr))])
     order = np.argsort(rows, kind="stable")
     items = np.concatenate([data.items, neg])[order]
     targets = np.concatenate([data.targets, np.zeros(neg.size)])[order]
@@ -167,9 +165,7 @@ def run_lightfr(
         flip_fraction=federation.flip_fraction,
     )
     n, m = data.n_users, data.n_items
-    state = FederatedLightFR(
-        user_codes=random_signs(n, model.bits, rng), item_codes=strategy.initialize(m, rng)
-    )
+    state = FederatedLightFR(user_codes=random_signs(n, model.bits, rng), item_codes=strategy.initialize(m, rng))
     cohort_size = max(1, int(np.ceil(federation.fraction * n)))
     for t in range(1, federation.rounds + 1):
         start = time.perf_counter()
@@ -188,9 +184,9 @@ def run_lightfr(
             if federation.aggregation is Aggregation.GRAD:
                 upload += lightfr.item_gradient_sum(batch.indptr, batch.items, batch.targets, B, D)
             else:
-                upload = lightfr.item_codes_sum(
-                    batch.indptr, batch.items, batch.targets, B, D, model.lam
-                ).astype(np.float64)
+                upload = lightfr.item_codes_sum(batch.indptr, batch.items, batch.targets, B, D, model.lam).astype(
+                    np.float64
+                )
         if federation.aggregation is Aggregation.GRAD:
             upload /= model.local_epochs
         state.user_codes[cohort] = B

@@ -55,9 +55,11 @@ class FleetConfig:
     rating_range, binary_positives : how devices normalise their ratings.
     time_limit : seconds after which the fleet stops regardless.
     long_poll_timeout : seconds a device waits on one phase request.
-    schedule : a fixed dropout schedule ``schedule(round_number, device_id)`` used instead of
-        ``dropout`` (round_number counts the rounds the device was invited to, from 1: equal to the
-        round id on a fresh server where every device joins every round).
+    schedule : a fixed dropout schedule ``schedule(round_id, device_id)`` used instead of
+        ``dropout``.
+    announce_drops : dropped devices tell the server they leave (phases then close at quorum instead
+        of at their deadline); by default they vanish silently.
+    drop_pause : seconds a dropped device stays away before checking in again.
     """
 
     url: str
@@ -73,6 +75,8 @@ class FleetConfig:
     time_limit: float = 3600.0
     long_poll_timeout: float = 600.0
     schedule: Callable[[int, int], DropoutAt] | None = None
+    announce_drops: bool = False
+    drop_pause: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.dropout < 1.0:
@@ -220,8 +224,7 @@ async def run_fleet(
         for c in clients:
             await c.register()
         tasks = [
-            asyncio.create_task(_device_loop(c, first_index + i, config, report, stop))
-            for i, c in enumerate(clients)
+            asyncio.create_task(_device_loop(c, first_index + i, config, report, stop)) for i, c in enumerate(clients)
         ]
         if monitor:
             tasks.append(asyncio.create_task(_monitor(session, config, report, stop, on_round)))
@@ -244,17 +247,27 @@ async def run_fleet(
 async def _device_loop(
     client: DeviceClient, index: int, config: FleetConfig, report: FleetReport, stop: asyncio.Event
 ) -> None:
-    rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, index]))
     backoff = 0.5
-    invited = 0
+    chosen: dict[int, DropoutAt] = {}
+
+    def plan(round_id: int) -> DropoutAt:
+        # Decided once per round (a device re-invited to a round it left drops the same way).
+        if round_id not in chosen:
+            if config.schedule is not None:
+                chosen[round_id] = config.schedule(round_id, int(client.device_id or 0))
+            else:
+                rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, index, round_id]))
+                drop = DropoutAt.NONE
+                if config.dropout and rng.random() < config.dropout:
+                    # An announced drop cannot be a broken connection, which says nothing.
+                    kinds = _DROPS if not config.announce_drops else _DROPS[:3] + _DROPS[4:]
+                    drop = kinds[int(rng.integers(len(kinds)))]
+                chosen[round_id] = drop
+        return chosen[round_id]
+
     while not stop.is_set():
-        drop = DropoutAt.NONE
-        if config.schedule is not None:
-            drop = config.schedule(invited + 1, int(client.device_id or 0))
-        elif config.dropout and rng.random() < config.dropout:
-            drop = _DROPS[int(rng.integers(len(_DROPS)))]
         try:
-            outcome = await client.run_round(dropout=drop)
+            outcome = await client.run_round(dropout=plan, announce_drop=config.announce_drops)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a load test counts every error type and keeps going
@@ -264,10 +277,9 @@ async def _device_loop(
             continue
         backoff = 0.5
         _record(report, outcome)
-        if outcome.status is not RoundStatus.WAITED:
-            invited += 1
-        if outcome.status is RoundStatus.DROPPED:
-            report.drops[drop.value] += 1
+        if outcome.status is RoundStatus.DROPPED and outcome.round_id is not None:
+            report.drops[plan(outcome.round_id).value] += 1
+            await _sleep(stop, config.drop_pause)
         if outcome.status is RoundStatus.WAITED:
             await _sleep(stop, outcome.retry_after or 1.0)
 

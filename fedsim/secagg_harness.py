@@ -267,9 +267,7 @@ def run_secagg_round(
     )
 
 
-def _quantized(
-    x: NDArray[np.generic], cfg: QuantizationConfig | None, rng: np.random.Generator
-) -> NDArray[np.uint32]:
+def _quantized(x: NDArray[np.generic], cfg: QuantizationConfig | None, rng: np.random.Generator) -> NDArray[np.uint32]:
     if x.dtype == np.uint32:
         return np.ascontiguousarray(x, dtype=np.uint32)
     if cfg is None:

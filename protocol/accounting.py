@@ -193,9 +193,7 @@ def compute_epsilon(mu: float, l1: float, l2: float, rounds: int, delta: float) 
     return epsilon_from_rdp(int(rounds) * skellam_rdp(mu, l1, l2), delta)
 
 
-def calibrate_mu(
-    epsilon: float, delta: float, rounds: int, l1: float, l2: float, *, rel_tol: float = 1e-9
-) -> float:
+def calibrate_mu(epsilon: float, delta: float, rounds: int, l1: float, l2: float, *, rel_tol: float = 1e-9) -> float:
     """Return the smallest aggregate variance mu meeting (epsilon, delta) over ``rounds`` rounds.
 
     epsilon is non-increasing in mu (each order's bound decreases in mu, and so does their minimum), so
@@ -298,9 +296,7 @@ class RoundCharge:
         _check_positive("mu", self.mu)
         _check_positive("l1 sensitivity", self.l1, allow_zero=True)
         _check_positive("l2 sensitivity", self.l2, allow_zero=True)
-        if self.round_id is not None and (
-            isinstance(self.round_id, bool) or not isinstance(self.round_id, int)
-        ):
+        if self.round_id is not None and (isinstance(self.round_id, bool) or not isinstance(self.round_id, int)):
             raise ConfigError(f"round_id must be an int or None, got {self.round_id!r}")
 
     def to_dict(self) -> dict[str, Any]:

@@ -248,8 +248,7 @@ def check_version(version: tuple[int, int]) -> None:
     """
     if not is_compatible(version):
         raise VersionMismatch(
-            f"peer speaks protocol {version[0]}.{version[1]}, we speak "
-            f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}"
+            f"peer speaks protocol {version[0]}.{version[1]}, we speak {PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}"
         )
 
 

@@ -273,9 +273,7 @@ def _aesgcm(key: bytes) -> AESGCM:
     return AESGCM(key)
 
 
-def aead_encrypt(
-    key: bytes, plaintext: bytes, associated_data: bytes, *, nonce: bytes | None = None
-) -> bytes:
+def aead_encrypt(key: bytes, plaintext: bytes, associated_data: bytes, *, nonce: bytes | None = None) -> bytes:
     """AES-256-GCM encryption; returns ``nonce ‖ ciphertext ‖ tag``.
 
     Parameters

@@ -24,9 +24,7 @@ def pair_sign(u: int, v: int) -> int:
     return 1 if u < v else -1
 
 
-def pair_mask_keys(
-    s_private_key: bytes, peers: Mapping[int, bytes], session: bytes, own_id: int
-) -> dict[int, bytes]:
+def pair_mask_keys(s_private_key: bytes, peers: Mapping[int, bytes], session: bytes, own_id: int) -> dict[int, bytes]:
     """PRG keys s_uv for each peer: HKDF(X25519(s_u, s_v), pair-mask label, session, pair).
 
     Parameters
@@ -50,11 +48,7 @@ def pair_mask_keys(
     CryptoError
         Bad key bytes.
     """
-    return {
-        v: pair_mask_key(x25519(s_private_key, pk), session, own_id, v)
-        for v, pk in peers.items()
-        if v != own_id
-    }
+    return {v: pair_mask_key(x25519(s_private_key, pk), session, own_id, v) for v, pk in peers.items() if v != own_id}
 
 
 def mask_input(
@@ -123,9 +117,7 @@ class MaskedSumAccumulator:
 
     def _check(self, vector: NDArray[np.uint32]) -> None:
         if vector.dtype != np.uint32 or vector.shape != self._sum.shape:
-            raise ValueError(
-                f"expected a uint32 vector of shape {self._sum.shape}, got {vector.dtype} {vector.shape}"
-            )
+            raise ValueError(f"expected a uint32 vector of shape {self._sum.shape}, got {vector.dtype} {vector.shape}")
 
     def add(self, vector: NDArray[np.uint32]) -> None:
         """Add one masked input (or any ring vector)."""

@@ -71,9 +71,7 @@ def _check_ids(owner: str, name: str, values: object) -> None:
         _check_id(owner, name, v)
 
 
-def _check_bytes(
-    owner: str, name: str, value: object, length: int | None = None, max_len: int = 1 << 20
-) -> None:
+def _check_bytes(owner: str, name: str, value: object, length: int | None = None, max_len: int = 1 << 20) -> None:
     if type(value) is not bytes:
         _fail(owner, f"{name} must be bytes, got {type(value).__name__}")
     n = len(value)  # type: ignore[arg-type]

@@ -114,9 +114,7 @@ def sample_skellam(variance: float, size: int, rng: np.random.Generator) -> Skel
     return SkellamDraw(pos=pos, neg=neg)
 
 
-def thin(
-    draw: SkellamDraw, keep_fraction: float, rng: np.random.Generator
-) -> tuple[SkellamDraw, NDArray[np.int64]]:
+def thin(draw: SkellamDraw, keep_fraction: float, rng: np.random.Generator) -> tuple[SkellamDraw, NDArray[np.int64]]:
     """Split a Skellam draw into a kept part and an independent revealed excess.
 
     Each Poisson count N ~ Poisson(lam) is thinned as K | N ~ Binomial(N, p).  By the Poisson

@@ -112,9 +112,7 @@ def _as_finite_float64(x: NDArray[np.floating] | NDArray[np.integer]) -> NDArray
     return out
 
 
-def clip_l2(
-    x: NDArray[np.floating] | NDArray[np.integer], clip_norm: float
-) -> tuple[NDArray[np.float64], bool]:
+def clip_l2(x: NDArray[np.floating] | NDArray[np.integer], clip_norm: float) -> tuple[NDArray[np.float64], bool]:
     """Scale ``x`` down to L2 norm ``clip_norm`` if it is longer.
 
     Parameters

@@ -235,9 +235,7 @@ class DeviceSecAggSession:
         if self._phase not in (Phase.ADVERTISE_KEYS, Phase.SHARE_KEYS, Phase.MASKED_INPUT):
             self._fail(LocalProtocolError(f"input can no longer be changed in phase {self._phase.name}"))
         if not isinstance(x, np.ndarray) or x.dtype != np.uint32 or x.shape != (self.invite.vector_length,):
-            self._fail(
-                LocalProtocolError(f"input must be a uint32 vector of length {self.invite.vector_length}")
-            )
+            self._fail(LocalProtocolError(f"input must be a uint32 vector of length {self.invite.vector_length}"))
         self._input = x.copy()
 
     def send(self) -> Message:
@@ -307,9 +305,7 @@ class DeviceSecAggSession:
         self._guard()
         key = (Role.DEVICE, self._phase, Direction.RECEIVE, type(message))
         if key not in TRANSITIONS:
-            self._fail(
-                RemoteProtocolError(f"{type(message).__name__} is not allowed in phase {self._phase.name}")
-            )
+            self._fail(RemoteProtocolError(f"{type(message).__name__} is not allowed in phase {self._phase.name}"))
         try:
             if isinstance(message, Abort | ErrorMessage):
                 self._check_round(message.round_id if isinstance(message, Abort) else None)
@@ -318,9 +314,7 @@ class DeviceSecAggSession:
                 self._phase = TRANSITIONS[key]
                 return
             if self._reply_ready:
-                raise RemoteProtocolError(
-                    f"{type(message).__name__} received twice in phase {self._phase.name}"
-                )
+                raise RemoteProtocolError(f"{type(message).__name__} received twice in phase {self._phase.name}")
             if isinstance(message, ShareKeysBroadcast):
                 self._pending = self._on_share_keys(message)
             elif isinstance(message, MaskedInputRequest):
@@ -386,9 +380,7 @@ class DeviceSecAggSession:
     def _check_addressing(self, message: ShareKeysBroadcast | MaskedInputRequest | UnmaskRequest) -> None:
         self._check_round(message.round_id)
         if message.device_id != self.device_id:
-            raise RemoteProtocolError(
-                f"message addressed to device {message.device_id}, we are {self.device_id}"
-            )
+            raise RemoteProtocolError(f"message addressed to device {message.device_id}, we are {self.device_id}")
         if self._session is not None and message.session_id != self._session:
             raise StaleRound("session id mismatch: the message belongs to another session (replay?)")
 
@@ -425,18 +417,11 @@ class DeviceSecAggSession:
                 self._held_b[me], self._held_s[me] = b_share, s_share
                 continue
             plaintext = (
-                me.to_bytes(_ID_BYTES, "big")
-                + v.to_bytes(_ID_BYTES, "big")
-                + b_share.to_bytes()
-                + s_share.to_bytes()
+                me.to_bytes(_ID_BYTES, "big") + v.to_bytes(_ID_BYTES, "big") + b_share.to_bytes() + s_share.to_bytes()
             )
-            key = crypto.share_encryption_key(
-                crypto.x25519(self._c.private_key, keys[v][0]), msg.session_id, me, v
-            )
+            key = crypto.share_encryption_key(crypto.x25519(self._c.private_key, keys[v][0]), msg.session_id, me, v)
             recipients.append(v)
-            ciphertexts.append(
-                crypto.aead_encrypt(key, plaintext, crypto.share_associated_data(msg.session_id, me, v))
-            )
+            ciphertexts.append(crypto.aead_encrypt(key, plaintext, crypto.share_associated_data(msg.session_id, me, v)))
         return EncryptedShares(
             round_id=inv.round_id,
             device_id=me,
@@ -650,9 +635,7 @@ class ServerSecAggSession:
         Invalid parameters (k even and below n, t > k, bad invite fields, duplicate ids).
     """
 
-    def __init__(
-        self, params: RoundParameters, device_ids: Sequence[int], *, rng: np.random.Generator
-    ) -> None:
+    def __init__(self, params: RoundParameters, device_ids: Sequence[int], *, rng: np.random.Generator) -> None:
         ids = [int(i) for i in device_ids]
         if len(set(ids)) != len(ids):
             raise ValueError("device ids must be distinct")
@@ -730,9 +713,7 @@ class ServerSecAggSession:
         if device_id not in self.invited:
             raise RemoteProtocolError(f"device {device_id} is not part of round {self.params.round_id}")
         if device_id in self._failed:
-            raise RemoteProtocolError(
-                f"device {device_id} was excluded from this round after a protocol error"
-            )
+            raise RemoteProtocolError(f"device {device_id} was excluded from this round after a protocol error")
         if self._phase in (Phase.DONE, Phase.ABORTED):
             raise RoundClosed(f"round {self.params.round_id} is {self._phase.name}")
         if device_id in self._left:
@@ -910,13 +891,9 @@ class ServerSecAggSession:
     def _need(self, count: int, what: str) -> None:
         p = self.params
         if count < p.t:
-            raise NotEnoughParticipants(
-                f"{count} {what}, below the threshold t={p.t}; round aborted unrevealed"
-            )
+            raise NotEnoughParticipants(f"{count} {what}, below the threshold t={p.t}; round aborted unrevealed")
         if p.dp_mu > 0.0 and count < p.dp_t_min:
-            raise NotEnoughParticipants(
-                f"{count} {what}, below t_min={p.dp_t_min} needed for the DP guarantee"
-            )
+            raise NotEnoughParticipants(f"{count} {what}, below t_min={p.dp_t_min} needed for the DP guarantee")
 
     def _accept(self, u: int, message: Message) -> None:
         p = self.params
@@ -959,9 +936,7 @@ class ServerSecAggSession:
             raise RemoteProtocolError(f"device {u} released shares for other devices than requested")
         expected_excess = p.vector_length if p.dp_mu > 0.0 else 0
         if message.dp_excess.shape != (expected_excess,):
-            raise RemoteProtocolError(
-                f"DP excess of length {message.dp_excess.shape[0]}, expected {expected_excess}"
-            )
+            raise RemoteProtocolError(f"DP excess of length {message.dp_excess.shape[0]}, expected {expected_excess}")
         parsed_b = [Share.from_bytes(b) for b in message.b_shares]
         parsed_s = [Share.from_bytes(b) for b in message.s_shares]
         for owner, share in (*zip(want_b, parsed_b, strict=True), *zip(want_s, parsed_s, strict=True)):
@@ -1030,9 +1005,7 @@ class ServerSecAggSession:
                 raise NotEnoughParticipants(f"too few neighbours of {owner} answered the unmask request")
         for owner in dropped:
             if len(self._s_shares.get(owner, ())) < p.t:
-                raise NotEnoughParticipants(
-                    f"too few neighbours of dropped {owner} answered the unmask request"
-                )
+                raise NotEnoughParticipants(f"too few neighbours of dropped {owner} answered the unmask request")
         session = self._session
         for owner in sorted(self._u3):
             acc.remove_self_mask(reconstruct(self._b_shares[owner], p.t), session, owner)

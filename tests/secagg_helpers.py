@@ -54,12 +54,8 @@ def sample_messages(round_id: int = 1, device_id: int = 0) -> list[Message]:
             c_public_keys=(b"\x01" * 32,),
             s_public_keys=(b"\x02" * 32,),
         ),
-        EncryptedShares(
-            round_id=r, device_id=d, session_id=SID, recipient_ids=(5,), ciphertexts=(b"x" * 40,)
-        ),
-        MaskedInputRequest(
-            round_id=r, device_id=d, session_id=SID, sender_ids=(5,), ciphertexts=(b"x" * 40,)
-        ),
+        EncryptedShares(round_id=r, device_id=d, session_id=SID, recipient_ids=(5,), ciphertexts=(b"x" * 40,)),
+        MaskedInputRequest(round_id=r, device_id=d, session_id=SID, sender_ids=(5,), ciphertexts=(b"x" * 40,)),
         MaskedInput(round_id=r, device_id=d, session_id=SID, masked=np.arange(4, dtype=np.uint32)),
         UnmaskRequest(round_id=r, device_id=d, session_id=SID, survivors=(d,), dropped=(), n_survivors=1),
         UnmaskResponse(
@@ -107,9 +103,7 @@ class Round:
         )
         self.ids = list(range(10, 10 + n))
         self.server = ServerSecAggSession(self.params, self.ids, rng=np.random.default_rng(seed))
-        self.devices = {
-            u: DeviceSecAggSession(self.server.outbox(u), rng=np.random.default_rng(u)) for u in self.ids
-        }  # type: ignore[arg-type]
+        self.devices = {u: DeviceSecAggSession(self.server.outbox(u), rng=np.random.default_rng(u)) for u in self.ids}  # type: ignore[arg-type]
         rng = np.random.default_rng(seed + 1)
         self.inputs = {u: rng.integers(0, 2**32, size=length, dtype=np.uint32) for u in self.ids}
 

@@ -251,9 +251,7 @@ class FakeServer:
                 reason = str(sess.abort_error)
                 return (
                     200,
-                    RoundResult(
-                        round_id=round_id, committed=False, model_version=self.model_version, reason=reason
-                    ),
+                    RoundResult(round_id=round_id, committed=False, model_version=self.model_version, reason=reason),
                     {},
                 )
             if sess.phase is Phase.DONE:
@@ -428,9 +426,7 @@ async def test_full_round_secure_sum_is_bit_exact(tmp_path: Path, recording: lis
     outcome = outcomes[0]
     assert outcome.bytes_up > 4 * N_ITEMS * BITS  # the masked input alone is 4 bytes per element
     assert outcome.bytes_down > N_ITEMS * BITS // 8
-    assert {"checkin", "model", "train", "keys", "shares", "masked", "unmask", "total"} <= set(
-        outcome.timings
-    )
+    assert {"checkin", "model", "train", "keys", "shares", "masked", "unmask", "total"} <= set(outcome.timings)
     assert all(v >= 0 for v in outcome.timings.values())
     assert server.model_requests == [None] * 5
 
@@ -592,9 +588,7 @@ async def test_restart_between_training_and_masked_input(tmp_path: Path) -> None
 
 
 @pytest.mark.asyncio
-async def test_failed_save_after_training_keeps_the_old_store(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_failed_save_after_training_keeps_the_old_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     server = FakeServer(k=3, t=2, dp_mu=0.0, dp_t_min=0)
     devices = await cohort(server, tmp_path, 3)
     await run_cohort(server, devices)
@@ -644,9 +638,7 @@ def test_import_device_sdk_does_not_import_aiohttp() -> None:
 
 
 @pytest.mark.asyncio
-async def test_cancelled_round_drops_the_session_secrets(
-    tmp_path: Path, recording: list[RecordingSession]
-) -> None:
+async def test_cancelled_round_drops_the_session_secrets(tmp_path: Path, recording: list[RecordingSession]) -> None:
     server = FakeServer(k=3, t=2, dp_mu=0.0, dp_t_min=0)
     devices = await cohort(server, tmp_path, 3)
     task = asyncio.ensure_future(devices[0].client.run_round())  # the others never answer: it long-polls

@@ -39,9 +39,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def packed(message: Message, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=encode(message), status=status, content_type=MSGPACK_CONTENT_TYPE, headers=headers or {}
-    )
+    return web.Response(body=encode(message), status=status, content_type=MSGPACK_CONTENT_TYPE, headers=headers or {})
 
 
 class Sleeps:

@@ -37,10 +37,22 @@ def test_simulate_prints_table_and_baselines(capsys: pytest.CaptureFixture[str],
     assert line.split()[-4:] == line2.split()[-4:]
 
 
-def test_demo_on_synthetic_shows_recommendations(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--dataset", "synthetic", "--rounds", "3"]) == 0
+def test_demo_runs_a_real_server_and_fleet(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    argv = ["demo", "--dataset", "synthetic", "--devices", "12", "--cohort", "12", "--rounds", "2"]
+    assert main([*argv, "--dropout", "0.1", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "Top-5 for user" in out and "1. " in out
+    assert "server: listening on http://127.0.0.1:" in out and "server: stopped (exit 0)" in out
+    assert "LightFR over the server" in out and "popularity" in out
+    assert "privacy: ε spent" in out
+    assert "Top-5 computed on device" in out and "1. " in out
+    # The server really committed two rounds, and its database is intact.
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "server-data" / "fedrec.sqlite3") as db:
+        rows = db.execute("SELECT status FROM rounds ORDER BY round_id").fetchall()
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    db.close()
+    assert [r[0] for r in rows][:2] == ["committed", "committed"]
 
 
 @pytest.mark.parametrize(
@@ -51,9 +63,7 @@ def test_demo_on_synthetic_shows_recommendations(capsys: pytest.CaptureFixture[s
         (["simulate", "--dataset", "synthetic", "--lam", "-1"], "finite number >= 0"),
     ],
 )
-def test_bad_arguments_name_the_problem(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bad_arguments_name_the_problem(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2

@@ -156,9 +156,7 @@ class TestMovieLens:
             assert r.timestamps is not None and r.timestamps.dtype == np.int64
 
     def test_ratings_dat(self, tmp_path: Path) -> None:
-        _write(
-            tmp_path, "ratings.dat", "1::1193::5::978300760\n1::661::3::978302109\n2::1193::4::978298413\n"
-        )
+        _write(tmp_path, "ratings.dat", "1::1193::5::978300760\n1::661::3::978302109\n2::1193::4::978298413\n")
         r = load_movielens(tmp_path)
         assert (len(r), r.n_users, r.n_items, r.name) == (3, 2, 2, "ml-1m")
         np.testing.assert_array_equal(r.ratings, [5.0, 3.0, 4.0])

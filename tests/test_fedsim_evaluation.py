@@ -77,9 +77,7 @@ class TestRanks:
         assert not runs[0].expected
         assert np.mean([r.hr for r in runs]) == pytest.approx(exact.hr, abs=3e-3)
         assert np.mean([r.ndcg for r in runs]) == pytest.approx(exact.ndcg, abs=3e-3)
-        ranks = np.stack(
-            [rank_of_positive(SCORES, TieMode.RANDOM, np.random.default_rng(s)) for s in range(4000)]
-        )
+        ranks = np.stack([rank_of_positive(SCORES, TieMode.RANDOM, np.random.default_rng(s)) for s in range(4000)])
         # row 0 lands uniformly on 0..4, row 3 uniformly on 1..3, rows 1-2 as expected
         np.testing.assert_allclose(np.bincount(ranks[:, 0], minlength=5) / 4000, 0.2, atol=0.03)
         assert set(np.unique(ranks[:, 3]).tolist()) == {1, 2, 3}
@@ -248,9 +246,7 @@ class TestFullRanking:
         for u, i in zip(test.users.tolist(), test.items.tolist(), strict=True):
             rated = set(train.items[train.users == u].tolist())
             others = [j for j in range(n_items) if j not in rated and j != i]
-            rows.append(
-                np.concatenate([[table[u, i]], table[u, others], np.full(n_items, -np.inf)])[:n_items]
-            )
+            rows.append(np.concatenate([[table[u, i]], table[u, others], np.full(n_items, -np.inf)])[:n_items])
         ref_scores = np.array(rows)
         for mode, k in itertools.product(TieMode, (1, 5)):
             got = evaluate_full_ranking(lambda b: table[b], train, test, k=k, tie_mode=mode, batch_size=4)
@@ -295,9 +291,7 @@ class TestKnownAnswersRealData:
     def test_popularity_on_ml_100k_leave_one_out_99_negatives(self, shared_data: Path) -> None:
         r = load_movielens(shared_data / "ml-100k")
         train, val, test = leave_one_out(r)
-        cand = sample_negatives(
-            r.n_items, test.users, test.items, interaction_csr(train, val, test), 99, seed=0
-        )
+        cand = sample_negatives(r.n_items, test.users, test.items, interaction_csr(train, val, test), 99, seed=0)
         scores = popularity_scores(train)[cand]
         rnd = evaluate_candidates(scores)
         opt = evaluate_candidates(scores, tie_mode=TieMode.OPTIMISTIC)

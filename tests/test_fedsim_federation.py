@@ -22,9 +22,7 @@ from protocol.spec import Aggregation
 def test_lightfr_learns_on_the_filmtrust_split(shared_data: Path) -> None:
     exp = prepare("filmtrust-lightfr", data_dir=shared_data)
     cfg = LightFRConfig(rating_range=None, binary_positives=True)
-    state = run_lightfr(
-        user_data(exp.train, cfg), cfg, FederationConfig(rounds=15, seed=0, flip_fraction=0.1)
-    )
+    state = run_lightfr(user_data(exp.train, cfg), cfg, FederationConfig(rounds=15, seed=0, flip_fraction=0.1))
     res = evaluate_candidates(state.scores(exp.test.users, exp.test.items), 10, TieMode.RANDOM)
     chance = baselines(exp)["random"]
     # 15 rounds are far from converged; this asserts that training moves far above chance (0.19).

@@ -81,9 +81,7 @@ class TestChronological:
         train, val, test = chronological_split(_log([0] * 5, None))
         assert (_rows(train), _rows(val), _rows(test)) == ([0, 1, 2], [3], [4])
 
-    @pytest.mark.parametrize(
-        "fractions", [(0.8, 0.1, 0.1), (0.6, 0.2, 0.2), (0.7, 0.0, 0.3), (1.0, 0.0, 0.0)]
-    )
+    @pytest.mark.parametrize("fractions", [(0.8, 0.1, 0.1), (0.6, 0.2, 0.2), (0.7, 0.0, 0.3), (1.0, 0.0, 0.0)])
     def test_matches_reference_on_random_logs(self, fractions: tuple[float, float, float]) -> None:
         rng = np.random.default_rng(1)
         n = 3_000

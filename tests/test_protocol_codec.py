@@ -66,9 +66,7 @@ def invites(draw: st.DrawFn) -> RoundInvite:
 @st.composite
 def aligned(draw: st.DrawFn, elements: st.SearchStrategy[bytes]) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
     n = draw(st.integers(0, 8))
-    return tuple(draw(st.lists(ids, min_size=n, max_size=n))), tuple(
-        draw(st.lists(elements, min_size=n, max_size=n))
-    )
+    return tuple(draw(st.lists(ids, min_size=n, max_size=n))), tuple(draw(st.lists(elements, min_size=n, max_size=n)))
 
 
 @st.composite
@@ -138,9 +136,7 @@ def messages(draw: st.DrawFn) -> Message:
         words = draw(st.binary(min_size=8 * ((f + 63) // 64) * m, max_size=8 * ((f + 63) // 64) * m))
         return ModelPayload(model_version=draw(ids), bits=f, n_items=m, words=words)
     if kind == 15:
-        return RoundResult(
-            round_id=r, committed=draw(st.booleans()), model_version=draw(ids), reason=draw(text)
-        )
+        return RoundResult(round_id=r, committed=draw(st.booleans()), model_version=draw(ids), reason=draw(text))
     return ErrorMessage(
         code=draw(st.sampled_from(["decode_error", "round_closed", "crypto_error"])), message=draw(text)
     )
@@ -163,9 +159,7 @@ def test_every_type_round_trips_and_has_a_distinct_code() -> None:
 
 
 def test_arrays_travel_as_little_endian_bin_with_dtype_and_shape() -> None:
-    m = MaskedInput(
-        round_id=1, device_id=2, session_id=b"s" * 32, masked=np.array([1, 2**32 - 1], dtype=np.uint32)
-    )
+    m = MaskedInput(round_id=1, device_id=2, session_id=b"s" * 32, masked=np.array([1, 2**32 - 1], dtype=np.uint32))
     body = msgpack.unpackb(encode(m), raw=False)["b"]["y"]
     assert body == {"dt": "<u4", "sh": [2], "by": b"\x01\x00\x00\x00\xff\xff\xff\xff"}
 
@@ -186,12 +180,8 @@ def test_messages_are_immutable_and_validated() -> None:
         lambda: PublicKeys(round_id=-1, device_id=1, c_public_key=b"a" * 32, s_public_key=b"b" * 32),
         lambda: PublicKeys(round_id=True, device_id=1, c_public_key=b"a" * 32, s_public_key=b"b" * 32),
         lambda: PublicKeys(round_id=1, device_id=1, c_public_key=b"a" * 32, s_public_key=b"a" * 32),
-        lambda: MaskedInput(
-            round_id=1, device_id=2, session_id=b"s" * 32, masked=np.zeros(3, dtype=np.int64)
-        ),
-        lambda: MaskedInput(
-            round_id=1, device_id=2, session_id=b"s" * 31, masked=np.zeros(3, dtype=np.uint32)
-        ),
+        lambda: MaskedInput(round_id=1, device_id=2, session_id=b"s" * 32, masked=np.zeros(3, dtype=np.int64)),
+        lambda: MaskedInput(round_id=1, device_id=2, session_id=b"s" * 31, masked=np.zeros(3, dtype=np.uint32)),
         lambda: EncryptedShares(
             round_id=1, device_id=2, session_id=b"s" * 32, recipient_ids=(1, 2), ciphertexts=(b"x",)
         ),
@@ -242,9 +232,7 @@ def test_messages_are_immutable_and_validated() -> None:
 
 
 def _env(t: int, body: object, v: object = None) -> bytes:
-    return msgpack.packb(
-        {"v": v if v is not None else list(PROTOCOL_VERSION), "t": t, "b": body}, use_bin_type=True
-    )
+    return msgpack.packb({"v": v if v is not None else list(PROTOCOL_VERSION), "t": t, "b": body}, use_bin_type=True)
 
 
 def test_unknown_keys_are_ignored_and_missing_defaults_filled() -> None:
@@ -298,9 +286,7 @@ def test_malformed_input_raises_decode_error(raw: bytes) -> None:
 
 
 def test_size_limit() -> None:
-    raw = encode(
-        MaskedInput(round_id=1, device_id=2, session_id=b"s" * 32, masked=np.zeros(1000, dtype=np.uint32))
-    )
+    raw = encode(MaskedInput(round_id=1, device_id=2, session_id=b"s" * 32, masked=np.zeros(1000, dtype=np.uint32)))
     with pytest.raises(PayloadTooLarge):
         decode(raw, max_size=1000)
     assert isinstance(decode(raw, max_size=len(raw)), MaskedInput)

@@ -51,8 +51,7 @@ def test_secure_sum_is_bit_exact_for_any_cohort_and_dropouts(data: st.DataObject
         k, t = None, None
     ids = list(range(n))
     drops = {
-        p: set(data.draw(st.lists(st.sampled_from(ids), max_size=max(1, n // 6)), label=p.name))
-        for p in ACTIVE_PHASES
+        p: set(data.draw(st.lists(st.sampled_from(ids), max_size=max(1, n // 6)), label=p.name)) for p in ACTIVE_PHASES
     }
     result = run_secagg_round(_inputs(n, 16, n), k=k, t=t, dropouts=drops, seed=n)
     lost = set().union(*drops.values())
@@ -62,10 +61,7 @@ def test_secure_sum_is_bit_exact_for_any_cohort_and_dropouts(data: st.DataObject
         assert np.array_equal(result.total, result.expected)
         assert (
             result.survivors
-            == frozenset(ids)
-            - drops[Phase.ADVERTISE_KEYS]
-            - drops[Phase.SHARE_KEYS]
-            - drops[Phase.MASKED_INPUT]
+            == frozenset(ids) - drops[Phase.ADVERTISE_KEYS] - drops[Phase.SHARE_KEYS] - drops[Phase.MASKED_INPUT]
         )
     else:
         assert isinstance(result.error, NotEnoughParticipants)
@@ -210,9 +206,7 @@ def test_honest_unmask_request_is_answered() -> None:
 
 def test_device_refuses_being_listed_as_dropped() -> None:
     rnd, me, req = _unmask_round()
-    bad = dataclasses.replace(
-        req, survivors=tuple(v for v in req.survivors if v != me), dropped=(*req.dropped, me)
-    )
+    bad = dataclasses.replace(req, survivors=tuple(v for v in req.survivors if v != me), dropped=(*req.dropped, me))
     _refused(rnd, me, bad, RemoteProtocolError, "as dropped")
 
 
@@ -235,9 +229,7 @@ def test_device_refuses_an_id_in_both_lists() -> None:
 
 def test_device_refuses_unknown_ids() -> None:
     rnd, me, req = _unmask_round()
-    _refused(
-        rnd, me, dataclasses.replace(req, dropped=(*req.dropped, 999)), RemoteProtocolError, "not neighbours"
-    )
+    _refused(rnd, me, dataclasses.replace(req, dropped=(*req.dropped, 999)), RemoteProtocolError, "not neighbours")
 
 
 def test_device_refuses_too_few_survivors() -> None:

@@ -91,8 +91,7 @@ def test_relative_paths_resolve_against_the_file_folder(tmp_path: Path) -> None:
     (tmp_path / "tls" / "key.pem").write_text("key")
     path = _write(
         tmp_path,
-        '[server]\ndata_dir = "state"\ntls_cert = "tls/cert.pem"\ntls_key = "tls/key.pem"\n'
-        "[model]\nn_items = 10\n",
+        '[server]\ndata_dir = "state"\ntls_cert = "tls/cert.pem"\ntls_key = "tls/key.pem"\n[model]\nn_items = 10\n',
     )
     config = load_config(path)
     assert config.data_dir == tmp_path.resolve() / "state"

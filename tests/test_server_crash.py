@@ -22,7 +22,6 @@ from fedsim.fleet import FleetConfig, fetch_status, run_fleet
 from tests.server_helpers import BITS, N_ITEMS, users
 
 
-
 def _write_config(path: Path, data_dir: Path) -> None:
     path.write_text(
         f"""

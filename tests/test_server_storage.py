@@ -140,9 +140,7 @@ def test_rounds_round_trip(storage: Storage, devices: list[int]) -> None:
     assert storage.next_round_id() == 3
     assert storage.phase_devices(1, COHORT_PHASE) == (devices[:3], [])
     storage.finish_round(1, "aborted", reason="too few survivors", survivors=2, now=150.0)
-    storage.finish_round(
-        2, RoundStatus.COMMITTED, new_model_version=8, survivors=5, epsilon_spent=0.5, now=250.0
-    )
+    storage.finish_round(2, RoundStatus.COMMITTED, new_model_version=8, survivors=5, epsilon_spent=0.5, now=250.0)
 
     newest, oldest = storage.recent_rounds()
     assert oldest.round_id == 1 and oldest.status is RoundStatus.ABORTED
@@ -239,9 +237,7 @@ def test_reopen_keeps_everything(tmp_path: Path) -> None:
         s.commit_model(1, None, _model(1), 1.0)
         s.start_round(1, 1, ids, {"k": 3}, 2.0)
         s.record_phase(1, "advertise_keys", ids[:3], ids[3:], 0.5, 2.5)
-        s.commit_model(
-            2, 1, _model(2), 3.0, ledger=ledger, round_update={"survivors": 3, "epsilon_spent": 1.5}
-        )
+        s.commit_model(2, 1, _model(2), 3.0, ledger=ledger, round_update={"survivors": 3, "epsilon_spent": 1.5})
         s.start_round(2, 2, ids, {}, 4.0)
         before = (s.recent_rounds(), s.phase_stats(1), s.phase_devices(1, "advertise_keys"), s.checkpoints())
     with Storage(tmp_path) as s:

@@ -1,0 +1,336 @@
+"""``fedrec demo`` and ``fedrec loadtest``: a real server process on loopback and a fleet of
+simulated devices talking HTTP to it.
+
+Invariants:
+- The demo starts its own `fedrec-server` subprocess on a free loopback port with a configuration it
+  writes into a temporary folder, and always stops it (SIGTERM, then SIGKILL after a grace period).
+- Quality is measured the way it would be on real devices: each device scores its own held-out
+  item against sampled negatives with its own code and the downloaded item codes; the simulation
+  only averages the per-device results.
+- The load test sends traffic only to the URL it is given, stops after the requested rounds or its
+  time limit, and can split the fleet over several worker processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
+from fedsim.experiment import Experiment, baselines
+from fedsim.fleet import PHASE_STEPS, FleetConfig, FleetReport, fetch_status, run_fleet
+from protocol.codec import decode, encode
+from protocol.codes import from_bytes, unpack_signs
+from protocol.messages import ModelPayload, RegisterRequest, RegisterResponse
+
+__all__ = [
+    "ServerProcess",
+    "write_server_config",
+    "device_data",
+    "run_demo_fleet",
+    "run_loadtest",
+    "format_loadtest",
+]
+
+
+def write_server_config(path: Path, settings: dict[str, dict[str, Any]]) -> None:
+    """Write a server TOML file from nested {table: {key: value}} (strings, numbers, booleans)."""
+    lines = []
+    for table, values in settings.items():
+        lines.append(f"[{table}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str | Path):
+                text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+class ServerProcess:
+    """`python -m agg_server --config FILE` as a child process on a free loopback port."""
+
+    def __init__(self, config: Path, log_path: Path) -> None:
+        self.config = config
+        self.log_path = log_path
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+
+    def __enter__(self) -> ServerProcess:
+        log = open(self.log_path, "a")  # noqa: SIM115 - the child keeps its own descriptor
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "agg_server", "--config", str(self.config), "--port", "0"],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+        finally:
+            log.close()
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if "listening on" not in line:
+            self.stop()
+            raise RuntimeError(f"the server did not start; see {self.log_path}")
+        self.url = line.strip().rsplit(" ", 1)[-1]
+        return self
+
+    def stop(self, grace: float = 20.0) -> int | None:
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        return proc.returncode
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def device_data(exp: Experiment, n_devices: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each user's training items and ratings (one simulated device per user, users 0..n−1)."""
+    idx = exp.train.by_user()
+    n = exp.train.n_users if n_devices is None else min(n_devices, exp.train.n_users)
+    return [
+        (
+            np.asarray(idx.items[idx.indptr[u] : idx.indptr[u + 1]]),
+            np.asarray(idx.ratings[idx.indptr[u] : idx.indptr[u + 1]]),
+        )
+        for u in range(n)
+    ]
+
+
+def _evaluate_devices(
+    exp: Experiment, clients: list[Any], item_codes: np.ndarray, version: int
+) -> dict[TieMode, EvalResult]:
+    """Every device refreshes its code against the final item codes (a local DCD, nothing uploaded)
+    and scores its own test block; the results are averaged."""
+    idx = exp.train.by_user()
+    blocks = {int(u): c for u, c in zip(exp.test.users, exp.test.items, strict=True)}
+    rows, scores = [], []
+    for u, client in enumerate(clients):
+        if u not in blocks:
+            continue
+        model = client.model
+        model.set_item_codes(item_codes, version)
+        items = idx.items[idx.indptr[u] : idx.indptr[u + 1]]
+        ratings = idx.ratings[idx.indptr[u] : idx.indptr[u + 1]]
+        if items.size:
+            model.fit_local(items, ratings, rng=np.random.default_rng(u))
+        scores.append(model.similarity(blocks[u]))
+        rows.append(u)
+    matrix = np.vstack(scores)
+    return {t: evaluate_candidates(matrix, 10, t) for t in TieMode}
+
+
+@contextlib.contextmanager
+def _workdir(keep: Path | None) -> Iterator[Path]:
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+    else:
+        with tempfile.TemporaryDirectory(prefix="fedrec-demo-") as tmp:
+            yield Path(tmp)
+
+
+def run_demo_fleet(
+    exp: Experiment,
+    *,
+    rounds: int,
+    cohort: int,
+    bits: int,
+    dropout: float,
+    privacy_epsilon: float | None,
+    flip_fraction: float,
+    seed: int,
+    out: TextIO,
+    workdir: Path | None = None,
+    titles: list[str] | None = None,
+) -> dict[str, Any]:
+    """Start a server, run a device per user for ``rounds`` rounds, evaluate, stop the server."""
+    n_users = int(np.max(exp.train.users)) + 1 if len(exp.train) else 0
+    m = exp.train.n_items
+    cohort = min(cohort, n_users)
+    with _workdir(workdir) as root:
+        settings: dict[str, dict[str, Any]] = {
+            "server": {"host": "127.0.0.1", "port": 0, "data_dir": str(root / "server-data")},
+            "model": {"n_items": m, "bits": bits, "flip_fraction": flip_fraction},
+            "rounds": {
+                "cohort_size": cohort,
+                "min_cohort": min(cohort, max(3, cohort // 2)),
+                "max_rounds": rounds,
+                "dropout_rate": 0.33,
+                "clip_norm": 8.0,
+                "scale_bits": 12,
+                "example_cap": 0,
+                "advertise_timeout": 60.0,
+                "share_keys_timeout": 30.0,
+                "masked_input_timeout": 60.0,
+                "unmask_timeout": 30.0,
+                "round_interval": 0.5,
+                "seed": seed,
+            },
+            "privacy": {
+                "enabled": privacy_epsilon is not None,
+                "epsilon": privacy_epsilon or 8.0,
+                "delta": 1e-5,
+                "planned_rounds": rounds,
+            },
+            "log": {"format": "text", "level": "warning"},
+        }
+        if exp.rating_range is not None:
+            settings["model"].update(rating_min=exp.rating_range[0], rating_max=exp.rating_range[1])
+        config_path = root / "server.toml"
+        write_server_config(config_path, settings)
+        out.write(f"server: starting fedrec-server ({config_path})\n")
+        t0 = time.perf_counter()
+        with ServerProcess(config_path, root / "server.log") as server:
+            out.write(f"server: listening on {server.url}; {n_users} devices registering\n")
+            header = (
+                f"{'round':>5} {'cohort':>6} {'survivors':>9}  dropped per phase (keys/shares/masked/unmask)  "
+                f"{'seconds':>7}  {'ε spent':>8}\n"
+            )
+            out.write(header)
+
+            def on_round(rec: dict[str, Any]) -> None:
+                drops = "/".join(str(p["dropped"]) for p in rec.get("phases", []))
+                secs = (rec.get("finished_at") or 0) - (rec.get("started_at") or 0)
+                eps = (rec.get("privacy") or {}).get("epsilon_spent")
+                eps_text = f"{eps:8.3f}" if isinstance(eps, float) else "       -"
+                state = "" if rec.get("status") == "committed" else f"  ({rec.get('status')}: {rec.get('reason')})"
+                out.write(
+                    f"{rec['round_id']:>5} {rec.get('cohort_size', 0):>6} {rec.get('survivors') or 0:>9}  "
+                    f"{drops:<46} {secs:>7.1f}  {eps_text}{state}\n"
+                )
+                out.flush()
+
+            fleet_cfg = FleetConfig(
+                url=server.url,
+                store_root=root / "devices",
+                n_items=m,
+                bits=bits,
+                rounds=rounds,
+                dropout=dropout,
+                seed=seed,
+                rating_range=exp.rating_range,
+                time_limit=1800.0,
+                # Devices that drop say so (like an app closed cleanly), so phases close at quorum.
+                announce_drops=True,
+            )
+            report, clients = asyncio.run(run_fleet(fleet_cfg, device_data(exp, n_users), on_round=on_round))
+            payload, status = asyncio.run(_final_model(server.url))
+        out.write(f"server: stopped (exit {server.proc.returncode if server.proc else '?'})\n")
+        codes = unpack_signs(from_bytes(payload.words, payload.bits, payload.n_items), payload.bits)
+        results = _evaluate_devices(exp, clients, codes, payload.model_version)
+        return {
+            "report": report,
+            "results": results,
+            "baselines": {t: baselines(exp, t) for t in TieMode},
+            "status": status,
+            "clients": clients,
+            "item_codes": codes,
+            "seconds": time.perf_counter() - t0,
+        }
+
+
+async def _final_model(url: str) -> tuple[ModelPayload, dict[str, Any]]:
+    """The committed model and the server status, fetched as an evaluation device would."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{url}/v1/devices", data=encode(RegisterRequest(platform="fedrec-demo-evaluator"))
+        ) as resp:
+            reg = decode(await resp.read())
+        if not isinstance(reg, RegisterResponse):
+            raise RuntimeError(f"registration failed: {reg}")
+        async with session.get(f"{url}/v1/model", headers={"Authorization": f"Bearer {reg.token}"}) as resp:
+            payload = decode(await resp.read())
+        if not isinstance(payload, ModelPayload):
+            raise RuntimeError(f"model download failed: {payload}")
+        status = await fetch_status(session, url)
+    return payload, status
+
+
+def run_loadtest(
+    config: FleetConfig, users: Sequence[tuple[np.ndarray, np.ndarray | None]], workers: int
+) -> FleetReport:
+    """Run the fleet, split over ``workers`` processes when asked; the first worker monitors."""
+    if workers <= 1:
+        report, _ = asyncio.run(run_fleet(config, users))
+        return report
+    shards = np.array_split(np.arange(len(users)), workers)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        jobs = [
+            pool.apply_async(_worker, (config, [users[i] for i in shard], int(shard[0]) if shard.size else 0))
+            for shard in shards
+        ]
+        dicts = [job.get() for job in jobs]
+    merged = FleetReport.from_dict(dicts[0])
+    for d in dicts[1:]:
+        merged.merge(FleetReport.from_dict(d))
+    return merged
+
+
+def _worker(config: FleetConfig, users: list[tuple[np.ndarray, np.ndarray | None]], first: int) -> dict[str, Any]:
+    # Every shard watches the server's status and stops once the requested rounds have finished.
+    report, _ = asyncio.run(run_fleet(config, users, first_index=first))
+    return report.to_dict()
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def format_loadtest(report: FleetReport, out: TextIO) -> None:
+    """The load-test summary tables."""
+    out.write(f"\n{report.devices} devices, {report.rounds_finished} rounds finished in {report.seconds:.1f} s\n")
+    out.write(f"outcomes: {dict(report.outcomes)}; injected drops: {dict(report.drops)}\n")
+    out.write("\nper-phase latency seen by devices (seconds; phases include the long-poll wait)\n")
+    out.write(f"{'phase':<8} {'n':>7} {'p50':>8} {'p95':>8}\n")
+    for step in PHASE_STEPS:
+        v = report.latencies.get(step, [])
+        out.write(f"{step:<8} {len(v):>7} {_pct(v, 50):>8.3f} {_pct(v, 95):>8.3f}\n")
+    if report.bytes_up:
+        out.write(
+            f"\nbytes per device per round: up median {np.median(report.bytes_up) / 1e3:.1f} kB, "
+            f"down median {np.median(report.bytes_down) / 1e3:.1f} kB\n"
+        )
+    out.write("\nserver, per round\n")
+    out.write(
+        f"{'round':>5} {'status':<10} {'cohort':>6} {'survivors':>9} {'seconds':>8} {'cpu s':>8} {'peak RSS MB':>12}\n"
+    )
+    prev_cpu = None
+    for rec in report.server_rounds:
+        proc = rec.get("process") or {}
+        cpu = proc.get("cpu_seconds")
+        delta = cpu - prev_cpu if cpu is not None and prev_cpu is not None else float("nan")
+        prev_cpu = cpu if cpu is not None else prev_cpu
+        secs = (rec.get("finished_at") or 0) - (rec.get("started_at") or 0)
+        out.write(
+            f"{rec['round_id']:>5} {rec['status']:<10} {rec.get('cohort_size', 0):>6} {rec.get('survivors') or 0:>9} "
+            f"{secs:>8.1f} {delta:>8.1f} {proc.get('max_rss_mb', float('nan')):>12.0f}\n"
+        )
+    out.write(f"\nerrors by type: {dict(report.errors) if report.errors else 'none'}\n")

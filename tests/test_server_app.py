@@ -1,0 +1,255 @@
+"""The aggregation server over real HTTP on loopback: hostile inputs get the right status and an
+encoded error, a misbehaving device cannot stop a round, and a run through the server ends with the
+same model, bit for bit, as the in-process reference with the same seeds and dropout schedule."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from agg_server.app import COORDINATOR, create_app
+from device_sdk.client import DropoutAt
+from fedsim.fleet import FleetConfig, run_fleet
+from fedsim.private import run_private_lightfr
+from protocol.codec import decode, encode
+from protocol.crypto import generate_key_pair
+from protocol.errors import (
+    AuthError,
+    DecodeError,
+    PayloadTooLarge,
+    PermissionDenied,
+    StaleRound,
+    VersionMismatch,
+)
+from protocol.messages import (
+    CheckIn,
+    ErrorMessage,
+    MaskedInput,
+    ModelPayload,
+    PublicKeys,
+    RegisterRequest,
+    RegisterResponse,
+    RoundInvite,
+    RoundResult,
+    Wait,
+)
+from tests.server_helpers import BITS, N_ITEMS, small_config, users
+
+pytestmark = pytest.mark.asyncio
+MSGPACK = {"Content-Type": "application/msgpack"}
+
+
+async def _post(client: Any, path: str, body: bytes, token: str | None = None) -> tuple[int, Any]:
+    headers = dict(MSGPACK)
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    resp = await client.post(path, data=body, headers=headers)
+    raw = await resp.read()
+    assert resp.headers["Content-Type"].startswith("application/msgpack")
+    return resp.status, decode(raw)
+
+
+async def _register(client: Any) -> RegisterResponse:
+    status, msg = await _post(client, "/v1/devices", encode(RegisterRequest(platform="pytest")))
+    assert status == 201 and isinstance(msg, RegisterResponse)
+    return msg
+
+
+def _error(msg: Any, cls: type[Exception]) -> None:
+    assert isinstance(msg, ErrorMessage), msg
+    assert isinstance(msg.to_exception(), cls), (msg.code, msg.message)
+
+
+async def test_hostile_inputs_get_the_right_status(aiohttp_client: Any, tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, cohort=3)
+    cfg = dataclasses.replace(cfg, listen=dataclasses.replace(cfg.listen, max_body_bytes=256 * 1024))
+    client = await aiohttp_client(create_app(cfg))
+    dev = await _register(client)
+    token = dev.token
+
+    status, msg = await _post(client, "/v1/checkin", b"\xc1\xc1 not msgpack", token)
+    assert status == 400
+    _error(msg, DecodeError)
+
+    status, msg = await _post(client, "/v1/checkin", msgpack.packb({"v": [1, 1], "t": 99, "b": {}}), token)
+    assert status == 400 and "unknown message type" in msg.message
+
+    status, msg = await _post(client, "/v1/checkin", msgpack.packb({"v": [2, 0], "t": 13, "b": {"d": 1}}), token)
+    assert status == 426
+    _error(msg, VersionMismatch)
+
+    status, msg = await _post(client, "/v1/checkin", b"\x00" * (300 * 1024), token)
+    assert status == 413
+    _error(msg, PayloadTooLarge)
+
+    status, msg = await _post(client, "/v1/checkin", encode(CheckIn(device_id=dev.device_id)))
+    assert status == 401
+    _error(msg, AuthError)
+    status, msg = await _post(client, "/v1/checkin", encode(CheckIn(device_id=dev.device_id)), "x" * 40)
+    assert status == 401
+
+    other = await _register(client)
+    status, msg = await _post(client, "/v1/checkin", encode(CheckIn(device_id=other.device_id)), token)
+    assert status == 403
+    _error(msg, PermissionDenied)
+
+    status, msg = await _post(client, "/v1/checkin", encode(RegisterRequest()), token)
+    assert status == 400 and "expected CheckIn" in msg.message
+
+    keys = PublicKeys(round_id=7, device_id=dev.device_id, c_public_key=b"\x01" * 32, s_public_key=b"\x02" * 32)
+    status, msg = await _post(client, "/v1/rounds/7/keys", encode(keys), token)
+    assert status == 409
+    _error(msg, StaleRound)
+    status, msg = await _post(client, "/v1/rounds/x/keys", encode(keys), token)
+    assert status == 400
+
+    resp = await client.get("/v1/nowhere")
+    assert resp.status == 404 and isinstance(decode(await resp.read()), ErrorMessage)
+
+    status, msg = await _post(client, "/v1/checkin", encode(CheckIn(device_id=dev.device_id)), token)
+    assert status == 200 and isinstance(msg, Wait)
+
+    resp = await client.get("/v1/model", headers={"Authorization": f"Bearer {token}"})
+    assert resp.status == 200
+    model = decode(await resp.read())
+    assert isinstance(model, ModelPayload) and (model.bits, model.n_items) == (BITS, N_ITEMS)
+    resp = await client.get(
+        "/v1/model", headers={"Authorization": f"Bearer {token}", "If-None-Match": resp.headers["ETag"]}
+    )
+    assert resp.status == 304
+
+    status_json = await (await client.get("/v1/status")).json()
+    assert status_json["model"]["version"] == 1 and status_json["registered_devices"] == 2
+    assert status_json["errors_by_status"]["401"] == 2
+    assert (await (await client.get("/v1/health")).json()) == {"status": "ok"}
+
+
+async def test_a_misbehaving_device_cannot_stop_the_round(
+    aiohttp_server: Any, aiohttp_client: Any, tmp_path: Path
+) -> None:
+    """A replayed, duplicated and out-of-phase device is refused; the honest devices' round commits."""
+    honest = users(6)
+    cfg = small_config(tmp_path / "server", cohort=7, timeout=4.0, min_cohort=7)
+    app = create_app(cfg)
+    server = await aiohttp_server(app)
+    client = await aiohttp_client(server)
+    attacker = await _register(client)
+    tok = attacker.token
+
+    async def attack() -> list[tuple[int, Any]]:
+        results: list[tuple[int, Any]] = []
+        invite = None
+        while invite is None:
+            _, msg = await _post(client, "/v1/checkin", encode(CheckIn(device_id=attacker.device_id)), tok)
+            if isinstance(msg, RoundInvite):
+                invite = msg
+            else:
+                await asyncio.sleep(0.1)
+        rid, did = invite.round_id, invite.device_id
+
+        def keys() -> PublicKeys:
+            return PublicKeys(
+                round_id=rid,
+                device_id=did,
+                c_public_key=generate_key_pair().public_key,
+                s_public_key=generate_key_pair().public_key,
+            )
+
+        first = keys()
+        # The same upload twice is accepted once; a different second upload is refused (400).
+        t1 = asyncio.create_task(_post(client, f"/v1/rounds/{rid}/keys", encode(first), tok))
+        t2 = asyncio.create_task(_post(client, f"/v1/rounds/{rid}/keys", encode(first), tok))
+        await asyncio.sleep(0.2)
+        results.append(await _post(client, f"/v1/rounds/{rid}/keys", encode(keys()), tok))
+        # A message of a later phase, while keys are still being collected: the device is excluded.
+        masked = MaskedInput(
+            round_id=rid, device_id=did, session_id=b"\x00" * 32, masked=np.zeros(N_ITEMS * BITS, np.uint32)
+        )
+        results.append(await _post(client, f"/v1/rounds/{rid}/masked", encode(masked), tok))
+        results.append(await t1)
+        results.append(await t2)
+        # A replay into the next round id, before it exists: stale.
+        results.append(await _post(client, f"/v1/rounds/{rid + 1}/keys", encode(first), tok))
+        return results
+
+    fleet_cfg = FleetConfig(
+        url=str(server.make_url("")).rstrip("/"),
+        store_root=tmp_path / "devices",
+        n_items=N_ITEMS,
+        bits=BITS,
+        rounds=1,
+        time_limit=60.0,
+        # One honest device goes silent before its keys, so the first phase stays open until its
+        # deadline and the attacker's second upload meets an open phase.
+        schedule=lambda r, d: DropoutAt.BEFORE_KEYS if d == 2 else DropoutAt.NONE,
+    )
+    attack_task = asyncio.create_task(attack())
+    report, _ = await run_fleet(fleet_cfg, list(honest.values()))
+    results = await attack_task
+    statuses = [s for s, _ in results]
+    assert statuses[0] == 400 and "second, different" in results[0][1].message
+    assert statuses[1] == 400
+    # Both copies of the first upload were answered alike: excluded before the phase closed.
+    assert all(isinstance(m, RoundResult | ErrorMessage) for _, m in results[2:4])
+    assert statuses[4] == 409
+    coordinator = app[COORDINATOR]
+    assert coordinator.model_version == 2
+    rec = coordinator.status(0.0)["recent_rounds"][0]
+    assert rec["status"] == "committed" and rec["survivors"] == 5
+    assert report.outcomes["committed"] == 5 and report.outcomes["dropped"] >= 1 and not report.errors
+    assert set(report.drops) == {"before_keys"}
+
+
+def _schedule(round_number: int, device_id: int) -> DropoutAt:
+    """Drops at every phase, different devices in different rounds."""
+    phases = [
+        DropoutAt.BEFORE_KEYS,
+        DropoutAt.BEFORE_SHARES,
+        DropoutAt.BEFORE_MASKED,
+        DropoutAt.BEFORE_UNMASK,
+    ]
+    if (device_id + round_number) % 7 == 0:
+        return phases[(device_id // 7 + round_number) % 4]
+    return DropoutAt.NONE
+
+
+async def test_http_run_is_bit_identical_to_the_in_process_reference(aiohttp_server: Any, tmp_path: Path) -> None:
+    data = users(50, seed=3)
+    rounds = 2
+    cfg = small_config(tmp_path / "http", cohort=50, timeout=2.0, min_cohort=50)
+    app = create_app(cfg)
+    server = await aiohttp_server(app)
+    fleet_cfg = FleetConfig(
+        url=str(server.make_url("")).rstrip("/"),
+        store_root=tmp_path / "devices",
+        n_items=N_ITEMS,
+        bits=BITS,
+        rounds=rounds,
+        seed=11,
+        schedule=_schedule,
+        time_limit=120.0,
+    )
+    report, _ = await run_fleet(fleet_cfg, list(data.values()))
+    http_coord = app[COORDINATOR]
+    assert report.rounds_finished == rounds and not report.errors
+    assert [r["status"] for r in report.server_rounds] == ["committed"] * rounds
+    dropped = sum(r["cohort_size"] - r["survivors"] for r in report.server_rounds)
+    assert dropped >= 8 and report.drops  # devices really dropped, at several phases
+    phases_with_drops = {p["phase"] for r in report.server_rounds for p in r["phases"] if p["dropped"]}
+    assert phases_with_drops == {"advertise_keys", "share_keys", "masked_input", "unmask"}
+
+    ref_cfg = small_config(tmp_path / "ref", cohort=50, timeout=2.0, min_cohort=50)
+    reference = run_private_lightfr(ref_cfg, data, rounds=rounds, seed=11, dropout=lambda r, d: _schedule(r, d))
+    ref = reference.coordinator
+    try:
+        assert ref.model_version == http_coord.model_version == 1 + rounds
+        assert np.array_equal(ref.item_codes, http_coord.item_codes)
+        assert ref.model_bytes == http_coord.model_bytes
+    finally:
+        ref.storage.close()
