@@ -303,7 +303,7 @@ class RoundSection:
     clip_norm: float = 64.0
     scale_bits: int = 10
     example_cap: int = 0
-    advertise_timeout: float = 30.0
+    advertise_timeout: float = 60.0
     share_keys_timeout: float = 30.0
     masked_input_timeout: float = 120.0
     unmask_timeout: float = 30.0

@@ -121,7 +121,7 @@ def device_data(exp: Experiment, n_devices: int | None = None) -> list[tuple[np.
     ]
 
 
-def _evaluate_devices(
+def evaluate_devices(
     exp: Experiment, clients: list[Any], item_codes: np.ndarray, version: int
 ) -> dict[TieMode, EvalResult]:
     """Every device refreshes its code against the final item codes (a local DCD, nothing uploaded)
@@ -242,7 +242,7 @@ def run_demo_fleet(
             payload, status = asyncio.run(_final_model(server.url))
         out.write(f"server: stopped (exit {server.proc.returncode if server.proc else '?'})\n")
         codes = unpack_signs(from_bytes(payload.words, payload.bits, payload.n_items), payload.bits)
-        results = _evaluate_devices(exp, clients, codes, payload.model_version)
+        results = evaluate_devices(exp, clients, codes, payload.model_version)
         return {
             "report": report,
             "results": results,

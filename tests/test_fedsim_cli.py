@@ -90,3 +90,13 @@ def test_every_subcommand_has_help() -> None:
     text = parser.format_help()
     for cmd in ("demo", "simulate", "eval", "data"):
         assert cmd in text
+
+
+@pytest.mark.slow
+@pytest.mark.data
+def test_readme_demo_on_movielens(capsys: pytest.CaptureFixture[str], shared_data: Path) -> None:
+    """The README's main command with its defaults (several minutes; opt-in with `pytest -m slow`)."""
+    assert main(["demo", "--data-dir", str(shared_data)]) == 0
+    out = capsys.readouterr().out
+    assert "dataset: ml-100k" in out and "server: stopped (exit 0)" in out
+    assert out.count("\n") > 20 and "privacy: ε spent" in out
