@@ -26,7 +26,7 @@ import logging
 import math
 import resource
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -102,7 +102,6 @@ class _OpenRound:
     mu: float = 0.0
     l1: float = 0.0
     l2: float = 0.0
-    invited_seen: set[int] = field(default_factory=set)
 
 
 class RoundCoordinator:
@@ -241,7 +240,6 @@ class RoundCoordinator:
         r = self._round
         if r is not None and device_id in r.session.invited:
             if r.session.phase is Phase.ADVERTISE_KEYS and device_id in r.session.expected():
-                r.invited_seen.add(device_id)
                 invite = r.session.outbox(device_id)
                 if isinstance(invite, RoundInvite):
                     return replace(invite, **r.plan)

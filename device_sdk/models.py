@@ -235,7 +235,8 @@ class LightFRModel:
                 acc = g if acc is None else acc + g
             else:
                 acc = lightfr.item_codes_sum(indptr, all_items, r, b, self.item_codes, cfg.lam)
-        assert acc is not None  # local_epochs >= 1 is validated in the config
+        if acc is None:  # pragma: no cover - local_epochs >= 1 is validated in the config
+            raise ModelError("no local epoch ran")
         if aggregation is Aggregation.GRAD:
             acc = acc / cfg.local_epochs
         self._set_user(userid, b[0])

@@ -369,7 +369,7 @@ def _resolve_dataset(args: argparse.Namespace, out: TextIO) -> tuple[Experiment,
 # -- commands --------------------------------------------------------------------------------------
 
 
-def _cmd_simulate(args: argparse.Namespace, out: TextIO, demo: bool = False) -> int:
+def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     t0 = time.perf_counter()
     exp, data_dir = _resolve_dataset(args, out)
     out.write(exp.describe() + "\n")
@@ -382,8 +382,6 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO, demo: bool = False) -> 
     state = _train(args, exp, out, progress=not getattr(args, "quiet", False))
     label = f"LightFR (Agg_{args.aggregation})"
     _report(exp, _all_results(exp, state, label), out)
-    if demo:
-        _show_recommendations(exp, state, data_dir, args, out)
     if getattr(args, "save", None) is not None:
         save_store(
             args.save,
@@ -403,34 +401,6 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO, demo: bool = False) -> 
         out.write(f"saved the run to {args.save}\n")
     out.write(f"done in {time.perf_counter() - t0:.1f} s\n")
     return 0
-
-
-def _show_recommendations(
-    exp: Experiment, state: FederatedLightFR, data_dir: Path | None, args: argparse.Namespace, out: TextIO
-) -> None:
-    titles = item_titles(exp, data_dir)
-    user = int(exp.test.users[0])
-    train = exp.train
-    liked = np.asarray(train.items[train.users == user], dtype=np.int64)
-    # The device's view: its own code and ratings, and the downloaded item codes.
-    model = LightFRModel(train.n_items, LightFRConfig(bits=args.bits), rng=np.random.default_rng(args.seed))
-    model.set_item_codes(state.item_codes, version=args.rounds)
-    model.user_codes[0] = state.user_codes[user]
-    model._user_words[:, 0] = pack_signs(state.user_codes[user : user + 1])[:, 0]
-    model.user_trained[0] = True
-    ids, scores = model.recommend(liked, N=5)
-
-    def name(i: int) -> str:
-        return titles[i] if titles else f"item {train.item_ids[i]}"
-
-    held = int(exp.test.items[0, 0])
-    out.write(
-        f"\nTop-5 for user {train.user_ids[user]} on the device ({liked.size} rated items, "
-        f"e.g. {', '.join(name(int(i)) for i in liked[:3])}):\n"
-    )
-    for rank, (i, s) in enumerate(zip(ids, scores, strict=True), start=1):
-        mark = "   <- the held-out test item" if int(i) == held else ""
-        out.write(f"  {rank}. {name(int(i))}  (similarity {s:.3f}){mark}\n")
 
 
 def _cmd_eval(args: argparse.Namespace, out: TextIO) -> int:

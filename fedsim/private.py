@@ -12,7 +12,6 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -126,7 +125,8 @@ def _one_round(
     clock: list[float],
 ) -> dict[int, str]:
     r = coordinator.open_round
-    assert r is not None  # the caller just saw it open
+    if r is None:  # pragma: no cover - the caller just saw it open
+        raise RuntimeError("no open round")
     sessions: dict[int, DeviceSecAggSession] = {}
     stopped: dict[int, str] = {}
     pending: dict[int, Message] = {}
@@ -139,7 +139,8 @@ def _one_round(
         dev = devices[d]
         if dev.model.model_version != invite.model_version:
             payload = decode(coordinator.model_bytes)
-            assert isinstance(payload, ModelPayload)
+            if not isinstance(payload, ModelPayload):  # pragma: no cover - the coordinator encodes it
+                raise RuntimeError("the coordinator's model is not a ModelPayload")
             dev.model.set_item_codes(from_bytes(payload.words, payload.bits, payload.n_items), payload.model_version)
         training_rng, noise_rng = seeded_rngs(seed, round_id, d)
         ring, _ = local_round(dev.model, invite, dev.items, dev.ratings, training_rng)
@@ -171,7 +172,3 @@ def _one_round(
         if not pending:
             break
     return stopped
-
-
-# Re-exported so callers can build a ServerConfig variant without importing dataclasses themselves.
-replace = dataclasses.replace
