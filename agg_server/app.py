@@ -163,8 +163,18 @@ async def _errors(
 
 
 async def _read(request: web.Request) -> Message:
-    data = await request.read()
-    return decode(data, max_size=request.app[CONFIG].listen.max_body_bytes)
+    # Read the body ourselves instead of `request.read()`, which caches the bytes on the request for
+    # its whole life: a long-poll handler would then pin every device's upload (1000 devices ×
+    # 1 MB masked inputs) until the phase closes.
+    limit = request.app[CONFIG].listen.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
+    body = bytearray()
+    async for chunk in request.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    return decode(bytes(body), max_size=limit)
 
 
 def _send(message: Message, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -230,7 +240,9 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
             after = coordinator.submit(device, round_id, msg, clock())
         finally:
             changes.notify()
-        if isinstance(msg, Abort):
+        leaving = isinstance(msg, Abort)
+        del msg  # the masked input is in the session's running sum now; do not pin it while polling
+        if leaving:
             return _send(
                 RoundResult(
                     round_id=round_id,
