@@ -31,8 +31,10 @@ from protocol.codec import decode, encode
 from protocol.errors import (
     AuthError,
     ConfigError,
+    CryptoError,
     DatasetError,
     FedRecError,
+    LocalProtocolError,
     PayloadTooLarge,
     PermissionDenied,
     PrivacyBudgetExceeded,
@@ -91,7 +93,9 @@ _STATUS: list[tuple[type[FedRecError], int]] = [
     (AuthError, 401),
     (PayloadTooLarge, 413),
     (VersionMismatch, 426),
+    (LocalProtocolError, 500),  # our own state machine refused: a server fault, not the device's
     (ProtocolError, 400),
+    (CryptoError, 400),  # a device's share or key material that does not verify
     (ConfigError, 400),
     (DatasetError, 400),
     (RoundError, 409),
@@ -129,6 +133,8 @@ async def _errors(
         counters[status] = counters.get(status, 0) + 1
         if status >= 500:
             log.error("request %s %s %s failed: %s", request_id, request.method, request.path, exc)
+            # Do not hand internals (paths, state) to a device.
+            exc = FedRecError(f"internal error (request id {request_id})")
         else:
             log.info(
                 "request %s %s %s -> %d %s: %s",
@@ -326,6 +332,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         log.info("storage closed")
 
 
+async def _on_shutdown(app: web.Application) -> None:
+    # Runs before aiohttp waits for in-flight requests: close the round first so that every
+    # long-poll is answered (aborted) at once instead of holding the shutdown until it times out.
+    try:
+        app[COORDINATOR].shutdown(app[_CLOCK]())
+    except FedRecError:
+        log.exception("could not close the open round at shutdown")
+    app[_CHANGES].notify()
+
+
 def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) -> web.Application:
     """Build the fedrec aggregation server.
 
@@ -339,6 +355,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
     app[_CLOCK] = clock
     app[_COUNTERS] = {}
     app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/v1/devices", register)
     app.router.add_post("/v1/checkin", check_in)
     app.router.add_get("/v1/model", model)

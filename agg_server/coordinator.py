@@ -26,7 +26,7 @@ import logging
 import math
 import resource
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -102,6 +102,7 @@ class _OpenRound:
     mu: float = 0.0
     l1: float = 0.0
     l2: float = 0.0
+    handed_out: set[int] = field(default_factory=set)
 
 
 class RoundCoordinator:
@@ -138,11 +139,18 @@ class RoundCoordinator:
                 if saved is not None
                 else PrivacyLedger(epsilon_budget=config.privacy.epsilon, delta=config.privacy.delta)
             )
+            if (self.ledger.epsilon_budget, self.ledger.delta) != (config.privacy.epsilon, config.privacy.delta):
+                raise ConfigError(
+                    f"privacy.epsilon/delta ({config.privacy.epsilon:g}, {config.privacy.delta:g}) differ from the "
+                    f"ledger in {config.data_dir} ({self.ledger.epsilon_budget:g}, {self.ledger.delta:g}); a budget "
+                    "cannot change during a run (start a new data_dir for a new run)"
+                )
             self.mu = calibrate_mu(
                 config.privacy.epsilon, config.privacy.delta, config.privacy.planned_rounds, self.l1, self.l2
             )
         self._check_bit_budget()
-        self._pool: dict[int, float] = {}
+        self._pool: dict[int, float] = {}  # waiting device -> last check-in
+        self._pool_since: dict[int, float] = {}  # waiting device -> first check-in of this wait
         self._round: _OpenRound | None = None
         self._finished: dict[int, RoundResult] = {}
         self._next_open = now
@@ -239,12 +247,16 @@ class RoundCoordinator:
         """A device is available: invite it if it is in the open round's cohort, else pool it."""
         r = self._round
         if r is not None and device_id in r.session.invited:
-            if r.session.phase is Phase.ADVERTISE_KEYS and device_id in r.session.expected():
+            # The invitation is handed out once: a device trains once per round, and one that left
+            # (or lost the answer) sits this round out instead of training twice.
+            if r.session.phase is Phase.ADVERTISE_KEYS and device_id not in r.handed_out:
                 invite = r.session.outbox(device_id)
                 if isinstance(invite, RoundInvite):
+                    r.handed_out.add(device_id)
                     return replace(invite, **r.plan)
-            return Wait(retry_after=self.retry_after, reason=f"round {r.round_id} is past its first phase")
+            return Wait(retry_after=self.retry_after, reason=f"already invited to round {r.round_id}")
         self._pool[device_id] = now
+        self._pool_since.setdefault(device_id, now)
         if self.stopped_reason:
             return Wait(retry_after=max(60.0, self.retry_after), reason=self.stopped_reason)
         reason = "no round open" if r is None else f"round {r.round_id} in progress"
@@ -259,10 +271,13 @@ class RoundCoordinator:
             self.stopped_reason = f"max_rounds={cfg.max_rounds} reached"
             return
         ttl = 10 * self.retry_after
-        fresh = sorted(d for d, t in self._pool.items() if now - t <= ttl)
+        for d in [d for d, t in self._pool.items() if now - t > ttl]:  # gone quiet: forget them
+            del self._pool[d]
+            self._pool_since.pop(d, None)
+        fresh = sorted(self._pool)
         if len(fresh) < cfg.min_cohort:
             return
-        oldest = min(self._pool[d] for d in fresh)
+        oldest = min(self._pool_since[d] for d in fresh)
         if len(fresh) < cfg.cohort_size and now - oldest < 5 * self.retry_after:
             return  # give the pool a moment to fill
         if self.ledger is not None:
@@ -277,7 +292,9 @@ class RoundCoordinator:
         n = min(cfg.cohort_size, len(fresh))
         cohort = tuple(sorted(int(d) for d in rng.choice(np.array(fresh), size=n, replace=False)))
         if cfg.k is not None and cfg.t is not None:
-            k, t = min(cfg.k, n), min(cfg.t, n)
+            if n < cfg.cohort_size:
+                return  # the operator's (k, t) were validated for the full cohort only: wait for it
+            k, t = cfg.k, cfg.t
             validate_parameters(n, k, t, cfg.dropout_rate, cfg.adversary_rate)
         else:
             gp = find_parameters(n, cfg.dropout_rate, cfg.adversary_rate)
@@ -325,6 +342,7 @@ class RoundCoordinator:
         )
         for d in cohort:
             self._pool.pop(d, None)
+            self._pool_since.pop(d, None)
         self._round = _OpenRound(
             round_id=round_id,
             session=session,
@@ -430,20 +448,25 @@ class RoundCoordinator:
         r.phase = phase
 
     def _finish(self, r: _OpenRound, now: float) -> None:
+        # Whatever fails below, the round is released exactly once: a failed commit must neither be
+        # retried on the next tick (it would charge the privacy ledger again) nor wedge the server.
         session = r.session
-        outcome: RoundResult
-        if session.phase is Phase.DONE:
-            outcome = self._commit(r, now)
-        else:
-            reason = str(session.abort_error or "round failed")
-            outcome = RoundResult(round_id=r.round_id, committed=False, model_version=self.model_version, reason=reason)
-            self.storage.finish_round(r.round_id, "aborted", reason=reason, now=now)
-            log.warning("round %d aborted: %s", r.round_id, reason)
-        self._finished[r.round_id] = outcome
-        while len(self._finished) > _KEEP_FINISHED:
-            self._finished.pop(next(iter(self._finished)))
-        self._round = None
-        self._next_open = now + self.config.rounds.round_interval
+        reason = str(session.abort_error or f"round failed ({session.phase.name})")
+        outcome = RoundResult(round_id=r.round_id, committed=False, model_version=self.model_version, reason=reason)
+        try:
+            if session.phase is Phase.DONE:
+                outcome = self._commit(r, now)
+            else:
+                log.warning("round %d aborted: %s", r.round_id, reason)
+                self.storage.finish_round(r.round_id, "aborted", reason=reason, now=now)
+        except Exception:
+            log.exception("round %d could not be finished cleanly", r.round_id)
+        finally:
+            self._finished[r.round_id] = outcome
+            while len(self._finished) > _KEEP_FINISHED:
+                self._finished.pop(next(iter(self._finished)))
+            self._round = None
+            self._next_open = now + self.config.rounds.round_interval
 
     def _commit(self, r: _OpenRound, now: float) -> RoundResult:
         result = r.session.result()
@@ -457,6 +480,7 @@ class RoundCoordinator:
         if self.ledger is not None:
             # The sum is released the moment it is unmasked: charge it before anything can fail.
             epsilon = self.ledger.record_round(r.mu, r.l1, r.l2, round_id=r.round_id)
+            self.storage.save_ledger(self.ledger.to_dict())
         codes = self.strategy.aggregate(self.item_codes, total, r.rng)
         version = self.model_version + 1
         payload = self._payload(version, codes)
@@ -471,11 +495,6 @@ class RoundCoordinator:
             )
         except StorageError as exc:
             log.error("round %d: could not commit model version %d: %s", r.round_id, version, exc)
-            if self.ledger is not None:
-                try:
-                    self.storage.save_ledger(self.ledger.to_dict())
-                except StorageError:
-                    log.exception("could not save the privacy ledger")
             self.storage.finish_round(r.round_id, "aborted", reason=f"commit failed: {exc}", now=now)
             return RoundResult(round_id=r.round_id, committed=False, model_version=self.model_version, reason=str(exc))
         flips = int(np.count_nonzero(codes != self.item_codes))
@@ -492,6 +511,7 @@ class RoundCoordinator:
 
     def shutdown(self, now: float) -> None:
         """Close an open round as abandoned (graceful stop): nothing is revealed, devices retry."""
+        self.stopped_reason = "server shutting down"
         r = self._round
         if r is None:
             return

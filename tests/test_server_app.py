@@ -41,7 +41,6 @@ from protocol.messages import (
 )
 from tests.server_helpers import BITS, N_ITEMS, small_config, users
 
-pytestmark = pytest.mark.asyncio
 MSGPACK = {"Content-Type": "application/msgpack"}
 
 
@@ -66,6 +65,7 @@ def _error(msg: Any, cls: type[Exception]) -> None:
     assert isinstance(msg.to_exception(), cls), (msg.code, msg.message)
 
 
+@pytest.mark.asyncio
 async def test_hostile_inputs_get_the_right_status(aiohttp_client: Any, tmp_path: Path) -> None:
     cfg = small_config(tmp_path, cohort=3)
     cfg = dataclasses.replace(cfg, listen=dataclasses.replace(cfg.listen, max_body_bytes=256 * 1024))
@@ -130,6 +130,7 @@ async def test_hostile_inputs_get_the_right_status(aiohttp_client: Any, tmp_path
     assert (await (await client.get("/v1/health")).json()) == {"status": "ok"}
 
 
+@pytest.mark.asyncio
 async def test_a_misbehaving_device_cannot_stop_the_round(
     aiohttp_server: Any, aiohttp_client: Any, tmp_path: Path
 ) -> None:
@@ -195,8 +196,11 @@ async def test_a_misbehaving_device_cannot_stop_the_round(
     statuses = [s for s, _ in results]
     assert statuses[0] == 400 and "second, different" in results[0][1].message
     assert statuses[1] == 400
-    # Both copies of the first upload were answered alike: excluded before the phase closed.
-    assert all(isinstance(m, RoundResult | ErrorMessage) for _, m in results[2:4])
+    # Both copies of the first upload were answered alike: the device was excluded before the phase
+    # closed, so each long-poll ends with a round result that is not "committed" for it.
+    (s1, m1), (s2, m2) = results[2], results[3]
+    assert s1 == s2 == 200 and isinstance(m1, RoundResult) and isinstance(m2, RoundResult)
+    assert not m1.committed and m1 == m2
     assert statuses[4] == 409
     coordinator = app[COORDINATOR]
     assert coordinator.model_version == 2
@@ -219,6 +223,7 @@ def _schedule(round_number: int, device_id: int) -> DropoutAt:
     return DropoutAt.NONE
 
 
+@pytest.mark.asyncio
 async def test_http_run_is_bit_identical_to_the_in_process_reference(aiohttp_server: Any, tmp_path: Path) -> None:
     data = users(50, seed=3)
     rounds = 2
@@ -253,3 +258,39 @@ async def test_http_run_is_bit_identical_to_the_in_process_reference(aiohttp_ser
         assert ref.model_bytes == http_coord.model_bytes
     finally:
         ref.storage.close()
+
+
+def test_failed_commit_releases_the_round_and_charges_privacy_once(tmp_path: Path) -> None:
+    """A storage failure at commit must not retry the commit (and the privacy charge) on every tick."""
+    from protocol.errors import StorageError
+
+    cfg = small_config(tmp_path, cohort=5, min_cohort=5)
+    cfg = dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, enabled=True, epsilon=50.0))
+    data = users(5)
+    run = run_private_lightfr(cfg, data, rounds=1, seed=1)
+    coord = run.coordinator
+    charged = len(coord.ledger.rounds)
+    assert charged == 1 and coord.model_version == 2
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise StorageError("disk full (simulated)")
+
+    coord.storage.commit_model = broken  # type: ignore[method-assign]
+    from fedsim.private import _one_round
+
+    clock = [5_000.0]
+    for d in run.devices:
+        coord.check_in(d, clock[0])
+    clock[0] += 1.0
+    coord.tick(clock[0])
+    r = coord.open_round
+    assert r is not None
+    _one_round(coord, run.devices, r.round_id, lambda rr, dd: DropoutAt.NONE, 1, clock)
+    for _ in range(5):
+        clock[0] += 1.0
+        coord.tick(clock[0])
+    assert coord.open_round is None or coord.open_round.round_id != r.round_id
+    assert len(coord.ledger.rounds) == charged + 1  # charged once: the sum was released
+    assert coord.model_version == 2  # nothing committed
+    assert coord.storage.load_ledger()["rounds"][-1]["round_id"] == r.round_id
+    coord.storage.close()
