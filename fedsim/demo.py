@@ -315,7 +315,7 @@ def format_loadtest(report: FleetReport, out: TextIO) -> None:
         out.write(f"{step:<8} {len(v):>7} {_pct(v, 50):>8.3f} {_pct(v, 95):>8.3f}\n")
     if report.bytes_up:
         out.write(
-            f"\nbytes per device per round: up median {np.median(report.bytes_up) / 1e3:.1f} kB, "
+            f"\nbytes per device per committed round: up median {np.median(report.bytes_up) / 1e3:.1f} kB, "
             f"down median {np.median(report.bytes_down) / 1e3:.1f} kB\n"
         )
     out.write("\nserver, per round\n")

@@ -154,8 +154,9 @@ def _record(report: FleetReport, outcome: RoundOutcome) -> None:
     for step in PHASE_STEPS:
         if step in outcome.timings:
             report.latencies[step].append(outcome.timings[step])
-    report.bytes_up.append(outcome.bytes_up)
-    report.bytes_down.append(outcome.bytes_down)
+    if outcome.status is RoundStatus.COMMITTED:  # a full round's traffic (model download included)
+        report.bytes_up.append(outcome.bytes_up)
+        report.bytes_down.append(outcome.bytes_down)
 
 
 async def run_fleet(
