@@ -498,6 +498,13 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         results[name] = {t: res["baselines"][t][name] for t in TieMode}
     _report(exp, results, out)
     privacy = res["status"].get("privacy")
+    ours, pop = res["results"][TieMode.RANDOM], res["baselines"][TieMode.RANDOM]["popularity"]
+    if privacy and ours.hr < pop.hr:
+        out.write(
+            "note: with user-level DP over a few hundred devices, the noise each coordinate needs is larger than\n"
+            "the signal the cohort's sum carries, so the model stays below popularity; measured trade-off:\n"
+            "benchmarks/privacy_utility.py. Run with --epsilon 0 for SecAgg+ without DP.\n"
+        )
     if privacy:
         out.write(
             f"privacy: ε spent {privacy['epsilon_spent']:.3f} of {privacy['epsilon_budget']:g} "
