@@ -94,6 +94,7 @@ def test_every_subcommand_has_help() -> None:
 
 @pytest.mark.slow
 @pytest.mark.data
+@pytest.mark.timeout(1800)
 def test_readme_demo_on_movielens(capsys: pytest.CaptureFixture[str], shared_data: Path) -> None:
     """The README's main command with its defaults (several minutes; opt-in with `pytest -m slow`)."""
     assert main(["demo", "--data-dir", str(shared_data)]) == 0
