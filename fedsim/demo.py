@@ -128,7 +128,7 @@ def evaluate_devices(
     and scores its own test block; the results are averaged."""
     idx = exp.train.by_user()
     blocks = {int(u): c for u, c in zip(exp.test.users, exp.test.items, strict=True)}
-    rows, scores = [], []
+    scores = []
     for u, client in enumerate(clients):
         if u not in blocks:
             continue
@@ -139,7 +139,6 @@ def evaluate_devices(
         if items.size:
             model.fit_local(items, ratings, rng=np.random.default_rng(u))
         scores.append(model.similarity(blocks[u]))
-        rows.append(u)
     matrix = np.vstack(scores)
     return {t: evaluate_candidates(matrix, 10, t) for t in TieMode}
 
@@ -166,7 +165,6 @@ def run_demo_fleet(
     seed: int,
     out: TextIO,
     workdir: Path | None = None,
-    titles: list[str] | None = None,
 ) -> dict[str, Any]:
     """Start a server, run a device per user for ``rounds`` rounds, evaluate, stop the server."""
     n_users = int(np.max(exp.train.users)) + 1 if len(exp.train) else 0
