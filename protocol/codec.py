@@ -6,7 +6,8 @@
 """Versioned, table-driven msgpack codec for the round messages in `protocol.messages`.
 
 Type codes: 1–10 are the SecAgg round messages; 11–16 registration, check-in, model download and the
-round result (protocol 1.1); 17–19 reserved; 20+ are free.  Never reuse a code.
+round result (protocol 1.1); protocol 1.2 appended the model-family fields of `RoundInvite` and
+`ModelPayload.values`; 17–19 reserved; 20+ are free.  Never reuse a code.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ __all__ = [
     "decode",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 1)
+PROTOCOL_VERSION: tuple[int, int] = (1, 2)
 #: Default total size limit for one encoded message (a 10**6-element masked vector is 4 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Far above any legitimate list (neighbourhoods are at most a few thousand), far below what would hurt.
@@ -104,6 +105,18 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("local_epochs", "E", Kind.INT),
                 ("max_sweeps", "sw", Kind.INT),
                 ("example_cap", "th", Kind.INT),
+                # protocol 1.2: model families
+                ("learning_rate", "lr", Kind.FLOAT),
+                ("reg", "rg", Kind.FLOAT),
+                ("reg_growth", "rgg", Kind.FLOAT),
+                ("kappa", "ka", Kind.FLOAT),
+                ("proximity", "px", Kind.FLOAT),
+                ("inertia", "bt", Kind.FLOAT),
+                ("max_norm2", "R", Kind.FLOAT),
+                ("pretrain_epochs", "pe", Kind.INT),
+                ("step_rule", "sr", Kind.STR),
+                ("alignment", "al", Kind.STR),
+                ("round_index", "ri", Kind.INT),
             ),
         ),
         PublicKeys.TYPE: (
@@ -206,6 +219,7 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("bits", "f", Kind.INT),
                 ("n_items", "m", Kind.INT),
                 ("words", "w", Kind.BYTES),
+                ("values", "val", Kind.BYTES),  # protocol 1.2
             ),
         ),
         RoundResult.TYPE: (

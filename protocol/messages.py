@@ -182,6 +182,28 @@ class RoundInvite(Message):
     example_cap : int
         θ: at most this many of the device's ratings are used this round (0 = all); bounds each
         device's contribution for differential privacy.
+    learning_rate : float
+        Local step size (MF: SGD step for the user vectors), >= 0.
+    reg : float
+        L2 weight (MF: on user vectors; FELB: the base λ of the ELB regularizer), >= 0.
+    reg_growth : float
+        FELB schedule: the round uses λ_r = reg · reg_growth**round_index (>= 1).
+    kappa : float
+        FELB L1 weight κ of the ELB regularizer, >= 0.
+    proximity : float
+        γ, the pull of the local item matrix towards the broadcast one (FELB, FNMF), >= 0.
+    inertia : float
+        iPALM inertia β in [0, 1).
+    max_norm2 : float
+        MF embedding clipping bound R: rows are non-negative with squared norm <= R (0 = unused).
+    pretrain_epochs : int
+        MF stage 1: epochs fitting a new user's vector with the item matrix fixed (0..1000).
+    step_rule : str
+        FELB step sizes: "lipschitz" (1/L) or "mu" (multiplicative-update steps); "" elsewhere.
+    alignment : str
+        FNMF client-side alignment: "none", "lap", "lap_rho" or "sinkhorn"; "" elsewhere.
+    round_index : int
+        0 for the round that trains model version 1, then 1, 2, ... (drives schedules).
     """
 
     TYPE: ClassVar[int] = 1
@@ -209,9 +231,34 @@ class RoundInvite(Message):
     local_epochs: int = 1
     max_sweeps: int = 10
     example_cap: int = 0
+    # Appended in protocol 1.2 (model families MF, FELB, FNMF); defaults keep 1.1 peers valid.
+    learning_rate: float = 0.0
+    reg: float = 0.0
+    reg_growth: float = 1.0
+    kappa: float = 0.0
+    proximity: float = 0.0
+    inertia: float = 0.0
+    max_norm2: float = 0.0
+    pretrain_epochs: int = 0
+    step_rule: str = ""
+    alignment: str = ""
+    round_index: int = 0
 
     def __post_init__(self) -> None:
         n = "RoundInvite"
+        for name in ("learning_rate", "reg", "kappa", "proximity", "inertia", "max_norm2"):
+            _check_float(n, name, getattr(self, name), minimum=0.0)
+        _check_float(n, "reg_growth", self.reg_growth, minimum=1.0)
+        if self.inertia >= 1.0:
+            _fail(n, f"inertia must be < 1, got {self.inertia}")
+        _check_id(n, "pretrain_epochs", self.pretrain_epochs)
+        if self.pretrain_epochs > 1000:
+            _fail(n, f"pretrain_epochs must be <= 1000, got {self.pretrain_epochs}")
+        _check_id(n, "round_index", self.round_index)
+        if self.step_rule not in ("", "lipschitz", "mu"):
+            _fail(n, f"step_rule must be '', 'lipschitz' or 'mu', got {self.step_rule!r}")
+        if self.alignment not in ("", "none", "lap", "lap_rho", "sinkhorn"):
+            _fail(n, f"alignment must be '', 'none', 'lap', 'lap_rho' or 'sinkhorn', got {self.alignment!r}")
         for name in ("model_version", "bits", "n_items", "negatives", "example_cap"):
             _check_id(n, name, getattr(self, name))
         for name in ("local_epochs", "max_sweeps"):
@@ -222,8 +269,12 @@ class RoundInvite(Message):
         if self.aggregation not in ("grad", "para"):
             _fail(n, f"aggregation must be 'grad' or 'para', got {self.aggregation!r}")
         _check_float(n, "lam", self.lam, minimum=0.0)
-        if self.bits and self.n_items and self.bits * self.n_items != self.vector_length:
-            _fail(n, f"vector_length {self.vector_length} != n_items {self.n_items} × bits {self.bits}")
+        if self.bits and self.n_items:
+            size = self.bits * self.n_items
+            if self.model_kind == "lightfr" and size != self.vector_length:
+                _fail(n, f"vector_length {self.vector_length} != n_items {self.n_items} × bits {self.bits}")
+            if size > self.vector_length:
+                _fail(n, f"vector_length {self.vector_length} < n_items {self.n_items} × bits {self.bits}")
         _check_id(n, "round_id", self.round_id)
         _check_id(n, "device_id", self.device_id)
         for name in ("vector_length", "graph_k", "graph_t", "scale_bits", "dp_t_min"):
@@ -678,10 +729,15 @@ class ModelPayload(Message):
     model_version : int
     model_kind : str
     bits, n_items : int
-        Code length f and catalogue size m.
+        Code length f (LightFR) or rank (factors / components of the other families), and the
+        catalogue size m.
     words : bytes
         LightFR item codes in the wire form of `protocol.codes` (little-endian (w, m) uint64 words,
-        ``8 * ceil(f / 64) * m`` bytes).
+        ``8 * ceil(f / 64) * m`` bytes); empty for the other families.
+    values : bytes
+        Protocol 1.2, the real-valued families (MF, FELB, FNMF): the item matrix as ``bits * n_items``
+        little-endian float64 in C order — MF's V is (n_items, bits), FELB's and FNMF's V is
+        (bits, n_items).  Empty for LightFR.
     """
 
     TYPE: ClassVar[int] = 15
@@ -690,6 +746,7 @@ class ModelPayload(Message):
     bits: int
     n_items: int
     words: bytes
+    values: bytes = b""
 
     def __post_init__(self) -> None:
         n = "ModelPayload"
@@ -699,8 +756,13 @@ class ModelPayload(Message):
         _check_id(n, "n_items", self.n_items)
         if not (1 <= self.bits <= 4096 and 1 <= self.n_items <= 1 << 26):
             _fail(n, f"bits must be in [1, 4096] and n_items in [1, 2**26], got {self.bits}, {self.n_items}")
-        expected = 8 * ((self.bits + 63) // 64) * self.n_items
-        _check_bytes(n, "words", self.words, expected, max_len=1 << 31)
+        if self.model_kind == "lightfr":
+            expected = 8 * ((self.bits + 63) // 64) * self.n_items
+            _check_bytes(n, "words", self.words, expected, max_len=1 << 31)
+            _check_bytes(n, "values", self.values, 0)
+        else:
+            _check_bytes(n, "words", self.words, 0)
+            _check_bytes(n, "values", self.values, 8 * self.bits * self.n_items, max_len=1 << 31)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

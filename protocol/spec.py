@@ -11,7 +11,10 @@ __all__ = ["Aggregation", "ModelKind"]
 class ModelKind(StrEnum):
     """Model families fedrec trains."""
 
-    LIGHTFR = "lightfr"
+    LIGHTFR = "lightfr"  # binary codes, Hamming top-k (LightFR paper)
+    MF = "mf"  # real-valued MF with embedding clipping (federated MF with privacy guarantee)
+    FELB = "felb"  # Boolean MF with the ELB proximal operator (federated binary MF)
+    FNMF = "fnmf"  # coherent federated NMF with client-side alignment
 
 
 class Aggregation(StrEnum):

@@ -188,7 +188,7 @@ BAD_VALUES = [
     ("server", "max_body_bytes", 0, "must be an integer >= 1"),
     ("server", "data_dir", 3, "must be a non-empty path"),
     ("server", "tls_cert", "", "must be a non-empty path"),
-    ("model", "kind", "mf", "must be one of 'lightfr'"),
+    ("model", "kind", "svd", "must be one of"),
     ("model", "n_items", 0, "must be an integer in [1, 67108864]"),
     ("model", "n_items", 1.5, "must be an integer"),
     ("model", "bits", 0, "must be an integer in [1, 4096]"),

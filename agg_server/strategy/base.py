@@ -1,0 +1,104 @@
+"""The contract every server strategy keeps: turn the cohort's secure **sum** into the next global
+model.  `RoundCoordinator` speaks only to this interface, so a new model family (or an operator's
+own aggregation rule) plugs in without touching the round machinery.
+
+Invariants:
+- A strategy is pure numpy: no I/O, no clock, no global randomness (the round's generator is passed
+  in).  Its only view of the devices is ``total`` — the dequantized sum of the survivors' uploads,
+  DP noise included — and the number of survivors.
+- ``state`` is the global model as a float64 or int8 array in the family's own shape; `to_wire` and
+  `from_wire` convert it to and from the flat little-endian bytes of a `ModelPayload`, and
+  ``from_wire(to_wire(s)) == s`` exactly.
+- `plan` names only `RoundInvite` fields: it is the training plan every invited device receives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["Strategy", "float_state_from_bytes", "float_state_to_bytes"]
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """A model family's server side.
+
+    Attributes
+    ----------
+    kind : str
+        `protocol.spec.ModelKind` value; the devices' model must be of the same kind.
+    rank : int
+        Code length f (LightFR), factor count (MF) or component count k (FELB, FNMF): the
+        ``bits`` field of `ModelPayload` and `RoundInvite`.
+    n_items : int
+        Catalogue size m (columns of the item matrix).
+    vector_length : int
+        Number of elements of one device upload (the SecAgg ring vector).
+    """
+
+    kind: str
+    rank: int
+    n_items: int
+
+    @property
+    def vector_length(self) -> int: ...
+
+    def initialize(self, rng: np.random.Generator) -> NDArray[Any]:
+        """The version-1 global model, drawn from ``rng``."""
+        ...
+
+    def plan(self) -> dict[str, Any]:
+        """Family hyper-parameters sent in every `RoundInvite` (keys are `RoundInvite` field names)."""
+        ...
+
+    def aggregate(
+        self,
+        state: NDArray[Any],
+        total: NDArray[np.float64],
+        survivors: int,
+        rng: np.random.Generator,
+        *,
+        round_index: int,
+    ) -> NDArray[Any]:
+        """The next global model from the current one and the survivors' summed uploads.
+
+        Parameters
+        ----------
+        state : the current global model.
+        total : (vector_length,) float64 sum of the survivors' uploads (after dequantization).
+        survivors : how many uploads the sum holds (>= 1).
+        rng : the round's generator (damping, tie breaking).
+        round_index : 0 for the round that trains version 1, 1 for version 2, ... (schedules).
+        """
+        ...
+
+    def to_wire(self, state: NDArray[Any]) -> dict[str, bytes]:
+        """``{"words": ...}`` (packed LightFR codes) or ``{"values": ...}`` (float64 little-endian)."""
+        ...
+
+    def from_wire(self, words: bytes, values: bytes) -> NDArray[Any]:
+        """Inverse of `to_wire`; raises ValueError on a wrong length."""
+        ...
+
+    def describe(self, old: NDArray[Any], new: NDArray[Any]) -> str:
+        """One log phrase on what the round changed (e.g. "212 bits flipped")."""
+        ...
+
+
+def float_state_to_bytes(state: NDArray[np.float64]) -> bytes:
+    """A float model as little-endian float64 bytes in C order."""
+    return np.ascontiguousarray(state, dtype="<f8").tobytes()
+
+
+def float_state_from_bytes(values: bytes, shape: tuple[int, ...]) -> NDArray[np.float64]:
+    """Inverse of `float_state_to_bytes`; refuses a wrong length or a non-finite entry."""
+    expected = 8 * int(np.prod(shape))
+    if len(values) != expected:
+        raise ValueError(f"model values are {len(values)} bytes, expected {expected} for shape {shape}")
+    arr = np.frombuffer(values, dtype="<f8").astype(np.float64).reshape(shape)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError("model values contain NaN or infinity")
+    return arr
