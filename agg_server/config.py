@@ -163,6 +163,9 @@ class ListenConfig:
         Largest request body accepted, in bytes (>= 1); larger requests get 413.
     tls_cert, tls_key : Path or None
         PEM certificate chain and private key; both or neither, and both files must exist.
+    admin_token_sha256 : str or None
+        Hex SHA-256 of the operator's admin bearer token (for ``/v1/admin/*``); None disables
+        the admin endpoints.  The token itself is never written to the configuration.
     """
 
     host: str = "127.0.0.1"
@@ -170,6 +173,7 @@ class ListenConfig:
     max_body_bytes: int = 64 * _MIB
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    admin_token_sha256: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -184,6 +188,11 @@ class ListenConfig:
         for key, path in (("server.tls_cert", self.tls_cert), ("server.tls_key", self.tls_key)):
             if path is not None and not path.is_file():
                 raise ConfigError(f"{key}: file {str(path)!r} does not exist")
+        digest = self.admin_token_sha256
+        if digest is not None and (
+            not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest)
+        ):
+            raise _fail("server.admin_token_sha256", "64 lowercase hex digits (sha256 of the token)", digest)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

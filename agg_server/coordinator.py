@@ -26,6 +26,7 @@ import logging
 import math
 import resource
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -156,6 +157,12 @@ class RoundCoordinator:
         self._next_open = now
         self._rounds_run = 0
         self.stopped_reason = ""
+        #: Observers of round events, called as ``listener(event, fields)`` (metrics, dashboards).
+        #: Events: "round_opened" {round_id, cohort}; "phase" {round_id, phase, seconds, alive,
+        #: dropped}; "round_finished" {round_id, outcome: "committed" | "aborted" | "abandoned",
+        #: seconds, survivors, epsilon_spent, model_version, reason}.  A listener that raises is
+        #: logged and otherwise ignored: observers never break a round.
+        self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
     # -- model --------------------------------------------------------------------------------------
     def _load_or_create_model(self, now: float) -> None:
@@ -359,6 +366,7 @@ class RoundCoordinator:
             l2=self.l2,
         )
         self._rounds_run += 1
+        self._emit("round_opened", {"round_id": round_id, "cohort": n})
         log.info("round %d opened: %d devices, k=%d, t=%d, mu=%.4g", round_id, n, k, t, self.mu)
 
     def submit(self, device_id: int, round_id: int, message: Message, now: float) -> Phase:
@@ -444,8 +452,25 @@ class RoundCoordinator:
                 self.storage.record_phase(r.round_id, p.value, sorted(r.alive), dropped, now - r.phase_started, now)
             except StorageError:
                 log.exception("could not record phase %s of round %d", p.value, r.round_id)
+            self._emit(
+                "phase",
+                {
+                    "round_id": r.round_id,
+                    "phase": p.value,
+                    "seconds": now - r.phase_started,
+                    "alive": len(r.alive),
+                    "dropped": len(dropped),
+                },
+            )
             r.phase_started = now
         r.phase = phase
+
+    def _emit(self, event: str, fields: dict[str, Any]) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(event, fields)
+            except Exception:
+                log.exception("round-event listener %r failed on %s", listener, event)
 
     def _finish(self, r: _OpenRound, now: float) -> None:
         # Whatever fails below, the round is released exactly once: a failed commit must neither be
@@ -463,6 +488,18 @@ class RoundCoordinator:
             log.exception("round %d could not be finished cleanly", r.round_id)
         finally:
             self._finished[r.round_id] = outcome
+            self._emit(
+                "round_finished",
+                {
+                    "round_id": r.round_id,
+                    "outcome": "committed" if outcome.committed else "aborted",
+                    "seconds": now - r.started,
+                    "survivors": len(r.alive),
+                    "epsilon_spent": self.ledger.spent() if self.ledger is not None else None,
+                    "model_version": outcome.model_version,
+                    "reason": outcome.reason,
+                },
+            )
             while len(self._finished) > _KEEP_FINISHED:
                 self._finished.pop(next(iter(self._finished)))
             self._round = None
@@ -522,6 +559,18 @@ class RoundCoordinator:
             round_id=r.round_id, committed=False, model_version=self.model_version, reason="server shut down"
         )
         self._round = None
+        self._emit(
+            "round_finished",
+            {
+                "round_id": r.round_id,
+                "outcome": "abandoned",
+                "seconds": now - r.started,
+                "survivors": len(r.alive),
+                "epsilon_spent": self.ledger.spent() if self.ledger is not None else None,
+                "model_version": self.model_version,
+                "reason": "server shut down",
+            },
+        )
         log.info("round %d abandoned at shutdown", r.round_id)
 
     # -- introspection ------------------------------------------------------------------------------
