@@ -27,6 +27,7 @@ from aiohttp import web
 from agg_server.config import ServerConfig
 from agg_server.coordinator import RoundCoordinator
 from agg_server.storage import Storage
+from agg_server.strategy.base import Strategy
 from protocol.codec import decode, encode
 from protocol.errors import (
     AuthError,
@@ -87,6 +88,7 @@ _CHANGES = web.AppKey("changes", _Changes)
 Clock = Callable[[], float]
 _CLOCK: web.AppKey[Clock] = web.AppKey("clock")
 _COUNTERS = web.AppKey("counters", dict)
+_STRATEGY: web.AppKey[Strategy | None] = web.AppKey("strategy")
 
 _STATUS: list[tuple[type[FedRecError], int]] = [
     (PermissionDenied, 403),
@@ -311,7 +313,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     storage = Storage(config.data_dir)
     app[_STORAGE] = storage
     try:
-        app[COORDINATOR] = RoundCoordinator(config, storage, now=app[_CLOCK]())
+        app[COORDINATOR] = RoundCoordinator(config, storage, now=app[_CLOCK](), strategy=app[_STRATEGY])
         app[_CHANGES] = _Changes()
         task = asyncio.create_task(_ticker(app), name="fedrec-round-ticker")
     except BaseException:
@@ -342,16 +344,21 @@ async def _on_shutdown(app: web.Application) -> None:
     app[_CHANGES].notify()
 
 
-def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) -> web.Application:
+def create_app(
+    config: ServerConfig, *, clock: Callable[[], float] = time.time, strategy: Strategy | None = None
+) -> web.Application:
     """Build the fedrec aggregation server.
 
     Parameters
     ----------
     config : the validated server configuration.
     clock : wall-clock source (seconds); tests may pass their own.
+    strategy : the aggregation strategy (`agg_server.strategy.base.Strategy`); default: the one
+        ``config.model.kind`` names.  An operator's own rule plugs in here.
     """
     app = web.Application(client_max_size=config.listen.max_body_bytes, middlewares=[_errors])
     app[CONFIG] = config
+    app[_STRATEGY] = strategy
     app[_CLOCK] = clock
     app[_COUNTERS] = {}
     app.cleanup_ctx.append(_lifecycle)

@@ -35,10 +35,10 @@ from numpy.typing import NDArray
 
 from agg_server.config import ServerConfig
 from agg_server.storage import Storage
-from agg_server.strategy import LightFRStrategy
+from agg_server.strategy import build_strategy
+from agg_server.strategy.base import Strategy
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
-from protocol.codes import from_bytes, pack_signs, to_bytes, unpack_signs
 from protocol.errors import (
     AuthError,
     ConfigError,
@@ -65,7 +65,6 @@ from protocol.messages import (
 from protocol.noise import minimum_survivors
 from protocol.quantization import QuantizationConfig, check_bit_budget, dequantize_sum, sensitivity
 from protocol.session import ACTIVE_PHASES, Phase, RoundParameters, ServerSecAggSession
-from protocol.spec import Aggregation
 
 __all__ = ["RoundCoordinator", "PHASE_OF_MESSAGE", "token_digest"]
 
@@ -116,15 +115,20 @@ class RoundCoordinator:
     now : the caller's clock at start-up.
     """
 
-    def __init__(self, config: ServerConfig, storage: Storage, *, now: float) -> None:
+    def __init__(
+        self, config: ServerConfig, storage: Storage, *, now: float, strategy: Strategy | None = None
+    ) -> None:
         self.config = config
         self.storage = storage
-        m = config.model
-        self.strategy = LightFRStrategy(
-            bits=m.bits, lam=m.lam, aggregation=Aggregation(m.aggregation), flip_fraction=m.flip_fraction
-        )
+        self.strategy: Strategy = strategy if strategy is not None else build_strategy(config)
+        if not isinstance(self.strategy, Strategy):
+            raise ConfigError(f"{type(self.strategy).__name__} does not implement agg_server.strategy.base.Strategy")
+        if self.strategy.n_items != config.model.n_items:
+            raise ConfigError(
+                f"the strategy is for n_items={self.strategy.n_items}, model.n_items is {config.model.n_items}"
+            )
         self.quantization = QuantizationConfig(clip_norm=config.rounds.clip_norm, scale_bits=config.rounds.scale_bits)
-        self.vector_length = m.n_items * m.bits
+        self.vector_length = int(self.strategy.vector_length)
         self._seed = config.rounds.seed
         self.abandoned = storage.abandon_open_rounds(now)
         for rid in self.abandoned:
@@ -166,43 +170,48 @@ class RoundCoordinator:
 
     # -- model --------------------------------------------------------------------------------------
     def _load_or_create_model(self, now: float) -> None:
-        m = self.config.model
+        st = self.strategy
         loaded = self.storage.load_latest_model()
         if loaded is not None:
             version, payload = loaded
             msg = decode(payload, max_size=len(payload) + 1)
-            if not isinstance(msg, ModelPayload) or (msg.bits, msg.n_items) != (m.bits, m.n_items):
+            held = (
+                (msg.model_kind, msg.bits, msg.n_items) if isinstance(msg, ModelPayload) else ("?", "?", "?")
+            )
+            if held != (st.kind, st.rank, st.n_items):
                 raise ConfigError(
-                    f"the checkpoint in {self.config.data_dir} is for f={getattr(msg, 'bits', '?')}, "
-                    f"m={getattr(msg, 'n_items', '?')}; the configuration says f={m.bits}, m={m.n_items}"
+                    f"the checkpoint in {self.config.data_dir} is a {held[0]!r} model with rank {held[1]}, "
+                    f"m={held[2]}; the configuration says {st.kind!r}, rank {st.rank}, m={st.n_items} "
+                    "(start a new data_dir for a different model)"
                 )
-            self._set_model(version, unpack_signs(from_bytes(msg.words, m.bits, m.n_items), m.bits), payload)
+            assert isinstance(msg, ModelPayload)
+            self._set_model(version, st.from_wire(msg.words, msg.values), payload)
             log.info("resumed from model version %d", version)
             return
         rng = self._rng(0)
-        codes = self.strategy.initialize(m.n_items, rng)
-        payload = self._payload(1, codes)
+        state = st.initialize(rng)
+        payload = self._payload(1, state)
         self.storage.commit_model(1, None, payload, now)
-        self._set_model(1, codes, payload)
-        log.info("initialised model version 1 (f=%d, m=%d)", m.bits, m.n_items)
+        self._set_model(1, state, payload)
+        log.info("initialised %s model version 1 (rank %d, m=%d)", st.kind, st.rank, st.n_items)
 
-    def _payload(self, version: int, codes: NDArray[np.int8]) -> bytes:
-        m = self.config.model
+    def _payload(self, version: int, state: NDArray[Any]) -> bytes:
+        st = self.strategy
+        wire = {"words": b"", "values": b"", **st.to_wire(state)}
         return encode(
-            ModelPayload(
-                model_version=version,
-                model_kind=m.kind,
-                bits=m.bits,
-                n_items=m.n_items,
-                words=to_bytes(pack_signs(codes)),
-            )
+            ModelPayload(model_version=version, model_kind=st.kind, bits=st.rank, n_items=st.n_items, **wire)
         )
 
-    def _set_model(self, version: int, codes: NDArray[np.int8], payload: bytes) -> None:
+    def _set_model(self, version: int, state: NDArray[Any], payload: bytes) -> None:
         self.model_version = version
-        self.item_codes = codes
+        self.model_state = state
         self.model_bytes = payload
         self.model_etag = f'"{version}-{hashlib.sha256(payload).hexdigest()[:16]}"'
+
+    @property
+    def item_codes(self) -> NDArray[Any]:
+        """The global model (LightFR: the (m, f) ±1 item codes); kept for LightFR callers."""
+        return self.model_state
 
     def _rng(self, round_id: int) -> np.random.Generator:
         if self._seed is None:
@@ -327,18 +336,15 @@ class RoundCoordinator:
             deadlines=deadlines,
         )
         session = ServerSecAggSession(params, cohort, rng=rng)
-        m = self.config.model
+        st = self.strategy
         plan = {
+            **st.plan(),
             "model_version": self.model_version,
-            "model_kind": m.kind,
-            "aggregation": m.aggregation,
-            "bits": m.bits,
-            "n_items": m.n_items,
-            "lam": float(m.lam),
-            "negatives": m.negatives,
-            "local_epochs": m.local_epochs,
-            "max_sweeps": m.max_sweeps,
+            "model_kind": st.kind,
+            "bits": st.rank,
+            "n_items": st.n_items,
             "example_cap": cfg.example_cap,
+            "round_index": self.model_version - 1,
         }
         self.storage.start_round(
             round_id,
@@ -507,20 +513,18 @@ class RoundCoordinator:
 
     def _commit(self, r: _OpenRound, now: float) -> RoundResult:
         result = r.session.result()
-        m = self.config.model
-        total = dequantize_sum(result.total, self.quantization).reshape(m.n_items, m.bits)
+        total = dequantize_sum(result.total, self.quantization)
         survivors = len(result.survivors)
-        if self.strategy.aggregation is Aggregation.PARA:
-            # Devices uploaded D^u − D; Σ_u D^u = s·D + Σ (D^u − D).
-            total = total + survivors * self.item_codes
         epsilon = None
         if self.ledger is not None:
             # The sum is released the moment it is unmasked: charge it before anything can fail.
             epsilon = self.ledger.record_round(r.mu, r.l1, r.l2, round_id=r.round_id)
             self.storage.save_ledger(self.ledger.to_dict())
-        codes = self.strategy.aggregate(self.item_codes, total, r.rng)
+        state = self.strategy.aggregate(
+            self.model_state, total, survivors, r.rng, round_index=int(r.plan["round_index"])
+        )
         version = self.model_version + 1
-        payload = self._payload(version, codes)
+        payload = self._payload(version, state)
         try:
             self.storage.commit_model(
                 version,
@@ -534,14 +538,14 @@ class RoundCoordinator:
             log.error("round %d: could not commit model version %d: %s", r.round_id, version, exc)
             self.storage.finish_round(r.round_id, "aborted", reason=f"commit failed: {exc}", now=now)
             return RoundResult(round_id=r.round_id, committed=False, model_version=self.model_version, reason=str(exc))
-        flips = int(np.count_nonzero(codes != self.item_codes))
-        self._set_model(version, codes, payload)
+        change = self.strategy.describe(self.model_state, state)
+        self._set_model(version, state, payload)
         log.info(
-            "round %d committed model version %d: %d survivors, %d item bits flipped%s",
+            "round %d committed model version %d: %d survivors, %s%s",
             r.round_id,
             version,
             survivors,
-            flips,
+            change,
             f", epsilon spent {epsilon:.4g}" if epsilon is not None else "",
         )
         return RoundResult(round_id=r.round_id, committed=True, model_version=version)
@@ -604,9 +608,9 @@ class RoundCoordinator:
         return {
             "model": {
                 "version": self.model_version,
-                "kind": self.config.model.kind,
-                "bits": self.config.model.bits,
-                "n_items": self.config.model.n_items,
+                "kind": self.strategy.kind,
+                "bits": self.strategy.rank,
+                "n_items": self.strategy.n_items,
             },
             "round": current,
             "waiting_devices": len(self._pool),

@@ -111,8 +111,12 @@ class FederatedModel(Protocol):
     """A device-side model of one family (`protocol.spec.ModelKind`)."""
 
     KIND: ClassVar[str]
-    n_items: int
-    model_version: int
+
+    @property
+    def n_items(self) -> int: ...
+
+    @property
+    def model_version(self) -> int: ...
 
     @property
     def rank(self) -> int:

@@ -39,9 +39,14 @@ class Strategy(Protocol):
         Number of elements of one device upload (the SecAgg ring vector).
     """
 
-    kind: str
-    rank: int
-    n_items: int
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def n_items(self) -> int: ...
 
     @property
     def vector_length(self) -> int: ...

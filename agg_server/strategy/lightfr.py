@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from protocol.codes import random_signs
+from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs
 from protocol.spec import Aggregation
 
 __all__ = [
     "Aggregation",
     "LightFRStrategy",
+    "LightFRServerStrategy",
     "agg_grad",
     "agg_para",
     "cold_start_items",
@@ -144,3 +145,70 @@ class LightFRStrategy:
         if self.aggregation is Aggregation.GRAD:
             return agg_grad(D, update_sum, self.lam, flip_fraction=self.flip_fraction, rng=rng)
         return agg_para(D, update_sum)
+
+
+@dataclass(frozen=True, slots=True)
+class LightFRServerStrategy:
+    """`LightFRStrategy` behind the `agg_server.strategy.base.Strategy` contract the coordinator
+    speaks: the model is the (m, f) ±1 item-code matrix, packed on the wire; devices upload item
+    gradients (Agg_grad) or the change D^u − D of their local codes (Agg_para, the server adds
+    s·D back).
+
+    Attributes
+    ----------
+    rule : the aggregation rule and its hyper-parameters.
+    n_items : catalogue size m.
+    negatives, local_epochs, max_sweeps : the devices' local training plan.
+    """
+
+    rule: LightFRStrategy
+    n_items: int
+    negatives: int = 4
+    local_epochs: int = 1
+    max_sweeps: int = 10
+    kind: str = "lightfr"
+
+    @property
+    def rank(self) -> int:
+        return self.rule.bits
+
+    @property
+    def vector_length(self) -> int:
+        return self.n_items * self.rule.bits
+
+    def initialize(self, rng: np.random.Generator) -> NDArray[np.int8]:
+        return self.rule.initialize(self.n_items, rng)
+
+    def plan(self) -> dict[str, object]:
+        return {
+            "aggregation": self.rule.aggregation.value,
+            "lam": float(self.rule.lam),
+            "negatives": self.negatives,
+            "local_epochs": self.local_epochs,
+            "max_sweeps": self.max_sweeps,
+        }
+
+    def aggregate(
+        self,
+        state: NDArray[np.int8],
+        total: NDArray[np.float64],
+        survivors: int,
+        rng: np.random.Generator,
+        *,
+        round_index: int,
+    ) -> NDArray[np.int8]:
+        update_sum = np.asarray(total, dtype=np.float64).reshape(state.shape)
+        if self.rule.aggregation is Aggregation.PARA:
+            update_sum = update_sum + survivors * state  # Σ_u D^u = s·D + Σ_u (D^u − D)
+        return self.rule.aggregate(state, update_sum, rng)
+
+    def to_wire(self, state: NDArray[np.int8]) -> dict[str, bytes]:
+        return {"words": to_bytes(pack_signs(state))}
+
+    def from_wire(self, words: bytes, values: bytes) -> NDArray[np.int8]:
+        if values:
+            raise ValueError("LightFR models carry packed codes, not float values")
+        return unpack_signs(from_bytes(words, self.rule.bits, self.n_items), self.rule.bits)
+
+    def describe(self, old: NDArray[np.int8], new: NDArray[np.int8]) -> str:
+        return f"{int(np.count_nonzero(old != new))} item bits flipped"
