@@ -12,6 +12,8 @@
 #   Fewer than t survivors (or fewer than t_min with DP) aborts before any share is requested.
 # - No clock, no sockets, no global RNG: deadlines are compared with the `now` the caller passes; key
 #   material comes from the OS CSPRNG (via protocol.crypto); noise from the caller's np.random.Generator.
+#   The one exception is `FixedDeviceSecrets`, an explicit keyword-only injection for known-answer test
+#   vectors (docs/test-vectors); without it (the default) nothing changes.
 """SecAgg+ device and server state machines (DESIGN.md §4–5; Bonawitz et al. 2017; Bell et al. 2020)."""
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from protocol.messages import (
     UnmaskResponse,
 )
 from protocol.noise import SkellamDraw, sample_skellam, thin, to_ring
-from protocol.shamir import SHARE_BYTES, Share, reconstruct, split
+from protocol.shamir import PRIME, SHARE_BYTES, Share, reconstruct, split
 
 __all__ = [
     "ACTIVE_PHASES",
@@ -63,6 +65,7 @@ __all__ = [
     "TRANSITIONS",
     "RoundParameters",
     "SecAggResult",
+    "FixedDeviceSecrets",
     "DeviceSecAggSession",
     "ServerSecAggSession",
 ]
@@ -170,6 +173,66 @@ _SHARE_PLAINTEXT_BYTES = 2 * _ID_BYTES + 2 * SHARE_BYTES
 # --------------------------------------------------------------------------------------------- device
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FixedDeviceSecrets:
+    """Every secret a device session would draw from the OS CSPRNG, fixed: for known-answer vectors ONLY.
+
+    A session given these is fully deterministic, which is what `docs/test-vectors` needs to publish
+    byte-exact rounds; a production device must never pass them (reused keys, seeds or nonces across
+    rounds destroy the privacy of every round that shares them).
+
+    Attributes
+    ----------
+    c_private_key, s_private_key : bytes
+        Raw 32-byte X25519 private scalars of the share-encryption and mask key pairs.
+    self_mask_seed : bytes
+        The 32-byte self-mask seed b_u.
+    b_coefficients, s_coefficients : tuple of int
+        The t - 1 non-constant Shamir coefficients a_1..a_{t-1} (field elements below 2**521 - 1) of the
+        polynomials that share b_u and the s private key; the constant term is the secret itself.
+    share_nonces : mapping of int to bytes
+        Recipient id → 12-byte AES-GCM nonce of the share ciphertext addressed to it.
+    """
+
+    c_private_key: bytes
+    s_private_key: bytes
+    self_mask_seed: bytes
+    b_coefficients: tuple[int, ...]
+    s_coefficients: tuple[int, ...]
+    share_nonces: Mapping[int, bytes]
+
+    def __post_init__(self) -> None:
+        for name in ("c_private_key", "s_private_key", "self_mask_seed"):
+            value = getattr(self, name)
+            if type(value) is not bytes or len(value) != crypto.KEY_BYTES:
+                raise ValueError(f"{name} must be {crypto.KEY_BYTES} bytes")
+        for name in ("b_coefficients", "s_coefficients"):
+            values = getattr(self, name)
+            if type(values) is not tuple or not all(type(c) is int and 0 <= c < PRIME for c in values):
+                raise ValueError(f"{name} must be a tuple of field elements")
+        if any(type(n) is not bytes or len(n) != crypto.NONCE_BYTES for n in self.share_nonces.values()):
+            raise ValueError(f"share nonces must be {crypto.NONCE_BYTES} bytes")
+
+    def shares(self, secret: bytes, coefficients: tuple[int, ...], t: int, count: int) -> list[Share]:
+        """Evaluate secret + a_1 x + ... + a_{t-1} x^{t-1} at x = 1..count (what `shamir.split` returns).
+
+        Raises
+        ------
+        LocalProtocolError
+            The number of coefficients does not match the threshold.
+        """
+        if len(coefficients) != t - 1:
+            raise LocalProtocolError(f"fixed secrets carry {len(coefficients)} coefficients, t={t} needs {t - 1}")
+        top_down = (int.from_bytes(secret, "big"), *coefficients)[::-1]
+        out = []
+        for x in range(1, count + 1):
+            y = 0
+            for c in top_down:
+                y = (y * x + c) % PRIME
+            out.append(Share(x, y))
+        return out
+
+
 class DeviceSecAggSession:
     """One device's side of one SecAgg+ round.
 
@@ -182,17 +245,29 @@ class DeviceSecAggSession:
         The round's parameters, addressed to this device.
     rng : np.random.Generator
         Source of the DP noise and thinning coins (seeded by the caller from ``secrets``).
+    fixed_secrets : FixedDeviceSecrets, optional
+        Known-answer vectors and tests only: use these keys, seed, Shamir coefficients and nonces instead
+        of the OS CSPRNG.  Leave None (the default) everywhere else.
     """
 
-    def __init__(self, invite: RoundInvite, *, rng: np.random.Generator) -> None:
+    def __init__(
+        self, invite: RoundInvite, *, rng: np.random.Generator, fixed_secrets: FixedDeviceSecrets | None = None
+    ) -> None:
         if not isinstance(invite, RoundInvite):
             raise TypeError("invite must be a RoundInvite")
+        if fixed_secrets is not None and not isinstance(fixed_secrets, FixedDeviceSecrets):
+            raise TypeError("fixed_secrets must be a FixedDeviceSecrets")
         self.invite = invite
         self._rng = rng
+        self._fixed = fixed_secrets
         self._phase = Phase.ADVERTISE_KEYS
         self._reply_ready = True  # the invite is the ADVERTISE_KEYS request
-        self._c = crypto.generate_key_pair()
-        self._s = crypto.generate_key_pair()
+        if fixed_secrets is None:
+            self._c = crypto.generate_key_pair()
+            self._s = crypto.generate_key_pair()
+        else:
+            self._c = crypto.key_pair_from_private_bytes(fixed_secrets.c_private_key)
+            self._s = crypto.key_pair_from_private_bytes(fixed_secrets.s_private_key)
         self._session: bytes | None = None
         self._seed = b""
         self._neighbours: dict[int, tuple[bytes, bytes]] = {}
@@ -407,10 +482,16 @@ class DeviceSecAggSession:
         order = sorted(ids)
         self._index = {v: i + 1 for i, v in enumerate(order)}
         # Self-mask seed b_u and the s private key, shared t-of-|N(u)| (Bonawitz et al. 2017, round 1).
-        seed = crypto.random_seed()
+        fixed = self._fixed
+        if fixed is None:
+            seed = crypto.random_seed()
+            b_shares = split(seed, inv.graph_t, len(order))
+            s_shares = split(self._s.private_bytes(), inv.graph_t, len(order))
+        else:
+            seed = fixed.self_mask_seed
+            b_shares = fixed.shares(seed, fixed.b_coefficients, inv.graph_t, len(order))
+            s_shares = fixed.shares(self._s.private_bytes(), fixed.s_coefficients, inv.graph_t, len(order))
         self._seed = seed
-        b_shares = split(seed, inv.graph_t, len(order))
-        s_shares = split(self._s.private_bytes(), inv.graph_t, len(order))
         recipients, ciphertexts = [], []
         for v, b_share, s_share in zip(order, b_shares, s_shares, strict=True):
             if v == me:
@@ -421,7 +502,10 @@ class DeviceSecAggSession:
             )
             key = crypto.share_encryption_key(crypto.x25519(self._c.private_key, keys[v][0]), msg.session_id, me, v)
             recipients.append(v)
-            ciphertexts.append(crypto.aead_encrypt(key, plaintext, crypto.share_associated_data(msg.session_id, me, v)))
+            nonce = None if fixed is None else fixed.share_nonces[v]
+            ciphertexts.append(
+                crypto.aead_encrypt(key, plaintext, crypto.share_associated_data(msg.session_id, me, v), nonce=nonce)
+            )
         return EncryptedShares(
             round_id=inv.round_id,
             device_id=me,

@@ -1,0 +1,608 @@
+# Invariants:
+# - Deterministic: every secret, key, seed, nonce and coefficient below is derived from a fixed label with
+#   SHA-256/SHA-512, every numpy generator is seeded here, and the JSON is written with a fixed layout, so
+#   two runs write byte-identical files.
+# - Bytes appear as lowercase hex strings; ring vectors as lists of uint32 integers; field elements too large
+#   for JSON numbers as decimal strings (*_int); floats in Python's shortest round-trip form.
+# - The script checks its own output against the session results (`_check`), so it refuses to write vectors
+#   of a broken round.
+# - Only the public API of `protocol` is used, plus the codec table to list wire keys; the conformance test
+#   (tests/test_conformance.py) checks the committed output without importing this script.
+"""Generate the fedrec protocol test vectors (docs/test-vectors/*.json).
+
+Run ``python docs/test-vectors/generate.py`` from the repository root; it rewrites ``messages.json``,
+``crypto.json`` and ``round.json`` next to this script.  Commit the output together with any protocol
+change that alters it (a change in a vector is a wire-format change: bump the protocol version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from protocol import codec, codes, crypto, shamir  # noqa: E402
+from protocol.messages import (  # noqa: E402
+    Abort,
+    CheckIn,
+    EncryptedShares,
+    ErrorMessage,
+    MaskedInput,
+    MaskedInputRequest,
+    Message,
+    ModelPayload,
+    PublicKeys,
+    RegisterRequest,
+    RegisterResponse,
+    RoundInvite,
+    RoundResult,
+    ShareKeysBroadcast,
+    UnmaskRequest,
+    UnmaskResponse,
+    Wait,
+)
+from protocol.quantization import QuantizationConfig, dequantize_sum, quantize  # noqa: E402
+from protocol.session import (  # noqa: E402
+    DeviceSecAggSession,
+    FixedDeviceSecrets,
+    Phase,
+    RoundParameters,
+    ServerSecAggSession,
+)
+
+OUT = Path(__file__).resolve().parent
+PREFIX = b"fedrec test vector/"
+
+# Protocol version that introduced each field (fields not listed: 1.0 for types 1-10, 1.1 for 11-16).
+_SINCE_1_1 = {
+    "RoundInvite": (
+        "model_version",
+        "model_kind",
+        "aggregation",
+        "bits",
+        "n_items",
+        "lam",
+        "negatives",
+        "local_epochs",
+        "max_sweeps",
+        "example_cap",
+    ),
+}
+_SINCE_1_2 = {
+    "RoundInvite": (
+        "learning_rate",
+        "reg",
+        "reg_growth",
+        "kappa",
+        "proximity",
+        "inertia",
+        "max_norm2",
+        "pretrain_epochs",
+        "step_rule",
+        "alignment",
+        "round_index",
+    ),
+    "ModelPayload": ("values",),
+}
+
+
+def _check(condition: bool) -> None:
+    if not condition:
+        raise RuntimeError("the implementation disagrees with itself; no vectors written")
+
+
+def fixed_bytes(label: str, n: int = 32) -> bytes:
+    """``n`` bytes named by ``label``: SHA-256(PREFIX ‖ label) (n <= 32)."""
+    return hashlib.sha256(PREFIX + label.encode()).digest()[:n]
+
+
+def fixed_field_element(label: str) -> int:
+    """A GF(2**521 - 1) element named by ``label``: SHA-512(PREFIX ‖ label) as a big-endian integer."""
+    return int.from_bytes(hashlib.sha512(PREFIX + label.encode()).digest(), "big") % shamir.PRIME
+
+
+def _since(cls_name: str, type_code: int, field: str) -> str:
+    if field in _SINCE_1_2.get(cls_name, ()):
+        return "1.2"
+    if field in _SINCE_1_1.get(cls_name, ()) or type_code >= 11:
+        return "1.1"
+    return "1.0"
+
+
+def _json_value(kind: codec.Kind, value: Any) -> Any:
+    if kind is codec.Kind.BYTES:
+        return value.hex()
+    if kind is codec.Kind.BYTES_LIST:
+        return [v.hex() for v in value]
+    if kind is codec.Kind.INTS:
+        return list(value)
+    if kind is codec.Kind.U32:
+        return [int(v) for v in value]
+    return value
+
+
+def describe(message: Message) -> dict[str, Any]:
+    """Type code, fields (name, wire key, kind, version, value) and the encoded hex of one message."""
+    cls = type(message)
+    _, fields = codec._SCHEMA[cls.TYPE]
+    return {
+        "type": cls.__name__,
+        "type_code": cls.TYPE,
+        "fields": [
+            {
+                "name": name,
+                "key": key,
+                "kind": kind.value,
+                "since": _since(cls.__name__, cls.TYPE, name),
+                "value": _json_value(kind, getattr(message, name)),
+            }
+            for name, key, kind in fields
+        ],
+        "hex": codec.encode(message).hex(),
+    }
+
+
+# --------------------------------------------------------------------------------------------- messages
+
+
+def message_vectors() -> dict[str, Any]:
+    """One encoding per message type (1-16), plus the LightFR and float64 model payload layouts."""
+    sid = fixed_bytes("session id")
+    pk = [crypto.key_pair_from_private_bytes(fixed_bytes(f"msg key {i}")).public_key for i in range(6)]
+    share_ct = [fixed_bytes(f"ct {i}") + fixed_bytes(f"ct tail {i}") for i in range(2)]
+    invite = RoundInvite(
+        round_id=7,
+        device_id=300,
+        vector_length=8,
+        graph_k=5,
+        graph_t=3,
+        clip_norm=2.5,
+        scale_bits=16,
+        dp_mu=1024.0,
+        dp_t_min=40,
+        advertise_deadline=1000.0,
+        share_keys_deadline=1030.0,
+        masked_input_deadline=1090.5,
+        unmask_deadline=1120.25,
+        model_version=3,
+        model_kind="mf",
+        aggregation="grad",
+        bits=4,
+        n_items=2,
+        lam=0.0,
+        negatives=0,
+        local_epochs=2,
+        max_sweeps=10,
+        example_cap=200,
+        learning_rate=0.125,
+        reg=0.0625,
+        reg_growth=1.0,
+        kappa=0.0,
+        proximity=0.0,
+        inertia=0.0,
+        max_norm2=4.0,
+        pretrain_epochs=5,
+        step_rule="",
+        alignment="",
+        round_index=2,
+    )
+    signs = np.array([[1, -1, 1, 1, -1], [-1, -1, 1, -1, 1], [1, 1, 1, 1, 1]], dtype=np.int8)  # m=3, f=5
+    words = codes.pack_signs(signs)
+    mf_values = np.array([[0.5, -0.25], [1.0, 0.0], [-2.0, 0.125]], dtype=np.float64)  # MF V: (n_items, bits)
+    messages: list[Message] = [
+        invite,
+        PublicKeys(round_id=7, device_id=300, c_public_key=pk[0], s_public_key=pk[1]),
+        ShareKeysBroadcast(
+            round_id=7,
+            device_id=300,
+            session_id=sid,
+            neighbour_ids=(100, 300, 500),
+            c_public_keys=(pk[2], pk[0], pk[4]),
+            s_public_keys=(pk[3], pk[1], pk[5]),
+        ),
+        EncryptedShares(
+            round_id=7, device_id=300, session_id=sid, recipient_ids=(100, 500), ciphertexts=tuple(share_ct)
+        ),
+        MaskedInputRequest(
+            round_id=7, device_id=300, session_id=sid, sender_ids=(100, 500), ciphertexts=tuple(share_ct)
+        ),
+        MaskedInput(
+            round_id=7,
+            device_id=300,
+            session_id=sid,
+            masked=np.array([0, 1, 2**31, 2**32 - 1, 0x01020304, 7, 8, 9], dtype=np.uint32),
+        ),
+        UnmaskRequest(round_id=7, device_id=300, session_id=sid, survivors=(100, 300), dropped=(500,), n_survivors=41),
+        UnmaskResponse(
+            round_id=7,
+            device_id=300,
+            session_id=sid,
+            b_share_ids=(100, 300),
+            b_shares=(shamir.Share(2, 12345).to_bytes(), shamir.Share(2, shamir.PRIME - 1).to_bytes()),
+            s_share_ids=(500,),
+            s_shares=(shamir.Share(2, 1).to_bytes(),),
+            dp_excess=np.array([1, 2**32 - 1, 0, 3, 2**32 - 2, 0, 0, 5], dtype=np.uint32),
+        ),
+        Abort(round_id=7, device_id=300, reason="battery low"),
+        ErrorMessage(code="round_closed", message="MaskedInput arrived after SHARE_KEYS closed"),
+        RegisterRequest(platform="android-14/fedrec-kt 0.1"),
+        RegisterResponse(device_id=300, token="tok_0123456789abcdefghijKLMNOP"),
+        CheckIn(device_id=300, model_version=3),
+        Wait(retry_after=12.5, reason="no round open"),
+        ModelPayload(model_version=3, model_kind="lightfr", bits=5, n_items=3, words=codes.to_bytes(words)),
+        RoundResult(round_id=7, committed=True, model_version=4, reason=""),
+    ]
+    extra: list[Message] = [
+        ModelPayload(model_version=3, model_kind="mf", bits=2, n_items=3, words=b"", values=mf_values.tobytes()),
+        UnmaskResponse(
+            round_id=7,
+            device_id=300,
+            session_id=sid,
+            b_share_ids=(100, 300),
+            b_shares=(shamir.Share(2, 12345).to_bytes(), shamir.Share(2, 1).to_bytes()),
+            s_share_ids=(),
+            s_shares=(),
+            dp_excess=np.zeros(0, dtype=np.uint32),
+        ),
+        RoundInvite(  # a 1.0-style invite: every appended field at its default
+            round_id=1,
+            device_id=2,
+            vector_length=3,
+            graph_k=3,
+            graph_t=2,
+            clip_norm=1.0,
+            scale_bits=0,
+            advertise_deadline=0.0,
+            share_keys_deadline=0.0,
+            masked_input_deadline=0.0,
+            unmask_deadline=0.0,
+        ),
+    ]
+    return {
+        "description": "One encoding per message type (type codes 1-16), then extra cases: a float64 model "
+        "payload (MF), an UnmaskResponse without DP (empty dp_excess) and an invite with every appended "
+        "field at its default.  Envelope: msgpack map {v: [major, minor], t: type code, b: body}.",
+        "protocol_version": list(codec.PROTOCOL_VERSION),
+        "messages": [describe(m) for m in messages],
+        "extra": [describe(m) for m in extra],
+        "layouts": {
+            "lightfr_codes": {
+                "description": "ModelPayload.words of the LightFR payload above: item i's code is row i of signs "
+                "(+1 -> bit 1); bit k of a code lives in little-endian uint64 word k // 64 at position k % 64; "
+                "words are stored word-major (w, m) and serialised row after row.",
+                "bits": 5,
+                "n_items": 3,
+                "signs": signs.tolist(),
+                "words_u64": [[int(x) for x in row] for row in words],
+                "words_hex": codes.to_bytes(words).hex(),
+            },
+            "float64_values": {
+                "description": "ModelPayload.values of the MF payload above: MF's item matrix V (n_items x bits) "
+                "as little-endian IEEE-754 float64 in C (row-major) order; FELB and FNMF send V as (bits x n_items).",
+                "shape": list(mf_values.shape),
+                "values": mf_values.tolist(),
+                "values_hex": mf_values.astype("<f8").tobytes().hex(),
+            },
+        },
+        "rejected": [
+            {"why": "major version 2", "hex": _raw_envelope([2, 0], 13, {"d": 1}).hex()},
+            {"why": "unknown type code 17", "hex": _raw_envelope([1, 2], 17, {}).hex()},
+            {"why": "CheckIn without its required key d", "hex": _raw_envelope([1, 2], 13, {"mv": 1}).hex()},
+            {
+                "why": "u32 byte length does not match shape",
+                "hex": _raw_envelope(
+                    [1, 2], 6, {"r": 1, "d": 1, "sid": bytes(32), "y": {"dt": "<u4", "sh": [2], "by": bytes(4)}}
+                ).hex(),
+            },
+        ],
+        "accepted_unknown_key": {
+            "why": "a newer minor version adds key zz: decoders ignore unknown keys",
+            "hex": _raw_envelope([1, 9], 13, {"d": 5, "mv": 2, "zz": "later field"}).hex(),
+            "decodes_to": {"type": "CheckIn", "device_id": 5, "model_version": 2},
+        },
+    }
+
+
+def _raw_envelope(version: list[int], type_code: int, body: dict[str, Any]) -> bytes:
+    import msgpack
+
+    packed: bytes = msgpack.packb({"v": version, "t": type_code, "b": body}, use_bin_type=True)
+    return packed
+
+
+# --------------------------------------------------------------------------------------------- crypto
+
+
+def crypto_vectors() -> dict[str, Any]:
+    """X25519, session id, HKDF per label, AES-GCM share encryption, mask PRG, Shamir, quantization."""
+    a = crypto.key_pair_from_private_bytes(fixed_bytes("x25519 a"))
+    b = crypto.key_pair_from_private_bytes(fixed_bytes("x25519 b"))
+    shared = crypto.x25519(a.private_key, b.public_key)
+    _check(shared == crypto.x25519(b.private_key, a.public_key))
+    keys = {
+        u: (
+            crypto.key_pair_from_private_bytes(fixed_bytes(f"session c {u}")).public_key,
+            crypto.key_pair_from_private_bytes(fixed_bytes(f"session s {u}")).public_key,
+        )
+        for u in (40, 10, 30)
+    }
+    sid = crypto.session_id(7, keys)
+    src, dst = 10, 30
+    enc_key = crypto.share_encryption_key(shared, sid, src, dst)
+    pair_key = crypto.pair_mask_key(shared, sid, dst, src)  # order-independent: (lo, hi) = (10, 30)
+    seed = fixed_bytes("self mask seed")
+    self_key = crypto.self_mask_key(seed, sid, src)
+    b_share = shamir.Share(2, fixed_field_element("aead b share"))
+    s_share = shamir.Share(2, fixed_field_element("aead s share"))
+    plaintext = src.to_bytes(8, "big") + dst.to_bytes(8, "big") + b_share.to_bytes() + s_share.to_bytes()
+    ad = crypto.share_associated_data(sid, src, dst)
+    nonce = fixed_bytes("aead nonce", 12)
+    blob = crypto.aead_encrypt(enc_key, plaintext, ad, nonce=nonce)
+
+    secret = fixed_bytes("shamir secret")
+    coefficients = [fixed_field_element(f"shamir coefficient {i}") for i in (1, 2)]
+    poly = [int.from_bytes(secret, "big"), *coefficients]
+    shares = [shamir.Share(x, sum(c * x**i for i, c in enumerate(poly)) % shamir.PRIME) for x in range(1, 6)]
+    _check(shamir.reconstruct(shares[2:], 3) == secret)
+
+    x = np.array([0.3, -1.7, 2.25, 0.0, -0.001, 1.0 / 3.0, 5.0, -4.5], dtype=np.float64)
+    qcfg = QuantizationConfig(clip_norm=4.0, scale_bits=8)
+    q, stats = quantize(x, qcfg, np.random.default_rng(20260101))
+    uniforms = np.random.default_rng(20260101).random(x.shape)
+    clipped = x * (qcfg.clip_norm / float(np.linalg.norm(x)))
+
+    def hkdf_entry(label: bytes, ikm: bytes, parties: tuple[int, ...], out: bytes) -> dict[str, Any]:
+        info = b"".join(
+            (
+                len(label).to_bytes(4, "big") + label,
+                codec.PROTOCOL_VERSION[0].to_bytes(2, "big") + codec.PROTOCOL_VERSION[1].to_bytes(2, "big"),
+                len(sid).to_bytes(4, "big") + sid,
+                len(parties).to_bytes(4, "big"),
+                *(p.to_bytes(8, "big") for p in parties),
+            )
+        )
+        _check(crypto.hkdf_sha256(ikm, info=info) == out)
+        return {
+            "label": label.decode(),
+            "ikm": ikm.hex(),
+            "salt": None,
+            "session_id": sid.hex(),
+            "parties": list(parties),
+            "info": info.hex(),
+            "okm": out.hex(),
+        }
+
+    prg_key = fixed_bytes("prg key")
+    prg = crypto.prg_uint32(prg_key, 16)
+    return {
+        "description": "Known answers for every cryptographic step of one round.  Integers in *_int fields are "
+        "decimal; bytes are hex.",
+        "protocol_version": list(codec.PROTOCOL_VERSION),
+        "x25519": {
+            "a_private": a.private_bytes().hex(),
+            "a_public": a.public_key.hex(),
+            "b_private": b.private_bytes().hex(),
+            "b_public": b.public_key.hex(),
+            "shared_secret": shared.hex(),
+        },
+        "session_id": {
+            "round_id": 7,
+            "public_keys": {str(u): {"c": c.hex(), "s": s.hex()} for u, (c, s) in sorted(keys.items())},
+            "hash_input": _session_preimage(7, keys).hex(),
+            "session_id": sid.hex(),
+        },
+        "hkdf": {
+            "raw_rfc5869": {
+                "ikm": shared.hex(),
+                "salt": None,
+                "info": b"fedrec".hex(),
+                "length": 32,
+                "okm": crypto.hkdf_sha256(shared, info=b"fedrec").hex(),
+            },
+            "share_encryption": hkdf_entry(crypto.LABEL_SHARE_ENCRYPTION, shared, (src, dst), enc_key),
+            "pair_mask": hkdf_entry(crypto.LABEL_PAIR_MASK, shared, (src, dst), pair_key),
+            "self_mask": hkdf_entry(crypto.LABEL_SELF_MASK, seed, (src,), self_key),
+        },
+        "aead_share": {
+            "key": enc_key.hex(),
+            "src": src,
+            "dst": dst,
+            "b_share": b_share.to_bytes().hex(),
+            "s_share": s_share.to_bytes().hex(),
+            "plaintext": plaintext.hex(),
+            "associated_data": ad.hex(),
+            "nonce": nonce.hex(),
+            "blob": blob.hex(),
+        },
+        "prg": {
+            "key": prg_key.hex(),
+            "aes_ctr_initial_counter_block": bytes(16).hex(),
+            "length": 16,
+            "keystream": crypto.prg_uint32(prg_key, 16).astype("<u4").tobytes().hex(),
+            "uint32": [int(v) for v in prg],
+            "pair_mask_first_8": [int(v) for v in crypto.prg_uint32(pair_key, 8)],
+            "self_mask_first_8": [int(v) for v in crypto.prg_uint32(self_key, 8)],
+        },
+        "shamir": {
+            "prime": "2**521 - 1",
+            "secret": secret.hex(),
+            "secret_int": str(poly[0]),
+            "t": 3,
+            "k": 5,
+            "coefficients_int": [str(c) for c in coefficients],
+            "shares": [{"index": s.index, "value_int": str(s.value), "bytes": s.to_bytes().hex()} for s in shares],
+            "reconstruct_from": [[1, 2, 3], [3, 4, 5], [1, 3, 5]],
+        },
+        "quantization": {
+            "x": x.tolist(),
+            "clip_norm": qcfg.clip_norm,
+            "scale_bits": qcfg.scale_bits,
+            "clipped": clipped.tolist(),
+            "was_clipped": stats.clipped,
+            "numpy_pcg64_seed": 20260101,
+            "uniforms": uniforms.tolist(),
+            "q_uint32": [int(v) for v in q],
+            "q_int32": [int(v) for v in q.view(np.int32)],
+            "dequantized": dequantize_sum(q, qcfg).tolist(),
+        },
+    }
+
+
+def _session_preimage(round_id: int, keys: dict[int, tuple[bytes, bytes]]) -> bytes:
+    label = b"fedrec/secagg/session"
+    parts = [
+        len(label).to_bytes(4, "big") + label,
+        codec.PROTOCOL_VERSION[0].to_bytes(2, "big") + codec.PROTOCOL_VERSION[1].to_bytes(2, "big"),
+        round_id.to_bytes(8, "big"),
+        len(keys).to_bytes(4, "big"),
+    ]
+    for u in sorted(keys):
+        c, s = keys[u]
+        parts += [u.to_bytes(8, "big"), len(c).to_bytes(4, "big") + c, len(s).to_bytes(4, "big") + s]
+    preimage = b"".join(parts)
+    _check(hashlib.sha256(preimage).digest() == crypto.session_id(round_id, keys))
+    return preimage
+
+
+# --------------------------------------------------------------------------------------------- full round
+
+ROUND_DEVICES = (10, 20, 30, 40)
+ROUND_DROPS = 40  # leaves after sending EncryptedShares: in U2, not in U3
+ROUND_INPUTS = {
+    10: [1, 2, 3, 4, 5, 6, 7, 8],
+    20: [-1, -2, -3, -4, 100, 200, 300, 400],
+    30: [1000, 0, -1000, 0, 65536, -65536, 2**20, -(2**20)],
+    40: [9, 9, 9, 9, 9, 9, 9, 9],
+}
+
+
+def round_secrets(u: int, neighbours: tuple[int, ...], t: int) -> FixedDeviceSecrets:
+    """The fixed secrets of device ``u`` in the round vector."""
+    return FixedDeviceSecrets(
+        c_private_key=fixed_bytes(f"round device {u} c"),
+        s_private_key=fixed_bytes(f"round device {u} s"),
+        self_mask_seed=fixed_bytes(f"round device {u} b seed"),
+        b_coefficients=tuple(fixed_field_element(f"round device {u} b coefficient {i}") for i in range(1, t)),
+        s_coefficients=tuple(fixed_field_element(f"round device {u} s coefficient {i}") for i in range(1, t)),
+        share_nonces={v: fixed_bytes(f"round nonce {u}->{v}", 12) for v in neighbours if v != u},
+    )
+
+
+def round_vector() -> dict[str, Any]:
+    """A full 4-device round (k=4, t=3, L=8, no DP) in which device 40 drops before its masked input."""
+    k, t, length = 4, 3, 8
+    deadlines = (100.0, 200.0, 300.0, 400.0)
+    params = RoundParameters(
+        round_id=7, vector_length=length, k=k, t=t, clip_norm=1.0, scale_bits=16, deadlines=deadlines
+    )
+    server = ServerSecAggSession(params, ROUND_DEVICES, rng=np.random.default_rng(0))
+    secrets_by_device = {u: round_secrets(u, ROUND_DEVICES, t) for u in ROUND_DEVICES}
+    devices: dict[int, DeviceSecAggSession] = {}
+    log: list[dict[str, Any]] = []
+
+    def record(step: str, direction: str, device: int, message: Message) -> None:
+        log.append(
+            {
+                "step": step,
+                "direction": direction,
+                "device": device,
+                "type": type(message).__name__,
+                "hex": codec.encode(message).hex(),
+            }
+        )
+
+    def deliver(step: str, u: int) -> None:
+        message = server.outbox(u)
+        if message is None:
+            raise RuntimeError(f"no message for device {u} in {step}")
+        record(step, "server_to_device", u, message)
+        if u not in devices:
+            if not isinstance(message, RoundInvite):
+                raise RuntimeError(f"device {u} was not invited")
+            devices[u] = DeviceSecAggSession(message, rng=np.random.default_rng(u), fixed_secrets=secrets_by_device[u])
+            devices[u].provide_input(np.array(ROUND_INPUTS[u], dtype=np.int64).astype(np.uint32))
+        else:
+            devices[u].receive(codec.decode(codec.encode(message)))
+
+    def reply(step: str, u: int) -> None:
+        message = devices[u].send()
+        record(step, "device_to_server", u, message)
+        server.receive(u, codec.decode(codec.encode(message)))
+
+    for step, members in (
+        ("advertise_keys", ROUND_DEVICES),
+        ("share_keys", ROUND_DEVICES),
+        ("masked_input", ROUND_DEVICES),
+        ("unmask", tuple(u for u in ROUND_DEVICES if u != ROUND_DROPS)),
+    ):
+        for u in members:
+            deliver(step, u)
+        for u in members:
+            if step == "masked_input" and u == ROUND_DROPS:
+                continue
+            reply(step, u)
+        if step == "masked_input":
+            _check(server.phase is Phase.MASKED_INPUT)
+            server.advance(deadlines[2])  # device 40 never answers: the phase closes at its deadline
+    _check(server.phase is Phase.DONE)
+    result = server.result()
+    expected = np.zeros(length, dtype=np.int64)
+    for u in result.survivors:
+        expected += np.array(ROUND_INPUTS[u], dtype=np.int64)
+    _check(np.array_equal(result.total.view(np.int32).astype(np.int64), expected))
+    return {
+        "description": "A full SecAgg+ round through DeviceSecAggSession/ServerSecAggSession: devices 10, 20, "
+        "30, 40; k=4 (everyone is everyone's neighbour), t=3, L=8, no DP.  Device 40 sends its EncryptedShares "
+        "and then drops, so it is in U2 but not U3: the survivors release its s-key shares and the server "
+        "removes the pairwise masks of 10, 20 and 30 with 40.  The server closes MASKED_INPUT at its deadline "
+        "(advance(now=300.0)).  Messages are listed in the order the reference replay produces them.",
+        "protocol_version": list(codec.PROTOCOL_VERSION),
+        "round_id": 7,
+        "device_ids": list(ROUND_DEVICES),
+        "graph_k": k,
+        "graph_t": t,
+        "vector_length": length,
+        "deadlines": list(deadlines),
+        "dropped_before_masked_input": ROUND_DROPS,
+        "device_secrets": {
+            str(u): {
+                "c_private_key": s.c_private_key.hex(),
+                "s_private_key": s.s_private_key.hex(),
+                "self_mask_seed": s.self_mask_seed.hex(),
+                "b_coefficients_int": [str(c) for c in s.b_coefficients],
+                "s_coefficients_int": [str(c) for c in s.s_coefficients],
+                "share_nonces": {str(v): n.hex() for v, n in sorted(s.share_nonces.items())},
+            }
+            for u, s in secrets_by_device.items()
+        },
+        "inputs_int32": {str(u): v for u, v in ROUND_INPUTS.items()},
+        "session_id": server.session_id.hex(),
+        "messages": log,
+        "survivors": sorted(result.survivors),
+        "sum_uint32": [int(v) for v in result.total],
+        "sum_int32": [int(v) for v in result.total.view(np.int32)],
+    }
+
+
+def _write(name: str, data: dict[str, Any]) -> None:
+    text = json.dumps(data, indent=1, ensure_ascii=False) + "\n"
+    (OUT / name).write_text(text, encoding="utf-8")
+
+
+def main() -> None:
+    """Write messages.json, crypto.json and round.json."""
+    _write("messages.json", message_vectors())
+    _write("crypto.json", crypto_vectors())
+    _write("round.json", round_vector())
+
+
+if __name__ == "__main__":
+    main()
