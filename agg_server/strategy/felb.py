@@ -1,0 +1,207 @@
+"""FELB server side (Dalleiger, Vreeken, Kamp, federated binary MF, eq. 10 / Alg. 1 line 14), pure
+numpy: the global Boolean components V̂ from the cohort's secure sum, and the one-shot baselines
+of the paper's Alg. 2 (majority vote, rounded mean, logical OR), which need only a sum as well.
+
+Devices upload ΔV_i = V_i − V̂ (see `device_sdk.felb`), so the sum S = Σ ΔV_i gives the cohort's
+mean local copy as V̂ + S/C, and the new model is the soft majority vote
+
+    V̂ ← clamp01(prox^r_{s·κ, s·λ_r}(V̂ + S/C)),   λ_r = reg · reg_growth**round_index,
+
+with ``server_scale`` s (1 by default: the unscaled prox the paper's Alg. 1 prints; s = 1/C is the
+exact minimizer of eq. 10).  Clipping and DP noise act on ΔV, which leaves the mean unbiased.
+
+Invariants:
+- The only input from devices is a sum and the survivor count; nothing needs one device's upload.
+- The state is (k, m) float64 with entries in [0, 1]; on the wire it is float64 little-endian in C
+  order (`ModelPayload.values`), and ``from_wire(to_wire(V)) == V`` exactly.
+- No randomness is used in aggregation: the same sum gives the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
+
+__all__ = [
+    "FELBStrategy",
+    "logical_or",
+    "majority_vote",
+    "prox_elb",
+    "rounded_mean",
+]
+
+_LAMBDA_CAP = 1e12
+
+
+def prox_elb(x: ArrayLike, kappa: float, lam: float) -> NDArray[np.float64]:
+    """ELB proximal map (exact soft-threshold, branch at ½), clamped to [0, 1].
+
+    Deliberately a copy of `device_sdk.felb.prox_elb` (scalar weights only): `agg_server` must not
+    import `device_sdk` (DESIGN §1).  tests/test_felb.py checks that the two agree.
+    """
+    if not (np.isfinite(kappa) and kappa >= 0 and np.isfinite(lam) and lam >= 0):
+        raise ValueError(f"kappa and lam must be finite and >= 0, got {kappa}, {lam}")
+    xa = np.asarray(x, dtype=np.float64)
+    d = xa - 1.0
+    y0 = np.sign(xa) * np.maximum(np.abs(xa) - kappa, 0.0) / (1.0 + lam)
+    y1 = 1.0 + np.sign(d) * np.maximum(np.abs(d) - kappa, 0.0) / (1.0 + lam)
+    return np.clip(np.where(xa <= 0.5, y0, y1), 0.0, 1.0)
+
+
+def _schedule(reg: float, growth: float, index: int) -> float:
+    # λ_r = reg · growth**r, capped (as on the device) so a long-running server never overflows.
+    try:
+        lam = reg * growth**index
+    except OverflowError:
+        return _LAMBDA_CAP if reg > 0 else 0.0
+    return float(min(lam, _LAMBDA_CAP))
+
+
+def _sum_of(total: ArrayLike, survivors: int) -> NDArray[np.float64]:
+    s = np.asarray(total, dtype=np.float64)
+    if survivors < 1:
+        raise ValueError(f"survivors must be >= 1, got {survivors}")
+    if not np.all(np.isfinite(s)):
+        raise ValueError("aggregate contains non-finite values")
+    return s
+
+
+def majority_vote(total: ArrayLike, survivors: int) -> NDArray[np.uint8]:
+    """[S ≥ C/2] for S the sum of C Boolean uploads (ties go to 1)."""
+    s = _sum_of(total, survivors)
+    return (2.0 * s >= survivors).astype(np.uint8)
+
+
+def rounded_mean(total: ArrayLike, survivors: int) -> NDArray[np.uint8]:
+    """round(S/C), half to even: equal to `majority_vote` except where S = C/2 exactly (there 0)."""
+    s = _sum_of(total, survivors)
+    return np.clip(np.rint(s / survivors), 0, 1).astype(np.uint8)
+
+
+def logical_or(total: ArrayLike, survivors: int) -> NDArray[np.uint8]:
+    """[S ≥ 1]: an entry is 1 if any upload has it."""
+    s = _sum_of(total, survivors)
+    return (s >= 1.0).astype(np.uint8)
+
+
+@dataclass(frozen=True, slots=True)
+class FELBStrategy:
+    """The FELB strategy: a (k, m) global component matrix in [0, 1] and the devices' plan.
+
+    Attributes
+    ----------
+    rank : number of components k.
+    n_items : catalogue size m.
+    kappa : ELB L1 weight κ (paper 0.001).
+    reg : ELB L2 weight λ at round 0 (paper 0.1).
+    reg_growth : λ_r = reg · reg_growth**round_index (paper 1.05).
+    proximity : γ, the devices' pull towards V̂ (not given in the paper; 1 works).
+    inertia : iPALM β (paper 0.001).
+    local_epochs : local iterations b per round (paper 10 on real data).
+    step_rule : "lipschitz" (FELB) or "mu" (FELB^MU).
+    server_scale : s in the server prox prox^r_{s·κ, s·λ_r}; 1 = the paper's Alg. 1.
+    """
+
+    rank: int
+    n_items: int
+    kappa: float = 1e-3
+    reg: float = 0.1
+    reg_growth: float = 1.05
+    proximity: float = 1.0
+    inertia: float = 1e-3
+    local_epochs: int = 10
+    step_rule: str = "lipschitz"
+    server_scale: float = 1.0
+    kind: str = field(default="felb", init=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rank <= 4096:
+            raise ValueError(f"rank must be in [1, 4096], got {self.rank}")
+        if self.n_items < 1:
+            raise ValueError(f"n_items must be positive, got {self.n_items}")
+        for name in ("kappa", "reg", "proximity", "server_scale"):
+            v = getattr(self, name)
+            if not (np.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {v}")
+        if not (np.isfinite(self.reg_growth) and self.reg_growth >= 1.0):
+            raise ValueError(f"reg_growth must be >= 1, got {self.reg_growth}")
+        if not 0.0 <= self.inertia < 1.0:
+            raise ValueError(f"inertia must be in [0, 1), got {self.inertia}")
+        if not 1 <= self.local_epochs <= 1000:
+            raise ValueError(f"local_epochs must be in [1, 1000], got {self.local_epochs}")
+        if self.step_rule not in ("lipschitz", "mu"):
+            raise ValueError(f"step_rule must be 'lipschitz' or 'mu', got {self.step_rule!r}")
+
+    @property
+    def vector_length(self) -> int:
+        """k·m: a device uploads its whole ΔV."""
+        return self.rank * self.n_items
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rank, self.n_items)
+
+    def initialize(self, rng: np.random.Generator) -> NDArray[np.float64]:
+        """The shared version-1 V̂, Uniform[0, 1] (one seeded start for every client avoids the
+        permutation drift of independent starts)."""
+        return rng.random(self.shape)
+
+    def plan(self) -> dict[str, Any]:
+        return {
+            "local_epochs": self.local_epochs,
+            "reg": float(self.reg),
+            "reg_growth": float(self.reg_growth),
+            "kappa": float(self.kappa),
+            "proximity": float(self.proximity),
+            "inertia": float(self.inertia),
+            "step_rule": self.step_rule,
+        }
+
+    def reg_at(self, round_index: int) -> float:
+        """λ_r for round ``round_index``."""
+        return _schedule(self.reg, self.reg_growth, round_index)
+
+    def aggregate(
+        self,
+        state: NDArray[Any],
+        total: NDArray[np.float64],
+        survivors: int,
+        rng: np.random.Generator,
+        *,
+        round_index: int,
+    ) -> NDArray[np.float64]:
+        """V̂ ← clamp01(prox^r_{s·κ, s·λ_r}(V̂ + S/C)) (``rng`` is unused: the step is deterministic)."""
+        V = np.asarray(state, dtype=np.float64)
+        if V.shape != self.shape:
+            raise ValueError(f"state has shape {V.shape}, expected {self.shape}")
+        s = _sum_of(total, survivors)
+        if s.size != self.vector_length:
+            raise ValueError(f"aggregate has {s.size} entries, expected {self.vector_length}")
+        if round_index < 0:
+            raise ValueError(f"round_index must be >= 0, got {round_index}")
+        mean = V + s.reshape(self.shape) / survivors
+        sc = self.server_scale
+        return prox_elb(mean, sc * self.kappa, sc * self.reg_at(round_index))
+
+    def to_wire(self, state: NDArray[Any]) -> dict[str, bytes]:
+        return {"values": float_state_to_bytes(np.asarray(state, dtype=np.float64))}
+
+    def from_wire(self, words: bytes, values: bytes) -> NDArray[np.float64]:
+        if words:
+            raise ValueError("FELB models carry float values, not packed words")
+        V = float_state_from_bytes(values, self.shape)
+        if V.min() < 0.0 or V.max() > 1.0:
+            raise ValueError("FELB components must lie in [0, 1]")
+        return V
+
+    def describe(self, old: NDArray[Any], new: NDArray[Any]) -> str:
+        o = np.asarray(old, dtype=np.float64)
+        n = np.asarray(new, dtype=np.float64)
+        flipped = int(np.count_nonzero((o >= 0.5) != (n >= 0.5)))
+        gap = float(np.minimum(n, 1.0 - n).mean())
+        return f"{flipped} rounded entries changed, integrality gap {gap:.4f}"
