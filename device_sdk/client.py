@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import math
 import secrets
@@ -31,11 +32,11 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import load_store, save_store
 from device_sdk.training import local_round
 from device_sdk.transport import Response, Transport, TransportError, raise_for_error
-from protocol.codes import from_bytes
 from protocol.errors import (
     ConfigError,
     FedRecError,
@@ -297,6 +298,12 @@ class DeviceClient:
     rng_for_round : callable, optional
         ``rng_for_round(round_id) -> (training_rng, noise_rng)``; default: both freshly seeded from
         ``secrets`` each round.  Simulations pass `seeded_rngs` (see there).
+    model : FederatedModel, optional
+        A fresh model of another family (`device_sdk.mf.MFModel`, `device_sdk.felb.FELBModel`,
+        `device_sdk.fnmf.FNMFModel`) used when the store holds none; its class also loads the store.
+        Default: a `LightFRModel` built from ``bits``, ``rating_range`` and ``binary_positives``.
+    data : LocalRatings, optional
+        Several local users' ratings (cross-silo client) instead of ``items``/``ratings``.
 
     Raises
     ------
@@ -320,6 +327,8 @@ class DeviceClient:
         rating_range: tuple[float, float] | None = (1.0, 5.0),
         binary_positives: bool = True,
         rng_for_round: RoundRngs | None = None,
+        model: FederatedModel | None = None,
+        data: LocalRatings | None = None,
     ) -> None:
         if n_items <= 0:
             raise ValueError(f"n_items must be positive, got {n_items}")
@@ -338,6 +347,12 @@ class DeviceClient:
         self._ratings = values
         self._n_items = n_items
         self._lightfr = LightFRConfig(bits=bits, rating_range=rating_range, binary_positives=binary_positives)
+        if model is not None and model.n_items != n_items:
+            raise ValueError(f"the model is for {model.n_items} items, n_items is {n_items}")
+        if data is not None:
+            data.check_items(n_items)
+        self._template = model
+        self._data = data if data is not None else LocalRatings.single_user(item_ids, values)
         self._rng_for_round: RoundRngs = rng_for_round if rng_for_round is not None else _secret_round_rngs
         self._lock = asyncio.Lock()
         try:
@@ -362,6 +377,8 @@ class DeviceClient:
         binary_positives: bool = True,
         rng_for_round: RoundRngs | None = None,
         retries: int = 5,
+        model: FederatedModel | None = None,
+        data: LocalRatings | None = None,
     ) -> DeviceClient:
         """A client over `device_sdk.http.HttpTransport` (imported here, so aiohttp loads only now).
 
@@ -369,7 +386,7 @@ class DeviceClient:
         ----------
         base_url : str
             Server root, e.g. ``http://127.0.0.1:8080``.
-        config, items, ratings, n_items, bits, rating_range, binary_positives, rng_for_round
+        config, items, ratings, n_items, bits, rating_range, binary_positives, rng_for_round, model, data
             As for `DeviceClient`.
         retries : int
             Retries of the HTTP transport.
@@ -391,6 +408,8 @@ class DeviceClient:
             rating_range=rating_range,
             binary_positives=binary_positives,
             rng_for_round=rng_for_round,
+            model=model,
+            data=data,
         )
         client._owns_transport = True
         return client
@@ -414,8 +433,9 @@ class DeviceClient:
     # -- state ------------------------------------------------------------------------------------
 
     @property
-    def model(self) -> LightFRModel:
-        """The on-device model (user code and global item codes); ``recommend`` works offline."""
+    def model(self) -> Any:
+        """The on-device model (a `LightFRModel` unless another family was passed); ``recommend``
+        works offline."""
         return self._model
 
     @property
@@ -562,7 +582,7 @@ class DeviceClient:
                 raise
             training_rng, noise_rng = self._rng_for_round(rid)
             with tally.step("train"):
-                update, _ = local_round(self._model, invite, self._items, self._ratings, training_rng)
+                update, _ = local_round(self._model, invite, self._data, None, training_rng)
                 self._save_model()
             session = DeviceSecAggSession(invite, rng=noise_rng)
             session.provide_input(update)
@@ -658,11 +678,11 @@ class DeviceClient:
     # -- model ------------------------------------------------------------------------------------
 
     def _check_plan(self, invite: RoundInvite) -> None:
-        bits, m = self._lightfr.bits, self._n_items
-        if invite.model_kind != "lightfr" or invite.bits != bits or invite.n_items != m:
+        kind, rank, m = self._model.KIND, self._model.rank, self._n_items
+        if invite.model_kind != kind or invite.bits != rank or invite.n_items != m:
             raise ConfigError(
-                f"round {invite.round_id} trains {invite.model_kind!r} with f={invite.bits}, "
-                f"m={invite.n_items}; this device runs 'lightfr' with f={bits}, m={m}"
+                f"round {invite.round_id} trains {invite.model_kind!r} with rank {invite.bits}, "
+                f"m={invite.n_items}; this device runs {kind!r} with rank {rank}, m={m}"
             )
 
     def _held_version(self) -> int | None:
@@ -691,17 +711,16 @@ class DeviceClient:
                 f"round {invite.round_id} trains model {invite.model_version}, "
                 f"the server serves {payload.model_version}"
             )
-        bits, m = self._lightfr.bits, self._n_items
-        if payload.model_kind != "lightfr" or payload.bits != bits or payload.n_items != m:
+        kind, rank, m = self._model.KIND, self._model.rank, self._n_items
+        if payload.model_kind != kind or payload.bits != rank or payload.n_items != m:
             raise ConfigError(
-                f"the server's model is {payload.model_kind!r} with f={payload.bits}, m={payload.n_items}; "
-                f"this device runs 'lightfr' with f={bits}, m={m}"
+                f"the server's model is {payload.model_kind!r} with rank {payload.bits}, m={payload.n_items}; "
+                f"this device runs {kind!r} with rank {rank}, m={m}"
             )
         try:
-            words = from_bytes(payload.words, bits, m)
+            self._model.set_global(payload.words, payload.values, payload.model_version)
         except ValueError as exc:
             raise RemoteProtocolError(f"model {payload.model_version}: {exc}") from exc
-        self._model.set_item_codes(words, payload.model_version)
         # Persisted after the model itself (`_save_model`), never before.
         self._sync = _Sync(etag=response.etag, model_version=payload.model_version)
 
@@ -715,14 +734,18 @@ class DeviceClient:
                 {"etag": self._sync.etag, "model_version": self._sync.model_version},
             )
 
-    def _fresh_model(self) -> LightFRModel:
+    def _fresh_model(self) -> Any:
         self._sync = None  # a fresh model holds no global item codes
+        if self._template is not None:
+            return copy.deepcopy(self._template)
         return LightFRModel(self._n_items, self._lightfr, rng=_secret_generator())
 
-    def _load_model(self) -> LightFRModel:
+    def _load_model(self) -> Any:
         path = self.config.store_dir / MODEL_FILE
         if not path.exists():
             return self._fresh_model()
+        if self._template is not None:
+            return self._load_family_model(path, self._template)
         try:
             model = LightFRModel.load(path, rng=_secret_generator())
         except StorageError as exc:
@@ -740,6 +763,24 @@ class DeviceClient:
             rating_range=self._lightfr.rating_range,
             binary_positives=self._lightfr.binary_positives,
         )
+        return model
+
+    def _load_family_model(self, path: Path, template: FederatedModel) -> Any:
+        loader = getattr(type(template), "load", None)
+        if loader is None:
+            raise ConfigError(f"{type(template).__name__} has no load(); it cannot keep a store")
+        try:
+            model = loader(path, rng=_secret_generator())
+        except StorageError as exc:
+            if path.exists():
+                raise
+            _log.warning("device model store is corrupt, starting with a fresh model: %s", exc)
+            return self._fresh_model()
+        if (model.KIND, model.n_items, model.rank) != (template.KIND, template.n_items, template.rank):
+            raise ConfigError(
+                f"{path} holds a {model.KIND!r} model with m={model.n_items}, rank {model.rank}; this device "
+                f"is configured for {template.KIND!r} with m={template.n_items}, rank {template.rank}"
+            )
         return model
 
     def _load_sync(self) -> _Sync | None:

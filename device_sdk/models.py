@@ -13,21 +13,23 @@ Invariants:
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, ClassVar
 
 import numpy as np
 import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr
+from device_sdk.family import LocalRatings, LocalResult
 from device_sdk.store import load_store, save_store
 from device_sdk.topk import topk_hamming
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
 from protocol.errors import ModelError, StorageError
+from protocol.messages import RoundInvite
 from protocol.spec import Aggregation
 
-__all__ = ["LightFRConfig", "LightFRModel", "LocalUpdate"]
+__all__ = ["LightFRConfig", "LightFRModel", "LocalUpdate", "apply_plan"]
 
 _KIND = "lightfr"
 
@@ -158,7 +160,48 @@ class LightFRModel:
         self._user_words = pack_signs(self.user_codes)
         self.user_trained = np.zeros(self.n_users, dtype=bool)
 
+    KIND: ClassVar[str] = _KIND
+
+    @property
+    def rank(self) -> int:
+        """Code length f (the ``bits`` field of the wire messages)."""
+        return self.config.bits
+
     # -- the global model -------------------------------------------------------------------------
+    def set_global(self, words: bytes, values: bytes, version: int) -> None:
+        """Adopt a `ModelPayload`'s packed item codes as global model ``version``."""
+        if values:
+            raise ValueError("a LightFR model takes packed item codes, not float values")
+        self.set_item_codes(from_bytes(words, self.config.bits, self.n_items), version)
+
+    def local_update(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
+        """One round of local training as ``invite``'s plan says; the upload is the item gradient
+        (Agg_grad) or the change D^u − D of the local item codes (Agg_para), flattened.
+
+        Draws from ``rng`` in a fixed order: a first-round user code, the θ ratings kept, the
+        negatives and DCD tie-breaks inside `fit_local`.
+        """
+        apply_plan(self, invite)
+        if data.n_users != 1 or self.n_users != 1:
+            raise ValueError("a LightFR device trains one user per round")
+        data.check_items(self.n_items)
+        if not self.user_trained[0]:
+            # The first round starts from a random code drawn from the round's generator, so that a
+            # seeded simulation is reproducible and a real device's start is cryptographically random.
+            self.reset_user(rng)
+        item_ids, values = data.items, data.ratings
+        if invite.example_cap and item_ids.size > invite.example_cap:
+            # θ of the device's ratings per round bound its contribution (per-user DP).
+            keep = np.sort(rng.choice(item_ids.size, invite.example_cap, replace=False))
+            item_ids = item_ids[keep]
+            values = None if values is None else values[keep]
+        aggregation = Aggregation(invite.aggregation)
+        update = self.fit_local(item_ids, values, aggregation=aggregation, rng=rng)
+        x = update.values.astype(np.float64)
+        if aggregation is Aggregation.PARA:
+            x = x - self.item_codes
+        return LocalResult(vector=x.ravel(), examples=update.n_examples, info={"flips": update.flips})
+
     def set_item_codes(self, codes: NDArray[np.int8] | NDArray[np.uint64], version: int) -> None:
         """Install new global item codes, as ±1 (m, f) int8 or packed (w, m) uint64 words."""
         f, m = self.config.bits, self.n_items
@@ -393,3 +436,22 @@ class LightFRModel:
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"{path} is a valid store file but its LightFR state is invalid: {exc}") from exc
         return model
+
+
+def apply_plan(model: LightFRModel, invite: RoundInvite) -> None:
+    """Adopt the round's training plan (λ, negatives, epochs, sweeps) after checking it fits the
+    model the device holds."""
+    if invite.model_kind != _KIND:
+        raise ValueError(f"this device runs LightFR; the round trains {invite.model_kind!r}")
+    if invite.bits != model.config.bits or invite.n_items != model.n_items:
+        raise ValueError(
+            f"round plan is f={invite.bits}, m={invite.n_items}; the device model is "
+            f"f={model.config.bits}, m={model.n_items}"
+        )
+    model.config = replace(
+        model.config,
+        lam=invite.lam,
+        negatives=invite.negatives,
+        local_epochs=invite.local_epochs,
+        max_sweeps=invite.max_sweeps,
+    )

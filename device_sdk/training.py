@@ -1,27 +1,29 @@
 """One device's local work for a round: train on its own ratings as the invite's plan says, and turn
-the update into the ring vector that secure aggregation masks.
+the update into the ring vector that secure aggregation masks.  Works for every model family that
+keeps the `device_sdk.family.FederatedModel` contract (LightFR, MF, FELB, FNMF).
 
 Invariants:
 - The ratings used never leave this function except inside the returned update, which is clipped,
   quantized and then only ever sent masked.
 - Every random choice (which θ ratings, negatives, stochastic rounding) comes from the one generator
-  passed in, in a fixed order, so a device with the same generator state produces the same vector —
-  the in-process simulator and a device talking HTTP agree bit for bit.
-- Agg_para uploads the change D^u − D (zero outside the rated items), not D^u itself: the server
-  adds n·D back, and the change has a far smaller norm to clip.
+  passed in, in a fixed order — first the model's `local_update`, then quantization — so a device
+  with the same generator state produces the same vector: the in-process simulator and a device
+  talking HTTP agree bit for bit.
+- LightFR's Agg_para uploads the change D^u − D (zero outside the rated items), not D^u itself: the
+  server adds n·D back, and the change has a far smaller norm to clip.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from device_sdk.models import LightFRModel
+from device_sdk.family import FederatedModel, LocalRatings
+from device_sdk.models import apply_plan
 from protocol.messages import RoundInvite
 from protocol.quantization import QuantizationConfig, QuantizationStats, quantize
-from protocol.spec import Aggregation
 
 __all__ = ["LocalRoundStats", "local_round", "apply_plan"]
 
@@ -35,29 +37,10 @@ class LocalRoundStats:
     quantization: QuantizationStats
 
 
-def apply_plan(model: LightFRModel, invite: RoundInvite) -> None:
-    """Adopt the round's training plan (λ, negatives, epochs, sweeps) after checking it fits the
-    model the device holds."""
-    if invite.model_kind != "lightfr":
-        raise ValueError(f"this device runs LightFR; the round trains {invite.model_kind!r}")
-    if invite.bits != model.config.bits or invite.n_items != model.n_items:
-        raise ValueError(
-            f"round plan is f={invite.bits}, m={invite.n_items}; the device model is "
-            f"f={model.config.bits}, m={model.n_items}"
-        )
-    model.config = replace(
-        model.config,
-        lam=invite.lam,
-        negatives=invite.negatives,
-        local_epochs=invite.local_epochs,
-        max_sweeps=invite.max_sweeps,
-    )
-
-
 def local_round(
-    model: LightFRModel,
+    model: FederatedModel,
     invite: RoundInvite,
-    items: ArrayLike,
+    items: ArrayLike | LocalRatings,
     ratings: ArrayLike | None,
     rng: np.random.Generator,
 ) -> tuple[NDArray[np.uint32], LocalRoundStats]:
@@ -65,32 +48,30 @@ def local_round(
 
     Parameters
     ----------
-    model : the device's model, holding the round's global item codes already.
+    model : the device's model, holding the round's global model already.
     invite : the round invitation (plan, clipping and quantization parameters).
-    items, ratings : this device's rated items and raw ratings (None for implicit feedback).
+    items, ratings : this device's rated items and raw ratings (None for implicit feedback); or
+        ``items`` is a `LocalRatings` (several local users, cross-silo) and ``ratings`` is None.
     rng : the round's generator for sampling and stochastic rounding.
+
+    Raises
+    ------
+    ValueError
+        The plan is for another model kind or shape, or the data do not fit the model.
     """
-    apply_plan(model, invite)
-    if not model.user_trained[0]:
-        # The first round starts from a random code drawn from the round's generator, so that a
-        # seeded simulation is reproducible and a real device's start is cryptographically random.
-        model.reset_user(rng)
-    item_ids = np.asarray(items, dtype=np.int64).ravel()
-    values = None if ratings is None else np.asarray(ratings, dtype=np.float64).ravel()
-    if values is not None and values.shape != item_ids.shape:
-        raise ValueError(f"{item_ids.size} items but {values.size} ratings")
-    if invite.example_cap and item_ids.size > invite.example_cap:
-        # θ of the device's ratings per round bound its contribution (per-user DP).
-        keep = np.sort(rng.choice(item_ids.size, invite.example_cap, replace=False))
-        item_ids = item_ids[keep]
-        values = None if values is None else values[keep]
-    aggregation = Aggregation(invite.aggregation)
-    update = model.fit_local(item_ids, values, aggregation=aggregation, rng=rng)
-    x = update.values.astype(np.float64)
-    if aggregation is Aggregation.PARA:
-        x = x - model.item_codes
+    if invite.model_kind != model.KIND:
+        raise ValueError(f"this device runs {model.KIND!r}; the round trains {invite.model_kind!r}")
+    if isinstance(items, LocalRatings):
+        if ratings is not None:
+            raise ValueError("pass ratings inside the LocalRatings")
+        data = items
+    else:
+        data = LocalRatings.single_user(items, ratings)
+    result = model.local_update(invite, data, rng)
+    x = np.asarray(result.vector, dtype=np.float64).ravel()
+    if x.size != invite.vector_length:
+        raise ValueError(f"update has {x.size} elements, the round expects {invite.vector_length}")
     cfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
-    ring, qstats = quantize(x.ravel(), cfg, rng)
-    if ring.size != invite.vector_length:
-        raise ValueError(f"update has {ring.size} elements, the round expects {invite.vector_length}")
-    return ring, LocalRoundStats(examples=update.n_examples, flips=update.flips, quantization=qstats)
+    ring, qstats = quantize(x, cfg, rng)
+    flips = int(result.info.get("flips", 0))
+    return ring, LocalRoundStats(examples=result.examples, flips=flips, quantization=qstats)

@@ -1,4 +1,4 @@
-"""Private federated LightFR in-process: the real `RoundCoordinator` (storage, cohort selection,
+"""Private federated training in-process (every model family): the real `RoundCoordinator` (storage, cohort selection,
 SecAgg+ session, DP, strategy, commit) driven by simulated devices that run the real device code
 (`device_sdk.training.local_round` + `DeviceSecAggSession`), with no sockets and a simulated clock.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -21,15 +22,16 @@ from numpy.typing import NDArray
 from agg_server.config import ServerConfig
 from agg_server.coordinator import RoundCoordinator
 from agg_server.storage import Storage
+from agg_server.strategy.base import Strategy
 from device_sdk.client import DropoutAt, seeded_rngs
+from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.training import local_round
 from protocol.codec import decode, encode
-from protocol.codes import from_bytes
 from protocol.messages import Message, ModelPayload, RoundInvite, RoundResult
 from protocol.session import DeviceSecAggSession, Phase
 
-__all__ = ["SimulatedDevice", "PrivateRun", "run_private_lightfr"]
+__all__ = ["SimulatedDevice", "PrivateRun", "run_private", "run_private_lightfr"]
 
 _STOP_BEFORE = {
     DropoutAt.BEFORE_KEYS: Phase.ADVERTISE_KEYS,
@@ -41,12 +43,11 @@ _STOP_BEFORE = {
 
 @dataclass
 class SimulatedDevice:
-    """One device: its private ratings and its on-device model."""
+    """One device: its private ratings (one user, or many for a cross-silo client) and its model."""
 
     device_id: int
-    items: NDArray[np.int64]
-    ratings: NDArray[np.float64] | None
-    model: LightFRModel
+    data: LocalRatings
+    model: Any
 
 
 @dataclass
@@ -78,7 +79,7 @@ def run_private_lightfr(
     binary_positives: bool = True,
     storage: Storage | None = None,
 ) -> PrivateRun:
-    """Run ``rounds`` private rounds with one simulated device per entry of ``users``.
+    """Run ``rounds`` private LightFR rounds with one simulated device per entry of ``users``.
 
     Parameters
     ----------
@@ -89,19 +90,53 @@ def run_private_lightfr(
     dropout : dropout schedule; None means nobody drops.
     storage : an opened storage (default: one in ``config.data_dir``).
     """
+    m = config.model
+    cfg = LightFRConfig(bits=m.bits, rating_range=rating_range, binary_positives=binary_positives)
+    data = {index: LocalRatings.single_user(items, ratings) for index, (items, ratings) in users.items()}
+    return run_private(
+        config,
+        data,
+        lambda device_id: LightFRModel(
+            m.n_items, cfg, rng=np.random.default_rng(np.random.SeedSequence([seed, 0, device_id]))
+        ),
+        rounds=rounds,
+        seed=seed,
+        dropout=dropout,
+        storage=storage,
+    )
+
+
+def run_private(
+    config: ServerConfig,
+    clients: Mapping[int, LocalRatings],
+    new_model: Callable[[int], FederatedModel],
+    *,
+    rounds: int,
+    seed: int,
+    dropout: Callable[[int, int], DropoutAt] | None = None,
+    storage: Storage | None = None,
+    strategy: Strategy | None = None,
+    after_round: Callable[[PrivateRun], None] | None = None,
+) -> PrivateRun:
+    """Run ``rounds`` private rounds of any model family with one simulated device per client.
+
+    Parameters
+    ----------
+    config : server configuration (``model.kind`` picks the family; set ``rounds.seed`` for a
+        reproducible run).
+    clients : each client's local ratings (one user on a phone; many in the cross-silo mode).
+    new_model : ``new_model(device_id)`` builds the client's fresh on-device model.
+    rounds, seed, dropout, storage : as for `run_private_lightfr`.
+    strategy : the server strategy (default: the one the configuration names).
+    after_round : called after every round (evaluation, progress).
+    """
     store = storage or Storage(config.data_dir)
     clock = [1_000.0]
-    coordinator = RoundCoordinator(config, store, now=clock[0])
-    m = config.model
+    coordinator = RoundCoordinator(config, store, now=clock[0], strategy=strategy)
     devices: dict[int, SimulatedDevice] = {}
-    for index, (items, ratings) in users.items():
+    for index, data in clients.items():
         reg = coordinator.register(f"sim-{index}", clock[0])
-        model = LightFRModel(
-            m.n_items,
-            LightFRConfig(bits=m.bits, rating_range=rating_range, binary_positives=binary_positives),
-            rng=np.random.default_rng(np.random.SeedSequence([seed, 0, reg.device_id])),
-        )
-        devices[reg.device_id] = SimulatedDevice(reg.device_id, np.asarray(items, np.int64), ratings, model)
+        devices[reg.device_id] = SimulatedDevice(reg.device_id, data, new_model(reg.device_id))
     run = PrivateRun(coordinator, devices)
     schedule = dropout or (lambda r, d: DropoutAt.NONE)
     for _ in range(rounds):
@@ -113,6 +148,8 @@ def run_private_lightfr(
         if r is None:
             break
         run.outcomes.append(_one_round(coordinator, devices, r.round_id, schedule, seed, clock))
+        if after_round is not None:
+            after_round(run)
     return run
 
 
@@ -141,9 +178,9 @@ def _one_round(
             payload = decode(coordinator.model_bytes)
             if not isinstance(payload, ModelPayload):  # pragma: no cover - the coordinator encodes it
                 raise RuntimeError("the coordinator's model is not a ModelPayload")
-            dev.model.set_item_codes(from_bytes(payload.words, payload.bits, payload.n_items), payload.model_version)
+            dev.model.set_global(payload.words, payload.values, payload.model_version)
         training_rng, noise_rng = seeded_rngs(seed, round_id, d)
-        ring, _ = local_round(dev.model, invite, dev.items, dev.ratings, training_rng)
+        ring, _ = local_round(dev.model, invite, dev.data, None, training_rng)
         sessions[d] = DeviceSecAggSession(invite, rng=noise_rng)
         sessions[d].provide_input(ring)
         pending[d] = sessions[d].send()
