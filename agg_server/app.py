@@ -24,8 +24,10 @@ from typing import Any
 
 from aiohttp import web
 
+from agg_server import dashboard
 from agg_server.config import ServerConfig
 from agg_server.coordinator import RoundCoordinator
+from agg_server.logs import current_request_id
 from agg_server.storage import Storage
 from agg_server.strategy.base import Strategy
 from protocol.codec import decode, encode
@@ -126,7 +128,8 @@ def _error_response(exc: FedRecError, status: int, request_id: str) -> web.Respo
 async def _errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    request_id = request.headers.get("X-Request-Id", "")[:64] or secrets.token_hex(8)
+    # Set (from a sane X-Request-Id or fresh) by the outer `dashboard.observe_requests` middleware.
+    request_id = current_request_id() or secrets.token_hex(8)
     counters = request.app[_COUNTERS]
     try:
         response = await handler(request)
@@ -356,7 +359,9 @@ def create_app(
     strategy : the aggregation strategy (`agg_server.strategy.base.Strategy`); default: the one
         ``config.model.kind`` names.  An operator's own rule plugs in here.
     """
-    app = web.Application(client_max_size=config.listen.max_body_bytes, middlewares=[_errors])
+    app = web.Application(
+        client_max_size=config.listen.max_body_bytes, middlewares=[dashboard.observe_requests, _errors]
+    )
     app[CONFIG] = config
     app[_STRATEGY] = strategy
     app[_CLOCK] = clock
@@ -373,4 +378,6 @@ def create_app(
     app.router.add_post("/v1/rounds/{round_id}/abort", _phase_handler(Abort))
     app.router.add_get("/v1/health", health)
     app.router.add_get("/v1/status", status)
+    # The dashboard (GET /), its JSON, /metrics and the admin quality endpoint; observes the coordinator.
+    dashboard.install(app, config=config, clock=clock, coordinator=COORDINATOR, storage=_STORAGE)
     return app

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import signal
 import ssl
@@ -23,36 +22,11 @@ from pathlib import Path
 from aiohttp import web
 
 from agg_server.app import create_app
-from agg_server.config import ServerConfig, load_config
+from agg_server.config import LOG_LEVELS, ServerConfig, load_config
+from agg_server.logs import configure_logging
 from protocol.errors import FedRecError
 
 __all__ = ["main", "build_parser", "configure_logging"]
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        body = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if record.exc_info:
-            body["exc"] = self.formatException(record.exc_info)
-        return json.dumps(body, ensure_ascii=False)
-
-
-def configure_logging(fmt: str, level: str) -> None:
-    """Log to stderr as text or one JSON object per line."""
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="override [server] host")
     p.add_argument("--port", type=int, default=None, help="override [server] port (0 = any free port)")
     p.add_argument("--data-dir", type=Path, default=None, help="override [server] data_dir")
-    p.add_argument("--log-format", choices=["text", "json"], default=None, help="override [log] format")
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=None,
+        help="override [log] format: text, or json (one object per line with time, level, logger, message, "
+        "request_id inside a request, and extra fields)",
+    )
+    p.add_argument("--log-level", choices=list(LOG_LEVELS), default=None, help="override [log] level")
     return p
 
 
@@ -80,6 +61,8 @@ def _override(config: ServerConfig, args: argparse.Namespace) -> ServerConfig:
         out = dataclasses.replace(out, data_dir=args.data_dir)
     if args.log_format is not None:
         out = dataclasses.replace(out, log=dataclasses.replace(out.log, format=args.log_format))
+    if args.log_level is not None:
+        out = dataclasses.replace(out, log=dataclasses.replace(out.log, level=args.log_level))
     return out
 
 

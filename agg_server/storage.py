@@ -15,6 +15,8 @@ Invariants of this module:
 * Paths in the database are relative to the data directory, so the directory can be moved.
 * Every `sqlite3.Error` leaving this class becomes a `StorageError` naming the operation and database;
   argument misuse (wrong status name, bad digest length) raises plain `ValueError`.
+* Schema changes are migration steps applied in order in one transaction on open (``_MIGRATIONS``);
+  a database of an older version is upgraded in place, never recreated.
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ __all__ = [
     "RoundRecord",
     "PhaseRecord",
     "CheckpointRecord",
+    "QualityRecord",
     "Storage",
 ]
 
 _log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Schema version stored in ``PRAGMA user_version``; a database with a newer one is refused."""
 
 DATABASE_NAME = "fedrec.sqlite3"
@@ -150,6 +153,29 @@ class PhaseRecord:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class QualityRecord:
+    """A quality figure an operator's evaluation job reported for one model version.
+
+    Attributes
+    ----------
+    model_version : int
+    metric : str
+        e.g. "hr@10".
+    dataset : str
+        What it was measured on, e.g. "ml-100k holdout".
+    value : float
+    reported_at : float
+        Coordinator clock at the report, in seconds.
+    """
+
+    model_version: int
+    metric: str
+    dataset: str
+    value: float
+    reported_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointRecord:
     """One stored model checkpoint.
 
@@ -231,6 +257,22 @@ _SCHEMA_V1 = (
         status TEXT NOT NULL CHECK (status IN ('good', 'corrupt'))
     )""",
 )
+
+# Version 2: quality figures reported by the operator (the server has no data to evaluate a model on).
+# One row per (version, metric, dataset); a new report of the same triple replaces the value.
+_SCHEMA_V2 = (
+    """CREATE TABLE model_quality (
+        model_version INTEGER NOT NULL,
+        metric TEXT NOT NULL,
+        dataset TEXT NOT NULL,
+        value REAL NOT NULL,
+        reported_at REAL NOT NULL,
+        PRIMARY KEY (model_version, metric, dataset)
+    )""",
+)
+
+# Migration step n brings a database from version n - 1 to n.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
 
 _ROUND_COLUMNS = (
     "round_id, started_at, finished_at, status, reason, base_model_version, new_model_version, "
@@ -359,13 +401,15 @@ class Storage:
             )
         if version == SCHEMA_VERSION:
             return
-        tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
-        if tables:
-            raise StorageError(f"{self.db_path} is not a fedrec database (no schema version, {tables} tables)")
+        if version == 0:
+            tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
+            if tables:
+                raise StorageError(f"{self.db_path} is not a fedrec database (no schema version, {tables} tables)")
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for statement in _SCHEMA_V1:
-                conn.execute(statement)
+            for step in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in _MIGRATIONS[step]:
+                    conn.execute(statement)
             # user_version lives in the file header and is part of this transaction.
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
@@ -819,6 +863,56 @@ class Storage:
         if not isinstance(value, dict):
             raise StorageError(f"load_ledger: the stored privacy ledger in {self.db_path} is not an object")
         return value
+
+    # -- model quality --------------------------------------------------------------------------
+
+    def record_quality(self, model_version: int, metric: str, dataset: str, value: float, now: float) -> None:
+        """Store (or replace) the quality figure ``metric`` of ``model_version`` measured on ``dataset``.
+
+        Parameters
+        ----------
+        model_version : int
+            A model version (>= 0); the caller checks that it exists.
+        metric, dataset : str
+            Non-empty labels.
+        value : float
+            The figure (finite).
+        now : float
+            Time on the coordinator's clock.
+
+        Raises
+        ------
+        StorageError
+            If the database fails.
+        ValueError
+            If an argument is malformed.
+        """
+        version = _check_id("model_version", model_version)
+        for name, text in (("metric", metric), ("dataset", dataset)):
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"{name} must be a non-empty string, got {text!r}")
+        figure = _check_time("value", value)
+        at = _check_time("now", now)
+        with self._transaction("record_quality") as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO model_quality (model_version, metric, dataset, value, reported_at) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (version, metric, dataset, figure, at),
+            )
+
+    def model_quality(self, limit: int = 100) -> list[QualityRecord]:
+        """Return up to ``limit`` quality figures, newest model version first (then metric, dataset)."""
+        n = _check_id("limit", limit)
+        with self._guard("model_quality") as conn:
+            rows = conn.execute(
+                "SELECT model_version, metric, dataset, value, reported_at FROM model_quality "
+                "ORDER BY model_version DESC, metric, dataset LIMIT ?",
+                (n,),
+            ).fetchall()
+        return [
+            QualityRecord(model_version=int(v), metric=str(m), dataset=str(d), value=float(x), reported_at=float(t))
+            for v, m, d, x, t in rows
+        ]
 
     # -- model checkpoints ----------------------------------------------------------------------
 
