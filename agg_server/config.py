@@ -36,6 +36,9 @@ __all__ = [
     "RoundSection",
     "PrivacySection",
     "LogSection",
+    "MFSection",
+    "FELBSection",
+    "FNMFSection",
     "ServerConfig",
     "LOG_FORMATS",
     "LOG_LEVELS",
@@ -202,7 +205,8 @@ class ModelSection:
     Attributes
     ----------
     kind : str
-        Model family, a `protocol.spec.ModelKind` value ("lightfr").
+        Model family, a `protocol.spec.ModelKind` value: "lightfr" (default), "mf", "felb" or
+        "fnmf"; the other families take their hyper-parameters from the table of that name.
     n_items : int
         Catalogue size m (required), 1 <= m <= 2**26.
     bits : int
@@ -421,6 +425,131 @@ class LogSection:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MFSection:
+    """Real-valued MF (TOML table ``[mf]``, used when ``model.kind = "mf"``).
+
+    Attributes
+    ----------
+    rank : int
+        Factor count f in [1, 4096].
+    max_norm2 : float
+        R > 0, the embedding clipping bound (rows non-negative with squared norm <= R); the top of
+        the rating scale, so one rating's V-gradient has L2 norm <= 2R^{3/2}.
+    server_lr : float
+        Server step on the survivors' mean gradient (> 0).
+    learning_rate, reg : float
+        Device SGD step (> 0) and L2 weight (>= 0) for the user vectors.
+    pretrain_epochs : int
+        Stage-1 steps fitting a new user's vector with V fixed, in [0, 1000].
+    local_epochs : int
+        Steps on u per round before the V-gradient is taken, in [1, 1000].
+    negatives : int
+        Unobserved items per kept rating the devices fit as 0 (>= 0).
+    """
+
+    rank: int = 32
+    max_norm2: float = 5.0
+    server_lr: float = 1.0
+    learning_rate: float = 0.1
+    reg: float = 0.0
+    pretrain_epochs: int = 50
+    local_epochs: int = 1
+    negatives: int = 0
+
+    def __post_init__(self) -> None:
+        _int("mf.rank", self.rank, lo=1, hi=_MAX_BITS)
+        _set(self, "max_norm2", _float("mf.max_norm2", self.max_norm2, lo=0.0, lo_open=True))
+        _set(self, "server_lr", _float("mf.server_lr", self.server_lr, lo=0.0, lo_open=True))
+        _set(self, "learning_rate", _float("mf.learning_rate", self.learning_rate, lo=0.0, lo_open=True))
+        _set(self, "reg", _float("mf.reg", self.reg, lo=0.0))
+        _int("mf.pretrain_epochs", self.pretrain_epochs, lo=0, hi=_MAX_LOCAL_STEPS)
+        _int("mf.local_epochs", self.local_epochs, lo=1, hi=_MAX_LOCAL_STEPS)
+        _int("mf.negatives", self.negatives, lo=0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FELBSection:
+    """Federated Boolean MF (TOML table ``[felb]``, used when ``model.kind = "felb"``).
+
+    Attributes
+    ----------
+    rank : int
+        Component count k in [1, 4096].
+    kappa, reg : float
+        ELB L1 weight κ and base L2 weight λ (>= 0).
+    reg_growth : float
+        λ_r = reg · reg_growth**r over sync rounds r (>= 1).
+    proximity : float
+        γ >= 0, the devices' pull towards the global V̂.
+    inertia : float
+        iPALM β in [0, 1).
+    local_epochs : int
+        Local iterations b per round, in [1, 1000].
+    step_rule : str
+        "lipschitz" (FELB) or "mu" (FELB^MU).
+    server_scale : float
+        s > 0 in the server prox with (s·κ, s·λ_r).
+    """
+
+    rank: int = 5
+    kappa: float = 1e-3
+    reg: float = 0.1
+    reg_growth: float = 1.05
+    proximity: float = 1.0
+    inertia: float = 1e-3
+    local_epochs: int = 10
+    step_rule: str = "lipschitz"
+    server_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        _int("felb.rank", self.rank, lo=1, hi=_MAX_BITS)
+        _set(self, "kappa", _float("felb.kappa", self.kappa, lo=0.0))
+        _set(self, "reg", _float("felb.reg", self.reg, lo=0.0))
+        _set(self, "reg_growth", _float("felb.reg_growth", self.reg_growth, lo=1.0))
+        _set(self, "proximity", _float("felb.proximity", self.proximity, lo=0.0))
+        _set(self, "inertia", _float("felb.inertia", self.inertia, lo=0.0, hi=1.0, hi_open=True))
+        _int("felb.local_epochs", self.local_epochs, lo=1, hi=_MAX_LOCAL_STEPS)
+        _choice("felb.step_rule", self.step_rule, ("lipschitz", "mu"))
+        _set(self, "server_scale", _float("felb.server_scale", self.server_scale, lo=0.0, lo_open=True))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FNMFSection:
+    """Coherent federated NMF (TOML table ``[fnmf]``, used when ``model.kind = "fnmf"``).
+
+    Over HTTP the server runs the secure variant only: devices align their V to the broadcast V̄
+    and the server needs just the sum.  The barycenter that needs each client's matrix exists only
+    in the in-process simulator's explicit trusted-aggregator mode.
+
+    Attributes
+    ----------
+    rank : int
+        Component count k in [1, 4096].
+    local_steps : int
+        T, local projected-gradient steps per round, in [1, 1000].
+    proximity : float
+        γ >= 0, the pull towards the aligned V̄ (0 with alignment "none" is FedAvg).
+    inertia : float
+        iPALM β in [0, 1).
+    alignment : str
+        "lap" (Hungarian), "lap_rho" (partial, correlation distance), "sinkhorn" (soft) or "none".
+    """
+
+    rank: int = 5
+    local_steps: int = 100
+    proximity: float = 1.0
+    inertia: float = 0.0
+    alignment: str = "lap"
+
+    def __post_init__(self) -> None:
+        _int("fnmf.rank", self.rank, lo=1, hi=_MAX_BITS)
+        _int("fnmf.local_steps", self.local_steps, lo=1, hi=_MAX_LOCAL_STEPS)
+        _set(self, "proximity", _float("fnmf.proximity", self.proximity, lo=0.0))
+        _set(self, "inertia", _float("fnmf.inertia", self.inertia, lo=0.0, hi=1.0, hi_open=True))
+        _choice("fnmf.alignment", self.alignment, ("lap", "lap_rho", "sinkhorn", "none"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServerConfig:
     """The whole server configuration.
 
@@ -433,6 +562,7 @@ class ServerConfig:
     rounds : RoundSection
     privacy : PrivacySection
     log : LogSection
+    mf, felb, fnmf : the model families' hyper-parameters (only ``model.kind``'s is used)
     """
 
     data_dir: Path
@@ -441,12 +571,22 @@ class ServerConfig:
     rounds: RoundSection = field(default_factory=RoundSection)
     privacy: PrivacySection = field(default_factory=PrivacySection)
     log: LogSection = field(default_factory=LogSection)
+    mf: MFSection = field(default_factory=MFSection)
+    felb: FELBSection = field(default_factory=FELBSection)
+    fnmf: FNMFSection = field(default_factory=FNMFSection)
 
     def __post_init__(self) -> None:
         _set(self, "data_dir", _path("server.data_dir", self.data_dir))
         for name, cls in _SECTION_TYPES.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name}: must be a {cls.__name__}, got {getattr(self, name)!r}")
+        if self.model.kind != "lightfr":
+            rank = getattr(self, self.model.kind).rank
+            if self.model.n_items * rank > MAX_VECTOR_LENGTH:
+                raise ConfigError(
+                    f"{self.model.kind}.rank: n_items * rank = {self.model.n_items * rank} exceeds the largest "
+                    f"update vector 2**28; lower {self.model.kind}.rank or model.n_items"
+                )
 
 
 _SECTION_TYPES: dict[str, type] = {
@@ -455,6 +595,9 @@ _SECTION_TYPES: dict[str, type] = {
     "rounds": RoundSection,
     "privacy": PrivacySection,
     "log": LogSection,
+    "mf": MFSection,
+    "felb": FELBSection,
+    "fnmf": FNMFSection,
 }
 
 # TOML table -> (attribute of ServerConfig, dataclass); [server] also carries data_dir.
@@ -464,6 +607,9 @@ _TABLES: dict[str, tuple[str, type]] = {
     "rounds": ("rounds", RoundSection),
     "privacy": ("privacy", PrivacySection),
     "log": ("log", LogSection),
+    "mf": ("mf", MFSection),
+    "felb": ("felb", FELBSection),
+    "fnmf": ("fnmf", FNMFSection),
 }
 _PATH_KEYS = {("server", "data_dir"), ("server", "tls_cert"), ("server", "tls_key")}
 _REQUIRED = (("server", "data_dir"), ("model", "n_items"))

@@ -770,7 +770,7 @@ class DeviceClient:
         if loader is None:
             raise ConfigError(f"{type(template).__name__} has no load(); it cannot keep a store")
         try:
-            model = loader(path, rng=_secret_generator())
+            model = loader(path)
         except StorageError as exc:
             if path.exists():
                 raise

@@ -11,8 +11,11 @@ from typing import Any
 import pytest
 
 from agg_server.config import (
+    FELBSection,
+    FNMFSection,
     ListenConfig,
     LogSection,
+    MFSection,
     ModelSection,
     PrivacySection,
     RoundSection,
@@ -62,6 +65,9 @@ def test_example_lists_every_key() -> None:
         "rounds": [f.name for f in dataclasses.fields(RoundSection)],
         "privacy": [f.name for f in dataclasses.fields(PrivacySection)],
         "log": [f.name for f in dataclasses.fields(LogSection)],
+        "mf": [f.name for f in dataclasses.fields(MFSection)],
+        "felb": [f.name for f in dataclasses.fields(FELBSection)],
+        "fnmf": [f.name for f in dataclasses.fields(FNMFSection)],
     }
     sections = re.split(r"^\[(\w+)\]$", text, flags=re.MULTILINE)
     bodies = dict(zip(sections[1::2], sections[2::2], strict=True))

@@ -14,6 +14,7 @@ from agg_server.strategy.lightfr import (
     agg_para,
     cold_start_items,
 )
+from protocol.errors import ConfigError
 
 if TYPE_CHECKING:
     from agg_server.config import ServerConfig
@@ -40,4 +41,50 @@ def build_strategy(config: ServerConfig) -> Strategy:
         return LightFRServerStrategy(
             rule, m.n_items, negatives=m.negatives, local_epochs=m.local_epochs, max_sweeps=m.max_sweeps
         )
-    raise ValueError(f"model.kind {m.kind!r} has no server strategy")
+    try:
+        if m.kind == "mf":
+            from agg_server.strategy.mf import MFStrategy
+
+            c = config.mf
+            return MFStrategy(
+                n_items=m.n_items,
+                rank=c.rank,
+                max_norm2=c.max_norm2,
+                server_lr=c.server_lr,
+                learning_rate=c.learning_rate,
+                reg=c.reg,
+                pretrain_epochs=c.pretrain_epochs,
+                local_epochs=c.local_epochs,
+                negatives=c.negatives,
+            )
+        if m.kind == "felb":
+            from agg_server.strategy.felb import FELBStrategy
+
+            b = config.felb
+            return FELBStrategy(
+                rank=b.rank,
+                n_items=m.n_items,
+                kappa=b.kappa,
+                reg=b.reg,
+                reg_growth=b.reg_growth,
+                proximity=b.proximity,
+                inertia=b.inertia,
+                local_epochs=b.local_epochs,
+                step_rule=b.step_rule,
+                server_scale=b.server_scale,
+            )
+        if m.kind == "fnmf":
+            from agg_server.strategy.fnmf import FNMFStrategy
+
+            n = config.fnmf
+            return FNMFStrategy(
+                rank=n.rank,
+                n_items=m.n_items,
+                local_steps=n.local_steps,
+                proximity=n.proximity,
+                inertia=n.inertia,
+                alignment=n.alignment,
+            )
+    except ValueError as exc:
+        raise ConfigError(f"[{m.kind}] {exc}") from exc
+    raise ConfigError(f"model.kind: {m.kind!r} has no server strategy")

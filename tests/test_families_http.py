@@ -1,0 +1,167 @@
+"""Every model family runs a private round over HTTP through the real server and real device clients,
+and ends bit-identical to the same round driven in-process (`fedsim.private.run_private`).
+
+One device of the cohort drops before its masked input, so the SecAgg+ recovery path is part of the
+round; the sum the strategy sees is the survivors' only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agg_server.app import COORDINATOR, create_app
+from agg_server.config import ServerConfig, config_from_dict
+from agg_server.coordinator import RoundCoordinator
+from agg_server.storage import Storage
+from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundStatus, seeded_rngs
+from device_sdk.family import LocalRatings
+from device_sdk.felb import FELBConfig, FELBModel
+from device_sdk.fnmf import FNMFConfig, FNMFModel
+from device_sdk.http import HttpTransport
+from device_sdk.mf import MFConfig, MFModel
+from fedsim.planted import planted_binary, planted_nonnegative
+from fedsim.private import run_private
+
+N_ITEMS = 24
+DEVICES = 6
+SEED = 7
+DROPPER = 2  # index (registration order) of the device that leaves before its masked input
+
+
+def _config(data_dir: Path, kind: str) -> ServerConfig:
+    timeout = 3.0
+    return config_from_dict(
+        {
+            "server": {"data_dir": str(data_dir), "port": 0},
+            "model": {"kind": kind, "n_items": N_ITEMS},
+            "rounds": {
+                "cohort_size": DEVICES,
+                "min_cohort": DEVICES,
+                "seed": 5,
+                "clip_norm": 1000.0,
+                "scale_bits": 16,
+                "advertise_timeout": timeout,
+                "share_keys_timeout": timeout,
+                "masked_input_timeout": timeout,
+                "unmask_timeout": timeout,
+                "round_interval": 0.05,
+            },
+            "mf": {"rank": 4, "pretrain_epochs": 5},
+            "felb": {"rank": 3, "local_epochs": 3},
+            "fnmf": {"rank": 3, "local_steps": 5},
+        },
+        base_dir=data_dir,
+    )
+
+
+def _family(kind: str) -> tuple[Callable[[], Any], list[LocalRatings]]:
+    """A fresh-model factory and each device's data (one user for MF, silos of rows for FELB/FNMF)."""
+    rng = np.random.default_rng(3)
+    if kind == "mf":
+        data = []
+        for _ in range(DEVICES):
+            items = rng.choice(N_ITEMS, size=8, replace=False)
+            data.append(LocalRatings.single_user(items, rng.integers(1, 6, size=8).astype(float)))
+        return (lambda: MFModel(N_ITEMS, MFConfig(factors=4), rng=np.random.default_rng(0))), data
+    if kind == "felb":
+        planted = planted_binary(DEVICES, 5, N_ITEMS, 3, tile_columns=(4, 8), rng=rng)
+        return (lambda: FELBModel(N_ITEMS, FELBConfig(rank=3))), [
+            LocalRatings.from_matrix(block) for block in planted.clients
+        ]
+    planted_real = planted_nonnegative(DEVICES, 5, N_ITEMS, 3, tile_columns=(4, 8), rng=rng)
+    return (lambda: FNMFModel(N_ITEMS, FNMFConfig(rank=3))), [
+        LocalRatings.from_matrix(block) for block in planted_real.clients
+    ]
+
+
+def _dropout(device_index: int) -> DropoutAt:
+    return DropoutAt.BEFORE_MASKED if device_index == DROPPER else DropoutAt.NONE
+
+
+async def _http_round(cfg: ServerConfig, kind: str, aiohttp_server: Any, store: Path) -> Any:
+    app = create_app(cfg)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    new_model, data = _family(kind)
+    clients: list[DeviceClient] = []
+    for index, local in enumerate(data):
+        holder: dict[str, DeviceClient] = {}
+        client = DeviceClient(
+            HttpTransport(url, retries=2),
+            ClientConfig(store_dir=store / f"d{index}", request_timeout=10.0, long_poll_timeout=20.0),
+            items=np.zeros(0, np.int64),
+            ratings=None,
+            n_items=N_ITEMS,
+            model=new_model(),
+            data=local,
+            rng_for_round=lambda r, _h=holder: seeded_rngs(SEED, r, int(_h["c"].device_id or 0)),
+        )
+        holder["c"] = client
+        client._owns_transport = True
+        clients.append(client)
+    for client in clients:  # register in order, so device ids match the in-process run
+        await client.register()
+
+    async def until_done(index: int, client: DeviceClient) -> RoundStatus:
+        for _ in range(200):
+            outcome = await client.run_round(dropout=_dropout(index))
+            if outcome.status is not RoundStatus.WAITED:
+                return outcome.status
+            await asyncio.sleep(min(outcome.retry_after or 0.05, 0.1))
+        raise AssertionError("the round never opened")
+
+    try:
+        statuses = await asyncio.wait_for(
+            asyncio.gather(*(until_done(i, c) for i, c in enumerate(clients))), timeout=60.0
+        )
+    finally:
+        for client in clients:
+            await client.close()
+    return app[COORDINATOR], statuses, data, new_model
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["mf", "felb", "fnmf"])
+async def test_family_round_over_http_matches_in_process(kind: str, aiohttp_server: Any, tmp_path: Path) -> None:
+    coord, statuses, data, new_model = await _http_round(
+        _config(tmp_path / "http", kind), kind, aiohttp_server, tmp_path / "devices"
+    )
+    assert statuses.count(RoundStatus.COMMITTED) == DEVICES - 1
+    assert statuses[DROPPER] is RoundStatus.DROPPED
+    assert coord.model_version == 2 and coord.strategy.kind == kind
+
+    # The same round in-process: same seeds, same dropout, device ids 1..DEVICES in both runs.
+    ref_cfg = _config(tmp_path / "ref", kind)
+    ids = list(range(1, DEVICES + 1))
+    index_of = {d: i for i, d in enumerate(ids)}
+    store = Storage(ref_cfg.data_dir)
+    ref = run_private(
+        ref_cfg,
+        dict(enumerate(data)),
+        lambda device_id: new_model(),
+        rounds=1,
+        seed=SEED,
+        dropout=lambda round_id, device_id: _dropout(index_of[device_id]),
+        storage=store,
+    )
+    try:
+        assert sorted(ref.devices) == ids
+        assert ref.coordinator.model_version == 2
+        assert ref.coordinator.model_bytes == coord.model_bytes
+        assert not np.array_equal(ref.coordinator.model_state, _initial_state(ref_cfg))
+    finally:
+        store.close()
+
+
+def _initial_state(cfg: ServerConfig) -> Any:
+    store = Storage(cfg.data_dir.parent / "init")
+    try:
+        return RoundCoordinator(cfg, store, now=0.0).model_state
+    finally:
+        store.close()
