@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from fedsim.cli import main as fedrec
 from fedsim.demo import ServerProcess, write_server_config
 
 N_ITEMS = 500
@@ -94,8 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "300",
                 ]
                 print("$ fedrec " + shlex.join(command), flush=True)
-                # `python -m fedsim.cli` is the `fedrec` console script, run by this interpreter.
-                status = subprocess.run([sys.executable, "-m", "fedsim.cli", *command], check=False).returncode
+                status = fedrec(command)  # the `fedrec` console script's entry point, in this process
                 exit_code = server.stop()  # SIGTERM, then SIGKILL after a grace period
         except RuntimeError as exc:  # the server did not start
             print(f"FAILED: {exc}\n{log.read_text()}", file=sys.stderr)

@@ -98,6 +98,12 @@ async def one_round(url: str, root: Path) -> list[tuple[DeviceClient, NDArray[np
         mask = log.users == user
         rated.append(np.asarray(log.items[mask], dtype=np.int64))
         holder: dict[str, DeviceClient] = {}
+
+        def rngs(round_id: int, h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, np.random.Generator]:
+            # Seeded generators (simulation only; by default a device seeds from `secrets`).  The
+            # device id is read when a round starts, after registration.
+            return seeded_rngs(0, round_id, int(h["c"].device_id or 0))
+
         client = DeviceClient.connect(
             url,
             ClientConfig(store_dir=root / "devices" / f"device-{user}", long_poll_timeout=60.0),
@@ -105,8 +111,7 @@ async def one_round(url: str, root: Path) -> list[tuple[DeviceClient, NDArray[np
             ratings=np.asarray(log.ratings[mask]),
             n_items=N_ITEMS,
             bits=BITS,
-            # Seeded generators (simulation only; by default a device seeds from `secrets`).
-            rng_for_round=lambda r, h=holder: seeded_rngs(0, r, int(h["c"].device_id or 0)),
+            rng_for_round=rngs,
         )
         holder["c"] = client
         clients.append(client)

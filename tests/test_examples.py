@@ -62,8 +62,17 @@ def test_run_server(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_loadtest(tmp_path: Path) -> None:
-    out = assert_ok(run_example("loadtest.py", tmp_path, timeout=170))
+@pytest.mark.parametrize(
+    "args",
+    [
+        # Nobody drops, so no phase waits for its deadline: a few seconds.
+        pytest.param(("--dropout", "0"), id="no-dropout"),
+        # The example as documented (10% of devices drop, some silently): phases wait for deadlines.
+        pytest.param((), id="defaults", marks=pytest.mark.slow),
+    ],
+)
+def test_loadtest(tmp_path: Path, args: tuple[str, ...]) -> None:
+    out = assert_ok(run_example("loadtest.py", tmp_path, *args, timeout=170))
     assert "$ fedrec loadtest --url http://127.0.0.1:" in out
     assert "50 devices, 1 rounds finished" in out
     assert "per-phase latency seen by devices" in out
@@ -76,3 +85,12 @@ def test_loadtest_reports_a_server_that_cannot_start(tmp_path: Path) -> None:
     proc = run_example("loadtest.py", tmp_path, "--devices", "2", timeout=60)
     assert proc.returncode == 1
     assert "FAILED: the server did not start" in proc.stderr and "cohort_size" in proc.stderr
+
+
+def test_custom_strategy(tmp_path: Path) -> None:
+    out = assert_ok(run_example("custom_strategy.py", tmp_path))
+    for r, rho in ((1, "0.500"), (2, "0.250"), (3, "0.125"), (4, "0.062")):
+        assert f"round {r}: ρ = {rho}," in out
+    assert "with the federated codes" in out
+    assert "create_app(config, strategy=AnnealedAggGrad(...)) on http://127.0.0.1:" in out
+    assert "custom_strategy: all checks passed" in out
