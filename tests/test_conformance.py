@@ -4,6 +4,8 @@ Invariants:
 - This module never imports docs/test-vectors/generate.py: it rebuilds every message, key and round from the
   JSON alone, and recomputes the byte layouts it can (HKDF info, session-id preimage, share plaintext,
   quantization rule, Shamir polynomial) with hashlib/hmac/struct instead of the code under test.
+- The generator only ever runs as a separate process (`test_generator_is_deterministic_and_committed`), to
+  show that a fresh run writes exactly the committed bytes.
 - Each check is a function returning a list of mismatches, so the mutation tests can show that a changed
   wire key, type code or HKDF label makes the same checks report failures.
 """
@@ -14,6 +16,8 @@ import hashlib
 import hmac
 import json
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
@@ -459,3 +463,16 @@ def test_fixed_secrets_are_validated() -> None:
         fixed.shares(fixed.self_mask_seed, (1, 2), 2, 3)
     with pytest.raises(TypeError):
         DeviceSecAggSession(_invite(1), rng=np.random.default_rng(0), fixed_secrets=object())  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------ generator
+
+
+def test_generator_is_deterministic_and_committed(tmp_path: Path) -> None:
+    # A fresh run must write exactly the committed bytes (which an earlier run wrote): the generator is
+    # deterministic and the vectors are not stale.
+    subprocess.run(
+        [sys.executable, str(VECTORS / "generate.py"), "--out", str(tmp_path)], check=True, capture_output=True
+    )
+    for name in ("messages.json", "crypto.json", "round.json"):
+        assert (tmp_path / name).read_bytes() == (VECTORS / name).read_bytes(), name

@@ -17,6 +17,7 @@ change that alters it (a change in a vector is a wire-format change: bump the pr
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import sys
@@ -592,16 +593,20 @@ def round_vector() -> dict[str, Any]:
     }
 
 
-def _write(name: str, data: dict[str, Any]) -> None:
+def _write(out: Path, name: str, data: dict[str, Any]) -> None:
     text = json.dumps(data, indent=1, ensure_ascii=False) + "\n"
-    (OUT / name).write_text(text, encoding="utf-8")
+    (out / name).write_text(text, encoding="utf-8")
 
 
-def main() -> None:
-    """Write messages.json, crypto.json and round.json."""
-    _write("messages.json", message_vectors())
-    _write("crypto.json", crypto_vectors())
-    _write("round.json", round_vector())
+def main(argv: list[str] | None = None) -> None:
+    """Write messages.json, crypto.json and round.json (next to this script, or into ``--out DIR``)."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=OUT, help="output folder (default: next to this script)")
+    out: Path = parser.parse_args(argv).out
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out, "messages.json", message_vectors())
+    _write(out, "crypto.json", crypto_vectors())
+    _write(out, "round.json", round_vector())
 
 
 if __name__ == "__main__":
