@@ -181,7 +181,7 @@ def in_process_rounds(root: Path) -> None:
         for index, rho, flipped in strategy.history:
             print(
                 f"round {index + 1}: ρ = {rho:.3f}, {flipped} of {N_ITEMS * BITS} item bits flipped "
-                f"({flipped / (N_ITEMS * BITS):.1%}); survivors: "
+                f"({flipped / (N_ITEMS * BITS):.1%}); devices told committed: "
                 f"{sum(v == 'committed' for v in run.outcomes[index].values())}"
             )
         check([h[0] for h in strategy.history] == list(range(ROUNDS)), "one aggregate call per round, in order")
