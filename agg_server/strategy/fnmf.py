@@ -1,0 +1,249 @@
+"""FNMF server side (Dalleiger & Gionis, coherent federated NMF; `../shared/notes/felb-fnmf.md` B.2, C),
+pure numpy: the secure "anchored" aggregation of client-aligned differences, and — for the in-process
+simulator only — the paper's trusted barycenter over individual client matrices.
+
+Invariants:
+- `FNMFStrategy` sees only the cohort's **sum** S of uploads Δ_j = P_jV_j − diag(P_j𝟙)V̄ (clients
+  align themselves to the broadcast V̄) and the survivor count c.  Its update
+  V̄ ← max(0, V̄ + S/c) (per component V̄_l ← V̄_l + S_l/n_l for "lap_rho", unchanged where n_l = 0)
+  is one step of the barycenter fixed point warm-started at V̄; with alignment "none" it is FedAvg's
+  plain mean.  It runs under secure aggregation.
+- `TrustedBarycenterFNMF` needs every client's own matrix, so it can never run under secure
+  aggregation; building it logs a WARNING saying so.  The HTTP server never receives individual
+  matrices; only `fedsim` uses it.
+- V̄ is a (k, m) float64 non-negative matrix; its wire form is k·m little-endian float64 in C order.
+- The LAP helper duplicates `device_sdk.fnmf.lap_align` on purpose: `agg_server` may not import
+  `device_sdk` (DESIGN §1), and the two must agree on the assignment (a test checks it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from scipy.optimize import linear_sum_assignment
+
+from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
+
+__all__ = [
+    "FNMFStrategy",
+    "TrustedBarycenterFNMF",
+    "fedavg_mean",
+    "lap_permutation",
+    "trusted_barycenter",
+]
+
+_ALIGNMENTS = ("none", "lap", "lap_rho", "sinkhorn")
+_log = logging.getLogger(__name__)
+
+Array = NDArray[np.float64]
+
+
+def lap_permutation(V: Array, V_bar: Array) -> Array:
+    """The permutation P minimising ‖V̄ − PV‖²_F (Hungarian algorithm on squared row distances).
+
+    A copy of `device_sdk.fnmf.lap_align` (the packages may not import each other).
+    """
+    if V.ndim != 2 or V.shape != V_bar.shape:
+        raise ValueError(f"matrices differ in shape: {V.shape} vs {V_bar.shape}")
+    d = (V_bar * V_bar).sum(axis=1)[:, None] + (V * V).sum(axis=1)[None, :] - 2.0 * (V_bar @ V.T)
+    rows, cols = linear_sum_assignment(np.maximum(d, 0.0))
+    P = np.zeros((V.shape[0], V.shape[0]))
+    P[rows, cols] = 1.0
+    return P
+
+
+def fedavg_mean(matrices: Sequence[Array]) -> Array:
+    """FedAvg's aggregate: the plain (unaligned) mean of the client matrices."""
+    if not matrices:
+        raise ValueError("no client matrices")
+    return np.mean(np.stack([np.asarray(v, dtype=np.float64) for v in matrices]), axis=0)
+
+
+def trusted_barycenter(
+    matrices: Sequence[Array], iterations: int = 10, *, init: Array | None = None
+) -> tuple[Array, list[Array]]:
+    """FNMF Alg. 1: the LAP fixed point B(𝒱) ≈ argmin_V̄ Σ_j min_P ½‖V̄ − PV_j‖²_F.
+
+    V̄ starts at the plain mean (or ``init``); then, until V̄ stops changing or ``iterations`` passes,
+    every P_j ← argmin_P ‖V̄ − PV_j‖ and V̄ ← (1/c) Σ_j P_jV_j.  This is Lloyd's algorithm with a
+    one-to-one matching step, a heuristic for an NP-hard problem (paper Thm. 1).
+
+    Needs every client's individual matrix: a trusted aggregator only.
+
+    Returns
+    -------
+    (V̄, [P_j]) with the assignments of the last pass.
+    """
+    if iterations < 0:
+        raise ValueError(f"iterations must be >= 0, got {iterations}")
+    mats = [np.asarray(v, dtype=np.float64) for v in matrices]
+    if not mats:
+        raise ValueError("no client matrices")
+    k = mats[0].shape[0]
+    v_bar = fedavg_mean(mats) if init is None else np.asarray(init, dtype=np.float64).copy()
+    perms = [np.eye(k) for _ in mats]
+    for _ in range(iterations):  # loop over fixed-point passes (clients inside: c is small)
+        perms = [lap_permutation(v, v_bar) for v in mats]
+        new = np.mean(np.stack([p @ v for p, v in zip(perms, mats, strict=True)]), axis=0)
+        if np.array_equal(new, v_bar):
+            break
+        v_bar = new
+    return v_bar, perms
+
+
+@dataclass(slots=True)
+class FNMFStrategy:
+    """The secure FNMF strategy (anchored one-round variant; "none" is FedAvg / FedProx).
+
+    Attributes
+    ----------
+    rank : component count k (the ``bits`` wire field).
+    n_items : catalogue size m.
+    local_steps : T, local projected-gradient steps per round (``local_epochs``, 1..1000).
+    proximity : γ, the pull towards the aligned V̄ (0 = FedAvg).
+    inertia : iPALM β in [0, 1).
+    alignment : "lap" (default), "lap_rho", "sinkhorn" or "none".
+    """
+
+    rank: int
+    n_items: int
+    local_steps: int = 100
+    proximity: float = 1.0
+    inertia: float = 0.0
+    alignment: str = "lap"
+    kind: str = field(default="fnmf", init=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rank <= 4096 or self.n_items <= 0:
+            raise ValueError(f"need 1 <= rank <= 4096 and n_items > 0, got {self.rank}, {self.n_items}")
+        if not 1 <= self.local_steps <= 1000:
+            raise ValueError(f"local_steps must be in [1, 1000], got {self.local_steps}")
+        if not (self.proximity >= 0.0 and np.isfinite(self.proximity)):
+            raise ValueError(f"proximity must be a finite value >= 0, got {self.proximity}")
+        if not 0.0 <= self.inertia < 1.0:
+            raise ValueError(f"inertia must be in [0, 1), got {self.inertia}")
+        if self.alignment not in _ALIGNMENTS:
+            raise ValueError(f"alignment must be one of {_ALIGNMENTS}, got {self.alignment!r}")
+
+    @property
+    def vector_length(self) -> int:
+        """k·m, plus k match counts for "lap_rho"."""
+        return self.rank * self.n_items + (self.rank if self.alignment == "lap_rho" else 0)
+
+    def initialize(self, rng: np.random.Generator) -> Array:
+        """Version-1 V̄ ~ Uniform[0, 1)^{k×m}."""
+        return rng.random((self.rank, self.n_items))
+
+    def plan(self) -> dict[str, Any]:
+        """The round plan: k, m, T, γ, β and the alignment the devices use."""
+        return {
+            "model_kind": self.kind,
+            "bits": self.rank,
+            "n_items": self.n_items,
+            "local_epochs": self.local_steps,
+            "proximity": self.proximity,
+            "inertia": self.inertia,
+            "alignment": self.alignment,
+        }
+
+    def aggregate(
+        self,
+        state: NDArray[Any],
+        total: NDArray[np.float64],
+        survivors: int,
+        rng: np.random.Generator,
+        *,
+        round_index: int,
+    ) -> Array:
+        """V̄ ← max(0, V̄ + S/c); "lap_rho": V̄_l ← max(0, V̄_l + S_l/n_l) where n_l ≥ 1, else unchanged.
+
+        The counts n_l arrive summed (and possibly DP-noised), so they are rounded to integers first.
+        ``rng`` and ``round_index`` are unused: the rule is deterministic and has no schedule.
+        """
+        k, m = self.rank, self.n_items
+        v_bar = np.asarray(state, dtype=np.float64)
+        if v_bar.shape != (k, m):
+            raise ValueError(f"state has shape {v_bar.shape}, expected {(k, m)}")
+        total = np.asarray(total, dtype=np.float64)
+        if total.shape != (self.vector_length,) or not np.all(np.isfinite(total)):
+            raise ValueError(f"aggregate must be {self.vector_length} finite values, got shape {total.shape}")
+        if survivors < 1:
+            raise ValueError(f"survivors must be >= 1, got {survivors}")
+        S = total[: k * m].reshape(k, m)
+        if self.alignment == "lap_rho":
+            counts = np.rint(total[k * m :])
+            ok = counts >= 1.0
+            step = np.zeros((k, m))
+            step[ok] = S[ok] / counts[ok, None]
+            return np.maximum(0.0, v_bar + step)
+        return np.maximum(0.0, v_bar + S / survivors)
+
+    def to_wire(self, state: NDArray[Any]) -> dict[str, bytes]:
+        """``{"values": V̄ as little-endian float64, C order}``."""
+        return {"values": float_state_to_bytes(np.asarray(state, dtype=np.float64))}
+
+    def from_wire(self, words: bytes, values: bytes) -> Array:
+        """Inverse of `to_wire`; refuses packed words, a wrong length or a negative entry."""
+        if words:
+            raise ValueError("an FNMF model has no packed words")
+        v = float_state_from_bytes(values, (self.rank, self.n_items))
+        if np.any(v < 0.0):
+            raise ValueError("V̄ must be non-negative")
+        return v
+
+    def describe(self, old: NDArray[Any], new: NDArray[Any]) -> str:
+        """The largest and mean absolute change of V̄."""
+        d = np.abs(np.asarray(new, dtype=np.float64) - np.asarray(old, dtype=np.float64))
+        return f"max |ΔV̄| {float(d.max()):.3g}, mean {float(d.mean()):.3g}"
+
+
+@dataclass(slots=True)
+class TrustedBarycenterFNMF:
+    """The paper's server (Alg. 1–2): a LAP fixed-point barycenter over **individual** client matrices.
+
+    For a trusted aggregator only — it sees every client's V_j, which secure aggregation exists to
+    hide.  Used by the in-process simulator as the reference the secure variant is compared with.
+
+    Attributes
+    ----------
+    rank, n_items : k and m.
+    iterations : fixed-point passes per aggregation.
+    warm_start : start the fixed point at the current V̄ instead of the plain mean.
+    """
+
+    rank: int
+    n_items: int
+    iterations: int = 10
+    warm_start: bool = True
+    kind: str = field(default="fnmf", init=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rank <= 4096 or self.n_items <= 0:
+            raise ValueError(f"need 1 <= rank <= 4096 and n_items > 0, got {self.rank}, {self.n_items}")
+        if self.iterations < 0:
+            raise ValueError(f"iterations must be >= 0, got {self.iterations}")
+        _log.warning(
+            "TrustedBarycenterFNMF: the aggregator sees individual client matrices (no secure aggregation); "
+            "use it only in trusted, in-process simulations"
+        )
+
+    def initialize(self, rng: np.random.Generator) -> Array:
+        """Version-1 V̄ ~ Uniform[0, 1)^{k×m} (the same draw as `FNMFStrategy.initialize`)."""
+        return rng.random((self.rank, self.n_items))
+
+    def aggregate_matrices(self, state: Array | None, matrices: Sequence[Array]) -> tuple[Array, list[Array]]:
+        """The barycenter of the clients' own matrices (warm-started at ``state`` if configured).
+
+        Returns (V̄, [P_j]).
+        """
+        mats = [np.asarray(v, dtype=np.float64) for v in matrices]
+        for v in mats:
+            if v.shape != (self.rank, self.n_items):
+                raise ValueError(f"a client matrix has shape {v.shape}, expected {(self.rank, self.n_items)}")
+        init = state if (self.warm_start and state is not None) else None
+        return trusted_barycenter(mats, self.iterations, init=init)

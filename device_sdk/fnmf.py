@@ -1,0 +1,681 @@
+"""Coherent federated NMF on the device (Dalleiger & Gionis, "Creating Coherence in Federated
+Non-Negative Matrix Factorization"; `../shared/notes/felb-fnmf.md` B–C): projected-gradient NMF
+steps, the three alignments of a local component matrix to the broadcast one, the frozen-P
+alignment-aware proximal pull, and `FNMFModel`, the device side of the "anchored one-round"
+secure variant.
+
+Notation: a client holds X (n, m) ≥ 0 (its rows: many users in the cross-silo setting), its private
+U (n, k) ≥ 0 and a local component matrix V (k, m) ≥ 0 in its *own* row order; the server's
+V̄ (k, m) ≥ 0 is in the *global* order.  An alignment is a (k, k) matrix P with rows in the global
+order and columns in the client's order, so ``P @ V`` is compared row by row with V̄:
+- "none": P = I (FedAvg / FedProx);
+- "lap" (D1): a permutation matrix minimising ‖V̄ − PV‖²_F (Hungarian algorithm);
+- "lap_rho" (D2): a partial permutation; a pair may match only if its Pearson correlation is
+  significantly positive (Fisher z, one-sided, level α); global rows with no match are zero rows of
+  P and local rows with no match are *personal* (never pulled towards V̄);
+- "sinkhorn" (D3): a row-stochastic entropic transport plan (each global row is a convex
+  combination of local rows).
+
+Invariants:
+- Every kernel is pure numpy: arrays in, new arrays out; no logging, no global randomness.  Python
+  loops run over local steps, Sinkhorn iterations or the rank k, never over rows, items or entries.
+- Gradients are those of the ½-squared loss ½‖X − UV‖²_F; step sizes are 1/L with the corrected
+  Lipschitz constants L_U = ‖VVᵀ‖₂ and L_V = ‖UᵀU‖₂ (the paper prints them swapped).
+- The upload is Δ = PV − diag(P𝟙)V̄ flattened (k·m), followed for "lap_rho" by the k match counts
+  P𝟙: the server needs only the cohort's sum of it (`agg_server.strategy.fnmf.FNMFStrategy`).
+- The model never sends U, X or its own V: only the upload vector leaves it.  Every random draw
+  comes from the generator passed to `FNMFModel.local_update` (U first, then V when the client
+  starts from its own V).
+- Round 0 (``invite.round_index == 0``) trains against the untrained version-1 V̄, so the pull is
+  off in that round: there is nothing to be coherent with yet.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from statistics import NormalDist
+from typing import Any, ClassVar
+
+import numpy as np
+import scipy.sparse as sp
+from numpy.typing import ArrayLike, NDArray
+from scipy.optimize import linear_sum_assignment
+
+from device_sdk.family import LocalRatings, LocalResult
+from device_sdk.store import load_store, save_store
+from protocol.errors import ModelError, StorageError
+from protocol.messages import RoundInvite
+
+__all__ = [
+    "ALIGNMENTS",
+    "FNMFConfig",
+    "FNMFModel",
+    "align",
+    "frozen_prox",
+    "lap_align",
+    "lap_rho_align",
+    "lipschitz_u",
+    "lipschitz_v",
+    "nmf_objective",
+    "pgd_steps",
+    "pgd_u",
+    "pgd_v",
+    "pull_target",
+    "sinkhorn_align",
+    "upload_vector",
+    "upload_length",
+]
+
+_KIND = "fnmf"
+ALIGNMENTS = ("none", "lap", "lap_rho", "sinkhorn")
+# Big-M for forbidden pairs in the partial assignment: any finite cost is at most 2 (1 − r, r ≥ −1).
+_FORBIDDEN = 1e6
+
+Array = NDArray[np.float64]
+
+
+# -- projected gradient NMF ----------------------------------------------------------------------
+def nmf_objective(X: Array, U: Array, V: Array) -> float:
+    """½‖X − UV‖²_F, the local data term."""
+    R = X - U @ V
+    return 0.5 * float(np.einsum("ij,ij->", R, R))
+
+
+def _spectral_psd(G: Array) -> float:
+    # G is a symmetric positive semi-definite k × k Gram matrix: its 2-norm is the largest eigenvalue
+    # (eigvalsh is several times cheaper than the SVD behind np.linalg.norm(G, 2)).
+    return max(float(np.linalg.eigvalsh(G)[-1]), 0.0)
+
+
+def lipschitz_u(V: Array) -> float:
+    """L_U = ‖VVᵀ‖₂, the Lipschitz constant of ∇_U ½‖X − UV‖² (corrected; see the module notes)."""
+    return _spectral_psd(V @ V.T)
+
+
+def lipschitz_v(U: Array) -> float:
+    """L_V = ‖UᵀU‖₂, the Lipschitz constant of ∇_V ½‖X − UV‖²."""
+    return _spectral_psd(U.T @ U)
+
+
+def pgd_u(X: Array, U: Array, V: Array) -> tuple[Array, float]:
+    """One projected gradient step on U with step 1/L_U: U ← [U − (UVVᵀ − XVᵀ)/L_U]_+.
+
+    Returns the new U and the step η_U (0 when L_U = 0: U is then left as it is).
+    """
+    G = V @ V.T
+    L = _spectral_psd(G)
+    if L <= 0.0:
+        return U.copy(), 0.0
+    eta = 1.0 / L
+    return np.maximum(0.0, U - eta * (U @ G - X @ V.T)), eta
+
+
+def pgd_v(X: Array, U: Array, V: Array) -> tuple[Array, float]:
+    """One projected gradient step on V with step 1/L_V: V ← [V − (UᵀUV − UᵀX)/L_V]_+."""
+    G = U.T @ U
+    L = _spectral_psd(G)
+    if L <= 0.0:
+        return V.copy(), 0.0
+    eta = 1.0 / L
+    return np.maximum(0.0, V - eta * (G @ V - U.T @ X)), eta
+
+
+# -- alignments ----------------------------------------------------------------------------------
+def _row_sq_dist(V_bar: Array, V: Array) -> Array:
+    """C[a, b] = ‖V̄_a − V_b‖² for global row a and local row b."""
+    d = (V_bar * V_bar).sum(axis=1)[:, None] + (V * V).sum(axis=1)[None, :] - 2.0 * (V_bar @ V.T)
+    return np.maximum(d, 0.0)
+
+
+def _check_pair(V: Array, V_bar: Array) -> None:
+    if V.ndim != 2 or V.shape != V_bar.shape:
+        raise ValueError(f"local and global component matrices differ in shape: {V.shape} vs {V_bar.shape}")
+
+
+def lap_align(V: Array, V_bar: Array) -> Array:
+    """D1: the permutation P minimising ‖V̄ − PV‖²_F (linear assignment on squared row distances).
+
+    Returns
+    -------
+    (k, k) float64 permutation matrix; ``(P @ V)[a]`` is the local row matched to global row a.
+    """
+    _check_pair(V, V_bar)
+    rows, cols = linear_sum_assignment(_row_sq_dist(V_bar, V))
+    P = np.zeros((V.shape[0], V.shape[0]))
+    P[rows, cols] = 1.0
+    return P
+
+
+def _pearson(A: Array, B: Array) -> Array:
+    """r[a, b] = Pearson correlation of rows A_a and B_b over the m columns (0 for a constant row)."""
+    Ac = A - A.mean(axis=1, keepdims=True)
+    Bc = B - B.mean(axis=1, keepdims=True)
+    na = np.sqrt((Ac * Ac).sum(axis=1))
+    nb = np.sqrt((Bc * Bc).sum(axis=1))
+    denom = na[:, None] * nb[None, :]
+    safe = np.where(denom > 0.0, denom, 1.0)
+    return np.where(denom > 0.0, np.clip((Ac @ Bc.T) / safe, -1.0, 1.0), 0.0)
+
+
+def rho_distances(V: Array, V_bar: Array, alpha: float = 0.05) -> tuple[Array, NDArray[np.bool_]]:
+    """D2 costs: d[a, b] = 1 − corr(V̄_a, V_b) and whether the pair may match at all.
+
+    A pair is allowed when the correlation is significantly positive: Fisher's z = atanh(r)·√(m − 3)
+    exceeds the one-sided N(0, 1) quantile at level α (the paper's z-test; its α is not in the
+    available text, 0.05 is our default).  With m ≤ 3 nothing is significant.
+    """
+    _check_pair(V, V_bar)
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    m = V.shape[1]
+    r = _pearson(V_bar, V)
+    if m <= 3:
+        return 1.0 - r, np.zeros(r.shape, dtype=bool)
+    z = np.arctanh(np.clip(r, -1.0 + 1e-15, 1.0 - 1e-15)) * math.sqrt(m - 3)
+    return 1.0 - r, z > NormalDist().inv_cdf(1.0 - alpha)
+
+
+def lap_rho_align(V: Array, V_bar: Array, alpha: float = 0.05) -> Array:
+    """D2: partial assignment on correlation distances; insignificant pairs may not match.
+
+    Solved as one linear assignment over k global rows and 2k columns (the k local rows, then k
+    "unaligned" dummies), with a big-M on forbidden pairs, so a global row is matched to a local row
+    only through a significant correlation.  The paper prices the dummy at the largest finite cost;
+    we add 1e-9 so that a tie between "match" and "leave unaligned" resolves to the match.
+
+    Returns
+    -------
+    (k, k) 0/1 matrix with at most one 1 per row and per column; zero rows are unmatched global
+    components, zero columns are personal local components.
+    """
+    d, ok = rho_distances(V, V_bar, alpha)
+    k = V.shape[0]
+    dummy = float(d[ok].max()) + 1e-9 if ok.any() else 1.0
+    cost = np.concatenate([np.where(ok, d, _FORBIDDEN), np.full((k, k), dummy)], axis=1)
+    rows, cols = linear_sum_assignment(cost)
+    hit = (cols < k) & ok[rows, np.minimum(cols, k - 1)]
+    P = np.zeros((k, k))
+    P[rows[hit], cols[hit]] = 1.0
+    return P
+
+
+def sinkhorn_align(V: Array, V_bar: Array, eps: float = 0.05, *, iterations: int = 100, tol: float = 1e-4) -> Array:
+    """D3: a row-stochastic soft alignment from entropic optimal transport (Sinkhorn–Knopp).
+
+    The cost C[a, b] = ‖V̄_a − V_b‖² is divided by its largest entry, so ``eps`` is relative to the
+    cost scale (at ε = 0.05 a pair costing 5 % of the worst pair more is e times less likely).
+    Marginals are uniform.  The plan π = diag(u) K diag(v), K = exp(−C/ε), is scaled by k and its
+    rows renormalised, so P𝟙 = 𝟙 exactly and P is close to doubly stochastic.  The loop stops after
+    ``iterations`` or when the row sums of k·π are within ``tol`` of 1 (the columns are exact after
+    each v update).  ε ≥ 0.002 keeps every entry of K above exp(−500), so no log domain is needed.
+
+    Returns
+    -------
+    (k, k) non-negative matrix with unit row sums.
+    """
+    _check_pair(V, V_bar)
+    if not (eps >= 0.002 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite value >= 0.002, got {eps}")
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    C = _row_sq_dist(V_bar, V)
+    top = float(C.max())
+    K = np.exp(-(C / top if top > 0.0 else C) / eps)
+    k = C.shape[0]
+    u = np.ones(k)
+    v = np.ones(k)
+    for _ in range(iterations):  # loop over Sinkhorn iterations on a k × k plan
+        u = 1.0 / (K @ v)
+        v = 1.0 / (K.T @ u)
+        if float(np.abs(u * (K @ v) - 1.0).max()) <= tol:
+            break
+    P = u[:, None] * K * v[None, :]
+    return P / P.sum(axis=1, keepdims=True)
+
+
+def align(V: Array, V_bar: Array, method: str, *, eps: float = 0.05, alpha: float = 0.05) -> Array:
+    """The alignment P (global rows × local rows) of ``method`` ("none", "lap", "lap_rho", "sinkhorn")."""
+    if method == "none":
+        _check_pair(V, V_bar)
+        return np.eye(V.shape[0])
+    if method == "lap":
+        return lap_align(V, V_bar)
+    if method == "lap_rho":
+        return lap_rho_align(V, V_bar, alpha)
+    if method == "sinkhorn":
+        return sinkhorn_align(V, V_bar, eps)
+    raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {method!r}")
+
+
+def pull_target(P: Array, V_bar: Array) -> tuple[Array, Array]:
+    """V̄ brought into the client's row order, and which local rows it covers.
+
+    Local row b's target is the P-weighted mean of the global rows matched to it
+    (Σ_a P_ab V̄_a / Σ_a P_ab): V̄_a for a permutation, a convex combination for Sinkhorn.  Local rows
+    no global row matched (``mask`` 0) are personal and get a zero target.
+
+    Returns
+    -------
+    target : (k, m), mask : (k,) float64 in {0, 1}.
+    """
+    col = P.sum(axis=0)
+    mask = (col > 0.0).astype(np.float64)
+    Q = P.T / np.where(col > 0.0, col, 1.0)[:, None]
+    return Q @ V_bar, mask
+
+
+def frozen_prox(V: Array, target: Array, mask: Array, weight: float) -> Array:
+    """The alignment-aware prox with P frozen: V_b ← (V_b + w·target_b)/(1 + w) on covered rows.
+
+    With squared norms the exact frozen-P prox of step t is w = tγ (FELB's prox^p form); the
+    paper's printed form drops the step (w = γ).  `FNMFConfig.scaled_prox` picks one.
+    """
+    w = weight * mask[:, None]
+    return (V + w * target) / (1.0 + w)
+
+
+def pgd_steps(
+    X: Array,
+    U: Array,
+    V: Array,
+    steps: int,
+    *,
+    V_bar: Array | None = None,
+    gamma: float = 0.0,
+    alignment: str = "none",
+    scaled_prox: bool = True,
+    inertia: float = 0.0,
+    eps: float = 0.05,
+    alpha: float = 0.05,
+) -> tuple[Array, Array]:
+    """T local iPALM steps (FNMF Alg. 2, client): a U step, a V step, then the pull towards P̂V̄.
+
+    P̂ is recomputed at the current V on every step and frozen for the prox.  With ``inertia`` β > 0
+    each block is first extrapolated, X ← X + β(X − X_prev) (iPALM).  With ``gamma`` 0 or no V̄ the
+    pull is off (FedAvg's local solver).
+
+    Returns
+    -------
+    The new (U, V); the inputs are not modified.
+    """
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    if not 0.0 <= inertia < 1.0:
+        raise ValueError(f"inertia must be in [0, 1), got {inertia}")
+    if gamma < 0.0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    pull = gamma > 0.0 and V_bar is not None
+    U_prev, V_prev = U, V
+    for _ in range(steps):  # loop over local iterations
+        Ue = U + inertia * (U - U_prev) if inertia else U
+        U_prev = U
+        U, _ = pgd_u(X, Ue, V)
+        Ve = V + inertia * (V - V_prev) if inertia else V
+        V_prev = V
+        V, eta = pgd_v(X, U, Ve)
+        if pull and V_bar is not None:
+            target, mask = pull_target(align(V, V_bar, alignment, eps=eps, alpha=alpha), V_bar)
+            V = frozen_prox(V, target, mask, gamma * eta if scaled_prox else gamma)
+    return U, V
+
+
+def upload_length(k: int, m: int, alignment: str) -> int:
+    """Length of an FNMF upload: k·m, plus k match counts for "lap_rho"."""
+    return k * m + (k if alignment == "lap_rho" else 0)
+
+
+def upload_vector(V: Array, V_bar: Array, P: Array, alignment: str) -> Array:
+    """Δ = PV − diag(P𝟙)V̄, flattened in C order; "lap_rho" appends the match counts P𝟙.
+
+    Summed over the cohort and divided by the (per-component) count this is one step of the
+    barycenter fixed point warm-started at V̄ (notes C, "anchored" variant).
+    """
+    matched = P.sum(axis=1)
+    delta = P @ V - matched[:, None] * V_bar
+    if alignment == "lap_rho":
+        return np.concatenate([delta.ravel(), matched])
+    return delta.ravel()
+
+
+# -- the device model ----------------------------------------------------------------------------
+def _as_items(user_items: ArrayLike, n_items: int) -> NDArray[np.int64]:
+    if sp.issparse(user_items):
+        row = sp.csr_matrix(user_items)
+        if row.shape[0] != 1:
+            raise ValueError("pass one user's items as a 1 × n_items sparse row or an array of ids")
+        items = row.indices.astype(np.int64)
+    else:
+        items = np.asarray(user_items, dtype=np.int64).ravel()
+    if items.size and (items.min() < 0 or items.max() >= n_items):
+        raise ValueError(f"item id out of range [0, {n_items})")
+    return items
+
+
+@dataclass(frozen=True, slots=True)
+class FNMFConfig:
+    """Device-side FNMF hyper-parameters (the round plan overrides steps, γ, β and alignment).
+
+    Attributes
+    ----------
+    rank : component count k.
+    local_steps : T projected-gradient steps per round.
+    proximity : γ, the pull towards the aligned V̄.
+    inertia : iPALM β in [0, 1).
+    alignment : "none", "lap", "lap_rho" or "sinkhorn".
+    scaled_prox : True for the exact frozen-P prox (V + tγP̂V̄)/(1 + tγ) with t the V step; False
+        for the paper's printed (V + γP̂V̄)/(1 + γ).
+    sinkhorn_eps : entropic regularisation ε of "sinkhorn", relative to the largest cost.
+    rho_alpha : significance level α of the "lap_rho" correlation test.
+    independent_init : start round 0 from the client's own random V (the paper's setting) instead
+        of the broadcast V̄.
+    fold_in_steps : projected-gradient steps of `FNMFModel.fold_in`.
+    """
+
+    rank: int = 5
+    local_steps: int = 10
+    proximity: float = 1.0
+    inertia: float = 0.0
+    alignment: str = "lap"
+    scaled_prox: bool = True
+    sinkhorn_eps: float = 0.05
+    rho_alpha: float = 0.05
+    independent_init: bool = False
+    fold_in_steps: int = 200
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rank <= 4096:
+            raise ValueError(f"rank must be in [1, 4096], got {self.rank}")
+        if not 0 <= self.local_steps <= 100_000 or not 1 <= self.fold_in_steps <= 100_000:
+            raise ValueError("local_steps must be in [0, 1e5] and fold_in_steps in [1, 1e5]")
+        if not (self.proximity >= 0.0 and math.isfinite(self.proximity)):
+            raise ValueError(f"proximity must be a finite value >= 0, got {self.proximity}")
+        if not 0.0 <= self.inertia < 1.0:
+            raise ValueError(f"inertia must be in [0, 1), got {self.inertia}")
+        if self.alignment not in ALIGNMENTS:
+            raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {self.alignment!r}")
+        if not (self.sinkhorn_eps >= 0.002 and math.isfinite(self.sinkhorn_eps)):
+            raise ValueError(f"sinkhorn_eps must be a finite value >= 0.002, got {self.sinkhorn_eps}")
+        if not 0.0 < self.rho_alpha < 1.0:
+            raise ValueError(f"rho_alpha must be in (0, 1), got {self.rho_alpha}")
+
+
+@dataclass
+class FNMFModel:
+    """The FNMF device model: private U and local V in the client's order, the global V̄ as received.
+
+    Parameters
+    ----------
+    n_items : catalogue size m.
+    config : hyper-parameters (`FNMFConfig`).
+    """
+
+    KIND: ClassVar[str] = _KIND
+    n_items: int
+    config: FNMFConfig = field(default_factory=FNMFConfig)
+    model_version: int = 0
+    v_bar: Array | None = field(default=None, repr=False)
+    v_local: Array | None = field(default=None, repr=False)
+    u: Array | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.n_items <= 0:
+            raise ValueError(f"n_items must be positive, got {self.n_items}")
+
+    @property
+    def rank(self) -> int:
+        """Component count k."""
+        return self.config.rank
+
+    # -- the global model -------------------------------------------------------------------------
+    def set_global(self, words: bytes, values: bytes, version: int) -> None:
+        """Adopt V̄ (``values``: k·m little-endian float64, C order); ``words`` must be empty."""
+        k, m = self.rank, self.n_items
+        if words:
+            raise ValueError("an FNMF model has no packed words")
+        if len(values) != 8 * k * m:
+            raise ValueError(f"model values are {len(values)} bytes, expected {8 * k * m} for ({k}, {m})")
+        v = np.frombuffer(values, dtype="<f8").astype(np.float64).reshape(k, m)
+        if not np.all(np.isfinite(v)) or np.any(v < 0.0):
+            raise ValueError("V̄ must be finite and non-negative")
+        self.v_bar = v
+        self.model_version = int(version)
+
+    def _require_global(self) -> Array:
+        if self.v_bar is None:
+            raise ModelError("no global model yet: call set_global first")
+        return self.v_bar
+
+    def alignment_matrix(self, V: Array | None = None) -> Array:
+        """P aligning ``V`` (default: the local V) to V̄ with the configured alignment."""
+        v_bar = self._require_global()
+        V = self.v_local if V is None else V
+        if V is None:
+            return np.eye(self.rank)
+        c = self.config
+        return align(V, v_bar, c.alignment, eps=c.sinkhorn_eps, alpha=c.rho_alpha)
+
+    def item_matrix(self) -> Array:
+        """The component matrix this client scores with: V̄ in the client's row order (matched rows),
+        its own rows where a local component is personal ("lap_rho")."""
+        v_bar = self._require_global()
+        if self.v_local is None:
+            return v_bar.copy()
+        target, mask = pull_target(self.alignment_matrix(), v_bar)
+        return mask[:, None] * target + (1.0 - mask[:, None]) * self.v_local
+
+    # -- training -------------------------------------------------------------------------------
+    def apply_plan(self, invite: RoundInvite) -> None:
+        """Adopt the round plan (T, γ, β, alignment) after checking it fits this model."""
+        if invite.model_kind != _KIND:
+            raise ValueError(f"this device runs FNMF; the round trains {invite.model_kind!r}")
+        if invite.bits != self.rank or invite.n_items != self.n_items:
+            raise ValueError(
+                f"round plan is k={invite.bits}, m={invite.n_items}; the model is k={self.rank}, m={self.n_items}"
+            )
+        if invite.alignment not in ALIGNMENTS:
+            raise ValueError(f"the round names no FNMF alignment ({invite.alignment!r})")
+        expected = upload_length(self.rank, self.n_items, invite.alignment)
+        if invite.vector_length != expected:
+            raise ValueError(f"vector_length {invite.vector_length} != {expected} for alignment {invite.alignment!r}")
+        self.config = replace(
+            self.config,
+            local_steps=invite.local_epochs,
+            proximity=invite.proximity,
+            inertia=invite.inertia,
+            alignment=invite.alignment,
+        )
+
+    def train(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> Array:
+        """Sync to V̄ and run T local steps; returns the trained local V (client order).
+
+        The trusted-aggregator simulator sends this matrix itself; `local_update` sends only its
+        aligned difference to V̄.
+        """
+        self.apply_plan(invite)
+        v_bar = self._require_global()
+        X = data.dense(self.n_items)
+        k, n = self.rank, data.n_users
+        if self.u is None or self.u.shape[0] != n:
+            self.u = rng.random((n, k))
+            self.v_local = rng.random((k, self.n_items)) if self.config.independent_init else None
+        if self.v_local is None:
+            V = v_bar.copy()
+        else:
+            V = self.item_matrix()  # V_j ← V̄, in this client's order
+        c = self.config
+        pull = invite.round_index > 0
+        self.u, V = pgd_steps(
+            X,
+            self.u,
+            V,
+            c.local_steps,
+            V_bar=v_bar if pull else None,
+            gamma=c.proximity,
+            alignment=c.alignment,
+            scaled_prox=c.scaled_prox,
+            inertia=c.inertia,
+            eps=c.sinkhorn_eps,
+            alpha=c.rho_alpha,
+        )
+        self.v_local = V
+        return V
+
+    def align_update(self) -> Array:
+        """The upload of the current local V against the current V̄, without training (the
+        "align-only" rounds of the exact fixed point over sums)."""
+        v_bar = self._require_global()
+        if self.v_local is None:
+            raise ModelError("no local component matrix yet: train first")
+        P = self.alignment_matrix()
+        return upload_vector(self.v_local, v_bar, P, self.config.alignment)
+
+    def local_update(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
+        """One round of the anchored secure variant: sync, T local steps, align to V̄, upload Δ."""
+        V = self.train(invite, data, rng)
+        vector = self.align_update()
+        if self.u is None:  # pragma: no cover - train always sets U
+            raise ModelError("training produced no U")
+        X = data.dense(self.n_items)
+        P = self.alignment_matrix(V)
+        info = {
+            "objective": nmf_objective(X, self.u, V),
+            "steps": self.config.local_steps,
+            "matched": int(round(float((P.sum(axis=1) > 0).sum()))),
+        }
+        return LocalResult(vector=vector, examples=int(X.size), info=info)
+
+    def fold_in(self, user_items: ArrayLike, ratings: ArrayLike | None = None) -> Array:
+        """A new row's coefficients u ≥ 0 minimising ½‖x − u·V‖² with this client's V fixed
+        (projected gradient, step 1/‖VVᵀ‖₂, ``config.fold_in_steps`` steps); x is the dense row,
+        zero where unrated, 1 for an implicit rating."""
+        V = self.item_matrix()
+        items = _as_items(user_items, self.n_items)
+        if items.size == 0:
+            raise ValueError("fold_in needs at least one rated item")
+        x = np.zeros((1, self.n_items))
+        x[0, items] = 1.0 if ratings is None else np.asarray(ratings, dtype=np.float64).ravel()
+        if not np.all(np.isfinite(x)):
+            raise ValueError("ratings must be finite")
+        u = np.zeros((1, self.rank))
+        for _ in range(self.config.fold_in_steps):  # loop over iterations
+            u, eta = pgd_u(x, u, V)
+            if eta == 0.0:
+                break
+        return u[0]
+
+    # -- retrieval ------------------------------------------------------------------------------
+    def recommend(
+        self,
+        user_items: ArrayLike | None = None,
+        N: int = 10,
+        filter_already_liked_items: bool = True,
+        filter_items: ArrayLike | None = None,
+        items: ArrayLike | None = None,
+        *,
+        userid: int | ArrayLike = 0,
+        rng: np.random.Generator | None = None,
+    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+        """Top-N items by the score u·V̄ (V̄ in this client's order).
+
+        Same parameters and results as `device_sdk.models.LightFRModel.recommend`, except that the
+        scores are the reconstructed ratings (U V̄)_{u,i} and that ties are broken at random only when
+        ``rng`` is given (by item id otherwise: the model holds no generator of its own).
+        """
+        if N < 0:
+            raise ValueError(f"N must be >= 0, got {N}")
+        if self.u is None:
+            raise ModelError("this client has no trained rows yet: run a local update first")
+        batch = np.ndim(userid) > 0
+        users = np.atleast_1d(np.asarray(userid, dtype=np.int64))
+        n_users = self.u.shape[0]
+        if users.size and (users.min() < 0 or users.max() >= n_users):
+            raise ValueError(f"userid out of range [0, {n_users})")
+        liked = self._liked_per_user(user_items, users.size, batch)
+        blocked = None if filter_items is None else _as_items(filter_items, self.n_items)
+        allowed = np.ones(self.n_items, dtype=bool)
+        if items is not None:
+            allowed[:] = False
+            allowed[_as_items(items, self.n_items)] = True
+        if blocked is not None:
+            allowed[blocked] = False
+        scores = self.u[users] @ self.item_matrix()
+        out_ids = np.full((users.size, N), -1, dtype=np.int64)
+        out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
+        for row in range(users.size):  # loop over the users of a batch
+            ok = allowed.copy()
+            if filter_already_liked_items and liked[row] is not None:
+                ok[liked[row]] = False
+            cand = np.flatnonzero(ok)
+            s = scores[row, cand]
+            ties = np.arange(cand.size) if rng is None else rng.random(cand.size)
+            order = np.lexsort((ties, -s))[:N]
+            out_ids[row, : order.size] = cand[order]
+            out_scores[row, : order.size] = s[order]
+        if batch:
+            return out_ids, out_scores
+        n_ok = int((out_ids[0] >= 0).sum())
+        return out_ids[0, :n_ok], out_scores[0, :n_ok]
+
+    def _liked_per_user(self, user_items: ArrayLike | None, n: int, batch: bool) -> list[NDArray[np.int64] | None]:
+        if user_items is None:
+            return [None] * n
+        if not batch:
+            return [_as_items(user_items, self.n_items)]
+        if sp.issparse(user_items):
+            mat = sp.csr_matrix(user_items)
+            if mat.shape[0] != n:
+                raise ValueError(f"user_items has {mat.shape[0]} rows for {n} users")
+            return [mat.indices[mat.indptr[i] : mat.indptr[i + 1]].astype(np.int64) for i in range(n)]
+        rows = list(user_items)  # type: ignore[arg-type]
+        if len(rows) != n:
+            raise ValueError(f"user_items has {len(rows)} rows for {n} users")
+        return [_as_items(r, self.n_items) for r in rows]
+
+    # -- persistence ----------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the model atomically to one store file (see `device_sdk.store`)."""
+
+        def pack(a: Array | None) -> dict[str, Any] | None:
+            return None if a is None else {"shape": list(a.shape), "data": np.ascontiguousarray(a, "<f8").tobytes()}
+
+        save_store(
+            path,
+            _KIND,
+            {
+                "config": asdict(self.config),
+                "n_items": self.n_items,
+                "model_version": self.model_version,
+                "v_bar": pack(self.v_bar),
+                "v_local": pack(self.v_local),
+                "u": pack(self.u),
+            },
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> FNMFModel:
+        """Read a model written by `save`; raises `StorageError` on any problem with the file."""
+        state = load_store(path, _KIND)
+        try:
+            config = FNMFConfig(**dict(state["config"]))
+            model = cls(int(state["n_items"]), config, model_version=int(state["model_version"]))
+            k, m = config.rank, model.n_items
+
+            def unpack(entry: Any, rows: int | None, cols: int) -> Array | None:
+                if entry is None:
+                    return None
+                shape = tuple(int(s) for s in entry["shape"])
+                if len(shape) != 2 or shape[1] != cols or (rows is not None and shape[0] != rows):
+                    raise ValueError(f"stored matrix has shape {shape}")
+                a = np.frombuffer(entry["data"], dtype="<f8").astype(np.float64).reshape(shape)
+                if not np.all(np.isfinite(a)) or np.any(a < 0.0):
+                    raise ValueError("stored matrix is not finite and non-negative")
+                return a
+
+            model.v_bar = unpack(state["v_bar"], k, m)
+            model.v_local = unpack(state["v_local"], k, m)
+            model.u = unpack(state["u"], None, k)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StorageError(f"{path} is a valid store file but its FNMF state is invalid: {exc}") from exc
+        return model
