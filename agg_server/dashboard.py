@@ -141,7 +141,7 @@ class Operator:
                     "seconds": rec.finished_at - rec.started_at,
                     "finished_at": rec.finished_at,
                     "epsilon_spent": rec.epsilon_spent,
-                    "model_version": rec.new_model_version if rec.new_model_version is not None else None,
+                    "model_version": rec.new_model_version,
                     "reason": rec.reason,
                     "phases": phases,
                 }
