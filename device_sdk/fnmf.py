@@ -27,7 +27,8 @@ Invariants:
   comes from the generator passed to `FNMFModel.local_update` (U first, then V when the client
   starts from its own V).
 - Round 0 (``invite.round_index == 0``) trains against the untrained version-1 V̄, so the pull is
-  off in that round: there is nothing to be coherent with yet.
+  off in that round (there is nothing to be coherent with yet) and "lap_rho" uploads with the plain
+  LAP (no correlation with a random V̄ is significant).
 """
 
 from __future__ import annotations
@@ -522,19 +523,27 @@ class FNMFModel:
         self.v_local = V
         return V
 
-    def align_update(self) -> Array:
+    def align_update(self, *, first_round: bool = False) -> Array:
         """The upload of the current local V against the current V̄, without training (the
-        "align-only" rounds of the exact fixed point over sums)."""
+        "align-only" rounds of the exact fixed point over sums).
+
+        With ``first_round`` the V̄ is the untrained version-1 draw: "lap_rho" then matches every
+        component with the plain LAP (a correlation test against random numbers would leave all of
+        them unmatched and V̄ would never move), keeping the upload's count layout.
+        """
         v_bar = self._require_global()
         if self.v_local is None:
             raise ModelError("no local component matrix yet: train first")
-        P = self.alignment_matrix()
+        if first_round and self.config.alignment == "lap_rho":
+            P = lap_align(self.v_local, v_bar)
+        else:
+            P = self.alignment_matrix()
         return upload_vector(self.v_local, v_bar, P, self.config.alignment)
 
     def local_update(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
         """One round of the anchored secure variant: sync, T local steps, align to V̄, upload Δ."""
         V = self.train(invite, data, rng)
-        vector = self.align_update()
+        vector = self.align_update(first_round=invite.round_index == 0)
         if self.u is None:  # pragma: no cover - train always sets U
             raise ModelError("training produced no U")
         X = data.dense(self.n_items)

@@ -361,6 +361,16 @@ def test_recipe_t100_fnmf_reaches_the_noise_floor_and_fedavg_drifts(planted) -> 
     assert matched_cosine(secure.v_bar, trusted.v_bar) > 0.999
 
 
+@pytest.mark.parametrize("alignment", ["lap", "lap_rho"])
+def test_shared_init_anchored_from_round_zero(planted, alignment: str) -> None:
+    # The HTTP path: every client starts from the server's seeded V̄ and each round is one secure sum.
+    cfg = FNMFRunConfig(alignment=alignment, rounds=3, local_steps=100, independent_init=False)
+    run = run_fnmf(planted.clients, 5, cfg, np.random.default_rng(2), truth=planted.v)
+    floor = sigma_rmsd(planted.clients, np.split(planted.signal, 10))
+    assert run.sync_rounds == 3
+    assert run.sigma_rmsd <= 1.1 * floor and run.matched_cosine >= 0.99
+
+
 def test_runs_are_deterministic_given_the_generator(planted) -> None:
     cfg = FNMFRunConfig(rounds=2, local_steps=10, alignment="sinkhorn")
     a = run_fnmf(planted.clients, 5, cfg, np.random.default_rng(7))
