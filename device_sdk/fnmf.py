@@ -500,8 +500,9 @@ class FNMFModel:
         k, n = self.rank, data.n_users
         if self.u is None or self.u.shape[0] != n:
             self.u = rng.random((n, k))
-            self.v_local = rng.random((k, self.n_items)) if self.config.independent_init else None
-        if self.v_local is None:
+            own = rng.random((k, self.n_items)) if self.config.independent_init else None
+            V = v_bar.copy() if own is None else own  # the first round starts from V̄ or the client's own V
+        elif self.v_local is None:
             V = v_bar.copy()
         else:
             V = self.item_matrix()  # V_j ← V̄, in this client's order

@@ -289,6 +289,19 @@ def test_local_update_uploads_the_aligned_difference() -> None:
         FNMFModel(12, FNMFConfig(rank=3)).item_matrix()
 
 
+@pytest.mark.parametrize("independent", [False, True])
+def test_first_round_starts_from_the_shared_or_the_clients_own_matrix(independent: bool) -> None:
+    model, strategy, v_bar = _model_with_global(independent_init=independent)
+    X = np.random.default_rng(2).random((6, 12))
+    model.train(_invite(strategy, round_index=0), LocalRatings.from_matrix(X), np.random.default_rng(3))
+    g = np.random.default_rng(3)  # the documented draw order: U first, then the client's own V
+    U0 = g.random((6, 3))
+    V0 = g.random((3, 12)) if independent else v_bar
+    U1, V1 = pgd_steps(X, U0, V0, 20)
+    np.testing.assert_array_equal(model.u, U1)
+    np.testing.assert_array_equal(model.v_local, V1)
+
+
 def test_recommend_ranks_by_u_vbar_and_filters() -> None:
     model, strategy, v_bar = _model_with_global()
     data = LocalRatings.from_matrix(np.random.default_rng(2).random((4, 12)))
