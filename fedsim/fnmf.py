@@ -69,6 +69,9 @@ class FNMFRunConfig:
     independent_init : every client starts from its own random V (the paper's setting).
     fixed_point_iterations : align-only rounds closing round 0 (secure, independent init) and the
         trusted barycenter's passes per aggregation.
+    fixed_point_every_round : aggregate every round with the exact fixed point started at the plain
+        mean (secure: `secure_fixed_point` over sums; trusted: `trusted_barycenter` without warm
+        start) instead of the anchored step (secure) or the warm-started barycenter (trusted).
     sinkhorn_eps, rho_alpha : alignment parameters.
     """
 
@@ -81,6 +84,7 @@ class FNMFRunConfig:
     scaled_prox: bool = True
     independent_init: bool = True
     fixed_point_iterations: int = 10
+    fixed_point_every_round: bool = False
     sinkhorn_eps: float = 0.05
     rho_alpha: float = 0.05
 
@@ -138,12 +142,13 @@ def secure_fixed_point(
 ) -> tuple[Array, int]:
     """The barycenter fixed point of FNMF Alg. 1 computed from sums only (notes C, "T+1 rounds").
 
-    Round 0: every client uploads V_j − V̄ unaligned, so the server gets the plain mean.  Then each
-    align-only round: client j aligns its V_j to the broadcast V̄ itself and uploads P_jV_j − V̄; the
-    server adds the mean.  Stops after ``iterations`` align-only rounds or when V̄ stops changing.
-    On the same matrices this equals `agg_server.strategy.fnmf.trusted_barycenter` (to rounding).
+        Round 0: every client uploads V_j − V̄ unaligned, so the server gets the plain mean.  Then each
+        align-only round: client j aligns its V_j to the broadcast V̄ itself and uploads P_jV_j − V̄; the
+        server adds the mean.  Stops after ``iterations`` align-only rounds or when V̄ stops changing
+    (to 1e-12 relative).
+        On the same matrices this equals `agg_server.strategy.fnmf.trusted_barycenter` (to rounding).
 
-    Returns (V̄, rounds used).
+        Returns (V̄, rounds used).
     """
     k = strategy.rank
     rng = np.random.default_rng(0)  # the strategy's rule is deterministic; the argument is unused
@@ -156,9 +161,12 @@ def secure_fixed_point(
         uploads = [upload_vector(v, v_bar, align(v, v_bar, strategy.alignment), strategy.alignment) for v in matrices]
         new = strategy.aggregate(v_bar, np.sum(uploads, axis=0), len(matrices), rng, round_index=0)
         rounds += 1
-        if np.array_equal(new, v_bar):
-            break
+        # The server sees only V̄ (not the assignments): it stops when V̄ no longer moves beyond the
+        # rounding of the Δ form V̄ + (ΣP_jV_j − cV̄)/c.
+        settled = float(np.abs(new - v_bar).max()) <= 1e-12 * (1.0 + float(np.abs(v_bar).max()))
         v_bar = new
+        if settled:
+            break
     return v_bar, rounds
 
 
@@ -210,7 +218,9 @@ def run_fnmf(
         alignment=config.alignment if aligned else "none",
     )
     trusted = (
-        TrustedBarycenterFNMF(k, m, iterations=config.fixed_point_iterations)
+        TrustedBarycenterFNMF(
+            k, m, iterations=config.fixed_point_iterations, warm_start=not config.fixed_point_every_round
+        )
         if config.method is Method.FNMF_TRUSTED
         else None
     )
@@ -235,7 +245,7 @@ def run_fnmf(
             mats = [mdl.train(invite, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
             v_bar, _ = trusted.aggregate_matrices(v_bar if r > 0 else None, mats)
             sync_rounds += 1
-        elif r == 0 and config.independent_init and aligned:
+        elif aligned and (config.fixed_point_every_round or (r == 0 and config.independent_init)):
             mats = [mdl.train(invite, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
             v_bar, used = secure_fixed_point(mats, strategy, v_bar, config.fixed_point_iterations)
             sync_rounds += used

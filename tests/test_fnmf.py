@@ -374,6 +374,17 @@ def test_recipe_t100_fnmf_reaches_the_noise_floor_and_fedavg_drifts(planted) -> 
     assert matched_cosine(secure.v_bar, trusted.v_bar) > 0.999
 
 
+def test_secure_fixed_point_runs_equal_trusted_barycenter_runs(planted) -> None:
+    # Every round: the exact fixed point over sums vs the trusted barycenter over the same clients.
+    common = {"rounds": 3, "local_steps": 20, "fixed_point_every_round": True}
+    secure = run_fnmf(planted.clients, 5, FNMFRunConfig(**common), np.random.default_rng(4))
+    trusted = run_fnmf(
+        planted.clients, 5, FNMFRunConfig(method=Method.FNMF_TRUSTED, **common), np.random.default_rng(4)
+    )
+    np.testing.assert_allclose(secure.v_bar, trusted.v_bar, rtol=0, atol=1e-12)
+    assert secure.sync_rounds > trusted.sync_rounds == 3
+
+
 @pytest.mark.parametrize("alignment", ["lap", "lap_rho"])
 def test_shared_init_anchored_from_round_zero(planted, alignment: str) -> None:
     # The HTTP path: every client starts from the server's seeded V̄ and each round is one secure sum.
