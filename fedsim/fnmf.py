@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -117,7 +118,7 @@ class FNMFRun:
     sync_rounds: int
 
 
-def sigma_rmsd(clients: Sequence[Array], reconstructions: Sequence[Array]) -> float:
+def sigma_rmsd(clients: Sequence[NDArray[Any]], reconstructions: Sequence[NDArray[Any]]) -> float:
     """Σ_i RMSD(X_i, X̂_i), the FNMF paper's Table 1 metric."""
     return float(sum(np.sqrt(np.mean((x - r) ** 2)) for x, r in zip(clients, reconstructions, strict=True)))
 
@@ -138,7 +139,13 @@ def orthogonality_gap(alignments: Sequence[Array]) -> float:
 
 
 def secure_fixed_point(
-    matrices: Sequence[Array], strategy: FNMFStrategy, state: Array, iterations: int
+    matrices: Sequence[Array],
+    strategy: FNMFStrategy,
+    state: Array,
+    iterations: int,
+    *,
+    eps: float = 0.05,
+    alpha: float = 0.05,
 ) -> tuple[Array, int]:
     """The barycenter fixed point of FNMF Alg. 1 computed from sums only (notes C, "T+1 rounds").
 
@@ -148,7 +155,9 @@ def secure_fixed_point(
     (to 1e-12 relative).
         On the same matrices this equals `agg_server.strategy.fnmf.trusted_barycenter` (to rounding).
 
-        Returns (V̄, rounds used).
+        ``eps`` and ``alpha`` are the Sinkhorn ε and the LAP_ρ level the clients align with.
+
+    Returns (V̄, rounds used).
     """
     k = strategy.rank
     rng = np.random.default_rng(0)  # the strategy's rule is deterministic; the argument is unused
@@ -158,7 +167,8 @@ def secure_fixed_point(
     v_bar = strategy.aggregate(state, total, len(matrices), rng, round_index=0)
     rounds = 1
     for _ in range(iterations):  # loop over align-only rounds
-        uploads = [upload_vector(v, v_bar, align(v, v_bar, strategy.alignment), strategy.alignment) for v in matrices]
+        method = strategy.alignment
+        uploads = [upload_vector(v, v_bar, align(v, v_bar, method, eps=eps, alpha=alpha), method) for v in matrices]
         new = strategy.aggregate(v_bar, np.sum(uploads, axis=0), len(matrices), rng, round_index=0)
         rounds += 1
         # The server sees only V̄ (not the assignments): it stops when V̄ no longer moves beyond the
@@ -190,12 +200,12 @@ def _invite(strategy: FNMFStrategy, round_index: int, version: int) -> RoundInvi
 
 
 def run_fnmf(
-    clients: Sequence[Array],
+    clients: Sequence[NDArray[Any]],
     k: int,
     config: FNMFRunConfig,
     rng: np.random.Generator,
     *,
-    truth: Array | None = None,
+    truth: NDArray[Any] | None = None,
 ) -> FNMFRun:
     """Run one federated NMF method in process on the clients' (n_i, m) non-negative matrices.
 
@@ -207,6 +217,11 @@ def run_fnmf(
     rng : generator for the server's initial V̄ and (spawned) each client's draws.
     truth : (k, m) planted components for `matched_cosine`.
     """
+    clients = [np.asarray(x, dtype=np.float64) for x in clients]
+    if not clients or any(x.ndim != 2 or x.shape[1] != clients[0].shape[1] for x in clients):
+        raise ValueError("clients must be 2-D matrices with one column count")
+    if any(np.any(x < 0.0) or not np.all(np.isfinite(x)) for x in clients):
+        raise ValueError("client matrices must be finite and non-negative")
     m = clients[0].shape[1]
     aligned = config.method in (Method.FNMF, Method.FNMF_TRUSTED)
     strategy = FNMFStrategy(
@@ -247,7 +262,9 @@ def run_fnmf(
             sync_rounds += 1
         elif aligned and (config.fixed_point_every_round or (r == 0 and config.independent_init)):
             mats = [mdl.train(invite, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
-            v_bar, used = secure_fixed_point(mats, strategy, v_bar, config.fixed_point_iterations)
+            v_bar, used = secure_fixed_point(
+                mats, strategy, v_bar, config.fixed_point_iterations, eps=config.sinkhorn_eps, alpha=config.rho_alpha
+            )
             sync_rounds += used
         else:
             results = [mdl.local_update(invite, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
@@ -267,7 +284,7 @@ def run_fnmf(
         v_bar=v_bar,
         models=models,
         sigma_rmsd=sigma_rmsd(clients, recon),
-        matched_cosine=float("nan") if truth is None else matched_cosine(v_bar, truth),
+        matched_cosine=float("nan") if truth is None else matched_cosine(v_bar, np.asarray(truth, dtype=np.float64)),
         orthogonality_gap=gap,
         sync_rounds=sync_rounds,
     )

@@ -4,6 +4,7 @@ barycenter, the device model, and the synthetic recipe of `../shared/notes/felb-
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -280,6 +281,7 @@ def test_local_update_uploads_the_aligned_difference() -> None:
     assert res.vector.shape == (strategy.vector_length,) and np.all(np.isfinite(res.vector))
     assert res.examples == 15 * 12 and res.info["steps"] == 20
     P = model.alignment_matrix()
+    assert model.v_local is not None
     np.testing.assert_allclose(res.vector, upload_vector(model.v_local, v_bar, P, "lap_rho"))
     with pytest.raises(ValueError):
         model.local_update(_invite(FNMFStrategy(rank=3, n_items=11)), data, np.random.default_rng(3))
@@ -376,11 +378,9 @@ def test_recipe_t100_fnmf_reaches_the_noise_floor_and_fedavg_drifts(planted) -> 
 
 def test_secure_fixed_point_runs_equal_trusted_barycenter_runs(planted) -> None:
     # Every round: the exact fixed point over sums vs the trusted barycenter over the same clients.
-    common = {"rounds": 3, "local_steps": 20, "fixed_point_every_round": True}
-    secure = run_fnmf(planted.clients, 5, FNMFRunConfig(**common), np.random.default_rng(4))
-    trusted = run_fnmf(
-        planted.clients, 5, FNMFRunConfig(method=Method.FNMF_TRUSTED, **common), np.random.default_rng(4)
-    )
+    cfg = FNMFRunConfig(rounds=3, local_steps=20, fixed_point_every_round=True)
+    secure = run_fnmf(planted.clients, 5, cfg, np.random.default_rng(4))
+    trusted = run_fnmf(planted.clients, 5, replace(cfg, method=Method.FNMF_TRUSTED), np.random.default_rng(4))
     np.testing.assert_allclose(secure.v_bar, trusted.v_bar, rtol=0, atol=1e-12)
     assert secure.sync_rounds > trusted.sync_rounds == 3
 
