@@ -9,8 +9,11 @@ from fractions import Fraction
 import numpy as np
 
 
-def dcd_user_reference(items, r, b, D, lam, max_sweeps):
-    """Eq. 9–10 for one user, literally: recompute d_{i,¬k}ᵀ b_{¬k} for every bit and item."""
+def dcd_user_reference(items, r, b, D, lam, max_sweeps, *, margins=None):
+    """Eq. 9–10 for one user, literally: recompute d_{i,¬k}ᵀ b_{¬k} for every bit and item.
+
+    ``margins``, if a list, receives |b*| of every bit visited (to spot real-number ties that a
+    float λ such as 0.01 moves by 1e-19 in exact arithmetic)."""
     b = [int(x) for x in b]
     f = len(b)
     lam = Fraction(lam)
@@ -24,6 +27,8 @@ def dcd_user_reference(items, r, b, D, lam, max_sweeps):
                 acc += Fraction(1, f) * (rui - Fraction(1, 2) - Fraction(rest, 2 * f)) * int(D[i][k])
             bal = sum(b[j] for j in range(f) if j != k)
             bstar = acc - 2 * lam * bal
+            if margins is not None:
+                margins.append(abs(bstar))
             if bstar != 0:
                 new = 1 if bstar > 0 else -1
                 flips += new != b[k]
