@@ -2,6 +2,7 @@
 
     python benchmarks/quality_mf.py                     # T = 100 rounds, seed 0
     python benchmarks/quality_mf.py --rounds 200 --seed 1
+    python benchmarks/quality_mf.py --theta 20 --server-lr 1.0   # trimmed to θ = 20 ratings per round
 
 Protocol: per-user chronological leave-one-out (latest rating → test, second latest → validation,
 the rest train; `fedsim.experiment.prepare`), each held-out item ranked among 99 sampled negatives
@@ -50,6 +51,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the training runs (splits use seed 0)")
     p.add_argument("--fraction", type=float, default=1.0, help="share of devices per round")
     p.add_argument("--theta", type=int, default=0, help="ratings per user per round (0 = all)")
+    p.add_argument(
+        "--server-lr", type=float, default=SERVER_LR, help="server step γ (validation: 0.3 for θ=all, 1.0 for θ=20)"
+    )
     args = p.parse_args()
     data = load_dataset("ml-100k")
     if not isinstance(data, Ratings):  # pragma: no cover - ml-100k is a rating log
@@ -61,7 +65,7 @@ def main() -> None:
     print(f"\n### {exp.describe()}")
     print(
         f"f={FACTORS}, R={R}; federated: T={args.rounds}, fraction {args.fraction}, θ={args.theta or 'all'}, "
-        f"γ={SERVER_LR}, device η=0.1, 50 pre-training and {FINE_TUNE} fine-tuning steps; seed {args.seed}; "
+        f"γ={args.server_lr}, device η=0.1, 50 pre-training and {FINE_TUNE} fine-tuning steps; seed {args.seed}; "
         "ties random\n"
     )
     print("| model | test RMSE | test HR@10 | test NDCG@10 | val RMSE | val HR@10 | val NDCG@10 | time |")
@@ -78,7 +82,9 @@ def main() -> None:
             rng = np.random.default_rng(args.seed)
             U, V = centralized_mf(train, factors=FACTORS, max_norm2=R, negatives=negatives, rng=rng, **CENTRAL)
         else:
-            strategy = MFStrategy(train.n_items, rank=FACTORS, max_norm2=R, server_lr=SERVER_LR, negatives=negatives)
+            strategy = MFStrategy(
+                train.n_items, rank=FACTORS, max_norm2=R, server_lr=args.server_lr, negatives=negatives
+            )
             schedule = MFSchedule(
                 rounds=args.rounds,
                 fraction=args.fraction,
