@@ -3,6 +3,7 @@ devices, an operator reports a quality figure, two failing requests are provoked
 whose message quotes a ``<script>`` path), and the page — after its JavaScript fetched and rendered
 ``/v1/dashboard`` — shows the round count, the committed model version with its quality, bars and
 points in its SVG charts, ε against the budget and the error rows, with the hostile text as text.
+A second test renders a round that is still open (phase steps, cohort, alive, awaiting) with DP off.
 
 Chromium is driven over the DevTools protocol by the small client below (aiohttp websocket, no
 Playwright, no downloaded browser).  Without ``/usr/bin/chromium`` the test is skipped, except under
@@ -36,7 +37,9 @@ from agg_server.app import COORDINATOR, create_app
 from agg_server.config import config_from_dict
 from fedsim.fleet import FleetConfig, run_fleet
 from fedsim.quality import report_quality
-from tests.server_helpers import BITS, N_ITEMS, users
+from protocol.codec import decode, encode
+from protocol.messages import CheckIn, RegisterRequest
+from tests.server_helpers import BITS, N_ITEMS, small_config, users
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = (
@@ -228,6 +231,36 @@ def scenario_config(data_dir: Path, rounds: int = 2) -> Any:
     )
 
 
+async def render(
+    url: str, profile: Path, *, width: int = 1280, height: int = 1500, facts: str = _FACTS
+) -> tuple[dict[str, Any], bytes, list[dict[str, Any]]]:
+    """Open ``url``/ in headless Chromium, wait for the first render of the dashboard's data, and
+    return (what ``facts`` evaluates to, a PNG screenshot, script errors / failed loads / console errors)."""
+    profile.mkdir()
+    async with chromium(profile) as cdp:
+        target = await cdp.send("Target.createTarget", url="about:blank")
+        attached = await cdp.send("Target.attachToTarget", targetId=target["targetId"], flatten=True)
+        page = attached["sessionId"]
+        await cdp.send("Runtime.enable", page)
+        await cdp.send("Log.enable", page)
+        await cdp.send("Page.enable", page)
+        await cdp.send(
+            "Emulation.setDeviceMetricsOverride", page, width=width, height=height, deviceScaleFactor=1, mobile=False
+        )
+        await cdp.send("Page.navigate", page, url=f"{url}/")
+        await cdp.wait_for(page, "document.body && Number(document.body.dataset.updates || 0) >= 1")
+        values = await cdp.evaluate(page, facts)
+        shot = await cdp.send("Page.captureScreenshot", page, format="png", captureBeyondViewport=False)
+        page_errors = [
+            e
+            for e in cdp.events
+            if e.get("method") == "Runtime.exceptionThrown"
+            or (e.get("method") == "Log.entryAdded" and e["params"]["entry"].get("level") == "error")
+            or (e.get("method") == "Runtime.consoleAPICalled" and e["params"].get("type") in ("error", "assert"))
+        ]
+    return values, base64.b64decode(shot["data"]), page_errors
+
+
 async def run_scenario(
     workdir: Path, *, rounds: int = 2, dropout: float = 0.0, width: int = 1280, height: int = 1500
 ) -> ScenarioResult:
@@ -268,35 +301,8 @@ async def run_scenario(
             async with http.get(f"{url}/v1/status") as resp:
                 status = await resp.json()
 
-        profile = workdir / "chromium-profile"
-        profile.mkdir()
-        async with chromium(profile) as cdp:
-            target = await cdp.send("Target.createTarget", url="about:blank")
-            attached = await cdp.send("Target.attachToTarget", targetId=target["targetId"], flatten=True)
-            page = attached["sessionId"]
-            await cdp.send("Runtime.enable", page)
-            await cdp.send("Log.enable", page)
-            await cdp.send("Page.enable", page)
-            await cdp.send(
-                "Emulation.setDeviceMetricsOverride",
-                page,
-                width=width,
-                height=height,
-                deviceScaleFactor=1,
-                mobile=False,
-            )
-            await cdp.send("Page.navigate", page, url=f"{url}/")
-            await cdp.wait_for(page, "document.body && Number(document.body.dataset.updates || 0) >= 1")
-            facts = await cdp.evaluate(page, _FACTS)
-            shot = await cdp.send("Page.captureScreenshot", page, format="png", captureBeyondViewport=False)
-            page_errors = [
-                e
-                for e in cdp.events
-                if e.get("method") == "Runtime.exceptionThrown"
-                or (e.get("method") == "Log.entryAdded" and e["params"]["entry"].get("level") == "error")
-                or (e.get("method") == "Runtime.consoleAPICalled" and e["params"].get("type") in ("error", "assert"))
-            ]
-        return ScenarioResult(facts, status, base64.b64decode(shot["data"]), request_id_401, page_errors)
+        facts, png, page_errors = await render(url, workdir / "chromium-profile", width=width, height=height)
+        return ScenarioResult(facts, status, png, request_id_401, page_errors)
     finally:
         await runner.cleanup()
 
@@ -304,14 +310,17 @@ async def run_scenario(
 # -- the test -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
-async def test_dashboard_renders_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
+def _require_chromium() -> None:
     if not (CHROMIUM.is_file() and os.access(CHROMIUM, os.X_OK)):
         reason = f"{CHROMIUM} is not installed (apt-get install chromium); the browser test cannot run"
         if os.environ.get("CI"):
             pytest.fail(f"{reason}, and CI must run it")
         pytest.skip(reason)
 
+
+@pytest.mark.asyncio
+async def test_dashboard_renders_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
+    _require_chromium()
     result = await run_scenario(tmp_path)
     facts, status = result.facts, result.status
     shot = tmp_path / "dashboard.png"
@@ -345,6 +354,62 @@ async def test_dashboard_renders_a_real_run_in_headless_chromium(tmp_path: Path)
     assert facts["title"] == "fedrec server" and facts["scripts"] == 1 and facts["images"] == 0
     # A real PNG of the whole page.
     assert result.png[:8] == b"\x89PNG\r\n\x1a\n" and len(result.png) > 20_000
+
+
+_OPEN_ROUND_FACTS = """(() => {
+  const text = (id) => (document.getElementById(id) || {}).textContent || null;
+  return {
+    openHidden: document.getElementById('round-open').hidden,
+    noneHidden: document.getElementById('round-none').hidden,
+    roundId: text('round-id'), phase: text('round-phase'), cohort: text('round-cohort'),
+    alive: text('round-alive'), awaiting: text('round-awaiting'), dropouts: text('round-dropouts'),
+    steps: [...document.querySelectorAll('#phase-steps li')].map((li) => [li.textContent, li.className]),
+    durationText: text('duration-chart'), epsilonText: text('epsilon-text'), epsilonChart: text('epsilon-chart'),
+    errorRows: [...document.querySelectorAll('#errors-table tbody tr')].map((tr) => tr.textContent),
+  };
+})()"""
+
+
+@pytest.mark.asyncio
+async def test_dashboard_shows_an_open_round(tmp_path: Path) -> None:
+    """Mid-round (three devices invited, none has sent its keys yet), with DP off and no error so far."""
+    _require_chromium()
+    cfg = small_config(tmp_path / "server", cohort=3, timeout=60.0, min_cohort=3)
+    app = create_app(cfg)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        url = f"http://127.0.0.1:{int(runner.addresses[0][1])}"
+        async with aiohttp.ClientSession() as http:
+            devices = []
+            for _ in range(3):
+                async with http.post(f"{url}/v1/devices", data=encode(RegisterRequest(platform="t"))) as resp:
+                    devices.append(decode(await resp.read()))
+            for _ in range(100):  # check in until the ticker opened the round
+                for dev in devices:
+                    headers = {"Authorization": f"Bearer {dev.token}", "Content-Type": "application/msgpack"}
+                    body = encode(CheckIn(device_id=dev.device_id))
+                    async with http.post(f"{url}/v1/checkin", data=body, headers=headers) as resp:
+                        assert resp.status == 200
+                if app[COORDINATOR].open_round is not None:
+                    break
+                await asyncio.sleep(0.1)
+        assert app[COORDINATOR].open_round is not None
+        facts, png, errors = await render(url, tmp_path / "profile", facts=_OPEN_ROUND_FACTS)
+    finally:
+        await runner.cleanup()
+    (tmp_path / "open-round.png").write_bytes(png)
+    assert not errors, errors
+    assert facts["openHidden"] is False and facts["noneHidden"] is True
+    assert (facts["roundId"], facts["phase"], facts["cohort"]) == ("1", "advertise_keys", "3")
+    assert (facts["alive"], facts["awaiting"]) == ("3", "3")
+    assert facts["dropouts"] == "keys 0 · shares 0 · masked 0 · unmask 0"
+    assert facts["steps"] == [["keys", "now"], ["shares", ""], ["masked", ""], ["unmask", ""]]
+    assert facts["durationText"] == "no finished round yet"
+    assert facts["epsilonText"] == "off" and "DP is off" in facts["epsilonChart"]
+    assert facts["errorRows"] == ["no errors since the server started"]
 
 
 def _main() -> None:  # pragma: no cover - manual use: python -m tests.test_dashboard_browser
