@@ -66,6 +66,11 @@ _LABEL_SESSION = b"fedrec/secagg/session"
 _ZERO_CTR_NONCE = bytes(16)
 
 
+#: What key derivation and the session id bind of the protocol version: the major version and a zero
+#: minor field.  Binding the minor too would stop devices of different 1.x versions from sharing a round.
+_VERSION_BINDING = struct.pack(">HH", PROTOCOL_VERSION[0], 0)
+
+
 def _u64(value: int) -> bytes:
     if not 0 <= value < 2**64:
         raise CryptoError(f"party id {value} does not fit in 64 bits")
@@ -184,8 +189,10 @@ def hkdf_sha256(ikm: bytes, *, info: bytes, length: int = KEY_BYTES, salt: bytes
 def derive_key(secret: bytes, *, label: bytes, session: bytes, parties: Sequence[int]) -> bytes:
     """Derive a 32-byte key bound to a purpose, the protocol version, the session and the parties.
 
-    ``info = len‖label ‖ major‖minor ‖ len‖session_id ‖ count ‖ party ids (8 bytes each)``; every part is
-    length-prefixed or fixed-width so two different contexts never produce the same ``info``.
+    ``info = len‖label ‖ major‖0 ‖ len‖session_id ‖ count ‖ party ids (8 bytes each)``; every part is
+    length-prefixed or fixed-width so two different contexts never produce the same ``info``.  Only the
+    major version is bound (the minor field is always 0): peers of any 1.x minor version must derive the
+    same keys, since a minor version only appends message fields.
 
     Parameters
     ----------
@@ -206,7 +213,7 @@ def derive_key(secret: bytes, *, label: bytes, session: bytes, parties: Sequence
     info = b"".join(
         (
             _len_prefixed(label),
-            struct.pack(">HH", *PROTOCOL_VERSION),
+            _VERSION_BINDING,
             _len_prefixed(session),
             struct.pack(">I", len(parties)),
             *(_u64(p) for p in parties),
@@ -235,7 +242,7 @@ def session_id(round_id: int, public_keys: Mapping[int, tuple[bytes, bytes]]) ->
     """
     h = hashlib.sha256()
     h.update(_len_prefixed(_LABEL_SESSION))
-    h.update(struct.pack(">HH", *PROTOCOL_VERSION))
+    h.update(_VERSION_BINDING)
     h.update(_u64(round_id))
     h.update(struct.pack(">I", len(public_keys)))
     for device_id in sorted(public_keys):

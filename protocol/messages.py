@@ -286,8 +286,8 @@ class RoundInvite(Message):
         _check_float(n, "clip_norm", self.clip_norm)
         if self.clip_norm <= 0.0:
             _fail(n, f"clip_norm must be > 0, got {self.clip_norm}")
-        if self.scale_bits > 31:
-            _fail(n, f"scale_bits must be <= 31, got {self.scale_bits}")
+        if self.scale_bits > 30:
+            _fail(n, f"scale_bits must be <= 30 (the quantizer's limit), got {self.scale_bits}")
         _check_float(n, "dp_mu", self.dp_mu, minimum=0.0)
         if (self.dp_mu == 0.0) != (self.dp_t_min == 0):
             _fail(n, "dp_mu and dp_t_min must both be zero (no DP) or both positive")
@@ -349,7 +349,9 @@ class ShareKeysBroadcast(Message):
     session_id : bytes
         32-byte SHA-256 over the round id and every advertised key (see `protocol.crypto.session_id`).
     neighbour_ids : tuple of int
-        Strictly increasing ids of the neighbourhood, the recipient included.
+        Ids of the neighbourhood, the recipient included.  The server sends them in increasing
+        order; devices do not rely on the order (they sort a copy), and the session refuses a
+        repeated id.
     c_public_keys, s_public_keys : tuple of bytes
         32-byte keys aligned with ``neighbour_ids``.
     """
@@ -592,7 +594,10 @@ class ErrorMessage(Message):
     Attributes
     ----------
     code : str
-        ``FedRecError.code`` of a class in `protocol.errors` (unknown codes are refused).
+        ``FedRecError.code`` of a class in `protocol.errors`: lower-case letters, digits and "_",
+        starting with a letter, at most 64 characters.  A well-formed code this peer does not know
+        (added by a later 1.x minor version) is accepted and rebuilt as the base `FedRecError`, as
+        the append-only evolution rule requires.
     message : str
         Human-readable detail (at most 4096 characters).
     """
@@ -605,8 +610,11 @@ class ErrorMessage(Message):
         n = "ErrorMessage"
         _check_text(n, "code", self.code, _MAX_CODE)
         _check_text(n, "message", self.message, _MAX_TEXT)
-        if error_class_for_code(self.code).code != self.code:
-            _fail(n, f"unknown error code {self.code!r}")
+        code = self.code
+        if not code or not code[0].isascii() or not code[0].islower() or not all(
+            c == "_" or (c.isascii() and (c.islower() or c.isdigit())) for c in code
+        ):
+            _fail(n, f"error code must match [a-z][a-z0-9_]*, got {code!r}")
 
     @classmethod
     def from_exception(cls, exc: FedRecError) -> ErrorMessage:
@@ -624,13 +632,17 @@ class ErrorMessage(Message):
         return cls(code=exc.code, message=str(exc)[:_MAX_TEXT])
 
     def to_exception(self) -> FedRecError:
-        """Rebuild the exception class named by ``code`` with ``message``.
+        """Rebuild the exception class named by ``code`` with ``message``; a code this peer does not
+        know becomes a plain `FedRecError` whose text names the code.
 
         Returns
         -------
         FedRecError
         """
-        return error_class_for_code(self.code)(self.message)
+        cls = error_class_for_code(self.code)
+        if cls.code != self.code:
+            return FedRecError(f"[{self.code}] {self.message}")
+        return cls(self.message)
 
 
 # -- registration, check-in and model distribution (type codes 11–16) -------------------------------

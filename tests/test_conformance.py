@@ -109,12 +109,12 @@ def _hkdf(ikm: bytes, info: bytes, length: int = 32) -> bytes:
 
 
 def _info(label: str, session: bytes, parties: list[int]) -> bytes:
-    major, minor = CRYPTO["protocol_version"]
+    major = CRYPTO["protocol_version"][0]
     raw = label.encode()
     return (
         struct.pack(">I", len(raw))
         + raw
-        + struct.pack(">HH", major, minor)
+        + struct.pack(">HH", major, 0)  # only the major version is bound (docs/protocol.md §7.1)
         + struct.pack(">I", len(session))
         + session
         + struct.pack(">I", len(parties))
@@ -262,9 +262,9 @@ def test_x25519() -> None:
 def test_session_id() -> None:
     v = CRYPTO["session_id"]
     keys = {int(u): (bytes.fromhex(k["c"]), bytes.fromhex(k["s"])) for u, k in v["public_keys"].items()}
-    major, minor = CRYPTO["protocol_version"]
+    major = CRYPTO["protocol_version"][0]
     label = b"fedrec/secagg/session"
-    preimage = struct.pack(">I", len(label)) + label + struct.pack(">HHQI", major, minor, v["round_id"], len(keys))
+    preimage = struct.pack(">I", len(label)) + label + struct.pack(">HHQI", major, 0, v["round_id"], len(keys))
     for u in sorted(keys):
         c, s = keys[u]
         preimage += struct.pack(">QI", u, len(c)) + c + struct.pack(">I", len(s)) + s

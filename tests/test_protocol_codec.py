@@ -53,7 +53,7 @@ def invites(draw: st.DrawFn) -> RoundInvite:
         graph_k=k,
         graph_t=draw(st.integers(1, k)),
         clip_norm=draw(st.floats(1e-9, 1e9)),
-        scale_bits=draw(st.integers(0, 31)),
+        scale_bits=draw(st.integers(0, 30)),
         dp_mu=mu,
         dp_t_min=draw(st.integers(1, 10**6)) if mu > 0 else 0,
         advertise_deadline=deadlines[0],
@@ -185,7 +185,8 @@ def test_messages_are_immutable_and_validated() -> None:
         lambda: EncryptedShares(
             round_id=1, device_id=2, session_id=b"s" * 32, recipient_ids=(1, 2), ciphertexts=(b"x",)
         ),
-        lambda: ErrorMessage(code="no_such_code"),
+        lambda: ErrorMessage(code="No Such Code!"),
+        lambda: ErrorMessage(code=""),
         lambda: RoundInvite(
             round_id=1,
             device_id=0,
@@ -290,3 +291,11 @@ def test_size_limit() -> None:
     with pytest.raises(PayloadTooLarge):
         decode(raw, max_size=1000)
     assert isinstance(decode(raw, max_size=len(raw)), MaskedInput)
+
+
+def test_unknown_error_code_from_a_newer_minor_version_decodes_as_the_base_error() -> None:
+    msg = decode(encode(ErrorMessage(code="quota_exceeded", message="slow down")))
+    assert isinstance(msg, ErrorMessage)
+    exc = msg.to_exception()
+    assert type(exc).__name__ == "FedRecError" and "quota_exceeded" in str(exc) and "slow down" in str(exc)
+    assert type(ErrorMessage(code="stale_round").to_exception()).__name__ == "StaleRound"

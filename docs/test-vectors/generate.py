@@ -364,7 +364,7 @@ def crypto_vectors() -> dict[str, Any]:
         info = b"".join(
             (
                 len(label).to_bytes(4, "big") + label,
-                codec.PROTOCOL_VERSION[0].to_bytes(2, "big") + codec.PROTOCOL_VERSION[1].to_bytes(2, "big"),
+                codec.PROTOCOL_VERSION[0].to_bytes(2, "big") + (0).to_bytes(2, "big"),
                 len(sid).to_bytes(4, "big") + sid,
                 len(parties).to_bytes(4, "big"),
                 *(p.to_bytes(8, "big") for p in parties),
@@ -461,7 +461,7 @@ def _session_preimage(round_id: int, keys: dict[int, tuple[bytes, bytes]]) -> by
     label = b"fedrec/secagg/session"
     parts = [
         len(label).to_bytes(4, "big") + label,
-        codec.PROTOCOL_VERSION[0].to_bytes(2, "big") + codec.PROTOCOL_VERSION[1].to_bytes(2, "big"),
+        codec.PROTOCOL_VERSION[0].to_bytes(2, "big") + (0).to_bytes(2, "big"),
         round_id.to_bytes(8, "big"),
         len(keys).to_bytes(4, "big"),
     ]
