@@ -21,6 +21,7 @@ from device_sdk.store import load_store, save_store
 from fedsim.datasets import DATASET_NAMES, LightFRSplit, Ratings, find_data_dir, load_dataset
 from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
 from fedsim.experiment import Experiment, Protocol, baselines, item_titles, prepare
+from fedsim.families import FAMILY_DEFAULT_ROUNDS, simulate_family
 from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, run_lightfr, user_data
 from protocol.codes import from_bytes, pack_signs, to_bytes, unpack_signs
 from protocol.errors import FedRecError
@@ -66,6 +67,20 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _parse_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def _xor_fraction(text: str) -> float:
+    value = _parse_float(text)
+    if not 0 <= value <= 0.5:
+        raise argparse.ArgumentTypeError(f"must be in [0, 0.5], got {text!r}")
+    return value
+
+
 def _nonneg_float(text: str) -> float:
     value = _parse_float(text)
     if value < 0:
@@ -75,7 +90,12 @@ def _nonneg_float(text: str) -> float:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LightFR model")
-    g.add_argument("--model", choices=["lightfr"], default="lightfr", help="model family (default: lightfr)")
+    g.add_argument(
+        "--model",
+        choices=["lightfr", "mf", "felb", "fnmf"],
+        default="lightfr",
+        help="model family (default: lightfr); mf, felb and fnmf take the options of their own group below",
+    )
     g.add_argument("--bits", type=_positive_int, default=64, help="code length f (default: 64)")
     g.add_argument(
         "--lam",
@@ -101,7 +121,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
     g = p.add_argument_group("federation")
-    g.add_argument("--rounds", type=_nonneg_int, default=rounds, help=f"global rounds T (default: {rounds})")
+    g.add_argument(
+        "--rounds",
+        type=_nonneg_int,
+        default=None,
+        help=f"global rounds T (default: {rounds} for lightfr, 20 for mf, 100 for felb, 10 for fnmf)",
+    )
     g.add_argument("--fraction", type=_fraction, default=0.6, help="client fraction p per round (default: 0.6)")
     g.add_argument(
         "--aggregation",
@@ -118,13 +143,56 @@ def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the simulation (default: 0)")
 
 
+def _add_family_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("MF, FELB and FNMF (--model mf|felb|fnmf)")
+    g.add_argument(
+        "--rank",
+        type=_positive_int,
+        default=None,
+        help="factors f (mf, default 32) or components k (felb/fnmf: 5 on planted data, 20 on ratings)",
+    )
+    g.add_argument("--clients", type=_positive_int, default=None, help="felb/fnmf clients (default 10; 50 on ratings)")
+    g.add_argument(
+        "--local-steps",
+        type=_positive_int,
+        default=None,
+        help="local iterations per round: felb b (default 10), fnmf T (default 100)",
+    )
+    g.add_argument("--epsilon", type=_nonneg_float, default=0.0, help="mf: per-user ε at δ=1e-5 (0 = no DP)")
+    g.add_argument(
+        "--secure",
+        action="store_true",
+        help="mf: run every round through the real coordinator with SecAgg+ even without DP",
+    )
+    g.add_argument("--clip-norm", type=_positive_float, default=10.0, help="mf private: L2 clip C of an upload")
+    g.add_argument("--example-cap", type=_nonneg_int, default=20, help="mf: θ ratings per user per round (0 = all)")
+    g.add_argument("--silos", type=_nonneg_int, default=0, help="mf: K silo clients holding many users (HFL)")
+    g.add_argument("--server-lr", type=_positive_float, default=1.0, help="mf: server step (default 1.0)")
+    g.add_argument("--lr", type=_positive_float, default=0.1, help="mf: device step for user vectors (default 0.1)")
+    g.add_argument("--max-norm2", type=_positive_float, default=None, help="mf: clipping bound R (default: top rating)")
+    g.add_argument("--step-rule", choices=["lipschitz", "mu"], default="lipschitz", help="felb: FELB or FELB^MU")
+    g.add_argument("--xor-noise", type=_xor_fraction, default=0.1, help="felb planted: XOR noise p (default 0.1)")
+    g.add_argument("--noise-sigma", type=_nonneg_float, default=0.0, help="felb: Gaussian σ on each upload")
+    g.add_argument("--binarize-at", type=float, default=4.0, help="felb on ratings: rating >= this is a 1")
+    g.add_argument("--server-scale", type=_positive_float, default=None, help="felb: server prox scale s (default 1)")
+    g.add_argument(
+        "--alignment", choices=["lap", "lap_rho", "sinkhorn"], default="lap", help="fnmf: client-side alignment"
+    )
+    g.add_argument(
+        "--aggregator",
+        choices=["secure", "trusted-barycenter", "fedavg", "fedprox"],
+        default="secure",
+        help="fnmf: secure (sums only; default), trusted-barycenter (sees every client's matrix), fedavg, fedprox",
+    )
+
+
 def _add_data_args(p: argparse.ArgumentParser, default: str | None) -> None:
     g = p.add_argument_group("data and evaluation")
     g.add_argument(
         "--dataset",
         default=default,
-        required=default is None,
-        help=f"dataset name ({', '.join(DATASET_NAMES)}, synthetic) or a ratings file/folder",
+        help=f"dataset name ({', '.join(DATASET_NAMES)}, synthetic), a ratings file/folder, or planted "
+        "(felb/fnmf recipe); required for lightfr and mf",
     )
     g.add_argument("--data-dir", type=Path, default=None, help="folder of the named datasets (default: auto)")
     g.add_argument(
@@ -203,11 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser(
         "simulate",
         help="run an in-process federated training and evaluate it",
-        description="In-process federated LightFR (no sockets) on a dataset, evaluated with HR@10/NDCG@10 "
-        "in both tie modes beside popularity and random baselines.",
+        description="In-process federated training (no sockets) on a dataset, evaluated beside simple "
+        "baselines. LightFR (default): HR@10/NDCG@10 in both tie modes beside popularity and random. "
+        "--model mf: test RMSE and HR@10/NDCG@10, optionally private through the real coordinator "
+        "(--epsilon). --model felb / fnmf: the planted recipes (or binarized ratings for felb) with F1 / "
+        "Σ-RMSD figures.",
     )
     _add_model_args(sim)
     _add_fed_args(sim, rounds=50)
+    _add_family_args(sim)
     _add_data_args(sim, default=None)
     sim.add_argument("--save", type=Path, default=None, help="write the trained run to this file")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -372,6 +444,14 @@ def _resolve_dataset(args: argparse.Namespace, out: TextIO) -> tuple[Experiment,
 
 
 def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
+    if args.rounds is None:
+        args.rounds = FAMILY_DEFAULT_ROUNDS[args.model]
+    if args.model != "lightfr":
+        if args.save is not None:
+            raise ValueError("--save writes LightFR runs only; the other families' models have save()/load()")
+        return simulate_family(args, _data_dir(args.data_dir), out)
+    if args.dataset is None:
+        raise ValueError("--dataset is required (a dataset name, a ratings file, or synthetic)")
     t0 = time.perf_counter()
     exp, data_dir = _resolve_dataset(args, out)
     out.write(exp.describe() + "\n")

@@ -101,3 +101,60 @@ def test_readme_demo_on_movielens(capsys: pytest.CaptureFixture[str], shared_dat
     out = capsys.readouterr().out
     assert "dataset: ml-100k" in out and "server: stopped (exit 0)" in out
     assert out.count("\n") > 20 and "privacy: ε spent" in out
+
+
+def _table_row(out: str, label: str) -> list[str]:
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"| {label}"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_simulate_felb_on_the_planted_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--model", "felb", "--rounds", "40", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    row = _table_row(out, "FELB")
+    f1, f1_star, factor_f1, rmsd = (float(x) for x in row[1:5])
+    zero_rmsd = float(_table_row(out, "all-zero model")[4])
+    assert f1_star >= 0.9 and factor_f1 >= 0.95 and rmsd < 0.8 * zero_rmsd and 0.5 < f1 < f1_star
+
+
+def test_simulate_fnmf_secure_and_trusted(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--model", "fnmf", "--rounds", "3", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    secure = float(_table_row(out, "secure")[1])
+    floor = float(_table_row(out, "noise floor")[1])
+    assert secure <= 1.1 * floor and float(_table_row(out, "secure")[2]) >= 0.99
+    assert (
+        main(["simulate", "--model", "fnmf", "--rounds", "3", "--seed", "1", "--aggregator", "trusted-barycenter"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "TRUSTED-AGGREGATOR MODE" in out
+    assert float(_table_row(out, "trusted-barycenter")[1]) == pytest.approx(secure, rel=0.01)
+
+
+def test_simulate_mf_in_process_and_private(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["simulate", "--model", "mf", "--dataset", "synthetic", "--quiet", "--rank", "8"]
+    assert main([*base, "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "in-process (plain sums" in out and "item popularity" in out
+    rmse = float(_table_row(out, "federated MF")[1])
+    assert 0 < rmse < 5
+    # Private: every round through the real coordinator with SecAgg+ and per-user DP.
+    assert main([*base, "--rounds", "1", "--epsilon", "8", "--fraction", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 rounds committed; per-user ε 8" in out and "per-rating ε" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["simulate", "--model", "mf"], "--model mf needs --dataset"),
+        (["simulate", "--model", "fnmf", "--dataset", "synthetic"], "planted"),
+        (["simulate", "--model", "mf", "--dataset", "synthetic", "--silos", "3", "--epsilon", "1"], "--silos"),
+        (["simulate", "--dataset", "synthetic", "--model", "felb", "--save", "x"], "--save writes LightFR"),
+        (["simulate"], "--dataset is required"),
+    ],
+)
+def test_family_misuse_is_one_clear_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedrec simulate: error:") and message in err
