@@ -340,6 +340,21 @@ def upload_vector(V: Array, V_bar: Array, P: Array, alignment: str) -> Array:
     return delta.ravel()
 
 
+def _clip_keeping_counts(vector: Array, k: int, clip_norm: float) -> Array:
+    """Shrink the Δ part of a "lap_rho" upload so that the whole vector has norm ≤ ``clip_norm``
+    while its last k entries (match counts) stay exact."""
+    counts = vector[-k:]
+    room = clip_norm * clip_norm - float(counts @ counts)
+    if room <= 0.0:
+        raise ValueError(f"clip_norm {clip_norm} leaves no room for Δ beside {k} match counts (need clip_norm² > k)")
+    delta = vector[:-k]
+    norm = float(np.linalg.norm(delta))
+    budget = math.sqrt(room) * (1.0 - 1e-12)  # a hair inside, so the quantizer's clip never rescales
+    if norm <= budget:
+        return vector
+    return np.concatenate([delta * (budget / norm), counts])
+
+
 # -- the device model ----------------------------------------------------------------------------
 def _as_items(user_items: ArrayLike, n_items: int) -> NDArray[np.int64]:
     if sp.issparse(user_items):
@@ -542,9 +557,21 @@ class FNMFModel:
         return upload_vector(self.v_local, v_bar, P, self.config.alignment)
 
     def local_update(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
-        """One round of the anchored secure variant: sync, T local steps, align to V̄, upload Δ."""
+        """One round of the anchored secure variant: sync, T local steps, align to V̄, upload Δ.
+
+        For "lap_rho" the match counts must reach the server unscaled, but the upload is clipped
+        to ``invite.clip_norm`` as a whole before quantization; so Δ alone is shrunk here to the
+        norm the counts leave free, and the later clip is a no-op.
+
+        Raises
+        ------
+        ValueError
+            If the plan does not fit the model, or "lap_rho" runs with ``clip_norm² ≤ k``.
+        """
         V = self.train(invite, data, rng)
         vector = self.align_update(first_round=invite.round_index == 0)
+        if invite.alignment == "lap_rho":
+            vector = _clip_keeping_counts(vector, self.rank, invite.clip_norm)
         if self.u is None:  # pragma: no cover - train always sets U
             raise ModelError("training produced no U")
         X = data.dense(self.n_items)

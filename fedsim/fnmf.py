@@ -187,7 +187,7 @@ def _invite(strategy: FNMFStrategy, round_index: int, version: int) -> RoundInvi
         vector_length=strategy.vector_length,
         graph_k=1,
         graph_t=1,
-        clip_norm=1.0,
+        clip_norm=1e100,  # in process the sum is exact: nothing is clipped or quantized
         scale_bits=0,
         advertise_deadline=0.0,
         share_keys_deadline=0.0,

@@ -62,7 +62,7 @@ def _invite(strategy: FNMFStrategy, round_index: int = 1) -> RoundInvite:
         vector_length=strategy.vector_length,
         graph_k=1,
         graph_t=1,
-        clip_norm=1.0,
+        clip_norm=100.0,
         scale_bits=0,
         advertise_deadline=0.0,
         share_keys_deadline=0.0,
@@ -302,6 +302,17 @@ def test_first_round_starts_from_the_shared_or_the_clients_own_matrix(independen
     U1, V1 = pgd_steps(X, U0, V0, 20)
     np.testing.assert_array_equal(model.u, U1)
     np.testing.assert_array_equal(model.v_local, V1)
+
+
+def test_lap_rho_upload_keeps_its_counts_through_clipping() -> None:
+    model, strategy, _ = _model_with_global(alignment="lap_rho")
+    data = LocalRatings.from_matrix(np.random.default_rng(2).random((15, 12)))
+    invite = replace(_invite(strategy, round_index=0), clip_norm=2.0)
+    res = model.local_update(invite, data, np.random.default_rng(3))
+    assert np.linalg.norm(res.vector) <= 2.0
+    np.testing.assert_array_equal(res.vector[-3:], [1.0, 1.0, 1.0])  # round 0: LAP matches all three
+    with pytest.raises(ValueError, match="clip_norm"):
+        model.local_update(replace(invite, clip_norm=1.5), data, np.random.default_rng(3))
 
 
 def test_recommend_ranks_by_u_vbar_and_filters() -> None:
