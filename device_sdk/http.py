@@ -13,6 +13,7 @@ import logging
 import math
 import random
 import secrets
+import ssl as ssl_module
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 
@@ -57,6 +58,10 @@ class HttpTransport:
         ``await sleep(seconds)`` between attempts (``asyncio.sleep`` by default; tests inject a recorder).
     max_message_bytes : int
         Refuse (with `PayloadTooLarge`) answers larger than this.
+    ssl : ssl.SSLContext, optional
+        TLS settings for an ``https`` server when the transport creates its own session, e.g.
+        ``ssl.create_default_context(cafile="server-ca.pem")`` for a private certificate.  By default
+        the system's trusted roots verify the server.
 
     Raises
     ------
@@ -76,6 +81,7 @@ class HttpTransport:
         session: aiohttp.ClientSession | None = None,
         sleep: Sleep | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        ssl: ssl_module.SSLContext | None = None,
     ) -> None:
         try:
             url = URL(base_url)
@@ -94,6 +100,9 @@ class HttpTransport:
                 raise ConfigError(f"{name} must be a positive number, got {value}")
         if max_message_bytes <= 0:
             raise ConfigError(f"max_message_bytes must be positive, got {max_message_bytes}")
+        if ssl is not None and session is not None:
+            raise ConfigError("pass ssl or session, not both (a session carries its own TLS settings)")
+        self._ssl = ssl
         self.base_url = str(url).rstrip("/")
         self.retries = retries
         self.backoff_base = backoff_base
@@ -227,7 +236,8 @@ class HttpTransport:
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             # Created lazily, inside the running loop that will use it.
-            self._session = aiohttp.ClientSession()
+            connector = aiohttp.TCPConnector(ssl=self._ssl) if self._ssl is not None else None
+            self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
     async def _read(self, resp: aiohttp.ClientResponse) -> bytes:

@@ -267,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--time-limit", type=_nonneg_float, default=3600.0, help="seconds before giving up")
     lt.add_argument("--store", type=Path, default=None, help="device store folder (default: a temporary one)")
+    lt.add_argument(
+        "--ca-file",
+        type=Path,
+        default=None,
+        help="PEM certificate to trust for an https server with a private or self-signed certificate",
+    )
 
     sim = sub.add_parser(
         "simulate",
@@ -665,6 +671,7 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
             seed=args.seed,
             reproducible=False,
             time_limit=args.time_limit,
+            ca_file=args.ca_file,
         )
         report = run_loadtest(cfg, users, args.workers)
     format_loadtest(report, out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -60,6 +61,8 @@ class FleetConfig:
     announce_drops : dropped devices tell the server they leave (phases then close at quorum instead
         of at their deadline); by default they vanish silently.
     drop_pause : seconds a dropped device stays away before checking in again.
+    ca_file : PEM file of the CA (or self-signed certificate) that signs an ``https`` server's
+        certificate; None uses the system's trusted roots.
     """
 
     url: str
@@ -77,6 +80,7 @@ class FleetConfig:
     schedule: Callable[[int, int], DropoutAt] | None = None
     announce_drops: bool = False
     drop_pause: float = 1.0
+    ca_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.dropout < 1.0:
@@ -189,7 +193,8 @@ async def run_fleet(
     report = FleetReport(devices=len(users))
     stop = asyncio.Event()
     start = time.perf_counter()
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    tls = ssl.create_default_context(cafile=str(config.ca_file)) if config.ca_file is not None else None
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, ssl=tls if tls is not None else True)
     session = aiohttp.ClientSession(connector=connector)
     clients: list[DeviceClient] = []
     try:

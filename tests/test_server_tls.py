@@ -160,6 +160,13 @@ async def test_devices_train_over_tls_and_plain_http_is_refused(tmp_path: Path) 
                 await untrusted.request("GET", "/v1/health", timeout=10.0)
         finally:
             await untrusted.close()
+        # A transport that makes its own session, told to trust the certificate with ssl=.
+        own = HttpTransport(url, retries=0, ssl=trust)
+        try:
+            reg = await own.request("POST", "/v1/devices", RegisterRequest(platform="tls-own-session"), timeout=10.0)
+            assert reg.status == 201 and isinstance(reg.message, RegisterResponse)
+        finally:
+            await own.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
