@@ -54,6 +54,7 @@ class PrivateMFSettings:
     example_cap : θ, ratings a device uses per round.
     scale_bits : fixed-point scale 2**s.
     factors, max_norm2, server_lr, learning_rate, pretrain_epochs, fine_tune_epochs : the model.
+    negatives : unobserved items per kept rating fitted as 0.
     seed : seeds the server, the devices and the dropout schedule.
     """
 
@@ -72,6 +73,7 @@ class PrivateMFSettings:
     learning_rate: float = 0.1
     pretrain_epochs: int = 50
     fine_tune_epochs: int = 50
+    negatives: int = 0
     seed: int = 0
 
 
@@ -102,6 +104,7 @@ def _server_config(data_dir: Path, s: PrivateMFSettings, n_items: int, n_users: 
                 "server_lr": s.server_lr,
                 "learning_rate": s.learning_rate,
                 "pretrain_epochs": s.pretrain_epochs,
+                "negatives": s.negatives,
             },
             "rounds": {
                 "cohort_size": min(s.cohort, n_users),
@@ -157,6 +160,7 @@ def run_private_mf(
         pretrain_epochs=s.pretrain_epochs,
         example_cap=s.example_cap,
         fine_tune_epochs=s.fine_tune_epochs,
+        negatives=s.negatives,
     )
     schedule_rng = np.random.default_rng(np.random.SeedSequence([s.seed, 7]))
     drops: dict[tuple[int, int], DropoutAt] = {}
@@ -205,7 +209,15 @@ def run_private_mf(
     eps_rating = math.inf
     if s.epsilon > 0:
         eps_rating = mf_epsilons(
-            mu, s.scale_bits, s.example_cap, s.max_norm2, s.factors, committed, s.delta, clip_norm=s.clip_norm
+            mu,
+            s.scale_bits,
+            s.example_cap,
+            s.max_norm2,
+            s.factors,
+            committed,
+            s.delta,
+            negatives=s.negatives,
+            clip_norm=s.clip_norm,
         ).per_rating
     test_ev = evaluate_mf(U, V, test, test_blocks)
     val_ev = evaluate_mf(U, V, val[0], val[1]) if val is not None else None
