@@ -16,7 +16,18 @@ from agg_server.config import (
 )
 from agg_server.coordinator import RoundCoordinator
 from agg_server.storage import Storage
-from agg_server.strategy import LightFRStrategy, agg_grad, agg_para, cold_start_items
+from agg_server.strategy import (
+    LightFRServerStrategy,
+    LightFRStrategy,
+    Strategy,
+    agg_grad,
+    agg_para,
+    build_strategy,
+    cold_start_items,
+)
+from agg_server.strategy.felb import FELBStrategy
+from agg_server.strategy.fnmf import FNMFStrategy, TrustedBarycenterFNMF
+from agg_server.strategy.mf import MFStrategy
 from protocol.errors import *  # noqa: F403
 from protocol.errors import __all__ as _errors_all
 
@@ -33,6 +44,13 @@ __all__ = [
     "RoundCoordinator",
     "Storage",
     "LightFRStrategy",
+    "LightFRServerStrategy",
+    "MFStrategy",
+    "FELBStrategy",
+    "FNMFStrategy",
+    "TrustedBarycenterFNMF",
+    "Strategy",
+    "build_strategy",
     "agg_grad",
     "agg_para",
     "cold_start_items",

@@ -1,4 +1,5 @@
-"""fedrec device SDK: LightFR binary codes trained on the device, Hamming top-k, the on-device store.
+"""fedrec device SDK: models trained on the device (LightFR binary codes with Hamming top-k; real-valued
+MF; FELB Boolean MF; FNMF), the on-device store and the client that takes part in private rounds.
 
 Importing this package never imports aiohttp (the HTTP transport is a separate module).
 """
@@ -24,6 +25,10 @@ from device_sdk.codes import (
     unpack_signs,
     words_for,
 )
+from device_sdk.family import FederatedModel, LocalRatings, LocalResult
+from device_sdk.felb import FELBConfig, FELBModel
+from device_sdk.fnmf import FNMFConfig, FNMFModel
+from device_sdk.mf import MFConfig, MFModel
 from device_sdk.models import LightFRConfig, LightFRModel, LocalUpdate
 from device_sdk.store import load_store, save_store
 from device_sdk.topk import hamming_distances, topk_hamming
@@ -48,6 +53,15 @@ __all__ = [
     "LightFRConfig",
     "LightFRModel",
     "LocalUpdate",
+    "MFConfig",
+    "MFModel",
+    "FELBConfig",
+    "FELBModel",
+    "FNMFConfig",
+    "FNMFModel",
+    "FederatedModel",
+    "LocalRatings",
+    "LocalResult",
     "Aggregation",
     "topk_hamming",
     "hamming_distances",
