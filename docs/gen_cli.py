@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,22 +115,44 @@ def _usage(prog: str, parser: argparse.ArgumentParser) -> str:
     return "\n".join(lines)
 
 
+def _domain(convert: Callable[[str], Any]) -> str:
+    """What a converter accepts, found by calling it: "integer", "number", plus the limit its own error
+    message states ("must be >= 1" -> "≥ 1"); "" when it is neither an int nor a float converter."""
+    base = ""
+    for sample in ("1", "0", "0.5", "2", "3", "10", "100"):
+        try:
+            value = convert(sample)
+        except (argparse.ArgumentTypeError, ValueError, TypeError):
+            continue
+        base = "integer" if isinstance(value, int) else "number" if isinstance(value, float) else ""
+        break
+    limits: list[str] = []
+    for probe in ("-1", "1e9"):  # one value below and one above any sensible range
+        try:
+            convert(probe)
+        except argparse.ArgumentTypeError as exc:
+            message = str(exc).split(", got", 1)[0]
+            if message.startswith("must be "):
+                limit = message.removeprefix("must be ").removeprefix("a finite number ")
+                limit = limit.replace(">=", "≥").replace("<=", "≤")
+                if limit not in limits:
+                    limits.append(limit)
+        except (ValueError, TypeError):
+            pass
+    return " ".join([base, *limits]) if base else ""
+
+
 def _type_name(action: argparse.Action) -> str:
     if not _takes_value(action):
         return "flag"
     if action.choices is not None:
         return "one of " + ", ".join(f"`{c}`" for c in action.choices)
-    kind: Callable[..., Any] | None = action.type  # type: ignore[assignment]
+    kind: Callable[[str], Any] | None = action.type  # type: ignore[assignment]
     if kind is None or kind is str:
         return "text"
-    name = getattr(kind, "__name__", type(kind).__name__).lstrip("_")
-    words = {"int": "integer", "float": "number", "Path": "path", "nonneg": "≥ 0", "positive": "≥ 1"}
-    parts = name.split("_")
-    if parts[0] in ("nonneg", "positive") and len(parts) == 2:  # _nonneg_int -> "integer ≥ 0"
-        return f"{words.get(parts[1], parts[1])} {words[parts[0]]}"
-    if name == "fraction":
-        return "number in (0, 1]"
-    return words.get(name, name.replace("_", " "))
+    if isinstance(kind, type) and issubclass(kind, PurePath):
+        return "path"
+    return _domain(kind) or getattr(kind, "__name__", type(kind).__name__).lstrip("_").replace("_", " ")
 
 
 def _default(action: argparse.Action) -> str:

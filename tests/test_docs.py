@@ -70,13 +70,22 @@ def test_cli_reference_renders_a_parser_it_was_not_written_for(monkeypatch: pyte
     run = sub.add_parser("run", help="run it")
     run.add_argument("--model", choices=["mf", "felb", "fnmf"], default="mf", help="family (%(default)s)")
     run.add_argument("inputs", nargs="+", type=Path, help="files | folders")
+
+    def small(text: str) -> int:
+        value = int(text)
+        if not 2 <= value <= 5:
+            raise argparse.ArgumentTypeError(f"must be in [2, 5], got {value}")
+        return value
+
+    run.add_argument("--size", type=small, default=3, help="how big")
     gen = _gen_cli()
     monkeypatch.setattr(gen, "parsers", lambda: [p])
     text = gen.render()
     assert "### `tool run`" in text and "[`tool run`](#tool-run) | run it" in text
     assert "| `--model {mf,felb,fnmf}` | one of `mf`, `felb`, `fnmf` | `mf` | family (mf) |" in text
     assert "| `inputs [inputs ...]` | path | required | files \\| folders |" in text
-    assert "usage: tool run [-h] [--model {mf,felb,fnmf}] inputs [inputs ...]" in text
+    assert "| `--size SIZE` | integer in [2, 5] | `3` | how big |" in text  # the limit comes from the converter
+    assert "usage: tool run [-h] [--model {mf,felb,fnmf}] inputs [inputs ...] [--size SIZE]" in text
 
 
 # -- relative links ----------------------------------------------------------------------------------
