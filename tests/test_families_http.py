@@ -61,14 +61,18 @@ def _config(data_dir: Path, kind: str) -> ServerConfig:
 
 
 def _family(kind: str) -> tuple[Callable[[], Any], list[LocalRatings]]:
-    """A fresh-model factory and each device's data (one user for MF, silos of rows for FELB/FNMF)."""
+    """A fresh-model factory and each device's data: every device is a small silo of rows, the
+    cross-silo setting of the papers, over the same protocol as a phone."""
     rng = np.random.default_rng(3)
     if kind == "mf":
+        # Cross-silo (HFL): each device is a silo holding two users' ratings, through the same protocol.
         data = []
         for _ in range(DEVICES):
-            items = rng.choice(N_ITEMS, size=8, replace=False)
-            data.append(LocalRatings.single_user(items, rng.integers(1, 6, size=8).astype(float)))
-        return (lambda: MFModel(N_ITEMS, MFConfig(factors=4), rng=np.random.default_rng(0))), data
+            users = np.repeat(np.arange(2), 8)
+            items = np.concatenate([rng.choice(N_ITEMS, size=8, replace=False) for _ in range(2)])
+            ratings = rng.integers(1, 6, size=16).astype(float)
+            data.append(LocalRatings(users, items, ratings, 2))
+        return (lambda: MFModel(N_ITEMS, MFConfig(factors=4), n_users=2, rng=np.random.default_rng(0))), data
     if kind == "felb":
         planted = planted_binary(DEVICES, 5, N_ITEMS, 3, tile_columns=(4, 8), rng=rng)
         return (lambda: FELBModel(N_ITEMS, FELBConfig(rank=3))), [
