@@ -101,6 +101,16 @@ def main() -> None:
     print(f"| random | — | — | — | {b['random'].hr:.4f} | {b['random'].ndcg:.4f} | — | — | |")
     rmse = float(np.sqrt(np.mean((test.ratings - mean) ** 2)))
     print(f"| global mean rating | — | — | {rmse:.4f} | — | — | — | — | |")
+    # Per-user and per-item mean ratings: what a model that learned only biases would score.
+    for name, ids, n, held in (
+        ("user", train.users, train.n_users, test.users),
+        ("item", train.items, train.n_items, test.items),
+    ):
+        total = np.bincount(ids, weights=train.ratings, minlength=n)
+        count = np.bincount(ids, minlength=n)
+        means = np.where(count > 0, total / np.maximum(count, 1), mean)
+        rmse = float(np.sqrt(np.mean((test.ratings - means[held]) ** 2)))
+        print(f"| mean rating per {name} | — | — | {rmse:.4f} | — | — | — | — | |")
 
 
 if __name__ == "__main__":
