@@ -164,7 +164,7 @@ def _add_family_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="mf: run every round through the real coordinator with SecAgg+ even without DP",
     )
-    g.add_argument("--clip-norm", type=_positive_float, default=10.0, help="mf private: L2 clip C of an upload")
+    g.add_argument("--clip-norm", type=_positive_float, default=20.0, help="mf private: L2 clip C of an upload")
     g.add_argument("--example-cap", type=_nonneg_int, default=20, help="mf: θ ratings per user per round (0 = all)")
     g.add_argument("--silos", type=_nonneg_int, default=0, help="mf: K silo clients holding many users (HFL)")
     g.add_argument("--server-lr", type=_positive_float, default=1.0, help="mf: server step (default 1.0)")

@@ -64,7 +64,7 @@ class PrivateMFSettings:
     cohort: int = 943
     dropout_rate: float = 0.3
     drop_chance: float = 0.05
-    clip_norm: float = 10.0
+    clip_norm: float = 20.0
     example_cap: int = 20
     scale_bits: int = 12
     factors: int = 32
