@@ -35,10 +35,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
-import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import LocalRatings, LocalResult
+from device_sdk.retrieval import as_items, liked_per_user, top_n_scores
 from device_sdk.store import load_store, save_store
 from protocol.errors import ModelError, StorageError
 from protocol.messages import RoundInvite
@@ -337,19 +337,6 @@ class FELBConfig:
         return A
 
 
-def _as_items(user_items: ArrayLike, n_items: int) -> NDArray[np.int64]:
-    if sp.issparse(user_items):
-        row = sp.csr_matrix(user_items)
-        if row.shape[0] != 1:
-            raise ValueError("pass one user's items as a 1 × n_items sparse row or an array of ids")
-        items = row.indices.astype(np.int64)
-    else:
-        items = np.asarray(user_items, dtype=np.int64).ravel()
-    if items.size and (items.min() < 0 or items.max() >= n_items):
-        raise ValueError(f"item id out of range [0, {n_items})")
-    return items
-
-
 @dataclass
 class FELBModel:
     """The on-device FELB model (`device_sdk.family.FederatedModel` of kind "felb").
@@ -475,7 +462,7 @@ class FELBModel:
         """
         if self.model_version < 1:
             raise ModelError("no global model yet: call set_global first")
-        items = _as_items(user_items, self.n_items)
+        items = as_items(user_items, self.n_items)
         held = 0 if self.user_factors is None else self.user_factors.shape[0]
         if not 0 <= userid <= held:
             raise ValueError(f"userid {userid} out of range [0, {held}]")
@@ -536,19 +523,17 @@ class FELBModel:
         """
         if N < 0:
             raise ValueError(f"N must be >= 0, got {N}")
-        score = self.scores(userid=userid)
-        m = self.n_items
-        eligible = np.zeros(m, dtype=bool)
-        eligible[np.arange(m) if items is None else _as_items(items, m)] = True
-        if filter_already_liked_items and user_items is not None:
-            eligible[_as_items(user_items, m)] = False
-        if filter_items is not None:
-            eligible[_as_items(filter_items, m)] = False
-        cand = np.flatnonzero(eligible)
-        tie = rng.random(cand.size) if rng is not None else cand.astype(np.float64)
-        order = np.lexsort((tie, -score[cand]))[:N]
-        ids = cand[order].astype(np.int64)
-        return ids, score[ids].astype(np.float32)
+        ids, best = top_n_scores(
+            self.scores(userid=userid)[None, :],
+            N,
+            liked=liked_per_user(user_items, 1, False, self.n_items),
+            filter_already_liked_items=filter_already_liked_items,
+            filter_items=filter_items,
+            items=items,
+            batch=False,
+            rng=rng,
+        )
+        return ids, best.astype(np.float32)
 
     def reconstruct(self) -> NDArray[np.uint8]:
         """The Boolean reconstruction [round(U_i) ∘ round(V̂) ≥ 1] of the local block, (n_users, m)."""

@@ -40,11 +40,11 @@ from statistics import NormalDist
 from typing import Any, ClassVar
 
 import numpy as np
-import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 from scipy.optimize import linear_sum_assignment
 
 from device_sdk.family import LocalRatings, LocalResult
+from device_sdk.retrieval import as_items, liked_per_user, top_n_scores
 from device_sdk.store import load_store, save_store
 from protocol.errors import ModelError, StorageError
 from protocol.messages import RoundInvite
@@ -356,19 +356,6 @@ def _clip_keeping_counts(vector: Array, k: int, clip_norm: float) -> Array:
 
 
 # -- the device model ----------------------------------------------------------------------------
-def _as_items(user_items: ArrayLike, n_items: int) -> NDArray[np.int64]:
-    if sp.issparse(user_items):
-        row = sp.csr_matrix(user_items)
-        if row.shape[0] != 1:
-            raise ValueError("pass one user's items as a 1 × n_items sparse row or an array of ids")
-        items = row.indices.astype(np.int64)
-    else:
-        items = np.asarray(user_items, dtype=np.int64).ravel()
-    if items.size and (items.min() < 0 or items.max() >= n_items):
-        raise ValueError(f"item id out of range [0, {n_items})")
-    return items
-
-
 @dataclass(frozen=True, slots=True)
 class FNMFConfig:
     """Device-side FNMF hyper-parameters (the round plan overrides steps, γ, β and alignment).
@@ -588,7 +575,7 @@ class FNMFModel:
         (projected gradient, step 1/‖VVᵀ‖₂, ``config.fold_in_steps`` steps); x is the dense row,
         zero where unrated, 1 for an implicit rating."""
         V = self.item_matrix()
-        items = _as_items(user_items, self.n_items)
+        items = as_items(user_items, self.n_items)
         if items.size == 0:
             raise ValueError("fold_in needs at least one rated item")
         x = np.zeros((1, self.n_items))
@@ -629,46 +616,17 @@ class FNMFModel:
         n_users = self.u.shape[0]
         if users.size and (users.min() < 0 or users.max() >= n_users):
             raise ValueError(f"userid out of range [0, {n_users})")
-        liked = self._liked_per_user(user_items, users.size, batch)
-        blocked = None if filter_items is None else _as_items(filter_items, self.n_items)
-        allowed = np.ones(self.n_items, dtype=bool)
-        if items is not None:
-            allowed[:] = False
-            allowed[_as_items(items, self.n_items)] = True
-        if blocked is not None:
-            allowed[blocked] = False
-        scores = self.u[users] @ self.item_matrix()
-        out_ids = np.full((users.size, N), -1, dtype=np.int64)
-        out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
-        for row in range(users.size):  # loop over the users of a batch
-            ok = allowed.copy()
-            if filter_already_liked_items and liked[row] is not None:
-                ok[liked[row]] = False
-            cand = np.flatnonzero(ok)
-            s = scores[row, cand]
-            ties = np.arange(cand.size) if rng is None else rng.random(cand.size)
-            order = np.lexsort((ties, -s))[:N]
-            out_ids[row, : order.size] = cand[order]
-            out_scores[row, : order.size] = s[order]
-        if batch:
-            return out_ids, out_scores
-        n_ok = int((out_ids[0] >= 0).sum())
-        return out_ids[0, :n_ok], out_scores[0, :n_ok]
-
-    def _liked_per_user(self, user_items: ArrayLike | None, n: int, batch: bool) -> list[NDArray[np.int64] | None]:
-        if user_items is None:
-            return [None] * n
-        if not batch:
-            return [_as_items(user_items, self.n_items)]
-        if sp.issparse(user_items):
-            mat = sp.csr_matrix(user_items)
-            if mat.shape[0] != n:
-                raise ValueError(f"user_items has {mat.shape[0]} rows for {n} users")
-            return [mat.indices[mat.indptr[i] : mat.indptr[i + 1]].astype(np.int64) for i in range(n)]
-        rows = list(user_items)  # type: ignore[arg-type]
-        if len(rows) != n:
-            raise ValueError(f"user_items has {len(rows)} rows for {n} users")
-        return [_as_items(r, self.n_items) for r in rows]
+        ids, best = top_n_scores(
+            self.u[users] @ self.item_matrix(),
+            N,
+            liked=liked_per_user(user_items, users.size, batch, self.n_items),
+            filter_already_liked_items=filter_already_liked_items,
+            filter_items=filter_items,
+            items=items,
+            batch=batch,
+            rng=rng,
+        )
+        return ids, best.astype(np.float32)
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -44,10 +44,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
-import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import LocalRatings, LocalResult
+from device_sdk.retrieval import as_items, liked_per_user, top_n_scores
 from device_sdk.store import load_store, save_store
 from protocol.errors import ModelError, StorageError
 from protocol.messages import RoundInvite
@@ -294,19 +294,6 @@ class MFConfig:
             raise ValueError(f"local_epochs must be >= 0, got {self.local_epochs}")
 
 
-def _as_items(user_items: ArrayLike, n_items: int) -> NDArray[np.int64]:
-    if sp.issparse(user_items):
-        row = sp.csr_matrix(user_items)
-        if row.shape[0] != 1:
-            raise ValueError("pass one user's items as a 1 × n_items sparse row or an array of ids")
-        items = row.indices.astype(np.int64)
-    else:
-        items = np.asarray(user_items, dtype=np.int64).ravel()
-    if items.size and (items.min() < 0 or items.max() >= n_items):
-        raise ValueError(f"item id out of range [0, {n_items})")
-    return items
-
-
 def _targets(ratings: NDArray[np.float64] | None, n: int, R: float) -> NDArray[np.float64]:
     """Raw ratings as targets; implicit feedback (None) fits every observed entry as 1."""
     if ratings is None:
@@ -498,7 +485,7 @@ class MFModel:
         """A new user's vector from its ratings against the current V, offline and without a server
         round (stage 1 from a fresh vector: ``pretrain_epochs`` steps).  Returns a copy of u."""
         cfg = self.config
-        items = _as_items(user_items, self.n_items)
+        items = as_items(user_items, self.n_items)
         if not 0 <= userid < self.n_users:
             raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
         if items.size == 0:
@@ -522,7 +509,7 @@ class MFModel:
 
     def predict(self, items: ArrayLike, *, userid: int = 0) -> NDArray[np.float64]:
         """Predicted ratings u·v_j (in [0, R]) of the given items."""
-        ids = _as_items(items, self.n_items)
+        ids = as_items(items, self.n_items)
         self._check_user(userid)
         return self.item_factors[ids] @ self.user_factors[userid]
 
@@ -564,40 +551,16 @@ class MFModel:
             raise ValueError(f"userid out of range [0, {self.n_users})")
         if not self.user_trained[users].all():
             raise ModelError("this user has no trained vector yet: call local_update, fine_tune or fold_in first")
-        liked = self._liked_per_user(user_items, users.size, batch)
-        blocked = None if filter_items is None else _as_items(filter_items, self.n_items)
-        cand = None if items is None else np.unique(_as_items(items, self.n_items))
-        out_ids = np.full((users.size, N), -1, dtype=np.int64)
-        out_scores = np.full((users.size, N), -np.inf, dtype=np.float64)
-        for row, u in enumerate(users):  # loop over the (few) users of a batch
-            ok = np.zeros(self.n_items, dtype=bool)
-            ok[np.arange(self.n_items) if cand is None else cand] = True
-            if filter_already_liked_items and liked[row] is not None:
-                ok[liked[row]] = False
-            if blocked is not None:
-                ok[blocked] = False
-            ids, scores = _top_n(self.item_factors @ self.user_factors[u], np.flatnonzero(ok), N, rng)
-            out_ids[row, : ids.size] = ids
-            out_scores[row, : ids.size] = scores
-        if batch:
-            return out_ids, out_scores
-        n_ok = int((out_ids[0] >= 0).sum())
-        return out_ids[0, :n_ok], out_scores[0, :n_ok]
-
-    def _liked_per_user(self, user_items: ArrayLike | None, n: int, batch: bool) -> list[NDArray[np.int64] | None]:
-        if user_items is None:
-            return [None] * n
-        if not batch:
-            return [_as_items(user_items, self.n_items)]
-        if sp.issparse(user_items):
-            mat = sp.csr_matrix(user_items)
-            if mat.shape[0] != n:
-                raise ValueError(f"user_items has {mat.shape[0]} rows for {n} users")
-            return [mat.indices[mat.indptr[i] : mat.indptr[i + 1]].astype(np.int64) for i in range(n)]
-        rows = list(user_items)  # type: ignore[arg-type]
-        if len(rows) != n:
-            raise ValueError(f"user_items has {len(rows)} rows for {n} users")
-        return [_as_items(r, self.n_items) for r in rows]
+        return top_n_scores(
+            self.user_factors[users] @ self.item_factors.T,
+            N,
+            liked=liked_per_user(user_items, users.size, batch, self.n_items),
+            filter_already_liked_items=filter_already_liked_items,
+            filter_items=filter_items,
+            items=items,
+            batch=batch,
+            rng=rng,
+        )
 
     # -- persistence ------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -640,20 +603,3 @@ class MFModel:
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"{path} is a valid store file but its MF state is invalid: {exc}") from exc
         return model
-
-
-def _top_n(
-    scores: NDArray[np.float64], eligible: NDArray[np.int64], N: int, rng: np.random.Generator
-) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
-    """The N best of ``scores[eligible]``, best first; equal scores in uniformly random order."""
-    if N == 0 or eligible.size == 0:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)
-    s = scores[eligible]
-    k = min(N, s.size)
-    tau = s[np.argpartition(-s, k - 1)[k - 1]]  # k-th best score
-    above = np.flatnonzero(s > tau)
-    tied = np.flatnonzero(s == tau)
-    pick = np.r_[above, rng.choice(tied, size=k - above.size, replace=False)].astype(np.int64)
-    pick = pick[rng.permutation(pick.size)]
-    pick = pick[np.argsort(-s[pick], kind="stable")]
-    return eligible[pick], s[pick]

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
-import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr
 from device_sdk.family import LocalRatings, LocalResult
+from device_sdk.retrieval import as_items, liked_per_user
 from device_sdk.store import load_store, save_store
 from device_sdk.topk import topk_hamming
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
@@ -110,19 +110,6 @@ class LocalUpdate:
     aggregation: Aggregation
     n_examples: int
     flips: int
-
-
-def _as_items(user_items: ArrayLike, n_items: int) -> NDArray[np.int64]:
-    if sp.issparse(user_items):
-        row = sp.csr_matrix(user_items)
-        if row.shape[0] != 1:
-            raise ValueError("pass one user's items as a 1 × n_items sparse row or an array of ids")
-        items = row.indices.astype(np.int64)
-    else:
-        items = np.asarray(user_items, dtype=np.int64).ravel()
-    if items.size and (items.min() < 0 or items.max() >= n_items):
-        raise ValueError(f"item id out of range [0, {n_items})")
-    return items
 
 
 @dataclass
@@ -260,7 +247,7 @@ class LightFRModel:
         """
         rng = rng or self.rng
         cfg = self.config
-        items = _as_items(user_items, self.n_items)
+        items = as_items(user_items, self.n_items)
         if not 0 <= userid < self.n_users:
             raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
         targets = cfg.normalize(None if ratings is None else np.asarray(ratings, float), items.size)
@@ -289,7 +276,7 @@ class LightFRModel:
         """Cold-start code for a new user from its ratings against the current item codes, offline
         and without a server round (LightFR eq. 18–19: DCD without the balance term)."""
         cfg = self.config
-        items = _as_items(user_items, self.n_items)
+        items = as_items(user_items, self.n_items)
         if not 0 <= userid < self.n_users:
             raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
         if items.size == 0:
@@ -355,9 +342,9 @@ class LightFRModel:
             raise ValueError(f"userid out of range [0, {self.n_users})")
         if not self.user_trained[users].all():
             raise ModelError("this user has no trained code yet: call fit_local or fold_in first")
-        liked = self._liked_per_user(user_items, users.size, batch)
-        blocked = None if filter_items is None else _as_items(filter_items, self.n_items)
-        cand = None if items is None else _as_items(items, self.n_items)
+        liked = liked_per_user(user_items, users.size, batch, self.n_items)
+        blocked = None if filter_items is None else as_items(filter_items, self.n_items)
+        cand = None if items is None else as_items(items, self.n_items)
         f = self.config.bits
         out_ids = np.full((users.size, N), -1, dtype=np.int64)
         out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
@@ -374,24 +361,9 @@ class LightFRModel:
         n_ok = int((out_ids[0] >= 0).sum())
         return out_ids[0, :n_ok], out_scores[0, :n_ok]
 
-    def _liked_per_user(self, user_items: ArrayLike | None, n: int, batch: bool) -> list[NDArray[np.int64] | None]:
-        if user_items is None:
-            return [None] * n
-        if not batch:
-            return [_as_items(user_items, self.n_items)]
-        if sp.issparse(user_items):
-            mat = sp.csr_matrix(user_items)
-            if mat.shape[0] != n:
-                raise ValueError(f"user_items has {mat.shape[0]} rows for {n} users")
-            return [mat.indices[mat.indptr[i] : mat.indptr[i + 1]].astype(np.int64) for i in range(n)]
-        rows = list(user_items)  # type: ignore[arg-type]
-        if len(rows) != n:
-            raise ValueError(f"user_items has {len(rows)} rows for {n} users")
-        return [_as_items(r, self.n_items) for r in rows]
-
     def similarity(self, item_ids: ArrayLike, *, userid: int = 0) -> NDArray[np.float64]:
         """sim(b_u, d_i) = 1/2 + b_uᵀd_i/(2f) (LightFR eq. 4) for the given items."""
-        ids = _as_items(item_ids, self.n_items)
+        ids = as_items(item_ids, self.n_items)
         f = self.config.bits
         dots = self.item_codes[ids].astype(np.int32) @ self.user_codes[userid].astype(np.int32)
         return 0.5 + dots / (2.0 * f)
