@@ -191,7 +191,7 @@ def _add_data_args(p: argparse.ArgumentParser, default: str | None) -> None:
     g.add_argument(
         "--dataset",
         default=default,
-        help=f"dataset name ({', '.join(DATASET_NAMES)}, synthetic), a ratings file/folder, or planted "
+        help=f"dataset name ({', '.join(DATASET_NAMES)}), a ratings file/folder, or planted "
         "(felb/fnmf recipe); required for lightfr and mf",
     )
     g.add_argument("--data-dir", type=Path, default=None, help="folder of the named datasets (default: auto)")

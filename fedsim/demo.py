@@ -324,11 +324,12 @@ def format_loadtest(report: FleetReport, out: TextIO) -> None:
     for rec in report.server_rounds:
         proc = rec.get("process") or {}
         cpu = proc.get("cpu_seconds")
-        delta = cpu - prev_cpu if cpu is not None and prev_cpu is not None else float("nan")
+        # Server CPU is sampled when a round ends, so the first round has no "before" to subtract.
+        delta = f"{cpu - prev_cpu:>8.1f}" if cpu is not None and prev_cpu is not None else f"{'—':>8}"
         prev_cpu = cpu if cpu is not None else prev_cpu
         secs = (rec.get("finished_at") or 0) - (rec.get("started_at") or 0)
         out.write(
             f"{rec['round_id']:>5} {rec['status']:<10} {rec.get('cohort_size', 0):>6} {rec.get('survivors') or 0:>9} "
-            f"{secs:>8.1f} {delta:>8.1f} {proc.get('max_rss_mb', float('nan')):>12.0f}\n"
+            f"{secs:>8.1f} {delta} {proc.get('max_rss_mb', float('nan')):>12.0f}\n"
         )
     out.write(f"\nerrors by type: {dict(report.errors) if report.errors else 'none'}\n")
