@@ -115,9 +115,7 @@ class RoundCoordinator:
     now : the caller's clock at start-up.
     """
 
-    def __init__(
-        self, config: ServerConfig, storage: Storage, *, now: float, strategy: Strategy | None = None
-    ) -> None:
+    def __init__(self, config: ServerConfig, storage: Storage, *, now: float, strategy: Strategy | None = None) -> None:
         self.config = config
         self.storage = storage
         self.strategy: Strategy = strategy if strategy is not None else build_strategy(config)
@@ -175,9 +173,7 @@ class RoundCoordinator:
         if loaded is not None:
             version, payload = loaded
             msg = decode(payload, max_size=len(payload) + 1)
-            held = (
-                (msg.model_kind, msg.bits, msg.n_items) if isinstance(msg, ModelPayload) else ("?", "?", "?")
-            )
+            held = (msg.model_kind, msg.bits, msg.n_items) if isinstance(msg, ModelPayload) else ("?", "?", "?")
             if held != (st.kind, st.rank, st.n_items):
                 raise ConfigError(
                     f"the checkpoint in {self.config.data_dir} is a {held[0]!r} model with rank {held[1]}, "
@@ -198,9 +194,7 @@ class RoundCoordinator:
     def _payload(self, version: int, state: NDArray[Any]) -> bytes:
         st = self.strategy
         wire = {"words": b"", "values": b"", **st.to_wire(state)}
-        return encode(
-            ModelPayload(model_version=version, model_kind=st.kind, bits=st.rank, n_items=st.n_items, **wire)
-        )
+        return encode(ModelPayload(model_version=version, model_kind=st.kind, bits=st.rank, n_items=st.n_items, **wire))
 
     def _set_model(self, version: int, state: NDArray[Any], payload: bytes) -> None:
         self.model_version = version

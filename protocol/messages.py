@@ -611,8 +611,11 @@ class ErrorMessage(Message):
         _check_text(n, "code", self.code, _MAX_CODE)
         _check_text(n, "message", self.message, _MAX_TEXT)
         code = self.code
-        if not code or not code[0].isascii() or not code[0].islower() or not all(
-            c == "_" or (c.isascii() and (c.islower() or c.isdigit())) for c in code
+        if (
+            not code
+            or not code[0].isascii()
+            or not code[0].islower()
+            or not all(c == "_" or (c.isascii() and (c.islower() or c.isdigit())) for c in code)
         ):
             _fail(n, f"error code must match [a-z][a-z0-9_]*, got {code!r}")
 
