@@ -3,6 +3,8 @@ behind the `agg_server.strategy.base.Strategy` contract."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from agg_server.strategy.base import Strategy
@@ -41,50 +43,25 @@ def build_strategy(config: ServerConfig) -> Strategy:
         return LightFRServerStrategy(
             rule, m.n_items, negatives=m.negatives, local_epochs=m.local_epochs, max_sweeps=m.max_sweeps
         )
+    # The [mf], [felb] and [fnmf] tables name exactly their strategy's hyper-parameters.
     try:
-        if m.kind == "mf":
-            from agg_server.strategy.mf import MFStrategy
-
-            c = config.mf
-            return MFStrategy(
-                n_items=m.n_items,
-                rank=c.rank,
-                max_norm2=c.max_norm2,
-                server_lr=c.server_lr,
-                learning_rate=c.learning_rate,
-                reg=c.reg,
-                pretrain_epochs=c.pretrain_epochs,
-                local_epochs=c.local_epochs,
-                negatives=c.negatives,
-            )
-        if m.kind == "felb":
-            from agg_server.strategy.felb import FELBStrategy
-
-            b = config.felb
-            return FELBStrategy(
-                rank=b.rank,
-                n_items=m.n_items,
-                kappa=b.kappa,
-                reg=b.reg,
-                reg_growth=b.reg_growth,
-                proximity=b.proximity,
-                inertia=b.inertia,
-                local_epochs=b.local_epochs,
-                step_rule=b.step_rule,
-                server_scale=b.server_scale,
-            )
-        if m.kind == "fnmf":
-            from agg_server.strategy.fnmf import FNMFStrategy
-
-            n = config.fnmf
-            return FNMFStrategy(
-                rank=n.rank,
-                n_items=m.n_items,
-                local_steps=n.local_steps,
-                proximity=n.proximity,
-                inertia=n.inertia,
-                alignment=n.alignment,
-            )
+        return _family(m.kind)(n_items=m.n_items, **dataclasses.asdict(getattr(config, m.kind)))
     except ValueError as exc:
         raise ConfigError(f"[{m.kind}] {exc}") from exc
-    raise ConfigError(f"model.kind: {m.kind!r} has no server strategy")
+
+
+def _family(kind: str) -> Callable[..., Strategy]:
+    # Imported here: the family modules import `agg_server.strategy.base`, i.e. this package.
+    if kind == "mf":
+        from agg_server.strategy.mf import MFStrategy
+
+        return MFStrategy
+    if kind == "felb":
+        from agg_server.strategy.felb import FELBStrategy
+
+        return FELBStrategy
+    if kind == "fnmf":
+        from agg_server.strategy.fnmf import FNMFStrategy
+
+        return FNMFStrategy
+    raise ConfigError(f"model.kind: {kind!r} has no server strategy")
