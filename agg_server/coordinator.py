@@ -36,7 +36,7 @@ from numpy.typing import NDArray
 from agg_server.config import ServerConfig
 from agg_server.storage import Storage
 from agg_server.strategy import build_strategy
-from agg_server.strategy.base import Strategy
+from agg_server.strategy.base import Strategy, round_plan
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
 from protocol.errors import (
@@ -330,16 +330,7 @@ class RoundCoordinator:
             deadlines=deadlines,
         )
         session = ServerSecAggSession(params, cohort, rng=rng)
-        st = self.strategy
-        plan = {
-            **st.plan(),
-            "model_version": self.model_version,
-            "model_kind": st.kind,
-            "bits": st.rank,
-            "n_items": st.n_items,
-            "example_cap": cfg.example_cap,
-            "round_index": self.model_version - 1,
-        }
+        plan = round_plan(self.strategy, self.model_version, example_cap=cfg.example_cap)
         self.storage.start_round(
             round_id,
             self.model_version,

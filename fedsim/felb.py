@@ -30,6 +30,7 @@ from agg_server.strategy.felb import FELBStrategy
 from device_sdk.family import LocalRatings
 from device_sdk.felb import FELBConfig, FELBModel, boolean_product, integrality_gap
 from fedsim.datasets import load_movielens
+from fedsim.private import in_process_invite
 from protocol.messages import RoundInvite
 
 __all__ = [
@@ -56,27 +57,8 @@ def binary_ratings(block: ArrayLike) -> LocalRatings:
 
 
 def felb_invite(strategy: FELBStrategy, version: int, round_index: int) -> RoundInvite:
-    """The `RoundInvite` a device would receive for this round (SecAgg fields are placeholders:
-    no secure aggregation runs in process)."""
-    return RoundInvite(
-        round_id=round_index + 1,
-        device_id=0,
-        vector_length=strategy.vector_length,
-        graph_k=1,
-        graph_t=1,
-        clip_norm=1.0,
-        scale_bits=0,
-        advertise_deadline=0.0,
-        share_keys_deadline=0.0,
-        masked_input_deadline=0.0,
-        unmask_deadline=0.0,
-        model_version=version,
-        model_kind=strategy.kind,
-        bits=strategy.rank,
-        n_items=strategy.n_items,
-        round_index=round_index,
-        **strategy.plan(),
-    )
+    """The `RoundInvite` a device would receive for this round (no secure aggregation in process)."""
+    return in_process_invite(strategy, version, round_index=round_index)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from scipy.optimize import linear_sum_assignment
 from agg_server.strategy.fnmf import FNMFStrategy, TrustedBarycenterFNMF
 from device_sdk.family import LocalRatings
 from device_sdk.fnmf import ALIGNMENTS, FNMFConfig, FNMFModel, align, upload_vector
-from protocol.messages import RoundInvite
+from fedsim.private import in_process_invite
 
 __all__ = [
     "FNMFRun",
@@ -180,25 +180,6 @@ def secure_fixed_point(
     return v_bar, rounds
 
 
-def _invite(strategy: FNMFStrategy, round_index: int, version: int) -> RoundInvite:
-    return RoundInvite(
-        round_id=round_index + 1,
-        device_id=0,
-        vector_length=strategy.vector_length,
-        graph_k=1,
-        graph_t=1,
-        clip_norm=1e100,  # in process the sum is exact: nothing is clipped or quantized
-        scale_bits=0,
-        advertise_deadline=0.0,
-        share_keys_deadline=0.0,
-        masked_input_deadline=0.0,
-        unmask_deadline=0.0,
-        model_version=version,
-        round_index=round_index,
-        **strategy.plan(),
-    )
-
-
 def run_fnmf(
     clients: Sequence[NDArray[Any]],
     k: int,
@@ -252,7 +233,7 @@ def run_fnmf(
     data = [LocalRatings.from_matrix(x) for x in clients]
     sync_rounds = 0
     for r in range(config.rounds):
-        invite = _invite(strategy, r, r + 1)
+        invite = in_process_invite(strategy, r + 1)
         values = strategy.to_wire(v_bar)["values"]
         for model in models:
             model.set_global(b"", values, r + 1)

@@ -33,8 +33,8 @@ from device_sdk.mf import MFConfig, MFModel, example_rmse, initial_factors, proj
 from fedsim.datasets import Ratings
 from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
 from fedsim.experiment import Candidates
+from fedsim.private import in_process_invite
 from protocol.accounting import compute_epsilon
-from protocol.messages import RoundInvite
 
 __all__ = [
     "FederatedMF",
@@ -192,30 +192,6 @@ def device_config(strategy: MFStrategy, schedule: MFSchedule) -> MFConfig:
     )
 
 
-def _invite(strategy: MFStrategy, schedule: MFSchedule, version: int, round_index: int) -> RoundInvite:
-    # Only the plan matters in-process; the SecAgg and quantization fields are placeholders.
-    return RoundInvite(
-        round_id=round_index + 1,
-        device_id=0,
-        vector_length=strategy.vector_length,
-        graph_k=1,
-        graph_t=1,
-        clip_norm=1.0,
-        scale_bits=0,
-        advertise_deadline=0.0,
-        share_keys_deadline=0.0,
-        masked_input_deadline=0.0,
-        unmask_deadline=0.0,
-        model_version=version,
-        model_kind=strategy.kind,
-        bits=strategy.rank,
-        n_items=strategy.n_items,
-        example_cap=schedule.example_cap,
-        round_index=round_index,
-        **strategy.plan(),
-    )
-
-
 def run_federated_mf(
     train: Ratings,
     strategy: MFStrategy,
@@ -267,7 +243,7 @@ def run_federated_mf(
         start = time.perf_counter()
         cohort = rng.choice(clients, size=cohort_size, replace=False)
         version = t + 1
-        invite = _invite(strategy, schedule, version, t)
+        invite = in_process_invite(strategy, version, round_index=t, example_cap=schedule.example_cap)
         wire = strategy.to_wire(V)["values"]
         total = np.zeros(strategy.vector_length)
         examples, sq, count = 0, 0.0, 0

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Strategy", "float_state_from_bytes", "float_state_to_bytes"]
+__all__ = ["Strategy", "float_state_from_bytes", "float_state_to_bytes", "round_plan"]
 
 
 @runtime_checkable
@@ -91,6 +91,25 @@ class Strategy(Protocol):
     def describe(self, old: NDArray[Any], new: NDArray[Any]) -> str:
         """One log phrase on what the round changed (e.g. "212 bits flipped")."""
         ...
+
+
+def round_plan(
+    strategy: Strategy, model_version: int, *, example_cap: int = 0, round_index: int | None = None
+) -> dict[str, Any]:
+    """The training plan of a round that trains ``model_version``: the `RoundInvite` fields every
+    invited device receives (the strategy's hyper-parameters plus the model's kind and shape).
+
+    ``round_index`` defaults to ``model_version - 1`` (0 for the round that trains version 1).
+    """
+    return {
+        **strategy.plan(),
+        "model_version": model_version,
+        "model_kind": strategy.kind,
+        "bits": strategy.rank,
+        "n_items": strategy.n_items,
+        "example_cap": example_cap,
+        "round_index": model_version - 1 if round_index is None else round_index,
+    }
 
 
 def float_state_to_bytes(state: NDArray[np.float64]) -> bytes:
