@@ -40,6 +40,7 @@ from numpy.typing import ArrayLike, NDArray
 from device_sdk.family import LocalRatings, LocalResult
 from device_sdk.retrieval import as_items, liked_per_user, top_n_scores
 from device_sdk.store import load_store, save_store
+from protocol.codes import float_matrix_from_bytes, float_matrix_to_bytes
 from protocol.errors import ModelError, StorageError
 from protocol.messages import RoundInvite
 
@@ -376,11 +377,8 @@ class FELBModel:
         entries in [0, 1]; ``words`` must be empty."""
         if words:
             raise ValueError("a FELB model travels as float values, not packed words")
-        k, m = self.config.rank, self.n_items
-        if len(values) != 8 * k * m:
-            raise ValueError(f"model values are {len(values)} bytes, expected {8 * k * m} for ({k}, {m})")
-        V = np.frombuffer(values, dtype="<f8").astype(np.float64).reshape(k, m)
-        if not np.all(np.isfinite(V)) or V.size and (V.min() < 0.0 or V.max() > 1.0):
+        V = float_matrix_from_bytes(values, (self.config.rank, self.n_items))
+        if V.size and (V.min() < 0.0 or V.max() > 1.0):
             raise ValueError("FELB components must be finite and in [0, 1]")
         if version < 1:
             raise ValueError(f"a global model version is >= 1, got {version}")
@@ -389,7 +387,7 @@ class FELBModel:
 
     def values(self) -> bytes:
         """V̂ as `set_global` expects it (for tests and checkpoints)."""
-        return np.ascontiguousarray(self.item_factors, dtype="<f8").tobytes()
+        return float_matrix_to_bytes(self.item_factors)
 
     # -- training -------------------------------------------------------------------------------
     def _check_plan(self, invite: RoundInvite) -> None:

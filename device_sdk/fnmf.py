@@ -46,6 +46,7 @@ from scipy.optimize import linear_sum_assignment
 from device_sdk.family import LocalRatings, LocalResult
 from device_sdk.retrieval import as_items, liked_per_user, top_n_scores
 from device_sdk.store import load_store, save_store
+from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
 from protocol.messages import RoundInvite
 
@@ -434,13 +435,10 @@ class FNMFModel:
     # -- the global model -------------------------------------------------------------------------
     def set_global(self, words: bytes, values: bytes, version: int) -> None:
         """Adopt V̄ (``values``: k·m little-endian float64, C order); ``words`` must be empty."""
-        k, m = self.rank, self.n_items
         if words:
             raise ValueError("an FNMF model has no packed words")
-        if len(values) != 8 * k * m:
-            raise ValueError(f"model values are {len(values)} bytes, expected {8 * k * m} for ({k}, {m})")
-        v = np.frombuffer(values, dtype="<f8").astype(np.float64).reshape(k, m)
-        if not np.all(np.isfinite(v)) or np.any(v < 0.0):
+        v = float_matrix_from_bytes(values, (self.rank, self.n_items))
+        if np.any(v < 0.0):
             raise ValueError("V̄ must be finite and non-negative")
         self.v_bar = v
         self.model_version = int(version)

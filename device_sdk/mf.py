@@ -49,6 +49,7 @@ from numpy.typing import ArrayLike, NDArray
 from device_sdk.family import LocalRatings, LocalResult
 from device_sdk.retrieval import as_items, liked_per_user, top_n_scores
 from device_sdk.store import load_store, save_store
+from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
 from protocol.messages import RoundInvite
 from protocol.spec import ModelKind
@@ -309,17 +310,6 @@ def _targets(ratings: NDArray[np.float64] | None, n: int, R: float) -> NDArray[n
     return r
 
 
-def _decode_values(values: bytes, shape: tuple[int, int]) -> NDArray[np.float64]:
-    # Same format as agg_server.strategy.base.float_state_from_bytes (device_sdk may not import it).
-    expected = 8 * shape[0] * shape[1]
-    if len(values) != expected:
-        raise ValueError(f"model values are {len(values)} bytes, expected {expected} for shape {shape}")
-    arr = np.frombuffer(values, dtype="<f8").astype(np.float64).reshape(shape)
-    if not np.all(np.isfinite(arr)):
-        raise ValueError("model values contain NaN or infinity")
-    return arr
-
-
 @dataclass
 class MFModel:
     """Matrix-factorization recommender with embedding clipping for one device or one silo.
@@ -372,7 +362,7 @@ class MFModel:
         """
         if words:
             raise ValueError("an MF model payload carries no packed words")
-        V = _decode_values(values, (self.n_items, self.config.factors))
+        V = float_matrix_from_bytes(values, (self.n_items, self.config.factors))
         self.item_factors = project_rows(V, self.config.max_norm2)
         self.model_version = int(version)
 
@@ -589,8 +579,8 @@ class MFModel:
             n_items, n_users = int(state["n_items"]), int(state["n_users"])
             model = cls(n_items, config, n_users=n_users, rng=rng or np.random.default_rng())
             f, R = config.factors, config.max_norm2
-            V = _decode_values(state["item_factors"], (n_items, f))
-            U = _decode_values(state["user_factors"], (n_users, f))
+            V = float_matrix_from_bytes(state["item_factors"], (n_items, f))
+            U = float_matrix_from_bytes(state["user_factors"], (n_users, f))
             for name, X in (("item_factors", V), ("user_factors", U)):
                 if X.size and (X.min() < 0 or np.einsum("ij,ij->i", X, X).max() > R * (1 + _NORM_SLACK)):
                     raise ValueError(f"{name} break the clipping constraint (rows >= 0, squared norm <= {R})")

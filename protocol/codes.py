@@ -23,6 +23,8 @@ __all__ = [
     "to_bytes",
     "from_bytes",
     "random_signs",
+    "float_matrix_to_bytes",
+    "float_matrix_from_bytes",
 ]
 
 
@@ -103,3 +105,26 @@ def from_bytes(data: bytes, f: int, m: int) -> NDArray[np.uint64]:
 def random_signs(m: int, f: int, rng: np.random.Generator) -> NDArray[np.int8]:
     """Uniformly random (m, f) ±1 matrix from the given generator."""
     return (rng.integers(0, 2, size=(m, f), dtype=np.int8) * 2 - 1).astype(np.int8)
+
+
+def float_matrix_to_bytes(matrix: NDArray[np.floating]) -> bytes:
+    """A real-valued model matrix in the wire form of `ModelPayload.values`: little-endian float64,
+    C order."""
+    return np.ascontiguousarray(matrix, dtype="<f8").tobytes()
+
+
+def float_matrix_from_bytes(values: bytes, shape: tuple[int, ...]) -> NDArray[np.float64]:
+    """Inverse of `float_matrix_to_bytes`.
+
+    Raises
+    ------
+    ValueError
+        A length that does not fit ``shape``, or a NaN / infinite entry.
+    """
+    expected = 8 * int(np.prod(shape))
+    if len(values) != expected:
+        raise ValueError(f"model values are {len(values)} bytes, expected {expected} for shape {shape}")
+    arr = np.frombuffer(values, dtype="<f8").astype(np.float64).reshape(shape)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError("model values contain NaN or infinity")
+    return arr

@@ -299,3 +299,16 @@ def test_unknown_error_code_from_a_newer_minor_version_decodes_as_the_base_error
     exc = msg.to_exception()
     assert type(exc).__name__ == "FedRecError" and "quota_exceeded" in str(exc) and "slow down" in str(exc)
     assert type(ErrorMessage(code="stale_round").to_exception()).__name__ == "StaleRound"
+
+
+def test_float_matrix_wire_form_round_trips_and_refuses_bad_bytes() -> None:
+    from protocol.codes import float_matrix_from_bytes, float_matrix_to_bytes
+
+    m = np.arange(6, dtype=np.float64).reshape(2, 3) / 7
+    raw = float_matrix_to_bytes(m)
+    assert raw[:8] == np.float64(0).tobytes() and len(raw) == 48
+    assert np.array_equal(float_matrix_from_bytes(raw, (2, 3)), m)
+    with pytest.raises(ValueError, match="expected 48"):
+        float_matrix_from_bytes(raw[:-1], (2, 3))
+    with pytest.raises(ValueError, match="NaN"):
+        float_matrix_from_bytes(float_matrix_to_bytes(np.array([[np.nan]])), (1, 1))

@@ -19,6 +19,12 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from numpy.typing import NDArray
 
+from protocol.codes import float_matrix_from_bytes, float_matrix_to_bytes
+
+# The float wire form lives in `protocol.codes` (devices decode it too); kept here under its old names.
+float_state_to_bytes = float_matrix_to_bytes
+float_state_from_bytes = float_matrix_from_bytes
+
 __all__ = ["Strategy", "float_state_from_bytes", "float_state_to_bytes", "round_plan"]
 
 
@@ -110,19 +116,3 @@ def round_plan(
         "example_cap": example_cap,
         "round_index": model_version - 1 if round_index is None else round_index,
     }
-
-
-def float_state_to_bytes(state: NDArray[np.float64]) -> bytes:
-    """A float model as little-endian float64 bytes in C order."""
-    return np.ascontiguousarray(state, dtype="<f8").tobytes()
-
-
-def float_state_from_bytes(values: bytes, shape: tuple[int, ...]) -> NDArray[np.float64]:
-    """Inverse of `float_state_to_bytes`; refuses a wrong length or a non-finite entry."""
-    expected = 8 * int(np.prod(shape))
-    if len(values) != expected:
-        raise ValueError(f"model values are {len(values)} bytes, expected {expected} for shape {shape}")
-    arr = np.frombuffer(values, dtype="<f8").astype(np.float64).reshape(shape)
-    if not np.all(np.isfinite(arr)):
-        raise ValueError("model values contain NaN or infinity")
-    return arr
