@@ -144,14 +144,11 @@ def run_private_mf(
     """
     start = time.perf_counter()
     s = settings
-    users = np.flatnonzero(train.user_counts() > 0)
-    order = np.argsort(train.users, kind="stable")
-    bounds = np.searchsorted(train.users[order], np.arange(train.n_users + 1))
+    idx = train.by_user()
     clients = {
-        int(u): LocalRatings.single_user(
-            train.items[order[bounds[u] : bounds[u + 1]]], train.ratings[order[bounds[u] : bounds[u + 1]]]
-        )
-        for u in users
+        int(u): LocalRatings.single_user(idx.items[lo:hi], idx.ratings[lo:hi])
+        for u, (lo, hi) in enumerate(zip(idx.indptr[:-1], idx.indptr[1:], strict=True))
+        if hi > lo
     }
     device_cfg = MFConfig(
         factors=s.factors,
