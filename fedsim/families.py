@@ -67,6 +67,7 @@ def simulate_family(args: argparse.Namespace, data_dir: Path | None, out: TextIO
 def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     from agg_server.strategy.mf import MFStrategy
     from fedsim.mf import MFSchedule, evaluate_mf, run_federated_mf
+    from fedsim.private import PrivateRun
     from fedsim.private_mf import PrivateMFSettings, run_private_mf
 
     if args.dataset in (None, "planted"):
@@ -100,10 +101,9 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
             + f"; seed {args.seed}\n"
         )
 
-        def progress(run: object) -> None:
+        def progress(run: PrivateRun) -> None:
             if not args.quiet:
-                coord = run.coordinator  # type: ignore[attr-defined]
-                out.write(f"  round {coord.model_version - 1}/{args.rounds} committed\n")
+                out.write(f"  round {run.coordinator.model_version - 1}/{args.rounds} committed\n")
                 out.flush()
 
         res = run_private_mf(train, test, exp.test, settings, on_round=progress)
