@@ -42,6 +42,8 @@ __all__ = [
     "minimum_survivors",
     "device_variance",
     "correction_keep_fraction",
+    "survivor_noise",
+    "correct_for_survivors",
 ]
 
 _RING_MASK = np.int64(0xFFFFFFFF)
@@ -290,3 +292,65 @@ def correction_keep_fraction(n: int, dropout_rate: float, survivors: int) -> flo
             "the noise would be too small, so the round must abort"
         )
     return t_min / survivors
+
+
+def survivor_noise(mu: float, t_min: int, size: int, rng: np.random.Generator) -> SkellamDraw:
+    """A device's first-round noise: Skellam(mu / t_min), enough even if only t_min devices survive (§5).
+
+    Parameters
+    ----------
+    mu : float
+        Aggregate variance the round needs, in quantized units (> 0).
+    t_min : int
+        The fewest survivors the round may finish with (>= 1).
+    size : int
+        Vector length L.
+    rng : np.random.Generator
+        Source of the Poisson draws.
+
+    Returns
+    -------
+    SkellamDraw
+
+    Raises
+    ------
+    ConfigError
+        ``t_min < 1`` or an invalid mu.
+    """
+    if t_min < 1:
+        raise ConfigError(f"t_min must be >= 1, got {t_min}")
+    return sample_skellam(_check_variance(mu) / t_min, size, rng)
+
+
+def correct_for_survivors(
+    draw: SkellamDraw, t_min: int, n_survivors: int, rng: np.random.Generator
+) -> tuple[SkellamDraw, NDArray[np.int64]]:
+    """The survivor correction: keep Skellam(mu / s) of a Skellam(mu / t_min) draw, reveal the excess (§5).
+
+    Binomial thinning with keep fraction t_min / s (see `thin`): s survivors together keep exactly mu and
+    the revealed excess is independent of what stays.
+
+    Parameters
+    ----------
+    draw : SkellamDraw
+        The device's first-round noise (`survivor_noise`).
+    t_min : int
+        As for `survivor_noise`.
+    n_survivors : int
+        s, the round's survivor count (>= t_min).
+    rng : np.random.Generator
+        Source of the binomial coins.
+
+    Returns
+    -------
+    kept : SkellamDraw
+    excess : NDArray[np.int64]
+
+    Raises
+    ------
+    NotEnoughParticipants
+        ``n_survivors < t_min``: the noise would not cover mu.
+    """
+    if n_survivors < t_min:
+        raise NotEnoughParticipants(f"{n_survivors} survivors is below t_min={t_min}: the noise would not cover mu")
+    return thin(draw, t_min / n_survivors, rng)
