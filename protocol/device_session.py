@@ -35,7 +35,7 @@ from protocol.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
-from protocol.noise import SkellamDraw, correct_for_survivors, survivor_noise, to_ring
+from protocol.noise import SkellamDraw, correct_noise, device_noise, to_ring
 from protocol.phases import (
     DEVICE_REPLY,
     TERMINAL_PHASES,
@@ -376,7 +376,7 @@ class DeviceSecAggSession:
         value = self._input
         if inv.dp_mu > 0.0:
             # Skellam(mu / t_min): enough noise even if only t_min devices survive (DESIGN.md §5).
-            self._noise = survivor_noise(inv.dp_mu, inv.dp_t_min, inv.vector_length, self._rng)
+            self._noise = device_noise(inv.dp_mu, inv.dp_t_min, inv.vector_length, self._rng)
             value = value + to_ring(self._noise.value())
         peers = {v: self._neighbours[v][1] for v in self._u2 if v != me}
         y = mask_input(
@@ -414,7 +414,7 @@ class DeviceSecAggSession:
             if self._noise is None:  # pragma: no cover - set when the masked input was built
                 raise LocalProtocolError("no noise to correct")
             # Keep Skellam(mu / s) by binomial thinning; the excess is independent of what stays (§5).
-            kept, revealed = correct_for_survivors(self._noise, inv.dp_t_min, msg.n_survivors, self._rng)
+            kept, revealed = correct_noise(self._noise, inv.dp_t_min, msg.n_survivors, self._rng)
             self._kept_after_reply = kept  # takes effect only once the excess is actually sent
             excess = to_ring(revealed)
         b_ids = tuple(sorted(survivors))
