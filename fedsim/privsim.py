@@ -52,7 +52,7 @@ from device_sdk.family import LocalRatings
 from device_sdk.training import local_round
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, NotEnoughParticipants
 from protocol.graph import find_parameters, harary_graph, validate_parameters
 from protocol.messages import ModelPayload, RoundInvite
 from protocol.noise import (
@@ -63,6 +63,7 @@ from protocol.noise import (
     sample_skellam,
     to_ring,
 )
+from protocol.phases import prune_unmaskable, require_quorum
 from protocol.quantization import (
     QuantizationConfig,
     check_bit_budget,
@@ -113,13 +114,11 @@ def survivor_sets(
     server session does, so the generator leaves in the same state.  ``need_graph=False`` skips the
     neighbourhood rules (only valid when nobody drops after advertising keys).
     """
-    dp = t_min > 0
-
     def need(count: int, what: str) -> str:
-        if count < t:
-            return f"{count} {what}, below the threshold t={t}"
-        if dp and count < t_min:
-            return f"{count} {what}, below t_min={t_min} needed for the DP guarantee"
+        try:
+            require_quorum(count, what, t=t, dp_mu=1.0 if t_min > 0 else 0.0, dp_t_min=t_min)
+        except NotEnoughParticipants as exc:
+            return str(exc)
         return ""
 
     def stop(d: int, at: DropoutAt) -> bool:
@@ -131,32 +130,25 @@ def survivor_sets(
     if err:
         return Survivors(u1, empty, empty, empty, err)
     graph = harary_graph(sorted(u1), k, rng) if need_graph else {}
-    u2 = {d for d in u1 if not stop(d, DropoutAt.BEFORE_SHARES)}
-    if need_graph:
-        changed = True
-        while changed:
-            changed = False
-            for u in sorted(u2):
-                if sum(1 for v in graph[u] if v in u2) < t:
-                    u2.discard(u)
-                    changed = True
+    sharers = {d for d in u1 if not stop(d, DropoutAt.BEFORE_SHARES)}
+    u2 = prune_unmaskable(sharers, graph, t) if need_graph else frozenset(sharers)
     err = need(len(u2), "devices shared keys")
     if err:
-        return Survivors(u1, frozenset(u2), empty, empty, err)
+        return Survivors(u1, u2, empty, empty, err)
     u3 = frozenset(d for d in u2 if not stop(d, DropoutAt.BEFORE_MASKED))
     err = need(len(u3), "masked inputs arrived")
     if err:
-        return Survivors(u1, frozenset(u2), u3, empty, err)
+        return Survivors(u1, u2, u3, empty, err)
     answered = frozenset(
         d for d in u3 if plan.get(d, DropoutAt.NONE) not in (DropoutAt.BEFORE_UNMASK, DropoutAt.DISCONNECT_MASKED)
     )
     if need_graph:
         for owner in (*sorted(u3), *sorted(u2 - u3)):
             if sum(1 for v in graph[owner] if v in answered) < t:
-                return Survivors(u1, frozenset(u2), u3, answered, f"too few neighbours of {owner} answered")
+                return Survivors(u1, u2, u3, answered, f"too few neighbours of {owner} answered")
     elif len(answered) < len(u2):
         raise ConfigError("need_graph=False is only valid when nobody drops after advertising keys")
-    return Survivors(u1, frozenset(u2), u3, answered)
+    return Survivors(u1, u2, u3, answered)
 
 
 @dataclass
