@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import scipy.sparse as sp
 from numpy.typing import NDArray
 
+from device_sdk.csr import csr_matmul, csr_rmatmul
 from protocol.codes import pack_signs
 
 __all__ = [
@@ -133,11 +133,10 @@ def dcd_update(
     # s_e = d_iᵀ b_u, kept exact on each flip; |s| ≤ f so int16 holds it for f < 2^15.
     s: NDArray[np.signedinteger[Any]] = inner_products(indptr, items, B, D).astype(np.int16 if f < 2**15 else np.int32)
     # A[u, k] = Σ_i (r_ui − 1/2) d_ik is constant while D is fixed (eq. 9's rating term).
-    R = sp.csr_matrix((r - 0.5, items, indptr), shape=(n, m))
     # Work with z = 2f²·b*_uk = 2f·A_uk − Σ_i (s_i − d_ik b_uk) d_ik − 4λf²·Σ_{k'≠k} b_uk', which has
     # the sign of b* but no divisions: exact whenever ratings and λ are short binary fractions, so
     # b* = 0 (keep the bit) is detected exactly rather than lost to rounding.
-    X = 2.0 * f * np.asarray(R @ D.astype(np.float64))  # (n, f)
+    X = 2.0 * f * csr_matmul(indptr, items, r - 0.5, D)  # (n, f)
     S = B.sum(axis=1, dtype=np.int64)  # Σ_k b_uk, for the balance term
     bal = 4.0 * lam * f * f
     sd = np.zeros(n, dtype=np.int64)
@@ -182,11 +181,9 @@ def fold_in_codes(
     Starts from b = sign(Σ_i (r_ui − 1/2) d_i) (the linear part of the loss; +1 where it is 0), so the
     result is deterministic and needs no randomness.
     """
-    n = indptr.size - 1
-    m, f = D.shape
+    m = D.shape[0]
     _check_csr(indptr, items, r, m)
-    R = sp.csr_matrix((r - 0.5, items, indptr), shape=(n, m))
-    A = np.asarray(R @ D.astype(np.float64))
+    A = csr_matmul(indptr, items, r - 0.5, D)
     B0 = np.where(A < 0, -1, 1).astype(np.int8)
     return dcd_update(indptr, items, r, B0, D, 0.0, max_sweeps=max_sweeps)
 
@@ -210,8 +207,7 @@ def item_gradient_sum(
     s = inner_products(indptr, items, B, D)
     resid = r - 0.5 - s / (2.0 * f)
     # Σ_u resid_ui b_u, as a sparse (m × n) product; then + (entries of i) · d_i / (2f).
-    Rt = sp.csr_matrix((resid, items, indptr), shape=(n, m)).T.tocsr()
-    G = np.asarray(Rt @ B.astype(np.float64))
+    G = csr_rmatmul(indptr, items, resid, B, m)
     n_entries = np.bincount(items, minlength=m).astype(np.float64)
     G += (n_entries / (2.0 * f))[:, None] * D
     return G
@@ -307,6 +303,5 @@ def item_codes_sum(
         E[:, k] = new
     total = n * D.astype(np.int64)
     change = E - D[items].astype(np.int64)
-    Ct = sp.csr_matrix((np.ones(items.size), (items, np.arange(items.size))), shape=(m, items.size))
-    total += np.rint(np.asarray(Ct @ change.astype(np.float64))).astype(np.int64)
+    np.add.at(total, items, change)  # integers: exact in any order
     return total

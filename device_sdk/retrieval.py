@@ -11,17 +11,24 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
 __all__ = ["as_items", "liked_per_user", "top_n_scores"]
 
 
+def _csr(user_items: object) -> object | None:
+    """A scipy sparse matrix or array as CSR, else None: duck-typed, so the device path never imports scipy."""
+    tocsr = getattr(user_items, "tocsr", None)
+    return tocsr() if callable(tocsr) else None
+
+
 def as_items(user_items: ArrayLike, n_items: int) -> NDArray[np.int64]:
     """One user's item ids from an array of ids or a 1 × n_items sparse row."""
-    if sp.issparse(user_items):
-        row = sp.csr_matrix(user_items)
+    row: Any = _csr(user_items)
+    if row is not None:
         if row.shape[0] != 1:
             raise ValueError("pass one user's items as a 1 × n_items sparse row or an array of ids")
         items = row.indices.astype(np.int64)
@@ -38,8 +45,8 @@ def liked_per_user(user_items: ArrayLike | None, n: int, batch: bool, n_items: i
         return [None] * n
     if not batch:
         return [as_items(user_items, n_items)]
-    if sp.issparse(user_items):
-        mat = sp.csr_matrix(user_items)
+    mat: Any = _csr(user_items)
+    if mat is not None:
         if mat.shape[0] != n:
             raise ValueError(f"user_items has {mat.shape[0]} rows for {n} users")
         return [mat.indices[mat.indptr[i] : mat.indptr[i + 1]].astype(np.int64) for i in range(n)]
