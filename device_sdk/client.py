@@ -16,14 +16,12 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import math
-import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from pathlib import Path
 from types import TracebackType
@@ -33,8 +31,21 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import FederatedModel, LocalRatings
-from device_sdk.models import LightFRConfig, LightFRModel
-from device_sdk.store import load_store, save_store
+from device_sdk.models import LightFRConfig
+from device_sdk.persistence import (
+    IDENTITY_FILE,
+    MODEL_FILE,
+    SYNC_FILE,
+    Identity,
+    Sync,
+    fresh_model,
+    load_identity,
+    load_model,
+    load_sync,
+    save_identity,
+    save_model,
+    secret_generator,
+)
 from device_sdk.training import local_round
 from device_sdk.transport import Response, Transport, TransportError, raise_for_error
 from protocol.errors import (
@@ -76,11 +87,6 @@ __all__ = [
     "seeded_rngs",
 ]
 
-MODEL_FILE = "model.fedrec"
-IDENTITY_FILE = "identity.fedrec"
-SYNC_FILE = "sync.fedrec"
-_IDENTITY_KIND = "identity"
-_SYNC_KIND = "sync"
 
 _log = logging.getLogger(__name__)
 
@@ -220,25 +226,8 @@ def seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Gen
     return np.random.default_rng(training), np.random.default_rng(noise)
 
 
-def _secret_generator() -> np.random.Generator:
-    return np.random.default_rng(secrets.randbits(128))
-
-
 def _secret_round_rngs(round_id: int) -> tuple[np.random.Generator, np.random.Generator]:
-    return _secret_generator(), _secret_generator()
-
-
-@dataclass(frozen=True, slots=True)
-class _Identity:
-    device_id: int
-    token: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Sync:
-    # The ETag the server gave for the global model version this device stores.
-    etag: str | None
-    model_version: int
+    return secret_generator(), secret_generator()
 
 
 @dataclass(slots=True)
@@ -359,8 +348,8 @@ class DeviceClient:
             config.store_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"cannot create the store folder {config.store_dir}: {exc}") from exc
-        self._identity = self._load_identity()
-        self._sync = self._load_sync()
+        self._identity = load_identity(config.store_dir)
+        self._sync = load_sync(config.store_dir)
         self._model = self._load_model()
 
     @classmethod
@@ -722,80 +711,22 @@ class DeviceClient:
         except ValueError as exc:
             raise RemoteProtocolError(f"model {payload.model_version}: {exc}") from exc
         # Persisted after the model itself (`_save_model`), never before.
-        self._sync = _Sync(etag=response.etag, model_version=payload.model_version)
+        self._sync = Sync(etag=response.etag, model_version=payload.model_version)
 
     def _save_model(self) -> None:
-        store = self.config.store_dir
-        self._model.save(store / MODEL_FILE)
-        if self._sync is not None:
-            save_store(
-                store / SYNC_FILE,
-                _SYNC_KIND,
-                {"etag": self._sync.etag, "model_version": self._sync.model_version},
-            )
+        save_model(self.config.store_dir, self._model, self._sync)
 
     def _fresh_model(self) -> Any:
         self._sync = None  # a fresh model holds no global item codes
-        if self._template is not None:
-            return copy.deepcopy(self._template)
-        return LightFRModel(self._n_items, self._lightfr, rng=_secret_generator())
+        return fresh_model(self._n_items, self._lightfr, self._template)
 
     def _load_model(self) -> Any:
-        path = self.config.store_dir / MODEL_FILE
-        if not path.exists():
-            return self._fresh_model()
-        if self._template is not None:
-            return self._load_family_model(path, self._template)
-        try:
-            model = LightFRModel.load(path, rng=_secret_generator())
-        except StorageError as exc:
-            if path.exists():  # not moved aside (e.g. written by a newer format): never overwrite it
-                raise
-            _log.warning("device model store is corrupt, starting with a fresh model: %s", exc)
-            return self._fresh_model()
-        if model.n_items != self._n_items or model.config.bits != self._lightfr.bits:
-            raise ConfigError(
-                f"{path} holds a model with m={model.n_items}, f={model.config.bits}; "
-                f"this device is configured for m={self._n_items}, f={self._lightfr.bits}"
-            )
-        model.config = replace(
-            model.config,
-            rating_range=self._lightfr.rating_range,
-            binary_positives=self._lightfr.binary_positives,
-        )
-        return model
-
-    def _load_family_model(self, path: Path, template: FederatedModel) -> Any:
-        loader = getattr(type(template), "load", None)
-        if loader is None:
-            raise ConfigError(f"{type(template).__name__} has no load(); it cannot keep a store")
-        try:
-            model = loader(path)
-        except StorageError as exc:
-            if path.exists():
-                raise
-            _log.warning("device model store is corrupt, starting with a fresh model: %s", exc)
-            return self._fresh_model()
-        if (model.KIND, model.n_items, model.rank) != (template.KIND, template.n_items, template.rank):
-            raise ConfigError(
-                f"{path} holds a {model.KIND!r} model with m={model.n_items}, rank {model.rank}; this device "
-                f"is configured for {template.KIND!r} with m={template.n_items}, rank {template.rank}"
-            )
-        return model
-
-    def _load_sync(self) -> _Sync | None:
-        state = self._load_small(SYNC_FILE, _SYNC_KIND)
-        if state is None:
-            return None
-        etag, version = state.get("etag"), state.get("model_version")
-        if not (etag is None or isinstance(etag, str)) or type(version) is not int or version < 0:
-            _log.warning("ignoring a malformed ETag record in %s", self.config.store_dir / SYNC_FILE)
-            return None
-        return _Sync(etag=etag, model_version=version)
+        model = load_model(self.config.store_dir, self._n_items, self._lightfr, self._template)
+        return self._fresh_model() if model is None else model
 
     # -- identity ---------------------------------------------------------------------------------
 
-    async def _ensure_identity(self, tally: _Tally) -> _Identity:
+    async def _ensure_identity(self, tally: _Tally) -> Identity:
         if self._identity is not None:
             return self._identity
         with tally.step("register"):
@@ -810,36 +741,11 @@ class DeviceClient:
         message = response.message
         if not isinstance(message, RegisterResponse):
             raise RemoteProtocolError(f"registration answered with {_name(message)}")
-        identity = _Identity(device_id=message.device_id, token=message.token)
-        save_store(
-            self.config.store_dir / IDENTITY_FILE,
-            _IDENTITY_KIND,
-            {"device_id": identity.device_id, "token": identity.token},
-        )
+        identity = Identity(device_id=message.device_id, token=message.token)
+        save_identity(self.config.store_dir, identity)
         self._identity = identity
         _log.info("registered as device %d", identity.device_id)
         return identity
-
-    def _load_identity(self) -> _Identity | None:
-        state = self._load_small(IDENTITY_FILE, _IDENTITY_KIND)
-        if state is None:
-            return None
-        device_id, token = state.get("device_id"), state.get("token")
-        if type(device_id) is not int or device_id < 0 or not isinstance(token, str) or not token:
-            raise StorageError(f"{self.config.store_dir / IDENTITY_FILE} holds a malformed identity")
-        return _Identity(device_id=device_id, token=token)
-
-    def _load_small(self, name: str, kind: str) -> dict[str, Any] | None:
-        path = self.config.store_dir / name
-        if not path.exists():
-            return None
-        try:
-            return load_store(path, kind)
-        except StorageError as exc:
-            if path.exists():  # not moved aside: leave it alone and let the caller see why
-                raise
-            _log.warning("%s store is corrupt and was moved aside; starting without it: %s", kind, exc)
-            return None
 
     # -- plumbing ---------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import load_store, save_store
-from fedsim.datasets import DATASET_NAMES, LightFRSplit, Ratings, find_data_dir, load_dataset
+from fedsim.datasets import DATASET_NAMES, LightFRSplit, TrainTestSplit, find_data_dir, load_dataset
 from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
 from fedsim.experiment import Experiment, Protocol, baselines, item_titles, prepare
 from fedsim.families import FAMILY_DEFAULT_ROUNDS, simulate_family
@@ -538,15 +538,20 @@ def _cmd_eval(args: argparse.Namespace, out: TextIO) -> int:
 def _cmd_data(args: argparse.Namespace, out: TextIO) -> int:
     base = _data_dir(args.data_dir)
     out.write(f"data folder: {base if base is not None else 'not found (set FEDREC_DATA or --data-dir)'}\n")
-    names: list[str] = ["synthetic"] + (list(DATASET_NAMES) if base is not None else [])
-    for name in names:
+    names = [n for n in DATASET_NAMES if n != "synthetic"] if base is not None else []
+    for name in ["synthetic", *names]:
         try:
             data = load_dataset(name, base)
         except FedRecError as exc:
             out.write(f"  {name:<18} unavailable: {exc}\n")
             continue
+        if isinstance(data, TrainTestSplit):
+            out.write(
+                f"  {name:<18} {data.train.n_users:>6} users {data.train.n_items:>6} items "
+                f"{len(data.train):>8} train + {len(data.test)} test pairs (implicit, its own split)\n"
+            )
+            continue
         train = data.train if isinstance(data, LightFRSplit) else data
-        assert isinstance(train, Ratings)
         out.write(f"  {name:<18} {train.n_users:>6} users {train.n_items:>6} items {len(train):>8} ratings\n")
     return 0
 

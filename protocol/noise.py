@@ -42,6 +42,9 @@ __all__ = [
     "minimum_survivors",
     "device_variance",
     "correction_keep_fraction",
+    "device_noise",
+    "correct_noise",
+    "released_variance",
 ]
 
 _RING_MASK = np.int64(0xFFFFFFFF)
@@ -290,3 +293,47 @@ def correction_keep_fraction(n: int, dropout_rate: float, survivors: int) -> flo
             "the noise would be too small, so the round must abort"
         )
     return t_min / survivors
+
+
+def device_noise(mu: float, t_min: int, length: int, rng: np.random.Generator) -> SkellamDraw:
+    """The noise one device adds to its masked input: Skellam(mu / t_min) on each of ``length``
+    coordinates (DESIGN.md §5).  The device session and the private-round simulator
+    (`fedsim.privsim`) both draw it here, so they follow one sampler.
+
+    Raises
+    ------
+    ConfigError
+        If ``t_min < 1`` or mu is negative or not finite.
+    """
+    if t_min < 1:
+        raise ConfigError(f"t_min must be >= 1 when noise is added, got {t_min}")
+    return sample_skellam(_check_variance(mu) / t_min, length, rng)
+
+
+def correct_noise(
+    draw: SkellamDraw, t_min: int, n_survivors: int, rng: np.random.Generator
+) -> tuple[SkellamDraw, NDArray[np.int64]]:
+    """A survivor's correction once the server announced ``n_survivors``: thin ``draw`` with keep
+    fraction t_min / s; returns (kept noise, revealed excess), independent of each other.
+
+    Raises
+    ------
+    ValueError
+        If ``n_survivors < t_min`` or ``t_min < 1`` (the caller must refuse the round instead).
+    """
+    if t_min < 1 or n_survivors < t_min:
+        raise ValueError(f"n_survivors={n_survivors} must be >= t_min={t_min} >= 1")
+    return thin(draw, t_min / n_survivors, rng)
+
+
+def released_variance(mu: float, t_min: int, survivors: int, corrected: int) -> float:
+    """Per-coordinate variance of the noise left in a released sum: ``corrected`` survivors keep
+    Skellam(mu / s) each and the other ``survivors - corrected`` keep their Skellam(mu / t_min).
+
+    Skellam laws add, so the released noise is Skellam of exactly this variance (at least mu); the
+    simulator draws it in one piece at scale.
+    """
+    if not 1 <= t_min <= survivors or not 0 <= corrected <= survivors:
+        raise ValueError(f"need 1 <= t_min={t_min} <= survivors={survivors}, 0 <= corrected={corrected} <= survivors")
+    m = _check_variance(mu)
+    return corrected * m / survivors + (survivors - corrected) * m / t_min

@@ -15,7 +15,13 @@ import pytest
 
 from fedsim.datasets import find_data_dir
 
-_EXPECTED = ("ml-100k/u.data", "filmtrust/ratings.txt", "filmtrust-lightfr-split/filmtrust_train.csv")
+_EXPECTED = (
+    "ml-100k/u.data",
+    "filmtrust/ratings.txt",
+    "filmtrust-lightfr-split/filmtrust_train.csv",
+    "amazon-book-kgat/train.txt",
+    "amazon-book-kgat/test.txt",
+)
 
 
 def _unavailable(reason: str) -> NoReturn:
