@@ -177,9 +177,12 @@ class PrivateSimulator:
     config : the server configuration the coordinator would run with (its ``rounds.seed`` makes
         the cohort choice, graph and aggregation reproducible; None draws from ``secrets``).
     strategy : the server strategy (default: the configuration's).
+    mu : the aggregate noise variance of every round (default: calibrated for the configuration's
+        ε over ``privacy.planned_rounds``, as the coordinator does); a caller that charges other
+        releases to the same ledger (`fedsim.private_scale`) passes the μ its split asks for.
     """
 
-    def __init__(self, config: ServerConfig, *, strategy: Strategy | None = None) -> None:
+    def __init__(self, config: ServerConfig, *, strategy: Strategy | None = None, mu: float | None = None) -> None:
         self.config = config
         self.strategy: Strategy = strategy if strategy is not None else build_strategy(config)
         if self.strategy.n_items != config.model.n_items:
@@ -193,8 +196,12 @@ class PrivateSimulator:
         self.mu = 0.0
         if config.privacy.enabled:
             self.ledger = PrivacyLedger(epsilon_budget=config.privacy.epsilon, delta=config.privacy.delta)
-            self.mu = calibrate_mu(
-                config.privacy.epsilon, config.privacy.delta, config.privacy.planned_rounds, self.l1, self.l2
+            self.mu = (
+                calibrate_mu(
+                    config.privacy.epsilon, config.privacy.delta, config.privacy.planned_rounds, self.l1, self.l2
+                )
+                if mu is None
+                else float(mu)
             )
         n = config.rounds.cohort_size
         t_min = minimum_survivors(n, config.rounds.dropout_rate) if self.mu else 1
