@@ -688,7 +688,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         )
     client = res["clients"][int(exp.test.users[0])]
     _show_device(exp, client.model, data_dir, out)
-    out.write(f"done in {res['seconds']:.1f} s\n")
+    print(f"done in {res['seconds']:.1f} s", file=sys.stderr)
     return 0
 
 
