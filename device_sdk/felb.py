@@ -38,7 +38,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import LocalRatings, LocalResult
-from device_sdk.retrieval import as_items, liked_per_user, top_n_scores
+from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes, float_matrix_to_bytes
 from protocol.errors import ModelError, StorageError
@@ -339,13 +339,14 @@ class FELBConfig:
 
 
 @dataclass
-class FELBModel:
+class FELBModel(Recommender):
     """The on-device FELB model (`device_sdk.family.FederatedModel` of kind "felb").
 
     Parameters
     ----------
     n_items : catalogue size m.
     config : device-side settings (rank k, binarization threshold, fold-in).
+    rng : the default tie-breaking generator of `recommend`.
 
     Attributes
     ----------
@@ -360,6 +361,7 @@ class FELBModel:
     model_version: int = 0
     item_factors: FloatArray = field(init=False, repr=False)
     user_factors: FloatArray | None = field(default=None, init=False, repr=False)
+    rng: np.random.Generator = field(default_factory=np.random.default_rng, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_items <= 0:
@@ -492,46 +494,18 @@ class FELBModel:
             raise ValueError(f"userid {userid} out of range [0, {self.user_factors.shape[0]})")
         return np.asarray(self.user_factors[userid] @ self.item_factors, dtype=np.float64)
 
-    def recommend(
-        self,
-        user_items: ArrayLike | None = None,
-        N: int = 10,
-        filter_already_liked_items: bool = True,
-        filter_items: ArrayLike | None = None,
-        items: ArrayLike | None = None,
-        *,
-        userid: int = 0,
-        rng: np.random.Generator | None = None,
-    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-        """Top-N items by the relaxed score u·V̂ (the Boolean product before thresholding).
+    def _held_users(self) -> int:
+        return 0 if self.user_factors is None else int(self.user_factors.shape[0])
 
-        Parameters
-        ----------
-        user_items : the user's liked items (ids or a 1 × m sparse row).
-        N : number of items.
-        filter_already_liked_items : exclude ``user_items`` from the results.
-        filter_items : item ids never to return.
-        items : if given, rank only these item ids.
-        userid : which held row of U.
-        rng : breaks ties at random if given; otherwise the lower item id wins.
+    def _check_ready(self, users: NDArray[np.int64]) -> None:
+        if self.user_factors is None:
+            raise ModelError("no user factors yet: run a round (local_update) or fold_in first")
 
-        Returns
-        -------
-        (item_ids, scores), best first; fewer than N when fewer items are eligible.
-        """
-        if N < 0:
-            raise ValueError(f"N must be >= 0, got {N}")
-        ids, best = top_n_scores(
-            self.scores(userid=userid)[None, :],
-            N,
-            liked=liked_per_user(user_items, 1, False, self.n_items),
-            filter_already_liked_items=filter_already_liked_items,
-            filter_items=filter_items,
-            items=items,
-            batch=False,
-            rng=rng,
-        )
-        return ids, best.astype(np.float32)
+    def _scores(self, users: NDArray[np.int64]) -> FloatArray:
+        """Relaxed scores u·V̂ (the Boolean product before thresholding) of every item."""
+        if self.user_factors is None:
+            raise ModelError("no user factors yet: run a round (local_update) or fold_in first")
+        return np.asarray(self.user_factors[users] @ self.item_factors, dtype=np.float64)
 
     def reconstruct(self) -> NDArray[np.uint8]:
         """The Boolean reconstruction [round(U_i) ∘ round(V̂) ≥ 1] of the local block, (n_users, m)."""
@@ -557,12 +531,13 @@ class FELBModel:
         )
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> FELBModel:
-        """Read a model written by `save`; raises `StorageError` on any problem with the file."""
+    def load(cls, path: str | os.PathLike[str], *, rng: np.random.Generator | None = None) -> FELBModel:
+        """Read a model written by `save` (``rng``: its tie-breaking generator); raises
+        `StorageError` on any problem with the file."""
         state = load_store(path, _KIND)
         try:
             config = FELBConfig(**dict(state["config"]))
-            model = cls(int(state["n_items"]), config)
+            model = cls(int(state["n_items"]), config, rng=rng or np.random.default_rng())
             version = int(state["model_version"])
             if version:
                 model.set_global(b"", bytes(state["item_factors"]), version)

@@ -44,7 +44,7 @@ from numpy.typing import ArrayLike, NDArray
 from scipy.optimize import linear_sum_assignment
 
 from device_sdk.family import LocalRatings, LocalResult
-from device_sdk.retrieval import as_items, liked_per_user, top_n_scores
+from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
@@ -406,13 +406,14 @@ class FNMFConfig:
 
 
 @dataclass
-class FNMFModel:
+class FNMFModel(Recommender):
     """The FNMF device model: private U and local V in the client's order, the global V̄ as received.
 
     Parameters
     ----------
     n_items : catalogue size m.
     config : hyper-parameters (`FNMFConfig`).
+    rng : the default tie-breaking generator of `recommend`.
     """
 
     KIND: ClassVar[str] = _KIND
@@ -422,6 +423,7 @@ class FNMFModel:
     v_bar: Array | None = field(default=None, repr=False)
     v_local: Array | None = field(default=None, repr=False)
     u: Array | None = field(default=None, repr=False)
+    rng: np.random.Generator = field(default_factory=np.random.default_rng, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_items <= 0:
@@ -568,10 +570,17 @@ class FNMFModel:
         }
         return LocalResult(vector=vector, examples=int(X.size), info=info)
 
-    def fold_in(self, user_items: ArrayLike, ratings: ArrayLike | None = None) -> Array:
+    def fold_in(self, user_items: ArrayLike, ratings: ArrayLike | None = None, *, userid: int | None = None) -> Array:
         """A new row's coefficients u ≥ 0 minimising ½‖x − u·V‖² with this client's V fixed
         (projected gradient, step 1/‖VVᵀ‖₂, ``config.fold_in_steps`` steps); x is the dense row,
-        zero where unrated, 1 for an implicit rating."""
+        zero where unrated, 1 for an implicit rating.
+
+        With ``userid`` the row is also kept as ``u[userid]`` for `recommend` (one past the last
+        held row adds a row); without it nothing is stored.
+        """
+        held = 0 if self.u is None else int(self.u.shape[0])
+        if userid is not None and not 0 <= userid <= held:
+            raise ValueError(f"userid {userid} out of range [0, {held}]")
         V = self.item_matrix()
         items = as_items(user_items, self.n_items)
         if items.size == 0:
@@ -585,46 +594,25 @@ class FNMFModel:
             u, eta = pgd_u(x, u, V)
             if eta == 0.0:
                 break
+        if userid is not None:
+            self.u = u.copy() if self.u is None else (np.vstack([self.u, u]) if userid == held else self.u)
+            self.u[userid] = u[0]
         return u[0]
 
     # -- retrieval ------------------------------------------------------------------------------
-    def recommend(
-        self,
-        user_items: ArrayLike | None = None,
-        N: int = 10,
-        filter_already_liked_items: bool = True,
-        filter_items: ArrayLike | None = None,
-        items: ArrayLike | None = None,
-        *,
-        userid: int | ArrayLike = 0,
-        rng: np.random.Generator | None = None,
-    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-        """Top-N items by the score u·V̄ (V̄ in this client's order).
+    def _held_users(self) -> int:
+        return 0 if self.u is None else int(self.u.shape[0])
 
-        Same parameters and results as `device_sdk.models.LightFRModel.recommend`, except that the
-        scores are the reconstructed ratings (U V̄)_{u,i} and that ties are broken at random only when
-        ``rng`` is given (by item id otherwise: the model holds no generator of its own).
-        """
-        if N < 0:
-            raise ValueError(f"N must be >= 0, got {N}")
+    def _check_ready(self, users: NDArray[np.int64]) -> None:
         if self.u is None:
             raise ModelError("this client has no trained rows yet: run a local update first")
-        batch = np.ndim(userid) > 0
-        users = np.atleast_1d(np.asarray(userid, dtype=np.int64))
-        n_users = self.u.shape[0]
-        if users.size and (users.min() < 0 or users.max() >= n_users):
-            raise ValueError(f"userid out of range [0, {n_users})")
-        ids, best = top_n_scores(
-            self.u[users] @ self.item_matrix(),
-            N,
-            liked=liked_per_user(user_items, users.size, batch, self.n_items),
-            filter_already_liked_items=filter_already_liked_items,
-            filter_items=filter_items,
-            items=items,
-            batch=batch,
-            rng=rng,
-        )
-        return ids, best.astype(np.float32)
+        self._require_global()
+
+    def _scores(self, users: NDArray[np.int64]) -> Array:
+        """Reconstructed ratings (U V̄)_{u,i}, V̄ in this client's order."""
+        if self.u is None:
+            raise ModelError("this client has no trained rows yet: run a local update first")
+        return self.u[users] @ self.item_matrix()
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -647,12 +635,18 @@ class FNMFModel:
         )
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> FNMFModel:
-        """Read a model written by `save`; raises `StorageError` on any problem with the file."""
+    def load(cls, path: str | os.PathLike[str], *, rng: np.random.Generator | None = None) -> FNMFModel:
+        """Read a model written by `save` (``rng``: its tie-breaking generator); raises
+        `StorageError` on any problem with the file."""
         state = load_store(path, _KIND)
         try:
             config = FNMFConfig(**dict(state["config"]))
-            model = cls(int(state["n_items"]), config, model_version=int(state["model_version"]))
+            model = cls(
+                int(state["n_items"]),
+                config,
+                model_version=int(state["model_version"]),
+                rng=rng or np.random.default_rng(),
+            )
             k, m = config.rank, model.n_items
 
             def unpack(entry: Any, rows: int | None, cols: int) -> Array | None:

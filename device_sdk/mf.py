@@ -47,7 +47,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import LocalRatings, LocalResult
-from device_sdk.retrieval import as_items, liked_per_user, top_n_scores
+from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
@@ -311,7 +311,7 @@ def _targets(ratings: NDArray[np.float64] | None, n: int, R: float) -> NDArray[n
 
 
 @dataclass
-class MFModel:
+class MFModel(Recommender):
     """Matrix-factorization recommender with embedding clipping for one device or one silo.
 
     Parameters
@@ -503,54 +503,16 @@ class MFModel:
         self._check_user(userid)
         return self.item_factors[ids] @ self.user_factors[userid]
 
-    def recommend(
-        self,
-        user_items: ArrayLike | None = None,
-        N: int = 10,
-        filter_already_liked_items: bool = True,
-        filter_items: ArrayLike | None = None,
-        items: ArrayLike | None = None,
-        *,
-        userid: int | ArrayLike = 0,
-        rng: np.random.Generator | None = None,
-    ) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
-        """Top-N items by predicted rating u·v_j, ties broken uniformly at random.
+    def _held_users(self) -> int:
+        return self.n_users
 
-        Parameters
-        ----------
-        user_items : the user's rated items (ids or a 1 × m sparse row); for a batch of users, a
-            sparse (len(userid) × m) matrix or a list of id arrays.
-        N : number of items.
-        filter_already_liked_items : exclude ``user_items`` from the results.
-        filter_items : item ids never to return.
-        items : if given, rank only these item ids.
-        userid : index of the held user vector, or an array of them for a batch.
-        rng : generator for tie-breaking (defaults to the model's).
-
-        Returns
-        -------
-        (item_ids, scores): 1-D for one user; (n, N) for a batch, padded with -1 / -inf where fewer
-        than N items are eligible.  Scores are predicted ratings, best first.
-        """
-        if N < 0:
-            raise ValueError(f"N must be >= 0, got {N}")
-        rng = rng or self.rng
-        batch = np.ndim(userid) > 0
-        users = np.atleast_1d(np.asarray(userid, dtype=np.int64))
-        if users.size and (users.min() < 0 or users.max() >= self.n_users):
-            raise ValueError(f"userid out of range [0, {self.n_users})")
+    def _check_ready(self, users: NDArray[np.int64]) -> None:
         if not self.user_trained[users].all():
             raise ModelError("this user has no trained vector yet: call local_update, fine_tune or fold_in first")
-        return top_n_scores(
-            self.user_factors[users] @ self.item_factors.T,
-            N,
-            liked=liked_per_user(user_items, users.size, batch, self.n_items),
-            filter_already_liked_items=filter_already_liked_items,
-            filter_items=filter_items,
-            items=items,
-            batch=batch,
-            rng=rng,
-        )
+
+    def _scores(self, users: NDArray[np.int64]) -> NDArray[np.float64]:
+        """Predicted ratings u·v_j of every item (the `recommend` scores, returned as float32)."""
+        return self.user_factors[users] @ self.item_factors.T
 
     # -- persistence ------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -19,15 +19,22 @@ from fedsim.datasets import (
 )
 from fedsim.evaluation import (
     EvalResult,
+    RankingResult,
     TieMode,
+    evaluate_all_items,
     evaluate_candidates,
     evaluate_full_ranking,
+    evaluate_sampled,
+    hamming_scorer,
     hit_ratio,
     interaction_csr,
     ndcg,
+    popularity_scorer,
     popularity_scores,
+    random_scorer,
     random_scores,
     sample_negatives,
+    sample_test_blocks,
 )
 from fedsim.experiment import Candidates, Experiment, Protocol, baselines, prepare
 from fedsim.federation import (
@@ -67,6 +74,13 @@ __all__ = [
     "ndcg",
     "popularity_scores",
     "random_scores",
+    "RankingResult",
+    "evaluate_all_items",
+    "evaluate_sampled",
+    "sample_test_blocks",
+    "hamming_scorer",
+    "popularity_scorer",
+    "random_scorer",
     "Protocol",
     "Candidates",
     "Experiment",
