@@ -82,6 +82,8 @@ __all__ = [
     "PrivateSimulator",
     "LightFRCohort",
     "one_blas_thread",
+    "SimulatedRun",
+    "run_simulated",
 ]
 
 
@@ -381,6 +383,52 @@ class PrivateSimulator:
         eps = self._commit(to_ring(total), s, plan)
         timings["aggregate"] = time.perf_counter() - t0
         return RoundOutcome(round_id, True, sets, eps, self.model_version, time.perf_counter() - start, var, timings)
+
+
+@dataclass
+class SimulatedRun:
+    """Result of `run_simulated`: the simulator (model, ledger) and the devices (``.model``,
+    ``.data``), keyed by the device ids the coordinator would have given them (1, 2, ...)."""
+
+    simulator: PrivateSimulator
+    devices: dict[int, Any]
+    outcomes: list[RoundOutcome] = field(default_factory=list)
+
+    @property
+    def coordinator(self) -> PrivateSimulator:
+        """The simulator, where `fedsim.private.PrivateRun` has the coordinator (``model_version``,
+        ``model_state``, ``ledger``, ``mu``), so progress callbacks work with either run."""
+        return self.simulator
+
+
+def run_simulated(
+    config: ServerConfig,
+    clients: Mapping[int, LocalRatings],
+    new_model: Callable[[int], Any],
+    *,
+    rounds: int,
+    seed: int,
+    dropout: Callable[[int, int], DropoutAt] | None = None,
+    strategy: Strategy | None = None,
+    after_round: Callable[[SimulatedRun], None] | None = None,
+) -> SimulatedRun:
+    """`fedsim.private.run_private` without the crypto: the same devices (ids in the mapping's order,
+    from 1), the same seeds and dropout schedule, and the same final model, bit for bit."""
+    from fedsim.private import SimulatedDevice
+
+    sim = PrivateSimulator(config, strategy=strategy)
+    devices = {i + 1: SimulatedDevice(i + 1, data, new_model(i + 1)) for i, data in enumerate(clients.values())}
+    run = SimulatedRun(sim, devices)
+    models = {d: dev.model for d, dev in devices.items()}
+    data = {d: dev.data for d, dev in devices.items()}
+    for _ in range(rounds):
+        out = sim.run_round(models, data, seed=seed, dropout=dropout)
+        if out is None:
+            break
+        run.outcomes.append(out)
+        if after_round is not None:
+            after_round(run)
+    return run
 
 
 def one_blas_thread() -> contextlib.AbstractContextManager[Any]:
