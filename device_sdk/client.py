@@ -72,6 +72,7 @@ from protocol.messages import (
     Wait,
 )
 from protocol.session import ACTIVE_PHASES, DeviceSecAggSession
+from protocol.spec import MAX_TEXT
 
 __all__ = [
     "MODEL_FILE",
@@ -86,7 +87,6 @@ __all__ = [
     "seeded_rngs",
 ]
 
-_MAX_REASON = 4096
 
 _log = logging.getLogger(__name__)
 
@@ -652,7 +652,7 @@ class DeviceClient:
         # Best effort: tell the server this device leaves, so it need not wait for the deadline.
         if self._identity is None:  # pragma: no cover - a round needs an identity
             return
-        abort = Abort(round_id=invite.round_id, device_id=invite.device_id, reason=reason[:_MAX_REASON])
+        abort = Abort(round_id=invite.round_id, device_id=invite.device_id, reason=reason[:MAX_TEXT])
         try:
             await self._transport.request(
                 "POST",
