@@ -58,8 +58,9 @@ class PrivateMFSettings:
     factors, max_norm2, server_lr, learning_rate, pretrain_epochs, fine_tune_epochs : the model.
     negatives : unobserved items per kept rating fitted as 0.
     seed : seeds the server, the devices and the dropout schedule.
-    simulator : run the rounds through `fedsim.privsim` (the released sums computed directly, bit-identical
-        to the coordinator; no crypto) instead of the real coordinator with SecAgg+.
+    simulator : run the rounds through `fedsim.privsim` (the released sums computed directly, exact
+        in distribution, the survivors' noise drawn in one piece; no crypto) instead of the real coordinator
+        with SecAgg+.
     """
 
     epsilon: float = 8.0
@@ -192,6 +193,7 @@ def run_private_mf(
                 seed=s.seed,
                 dropout=dropout,
                 after_round=on_round,  # type: ignore[arg-type]
+                per_device_noise=False,
             )
             sim = srun.simulator
             V = np.asarray(sim.model_state, dtype=np.float64)

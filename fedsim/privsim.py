@@ -291,9 +291,14 @@ class PrivateSimulator:
         *,
         seed: int,
         dropout: Callable[[int, int], DropoutAt] | None = None,
+        per_device_noise: bool = True,
     ) -> RoundOutcome | None:
         """One round with real device models (``devices[id]`` a `device_sdk` model holding its state,
         ``data[id]`` its ratings), bit-identical to the coordinator's round for the same seeds.
+
+        ``per_device_noise=False`` draws the survivors' released noise in one piece (Skellam of
+        `released_variance`, its exact law) from a generator seeded by ``seed`` and the round: the
+        same distribution for a fraction of the cost, but no longer bit-identical.
 
         Returns None when the configuration stops (``max_rounds``).
         """
@@ -322,11 +327,15 @@ class PrivateSimulator:
         s = len(sets.u3)
         for d in sorted(sets.u3):
             total += rings[d].view(np.int32)
-            if params.dp_mu > 0.0:
+            if params.dp_mu > 0.0 and per_device_noise:
                 draw = device_noise(params.dp_mu, params.dp_t_min, self.vector_length, noise_rngs[d])
                 if d in sets.corrected:
                     draw, _ = correct_noise(draw, params.dp_t_min, s, noise_rngs[d])
                 total += draw.value()
+        if params.dp_mu > 0.0 and not per_device_noise:
+            sim = np.random.default_rng(np.random.SeedSequence([seed, round_id, 0x5EED]))
+            var = released_variance(params.dp_mu, params.dp_t_min, s, len(sets.corrected))
+            total += sample_skellam(var, self.vector_length, sim).value()
         ring_total = to_ring(total)
         eps = self._commit(ring_total, s, plan)
         var = released_variance(self.mu, params.dp_t_min, s, len(sets.corrected)) if self.mu else 0.0
@@ -411,6 +420,7 @@ def run_simulated(
     dropout: Callable[[int, int], DropoutAt] | None = None,
     strategy: Strategy | None = None,
     after_round: Callable[[SimulatedRun], None] | None = None,
+    per_device_noise: bool = True,
 ) -> SimulatedRun:
     """`fedsim.private.run_private` without the crypto: the same devices (ids in the mapping's order,
     from 1), the same seeds and dropout schedule, and the same final model, bit for bit."""
@@ -422,7 +432,7 @@ def run_simulated(
     models = {d: dev.model for d, dev in devices.items()}
     data = {d: dev.data for d, dev in devices.items()}
     for _ in range(rounds):
-        out = sim.run_round(models, data, seed=seed, dropout=dropout)
+        out = sim.run_round(models, data, seed=seed, dropout=dropout, per_device_noise=per_device_noise)
         if out is None:
             break
         run.outcomes.append(out)

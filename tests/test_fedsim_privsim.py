@@ -229,3 +229,14 @@ def test_run_simulated_matches_run_private_device_ids_and_model(tmp_path: Path) 
     assert np.array_equal(sim.simulator.model_state, ref.coordinator.model_state)
     for d in ref.devices:
         assert np.array_equal(sim.devices[d].model.user_factors, ref.devices[d].model.user_factors)
+
+
+def test_aggregate_noise_mode_releases_variance_mu(tmp_path: Path) -> None:
+    n, m = 30, 1500
+    cfg = _config(tmp_path, "mf", n, dp=True, rounds=1, n_items=m)
+    sim = PrivateSimulator(cfg)
+    empty = {d: LocalRatings.single_user(np.zeros(0, np.int64), np.zeros(0)) for d in range(1, n + 1)}
+    models = {d: MFModel(m, MFConfig(factors=4), rng=np.random.default_rng(0)) for d in empty}
+    out = sim.run_round(models, empty, seed=1, per_device_noise=False)
+    assert out is not None and out.committed and sim.last_release is not None
+    assert abs(float(np.var(sim.last_release)) - sim.mu) <= 0.05 * sim.mu
