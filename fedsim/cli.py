@@ -865,7 +865,6 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
                 rounds=args.rounds,
                 dropout=args.dropout,
                 seed=args.seed,
-                reproducible=False,
                 time_limit=args.time_limit,
                 ca_file=args.ca_file,
                 announce_drops=args.announce_drops,
