@@ -334,9 +334,9 @@ class PrivateSimulator:
                     draw, _ = correct_noise(draw, params.dp_t_min, s, noise_rngs[d])
                 total += draw.value()
         if params.dp_mu > 0.0 and not per_device_noise:
-            sim = np.random.default_rng(np.random.SeedSequence([seed, round_id, 0x5EED]))
+            noise = insecure_test_noise_stream(seed, round_id, 0x5EED)  # a simulation: ε is not a guarantee here
             var = released_variance(params.dp_mu, params.dp_t_min, s, len(sets.corrected))
-            total += sample_skellam(var, self.vector_length, sim).value()
+            total += sample_skellam(var, self.vector_length, noise).value()
         ring_total = to_ring(total)
         eps = self._commit(ring_total, s, plan)
         var = released_variance(self.mu, params.dp_t_min, s, len(sets.corrected)) if self.mu else 0.0
