@@ -199,8 +199,10 @@ def _device(request: web.Request) -> int:
 
 def _round_id(request: web.Request) -> int:
     raw = request.match_info["round_id"]
-    if not raw.isdigit() or len(raw) > 18:
-        raise RemoteProtocolError(f"round id must be a non-negative integer, got {raw!r}")
+    # ASCII digits only: str.isdigit() also accepts '²', '①', '٣' and '１' (int() refuses the first two
+    # with a ValueError, a 500, and reads the others as 3 and 1).
+    if not (0 < len(raw) <= 18 and raw.isascii() and raw.isdigit()):
+        raise RemoteProtocolError(f"round id must be a non-negative integer of ASCII digits, got {raw!r}")
     return int(raw)
 
 

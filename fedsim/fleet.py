@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -26,7 +27,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundOutcome, RoundStatus, seeded_rngs
+from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundOutcome, RoundStatus, insecure_seeded_rngs
+from protocol.crypto import INSECURE_NOISE_NOTICE, NoiseStream
 from protocol.errors import FedRecError
 
 __all__ = ["FleetConfig", "FleetReport", "run_fleet", "fetch_status", "get_status", "PHASE_STEPS"]
@@ -55,7 +57,9 @@ class FleetConfig:
     rounds : stop after this many rounds have finished (committed or aborted) on the server.
     dropout : probability that a device taking part in a round drops, at a phase chosen uniformly.
     seed : seed of the dropout choices and, when ``reproducible``, of the devices' generators.
-    reproducible : use `seeded_rngs` for the devices' generators (simulation), else `secrets`.
+    insecure_reproducible : TEST HOOK: seed the devices' training generators and DP-noise streams with
+        `insecure_seeded_rngs` (bit-identical re-runs); the fleet then prints that its ε is not a
+        privacy guarantee.  Default False: every device keys its noise from `secrets`, as a real one does.
     rating_range, binary_positives : how devices normalise their ratings.
     time_limit : seconds after which the fleet stops regardless.
     long_poll_timeout : seconds a device waits on one phase request.
@@ -80,7 +84,7 @@ class FleetConfig:
     rounds: int = 3
     dropout: float = 0.0
     seed: int = 0
-    reproducible: bool = True
+    insecure_reproducible: bool = False
     rating_range: tuple[float, float] | None = (1.0, 5.0)
     binary_positives: bool = True
     time_limit: float = 3600.0
@@ -298,6 +302,8 @@ async def run_fleet(
 
     from device_sdk.http import HttpTransport
 
+    if config.insecure_reproducible:
+        print(INSECURE_NOISE_NOTICE, file=sys.stderr, flush=True)
     report = FleetReport(devices=len(users))
     stop = asyncio.Event()
     start = time.perf_counter()
@@ -311,11 +317,9 @@ async def run_fleet(
             transport = HttpTransport(config.url, session=session)
             holder: dict[str, DeviceClient] = {}
 
-            def rngs(
-                round_id: int, _h: dict[str, DeviceClient] = holder
-            ) -> tuple[np.random.Generator, np.random.Generator]:
+            def rngs(round_id: int, _h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, NoiseStream]:
                 device_id = _h["c"].device_id
-                return seeded_rngs(config.seed, round_id, int(device_id or 0))
+                return insecure_seeded_rngs(config.seed, round_id, int(device_id or 0))
 
             client = DeviceClient(
                 transport,
@@ -329,7 +333,7 @@ async def run_fleet(
                 bits=config.bits,
                 rating_range=config.rating_range,
                 binary_positives=config.binary_positives,
-                rng_for_round=rngs if config.reproducible else None,
+                rng_for_round=rngs if config.insecure_reproducible else None,
             )
             holder["c"] = client
             clients.append(client)
