@@ -184,6 +184,7 @@ def run_demo_fleet(
     out: TextIO,
     workdir: Path | None = None,
     show_progress: bool | None = None,
+    insecure_seed_noise: bool = False,
 ) -> dict[str, Any]:
     """Start a server, run a device per user for ``rounds`` rounds, evaluate, stop the server."""
     n_users = int(np.max(exp.train.users)) + 1 if len(exp.train) else 0
@@ -258,8 +259,11 @@ def run_demo_fleet(
                 time_limit=1800.0,
                 # Devices that drop say so (like an app closed cleanly), so phases close at quorum.
                 announce_drops=True,
-                # The fleet picks each round's cohort from the seed, so runs with one seed are identical.
+                # The fleet picks each round's cohort from the seed and the devices train from it, so
+                # runs with one seed match; the DP noise is keyed from the OS unless the test hook says.
                 cohort=cohort,
+                seed_training=True,
+                insecure_reproducible=insecure_seed_noise,
             )
             bar = RoundProgress(rounds, "demo", enabled=show_progress)
             try:

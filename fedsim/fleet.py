@@ -60,6 +60,10 @@ class FleetConfig:
     insecure_reproducible : TEST HOOK: seed the devices' training generators and DP-noise streams with
         `insecure_seeded_rngs` (bit-identical re-runs); the fleet then prints that its ε is not a
         privacy guarantee.  Default False: every device keys its noise from `secrets`, as a real one does.
+    seed_training : seed only the devices' training generators (first-round user code, θ and negative
+        sampling: child 0 of ``SeedSequence([seed, round_id, device_id])``, as `insecure_seeded_rngs`
+        draws it) while their DP noise stays keyed from `secrets`: a simulation reproduces its
+        cohorts, dropouts and training, and its ε stays a guarantee.
     rating_range, binary_positives : how devices normalise their ratings.
     time_limit : seconds after which the fleet stops regardless.
     long_poll_timeout : seconds a device waits on one phase request.
@@ -85,6 +89,7 @@ class FleetConfig:
     dropout: float = 0.0
     seed: int = 0
     insecure_reproducible: bool = False
+    seed_training: bool = False
     rating_range: tuple[float, float] | None = (1.0, 5.0)
     binary_positives: bool = True
     time_limit: float = 3600.0
@@ -214,8 +219,11 @@ class _CohortGate:
             self._event.set()
             self._event = asyncio.Event()
 
-    async def wait_turn(self, index: int, stop: asyncio.Event) -> None:
-        while not stop.is_set() and index not in self.chosen():
+    async def wait_turn(self, index: int, stop: asyncio.Event, after: int | None) -> None:
+        """Until device ``index`` is in the next round's cohort and round ``after`` (the one it last
+        left, if any) has finished: a check-in in flight across a round's end would otherwise land
+        in the server's pool for the next round."""
+        while not stop.is_set() and (index not in self.chosen() or (after is not None and after not in self.finished)):
             event = self._event
             try:
                 await asyncio.wait_for(event.wait(), timeout=1.0)
@@ -318,8 +326,11 @@ async def run_fleet(
             holder: dict[str, DeviceClient] = {}
 
             def rngs(round_id: int, _h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, NoiseStream]:
-                device_id = _h["c"].device_id
-                return insecure_seeded_rngs(config.seed, round_id, int(device_id or 0))
+                device_id = int(_h["c"].device_id or 0)
+                if config.insecure_reproducible:
+                    return insecure_seeded_rngs(config.seed, round_id, device_id)
+                training, _ = np.random.SeedSequence([config.seed, round_id, device_id]).spawn(2)
+                return np.random.default_rng(training), NoiseStream.from_os()
 
             client = DeviceClient(
                 transport,
@@ -333,7 +344,7 @@ async def run_fleet(
                 bits=config.bits,
                 rating_range=config.rating_range,
                 binary_positives=config.binary_positives,
-                rng_for_round=rngs if config.insecure_reproducible else None,
+                rng_for_round=rngs if config.insecure_reproducible or config.seed_training else None,
             )
             holder["c"] = client
             clients.append(client)
@@ -395,9 +406,10 @@ async def _device_loop(
                 chosen[round_id] = drop
         return chosen[round_id]
 
+    left: int | None = None  # the round this device dropped out of (gated fleets wait for its end)
     while not stop.is_set():
         if gate is not None:
-            await gate.wait_turn(index, stop)
+            await gate.wait_turn(index, stop, left)
             if stop.is_set():
                 return
         try:
@@ -412,8 +424,11 @@ async def _device_loop(
             continue
         backoff = 0.5
         _record(report, outcome, time.perf_counter() - start)
-        if gate is not None and outcome.round_id is not None and outcome.status in _FINISHED:
-            gate.finish(outcome.round_id)
+        if gate is not None and outcome.round_id is not None:
+            if outcome.status in _FINISHED:
+                gate.finish(outcome.round_id)
+            elif outcome.status is RoundStatus.DROPPED:
+                left = outcome.round_id
         if outcome.status is RoundStatus.DROPPED and outcome.round_id is not None:
             report.drops[plan(outcome.round_id).value] += 1
             await _sleep(stop, config.drop_pause)
