@@ -154,12 +154,13 @@ async def _errors(
     except web.HTTPRequestEntityTooLarge as exc:
         counters[413] = counters.get(413, 0) + 1
         return _error_response(PayloadTooLarge(exc.text or "request body too large"), 413, request_id)
-    except web.HTTPNotFound:
-        return _error_response(RemoteProtocolError(f"no route {request.method} {request.path}"), 404, request_id)
-    except web.HTTPMethodNotAllowed:
-        return _error_response(
-            RemoteProtocolError(f"method {request.method} not allowed on {request.path}"), 405, request_id
-        )
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        what = "no route" if exc.status == 404 else "method not allowed:"
+        error = RemoteProtocolError(f"{what} {request.method} {request.path}")
+        if "application/json" in request.headers.get("Accept", ""):  # curl, browsers' fetch: readable JSON
+            body = {"error": error.code, "message": str(error), "request_id": request_id}
+            return web.json_response(body, status=exc.status, headers={"X-Request-Id": request_id})
+        return _error_response(error, exc.status, request_id)
     except web.HTTPException:
         raise
     except Exception:

@@ -31,6 +31,7 @@ from protocol.quantization import QuantizationConfig
 from protocol.spec import Aggregation, ModelKind
 
 __all__ = [
+    "MIN_COHORT",
     "ListenConfig",
     "ModelSection",
     "RoundSection",
@@ -273,6 +274,10 @@ class ModelSection:
             )
 
 
+#: The smallest cohort a secure-aggregation round accepts (``rounds.cohort_size`` and ``min_cohort``).
+MIN_COHORT = 3
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundSection:
     """How rounds are run (TOML table ``[rounds]``).
@@ -325,8 +330,8 @@ class RoundSection:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        _int("rounds.cohort_size", self.cohort_size, lo=3)
-        _int("rounds.min_cohort", self.min_cohort, lo=3)
+        _int("rounds.cohort_size", self.cohort_size, lo=MIN_COHORT)
+        _int("rounds.min_cohort", self.min_cohort, lo=MIN_COHORT)
         if self.min_cohort > self.cohort_size:
             raise ConfigError(
                 f"rounds.min_cohort: must be <= rounds.cohort_size ({self.cohort_size}), got {self.min_cohort}"

@@ -282,6 +282,12 @@ def _read_lines(path: Path) -> list[str]:
         raw = path.read_bytes()
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read ({exc.strerror})") from exc
+    nul = raw.find(b"\x00", 0, 1 << 16)
+    if nul >= 0:
+        raise DatasetError(
+            f"{path}: binary content (a NUL byte at offset {nul}), not a text ratings file; expected lines "
+            "of 'user item rating [timestamp]' (compressed? unpack it first)"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -1032,6 +1038,21 @@ def synthetic(
 # Locating and naming datasets
 
 
+#: The file of each named dataset, relative to the data folder (what `load_dataset` looks for first).
+_LAYOUT_FILES = {
+    "ml-100k": "ml-100k/u.data",
+    "filmtrust": "filmtrust/ratings.txt",
+    "filmtrust-lightfr": "filmtrust-lightfr-split/filmtrust_train.csv",
+    "amazon-book": f"{AMAZON_BOOK_DIR}/train.txt",
+}
+#: The expected folder layout, for error messages.
+DATA_LAYOUT = (
+    "expected layout: DATA/ml-100k/u.data (+ u.item), DATA/filmtrust/ratings.txt, "
+    "DATA/filmtrust-lightfr-split/filmtrust_{train,val,test}.csv, DATA/amazon-book-kgat/{train,test}.txt "
+    "(see docs/datasets.md)"
+)
+
+
 def find_data_dir() -> Path | None:
     """Locate the shared dataset folder.
 
@@ -1078,8 +1099,12 @@ def load_dataset(
         base = data_dir if data_dir is not None else find_data_dir()
         if base is None:
             raise DatasetError(
-                f"dataset {name!r}: data folder not found (set FEDREC_DATA or place it at ../shared/data)"
+                f"dataset {name!r}: no data folder (pass --data-dir, set FEDREC_DATA, or place it at "
+                f"../shared/data); {DATA_LAYOUT}"
             )
+        expected = base / _LAYOUT_FILES[name]
+        if not expected.exists():
+            raise DatasetError(f"dataset {name!r}: {expected} not found; {DATA_LAYOUT}")
         if name == "ml-100k":
             return load_movielens(base / "ml-100k")
         if name == "filmtrust":

@@ -32,6 +32,7 @@ from fedsim.experiment import Experiment, baselines
 from fedsim.fleet import PHASE_STEPS, FleetConfig, FleetReport, fetch_status, run_fleet
 from protocol.codec import decode, encode
 from protocol.codes import from_bytes, unpack_signs
+from protocol.errors import FedRecError
 from protocol.messages import ModelPayload, RegisterRequest, RegisterResponse
 
 __all__ = [
@@ -85,9 +86,18 @@ class ServerProcess:
         line = self.proc.stdout.readline()
         if "listening on" not in line:
             self.stop()
-            raise RuntimeError(f"the server did not start; see {self.log_path}")
+            raise FedRecError(f"the server did not start: {self.last_error()}")
         self.url = line.strip().rsplit(" ", 1)[-1]
         return self
+
+    def last_error(self) -> str:
+        """The server's own error line from its log (its last line when none says 'error')."""
+        try:
+            lines = [ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            lines = []
+        errors = [ln for ln in lines if "error" in ln.lower()]
+        return (errors or lines or [f"no output (log {self.log_path})"])[-1]
 
     def stop(self, grace: float = 20.0) -> int | None:
         proc = self.proc

@@ -34,8 +34,13 @@ def _unavailable(reason: str) -> NoReturn:
 def shared_data() -> Path:
     """Path of the shared dataset folder; skips (or fails under ``$CI``) when it is missing."""
     base = find_data_dir()
-    if base is None or not base.is_dir():
-        _unavailable(f"real datasets not found ({base}); set FEDREC_DATA or provide ../shared/data")
+    if base is None:
+        _unavailable(
+            "real datasets not found: FEDREC_DATA is not set and no ../shared/data folder is above the checkout "
+            "or the current directory (docs/datasets.md)"
+        )
+    if not base.is_dir():
+        _unavailable(f"real datasets not found: FEDREC_DATA={base} is not a folder (docs/datasets.md)")
     missing = [name for name in _EXPECTED if not (base / name).is_file()]
     if missing:
         _unavailable(f"real datasets incomplete under {base}: missing {', '.join(missing)}")
