@@ -52,6 +52,10 @@ class LightFRConfig:
         given are already normalised.
     binary_positives : fit every observed rating as 1 (pure implicit feedback) instead of its
         normalised value.
+    unobserved_weight : w0.  0 selects the paper's objective with ``negatives`` sampled unobserved
+        items; w0 > 0 the all-items objective (every unobserved item at target 0 with weight w0, through
+        the item Gram; ``negatives`` is then unused; see `device_sdk.lightfr.dcd_full`).
+    confidence : α ≥ 0 of the all-items objective: observed items weigh c = 1 + α (w0 ≤ c).
     """
 
     bits: int = 64
@@ -61,8 +65,17 @@ class LightFRConfig:
     max_sweeps: int = 10
     rating_range: tuple[float, float] | None = (1.0, 5.0)
     binary_positives: bool = False
+    unobserved_weight: float = 0.0
+    confidence: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (np.isfinite(self.confidence) and self.confidence >= 0):
+            raise ValueError(f"confidence must be a finite value >= 0, got {self.confidence}")
+        if not (np.isfinite(self.unobserved_weight) and 0 <= self.unobserved_weight <= 1 + self.confidence):
+            raise ValueError(
+                f"unobserved_weight must be in [0, 1 + confidence = {1 + self.confidence}], "
+                f"got {self.unobserved_weight}"
+            )
         if not 1 <= self.bits <= 4096:
             raise ValueError(f"bits must be in [1, 4096], got {self.bits}")
         if not (self.lam >= 0 and np.isfinite(self.lam)):

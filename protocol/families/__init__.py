@@ -1,0 +1,1 @@
+"""What a model family's device and server sides must compute identically, pure and sans-IO."""
