@@ -9,8 +9,8 @@
 #   warning); a file the store could not move aside is never overwritten: the error propagates.
 # - The plaintext update lives only between local training and the SecAgg session; every way out of a
 #   round (commit, abort, dropout, error) leaves the session finished, so its secrets are dropped.
-# - Randomness: training and DP-noise generators come from ``rng_for_round`` (default: fresh ``secrets``
-#   seeds every round); key material is generated inside `protocol` only.
+# - Randomness: the training generator and the DP-noise stream come from ``rng_for_round`` (default: keyed
+#   from ``secrets`` every round); key material is generated inside `protocol` only.
 """`DeviceClient`: one device taking part in federated rounds over a `Transport` (DESIGN.md §4, §7)."""
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from device_sdk.persistence import (
 )
 from device_sdk.training import local_round
 from device_sdk.transport import Response, Transport, TransportError, raise_for_error
+from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import (
     ConfigError,
     FedRecError,
@@ -72,6 +73,7 @@ from protocol.messages import (
     Wait,
 )
 from protocol.session import ACTIVE_PHASES, DeviceSecAggSession
+from protocol.spec import MAX_TEXT
 
 __all__ = [
     "MODEL_FILE",
@@ -83,15 +85,14 @@ __all__ = [
     "RoundOutcome",
     "DeviceClient",
     "RoundRngs",
-    "seeded_rngs",
+    "insecure_seeded_rngs",
 ]
 
-_MAX_REASON = 4096
 
 _log = logging.getLogger(__name__)
 
-#: ``rng_for_round(round_id) -> (training_rng, noise_rng)``.
-RoundRngs = Callable[[int], tuple[np.random.Generator, np.random.Generator]]
+#: ``rng_for_round(round_id) -> (training_rng, noise_stream)``.
+RoundRngs = Callable[[int], tuple[np.random.Generator, NoiseStream]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,13 +195,15 @@ class RoundOutcome:
     reason: str = ""
 
 
-def seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Generator, np.random.Generator]:
-    """Reproducible per-round generators of one device: ``(training_rng, noise_rng)``.
+def insecure_seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Generator, NoiseStream]:
+    """TEST HOOK: reproducible per-round generators of one device, ``(training_rng, noise_stream)``.
 
-    The in-process simulator and a device driven over HTTP must both use exactly this function so that
-    they produce bit-identical updates and noise.  Pass it to `DeviceClient` once the device id is known,
-    e.g. ``rng_for_round=lambda r: seeded_rngs(seed, r, client.device_id)`` (the lambda reads the id at
-    call time, after registration).
+    The DP noise stream is `protocol.crypto.insecure_test_noise_stream(seed, round_id, device_id)`: anyone
+    who knows the seed predicts every device's noise, so the ε of a run that uses this hook is NOT a
+    privacy guarantee (callers that report ε must say so).  The in-process simulator and devices driven
+    over HTTP both use exactly this function so that they produce bit-identical updates and noise.  Pass
+    it to `DeviceClient` once the device id is known, e.g.
+    ``rng_for_round=lambda r: insecure_seeded_rngs(seed, r, client.device_id)``.
 
     Parameters
     ----------
@@ -211,8 +214,9 @@ def seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Gen
 
     Returns
     -------
-    tuple of np.random.Generator
-        Children 0 and 1 of ``np.random.SeedSequence([seed, round_id, device_id])``.
+    tuple
+        Child 0 of ``np.random.SeedSequence([seed, round_id, device_id])`` as the training generator, and
+        the test noise stream.
 
     Raises
     ------
@@ -222,12 +226,13 @@ def seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Gen
     for name, value in (("seed", seed), ("round_id", round_id), ("device_id", device_id)):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    training, noise = np.random.SeedSequence([int(seed), int(round_id), int(device_id)]).spawn(2)
-    return np.random.default_rng(training), np.random.default_rng(noise)
+    training, _ = np.random.SeedSequence([int(seed), int(round_id), int(device_id)]).spawn(2)
+    return np.random.default_rng(training), insecure_test_noise_stream(int(seed), int(round_id), int(device_id))
 
 
-def _secret_round_rngs(round_id: int) -> tuple[np.random.Generator, np.random.Generator]:
-    return secret_generator(), secret_generator()
+def _secret_round_rngs(round_id: int) -> tuple[np.random.Generator, NoiseStream]:
+    # Training randomness from a secrets-seeded numpy generator; DP noise from a secrets-keyed ChaCha20 stream.
+    return secret_generator(), NoiseStream.from_os()
 
 
 @dataclass(slots=True)
@@ -285,8 +290,9 @@ class DeviceClient:
     binary_positives : bool
         Fit every observed rating as 1.
     rng_for_round : callable, optional
-        ``rng_for_round(round_id) -> (training_rng, noise_rng)``; default: both freshly seeded from
-        ``secrets`` each round.  Simulations pass `seeded_rngs` (see there).
+        ``rng_for_round(round_id) -> (training_rng, noise_stream)``; default: both freshly keyed from
+        ``secrets`` each round (the only setting whose ε means anything).  Simulations pass the test hook
+        `insecure_seeded_rngs` (see there).
     model : FederatedModel, optional
         A fresh model of another family (`device_sdk.mf.MFModel`, `device_sdk.felb.FELBModel`,
         `device_sdk.fnmf.FNMFModel`) used when the store holds none; its class also loads the store.
@@ -652,7 +658,7 @@ class DeviceClient:
         # Best effort: tell the server this device leaves, so it need not wait for the deadline.
         if self._identity is None:  # pragma: no cover - a round needs an identity
             return
-        abort = Abort(round_id=invite.round_id, device_id=invite.device_id, reason=reason[:_MAX_REASON])
+        abort = Abort(round_id=invite.round_id, device_id=invite.device_id, reason=reason[:MAX_TEXT])
         try:
             await self._transport.request(
                 "POST",

@@ -285,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--flip-fraction", type=_fraction, default=0.3, help="Agg_grad damping ρ (default 0.3)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the simulation (default: 0)")
     demo.add_argument("--workdir", type=Path, default=None, help="keep server data and device stores here")
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
 
     lt = sub.add_parser(
         "loadtest",
@@ -298,12 +299,27 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--devices", type=_positive_int, default=100, help="number of devices (default: 100)")
     lt.add_argument("--dropout", type=_nonneg_float, default=0.2, help="chance a device drops per round")
     lt.add_argument("--rounds", type=_positive_int, default=3, help="stop after this many rounds (default: 3)")
-    lt.add_argument("--n-items", type=_positive_int, default=3706, help="catalogue size the server trains")
-    lt.add_argument("--bits", type=_positive_int, default=64, help="code length of the server's model")
+    lt.add_argument(
+        "--n-items",
+        type=_positive_int,
+        default=None,
+        help="catalogue size the server trains (default: read from the server's /v1/status; a different value is "
+        "an error)",
+    )
+    lt.add_argument(
+        "--bits", type=_positive_int, default=None, help="code length of the server's model (default: read from it)"
+    )
     lt.add_argument("--ratings-per-user", type=_positive_int, default=166, help="synthetic ratings per device")
     lt.add_argument("--workers", type=_positive_int, default=1, help="worker processes (default: 1)")
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--time-limit", type=_nonneg_float, default=3600.0, help="seconds before giving up")
+    lt.add_argument(
+        "--announce-drops",
+        action="store_true",
+        help="dropped devices tell the server they leave, so phases close at quorum instead of waiting for their "
+        "deadlines (default: drops are silent, and each phase with a silent drop lasts its full deadline)",
+    )
+    lt.add_argument("--quiet", action="store_true", help="no progress bar")
     lt.add_argument("--store", type=Path, default=None, help="device store folder (default: a temporary one)")
     lt.add_argument(
         "--ca-file",
@@ -768,6 +784,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         seed=args.seed,
         out=out,
         workdir=args.workdir,
+        show_progress=False if args.quiet else None,
     )
     results = {"LightFR over the server": res["results"]}
     for name in ("popularity", "random"):
@@ -831,11 +848,27 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
     import tempfile
 
     from fedsim.datasets import synthetic
-    from fedsim.demo import format_loadtest, run_loadtest
-    from fedsim.fleet import FleetConfig
+    from fedsim.demo import RoundProgress, format_loadtest, run_loadtest
+    from fedsim.fleet import FleetConfig, get_status
 
     if not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    url = args.url.rstrip("/")
+    model = get_status(url, args.ca_file).get("model") or {}
+    if model.get("kind", "lightfr") != "lightfr":
+        raise ConfigError(f"the server at {url} trains model.kind={model.get('kind')!r}; the load test drives LightFR")
+    for flag, key in (("n_items", "n_items"), ("bits", "bits")):
+        served = model.get(key)
+        given = getattr(args, flag)
+        if given is None:
+            if served is None:
+                raise ConfigError(f"the server at {url} does not report model.{key}; pass {_flag(flag)}")
+            setattr(args, flag, int(served))
+        elif served is not None and int(served) != given:
+            raise ConfigError(
+                f"{_flag(flag)} {given} but the server at {url} trains model.{key}={served}; drop {_flag(flag)} "
+                "to use the server's"
+            )
     data = synthetic(n_users=args.devices, n_items=args.n_items, ratings_per_user=args.ratings_per_user, seed=args.seed)
     idx = data.by_user()
     users = [
@@ -846,26 +879,36 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
         for u in range(data.n_users)
     ]
     out.write(
-        f"load test: {args.devices} devices ({args.workers} worker process(es)) against {args.url}; "
-        f"m={args.n_items}, f={args.bits}, ~{args.ratings_per_user} ratings each; dropout {args.dropout:.0%}; "
-        f"{args.rounds} rounds\n"
+        f"load test: {args.devices} devices ({args.workers} worker process(es)) against {url}; "
+        f"m={args.n_items}, f={args.bits} (as the server trains), ~{args.ratings_per_user} ratings each; "
+        f"dropout {args.dropout:.0%} ({'announced' if args.announce_drops else 'silent'}); {args.rounds} rounds\n"
     )
-    with tempfile.TemporaryDirectory(prefix="fedrec-loadtest-") as tmp:
-        cfg = FleetConfig(
-            url=args.url.rstrip("/"),
-            store_root=args.store or Path(tmp),
-            n_items=args.n_items,
-            bits=args.bits,
-            rounds=args.rounds,
-            dropout=args.dropout,
-            seed=args.seed,
-            reproducible=False,
-            time_limit=args.time_limit,
-            ca_file=args.ca_file,
-        )
-        report = run_loadtest(cfg, users, args.workers)
+    out.flush()
+    bar = RoundProgress(args.rounds, "load test", enabled=False if args.quiet else None)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fedrec-loadtest-") as tmp:
+            cfg = FleetConfig(
+                url=url,
+                store_root=args.store or Path(tmp),
+                n_items=args.n_items,
+                bits=args.bits,
+                rounds=args.rounds,
+                dropout=args.dropout,
+                seed=args.seed,
+                time_limit=args.time_limit,
+                ca_file=args.ca_file,
+                announce_drops=args.announce_drops,
+            )
+            report = run_loadtest(cfg, users, args.workers, progress=bar)
+    finally:
+        bar.close()
     format_loadtest(report, out)
-    return 0 if report.rounds_finished >= args.rounds else 1
+    failure = report.failure(args.rounds)
+    if failure is not None:
+        out.flush()
+        print(f"fedrec loadtest: error: {failure}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _version() -> str:

@@ -11,7 +11,7 @@ Two modes, one set of rules:
 
 * **exact** (`PrivateSimulator.run_round` with real `device_sdk` models, meant for n <= a few
   hundred): every device runs `device_sdk.training.local_round` with the generators of
-  `device_sdk.client.seeded_rngs`, and draws and corrects its noise with `protocol.noise.device_noise`
+  `device_sdk.client.insecure_seeded_rngs`, and draws and corrects its noise with `protocol.noise.device_noise`
   / `protocol.noise.correct_noise`, the functions the device session calls.  With the coordinator's
   ``rounds.seed`` and the same dropout schedule, the final model is bit-identical to
   `fedsim.private.run_private` (real coordinator, real crypto) — `tests/test_fedsim_privsim.py`.
@@ -30,7 +30,7 @@ correct their noise; the round aborts (nothing released, nothing charged) when a
 member of U2 has fewer than t answering neighbours.
 
 Randomness: the noise and thinning coins follow whatever `protocol.noise` samples with.  A seed enters
-only through ``seed=`` of the runs (the devices' `seeded_rngs`, the test hook of the real runs) and
+only through ``seed=`` of the runs (the devices' `insecure_seeded_rngs`, the test hook of the real runs) and
 ``sim_seed=`` of the scaled mode; nothing here is a device's production randomness.
 """
 
@@ -48,11 +48,12 @@ from numpy.typing import NDArray
 from agg_server.config import ServerConfig
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
-from device_sdk.client import DropoutAt, seeded_rngs
+from device_sdk.client import DropoutAt, insecure_seeded_rngs
 from device_sdk.family import LocalRatings
 from device_sdk.training import local_round
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
+from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import ConfigError, NotEnoughParticipants
 from protocol.graph import find_parameters, harary_graph, validate_parameters
 from protocol.messages import ModelPayload, RoundInvite
@@ -177,9 +178,12 @@ class PrivateSimulator:
     config : the server configuration the coordinator would run with (its ``rounds.seed`` makes
         the cohort choice, graph and aggregation reproducible; None draws from ``secrets``).
     strategy : the server strategy (default: the configuration's).
+    mu : the aggregate noise variance of every round (default: calibrated for the configuration's
+        ε over ``privacy.planned_rounds``, as the coordinator does); a caller that charges other
+        releases to the same ledger (`fedsim.private_scale`) passes the μ its split asks for.
     """
 
-    def __init__(self, config: ServerConfig, *, strategy: Strategy | None = None) -> None:
+    def __init__(self, config: ServerConfig, *, strategy: Strategy | None = None, mu: float | None = None) -> None:
         self.config = config
         self.strategy: Strategy = strategy if strategy is not None else build_strategy(config)
         if self.strategy.n_items != config.model.n_items:
@@ -193,8 +197,12 @@ class PrivateSimulator:
         self.mu = 0.0
         if config.privacy.enabled:
             self.ledger = PrivacyLedger(epsilon_budget=config.privacy.epsilon, delta=config.privacy.delta)
-            self.mu = calibrate_mu(
-                config.privacy.epsilon, config.privacy.delta, config.privacy.planned_rounds, self.l1, self.l2
+            self.mu = (
+                calibrate_mu(
+                    config.privacy.epsilon, config.privacy.delta, config.privacy.planned_rounds, self.l1, self.l2
+                )
+                if mu is None
+                else float(mu)
             )
         n = config.rounds.cohort_size
         t_min = minimum_survivors(n, config.rounds.dropout_rate) if self.mu else 1
@@ -297,13 +305,13 @@ class PrivateSimulator:
         drops = {d: schedule(round_id, d) for d in cohort}
         payload = self.payload()
         rings: dict[int, NDArray[np.uint32]] = {}
-        noise_rngs: dict[int, np.random.Generator] = {}
+        noise_rngs: dict[int, NoiseStream] = {}
         for d in cohort:
             model = devices[d]
             invite: RoundInvite = replace(params.invite(d), **plan)
             if model.model_version != invite.model_version:
                 model.set_global(payload.words, payload.values, payload.model_version)
-            training_rng, noise_rng = seeded_rngs(seed, round_id, d)
+            training_rng, noise_rng = insecure_seeded_rngs(seed, round_id, d)
             rings[d], _ = local_round(model, invite, data[d], None, training_rng)
             noise_rngs[d] = noise_rng
         sets = survivor_sets(cohort, drops, k=params.k, t=params.t, t_min=params.dp_t_min, rng=self._round_rng)
@@ -368,7 +376,8 @@ class PrivateSimulator:
         t0 = time.perf_counter()
         if params.dp_mu > 0.0:
             var = released_variance(params.dp_mu, params.dp_t_min, s, len(sets.corrected))
-            total += sample_skellam(var, self.vector_length, sim).value()
+            noise = insecure_test_noise_stream(sim_seed, round_id)  # a simulation: ε is not a guarantee here
+            total += sample_skellam(var, self.vector_length, noise).value()
         timings["noise"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         eps = self._commit(to_ring(total), s, plan)
@@ -566,7 +575,7 @@ def _entry_gradients(
 def _noise_check(mu: float, n: int, dropout_rate: float, survivors: int, corrected: int, length: int) -> float:
     """Empirical variance of the released noise of one round drawn device by device with the
     device's functions (for tests and `fedrec plan-privacy --check`)."""
-    rng = np.random.default_rng(0)
+    rng = insecure_test_noise_stream(0)  # a check of the variance, not a private run
     t_min = minimum_survivors(n, dropout_rate)
     total = np.zeros(length, dtype=np.int64)
     for d in range(survivors):

@@ -229,3 +229,24 @@ def test_version_and_data_listing(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert main(["data", "--data-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.count("synthetic") == 1 and "expected layout" in out
+
+
+def test_loadtest_failure_is_one_line_naming_the_cause() -> None:
+    from fedsim.demo import describe_outcomes
+    from fedsim.fleet import FleetReport
+
+    rep = FleetReport(devices=60)
+    rep.server_rounds = [{"round_id": 4, "status": "committed"}, {"round_id": 5, "status": "aborted", "reason": "x"}]
+    rep.errors.update({"ConfigError": 40, "status: TimeoutError": 2})
+    rep.error_examples["ConfigError"] = "invite n_items 1682 != device 3706"
+    assert rep.failure(2) == (
+        "1 of 2 rounds committed; aborted: x ×1; "
+        "devices failed 40× with ConfigError (invite n_items 1682 != device 3706)"
+    )
+    assert rep.failure(1) is None
+    rep.outcomes.update({"committed": 50, "waited": 700, "dropped": 3})
+    rep.drops.update({"before_keys": 3})
+    assert describe_outcomes(rep) == (
+        "device rounds: 50 took part in a committed round; 0 in an aborted one; 3 dropped as injected "
+        "(before_keys 3); 700 check-ins were told to wait (not in the cohort, or no round open)"
+    )
