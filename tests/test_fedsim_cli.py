@@ -162,7 +162,10 @@ def test_simulate_mf_in_process_and_private(capsys: pytest.CaptureFixture[str]) 
             ["simulate", "--model", "mf", "--dataset", "synthetic", "--epsilon", "1", "--save", "x"],
             "--save is not available for MF runs through the coordinator",
         ),
-        (["simulate", "--dataset", "synthetic", "--epsilon", "1", "--save", "x"], "--save is not available for private"),
+        (
+            ["simulate", "--dataset", "synthetic", "--epsilon", "1", "--save", "x"],
+            "--save is not available for private",
+        ),
         (["simulate"], "--dataset is required"),
     ],
 )
@@ -319,3 +322,13 @@ def test_saved_runs_recommend_and_export_to_sdk_models(
     # Not a run file: one line naming it.
     assert main(["recommend", str(model_file), "--user", user]) == 2
     assert "not a run written by 'fedrec simulate --save'" in capsys.readouterr().err
+
+
+def test_plan_privacy_prints_one_row_per_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan-privacy", "--dataset", "synthetic", "--epsilon", "4", "--rounds", "1", "5", "--clips", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [ln for ln in out.splitlines() if ln[:2] in ("1 ", "5 ")]
+    assert len(rows) == 2
+    # More rounds at the same ε: more noise per round, so a smaller share above SNR 2.
+    assert float(rows[0].split()[3]) < float(rows[1].split()[3])
