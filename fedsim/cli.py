@@ -317,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--workdir", type=Path, default=None, help="keep server data and device stores here")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument(
+        "--json", action="store_true", help="print the result as one JSON object, the last line of stdout"
+    )
 
     lt = sub.add_parser(
         "loadtest",
@@ -351,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
         "deadlines (default: drops are silent, and each phase with a silent drop lasts its full deadline)",
     )
     lt.add_argument("--quiet", action="store_true", help="no progress bar")
+    lt.add_argument("--json", action="store_true", help="print the report as one JSON object, the last line of stdout")
     lt.add_argument("--store", type=Path, default=None, help="device store folder (default: a temporary one)")
     lt.add_argument(
         "--ca-file",
@@ -421,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
         "device model is rebuilt from the run and ranks every item the user did not rate in training, with the "
         "SDK's recommend (random ties from --seed).",
     )
-    rec.add_argument("run", type=Path, metavar="RUN_FILE", help="a run file written by 'fedrec simulate --save'")
+    rec.add_argument("run", type=Path, help="a run file written by 'fedrec simulate --save'")
     rec.add_argument(
         "--user", required=True, help="user id as in the dataset (its raw id; planted data: the row number)"
     )
@@ -437,8 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(LightFR, MF: a one-user model; FELB, FNMF: the client model holding the user, and its row). Without: "
         "the whole run as one model (LightFR, MF).",
     )
-    exp_.add_argument("run", type=Path, metavar="RUN_FILE", help="a run file written by 'fedrec simulate --save'")
-    exp_.add_argument("-o", "--output", type=Path, required=True, help="model file to write (e.g. model.fedrec)")
+    exp_.add_argument("run", type=Path, help="a run file written by 'fedrec simulate --save'")
+    exp_.add_argument("--output", "-o", type=Path, required=True, help="model file to write (e.g. model.fedrec)")
     exp_.add_argument("--user", default=None, help="export only this user's device model (raw id as in the dataset)")
 
     data = sub.add_parser("data", help="list the datasets fedrec can find")
@@ -974,6 +978,25 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     client = res["clients"][int(exp.test.users[0])]
     _show_device(exp, client.model, data_dir, out)
     print(f"done in {res['seconds']:.1f} s", file=sys.stderr)
+    if args.json:
+        base = res["baselines"][TieMode.RANDOM]
+        figures = {"model": ours, "popularity": base["popularity"], "random": base["random"]}
+        rounds_run = res["report"].server_rounds
+        record = result_record(
+            dataset=exp.name,
+            protocol=exp.protocol.value,
+            rounds=sum(1 for r in rounds_run if r.get("status") == "committed"),
+            seconds=res["seconds"],
+            metrics={k: {"hr@10": v.hr, "ndcg@10": v.ndcg} for k, v in figures.items()},
+            epsilon=None if not privacy else float(privacy["epsilon_spent"]),
+            delta=None if not privacy else float(privacy["delta"]),
+            seed=args.seed,
+            epsilon_is_guarantee=bool(privacy) and not args.insecure_seed_dp_noise,
+            server_rounds=[
+                {k: r.get(k) for k in ("round_id", "status", "cohort_size", "survivors")} for r in rounds_run
+            ],
+        )
+        write_json(record, sys.stdout)
     return 0
 
 
@@ -1016,7 +1039,7 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
     import tempfile
 
     from fedsim.datasets import synthetic
-    from fedsim.demo import RoundProgress, format_loadtest, run_loadtest
+    from fedsim.demo import RoundProgress, format_loadtest, loadtest_record, run_loadtest
     from fedsim.fleet import FleetConfig, get_status
 
     if not 0 <= args.dropout < 1:
@@ -1072,6 +1095,8 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
         bar.close()
     format_loadtest(report, out)
     failure = report.failure(args.rounds)
+    if args.json:
+        write_json(loadtest_record(report, args.rounds, failure), sys.stdout)
     if failure is not None:
         out.flush()
         print(f"fedrec loadtest: error: {failure}", file=sys.stderr)
@@ -1087,15 +1112,13 @@ def _cmd_recommend(args: argparse.Namespace, out: TextIO) -> int:
     ids, scores = run.recommend(user, args.n, seed=args.seed)
     rows = [(run.item_label(int(i)), int(i), float(sc)) for i, sc in zip(ids, scores, strict=True)]
     if args.json:
-        import json
-
         record = {
             "run": str(args.run),
             "family": run.family,
             "user": run.user_label(user),
             "items": [{"item": label, "index": index, "score": score} for label, index, score in rows],
         }
-        out.write(json.dumps(record, allow_nan=False) + "\n")
+        write_json(record, sys.stdout)
         return 0
     out.write(
         f"{run.family} run {args.run}: top {len(rows)} for user {run.user_label(user)} "

@@ -428,6 +428,50 @@ class RoundProgress:
         self.bar.close()
 
 
+def loadtest_record(report: FleetReport, wanted: int, failure: str | None) -> dict[str, Any]:
+    """``fedrec loadtest --json``: the report as one JSON-able object (schema in `fedsim.report`)."""
+    latency = {
+        step: {"n": len(v), "p50": _finite(_pct(v, 50)), "p95": _finite(_pct(v, 95)), "p99": _finite(_pct(v, 99))}
+        for step, v in ((s, report.latencies.get(s, [])) for s in PHASE_STEPS)
+    }
+    rounds = []
+    prev = report.cpu_start
+    for rec in report.server_rounds:
+        cpu = (rec.get("process") or {}).get("cpu_seconds")
+        rounds.append(
+            {
+                "round_id": rec.get("round_id"),
+                "status": rec.get("status"),
+                "cohort": rec.get("cohort_size"),
+                "survivors": rec.get("survivors"),
+                "seconds": _finite((rec.get("finished_at") or 0) - (rec.get("started_at") or 0)),
+                "cpu_seconds": None if cpu is None or prev is None else _finite(cpu - prev),
+                "peak_rss_mb": (rec.get("process") or {}).get("max_rss_mb"),
+            }
+        )
+        prev = cpu if cpu is not None else prev
+    return {
+        "devices": report.devices,
+        "rounds_requested": wanted,
+        "rounds_finished": report.rounds_finished,
+        "rounds_committed": report.committed,
+        "seconds": round(report.seconds, 3),
+        "ok": failure is None,
+        "failure": failure,
+        "outcomes": dict(report.outcomes),
+        "drops": dict(report.drops),
+        "latency_seconds": latency,
+        "bytes_up_median": float(np.median(report.bytes_up)) if report.bytes_up else None,
+        "bytes_down_median": float(np.median(report.bytes_down)) if report.bytes_down else None,
+        "server_rounds": rounds,
+        "errors": dict(report.errors),
+    }
+
+
+def _finite(x: float) -> float | None:
+    return round(float(x), 4) if np.isfinite(x) else None
+
+
 def format_loadtest(report: FleetReport, out: TextIO) -> None:
     """The load-test summary tables."""
     out.write(

@@ -205,14 +205,14 @@ def _felb(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     if getattr(args, "save", None) is not None:
         from fedsim.runs import TrainItems, save_family_run
 
-        rows = np.vstack(blocks)
-        users, items = np.nonzero(rows)  # a row's 1s are its "rated" items: never recommended again
+        stacked = np.vstack(blocks)
+        users, items = np.nonzero(stacked)  # a row's 1s are its "rated" items: never recommended again
         save_family_run(
             args.save,
             "felb",
             [(model, block.shape[0]) for model, block in zip(run.models, blocks, strict=True)],
-            TrainItems.from_pairs(users, items, rows.shape[0]),
-            {"dataset": str(args.dataset or "planted"), "seed": args.seed, "n_items": int(rows.shape[1])},
+            TrainItems.from_pairs(users, items, stacked.shape[0]),
+            {"dataset": str(args.dataset or "planted"), "seed": args.seed, "n_items": int(stacked.shape[1])},
         )
         out.write(f"saved the run to {args.save}\n")
     rows = [

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import shlex
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def test_demo_runs_a_real_server_and_fleet(capsys: pytest.CaptureFixture[str], t
     out, err = captured.out, captured.err
     assert "server: listening on http://127.0.0.1:" in err and "server: stopped (exit 0)" in err
     assert "LightFR over the server" in out and "popularity" in out
-    assert "privacy: ε spent" in out
+    assert "ε spent" in out and "verdict: " in out
     assert "Top-5 computed on device" in out and "1. " in out
     # The server really committed two rounds, and its database is intact.
     import sqlite3
@@ -281,6 +282,18 @@ def test_two_demo_runs_with_one_seed_print_the_same(capsys: pytest.CaptureFixtur
         assert "NOT a privacy guarantee" in captured.err
     assert outputs[0] == outputs[1]
     assert "NOT a privacy guarantee" in outputs[0] and "Top-5 computed on device" in outputs[0]
+    assert main([*argv, "--quiet", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (
+        record["rounds"] == 2
+        and record["epsilon_is_guarantee"] is True
+        and set(record["metrics"])
+        == {
+            "model",
+            "popularity",
+            "random",
+        }
+    )
 
 
 @pytest.mark.parametrize(
@@ -295,8 +308,6 @@ def test_two_demo_runs_with_one_seed_print_the_same(capsys: pytest.CaptureFixtur
 def test_saved_runs_recommend_and_export_to_sdk_models(
     family: str, argv: list[str], loader: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import json
-
     import device_sdk
     from fedsim.runs import load_run
 
