@@ -32,8 +32,11 @@ from numpy.typing import ArrayLike, NDArray
 
 __all__ = ["HammingIndex", "hamming_distances", "topk_hamming"]
 
-# User-item pairs per scan block: the XOR buffer (8 bytes a pair) stays within L2.
-_BLOCK_PAIRS = 1 << 16
+# User-item pairs per scan block: the XOR buffer (8 bytes a pair, 1 MiB) stays within L2.
+_BLOCK_PAIRS = 1 << 17
+# Items per user in a block of a batched scan, at least: numpy runs its inner loop once per user row,
+# so short rows would pay that call overhead on every few items.
+_ROW_ITEMS = 4096
 # Items in the first block of a scan, from which the running threshold is bootstrapped.
 _FIRST_BLOCK = 2048
 
@@ -162,13 +165,21 @@ class HammingIndex:
             rows, ids, cost = self._scan(users, kk, max(int(block_pairs), 1))
         return self._select(rows, ids, cost, n, k, excl, rng)
 
-    def _buffers(self, cap: int) -> tuple[NDArray[np.uint64], NDArray[np.integer], NDArray[np.uint8]]:
-        """Scan buffers of at least ``cap`` pairs, kept per thread and reused across searches: a
-        fresh multi-megabyte buffer would cost its page faults on every call."""
+    def _buffers(
+        self, cap: int
+    ) -> tuple[NDArray[np.uint64], NDArray[np.integer], NDArray[np.uint8], NDArray[np.bool_]]:
+        """Scan buffers of at least ``cap`` pairs (XOR words, distances, per-word popcounts, hit
+        mask), kept per thread and reused across searches: a fresh multi-megabyte buffer would cost
+        its page faults on every call."""
         held = getattr(self._local, "buffers", None)
         if held is None or held[0].size < cap:
             t_size = cap if (self.w > 1 or self._dt != np.uint8) else 0
-            held = (np.empty(cap, np.uint64), np.empty(cap, self._dt), np.empty(t_size, np.uint8))
+            held = (
+                np.empty(cap, np.uint64),
+                np.empty(cap, self._dt),
+                np.empty(t_size, np.uint8),
+                np.empty(cap, np.bool_),
+            )
             self._local.buffers = held
         return held
 
@@ -211,9 +222,9 @@ class HammingIndex:
         n, m, B, f = users.shape[0], self.m, self._B, self.f
         nb = f * B + self._top + 1  # costs lie in [0, nb); nb itself means "no threshold yet"
         bias = self._bias
-        step = max(block_pairs // n, 1)
-        first = min(m, max(min(_FIRST_BLOCK, step), int(kk.max()) * 4))
-        x, d, t = self._buffers(n * max(first, step))
+        step = max(block_pairs // n, min(_ROW_ITEMS, block_pairs))
+        first = min(m, max(min(_FIRST_BLOCK // 2, step), int(kk.max()) * 4))
+        x, d, t, mask = self._buffers(n * max(first, step))
         # Bootstrap: each user's threshold from the costs of the first block, by counting.
         d0 = self._distances(users, 0, first, x, d, t)
         if bias is None:
@@ -229,9 +240,9 @@ class HammingIndex:
         r0, p0 = np.divmod(hits, first)
         rows_l, pos_l, cost_l = [r0], [p0], [cost0]
         pending = hits.size
-        budget = max(int(kk.sum()) * 8, 1024)
+        budget = max(int(kk.sum()) * 2, 256)
         live = np.arange(n)
-        users_live, lim, lo, stale = users, np.empty((n, 1), self._dt), 0, True
+        users_live, lim, lim_max, uniform, lo, stale = users, np.zeros(n, np.int64), 0, True, 0, True
         start = first
         while start < m:
             stop = min(start + step, m)
@@ -247,17 +258,28 @@ class HammingIndex:
                 if live.size == 0:
                     break  # levels only fall from here on: no user can take any later item
                 users_live = users if live.size == n else users[live]
-                lim = lim_all[live][:, None].astype(self._dt)
+                lim = lim_all[live]
+                # One flat comparison against the loosest user's limit (a per-row limit would run
+                # numpy's inner loop once per row); the few hits are then held to their own row's.
+                lim_max = int(lim.max())
+                uniform = bool(lim.min() == lim_max)
             dd = self._distances(users_live, start, stop, x, d, t)
-            hits = np.flatnonzero(dd <= lim)
+            flat = dd.ravel()
+            mk = mask[: flat.size]
+            np.less_equal(flat, lim_max, out=mk)
+            hits = np.flatnonzero(mk)
             if hits.size:
                 r_local, c = np.divmod(hits, stop - start)
+                dist = flat[hits]
+                if not uniform:
+                    ok = dist <= lim[r_local]
+                    r_local, c, dist = r_local[ok], c[ok], dist[ok]
                 pos = c + start
-                cost = dd.ravel()[hits].astype(np.int64) * B
+                cost = dist.astype(np.int64) * B
                 rows_l.append(live[r_local])
                 pos_l.append(pos)
                 cost_l.append(cost if bias is None else cost + bias[pos])
-                pending += hits.size
+                pending += c.size
                 if pending > budget:
                     rows, pos_a, cost_a = (np.concatenate(a) for a in (rows_l, pos_l, cost_l))
                     tau = np.minimum(tau, _tau(_pair_hist(rows, cost_a, n, nb), kk, nb))
@@ -283,7 +305,7 @@ class HammingIndex:
         m, B, f, bias, words = self.m, self._B, self.f, self._bias, self._sorted
         nb = f * B + self._top + 1
         first = min(m, max(min(_FIRST_BLOCK, block), 4 * kk))
-        x, d, t = self._buffers(max(first, block))
+        x, d, t, mask = self._buffers(max(first, block))
         u = user[None, :]
         d0 = self._distances(u, 0, first, x, d, t)[0]
         c0 = d0 if bias is None else d0.astype(np.int64) * B + bias[:first]
@@ -311,7 +333,9 @@ class HammingIndex:
                 dd = ds
             else:
                 dd = self._distances(u, start, stop, x, d, t)[0]
-            hit = np.flatnonzero(dd <= lim)
+            mk = mask[: dd.size]
+            np.less_equal(dd, lim, out=mk)
+            hit = np.flatnonzero(mk)
             if hit.size:
                 cost = dd[hit].astype(np.int64) * B
                 hit += start
