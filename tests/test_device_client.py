@@ -63,6 +63,7 @@ from protocol.messages import (
     Wait,
 )
 from protocol.noise import to_ring
+from protocol.policy import PrivacyPolicy
 from protocol.session import ACTIVE_PHASES, DeviceSecAggSession, Phase, RoundParameters, ServerSecAggSession
 
 N_ITEMS = 24
@@ -329,7 +330,7 @@ def make_device(server: FakeServer, store: Path, index: int) -> Device:
 
     client = DeviceClient(
         FakeTransport(server),
-        ClientConfig(store_dir=store, disconnect_after=0.02),
+        ClientConfig(store_dir=store, disconnect_after=0.02, privacy=PrivacyPolicy.no_floor()),
         items=items,
         ratings=ratings,
         n_items=N_ITEMS,
