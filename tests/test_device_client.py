@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -346,8 +347,8 @@ class RecordingSession(DeviceSecAggSession):
 
     created: list[RecordingSession] = []
 
-    def __init__(self, invite: RoundInvite, *, rng: NoiseStream) -> None:
-        super().__init__(invite, rng=rng)
+    def __init__(self, invite: RoundInvite, *, rng: NoiseStream, **kwargs: Any) -> None:
+        super().__init__(invite, rng=rng, **kwargs)
         self.recorded: NDArray[np.uint32] | None = None
         RecordingSession.created.append(self)
 
