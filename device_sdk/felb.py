@@ -42,7 +42,9 @@ from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes, float_matrix_to_bytes
 from protocol.errors import ModelError, StorageError
+from protocol.families.felb import prox_elb, prox_elb_unchecked, schedule
 from protocol.messages import RoundInvite
+from protocol.spec import MAX_RANK, StepRule
 
 __all__ = [
     "FELBConfig",
@@ -64,52 +66,9 @@ _KIND = "felb"
 LIPSCHITZ_SAFETY = 1.1  # step 1/(1.1 L): descent with room for rounding (as the ELBMF reference code)
 LIPSCHITZ_FLOOR = 1e-4  # L of an all-zero block would give an infinite step
 MU_EPS = 1e-12  # added to the multiplicative-update denominators
-LAMBDA_CAP = 1e12  # λ_r beyond this binarizes exactly as well, and keeps η·λ finite
-STEP_RULES = ("lipschitz", "mu")
+STEP_RULES = tuple(r.value for r in StepRule)
 
 FloatArray = NDArray[np.float64]
-
-
-def schedule(reg: float, growth: float, index: int) -> float:
-    """λ_index = reg · growth**index (the paper's increasing regularization), capped at 1e12."""
-    try:
-        lam = reg * growth**index
-    except OverflowError:
-        return LAMBDA_CAP if reg > 0 else 0.0
-    return float(min(lam, LAMBDA_CAP))
-
-
-def prox_elb(x: ArrayLike, kappa: ArrayLike, lam: ArrayLike) -> FloatArray:
-    """Proximal map of the ELB regularizer, elementwise (paper eq. 6 with the soft-threshold made
-    exact), clamped to [0, 1].
-
-    y₀ = sign(x)·max(|x| − κ, 0)/(1 + λ) (the elastic net at 0) where x ≤ ½, else
-    y₁ = 1 + sign(x − 1)·max(|x − 1| − κ, 0)/(1 + λ) (the elastic net at 1).
-
-    Parameters
-    ----------
-    x : array of points.
-    kappa, lam : L1 weight κ ≥ 0 and L2 weight λ ≥ 0, scalars or arrays broadcasting against ``x``
-        (the multiplicative-update steps scale them elementwise).
-
-    Returns
-    -------
-    float64 array of ``x``'s shape with entries in [0, 1]; 0 and 1 are fixed points, the map is
-    monotone in x, and as λ → ∞ it tends to [x > ½].
-    """
-    k = np.asarray(kappa, dtype=np.float64)
-    lm = np.asarray(lam, dtype=np.float64)
-    if np.any(k < 0) or np.any(lm < 0) or not (np.all(np.isfinite(k)) and np.all(np.isfinite(lm))):
-        raise ValueError("kappa and lam must be finite and >= 0")
-    return _prox_elb(np.asarray(x, dtype=np.float64), k, lm)
-
-
-def _prox_elb(x: FloatArray, kappa: FloatArray | float, lam: FloatArray | float) -> FloatArray:
-    # The unchecked kernel behind `prox_elb` (the local loop validates its weights once).
-    d = x - 1.0
-    y0 = np.sign(x) * np.maximum(np.abs(x) - kappa, 0.0) / (1.0 + lam)
-    y1 = 1.0 + np.sign(d) * np.maximum(np.abs(d) - kappa, 0.0) / (1.0 + lam)
-    return np.clip(np.where(x <= 0.5, y0, y1), 0.0, 1.0)
 
 
 def prox_proximity(X: ArrayLike, V_hat: ArrayLike, g: ArrayLike) -> FloatArray:
@@ -186,28 +145,28 @@ def felb_iteration(
     (new U, new V), both in [0, 1].
     """
     if step_rule not in STEP_RULES:
-        raise ValueError(f"step_rule must be 'lipschitz' or 'mu', got {step_rule!r}")
+        raise ValueError(f"step_rule must be one of {STEP_RULES}, got {step_rule!r}")
     # U block: ∇_U = (UV − A)Vᵀ.
     Ue = _extrapolate(U, U_prev, beta)
     G = V @ V.T
     P = Ue @ G
-    if step_rule == "mu":
+    if step_rule == StepRule.MU:
         eta_u = Ue / (P + eps)
-        U_new = _prox_elb(Ue - eta_u * (P - A @ V.T), eta_u * kappa, eta_u * lam)
+        U_new = prox_elb_unchecked(Ue - eta_u * (P - A @ V.T), eta_u * kappa, eta_u * lam)
     else:
         s_u = _step(G)
-        U_new = _prox_elb(Ue - s_u * (P - A @ V.T), s_u * kappa, s_u * lam)
+        U_new = prox_elb_unchecked(Ue - s_u * (P - A @ V.T), s_u * kappa, s_u * lam)
     # V block (Gauss–Seidel: the new U): ∇_V = Uᵀ(UV − A).
     Ve = _extrapolate(V, V_prev, beta)
     H = U_new.T @ U_new
     Q = H @ Ve
-    if step_rule == "mu":
+    if step_rule == StepRule.MU:
         eta_v = Ve / (Q + eps)
-        V_new = _prox_elb(Ve - eta_v * (Q - U_new.T @ A), eta_v * kappa, eta_v * lam)
+        V_new = prox_elb_unchecked(Ve - eta_v * (Q - U_new.T @ A), eta_v * kappa, eta_v * lam)
         V_new = (V_new + (eta_v * gamma) * V_hat) / (1.0 + eta_v * gamma)  # prox^p, elementwise η_V
     else:
         s_v = _step(H)
-        V_new = _prox_elb(Ve - s_v * (Q - U_new.T @ A), s_v * kappa, s_v * lam)
+        V_new = prox_elb_unchecked(Ve - s_v * (Q - U_new.T @ A), s_v * kappa, s_v * lam)
         V_new = (V_new + (s_v * gamma) * V_hat) / (1.0 + s_v * gamma)  # prox^p
     return U_new, V_new
 
@@ -316,8 +275,8 @@ class FELBConfig:
     fold_in_growth: float = 1.05
 
     def __post_init__(self) -> None:
-        if not 1 <= self.rank <= 4096:
-            raise ValueError(f"rank must be in [1, 4096], got {self.rank}")
+        if not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"rank must be in [1, {MAX_RANK}], got {self.rank}")
         if not np.isfinite(self.binarize_at):
             raise ValueError(f"binarize_at must be finite, got {self.binarize_at}")
         if not 1 <= self.fold_in_iterations <= 100_000:
@@ -401,7 +360,7 @@ class FELBModel(Recommender):
         if invite.vector_length != k * m:
             raise ValueError(f"vector_length {invite.vector_length} != k·m = {k * m}")
         if invite.step_rule not in STEP_RULES:
-            raise ValueError(f"FELB needs step_rule 'lipschitz' or 'mu', got {invite.step_rule!r}")
+            raise ValueError(f"FELB needs a step_rule in {STEP_RULES}, got {invite.step_rule!r}")
         if self.model_version < 1:
             raise ModelError("no global model yet: call set_global first")
         if invite.model_version and invite.model_version != self.model_version:

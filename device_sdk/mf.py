@@ -51,8 +51,9 @@ from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
+from protocol.families.mf import project_rows
 from protocol.messages import RoundInvite
-from protocol.spec import ModelKind
+from protocol.spec import MAX_LOCAL_STEPS, MAX_RANK, ModelKind
 
 __all__ = [
     "MFConfig",
@@ -72,33 +73,6 @@ _NORM_SLACK = 1e-9  # relative slack on ‖row‖² ≤ R accepted when loading 
 
 
 # -- kernels ----------------------------------------------------------------------------------------
-
-
-def project_rows(X: NDArray[np.floating], R: float) -> NDArray[np.float64]:
-    """Embedding clipping Π (FMF paper eq. 6 and Lemma 3): negatives to 0, then every row whose
-    squared norm exceeds ``R`` scaled to norm √R.  This is the Euclidean projection onto the set.
-
-    Parameters
-    ----------
-    X : (n, f) float rows.
-    R : squared-norm bound (> 0).
-
-    Returns
-    -------
-    A new (n, f) float64 array.
-    """
-    if not (R > 0 and np.isfinite(R)):
-        raise ValueError(f"R must be finite and > 0, got {R}")
-    Y = np.maximum(np.asarray(X, dtype=np.float64), 0.0)
-    if Y.ndim != 2:
-        raise ValueError(f"expected a 2-D matrix of rows, got shape {Y.shape}")
-    if not np.all(np.isfinite(Y)):
-        raise ValueError("rows contain NaN or infinity")
-    n2 = np.einsum("ij,ij->i", Y, Y)
-    over = n2 > R
-    scale = np.ones_like(n2)
-    scale[over] = np.sqrt(R / n2[over])  # u / max{1, ‖u‖/√R}
-    return Y * scale[:, None]
 
 
 def initial_factors(n: int, f: int, R: float, scale: float, rng: np.random.Generator) -> NDArray[np.float64]:
@@ -278,8 +252,8 @@ class MFConfig:
     init_scale: float = 0.1
 
     def __post_init__(self) -> None:
-        if not 1 <= self.factors <= 4096:
-            raise ValueError(f"factors must be in [1, 4096], got {self.factors}")
+        if not 1 <= self.factors <= MAX_RANK:
+            raise ValueError(f"factors must be in [1, {MAX_RANK}], got {self.factors}")
         for name in ("max_norm2", "init_scale"):
             v = getattr(self, name)
             if not (np.isfinite(v) and v > 0):
@@ -288,11 +262,14 @@ class MFConfig:
             v = getattr(self, name)
             if not (np.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")
-        for name in ("pretrain_epochs", "example_cap", "negatives", "fine_tune_epochs"):
+        for name in ("example_cap", "negatives", "fine_tune_epochs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.local_epochs < 0:
-            raise ValueError(f"local_epochs must be >= 0, got {self.local_epochs}")
+        # The plan's bounds (RoundInvite, the server's [mf] table): a config no round could carry is refused.
+        if not 0 <= self.pretrain_epochs <= MAX_LOCAL_STEPS:
+            raise ValueError(f"pretrain_epochs must be in [0, {MAX_LOCAL_STEPS}], got {self.pretrain_epochs}")
+        if not 1 <= self.local_epochs <= MAX_LOCAL_STEPS:
+            raise ValueError(f"local_epochs must be in [1, {MAX_LOCAL_STEPS}], got {self.local_epochs}")
 
 
 def _targets(ratings: NDArray[np.float64] | None, n: int, R: float) -> NDArray[np.float64]:

@@ -27,7 +27,7 @@ from device_sdk.topk import HammingIndex
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
 from protocol.errors import ModelError, StorageError
 from protocol.messages import RoundInvite
-from protocol.spec import Aggregation
+from protocol.spec import MAX_RANK, Aggregation
 
 __all__ = ["LightFRConfig", "LightFRModel", "LocalUpdate", "apply_plan"]
 
@@ -76,8 +76,8 @@ class LightFRConfig:
                 f"unobserved_weight must be in [0, 1 + confidence = {1 + self.confidence}], "
                 f"got {self.unobserved_weight}"
             )
-        if not 1 <= self.bits <= 4096:
-            raise ValueError(f"bits must be in [1, 4096], got {self.bits}")
+        if not 1 <= self.bits <= MAX_RANK:
+            raise ValueError(f"bits must be in [1, {MAX_RANK}], got {self.bits}")
         if not (self.lam >= 0 and np.isfinite(self.lam)):
             raise ValueError(f"lam must be a finite value >= 0, got {self.lam}")
         if self.negatives < 0:
