@@ -372,6 +372,8 @@ def describe_outcomes(report: FleetReport) -> str:
     parts = [f"{o.get('committed', 0)} took part in a committed round", f"{o.get('aborted', 0)} in an aborted one"]
     drops = ", ".join(f"{k} {v}" for k, v in sorted(report.drops.items()))
     parts.append(f"{o.get('dropped', 0)} dropped as injected" + (f" ({drops})" if drops else ""))
+    if o.get("refused"):
+        parts.append(f"{o['refused']} refused by the device's privacy floor")
     parts.append(f"{o.get('waited', 0)} check-ins were told to wait (not in the cohort, or no round open)")
     return "device rounds: " + "; ".join(parts)
 

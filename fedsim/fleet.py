@@ -30,6 +30,7 @@ from numpy.typing import NDArray
 from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundOutcome, RoundStatus, insecure_seeded_rngs
 from protocol.crypto import INSECURE_NOISE_NOTICE, NoiseStream
 from protocol.errors import FedRecError
+from protocol.policy import PrivacyPolicy
 
 __all__ = ["FleetConfig", "FleetReport", "run_fleet", "fetch_status", "get_status", "PHASE_STEPS"]
 
@@ -57,6 +58,9 @@ class FleetConfig:
     rounds : stop after this many rounds have finished (committed or aborted) on the server.
     dropout : probability that a device taking part in a round drops, at a phase chosen uniformly.
     seed : seed of the dropout choices and, when ``reproducible``, of the devices' generators.
+    privacy : the devices' privacy floor; default `PrivacyPolicy.no_floor()`, because simulated and
+        load-test cohorts are far smaller than any real floor allows (pass ``PrivacyPolicy()`` to see what
+        real devices would refuse).
     insecure_reproducible : TEST HOOK: seed the devices' training generators and DP-noise streams with
         `insecure_seeded_rngs` (bit-identical re-runs); the fleet then prints that its ε is not a
         privacy guarantee.  Default False: every device keys its noise from `secrets`, as a real one does.
@@ -90,6 +94,7 @@ class FleetConfig:
     seed: int = 0
     insecure_reproducible: bool = False
     seed_training: bool = False
+    privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy.no_floor)
     rating_range: tuple[float, float] | None = (1.0, 5.0)
     binary_positives: bool = True
     time_limit: float = 3600.0
@@ -337,6 +342,7 @@ async def run_fleet(
                 ClientConfig(
                     store_dir=config.store_root / f"device-{index:06d}",
                     long_poll_timeout=config.long_poll_timeout,
+                    privacy=config.privacy,
                 ),
                 items=items,
                 ratings=ratings,
@@ -427,7 +433,7 @@ async def _device_loop(
         if gate is not None and outcome.round_id is not None:
             if outcome.status in _FINISHED:
                 gate.finish(outcome.round_id)
-            elif outcome.status is RoundStatus.DROPPED:
+            elif outcome.status in (RoundStatus.DROPPED, RoundStatus.REFUSED):
                 left = outcome.round_id
         if outcome.status is RoundStatus.DROPPED and outcome.round_id is not None:
             report.drops[plan(outcome.round_id).value] += 1
