@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the whole run as one model (LightFR, MF).",
     )
     exp_.add_argument("run", type=Path, help="a run file written by 'fedrec simulate --save'")
-    exp_.add_argument("--output", "-o", type=Path, required=True, help="model file to write (e.g. model.fedrec)")
+    exp_.add_argument("-o", dest="output", type=Path, required=True, help="model file to write (e.g. model.fedrec)")
     exp_.add_argument("--user", default=None, help="export only this user's device model (raw id as in the dataset)")
 
     data = sub.add_parser("data", help="list the datasets fedrec can find")
