@@ -258,3 +258,13 @@ def test_simulate_private_lightfr_reports_the_ledgers_epsilon(capsys: pytest.Cap
     assert "ε spent 4.000 at δ=1e-05" in out
     for name in ("private_popularity", "popularity", "random"):
         assert f"\n{name} " in out
+
+
+def test_plan_privacy_prints_one_row_per_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan-privacy", "--dataset", "synthetic", "--epsilon", "4", "--rounds", "1", "5", "--clips", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [ln for ln in out.splitlines() if ln[:2] in ("1 ", "5 ")]
+    assert len(rows) == 2
+    # More rounds at the same ε: more noise per round, so a smaller share above SNR 2.
+    assert float(rows[0].split()[3]) < float(rows[1].split()[3])
