@@ -300,6 +300,10 @@ class RoundSection:
         Per-phase deadlines in seconds (> 0).
     round_interval : float
         Pause between rounds in seconds (>= 0).
+    disconnect_grace : float
+        Seconds (>= 0) a device whose long-poll connection closed before its answer may take to come
+        back; after that it counts as dropped and the phase closes without it (the deadlines stay the
+        upper bound).  A device that checks in again while in a round has left it at once.
     max_rounds : int
         Stop after this many rounds (>= 0; 0 = unlimited).
     seed : int or None
@@ -321,6 +325,7 @@ class RoundSection:
     masked_input_timeout: float = 120.0
     unmask_timeout: float = 30.0
     round_interval: float = 1.0
+    disconnect_grace: float = 3.0
     max_rounds: int = 0
     seed: int | None = None
 
@@ -345,6 +350,7 @@ class RoundSection:
         for name in ("advertise_timeout", "share_keys_timeout", "masked_input_timeout", "unmask_timeout"):
             _set(self, name, _float(f"rounds.{name}", getattr(self, name), lo=0.0, lo_open=True))
         _set(self, "round_interval", _float("rounds.round_interval", self.round_interval, lo=0.0))
+        _set(self, "disconnect_grace", _float("rounds.disconnect_grace", self.disconnect_grace, lo=0.0))
         _int("rounds.max_rounds", self.max_rounds, lo=0)
         if self.seed is not None:
             # numpy's SeedSequence refuses negative entropy.

@@ -582,8 +582,8 @@ class DeviceClient:
                 raise
             training_rng, noise_rng = self._rng_for_round(rid)
             with tally.step("train"):
-                update, _ = local_round(self._model, invite, self._data, None, training_rng)
-                self._save_model()
+                # Off the app's event loop: training is the device's long CPU step.
+                update = await asyncio.to_thread(self._train, invite, training_rng)
             session = DeviceSecAggSession(invite, rng=noise_rng)
             session.provide_input(update)
             del update  # the session holds the only copy until it is masked
@@ -621,6 +621,12 @@ class DeviceClient:
             raise
         finally:
             _forget(session)  # every exit, cancellation included, drops the session's secrets
+
+    def _train(self, invite: RoundInvite, rng: np.random.Generator) -> NDArray[np.uint32]:
+        """Local training and saving the trained model (runs in a worker thread)."""
+        update, _ = local_round(self._model, invite, self._data, None, rng)
+        self._save_model()
+        return update
 
     def _finish(
         self, session: DeviceSecAggSession, invite: RoundInvite, result: RoundResult, tally: _Tally
