@@ -383,7 +383,7 @@ async def _wait_finishing(app: web.Application) -> None:
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    storage = Storage(config.data_dir)
+    storage = Storage(config.data_dir, url=config.storage.url)
     app[_STORAGE] = storage
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrec-finish")
     app[_EXECUTOR] = executor

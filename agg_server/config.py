@@ -36,6 +36,7 @@ __all__ = [
     "RoundSection",
     "PrivacySection",
     "LogSection",
+    "StorageSection",
     "MFSection",
     "FELBSection",
     "FNMFSection",
@@ -383,6 +384,34 @@ class RoundSection:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StorageSection:
+    """Where the durable state lives (TOML table ``[storage]``).
+
+    Attributes
+    ----------
+    url : str or None
+        None (default): SQLite in ``server.data_dir``.  ``"postgresql://user:password@host:port/db"``
+        (or ``?host=/socket/dir`` for a Unix socket): a PostgreSQL database, which needs the
+        ``postgres`` extra (psycopg 3).  Model checkpoint files stay in ``server.data_dir``.
+    """
+
+    url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.url is None:
+            return
+        if not isinstance(self.url, str) or not self.url.strip():
+            raise _fail("storage.url", "a database URL string", self.url)
+        scheme = self.url.split(":", 1)[0].lower() if ":" in self.url else ""
+        if scheme not in ("postgresql", "postgres", "sqlite"):
+            shown = self.url.split("@", 1)[-1] if "@" in self.url else self.url
+            raise ConfigError(
+                f"storage.url: must start with postgresql:// (or sqlite://), got a {scheme or 'scheme-less'} URL "
+                f"({shown!r})"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PrivacySection:
     """Distributed differential privacy (TOML table ``[privacy]``).
 
@@ -568,6 +597,7 @@ class ServerConfig:
     rounds : RoundSection
     privacy : PrivacySection
     log : LogSection
+    storage : StorageSection
     mf, felb, fnmf : the model families' hyper-parameters (only ``model.kind``'s is used)
     """
 
@@ -577,6 +607,7 @@ class ServerConfig:
     rounds: RoundSection = field(default_factory=RoundSection)
     privacy: PrivacySection = field(default_factory=PrivacySection)
     log: LogSection = field(default_factory=LogSection)
+    storage: StorageSection = field(default_factory=StorageSection)
     mf: MFSection = field(default_factory=MFSection)
     felb: FELBSection = field(default_factory=FELBSection)
     fnmf: FNMFSection = field(default_factory=FNMFSection)
@@ -601,6 +632,7 @@ _SECTION_TYPES: dict[str, type] = {
     "rounds": RoundSection,
     "privacy": PrivacySection,
     "log": LogSection,
+    "storage": StorageSection,
     "mf": MFSection,
     "felb": FELBSection,
     "fnmf": FNMFSection,
@@ -613,6 +645,7 @@ _TABLES: dict[str, tuple[str, type]] = {
     "rounds": ("rounds", RoundSection),
     "privacy": ("privacy", PrivacySection),
     "log": ("log", LogSection),
+    "storage": ("storage", StorageSection),
     "mf": ("mf", MFSection),
     "felb": ("felb", FELBSection),
     "fnmf": ("fnmf", FNMFSection),

@@ -592,7 +592,8 @@ class DeviceClient:
                     if announce_drop:
                         await self._leave(invite, f"left before {name}")
                     return self._dropped(session, rid, tally, f"fault injection: {dropout.value}")
-                outgoing = session.send()
+                # Masking expands one keystream per neighbour: off the event loop, like training.
+                outgoing = await asyncio.to_thread(session.send) if name == "masked" else session.send()
                 path = f"/v1/rounds/{rid}/{name}"
                 if name == "masked" and dropout is DropoutAt.DISCONNECT_MASKED:
                     with tally.step(name):
