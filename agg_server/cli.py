@@ -3,7 +3,10 @@
 This is the edge: it reads the command line and environment, sets up logging, and turns SIGTERM /
 SIGINT into a graceful shutdown (stop accepting, let the cleanup close the database).  Once the
 server listens it prints one line ``fedrec-server listening on http://HOST:PORT`` on stdout, which
-tools that start it (``fedrec demo``, tests) read to learn a port chosen by the OS.
+tools that start it (``fedrec demo``, tests) read to learn a port chosen by the OS, then a second line
+with the dashboard, ``/metrics`` and ``/v1/status`` URLs.  One server at a time owns a ``data_dir``:
+it holds an exclusive lock on ``DATA_DIR/server.lock`` while it runs, and a second server started on
+the same folder exits with status 2 and one line naming the folder and the owner's pid.
 """
 
 from __future__ import annotations
@@ -12,19 +15,21 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import ssl
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 from aiohttp import web
 
 from agg_server.app import create_app
 from agg_server.config import LOG_LEVELS, ServerConfig, load_config
 from agg_server.logs import configure_logging
-from protocol.errors import FedRecError
+from protocol.errors import ConfigError, FedRecError
 
 __all__ = ["main", "build_parser", "configure_logging"]
 
@@ -88,11 +93,45 @@ async def _serve(config: ServerConfig) -> None:
             port = int(address[1])
             break
         scheme = "https" if context else "http"
-        print(f"fedrec-server listening on {scheme}://{config.listen.host}:{port}", flush=True)
+        root = f"{scheme}://{config.listen.host}:{port}"
+        print(f"fedrec-server listening on {root}", flush=True)
+        print(f"dashboard {root}/  metrics {root}/metrics  status {root}/v1/status", flush=True)
         await stop.wait()
         logging.getLogger("agg_server").info("shutting down")
     finally:
         await runner.cleanup()
+
+
+LOCK_NAME = "server.lock"
+
+
+def lock_data_dir(data_dir: Path) -> IO[str]:
+    """Take the exclusive lock that makes one server at a time own ``data_dir``; keep the returned file
+    open for as long as the server runs (the lock goes with the process).
+
+    Raises
+    ------
+    ConfigError
+        Another process holds the lock (the message names its pid).
+    """
+    import fcntl
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(data_dir / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the server's lifetime
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "pid unknown"
+        handle.close()
+        raise ConfigError(
+            f"data_dir {data_dir} is in use by another fedrec-server ({owner}); stop it or choose another data_dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,6 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging(config.log.format, config.log.level)
     try:
+        lock = lock_data_dir(config.data_dir)
+    except (FedRecError, OSError) as exc:
+        print(f"fedrec-server: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         asyncio.run(_serve(config))
     except FedRecError as exc:
         print(f"fedrec-server: error: {exc}", file=sys.stderr)
@@ -115,4 +159,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    finally:
+        lock.close()
     return 0

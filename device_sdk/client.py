@@ -9,21 +9,19 @@
 #   warning); a file the store could not move aside is never overwritten: the error propagates.
 # - The plaintext update lives only between local training and the SecAgg session; every way out of a
 #   round (commit, abort, dropout, error) leaves the session finished, so its secrets are dropped.
-# - Randomness: training and DP-noise generators come from ``rng_for_round`` (default: fresh ``secrets``
-#   seeds every round); key material is generated inside `protocol` only.
+# - Randomness: the training generator and the DP-noise stream come from ``rng_for_round`` (default: keyed
+#   from ``secrets`` every round); key material is generated inside `protocol` only.
 """`DeviceClient`: one device taking part in federated rounds over a `Transport` (DESIGN.md §4, §7)."""
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import math
-import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from pathlib import Path
 from types import TracebackType
@@ -33,10 +31,24 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import FederatedModel, LocalRatings
-from device_sdk.models import LightFRConfig, LightFRModel
-from device_sdk.store import load_store, save_store
+from device_sdk.models import LightFRConfig
+from device_sdk.persistence import (
+    IDENTITY_FILE,
+    MODEL_FILE,
+    SYNC_FILE,
+    Identity,
+    Sync,
+    fresh_model,
+    load_identity,
+    load_model,
+    load_sync,
+    save_identity,
+    save_model,
+    secret_generator,
+)
 from device_sdk.training import local_round
 from device_sdk.transport import Response, Transport, TransportError, raise_for_error
+from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import (
     ConfigError,
     FedRecError,
@@ -61,6 +73,7 @@ from protocol.messages import (
     Wait,
 )
 from protocol.session import ACTIVE_PHASES, DeviceSecAggSession
+from protocol.spec import MAX_TEXT
 
 __all__ = [
     "MODEL_FILE",
@@ -72,20 +85,14 @@ __all__ = [
     "RoundOutcome",
     "DeviceClient",
     "RoundRngs",
-    "seeded_rngs",
+    "insecure_seeded_rngs",
 ]
 
-MODEL_FILE = "model.fedrec"
-IDENTITY_FILE = "identity.fedrec"
-SYNC_FILE = "sync.fedrec"
-_IDENTITY_KIND = "identity"
-_SYNC_KIND = "sync"
-_MAX_REASON = 4096
 
 _log = logging.getLogger(__name__)
 
-#: ``rng_for_round(round_id) -> (training_rng, noise_rng)``.
-RoundRngs = Callable[[int], tuple[np.random.Generator, np.random.Generator]]
+#: ``rng_for_round(round_id) -> (training_rng, noise_stream)``.
+RoundRngs = Callable[[int], tuple[np.random.Generator, NoiseStream]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,13 +195,15 @@ class RoundOutcome:
     reason: str = ""
 
 
-def seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Generator, np.random.Generator]:
-    """Reproducible per-round generators of one device: ``(training_rng, noise_rng)``.
+def insecure_seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Generator, NoiseStream]:
+    """TEST HOOK: reproducible per-round generators of one device, ``(training_rng, noise_stream)``.
 
-    The in-process simulator and a device driven over HTTP must both use exactly this function so that
-    they produce bit-identical updates and noise.  Pass it to `DeviceClient` once the device id is known,
-    e.g. ``rng_for_round=lambda r: seeded_rngs(seed, r, client.device_id)`` (the lambda reads the id at
-    call time, after registration).
+    The DP noise stream is `protocol.crypto.insecure_test_noise_stream(seed, round_id, device_id)`: anyone
+    who knows the seed predicts every device's noise, so the ε of a run that uses this hook is NOT a
+    privacy guarantee (callers that report ε must say so).  The in-process simulator and devices driven
+    over HTTP both use exactly this function so that they produce bit-identical updates and noise.  Pass
+    it to `DeviceClient` once the device id is known, e.g.
+    ``rng_for_round=lambda r: insecure_seeded_rngs(seed, r, client.device_id)``.
 
     Parameters
     ----------
@@ -205,8 +214,9 @@ def seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Gen
 
     Returns
     -------
-    tuple of np.random.Generator
-        Children 0 and 1 of ``np.random.SeedSequence([seed, round_id, device_id])``.
+    tuple
+        Child 0 of ``np.random.SeedSequence([seed, round_id, device_id])`` as the training generator, and
+        the test noise stream.
 
     Raises
     ------
@@ -216,29 +226,13 @@ def seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Gen
     for name, value in (("seed", seed), ("round_id", round_id), ("device_id", device_id)):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    training, noise = np.random.SeedSequence([int(seed), int(round_id), int(device_id)]).spawn(2)
-    return np.random.default_rng(training), np.random.default_rng(noise)
+    training, _ = np.random.SeedSequence([int(seed), int(round_id), int(device_id)]).spawn(2)
+    return np.random.default_rng(training), insecure_test_noise_stream(int(seed), int(round_id), int(device_id))
 
 
-def _secret_generator() -> np.random.Generator:
-    return np.random.default_rng(secrets.randbits(128))
-
-
-def _secret_round_rngs(round_id: int) -> tuple[np.random.Generator, np.random.Generator]:
-    return _secret_generator(), _secret_generator()
-
-
-@dataclass(frozen=True, slots=True)
-class _Identity:
-    device_id: int
-    token: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Sync:
-    # The ETag the server gave for the global model version this device stores.
-    etag: str | None
-    model_version: int
+def _secret_round_rngs(round_id: int) -> tuple[np.random.Generator, NoiseStream]:
+    # Training randomness from a secrets-seeded numpy generator; DP noise from a secrets-keyed ChaCha20 stream.
+    return secret_generator(), NoiseStream.from_os()
 
 
 @dataclass(slots=True)
@@ -296,8 +290,9 @@ class DeviceClient:
     binary_positives : bool
         Fit every observed rating as 1.
     rng_for_round : callable, optional
-        ``rng_for_round(round_id) -> (training_rng, noise_rng)``; default: both freshly seeded from
-        ``secrets`` each round.  Simulations pass `seeded_rngs` (see there).
+        ``rng_for_round(round_id) -> (training_rng, noise_stream)``; default: both freshly keyed from
+        ``secrets`` each round (the only setting whose ε means anything).  Simulations pass the test hook
+        `insecure_seeded_rngs` (see there).
     model : FederatedModel, optional
         A fresh model of another family (`device_sdk.mf.MFModel`, `device_sdk.felb.FELBModel`,
         `device_sdk.fnmf.FNMFModel`) used when the store holds none; its class also loads the store.
@@ -359,8 +354,8 @@ class DeviceClient:
             config.store_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"cannot create the store folder {config.store_dir}: {exc}") from exc
-        self._identity = self._load_identity()
-        self._sync = self._load_sync()
+        self._identity = load_identity(config.store_dir)
+        self._sync = load_sync(config.store_dir)
         self._model = self._load_model()
 
     @classmethod
@@ -670,7 +665,7 @@ class DeviceClient:
         # Best effort: tell the server this device leaves, so it need not wait for the deadline.
         if self._identity is None:  # pragma: no cover - a round needs an identity
             return
-        abort = Abort(round_id=invite.round_id, device_id=invite.device_id, reason=reason[:_MAX_REASON])
+        abort = Abort(round_id=invite.round_id, device_id=invite.device_id, reason=reason[:MAX_TEXT])
         try:
             await self._transport.request(
                 "POST",
@@ -729,80 +724,22 @@ class DeviceClient:
         except ValueError as exc:
             raise RemoteProtocolError(f"model {payload.model_version}: {exc}") from exc
         # Persisted after the model itself (`_save_model`), never before.
-        self._sync = _Sync(etag=response.etag, model_version=payload.model_version)
+        self._sync = Sync(etag=response.etag, model_version=payload.model_version)
 
     def _save_model(self) -> None:
-        store = self.config.store_dir
-        self._model.save(store / MODEL_FILE)
-        if self._sync is not None:
-            save_store(
-                store / SYNC_FILE,
-                _SYNC_KIND,
-                {"etag": self._sync.etag, "model_version": self._sync.model_version},
-            )
+        save_model(self.config.store_dir, self._model, self._sync)
 
     def _fresh_model(self) -> Any:
         self._sync = None  # a fresh model holds no global item codes
-        if self._template is not None:
-            return copy.deepcopy(self._template)
-        return LightFRModel(self._n_items, self._lightfr, rng=_secret_generator())
+        return fresh_model(self._n_items, self._lightfr, self._template)
 
     def _load_model(self) -> Any:
-        path = self.config.store_dir / MODEL_FILE
-        if not path.exists():
-            return self._fresh_model()
-        if self._template is not None:
-            return self._load_family_model(path, self._template)
-        try:
-            model = LightFRModel.load(path, rng=_secret_generator())
-        except StorageError as exc:
-            if path.exists():  # not moved aside (e.g. written by a newer format): never overwrite it
-                raise
-            _log.warning("device model store is corrupt, starting with a fresh model: %s", exc)
-            return self._fresh_model()
-        if model.n_items != self._n_items or model.config.bits != self._lightfr.bits:
-            raise ConfigError(
-                f"{path} holds a model with m={model.n_items}, f={model.config.bits}; "
-                f"this device is configured for m={self._n_items}, f={self._lightfr.bits}"
-            )
-        model.config = replace(
-            model.config,
-            rating_range=self._lightfr.rating_range,
-            binary_positives=self._lightfr.binary_positives,
-        )
-        return model
-
-    def _load_family_model(self, path: Path, template: FederatedModel) -> Any:
-        loader = getattr(type(template), "load", None)
-        if loader is None:
-            raise ConfigError(f"{type(template).__name__} has no load(); it cannot keep a store")
-        try:
-            model = loader(path)
-        except StorageError as exc:
-            if path.exists():
-                raise
-            _log.warning("device model store is corrupt, starting with a fresh model: %s", exc)
-            return self._fresh_model()
-        if (model.KIND, model.n_items, model.rank) != (template.KIND, template.n_items, template.rank):
-            raise ConfigError(
-                f"{path} holds a {model.KIND!r} model with m={model.n_items}, rank {model.rank}; this device "
-                f"is configured for {template.KIND!r} with m={template.n_items}, rank {template.rank}"
-            )
-        return model
-
-    def _load_sync(self) -> _Sync | None:
-        state = self._load_small(SYNC_FILE, _SYNC_KIND)
-        if state is None:
-            return None
-        etag, version = state.get("etag"), state.get("model_version")
-        if not (etag is None or isinstance(etag, str)) or type(version) is not int or version < 0:
-            _log.warning("ignoring a malformed ETag record in %s", self.config.store_dir / SYNC_FILE)
-            return None
-        return _Sync(etag=etag, model_version=version)
+        model = load_model(self.config.store_dir, self._n_items, self._lightfr, self._template)
+        return self._fresh_model() if model is None else model
 
     # -- identity ---------------------------------------------------------------------------------
 
-    async def _ensure_identity(self, tally: _Tally) -> _Identity:
+    async def _ensure_identity(self, tally: _Tally) -> Identity:
         if self._identity is not None:
             return self._identity
         with tally.step("register"):
@@ -817,36 +754,11 @@ class DeviceClient:
         message = response.message
         if not isinstance(message, RegisterResponse):
             raise RemoteProtocolError(f"registration answered with {_name(message)}")
-        identity = _Identity(device_id=message.device_id, token=message.token)
-        save_store(
-            self.config.store_dir / IDENTITY_FILE,
-            _IDENTITY_KIND,
-            {"device_id": identity.device_id, "token": identity.token},
-        )
+        identity = Identity(device_id=message.device_id, token=message.token)
+        save_identity(self.config.store_dir, identity)
         self._identity = identity
         _log.info("registered as device %d", identity.device_id)
         return identity
-
-    def _load_identity(self) -> _Identity | None:
-        state = self._load_small(IDENTITY_FILE, _IDENTITY_KIND)
-        if state is None:
-            return None
-        device_id, token = state.get("device_id"), state.get("token")
-        if type(device_id) is not int or device_id < 0 or not isinstance(token, str) or not token:
-            raise StorageError(f"{self.config.store_dir / IDENTITY_FILE} holds a malformed identity")
-        return _Identity(device_id=device_id, token=token)
-
-    def _load_small(self, name: str, kind: str) -> dict[str, Any] | None:
-        path = self.config.store_dir / name
-        if not path.exists():
-            return None
-        try:
-            return load_store(path, kind)
-        except StorageError as exc:
-            if path.exists():  # not moved aside: leave it alone and let the caller see why
-                raise
-            _log.warning("%s store is corrupt and was moved aside; starting without it: %s", kind, exc)
-            return None
 
     # -- plumbing ---------------------------------------------------------------------------------
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import scipy.sparse as sp
 from numpy.typing import NDArray
 
 from protocol.codes import pack_signs
@@ -42,6 +41,8 @@ __all__ = [
     "local_objective",
     "sample_negatives",
     "DCDStats",
+    "dcd_full",
+    "full_upload",
 ]
 
 
@@ -70,6 +71,17 @@ def _check_csr(indptr: NDArray[np.int64], items: NDArray[np.int64], r: NDArray[n
 def _row_of(indptr: NDArray[np.int64]) -> NDArray[np.int64]:
     counts = np.diff(indptr)
     return np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+
+
+def _scatter_rows(
+    index: NDArray[np.int64], weights: NDArray[np.float64], cols: NDArray[Any], size: int
+) -> NDArray[np.float64]:
+    """out[j, k] = Σ_{e : index[e] = j} weights[e] · cols[k, e], shape (size, f); one bincount per
+    column (a loop over bits, not over entries)."""
+    out = np.empty((size, cols.shape[0]))
+    for k in range(cols.shape[0]):
+        out[:, k] = np.bincount(index, weights=weights * cols[k], minlength=size)
+    return out
 
 
 def inner_products(
@@ -133,11 +145,10 @@ def dcd_update(
     # s_e = d_iᵀ b_u, kept exact on each flip; |s| ≤ f so int16 holds it for f < 2^15.
     s: NDArray[np.signedinteger[Any]] = inner_products(indptr, items, B, D).astype(np.int16 if f < 2**15 else np.int32)
     # A[u, k] = Σ_i (r_ui − 1/2) d_ik is constant while D is fixed (eq. 9's rating term).
-    R = sp.csr_matrix((r - 0.5, items, indptr), shape=(n, m))
     # Work with z = 2f²·b*_uk = 2f·A_uk − Σ_i (s_i − d_ik b_uk) d_ik − 4λf²·Σ_{k'≠k} b_uk', which has
     # the sign of b* but no divisions: exact whenever ratings and λ are short binary fractions, so
     # b* = 0 (keep the bit) is detected exactly rather than lost to rounding.
-    X = 2.0 * f * np.asarray(R @ D.astype(np.float64))  # (n, f)
+    X = 2.0 * f * _scatter_rows(_row_of(indptr), r - 0.5, Dt, n)  # (n, f)
     S = B.sum(axis=1, dtype=np.int64)  # Σ_k b_uk, for the balance term
     bal = 4.0 * lam * f * f
     sd = np.zeros(n, dtype=np.int64)
@@ -181,14 +192,19 @@ def fold_in_codes(
 
     Starts from b = sign(Σ_i (r_ui − 1/2) d_i) (the linear part of the loss; +1 where it is 0), so the
     result is deterministic and needs no randomness.
+
+    Cost: O(nnz · f).  Only the codes of the items the users have entries for enter the loss, so the
+    problem is solved on that sub-catalogue; the rest of ``D`` is never read or copied.
     """
     n = indptr.size - 1
     m, f = D.shape
     _check_csr(indptr, items, r, m)
-    R = sp.csr_matrix((r - 0.5, items, indptr), shape=(n, m))
-    A = np.asarray(R @ D.astype(np.float64))
+    touched, local = np.unique(items, return_inverse=True)
+    local = local.astype(np.int64).ravel()
+    D_sub = np.asarray(D[touched], dtype=np.int8)
+    A = _scatter_rows(_row_of(indptr), r - 0.5, D_sub[local].T, n)
     B0 = np.where(A < 0, -1, 1).astype(np.int8)
-    return dcd_update(indptr, items, r, B0, D, 0.0, max_sweeps=max_sweeps)
+    return dcd_update(indptr, local, r, B0, D_sub, 0.0, max_sweeps=max_sweeps)
 
 
 def item_gradient_sum(
@@ -209,9 +225,8 @@ def item_gradient_sum(
     _check_csr(indptr, items, r, m)
     s = inner_products(indptr, items, B, D)
     resid = r - 0.5 - s / (2.0 * f)
-    # Σ_u resid_ui b_u, as a sparse (m × n) product; then + (entries of i) · d_i / (2f).
-    Rt = sp.csr_matrix((resid, items, indptr), shape=(n, m)).T.tocsr()
-    G = np.asarray(Rt @ B.astype(np.float64))
+    # Σ_u resid_ui b_u per item; then + (entries of i) · d_i / (2f).
+    G = _scatter_rows(items, resid, np.ascontiguousarray(B.T)[:, _row_of(indptr)], m)
     n_entries = np.bincount(items, minlength=m).astype(np.float64)
     G += (n_entries / (2.0 * f))[:, None] * D
     return G
@@ -307,6 +322,146 @@ def item_codes_sum(
         E[:, k] = new
     total = n * D.astype(np.int64)
     change = E - D[items].astype(np.int64)
-    Ct = sp.csr_matrix((np.ones(items.size), (items, np.arange(items.size))), shape=(m, items.size))
-    total += np.rint(np.asarray(Ct @ change.astype(np.float64))).astype(np.int64)
+    ones = np.ones(items.size)
+    total += np.rint(_scatter_rows(items, ones, np.ascontiguousarray(change.T), m)).astype(np.int64)
     return total
+
+
+# -- the all-items objective ---------------------------------------------------------------------
+#
+# With unobserved weight w0 > 0 and confidence α ≥ 0, a user's loss covers every item, not sampled
+# negatives (the implicit-ALS objective, for codes):
+#     L_u(b) = Σ_{i∈Ω_u} c (t_ui − x_ui)² + w0 Σ_{i∉Ω_u} (0 − x_ui)²,  x_ui = bᵀd_i / f + β_i,  c = 1 + α,
+# with t the (normalised) ratings of the observed items and β_i an item bias the server learns.  The
+# sum over all m items needs only the f × f item Gram G_D = Dᵀ D and Dᵀβ, computed once per model
+# version, so a sweep costs O(f·|Ω_u| + f²) per user whatever m is.  The coordinate minimiser of
+# bit k is b_k = −sign(C_k) with
+#     C_k / f = Σ_{i∈Ω} [(c − w0)(s_i d_ik − b_k)/f − (c t_i − (c − w0) β_i) d_ik]
+#               + w0 (Σ_{k'≠k} (G_D)_{kk'} b_k') / f + w0 (Dᵀβ)_k,       s_i = d_iᵀ b,
+# (b_k kept when C_k = 0).  The item side has the same form with the roles swapped, so the server
+# needs only Σ_u of: each device's per-item terms, b bᵀ (giving G_U) and b (see `full_upload`).
+
+
+def _check_full(w0: float, alpha: float) -> None:
+    if not (w0 > 0 and np.isfinite(w0)):
+        raise ValueError(f"unobserved weight must be a finite value > 0, got {w0}")
+    if not (alpha >= 0 and np.isfinite(alpha)):
+        raise ValueError(f"confidence must be a finite value >= 0, got {alpha}")
+
+
+def dcd_full(
+    indptr: NDArray[np.int64],
+    items: NDArray[np.int64],
+    r: NDArray[np.float64],
+    B: NDArray[np.int8],
+    D: NDArray[np.int8],
+    beta: NDArray[np.float64],
+    w0: float,
+    alpha: float,
+    *,
+    max_sweeps: int = 10,
+) -> tuple[NDArray[np.int8], DCDStats]:
+    """DCD of user codes against the all-items objective (see the comment above), item codes and
+    biases fixed.  ``r`` holds the observed items' targets only (no sampled negatives)."""
+    B = np.asarray(B)
+    D = np.asarray(D)
+    n, f = B.shape
+    m, f2 = D.shape
+    if f != f2:
+        raise ValueError(f"user codes have {f} bits but item codes have {f2}")
+    if indptr.size != n + 1:
+        raise ValueError(f"indptr has {indptr.size} entries for {n} users")
+    if beta.shape != (m,):
+        raise ValueError(f"item biases must have shape ({m},), got {beta.shape}")
+    if max_sweeps < 1:
+        raise ValueError("max_sweeps must be >= 1")
+    _check_full(w0, alpha)
+    _check_csr(indptr, items, r, m)
+    c = 1.0 + alpha
+    wq = c - w0
+    Df = D.astype(np.float64)
+    G = Df.T @ Df
+    Dbeta = Df.T @ beta
+    counts = np.diff(indptr)
+    rows = _row_of(indptr)
+    nonempty = np.flatnonzero(counts)
+    starts = indptr[:-1][nonempty]
+    Dt = np.ascontiguousarray(D.T)[:, items]
+    s = inner_products(indptr, items, B, D).astype(np.float64)
+    wl = c * r - wq * beta[items]
+    # Constant part of C_k / f: − Σ_Ω wl d_ik + w0 (Dᵀβ)_k.
+    lin = -_scatter_rows(rows, wl, Dt, n) + w0 * Dbeta[None, :]
+    Bf = B.astype(np.float64)
+    Q = Bf @ G
+    diag = np.diag(G)
+    nobs = counts.astype(np.float64)
+    sd = np.zeros(n)
+    total_flips = 0
+    sweeps = 0
+    converged = False
+    while sweeps < max_sweeps:
+        sweeps += 1
+        sweep_flips = 0
+        for k in range(f):
+            dk = Dt[k]
+            bk = Bf[:, k]
+            if starts.size:
+                sd[nonempty] = np.add.reduceat(s * dk, starts)
+            C = (wq * (sd - nobs * bk) + w0 * (Q[:, k] - diag[k] * bk)) / f + lin[:, k]
+            new = np.where(C < 0, 1.0, np.where(C > 0, -1.0, bk))
+            delta = new - bk
+            flipped = np.flatnonzero(delta)
+            if flipped.size:
+                sweep_flips += int(flipped.size)
+                Bf[flipped, k] = new[flipped]
+                Q[flipped] += delta[flipped, None] * G[k][None, :]
+                s += delta[rows] * dk
+        total_flips += sweep_flips
+        if sweep_flips == 0:
+            converged = True
+            break
+    return Bf.astype(np.int8), DCDStats(sweeps=sweeps, flips=total_flips, converged=converged)
+
+
+def full_upload(
+    indptr: NDArray[np.int64],
+    items: NDArray[np.int64],
+    r: NDArray[np.float64],
+    B: NDArray[np.int8],
+    D: NDArray[np.int8],
+    beta: NDArray[np.float64],
+    w0: float,
+    alpha: float,
+) -> dict[str, NDArray[np.float64]]:
+    """Σ over the batch's users of what each uploads under the all-items objective.
+
+    Returns the parts of `protocol.families.lightfr.UploadLayout`: "gradient" (m, f) with
+    Σ_u (c − w0)(s_ui b_uk − d_ik)/f − (c t_ui − (c − w0) β_i) b_uk over each user's observed items;
+    "bias" (m,) Σ_u (c t_ui − (c − w0) s_ui / f); "counts" (m,) how many users have the item (each
+    user counts an item once); "gram" (f, f) Σ_u b_u b_uᵀ; "code_sum" (f,) Σ_u b_u.  For one device
+    (n = 1) these are its upload.
+    """
+    n, f = B.shape
+    m = D.shape[0]
+    _check_full(w0, alpha)
+    _check_csr(indptr, items, r, m)
+    if beta.shape != (m,):
+        raise ValueError(f"item biases must have shape ({m},), got {beta.shape}")
+    c = 1.0 + alpha
+    wq = c - w0
+    rows = _row_of(indptr)
+    s = inner_products(indptr, items, B, D).astype(np.float64)
+    Bt = np.ascontiguousarray(B.T)[:, rows]  # (f, nnz) b_uk of every entry
+    wl = c * r - wq * beta[items]
+    # Σ wq (s b_k − d_ik)/f − wl b_k  =  Σ (wq s/f − wl) b_k  −  (wq/f) · (entries of i) · d_ik
+    grad = _scatter_rows(items, wq * s / f - wl, Bt, m)
+    grad -= (wq / f) * np.bincount(items, minlength=m)[:, None] * D
+    keys = np.unique(rows * m + items)
+    Bf = B.astype(np.float64)
+    return {
+        "gradient": grad,
+        "bias": np.bincount(items, weights=c * r - wq * s / f, minlength=m),
+        "counts": np.bincount(keys % m, minlength=m).astype(np.float64),
+        "gram": Bf.T @ Bf,
+        "code_sum": Bf.sum(axis=0),
+    }

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from fedsim.cli import main as fedrec
 from fedsim.demo import ServerProcess, write_server_config
+from protocol.errors import FedRecError
 
 N_ITEMS = 500
 BITS = 32
@@ -96,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("$ fedrec " + shlex.join(command), flush=True)
                 status = fedrec(command)  # the `fedrec` console script's entry point, in this process
                 exit_code = server.stop()  # SIGTERM, then SIGKILL after a grace period
-        except RuntimeError as exc:  # the server did not start
+        except FedRecError as exc:  # the server did not start (the message quotes its error line)
             print(f"FAILED: {exc}\n{log.read_text()}", file=sys.stderr)
             return 1
         print(f"server: stopped with SIGTERM (exit {exit_code})")

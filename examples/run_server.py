@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from device_sdk import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, seeded_rngs
+from device_sdk import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
 from fedsim import synthetic
 from fedsim.demo import write_server_config
 
@@ -102,7 +102,7 @@ async def one_round(url: str, root: Path) -> list[tuple[DeviceClient, NDArray[np
         def rngs(round_id: int, h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, np.random.Generator]:
             # Seeded generators (simulation only; by default a device seeds from `secrets`).  The
             # device id is read when a round starts, after registration.
-            return seeded_rngs(0, round_id, int(h["c"].device_id or 0))
+            return insecure_seeded_rngs(0, round_id, int(h["c"].device_id or 0))
 
         client = DeviceClient.connect(
             url,

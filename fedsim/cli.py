@@ -16,15 +16,17 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from agg_server.config import MIN_COHORT
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import load_store, save_store
-from fedsim.datasets import DATASET_NAMES, LightFRSplit, Ratings, find_data_dir, load_dataset
+from fedsim.datasets import DATASET_NAMES, LightFRSplit, TrainTestSplit, find_data_dir, load_dataset
 from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
 from fedsim.experiment import Experiment, Protocol, baselines, item_titles, prepare
 from fedsim.families import FAMILY_DEFAULT_ROUNDS, simulate_family
 from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, run_lightfr, user_data
+from fedsim.ui import progress, table
 from protocol.codes import from_bytes, pack_signs, to_bytes, unpack_signs
-from protocol.errors import FedRecError
+from protocol.errors import ConfigError, FedRecError
 from protocol.spec import Aggregation
 
 __all__ = ["main", "build_parser"]
@@ -86,6 +88,12 @@ def _nonneg_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
     return value
+
+
+_DATA_DIR_HELP = (
+    "FOLDER holding the named datasets (ml-100k/, filmtrust/, filmtrust-lightfr-split/; default: $FEDREC_DATA, "
+    "else a ../shared/data folder above the current directory; see docs/datasets.md)"
+)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -194,7 +202,7 @@ def _add_data_args(p: argparse.ArgumentParser, default: str | None) -> None:
         help=f"dataset name ({', '.join(DATASET_NAMES)}), a ratings file/folder, or planted "
         "(felb/fnmf recipe); required for lightfr and mf",
     )
-    g.add_argument("--data-dir", type=Path, default=None, help="folder of the named datasets (default: auto)")
+    g.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
     g.add_argument(
         "--protocol",
         choices=[p.value for p in Protocol],
@@ -221,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fedrec",
         description="fedrec: on-device federated recommendation (LightFR binary codes).",
     )
+    parser.add_argument("--version", action="version", version=f"fedrec {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
@@ -232,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         "device's HR@10/NDCG@10 averaged beside popularity and a few recommendations for one device.",
     )
     demo.add_argument("--dataset", default="auto", help="dataset name or file (default: ml-100k if found)")
-    demo.add_argument("--data-dir", type=Path, default=None, help="folder of the named datasets")
+    demo.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
     demo.add_argument("--rounds", type=_positive_int, default=10, help="server rounds (default: 10)")
     demo.add_argument("--cohort", type=_positive_int, default=300, help="devices per round (default: 300)")
     demo.add_argument("--devices", type=_positive_int, default=None, help="use only the first N users")
@@ -247,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--flip-fraction", type=_fraction, default=0.3, help="Agg_grad damping ρ (default 0.3)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the simulation (default: 0)")
     demo.add_argument("--workdir", type=Path, default=None, help="keep server data and device stores here")
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
 
     lt = sub.add_parser(
         "loadtest",
@@ -260,12 +270,27 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--devices", type=_positive_int, default=100, help="number of devices (default: 100)")
     lt.add_argument("--dropout", type=_nonneg_float, default=0.2, help="chance a device drops per round")
     lt.add_argument("--rounds", type=_positive_int, default=3, help="stop after this many rounds (default: 3)")
-    lt.add_argument("--n-items", type=_positive_int, default=3706, help="catalogue size the server trains")
-    lt.add_argument("--bits", type=_positive_int, default=64, help="code length of the server's model")
+    lt.add_argument(
+        "--n-items",
+        type=_positive_int,
+        default=None,
+        help="catalogue size the server trains (default: read from the server's /v1/status; a different value is "
+        "an error)",
+    )
+    lt.add_argument(
+        "--bits", type=_positive_int, default=None, help="code length of the server's model (default: read from it)"
+    )
     lt.add_argument("--ratings-per-user", type=_positive_int, default=166, help="synthetic ratings per device")
     lt.add_argument("--workers", type=_positive_int, default=1, help="worker processes (default: 1)")
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--time-limit", type=_nonneg_float, default=3600.0, help="seconds before giving up")
+    lt.add_argument(
+        "--announce-drops",
+        action="store_true",
+        help="dropped devices tell the server they leave, so phases close at quorum instead of waiting for their "
+        "deadlines (default: drops are silent, and each phase with a silent drop lasts its full deadline)",
+    )
+    lt.add_argument("--quiet", action="store_true", help="no progress bar")
     lt.add_argument("--store", type=Path, default=None, help="device store folder (default: a temporary one)")
     lt.add_argument(
         "--ca-file",
@@ -299,13 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("run", nargs="?", type=Path, help="a run file written by 'fedrec simulate --save'")
     ev.add_argument("--baseline", choices=["popularity", "random"], default=None, help="evaluate a baseline instead")
     ev.add_argument("--dataset", default=None, help="dataset (for --baseline; a run file names its own)")
-    ev.add_argument("--data-dir", type=Path, default=None)
+    ev.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
     ev.add_argument("--protocol", choices=[p.value for p in Protocol], default=None)
     ev.add_argument("--eval-negatives", type=_positive_int, default=99)
     ev.add_argument("--seed", type=int, default=0, help="seed of the negative sampling (default: 0)")
 
     data = sub.add_parser("data", help="list the datasets fedrec can find")
-    data.add_argument("--data-dir", type=Path, default=None)
+    data.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
     return parser
 
 
@@ -346,22 +371,15 @@ def _score(state: FederatedLightFR, blocks: Any, tie_mode: TieMode) -> EvalResul
 
 
 def _table(rows: list[list[str]], out: TextIO) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for j, row in enumerate(rows):
-        out.write("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
-        out.write("\n")
-        if j == 0:
-            out.write("  ".join("-" * w for w in widths) + "\n")
+    table(rows[0], rows[1:], out)
 
 
-def _train(args: argparse.Namespace, exp: Experiment, out: TextIO, progress: bool) -> FederatedLightFR:
+def _train(args: argparse.Namespace, exp: Experiment, out: TextIO, show_progress: bool) -> FederatedLightFR:
     cfg, fed = _model_config(args, exp), _fed_config(args)
     data = user_data(exp.train, cfg)
     bar: Any = None
-    if progress and fed.rounds:
-        from tqdm import tqdm
-
-        bar = tqdm(total=fed.rounds, desc="rounds", unit="round", file=sys.stderr, leave=False)
+    if show_progress and fed.rounds:
+        bar = progress(fed.rounds, "training", "rounds")
     rows = [["round", "cohort", "user flips", "item flips", "seconds", "val HR@10", "val NDCG@10"]]
 
     def on_round(r: RoundReport) -> None:
@@ -437,19 +455,81 @@ def _resolve_dataset(args: argparse.Namespace, out: TextIO) -> tuple[Experiment,
     name = args.dataset
     if name == "auto":
         name = "ml-100k" if data_dir is not None and (data_dir / "ml-100k" / "u.data").is_file() else "synthetic"
-        out.write(
-            f"dataset: {name}" + (f" (from {data_dir})" if name != "synthetic" else " (built-in generator)") + "\n"
-        )
+        if name != "synthetic":
+            out.write(f"dataset: ml-100k (from {data_dir})\n")
+        else:
+            out.write(f"dataset: synthetic (built-in generator): {_where_looked(args.data_dir, data_dir)}\n")
     protocol = Protocol(args.protocol) if getattr(args, "protocol", None) else None
     n_neg = getattr(args, "eval_negatives", 99)
     exp = prepare(name, protocol, n_negatives=n_neg, seed=args.seed, data_dir=data_dir)
     return exp, data_dir
 
 
+#: The --model values each model-specific `simulate` option applies to.  An option given (set to
+#: anything but its default) for another model is an error naming the option and the model: a flag
+#: that silently does nothing is worst when it is a privacy flag.
+_APPLIES_TO: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(
+        ("bits", "lam", "negatives", "targets", "epochs", "sweeps", "aggregation", "flip_fraction", "protocol"),
+        ("lightfr",),
+    ),
+    "eval_every": ("lightfr",),
+    "fraction": ("lightfr", "mf"),
+    "eval_negatives": ("lightfr", "mf"),
+    "rank": ("mf", "felb", "fnmf"),
+    "clients": ("felb", "fnmf"),
+    "local_steps": ("felb", "fnmf"),
+    **dict.fromkeys(
+        ("epsilon", "secure", "clip_norm", "example_cap", "silos", "server_lr", "lr", "max_norm2"), ("mf",)
+    ),
+    **dict.fromkeys(("step_rule", "xor_noise", "noise_sigma", "binarize_at", "server_scale"), ("felb",)),
+    **dict.fromkeys(("alignment", "aggregator"), ("fnmf",)),
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_applicable(args: argparse.Namespace) -> None:
+    """Refuse options that the chosen model would ignore (see `_APPLIES_TO`)."""
+    defaults = build_parser().parse_args(["simulate"])
+    model = args.model
+    for dest, models in _APPLIES_TO.items():
+        if model in models or getattr(args, dest) == getattr(defaults, dest):
+            continue
+        if dest in ("epsilon", "secure"):
+            raise ConfigError(
+                f"{_flag(dest)} is not implemented for --model {model}: 'fedrec simulate' trains {model} "
+                "in-process with plain sums, without secure aggregation or DP noise. Use 'fedrec demo "
+                "--epsilon E' for LightFR through the real server with SecAgg+ and DP, or --model mf."
+            )
+        only = " or ".join(f"--model {m}" for m in models)
+        raise ConfigError(f"{_flag(dest)} applies to {only} only; --model {model} does not use it")
+    if model == "mf" and not (args.epsilon > 0 or args.secure) and args.clip_norm != defaults.clip_norm:
+        raise ConfigError("--clip-norm applies to private MF only (with --epsilon or --secure)")
+
+
+def _where_looked(arg: Path | None, found: Path | None) -> str:
+    """Where the demo looked for MovieLens-100K, for the line that says it fell back to synthetic data."""
+    if arg is not None:
+        return f"no ml-100k/u.data under --data-dir {arg}"
+    env = os.environ.get("FEDREC_DATA")
+    if env:
+        return f"no ml-100k/u.data under $FEDREC_DATA={env}"
+    if found is not None:
+        return f"no ml-100k/u.data under {found}"
+    return (
+        f"no ml-100k/u.data found ($FEDREC_DATA is not set; no ../shared/data above {Path.cwd()} or the fedrec "
+        "package); pass --data-dir FOLDER or see docs/datasets.md"
+    )
+
+
 # -- commands --------------------------------------------------------------------------------------
 
 
 def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
+    _check_applicable(args)
     if args.rounds is None:
         args.rounds = FAMILY_DEFAULT_ROUNDS[args.model]
     if args.model != "lightfr":
@@ -467,7 +547,7 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
         f"(flip fraction {args.flip_fraction}), "
         f"seed {args.seed}\n"
     )
-    state = _train(args, exp, out, progress=not getattr(args, "quiet", False))
+    state = _train(args, exp, out, show_progress=not getattr(args, "quiet", False))
     label = f"LightFR (Agg_{args.aggregation})"
     _report(exp, _all_results(exp, state, label), out)
     if getattr(args, "save", None) is not None:
@@ -538,15 +618,20 @@ def _cmd_eval(args: argparse.Namespace, out: TextIO) -> int:
 def _cmd_data(args: argparse.Namespace, out: TextIO) -> int:
     base = _data_dir(args.data_dir)
     out.write(f"data folder: {base if base is not None else 'not found (set FEDREC_DATA or --data-dir)'}\n")
-    names: list[str] = ["synthetic"] + (list(DATASET_NAMES) if base is not None else [])
-    for name in names:
+    names = [n for n in DATASET_NAMES if n != "synthetic"] if base is not None else []
+    for name in ["synthetic", *names]:
         try:
             data = load_dataset(name, base)
         except FedRecError as exc:
             out.write(f"  {name:<18} unavailable: {exc}\n")
             continue
+        if isinstance(data, TrainTestSplit):
+            out.write(
+                f"  {name:<18} {data.train.n_users:>6} users {data.train.n_items:>6} items "
+                f"{len(data.train):>8} train + {len(data.test)} test pairs (implicit, its own split)\n"
+            )
+            continue
         train = data.train if isinstance(data, LightFRSplit) else data
-        assert isinstance(train, Ratings)
         out.write(f"  {name:<18} {train.n_users:>6} users {train.n_items:>6} items {len(train):>8} ratings\n")
     return 0
 
@@ -556,6 +641,10 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
 
     if not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.devices is not None and args.devices < MIN_COHORT:
+        raise ConfigError(f"--devices {args.devices}: a secure-aggregation round needs at least {MIN_COHORT} devices")
+    if args.cohort < MIN_COHORT:
+        raise ConfigError(f"--cohort {args.cohort}: a secure-aggregation round needs at least {MIN_COHORT} devices")
     exp, data_dir = _resolve_dataset(args, out)
     if args.devices is not None and args.devices < exp.train.n_users:
         exp = _first_users(exp, args.devices)
@@ -578,6 +667,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         seed=args.seed,
         out=out,
         workdir=args.workdir,
+        show_progress=False if args.quiet else None,
     )
     results = {"LightFR over the server": res["results"]}
     for name in ("popularity", "random"):
@@ -641,11 +731,27 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
     import tempfile
 
     from fedsim.datasets import synthetic
-    from fedsim.demo import format_loadtest, run_loadtest
-    from fedsim.fleet import FleetConfig
+    from fedsim.demo import RoundProgress, format_loadtest, run_loadtest
+    from fedsim.fleet import FleetConfig, get_status
 
     if not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    url = args.url.rstrip("/")
+    model = get_status(url, args.ca_file).get("model") or {}
+    if model.get("kind", "lightfr") != "lightfr":
+        raise ConfigError(f"the server at {url} trains model.kind={model.get('kind')!r}; the load test drives LightFR")
+    for flag, key in (("n_items", "n_items"), ("bits", "bits")):
+        served = model.get(key)
+        given = getattr(args, flag)
+        if given is None:
+            if served is None:
+                raise ConfigError(f"the server at {url} does not report model.{key}; pass {_flag(flag)}")
+            setattr(args, flag, int(served))
+        elif served is not None and int(served) != given:
+            raise ConfigError(
+                f"{_flag(flag)} {given} but the server at {url} trains model.{key}={served}; drop {_flag(flag)} "
+                "to use the server's"
+            )
     data = synthetic(n_users=args.devices, n_items=args.n_items, ratings_per_user=args.ratings_per_user, seed=args.seed)
     idx = data.by_user()
     users = [
@@ -656,49 +762,96 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
         for u in range(data.n_users)
     ]
     out.write(
-        f"load test: {args.devices} devices ({args.workers} worker process(es)) against {args.url}; "
-        f"m={args.n_items}, f={args.bits}, ~{args.ratings_per_user} ratings each; dropout {args.dropout:.0%}; "
-        f"{args.rounds} rounds\n"
+        f"load test: {args.devices} devices ({args.workers} worker process(es)) against {url}; "
+        f"m={args.n_items}, f={args.bits} (as the server trains), ~{args.ratings_per_user} ratings each; "
+        f"dropout {args.dropout:.0%} ({'announced' if args.announce_drops else 'silent'}); {args.rounds} rounds\n"
     )
-    with tempfile.TemporaryDirectory(prefix="fedrec-loadtest-") as tmp:
-        cfg = FleetConfig(
-            url=args.url.rstrip("/"),
-            store_root=args.store or Path(tmp),
-            n_items=args.n_items,
-            bits=args.bits,
-            rounds=args.rounds,
-            dropout=args.dropout,
-            seed=args.seed,
-            reproducible=False,
-            time_limit=args.time_limit,
-            ca_file=args.ca_file,
-        )
-        report = run_loadtest(cfg, users, args.workers)
+    out.flush()
+    bar = RoundProgress(args.rounds, "load test", enabled=False if args.quiet else None)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fedrec-loadtest-") as tmp:
+            cfg = FleetConfig(
+                url=url,
+                store_root=args.store or Path(tmp),
+                n_items=args.n_items,
+                bits=args.bits,
+                rounds=args.rounds,
+                dropout=args.dropout,
+                seed=args.seed,
+                time_limit=args.time_limit,
+                ca_file=args.ca_file,
+                announce_drops=args.announce_drops,
+            )
+            report = run_loadtest(cfg, users, args.workers, progress=bar)
+    finally:
+        bar.close()
     format_loadtest(report, out)
-    return 0 if report.rounds_finished >= args.rounds else 1
+    failure = report.failure(args.rounds)
+    if failure is not None:
+        out.flush()
+        print(f"fedrec loadtest: error: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fedrec")
+    except PackageNotFoundError:  # running from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _run(args: argparse.Namespace, out: TextIO) -> int:
+    if args.command == "demo":
+        return _cmd_demo(args, out)
+    if args.command == "loadtest":
+        return _cmd_loadtest(args, out)
+    if args.command == "simulate":
+        return _cmd_simulate(args, out)
+    if args.command == "eval":
+        return _cmd_eval(args, out)
+    return _cmd_data(args, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``fedrec``; returns the exit status."""
+    """Entry point of ``fedrec``; returns the exit status.
+
+    Expected failures (bad input, a missing or malformed file, a server that refuses) print one line
+    ``fedrec COMMAND: error: ...`` on stderr and exit 2; an interrupt exits 130; a closed stdout (``| head``)
+    ends the command quietly with status 141, as a killed-by-SIGPIPE tool would.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     out = sys.stdout
     try:
-        if args.command == "demo":
-            return _cmd_demo(args, out)
-        if args.command == "loadtest":
-            return _cmd_loadtest(args, out)
-        if args.command == "simulate":
-            return _cmd_simulate(args, out)
-        if args.command == "eval":
-            return _cmd_eval(args, out)
-        return _cmd_data(args, out)
-    except (FedRecError, ValueError) as exc:
-        print(f"fedrec {args.command}: error: {exc}", file=sys.stderr)
+        code = _run(args, out)
+        out.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        return code
+    except (FedRecError, ValueError, OSError) as exc:
+        if isinstance(exc, BrokenPipeError):
+            return _broken_pipe()
+        msg = " ".join(str(exc).split()) if not isinstance(exc, FedRecError) else str(exc)
+        if isinstance(exc, OSError) and not isinstance(exc, FedRecError):
+            where = f"{exc.filename}: " if exc.filename else ""
+            msg = f"{where}{exc.strerror or exc}"
+        print(f"fedrec {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fedrec {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _broken_pipe() -> int:
+    # The reader went away (``fedrec ... | head -1``): stop writing, and keep Python from reporting the
+    # failed flush of stdout at exit.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -27,10 +27,13 @@ __all__ = [
     "UserIndex",
     "CandidateBlocks",
     "LightFRSplit",
+    "TrainTestSplit",
     "load_movielens",
     "load_filmtrust",
     "load_generic",
     "load_lightfr_split",
+    "load_kgat",
+    "load_amazon_book",
     "synthetic",
     "find_data_dir",
     "load_dataset",
@@ -42,7 +45,8 @@ FloatArray = npt.NDArray[np.float64]
 
 _MAX_REPORTED = 20
 LIGHTFR_BLOCK = 50
-DATASET_NAMES = ("ml-100k", "filmtrust", "filmtrust-lightfr", "synthetic")
+DATASET_NAMES = ("ml-100k", "filmtrust", "filmtrust-lightfr", "amazon-book", "synthetic")
+AMAZON_BOOK_DIR = "amazon-book-kgat"
 
 
 def _readonly(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -278,6 +282,12 @@ def _read_lines(path: Path) -> list[str]:
         raw = path.read_bytes()
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read ({exc.strerror})") from exc
+    nul = raw.find(b"\x00", 0, 1 << 16)
+    if nul >= 0:
+        raise DatasetError(
+            f"{path}: binary content (a NUL byte at offset {nul}), not a text ratings file; expected lines "
+            "of 'user item rating [timestamp]' (compressed? unpack it first)"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -702,6 +712,223 @@ def load_lightfr_split(folder: str | os.PathLike[str], prefix: str = "filmtrust"
 
 
 # ----------------------------------------------------------------------------------------------
+# Implicit feedback with a published train/test split (KGAT format: amazon-book)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TrainTestSplit:
+    """A dataset's own train/test split of implicit feedback, both parts in one dense id space.
+
+    Attributes
+    ----------
+    train, test : Ratings
+        User-item pairs (``ratings`` all 1.0, no timestamps); ``test`` never repeats a train pair.
+    name : str
+        Dataset name, e.g. ``"amazon-book"``.
+    """
+
+    train: Ratings
+    test: Ratings
+    name: str
+
+
+_MAX_ID_DIGITS = 18  # int64 holds every 18-digit decimal
+_POW10 = 10 ** np.arange(_MAX_ID_DIGITS, dtype=np.int64)
+
+
+class _KgatLines(NamedTuple):
+    line_nos: IntArray  # 1-based line number of each user line
+    line_users: IntArray  # the user id opening each line
+    pair_lines: IntArray  # 1-based line number of each (user, item) pair
+    pair_users: IntArray
+    pair_items: IntArray
+
+
+def _line_text(raw: bytes, line_no: int) -> str:
+    text = raw.split(b"\n")[line_no - 1].decode("latin-1").strip()  # error path only
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _parse_kgat_file(path: Path) -> _KgatLines:
+    """Tokenise ``user item item ...`` lines with numpy over the raw bytes (no Python loop per line).
+
+    Every problem is collected and raised as one `DatasetError`: a character that is not a digit or
+    whitespace (signs, decimals, letters), an id of more than 18 digits, a user listed on two lines,
+    an item listed twice on one line.
+    """
+    if not path.exists():
+        raise DatasetError(f"{path}: file not found")
+    if not path.is_file():
+        raise DatasetError(f"{path}: not a regular file")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read ({exc.strerror})") from exc
+    b = np.frombuffer(raw, dtype=np.uint8)
+    digit = (b >= 48) & (b <= 57)
+    newline = b == 10
+    blank = (b == 32) | (b == 9) | (b == 13) | newline
+    line_of = np.cumsum(newline) - newline  # 0-based line of each byte; a newline ends its own line
+    if not digit.any():
+        raise DatasetError(f"{path}: no data lines (empty file, or only blank lines)")
+    problems = _Problems(path)
+    bad = ~(digit | blank)
+    if bad.any():
+        lines = np.unique(line_of[bad]) + 1
+        problems.add(
+            lines,
+            [
+                f"expected non-negative integer ids separated by spaces: {_line_text(raw, ln)!r}"
+                for ln in lines.tolist()
+            ],
+        )
+    # tokens are maximal runs of digits
+    prev = np.empty_like(digit)
+    prev[0] = False
+    prev[1:] = digit[:-1]
+    is_start = digit & ~prev
+    starts = np.flatnonzero(is_start)
+    digit_pos = np.flatnonzero(digit)
+    token_of_digit = np.cumsum(is_start)[digit_pos] - 1
+    lengths = np.bincount(token_of_digit, minlength=starts.shape[0])
+    ends = starts + lengths
+    too_long = lengths > _MAX_ID_DIGITS
+    if too_long.any():
+        problems.add(np.unique(line_of[starts[too_long]]) + 1, f"id longer than {_MAX_ID_DIGITS} digits")
+    power = np.minimum(ends[token_of_digit] - 1 - digit_pos, _MAX_ID_DIGITS - 1)
+    offsets = np.zeros(starts.shape[0], dtype=np.int64)
+    np.cumsum(lengths[:-1], out=offsets[1:])
+    values = np.add.reduceat((b[digit_pos] - 48).astype(np.int64) * _POW10[power], offsets)
+
+    token_line = line_of[starts]
+    first = np.ones(starts.shape[0], dtype=np.bool_)
+    first[1:] = token_line[1:] != token_line[:-1]
+    line_users = values[first]
+    line_nos = token_line[first] + 1
+    owner = np.cumsum(first) - 1  # index of the user line each token belongs to
+    pair_lines = (token_line + 1)[~first]
+    pair_users = line_users[owner[~first]]
+    pair_items = values[~first]
+
+    order = np.argsort(line_users, kind="stable")
+    dup_user = np.zeros(line_users.shape[0], dtype=np.bool_)
+    dup_user[order[1:]] = line_users[order[1:]] == line_users[order[:-1]]
+    if dup_user.any():
+        firsts = dict(zip(line_users[order].tolist()[::-1], line_nos[order].tolist()[::-1], strict=True))
+        idx = np.flatnonzero(dup_user)
+        problems.add(
+            line_nos[idx],
+            [f"user {line_users[j]} already has a line (line {firsts[int(line_users[j])]})" for j in idx.tolist()],
+        )
+    # an item repeated on one line: sort the pairs by (line, item)
+    o = np.lexsort((pair_items, pair_lines))
+    rep = np.flatnonzero((pair_lines[o][1:] == pair_lines[o][:-1]) & (pair_items[o][1:] == pair_items[o][:-1])) + 1
+    if rep.size:
+        problems.add(pair_lines[o][rep], [f"item {i} listed twice" for i in pair_items[o][rep].tolist()])
+    problems.raise_if_any()
+    return _KgatLines(line_nos, line_users, pair_lines, pair_users, pair_items)
+
+
+def load_kgat(folder: str | os.PathLike[str], name: str | None = None) -> TrainTestSplit:
+    """Load an implicit-feedback dataset in the KGAT release format (e.g. amazon-book).
+
+    ``train.txt`` and ``test.txt`` hold one line per user: ``user item item ...``, space-separated,
+    0-based integer ids (a test line may list no item).  Ids are used as dense indices unchanged:
+    ``n_users`` / ``n_items`` are one more than the largest id in either file.
+
+    Parameters
+    ----------
+    folder : path-like
+        Folder with ``train.txt`` and ``test.txt``.
+    name : str, optional
+        Dataset name (default: the folder name).
+
+    Returns
+    -------
+    TrainTestSplit
+        The files' own split; every rating is 1.0 (implicit), no timestamps.  ``test.meta`` counts
+        ``users_without_test`` (train users whose test line is missing or empty).
+
+    Raises
+    ------
+    DatasetError
+        A file missing or empty, or malformed lines (every one named by file and line): non-integer
+        or negative ids, a user on two lines, an item twice on a line, a test pair already in train.
+    """
+    base = Path(folder)
+    label = name if name is not None else base.name
+    tr_path, te_path = base / "train.txt", base / "test.txt"
+    missing = [str(q) for q in (tr_path, te_path) if not q.is_file()]
+    if missing:
+        raise DatasetError(f"{label}: KGAT-format folder incomplete, missing: {', '.join(missing)}")
+    tr, te = _parse_kgat_file(tr_path), _parse_kgat_file(te_path)
+    n_users = int(max(tr.line_users.max(), te.line_users.max())) + 1
+    n_items = int(max(tr.pair_items.max(initial=-1), te.pair_items.max(initial=-1))) + 1
+    if n_users * max(n_items, 1) >= 2**62:
+        raise DatasetError(f"{label}: ids too large ({n_users} users x {n_items} items)")
+    train_keys = np.sort(tr.pair_users * n_items + tr.pair_items)
+    test_keys = te.pair_users * n_items + te.pair_items
+    pos = np.minimum(np.searchsorted(train_keys, test_keys), max(train_keys.shape[0] - 1, 0))
+    overlap = np.flatnonzero(train_keys[pos] == test_keys) if train_keys.size else np.zeros(0, dtype=np.int64)
+    if overlap.size:
+        problems = _Problems(te_path)
+        problems.add(
+            te.pair_lines[overlap],
+            [f"item {te.pair_items[j]} of user {te.pair_users[j]} is also in train.txt" for j in overlap.tolist()],
+        )
+        problems.raise_if_any()
+    train_users = np.zeros(n_users, dtype=np.bool_)
+    train_users[tr.pair_users] = True
+    test_users = np.zeros(n_users, dtype=np.bool_)
+    test_users[te.pair_users] = True
+    ids_u, ids_i = np.arange(n_users, dtype=np.int64), np.arange(n_items, dtype=np.int64)
+
+    base_meta: dict[str, int | str] = {"implicit": 1}
+
+    def part(p: _KgatLines, which: str, meta: dict[str, int | str]) -> Ratings:
+        return Ratings(
+            users=p.pair_users,
+            items=p.pair_items,
+            ratings=np.ones(p.pair_users.shape[0]),
+            timestamps=None,
+            n_users=n_users,
+            n_items=n_items,
+            user_ids=ids_u,
+            item_ids=ids_i,
+            name=f"{label}[{which}]",
+            meta=MappingProxyType(base_meta | {"source": str(base / f"{which}.txt")} | meta),
+        )
+
+    return TrainTestSplit(
+        train=part(tr, "train", {}),
+        test=part(te, "test", {"users_without_test": int((train_users & ~test_users).sum())}),
+        name=label,
+    )
+
+
+def load_amazon_book(data_dir: str | os.PathLike[str] | None = None) -> TrainTestSplit:
+    """Amazon-book as released with KGAT, with its own train/test split (see `load_kgat`).
+
+    Parameters
+    ----------
+    data_dir : path-like, optional
+        The folder holding ``amazon-book-kgat/`` (default: `find_data_dir`).
+
+    Raises
+    ------
+    DatasetError
+        Data folder not found, or a loader error.
+    """
+    base = Path(data_dir) if data_dir is not None else find_data_dir()
+    if base is None:
+        raise DatasetError(
+            f"dataset 'amazon-book': data folder not found (set FEDREC_DATA or --data-dir to the folder "
+            f"holding {AMAZON_BOOK_DIR}/)"
+        )
+    return load_kgat(base / AMAZON_BOOK_DIR, name="amazon-book")
+
+
+# ----------------------------------------------------------------------------------------------
 # Synthetic data
 
 
@@ -811,6 +1038,21 @@ def synthetic(
 # Locating and naming datasets
 
 
+#: The file of each named dataset, relative to the data folder (what `load_dataset` looks for first).
+_LAYOUT_FILES = {
+    "ml-100k": "ml-100k/u.data",
+    "filmtrust": "filmtrust/ratings.txt",
+    "filmtrust-lightfr": "filmtrust-lightfr-split/filmtrust_train.csv",
+    "amazon-book": f"{AMAZON_BOOK_DIR}/train.txt",
+}
+#: The expected folder layout, for error messages.
+DATA_LAYOUT = (
+    "expected layout: DATA/ml-100k/u.data (+ u.item), DATA/filmtrust/ratings.txt, "
+    "DATA/filmtrust-lightfr-split/filmtrust_{train,val,test}.csv, DATA/amazon-book-kgat/{train,test}.txt "
+    "(see docs/datasets.md)"
+)
+
+
 def find_data_dir() -> Path | None:
     """Locate the shared dataset folder.
 
@@ -829,15 +1071,19 @@ def find_data_dir() -> Path | None:
     return None
 
 
-def load_dataset(name_or_path: str | os.PathLike[str], data_dir: Path | None = None) -> Ratings | LightFRSplit:
+def load_dataset(
+    name_or_path: str | os.PathLike[str], data_dir: Path | None = None
+) -> Ratings | LightFRSplit | TrainTestSplit:
     """Load a dataset by name or path.
 
     Parameters
     ----------
     name_or_path : str or path-like
         ``"ml-100k"``, ``"filmtrust"``, ``"filmtrust-lightfr"`` (returns a `LightFRSplit`),
-        ``"synthetic"`` (default arguments), or a path: a MovieLens file or folder (``u.data``,
-        ``ratings.dat``), a LightFR split folder, a FilmTrust ``ratings.txt``, else a generic file.
+        ``"amazon-book"`` (returns its own split, a `TrainTestSplit`), ``"synthetic"`` (default
+        arguments), or a path: a MovieLens file or folder (``u.data``, ``ratings.dat``), a LightFR
+        split folder, a KGAT-format folder (``train.txt`` + ``test.txt``), a FilmTrust
+        ``ratings.txt``, else a generic file.
     data_dir : Path, optional
         Where the named datasets live (default: `find_data_dir`).
 
@@ -853,12 +1099,18 @@ def load_dataset(name_or_path: str | os.PathLike[str], data_dir: Path | None = N
         base = data_dir if data_dir is not None else find_data_dir()
         if base is None:
             raise DatasetError(
-                f"dataset {name!r}: data folder not found (set FEDREC_DATA or place it at ../shared/data)"
+                f"dataset {name!r}: no data folder (pass --data-dir, set FEDREC_DATA, or place it at "
+                f"../shared/data); {DATA_LAYOUT}"
             )
+        expected = base / _LAYOUT_FILES[name]
+        if not expected.exists():
+            raise DatasetError(f"dataset {name!r}: {expected} not found; {DATA_LAYOUT}")
         if name == "ml-100k":
             return load_movielens(base / "ml-100k")
         if name == "filmtrust":
             return load_filmtrust(base / "filmtrust" / "ratings.txt")
+        if name == "amazon-book":
+            return load_amazon_book(base)
         return load_lightfr_split(base / "filmtrust-lightfr-split")
     p = Path(name_or_path)
     if p.is_dir():
@@ -868,6 +1120,8 @@ def load_dataset(name_or_path: str | os.PathLike[str], data_dir: Path | None = N
             return load_lightfr_split(p)
         if (p / "ratings.txt").is_file():
             return load_filmtrust(p)
+        if (p / "train.txt").is_file() and (p / "test.txt").is_file():
+            return load_kgat(p)
         raise DatasetError(f"{p}: folder holds no known dataset files")
     if not p.exists():
         raise DatasetError(f"{name!r} is neither a dataset name ({', '.join(DATASET_NAMES)}) nor a file")

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from fedsim.datasets import LightFRSplit, Ratings, load_dataset
+from fedsim.datasets import LightFRSplit, Ratings, TrainTestSplit, load_dataset
 from fedsim.evaluation import (
     EvalResult,
     TieMode,
@@ -101,6 +101,11 @@ def prepare(
     data = dataset if isinstance(dataset, Ratings | LightFRSplit) else load_dataset(dataset, data_dir)
     if n_negatives < 1:
         raise ValueError(f"n_negatives must be >= 1, got {n_negatives}")
+    if isinstance(data, TrainTestSplit):
+        raise ValueError(
+            f"{data.name} comes with its own train/test split of implicit feedback: evaluate it with "
+            "fedsim.evaluation.evaluate_full_ranking (Recall@20 / NDCG@20 over all items)"
+        )
     if isinstance(data, LightFRSplit):
         if protocol not in (None, Protocol.LIGHTFR_SPLIT):
             raise ValueError("the LightFR split comes with its own blocks; use protocol lightfr-split")

@@ -20,11 +20,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from agg_server.strategy import LightFRStrategy
+from agg_server.strategy.lightfr import agg_full
 from device_sdk import lightfr
 from device_sdk.models import LightFRConfig
 from fedsim.datasets import Ratings
 from fedsim.evaluation import EvalResult
 from protocol.codes import random_signs
+from protocol.families.lightfr import bias_from_levels, levels_from_bias
 from protocol.spec import Aggregation
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "FederatedLightFR",
     "user_data",
     "run_lightfr",
+    "run_full",
     "with_negatives",
 ]
 
@@ -48,6 +51,9 @@ class FederationConfig:
     fraction : share p of the users selected per round (the paper uses 0.6).
     seed : seed of the run's generator.
     aggregation : LightFR aggregation rule on the server.
+    flip_fraction : damping ρ of the server's code update (see `agg_server.strategy.lightfr.agg_grad`).
+    hamming_weight : B of the integer score (f − Hamming)·B + item level (all-items objective).
+    learn_bias : learn item biases (shipped as uint8 levels) under the all-items objective.
     """
 
     rounds: int = 50
@@ -55,12 +61,16 @@ class FederationConfig:
     seed: int = 0
     aggregation: Aggregation = Aggregation.GRAD
     flip_fraction: float = 1.0
+    hamming_weight: int = 2
+    learn_bias: bool = True
 
     def __post_init__(self) -> None:
         if self.rounds < 0:
             raise ValueError(f"rounds must be >= 0, got {self.rounds}")
         if not 0 < self.fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        if self.hamming_weight < 1:
+            raise ValueError(f"hamming_weight must be >= 1, got {self.hamming_weight}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,12 +137,19 @@ class FederatedLightFR:
     user_codes: NDArray[np.int8]
     item_codes: NDArray[np.int8]
     history: list[RoundReport] = field(default_factory=list)
+    item_levels: NDArray[np.uint8] | None = None
+    hamming_weight: int = 1
 
     def scores(self, users: NDArray[np.int64], candidates: NDArray[np.int64]) -> NDArray[np.int32]:
-        """bᵀd (= 2f·sim − f, so it ranks exactly like Hamming similarity) for each user's candidates."""
+        """The integer score (f − Hamming)·B + level (level 0 without item levels) of each user's
+        candidates; ranks exactly like Hamming similarity when there are no levels."""
         B = self.user_codes[users].astype(np.int32)
         Dc = self.item_codes[candidates].astype(np.int32)
-        return np.einsum("nf,ncf->nc", B, Dc).astype(np.int32)
+        f = self.user_codes.shape[1]
+        close = (np.einsum("nf,ncf->nc", B, Dc) + f) // 2  # f − Hamming
+        if self.item_levels is None:
+            return close.astype(np.int32)
+        return (close * self.hamming_weight + self.item_levels[candidates]).astype(np.int32)
 
 
 def run_lightfr(
@@ -146,7 +163,9 @@ def run_lightfr(
 ) -> FederatedLightFR:
     """Federated LightFR (Algorithm 1): T rounds; each round a random cohort of ⌈p·n⌉ users runs E
     local epochs (DCD on its code, then its item-gradient or item-code upload) and the server
-    aggregates the cohort's sum.
+    aggregates the cohort's sum.  With ``model.unobserved_weight > 0`` the devices train against
+    every item (`device_sdk.lightfr.dcd_full`) and the server also learns item levels
+    (`agg_server.strategy.lightfr.agg_full`); see `run_full`.
 
     Parameters
     ----------
@@ -157,6 +176,8 @@ def run_lightfr(
         after the last round.
     on_round : called with each round's report (progress display).
     """
+    if model.unobserved_weight > 0:
+        return run_full(data, model, federation, evaluate=evaluate, eval_every=eval_every, on_round=on_round)
     rng = np.random.default_rng(federation.seed)
     strategy = LightFRStrategy(
         bits=model.bits,
@@ -193,6 +214,69 @@ def run_lightfr(
         new_D = strategy.aggregate(D, upload, rng)
         item_flips = int(np.count_nonzero(new_D != D))
         state.item_codes = new_D
+        metric = None
+        if evaluate is not None and (t % eval_every == 0 or t == federation.rounds):
+            metric = evaluate(state)
+        report = RoundReport(t, cohort.size, flips, item_flips, time.perf_counter() - start, metric)
+        state.history.append(report)
+        if on_round is not None:
+            on_round(report)
+    return state
+
+
+def run_full(
+    data: UserData,
+    model: LightFRConfig,
+    federation: FederationConfig,
+    *,
+    evaluate: Callable[[FederatedLightFR], EvalResult] | None = None,
+    eval_every: int = 1,
+    on_round: Callable[[RoundReport], None] | None = None,
+) -> FederatedLightFR:
+    """`run_lightfr` under the all-items objective: each round the cohort's devices run E epochs of
+    `dcd_full` against the broadcast codes and item levels, and upload the parts of
+    `protocol.families.lightfr.UploadLayout`; the server applies `agg_full` to the cohort's sums and
+    broadcasts new codes and levels (the server's real-valued biases never leave it)."""
+    if federation.aggregation is not Aggregation.GRAD:
+        raise ValueError("the all-items objective uploads gradients (aggregation 'grad')")
+    rng = np.random.default_rng(federation.seed)
+    n, m, f = data.n_users, data.n_items, model.bits
+    w0, alpha, wgt = model.unobserved_weight, model.confidence, federation.hamming_weight
+    state = FederatedLightFR(user_codes=random_signs(n, f, rng), item_codes=random_signs(m, f, rng), hamming_weight=wgt)
+    beta = np.zeros(m)
+    if federation.learn_bias:
+        state.item_levels = levels_from_bias(beta, f, wgt)
+    cohort_size = max(1, int(np.ceil(federation.fraction * n)))
+    for t in range(1, federation.rounds + 1):
+        start = time.perf_counter()
+        cohort = np.sort(rng.choice(n, size=cohort_size, replace=False)).astype(np.int64)
+        local = data.rows(cohort)
+        D = state.item_codes
+        dev_beta = bias_from_levels(state.item_levels, m, f, wgt)  # what the devices received
+        B = state.user_codes[cohort]
+        flips = 0
+        for _ in range(model.local_epochs):
+            B, stats = lightfr.dcd_full(
+                local.indptr, local.items, local.targets, B, D, dev_beta, w0, alpha, max_sweeps=model.max_sweeps
+            )
+            flips += stats.flips
+        parts = lightfr.full_upload(local.indptr, local.items, local.targets, B, D, dev_beta, w0, alpha)
+        state.user_codes[cohort] = B
+        new_D, beta = agg_full(
+            D,
+            dev_beta,
+            parts,
+            cohort.size,
+            w0,
+            alpha,
+            flip_fraction=federation.flip_fraction,
+            rng=rng,
+            learn_bias=federation.learn_bias,
+        )
+        item_flips = int(np.count_nonzero(new_D != D))
+        state.item_codes = new_D
+        if federation.learn_bias:
+            state.item_levels = levels_from_bias(beta, f, wgt)
         metric = None
         if evaluate is not None and (t % eval_every == 0 or t == federation.rounds):
             metric = evaluate(state)

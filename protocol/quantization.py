@@ -26,6 +26,7 @@ __all__ = [
     "QuantizationStats",
     "clip_l2",
     "quantize",
+    "stochastic_round",
     "dequantize_sum",
     "check_bit_budget",
     "sensitivity",
@@ -182,12 +183,28 @@ def quantize(
     norm_before = float(np.linalg.norm(raw))
     clipped, was_clipped = clip_l2(raw, cfg.clip_norm)
     changed = int(np.count_nonzero(clipped != raw)) if was_clipped else 0
-    scaled = clipped * cfg.scale
-    low = np.floor(scaled)
-    up = rng.random(scaled.shape) < (scaled - low)
-    ints = low.astype(np.int64) + up.astype(np.int64)
+    ints = stochastic_round(clipped * cfg.scale, rng)
     ring = np.bitwise_and(ints, np.int64(0xFFFFFFFF)).astype(np.uint32)
     return ring, QuantizationStats(norm_before=norm_before, clipped=was_clipped, clipped_values=changed)
+
+
+def stochastic_round(scaled: NDArray[np.float64], rng: np.random.Generator) -> NDArray[np.int64]:
+    """Unbiased stochastic rounding: floor(v) + Bernoulli(frac(v)), one uniform coin per element.
+
+    An element that is already an integer (a zero coordinate in particular) comes out unchanged
+    whatever its coin, which is why a sparse update can be rounded on its non-zero part alone
+    (`fedsim.privsim` at scale) with the same law as the dense vector a device rounds.
+
+    Parameters
+    ----------
+    scaled : NDArray[np.float64]
+        Finite values already multiplied by 2^s.
+    rng : np.random.Generator
+        Source of the coins (``rng.random(scaled.shape)``, drawn once).
+    """
+    low = np.floor(scaled)
+    up = rng.random(scaled.shape) < (scaled - low)
+    return low.astype(np.int64) + up.astype(np.int64)
 
 
 def dequantize_sum(total: NDArray[np.uint32], cfg: QuantizationConfig) -> NDArray[np.float64]:

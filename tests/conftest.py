@@ -15,7 +15,13 @@ import pytest
 
 from fedsim.datasets import find_data_dir
 
-_EXPECTED = ("ml-100k/u.data", "filmtrust/ratings.txt", "filmtrust-lightfr-split/filmtrust_train.csv")
+_EXPECTED = (
+    "ml-100k/u.data",
+    "filmtrust/ratings.txt",
+    "filmtrust-lightfr-split/filmtrust_train.csv",
+    "amazon-book-kgat/train.txt",
+    "amazon-book-kgat/test.txt",
+)
 
 
 def _unavailable(reason: str) -> NoReturn:
@@ -28,8 +34,13 @@ def _unavailable(reason: str) -> NoReturn:
 def shared_data() -> Path:
     """Path of the shared dataset folder; skips (or fails under ``$CI``) when it is missing."""
     base = find_data_dir()
-    if base is None or not base.is_dir():
-        _unavailable(f"real datasets not found ({base}); set FEDREC_DATA or provide ../shared/data")
+    if base is None:
+        _unavailable(
+            "real datasets not found: FEDREC_DATA is not set and no ../shared/data folder is above the checkout "
+            "or the current directory (docs/datasets.md)"
+        )
+    if not base.is_dir():
+        _unavailable(f"real datasets not found: FEDREC_DATA={base} is not a folder (docs/datasets.md)")
     missing = [name for name in _EXPECTED if not (base / name).is_file()]
     if missing:
         _unavailable(f"real datasets incomplete under {base}: missing {', '.join(missing)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from protocol.crypto import insecure_test_noise_stream
 from protocol.messages import (
     Abort,
     CheckIn,
@@ -103,7 +104,9 @@ class Round:
         )
         self.ids = list(range(10, 10 + n))
         self.server = ServerSecAggSession(self.params, self.ids, rng=np.random.default_rng(seed))
-        self.devices = {u: DeviceSecAggSession(self.server.outbox(u), rng=np.random.default_rng(u)) for u in self.ids}  # type: ignore[arg-type]
+        self.devices = {
+            u: DeviceSecAggSession(self.server.outbox(u), rng=insecure_test_noise_stream(seed, u)) for u in self.ids
+        }  # type: ignore[arg-type]
         rng = np.random.default_rng(seed + 1)
         self.inputs = {u: rng.integers(0, 2**32, size=length, dtype=np.uint32) for u in self.ids}
 

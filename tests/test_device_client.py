@@ -30,13 +30,14 @@ from device_sdk.client import (
     DropoutAt,
     RoundOutcome,
     RoundStatus,
-    seeded_rngs,
+    insecure_seeded_rngs,
 )
 from device_sdk.models import LightFRModel
 from device_sdk.training import local_round
 from device_sdk.transport import Response
 from protocol.codec import decode, encode
 from protocol.codes import pack_signs, random_signs, to_bytes
+from protocol.crypto import NoiseStream
 from protocol.errors import (
     AuthError,
     FedRecError,
@@ -324,7 +325,7 @@ def make_device(server: FakeServer, store: Path, index: int) -> Device:
     def rngs(round_id: int) -> tuple[np.random.Generator, np.random.Generator]:
         device_id = box[0].device_id
         assert device_id is not None
-        return seeded_rngs(SEED, round_id, device_id)
+        return insecure_seeded_rngs(SEED, round_id, device_id)
 
     client = DeviceClient(
         FakeTransport(server),
@@ -344,7 +345,7 @@ class RecordingSession(DeviceSecAggSession):
 
     created: list[RecordingSession] = []
 
-    def __init__(self, invite: RoundInvite, *, rng: np.random.Generator) -> None:
+    def __init__(self, invite: RoundInvite, *, rng: NoiseStream) -> None:
         super().__init__(invite, rng=rng)
         self.recorded: NDArray[np.uint32] | None = None
         RecordingSession.created.append(self)
@@ -413,15 +414,15 @@ async def test_full_round_secure_sum_is_bit_exact(tmp_path: Path, recording: lis
     np.testing.assert_array_equal(server.result_total, expected_sum(recording, server.result_survivors))
     assert any(s.kept_noise().any() for s in recording)  # DP noise really is in the sum
 
-    # The update is exactly what the in-process reference computes with `seeded_rngs`.  Devices train
-    # in worker threads, so their sessions are recorded in whatever order training finished.
+    # The update is exactly what the in-process reference computes with `insecure_seeded_rngs`.  Devices
+    # train in worker threads, so their sessions are recorded in whatever order training finished.
     by_device = {s.device_id: s for s in recording}
     for device, model in zip(devices, before, strict=True):
         device_id = device.client.device_id
         assert device_id is not None
         session = by_device[device_id]
         model.set_item_codes(global_codes, 3)
-        training_rng, _ = seeded_rngs(SEED, 1, device_id)
+        training_rng, _ = insecure_seeded_rngs(SEED, 1, device_id)
         q, _ = local_round(model, server.invites[device_id], device.items, device.ratings, training_rng)
         np.testing.assert_array_equal(q, session.recorded)
         np.testing.assert_array_equal(device.client.model.user_codes, model.user_codes)
@@ -615,15 +616,16 @@ async def test_failed_save_after_training_keeps_the_old_store(tmp_path: Path, mo
 
 
 def test_seeded_rngs_are_reproducible_and_distinct() -> None:
-    a_train, a_noise = seeded_rngs(1, 2, 3)
-    b_train, b_noise = seeded_rngs(1, 2, 3)
+    a_train, a_noise = insecure_seeded_rngs(1, 2, 3)
+    b_train, b_noise = insecure_seeded_rngs(1, 2, 3)
     assert a_train.integers(0, 2**63) == b_train.integers(0, 2**63)
-    assert a_noise.integers(0, 2**63) == b_noise.integers(0, 2**63)
-    c_train, c_noise = seeded_rngs(1, 2, 3)
-    assert c_train.integers(0, 2**63) != c_noise.integers(0, 2**63)
-    assert seeded_rngs(1, 3, 3)[0].integers(0, 2**63) != seeded_rngs(1, 2, 3)[0].integers(0, 2**63)
+    assert np.array_equal(a_noise.uint64(4), b_noise.uint64(4))
+    c_train, c_noise = insecure_seeded_rngs(1, 2, 3)
+    assert isinstance(c_noise, NoiseStream)  # DP noise always from a keystream, never a numpy generator
+    assert not np.array_equal(insecure_seeded_rngs(1, 2, 4)[1].uint64(4), c_noise.uint64(4))
+    assert insecure_seeded_rngs(1, 3, 3)[0].integers(0, 2**63) != insecure_seeded_rngs(1, 2, 3)[0].integers(0, 2**63)
     with pytest.raises(ValueError):
-        seeded_rngs(-1, 0, 0)
+        insecure_seeded_rngs(-1, 0, 0)
 
 
 def test_client_config_validates(tmp_path: Path) -> None:

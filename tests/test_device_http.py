@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundStatus, seeded_rngs
+from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundStatus, insecure_seeded_rngs
 from device_sdk.http import HttpTransport
 from device_sdk.transport import MSGPACK_CONTENT_TYPE, TransportError, raise_for_error
 from protocol.codec import decode, encode
@@ -346,7 +346,7 @@ async def test_device_clients_over_http(
         def rngs(round_id: int) -> tuple[np.random.Generator, np.random.Generator]:
             device_id = clients[i].device_id
             assert device_id is not None
-            return seeded_rngs(SEED, round_id, device_id)
+            return insecure_seeded_rngs(SEED, round_id, device_id)
 
         return DeviceClient.connect(
             url_of(server),

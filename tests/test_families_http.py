@@ -19,7 +19,7 @@ from agg_server.app import COORDINATOR, create_app
 from agg_server.config import ServerConfig, config_from_dict
 from agg_server.coordinator import RoundCoordinator
 from agg_server.storage import Storage
-from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundStatus, seeded_rngs
+from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundStatus, insecure_seeded_rngs
 from device_sdk.family import LocalRatings
 from device_sdk.felb import FELBConfig, FELBModel
 from device_sdk.fnmf import FNMFConfig, FNMFModel
@@ -104,7 +104,7 @@ async def _http_round(cfg: ServerConfig, kind: str, aiohttp_server: Any, store: 
             n_items=N_ITEMS,
             model=new_model(),
             data=local,
-            rng_for_round=lambda r, _h=holder: seeded_rngs(SEED, r, int(_h["c"].device_id or 0)),
+            rng_for_round=lambda r, _h=holder: insecure_seeded_rngs(SEED, r, int(_h["c"].device_id or 0)),
         )
         holder["c"] = client
         client._owns_transport = True

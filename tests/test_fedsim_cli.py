@@ -1,10 +1,16 @@
 from __future__ import annotations
 
+import gzip
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from fedsim.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_simulate_prints_table_and_baselines(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -158,3 +164,89 @@ def test_family_misuse_is_one_clear_line(argv: list[str], message: str, capsys: 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("fedrec simulate: error:") and message in err
+
+
+# -- the first hour of a new user: flags that never silently do nothing, one line per failure ---------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--epsilon", "8"], "--epsilon is not implemented for --model lightfr"),
+        (["--secure"], "--secure is not implemented for --model lightfr"),
+        (["--model", "felb", "--lam", "0.5"], "--lam applies to --model lightfr only; --model felb"),
+        (["--model", "fnmf", "--epsilon", "1"], "--epsilon is not implemented for --model fnmf"),
+        (["--model", "mf", "--alignment", "sinkhorn"], "--alignment applies to --model fnmf only"),
+        (["--model", "mf", "--clip-norm", "5"], "--clip-norm applies to private MF only"),
+    ],
+)
+def test_inapplicable_flags_are_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--dataset", "synthetic", "--rounds", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedrec simulate: error: ") and message in err and err.count("\n") == 1
+
+
+def _fedrec(*argv: str, stdin: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fedsim.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=ROOT,
+    )
+
+
+def test_bad_input_is_one_line_and_an_exit_code(tmp_path: Path) -> None:
+    binary = tmp_path / "ratings.csv.gz"
+    binary.write_bytes(gzip.compress(b"1,2,5\n" * 5000))
+    cases = [
+        (("demo", "--devices", "2"), "--devices 2: a secure-aggregation round needs at least 3 devices"),
+        (("simulate", "--dataset", str(binary)), "binary content (a NUL byte at offset"),
+        (("simulate", "--dataset", "ml-100k", "--data-dir", str(tmp_path)), "expected layout: DATA/ml-100k/u.data"),
+        (("simulate", "--dataset", "synthetic", "--epsilon", "8"), "--epsilon is not implemented"),
+    ]
+    for argv, message in cases:
+        proc = _fedrec(*argv)
+        assert proc.returncode == 2, proc
+        assert proc.stdout == "" and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr) < 400
+
+
+def test_closed_stdout_ends_quietly() -> None:
+    cmd = f"{shlex.quote(sys.executable)} -m fedsim.cli simulate --dataset synthetic --rounds 2 --quiet | head -1"
+    proc = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {cmd}"], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False
+    )
+    assert proc.stdout.startswith("synthetic: ") and proc.stdout.count("\n") == 1
+    assert proc.stderr == "" and proc.returncode == 141  # what a tool killed by SIGPIPE reports
+
+
+def test_version_and_data_listing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("fedrec ")
+    assert main(["data", "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("synthetic") == 1 and "expected layout" in out
+
+
+def test_loadtest_failure_is_one_line_naming_the_cause() -> None:
+    from fedsim.demo import describe_outcomes
+    from fedsim.fleet import FleetReport
+
+    rep = FleetReport(devices=60)
+    rep.server_rounds = [{"round_id": 4, "status": "committed"}, {"round_id": 5, "status": "aborted", "reason": "x"}]
+    rep.errors.update({"ConfigError": 40, "status: TimeoutError": 2})
+    rep.error_examples["ConfigError"] = "invite n_items 1682 != device 3706"
+    assert rep.failure(2) == (
+        "1 of 2 rounds committed; aborted: x ×1; "
+        "devices failed 40× with ConfigError (invite n_items 1682 != device 3706)"
+    )
+    assert rep.failure(1) is None
+    rep.outcomes.update({"committed": 50, "waited": 700, "dropped": 3})
+    rep.drops.update({"before_keys": 3})
+    assert describe_outcomes(rep) == (
+        "device rounds: 50 took part in a committed round; 0 in an aborted one; 3 dropped as injected "
+        "(before_keys 3); 700 check-ins were told to wait (not in the cohort, or no round open)"
+    )

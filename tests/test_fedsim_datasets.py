@@ -11,10 +11,13 @@ import pytest
 from fedsim.datasets import (
     LightFRSplit,
     Ratings,
+    TrainTestSplit,
     find_data_dir,
+    load_amazon_book,
     load_dataset,
     load_filmtrust,
     load_generic,
+    load_kgat,
     load_lightfr_split,
     load_movielens,
     synthetic,
@@ -383,8 +386,95 @@ class TestFindAndLoad:
         assert load_dataset(generic).name == "mine"  # type: ignore[union-attr]
         with pytest.raises(DatasetError, match="neither a dataset name"):
             load_dataset("ml-10m")
-        with pytest.raises(DatasetError, match="data folder not found|file not found"):
+        with pytest.raises(DatasetError, match="no data folder|not found; expected layout"):
             load_dataset("ml-100k", data_dir=tmp_path / "absent")
+
+
+# ------------------------------------------------------------------------- KGAT (amazon-book) format
+
+
+def _kgat(tmp_path: Path, train: str, test: str) -> Path:
+    (tmp_path / "train.txt").write_bytes(train.encode("latin-1"))
+    (tmp_path / "test.txt").write_bytes(test.encode("latin-1"))
+    return tmp_path
+
+
+class TestKgat:
+    def test_known_answer(self, tmp_path: Path) -> None:
+        # users out of order, CRLF on one line, a trailing space, a test line without items, no final newline
+        folder = _kgat(tmp_path, "1 4 0\r\n0 2 3 5\n2 1\n", "0 1 \n1 \n2 0 6")
+        sp = load_kgat(folder)
+        assert isinstance(sp, TrainTestSplit) and sp.name == folder.name
+        tr, te = sp.train, sp.test
+        assert (tr.n_users, tr.n_items) == (te.n_users, te.n_items) == (3, 7)
+        assert list(zip(tr.users.tolist(), tr.items.tolist(), strict=True)) == [
+            (1, 4),
+            (1, 0),
+            (0, 2),
+            (0, 3),
+            (0, 5),
+            (2, 1),
+        ]
+        assert list(zip(te.users.tolist(), te.items.tolist(), strict=True)) == [(0, 1), (2, 0), (2, 6)]
+        assert (tr.ratings == 1.0).all() and tr.timestamps is None
+        assert te.meta["users_without_test"] == 1  # user 1
+        np.testing.assert_array_equal(tr.user_ids, [0, 1, 2])
+        assert tr.name == f"{folder.name}[train]"
+
+    def test_load_dataset_finds_the_folder(self, tmp_path: Path) -> None:
+        (tmp_path / "mine").mkdir()
+        assert isinstance(load_dataset(_kgat(tmp_path / "mine", "0 1\n", "0 2\n")), TrainTestSplit)
+        (tmp_path / "amazon-book-kgat").mkdir()
+        _kgat(tmp_path / "amazon-book-kgat", "0 1\n1 0\n", "0 0\n")
+        sp = load_dataset("amazon-book", data_dir=tmp_path)
+        assert isinstance(sp, TrainTestSplit) and sp.name == "amazon-book"
+        assert load_amazon_book(tmp_path).train.name == "amazon-book[train]"
+
+    @pytest.mark.parametrize(
+        ("train", "test", "where", "reason"),
+        [
+            ("0 1 2\n1 -3\n", "0 4\n", "train.txt:2", "expected non-negative integer ids"),
+            ("0 1 2.5\n", "0 4\n", "train.txt:1", "expected non-negative integer ids"),
+            ("0 1\nuser 2\n", "0 4\n", "train.txt:2", "'user 2'"),
+            ("0 1,2\n", "0 4\n", "train.txt:1", "expected non-negative integer ids"),
+            ("0 1\n0 2\n", "0 4\n", "train.txt:2", "user 0 already has a line (line 1)"),
+            ("0 1 7 1\n", "0 4\n", "train.txt:1", "item 1 listed twice"),
+            ("0 1 2\n1 3\n", "1 2\n0 2\n", "test.txt:2", "item 2 of user 0 is also in train.txt"),
+            ("0 1234567890123456789\n", "0 4\n", "train.txt:1", "longer than 18 digits"),
+        ],
+    )
+    def test_malformed_names_file_line_and_reason(
+        self, tmp_path: Path, train: str, test: str, where: str, reason: str
+    ) -> None:
+        _kgat(tmp_path, train, test)
+        with pytest.raises(DatasetError, match=re.escape(where) + r": .*" + re.escape(reason)):
+            load_kgat(tmp_path)
+
+    def test_every_bad_line_reported(self, tmp_path: Path) -> None:
+        _kgat(tmp_path, "0 1\n1 x\n2 3\n3 -1\n4 \u00e9\n", "0 2\n")
+        with pytest.raises(DatasetError, match="3 malformed line") as info:
+            load_kgat(tmp_path)
+        assert [f"train.txt:{n}" in str(info.value) for n in (2, 4, 5)] == [True] * 3
+
+    @pytest.mark.parametrize("text", ["", "\n \n"])
+    def test_empty_and_missing(self, tmp_path: Path, text: str) -> None:
+        _kgat(tmp_path, text, "0 1\n")
+        with pytest.raises(DatasetError, match="no data lines"):
+            load_kgat(tmp_path)
+        (tmp_path / "test.txt").unlink()
+        with pytest.raises(DatasetError, match="missing: .*test.txt"):
+            load_kgat(tmp_path)
+
+    def test_parse_is_fast(self, tmp_path: Path) -> None:
+        import time
+
+        rng = np.random.default_rng(0)
+        lines = [f"{u} " + " ".join(map(str, rng.choice(25_000, 9, replace=False))) for u in range(70_000)]
+        _kgat(tmp_path, "\n".join(lines) + "\n", "0 25001\n")
+        t0 = time.perf_counter()
+        sp = load_kgat(tmp_path)
+        assert len(sp.train) == 630_000 and len(sp.test) == 1
+        assert time.perf_counter() - t0 < 3.0  # about 0.5 s; a per-token Python loop takes several
 
 
 # ------------------------------------------------------------------------------- real data
@@ -424,3 +514,11 @@ class TestRealData:
         r = load_dataset("ml-100k", data_dir=shared_data)
         assert isinstance(r, Ratings) and len(r) == 100_000
         assert isinstance(load_dataset("filmtrust-lightfr", data_dir=shared_data), LightFRSplit)
+
+    def test_amazon_book_published_counts(self, shared_data: Path) -> None:
+        sp = load_dataset("amazon-book", data_dir=shared_data)
+        assert isinstance(sp, TrainTestSplit)
+        tr, te = sp.train, sp.test
+        assert (tr.n_users, tr.n_items, len(tr), len(te)) == (70_679, 24_915, 652_514, 193_920)
+        assert np.unique(tr.users).size == 70_679 and np.unique(tr.items).size == 24_915
+        assert np.unique(te.users).size == 70_679 - 88 and te.meta["users_without_test"] == 88

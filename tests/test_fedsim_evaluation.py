@@ -10,21 +10,28 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from fedsim.datasets import Ratings, load_lightfr_split, load_movielens
+from fedsim.datasets import Ratings, load_amazon_book, load_lightfr_split, load_movielens
 from fedsim.evaluation import (
     EvalResult,
     TieMode,
+    evaluate_all_items,
     evaluate_candidates,
     evaluate_full_ranking,
+    evaluate_sampled,
+    hamming_scorer,
     hit_ratio,
     interaction_csr,
     ndcg,
+    popularity_scorer,
     popularity_scores,
+    random_scorer,
     random_scores,
     rank_of_positive,
     sample_negatives,
+    sample_test_blocks,
 )
 from fedsim.splits import leave_one_out
+from protocol.codes import pack_signs
 
 LOG2_3 = float(np.log2(3.0))
 
@@ -297,3 +304,195 @@ class TestKnownAnswersRealData:
         opt = evaluate_candidates(scores, tie_mode=TieMode.OPTIMISTIC)
         assert (rnd.hr, rnd.ndcg) == pytest.approx((0.4016, 0.2234), abs=1e-3)
         assert (opt.hr, opt.ndcg) == pytest.approx((0.4030, 0.2246), abs=1e-3)
+
+
+# ------------------------------------------------------------------ full ranking, Recall@k / NDCG@k
+
+
+def _split_log(n_users: int, n_items: int, density: float, test_share: float, seed: int) -> tuple[Ratings, Ratings]:
+    rng = np.random.default_rng(seed)
+    inter = rng.random((n_users, n_items)) < density
+    users, items = np.nonzero(inter)
+    is_test = rng.random(users.size) < test_share
+    return (
+        _ratings(users[~is_test].tolist(), items[~is_test].tolist(), n_users, n_items),
+        _ratings(users[is_test].tolist(), items[is_test].tolist(), n_users, n_items),
+    )
+
+
+def _orders(scores: npt.NDArray[np.float64], cands: list[int]) -> list[list[int]]:
+    """Every order of ``cands`` that sorts them by decreasing score (all equally likely under RANDOM ties)."""
+    groups = sorted({float(scores[i]) for i in cands}, reverse=True)
+    blocks = [[i for i in cands if scores[i] == g] for g in groups]
+    return [sum(map(list, combo), []) for combo in itertools.product(*(itertools.permutations(b) for b in blocks))]
+
+
+def _metrics_of_order(order: list[int], relevant: set[int], k: int) -> tuple[float, float]:
+    gains = [1.0 / np.log2(p + 2.0) for p, i in enumerate(order[:k]) if i in relevant]
+    ideal = sum(1.0 / np.log2(p + 2.0) for p in range(min(k, len(relevant))))
+    return len(gains) / len(relevant), sum(gains) / ideal
+
+
+def _reference(
+    table: npt.NDArray[np.float64], train: Ratings, test: Ratings, k: int, mode: str
+) -> tuple[float, float, int]:
+    """The obvious per-user definition: candidates = items not in train and not -inf; relevant = test
+    items not in train; ``mode`` "expected" averages over every tie order, "optimistic" puts relevant
+    items first among equal scores."""
+    recalls, ndcgs = [], []
+    for u in range(train.n_users):
+        seen = set(train.items[train.users == u].tolist())
+        relevant = set(test.items[test.users == u].tolist()) - seen
+        if not relevant:
+            continue
+        cands = [i for i in range(train.n_items) if i not in seen and table[u, i] > -np.inf]
+        if mode == "optimistic":
+            orders = [sorted(cands, key=lambda i: (-table[u, i], i not in relevant))]
+        else:
+            orders = _orders(table[u], cands)
+        per = np.array([_metrics_of_order(o, relevant, k) for o in orders])
+        recalls.append(per[:, 0].mean())
+        ndcgs.append(per[:, 1].mean())
+    return float(np.mean(recalls)), float(np.mean(ndcgs)), len(recalls)
+
+
+class TestAllItems:
+    @pytest.mark.parametrize("k", [1, 5, 20])
+    def test_matches_reference_without_ties(self, k: int) -> None:
+        train, test = _split_log(60, 700, 0.03, 0.3, seed=k)
+        rng = np.random.default_rng(1)
+        X, Y = rng.normal(size=(60, 8)), rng.normal(size=(700, 8))
+        table = (X.astype(np.float32) @ Y.astype(np.float32).T).astype(np.float64)
+        want = _reference(table, train, test, k, "optimistic")
+        for scorer in ((X, Y), lambda u: table[u]):
+            for mode in TieMode:
+                got = evaluate_all_items(scorer, train, test, k=k, tie_mode=mode, batch_size=7)
+                assert (got.recall, got.ndcg, got.n_users) == pytest.approx(want, rel=1e-9)
+                assert got.metrics() == {f"recall@{k}": got.recall, f"ndcg@{k}": got.ndcg}
+
+    def test_optimistic_with_ties_matches_reference(self) -> None:
+        train, test = _split_log(50, 400, 0.05, 0.4, seed=3)
+        table = np.random.default_rng(2).integers(0, 4, size=(50, 400)).astype(np.float64)
+        for k in (3, 20):
+            got = evaluate_all_items(lambda u: table[u].astype(np.int8), train, test, k=k, tie_mode=TieMode.OPTIMISTIC)
+            assert (got.recall, got.ndcg, got.n_users) == pytest.approx(_reference(table, train, test, k, "optimistic"))
+
+    def test_random_ties_average_to_the_exact_expectation(self) -> None:
+        # 4 users x 7 items, scores in {0, 1, 2}: few enough tie orders to enumerate
+        train = _ratings([0, 1, 2, 2, 3], [0, 1, 2, 3, 6], 4, 7)
+        test = _ratings([0, 0, 1, 2, 3, 3], [1, 4, 2, 5, 0, 5], 4, 7)
+        table = np.array(
+            [[2, 1, 1, 1, 2, 0, 1], [1, 2, 1, 1, 1, 0, 0], [0, 0, 2, 2, 1, 1, 1], [1, 1, 0, 1, 2, 1, 0]],
+            dtype=np.float64,
+        )
+        table[1, 6] = -np.inf  # never recommended
+        want = _reference(table, train, test, 2, "expected")
+        runs = np.array(
+            [
+                [r.recall, r.ndcg]
+                for r in (evaluate_all_items(lambda u: table[u], train, test, k=2, seed=s) for s in range(1500))
+            ]
+        )
+        sem = runs.std(axis=0) / np.sqrt(len(runs))
+        assert np.all(np.abs(runs.mean(axis=0) - want[:2]) < 4 * sem + 1e-12)
+        a = evaluate_all_items(lambda u: table[u], train, test, k=2, seed=7)
+        b = evaluate_all_items(lambda u: table[u], train, test, k=2, seed=7)
+        assert a == b and a.seed == 7  # seeded: reproducible
+
+    def test_edge_cases(self) -> None:
+        # 3 items < k; user 1's test item is also in train (dropped: user 1 not evaluated); user 2 has none
+        train = _ratings([0, 1, 1], [0, 0, 2], 3, 3)
+        test = _ratings([0, 0, 1], [1, 2, 0], 3, 3)
+        got = evaluate_all_items(lambda u: np.zeros((len(u), 3)), train, test, k=20)
+        assert (got.recall, got.ndcg, got.n_users) == (1.0, 1.0, 1)
+        with pytest.raises(ValueError, match="nothing to evaluate"):
+            evaluate_all_items(lambda u: np.zeros((len(u), 3)), train, test, users=[1, 2])
+
+    def test_users_subset(self) -> None:
+        train, test = _split_log(40, 100, 0.1, 0.3, seed=5)
+        table = np.random.default_rng(0).random((40, 100))
+        full = evaluate_all_items(lambda u: table[u], train, test, k=5)
+        part = evaluate_all_items(lambda u: table[u], train, test, k=5, users=np.arange(20))
+        assert part.n_users < full.n_users
+        sub_train, sub_test = train.subset(train.users < 20), test.subset(test.users < 20)
+        assert part == evaluate_all_items(lambda u: table[u], sub_train, sub_test, k=5)
+
+    def test_errors(self) -> None:
+        train, test = _split_log(10, 30, 0.2, 0.3, seed=0)
+        with pytest.raises(ValueError, match="shape"):
+            evaluate_all_items(lambda u: np.zeros((len(u), 29)), train, test)
+        with pytest.raises(ValueError, match="NaN"):
+            evaluate_all_items(lambda u: np.full((len(u), 30), np.nan), train, test)
+        with pytest.raises(ValueError, match="factors"):
+            evaluate_all_items((np.zeros((10, 4)), np.zeros((29, 4))), train, test)
+        with pytest.raises(ValueError, match="dtype"):
+            evaluate_all_items(lambda u: np.zeros((len(u), 30), dtype=np.complex64), train, test)
+        with pytest.raises(ValueError, match="id space"):
+            evaluate_all_items(lambda u: np.zeros((len(u), 30)), train, _ratings([0], [0], 10, 31))
+
+    def test_hamming_scorer(self) -> None:
+        rng = np.random.default_rng(0)
+        for bits in (5, 64, 100):
+            b = np.where(rng.random((9, bits)) < 0.5, -1, 1).astype(np.int8)
+            d = np.where(rng.random((40, bits)) < 0.5, -1, 1).astype(np.int8)
+            score = hamming_scorer(pack_signs(b), pack_signs(d), bits)
+            want = bits - (b[:, None, :] != d[None, :, :]).sum(axis=2)
+            got = score(np.arange(9))
+            assert got.dtype == np.int16
+            np.testing.assert_array_equal(got, want)
+        with pytest.raises(ValueError, match="word-major"):
+            hamming_scorer(pack_signs(b), pack_signs(d).astype(np.int64), 100)
+
+    def test_baseline_scorers(self) -> None:
+        train, test = _split_log(30, 50, 0.2, 0.3, seed=1)
+        pop = popularity_scorer(train)(np.arange(3))
+        np.testing.assert_array_equal(pop, np.broadcast_to(popularity_scores(train), (3, 50)))
+        r1 = random_scorer(50, seed=4)(np.arange(3))
+        assert r1.shape == (3, 50) and np.array_equal(r1, random_scorer(50, seed=4)(np.arange(3)))
+        res = evaluate_all_items(popularity_scorer(train), train, test, k=10)
+        assert 0.0 < res.recall <= 1.0
+
+
+class TestSampledOnSplit:
+    def test_blocks(self) -> None:
+        train, test = _split_log(80, 300, 0.05, 0.4, seed=2)
+        users, cand = sample_test_blocks(train, test, n_negatives=20, seed=3)
+        assert np.array_equal(users, np.unique(test.users)) and cand.shape == (users.size, 21)
+        for u, row in zip(users.tolist(), cand, strict=True):
+            tr = set(train.items[train.users == u].tolist())
+            te = set(test.items[test.users == u].tolist())
+            assert int(row[0]) in te
+            assert not (set(row[1:].tolist()) & (tr | te)) and len(set(row.tolist())) == 21
+        again = sample_test_blocks(train, test, n_negatives=20, seed=3)
+        assert np.array_equal(again[1], cand)
+
+    def test_test_item_is_uniform(self) -> None:
+        train = _ratings([0], [0], 1, 60)
+        test = _ratings([0, 0, 0], [1, 2, 3], 1, 60)
+        rng = np.random.default_rng(0)
+        picks = [int(sample_test_blocks(train, test, 5, rng)[1][0, 0]) for _ in range(1500)]
+        counts = np.bincount(picks, minlength=4)[1:]
+        assert counts.min() > 420  # each about 500
+
+    def test_scoring_matches_candidates(self) -> None:
+        train, test = _split_log(50, 200, 0.05, 0.4, seed=4)
+        users, cand = sample_test_blocks(train, test, n_negatives=30, seed=0)
+        rng = np.random.default_rng(1)
+        X, Y = rng.normal(size=(50, 6)), rng.normal(size=(200, 6))
+        table = X.astype(np.float32) @ Y.astype(np.float32).T
+        want = evaluate_candidates(np.take_along_axis(table[users], cand, axis=1), k=10)
+        for scorer in ((X, Y), lambda u: table[u]):
+            got = evaluate_sampled(scorer, users, cand, k=10, batch_size=9)
+            assert (got.hr, got.ndcg, got.n) == pytest.approx((want.hr, want.ndcg, want.n), rel=1e-5)
+        assert got.metrics() == {"hr@10": got.hr, "ndcg@10": got.ndcg}
+
+
+@pytest.mark.data
+def test_popularity_on_amazon_book_full_ranking(shared_data: Path) -> None:
+    """Item popularity on amazon-book's own split, Recall@20 / NDCG@20 over all non-train items
+    (every 5th user, to stay fast; all 70,591 users give 0.0287 / 0.0123)."""
+    sp = load_amazon_book(shared_data)
+    every_5th = np.arange(0, sp.train.n_users, 5)
+    res = evaluate_all_items(popularity_scorer(sp.train), sp.train, sp.test, k=20, seed=0, users=every_5th)
+    assert res.n_users == 14_115
+    assert (res.recall, res.ndcg) == pytest.approx((0.0285, 0.0121), abs=2e-4)

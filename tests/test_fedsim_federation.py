@@ -83,3 +83,18 @@ def test_cohort_sum_equals_sum_of_device_uploads() -> None:
         assert np.array_equal(dev.user_codes[0], B1[u])
         devices += up.values
     np.testing.assert_allclose(devices, total, atol=1e-9)
+
+
+@pytest.mark.data
+def test_all_items_objective_beats_popularity_on_ml100k_validation(shared_data: Path) -> None:
+    """The default recipe (all-items objective, learned item levels) clears item popularity on the
+    ML-100K validation blocks after a short run (0.64 after 40 rounds; popularity 0.44)."""
+    exp = prepare("ml-100k", data_dir=shared_data)
+    cfg = LightFRConfig(rating_range=exp.rating_range, binary_positives=True, unobserved_weight=0.1)
+    state = run_lightfr(user_data(exp.train, cfg), cfg, FederationConfig(rounds=8, seed=0, flip_fraction=0.3))
+    assert state.item_levels is not None and state.item_levels.dtype == np.uint8
+    res = evaluate_candidates(state.scores(exp.val.users, exp.val.items), 10, TieMode.RANDOM)
+    pop = evaluate_candidates(
+        np.bincount(exp.train.items, minlength=exp.train.n_items)[exp.val.items], 10, TieMode.RANDOM
+    )
+    assert res.hr > pop.hr + 0.03

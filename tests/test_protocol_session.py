@@ -471,3 +471,35 @@ def test_server_deadlines_close_phases_and_abort_below_t() -> None:
     with pytest.raises(NotEnoughParticipants):
         rnd.server.result()
     assert isinstance(rnd.server.outbox(rnd.ids[0]), Abort)
+
+
+# -- the rules module (protocol.phases) -------------------------------------------------------------------
+
+
+def test_prune_unmaskable_repeats_to_a_fixed_point() -> None:
+    from protocol.phases import prune_unmaskable
+
+    # a path 1-2-3-4: with t = 2 every end keeps 2 (itself and one neighbour) until 4 has not shared
+    graph = {1: (1, 2), 2: (1, 2, 3), 3: (2, 3, 4), 4: (3, 4)}
+    assert prune_unmaskable({1, 2, 3, 4}, graph, 2) == frozenset({1, 2, 3, 4})
+    assert prune_unmaskable({1, 2, 3}, graph, 2) == frozenset({1, 2, 3})
+    assert prune_unmaskable({1, 2, 3}, graph, 3) == frozenset()  # 1 loses, then 2, then 3
+
+
+def test_quorum_and_survivor_rules_name_the_violated_threshold() -> None:
+    from protocol.errors import NotEnoughParticipants, RemoteProtocolError
+    from protocol.phases import check_survivor_quorum, require_quorum
+
+    with pytest.raises(NotEnoughParticipants, match="t=3"):
+        require_quorum(2, "devices", t=3, dp_mu=0.0, dp_t_min=0)
+    with pytest.raises(NotEnoughParticipants, match="t_min=5"):
+        require_quorum(4, "devices", t=3, dp_mu=1.0, dp_t_min=5)
+    require_quorum(4, "devices", t=3, dp_mu=0.0, dp_t_min=5)  # t_min binds only with DP
+    invite = dataclasses.replace(sample_messages()[0], graph_k=5, graph_t=3, dp_mu=10.0, dp_t_min=5)
+    with pytest.raises(RemoteProtocolError, match="t=3"):
+        check_survivor_quorum(2, 10, invite)
+    with pytest.raises(RemoteProtocolError, match="smaller than the survivor list"):
+        check_survivor_quorum(4, 3, invite)
+    with pytest.raises(RemoteProtocolError, match="t_min=5"):
+        check_survivor_quorum(3, 4, invite)
+    check_survivor_quorum(3, 5, invite)

@@ -111,6 +111,12 @@ async def test_hostile_inputs_get_the_right_status(aiohttp_client: Any, tmp_path
 
     resp = await client.get("/v1/nowhere")
     assert resp.status == 404 and isinstance(decode(await resp.read()), ErrorMessage)
+    # A client that asks for JSON (curl -H 'Accept: application/json', a browser's fetch) gets JSON.
+    resp = await client.get("/v1/nowhere", headers={"Accept": "application/json"})
+    assert resp.status == 404 and resp.content_type == "application/json"
+    assert (await resp.json())["message"] == "no route GET /v1/nowhere"
+    resp = await client.delete("/v1/status", headers={"Accept": "application/json"})
+    assert resp.status == 405 and (await resp.json())["error"] == "remote_protocol_error"
 
     status, msg = await _post(client, "/v1/checkin", encode(CheckIn(device_id=dev.device_id)), token)
     assert status == 200 and isinstance(msg, Wait)
@@ -237,6 +243,7 @@ async def test_http_run_is_bit_identical_to_the_in_process_reference(aiohttp_ser
         bits=BITS,
         rounds=rounds,
         seed=11,
+        insecure_reproducible=True,  # the test hook: the reference must draw the same noise
         schedule=_schedule,
         time_limit=120.0,
     )

@@ -49,10 +49,12 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 def test_example_loads_and_states_the_defaults() -> None:
     config = load_config(EXAMPLE)
-    assert config.data_dir == EXAMPLE.parent / "fedrec-data"
+    # Outside the checkout: running the example never writes into the repository.
+    assert config.data_dir == Path("~/.local/share/fedrec/example-server").expanduser()
     # Every value in the example is the default: the same config from only the required keys.
     defaults = config_from_dict(
-        {"server": {"data_dir": "fedrec-data"}, "model": {"n_items": 1682}}, base_dir=EXAMPLE.parent
+        {"server": {"data_dir": "~/.local/share/fedrec/example-server"}, "model": {"n_items": 1682}},
+        base_dir=EXAMPLE.parent,
     )
     assert config == defaults
 

@@ -231,7 +231,7 @@ def _session(n: int = 4, **kw: Any) -> ServerSecAggSession:
 
 
 def test_a_retransmission_is_recognised_by_the_digest_without_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    import protocol.session as session_module
+    import protocol.server_session as session_module
 
     def no_encode(message: Any) -> bytes:
         raise AssertionError("the session encoded a message to hash it")

@@ -26,6 +26,7 @@ __all__ = [
     "LightFRServerStrategy",
     "agg_grad",
     "agg_para",
+    "agg_full",
     "cold_start_items",
 ]
 
@@ -84,6 +85,65 @@ def agg_grad(
         S += new - dk
         out[:, k] = new
     return out
+
+
+def agg_full(
+    D: NDArray[np.int8],
+    beta: NDArray[np.float64],
+    parts: dict[str, NDArray[np.float64]],
+    survivors: int,
+    w0: float,
+    alpha: float,
+    *,
+    flip_fraction: float = 1.0,
+    rng: np.random.Generator | None = None,
+    learn_bias: bool = True,
+) -> tuple[NDArray[np.int8], NDArray[np.float64]]:
+    """One server step of the all-items objective (see `device_sdk.lightfr`): new item codes and
+    item biases from the cohort's summed upload parts (`protocol.families.lightfr.UploadLayout.split`).
+
+    Codes: for each item, bit by bit, d_ik ← −sign(C_ik) (kept when 0) with
+    C_ik / f = gradient_ik + w0 (Σ_{k'≠k} (G_U)_{kk'} d_ik') / f + w0 β_i (Σ_u b_u)_k, where the first
+    term was taken at the old codes (so, as in `agg_grad`, a bit the rule selects flips with
+    probability ``flip_fraction``) and the Gram term follows the item's bits as they change.
+    Biases: the exact minimiser given the codes the devices trained against,
+    β_i = (bias_i − w0 d_iᵀ Σ_u b_u / f) / ((c − w0) counts_i + w0 n), n = ``survivors``.
+    """
+    m, f = D.shape
+    if beta.shape != (m,):
+        raise ValueError(f"item biases must have shape ({m},), got {beta.shape}")
+    grad, gram, bsum = parts["gradient"], parts["gram"], parts["code_sum"]
+    _check(D, grad)
+    if gram.shape != (f, f) or bsum.shape != (f,):
+        raise ValueError(f"Gram and code sum must be ({f}, {f}) and ({f},)")
+    if not (w0 > 0 and np.isfinite(w0)) or not (alpha >= 0 and np.isfinite(alpha)):
+        raise ValueError(f"need w0 > 0 and alpha >= 0, got {w0}, {alpha}")
+    if survivors < 1:
+        raise ValueError("survivors must be >= 1")
+    if not 0 < flip_fraction <= 1:
+        raise ValueError(f"flip_fraction must be in (0, 1], got {flip_fraction}")
+    if flip_fraction < 1 and rng is None:
+        raise ValueError("a generator is needed when flip_fraction < 1")
+    old = D.astype(np.float64)
+    out = old.copy()
+    Q = out @ gram
+    diag = np.diag(gram)
+    for k in range(f):
+        dk = out[:, k]
+        C = grad[:, k] + w0 * (Q[:, k] - diag[k] * dk) / f + w0 * beta * bsum[k]
+        new = np.where(C < 0, 1.0, np.where(C > 0, -1.0, dk))
+        if flip_fraction < 1 and rng is not None:
+            new = np.where(rng.random(m) < flip_fraction, new, dk)
+        delta = new - dk
+        idx = np.flatnonzero(delta)
+        if idx.size:
+            out[idx, k] = new[idx]
+            Q[idx] += delta[idx, None] * gram[k][None, :]
+    if learn_bias:
+        wq = 1.0 + alpha - w0
+        den = wq * np.maximum(parts["counts"], 0.0) + w0 * survivors
+        beta = (parts["bias"] - w0 * (old @ bsum) / f) / den
+    return out.astype(np.int8), beta
 
 
 def agg_para(D: NDArray[np.int8], codes_sum: NDArray[np.integer] | NDArray[np.floating]) -> NDArray[np.int8]:

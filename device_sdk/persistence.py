@@ -1,0 +1,178 @@
+# Invariants:
+# - Store files under a device's ``store_dir`` are written atomically by `device_sdk.store`: the identity
+#   once, at registration; the model right after local training and at commit; the ETag record ("sync")
+#   only after the model it describes is on disk, so it never vouches for item codes that are not stored.
+# - A corrupt model or ETag record is moved aside by the store and replaced by a fresh one (with a
+#   warning); a file the store could not move aside is never overwritten: the error propagates.
+"""On-device persistence of a `DeviceClient`: identity, global-model sync record and the model itself."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import secrets
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from device_sdk.family import FederatedModel
+from device_sdk.models import LightFRConfig, LightFRModel
+from device_sdk.store import load_store, save_store
+from protocol.errors import ConfigError, StorageError
+
+__all__ = [
+    "MODEL_FILE",
+    "IDENTITY_FILE",
+    "SYNC_FILE",
+    "Identity",
+    "Sync",
+    "secret_generator",
+    "load_identity",
+    "save_identity",
+    "load_sync",
+    "save_model",
+    "fresh_model",
+    "load_model",
+]
+
+MODEL_FILE = "model.fedrec"
+IDENTITY_FILE = "identity.fedrec"
+SYNC_FILE = "sync.fedrec"
+_IDENTITY_KIND = "identity"
+_SYNC_KIND = "sync"
+
+_log = logging.getLogger(__name__)
+
+
+def secret_generator() -> np.random.Generator:
+    """A numpy generator seeded from ``secrets`` (model initialisation and training only, never DP noise)."""
+    return np.random.default_rng(secrets.randbits(128))
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """The device id and bearer token the server issued at registration."""
+
+    device_id: int
+    token: str
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    """The ETag the server gave for the global model version this device stores."""
+
+    etag: str | None
+    model_version: int
+
+
+def _load_small(store_dir: Path, name: str, kind: str) -> dict[str, Any] | None:
+    path = store_dir / name
+    if not path.exists():
+        return None
+    try:
+        return load_store(path, kind)
+    except StorageError as exc:
+        if path.exists():  # not moved aside: leave it alone and let the caller see why
+            raise
+        _log.warning("%s store is corrupt and was moved aside; starting without it: %s", kind, exc)
+        return None
+
+
+def load_identity(store_dir: Path) -> Identity | None:
+    """The stored identity, None when the device never registered.
+
+    Raises
+    ------
+    StorageError
+        The identity file is malformed (it is never overwritten).
+    """
+    state = _load_small(store_dir, IDENTITY_FILE, _IDENTITY_KIND)
+    if state is None:
+        return None
+    device_id, token = state.get("device_id"), state.get("token")
+    if type(device_id) is not int or device_id < 0 or not isinstance(token, str) or not token:
+        raise StorageError(f"{store_dir / IDENTITY_FILE} holds a malformed identity")
+    return Identity(device_id=device_id, token=token)
+
+
+def save_identity(store_dir: Path, identity: Identity) -> None:
+    """Persist the identity (atomically)."""
+    save_store(store_dir / IDENTITY_FILE, _IDENTITY_KIND, {"device_id": identity.device_id, "token": identity.token})
+
+
+def load_sync(store_dir: Path) -> Sync | None:
+    """The stored ETag record, None when absent or malformed (a malformed one is ignored with a warning)."""
+    state = _load_small(store_dir, SYNC_FILE, _SYNC_KIND)
+    if state is None:
+        return None
+    etag, version = state.get("etag"), state.get("model_version")
+    if not (etag is None or isinstance(etag, str)) or type(version) is not int or version < 0:
+        _log.warning("ignoring a malformed ETag record in %s", store_dir / SYNC_FILE)
+        return None
+    return Sync(etag=etag, model_version=version)
+
+
+def save_model(store_dir: Path, model: Any, sync: Sync | None) -> None:
+    """Persist the model, then (never before) the ETag record describing it."""
+    model.save(store_dir / MODEL_FILE)
+    if sync is not None:
+        save_store(store_dir / SYNC_FILE, _SYNC_KIND, {"etag": sync.etag, "model_version": sync.model_version})
+
+
+def fresh_model(n_items: int, lightfr: LightFRConfig, template: FederatedModel | None) -> Any:
+    """A new model: a copy of ``template``, or a LightFR model with random user codes."""
+    if template is not None:
+        return copy.deepcopy(template)
+    return LightFRModel(n_items, lightfr, rng=secret_generator())
+
+
+def load_model(store_dir: Path, n_items: int, lightfr: LightFRConfig, template: FederatedModel | None) -> Any | None:
+    """The stored model, or None when there is none (or it was corrupt and moved aside).
+
+    Raises
+    ------
+    ConfigError
+        The stored model was built for another family, catalogue size or rank.
+    StorageError
+        The file is unreadable and could not be moved aside.
+    """
+    path = store_dir / MODEL_FILE
+    if not path.exists():
+        return None
+    if template is not None:
+        return _load_family_model(path, template)
+    try:
+        model = LightFRModel.load(path, rng=secret_generator())
+    except StorageError as exc:
+        if path.exists():  # not moved aside (e.g. written by a newer format): never overwrite it
+            raise
+        _log.warning("device model store is corrupt, starting with a fresh model: %s", exc)
+        return None
+    if model.n_items != n_items or model.config.bits != lightfr.bits:
+        raise ConfigError(
+            f"{path} holds a model with m={model.n_items}, f={model.config.bits}; "
+            f"this device is configured for m={n_items}, f={lightfr.bits}"
+        )
+    model.config = replace(model.config, rating_range=lightfr.rating_range, binary_positives=lightfr.binary_positives)
+    return model
+
+
+def _load_family_model(path: Path, template: FederatedModel) -> Any | None:
+    loader = getattr(type(template), "load", None)
+    if loader is None:
+        raise ConfigError(f"{type(template).__name__} has no load(); it cannot keep a store")
+    try:
+        model = loader(path)
+    except StorageError as exc:
+        if path.exists():
+            raise
+        _log.warning("device model store is corrupt, starting with a fresh model: %s", exc)
+        return None
+    if (model.KIND, model.n_items, model.rank) != (template.KIND, template.n_items, template.rank):
+        raise ConfigError(
+            f"{path} holds a {model.KIND!r} model with m={model.n_items}, rank {model.rank}; this device "
+            f"is configured for {template.KIND!r} with m={template.n_items}, rank {template.rank}"
+        )
+    return model

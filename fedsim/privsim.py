@@ -1,0 +1,586 @@
+"""The private-round simulator: what the server of a private round learns, computed directly.
+
+A private round releases exactly one thing to the server: the modular sum, over the survivors U3, of
+each device's clipped, quantized update plus the Skellam noise it still carries after the survivor
+correction (DESIGN.md §4–5).  The masks cancel by construction, so running SecAgg+'s crypto for tens of
+thousands of simulated devices buys nothing for the model: this module computes that released value
+without it, and then does what `agg_server.coordinator.RoundCoordinator` does with it (privacy
+ledger, dequantization, the family's `Strategy.aggregate`, the next model version).
+
+Two modes, one set of rules:
+
+* **exact** (`PrivateSimulator.run_round` with real `device_sdk` models, meant for n <= a few
+  hundred): every device runs `device_sdk.training.local_round` with the generators of
+  `device_sdk.client.insecure_seeded_rngs`, and draws and corrects its noise with `protocol.noise.device_noise`
+  / `protocol.noise.correct_noise`, the functions the device session calls.  With the coordinator's
+  ``rounds.seed`` and the same dropout schedule, the final model is bit-identical to
+  `fedsim.private.run_private` (real coordinator, real crypto) — `tests/test_fedsim_privsim.py`.
+* **scale** (`PrivateSimulator.run_scaled_round`, every device of amazon-book in one round): a
+  family's batched trainer (`LightFRCohort`) computes each device's sparse update (only its rated
+  items — and sampled negatives — are non-zero), clips it with `protocol.quantization.clip_l2` and
+  rounds it with `protocol.quantization.stochastic_round`; the survivors' noise is drawn in one piece
+  as Skellam of `protocol.noise.released_variance` (Skellam laws add), which is the released noise's
+  exact law.  Exact in distribution, not bit for bit: the draws come from a simulation generator.
+
+Survivor rules (the server session's, `protocol.session.ServerSecAggSession`): U1 = devices that
+advertised keys; the Harary graph over U1 is drawn from the round generator; U2 = devices that shared
+keys, pruned while some member has fewer than t sharing neighbours; U3 = devices whose masked input
+arrived; each needs >= t and, with DP, >= t_min members.  Devices of U3 that answer the unmask request
+correct their noise; the round aborts (nothing released, nothing charged) when a survivor or a dropped
+member of U2 has fewer than t answering neighbours.
+
+Randomness: the noise and thinning coins follow whatever `protocol.noise` samples with.  A seed enters
+only through ``seed=`` of the runs (the devices' `insecure_seeded_rngs`, the test hook of the real runs) and
+``sim_seed=`` of the scaled mode; nothing here is a device's production randomness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from agg_server.config import ServerConfig
+from agg_server.strategy import build_strategy
+from agg_server.strategy.base import Strategy, round_plan
+from device_sdk.client import DropoutAt, insecure_seeded_rngs
+from device_sdk.family import LocalRatings
+from device_sdk.training import local_round
+from protocol.accounting import PrivacyLedger, calibrate_mu
+from protocol.codec import decode, encode
+from protocol.crypto import NoiseStream, insecure_test_noise_stream
+from protocol.errors import ConfigError, NotEnoughParticipants
+from protocol.graph import find_parameters, harary_graph, validate_parameters
+from protocol.messages import ModelPayload, RoundInvite
+from protocol.noise import (
+    correct_noise,
+    device_noise,
+    minimum_survivors,
+    released_variance,
+    sample_skellam,
+    to_ring,
+)
+from protocol.phases import prune_unmaskable, require_quorum
+from protocol.quantization import (
+    QuantizationConfig,
+    check_bit_budget,
+    clip_l2,
+    dequantize_sum,
+    sensitivity,
+    stochastic_round,
+)
+from protocol.session import RoundParameters
+
+__all__ = [
+    "RoundOutcome",
+    "Survivors",
+    "survivor_sets",
+    "PrivateSimulator",
+    "LightFRCohort",
+    "one_blas_thread",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Survivors:
+    """Who took part in each phase of one round, as the server session decides it."""
+
+    u1: frozenset[int]
+    u2: frozenset[int]
+    u3: frozenset[int]
+    corrected: frozenset[int]
+    error: str = ""
+
+    @property
+    def released(self) -> bool:
+        return not self.error
+
+
+def survivor_sets(
+    cohort: Sequence[int],
+    plan: Mapping[int, DropoutAt],
+    *,
+    k: int,
+    t: int,
+    t_min: int,
+    rng: np.random.Generator,
+    need_graph: bool = True,
+) -> Survivors:
+    """U1 ⊇ U2 ⊇ U3 and the correcting survivors for one round (the server session's rules).
+
+    ``rng`` is the round generator; the Harary graph is drawn from it over sorted U1 exactly as the
+    server session does, so the generator leaves in the same state.  ``need_graph=False`` skips the
+    neighbourhood rules (only valid when nobody drops after advertising keys).
+    """
+
+    def need(count: int, what: str) -> str:
+        try:
+            require_quorum(count, what, t=t, dp_mu=1.0 if t_min > 0 else 0.0, dp_t_min=t_min)
+        except NotEnoughParticipants as exc:
+            return str(exc)
+        return ""
+
+    def stop(d: int, at: DropoutAt) -> bool:
+        return plan.get(d, DropoutAt.NONE) is at
+
+    empty: frozenset[int] = frozenset()
+    u1 = frozenset(d for d in cohort if not stop(d, DropoutAt.BEFORE_KEYS))
+    err = need(len(u1), "devices advertised keys")
+    if err:
+        return Survivors(u1, empty, empty, empty, err)
+    graph = harary_graph(sorted(u1), k, rng) if need_graph else {}
+    sharers = {d for d in u1 if not stop(d, DropoutAt.BEFORE_SHARES)}
+    u2 = prune_unmaskable(sharers, graph, t) if need_graph else frozenset(sharers)
+    err = need(len(u2), "devices shared keys")
+    if err:
+        return Survivors(u1, u2, empty, empty, err)
+    u3 = frozenset(d for d in u2 if not stop(d, DropoutAt.BEFORE_MASKED))
+    err = need(len(u3), "masked inputs arrived")
+    if err:
+        return Survivors(u1, u2, u3, empty, err)
+    answered = frozenset(
+        d for d in u3 if plan.get(d, DropoutAt.NONE) not in (DropoutAt.BEFORE_UNMASK, DropoutAt.DISCONNECT_MASKED)
+    )
+    if need_graph:
+        for owner in (*sorted(u3), *sorted(u2 - u3)):
+            if sum(1 for v in graph[owner] if v in answered) < t:
+                return Survivors(u1, u2, u3, answered, f"too few neighbours of {owner} answered")
+    elif len(answered) < len(u2):
+        raise ConfigError("need_graph=False is only valid when nobody drops after advertising keys")
+    return Survivors(u1, u2, u3, answered)
+
+
+@dataclass
+class RoundOutcome:
+    """One simulated round."""
+
+    round_id: int
+    committed: bool
+    survivors: Survivors
+    epsilon_spent: float | None
+    model_version: int
+    seconds: float
+    noise_variance: float = 0.0  # per-coordinate variance of the released noise (quantized units)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class PrivateSimulator:
+    """The server of private rounds, minus the crypto: cohort choice, survivor sets, the released
+    sum, the privacy ledger and the strategy's aggregation, with the coordinator's generators.
+
+    Parameters
+    ----------
+    config : the server configuration the coordinator would run with (its ``rounds.seed`` makes
+        the cohort choice, graph and aggregation reproducible; None draws from ``secrets``).
+    strategy : the server strategy (default: the configuration's).
+    mu : the aggregate noise variance of every round (default: calibrated for the configuration's
+        ε over ``privacy.planned_rounds``, as the coordinator does); a caller that charges other
+        releases to the same ledger (`fedsim.private_scale`) passes the μ its split asks for.
+    """
+
+    def __init__(self, config: ServerConfig, *, strategy: Strategy | None = None, mu: float | None = None) -> None:
+        self.config = config
+        self.strategy: Strategy = strategy if strategy is not None else build_strategy(config)
+        if self.strategy.n_items != config.model.n_items:
+            raise ConfigError(
+                f"the strategy is for n_items={self.strategy.n_items}, model.n_items is {config.model.n_items}"
+            )
+        self.quantization = QuantizationConfig(clip_norm=config.rounds.clip_norm, scale_bits=config.rounds.scale_bits)
+        self.vector_length = int(self.strategy.vector_length)
+        self.l2, self.l1 = sensitivity(self.quantization, self.vector_length)
+        self.ledger: PrivacyLedger | None = None
+        self.mu = 0.0
+        if config.privacy.enabled:
+            self.ledger = PrivacyLedger(epsilon_budget=config.privacy.epsilon, delta=config.privacy.delta)
+            self.mu = (
+                calibrate_mu(
+                    config.privacy.epsilon, config.privacy.delta, config.privacy.planned_rounds, self.l1, self.l2
+                )
+                if mu is None
+                else float(mu)
+            )
+        n = config.rounds.cohort_size
+        t_min = minimum_survivors(n, config.rounds.dropout_rate) if self.mu else 1
+        check_bit_budget(n, self.quantization, self.vector_length, n * self.mu / t_min)
+        self.model_state = self.strategy.initialize(self._rng(0))
+        self.model_version = 1
+        self.next_round_id = 1
+        self.stopped_reason = ""
+        #: The last released sum as signed integers (quantized units), for diagnostics and tests.
+        self.last_release: NDArray[np.int64] | None = None
+
+    # -- the coordinator's generators and plan ------------------------------------------------------
+    def _rng(self, round_id: int) -> np.random.Generator:
+        seed = self.config.rounds.seed
+        if seed is None:
+            import secrets
+
+            return np.random.default_rng(secrets.randbits(128))
+        return np.random.default_rng(np.random.SeedSequence([seed, round_id]))
+
+    def payload(self) -> ModelPayload:
+        """The model the devices download (through the codec, as the coordinator serves it)."""
+        st = self.strategy
+        wire = {"words": b"", "values": b"", **st.to_wire(self.model_state)}
+        raw = encode(
+            ModelPayload(model_version=self.model_version, model_kind=st.kind, bits=st.rank, n_items=st.n_items, **wire)
+        )
+        msg = decode(raw, max_size=len(raw) + 1)
+        assert isinstance(msg, ModelPayload)
+        return msg
+
+    def _open(self, eligible: Sequence[int]) -> tuple[int, tuple[int, ...], RoundParameters, dict[str, Any]] | None:
+        cfg = self.config.rounds
+        if cfg.max_rounds and self.next_round_id > cfg.max_rounds:
+            self.stopped_reason = f"max_rounds={cfg.max_rounds} reached"
+            return None
+        fresh = sorted(int(d) for d in eligible)
+        if len(fresh) < cfg.min_cohort:
+            raise ConfigError(f"{len(fresh)} eligible devices, below min_cohort={cfg.min_cohort}")
+        if self.ledger is not None:
+            self.ledger.check_round(self.mu, self.l1, self.l2)
+        round_id = self.next_round_id
+        self.next_round_id += 1
+        self._round_rng = rng = self._rng(round_id)
+        n = min(cfg.cohort_size, len(fresh))
+        cohort = tuple(sorted(int(d) for d in rng.choice(np.array(fresh), size=n, replace=False)))
+        if cfg.k is not None and cfg.t is not None:
+            k, t = cfg.k, cfg.t
+            validate_parameters(n, k, t, cfg.dropout_rate, cfg.adversary_rate)
+        else:
+            gp = find_parameters(n, cfg.dropout_rate, cfg.adversary_rate)
+            k, t = gp.k, gp.t
+        t_min = minimum_survivors(n, cfg.dropout_rate) if self.mu else 0
+        params = RoundParameters(
+            round_id=round_id,
+            vector_length=self.vector_length,
+            k=k,
+            t=t,
+            clip_norm=float(self.quantization.clip_norm),
+            scale_bits=self.quantization.scale_bits,
+            dp_mu=float(self.mu),
+            dp_t_min=t_min,
+            deadlines=(0.0, 0.0, 0.0, 0.0),
+        )
+        plan = round_plan(self.strategy, self.model_version, example_cap=cfg.example_cap)
+        return round_id, cohort, params, plan
+
+    def _commit(self, ring_total: NDArray[np.uint32], survivors: int, plan: Mapping[str, Any]) -> float | None:
+        self.last_release = ring_total.view(np.int32).astype(np.int64)
+        total = dequantize_sum(ring_total, self.quantization)
+        epsilon = None
+        if self.ledger is not None:
+            epsilon = self.ledger.record_round(self.mu, self.l1, self.l2)
+        self.model_state = self.strategy.aggregate(
+            self.model_state, total, survivors, self._round_rng, round_index=int(plan["round_index"])
+        )
+        self.model_version += 1
+        return epsilon
+
+    # -- exact mode ---------------------------------------------------------------------------------
+    def run_round(
+        self,
+        devices: Mapping[int, Any],
+        data: Mapping[int, LocalRatings],
+        *,
+        seed: int,
+        dropout: Callable[[int, int], DropoutAt] | None = None,
+    ) -> RoundOutcome | None:
+        """One round with real device models (``devices[id]`` a `device_sdk` model holding its state,
+        ``data[id]`` its ratings), bit-identical to the coordinator's round for the same seeds.
+
+        Returns None when the configuration stops (``max_rounds``).
+        """
+        start = time.perf_counter()
+        opened = self._open(list(devices))
+        if opened is None:
+            return None
+        round_id, cohort, params, plan = opened
+        schedule = dropout or (lambda r, d: DropoutAt.NONE)
+        drops = {d: schedule(round_id, d) for d in cohort}
+        payload = self.payload()
+        rings: dict[int, NDArray[np.uint32]] = {}
+        noise_rngs: dict[int, NoiseStream] = {}
+        for d in cohort:
+            model = devices[d]
+            invite: RoundInvite = replace(params.invite(d), **plan)
+            if model.model_version != invite.model_version:
+                model.set_global(payload.words, payload.values, payload.model_version)
+            training_rng, noise_rng = insecure_seeded_rngs(seed, round_id, d)
+            rings[d], _ = local_round(model, invite, data[d], None, training_rng)
+            noise_rngs[d] = noise_rng
+        sets = survivor_sets(cohort, drops, k=params.k, t=params.t, t_min=params.dp_t_min, rng=self._round_rng)
+        if not sets.released:
+            return RoundOutcome(round_id, False, sets, self._spent(), self.model_version, time.perf_counter() - start)
+        total = np.zeros(self.vector_length, dtype=np.int64)
+        s = len(sets.u3)
+        for d in sorted(sets.u3):
+            total += rings[d].view(np.int32)
+            if params.dp_mu > 0.0:
+                draw = device_noise(params.dp_mu, params.dp_t_min, self.vector_length, noise_rngs[d])
+                if d in sets.corrected:
+                    draw, _ = correct_noise(draw, params.dp_t_min, s, noise_rngs[d])
+                total += draw.value()
+        ring_total = to_ring(total)
+        eps = self._commit(ring_total, s, plan)
+        var = released_variance(self.mu, params.dp_t_min, s, len(sets.corrected)) if self.mu else 0.0
+        return RoundOutcome(round_id, True, sets, eps, self.model_version, time.perf_counter() - start, var)
+
+    def _spent(self) -> float | None:
+        return self.ledger.spent() if self.ledger is not None else None
+
+    # -- scale mode ---------------------------------------------------------------------------------
+    def run_scaled_round(
+        self,
+        trainer: LightFRCohort,
+        *,
+        sim_seed: int,
+        dropout: Callable[[int, int], DropoutAt] | None = None,
+    ) -> RoundOutcome | None:
+        """One round over every device of ``trainer`` (batched local training on sparse uploads,
+        the released noise drawn in one piece): exact in distribution.
+        """
+        start = time.perf_counter()
+        opened = self._open(trainer.device_ids)
+        if opened is None:
+            return None
+        round_id, cohort, params, plan = opened
+        schedule = dropout or (lambda r, d: DropoutAt.NONE)
+        drops = {d: schedule(round_id, d) for d in cohort} if dropout is not None else {}
+        late = any(v not in (DropoutAt.NONE, DropoutAt.BEFORE_KEYS) for v in drops.values())
+        sets = survivor_sets(
+            cohort,
+            drops,
+            k=params.k,
+            t=params.t,
+            t_min=params.dp_t_min,
+            rng=self._round_rng,
+            need_graph=late or len(cohort) <= 20_000,
+        )
+        sim = np.random.default_rng(np.random.SeedSequence([sim_seed, round_id]))
+        invite: RoundInvite = replace(params.invite(0), **plan)
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        with one_blas_thread():
+            total = trainer.quantized_sum(self.model_state, invite, cohort, sets.u3, sim)
+        timings["devices"] = time.perf_counter() - t0
+        if not sets.released:
+            return RoundOutcome(round_id, False, sets, self._spent(), self.model_version, time.perf_counter() - start)
+        s = len(sets.u3)
+        var = 0.0
+        t0 = time.perf_counter()
+        if params.dp_mu > 0.0:
+            var = released_variance(params.dp_mu, params.dp_t_min, s, len(sets.corrected))
+            noise = insecure_test_noise_stream(sim_seed, round_id)  # a simulation: ε is not a guarantee here
+            total += sample_skellam(var, self.vector_length, noise).value()
+        timings["noise"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        eps = self._commit(to_ring(total), s, plan)
+        timings["aggregate"] = time.perf_counter() - t0
+        return RoundOutcome(round_id, True, sets, eps, self.model_version, time.perf_counter() - start, var, timings)
+
+
+def one_blas_thread() -> contextlib.AbstractContextManager[Any]:
+    """Limit BLAS to one thread while simulating (``threadpoolctl`` when installed, the ``bench`` and
+    ``dev`` extras): the kernels call BLAS on small blocks, and a threaded BLAS on a busy machine
+    spends more time waking threads than computing (measured: 48 s vs 7.8 s for one round of 10,000
+    amazon-book devices on the shared 2-core machine)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - optional
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+class LightFRCohort:
+    """Every LightFR device of a dataset at once, for `PrivateSimulator.run_scaled_round`.
+
+    Holds each device's private user code b_u (``codes``, (n, f) ±1) and its ratings, and runs one
+    round of every device's local work in batches with the device's own kernels
+    (`device_sdk.lightfr.sample_negatives`, `dcd_update`, `inner_products`): θ ratings kept at
+    random, negatives sampled, DCD sweeps, then the eq. 12 item gradient of the kept and sampled
+    items only — the upload's non-zero part.  Each device's part is clipped with
+    `protocol.quantization.clip_l2` and rounded with `protocol.quantization.stochastic_round`.
+
+    Parameters
+    ----------
+    users : for each device (one user), its rated item ids and raw ratings (or None).
+    n_items, bits : model shape.
+    rating_range : raw rating range, None for implicit feedback.
+    batch : devices per vectorised batch (memory: batch × entries × f floats).
+    """
+
+    def __init__(
+        self,
+        users: Sequence[tuple[NDArray[np.int64], NDArray[np.float64] | None]],
+        n_items: int,
+        bits: int,
+        *,
+        rating_range: tuple[float, float] | None = None,
+        binary_positives: bool = True,
+        batch: int = 4096,
+        first_id: int = 1,
+    ) -> None:
+        from device_sdk.models import LightFRConfig
+
+        self.n_items, self.bits = int(n_items), int(bits)
+        self.device_ids = list(range(first_id, first_id + len(users)))
+        self._index = {d: i for i, d in enumerate(self.device_ids)}
+        self._cfg = LightFRConfig(bits=bits, rating_range=rating_range, binary_positives=binary_positives)
+        lengths = np.array([np.asarray(u[0]).size for u in users], dtype=np.int64)
+        self.indptr = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+        self.items = (
+            np.concatenate([np.asarray(u[0], dtype=np.int64) for u in users]) if users else np.zeros(0, np.int64)
+        )
+        self.targets = np.concatenate(
+            [self._cfg.normalize(None if r is None else np.asarray(r, float), np.asarray(i).size) for i, r in users]
+        )
+        self.codes = np.ones((len(users), bits), dtype=np.int8)
+        self.trained = np.zeros(len(users), dtype=bool)
+        self.batch = int(batch)
+
+    def quantized_sum(
+        self,
+        D: NDArray[np.int8],
+        invite: RoundInvite,
+        cohort: Iterable[int],
+        survivors: Iterable[int],
+        rng: np.random.Generator,
+    ) -> NDArray[np.int64]:
+        """Train every cohort device for one round; return Σ over ``survivors`` of the quantized
+        uploads as signed integers (length m·f)."""
+        from device_sdk.lightfr import dcd_update, inner_products, sample_negatives
+        from protocol.spec import Aggregation
+
+        if Aggregation(invite.aggregation) is not Aggregation.GRAD:
+            raise ConfigError("the scaled LightFR simulation runs Agg_grad uploads only")
+        m, f = self.n_items, self.bits
+        qcfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
+        lam = float(invite.lam)
+        negatives = int(invite.negatives)
+        cap = int(invite.example_cap)
+        epochs = int(invite.local_epochs)
+        sweeps = int(invite.max_sweeps)
+        alive = {self._index[d] for d in survivors}
+        rows_all = np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
+        total = np.zeros(m * f, dtype=np.int64)
+        fresh = rows_all[~self.trained[rows_all]]
+        if fresh.size:  # a device's first round starts from a random code
+            self.codes[fresh] = np.where(rng.random((fresh.size, f)) < 0.5, -1, 1).astype(np.int8)
+        for lo in range(0, rows_all.size, self.batch):
+            rows = rows_all[lo : lo + self.batch]
+            counts = self.indptr[rows + 1] - self.indptr[rows]
+            take = np.concatenate([np.arange(self.indptr[r], self.indptr[r + 1]) for r in rows])
+            items, targets = self.items[take], self.targets[take]
+            indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+            if cap:
+                # θ ratings per device, uniformly without replacement (random keys, smallest θ kept).
+                owner = np.repeat(np.arange(rows.size), counts)
+                order = np.lexsort((rng.random(items.size), owner))
+                rank = np.arange(items.size) - np.repeat(indptr[:-1], counts)
+                keep = np.sort(order[rank < cap])
+                items, targets, owner = items[keep], targets[keep], owner[keep]
+                counts = np.bincount(owner, minlength=rows.size)
+                indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+            B = self.codes[rows]
+            grad_items: NDArray[np.int64] | None = None
+            acc: NDArray[np.float64] | None = None
+            for _ in range(epochs):
+                if negatives:
+                    neg_ptr, neg = sample_negatives(indptr, items, m, negatives, rng)
+                    ei, er, eo = _merge_csr(indptr, items, targets, neg_ptr, neg)
+                else:
+                    ei, er, eo = items, targets, indptr
+                B, _ = dcd_update(eo, ei, er, B, D, lam, max_sweeps=sweeps)
+                g_items, g_rows, g_vals = _entry_gradients(eo, ei, er, B, D, inner_products)
+                if acc is None:
+                    grad_items, grad_rows, acc = g_items, g_rows, g_vals
+                else:  # later epochs: stack and merge below (the device averages epochs)
+                    grad_items = np.concatenate([grad_items, g_items])
+                    grad_rows = np.concatenate([grad_rows, g_rows])
+                    acc = np.concatenate([acc, g_vals])
+            self.codes[rows] = B
+            self.trained[rows] = True
+            assert grad_items is not None and acc is not None
+            keys, inv = np.unique(grad_rows * m + grad_items, return_inverse=True)
+            vals = np.zeros((keys.size, f))
+            np.add.at(vals, inv, acc)
+            vals /= epochs
+            urow, uitem = keys // m, keys % m
+            bounds = np.searchsorted(urow, np.arange(rows.size + 1))
+            for j in range(rows.size):
+                if int(rows[j]) not in alive:
+                    continue
+                a, b = bounds[j], bounds[j + 1]
+                if a == b:
+                    continue
+                clipped, _ = clip_l2(vals[a:b], qcfg.clip_norm)
+                q = stochastic_round(clipped * qcfg.scale, rng)
+                idx = (uitem[a:b, None] * f + np.arange(f)).ravel()
+                _scatter_add(total, idx, q.ravel())
+        return total
+
+
+def _scatter_add(total: NDArray[np.int64], idx: NDArray[np.int64], values: NDArray[np.int64]) -> None:
+    # Indices of one device are distinct (one row per (device, item)), so fancy += is exact.
+    total[idx] += values
+
+
+def _merge_csr(
+    indptr: NDArray[np.int64],
+    items: NDArray[np.int64],
+    targets: NDArray[np.float64],
+    neg_ptr: NDArray[np.int64],
+    neg: NDArray[np.int64],
+) -> tuple[NDArray[np.int64], NDArray[np.float64], NDArray[np.int64]]:
+    """Each user's positives followed by its negatives (r = 0), as one CSR batch (the device's
+    `_user_csr` order)."""
+    n = indptr.size - 1
+    counts = np.diff(indptr) + np.diff(neg_ptr)
+    out_ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    pos_owner = np.repeat(np.arange(n), np.diff(indptr))
+    neg_owner = np.repeat(np.arange(n), np.diff(neg_ptr))
+    pos_slot = out_ptr[pos_owner] + (np.arange(items.size) - indptr[pos_owner])
+    neg_slot = out_ptr[neg_owner] + np.diff(indptr)[neg_owner] + (np.arange(neg.size) - neg_ptr[neg_owner])
+    all_items = np.empty(out_ptr[-1], dtype=np.int64)
+    all_r = np.zeros(out_ptr[-1])
+    all_items[pos_slot], all_items[neg_slot] = items, neg
+    all_r[pos_slot] = targets
+    return all_items, all_r, out_ptr
+
+
+def _entry_gradients(
+    indptr: NDArray[np.int64],
+    items: NDArray[np.int64],
+    r: NDArray[np.float64],
+    B: NDArray[np.int8],
+    D: NDArray[np.int8],
+    inner_products: Callable[..., NDArray[np.int32]],
+) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64]]:
+    """Per CSR entry e of user u and item i: the eq. 12 row Δd^u_i = (r − 1/2 − s/(2f))·b_u + d_i/(2f)
+    (the terms `device_sdk.lightfr.item_gradient_sum` adds up), returned as (items, users, rows)."""
+    f = B.shape[1]
+    s = inner_products(indptr, items, B, D)
+    resid = r - 0.5 - s / (2.0 * f)
+    owner = np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
+    rows = resid[:, None] * B[owner].astype(np.float64) + D[items].astype(np.float64) / (2.0 * f)
+    return items, owner, rows
+
+
+def _noise_check(mu: float, n: int, dropout_rate: float, survivors: int, corrected: int, length: int) -> float:
+    """Empirical variance of the released noise of one round drawn device by device with the
+    device's functions (for tests and `fedrec plan-privacy --check`)."""
+    rng = insecure_test_noise_stream(0)  # a check of the variance, not a private run
+    t_min = minimum_survivors(n, dropout_rate)
+    total = np.zeros(length, dtype=np.int64)
+    for d in range(survivors):
+        draw = device_noise(mu, t_min, length, rng)
+        if d < corrected:
+            draw, _ = correct_noise(draw, t_min, survivors, rng)
+        total += draw.value()
+    return float(np.var(total))

@@ -1,0 +1,443 @@
+# Invariants (h11-style; the transition table and the threshold rules live in `protocol.phases`):
+# - Inside a device phase the order is fixed: receive the server's message once, then send the reply once
+#   (tracked by `_reply_ready`); `send` and `receive` consult `TRANSITIONS` first.
+# - Any exception moves the session to ERROR and every later call raises LocalProtocolError; on a failed
+#   check nothing is released (the reply is built only after every check passed).  The device never
+#   releases both the b-share and the s-share for one id: only one UnmaskRequest is ever accepted and it
+#   is refused when its lists overlap.
+# - No clock, no sockets, no global RNG: key material comes from the OS CSPRNG (via protocol.crypto); DP
+#   noise and thinning coins from the generator the caller passes, through `protocol.noise`.  The one
+#   exception is `FixedDeviceSecrets` (protocol.fixed_secrets), an explicit keyword-only injection for
+#   known-answer test vectors.
+"""The device side of one SecAgg+ round (DESIGN.md §4–5; Bonawitz et al. 2017; Bell et al. 2020)."""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import numpy as np
+from numpy.typing import NDArray
+
+from protocol import crypto
+from protocol.crypto import NoiseStream
+from protocol.errors import CryptoError, LocalProtocolError, RemoteProtocolError, StaleRound
+from protocol.fixed_secrets import FixedDeviceSecrets
+from protocol.masking import mask_input, pair_mask_keys
+from protocol.messages import (
+    Abort,
+    EncryptedShares,
+    ErrorMessage,
+    MaskedInput,
+    MaskedInputRequest,
+    Message,
+    PublicKeys,
+    RoundInvite,
+    ShareKeysBroadcast,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+from protocol.noise import SkellamDraw, correct_noise, device_noise, to_ring
+from protocol.phases import (
+    DEVICE_REPLY,
+    TERMINAL_PHASES,
+    TRANSITIONS,
+    Direction,
+    Phase,
+    Role,
+    check_neighbourhood,
+    check_sharers,
+    check_survivor_quorum,
+)
+from protocol.shamir import SHARE_BYTES, Share, split
+
+__all__ = ["DeviceSecAggSession", "SHARE_PLAINTEXT_BYTES", "ID_BYTES"]
+
+ID_BYTES = 8
+#: src id ‖ dst id ‖ b-share ‖ s-share, the plaintext of one share ciphertext.
+SHARE_PLAINTEXT_BYTES = 2 * ID_BYTES + 2 * SHARE_BYTES
+_ID_BYTES = ID_BYTES
+_SHARE_PLAINTEXT_BYTES = SHARE_PLAINTEXT_BYTES
+
+
+class DeviceSecAggSession:
+    """One device's side of one SecAgg+ round.
+
+    Drive it with `send` (returns the next message to upload) and `receive` (a message from the server);
+    give it the quantized update with `provide_input` any time before the masked-input reply.
+
+    Parameters
+    ----------
+    invite : RoundInvite
+        The round's parameters, addressed to this device.
+    rng : NoiseStream, optional
+        Source of the DP noise and thinning coins.  Default: a fresh stream keyed from ``secrets``, which
+        is what a device must use; simulations pass `protocol.crypto.insecure_test_noise_stream`.
+    fixed_secrets : FixedDeviceSecrets, optional
+        Known-answer vectors and tests only: use these keys, seed, Shamir coefficients and nonces instead
+        of the OS CSPRNG.  Leave None (the default) everywhere else.
+    """
+
+    def __init__(
+        self,
+        invite: RoundInvite,
+        *,
+        rng: NoiseStream | None = None,
+        fixed_secrets: FixedDeviceSecrets | None = None,
+    ) -> None:
+        if not isinstance(invite, RoundInvite):
+            raise TypeError("invite must be a RoundInvite")
+        if fixed_secrets is not None and not isinstance(fixed_secrets, FixedDeviceSecrets):
+            raise TypeError("fixed_secrets must be a FixedDeviceSecrets")
+        self.invite = invite
+        if rng is not None and not isinstance(rng, NoiseStream):
+            raise TypeError(f"rng must be a protocol.crypto.NoiseStream, got {type(rng).__name__}")
+        self._rng = rng if rng is not None else NoiseStream.from_os()
+        self._fixed = fixed_secrets
+        self._phase = Phase.ADVERTISE_KEYS
+        self._reply_ready = True  # the invite is the ADVERTISE_KEYS request
+        if fixed_secrets is None:
+            self._c = crypto.generate_key_pair()
+            self._s = crypto.generate_key_pair()
+        else:
+            self._c = crypto.key_pair_from_private_bytes(fixed_secrets.c_private_key)
+            self._s = crypto.key_pair_from_private_bytes(fixed_secrets.s_private_key)
+        self._session: bytes | None = None
+        self._seed = b""
+        self._neighbours: dict[int, tuple[bytes, bytes]] = {}
+        self._index: dict[int, int] = {}  # neighbour id -> Shamir index of the shares we sent it
+        self._held_b: dict[int, Share] = {}
+        self._held_s: dict[int, Share] = {}
+        self._u2: tuple[int, ...] = ()
+        self._input: NDArray[np.uint32] | None = None
+        self._noise: SkellamDraw | None = None
+        self._kept_after_reply: SkellamDraw | None = None
+        self._pending: Message | None = None
+        self.abort_reason: str | None = None
+
+    # -- public API -----------------------------------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        """Current phase."""
+        return self._phase
+
+    @property
+    def device_id(self) -> int:
+        """This device's id."""
+        return self.invite.device_id
+
+    @property
+    def session_id(self) -> bytes | None:
+        """The session id, once the ShareKeys broadcast arrived."""
+        return self._session
+
+    def provide_input(self, x: NDArray[np.uint32]) -> None:
+        """Set q(x_u), the quantized update (uint32 ring elements, length L).
+
+        Raises
+        ------
+        LocalProtocolError
+            Wrong dtype/shape, or the masked input was already sent.
+        """
+        self._guard()
+        if self._phase not in (Phase.ADVERTISE_KEYS, Phase.SHARE_KEYS, Phase.MASKED_INPUT):
+            self._fail(LocalProtocolError(f"input can no longer be changed in phase {self._phase.name}"))
+        if not isinstance(x, np.ndarray) or x.dtype != np.uint32 or x.shape != (self.invite.vector_length,):
+            self._fail(LocalProtocolError(f"input must be a uint32 vector of length {self.invite.vector_length}"))
+        self._input = x.copy()
+
+    def send(self) -> Message:
+        """Return the next message to upload and advance the phase.
+
+        Returns
+        -------
+        Message
+            PublicKeys, EncryptedShares, MaskedInput or UnmaskResponse, by phase.
+
+        Raises
+        ------
+        LocalProtocolError
+            Nothing to send yet (the server's message of the phase has not arrived, or no input), or the
+            session is finished or in ERROR.
+        """
+        self._guard()
+        reply_type = DEVICE_REPLY.get(self._phase)
+        if reply_type is None:  # pragma: no cover - _guard handles the terminal phases
+            self._fail(LocalProtocolError(f"nothing to send in phase {self._phase.name}"))
+        key = (Role.DEVICE, self._phase, Direction.SEND, reply_type)
+        if key not in TRANSITIONS:  # pragma: no cover - every active phase has its reply in the table
+            self._fail(LocalProtocolError(f"{reply_type.__name__} cannot be sent in {self._phase.name}"))
+        if not self._reply_ready:
+            self._fail(
+                LocalProtocolError(
+                    f"cannot send {reply_type.__name__}: the server's {self._phase.name} message is missing"
+                )
+            )
+        try:
+            if self._phase is Phase.ADVERTISE_KEYS:
+                message: Message = PublicKeys(
+                    round_id=self.invite.round_id,
+                    device_id=self.device_id,
+                    c_public_key=self._c.public_key,
+                    s_public_key=self._s.public_key,
+                )
+            elif self._phase is Phase.MASKED_INPUT:
+                message = self._masked_input()
+            else:
+                if self._pending is None:  # pragma: no cover - _reply_ready implies a pending reply
+                    raise LocalProtocolError("no reply prepared")
+                message = self._pending
+        except Exception as exc:
+            self._fail(exc)
+        self._pending = None
+        self._reply_ready = False
+        if self._kept_after_reply is not None:
+            self._noise, self._kept_after_reply = self._kept_after_reply, None
+        self._phase = TRANSITIONS[key]
+        return message
+
+    def receive(self, message: Message) -> None:
+        """Process a message from the server.
+
+        Raises
+        ------
+        RemoteProtocolError
+            The message is not legal in this phase, or fails one of the device's checks (DESIGN.md §4).
+        StaleRound
+            The message belongs to another round or session (replay).
+        CryptoError
+            A share ciphertext failed authentication.
+        LocalProtocolError
+            The session already failed.
+        """
+        self._guard()
+        key = (Role.DEVICE, self._phase, Direction.RECEIVE, type(message))
+        if key not in TRANSITIONS:
+            self._fail(RemoteProtocolError(f"{type(message).__name__} is not allowed in phase {self._phase.name}"))
+        try:
+            if isinstance(message, Abort | ErrorMessage):
+                self._check_round(message.round_id if isinstance(message, Abort) else None)
+                self.abort_reason = message.reason if isinstance(message, Abort) else message.message
+                self._drop_secrets()
+                self._phase = TRANSITIONS[key]
+                return
+            if self._reply_ready:
+                raise RemoteProtocolError(f"{type(message).__name__} received twice in phase {self._phase.name}")
+            if isinstance(message, ShareKeysBroadcast):
+                self._pending = self._on_share_keys(message)
+            elif isinstance(message, MaskedInputRequest):
+                self._on_masked_input_request(message)
+            elif isinstance(message, UnmaskRequest):
+                self._pending = self._on_unmask_request(message)
+        except Exception as exc:
+            self._fail(exc)
+        self._reply_ready = True
+        self._phase = TRANSITIONS[key]
+
+    def abort(self, reason: str = "") -> Abort:
+        """Leave the round; returns the Abort to send (best effort).
+
+        Raises
+        ------
+        LocalProtocolError
+            The session is already finished or failed.
+        """
+        self._guard()
+        if (Role.DEVICE, self._phase, Direction.SEND, Abort) not in TRANSITIONS:
+            self._fail(LocalProtocolError(f"cannot abort in phase {self._phase.name}"))
+        self._drop_secrets()
+        self.abort_reason = reason
+        self._phase = Phase.ABORTED
+        return Abort(round_id=self.invite.round_id, device_id=self.device_id, reason=reason)
+
+    def kept_noise(self) -> NDArray[np.int64]:
+        """The DP noise this device's masked input currently carries (local only; for simulations).
+
+        Returns
+        -------
+        ndarray of int64, shape (L,)
+            Zeros without DP or before the masked input was built.
+        """
+        if self._noise is None:
+            return np.zeros(self.invite.vector_length, dtype=np.int64)
+        return self._noise.value()
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _guard(self) -> None:
+        if self._phase is Phase.ERROR:
+            raise LocalProtocolError("the session failed earlier and cannot be used")
+        if self._phase in TERMINAL_PHASES:
+            self._fail(LocalProtocolError(f"the session is finished ({self._phase.name})"))
+
+    def _fail(self, exc: BaseException) -> NoReturn:
+        self._phase = Phase.ERROR
+        self._pending = None
+        self._drop_secrets()
+        raise exc
+
+    def _drop_secrets(self) -> None:
+        self._held_b.clear()
+        self._held_s.clear()
+        self._input = None
+
+    def _check_round(self, round_id: int | None) -> None:
+        if round_id is not None and round_id != self.invite.round_id:
+            raise StaleRound(f"message for round {round_id}, this session is round {self.invite.round_id}")
+
+    def _check_addressing(self, message: ShareKeysBroadcast | MaskedInputRequest | UnmaskRequest) -> None:
+        self._check_round(message.round_id)
+        if message.device_id != self.device_id:
+            raise RemoteProtocolError(f"message addressed to device {message.device_id}, we are {self.device_id}")
+        if self._session is not None and message.session_id != self._session:
+            raise StaleRound("session id mismatch: the message belongs to another session (replay?)")
+
+    def _on_share_keys(self, msg: ShareKeysBroadcast) -> EncryptedShares:
+        self._check_addressing(msg)
+        me, inv = self.device_id, self.invite
+        ids = msg.neighbour_ids
+        if len(set(ids)) != len(ids):
+            raise RemoteProtocolError("ShareKeys broadcast lists a device twice")
+        if me not in ids:
+            raise RemoteProtocolError("ShareKeys broadcast omits this device")
+        keys = dict(zip(ids, zip(msg.c_public_keys, msg.s_public_keys, strict=True), strict=True))
+        if keys[me] != (self._c.public_key, self._s.public_key):
+            raise RemoteProtocolError("ShareKeys broadcast altered this device's own public keys")
+        all_keys = [*msg.c_public_keys, *msg.s_public_keys]
+        if len(set(all_keys)) != len(all_keys):
+            raise RemoteProtocolError("ShareKeys broadcast contains repeated public keys")
+        check_neighbourhood(len(ids), inv)
+        self._session = msg.session_id
+        self._neighbours = keys
+        order = sorted(ids)
+        self._index = {v: i + 1 for i, v in enumerate(order)}
+        # Self-mask seed b_u and the s private key, shared t-of-|N(u)| (Bonawitz et al. 2017, round 1).
+        fixed = self._fixed
+        if fixed is None:
+            seed = crypto.random_seed()
+            b_shares = split(seed, inv.graph_t, len(order))
+            s_shares = split(self._s.private_bytes(), inv.graph_t, len(order))
+        else:
+            seed = fixed.self_mask_seed
+            b_shares = fixed.shares(seed, fixed.b_coefficients, inv.graph_t, len(order))
+            s_shares = fixed.shares(self._s.private_bytes(), fixed.s_coefficients, inv.graph_t, len(order))
+        self._seed = seed
+        recipients, ciphertexts = [], []
+        for v, b_share, s_share in zip(order, b_shares, s_shares, strict=True):
+            if v == me:
+                self._held_b[me], self._held_s[me] = b_share, s_share
+                continue
+            plaintext = (
+                me.to_bytes(_ID_BYTES, "big") + v.to_bytes(_ID_BYTES, "big") + b_share.to_bytes() + s_share.to_bytes()
+            )
+            key = crypto.share_encryption_key(crypto.x25519(self._c.private_key, keys[v][0]), msg.session_id, me, v)
+            recipients.append(v)
+            nonce = None if fixed is None else fixed.share_nonces[v]
+            ciphertexts.append(
+                crypto.aead_encrypt(key, plaintext, crypto.share_associated_data(msg.session_id, me, v), nonce=nonce)
+            )
+        return EncryptedShares(
+            round_id=inv.round_id,
+            device_id=me,
+            session_id=msg.session_id,
+            recipient_ids=tuple(recipients),
+            ciphertexts=tuple(ciphertexts),
+        )
+
+    def _on_masked_input_request(self, msg: MaskedInputRequest) -> None:
+        self._check_addressing(msg)
+        me, session = self.device_id, self._session
+        if session is None:  # pragma: no cover - the table only allows this after ShareKeys
+            raise LocalProtocolError("no session id")
+        senders = msg.sender_ids
+        if len(set(senders)) != len(senders):
+            raise RemoteProtocolError("MaskedInputRequest lists a sender twice")
+        for v in senders:
+            if v == me or v not in self._neighbours:
+                raise RemoteProtocolError(f"MaskedInputRequest carries shares from non-neighbour {v}")
+        check_sharers(len(senders) + 1, self.invite)
+        held_b: dict[int, Share] = {}
+        held_s: dict[int, Share] = {}
+        for v, blob in zip(senders, msg.ciphertexts, strict=True):
+            key = crypto.share_encryption_key(
+                crypto.x25519(self._c.private_key, self._neighbours[v][0]), session, v, me
+            )
+            plaintext = crypto.aead_decrypt(key, blob, crypto.share_associated_data(session, v, me))
+            if len(plaintext) != _SHARE_PLAINTEXT_BYTES:
+                raise CryptoError(f"share plaintext from {v} has the wrong length")
+            src = int.from_bytes(plaintext[:_ID_BYTES], "big")
+            dst = int.from_bytes(plaintext[_ID_BYTES : 2 * _ID_BYTES], "big")
+            if (src, dst) != (v, me):
+                raise CryptoError(f"share from {v} names src={src}, dst={dst}")
+            held_b[v] = Share.from_bytes(plaintext[2 * _ID_BYTES : 2 * _ID_BYTES + SHARE_BYTES])
+            held_s[v] = Share.from_bytes(plaintext[2 * _ID_BYTES + SHARE_BYTES :])
+        self._held_b.update(held_b)
+        self._held_s.update(held_s)
+        self._u2 = tuple(sorted((*senders, me)))
+
+    def _masked_input(self) -> MaskedInput:
+        inv, me, session = self.invite, self.device_id, self._session
+        if self._input is None:
+            raise LocalProtocolError("provide_input() must be called before the masked input is sent")
+        if session is None:  # pragma: no cover
+            raise LocalProtocolError("no session id")
+        value = self._input
+        if inv.dp_mu > 0.0:
+            # Skellam(mu / t_min): enough noise even if only t_min devices survive (DESIGN.md §5).
+            self._noise = device_noise(inv.dp_mu, inv.dp_t_min, inv.vector_length, self._rng)
+            value = value + to_ring(self._noise.value())
+        peers = {v: self._neighbours[v][1] for v in self._u2 if v != me}
+        y = mask_input(
+            value,
+            device_id=me,
+            self_key=crypto.self_mask_key(self._seed, session, me),
+            pair_keys=pair_mask_keys(self._s.private_bytes(), peers, session, me),
+        )
+        self._input = None  # the update is no longer needed on this path
+        return MaskedInput(round_id=inv.round_id, device_id=me, session_id=session, masked=y)
+
+    def _on_unmask_request(self, msg: UnmaskRequest) -> UnmaskResponse:
+        self._check_addressing(msg)
+        me, inv, session = self.device_id, self.invite, self._session
+        survivors, dropped = msg.survivors, msg.dropped
+        # Malicious-server checks (Bonawitz et al. 2017 round 4; FCP client R3; pitfall 3).
+        if me in dropped:
+            raise RemoteProtocolError("UnmaskRequest lists this device as dropped")
+        if len(set(survivors)) != len(survivors) or len(set(dropped)) != len(dropped):
+            raise RemoteProtocolError("UnmaskRequest lists a device twice")
+        both = set(survivors) & set(dropped)
+        if both:
+            raise RemoteProtocolError(f"UnmaskRequest lists {sorted(both)} as both survivor and dropped")
+        u2 = set(self._u2)
+        outside = [v for v in (*survivors, *dropped) if v not in u2]
+        if outside:
+            raise RemoteProtocolError(
+                f"UnmaskRequest names {sorted(outside)}, not neighbours that shared keys with this device"
+            )
+        if me not in survivors:
+            raise RemoteProtocolError("UnmaskRequest does not list this device as a survivor")
+        check_survivor_quorum(len(survivors), msg.n_survivors, inv)
+        excess = np.zeros(0, dtype=np.uint32)
+        if inv.dp_mu > 0.0:
+            if self._noise is None:  # pragma: no cover - set when the masked input was built
+                raise LocalProtocolError("no noise to correct")
+            # Keep Skellam(mu / s) by binomial thinning; the excess is independent of what stays (§5).
+            kept, revealed = correct_noise(self._noise, inv.dp_t_min, msg.n_survivors, self._rng)
+            self._kept_after_reply = kept  # takes effect only once the excess is actually sent
+            excess = to_ring(revealed)
+        b_ids = tuple(sorted(survivors))
+        s_ids = tuple(sorted(dropped))
+        response = UnmaskResponse(
+            round_id=inv.round_id,
+            device_id=me,
+            session_id=session or b"",
+            b_share_ids=b_ids,
+            b_shares=tuple(self._held_b[v].to_bytes() for v in b_ids),
+            s_share_ids=s_ids,
+            s_shares=tuple(self._held_s[v].to_bytes() for v in s_ids),
+            dp_excess=excess,
+        )
+        # After answering, nothing else may ever be released.
+        self._held_b.clear()
+        self._held_s.clear()
+        return response

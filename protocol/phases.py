@@ -1,0 +1,256 @@
+# Invariants (h11's `_state.py` rule: everything that changes a session's phase lives here):
+# - `TRANSITIONS` lists every legal (role, phase, direction, message type) and the phase it leads to; the
+#   device session (`protocol.device_session`) and the server session (`protocol.server_session`) both
+#   consult it in `send` and `receive` before doing anything else.
+# - Every quorum, deadline and threshold rule of a round is a function here, called by both sides where
+#   both need it: `require_quorum` (server: a phase closes with at least t, and t_min with DP),
+#   `prune_unmaskable` (server: a device whose neighbourhood kept fewer than t sharers cannot be unmasked),
+#   `phase_deadline` (which deadline closes which phase), `check_neighbourhood` (device: t <= |N(u)| <= k),
+#   `check_survivor_quorum` (device: enough surviving neighbours, n_survivors consistent and >= t_min).
+# - Pure: no clock, no I/O, no randomness.
+"""SecAgg+ phases, the transition table and every quorum/deadline/threshold rule (DESIGN.md §4–5)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from enum import Enum
+from types import MappingProxyType
+
+from protocol.errors import NotEnoughParticipants, RemoteProtocolError
+from protocol.messages import (
+    Abort,
+    EncryptedShares,
+    ErrorMessage,
+    MaskedInput,
+    MaskedInputRequest,
+    Message,
+    PublicKeys,
+    RoundInvite,
+    ShareKeysBroadcast,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+
+__all__ = [
+    "ACTIVE_PHASES",
+    "TERMINAL_PHASES",
+    "Phase",
+    "Role",
+    "Direction",
+    "TRANSITIONS",
+    "DEVICE_REPLY",
+    "SERVER_BROADCAST",
+    "SERVER_EXPECTS",
+    "phase_deadline",
+    "require_quorum",
+    "prune_unmaskable",
+    "check_neighbourhood",
+    "check_sharers",
+    "check_survivor_quorum",
+]
+
+
+class Phase(Enum):
+    """Protocol phase of a session."""
+
+    ADVERTISE_KEYS = "advertise_keys"
+    SHARE_KEYS = "share_keys"
+    MASKED_INPUT = "masked_input"
+    UNMASK = "unmask"
+    DONE = "done"
+    ABORTED = "aborted"
+    ERROR = "error"
+
+
+class Role(Enum):
+    """Which side a transition belongs to."""
+
+    DEVICE = "device"
+    SERVER = "server"
+
+
+class Direction(Enum):
+    """Whether the session's owner sends or receives the message."""
+
+    SEND = "send"
+    RECEIVE = "receive"
+
+
+ACTIVE_PHASES = (Phase.ADVERTISE_KEYS, Phase.SHARE_KEYS, Phase.MASKED_INPUT, Phase.UNMASK)
+TERMINAL_PHASES = frozenset({Phase.DONE, Phase.ABORTED, Phase.ERROR})
+
+
+def _build_transitions() -> Mapping[tuple[Role, Phase, Direction, type[Message]], Phase]:
+    d, s = Role.DEVICE, Role.SERVER
+    snd, rcv = Direction.SEND, Direction.RECEIVE
+    a, sk, mi, um = ACTIVE_PHASES
+    table: dict[tuple[Role, Phase, Direction, type[Message]], Phase] = {
+        # device: receive the server's message of the phase, then send its reply, which ends the phase
+        (d, a, snd, PublicKeys): sk,
+        (d, sk, rcv, ShareKeysBroadcast): sk,
+        (d, sk, snd, EncryptedShares): mi,
+        (d, mi, rcv, MaskedInputRequest): mi,
+        (d, mi, snd, MaskedInput): um,
+        (d, um, rcv, UnmaskRequest): um,
+        (d, um, snd, UnmaskResponse): Phase.DONE,
+        # server: the phase broadcast goes out and the devices' replies come in; phases close on quorum
+        # or deadline (`advance`), not on a message
+        (s, a, snd, RoundInvite): a,
+        (s, a, rcv, PublicKeys): a,
+        (s, sk, snd, ShareKeysBroadcast): sk,
+        (s, sk, rcv, EncryptedShares): sk,
+        (s, mi, snd, MaskedInputRequest): mi,
+        (s, mi, rcv, MaskedInput): mi,
+        (s, um, snd, UnmaskRequest): um,
+        (s, um, rcv, UnmaskResponse): um,
+        (s, Phase.ABORTED, snd, Abort): Phase.ABORTED,
+    }
+    for phase in ACTIVE_PHASES:
+        table[(d, phase, rcv, Abort)] = Phase.ABORTED
+        table[(d, phase, rcv, ErrorMessage)] = Phase.ABORTED
+        table[(d, phase, snd, Abort)] = Phase.ABORTED
+        # a device leaving (Abort) or reporting an error is a dropout; the round goes on
+        table[(s, phase, rcv, Abort)] = phase
+        table[(s, phase, rcv, ErrorMessage)] = phase
+        table[(s, phase, snd, Abort)] = phase  # to a device that was dropped from the round
+    return MappingProxyType(table)
+
+
+#: Every legal (role, phase, direction, message type) → the phase after it.
+TRANSITIONS: Mapping[tuple[Role, Phase, Direction, type[Message]], Phase] = _build_transitions()
+
+# The message each device phase sends, and each server phase broadcasts.
+DEVICE_REPLY: Mapping[Phase, type[Message]] = MappingProxyType(
+    {
+        Phase.ADVERTISE_KEYS: PublicKeys,
+        Phase.SHARE_KEYS: EncryptedShares,
+        Phase.MASKED_INPUT: MaskedInput,
+        Phase.UNMASK: UnmaskResponse,
+    }
+)
+SERVER_BROADCAST: Mapping[Phase, type[Message]] = MappingProxyType(
+    {
+        Phase.ADVERTISE_KEYS: RoundInvite,
+        Phase.SHARE_KEYS: ShareKeysBroadcast,
+        Phase.MASKED_INPUT: MaskedInputRequest,
+        Phase.UNMASK: UnmaskRequest,
+    }
+)
+SERVER_EXPECTS: Mapping[type[Message], Phase] = MappingProxyType(
+    {
+        PublicKeys: Phase.ADVERTISE_KEYS,
+        EncryptedShares: Phase.SHARE_KEYS,
+        MaskedInput: Phase.MASKED_INPUT,
+        UnmaskResponse: Phase.UNMASK,
+    }
+)
+
+
+def phase_deadline(phase: Phase, deadlines: tuple[float, float, float, float]) -> float:
+    """The absolute deadline that closes an active phase (deadlines in `ACTIVE_PHASES` order).
+
+    Raises
+    ------
+    ValueError
+        ``phase`` is not active.
+    """
+    return deadlines[ACTIVE_PHASES.index(phase)]
+
+
+def require_quorum(count: int, what: str, *, t: int, dp_mu: float, dp_t_min: int) -> None:
+    """Server rule: a phase may close only with at least t devices, and at least t_min with DP noise.
+
+    Raises
+    ------
+    NotEnoughParticipants
+        Below t (the round aborts with nothing revealed) or, with DP, below t_min (the noise would not
+        cover mu).
+    """
+    if count < t:
+        raise NotEnoughParticipants(f"{count} {what}, below the threshold t={t}; round aborted unrevealed")
+    if dp_mu > 0.0 and count < dp_t_min:
+        raise NotEnoughParticipants(f"{count} {what}, below t_min={dp_t_min} needed for the DP guarantee")
+
+
+def prune_unmaskable(sharers: Set[int], graph: Mapping[int, tuple[int, ...]], t: int) -> frozenset[int]:
+    """Server rule: drop every device whose neighbourhood kept fewer than t sharers, until none is left.
+
+    Dropping a device shrinks its neighbours' counts, so the rule repeats to a fixed point.
+
+    Parameters
+    ----------
+    sharers : set of int
+        Devices whose EncryptedShares arrived (U2 before pruning).
+    graph : mapping of int to tuple of int
+        Each device's neighbourhood (itself included).
+    t : int
+        Shamir threshold.
+
+    Returns
+    -------
+    frozenset of int
+        U2.
+    """
+    u2 = set(sharers)
+    changed = True
+    while changed:
+        changed = False
+        for u in sorted(u2):
+            if sum(1 for v in graph[u] if v in u2) < t:
+                u2.discard(u)
+                changed = True
+    return frozenset(u2)
+
+
+def check_neighbourhood(size: int, invite: RoundInvite) -> None:
+    """Device rule: a ShareKeys neighbourhood (itself included) holds between t and k devices.
+
+    Raises
+    ------
+    RemoteProtocolError
+        Fewer than t (shares could never be reconstructed) or more than k.
+    """
+    if size < invite.graph_t:
+        raise RemoteProtocolError(f"neighbourhood of {size} is below the threshold t={invite.graph_t}")
+    if size > invite.graph_k:
+        raise RemoteProtocolError(f"neighbourhood of {size} exceeds k={invite.graph_k}")
+
+
+def check_sharers(count: int, invite: RoundInvite) -> None:
+    """Device rule: at least t neighbours (itself included) shared keys before the masked input.
+
+    Raises
+    ------
+    RemoteProtocolError
+        Fewer than t.
+    """
+    if count < invite.graph_t:
+        raise RemoteProtocolError(f"only {count} neighbours shared keys, below the threshold t={invite.graph_t}")
+
+
+def check_survivor_quorum(survivors: int, n_survivors: int, invite: RoundInvite) -> None:
+    """Device rule before unmasking: at least t surviving neighbours, a consistent survivor count, and with
+    DP at least t_min survivors (fewer would leave less noise than mu after the correction).
+
+    Parameters
+    ----------
+    survivors : int
+        Surviving neighbours listed in the UnmaskRequest (this device included).
+    n_survivors : int
+        The round's survivor count the request claims.
+    invite : RoundInvite
+        The round's parameters.
+
+    Raises
+    ------
+    RemoteProtocolError
+        One of the three conditions fails.
+    """
+    if survivors < invite.graph_t:
+        raise RemoteProtocolError(f"only {survivors} surviving neighbours, below the threshold t={invite.graph_t}")
+    if n_survivors < survivors:
+        raise RemoteProtocolError("n_survivors is smaller than the survivor list")
+    if invite.dp_mu > 0.0 and n_survivors < invite.dp_t_min:
+        raise RemoteProtocolError(
+            f"{n_survivors} survivors is below t_min={invite.dp_t_min}: the noise would not cover mu"
+        )

@@ -1,0 +1,216 @@
+"""The private-round simulator against the real coordinator, and its released noise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agg_server.config import ServerConfig, config_from_dict
+from device_sdk.client import DropoutAt
+from device_sdk.family import LocalRatings
+from device_sdk.felb import FELBConfig, FELBModel
+from device_sdk.fnmf import FNMFConfig, FNMFModel
+from device_sdk.mf import MFConfig, MFModel
+from device_sdk.models import LightFRConfig, LightFRModel
+from fedsim.planted import planted_binary, planted_nonnegative
+from fedsim.private import run_private
+from fedsim.privsim import LightFRCohort, PrivateSimulator, _noise_check, survivor_sets
+from protocol.noise import minimum_survivors
+
+N_ITEMS = 20
+SEED = 13
+
+
+def _config(data_dir: Path, kind: str, n: int, *, dp: bool, rounds: int, n_items: int = N_ITEMS) -> ServerConfig:
+    return config_from_dict(
+        {
+            "server": {"data_dir": str(data_dir), "port": 0},
+            "model": {"kind": kind, "n_items": n_items, "bits": 16},
+            "rounds": {
+                "cohort_size": n,
+                "min_cohort": n,
+                "seed": 5,
+                "clip_norm": 4.0,
+                "scale_bits": 10,
+                "dropout_rate": 0.3,
+                "example_cap": 6,
+            },
+            "privacy": {"enabled": dp, "epsilon": 4.0, "delta": 1e-5, "planned_rounds": rounds},
+            "mf": {"rank": 4, "pretrain_epochs": 2},
+            "felb": {"rank": 3, "local_epochs": 2},
+            "fnmf": {"rank": 3, "local_steps": 3},
+        },
+        base_dir=data_dir,
+    )
+
+
+def _family(kind: str, n: int) -> tuple[Callable[[], Any], list[LocalRatings]]:
+    rng = np.random.default_rng(3)
+    if kind == "lightfr":
+        data = [
+            LocalRatings.single_user(rng.choice(N_ITEMS, size=int(rng.integers(2, 9)), replace=False)) for _ in range(n)
+        ]
+        return lambda: LightFRModel(N_ITEMS, LightFRConfig(bits=16), rng=np.random.default_rng(1)), data
+    if kind == "mf":
+        data = []
+        for _ in range(n):
+            items = rng.choice(N_ITEMS, size=6, replace=False)
+            data.append(LocalRatings.single_user(items, rng.integers(1, 6, size=6).astype(float)))
+        return lambda: MFModel(N_ITEMS, MFConfig(factors=4), rng=np.random.default_rng(0)), data
+    if kind == "felb":
+        planted = planted_binary(n, 2, N_ITEMS, 3, tile_columns=(4, 8), rng=rng)
+        return lambda: FELBModel(N_ITEMS, FELBConfig(rank=3)), [LocalRatings.from_matrix(b) for b in planted.clients]
+    planted_real = planted_nonnegative(n, 2, N_ITEMS, 3, tile_columns=(4, 8), rng=rng)
+    return lambda: FNMFModel(N_ITEMS, FNMFConfig(rank=3)), [LocalRatings.from_matrix(b) for b in planted_real.clients]
+
+
+_PHASES = [
+    DropoutAt.BEFORE_KEYS,
+    DropoutAt.BEFORE_SHARES,
+    DropoutAt.BEFORE_MASKED,
+    DropoutAt.BEFORE_UNMASK,
+    DropoutAt.DISCONNECT_MASKED,
+]
+
+
+def _schedule(r: int, d: int) -> DropoutAt:
+    # One device per phase drops in each round (a different one every round).
+    slot = (d + 3 * r) % 10
+    return _PHASES[slot] if slot < len(_PHASES) else DropoutAt.NONE
+
+
+@pytest.mark.parametrize(
+    ("kind", "dp", "n"),
+    [("lightfr", True, 12), ("lightfr", False, 12), ("mf", True, 10), ("felb", True, 10), ("fnmf", False, 10)],
+)
+def test_simulator_is_bit_identical_to_the_coordinator(kind: str, dp: bool, n: int, tmp_path: Path) -> None:
+    rounds = 2
+    new_model, data = _family(kind, n)
+    ref = run_private(
+        _config(tmp_path / "ref", kind, n, dp=dp, rounds=rounds),
+        dict(enumerate(data)),
+        lambda device_id: new_model(),
+        rounds=rounds,
+        seed=SEED,
+        dropout=_schedule,
+    )
+    sim = PrivateSimulator(_config(tmp_path / "sim", kind, n, dp=dp, rounds=rounds))
+    ids = sorted(ref.devices)
+    models = {d: new_model() for d in ids}
+    local = {d: data[i] for i, d in enumerate(ids)}
+    outcomes = [sim.run_round(models, local, seed=SEED, dropout=_schedule) for _ in range(rounds)]
+    assert all(o is not None and o.committed for o in outcomes)
+    coord = ref.coordinator
+    assert sim.model_version == coord.model_version == rounds + 1
+    assert np.array_equal(np.asarray(sim.model_state), np.asarray(coord.model_state))
+    assert sim.payload().words == coord.strategy.to_wire(coord.model_state).get("words", b"")
+    if dp:
+        assert coord.ledger is not None and sim.ledger is not None
+        assert sim.ledger.spent() == coord.ledger.spent() > 0
+    for o in outcomes:
+        assert o is not None
+        plan = {d: _schedule(o.round_id, d) for d in ids}
+        early = {DropoutAt.BEFORE_KEYS, DropoutAt.BEFORE_SHARES, DropoutAt.BEFORE_MASKED}
+        assert o.survivors.u3 == {d for d in ids if plan[d] not in early}
+        assert o.survivors.corrected == {d for d in ids if plan[d] is DropoutAt.NONE}
+
+
+def test_simulator_aborts_like_the_coordinator(tmp_path: Path) -> None:
+    # Half the cohort leaves before its masked input: below t_min, nothing is released or charged.
+    n = 10
+    new_model, data = _family("lightfr", n)
+
+    def half(r: int, d: int) -> DropoutAt:
+        return DropoutAt.BEFORE_MASKED if d % 2 == 0 else DropoutAt.NONE
+
+    ref = run_private(
+        _config(tmp_path / "ref", "lightfr", n, dp=True, rounds=1),
+        dict(enumerate(data)),
+        lambda device_id: new_model(),
+        rounds=1,
+        seed=SEED,
+        dropout=half,
+    )
+    sim = PrivateSimulator(_config(tmp_path / "sim", "lightfr", n, dp=True, rounds=1))
+    ids = sorted(ref.devices)
+    out = sim.run_round({d: new_model() for d in ids}, {d: data[i] for i, d in enumerate(ids)}, seed=SEED, dropout=half)
+    assert out is not None and not out.committed and "t_min" in out.survivors.error
+    assert ref.coordinator.model_version == sim.model_version == 1
+    assert ref.coordinator.ledger is not None and ref.coordinator.ledger.spent() == 0.0
+    assert sim.ledger is not None and sim.ledger.spent() == 0.0
+
+
+@pytest.mark.parametrize(("survivors", "corrected"), [(70, 70), (85, 80), (100, 100), (100, 60)])
+def test_released_noise_variance_is_mu_after_the_correction(survivors: int, corrected: int) -> None:
+    mu, n, omega = 400.0, 100, 0.3
+    t_min = minimum_survivors(n, omega)
+    want = corrected * mu / survivors + (survivors - corrected) * mu / t_min
+    var = _noise_check(mu, n, omega, survivors, corrected, 40_000)
+    assert abs(var - want) <= 0.05 * want
+    if corrected == survivors:
+        assert abs(var - mu) <= 0.05 * mu
+
+
+def test_scaled_round_noise_has_variance_mu(tmp_path: Path) -> None:
+    # Devices with no ratings upload nothing: the released sum is pure noise, of variance mu.
+    n, m = 200, 2000
+    sim = PrivateSimulator(_config(tmp_path, "lightfr", n, dp=True, rounds=1, n_items=m))
+    cohort = LightFRCohort([(np.zeros(0, np.int64), None)] * n, m, 16)
+    out = sim.run_scaled_round(cohort, sim_seed=1)
+    assert out is not None and out.committed and out.noise_variance == pytest.approx(sim.mu)
+    assert sim.last_release is not None and sim.last_release.size == m * 16
+    assert abs(float(np.var(sim.last_release)) - sim.mu) <= 0.05 * sim.mu
+    assert abs(float(np.mean(sim.last_release))) < 4 * np.sqrt(sim.mu / sim.last_release.size)
+
+
+def test_survivor_sets_refuse_a_graph_shortcut_with_late_dropouts() -> None:
+    with pytest.raises(Exception, match="need_graph"):
+        survivor_sets(
+            [1, 2, 3, 4],
+            {4: DropoutAt.BEFORE_UNMASK},
+            k=3,
+            t=1,
+            t_min=0,
+            rng=np.random.default_rng(0),
+            need_graph=False,
+        )
+
+
+def test_batched_lightfr_devices_match_real_devices(tmp_path: Path) -> None:
+    # Same user codes, no sampling (θ = 0, no negatives): the batched uploads equal the devices'
+    # own `local_round` outputs up to the stochastic rounding (< 1 per device and coordinate).
+    from dataclasses import replace
+
+    from device_sdk.training import local_round
+    from protocol.session import RoundParameters
+
+    n, m = 15, 40
+    cfg = _config(tmp_path, "lightfr", n, dp=False, rounds=1, n_items=m)
+    cfg = replace(cfg, model=replace(cfg.model, negatives=0), rounds=replace(cfg.rounds, example_cap=0))
+    sim = PrivateSimulator(cfg)
+    rng = np.random.default_rng(4)
+    users = [(np.sort(rng.choice(m, size=int(rng.integers(1, 12)), replace=False)), None) for _ in range(n)]
+    cohort = LightFRCohort(users, m, 16)
+    from agg_server.strategy.base import round_plan
+
+    params = RoundParameters(
+        round_id=1, vector_length=m * 16, k=n, t=1, clip_norm=4.0, scale_bits=10, deadlines=(0.0,) * 4
+    )
+    invite = replace(params.invite(0), **round_plan(sim.strategy, 1))
+    expected = np.zeros(m * 16, dtype=np.int64)
+    for j, (items, _) in enumerate(users):
+        model = LightFRModel(m, LightFRConfig(bits=16), rng=np.random.default_rng(1))
+        model.set_item_codes(sim.model_state, 1)
+        model.reset_user(np.random.default_rng(j))
+        model.user_trained[0] = True
+        cohort.codes[j] = model.user_codes[0]
+        ring, _ = local_round(model, invite, LocalRatings.single_user(items), None, np.random.default_rng(j))
+        expected += ring.view(np.int32)
+    cohort.trained[:] = True
+    got = cohort.quantized_sum(sim.model_state, invite, cohort.device_ids, cohort.device_ids, np.random.default_rng(0))
+    assert np.max(np.abs(got - expected)) <= n
+    assert np.count_nonzero(expected) > 100

@@ -1,0 +1,154 @@
+"""The all-items LightFR objective: device DCD against the item Gram, the upload layout, and the
+server's code and bias step, each checked against a dense, literal evaluation of the objective."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agg_server.strategy.lightfr import agg_full
+from device_sdk import lightfr
+from protocol.codes import random_signs
+from protocol.families.lightfr import LEVEL_CENTER, UploadLayout, bias_from_levels, levels_from_bias
+
+
+def _batch(rng: np.random.Generator, n: int, m: int, per_user: int):
+    counts = rng.integers(1, per_user + 1, n)
+    indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    items = np.concatenate([rng.choice(m, c, replace=False) for c in counts]).astype(np.int64)
+    return indptr, items, rng.random(items.size)
+
+
+def _dense_loss(b, D, beta, items, r, w0, alpha) -> float:
+    """Σ_{i∈Ω} c (t_i − x_i)² + w0 Σ_{i∉Ω} x_i², x = bᵀd/f + β, by brute force over all items."""
+    f = b.size
+    x = D.astype(float) @ b / f + beta
+    obs = np.zeros(D.shape[0], bool)
+    obs[items] = True
+    t = np.zeros(D.shape[0])
+    t[items] = r
+    return float(np.sum((1 + alpha) * (t - x)[obs] ** 2) + w0 * np.sum(x[~obs] ** 2))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dcd_full_never_increases_the_all_items_loss_and_each_bit_is_optimal(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, m, f = 6, 40, 12
+    indptr, items, r = _batch(rng, n, m, 8)
+    D, B0 = random_signs(m, f, rng), random_signs(n, f, rng)
+    beta = rng.normal(0, 0.2, m)
+    w0, alpha = 0.3, 1.5
+    B, stats = lightfr.dcd_full(indptr, items, r, B0, D, beta, w0, alpha, max_sweeps=50)
+    assert stats.converged
+    for u in range(n):
+        sl = slice(indptr[u], indptr[u + 1])
+        before = _dense_loss(B0[u].astype(float), D, beta, items[sl], r[sl], w0, alpha)
+        after = _dense_loss(B[u].astype(float), D, beta, items[sl], r[sl], w0, alpha)
+        assert after <= before + 1e-9
+        # Converged: no single bit flip lowers the loss (coordinate-wise optimum).
+        for k in range(f):
+            b = B[u].astype(float)
+            b[k] = -b[k]
+            assert _dense_loss(b, D, beta, items[sl], r[sl], w0, alpha) >= after - 1e-9
+
+
+def test_full_upload_is_the_sum_of_device_uploads_and_matches_the_item_side_loss() -> None:
+    rng = np.random.default_rng(7)
+    n, m, f = 5, 30, 8
+    indptr, items, r = _batch(rng, n, m, 6)
+    D, B = random_signs(m, f, rng), random_signs(n, f, rng)
+    beta = rng.normal(0, 0.1, m)
+    w0, alpha = 0.2, 2.0
+    total = lightfr.full_upload(indptr, items, r, B, D, beta, w0, alpha)
+    for key in total:
+        acc = sum(
+            lightfr.full_upload(
+                np.array([0, indptr[u + 1] - indptr[u]]),
+                items[indptr[u] : indptr[u + 1]],
+                r[indptr[u] : indptr[u + 1]],
+                B[u : u + 1],
+                D,
+                beta,
+                w0,
+                alpha,
+            )[key]
+            for u in range(n)
+        )
+        np.testing.assert_allclose(total[key], acc, atol=1e-9)
+    # The server's sign test for item i, bit k equals the sign of the loss change of flipping it.
+    new_D, _ = agg_full(D, beta, total, n, w0, alpha, flip_fraction=1.0, learn_bias=False)
+
+    def item_loss(i: int, d: np.ndarray) -> float:
+        x = B.astype(float) @ d / f + beta[i]
+        loss = 0.0
+        for u in range(n):
+            its = items[indptr[u] : indptr[u + 1]]
+            hit = np.flatnonzero(its == i)
+            if hit.size:
+                loss += (1 + alpha) * (r[indptr[u] + hit[0]] - x[u]) ** 2
+            else:
+                loss += w0 * x[u] ** 2
+        return loss
+
+    for i in np.unique(items)[:5]:
+        # Bit 0 is decided first, from the old codes: flipping must not increase the item's loss.
+        d_old = D[i].astype(float)
+        d_new = d_old.copy()
+        d_new[0] = new_D[i, 0]
+        assert item_loss(i, d_new) <= item_loss(i, d_old) + 1e-9
+
+
+def test_server_bias_is_the_exact_minimiser_given_the_codes() -> None:
+    rng = np.random.default_rng(3)
+    n, m, f = 7, 25, 8
+    indptr, items, r = _batch(rng, n, m, 6)
+    D, B = random_signs(m, f, rng), random_signs(n, f, rng)
+    w0, alpha = 0.25, 1.0
+    parts = lightfr.full_upload(indptr, items, r, B, D, np.zeros(m), w0, alpha)
+    _, beta = agg_full(D, np.zeros(m), parts, n, w0, alpha, flip_fraction=1.0)
+    s = B.astype(float) @ D.T.astype(float) / f  # (n, m)
+    for i in range(m):
+        wts = np.full(n, w0)
+        t = np.zeros(n)
+        for u in range(n):
+            its = items[indptr[u] : indptr[u + 1]]
+            hit = np.flatnonzero(its == i)
+            if hit.size:
+                wts[u], t[u] = 1 + alpha, r[indptr[u] + hit[0]]
+        assert beta[i] == pytest.approx(np.sum(wts * (t - s[:, i])) / np.sum(wts), abs=1e-12)
+
+
+def test_layout_round_trip_and_levels() -> None:
+    m, f = 6, 4
+    lay = UploadLayout(m, f, full=True)
+    rng = np.random.default_rng(0)
+    g, bias, cnt = rng.random((m, f)), rng.random(m), rng.integers(0, 3, m).astype(float)
+    gram, bsum = rng.random((f, f)), rng.random(f)
+    v = lay.join(g, bias, cnt, gram, bsum)
+    assert v.size == lay.length == m * f + 2 * m + f * f + f
+    back = lay.split(v)
+    for key, want in {"gradient": g, "bias": bias, "counts": cnt, "gram": gram, "code_sum": bsum}.items():
+        np.testing.assert_allclose(back[key], want)
+    assert UploadLayout(m, f, full=False).length == m * f
+    with pytest.raises(ValueError, match="only the item gradients"):
+        _ = UploadLayout(m, f, full=False).counts
+    with pytest.raises(ValueError, match="elements"):
+        lay.split(v[:-1])
+    beta = np.array([-5.0, -0.25, 0.0, 0.03, 0.5, 9.0])
+    lv = levels_from_bias(beta, 64, 2)
+    assert lv.dtype == np.uint8 and lv[2] == LEVEL_CENTER and lv[0] == 0 and lv[-1] == 255
+    np.testing.assert_allclose(bias_from_levels(lv, 6, 64, 2)[1:5], beta[1:5], atol=1 / 64)
+    with pytest.raises(ValueError, match="uint8"):
+        bias_from_levels(lv.astype(np.int16), 6, 64, 2)
+
+
+def test_full_kernels_reject_bad_input() -> None:
+    rng = np.random.default_rng(0)
+    indptr, items, r = _batch(rng, 2, 10, 3)
+    D, B = random_signs(10, 4, rng), random_signs(2, 4, rng)
+    with pytest.raises(ValueError, match="unobserved weight"):
+        lightfr.dcd_full(indptr, items, r, B, D, np.zeros(10), 0.0, 0.0)
+    with pytest.raises(ValueError, match="confidence"):
+        lightfr.full_upload(indptr, items, r, B, D, np.zeros(10), 0.1, -1.0)
+    with pytest.raises(ValueError, match="biases"):
+        lightfr.dcd_full(indptr, items, r, B, D, np.zeros(9), 0.1, 0.0)
