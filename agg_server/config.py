@@ -27,7 +27,7 @@ from typing import Any
 
 from protocol.errors import ConfigError
 from protocol.graph import find_parameters, validate_parameters
-from protocol.quantization import QuantizationConfig
+from protocol.quantization import DEFAULT_SCALE_BITS, MAX_SCALE_BITS, QuantizationConfig
 from protocol.spec import (
     MAX_ITEMS,
     MAX_LOCAL_STEPS,
@@ -71,7 +71,7 @@ _MIB = 1 << 20
 _MAX_BITS = MAX_RANK
 _MAX_ITEMS = MAX_ITEMS
 _MAX_LOCAL_STEPS = MAX_LOCAL_STEPS
-_MAX_SCALE_BITS = 30
+_MAX_SCALE_BITS = MAX_SCALE_BITS
 
 
 # -- field checks -------------------------------------------------------------------------------------
@@ -331,7 +331,7 @@ class RoundSection:
     k: int | None = None
     t: int | None = None
     clip_norm: float = 64.0
-    scale_bits: int = 10
+    scale_bits: int = DEFAULT_SCALE_BITS
     example_cap: int = 0
     advertise_timeout: float = 60.0
     share_keys_timeout: float = 30.0

@@ -365,3 +365,169 @@ def candidate_scores(result: ScaledResult, users: NDArray[np.int64], items: NDAr
     B = result.user_codes[users].astype(np.int32)
     dots = np.einsum("uf,ukf->uk", B, result.item_codes[items].astype(np.int32))
     return (f + dots) / 2.0 + alpha * level[items]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRow:
+    """The planner's prediction for one (rounds, clip) choice.
+
+    Attributes
+    ----------
+    rounds, clip_norm : the choice.
+    scale_bits : the fixed-point scale that fits the bit budget.
+    sigma : standard deviation of the released noise per coordinate and round, in float units.
+    median_snr : per-coordinate signal-to-noise of the median item (by number of users).
+    covered : share of the training interactions on items whose predicted SNR is at least 2.
+    pop_noise : standard deviation of the private popularity counts (in users).
+    pop_top_gap : the 100th largest true count divided by ``pop_noise`` (how well the head is ranked).
+    """
+
+    rounds: int
+    clip_norm: float
+    scale_bits: int
+    sigma: float
+    median_snr: float
+    covered: float
+    pop_noise: float
+    pop_top_gap: float
+
+
+def plan_privacy(
+    train: Ratings,
+    *,
+    epsilon: float,
+    delta: float = 1e-5,
+    bits: int = 64,
+    example_cap: int = 50,
+    negatives: int = 0,
+    pop_share: float = 0.1,
+    rounds: tuple[int, ...] = (1, 2, 3, 5, 10),
+    clips: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0),
+) -> list[PlanRow]:
+    """Predict, before spending anything, the per-coordinate signal-to-noise of each choice.
+
+    The model: a device with k kept items uploads (1 + negatives)·k rows of f gradient coordinates of
+    magnitude about 1/2, so its norm is about ½·√((1 + negatives)·k·f) and clipping to C scales it by
+    c = min(1, C / norm).  An item rated by n_i devices whose gradients agree sums to about ½·c·n_i per
+    coordinate; the released noise has standard deviation σ = √μ / 2^s, with μ from `split_budget`
+    (the accountant's own numbers).  The popularity release adds noise of σ_pop users per item.
+    Every figure uses only the public shape of the data a planner would know (users per item).
+    """
+    n, m = train.n_users, train.n_items
+    per_user = np.bincount(train.users, minlength=n)
+    kept = np.minimum(per_user, example_cap) if example_cap else per_user
+    users_per_item = np.bincount(train.items, minlength=m).astype(np.float64)
+    theta_pop = example_cap or int(per_user.max())
+    qp = QuantizationConfig(clip_norm=math.sqrt(theta_pop), scale_bits=_largest_scale_bits(n, math.sqrt(theta_pop)))
+    l2p, l1p = sensitivity(qp, m)
+    out = []
+    for clip in clips:
+        s_bits = _largest_scale_bits(n, clip)
+        qm = QuantizationConfig(clip_norm=clip, scale_bits=s_bits)
+        l2m, l1m = sensitivity(qm, m * bits)
+        norm = 0.5 * np.sqrt((1 + negatives) * np.maximum(kept, 1) * bits)
+        c = float(np.mean(np.minimum(1.0, clip / norm)))
+        for r in rounds:
+            mu, mu_pop = split_budget(epsilon, delta, r, (l1m, l2m), (l1p, l2p), pop_share)
+            sigma = math.sqrt(mu) / qm.scale
+            snr = 0.5 * c * users_per_item / sigma
+            covered = float(users_per_item[snr >= 2].sum() / max(users_per_item.sum(), 1))
+            pop_noise = math.sqrt(mu_pop) / qp.scale if mu_pop else 0.0
+            head = float(np.sort(users_per_item)[::-1][min(99, m - 1)])
+            out.append(
+                PlanRow(
+                    rounds=r,
+                    clip_norm=clip,
+                    scale_bits=s_bits,
+                    sigma=sigma,
+                    median_snr=float(np.median(snr)),
+                    covered=covered,
+                    pop_noise=pop_noise,
+                    pop_top_gap=head / pop_noise if pop_noise else math.inf,
+                )
+            )
+    return out
+
+
+def evaluate_private(
+    data: Any,
+    settings: ScaledSettings,
+    *,
+    eval_seed: int = 0,
+    val_users: int = 8000,
+    on_round: Callable[[int, float], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """Train privately on ``data`` (a `fedsim.experiment.Experiment` with candidate blocks, or a
+    `fedsim.datasets.TrainTestSplit` evaluated by full ranking) and evaluate on its test split.
+
+    α of the item level is chosen on validation (candidate blocks carved from train, or one carved
+    train item per user); the test split is scored once for the chosen α, for private popularity
+    (α = ∞), and for the non-private popularity and random baselines (random ties everywhere).
+
+    Returns
+    -------
+    (metrics, extra) : ``metrics`` maps "model", "private_popularity", "popularity", "random" to
+        their metric maps; ``extra`` holds "epsilon" (the ledger's), "delta", "alpha" and the μ's.
+    """
+    from fedsim.datasets import TrainTestSplit
+    from fedsim.evaluation import TieMode, evaluate_all_items, evaluate_candidates, popularity_scorer, random_scorer
+
+    say = log or (lambda text: None)
+    chosen: tuple[float, float] | None = None
+    if isinstance(data, TrainTestSplit):
+        fit, val = carve_validation(data.train, eval_seed)
+        res = run_private_scaled(fit, settings, on_round=on_round)
+        rng = np.random.default_rng(eval_seed)
+        vu = rng.choice(fit.n_users, min(val_users, fit.n_users), replace=False)
+        for a in ALPHAS:
+            v = evaluate_all_items(scorer(res, a), fit, val, k=20, users=vu, seed=eval_seed).recall
+            say(f"  validation Recall@20 with item level α={a:g}: {v:.4f}")
+            if chosen is None or v > chosen[1]:
+                chosen = (a, v)
+        assert chosen is not None
+        seen, test = data.train, data.test
+
+        def full(score: Any) -> dict[str, float]:
+            r = evaluate_all_items(score, seen, test, k=20, seed=eval_seed)
+            return {"recall@20": r.recall, "ndcg@20": r.ndcg}
+
+        metrics = {
+            "model": full(scorer(res, chosen[0])),
+            "private_popularity": full(scorer(res, math.inf)),
+            "popularity": full(popularity_scorer(seen)),
+            "random": full(random_scorer(seen.n_items, eval_seed)),
+        }
+        protocol = "full"
+    else:
+        exp = data
+        res = run_private_scaled(exp.train, settings, on_round=on_round)
+        for a in ALPHAS:
+            v = evaluate_candidates(candidate_scores(res, exp.val.users, exp.val.items, a), 10, TieMode.RANDOM).hr
+            say(f"  validation HR@10 with item level α={a:g}: {v:.4f}")
+            if chosen is None or v > chosen[1]:
+                chosen = (a, v)
+        assert chosen is not None
+
+        def blocks(scores: Any) -> dict[str, float]:
+            r = evaluate_candidates(np.asarray(scores, dtype=np.float64), 10, TieMode.RANDOM)
+            return {"hr@10": r.hr, "ndcg@10": r.ndcg}
+
+        pop = np.bincount(exp.train.items, minlength=exp.train.n_items).astype(np.float64)
+        metrics = {
+            "model": blocks(candidate_scores(res, exp.test.users, exp.test.items, chosen[0])),
+            "private_popularity": blocks(candidate_scores(res, exp.test.users, exp.test.items, math.inf)),
+            "popularity": blocks(pop[exp.test.items]),
+            "random": blocks(np.random.default_rng(eval_seed).random(exp.test.items.shape)),
+        }
+        protocol = exp.protocol.value
+    extra = {
+        "epsilon": res.epsilon if res.epsilon is not None else math.inf,
+        "delta": res.delta,
+        "alpha": chosen[0] if math.isfinite(chosen[0]) else "popularity only",
+        "mu_model": res.mu_model,
+        "mu_popularity": res.mu_pop,
+        "protocol": protocol,
+        "train_seconds": res.seconds,
+    }
+    return metrics, extra

@@ -83,6 +83,8 @@ __all__ = [
     "PrivateSimulator",
     "LightFRCohort",
     "one_blas_thread",
+    "SimulatedRun",
+    "run_simulated",
 ]
 
 
@@ -290,9 +292,14 @@ class PrivateSimulator:
         *,
         seed: int,
         dropout: Callable[[int, int], DropoutAt] | None = None,
+        per_device_noise: bool = True,
     ) -> RoundOutcome | None:
         """One round with real device models (``devices[id]`` a `device_sdk` model holding its state,
         ``data[id]`` its ratings), bit-identical to the coordinator's round for the same seeds.
+
+        ``per_device_noise=False`` draws the survivors' released noise in one piece (Skellam of
+        `released_variance`, its exact law) from a generator seeded by ``seed`` and the round: the
+        same distribution for a fraction of the cost, but no longer bit-identical.
 
         Returns None when the configuration stops (``max_rounds``).
         """
@@ -321,11 +328,15 @@ class PrivateSimulator:
         s = len(sets.u3)
         for d in sorted(sets.u3):
             total += rings[d].view(np.int32)
-            if params.dp_mu > 0.0:
+            if params.dp_mu > 0.0 and per_device_noise:
                 draw = device_noise(params.dp_mu, params.dp_t_min, self.vector_length, noise_rngs[d])
                 if d in sets.corrected:
                     draw, _ = correct_noise(draw, params.dp_t_min, s, noise_rngs[d])
                 total += draw.value()
+        if params.dp_mu > 0.0 and not per_device_noise:
+            noise = insecure_test_noise_stream(seed, round_id, 0x5EED)  # a simulation: ε is not a guarantee here
+            var = released_variance(params.dp_mu, params.dp_t_min, s, len(sets.corrected))
+            total += sample_skellam(var, self.vector_length, noise).value()
         ring_total = to_ring(total)
         eps = self._commit(ring_total, s, plan)
         var = released_variance(self.mu, params.dp_t_min, s, len(sets.corrected)) if self.mu else 0.0
@@ -383,6 +394,53 @@ class PrivateSimulator:
         eps = self._commit(to_ring(total), s, plan)
         timings["aggregate"] = time.perf_counter() - t0
         return RoundOutcome(round_id, True, sets, eps, self.model_version, time.perf_counter() - start, var, timings)
+
+
+@dataclass
+class SimulatedRun:
+    """Result of `run_simulated`: the simulator (model, ledger) and the devices (``.model``,
+    ``.data``), keyed by the device ids the coordinator would have given them (1, 2, ...)."""
+
+    simulator: PrivateSimulator
+    devices: dict[int, Any]
+    outcomes: list[RoundOutcome] = field(default_factory=list)
+
+    @property
+    def coordinator(self) -> PrivateSimulator:
+        """The simulator, where `fedsim.private.PrivateRun` has the coordinator (``model_version``,
+        ``model_state``, ``ledger``, ``mu``), so progress callbacks work with either run."""
+        return self.simulator
+
+
+def run_simulated(
+    config: ServerConfig,
+    clients: Mapping[int, LocalRatings],
+    new_model: Callable[[int], Any],
+    *,
+    rounds: int,
+    seed: int,
+    dropout: Callable[[int, int], DropoutAt] | None = None,
+    strategy: Strategy | None = None,
+    after_round: Callable[[SimulatedRun], None] | None = None,
+    per_device_noise: bool = True,
+) -> SimulatedRun:
+    """`fedsim.private.run_private` without the crypto: the same devices (ids in the mapping's order,
+    from 1), the same seeds and dropout schedule, and the same final model, bit for bit."""
+    from fedsim.private import SimulatedDevice
+
+    sim = PrivateSimulator(config, strategy=strategy)
+    devices = {i + 1: SimulatedDevice(i + 1, data, new_model(i + 1)) for i, data in enumerate(clients.values())}
+    run = SimulatedRun(sim, devices)
+    models = {d: dev.model for d, dev in devices.items()}
+    data = {d: dev.data for d, dev in devices.items()}
+    for _ in range(rounds):
+        out = sim.run_round(models, data, seed=seed, dropout=dropout, per_device_noise=per_device_noise)
+        if out is None:
+            break
+        run.outcomes.append(out)
+        if after_round is not None:
+            after_round(run)
+    return run
 
 
 def one_blas_thread() -> contextlib.AbstractContextManager[Any]:

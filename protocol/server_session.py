@@ -75,8 +75,8 @@ class RoundParameters:
     vector_length: int
     k: int
     t: int
-    clip_norm: float = 1.0
-    scale_bits: int = 16
+    clip_norm: float
+    scale_bits: int
     dp_mu: float = 0.0
     dp_t_min: int = 0
     deadlines: tuple[float, float, float, float]

@@ -98,6 +98,8 @@ class Round:
             vector_length=length,
             k=k or n,
             t=t,
+            clip_norm=1.0,
+            scale_bits=16,
             dp_mu=dp_mu,
             dp_t_min=dp_t_min,
             deadlines=(1.0, 2.0, 3.0, 4.0),

@@ -1,8 +1,9 @@
 """Every model family runs a private round over HTTP through the real server and real device clients,
 and ends bit-identical to the same round driven in-process (`fedsim.private.run_private`).
 
-One device of the cohort drops before its masked input, so the SecAgg+ recovery path is part of the
-round; the sum the strategy sees is the survivors' only.
+One device of the cohort drops (announced) before its masked input, so the SecAgg+ recovery path is part
+of the round; the sum the strategy sees is the survivors' only.  Silent drops that wait a deadline out
+are tested once, in tests/test_server_app.py.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ DROPPER = 2  # index (registration order) of the device that leaves before its m
 
 
 def _config(data_dir: Path, kind: str) -> ServerConfig:
-    timeout = 3.0
+    # Deadlines far above any honest device's time on a loaded machine: the dropper announces its
+    # departure, so phases close at quorum and the round never waits a deadline out.
+    timeout = 30.0
     return config_from_dict(
         {
             "server": {"data_dir": str(data_dir), "port": 0},
@@ -114,7 +117,7 @@ async def _http_round(cfg: ServerConfig, kind: str, aiohttp_server: Any, store: 
 
     async def until_done(index: int, client: DeviceClient) -> RoundStatus:
         for _ in range(200):
-            outcome = await client.run_round(dropout=_dropout(index))
+            outcome = await client.run_round(dropout=_dropout(index), announce_drop=True)
             if outcome.status is not RoundStatus.WAITED:
                 return outcome.status
             await asyncio.sleep(min(outcome.retry_after or 0.05, 0.1))

@@ -152,6 +152,7 @@ def test_an_unreachable_database_is_named_without_its_password(tmp_path: Path) -
     assert redact_url("postgresql://u:p@h:5/db") == "postgresql://u:***@h:5/db"
 
 
+@pytest.mark.integration  # starts a fedrec-server process
 def test_the_server_refuses_to_start_when_the_database_is_unreachable(tmp_path: Path) -> None:
     config = tmp_path / "server.toml"
     config.write_text(
