@@ -226,7 +226,9 @@ def test_a_connection_that_comes_back_within_the_grace_keeps_its_device(tmp_path
 
 
 def _session(n: int = 4, **kw: Any) -> ServerSecAggSession:
-    params = RoundParameters(round_id=1, vector_length=8, k=n, t=2, deadlines=(10.0, 20.0, 30.0, 40.0))
+    params = RoundParameters(
+        round_id=1, vector_length=8, k=n, t=2, clip_norm=1.0, scale_bits=8, deadlines=(10.0, 20.0, 30.0, 40.0)
+    )
     return ServerSecAggSession(params, list(range(1, n + 1)), rng=np.random.default_rng(0), **kw)
 
 
