@@ -30,6 +30,7 @@ from numpy.typing import NDArray
 from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundOutcome, RoundStatus, insecure_seeded_rngs
 from protocol.crypto import INSECURE_NOISE_NOTICE, NoiseStream
 from protocol.errors import FedRecError
+from protocol.policy import PrivacyPolicy
 
 __all__ = ["FleetConfig", "FleetReport", "run_fleet", "fetch_status", "get_status", "PHASE_STEPS"]
 
@@ -56,6 +57,9 @@ class FleetConfig:
     rounds : stop after this many rounds have finished (committed or aborted) on the server.
     dropout : probability that a device taking part in a round drops, at a phase chosen uniformly.
     seed : seed of the dropout choices and, when ``reproducible``, of the devices' generators.
+    privacy : the devices' privacy floor; default `PrivacyPolicy.no_floor()`, because simulated and
+        load-test cohorts are far smaller than any real floor allows (pass ``PrivacyPolicy()`` to see what
+        real devices would refuse).
     insecure_reproducible : TEST HOOK: seed the devices' training generators and DP-noise streams with
         `insecure_seeded_rngs` (bit-identical re-runs); the fleet then prints that its ε is not a
         privacy guarantee.  Default False: every device keys its noise from `secrets`, as a real one does.
@@ -79,6 +83,7 @@ class FleetConfig:
     dropout: float = 0.0
     seed: int = 0
     insecure_reproducible: bool = False
+    privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy.no_floor)
     rating_range: tuple[float, float] | None = (1.0, 5.0)
     binary_positives: bool = True
     time_limit: float = 3600.0
@@ -288,6 +293,7 @@ async def run_fleet(
                 ClientConfig(
                     store_dir=config.store_root / f"device-{index:06d}",
                     long_poll_timeout=config.long_poll_timeout,
+                    privacy=config.privacy,
                 ),
                 items=items,
                 ratings=ratings,

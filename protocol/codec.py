@@ -7,7 +7,8 @@
 
 Type codes: 1–10 are the SecAgg round messages; 11–16 registration, check-in, model download and the
 round result (protocol 1.1); protocol 1.2 appended the model-family fields of `RoundInvite` and
-`ModelPayload.values`; 17–19 reserved; 20+ are free.  Never reuse a code.
+`ModelPayload.values`; protocol 1.3 appended `RoundInvite.cohort_size`; 17–19 reserved; 20+ are free.
+Never reuse a code.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ __all__ = [
     "MAX_DEPTH",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)
+PROTOCOL_VERSION: tuple[int, int] = (1, 3)
 #: Default total size limit for one encoded message (a 10**6-element masked vector is 4 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Far above any legitimate list (neighbourhoods are at most a few thousand), far below what would hurt.
@@ -133,6 +134,8 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("step_rule", "sr", Kind.STR),
                 ("alignment", "al", Kind.STR),
                 ("round_index", "ri", Kind.INT),
+                # protocol 1.3: the device-side privacy floor
+                ("cohort_size", "nc", Kind.INT),
             ),
         ),
         PublicKeys.TYPE: (

@@ -48,6 +48,7 @@ from protocol.phases import (
     check_sharers,
     check_survivor_quorum,
 )
+from protocol.policy import DeviceLedger, PrivacyPolicy, check_invite
 from protocol.shamir import SHARE_BYTES, Share, split
 
 __all__ = ["DeviceSecAggSession", "SHARE_PLAINTEXT_BYTES", "ID_BYTES"]
@@ -75,6 +76,16 @@ class DeviceSecAggSession:
     fixed_secrets : FixedDeviceSecrets, optional
         Known-answer vectors and tests only: use these keys, seed, Shamir coefficients and nonces instead
         of the OS CSPRNG.  Leave None (the default) everywhere else.
+    policy : PrivacyPolicy, optional
+        The device's privacy floor (`protocol.policy`), checked against the invite before anything is
+        generated; None checks nothing (protocol tests and simulations).  `DeviceClient` always passes one.
+    ledger : DeviceLedger, optional
+        The device's own privacy ledger, for the policy's total-ε floor.
+
+    Raises
+    ------
+    PrivacyFloorViolation
+        The invite is below ``policy``: the device sits the round out.
     """
 
     def __init__(
@@ -83,11 +94,15 @@ class DeviceSecAggSession:
         *,
         rng: NoiseStream | None = None,
         fixed_secrets: FixedDeviceSecrets | None = None,
+        policy: PrivacyPolicy | None = None,
+        ledger: DeviceLedger | None = None,
     ) -> None:
         if not isinstance(invite, RoundInvite):
             raise TypeError("invite must be a RoundInvite")
         if fixed_secrets is not None and not isinstance(fixed_secrets, FixedDeviceSecrets):
             raise TypeError("fixed_secrets must be a FixedDeviceSecrets")
+        #: ε the round charges this device at its policy's δ (0 without a policy or without DP).
+        self.round_epsilon = 0.0 if policy is None else check_invite(invite, policy, ledger)
         self.invite = invite
         if rng is not None and not isinstance(rng, NoiseStream):
             raise TypeError(f"rng must be a protocol.crypto.NoiseStream, got {type(rng).__name__}")

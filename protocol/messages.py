@@ -214,6 +214,10 @@ class RoundInvite(Message):
         FNMF client-side alignment: "none", "lap", "lap_rho" or "sinkhorn"; "" elsewhere.
     round_index : int
         0 for the round that trains model version 1, then 1, 2, ... (drives schedules).
+    cohort_size : int
+        Protocol 1.3: the number of devices invited to the round (n), which the device's privacy floor
+        (`protocol.policy`) checks k, t and t_min against; 0 = not stated (a 1.2 server), which a device
+        with a privacy floor refuses.
     """
 
     TYPE: ClassVar[int] = 1
@@ -253,9 +257,12 @@ class RoundInvite(Message):
     step_rule: str = ""
     alignment: str = ""
     round_index: int = 0
+    # Appended in protocol 1.3 (device-side privacy floor).
+    cohort_size: int = 0
 
     def __post_init__(self) -> None:
         n = "RoundInvite"
+        _check_id(n, "cohort_size", self.cohort_size)
         for name in ("learning_rate", "reg", "kappa", "proximity", "inertia", "max_norm2"):
             _check_float(n, name, getattr(self, name), minimum=0.0)
         _check_float(n, "reg_growth", self.reg_growth, minimum=1.0)

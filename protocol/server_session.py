@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -162,7 +163,8 @@ class ServerSecAggSession:
         if len(set(ids)) != len(ids):
             raise ValueError("device ids must be distinct")
         self.params = params
-        self._invites = {u: params.invite(u) for u in ids}  # validates every field once
+        # validates every field once; the cohort size lets each device check its privacy floor
+        self._invites = {u: dataclasses.replace(params.invite(u), cohort_size=len(ids)) for u in ids}
         if params.k < len(ids) and params.k % 2 == 0:
             harary_graph(ids, params.k, rng)  # raises the graph module's ConfigError
         self._rng = rng

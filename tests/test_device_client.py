@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -63,6 +64,7 @@ from protocol.messages import (
     Wait,
 )
 from protocol.noise import to_ring
+from protocol.policy import PrivacyPolicy
 from protocol.session import ACTIVE_PHASES, DeviceSecAggSession, Phase, RoundParameters, ServerSecAggSession
 
 N_ITEMS = 24
@@ -329,7 +331,7 @@ def make_device(server: FakeServer, store: Path, index: int) -> Device:
 
     client = DeviceClient(
         FakeTransport(server),
-        ClientConfig(store_dir=store, disconnect_after=0.02),
+        ClientConfig(store_dir=store, disconnect_after=0.02, privacy=PrivacyPolicy.no_floor()),
         items=items,
         ratings=ratings,
         n_items=N_ITEMS,
@@ -345,8 +347,8 @@ class RecordingSession(DeviceSecAggSession):
 
     created: list[RecordingSession] = []
 
-    def __init__(self, invite: RoundInvite, *, rng: NoiseStream) -> None:
-        super().__init__(invite, rng=rng)
+    def __init__(self, invite: RoundInvite, *, rng: NoiseStream, **kwargs: Any) -> None:
+        super().__init__(invite, rng=rng, **kwargs)
         self.recorded: NDArray[np.uint32] | None = None
         RecordingSession.created.append(self)
 

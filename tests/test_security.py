@@ -84,3 +84,100 @@ async def test_a_deeply_nested_registration_is_refused_quickly(aiohttp_client: A
     status, msg = await _post(client, "/v1/checkin", encode(CheckIn(device_id=0)), "x" * 40)
     assert status == 401  # the server is still answering
     assert issubclass(DecodeError, RemoteProtocolError)
+
+
+# -- the device-side privacy floor (item 3) ---------------------------------------------------------------
+
+
+def _invite(**changes: Any) -> Any:
+    import dataclasses
+
+    from protocol.messages import RoundInvite
+
+    base = RoundInvite(
+        round_id=4,
+        device_id=10,
+        vector_length=1000,
+        graph_k=29,
+        graph_t=16,
+        clip_norm=1.0,
+        scale_bits=8,
+        dp_mu=(3 * (256 + 1000**0.5)) ** 2,  # noise multiplier 3
+        dp_t_min=67,
+        advertise_deadline=1.0,
+        share_keys_deadline=2.0,
+        masked_input_deadline=3.0,
+        unmask_deadline=4.0,
+        cohort_size=100,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"graph_t": 1}, "threshold"),
+        ({"graph_k": 1, "graph_t": 1}, "threshold|k="),
+        ({"graph_k": 28 + 1, "graph_t": 2}, "unsafe|adversary"),  # the cohort's safe t is 6 at gamma = 5%
+        ({"cohort_size": 0}, "cohort size"),
+        ({"graph_k": 101, "graph_t": 60}, "exceeds the stated cohort"),
+        ({"dp_mu": 0.0, "dp_t_min": 0}, "no DP noise"),
+        ({"dp_mu": 1e-300}, "noise multiplier"),
+        ({"dp_t_min": 2**62}, "t_min"),
+        ({"dp_t_min": 1}, "t_min"),
+        ({"dp_mu": (0.3 * 287.6) ** 2}, "noise multiplier"),
+        ({"dp_mu": (0.6 * 287.6) ** 2}, "per round"),
+    ],
+)
+def test_invites_below_the_floor_are_refused_before_anything_is_generated(changes: dict[str, Any], why: str) -> None:
+    from protocol.device_session import DeviceSecAggSession
+    from protocol.errors import PrivacyFloorViolation
+    from protocol.policy import PrivacyPolicy
+
+    with pytest.raises(PrivacyFloorViolation, match=why):
+        DeviceSecAggSession(_invite(**changes), policy=PrivacyPolicy())
+
+
+def test_a_sound_invite_passes_and_the_device_keeps_its_own_ledger() -> None:
+    from protocol.device_session import DeviceSecAggSession
+    from protocol.errors import PrivacyFloorViolation
+    from protocol.policy import DeviceLedger, PrivacyPolicy, check_invite
+
+    policy = PrivacyPolicy()
+    invite = _invite()
+    session = DeviceSecAggSession(invite, policy=policy)
+    assert 0.0 < session.round_epsilon <= policy.max_epsilon_per_round
+    ledger = DeviceLedger()
+    rounds = 0
+    with pytest.raises(PrivacyFloorViolation, match="budget"):
+        while True:
+            check_invite(invite, policy, ledger)
+            ledger.charge(invite)
+            rounds += 1
+    assert rounds >= 1 and ledger.epsilon(policy.delta) <= policy.max_epsilon_total
+    assert DeviceLedger.from_dict(ledger.to_dict()).rounds == rounds
+    # without DP the default floor refuses; a deployment that runs without DP must say so
+    assert check_invite(_invite(dp_mu=0.0, dp_t_min=0), PrivacyPolicy(require_noise=False)) == 0.0
+
+
+def test_the_device_ledger_agrees_with_the_servers_accountant() -> None:
+    import numpy as np
+
+    from protocol.accounting import composed_rdp, epsilon_from_rdp
+    from protocol.rdp import rdp_to_epsilon
+
+    for mu in (1e3, 1e5, 1e7):
+        curve = composed_rdp([(mu, 3000.0, 300.0)] * 7)
+        assert rdp_to_epsilon(curve, 1e-6) == pytest.approx(epsilon_from_rdp(curve, 1e-6), rel=1e-12)
+    assert rdp_to_epsilon(np.zeros_like(curve), 1e-6) == 0.0
+
+
+def test_an_overstated_survivor_count_is_refused() -> None:
+    from protocol.errors import RemoteProtocolError
+    from protocol.phases import check_survivor_quorum
+
+    invite = _invite()
+    check_survivor_quorum(20, 100, invite)
+    for factor in (2, 10, 1000):  # issue 15: 2x, 10x, 1000x the real 70 survivors
+        with pytest.raises(RemoteProtocolError, match="exceeds the invited cohort"):
+            check_survivor_quorum(20, 70 * factor, invite)

@@ -111,9 +111,10 @@ async def test_health_and_status_answer_while_a_round_finishes(aiohttp_server: A
     await prober
     assert report.outcomes["committed"] == 5 and not report.errors
     finishing = [latency for state, latency in seen if state == "finishing"]
-    # The 1.5 s aggregation ran in the worker thread: health kept answering fast all along.
-    assert len(finishing) >= 10
-    assert max(latency for _, latency in seen) < 0.5
+    # The 1.5 s aggregation ran in the worker thread: health kept answering all along (on the event
+    # loop it would have stalled every probe for 1.5 s; the bound leaves room for a loaded machine).
+    assert len(finishing) >= 3
+    assert max(latency for _, latency in seen) < 1.0
     assert app[COORDINATOR].model_version == 2
 
 
