@@ -11,7 +11,9 @@ the sorted top-k distances must agree (ties may pick different items).
     python benchmarks/bench_topk.py                      # 10^5, 10^6, 10^7 items, f = 64
     python benchmarks/bench_topk.py --sizes 1000000 --repeat 20 --batch 100
 
-Threads: BLAS, OpenMP and faiss are pinned to one thread before numpy is imported.
+Threads: BLAS, OpenMP and faiss are pinned to one thread before numpy is imported, and times are the
+CPU seconds of the calling thread (`time.thread_time`), so that other processes on a shared machine
+are not counted; the load average is printed beside the table.
 """
 
 from __future__ import annotations
@@ -33,18 +35,23 @@ from numpy.typing import NDArray  # noqa: E402
 from device_sdk.topk import HammingIndex  # noqa: E402
 
 
-def _interleaved(fns: list[Callable[[], Any]], repeat: int, budget: float) -> list[float]:
-    """Median seconds per call of each function, calling them in turn (round-robin), so that a
-    change of machine load hits every method alike."""
+def _timed(fns: list[Callable[[], Any]], repeat: int, budget: float, interleave: bool) -> list[float]:
+    """Median CPU seconds per call of each function after one warm-up call.
+
+    By default each function runs its repeats back to back (warm caches, the usual protocol);
+    with ``interleave`` they take turns, so every call starts with caches the others have used.
+    """
     for fn in fns:
         fn()  # warm-up
     times: list[list[float]] = [[] for _ in fns]
-    t_end = time.perf_counter() + budget
-    while len(times[0]) < repeat and (len(times[0]) < 3 or time.perf_counter() < t_end):
-        for fn, ts in zip(fns, times, strict=True):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
+    order = [list(range(len(fns)))] if interleave else [[i] for i in range(len(fns))]
+    for group in order:
+        t_end = time.thread_time() + budget
+        while len(times[group[0]]) < repeat and (len(times[group[0]]) < 3 or time.thread_time() < t_end):
+            for i in group:
+                t = time.thread_time()
+                fns[i]()
+                times[i].append(time.thread_time() - t)
     return [float(np.median(ts)) for ts in times]
 
 
@@ -76,16 +83,21 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=64)
     p.add_argument("--batch", type=int, default=100, help="users per call in the batched runs")
     p.add_argument("--repeat", type=int, default=9)
-    p.add_argument("--budget", type=float, default=20.0, help="seconds per size and batch before fewer repeats")
+    p.add_argument("--budget", type=float, default=10.0, help="CPU seconds per method before fewer repeats")
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--levels", type=int, default=16)
     p.add_argument("--weight", type=int, default=4)
+    p.add_argument("--block-pairs", type=int, default=None, help="HammingIndex.search block size (default: its own)")
+    p.add_argument("--interleave", action="store_true", help="methods take turns (cold caches) instead of back to back")
+    p.add_argument("--batch-only", action="store_true")
+    p.add_argument("--single-only", action="store_true")
     args = p.parse_args()
     rng = np.random.default_rng(0)
     f, k = args.bits, args.k
     w = (f + 63) // 64
-    print(f"top-{k}, f = {f}, one core, median of up to {args.repeat} interleaved runs; load average {os.getloadavg()}")
-    print(f"{'items':>9} {'users/call':>10} {'method':<26} {'ms/call':>9} {'G items/s':>9} {'vs faiss':>8}")
+    mode = " (interleaved)" if args.interleave else ""
+    print(f"top-{k}, f = {f}, one core, median of up to {args.repeat} runs{mode}; load average {os.getloadavg()}")
+    print(f"{'items':>9} {'users/call':>10} {'method':<26} {'CPU ms':>9} {'G items/s':>9} {'vs faiss':>8}")
     for m in args.sizes:
         words = rng.integers(0, 2**64, size=(w, m), dtype=np.uint64, endpoint=False)
         if f % 64:
@@ -106,15 +118,17 @@ def main() -> None:
         _, sc = plain.search(users, k, rng)
         if not np.array_equal(np.sort(fd, axis=1), np.sort(f - sc, axis=1)):
             raise SystemExit("fedrec and faiss disagree on the top-k distances")
-        for n_users in (1, args.batch):
+        blk = {} if args.block_pairs is None else {"block_pairs": args.block_pairs}
+        batches = [1] if args.single_only else [args.batch] if args.batch_only else [1, args.batch]
+        for n_users in batches:
             uu, qq, UU = users[:n_users], q[:n_users], U[:n_users]
             runs: list[tuple[str, Callable[[], Any]]] = [
                 ("faiss IndexBinaryFlat", partial(index.search, qq, k)),
-                ("fedrec hamming", partial(plain.search, uu, k, rng)),
-                (f"fedrec + item term (B={args.weight})", partial(termed.search, uu, k, rng)),
+                ("fedrec hamming", partial(plain.search, uu, k, rng, **blk)),
+                (f"fedrec + item term (B={args.weight})", partial(termed.search, uu, k, rng, **blk)),
                 ("float32 d=32 inner prod", partial(float_topk, V, UU, k)),
             ]
-            seconds = _interleaved([fn for _, fn in runs], args.repeat, args.budget)
+            seconds = _timed([fn for _, fn in runs], args.repeat, args.budget, args.interleave)
             for (name, _), t in zip(runs, seconds, strict=True):
                 print(
                     f"{m:>9} {n_users:>10} {name:<26} {t * 1e3:>9.3f} {m * n_users / t / 1e9:>9.3f} "

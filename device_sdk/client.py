@@ -40,9 +40,11 @@ from device_sdk.persistence import (
     Sync,
     fresh_model,
     load_identity,
+    load_ledger,
     load_model,
     load_sync,
     save_identity,
+    save_ledger,
     save_model,
     secret_generator,
 )
@@ -53,6 +55,7 @@ from protocol.errors import (
     ConfigError,
     FedRecError,
     LocalProtocolError,
+    PrivacyFloorViolation,
     RemoteProtocolError,
     RoundError,
     StaleRound,
@@ -72,6 +75,7 @@ from protocol.messages import (
     UnmaskRequest,
     Wait,
 )
+from protocol.policy import PrivacyPolicy
 from protocol.session import ACTIVE_PHASES, DeviceSecAggSession
 from protocol.spec import MAX_TEXT
 
@@ -109,6 +113,10 @@ class ClientConfig:
         Seconds per attempt of a short request (register, check-in, model download, abort).
     long_poll_timeout : float
         Seconds per attempt of a SecAgg phase request, which the server holds until the phase closes.
+    privacy : PrivacyPolicy
+        The device's privacy floor (`protocol.policy`): rounds below it are refused and the device sits
+        them out (`RoundStatus.REFUSED`).  The default is the safe one; a deployment without DP must set
+        ``PrivacyPolicy(require_noise=False)``; `PrivacyPolicy.no_floor()` is for simulations only.
     disconnect_after : float
         Fault injection only (`DropoutAt.DISCONNECT_MASKED`): seconds the masked-input request may run
         before the client abandons it and closes the connection.
@@ -124,8 +132,11 @@ class ClientConfig:
     request_timeout: float = 30.0
     long_poll_timeout: float = 300.0
     disconnect_after: float = 0.05
+    privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.privacy, PrivacyPolicy):
+            raise ConfigError(f"privacy must be a PrivacyPolicy, got {type(self.privacy).__name__}")
         object.__setattr__(self, "store_dir", Path(self.store_dir))
         for name in ("request_timeout", "long_poll_timeout", "disconnect_after"):
             value = getattr(self, name)
@@ -158,6 +169,7 @@ class RoundStatus(StrEnum):
     COMMITTED = "committed"
     ABORTED = "aborted"
     DROPPED = "dropped"
+    REFUSED = "refused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +368,7 @@ class DeviceClient:
             raise StorageError(f"cannot create the store folder {config.store_dir}: {exc}") from exc
         self._identity = load_identity(config.store_dir)
         self._sync = load_sync(config.store_dir)
+        self._ledger = load_ledger(config.store_dir)
         self._model = self._load_model()
 
     @classmethod
@@ -576,10 +589,16 @@ class DeviceClient:
                 await self._leave(invite, str(exc))
                 raise
             training_rng, noise_rng = self._rng_for_round(rid)
+            try:
+                session = DeviceSecAggSession(invite, rng=noise_rng, policy=self.config.privacy, ledger=self._ledger)
+            except PrivacyFloorViolation as exc:
+                # Below this device's floor: sit the round out (before training), and say why.
+                _log.warning("refusing round %d: %s", rid, exc)
+                await self._leave(invite, f"refused: {exc}")
+                return self._outcome(RoundStatus.REFUSED, rid, tally, reason=str(exc))
             with tally.step("train"):
-                update, _ = local_round(self._model, invite, self._data, None, training_rng)
-                self._save_model()
-            session = DeviceSecAggSession(invite, rng=noise_rng)
+                # Off the app's event loop: training is the device's long CPU step.
+                update = await asyncio.to_thread(self._train, invite, training_rng)
             session.provide_input(update)
             del update  # the session holds the only copy until it is masked
             for name, stop_before, answer_type in _STEPS:
@@ -587,7 +606,8 @@ class DeviceClient:
                     if announce_drop:
                         await self._leave(invite, f"left before {name}")
                     return self._dropped(session, rid, tally, f"fault injection: {dropout.value}")
-                outgoing = session.send()
+                # Masking expands one keystream per neighbour: off the event loop, like training.
+                outgoing = await asyncio.to_thread(session.send) if name == "masked" else session.send()
                 path = f"/v1/rounds/{rid}/{name}"
                 if name == "masked" and dropout is DropoutAt.DISCONNECT_MASKED:
                     with tally.step(name):
@@ -598,6 +618,8 @@ class DeviceClient:
                         tally,
                         "fault injection: disconnect_masked (closed the connection after the masked input)",
                     )
+                if name == "masked":
+                    self._charge(invite)  # the masked input may leave now: charge the device's own ledger first
                 with tally.step(name):
                     response = await self._call("POST", path, outgoing, tally, timeout=self.config.long_poll_timeout)
                 answer = response.message
@@ -616,6 +638,12 @@ class DeviceClient:
             raise
         finally:
             _forget(session)  # every exit, cancellation included, drops the session's secrets
+
+    def _train(self, invite: RoundInvite, rng: np.random.Generator) -> NDArray[np.uint32]:
+        """Local training and saving the trained model (runs in a worker thread)."""
+        update, _ = local_round(self._model, invite, self._data, None, rng)
+        self._save_model()
+        return update
 
     def _finish(
         self, session: DeviceSecAggSession, invite: RoundInvite, result: RoundResult, tally: _Tally
@@ -669,6 +697,17 @@ class DeviceClient:
             )
         except FedRecError as exc:
             _log.debug("could not tell the server this device left round %d: %s", invite.round_id, exc)
+
+    def _charge(self, invite: RoundInvite) -> None:
+        if invite.dp_mu <= 0.0:
+            return
+        self._ledger.charge(invite)
+        save_ledger(self.config.store_dir, self._ledger)
+
+    @property
+    def privacy_spent(self) -> float:
+        """ε this device has been charged so far, by its own ledger, at its policy's δ."""
+        return self._ledger.epsilon(self.config.privacy.delta)
 
     # -- model ------------------------------------------------------------------------------------
 

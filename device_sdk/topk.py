@@ -26,14 +26,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 __all__ = ["HammingIndex", "hamming_distances", "topk_hamming"]
 
-# User-item pairs per scan block: the XOR buffer (8 bytes a pair) stays within L2.
-_BLOCK_PAIRS = 1 << 16
+# User-item pairs per scan block: the XOR buffer (8 bytes a pair, 1 MiB) stays within L2.
+_BLOCK_PAIRS = 1 << 17
+# Items per user in a block of a batched scan, at least: numpy runs its inner loop once per user row,
+# so short rows would pay that call overhead on every few items.
+_ROW_ITEMS = 4096
 # Items in the first block of a scan, from which the running threshold is bootstrapped.
 _FIRST_BLOCK = 2048
 
@@ -100,7 +104,14 @@ class HammingIndex:
         order = np.argsort(self._top - lv.astype(np.int16), kind="stable").astype(np.int64)
         self._order = order
         self._sorted = np.ascontiguousarray(words[:, order])
-        self._bias = (self._top - lv[order]).astype(np.int32)  # ascending along the scan
+        # Costs fit int16 for any practical B (f·B + 255 < 2^15), where numpy sorts by counting.
+        cdt = np.int16 if self.f * self.weight + self._top < 2**15 else np.int64
+        self._bias = (self._top - lv[order]).astype(cdt)  # ascending along the scan
+
+    def __reduce__(self) -> tuple[type[HammingIndex], tuple[Any, ...]]:
+        # Copies (copy.deepcopy of a model, pickling) rebuild the index from its inputs; the
+        # per-thread scan buffers are a cache and are never copied.
+        return (HammingIndex, (self._words, self.f, self._levels, self.weight))
 
     @property
     def _B(self) -> int:
@@ -155,20 +166,28 @@ class HammingIndex:
             rows, ids, cost = self._rank_subset(users, np.asarray(candidates, dtype=np.int64))
         else:
             extra = [0] * n if exclude is None else [0 if e is None else len(e) for e in exclude]
-            kk = np.minimum(k + np.asarray(extra, dtype=np.int64), self.m)
             if n == 1:
-                ids, cost = self._scan_one(users[0], int(kk[0]), max(int(block_pairs), 1))
-                return self._select_one(ids, cost, k, excl, rng)
+                one_ids, one_cost = self._scan_one(users[0], min(k + extra[0], self.m), max(int(block_pairs), 1))
+                return self._select_one(one_ids, one_cost, k, excl, rng)
+            kk = np.minimum(k + np.asarray(extra, dtype=np.int64), self.m)
             rows, ids, cost = self._scan(users, kk, max(int(block_pairs), 1))
         return self._select(rows, ids, cost, n, k, excl, rng)
 
-    def _buffers(self, cap: int) -> tuple[NDArray[np.uint64], NDArray[np.integer], NDArray[np.uint8]]:
-        """Scan buffers of at least ``cap`` pairs, kept per thread and reused across searches: a
-        fresh multi-megabyte buffer would cost its page faults on every call."""
+    def _buffers(
+        self, cap: int
+    ) -> tuple[NDArray[np.uint64], NDArray[np.integer], NDArray[np.uint8], NDArray[np.bool_]]:
+        """Scan buffers of at least ``cap`` pairs (XOR words, distances, per-word popcounts, hit
+        mask), kept per thread and reused across searches: a fresh multi-megabyte buffer would cost
+        its page faults on every call."""
         held = getattr(self._local, "buffers", None)
         if held is None or held[0].size < cap:
             t_size = cap if (self.w > 1 or self._dt != np.uint8) else 0
-            held = (np.empty(cap, np.uint64), np.empty(cap, self._dt), np.empty(t_size, np.uint8))
+            held = (
+                np.empty(cap, np.uint64),
+                np.empty(cap, self._dt),
+                np.empty(t_size, np.uint8),
+                np.empty(cap, np.bool_),
+            )
             self._local.buffers = held
         return held
 
@@ -211,9 +230,9 @@ class HammingIndex:
         n, m, B, f = users.shape[0], self.m, self._B, self.f
         nb = f * B + self._top + 1  # costs lie in [0, nb); nb itself means "no threshold yet"
         bias = self._bias
-        step = max(block_pairs // n, 1)
-        first = min(m, max(min(_FIRST_BLOCK, step), int(kk.max()) * 4))
-        x, d, t = self._buffers(n * max(first, step))
+        step = max(block_pairs // n, min(_ROW_ITEMS, block_pairs))
+        first = min(m, max(min(_FIRST_BLOCK // 2, step), int(kk.max()) * 4))
+        x, d, t, mask = self._buffers(n * max(first, step))
         # Bootstrap: each user's threshold from the costs of the first block, by counting.
         d0 = self._distances(users, 0, first, x, d, t)
         if bias is None:
@@ -222,16 +241,16 @@ class HammingIndex:
             hits = np.flatnonzero(d0 <= tau[:, None])
             cost0 = d0.ravel()[hits].astype(np.int64)
         else:
-            c0 = d0.astype(np.int64) * B + bias[:first]
+            c0 = d0.astype(np.int64) * B + bias[:first].astype(np.int64)
             tau = _tau(_row_hist(c0, nb), kk, nb)
             hits = np.flatnonzero(c0 <= tau[:, None])
             cost0 = c0.ravel()[hits]
         r0, p0 = np.divmod(hits, first)
         rows_l, pos_l, cost_l = [r0], [p0], [cost0]
         pending = hits.size
-        budget = max(int(kk.sum()) * 8, 1024)
+        budget = max(int(kk.sum()) * 2, 256)
         live = np.arange(n)
-        users_live, lim, lo, stale = users, np.empty((n, 1), self._dt), 0, True
+        users_live, lim, lim_max, uniform, lo, stale = users, np.zeros(n, np.int64), 0, True, 0, True
         start = first
         while start < m:
             stop = min(start + step, m)
@@ -247,17 +266,28 @@ class HammingIndex:
                 if live.size == 0:
                     break  # levels only fall from here on: no user can take any later item
                 users_live = users if live.size == n else users[live]
-                lim = lim_all[live][:, None].astype(self._dt)
+                lim = lim_all[live]
+                # One flat comparison against the loosest user's limit (a per-row limit would run
+                # numpy's inner loop once per row); the few hits are then held to their own row's.
+                lim_max = int(lim.max())
+                uniform = bool(lim.min() == lim_max)
             dd = self._distances(users_live, start, stop, x, d, t)
-            hits = np.flatnonzero(dd <= lim)
+            flat = dd.ravel()
+            mk = mask[: flat.size]
+            np.less_equal(flat, lim_max, out=mk)
+            hits = np.flatnonzero(mk)
             if hits.size:
                 r_local, c = np.divmod(hits, stop - start)
+                dist = flat[hits]
+                if not uniform:
+                    ok = dist <= lim[r_local]
+                    r_local, c, dist = r_local[ok], c[ok], dist[ok]
                 pos = c + start
-                cost = dd.ravel()[hits].astype(np.int64) * B
+                cost = dist.astype(np.int64) * B
                 rows_l.append(live[r_local])
                 pos_l.append(pos)
                 cost_l.append(cost if bias is None else cost + bias[pos])
-                pending += hits.size
+                pending += c.size
                 if pending > budget:
                     rows, pos_a, cost_a = (np.concatenate(a) for a in (rows_l, pos_l, cost_l))
                     tau = np.minimum(tau, _tau(_pair_hist(rows, cost_a, n, nb), kk, nb))
@@ -277,24 +307,28 @@ class HammingIndex:
         ids = pos if self._order is None else self._order[pos]
         return rows, ids, cost
 
-    def _scan_one(self, user: NDArray[np.uint64], kk: int, block: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-        """`_scan` for a single user, with scalar thresholds: the per-call overhead is what decides
-        the speed on small catalogues."""
+    def _scan_one(self, user: NDArray[np.uint64], kk: int, block: int) -> tuple[NDArray[np.int64], NDArray[np.integer]]:
+        """`_scan` for a single user, with scalar thresholds and as few numpy calls as possible: on
+        small catalogues the per-call overhead is what decides the speed."""
         m, B, f, bias, words = self.m, self._B, self.f, self._bias, self._sorted
         nb = f * B + self._top + 1
         first = min(m, max(min(_FIRST_BLOCK, block), 4 * kk))
-        x, d, t = self._buffers(max(first, block))
-        u = user[None, :]
-        d0 = self._distances(u, 0, first, x, d, t)[0]
-        c0 = d0 if bias is None else d0.astype(np.int64) * B + bias[:first]
-        cum = np.cumsum(np.bincount(c0, minlength=nb))
-        tau = int(np.searchsorted(cum, kk)) if cum[-1] >= kk else nb
-        pos = np.flatnonzero(c0 <= tau)
-        pos_l, cost_l = [pos], [c0[pos].astype(np.int64)]
-        pending, budget = pos.size, max(8 * kk, 256)
+        x, d, t, mask = self._buffers(max(first, block))
         fast = self.w == 1 and self._dt == np.uint8
+        u = user[None, :]
+        if fast:
+            np.bitwise_xor(words[0, :first], user[0], out=x[:first])
+            d0 = np.bitwise_count(x[:first], out=d[:first])
+        else:
+            d0 = self._distances(u, 0, first, x, d, t)[0]
+        c0 = d0 if bias is None else d0.astype(bias.dtype) * bias.dtype.type(B) + bias[:first]
+        # The kk-th smallest cost of the first block, by counting (numpy's radix sort of small ints).
+        tau = int(np.sort(c0, kind="stable")[kk - 1]) if kk <= first else nb
+        pos = (c0 <= tau).nonzero()[0]
+        pos_l, cost_l = [pos], [c0[pos]]
+        pending, budget = pos.size, max(8 * kk, 256)
         xs, ds = x[:block], d[:block]
-        lo, lim = -1, 0
+        lo, lim = -1, (f if tau >= nb else tau)
         start = first
         while start < m:
             stop = min(start + block, m)
@@ -303,38 +337,31 @@ class HammingIndex:
                 lim = f if tau >= nb else (tau - lo) // B
                 if lim < 0:
                     break  # levels only fall from here on: no later item can make the top kk
-            elif bias is None:
-                lim = f if tau >= nb else tau
             if fast and stop - start == block:
                 np.bitwise_xor(words[0, start:stop], user[0], out=xs)
-                np.bitwise_count(xs, out=ds)
-                dd = ds
+                dd = np.bitwise_count(xs, out=ds)
             else:
                 dd = self._distances(u, start, stop, x, d, t)[0]
-            hit = np.flatnonzero(dd <= lim)
+            mk = mask[: dd.size]
+            hit = np.less_equal(dd, lim, out=mk).nonzero()[0]
             if hit.size:
-                cost = dd[hit].astype(np.int64) * B
+                cost = dd[hit]
                 hit += start
                 pos_l.append(hit)
-                cost_l.append(cost if bias is None else cost + bias[hit])
+                cost_l.append(cost if bias is None else cost.astype(bias.dtype) * bias.dtype.type(B) + bias[hit])
                 pending += hit.size
                 if pending > budget:
                     pos, cost = np.concatenate(pos_l), np.concatenate(cost_l)
                     cum = np.cumsum(np.bincount(cost, minlength=nb))
                     tau = min(tau, int(np.searchsorted(cum, kk)) if cum[-1] >= kk else nb)
-                    keep = np.flatnonzero(cost <= tau)
+                    keep = (cost <= tau).nonzero()[0]
                     pos_l, cost_l = [pos[keep]], [cost[keep]]
                     pending = keep.size
                     budget = max(budget, 2 * pending)
-                    if bias is not None:
-                        lo = -1  # recompute the limit from the new threshold
+                    lo, lim = -1, (f if tau >= nb else tau)  # limits from the new threshold
             start = stop
         pos = pos_l[0] if len(pos_l) == 1 else np.concatenate(pos_l)
         cost = cost_l[0] if len(cost_l) == 1 else np.concatenate(cost_l)
-        if pending > 2 * kk + 16:
-            cum = np.cumsum(np.bincount(cost, minlength=nb))
-            keep = np.flatnonzero(cost <= int(np.searchsorted(cum, kk)))
-            pos, cost = pos[keep], cost[keep]
         return (pos if self._order is None else self._order[pos]), cost
 
     def _rank_subset(
@@ -360,22 +387,25 @@ class HammingIndex:
     def _select_one(
         self,
         ids: NDArray[np.int64],
-        cost: NDArray[np.int64],
+        cost: NDArray[np.integer],
         k: int,
         excl: NDArray[np.int64] | None,
         rng: np.random.Generator | None,
     ) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
-        """`_select` for a single user."""
+        """`_select` for a single user: a random order, then a stable counting sort by cost."""
         if excl is not None and ids.size:
             at = np.searchsorted(excl, ids)
             ok = excl[np.minimum(at, excl.size - 1)] != ids
             ids, cost = ids[ok], cost[ok]
-        key = ids if rng is None else rng.permutation(ids.size)
-        order = np.lexsort((key, cost))[:k]
+        if rng is None:
+            order = np.lexsort((ids, cost))[:k]
+        else:
+            perm = rng.permutation(ids.size)
+            order = perm[np.argsort(cost[perm], kind="stable")[:k]]
         out_ids = np.full((1, k), -1, np.int64)
         out_scores = np.full((1, k), -1, np.int32)
         out_ids[0, : order.size] = ids[order]
-        out_scores[0, : order.size] = self._score_of_cost(cost[order])
+        out_scores[0, : order.size] = self._score_of_cost(cost[order].astype(np.int64))
         return out_ids, out_scores
 
     def _select(

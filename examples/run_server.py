@@ -40,6 +40,7 @@ from numpy.typing import NDArray
 from device_sdk import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
 from fedsim import synthetic
 from fedsim.demo import write_server_config
+from protocol.policy import PrivacyPolicy
 
 EXAMPLE_CONFIG = Path(__file__).resolve().parent / "server.toml"
 N_ITEMS = 200
@@ -106,7 +107,11 @@ async def one_round(url: str, root: Path) -> list[tuple[DeviceClient, NDArray[np
 
         client = DeviceClient.connect(
             url,
-            ClientConfig(store_dir=root / "devices" / f"device-{user}", long_poll_timeout=60.0),
+            ClientConfig(
+                store_dir=root / "devices" / f"device-{user}",
+                long_poll_timeout=60.0,
+                privacy=PrivacyPolicy.no_floor(),  # a five-device demo cohort is below any real floor
+            ),
             items=rated[-1],
             ratings=np.asarray(log.ratings[mask]),
             n_items=N_ITEMS,

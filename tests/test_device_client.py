@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -63,6 +64,7 @@ from protocol.messages import (
     Wait,
 )
 from protocol.noise import to_ring
+from protocol.policy import PrivacyPolicy
 from protocol.session import ACTIVE_PHASES, DeviceSecAggSession, Phase, RoundParameters, ServerSecAggSession
 
 N_ITEMS = 24
@@ -329,7 +331,7 @@ def make_device(server: FakeServer, store: Path, index: int) -> Device:
 
     client = DeviceClient(
         FakeTransport(server),
-        ClientConfig(store_dir=store, disconnect_after=0.02),
+        ClientConfig(store_dir=store, disconnect_after=0.02, privacy=PrivacyPolicy.no_floor()),
         items=items,
         ratings=ratings,
         n_items=N_ITEMS,
@@ -345,8 +347,8 @@ class RecordingSession(DeviceSecAggSession):
 
     created: list[RecordingSession] = []
 
-    def __init__(self, invite: RoundInvite, *, rng: NoiseStream) -> None:
-        super().__init__(invite, rng=rng)
+    def __init__(self, invite: RoundInvite, *, rng: NoiseStream, **kwargs: Any) -> None:
+        super().__init__(invite, rng=rng, **kwargs)
         self.recorded: NDArray[np.uint32] | None = None
         RecordingSession.created.append(self)
 
@@ -414,10 +416,13 @@ async def test_full_round_secure_sum_is_bit_exact(tmp_path: Path, recording: lis
     np.testing.assert_array_equal(server.result_total, expected_sum(recording, server.result_survivors))
     assert any(s.kept_noise().any() for s in recording)  # DP noise really is in the sum
 
-    # The update is exactly what the in-process reference computes with `insecure_seeded_rngs`.
-    for device, model, session in zip(devices, before, recording, strict=True):
+    # The update is exactly what the in-process reference computes with `insecure_seeded_rngs`.  Devices
+    # train in worker threads, so their sessions are recorded in whatever order training finished.
+    by_device = {s.device_id: s for s in recording}
+    for device, model in zip(devices, before, strict=True):
         device_id = device.client.device_id
-        assert device_id is not None and session.device_id == device_id
+        assert device_id is not None
+        session = by_device[device_id]
         model.set_item_codes(global_codes, 3)
         training_rng, _ = insecure_seeded_rngs(SEED, 1, device_id)
         q, _ = local_round(model, server.invites[device_id], device.items, device.ratings, training_rng)

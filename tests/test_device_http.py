@@ -31,6 +31,7 @@ from protocol.errors import (
     RoundClosed,
 )
 from protocol.messages import CheckIn, ErrorMessage, Message, Wait
+from protocol.policy import PrivacyPolicy
 from tests.test_device_client import BITS, N_ITEMS, SEED, FakeServer, RecordingSession, _data, expected_sum
 from tests.test_device_client import recording as recording  # noqa: F401  (fixture)
 
@@ -350,7 +351,7 @@ async def test_device_clients_over_http(
 
         return DeviceClient.connect(
             url_of(server),
-            ClientConfig(store_dir=tmp_path / f"d{i}", long_poll_timeout=10.0),
+            ClientConfig(store_dir=tmp_path / f"d{i}", long_poll_timeout=10.0, privacy=PrivacyPolicy.no_floor()),
             items=items,
             ratings=ratings,
             n_items=N_ITEMS,

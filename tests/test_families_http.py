@@ -28,6 +28,7 @@ from device_sdk.http import HttpTransport
 from device_sdk.mf import MFConfig, MFModel
 from fedsim.planted import planted_binary, planted_nonnegative
 from fedsim.private import run_private
+from protocol.policy import PrivacyPolicy
 
 N_ITEMS = 24
 DEVICES = 6
@@ -101,7 +102,12 @@ async def _http_round(cfg: ServerConfig, kind: str, aiohttp_server: Any, store: 
         holder: dict[str, DeviceClient] = {}
         client = DeviceClient(
             HttpTransport(url, retries=2),
-            ClientConfig(store_dir=store / f"d{index}", request_timeout=10.0, long_poll_timeout=20.0),
+            ClientConfig(
+                store_dir=store / f"d{index}",
+                request_timeout=10.0,
+                long_poll_timeout=20.0,
+                privacy=PrivacyPolicy.no_floor(),
+            ),
             items=np.zeros(0, np.int64),
             ratings=None,
             n_items=N_ITEMS,

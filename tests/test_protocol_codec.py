@@ -97,6 +97,7 @@ def invite_fields(draw: st.DrawFn) -> dict[str, object]:
         "step_rule": draw(st.sampled_from(["", *(r.value for r in StepRule)])),
         "alignment": draw(st.sampled_from(["", *(a.value for a in Alignment)])),
         "round_index": draw(st.integers(0, 10**6)),
+        "cohort_size": draw(st.integers(0, 10**6)),
     }
 
 
