@@ -418,6 +418,16 @@ class LightFRModel(Recommender):
         self.user_codes[userid] = code
         self._user_words[:, userid] = pack_signs(code[None, :])[:, 0]
 
+    def set_user_code(self, code: ArrayLike, *, userid: int = 0) -> None:
+        """Adopt a user code learnt elsewhere (e.g. exported from a simulated run); the user counts as
+        trained.  ``code`` is (f,) of ±1."""
+        if not 0 <= userid < self.n_users:
+            raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
+        c = np.asarray(code)
+        if c.shape != (self.config.bits,) or not np.all(np.abs(c) == 1):
+            raise ValueError(f"a user code is {self.config.bits} values of ±1, got shape {c.shape}")
+        self._set_user(userid, c.astype(np.int8))
+
     def _set_user(self, userid: int, code: NDArray[np.int8]) -> None:
         self.user_codes[userid] = code
         self._user_words[:, userid] = pack_signs(code[None, :])[:, 0]
