@@ -115,7 +115,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--negatives",
         type=_nonneg_int,
         default=4,
-        help="sampled unobserved items per rating, fitted as 0 (default 4; 0 = explicit ratings only)",
+        help="sampled unobserved items per rating, fitted as 0, when --unobserved-weight is 0 (default 4)",
+    )
+    g.add_argument(
+        "--unobserved-weight",
+        type=_nonneg_float,
+        default=None,
+        help="w0: > 0 trains against every unobserved item and learns item levels (default 0.1, chosen on "
+        "validation; 0 with --aggregation para); 0 = the paper's sampled negatives",
+    )
+    g.add_argument(
+        "--confidence",
+        type=_nonneg_float,
+        default=0.0,
+        help="α: observed items weigh 1 + α under the all-items objective (default 0)",
     )
     g.add_argument(
         "--targets",
@@ -145,8 +158,8 @@ def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
     g.add_argument(
         "--flip-fraction",
         type=_fraction,
-        default=0.1,
-        help="probability that an item bit Agg_grad wants to flip is flipped (default 0.1; 1 = the paper's rule)",
+        default=0.3,
+        help="probability that an item bit Agg_grad wants to flip is flipped (default 0.3; 1 = the paper's rule)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the simulation (default: 0)")
 
@@ -337,7 +350,15 @@ def _model_config(args: argparse.Namespace, exp: Experiment) -> LightFRConfig:
         max_sweeps=args.sweeps,
         rating_range=exp.rating_range,
         binary_positives=args.targets == "binary",
+        unobserved_weight=_unobserved_weight(args),
+        confidence=args.confidence,
     )
+
+
+def _unobserved_weight(args: argparse.Namespace) -> float:
+    if args.unobserved_weight is not None:
+        return float(args.unobserved_weight)
+    return 0.1 if args.aggregation == Aggregation.GRAD.value else 0.0
 
 
 def _fed_config(args: argparse.Namespace) -> FederationConfig:
@@ -454,7 +475,19 @@ def _resolve_dataset(args: argparse.Namespace, out: TextIO) -> tuple[Experiment,
 #: that silently does nothing is worst when it is a privacy flag.
 _APPLIES_TO: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
-        ("bits", "lam", "negatives", "targets", "epochs", "sweeps", "aggregation", "flip_fraction", "protocol"),
+        (
+            "bits",
+            "lam",
+            "negatives",
+            "unobserved_weight",
+            "confidence",
+            "targets",
+            "epochs",
+            "sweeps",
+            "aggregation",
+            "flip_fraction",
+            "protocol",
+        ),
         ("lightfr",),
     ),
     "eval_every": ("lightfr",),
@@ -526,7 +559,13 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     exp, data_dir = _resolve_dataset(args, out)
     out.write(exp.describe() + "\n")
     out.write(
-        f"LightFR f={args.bits}, λ={args.lam}, {args.negatives} negatives per rating, E={args.epochs}; "
+        f"LightFR f={args.bits}, λ={args.lam}, "
+        + (
+            f"all items (w0={_unobserved_weight(args)}, α={args.confidence}, item levels)"
+            if _unobserved_weight(args) > 0
+            else f"{args.negatives} negatives per rating"
+        )
+        + f", E={args.epochs}; "
         f"T={args.rounds} rounds, p={args.fraction}, Agg_{args.aggregation} "
         f"(flip fraction {args.flip_fraction}), "
         f"seed {args.seed}\n"
@@ -548,6 +587,8 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
                 "n_items": int(state.item_codes.shape[0]),
                 "user_words": to_bytes(pack_signs(state.user_codes)),
                 "item_words": to_bytes(pack_signs(state.item_codes)),
+                "item_levels": b"" if state.item_levels is None else state.item_levels.tobytes(),
+                "hamming_weight": state.hamming_weight,
             },
         )
         out.write(f"saved the run to {args.save}\n")
@@ -578,9 +619,14 @@ def _cmd_eval(args: argparse.Namespace, out: TextIO) -> int:
             int(state_dict["n_users"]),
             int(state_dict["n_items"]),
         )
+        levels = bytes(state_dict.get("item_levels", b""))
+        if levels and len(levels) != n_items:
+            raise ValueError(f"item_levels has {len(levels)} bytes for {n_items} items")
         state = FederatedLightFR(
             user_codes=unpack_signs(from_bytes(state_dict["user_words"], bits, n_users), bits),
             item_codes=unpack_signs(from_bytes(state_dict["item_words"], bits, n_items), bits),
+            item_levels=np.frombuffer(levels, np.uint8).copy() if levels else None,
+            hamming_weight=int(state_dict.get("hamming_weight", 1)),
         )
         dataset, protocol = str(state_dict["dataset"]), Protocol(state_dict["protocol"])
         n_neg, seed = int(state_dict["eval_negatives"]), int(state_dict["seed"])

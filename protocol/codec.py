@@ -51,7 +51,7 @@ __all__ = [
     "decode",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)
+PROTOCOL_VERSION: tuple[int, int] = (1, 3)
 #: Default total size limit for one encoded message (a 10**6-element masked vector is 4 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Far above any legitimate list (neighbourhoods are at most a few thousand), far below what would hurt.
@@ -117,6 +117,8 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("step_rule", "sr", Kind.STR),
                 ("alignment", "al", Kind.STR),
                 ("round_index", "ri", Kind.INT),
+                ("unobserved_weight", "w0", Kind.FLOAT),  # protocol 1.3
+                ("confidence", "cf", Kind.FLOAT),  # protocol 1.3
             ),
         ),
         PublicKeys.TYPE: (
@@ -220,6 +222,8 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("n_items", "m", Kind.INT),
                 ("words", "w", Kind.BYTES),
                 ("values", "val", Kind.BYTES),  # protocol 1.2
+                ("item_levels", "lv", Kind.BYTES),  # protocol 1.3
+                ("hamming_weight", "hw", Kind.INT),  # protocol 1.3
             ),
         ),
         RoundResult.TYPE: (
