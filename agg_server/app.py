@@ -89,7 +89,6 @@ _STORAGE = web.AppKey("storage", Storage)
 _CHANGES = web.AppKey("changes", _Changes)
 Clock = Callable[[], float]
 _CLOCK: web.AppKey[Clock] = web.AppKey("clock")
-_COUNTERS = web.AppKey("counters", dict)
 _STRATEGY: web.AppKey[Strategy | None] = web.AppKey("strategy")
 
 _STATUS: list[tuple[type[FedRecError], int]] = [
@@ -115,9 +114,11 @@ def status_for(exc: FedRecError) -> int:
     return 500
 
 
-def _error_response(exc: FedRecError, status: int, request_id: str) -> web.Response:
+def _error_response(request: web.Request, exc: FedRecError, status: int, request_id: str) -> web.Response:
+    message = ErrorMessage.from_exception(exc)
+    request[dashboard.ERROR] = message  # for the metrics and the error ring, without decoding the body
     return web.Response(
-        body=encode(ErrorMessage.from_exception(exc)),
+        body=encode(message),
         status=status,
         content_type=MSGPACK,
         headers={"X-Request-Id": request_id},
@@ -130,12 +131,10 @@ async def _errors(
 ) -> web.StreamResponse:
     # Set (from a sane X-Request-Id or fresh) by the outer `dashboard.observe_requests` middleware.
     request_id = current_request_id() or secrets.token_hex(8)
-    counters = request.app[_COUNTERS]
     try:
         response = await handler(request)
     except FedRecError as exc:
         status = status_for(exc)
-        counters[status] = counters.get(status, 0) + 1
         if status >= 500:
             log.error("request %s %s %s failed: %s", request_id, request.method, request.path, exc)
             # Do not hand internals (paths, state) to a device.
@@ -150,23 +149,22 @@ async def _errors(
                 exc.code,
                 exc,
             )
-        return _error_response(exc, status, request_id)
+        return _error_response(request, exc, status, request_id)
     except web.HTTPRequestEntityTooLarge as exc:
-        counters[413] = counters.get(413, 0) + 1
-        return _error_response(PayloadTooLarge(exc.text or "request body too large"), 413, request_id)
+        return _error_response(request, PayloadTooLarge(exc.text or "request body too large"), 413, request_id)
     except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
         what = "no route" if exc.status == 404 else "method not allowed:"
         error = RemoteProtocolError(f"{what} {request.method} {request.path}")
         if "application/json" in request.headers.get("Accept", ""):  # curl, browsers' fetch: readable JSON
+            request[dashboard.ERROR] = ErrorMessage.from_exception(error)
             body = {"error": error.code, "message": str(error), "request_id": request_id}
             return web.json_response(body, status=exc.status, headers={"X-Request-Id": request_id})
-        return _error_response(error, exc.status, request_id)
+        return _error_response(request, error, exc.status, request_id)
     except web.HTTPException:
         raise
     except Exception:
-        counters[500] = counters.get(500, 0) + 1
         log.exception("request %s %s %s crashed", request_id, request.method, request.path)
-        return _error_response(FedRecError(f"internal error (request id {request_id})"), 500, request_id)
+        return _error_response(request, FedRecError(f"internal error (request id {request_id})"), 500, request_id)
     response.headers.setdefault("X-Request-Id", request_id)
     return response
 
@@ -201,8 +199,10 @@ def _device(request: web.Request) -> int:
 
 def _round_id(request: web.Request) -> int:
     raw = request.match_info["round_id"]
-    if not raw.isdigit() or len(raw) > 18:
-        raise RemoteProtocolError(f"round id must be a non-negative integer, got {raw!r}")
+    # ASCII digits only: str.isdigit() also accepts '²', '①', '٣' and '１' (int() refuses the first two
+    # with a ValueError, a 500, and reads the others as 3 and 1).
+    if not (0 < len(raw) <= 18 and raw.isascii() and raw.isdigit()):
+        raise RemoteProtocolError(f"round id must be a non-negative integer of ASCII digits, got {raw!r}")
     return int(raw)
 
 
@@ -285,7 +285,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     body = request.app[COORDINATOR].status(request.app[_CLOCK]())
-    body["errors_by_status"] = {str(k): v for k, v in sorted(request.app[_COUNTERS].items())}
+    body["errors_by_status"] = request.app[dashboard.OPERATOR].metrics.errors_by_status()
     return web.json_response(body)
 
 
@@ -366,7 +366,6 @@ def create_app(
     app[CONFIG] = config
     app[_STRATEGY] = strategy
     app[_CLOCK] = clock
-    app[_COUNTERS] = {}
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/v1/devices", register)

@@ -27,8 +27,17 @@ from typing import Any
 
 from protocol.errors import ConfigError
 from protocol.graph import find_parameters, validate_parameters
-from protocol.quantization import QuantizationConfig
-from protocol.spec import Aggregation, ModelKind
+from protocol.quantization import DEFAULT_SCALE_BITS, MAX_SCALE_BITS, QuantizationConfig
+from protocol.spec import (
+    MAX_ITEMS,
+    MAX_LOCAL_STEPS,
+    MAX_RANK,
+    MAX_VECTOR_LENGTH,
+    Aggregation,
+    Alignment,
+    ModelKind,
+    StepRule,
+)
 
 __all__ = [
     "MIN_COHORT",
@@ -48,8 +57,6 @@ __all__ = [
     "config_from_dict",
 ]
 
-MAX_VECTOR_LENGTH = 1 << 28
-"""Largest masked update (n_items * bits ring elements) a round may carry; RoundInvite's limit."""
 
 LOG_FORMATS = ("text", "json")
 """Accepted values of ``log.format``."""
@@ -58,12 +65,12 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 """Accepted values of ``log.level`` (case-insensitive on input, stored lower-case)."""
 
 _MIB = 1 << 20
-# Limits shared with the wire messages (protocol.messages): a config the messages would refuse must be
+# Limits shared with the wire messages (protocol.spec): a config the messages would refuse must be
 # refused here, at start-up, instead of at the first round.
-_MAX_BITS = 4096
-_MAX_ITEMS = 1 << 26
-_MAX_LOCAL_STEPS = 1000
-_MAX_SCALE_BITS = 30
+_MAX_BITS = MAX_RANK
+_MAX_ITEMS = MAX_ITEMS
+_MAX_LOCAL_STEPS = MAX_LOCAL_STEPS
+_MAX_SCALE_BITS = MAX_SCALE_BITS
 
 
 # -- field checks -------------------------------------------------------------------------------------
@@ -338,7 +345,7 @@ class RoundSection:
     k: int | None = None
     t: int | None = None
     clip_norm: float = 64.0
-    scale_bits: int = 10
+    scale_bits: int = DEFAULT_SCALE_BITS
     example_cap: int = 0
     advertise_timeout: float = 60.0
     share_keys_timeout: float = 30.0
@@ -533,7 +540,7 @@ class FELBSection:
         _set(self, "proximity", _float("felb.proximity", self.proximity, lo=0.0))
         _set(self, "inertia", _float("felb.inertia", self.inertia, lo=0.0, hi=1.0, hi_open=True))
         _int("felb.local_epochs", self.local_epochs, lo=1, hi=_MAX_LOCAL_STEPS)
-        _choice("felb.step_rule", self.step_rule, ("lipschitz", "mu"))
+        _choice("felb.step_rule", self.step_rule, tuple(r.value for r in StepRule))
         _set(self, "server_scale", _float("felb.server_scale", self.server_scale, lo=0.0, lo_open=True))
 
 
@@ -570,7 +577,7 @@ class FNMFSection:
         _int("fnmf.local_steps", self.local_steps, lo=1, hi=_MAX_LOCAL_STEPS)
         _set(self, "proximity", _float("fnmf.proximity", self.proximity, lo=0.0))
         _set(self, "inertia", _float("fnmf.inertia", self.inertia, lo=0.0, hi=1.0, hi_open=True))
-        _choice("fnmf.alignment", self.alignment, ("lap", "lap_rho", "sinkhorn", "none"))
+        _choice("fnmf.alignment", self.alignment, tuple(a.value for a in Alignment))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,8 +15,9 @@ Invariants:
 - One `Operator` per app, under the `OPERATOR` key; no module-level state.  It learns about rounds
   only through ``RoundCoordinator.listeners`` and the database (history seeded at start-up).
 - `observe_requests` is the outermost middleware: it fixes the request id (see `agg_server.logs`)
-  before anything logs, and sees every answer exactly as the client does, including the encoded
-  `ErrorMessage` of a failure, from which it takes the error code for metrics and the error ring.
+  before anything logs, and sees every answer exactly as the client does.  A failure's error code and
+  message come from the `ErrorMessage` the error middleware put under `ERROR` on the request (the
+  body is never decoded again); each error answer is counted once (`Metrics.observe_request`).
 - The error ring keeps time, method, route template, status, code, a truncated message and the
   request id of the last `ERROR_RING` failures: never a token, header or body.
 - The page inserts every server-provided value as text (``textContent`` / SVG attributes), never as
@@ -48,11 +49,11 @@ from agg_server.logs import ACCESS_LOGGER, REQUEST_ID, request_id_from_header
 from agg_server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from agg_server.metrics import Metrics
 from agg_server.storage import Storage
-from protocol.codec import decode
 from protocol.errors import AuthError, DecodeError, FedRecError, PermissionDenied, RemoteProtocolError
 from protocol.messages import ErrorMessage
 
 __all__ = [
+    "ERROR",
     "OPERATOR",
     "Operator",
     "install",
@@ -124,7 +125,7 @@ class Operator:
         """Start observing ``coordinator``: seed counters and history from ``storage``, then listen."""
         self.coordinator = coordinator
         self.storage = storage
-        self.metrics = Metrics(storage.round_counts())
+        self.metrics = Metrics(storage.round_counts(), status_source=lambda: coordinator.status(self.clock()))
         for rec in reversed(storage.recent_rounds(HISTORY)):
             if rec.finished_at is None:
                 continue
@@ -262,13 +263,13 @@ class Operator:
             "history": list(self.history),
             "quality": [dataclasses.asdict(q) for q in storage.model_quality(200)],
             "errors": list(reversed(self.errors)),
-            "error_counts": dict(sorted(self.metrics.http_errors.items())),
+            "error_counts": self.metrics.errors_by_code(),
         }
 
-    def metrics_text(self) -> str:
+    def metrics_text(self) -> bytes:
         """The ``/metrics`` exposition."""
-        coordinator, _ = self._parts()
-        return self.metrics.render(coordinator.status(self.clock()))
+        self._parts()
+        return self.metrics.render()
 
     def check_admin(self, authorization: str | None) -> None:
         """Refuse a request that does not carry the operator's admin token.
@@ -303,6 +304,8 @@ class Operator:
 
 
 OPERATOR = web.AppKey("operator", Operator)
+#: The `ErrorMessage` an error answer carries, set by the server's error middleware on the request.
+ERROR = web.RequestKey("error", ErrorMessage)
 
 
 def _finite(value: object) -> float | None:
@@ -381,23 +384,6 @@ def _route_of(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
-def _error_of(response: web.StreamResponse) -> ErrorMessage | None:
-    if (
-        not isinstance(response, web.Response)
-        or response.status < 400
-        or response.content_type != "application/msgpack"
-    ):
-        return None
-    body = response.body
-    if not isinstance(body, bytes):
-        return None
-    try:
-        msg = decode(body, max_size=len(body) + 1)
-    except FedRecError:
-        return None
-    return msg if isinstance(msg, ErrorMessage) else None
-
-
 @web.middleware
 async def observe_requests(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -430,7 +416,7 @@ async def observe_requests(
             status=status,
             request_bytes=getattr(request.content, "total_bytes", 0),
             response_bytes=content_length or 0,
-            error=_error_of(response) if response is not None else None,
+            error=request.get(ERROR),
             request_id=request_id,
             seconds=time.perf_counter() - start,
         )
@@ -467,8 +453,7 @@ async def dashboard_json(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    text = request.app[OPERATOR].metrics_text()
-    return web.Response(body=text.encode("utf-8"), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    return web.Response(body=request.app[OPERATOR].metrics_text(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 async def admin_quality(request: web.Request) -> web.Response:

@@ -1,27 +1,33 @@
-"""Prometheus metrics of the aggregation server, written by hand in text exposition format 0.0.4.
+"""Prometheus metrics of the aggregation server, on ``prometheus_client``.
 
 Invariants:
-- No dependency on ``prometheus_client``: counters and histograms are plain numbers in one `Metrics`
-  object per app (no module-level registry), fed by the coordinator's round events
-  (`Metrics.on_round_event`, registered in ``RoundCoordinator.listeners``) and by the request
-  middleware (`Metrics.observe_request`).  Gauges are read from the coordinator's status at scrape
-  time, so they cannot drift from ``/v1/status``.
+- No module-level state: every `Metrics` owns its own ``CollectorRegistry`` (never the library's
+  global one), so two apps in one process — as in the tests — never share a sample.
+- Counters and histograms are fed by the coordinator's round events (`Metrics.on_round_event`,
+  registered in ``RoundCoordinator.listeners``) and by the request middleware
+  (`Metrics.observe_request`).  Gauges are a custom collector that reads the coordinator's status at
+  scrape time, so they cannot drift from ``/v1/status``.
+- One error counter: ``fedrec_http_errors_total{code, status}`` counts each error answer once, from the
+  `ErrorMessage` the server built for it (never by decoding a response body).  The dashboard's counts
+  by code and ``/v1/status``'s ``errors_by_status`` are sums over it (`errors_by_code`,
+  `errors_by_status`).
 - Label cardinality is bounded: ``route`` is the route's canonical template (``/v1/rounds/{round_id}/keys``)
   or "unmatched", never the raw path; ``status`` is an HTTP status; ``code`` is a `protocol.errors`
-  code; ``phase`` and ``outcome`` come from fixed lists.
+  code or ``http_<status>``; ``phase`` and ``outcome`` come from fixed lists.
 - ``fedrec_rounds_total`` starts from the rounds stored in the database (a restarted server keeps
   counting where it stopped), so it always equals ``/v1/status``'s ``rounds``.  Histograms and the
   other counters start at zero with the process, as Prometheus counters do.
-- Every label value is escaped (backslash, double quote, newline); every family has HELP and TYPE.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter as Tally
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from protocol.session import ACTIVE_PHASES
 
@@ -31,13 +37,10 @@ __all__ = [
     "OUTCOMES",
     "PHASE_BUCKETS",
     "ROUND_BUCKETS",
-    "Histogram",
     "Metrics",
-    "escape_label_value",
-    "format_value",
 ]
 
-#: Content type of the exposition (text format 0.0.4).
+#: Content type of the exposition (text format 0.0.4, which `generate_latest` writes).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 #: SecAgg phases, in protocol order (the ``phase`` label values).
@@ -53,102 +56,115 @@ PHASE_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 #: Upper bounds (seconds) of the whole-round histogram.
 ROUND_BUCKETS: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
-
-def escape_label_value(value: str) -> str:
-    """Escape a label value for the text format: backslash, double quote and line feed."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+StatusSource = Callable[[], Mapping[str, Any]]
 
 
-def format_value(value: float) -> str:
-    """A sample value as the text format writes it (``+Inf``, ``-Inf``, ``NaN``, integers without ``.0``)."""
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(value)
+class _StatusGauges(Collector):
+    """Gauges read from ``RoundCoordinator.status`` at scrape time, plus the open round's devices."""
 
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
 
-def _labels(pairs: Sequence[tuple[str, str]]) -> str:
-    if not pairs:
-        return ""
-    return "{" + ",".join(f'{k}="{escape_label_value(v)}"' for k, v in pairs) + "}"
-
-
-class Histogram:
-    """Cumulative-bucket histogram of non-negative observations.
-
-    Parameters
-    ----------
-    buckets : Sequence[float]
-        Finite, strictly increasing upper bounds; ``+Inf`` is implied.
-
-    Raises
-    ------
-    ValueError
-        Bounds that are empty, not finite or not strictly increasing.
-    """
-
-    def __init__(self, buckets: Sequence[float]) -> None:
-        bounds = tuple(float(b) for b in buckets)
-        if not bounds or any(not math.isfinite(b) for b in bounds):
-            raise ValueError(f"histogram buckets must be finite and non-empty, got {buckets!r}")
-        if any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
-            raise ValueError(f"histogram buckets must be strictly increasing, got {buckets!r}")
-        self.bounds = bounds
-        self.counts = [0] * len(bounds)  # per bucket, not cumulative
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        """Count one observation (NaN is ignored: it has no bucket)."""
-        if math.isnan(value):
+    def collect(self) -> Iterator[Metric]:
+        devices = GaugeMetricFamily(
+            "fedrec_devices",
+            "Devices of the open round still alive in each phase (0 for phases not reached and when no round is open).",
+            labels=["phase"],
+        )
+        for phase in PHASES:
+            devices.add_metric([phase], self._metrics.devices[phase])
+        yield devices
+        source = self._metrics.status_source
+        if source is None:
             return
-        i = bisect.bisect_left(self.bounds, value)  # first bound >= value: "le" is inclusive
-        if i < len(self.counts):
-            self.counts[i] += 1
-        self.sum += value
-        self.count += 1
-
-    def samples(self, name: str, labels: Sequence[tuple[str, str]] = ()) -> Iterable[str]:
-        """The ``_bucket`` (cumulative), ``_sum`` and ``_count`` lines."""
-        running = 0
-        for bound, n in zip(self.bounds, self.counts, strict=True):
-            running += n
-            yield f"{name}_bucket{_labels([*labels, ('le', format_value(bound))])} {running}"
-        yield f"{name}_bucket{_labels([*labels, ('le', '+Inf')])} {self.count}"
-        yield f"{name}_sum{_labels(labels)} {format_value(self.sum)}"
-        yield f"{name}_count{_labels(labels)} {self.count}"
+        status = source()
+        privacy = status.get("privacy")
+        if privacy is not None:
+            yield GaugeMetricFamily(
+                "fedrec_privacy_epsilon_spent",
+                "Privacy loss epsilon spent so far (at delta).",
+                value=float(privacy["epsilon_spent"]),
+            )
+            yield GaugeMetricFamily(
+                "fedrec_privacy_epsilon_budget",
+                "Privacy budget epsilon of the whole run.",
+                value=float(privacy["epsilon_budget"]),
+            )
+        yield GaugeMetricFamily(
+            "fedrec_model_version", "Version of the current global model.", value=int(status["model"]["version"])
+        )
+        yield GaugeMetricFamily(
+            "fedrec_registered_devices", "Devices registered with this server.", value=int(status["registered_devices"])
+        )
+        yield GaugeMetricFamily(
+            "fedrec_waiting_devices",
+            "Devices checked in and waiting for a round.",
+            value=int(status["waiting_devices"]),
+        )
 
 
 class Metrics:
-    """Every metric of one server.
+    """Every metric of one server, in its own registry.
 
     Parameters
     ----------
     round_counts : Mapping[str, int], optional
         Rounds already in the database by status (``Storage.round_counts()``); seeds
         ``fedrec_rounds_total`` so that it survives restarts.
+    status_source : callable, optional
+        Returns ``RoundCoordinator.status(now)`` at scrape time (the gauges); without it only the
+        counters, histograms and the device gauge are exposed.
     """
 
-    def __init__(self, round_counts: Mapping[str, int] | None = None) -> None:
-        self.rounds: Counter[str] = Counter({o: 0 for o in OUTCOMES})
-        for outcome, n in (round_counts or {}).items():
-            if outcome in OUTCOMES:
-                self.rounds[outcome] = int(n)
-        self.phase_seconds = {p: Histogram(PHASE_BUCKETS) for p in PHASES}
-        self.round_seconds = Histogram(ROUND_BUCKETS)
-        self.phase_dropouts: Counter[str] = Counter({p: 0 for p in PHASES})
+    def __init__(
+        self, round_counts: Mapping[str, int] | None = None, status_source: StatusSource | None = None
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.status_source = status_source
+        reg = self.registry
+        self.rounds = Counter(
+            "fedrec_rounds", "Rounds finished, by outcome (committed, aborted, abandoned).", ["outcome"], registry=reg
+        )
+        for outcome in OUTCOMES:
+            self.rounds.labels(outcome).inc(max(0, int((round_counts or {}).get(outcome, 0))))
+        self.phase_seconds = Histogram(
+            "fedrec_phase_seconds",
+            "How long each SecAgg phase of a round was open, in seconds.",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=reg,
+        )
+        self.round_seconds = Histogram(
+            "fedrec_round_seconds",
+            "Length of committed and aborted rounds, from opening to the end.",
+            buckets=ROUND_BUCKETS,
+            registry=reg,
+        )
+        self.phase_dropouts = Counter(
+            "fedrec_phase_dropouts", "Devices dropped from a round, by the phase they missed.", ["phase"], registry=reg
+        )
+        for phase in PHASES:
+            self.phase_seconds.labels(phase)
+            self.phase_dropouts.labels(phase)
+        self.http_requests = Counter(
+            "fedrec_http_requests",
+            "HTTP requests answered, by route template and status.",
+            ["route", "status"],
+            registry=reg,
+        )
+        self.http_errors = Counter(
+            "fedrec_http_errors",
+            "HTTP error answers, by fedrec error code and status.",
+            ["code", "status"],
+            registry=reg,
+        )
+        self.request_bytes = Counter("fedrec_http_request_bytes", "Request body bytes received.", registry=reg)
+        self.response_bytes = Counter("fedrec_http_response_bytes", "Response body bytes sent.", registry=reg)
         self.devices: dict[str, int] = {p: 0 for p in PHASES}
-        self.http_requests: Counter[tuple[str, str]] = Counter()
-        self.http_errors: Counter[str] = Counter()
-        self.request_bytes = 0
-        self.response_bytes = 0
+        # The error counter's values, kept beside it for the dashboard and /v1/status (the client library
+        # exposes no public read-back).
+        self._errors: Tally[tuple[str, int]] = Tally()
+        reg.register(_StatusGauges(self))
 
     # -- inputs -----------------------------------------------------------------------------------
 
@@ -159,10 +175,10 @@ class Metrics:
             self.devices[PHASES[0]] = int(fields["cohort"])
         elif event == "phase":
             phase = str(fields["phase"])
-            if phase not in self.phase_seconds:
+            if phase not in self.devices:
                 return
-            self.phase_seconds[phase].observe(float(fields["seconds"]))
-            self.phase_dropouts[phase] += int(fields["dropped"])
+            self.phase_seconds.labels(phase).observe(float(fields["seconds"]))
+            self.phase_dropouts.labels(phase).inc(int(fields["dropped"]))
             alive = int(fields["alive"])
             self.devices[phase] = alive
             i = PHASES.index(phase)
@@ -171,7 +187,7 @@ class Metrics:
         elif event == "round_finished":
             outcome = str(fields["outcome"])
             if outcome in OUTCOMES:
-                self.rounds[outcome] += 1
+                self.rounds.labels(outcome).inc()
             if outcome != "abandoned":  # a shutdown cuts a round short: its length says nothing
                 self.round_seconds.observe(float(fields["seconds"]))
             self.devices = {p: 0 for p in PHASES}
@@ -179,73 +195,31 @@ class Metrics:
     def observe_request(
         self, route: str, status: int, request_bytes: int, response_bytes: int, error_code: str | None
     ) -> None:
-        """Count one finished HTTP request (``route`` must be a template, never a raw path)."""
-        self.http_requests[(route, str(status))] += 1
-        self.request_bytes += max(0, int(request_bytes))
-        self.response_bytes += max(0, int(response_bytes))
+        """Count one finished HTTP request (``route`` must be a template, never a raw path) and, for an
+        error answer, its code once."""
+        self.http_requests.labels(route, str(status)).inc()
+        self.request_bytes.inc(max(0, int(request_bytes)))
+        self.response_bytes.inc(max(0, int(response_bytes)))
         if error_code is not None:
-            self.http_errors[error_code] += 1
+            self.http_errors.labels(error_code, str(status)).inc()
+            self._errors[(error_code, int(status))] += 1
 
-    # -- output -----------------------------------------------------------------------------------
+    # -- outputs ----------------------------------------------------------------------------------
 
-    def render(self, status: Mapping[str, Any]) -> str:
-        """The exposition text; ``status`` is ``RoundCoordinator.status(now)`` (read for the gauges)."""
-        out: list[str] = []
+    def errors_by_code(self) -> dict[str, int]:
+        """Error answers so far, by fedrec error code."""
+        out: Tally[str] = Tally()
+        for (code, _), n in self._errors.items():
+            out[code] += n
+        return dict(sorted(out.items()))
 
-        def family(name: str, kind: str, help_text: str) -> None:
-            out.append(f"# HELP {name} {help_text}")
-            out.append(f"# TYPE {name} {kind}")
+    def errors_by_status(self) -> dict[str, int]:
+        """Error answers so far, by HTTP status (as text)."""
+        out: Tally[int] = Tally()
+        for (_, status), n in self._errors.items():
+            out[status] += n
+        return {str(k): v for k, v in sorted(out.items())}
 
-        def sample(name: str, value: float, labels: Sequence[tuple[str, str]] = ()) -> None:
-            out.append(f"{name}{_labels(labels)} {format_value(value)}")
-
-        family("fedrec_rounds_total", "counter", "Rounds finished, by outcome (committed, aborted, abandoned).")
-        for outcome in OUTCOMES:
-            sample("fedrec_rounds_total", self.rounds[outcome], [("outcome", outcome)])
-
-        family("fedrec_phase_seconds", "histogram", "How long each SecAgg phase of a round was open, in seconds.")
-        for phase in PHASES:
-            out.extend(self.phase_seconds[phase].samples("fedrec_phase_seconds", [("phase", phase)]))
-
-        family("fedrec_round_seconds", "histogram", "Length of committed and aborted rounds, from opening to the end.")
-        out.extend(self.round_seconds.samples("fedrec_round_seconds"))
-
-        family(
-            "fedrec_devices",
-            "gauge",
-            "Devices of the open round still alive in each phase (0 for phases not reached and when no round is open).",
-        )
-        for phase in PHASES:
-            sample("fedrec_devices", self.devices[phase], [("phase", phase)])
-
-        family("fedrec_phase_dropouts_total", "counter", "Devices dropped from a round, by the phase they missed.")
-        for phase in PHASES:
-            sample("fedrec_phase_dropouts_total", self.phase_dropouts[phase], [("phase", phase)])
-
-        family("fedrec_http_requests_total", "counter", "HTTP requests answered, by route template and status.")
-        for (route, code), n in sorted(self.http_requests.items()):
-            sample("fedrec_http_requests_total", n, [("route", route), ("status", code)])
-
-        family("fedrec_http_errors_total", "counter", "HTTP error answers, by fedrec error code.")
-        for code, n in sorted(self.http_errors.items()):
-            sample("fedrec_http_errors_total", n, [("code", code)])
-
-        family("fedrec_http_request_bytes_total", "counter", "Request body bytes received.")
-        sample("fedrec_http_request_bytes_total", self.request_bytes)
-        family("fedrec_http_response_bytes_total", "counter", "Response body bytes sent.")
-        sample("fedrec_http_response_bytes_total", self.response_bytes)
-
-        privacy = status.get("privacy")
-        if privacy is not None:
-            family("fedrec_privacy_epsilon_spent", "gauge", "Privacy loss epsilon spent so far (at delta).")
-            sample("fedrec_privacy_epsilon_spent", float(privacy["epsilon_spent"]))
-            family("fedrec_privacy_epsilon_budget", "gauge", "Privacy budget epsilon of the whole run.")
-            sample("fedrec_privacy_epsilon_budget", float(privacy["epsilon_budget"]))
-
-        family("fedrec_model_version", "gauge", "Version of the current global model.")
-        sample("fedrec_model_version", int(status["model"]["version"]))
-        family("fedrec_registered_devices", "gauge", "Devices registered with this server.")
-        sample("fedrec_registered_devices", int(status["registered_devices"]))
-        family("fedrec_waiting_devices", "gauge", "Devices checked in and waiting for a round.")
-        sample("fedrec_waiting_devices", int(status["waiting_devices"]))
-        return "\n".join(out) + "\n"
+    def render(self) -> bytes:
+        """The exposition (text format 0.0.4, UTF-8)."""
+        return generate_latest(self.registry)

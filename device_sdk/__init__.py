@@ -12,7 +12,7 @@ from device_sdk.client import (
     DropoutAt,
     RoundOutcome,
     RoundStatus,
-    seeded_rngs,
+    insecure_seeded_rngs,
 )
 from device_sdk.codes import (
     from_bitarray,
@@ -44,7 +44,7 @@ __all__ = [
     "DropoutAt",
     "RoundOutcome",
     "RoundStatus",
-    "seeded_rngs",
+    "insecure_seeded_rngs",
     "local_round",
     "Transport",
     "Response",

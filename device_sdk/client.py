@@ -9,8 +9,8 @@
 #   warning); a file the store could not move aside is never overwritten: the error propagates.
 # - The plaintext update lives only between local training and the SecAgg session; every way out of a
 #   round (commit, abort, dropout, error) leaves the session finished, so its secrets are dropped.
-# - Randomness: training and DP-noise generators come from ``rng_for_round`` (default: fresh ``secrets``
-#   seeds every round); key material is generated inside `protocol` only.
+# - Randomness: the training generator and the DP-noise stream come from ``rng_for_round`` (default: keyed
+#   from ``secrets`` every round); key material is generated inside `protocol` only.
 """`DeviceClient`: one device taking part in federated rounds over a `Transport` (DESIGN.md §4, §7)."""
 
 from __future__ import annotations
@@ -40,18 +40,22 @@ from device_sdk.persistence import (
     Sync,
     fresh_model,
     load_identity,
+    load_ledger,
     load_model,
     load_sync,
     save_identity,
+    save_ledger,
     save_model,
     secret_generator,
 )
 from device_sdk.training import local_round
 from device_sdk.transport import Response, Transport, TransportError, raise_for_error
+from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import (
     ConfigError,
     FedRecError,
     LocalProtocolError,
+    PrivacyFloorViolation,
     RemoteProtocolError,
     RoundError,
     StaleRound,
@@ -71,7 +75,9 @@ from protocol.messages import (
     UnmaskRequest,
     Wait,
 )
+from protocol.policy import PrivacyPolicy
 from protocol.session import ACTIVE_PHASES, DeviceSecAggSession
+from protocol.spec import MAX_TEXT
 
 __all__ = [
     "MODEL_FILE",
@@ -83,15 +89,14 @@ __all__ = [
     "RoundOutcome",
     "DeviceClient",
     "RoundRngs",
-    "seeded_rngs",
+    "insecure_seeded_rngs",
 ]
 
-_MAX_REASON = 4096
 
 _log = logging.getLogger(__name__)
 
-#: ``rng_for_round(round_id) -> (training_rng, noise_rng)``.
-RoundRngs = Callable[[int], tuple[np.random.Generator, np.random.Generator]]
+#: ``rng_for_round(round_id) -> (training_rng, noise_stream)``.
+RoundRngs = Callable[[int], tuple[np.random.Generator, NoiseStream]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,10 @@ class ClientConfig:
         Seconds per attempt of a short request (register, check-in, model download, abort).
     long_poll_timeout : float
         Seconds per attempt of a SecAgg phase request, which the server holds until the phase closes.
+    privacy : PrivacyPolicy
+        The device's privacy floor (`protocol.policy`): rounds below it are refused and the device sits
+        them out (`RoundStatus.REFUSED`).  The default is the safe one; a deployment without DP must set
+        ``PrivacyPolicy(require_noise=False)``; `PrivacyPolicy.no_floor()` is for simulations only.
     disconnect_after : float
         Fault injection only (`DropoutAt.DISCONNECT_MASKED`): seconds the masked-input request may run
         before the client abandons it and closes the connection.
@@ -123,8 +132,11 @@ class ClientConfig:
     request_timeout: float = 30.0
     long_poll_timeout: float = 300.0
     disconnect_after: float = 0.05
+    privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.privacy, PrivacyPolicy):
+            raise ConfigError(f"privacy must be a PrivacyPolicy, got {type(self.privacy).__name__}")
         object.__setattr__(self, "store_dir", Path(self.store_dir))
         for name in ("request_timeout", "long_poll_timeout", "disconnect_after"):
             value = getattr(self, name)
@@ -157,6 +169,7 @@ class RoundStatus(StrEnum):
     COMMITTED = "committed"
     ABORTED = "aborted"
     DROPPED = "dropped"
+    REFUSED = "refused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,13 +207,15 @@ class RoundOutcome:
     reason: str = ""
 
 
-def seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Generator, np.random.Generator]:
-    """Reproducible per-round generators of one device: ``(training_rng, noise_rng)``.
+def insecure_seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Generator, NoiseStream]:
+    """TEST HOOK: reproducible per-round generators of one device, ``(training_rng, noise_stream)``.
 
-    The in-process simulator and a device driven over HTTP must both use exactly this function so that
-    they produce bit-identical updates and noise.  Pass it to `DeviceClient` once the device id is known,
-    e.g. ``rng_for_round=lambda r: seeded_rngs(seed, r, client.device_id)`` (the lambda reads the id at
-    call time, after registration).
+    The DP noise stream is `protocol.crypto.insecure_test_noise_stream(seed, round_id, device_id)`: anyone
+    who knows the seed predicts every device's noise, so the ε of a run that uses this hook is NOT a
+    privacy guarantee (callers that report ε must say so).  The in-process simulator and devices driven
+    over HTTP both use exactly this function so that they produce bit-identical updates and noise.  Pass
+    it to `DeviceClient` once the device id is known, e.g.
+    ``rng_for_round=lambda r: insecure_seeded_rngs(seed, r, client.device_id)``.
 
     Parameters
     ----------
@@ -211,8 +226,9 @@ def seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Gen
 
     Returns
     -------
-    tuple of np.random.Generator
-        Children 0 and 1 of ``np.random.SeedSequence([seed, round_id, device_id])``.
+    tuple
+        Child 0 of ``np.random.SeedSequence([seed, round_id, device_id])`` as the training generator, and
+        the test noise stream.
 
     Raises
     ------
@@ -222,12 +238,13 @@ def seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Gen
     for name, value in (("seed", seed), ("round_id", round_id), ("device_id", device_id)):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    training, noise = np.random.SeedSequence([int(seed), int(round_id), int(device_id)]).spawn(2)
-    return np.random.default_rng(training), np.random.default_rng(noise)
+    training, _ = np.random.SeedSequence([int(seed), int(round_id), int(device_id)]).spawn(2)
+    return np.random.default_rng(training), insecure_test_noise_stream(int(seed), int(round_id), int(device_id))
 
 
-def _secret_round_rngs(round_id: int) -> tuple[np.random.Generator, np.random.Generator]:
-    return secret_generator(), secret_generator()
+def _secret_round_rngs(round_id: int) -> tuple[np.random.Generator, NoiseStream]:
+    # Training randomness from a secrets-seeded numpy generator; DP noise from a secrets-keyed ChaCha20 stream.
+    return secret_generator(), NoiseStream.from_os()
 
 
 @dataclass(slots=True)
@@ -285,8 +302,9 @@ class DeviceClient:
     binary_positives : bool
         Fit every observed rating as 1.
     rng_for_round : callable, optional
-        ``rng_for_round(round_id) -> (training_rng, noise_rng)``; default: both freshly seeded from
-        ``secrets`` each round.  Simulations pass `seeded_rngs` (see there).
+        ``rng_for_round(round_id) -> (training_rng, noise_stream)``; default: both freshly keyed from
+        ``secrets`` each round (the only setting whose ε means anything).  Simulations pass the test hook
+        `insecure_seeded_rngs` (see there).
     model : FederatedModel, optional
         A fresh model of another family (`device_sdk.mf.MFModel`, `device_sdk.felb.FELBModel`,
         `device_sdk.fnmf.FNMFModel`) used when the store holds none; its class also loads the store.
@@ -350,6 +368,7 @@ class DeviceClient:
             raise StorageError(f"cannot create the store folder {config.store_dir}: {exc}") from exc
         self._identity = load_identity(config.store_dir)
         self._sync = load_sync(config.store_dir)
+        self._ledger = load_ledger(config.store_dir)
         self._model = self._load_model()
 
     @classmethod
@@ -570,10 +589,16 @@ class DeviceClient:
                 await self._leave(invite, str(exc))
                 raise
             training_rng, noise_rng = self._rng_for_round(rid)
+            try:
+                session = DeviceSecAggSession(invite, rng=noise_rng, policy=self.config.privacy, ledger=self._ledger)
+            except PrivacyFloorViolation as exc:
+                # Below this device's floor: sit the round out (before training), and say why.
+                _log.warning("refusing round %d: %s", rid, exc)
+                await self._leave(invite, f"refused: {exc}")
+                return self._outcome(RoundStatus.REFUSED, rid, tally, reason=str(exc))
             with tally.step("train"):
                 update, _ = local_round(self._model, invite, self._data, None, training_rng)
                 self._save_model()
-            session = DeviceSecAggSession(invite, rng=noise_rng)
             session.provide_input(update)
             del update  # the session holds the only copy until it is masked
             for name, stop_before, answer_type in _STEPS:
@@ -592,6 +617,8 @@ class DeviceClient:
                         tally,
                         "fault injection: disconnect_masked (closed the connection after the masked input)",
                     )
+                if name == "masked":
+                    self._charge(invite)  # the masked input may leave now: charge the device's own ledger first
                 with tally.step(name):
                     response = await self._call("POST", path, outgoing, tally, timeout=self.config.long_poll_timeout)
                 answer = response.message
@@ -652,7 +679,7 @@ class DeviceClient:
         # Best effort: tell the server this device leaves, so it need not wait for the deadline.
         if self._identity is None:  # pragma: no cover - a round needs an identity
             return
-        abort = Abort(round_id=invite.round_id, device_id=invite.device_id, reason=reason[:_MAX_REASON])
+        abort = Abort(round_id=invite.round_id, device_id=invite.device_id, reason=reason[:MAX_TEXT])
         try:
             await self._transport.request(
                 "POST",
@@ -663,6 +690,17 @@ class DeviceClient:
             )
         except FedRecError as exc:
             _log.debug("could not tell the server this device left round %d: %s", invite.round_id, exc)
+
+    def _charge(self, invite: RoundInvite) -> None:
+        if invite.dp_mu <= 0.0:
+            return
+        self._ledger.charge(invite)
+        save_ledger(self.config.store_dir, self._ledger)
+
+    @property
+    def privacy_spent(self) -> float:
+        """ε this device has been charged so far, by its own ledger, at its policy's δ."""
+        return self._ledger.epsilon(self.config.privacy.delta)
 
     # -- model ------------------------------------------------------------------------------------
 

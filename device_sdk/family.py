@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -132,4 +132,25 @@ class FederatedModel(Protocol):
         """Train on ``data`` as ``invite``'s plan says and return the upload."""
         ...
 
-    def save(self, path: str | os.PathLike[str]) -> None: ...
+    def recommend(
+        self,
+        user_items: ArrayLike | None = None,
+        N: int = 10,
+        filter_already_liked_items: bool = True,
+        filter_items: ArrayLike | None = None,
+        items: ArrayLike | None = None,
+        *,
+        userid: int | ArrayLike = 0,
+        rng: np.random.Generator | None = None,
+    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+        """Top-N items for held user(s), best first, float32 scores (`device_sdk.retrieval.Recommender`)."""
+        ...
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the model atomically to one store file (`device_sdk.store`)."""
+        ...
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, rng: np.random.Generator | None = None) -> Self:
+        """Read a model written by `save`; ``rng`` becomes its tie-breaking generator."""
+        ...

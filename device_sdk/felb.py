@@ -38,11 +38,13 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import LocalRatings, LocalResult
-from device_sdk.retrieval import as_items, liked_per_user, top_n_scores
+from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes, float_matrix_to_bytes
 from protocol.errors import ModelError, StorageError
+from protocol.families.felb import prox_elb, prox_elb_unchecked, schedule
 from protocol.messages import RoundInvite
+from protocol.spec import MAX_RANK, StepRule
 
 __all__ = [
     "FELBConfig",
@@ -64,52 +66,9 @@ _KIND = "felb"
 LIPSCHITZ_SAFETY = 1.1  # step 1/(1.1 L): descent with room for rounding (as the ELBMF reference code)
 LIPSCHITZ_FLOOR = 1e-4  # L of an all-zero block would give an infinite step
 MU_EPS = 1e-12  # added to the multiplicative-update denominators
-LAMBDA_CAP = 1e12  # λ_r beyond this binarizes exactly as well, and keeps η·λ finite
-STEP_RULES = ("lipschitz", "mu")
+STEP_RULES = tuple(r.value for r in StepRule)
 
 FloatArray = NDArray[np.float64]
-
-
-def schedule(reg: float, growth: float, index: int) -> float:
-    """λ_index = reg · growth**index (the paper's increasing regularization), capped at 1e12."""
-    try:
-        lam = reg * growth**index
-    except OverflowError:
-        return LAMBDA_CAP if reg > 0 else 0.0
-    return float(min(lam, LAMBDA_CAP))
-
-
-def prox_elb(x: ArrayLike, kappa: ArrayLike, lam: ArrayLike) -> FloatArray:
-    """Proximal map of the ELB regularizer, elementwise (paper eq. 6 with the soft-threshold made
-    exact), clamped to [0, 1].
-
-    y₀ = sign(x)·max(|x| − κ, 0)/(1 + λ) (the elastic net at 0) where x ≤ ½, else
-    y₁ = 1 + sign(x − 1)·max(|x − 1| − κ, 0)/(1 + λ) (the elastic net at 1).
-
-    Parameters
-    ----------
-    x : array of points.
-    kappa, lam : L1 weight κ ≥ 0 and L2 weight λ ≥ 0, scalars or arrays broadcasting against ``x``
-        (the multiplicative-update steps scale them elementwise).
-
-    Returns
-    -------
-    float64 array of ``x``'s shape with entries in [0, 1]; 0 and 1 are fixed points, the map is
-    monotone in x, and as λ → ∞ it tends to [x > ½].
-    """
-    k = np.asarray(kappa, dtype=np.float64)
-    lm = np.asarray(lam, dtype=np.float64)
-    if np.any(k < 0) or np.any(lm < 0) or not (np.all(np.isfinite(k)) and np.all(np.isfinite(lm))):
-        raise ValueError("kappa and lam must be finite and >= 0")
-    return _prox_elb(np.asarray(x, dtype=np.float64), k, lm)
-
-
-def _prox_elb(x: FloatArray, kappa: FloatArray | float, lam: FloatArray | float) -> FloatArray:
-    # The unchecked kernel behind `prox_elb` (the local loop validates its weights once).
-    d = x - 1.0
-    y0 = np.sign(x) * np.maximum(np.abs(x) - kappa, 0.0) / (1.0 + lam)
-    y1 = 1.0 + np.sign(d) * np.maximum(np.abs(d) - kappa, 0.0) / (1.0 + lam)
-    return np.clip(np.where(x <= 0.5, y0, y1), 0.0, 1.0)
 
 
 def prox_proximity(X: ArrayLike, V_hat: ArrayLike, g: ArrayLike) -> FloatArray:
@@ -186,28 +145,28 @@ def felb_iteration(
     (new U, new V), both in [0, 1].
     """
     if step_rule not in STEP_RULES:
-        raise ValueError(f"step_rule must be 'lipschitz' or 'mu', got {step_rule!r}")
+        raise ValueError(f"step_rule must be one of {STEP_RULES}, got {step_rule!r}")
     # U block: ∇_U = (UV − A)Vᵀ.
     Ue = _extrapolate(U, U_prev, beta)
     G = V @ V.T
     P = Ue @ G
-    if step_rule == "mu":
+    if step_rule == StepRule.MU:
         eta_u = Ue / (P + eps)
-        U_new = _prox_elb(Ue - eta_u * (P - A @ V.T), eta_u * kappa, eta_u * lam)
+        U_new = prox_elb_unchecked(Ue - eta_u * (P - A @ V.T), eta_u * kappa, eta_u * lam)
     else:
         s_u = _step(G)
-        U_new = _prox_elb(Ue - s_u * (P - A @ V.T), s_u * kappa, s_u * lam)
+        U_new = prox_elb_unchecked(Ue - s_u * (P - A @ V.T), s_u * kappa, s_u * lam)
     # V block (Gauss–Seidel: the new U): ∇_V = Uᵀ(UV − A).
     Ve = _extrapolate(V, V_prev, beta)
     H = U_new.T @ U_new
     Q = H @ Ve
-    if step_rule == "mu":
+    if step_rule == StepRule.MU:
         eta_v = Ve / (Q + eps)
-        V_new = _prox_elb(Ve - eta_v * (Q - U_new.T @ A), eta_v * kappa, eta_v * lam)
+        V_new = prox_elb_unchecked(Ve - eta_v * (Q - U_new.T @ A), eta_v * kappa, eta_v * lam)
         V_new = (V_new + (eta_v * gamma) * V_hat) / (1.0 + eta_v * gamma)  # prox^p, elementwise η_V
     else:
         s_v = _step(H)
-        V_new = _prox_elb(Ve - s_v * (Q - U_new.T @ A), s_v * kappa, s_v * lam)
+        V_new = prox_elb_unchecked(Ve - s_v * (Q - U_new.T @ A), s_v * kappa, s_v * lam)
         V_new = (V_new + (s_v * gamma) * V_hat) / (1.0 + s_v * gamma)  # prox^p
     return U_new, V_new
 
@@ -316,8 +275,8 @@ class FELBConfig:
     fold_in_growth: float = 1.05
 
     def __post_init__(self) -> None:
-        if not 1 <= self.rank <= 4096:
-            raise ValueError(f"rank must be in [1, 4096], got {self.rank}")
+        if not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"rank must be in [1, {MAX_RANK}], got {self.rank}")
         if not np.isfinite(self.binarize_at):
             raise ValueError(f"binarize_at must be finite, got {self.binarize_at}")
         if not 1 <= self.fold_in_iterations <= 100_000:
@@ -339,13 +298,14 @@ class FELBConfig:
 
 
 @dataclass
-class FELBModel:
+class FELBModel(Recommender):
     """The on-device FELB model (`device_sdk.family.FederatedModel` of kind "felb").
 
     Parameters
     ----------
     n_items : catalogue size m.
     config : device-side settings (rank k, binarization threshold, fold-in).
+    rng : the default tie-breaking generator of `recommend`.
 
     Attributes
     ----------
@@ -360,6 +320,7 @@ class FELBModel:
     model_version: int = 0
     item_factors: FloatArray = field(init=False, repr=False)
     user_factors: FloatArray | None = field(default=None, init=False, repr=False)
+    rng: np.random.Generator = field(default_factory=np.random.default_rng, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_items <= 0:
@@ -399,7 +360,7 @@ class FELBModel:
         if invite.vector_length != k * m:
             raise ValueError(f"vector_length {invite.vector_length} != k·m = {k * m}")
         if invite.step_rule not in STEP_RULES:
-            raise ValueError(f"FELB needs step_rule 'lipschitz' or 'mu', got {invite.step_rule!r}")
+            raise ValueError(f"FELB needs a step_rule in {STEP_RULES}, got {invite.step_rule!r}")
         if self.model_version < 1:
             raise ModelError("no global model yet: call set_global first")
         if invite.model_version and invite.model_version != self.model_version:
@@ -492,46 +453,18 @@ class FELBModel:
             raise ValueError(f"userid {userid} out of range [0, {self.user_factors.shape[0]})")
         return np.asarray(self.user_factors[userid] @ self.item_factors, dtype=np.float64)
 
-    def recommend(
-        self,
-        user_items: ArrayLike | None = None,
-        N: int = 10,
-        filter_already_liked_items: bool = True,
-        filter_items: ArrayLike | None = None,
-        items: ArrayLike | None = None,
-        *,
-        userid: int = 0,
-        rng: np.random.Generator | None = None,
-    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-        """Top-N items by the relaxed score u·V̂ (the Boolean product before thresholding).
+    def _held_users(self) -> int:
+        return 0 if self.user_factors is None else int(self.user_factors.shape[0])
 
-        Parameters
-        ----------
-        user_items : the user's liked items (ids or a 1 × m sparse row).
-        N : number of items.
-        filter_already_liked_items : exclude ``user_items`` from the results.
-        filter_items : item ids never to return.
-        items : if given, rank only these item ids.
-        userid : which held row of U.
-        rng : breaks ties at random if given; otherwise the lower item id wins.
+    def _check_ready(self, users: NDArray[np.int64]) -> None:
+        if self.user_factors is None:
+            raise ModelError("no user factors yet: run a round (local_update) or fold_in first")
 
-        Returns
-        -------
-        (item_ids, scores), best first; fewer than N when fewer items are eligible.
-        """
-        if N < 0:
-            raise ValueError(f"N must be >= 0, got {N}")
-        ids, best = top_n_scores(
-            self.scores(userid=userid)[None, :],
-            N,
-            liked=liked_per_user(user_items, 1, False, self.n_items),
-            filter_already_liked_items=filter_already_liked_items,
-            filter_items=filter_items,
-            items=items,
-            batch=False,
-            rng=rng,
-        )
-        return ids, best.astype(np.float32)
+    def _scores(self, users: NDArray[np.int64]) -> FloatArray:
+        """Relaxed scores u·V̂ (the Boolean product before thresholding) of every item."""
+        if self.user_factors is None:
+            raise ModelError("no user factors yet: run a round (local_update) or fold_in first")
+        return np.asarray(self.user_factors[users] @ self.item_factors, dtype=np.float64)
 
     def reconstruct(self) -> NDArray[np.uint8]:
         """The Boolean reconstruction [round(U_i) ∘ round(V̂) ≥ 1] of the local block, (n_users, m)."""
@@ -557,12 +490,13 @@ class FELBModel:
         )
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> FELBModel:
-        """Read a model written by `save`; raises `StorageError` on any problem with the file."""
+    def load(cls, path: str | os.PathLike[str], *, rng: np.random.Generator | None = None) -> FELBModel:
+        """Read a model written by `save` (``rng``: its tie-breaking generator); raises
+        `StorageError` on any problem with the file."""
         state = load_store(path, _KIND)
         try:
             config = FELBConfig(**dict(state["config"]))
-            model = cls(int(state["n_items"]), config)
+            model = cls(int(state["n_items"]), config, rng=rng or np.random.default_rng())
             version = int(state["model_version"])
             if version:
                 model.set_global(b"", bytes(state["item_factors"]), version)

@@ -1,7 +1,6 @@
 """Coherent federated NMF on the device (Dalleiger & Gionis, "Creating Coherence in Federated
 Non-Negative Matrix Factorization"; `../shared/notes/felb-fnmf.md` B–C): projected-gradient NMF
-steps, the three alignments of a local component matrix to the broadcast one, the frozen-P
-alignment-aware proximal pull, and `FNMFModel`, the device side of the "anchored one-round"
+steps, the frozen-P alignment-aware proximal pull, and `FNMFModel`, the device side of the "anchored one-round"
 secure variant.
 
 Notation: a client holds X (n, m) ≥ 0 (its rows: many users in the cross-silo setting), its private
@@ -9,7 +8,7 @@ U (n, k) ≥ 0 and a local component matrix V (k, m) ≥ 0 in its *own* row orde
 V̄ (k, m) ≥ 0 is in the *global* order.  An alignment is a (k, k) matrix P with rows in the global
 order and columns in the client's order, so ``P @ V`` is compared row by row with V̄:
 - "none": P = I (FedAvg / FedProx);
-- "lap" (D1): a permutation matrix minimising ‖V̄ − PV‖²_F (Hungarian algorithm);
+- "lap" (D1): a permutation matrix minimising ‖V̄ − PV‖²_F (linear assignment);
 - "lap_rho" (D2): a partial permutation; a pair may match only if its Pearson correlation is
   significantly positive (Fisher z, one-sided, level α); global rows with no match are zero rows of
   P and local rows with no match are *personal* (never pulled towards V̄);
@@ -36,19 +35,27 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
-from statistics import NormalDist
 from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from scipy.optimize import linear_sum_assignment
 
 from device_sdk.family import LocalRatings, LocalResult
-from device_sdk.retrieval import as_items, liked_per_user, top_n_scores
+from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
+from protocol.families.fnmf import (
+    align,
+    lap_align,
+    lap_rho_align,
+    rho_distances,
+    sinkhorn_align,
+    upload_length,
+    upload_vector,
+)
 from protocol.messages import RoundInvite
+from protocol.spec import MAX_RANK, Alignment
 
 __all__ = [
     "ALIGNMENTS",
@@ -65,15 +72,14 @@ __all__ = [
     "pgd_u",
     "pgd_v",
     "pull_target",
+    "rho_distances",
     "sinkhorn_align",
     "upload_vector",
     "upload_length",
 ]
 
 _KIND = "fnmf"
-ALIGNMENTS = ("none", "lap", "lap_rho", "sinkhorn")
-# Big-M for forbidden pairs in the partial assignment: any finite cost is at most 2 (1 − r, r ≥ −1).
-_FORBIDDEN = 1e6
+ALIGNMENTS = tuple(a.value for a in Alignment)
 
 Array = NDArray[np.float64]
 
@@ -122,133 +128,6 @@ def pgd_v(X: Array, U: Array, V: Array) -> tuple[Array, float]:
         return V.copy(), 0.0
     eta = 1.0 / L
     return np.maximum(0.0, V - eta * (G @ V - U.T @ X)), eta
-
-
-# -- alignments ----------------------------------------------------------------------------------
-def _row_sq_dist(V_bar: Array, V: Array) -> Array:
-    """C[a, b] = ‖V̄_a − V_b‖² for global row a and local row b."""
-    d = (V_bar * V_bar).sum(axis=1)[:, None] + (V * V).sum(axis=1)[None, :] - 2.0 * (V_bar @ V.T)
-    return np.maximum(d, 0.0)
-
-
-def _check_pair(V: Array, V_bar: Array) -> None:
-    if V.ndim != 2 or V.shape != V_bar.shape:
-        raise ValueError(f"local and global component matrices differ in shape: {V.shape} vs {V_bar.shape}")
-
-
-def lap_align(V: Array, V_bar: Array) -> Array:
-    """D1: the permutation P minimising ‖V̄ − PV‖²_F (linear assignment on squared row distances).
-
-    Returns
-    -------
-    (k, k) float64 permutation matrix; ``(P @ V)[a]`` is the local row matched to global row a.
-    """
-    _check_pair(V, V_bar)
-    rows, cols = linear_sum_assignment(_row_sq_dist(V_bar, V))
-    P = np.zeros((V.shape[0], V.shape[0]))
-    P[rows, cols] = 1.0
-    return P
-
-
-def _pearson(A: Array, B: Array) -> Array:
-    """r[a, b] = Pearson correlation of rows A_a and B_b over the m columns (0 for a constant row)."""
-    Ac = A - A.mean(axis=1, keepdims=True)
-    Bc = B - B.mean(axis=1, keepdims=True)
-    na = np.sqrt((Ac * Ac).sum(axis=1))
-    nb = np.sqrt((Bc * Bc).sum(axis=1))
-    denom = na[:, None] * nb[None, :]
-    safe = np.where(denom > 0.0, denom, 1.0)
-    return np.where(denom > 0.0, np.clip((Ac @ Bc.T) / safe, -1.0, 1.0), 0.0)
-
-
-def rho_distances(V: Array, V_bar: Array, alpha: float = 0.05) -> tuple[Array, NDArray[np.bool_]]:
-    """D2 costs: d[a, b] = 1 − corr(V̄_a, V_b) and whether the pair may match at all.
-
-    A pair is allowed when the correlation is significantly positive: Fisher's z = atanh(r)·√(m − 3)
-    exceeds the one-sided N(0, 1) quantile at level α (the paper's z-test; its α is not in the
-    available text, 0.05 is our default).  With m ≤ 3 nothing is significant.
-    """
-    _check_pair(V, V_bar)
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    m = V.shape[1]
-    r = _pearson(V_bar, V)
-    if m <= 3:
-        return 1.0 - r, np.zeros(r.shape, dtype=bool)
-    z = np.arctanh(np.clip(r, -1.0 + 1e-15, 1.0 - 1e-15)) * math.sqrt(m - 3)
-    return 1.0 - r, z > NormalDist().inv_cdf(1.0 - alpha)
-
-
-def lap_rho_align(V: Array, V_bar: Array, alpha: float = 0.05) -> Array:
-    """D2: partial assignment on correlation distances; insignificant pairs may not match.
-
-    Solved as one linear assignment over k global rows and 2k columns (the k local rows, then k
-    "unaligned" dummies), with a big-M on forbidden pairs, so a global row is matched to a local row
-    only through a significant correlation.  The paper prices the dummy at the largest finite cost;
-    we add 1e-9 so that a tie between "match" and "leave unaligned" resolves to the match.
-
-    Returns
-    -------
-    (k, k) 0/1 matrix with at most one 1 per row and per column; zero rows are unmatched global
-    components, zero columns are personal local components.
-    """
-    d, ok = rho_distances(V, V_bar, alpha)
-    k = V.shape[0]
-    dummy = float(d[ok].max()) + 1e-9 if ok.any() else 1.0
-    cost = np.concatenate([np.where(ok, d, _FORBIDDEN), np.full((k, k), dummy)], axis=1)
-    rows, cols = linear_sum_assignment(cost)
-    hit = (cols < k) & ok[rows, np.minimum(cols, k - 1)]
-    P = np.zeros((k, k))
-    P[rows[hit], cols[hit]] = 1.0
-    return P
-
-
-def sinkhorn_align(V: Array, V_bar: Array, eps: float = 0.05, *, iterations: int = 100, tol: float = 1e-4) -> Array:
-    """D3: a row-stochastic soft alignment from entropic optimal transport (Sinkhorn–Knopp).
-
-    The cost C[a, b] = ‖V̄_a − V_b‖² is divided by its largest entry, so ``eps`` is relative to the
-    cost scale (at ε = 0.05 a pair costing 5 % of the worst pair more is e times less likely).
-    Marginals are uniform.  The plan π = diag(u) K diag(v), K = exp(−C/ε), is scaled by k and its
-    rows renormalised, so P𝟙 = 𝟙 exactly and P is close to doubly stochastic.  The loop stops after
-    ``iterations`` or when the row sums of k·π are within ``tol`` of 1 (the columns are exact after
-    each v update).  ε ≥ 0.002 keeps every entry of K above exp(−500), so no log domain is needed.
-
-    Returns
-    -------
-    (k, k) non-negative matrix with unit row sums.
-    """
-    _check_pair(V, V_bar)
-    if not (eps >= 0.002 and math.isfinite(eps)):
-        raise ValueError(f"eps must be a finite value >= 0.002, got {eps}")
-    if iterations < 1:
-        raise ValueError(f"iterations must be >= 1, got {iterations}")
-    C = _row_sq_dist(V_bar, V)
-    top = float(C.max())
-    K = np.exp(-(C / top if top > 0.0 else C) / eps)
-    k = C.shape[0]
-    u = np.ones(k)
-    v = np.ones(k)
-    for _ in range(iterations):  # loop over Sinkhorn iterations on a k × k plan
-        u = 1.0 / (K @ v)
-        v = 1.0 / (K.T @ u)
-        if float(np.abs(u * (K @ v) - 1.0).max()) <= tol:
-            break
-    P = u[:, None] * K * v[None, :]
-    return P / P.sum(axis=1, keepdims=True)
-
-
-def align(V: Array, V_bar: Array, method: str, *, eps: float = 0.05, alpha: float = 0.05) -> Array:
-    """The alignment P (global rows × local rows) of ``method`` ("none", "lap", "lap_rho", "sinkhorn")."""
-    if method == "none":
-        _check_pair(V, V_bar)
-        return np.eye(V.shape[0])
-    if method == "lap":
-        return lap_align(V, V_bar)
-    if method == "lap_rho":
-        return lap_rho_align(V, V_bar, alpha)
-    if method == "sinkhorn":
-        return sinkhorn_align(V, V_bar, eps)
-    raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {method!r}")
 
 
 def pull_target(P: Array, V_bar: Array) -> tuple[Array, Array]:
@@ -323,24 +202,6 @@ def pgd_steps(
     return U, V
 
 
-def upload_length(k: int, m: int, alignment: str) -> int:
-    """Length of an FNMF upload: k·m, plus k match counts for "lap_rho"."""
-    return k * m + (k if alignment == "lap_rho" else 0)
-
-
-def upload_vector(V: Array, V_bar: Array, P: Array, alignment: str) -> Array:
-    """Δ = PV − diag(P𝟙)V̄, flattened in C order; "lap_rho" appends the match counts P𝟙.
-
-    Summed over the cohort and divided by the (per-component) count this is one step of the
-    barycenter fixed point warm-started at V̄ (notes C, "anchored" variant).
-    """
-    matched = P.sum(axis=1)
-    delta = P @ V - matched[:, None] * V_bar
-    if alignment == "lap_rho":
-        return np.concatenate([delta.ravel(), matched])
-    return delta.ravel()
-
-
 def _clip_keeping_counts(vector: Array, k: int, clip_norm: float) -> Array:
     """Shrink the Δ part of a "lap_rho" upload so that the whole vector has norm ≤ ``clip_norm``
     while its last k entries (match counts) stay exact."""
@@ -389,8 +250,8 @@ class FNMFConfig:
     fold_in_steps: int = 200
 
     def __post_init__(self) -> None:
-        if not 1 <= self.rank <= 4096:
-            raise ValueError(f"rank must be in [1, 4096], got {self.rank}")
+        if not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"rank must be in [1, {MAX_RANK}], got {self.rank}")
         if not 0 <= self.local_steps <= 100_000 or not 1 <= self.fold_in_steps <= 100_000:
             raise ValueError("local_steps must be in [0, 1e5] and fold_in_steps in [1, 1e5]")
         if not (self.proximity >= 0.0 and math.isfinite(self.proximity)):
@@ -406,13 +267,14 @@ class FNMFConfig:
 
 
 @dataclass
-class FNMFModel:
+class FNMFModel(Recommender):
     """The FNMF device model: private U and local V in the client's order, the global V̄ as received.
 
     Parameters
     ----------
     n_items : catalogue size m.
     config : hyper-parameters (`FNMFConfig`).
+    rng : the default tie-breaking generator of `recommend`.
     """
 
     KIND: ClassVar[str] = _KIND
@@ -422,6 +284,7 @@ class FNMFModel:
     v_bar: Array | None = field(default=None, repr=False)
     v_local: Array | None = field(default=None, repr=False)
     u: Array | None = field(default=None, repr=False)
+    rng: np.random.Generator = field(default_factory=np.random.default_rng, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_items <= 0:
@@ -568,10 +431,17 @@ class FNMFModel:
         }
         return LocalResult(vector=vector, examples=int(X.size), info=info)
 
-    def fold_in(self, user_items: ArrayLike, ratings: ArrayLike | None = None) -> Array:
+    def fold_in(self, user_items: ArrayLike, ratings: ArrayLike | None = None, *, userid: int | None = None) -> Array:
         """A new row's coefficients u ≥ 0 minimising ½‖x − u·V‖² with this client's V fixed
         (projected gradient, step 1/‖VVᵀ‖₂, ``config.fold_in_steps`` steps); x is the dense row,
-        zero where unrated, 1 for an implicit rating."""
+        zero where unrated, 1 for an implicit rating.
+
+        With ``userid`` the row is also kept as ``u[userid]`` for `recommend` (one past the last
+        held row adds a row); without it nothing is stored.
+        """
+        held = 0 if self.u is None else int(self.u.shape[0])
+        if userid is not None and not 0 <= userid <= held:
+            raise ValueError(f"userid {userid} out of range [0, {held}]")
         V = self.item_matrix()
         items = as_items(user_items, self.n_items)
         if items.size == 0:
@@ -585,46 +455,25 @@ class FNMFModel:
             u, eta = pgd_u(x, u, V)
             if eta == 0.0:
                 break
+        if userid is not None:
+            self.u = u.copy() if self.u is None else (np.vstack([self.u, u]) if userid == held else self.u)
+            self.u[userid] = u[0]
         return u[0]
 
     # -- retrieval ------------------------------------------------------------------------------
-    def recommend(
-        self,
-        user_items: ArrayLike | None = None,
-        N: int = 10,
-        filter_already_liked_items: bool = True,
-        filter_items: ArrayLike | None = None,
-        items: ArrayLike | None = None,
-        *,
-        userid: int | ArrayLike = 0,
-        rng: np.random.Generator | None = None,
-    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-        """Top-N items by the score u·V̄ (V̄ in this client's order).
+    def _held_users(self) -> int:
+        return 0 if self.u is None else int(self.u.shape[0])
 
-        Same parameters and results as `device_sdk.models.LightFRModel.recommend`, except that the
-        scores are the reconstructed ratings (U V̄)_{u,i} and that ties are broken at random only when
-        ``rng`` is given (by item id otherwise: the model holds no generator of its own).
-        """
-        if N < 0:
-            raise ValueError(f"N must be >= 0, got {N}")
+    def _check_ready(self, users: NDArray[np.int64]) -> None:
         if self.u is None:
             raise ModelError("this client has no trained rows yet: run a local update first")
-        batch = np.ndim(userid) > 0
-        users = np.atleast_1d(np.asarray(userid, dtype=np.int64))
-        n_users = self.u.shape[0]
-        if users.size and (users.min() < 0 or users.max() >= n_users):
-            raise ValueError(f"userid out of range [0, {n_users})")
-        ids, best = top_n_scores(
-            self.u[users] @ self.item_matrix(),
-            N,
-            liked=liked_per_user(user_items, users.size, batch, self.n_items),
-            filter_already_liked_items=filter_already_liked_items,
-            filter_items=filter_items,
-            items=items,
-            batch=batch,
-            rng=rng,
-        )
-        return ids, best.astype(np.float32)
+        self._require_global()
+
+    def _scores(self, users: NDArray[np.int64]) -> Array:
+        """Reconstructed ratings (U V̄)_{u,i}, V̄ in this client's order."""
+        if self.u is None:
+            raise ModelError("this client has no trained rows yet: run a local update first")
+        return self.u[users] @ self.item_matrix()
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -647,12 +496,18 @@ class FNMFModel:
         )
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> FNMFModel:
-        """Read a model written by `save`; raises `StorageError` on any problem with the file."""
+    def load(cls, path: str | os.PathLike[str], *, rng: np.random.Generator | None = None) -> FNMFModel:
+        """Read a model written by `save` (``rng``: its tie-breaking generator); raises
+        `StorageError` on any problem with the file."""
         state = load_store(path, _KIND)
         try:
             config = FNMFConfig(**dict(state["config"]))
-            model = cls(int(state["n_items"]), config, model_version=int(state["model_version"]))
+            model = cls(
+                int(state["n_items"]),
+                config,
+                model_version=int(state["model_version"]),
+                rng=rng or np.random.default_rng(),
+            )
             k, m = config.rank, model.n_items
 
             def unpack(entry: Any, rows: int | None, cols: int) -> Array | None:

@@ -192,13 +192,19 @@ def fold_in_codes(
 
     Starts from b = sign(Σ_i (r_ui − 1/2) d_i) (the linear part of the loss; +1 where it is 0), so the
     result is deterministic and needs no randomness.
+
+    Cost: O(nnz · f).  Only the codes of the items the users have entries for enter the loss, so the
+    problem is solved on that sub-catalogue; the rest of ``D`` is never read or copied.
     """
     n = indptr.size - 1
     m, f = D.shape
     _check_csr(indptr, items, r, m)
-    A = _scatter_rows(_row_of(indptr), r - 0.5, np.ascontiguousarray(D.T)[:, items], n)
+    touched, local = np.unique(items, return_inverse=True)
+    local = local.astype(np.int64).ravel()
+    D_sub = np.asarray(D[touched], dtype=np.int8)
+    A = _scatter_rows(_row_of(indptr), r - 0.5, D_sub[local].T, n)
     B0 = np.where(A < 0, -1, 1).astype(np.int8)
-    return dcd_update(indptr, items, r, B0, D, 0.0, max_sweeps=max_sweeps)
+    return dcd_update(indptr, local, r, B0, D_sub, 0.0, max_sweeps=max_sweeps)
 
 
 def item_gradient_sum(

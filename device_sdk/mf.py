@@ -47,12 +47,13 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import LocalRatings, LocalResult
-from device_sdk.retrieval import as_items, liked_per_user, top_n_scores
+from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
+from protocol.families.mf import project_rows
 from protocol.messages import RoundInvite
-from protocol.spec import ModelKind
+from protocol.spec import MAX_LOCAL_STEPS, MAX_RANK, ModelKind
 
 __all__ = [
     "MFConfig",
@@ -72,33 +73,6 @@ _NORM_SLACK = 1e-9  # relative slack on ‖row‖² ≤ R accepted when loading 
 
 
 # -- kernels ----------------------------------------------------------------------------------------
-
-
-def project_rows(X: NDArray[np.floating], R: float) -> NDArray[np.float64]:
-    """Embedding clipping Π (FMF paper eq. 6 and Lemma 3): negatives to 0, then every row whose
-    squared norm exceeds ``R`` scaled to norm √R.  This is the Euclidean projection onto the set.
-
-    Parameters
-    ----------
-    X : (n, f) float rows.
-    R : squared-norm bound (> 0).
-
-    Returns
-    -------
-    A new (n, f) float64 array.
-    """
-    if not (R > 0 and np.isfinite(R)):
-        raise ValueError(f"R must be finite and > 0, got {R}")
-    Y = np.maximum(np.asarray(X, dtype=np.float64), 0.0)
-    if Y.ndim != 2:
-        raise ValueError(f"expected a 2-D matrix of rows, got shape {Y.shape}")
-    if not np.all(np.isfinite(Y)):
-        raise ValueError("rows contain NaN or infinity")
-    n2 = np.einsum("ij,ij->i", Y, Y)
-    over = n2 > R
-    scale = np.ones_like(n2)
-    scale[over] = np.sqrt(R / n2[over])  # u / max{1, ‖u‖/√R}
-    return Y * scale[:, None]
 
 
 def initial_factors(n: int, f: int, R: float, scale: float, rng: np.random.Generator) -> NDArray[np.float64]:
@@ -278,8 +252,8 @@ class MFConfig:
     init_scale: float = 0.1
 
     def __post_init__(self) -> None:
-        if not 1 <= self.factors <= 4096:
-            raise ValueError(f"factors must be in [1, 4096], got {self.factors}")
+        if not 1 <= self.factors <= MAX_RANK:
+            raise ValueError(f"factors must be in [1, {MAX_RANK}], got {self.factors}")
         for name in ("max_norm2", "init_scale"):
             v = getattr(self, name)
             if not (np.isfinite(v) and v > 0):
@@ -288,11 +262,14 @@ class MFConfig:
             v = getattr(self, name)
             if not (np.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")
-        for name in ("pretrain_epochs", "example_cap", "negatives", "fine_tune_epochs"):
+        for name in ("example_cap", "negatives", "fine_tune_epochs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.local_epochs < 0:
-            raise ValueError(f"local_epochs must be >= 0, got {self.local_epochs}")
+        # The plan's bounds (RoundInvite, the server's [mf] table): a config no round could carry is refused.
+        if not 0 <= self.pretrain_epochs <= MAX_LOCAL_STEPS:
+            raise ValueError(f"pretrain_epochs must be in [0, {MAX_LOCAL_STEPS}], got {self.pretrain_epochs}")
+        if not 1 <= self.local_epochs <= MAX_LOCAL_STEPS:
+            raise ValueError(f"local_epochs must be in [1, {MAX_LOCAL_STEPS}], got {self.local_epochs}")
 
 
 def _targets(ratings: NDArray[np.float64] | None, n: int, R: float) -> NDArray[np.float64]:
@@ -311,7 +288,7 @@ def _targets(ratings: NDArray[np.float64] | None, n: int, R: float) -> NDArray[n
 
 
 @dataclass
-class MFModel:
+class MFModel(Recommender):
     """Matrix-factorization recommender with embedding clipping for one device or one silo.
 
     Parameters
@@ -503,54 +480,16 @@ class MFModel:
         self._check_user(userid)
         return self.item_factors[ids] @ self.user_factors[userid]
 
-    def recommend(
-        self,
-        user_items: ArrayLike | None = None,
-        N: int = 10,
-        filter_already_liked_items: bool = True,
-        filter_items: ArrayLike | None = None,
-        items: ArrayLike | None = None,
-        *,
-        userid: int | ArrayLike = 0,
-        rng: np.random.Generator | None = None,
-    ) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
-        """Top-N items by predicted rating u·v_j, ties broken uniformly at random.
+    def _held_users(self) -> int:
+        return self.n_users
 
-        Parameters
-        ----------
-        user_items : the user's rated items (ids or a 1 × m sparse row); for a batch of users, a
-            sparse (len(userid) × m) matrix or a list of id arrays.
-        N : number of items.
-        filter_already_liked_items : exclude ``user_items`` from the results.
-        filter_items : item ids never to return.
-        items : if given, rank only these item ids.
-        userid : index of the held user vector, or an array of them for a batch.
-        rng : generator for tie-breaking (defaults to the model's).
-
-        Returns
-        -------
-        (item_ids, scores): 1-D for one user; (n, N) for a batch, padded with -1 / -inf where fewer
-        than N items are eligible.  Scores are predicted ratings, best first.
-        """
-        if N < 0:
-            raise ValueError(f"N must be >= 0, got {N}")
-        rng = rng or self.rng
-        batch = np.ndim(userid) > 0
-        users = np.atleast_1d(np.asarray(userid, dtype=np.int64))
-        if users.size and (users.min() < 0 or users.max() >= self.n_users):
-            raise ValueError(f"userid out of range [0, {self.n_users})")
+    def _check_ready(self, users: NDArray[np.int64]) -> None:
         if not self.user_trained[users].all():
             raise ModelError("this user has no trained vector yet: call local_update, fine_tune or fold_in first")
-        return top_n_scores(
-            self.user_factors[users] @ self.item_factors.T,
-            N,
-            liked=liked_per_user(user_items, users.size, batch, self.n_items),
-            filter_already_liked_items=filter_already_liked_items,
-            filter_items=filter_items,
-            items=items,
-            batch=batch,
-            rng=rng,
-        )
+
+    def _scores(self, users: NDArray[np.int64]) -> NDArray[np.float64]:
+        """Predicted ratings u·v_j of every item (the `recommend` scores, returned as float32)."""
+        return self.user_factors[users] @ self.item_factors.T
 
     # -- persistence ------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:

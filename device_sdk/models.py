@@ -21,14 +21,14 @@ from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr
 from device_sdk.family import LocalRatings, LocalResult
-from device_sdk.retrieval import as_items, liked_per_user
+from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
-from device_sdk.topk import topk_hamming
+from device_sdk.topk import HammingIndex
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
 from protocol.errors import ModelError, StorageError
 from protocol.families.lightfr import UploadLayout, bias_from_levels
 from protocol.messages import RoundInvite
-from protocol.spec import Aggregation
+from protocol.spec import MAX_RANK, Aggregation
 
 __all__ = ["LightFRConfig", "LightFRModel", "LocalUpdate", "apply_plan"]
 
@@ -53,9 +53,11 @@ class LightFRConfig:
         given are already normalised.
     binary_positives : fit every observed rating as 1 (pure implicit feedback) instead of its
         normalised value.
-    unobserved_weight : w0 (0.1, chosen on validation).  0 selects the paper's objective with
-        ``negatives`` sampled unobserved items; w0 > 0 the all-items objective (every unobserved item at target 0 with weight w0, through
-        the item Gram; ``negatives`` is then unused; see `device_sdk.lightfr.dcd_full`).
+    unobserved_weight : w0 (0.1, chosen on ML-100K/FilmTrust validation; large sparse catalogues
+        want less: amazon-book's validation chose 0.001).  0 selects the paper's objective with
+        ``negatives`` sampled unobserved items; w0 > 0 the all-items objective (every unobserved item
+        at target 0 with weight w0, through the item Gram; ``negatives`` is then unused; see
+        `device_sdk.lightfr.dcd_full`).
     confidence : α ≥ 0 of the all-items objective: observed items weigh c = 1 + α (w0 ≤ c).
     """
 
@@ -77,8 +79,8 @@ class LightFRConfig:
                 f"unobserved_weight must be in [0, 1 + confidence = {1 + self.confidence}], "
                 f"got {self.unobserved_weight}"
             )
-        if not 1 <= self.bits <= 4096:
-            raise ValueError(f"bits must be in [1, 4096], got {self.bits}")
+        if not 1 <= self.bits <= MAX_RANK:
+            raise ValueError(f"bits must be in [1, {MAX_RANK}], got {self.bits}")
         if not (self.lam >= 0 and np.isfinite(self.lam)):
             raise ValueError(f"lam must be a finite value >= 0, got {self.lam}")
         if self.negatives < 0:
@@ -130,7 +132,7 @@ class LocalUpdate:
 
 
 @dataclass
-class LightFRModel:
+class LightFRModel(Recommender):
     """LightFR binary-code recommender for one device (or a small batch of users).
 
     Parameters
@@ -139,6 +141,12 @@ class LightFRModel:
     config : hyper-parameters.
     n_users : user codes held (1 on a phone).
     rng : generator for initial codes, negative sampling and tie-breaking.
+
+    Attributes
+    ----------
+    item_levels : (m,) uint8 item term (for example a quantized popularity bias), or None for none.
+    hamming_weight : B >= 1; `recommend` ranks item i by the integer score
+        (f − Hamming(b_u, d_i)) · B + item_levels[i] (levels None count as 0), higher is better.
     """
 
     n_items: int
@@ -151,9 +159,9 @@ class LightFRModel:
     _item_words: NDArray[np.uint64] = field(init=False, repr=False)
     _user_words: NDArray[np.uint64] = field(init=False, repr=False)
     user_trained: NDArray[np.bool_] = field(init=False, repr=False)
-    #: uint8 item levels of the integer score (f − Hamming)·hamming_weight + level (None: no item term).
-    item_levels: NDArray[np.uint8] | None = field(default=None, init=False, repr=False)
-    hamming_weight: int = field(default=1, init=False)
+    _levels: NDArray[np.uint8] | None = field(default=None, init=False, repr=False)
+    _weight: int = field(default=1, init=False, repr=False)
+    _index: HammingIndex | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_items <= 0:
@@ -168,6 +176,43 @@ class LightFRModel:
         self.user_trained = np.zeros(self.n_users, dtype=bool)
 
     KIND: ClassVar[str] = _KIND
+
+    # -- the item term ----------------------------------------------------------------------------
+    @property
+    def item_levels(self) -> NDArray[np.uint8] | None:
+        """(m,) uint8 level of every item added to its score, or None (all 0)."""
+        return self._levels
+
+    @item_levels.setter
+    def item_levels(self, levels: ArrayLike | None) -> None:
+        if levels is None:
+            self._levels = None
+        else:
+            lv = np.asarray(levels)
+            if lv.shape != (self.n_items,):
+                raise ValueError(f"item_levels must have shape ({self.n_items},), got {lv.shape}")
+            if lv.size and (not np.issubdtype(lv.dtype, np.integer) or lv.min() < 0 or lv.max() > 255):
+                raise ValueError("item_levels must be integers in [0, 255]")
+            self._levels = lv.astype(np.uint8)
+        self._index = None
+
+    @property
+    def hamming_weight(self) -> int:
+        """B: the score of one bit of Hamming similarity, counted against one item level."""
+        return self._weight
+
+    @hamming_weight.setter
+    def hamming_weight(self, weight: int) -> None:
+        if isinstance(weight, bool) or int(weight) != weight or weight < 1:
+            raise ValueError(f"hamming_weight must be an integer >= 1, got {weight!r}")
+        self._weight = int(weight)
+        self._index = None
+
+    def _hamming_index(self) -> HammingIndex:
+        """The retrieval index of the current item codes and levels, built once per change."""
+        if self._index is None:
+            self._index = HammingIndex(self._item_words, self.config.bits, self._levels, self._weight)
+        return self._index
 
     @property
     def rank(self) -> int:
@@ -186,19 +231,8 @@ class LightFRModel:
             raise ValueError(f"item_levels has {len(item_levels)} bytes for {self.n_items} items")
         levels = np.frombuffer(item_levels, dtype=np.uint8).copy() if item_levels else None
         self.set_item_codes(from_bytes(words, self.config.bits, self.n_items), version)
-        self.set_item_levels(levels, hamming_weight)
-
-    def set_item_levels(self, levels: NDArray[np.uint8] | None, hamming_weight: int = 1) -> None:
-        """Install the item term: (m,) uint8 levels (None: none) and the weight B >= 1 of the
-        Hamming closeness in the integer score."""
-        if not 1 <= int(hamming_weight) <= 255:
-            raise ValueError(f"hamming_weight must be in [1, 255], got {hamming_weight}")
-        if levels is not None:
-            levels = np.asarray(levels)
-            if levels.shape != (self.n_items,) or levels.dtype != np.uint8:
-                raise ValueError(f"item levels must be ({self.n_items},) uint8, got {levels.shape} {levels.dtype}")
         self.item_levels = levels
-        self.hamming_weight = int(hamming_weight)
+        self.hamming_weight = hamming_weight
 
     def local_update(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
         """One round of local training as ``invite``'s plan says; the upload is the item gradient
@@ -246,6 +280,7 @@ class LightFRModel:
             signs = arr.astype(np.int8)
         self.item_codes = signs
         self._item_words = pack_signs(signs)
+        self._index = None
         self.model_version = int(version)
 
     # -- training -------------------------------------------------------------------------------
@@ -374,62 +409,32 @@ class LightFRModel:
         self.user_trained[userid] = True
 
     # -- retrieval ------------------------------------------------------------------------------
-    def recommend(
-        self,
-        user_items: ArrayLike | None = None,
-        N: int = 10,
-        filter_already_liked_items: bool = True,
-        filter_items: ArrayLike | None = None,
-        items: ArrayLike | None = None,
-        *,
-        userid: int | ArrayLike = 0,
-        rng: np.random.Generator | None = None,
-    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-        """Top-N items by Hamming similarity (XOR + popcount), ties broken at random.
+    def _held_users(self) -> int:
+        return self.n_users
 
-        Parameters
-        ----------
-        user_items : the user's rated items (ids or a 1 × m sparse row); for a batch of users, a
-            sparse (len(userid) × m) matrix or a list of id arrays.
-        N : number of items.
-        filter_already_liked_items : exclude ``user_items`` from the results.
-        filter_items : item ids never to return.
-        items : if given, rank only these item ids.
-        userid : index of the held user code, or an array of them for a batch.
-        rng : generator for tie-breaking (defaults to the model's).
-
-        Returns
-        -------
-        (item_ids, scores): 1-D for one user; (n, N) for a batch, padded with -1 / -inf where fewer
-        than N items are eligible.  Scores are similarities 1 − Hamming/f in [0, 1].
-        """
-        if N < 0:
-            raise ValueError(f"N must be >= 0, got {N}")
-        rng = rng or self.rng
-        batch = np.ndim(userid) > 0
-        users = np.atleast_1d(np.asarray(userid, dtype=np.int64))
-        if users.size and (users.min() < 0 or users.max() >= self.n_users):
-            raise ValueError(f"userid out of range [0, {self.n_users})")
+    def _check_ready(self, users: NDArray[np.int64]) -> None:
         if not self.user_trained[users].all():
             raise ModelError("this user has no trained code yet: call fit_local or fold_in first")
-        liked = liked_per_user(user_items, users.size, batch, self.n_items)
-        blocked = None if filter_items is None else as_items(filter_items, self.n_items)
-        cand = None if items is None else as_items(items, self.n_items)
-        f = self.config.bits
-        out_ids = np.full((users.size, N), -1, dtype=np.int64)
-        out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
-        for row, u in enumerate(users):
-            parts = [p for p in (liked[row] if filter_already_liked_items else None, blocked) if p is not None]
-            exclude = np.concatenate(parts) if parts else None
-            ids, dist = topk_hamming(
-                self._user_words[:, u], self._item_words, f, N, rng, exclude=exclude, candidates=cand
-            )
-            out_ids[row, : ids.size] = ids
-            out_scores[row, : ids.size] = 1.0 - dist / f
-        if batch:
-            return out_ids, out_scores
-        n_ok = int((out_ids[0] >= 0).sum())
-        return out_ids[0, :n_ok], out_scores[0, :n_ok]
+
+    def _top_n(
+        self,
+        users: NDArray[np.int64],
+        N: int,
+        exclude: list[NDArray[np.int64] | None],
+        items: NDArray[np.int64] | None,
+        rng: np.random.Generator,
+    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+        """Hamming top-N (XOR + popcount, counting selection) for all ``users`` in one scan.
+
+        Scores are the integer scores (f − dist)·B + level divided by f·B: without levels, the
+        similarity 1 − dist/f in [0, 1] (LightFR eq. 4); each level adds 1/(f·B).
+        """
+        ids, score = self._hamming_index().search(
+            np.ascontiguousarray(self._user_words[:, users].T), N, rng, exclude=exclude, candidates=items
+        )
+        scores = (score / np.float64(self.config.bits * self._weight)).astype(np.float32)
+        scores[ids < 0] = -np.inf
+        return ids, scores
 
     def similarity(self, item_ids: ArrayLike, *, userid: int = 0) -> NDArray[np.float64]:
         """sim(b_u, d_i) = 1/2 + b_uᵀd_i/(2f) (LightFR eq. 4) for the given items."""
@@ -454,8 +459,8 @@ class LightFRModel:
                 "item_words": to_bytes(self._item_words),
                 "user_words": to_bytes(self._user_words),
                 "user_trained": np.packbits(self.user_trained).tobytes(),
-                "item_levels": b"" if self.item_levels is None else self.item_levels.tobytes(),
-                "hamming_weight": self.hamming_weight,
+                "item_levels": None if self._levels is None else self._levels.tobytes(),
+                "hamming_weight": self._weight,
             },
         )
 
@@ -477,10 +482,10 @@ class LightFRModel:
             model._user_words = uw.copy()
             trained = np.unpackbits(np.frombuffer(state["user_trained"], np.uint8))[:n_users]
             model.user_trained = trained.astype(bool)
-            levels = bytes(state.get("item_levels", b""))  # absent in stores written before protocol 1.3
-            model.set_item_levels(
-                np.frombuffer(levels, np.uint8).copy() if levels else None, int(state.get("hamming_weight", 1))
-            )
+            # Files written before the item term existed hold neither key.
+            levels = state.get("item_levels")
+            model.item_levels = None if levels is None else np.frombuffer(levels, dtype=np.uint8).copy()
+            model.hamming_weight = int(state.get("hamming_weight", 1))
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"{path} is a valid store file but its LightFR state is invalid: {exc}") from exc
         return model

@@ -21,6 +21,7 @@ from device_sdk.family import FederatedModel
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import load_store, save_store
 from protocol.errors import ConfigError, StorageError
+from protocol.policy import DeviceLedger
 
 __all__ = [
     "MODEL_FILE",
@@ -35,11 +36,16 @@ __all__ = [
     "save_model",
     "fresh_model",
     "load_model",
+    "LEDGER_FILE",
+    "load_ledger",
+    "save_ledger",
 ]
 
 MODEL_FILE = "model.fedrec"
 IDENTITY_FILE = "identity.fedrec"
 SYNC_FILE = "sync.fedrec"
+LEDGER_FILE = "privacy.fedrec"
+_LEDGER_KIND = "privacy-ledger"
 _IDENTITY_KIND = "identity"
 _SYNC_KIND = "sync"
 
@@ -176,3 +182,25 @@ def _load_family_model(path: Path, template: FederatedModel) -> Any | None:
             f"is configured for {template.KIND!r} with m={template.n_items}, rank {template.rank}"
         )
     return model
+
+
+def load_ledger(store_dir: Path) -> DeviceLedger:
+    """The device's own privacy ledger (empty when none is stored).
+
+    Raises
+    ------
+    StorageError
+        The stored ledger is malformed: never silently reset a privacy budget.
+    """
+    state = _load_small(store_dir, LEDGER_FILE, _LEDGER_KIND)
+    if state is None:
+        return DeviceLedger()
+    try:
+        return DeviceLedger.from_dict(state)
+    except ConfigError as exc:
+        raise StorageError(f"{store_dir / LEDGER_FILE}: {exc}") from exc
+
+
+def save_ledger(store_dir: Path, ledger: DeviceLedger) -> None:
+    """Persist the privacy ledger (atomically)."""
+    save_store(store_dir / LEDGER_FILE, _LEDGER_KIND, ledger.to_dict())

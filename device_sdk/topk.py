@@ -1,27 +1,44 @@
-"""Top-k retrieval in Hamming space: XOR + popcount over packed, word-major codes.
+"""Top-k retrieval in Hamming space: XOR + popcount over packed, word-major codes, with an optional
+per-item term, for one user or a batch of users in one scan.
 
 Invariants:
-- Item codes are (w, m) uint64 words (see `device_sdk.codes`); a user code is (w,) words.
-- Distances are small integers (0..f), so the k-th smallest is found by counting, not by sorting:
-  a histogram gives the threshold distance τ, every item closer than τ is taken, and the remaining
-  slots are filled from the items at exactly τ chosen uniformly at random with the caller's generator.
-- The scan runs in blocks that stay in cache; each block is filtered against the running threshold
-  while it is hot, so only a few candidates per block survive to the final selection.
-- Scores are Hamming similarities 1 − dist/f (= sim(b, d) of LightFR eq. 4); higher is better.
+- Item codes are (w, m) uint64 words (see `device_sdk.codes`); user codes are (w,) words, or (n, w)
+  for a batch of n users.
+- The ranking score of item i for user u is the integer
+      score_ui = (f − dist(b_u, d_i)) · B + level_i,
+  with B = ``weight`` >= 1 and level_i = ``levels[i]`` in 0..255 (0 when there are no levels);
+  higher is better.  Internally the scan works on the cost c_ui = dist · B + (L − level_i), with L the
+  highest level, so that score = f·B + L − c: costs are small integers in [0, f·B + L] and the k-th
+  smallest is found by counting (a histogram per user), never by sorting or partitioning floats.
+- The scan runs over blocks that stay in cache.  Each block is filtered against each user's running
+  threshold τ (the k-th smallest cost seen so far is an upper bound on the final k-th, so every item
+  with cost ≤ τ is kept, ties included).  With levels, the index stores the codes reordered by level,
+  highest first: a block's items then all have level ≤ the level of its first item, so
+  dist ≤ (τ − (L − level_first)) // B is a necessary condition checked on the raw distances, and the
+  scan stops once no user can take any item of the remaining (lower-level) blocks.
+- Excluded items (already rated, filtered) are removed only at the end; the threshold counts
+  k + |excluded| items per user, which is still an upper bound on the k-th eligible cost.
+- Ties at the k-th score are broken uniformly at random with the caller's generator (or by the lower
+  item id when no generator is given); results come best first, equal scores in random order.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+
 import numpy as np
-from numpy.typing import NDArray
+from numpy.typing import ArrayLike, NDArray
 
-__all__ = ["hamming_distances", "topk_hamming"]
+__all__ = ["HammingIndex", "hamming_distances", "topk_hamming"]
 
-_BLOCK = 1 << 16
-
-
-def _dist_dtype(f: int) -> type[np.unsignedinteger]:
-    return np.uint8 if f < 255 else np.uint16
+# User-item pairs per scan block: the XOR buffer (8 bytes a pair, 1 MiB) stays within L2.
+_BLOCK_PAIRS = 1 << 17
+# Items per user in a block of a batched scan, at least: numpy runs its inner loop once per user row,
+# so short rows would pay that call overhead on every few items.
+_ROW_ITEMS = 4096
+# Items in the first block of a scan, from which the running threshold is bootstrapped.
+_FIRST_BLOCK = 2048
 
 
 def hamming_distances(user_words: NDArray[np.uint64], item_words: NDArray[np.uint64]) -> NDArray[np.integer]:
@@ -35,10 +52,441 @@ def hamming_distances(user_words: NDArray[np.uint64], item_words: NDArray[np.uin
     return dist
 
 
-def _kth_threshold(dist: NDArray[np.integer], k: int, nbins: int) -> int:
-    """Smallest τ such that at least k of ``dist`` are ≤ τ (nbins − 1 if there are fewer)."""
-    hist = np.bincount(dist, minlength=nbins)
-    return int(np.searchsorted(np.cumsum(hist), k))
+class HammingIndex:
+    """Packed item codes (and item levels) prepared for repeated top-k searches.
+
+    Build it once per model version; `search` then allocates nothing proportional to the catalogue.
+
+    Parameters
+    ----------
+    item_words : (w, m) uint64 packed item codes, word-major.
+    f : code length in bits.
+    levels : (m,) uint8 item levels (the item term), or None for none.
+    weight : B >= 1, the weight of one bit of Hamming similarity against one level.
+
+    Raises
+    ------
+    ValueError
+        If the shapes, the levels or the weight are invalid.
+    """
+
+    __slots__ = ("f", "m", "w", "weight", "_words", "_sorted", "_order", "_levels", "_bias", "_top", "_dt", "_local")
+
+    def __init__(
+        self,
+        item_words: NDArray[np.uint64],
+        f: int,
+        levels: ArrayLike | None = None,
+        weight: int = 1,
+    ) -> None:
+        words = np.asarray(item_words)
+        if words.dtype != np.uint64 or words.ndim != 2:
+            raise ValueError(f"item codes must be (w, m) uint64 words, got {words.dtype} {words.shape}")
+        if f < 1 or words.shape[0] != (f + 63) // 64:
+            raise ValueError(f"{words.shape[0]} words per item do not hold codes of f = {f} bits")
+        if int(weight) != weight or weight < 1:
+            raise ValueError(f"hamming weight must be an integer >= 1, got {weight}")
+        self.f, self.w, self.m = int(f), words.shape[0], words.shape[1]
+        self.weight = int(weight)
+        self._words = words
+        self._dt: type[np.unsignedinteger] = np.uint8 if f < 256 else np.uint16
+        self._local = threading.local()
+        lv = None if levels is None else _check_levels(levels, self.m)
+        if lv is None or (lv.size and lv.min() == lv.max()):
+            # A constant item term does not change the ranking: scan the codes as they are.
+            self._levels = lv
+            self._top = 0 if lv is None or lv.size == 0 else int(lv[0])
+            self._sorted, self._order, self._bias = words, None, None
+            return
+        self._levels = lv
+        self._top = int(lv.max())
+        order = np.argsort(self._top - lv.astype(np.int16), kind="stable").astype(np.int64)
+        self._order = order
+        self._sorted = np.ascontiguousarray(words[:, order])
+        # Costs fit int16 for any practical B (f·B + 255 < 2^15), where numpy sorts by counting.
+        cdt = np.int16 if self.f * self.weight + self._top < 2**15 else np.int64
+        self._bias = (self._top - lv[order]).astype(cdt)  # ascending along the scan
+
+    @property
+    def _B(self) -> int:
+        """The internal cost weight: 1 when there is no item term (the ranking is then by distance)."""
+        return 1 if self._bias is None else self.weight
+
+    def _score_of_cost(self, cost: NDArray[np.integer]) -> NDArray[np.int32]:
+        if self._bias is None:
+            return ((self.f - cost) * self.weight + self._top).astype(np.int32)
+        return (self.f * self.weight + self._top - cost).astype(np.int32)
+
+    def search(
+        self,
+        user_words: NDArray[np.uint64],
+        k: int,
+        rng: np.random.Generator | None,
+        *,
+        exclude: Sequence[NDArray[np.int64] | None] | None = None,
+        candidates: NDArray[np.int64] | None = None,
+        block_pairs: int = _BLOCK_PAIRS,
+    ) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
+        """The k best items of every user by score, ties broken at random.
+
+        Parameters
+        ----------
+        user_words : (n, w) uint64 packed user codes (or (w,) for one user, treated as n = 1).
+        k : items wanted per user (>= 0).
+        rng : tie-breaking generator; None breaks ties by the lower item id.
+        exclude : per user, item ids never returned (None: nothing excluded for that user).
+        candidates : if given, only these item ids are ranked.
+        block_pairs : user-item pairs per scan block.
+
+        Returns
+        -------
+        (ids, scores), both (n, k): item ids best first (-1 where fewer than k items are eligible)
+        and their integer scores (f − dist)·B + level (-1 where padded).
+        """
+        users = np.asarray(user_words)
+        if users.ndim == 1:
+            users = users[None, :]
+        if users.dtype != np.uint64 or users.ndim != 2 or users.shape[1] != self.w:
+            raise ValueError(f"user codes must be (n, {self.w}) uint64 words, got {users.dtype} {users.shape}")
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        n = users.shape[0]
+        if exclude is not None and len(exclude) != n:
+            raise ValueError(f"exclude has {len(exclude)} rows for {n} users")
+        excl = _exclusion_keys(exclude, n, self.m)
+        if k == 0 or n == 0 or self.m == 0:
+            return np.full((n, k), -1, np.int64), np.full((n, k), -1, np.int32)
+        if candidates is not None:
+            rows, ids, cost = self._rank_subset(users, np.asarray(candidates, dtype=np.int64))
+        else:
+            extra = [0] * n if exclude is None else [0 if e is None else len(e) for e in exclude]
+            if n == 1:
+                one_ids, one_cost = self._scan_one(users[0], min(k + extra[0], self.m), max(int(block_pairs), 1))
+                return self._select_one(one_ids, one_cost, k, excl, rng)
+            kk = np.minimum(k + np.asarray(extra, dtype=np.int64), self.m)
+            rows, ids, cost = self._scan(users, kk, max(int(block_pairs), 1))
+        return self._select(rows, ids, cost, n, k, excl, rng)
+
+    def _buffers(
+        self, cap: int
+    ) -> tuple[NDArray[np.uint64], NDArray[np.integer], NDArray[np.uint8], NDArray[np.bool_]]:
+        """Scan buffers of at least ``cap`` pairs (XOR words, distances, per-word popcounts, hit
+        mask), kept per thread and reused across searches: a fresh multi-megabyte buffer would cost
+        its page faults on every call."""
+        held = getattr(self._local, "buffers", None)
+        if held is None or held[0].size < cap:
+            t_size = cap if (self.w > 1 or self._dt != np.uint8) else 0
+            held = (
+                np.empty(cap, np.uint64),
+                np.empty(cap, self._dt),
+                np.empty(t_size, np.uint8),
+                np.empty(cap, np.bool_),
+            )
+            self._local.buffers = held
+        return held
+
+    # -- the scan ---------------------------------------------------------------------------------
+    def _distances(
+        self,
+        users: NDArray[np.uint64],
+        start: int,
+        stop: int,
+        x: NDArray[np.uint64],
+        d: NDArray[np.integer],
+        t: NDArray[np.uint8],
+    ) -> NDArray[np.integer]:
+        """Distances (n, stop − start) of every user to the items of a block, written into the
+        preallocated buffers ``x`` (XOR), ``d`` (distances) and ``t`` (per-word popcounts)."""
+        size = stop - start
+        n = users.shape[0]
+        x = x[: n * size].reshape(n, size)
+        d = d[: n * size].reshape(n, size)
+        words = self._sorted
+        if self.w == 1 and d.dtype == np.uint8:
+            np.bitwise_xor(words[0, start:stop], users[:, :1], out=x)
+            np.bitwise_count(x, out=d)
+            return d
+        t = t[: n * size].reshape(n, size)
+        for j in range(self.w):
+            np.bitwise_xor(words[j, start:stop], users[:, j : j + 1], out=x)
+            np.bitwise_count(x, out=t)
+            if j == 0:
+                d[...] = t
+            else:
+                d += t
+        return d
+
+    def _scan(
+        self, users: NDArray[np.uint64], kk: NDArray[np.int64], block_pairs: int
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+        """Candidates (row, item id, cost) holding, per user, every item whose cost is at most the
+        kk-th smallest cost over the whole catalogue (ties included)."""
+        n, m, B, f = users.shape[0], self.m, self._B, self.f
+        nb = f * B + self._top + 1  # costs lie in [0, nb); nb itself means "no threshold yet"
+        bias = self._bias
+        step = max(block_pairs // n, min(_ROW_ITEMS, block_pairs))
+        first = min(m, max(min(_FIRST_BLOCK // 2, step), int(kk.max()) * 4))
+        x, d, t, mask = self._buffers(n * max(first, step))
+        # Bootstrap: each user's threshold from the costs of the first block, by counting.
+        d0 = self._distances(users, 0, first, x, d, t)
+        if bias is None:
+            hist = np.bincount(d0[0], minlength=nb)[None, :] if n == 1 else _row_hist(d0, nb)
+            tau = _tau(hist, kk, nb)
+            hits = np.flatnonzero(d0 <= tau[:, None])
+            cost0 = d0.ravel()[hits].astype(np.int64)
+        else:
+            c0 = d0.astype(np.int64) * B + bias[:first].astype(np.int64)
+            tau = _tau(_row_hist(c0, nb), kk, nb)
+            hits = np.flatnonzero(c0 <= tau[:, None])
+            cost0 = c0.ravel()[hits]
+        r0, p0 = np.divmod(hits, first)
+        rows_l, pos_l, cost_l = [r0], [p0], [cost0]
+        pending = hits.size
+        budget = max(int(kk.sum()) * 2, 256)
+        live = np.arange(n)
+        users_live, lim, lim_max, uniform, lo, stale = users, np.zeros(n, np.int64), 0, True, 0, True
+        start = first
+        while start < m:
+            stop = min(start + step, m)
+            if bias is not None and int(bias[start]) != lo:
+                stale = True  # the smallest cost term of the block changed
+            if stale:
+                stale = False
+                lo = 0 if bias is None else int(bias[start])
+                # dist ≤ (τ − lo) // B is necessary for a cost ≤ τ (every cost term here is ≥ lo);
+                # a user without a threshold yet (τ = nb) takes everything.
+                lim_all = np.where(tau >= nb, f, (tau - lo) // B)
+                live = np.flatnonzero(lim_all >= 0)
+                if live.size == 0:
+                    break  # levels only fall from here on: no user can take any later item
+                users_live = users if live.size == n else users[live]
+                lim = lim_all[live]
+                # One flat comparison against the loosest user's limit (a per-row limit would run
+                # numpy's inner loop once per row); the few hits are then held to their own row's.
+                lim_max = int(lim.max())
+                uniform = bool(lim.min() == lim_max)
+            dd = self._distances(users_live, start, stop, x, d, t)
+            flat = dd.ravel()
+            mk = mask[: flat.size]
+            np.less_equal(flat, lim_max, out=mk)
+            hits = np.flatnonzero(mk)
+            if hits.size:
+                r_local, c = np.divmod(hits, stop - start)
+                dist = flat[hits]
+                if not uniform:
+                    ok = dist <= lim[r_local]
+                    r_local, c, dist = r_local[ok], c[ok], dist[ok]
+                pos = c + start
+                cost = dist.astype(np.int64) * B
+                rows_l.append(live[r_local])
+                pos_l.append(pos)
+                cost_l.append(cost if bias is None else cost + bias[pos])
+                pending += c.size
+                if pending > budget:
+                    rows, pos_a, cost_a = (np.concatenate(a) for a in (rows_l, pos_l, cost_l))
+                    tau = np.minimum(tau, _tau(_pair_hist(rows, cost_a, n, nb), kk, nb))
+                    keep = cost_a <= tau[rows]
+                    rows_l, pos_l, cost_l = [rows[keep]], [pos_a[keep]], [cost_a[keep]]
+                    pending = int(keep.sum())
+                    budget = max(budget, 2 * pending)
+                    stale = True  # new thresholds, new limits
+            start = stop
+        if len(rows_l) == 1:
+            rows, pos, cost = rows_l[0], pos_l[0], cost_l[0]
+        else:
+            rows, pos, cost = (np.concatenate(a) for a in (rows_l, pos_l, cost_l))
+        if pending > 4 * int(kk.sum()) + 64:
+            keep = cost <= _tau(_pair_hist(rows, cost, n, nb), kk, nb)[rows]
+            rows, pos, cost = rows[keep], pos[keep], cost[keep]
+        ids = pos if self._order is None else self._order[pos]
+        return rows, ids, cost
+
+    def _scan_one(self, user: NDArray[np.uint64], kk: int, block: int) -> tuple[NDArray[np.int64], NDArray[np.integer]]:
+        """`_scan` for a single user, with scalar thresholds and as few numpy calls as possible: on
+        small catalogues the per-call overhead is what decides the speed."""
+        m, B, f, bias, words = self.m, self._B, self.f, self._bias, self._sorted
+        nb = f * B + self._top + 1
+        first = min(m, max(min(_FIRST_BLOCK, block), 4 * kk))
+        x, d, t, mask = self._buffers(max(first, block))
+        fast = self.w == 1 and self._dt == np.uint8
+        u = user[None, :]
+        if fast:
+            np.bitwise_xor(words[0, :first], user[0], out=x[:first])
+            d0 = np.bitwise_count(x[:first], out=d[:first])
+        else:
+            d0 = self._distances(u, 0, first, x, d, t)[0]
+        c0 = d0 if bias is None else d0.astype(bias.dtype) * bias.dtype.type(B) + bias[:first]
+        # The kk-th smallest cost of the first block, by counting (numpy's radix sort of small ints).
+        tau = int(np.sort(c0, kind="stable")[kk - 1]) if kk <= first else nb
+        pos = (c0 <= tau).nonzero()[0]
+        pos_l, cost_l = [pos], [c0[pos]]
+        pending, budget = pos.size, max(8 * kk, 256)
+        xs, ds = x[:block], d[:block]
+        lo, lim = -1, (f if tau >= nb else tau)
+        start = first
+        while start < m:
+            stop = min(start + block, m)
+            if bias is not None and int(bias[start]) != lo:
+                lo = int(bias[start])
+                lim = f if tau >= nb else (tau - lo) // B
+                if lim < 0:
+                    break  # levels only fall from here on: no later item can make the top kk
+            if fast and stop - start == block:
+                np.bitwise_xor(words[0, start:stop], user[0], out=xs)
+                dd = np.bitwise_count(xs, out=ds)
+            else:
+                dd = self._distances(u, start, stop, x, d, t)[0]
+            mk = mask[: dd.size]
+            hit = np.less_equal(dd, lim, out=mk).nonzero()[0]
+            if hit.size:
+                cost = dd[hit]
+                hit += start
+                pos_l.append(hit)
+                cost_l.append(cost if bias is None else cost.astype(bias.dtype) * bias.dtype.type(B) + bias[hit])
+                pending += hit.size
+                if pending > budget:
+                    pos, cost = np.concatenate(pos_l), np.concatenate(cost_l)
+                    cum = np.cumsum(np.bincount(cost, minlength=nb))
+                    tau = min(tau, int(np.searchsorted(cum, kk)) if cum[-1] >= kk else nb)
+                    keep = (cost <= tau).nonzero()[0]
+                    pos_l, cost_l = [pos[keep]], [cost[keep]]
+                    pending = keep.size
+                    budget = max(budget, 2 * pending)
+                    lo, lim = -1, (f if tau >= nb else tau)  # limits from the new threshold
+            start = stop
+        pos = pos_l[0] if len(pos_l) == 1 else np.concatenate(pos_l)
+        cost = cost_l[0] if len(cost_l) == 1 else np.concatenate(cost_l)
+        return (pos if self._order is None else self._order[pos]), cost
+
+    def _rank_subset(
+        self, users: NDArray[np.uint64], cand: NDArray[np.int64]
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+        """Every (user, candidate item) pair with its cost: the ``items=`` restriction."""
+        if cand.ndim != 1:
+            raise ValueError("candidates must be a 1-D array of item ids")
+        if cand.size and (cand.min() < 0 or cand.max() >= self.m):
+            raise ValueError(f"candidate item index out of range [0, {self.m})")
+        cand = np.unique(cand)
+        n = users.shape[0]
+        dist = np.zeros((n, cand.size), np.int64)
+        for j in range(self.w):
+            dist += np.bitwise_count(self._words[j, cand][None, :] ^ users[:, j : j + 1])
+        cost = dist * self._B
+        if self._bias is not None and self._levels is not None:
+            cost += self._top - self._levels[cand].astype(np.int64)
+        rows = np.repeat(np.arange(n, dtype=np.int64), cand.size)
+        return rows, np.tile(cand, n), cost.ravel()
+
+    # -- the final selection ----------------------------------------------------------------------
+    def _select_one(
+        self,
+        ids: NDArray[np.int64],
+        cost: NDArray[np.integer],
+        k: int,
+        excl: NDArray[np.int64] | None,
+        rng: np.random.Generator | None,
+    ) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
+        """`_select` for a single user: a random order, then a stable counting sort by cost."""
+        if excl is not None and ids.size:
+            at = np.searchsorted(excl, ids)
+            ok = excl[np.minimum(at, excl.size - 1)] != ids
+            ids, cost = ids[ok], cost[ok]
+        if rng is None:
+            order = np.lexsort((ids, cost))[:k]
+        else:
+            perm = rng.permutation(ids.size)
+            order = perm[np.argsort(cost[perm], kind="stable")[:k]]
+        out_ids = np.full((1, k), -1, np.int64)
+        out_scores = np.full((1, k), -1, np.int32)
+        out_ids[0, : order.size] = ids[order]
+        out_scores[0, : order.size] = self._score_of_cost(cost[order].astype(np.int64))
+        return out_ids, out_scores
+
+    def _select(
+        self,
+        rows: NDArray[np.int64],
+        ids: NDArray[np.int64],
+        cost: NDArray[np.int64],
+        n: int,
+        k: int,
+        excl: NDArray[np.int64] | None,
+        rng: np.random.Generator | None,
+    ) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
+        """The k best candidates of every user, ties in uniformly random order (the candidates
+        already hold every item at or below each user's k-th cost, so this is exact)."""
+        out_ids = np.full((n, k), -1, np.int64)
+        out_scores = np.full((n, k), -1, np.int32)
+        if excl is not None and rows.size:
+            keys = rows * self.m + ids
+            at = np.searchsorted(excl, keys)
+            ok = excl[np.minimum(at, excl.size - 1)] != keys
+            rows, ids, cost = rows[ok], ids[ok], cost[ok]
+        if rows.size == 0:
+            return out_ids, out_scores
+        # Order by (user, cost, random key): a uniformly random order among equal costs, so the
+        # first k of a user take its ties at the threshold uniformly at random.
+        key = ids if rng is None else rng.permutation(ids.size)
+        if n == 1:
+            order = np.lexsort((key, cost))[:k]
+            out_ids[0, : order.size] = ids[order]
+            out_scores[0, : order.size] = self._score_of_cost(cost[order])
+            return out_ids, out_scores
+        order = np.lexsort((key, cost, rows))
+        rows, ids, cost = rows[order], ids[order], cost[order]
+        rank = np.arange(rows.size) - np.searchsorted(rows, np.arange(n))[rows]
+        sel = rank < k
+        out_ids[rows[sel], rank[sel]] = ids[sel]
+        out_scores[rows[sel], rank[sel]] = self._score_of_cost(cost[sel])
+        return out_ids, out_scores
+
+
+def _check_levels(levels: ArrayLike, m: int) -> NDArray[np.uint8]:
+    lv = np.asarray(levels)
+    if lv.shape != (m,):
+        raise ValueError(f"item levels must have shape ({m},), got {lv.shape}")
+    if lv.dtype != np.uint8:
+        if not np.issubdtype(lv.dtype, np.integer) or (lv.size and (lv.min() < 0 or lv.max() > 255)):
+            raise ValueError("item levels must be integers in [0, 255]")
+        lv = lv.astype(np.uint8)
+    return lv
+
+
+def _exclusion_keys(exclude: Sequence[NDArray[np.int64] | None] | None, n: int, m: int) -> NDArray[np.int64] | None:
+    """Sorted unique keys row·m + item of every excluded (user, item) pair, or None."""
+    if exclude is None:
+        return None
+    parts = []
+    for row, e in enumerate(exclude):
+        if e is None or len(e) == 0:
+            continue
+        items = np.asarray(e, dtype=np.int64).ravel()
+        if items.min() < 0 or items.max() >= m:
+            raise ValueError(f"excluded item id out of range [0, {m})")
+        parts.append(items + row * m)
+    return np.unique(np.concatenate(parts)) if parts else None
+
+
+def _row_hist(cost: NDArray[np.integer], nb: int) -> NDArray[np.int64]:
+    """(n, nb) histogram of each row of an (n, size) cost matrix."""
+    n = cost.shape[0]
+    if n == 1:
+        return np.bincount(cost[0], minlength=nb)[None, :]
+    offs = (np.arange(n, dtype=np.int64) * nb)[:, None]
+    return np.bincount((cost + offs).ravel(), minlength=n * nb).reshape(n, nb)
+
+
+def _pair_hist(rows: NDArray[np.int64], cost: NDArray[np.int64], n: int, nb: int) -> NDArray[np.int64]:
+    """(n, nb) histogram of the costs of (row, cost) pairs."""
+    if n == 1:
+        return np.bincount(cost, minlength=nb)[None, :]
+    return np.bincount(rows * nb + cost, minlength=n * nb).reshape(n, nb)
+
+
+def _tau(hist: NDArray[np.int64], kk: NDArray[np.int64], nb: int) -> NDArray[np.int64]:
+    """Per row, the smallest τ with at least kk of the row's costs ≤ τ (nb when it has fewer)."""
+    cum = np.cumsum(hist, axis=1)
+    tau = np.argmax(cum >= kk[:, None], axis=1)
+    return np.where(cum[:, -1] >= kk, tau, nb)
 
 
 def topk_hamming(
@@ -46,13 +494,13 @@ def topk_hamming(
     item_words: NDArray[np.uint64],
     f: int,
     k: int,
-    rng: np.random.Generator,
+    rng: np.random.Generator | None,
     *,
     exclude: NDArray[np.int64] | None = None,
     candidates: NDArray[np.int64] | None = None,
-    block: int = _BLOCK,
+    block: int = _BLOCK_PAIRS,
 ) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
-    """The k items closest in Hamming distance, ties broken uniformly at random.
+    """The k items closest in Hamming distance to one user, ties broken uniformly at random.
 
     Parameters
     ----------
@@ -60,7 +508,7 @@ def topk_hamming(
     item_words : (w, m) uint64 packed item codes, word-major.
     f : code length in bits.
     k : number of items wanted (fewer are returned if fewer are eligible).
-    rng : generator used for tie-breaking only.
+    rng : generator used for tie-breaking only (None: the lower item id wins).
     exclude : item indices never returned (already rated, filtered).
     candidates : if given, only these item indices are ranked.
     block : items per scan block.
@@ -69,87 +517,17 @@ def topk_hamming(
     -------
     (item indices, distances), both sorted by distance; equal distances in random order.
     """
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    w, m = item_words.shape
-    if user_words.shape != (w,):
-        raise ValueError(f"user code has {user_words.shape} words, item codes have {w}")
-    nbins = f + 1
-    excl = np.unique(np.asarray(exclude, dtype=np.int64)) if exclude is not None else np.empty(0, np.int64)
-    if candidates is not None:
-        cand = np.asarray(candidates, dtype=np.int64)
-        if cand.size and (cand.min() < 0 or cand.max() >= m):
-            raise ValueError(f"candidate item index out of range [0, {m})")
-        if excl.size:
-            cand = cand[~np.isin(cand, excl)]
-        dist = np.zeros(cand.size, dtype=np.uint16)
-        for j in range(w):
-            dist += np.bitwise_count(item_words[j, cand] ^ user_words[j])
-        return _select(cand, dist, k, nbins, rng)
-    if k == 0 or m == 0:
-        return np.empty(0, np.int64), np.empty(0, np.int32)
-    # Over-fetch by the number of excluded items: the best k eligible items are always among the
-    # best k + |exclude| items overall once every tie at the threshold is kept.
-    kk = min(k + excl.size, m)
-    dt = _dist_dtype(f)
-    found_idx: list[NDArray[np.int64]] = []
-    found_dist: list[NDArray[np.integer]] = []
-    n_found = 0
-    tau = nbins  # running threshold: items farther than tau can never make the top kk
-    buf = np.empty(min(block, m), dtype=np.uint64)
-    dist = np.empty(min(block, m), dtype=dt)
-    tmp = np.empty(min(block, m), dtype=np.uint8)
-    for start in range(0, m, block):
-        stop = min(start + block, m)
-        size = stop - start
-        b, d, t = buf[:size], dist[:size], tmp[:size]
-        np.bitwise_xor(item_words[0, start:stop], user_words[0], out=b)
-        np.bitwise_count(b, out=t)
-        d[...] = t
-        for j in range(1, w):
-            np.bitwise_xor(item_words[j, start:stop], user_words[j], out=b)
-            np.bitwise_count(b, out=t)
-            d += t
-        if tau >= nbins:
-            # First block(s): derive the threshold from the block itself once it holds kk items.
-            if n_found + size >= kk:
-                tau = _kth_threshold(np.concatenate([*found_dist, d]).astype(np.intp), kk, nbins)
-            keep = np.flatnonzero(d <= tau) if tau < nbins else np.arange(size)
-        else:
-            keep = np.flatnonzero(d <= tau)
-        if keep.size:
-            found_idx.append(keep + start)
-            found_dist.append(d[keep].copy())
-            n_found += keep.size
-            if n_found > 4 * kk + 1024:
-                # Tighten the threshold and drop what can no longer qualify.
-                all_d = np.concatenate(found_dist)
-                all_i = np.concatenate(found_idx)
-                tau = _kth_threshold(all_d.astype(np.intp), kk, nbins)
-                sel = all_d <= tau
-                found_idx, found_dist = [all_i[sel]], [all_d[sel]]
-                n_found = int(sel.sum())
-    idx = np.concatenate(found_idx) if found_idx else np.empty(0, np.int64)
-    dd = np.concatenate(found_dist).astype(np.uint16) if found_dist else np.empty(0, np.uint16)
-    if excl.size:
-        ok = ~np.isin(idx, excl)
-        idx, dd = idx[ok], dd[ok]
-    return _select(idx, dd, k, nbins, rng)
-
-
-def _select(
-    idx: NDArray[np.int64], dist: NDArray[np.integer], k: int, nbins: int, rng: np.random.Generator
-) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
-    """Best k of (idx, dist) by distance, uniformly random among equal distances, sorted."""
-    if idx.size == 0 or k == 0:
-        return np.empty(0, np.int64), np.empty(0, np.int32)
-    k = min(k, idx.size)
-    tau = _kth_threshold(dist.astype(np.intp), k, nbins)
-    below = np.flatnonzero(dist < tau)
-    at = np.flatnonzero(dist == tau)
-    need = k - below.size
-    chosen = np.concatenate([below, rng.choice(at, size=need, replace=False)]) if need > 0 else below
-    # Random order first, then a stable sort by distance: equal distances end up in random order.
-    chosen = chosen[rng.permutation(chosen.size)]
-    chosen = chosen[np.argsort(dist[chosen], kind="stable")]
-    return idx[chosen].astype(np.int64), dist[chosen].astype(np.int32)
+    w = item_words.shape[0]
+    if np.shape(user_words) != (w,):
+        raise ValueError(f"user code has {np.shape(user_words)} words, item codes have {w}")
+    index = HammingIndex(item_words, f)
+    ids, scores = index.search(
+        np.asarray(user_words)[None, :],
+        k,
+        rng,
+        exclude=None if exclude is None else [np.asarray(exclude, dtype=np.int64)],
+        candidates=candidates,
+        block_pairs=block,
+    )
+    ok = ids[0] >= 0
+    return ids[0, ok], (f - scores[0, ok]).astype(np.int32)

@@ -217,6 +217,16 @@ def _anchor(heading: str) -> str:
     return "".join(c for c in heading.lower().replace(" ", "-") if c.isalnum() or c in "-_")
 
 
+def _json_section() -> list[str]:
+    """The ``--json`` result schema, from the docstring of `fedsim.report` (its one home)."""
+    import inspect
+
+    import fedsim.report
+
+    doc = inspect.cleandoc(fedsim.report.__doc__ or "")
+    return ["## `--json` output", "", *doc.splitlines(), ""]
+
+
 def render() -> str:
     """The whole ``docs/cli.md`` text."""
     out = [
@@ -233,6 +243,7 @@ def render() -> str:
     ]
     for parser in parsers():
         out += _section(parser.prog, parser, 2, "")
+    out += _json_section()
     while out and out[-1] == "":
         out.pop()
     return "\n".join(out) + "\n"

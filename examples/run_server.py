@@ -37,9 +37,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from device_sdk import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, seeded_rngs
+from device_sdk import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
 from fedsim import synthetic
 from fedsim.demo import write_server_config
+from protocol.policy import PrivacyPolicy
 
 EXAMPLE_CONFIG = Path(__file__).resolve().parent / "server.toml"
 N_ITEMS = 200
@@ -102,11 +103,15 @@ async def one_round(url: str, root: Path) -> list[tuple[DeviceClient, NDArray[np
         def rngs(round_id: int, h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, np.random.Generator]:
             # Seeded generators (simulation only; by default a device seeds from `secrets`).  The
             # device id is read when a round starts, after registration.
-            return seeded_rngs(0, round_id, int(h["c"].device_id or 0))
+            return insecure_seeded_rngs(0, round_id, int(h["c"].device_id or 0))
 
         client = DeviceClient.connect(
             url,
-            ClientConfig(store_dir=root / "devices" / f"device-{user}", long_poll_timeout=60.0),
+            ClientConfig(
+                store_dir=root / "devices" / f"device-{user}",
+                long_poll_timeout=60.0,
+                privacy=PrivacyPolicy.no_floor(),  # a five-device demo cohort is below any real floor
+            ),
             items=rated[-1],
             ratings=np.asarray(log.ratings[mask]),
             n_items=N_ITEMS,

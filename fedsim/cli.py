@@ -20,10 +20,21 @@ from agg_server.config import MIN_COHORT
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import load_store, save_store
 from fedsim.datasets import DATASET_NAMES, LightFRSplit, TrainTestSplit, find_data_dir, load_dataset
-from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
+from fedsim.evaluation import (
+    EvalResult,
+    RankingResult,
+    Scorer,
+    TieMode,
+    evaluate_all_items,
+    evaluate_candidates,
+    hamming_scorer,
+    popularity_scorer,
+    random_scorer,
+)
 from fedsim.experiment import Experiment, Protocol, baselines, item_titles, prepare
 from fedsim.families import FAMILY_DEFAULT_ROUNDS, simulate_family
 from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, run_lightfr, user_data
+from fedsim.report import result_record, write_json
 from fedsim.ui import progress, table
 from protocol.codes import from_bytes, pack_signs, to_bytes, unpack_signs
 from protocol.errors import ConfigError, FedRecError
@@ -161,7 +172,13 @@ def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
         default=0.3,
         help="probability that an item bit Agg_grad wants to flip is flipped (default 0.3; 1 = the paper's rule)",
     )
-    g.add_argument("--seed", type=int, default=0, help="seed of the simulation (default: 0)")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the model and the federation: initial codes, cohorts, sampled training negatives "
+        "(default: 0); the test split and candidates come from --eval-seed",
+    )
 
 
 def _add_family_args(p: argparse.ArgumentParser) -> None:
@@ -179,7 +196,25 @@ def _add_family_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="local iterations per round: felb b (default 10), fnmf T (default 100)",
     )
-    g.add_argument("--epsilon", type=_nonneg_float, default=0.0, help="mf: per-user ε at δ=1e-5 (0 = no DP)")
+    g.add_argument(
+        "--epsilon",
+        type=_nonneg_float,
+        default=0.0,
+        help="lightfr/mf: user-level ε at δ=1e-5 over the whole run, every device eligible, rounds through the "
+        "private-round simulator (0 = no DP)",
+    )
+    g.add_argument(
+        "--pop-share",
+        type=_fraction,
+        default=0.5,
+        help="lightfr private: share of ε calibrating the private popularity release (default 0.5)",
+    )
+    g.add_argument(
+        "--threshold",
+        type=_nonneg_float,
+        default=2.0,
+        help="lightfr private: move a bit only when its summed gradient exceeds this many σ of the noise (0 = off)",
+    )
     g.add_argument(
         "--secure",
         action="store_true",
@@ -207,6 +242,16 @@ def _add_family_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+_EVAL_SEED_HELP = (
+    "seed of the evaluation (default 0): which ratings a file without timestamps holds out, the validation "
+    "carve of a published split, the sampled negatives and random tie-breaking; --seed never changes them"
+)
+_JSON_HELP = (
+    "print the result as one JSON object on the last line of stdout (everything else goes to stderr); "
+    "schema in docs/cli.md"
+)
+
+
 def _add_data_args(p: argparse.ArgumentParser, default: str | None) -> None:
     g = p.add_argument_group("data and evaluation")
     g.add_argument(
@@ -220,7 +265,8 @@ def _add_data_args(p: argparse.ArgumentParser, default: str | None) -> None:
         "--protocol",
         choices=[p.value for p in Protocol],
         default=None,
-        help="loo (default) or chrono; the filmtrust-lightfr split always uses its own blocks",
+        help="loo (default) or chrono for rating logs; full (default) or sampled for amazon-book's own split; "
+        "the filmtrust-lightfr split always uses its own blocks",
     )
     g.add_argument(
         "--eval-negatives",
@@ -228,6 +274,7 @@ def _add_data_args(p: argparse.ArgumentParser, default: str | None) -> None:
         default=99,
         help="sampled negatives per test positive (default: 99)",
     )
+    g.add_argument("--eval-seed", type=int, default=0, help=_EVAL_SEED_HELP)
     g.add_argument(
         "--eval-every",
         type=_positive_int,
@@ -269,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--flip-fraction", type=_fraction, default=0.3, help="Agg_grad damping ρ (default 0.3)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the simulation (default: 0)")
     demo.add_argument("--workdir", type=Path, default=None, help="keep server data and device stores here")
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
 
     lt = sub.add_parser(
         "loadtest",
@@ -282,12 +330,27 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--devices", type=_positive_int, default=100, help="number of devices (default: 100)")
     lt.add_argument("--dropout", type=_nonneg_float, default=0.2, help="chance a device drops per round")
     lt.add_argument("--rounds", type=_positive_int, default=3, help="stop after this many rounds (default: 3)")
-    lt.add_argument("--n-items", type=_positive_int, default=3706, help="catalogue size the server trains")
-    lt.add_argument("--bits", type=_positive_int, default=64, help="code length of the server's model")
+    lt.add_argument(
+        "--n-items",
+        type=_positive_int,
+        default=None,
+        help="catalogue size the server trains (default: read from the server's /v1/status; a different value is "
+        "an error)",
+    )
+    lt.add_argument(
+        "--bits", type=_positive_int, default=None, help="code length of the server's model (default: read from it)"
+    )
     lt.add_argument("--ratings-per-user", type=_positive_int, default=166, help="synthetic ratings per device")
     lt.add_argument("--workers", type=_positive_int, default=1, help="worker processes (default: 1)")
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--time-limit", type=_nonneg_float, default=3600.0, help="seconds before giving up")
+    lt.add_argument(
+        "--announce-drops",
+        action="store_true",
+        help="dropped devices tell the server they leave, so phases close at quorum instead of waiting for their "
+        "deadlines (default: drops are silent, and each phase with a silent drop lasts its full deadline)",
+    )
+    lt.add_argument("--quiet", action="store_true", help="no progress bar")
     lt.add_argument("--store", type=Path, default=None, help="device store folder (default: a temporary one)")
     lt.add_argument(
         "--ca-file",
@@ -311,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(sim, default=None)
     sim.add_argument("--save", type=Path, default=None, help="write the trained run to this file")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    sim.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     ev = sub.add_parser(
         "eval",
@@ -324,7 +388,31 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
     ev.add_argument("--protocol", choices=[p.value for p in Protocol], default=None)
     ev.add_argument("--eval-negatives", type=_positive_int, default=99)
-    ev.add_argument("--seed", type=int, default=0, help="seed of the negative sampling (default: 0)")
+    ev.add_argument(
+        "--eval-seed",
+        type=int,
+        default=None,
+        help="seed of the evaluation (default: the run file's, else 0); see simulate --eval-seed",
+    )
+    ev.add_argument("--json", action="store_true", help=_JSON_HELP)
+
+    plan = sub.add_parser(
+        "plan-privacy",
+        help="predict per-coordinate signal-to-noise of private LightFR choices before spending any ε",
+        description="For a dataset and a target ε (user-level, δ=1e-5, every round charged), predicts for each "
+        "number of rounds and clip norm the released noise σ per coordinate, the signal-to-noise of the median "
+        "item, the share of interactions on items with SNR >= 2, and the noise of the private popularity "
+        "release, using the accountant's own μ (docs/dp-accounting.md §6).",
+    )
+    plan.add_argument("--dataset", required=True, help="dataset name or ratings file")
+    plan.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
+    plan.add_argument("--epsilon", type=_positive_float, default=8.0, help="target ε over the run (default 8)")
+    plan.add_argument("--bits", type=_positive_int, default=64, help="code length f (default 64)")
+    plan.add_argument("--example-cap", type=_nonneg_int, default=50, help="θ items per device (default 50)")
+    plan.add_argument("--negatives", type=_nonneg_int, default=0, help="sampled negatives per item (default 0)")
+    plan.add_argument("--pop-share", type=_fraction, default=0.5, help="share of ε for popularity (default 0.5)")
+    plan.add_argument("--rounds", type=_positive_int, nargs="+", default=[1, 2, 3, 5, 10], help="rounds to plan")
+    plan.add_argument("--clips", type=_positive_float, nargs="+", default=[1.0, 4.0], help="clip norms C to plan")
 
     data = sub.add_parser("data", help="list the datasets fedrec can find")
     data.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
@@ -445,14 +533,62 @@ def _report(exp: Experiment, results: dict[str, dict[TieMode, EvalResult]], out:
     )
 
 
-def _all_results(exp: Experiment, state: FederatedLightFR | None, label: str) -> dict[str, dict[TieMode, EvalResult]]:
+def _all_results(
+    exp: Experiment, state: FederatedLightFR | None, label: str, eval_seed: int = 0
+) -> dict[str, dict[TieMode, EvalResult]]:
     results: dict[str, dict[TieMode, EvalResult]] = {}
     if state is not None:
         results[label] = {t: _score(state, exp.test, t) for t in TieMode}
-    base = {t: baselines(exp, t) for t in TieMode}
+    base = {t: baselines(exp, t, seed=eval_seed) for t in TieMode}
     for name in ("popularity", "random"):
         results[name] = {t: base[t][name] for t in TieMode}
     return results
+
+
+def _full_results(
+    exp: Experiment, state: FederatedLightFR | None, eval_seed: int, only: str | None = None
+) -> dict[str, RankingResult]:
+    """The published full-ranking protocol (protocol full): Recall@20 / NDCG@20, random ties."""
+    if exp.seen is None or exp.test_pairs is None:
+        raise ValueError(f"protocol {exp.protocol.value} needs a dataset with its own train/test split")
+    scorers: dict[str, Scorer] = {}
+    if state is not None:
+        bits = int(state.user_codes.shape[1])
+        scorers["model"] = hamming_scorer(pack_signs(state.user_codes), pack_signs(state.item_codes), bits)
+    scorers["popularity"] = popularity_scorer(exp.train)
+    scorers["random"] = random_scorer(exp.train.n_items, eval_seed)
+    return {
+        name: evaluate_all_items(sc, exp.seen, exp.test_pairs, k=20, seed=eval_seed)
+        for name, sc in scorers.items()
+        if only is None or name == only
+    }
+
+
+def _evaluate_and_report(
+    exp: Experiment,
+    state: FederatedLightFR | None,
+    label: str,
+    eval_seed: int,
+    out: TextIO,
+    only: str | None = None,
+) -> dict[str, dict[str, float]]:
+    """Evaluate the model (if any) and the baselines on the test split, print the table, and return
+    the ``--json`` metric maps (random ties) keyed "model", "popularity", "random"."""
+    if exp.protocol is Protocol.FULL:
+        full = _full_results(exp, state, eval_seed, only)
+        n_users = next(iter(full.values())).n_users
+        out.write(
+            f"\nTest: {n_users} users of the dataset's own test split, each ranking all {exp.train.n_items} items "
+            f"minus its train items; Recall@20 / NDCG@20, random ties (seed {eval_seed})\n"
+        )
+        rows = [[label if name == "model" else name, f"{r.recall:.4f}", f"{r.ndcg:.4f}"] for name, r in full.items()]
+        _table([["model", "Recall@20", "NDCG@20"], *rows], out)
+        return {name: r.metrics() for name, r in full.items()}
+    results = _all_results(exp, state, label, eval_seed)
+    names = {label: "model", "popularity": "popularity", "random": "random"}
+    shown = {k: v for k, v in results.items() if only is None or names[k] == only}
+    _report(exp, shown, out)
+    return {names[k]: v[TieMode.RANDOM].metrics() for k, v in shown.items()}
 
 
 def _resolve_dataset(args: argparse.Namespace, out: TextIO) -> tuple[Experiment, Path | None]:
@@ -466,7 +602,7 @@ def _resolve_dataset(args: argparse.Namespace, out: TextIO) -> tuple[Experiment,
             out.write(f"dataset: synthetic (built-in generator): {_where_looked(args.data_dir, data_dir)}\n")
     protocol = Protocol(args.protocol) if getattr(args, "protocol", None) else None
     n_neg = getattr(args, "eval_negatives", 99)
-    exp = prepare(name, protocol, n_negatives=n_neg, seed=args.seed, data_dir=data_dir)
+    exp = prepare(name, protocol, n_negatives=n_neg, seed=getattr(args, "eval_seed", 0), data_dir=data_dir)
     return exp, data_dir
 
 
@@ -491,14 +627,16 @@ _APPLIES_TO: dict[str, tuple[str, ...]] = {
         ("lightfr",),
     ),
     "eval_every": ("lightfr",),
+    "json": ("lightfr",),
+    "eval_seed": ("lightfr", "mf"),
     "fraction": ("lightfr", "mf"),
     "eval_negatives": ("lightfr", "mf"),
     "rank": ("mf", "felb", "fnmf"),
     "clients": ("felb", "fnmf"),
     "local_steps": ("felb", "fnmf"),
-    **dict.fromkeys(
-        ("epsilon", "secure", "clip_norm", "example_cap", "silos", "server_lr", "lr", "max_norm2"), ("mf",)
-    ),
+    **dict.fromkeys(("secure", "clip_norm", "example_cap", "silos", "server_lr", "lr", "max_norm2"), ("mf",)),
+    "epsilon": ("lightfr", "mf"),
+    **dict.fromkeys(("pop_share", "threshold"), ("lightfr",)),
     **dict.fromkeys(("step_rule", "xor_noise", "noise_sigma", "binarize_at", "server_scale"), ("felb",)),
     **dict.fromkeys(("alignment", "aggregator"), ("fnmf",)),
 }
@@ -547,6 +685,8 @@ def _where_looked(arg: Path | None, found: Path | None) -> str:
 
 def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     _check_applicable(args)
+    if args.model == "lightfr" and args.epsilon > 0:
+        return _simulate_private_lightfr(args, out)
     if args.rounds is None:
         args.rounds = FAMILY_DEFAULT_ROUNDS[args.model]
     if args.model != "lightfr":
@@ -572,7 +712,7 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     )
     state = _train(args, exp, out, show_progress=not getattr(args, "quiet", False))
     label = f"LightFR (Agg_{args.aggregation})"
-    _report(exp, _all_results(exp, state, label), out)
+    metrics = _evaluate_and_report(exp, state, label, args.eval_seed, out)
     if getattr(args, "save", None) is not None:
         save_store(
             args.save,
@@ -582,6 +722,8 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
                 "protocol": exp.protocol.value,
                 "eval_negatives": exp.n_negatives,
                 "seed": args.seed,
+                "eval_seed": args.eval_seed,
+                "rounds": args.rounds,
                 "bits": args.bits,
                 "n_users": int(state.user_codes.shape[0]),
                 "n_items": int(state.item_codes.shape[0]),
@@ -592,26 +734,116 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
             },
         )
         out.write(f"saved the run to {args.save}\n")
-    out.write(f"done in {time.perf_counter() - t0:.1f} s\n")
+    seconds = time.perf_counter() - t0
+    out.write(f"done in {seconds:.1f} s\n")
+    if args.json:
+        record = result_record(
+            dataset=exp.name, protocol=exp.protocol.value, rounds=args.rounds, seconds=seconds, metrics=metrics
+        )
+        write_json(record, sys.stdout)
+    return 0
+
+
+def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
+    """``simulate --epsilon E`` for LightFR: the popularity release and private rounds of every device
+    through the private-round simulator (`fedsim.private_scale`), evaluated beside the baselines."""
+    from fedsim.private_scale import ScaledSettings, evaluate_private
+
+    if args.dataset is None:
+        raise ValueError("--dataset is required (a dataset name, a ratings file, or synthetic)")
+    t0 = time.perf_counter()
+    data_dir = _data_dir(args.data_dir)
+    data: Any = load_dataset(args.dataset, data_dir)
+    if not isinstance(data, TrainTestSplit):
+        data = prepare(data, Protocol(args.protocol) if args.protocol else None, n_negatives=args.eval_negatives)
+    rounds = args.rounds if args.rounds is not None else 3
+    settings = ScaledSettings(
+        epsilon=args.epsilon,
+        rounds=rounds,
+        bits=args.bits,
+        negatives=args.negatives,
+        flip_fraction=args.flip_fraction,
+        threshold=args.threshold,
+        pop_share=args.pop_share,
+        seed=args.seed,
+    )
+    n_users = data.train.n_users
+    out.write(
+        f"private LightFR on {args.dataset}: {n_users} devices, every one in every round; ε={args.epsilon:g} at "
+        f"δ=1e-5 over a private popularity release ({args.pop_share:g} of ε) and T={rounds} rounds, θ="
+        f"{settings.example_cap} items per device, C={settings.clip_norm:g}, {args.negatives} negatives per item, "
+        f"noise-aware threshold {args.threshold:g}σ; rounds through the private-round simulator (fedsim.privsim)\n"
+    )
+
+    def on_round(r: int, seconds: float) -> None:
+        if not getattr(args, "quiet", False):
+            out.write(f"  round {r}/{rounds}: {seconds:.1f} s\n")
+            out.flush()
+
+    def log(text: str) -> None:
+        out.write(text + "\n")
+
+    metrics, extra = evaluate_private(data, settings, eval_seed=0, on_round=on_round, log=log)
+    keys = sorted({k for m in metrics.values() for k in m})
+    rows = [["model", *keys]]
+    for name, values in metrics.items():
+        rows.append([name, *(f"{values[k]:.4f}" for k in keys)])
+    _table(rows, out)
+    out.write(
+        f"ε spent {extra['epsilon']:.3f} at δ={extra['delta']:g} (the ledger's RDP composition of every release); "
+        f"item level α={extra['alpha']} chosen on validation; random ties\n"
+    )
+    seconds = time.perf_counter() - t0
+    out.write(f"done in {seconds:.1f} s\n")
+    if getattr(args, "json", False):
+        import json
+
+        record = {
+            "dataset": str(args.dataset),
+            "protocol": extra["protocol"],
+            "rounds": rounds,
+            "seconds": seconds,
+            "metrics": metrics,
+            "epsilon": extra["epsilon"],
+            "delta": extra["delta"],
+        }
+        sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace, out: TextIO) -> int:
     if (args.run is None) == (args.baseline is None):
         raise ValueError("give either a run file or --baseline")
+    t0 = time.perf_counter()
     if args.baseline is not None:
         if args.dataset is None:
             raise ValueError("--baseline needs --dataset")
+        eval_seed = 0 if args.eval_seed is None else args.eval_seed
         exp = prepare(
             args.dataset,
             Protocol(args.protocol) if args.protocol else None,
             n_negatives=args.eval_negatives,
-            seed=args.seed,
+            seed=eval_seed,
             data_dir=_data_dir(args.data_dir),
         )
-        res = _all_results(exp, None, "")
-        _report(exp, {args.baseline: res[args.baseline]}, out)
-        return 0
+        out.write(exp.describe() + "\n")
+        metrics = _evaluate_and_report(exp, None, "", eval_seed, out, only=args.baseline)
+        rounds: int | None = 0
+    else:
+        exp, state, eval_seed, rounds = _load_run(args)
+        out.write(exp.describe() + "\n")
+        metrics = _evaluate_and_report(exp, state, "LightFR (saved run)", eval_seed, out)
+    if args.json:
+        seconds = time.perf_counter() - t0
+        record = result_record(
+            dataset=exp.name, protocol=exp.protocol.value, rounds=rounds, seconds=seconds, metrics=metrics
+        )
+        write_json(record, sys.stdout)
+    return 0
+
+
+def _load_run(args: argparse.Namespace) -> tuple[Experiment, FederatedLightFR, int, int | None]:
+    """A saved LightFR run and the experiment it was trained on (same split, same evaluation seed)."""
     state_dict = load_store(args.run, _RUN_KIND)
     try:
         bits, n_users, n_items = (
@@ -629,20 +861,26 @@ def _cmd_eval(args: argparse.Namespace, out: TextIO) -> int:
             hamming_weight=int(state_dict.get("hamming_weight", 1)),
         )
         dataset, protocol = str(state_dict["dataset"]), Protocol(state_dict["protocol"])
-        n_neg, seed = int(state_dict["eval_negatives"]), int(state_dict["seed"])
+        n_neg = int(state_dict["eval_negatives"])
+        # runs saved before --eval-seed existed drew their split and candidates from --seed
+        run_eval_seed = int(state_dict.get("eval_seed", state_dict["seed"]))
+        rounds = int(state_dict["rounds"]) if "rounds" in state_dict else None
     except (KeyError, TypeError, ValueError) as exc:
         raise FedRecError(f"{args.run}: not a valid run file ({exc})") from exc
+    if args.eval_seed is not None and args.eval_seed != run_eval_seed:
+        raise ConfigError(
+            f"{args.run} was trained on the split of evaluation seed {run_eval_seed}; --eval-seed {args.eval_seed} "
+            "would draw another split, whose test ratings the model may have trained on"
+        )
     data_dir = _data_dir(args.data_dir)
     if dataset == "auto":
         dataset = "ml-100k" if data_dir is not None and (data_dir / "ml-100k").is_dir() else "synthetic"
-    exp = prepare(dataset, protocol, n_negatives=n_neg, seed=seed, data_dir=data_dir)
+    exp = prepare(dataset, protocol, n_negatives=n_neg, seed=run_eval_seed, data_dir=data_dir)
     if (exp.train.n_users, exp.train.n_items) != (n_users, n_items):
         raise FedRecError(
             f"{args.run} was trained on {n_users}×{n_items}, the dataset is {exp.train.n_users}×{exp.train.n_items}"
         )
-    out.write(exp.describe() + "\n")
-    _report(exp, _all_results(exp, state, "LightFR (saved run)"), out)
-    return 0
+    return exp, state, run_eval_seed, rounds
 
 
 def _cmd_data(args: argparse.Namespace, out: TextIO) -> int:
@@ -667,7 +905,7 @@ def _cmd_data(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
-    from fedsim.demo import run_demo_fleet
+    from fedsim.demo import run_demo_fleet, simulated_beside, verdict
 
     if not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
@@ -697,6 +935,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         seed=args.seed,
         out=out,
         workdir=args.workdir,
+        show_progress=False if args.quiet else None,
     )
     results = {"LightFR over the server": res["results"]}
     for name in ("popularity", "random"):
@@ -704,16 +943,22 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     _report(exp, results, out)
     privacy = res["status"].get("privacy")
     ours, pop = res["results"][TieMode.RANDOM], res["baselines"][TieMode.RANDOM]["popularity"]
+    spent = privacy["epsilon_spent"] if privacy else None
+    out.write(verdict("private model over the real server" if privacy else "model", ours.hr, pop.hr, spent) + "\n")
     if privacy and ours.hr < pop.hr:
+        n = exp.train.n_users
         out.write(
-            "note: with user-level DP over a few hundred devices, the noise each coordinate needs is larger than\n"
-            "the signal the cohort's sum carries, so the model stays below popularity; measured trade-off:\n"
-            "benchmarks/privacy_utility.py. Run with --epsilon 0 for SecAgg+ without DP.\n"
+            f"The real server's LightFR model cannot beat popularity here: with user-level DP over {n} devices\n"
+            "the noise each code coordinate needs is larger than the per-item signal the sum carries, and the\n"
+            "server's upload has no private popularity channel yet. The private-round simulator on the same data\n"
+            "and ε, every device in every round, a private popularity release feeding the item level\n"
+            "(fedsim.private_scale):\n"
         )
-    if privacy:
+        metrics, extra = simulated_beside(exp, float(args.epsilon), args.seed)
+        sim_hr = metrics["model"]["hr@10"]
         out.write(
-            f"privacy: ε spent {privacy['epsilon_spent']:.3f} of {privacy['epsilon_budget']:g} "
-            f"at δ={privacy['delta']:g}\n"
+            verdict("simulated private model", sim_hr, pop.hr, float(extra["epsilon"]))
+            + f" (private popularity alone {metrics['private_popularity']['hr@10']:.3f})\n"
         )
     client = res["clients"][int(exp.test.users[0])]
     _show_device(exp, client.model, data_dir, out)
@@ -760,11 +1005,27 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
     import tempfile
 
     from fedsim.datasets import synthetic
-    from fedsim.demo import format_loadtest, run_loadtest
-    from fedsim.fleet import FleetConfig
+    from fedsim.demo import RoundProgress, format_loadtest, run_loadtest
+    from fedsim.fleet import FleetConfig, get_status
 
     if not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    url = args.url.rstrip("/")
+    model = get_status(url, args.ca_file).get("model") or {}
+    if model.get("kind", "lightfr") != "lightfr":
+        raise ConfigError(f"the server at {url} trains model.kind={model.get('kind')!r}; the load test drives LightFR")
+    for flag, key in (("n_items", "n_items"), ("bits", "bits")):
+        served = model.get(key)
+        given = getattr(args, flag)
+        if given is None:
+            if served is None:
+                raise ConfigError(f"the server at {url} does not report model.{key}; pass {_flag(flag)}")
+            setattr(args, flag, int(served))
+        elif served is not None and int(served) != given:
+            raise ConfigError(
+                f"{_flag(flag)} {given} but the server at {url} trains model.{key}={served}; drop {_flag(flag)} "
+                "to use the server's"
+            )
     data = synthetic(n_users=args.devices, n_items=args.n_items, ratings_per_user=args.ratings_per_user, seed=args.seed)
     idx = data.by_user()
     users = [
@@ -775,26 +1036,36 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
         for u in range(data.n_users)
     ]
     out.write(
-        f"load test: {args.devices} devices ({args.workers} worker process(es)) against {args.url}; "
-        f"m={args.n_items}, f={args.bits}, ~{args.ratings_per_user} ratings each; dropout {args.dropout:.0%}; "
-        f"{args.rounds} rounds\n"
+        f"load test: {args.devices} devices ({args.workers} worker process(es)) against {url}; "
+        f"m={args.n_items}, f={args.bits} (as the server trains), ~{args.ratings_per_user} ratings each; "
+        f"dropout {args.dropout:.0%} ({'announced' if args.announce_drops else 'silent'}); {args.rounds} rounds\n"
     )
-    with tempfile.TemporaryDirectory(prefix="fedrec-loadtest-") as tmp:
-        cfg = FleetConfig(
-            url=args.url.rstrip("/"),
-            store_root=args.store or Path(tmp),
-            n_items=args.n_items,
-            bits=args.bits,
-            rounds=args.rounds,
-            dropout=args.dropout,
-            seed=args.seed,
-            reproducible=False,
-            time_limit=args.time_limit,
-            ca_file=args.ca_file,
-        )
-        report = run_loadtest(cfg, users, args.workers)
+    out.flush()
+    bar = RoundProgress(args.rounds, "load test", enabled=False if args.quiet else None)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fedrec-loadtest-") as tmp:
+            cfg = FleetConfig(
+                url=url,
+                store_root=args.store or Path(tmp),
+                n_items=args.n_items,
+                bits=args.bits,
+                rounds=args.rounds,
+                dropout=args.dropout,
+                seed=args.seed,
+                time_limit=args.time_limit,
+                ca_file=args.ca_file,
+                announce_drops=args.announce_drops,
+            )
+            report = run_loadtest(cfg, users, args.workers, progress=bar)
+    finally:
+        bar.close()
     format_loadtest(report, out)
-    return 0 if report.rounds_finished >= args.rounds else 1
+    failure = report.failure(args.rounds)
+    if failure is not None:
+        out.flush()
+        print(f"fedrec loadtest: error: {failure}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _version() -> str:
@@ -815,7 +1086,51 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         return _cmd_simulate(args, out)
     if args.command == "eval":
         return _cmd_eval(args, out)
+    if args.command == "plan-privacy":
+        return _cmd_plan_privacy(args, out)
     return _cmd_data(args, out)
+
+
+def _cmd_plan_privacy(args: argparse.Namespace, out: TextIO) -> int:
+    from fedsim.private_scale import plan_privacy
+
+    data: Any = load_dataset(args.dataset, _data_dir(args.data_dir))
+    train = data.train if isinstance(data, TrainTestSplit | LightFRSplit) else data
+    out.write(
+        f"{args.dataset}: {train.n_users} devices, {train.n_items} items; target ε={args.epsilon:g} at δ=1e-5, "
+        f"f={args.bits}, θ={args.example_cap}, {args.negatives} negatives, popularity share {args.pop_share:g}\n"
+    )
+    rows = plan_privacy(
+        train,
+        epsilon=args.epsilon,
+        bits=args.bits,
+        example_cap=args.example_cap,
+        negatives=args.negatives,
+        pop_share=args.pop_share,
+        rounds=tuple(args.rounds),
+        clips=tuple(args.clips),
+    )
+    header = ["rounds", "C", "s", "σ/coord", "median item SNR", "interactions at SNR>=2", "popularity σ", "top-100 gap"]
+    body = [
+        [
+            str(r.rounds),
+            f"{r.clip_norm:g}",
+            str(r.scale_bits),
+            f"{r.sigma:.3g}",
+            f"{r.median_snr:.3f}",
+            f"{r.covered:.1%}",
+            f"{r.pop_noise:.3g}",
+            f"{r.pop_top_gap:.3g}",
+        ]
+        for r in rows
+    ]
+    _table([header, *body], out)
+    best = max(rows, key=lambda r: (r.covered, -r.rounds))
+    out.write(
+        f"most interactions above SNR 2: T={best.rounds}, C={best.clip_norm:g} ({best.covered:.1%}); the SNR "
+        "assumes the gradients of an item's devices agree, so it is an upper bound on what a round can learn\n"
+    )
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -827,7 +1142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    out = sys.stdout
+    # --json: the last line of stdout is the result object (fedsim.report); everything else to stderr
+    out = sys.stderr if getattr(args, "json", False) else sys.stdout
     try:
         code = _run(args, out)
         out.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit

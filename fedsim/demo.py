@@ -29,7 +29,7 @@ import numpy as np
 
 from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
 from fedsim.experiment import Experiment, baselines
-from fedsim.fleet import PHASE_STEPS, FleetConfig, FleetReport, fetch_status, run_fleet
+from fedsim.fleet import PHASE_STEPS, FleetConfig, FleetReport, fetch_status, get_status, run_fleet
 from protocol.codec import decode, encode
 from protocol.codes import from_bytes, unpack_signs
 from protocol.errors import FedRecError
@@ -42,6 +42,8 @@ __all__ = [
     "run_demo_fleet",
     "run_loadtest",
     "format_loadtest",
+    "verdict",
+    "simulated_beside",
 ]
 
 
@@ -153,6 +155,25 @@ def evaluate_devices(
     return {t: evaluate_candidates(matrix, 10, t) for t in TieMode}
 
 
+def verdict(label: str, model_hr: float, popularity_hr: float, epsilon: float | None) -> str:
+    """The demo's one-line verdict: the private model against item popularity (HR@10, random ties)."""
+    spent = f"; ε spent {epsilon:.3f} at δ=1e-5" if epsilon is not None else "; no DP"
+    return (
+        f"verdict: {label} HR@10 {model_hr:.3f} vs popularity {popularity_hr:.3f}: "
+        f"{model_hr - popularity_hr:+.3f}{spent}"
+    )
+
+
+def simulated_beside(exp: Experiment, epsilon: float, seed: int) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """The same data and ε through the private-round simulator with the budget spent where it buys
+    signal (`fedsim.private_scale`: a private popularity release feeding the item level, noise-aware
+    aggregation, every device in every round), evaluated on the same test blocks."""
+    from fedsim.private_scale import ScaledSettings, evaluate_private
+
+    settings = ScaledSettings(epsilon=epsilon, rounds=3, pop_share=0.5, example_cap=20, seed=seed)
+    return evaluate_private(exp, settings, eval_seed=0)
+
+
 @contextlib.contextmanager
 def _workdir(keep: Path | None) -> Iterator[Path]:
     if keep is not None:
@@ -175,6 +196,7 @@ def run_demo_fleet(
     seed: int,
     out: TextIO,
     workdir: Path | None = None,
+    show_progress: bool | None = None,
 ) -> dict[str, Any]:
     """Start a server, run a device per user for ``rounds`` rounds, evaluate, stop the server."""
     n_users = int(np.max(exp.train.users)) + 1 if len(exp.train) else 0
@@ -227,11 +249,11 @@ def run_demo_fleet(
                 eps = (rec.get("privacy") or {}).get("epsilon_spent")
                 eps_text = f"{eps:8.3f}" if isinstance(eps, float) else "       -"
                 state = "" if rec.get("status") == "committed" else f"  ({rec.get('status')}: {rec.get('reason')})"
-                out.write(
+                bar.write(
+                    out,
                     f"{rec['round_id']:>5} {rec.get('cohort_size', 0):>6} {rec.get('survivors') or 0:>9}  "
-                    f"{drops:<46} {secs:>7.1f}  {eps_text}{state}\n"
+                    f"{drops:<46} {secs:>7.1f}  {eps_text}{state}\n",
                 )
-                out.flush()
 
             fleet_cfg = FleetConfig(
                 url=server.url,
@@ -246,7 +268,13 @@ def run_demo_fleet(
                 # Devices that drop say so (like an app closed cleanly), so phases close at quorum.
                 announce_drops=True,
             )
-            report, clients = asyncio.run(run_fleet(fleet_cfg, device_data(exp, n_users), on_round=on_round))
+            bar = RoundProgress(rounds, "demo", enabled=show_progress)
+            try:
+                report, clients = asyncio.run(
+                    run_fleet(fleet_cfg, device_data(exp, n_users), on_round=on_round, on_status=bar.on_status)
+                )
+            finally:
+                bar.close()
             payload, status = asyncio.run(_final_model(server.url))
         out.write(f"server: stopped (exit {server.proc.returncode if server.proc else '?'})\n")
         codes = unpack_signs(from_bytes(payload.words, payload.bits, payload.n_items), payload.bits)
@@ -282,11 +310,15 @@ async def _final_model(url: str) -> tuple[ModelPayload, dict[str, Any]]:
 
 
 def run_loadtest(
-    config: FleetConfig, users: Sequence[tuple[np.ndarray, np.ndarray | None]], workers: int
+    config: FleetConfig,
+    users: Sequence[tuple[np.ndarray, np.ndarray | None]],
+    workers: int,
+    progress: RoundProgress | None = None,
 ) -> FleetReport:
-    """Run the fleet, split over ``workers`` processes when asked; the first worker monitors."""
+    """Run the fleet, split over ``workers`` processes when asked; every worker watches the server and
+    stops after the requested rounds (``progress`` follows the rounds in one worker only)."""
     if workers <= 1:
-        report, _ = asyncio.run(run_fleet(config, users))
+        report, _ = asyncio.run(run_fleet(config, users, on_status=progress.on_status if progress else None))
         return report
     shards = np.array_split(np.arange(len(users)), workers)
     ctx = multiprocessing.get_context("spawn")
@@ -295,6 +327,10 @@ def run_loadtest(
             pool.apply_async(_worker, (config, [users[i] for i in shard], int(shard[0]) if shard.size else 0))
             for shard in shards
         ]
+        while progress is not None and not all(job.ready() for job in jobs):
+            with contextlib.suppress(FedRecError):
+                progress.on_status(get_status(config.url, config.ca_file))
+            time.sleep(0.5)
         dicts = [job.get() for job in jobs]
     merged = FleetReport.from_dict(dicts[0])
     for d in dicts[1:]:
@@ -312,10 +348,75 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+def describe_outcomes(report: FleetReport) -> str:
+    """What the devices' ``run_round`` calls ended in, in words."""
+    o = report.outcomes
+    parts = [f"{o.get('committed', 0)} took part in a committed round", f"{o.get('aborted', 0)} in an aborted one"]
+    drops = ", ".join(f"{k} {v}" for k, v in sorted(report.drops.items()))
+    parts.append(f"{o.get('dropped', 0)} dropped as injected" + (f" ({drops})" if drops else ""))
+    parts.append(f"{o.get('waited', 0)} check-ins were told to wait (not in the cohort, or no round open)")
+    return "device rounds: " + "; ".join(parts)
+
+
+class RoundProgress:
+    """An in-round progress bar (stderr) driven by the fleet's ``/v1/status`` snapshots: one step per
+    SecAgg+ phase of each requested round, with the current phase and the devices still in it, and an
+    ETA."""
+
+    PHASES = ("advertise_keys", "share_keys", "masked_input", "unmask")
+
+    def __init__(self, rounds: int, desc: str, enabled: bool | None = None) -> None:
+        from fedsim.ui import progress
+
+        self.bar = progress(rounds * len(self.PHASES), desc, "phases", enabled=enabled)
+        self.rounds = rounds
+        self._last_foreign: int | None = None
+        self._finished: set[int] = set()
+
+    @property
+    def finished(self) -> int:
+        return min(len(self._finished), self.rounds)
+
+    def on_status(self, status: dict[str, Any]) -> None:
+        recent = status.get("recent_rounds") or []
+        cur = status.get("round")
+        if self._last_foreign is None:  # as the fleet's monitor: rounds open before the fleet are not ours
+            ids = [int(r["round_id"]) for r in recent] + ([int(cur["round_id"])] if cur else [])
+            self._last_foreign = max(ids, default=0)
+        for r in recent:
+            if r.get("status") in ("committed", "aborted") and int(r["round_id"]) > self._last_foreign:
+                self._finished.add(int(r["round_id"]))
+        pos = self.finished * len(self.PHASES)
+        if cur and cur.get("phase") in self.PHASES:
+            pos += self.PHASES.index(cur["phase"])
+            self.bar.set_postfix_str(
+                f"round {cur['round_id']} {cur['phase']}: {cur.get('alive', 0)}/{cur.get('cohort', 0)} alive",
+                refresh=False,
+            )
+        pos = min(pos, self.bar.total)
+        if pos > self.bar.n:
+            self.bar.update(pos - self.bar.n)
+        else:
+            self.bar.refresh()
+
+    def write(self, out: TextIO, text: str) -> None:
+        """Write a report line without tearing the bar."""
+        self.bar.clear()
+        out.write(text)
+        out.flush()
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def format_loadtest(report: FleetReport, out: TextIO) -> None:
     """The load-test summary tables."""
-    out.write(f"\n{report.devices} devices, {report.rounds_finished} rounds finished in {report.seconds:.1f} s\n")
-    out.write(f"outcomes: {dict(report.outcomes)}; injected drops: {dict(report.drops)}\n")
+    out.write(
+        f"\n{report.devices} devices, {report.rounds_finished} rounds finished ({report.committed} committed) "
+        f"in {report.seconds:.1f} s\n"
+    )
+    out.write(describe_outcomes(report) + "\n")
     out.write("\nper-phase latency seen by devices (seconds; phases include the long-poll wait)\n")
     out.write(f"{'phase':<8} {'n':>7} {'p50':>8} {'p95':>8}\n")
     for step in PHASE_STEPS:
@@ -330,11 +431,11 @@ def format_loadtest(report: FleetReport, out: TextIO) -> None:
     out.write(
         f"{'round':>5} {'status':<10} {'cohort':>6} {'survivors':>9} {'seconds':>8} {'cpu s':>8} {'peak RSS MB':>12}\n"
     )
-    prev_cpu = None
+    prev_cpu = report.cpu_start
     for rec in report.server_rounds:
         proc = rec.get("process") or {}
         cpu = proc.get("cpu_seconds")
-        # Server CPU is sampled when a round ends, so the first round has no "before" to subtract.
+        # Server CPU is sampled when a round ends; the first round subtracts the fleet's first sample.
         delta = f"{cpu - prev_cpu:>8.1f}" if cpu is not None and prev_cpu is not None else f"{'—':>8}"
         prev_cpu = cpu if cpu is not None else prev_cpu
         secs = (rec.get("finished_at") or 0) - (rec.get("started_at") or 0)

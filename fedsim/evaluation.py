@@ -719,9 +719,11 @@ def popularity_scorer(train: Ratings) -> ScoreFn:
 
 
 def random_scorer(n_items: int, seed: int | np.random.Generator = 0) -> ScoreFn:
-    """Random baseline as a score function: i.i.d. uniform scores from one seeded generator."""
+    """Random baseline as a score function: i.i.d. uniform integer scores in [0, 2**16) from one seeded
+    generator.  With random tie-breaking the order they induce is uniformly random; integers are
+    drawn because float draws cost 7x more (65 s vs 10 s over amazon-book's 1.8e9 user-item pairs)."""
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    return lambda users: rng.random((np.asarray(users).shape[0], n_items), dtype=np.float32)
+    return lambda users: rng.integers(0, 2**16, size=(np.asarray(users).shape[0], n_items), dtype=np.uint16)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ from fedsim.evaluation import (
     interaction_csr,
     popularity_scores,
     sample_negatives,
+    sample_test_blocks,
 )
-from fedsim.splits import chronological_split, leave_one_out
+from fedsim.splits import carve_validation, chronological_split, holdout_rule, leave_one_out
 
 __all__ = ["Protocol", "Candidates", "Experiment", "prepare", "baselines", "item_titles"]
 
@@ -34,9 +35,11 @@ __all__ = ["Protocol", "Candidates", "Experiment", "prepare", "baselines", "item
 class Protocol(StrEnum):
     """How held-out positives are chosen."""
 
-    LOO = "loo"  # per-user chronological leave-one-out: latest → test, second latest → validation
+    LOO = "loo"  # per-user leave-one-out: latest (random without timestamps) → test, next → validation
     CHRONO = "chrono"  # per-user chronological 80/10/10; every held-out rating is a positive
     LIGHTFR_SPLIT = "lightfr-split"  # the published FilmTrust blocks of the LightFR authors
+    FULL = "full"  # a dataset's own train/test split, Recall@20 / NDCG@20 ranking all non-train items
+    SAMPLED = "sampled"  # a dataset's own split: one random test item per user among sampled negatives
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +64,30 @@ class Experiment:
     protocol: Protocol
     n_negatives: int
     rating_range: tuple[float, float] | None
+    holdout: str = ""
+    """How held-out ratings were chosen (e.g. "latest by timestamp", "uniformly random (...)")."""
+    val_pairs: Ratings | None = None
+    """FULL / SAMPLED: the validation pairs carved from the published train (``train`` excludes them)."""
+    test_pairs: Ratings | None = None
+    """FULL / SAMPLED: the published test pairs."""
+    seen: Ratings | None = None
+    """FULL / SAMPLED: the whole published train, excluded from every user's test ranking."""
 
     def describe(self) -> str:
-        return (
+        head = (
             f"{self.name}: {self.train.n_users} users, {self.train.n_items} items, "
-            f"{len(self.train)} training ratings; protocol {self.protocol.value}, "
-            f"{len(self.test)} test positives each ranked among {self.n_negatives} sampled negatives"
+            f"{len(self.train)} training ratings; protocol {self.protocol.value}"
         )
+        if self.protocol is Protocol.FULL and self.test_pairs is not None:
+            n_users = int(np.unique(self.test_pairs.users).size)
+            tail = (
+                f", {len(self.test_pairs)} test pairs of {n_users} users, each user ranking every item not in "
+                f"its train set (Recall@20 / NDCG@20, random ties)"
+            )
+        else:
+            tail = f", {len(self.test)} test positives each ranked among {self.n_negatives} sampled negatives"
+        rule = f"; held-out ratings: {self.holdout}" if self.holdout else ""
+        return head + tail + rule
 
 
 def _blocks(
@@ -96,16 +116,15 @@ def prepare(
     dataset : a dataset name or path (see `fedsim.datasets.load_dataset`) or loaded data.
     protocol : LOO by default; the LightFR split always uses its own blocks.
     n_negatives : sampled negatives per held-out positive (49 or 99 are the usual choices).
-    seed : seed for negative sampling (validation uses ``seed``, test ``seed + 1``).
+    seed : the evaluation seed: which ratings a log without timestamps holds out, the validation
+        carve of a published split, and the negatives (validation uses ``seed``, test ``seed + 1``).
+        Keep it apart from the model's seed, so that changing the model seed never changes the test.
     """
     data = dataset if isinstance(dataset, Ratings | LightFRSplit) else load_dataset(dataset, data_dir)
     if n_negatives < 1:
         raise ValueError(f"n_negatives must be >= 1, got {n_negatives}")
     if isinstance(data, TrainTestSplit):
-        raise ValueError(
-            f"{data.name} comes with its own train/test split of implicit feedback: evaluate it with "
-            "fedsim.evaluation.evaluate_full_ranking (Recall@20 / NDCG@20 over all items)"
-        )
+        return _prepare_published(data, protocol or Protocol.FULL, n_negatives, seed)
     if isinstance(data, LightFRSplit):
         if protocol not in (None, Protocol.LIGHTFR_SPLIT):
             raise ValueError("the LightFR split comes with its own blocks; use protocol lightfr-split")
@@ -121,7 +140,12 @@ def prepare(
     protocol = protocol or Protocol.LOO
     if protocol is Protocol.LIGHTFR_SPLIT:
         raise ValueError("protocol lightfr-split needs the filmtrust-lightfr dataset")
-    train, val, test = leave_one_out(data) if protocol is Protocol.LOO else chronological_split(data)
+    if protocol in (Protocol.FULL, Protocol.SAMPLED):
+        raise ValueError(f"protocol {protocol.value} needs a dataset with its own train/test split (amazon-book)")
+    if protocol is Protocol.LOO:
+        train, val, test = leave_one_out(data, seed=seed)
+    else:
+        train, val, test = chronological_split(data, seed=seed)
     inter = interaction_csr(train, val, test)
     lo, hi = float(np.min(data.ratings)), float(np.max(data.ratings))
     return Experiment(
@@ -132,6 +156,31 @@ def prepare(
         protocol=protocol,
         n_negatives=n_negatives,
         rating_range=(lo, hi) if hi > lo else None,
+        holdout=holdout_rule(data, seed),
+    )
+
+
+VALIDATION_FRACTION = 0.1
+
+
+def _prepare_published(data: TrainTestSplit, protocol: Protocol, n_negatives: int, seed: int) -> Experiment:
+    if protocol not in (Protocol.FULL, Protocol.SAMPLED):
+        raise ValueError(f"{data.name} comes with its own train/test split: use protocol full or sampled")
+    fit, val_pairs = carve_validation(data.train, VALIDATION_FRACTION, seed=seed)
+    vu, vc = sample_test_blocks(data.train, val_pairs, n_negatives, seed)
+    tu, tc = sample_test_blocks(data.train, data.test, n_negatives, seed + 1)
+    return Experiment(
+        name=data.name,
+        train=fit,
+        val=Candidates(vu, vc),
+        test=Candidates(tu, tc),
+        protocol=protocol,
+        n_negatives=n_negatives,
+        rating_range=None,
+        holdout=f"the dataset's own test split; {val_pairs.meta['holdout']}",
+        val_pairs=val_pairs,
+        test_pairs=data.test,
+        seen=data.train,
     )
 
 

@@ -73,8 +73,9 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     if args.dataset in (None, "planted"):
         raise ConfigError("--model mf needs --dataset (a rating log such as ml-100k or synthetic)")
     data = _ratings(args, data_dir)
-    exp = prepare(data, n_negatives=args.eval_negatives, seed=args.seed)
-    train, val, test = leave_one_out(data)
+    eval_seed = getattr(args, "eval_seed", 0)  # the split and the test candidates: never the model seed
+    exp = prepare(data, n_negatives=args.eval_negatives, seed=eval_seed)
+    train, val, test = leave_one_out(data, seed=eval_seed)
     R = float(args.max_norm2 if args.max_norm2 is not None else max(5.0, float(np.max(train.ratings))))
     rank = args.rank or 32
     out.write(exp.describe() + "\n")

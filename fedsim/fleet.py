@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -26,10 +27,14 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundOutcome, RoundStatus, seeded_rngs
+from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundOutcome, RoundStatus, insecure_seeded_rngs
+from protocol.crypto import INSECURE_NOISE_NOTICE, NoiseStream
+from protocol.errors import FedRecError
+from protocol.policy import PrivacyPolicy
 
-__all__ = ["FleetConfig", "FleetReport", "run_fleet", "fetch_status", "PHASE_STEPS"]
+__all__ = ["FleetConfig", "FleetReport", "run_fleet", "fetch_status", "get_status", "PHASE_STEPS"]
 
+TIME_LIMIT = "fleet time limit reached"
 PHASE_STEPS = ("checkin", "model", "train", "keys", "shares", "masked", "unmask")
 _DROPS = (
     DropoutAt.BEFORE_KEYS,
@@ -52,7 +57,12 @@ class FleetConfig:
     rounds : stop after this many rounds have finished (committed or aborted) on the server.
     dropout : probability that a device taking part in a round drops, at a phase chosen uniformly.
     seed : seed of the dropout choices and, when ``reproducible``, of the devices' generators.
-    reproducible : use `seeded_rngs` for the devices' generators (simulation), else `secrets`.
+    privacy : the devices' privacy floor; default `PrivacyPolicy.no_floor()`, because simulated and
+        load-test cohorts are far smaller than any real floor allows (pass ``PrivacyPolicy()`` to see what
+        real devices would refuse).
+    insecure_reproducible : TEST HOOK: seed the devices' training generators and DP-noise streams with
+        `insecure_seeded_rngs` (bit-identical re-runs); the fleet then prints that its ε is not a
+        privacy guarantee.  Default False: every device keys its noise from `secrets`, as a real one does.
     rating_range, binary_positives : how devices normalise their ratings.
     time_limit : seconds after which the fleet stops regardless.
     long_poll_timeout : seconds a device waits on one phase request.
@@ -72,7 +82,8 @@ class FleetConfig:
     rounds: int = 3
     dropout: float = 0.0
     seed: int = 0
-    reproducible: bool = True
+    insecure_reproducible: bool = False
+    privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy.no_floor)
     rating_range: tuple[float, float] | None = (1.0, 5.0)
     binary_positives: bool = True
     time_limit: float = 3600.0
@@ -101,8 +112,14 @@ class FleetReport:
     bytes_up: list[int] = field(default_factory=list)
     bytes_down: list[int] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
+    #: The first message seen for each error type (what a one-line failure report quotes).
+    error_examples: dict[str, str] = field(default_factory=dict)
     server_rounds: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    #: Server CPU seconds when the fleet started (so the first round's CPU can be told too).
+    cpu_start: float | None = None
+    #: (seconds since the fleet started, step, latency seconds) of every phase a device finished.
+    latency_series: list[tuple[float, str, float]] = field(default_factory=list)
 
     def merge(self, other: FleetReport) -> None:
         self.devices += other.devices
@@ -113,6 +130,9 @@ class FleetReport:
         self.bytes_up.extend(other.bytes_up)
         self.bytes_down.extend(other.bytes_down)
         self.errors.update(other.errors)
+        for kind, example in other.error_examples.items():
+            self.error_examples.setdefault(kind, example)
+        self.latency_series.extend(other.latency_series)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -124,8 +144,11 @@ class FleetReport:
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
             "errors": dict(self.errors),
+            "error_examples": self.error_examples,
             "server_rounds": self.server_rounds,
             "seconds": self.seconds,
+            "cpu_start": self.cpu_start,
+            "latency_series": self.latency_series,
         }
 
     @classmethod
@@ -136,9 +159,35 @@ class FleetReport:
         rep.latencies = {k: list(v) for k, v in d["latencies"].items()}
         rep.bytes_up, rep.bytes_down = list(d["bytes_up"]), list(d["bytes_down"])
         rep.errors.update(d["errors"])
+        rep.error_examples = dict(d.get("error_examples", {}))
         rep.server_rounds = list(d["server_rounds"])
         rep.seconds = float(d["seconds"])
+        rep.cpu_start = d.get("cpu_start")
+        rep.latency_series = [(float(t), str(step), float(v)) for t, step, v in d.get("latency_series", [])]
         return rep
+
+    @property
+    def committed(self) -> int:
+        """Rounds the fleet took part in that the server committed."""
+        return sum(1 for r in self.server_rounds if r.get("status") == "committed")
+
+    def failure(self, wanted: int) -> str | None:
+        """One line saying why fewer than ``wanted`` rounds committed (None when they all did)."""
+        if self.committed >= wanted:
+            return None
+        parts = [f"{self.committed} of {wanted} rounds committed"]
+        aborted = [r for r in self.server_rounds if r.get("status") != "committed"]
+        if aborted:
+            reasons = Counter(str(r.get("reason") or r.get("status")) for r in aborted)
+            parts.append("aborted: " + "; ".join(f"{why} ×{n}" for why, n in reasons.most_common(3)))
+        device_errors = {k: v for k, v in self.errors.items() if not k.startswith("status:") and k != TIME_LIMIT}
+        if device_errors:
+            kind, n = Counter(device_errors).most_common(1)[0]
+            example = self.error_examples.get(kind, "")
+            parts.append(f"devices failed {n}× with {kind}" + (f" ({example})" if example else ""))
+        if TIME_LIMIT in self.errors:
+            parts.append(f"the fleet's time limit was reached after {self.seconds:.0f} s")
+        return "; ".join(parts)
 
 
 async def fetch_status(session: Any, url: str) -> dict[str, Any]:
@@ -151,13 +200,40 @@ async def fetch_status(session: Any, url: str) -> dict[str, Any]:
         return data
 
 
-def _record(report: FleetReport, outcome: RoundOutcome) -> None:
+def get_status(url: str, ca_file: Path | None = None, timeout: float = 10.0) -> dict[str, Any]:
+    """GET ``/v1/status`` without an event loop (before a fleet starts, or from a parent process).
+
+    Raises
+    ------
+    FedRecError
+        The server cannot be reached or does not answer JSON (the message names the URL).
+    """
+    import urllib.error
+    import urllib.request
+
+    context = ssl.create_default_context(cafile=str(ca_file)) if ca_file is not None else None
+    target = f"{url.rstrip('/')}/v1/status"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout, context=context) as resp:  # noqa: S310 - operator URL
+            data: dict[str, Any] = json.loads(resp.read())
+            return data
+    except urllib.error.HTTPError as exc:
+        raise FedRecError(f"{target} answered HTTP {exc.code}; is this a fedrec-server?") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise FedRecError(f"cannot reach the server at {url}: {reason}") from None
+    except ValueError:
+        raise FedRecError(f"{target} did not answer JSON; is this a fedrec-server?") from None
+
+
+def _record(report: FleetReport, outcome: RoundOutcome, elapsed: float) -> None:
     report.outcomes[str(outcome.status)] += 1
     if outcome.status is RoundStatus.WAITED:
         return
     for step in PHASE_STEPS:
         if step in outcome.timings:
             report.latencies[step].append(outcome.timings[step])
+            report.latency_series.append((round(elapsed, 3), step, outcome.timings[step]))
     if outcome.status is RoundStatus.COMMITTED:  # a full round's traffic (model download included)
         report.bytes_up.append(outcome.bytes_up)
         report.bytes_down.append(outcome.bytes_down)
@@ -169,6 +245,7 @@ async def run_fleet(
     *,
     first_index: int = 0,
     on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_status: Callable[[dict[str, Any]], None] | None = None,
     monitor: bool = True,
 ) -> tuple[FleetReport, list[DeviceClient]]:
     """Run one device per entry of ``users`` until ``config.rounds`` rounds have finished.
@@ -179,6 +256,8 @@ async def run_fleet(
     users : each device's (item ids, raw ratings or None).
     first_index : index of ``users[0]`` in the whole fleet (store folder names, dropout choices).
     on_round : called with the server's record of each round that finishes (from ``/v1/status``).
+    on_status : called with every ``/v1/status`` snapshot the monitor reads (about 4 per second), for
+        in-round progress.
     monitor : watch ``/v1/status`` and stop when enough rounds finished (one process per fleet
         should monitor; worker shards of a load test may be stopped by a shared deadline instead).
 
@@ -190,6 +269,8 @@ async def run_fleet(
 
     from device_sdk.http import HttpTransport
 
+    if config.insecure_reproducible:
+        print(INSECURE_NOISE_NOTICE, file=sys.stderr, flush=True)
     report = FleetReport(devices=len(users))
     stop = asyncio.Event()
     start = time.perf_counter()
@@ -203,17 +284,16 @@ async def run_fleet(
             transport = HttpTransport(config.url, session=session)
             holder: dict[str, DeviceClient] = {}
 
-            def rngs(
-                round_id: int, _h: dict[str, DeviceClient] = holder
-            ) -> tuple[np.random.Generator, np.random.Generator]:
+            def rngs(round_id: int, _h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, NoiseStream]:
                 device_id = _h["c"].device_id
-                return seeded_rngs(config.seed, round_id, int(device_id or 0))
+                return insecure_seeded_rngs(config.seed, round_id, int(device_id or 0))
 
             client = DeviceClient(
                 transport,
                 ClientConfig(
                     store_dir=config.store_root / f"device-{index:06d}",
                     long_poll_timeout=config.long_poll_timeout,
+                    privacy=config.privacy,
                 ),
                 items=items,
                 ratings=ratings,
@@ -221,7 +301,7 @@ async def run_fleet(
                 bits=config.bits,
                 rating_range=config.rating_range,
                 binary_positives=config.binary_positives,
-                rng_for_round=rngs if config.reproducible else None,
+                rng_for_round=rngs if config.insecure_reproducible else None,
             )
             holder["c"] = client
             clients.append(client)
@@ -230,14 +310,15 @@ async def run_fleet(
         for c in clients:
             await c.register()
         tasks = [
-            asyncio.create_task(_device_loop(c, first_index + i, config, report, stop)) for i, c in enumerate(clients)
+            asyncio.create_task(_device_loop(c, first_index + i, config, report, stop, start))
+            for i, c in enumerate(clients)
         ]
         if monitor:
-            tasks.append(asyncio.create_task(_monitor(session, config, report, stop, on_round)))
+            tasks.append(asyncio.create_task(_monitor(session, config, report, stop, on_round, on_status)))
         try:
             await asyncio.wait_for(stop.wait(), timeout=config.time_limit)
         except TimeoutError:
-            report.errors["fleet time limit reached"] += 1
+            report.errors[TIME_LIMIT] += 1
         stop.set()
         for t in tasks:
             t.cancel()
@@ -251,7 +332,7 @@ async def run_fleet(
 
 
 async def _device_loop(
-    client: DeviceClient, index: int, config: FleetConfig, report: FleetReport, stop: asyncio.Event
+    client: DeviceClient, index: int, config: FleetConfig, report: FleetReport, stop: asyncio.Event, start: float
 ) -> None:
     backoff = 0.5
     chosen: dict[int, DropoutAt] = {}
@@ -278,11 +359,12 @@ async def _device_loop(
             raise
         except Exception as exc:  # a load test counts every error type and keeps going
             report.errors[type(exc).__name__] += 1
+            report.error_examples.setdefault(type(exc).__name__, " ".join(str(exc).split())[:200])
             await _sleep(stop, backoff)
             backoff = min(backoff * 2, 10.0)
             continue
         backoff = 0.5
-        _record(report, outcome)
+        _record(report, outcome, time.perf_counter() - start)
         if outcome.status is RoundStatus.DROPPED and outcome.round_id is not None:
             report.drops[plan(outcome.round_id).value] += 1
             await _sleep(stop, config.drop_pause)
@@ -303,9 +385,12 @@ async def _monitor(
     report: FleetReport,
     stop: asyncio.Event,
     on_round: Callable[[dict[str, Any]], None] | None,
+    on_status: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     seen: set[int] = set()
-    baseline: set[int] | None = None
+    # Rounds that finished or were already open when the fleet started belong to someone else (an
+    # earlier fleet's leftover invitations): they are neither counted nor reported.
+    last_foreign: int | None = None
     while not stop.is_set():
         try:
             status = await fetch_status(session, config.url)
@@ -314,11 +399,17 @@ async def _monitor(
             await _sleep(stop, 1.0)
             continue
         finished = [r for r in status.get("recent_rounds", []) if r.get("status") in ("committed", "aborted")]
-        if baseline is None:
-            baseline = {r["round_id"] for r in finished}
+        if last_foreign is None:
+            ids = [r["round_id"] for r in status.get("recent_rounds", [])]
+            if status.get("round"):
+                ids.append(int(status["round"]["round_id"]))
+            last_foreign = max(ids, default=0)
+            report.cpu_start = (status.get("process") or {}).get("cpu_seconds")
+        if on_status is not None:
+            on_status(status)
         for rec in sorted(finished, key=lambda r: r["round_id"]):
             rid = rec["round_id"]
-            if rid in seen or rid in baseline:
+            if rid in seen or rid <= last_foreign:
                 continue
             seen.add(rid)
             rec = {**rec, "process": status.get("process"), "privacy": status.get("privacy")}

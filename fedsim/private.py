@@ -4,7 +4,7 @@ SecAgg+ session, DP, strategy, commit) driven by simulated devices that run the 
 
 Invariants:
 - A device does exactly what `device_sdk.client.DeviceClient` does over HTTP, in the same order and
-  with the same generators (`device_sdk.client.seeded_rngs`), so with the same seeds and the same
+  with the same generators (`device_sdk.client.insecure_seeded_rngs`), so with the same seeds and the same
   dropout schedule this run and a run through the HTTP server end with bit-identical item codes.
 - Dropouts follow a schedule given by the caller: ``dropout(round_id, device_id)`` names the phase
   before which a device stops (or `DropoutAt.NONE`).
@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,11 +24,12 @@ from agg_server.config import ServerConfig
 from agg_server.coordinator import RoundCoordinator
 from agg_server.storage import Storage
 from agg_server.strategy.base import Strategy, round_plan
-from device_sdk.client import DropoutAt, seeded_rngs
+from device_sdk.client import DropoutAt, insecure_seeded_rngs
 from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.training import local_round
 from protocol.codec import decode, encode
+from protocol.crypto import INSECURE_NOISE_NOTICE
 from protocol.messages import Message, ModelPayload, RoundInvite, RoundResult
 from protocol.session import DeviceSecAggSession, Phase
 
@@ -110,7 +112,7 @@ def run_private_lightfr(
     config : server configuration (its ``rounds.seed`` should be set for a reproducible run).
     users : for each simulated user, its (item ids, raw ratings or None).
     rounds : rounds to run (each one opens when every device has checked in).
-    seed : seed of the devices' generators (`device_sdk.client.seeded_rngs`).
+    seed : seed of the devices' generators (`device_sdk.client.insecure_seeded_rngs`).
     dropout : dropout schedule; None means nobody drops.
     storage : an opened storage (default: one in ``config.data_dir``).
     """
@@ -154,6 +156,8 @@ def run_private(
     strategy : the server strategy (default: the one the configuration names).
     after_round : called after every round (evaluation, progress).
     """
+    if config.privacy.enabled:
+        print(INSECURE_NOISE_NOTICE, file=sys.stderr, flush=True)  # the devices' noise is seeded (test hook)
     store = storage or Storage(config.data_dir)
     clock = [1_000.0]
     coordinator = RoundCoordinator(config, store, now=clock[0], strategy=strategy)
@@ -203,7 +207,7 @@ def _one_round(
             if not isinstance(payload, ModelPayload):  # pragma: no cover - the coordinator encodes it
                 raise RuntimeError("the coordinator's model is not a ModelPayload")
             dev.model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
-        training_rng, noise_rng = seeded_rngs(seed, round_id, d)
+        training_rng, noise_rng = insecure_seeded_rngs(seed, round_id, d)
         ring, _ = local_round(dev.model, invite, dev.data, None, training_rng)
         sessions[d] = DeviceSecAggSession(invite, rng=noise_rng)
         sessions[d].provide_input(ring)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from fedsim.datasets import Ratings
 from fedsim.experiment import Candidates
 from fedsim.mf import MFEvaluation, evaluate_mf, mf_epsilons
 from fedsim.private import PrivateRun, run_private
+from fedsim.privsim import run_simulated
 
 __all__ = ["PrivateMFSettings", "PrivateMFResult", "run_private_mf"]
 
@@ -56,6 +58,9 @@ class PrivateMFSettings:
     factors, max_norm2, server_lr, learning_rate, pretrain_epochs, fine_tune_epochs : the model.
     negatives : unobserved items per kept rating fitted as 0.
     seed : seeds the server, the devices and the dropout schedule.
+    simulator : run the rounds through `fedsim.privsim` (the released sums computed directly, exact
+        in distribution, the survivors' noise drawn in one piece; no crypto) instead of the real coordinator
+        with SecAgg+.
     """
 
     epsilon: float = 8.0
@@ -75,6 +80,7 @@ class PrivateMFSettings:
     fine_tune_epochs: int = 50
     negatives: int = 0
     seed: int = 0
+    simulator: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,36 +175,57 @@ def run_private_mf(
             drops[key] = _PHASES[int(schedule_rng.integers(len(_PHASES)))] if hit else DropoutAt.NONE
         return drops[key]
 
+    def new_model(device_id: int) -> MFModel:
+        return MFModel(
+            train.n_items, device_cfg, rng=np.random.default_rng(np.random.SeedSequence([s.seed, 1, device_id]))
+        )
+
+    devices: dict[int, Any]
     with tempfile.TemporaryDirectory(prefix="fedrec-private-mf-") as tmp:
         data_dir = workdir or Path(tmp)
         cfg = _server_config(data_dir, s, train.n_items, len(clients))
-        store = Storage(cfg.data_dir)
-        try:
-            run = run_private(
+        if s.simulator:
+            srun = run_simulated(
                 cfg,
                 clients,
-                lambda device_id: MFModel(
-                    train.n_items, device_cfg, rng=np.random.default_rng(np.random.SeedSequence([s.seed, 1, device_id]))
-                ),
+                new_model,
                 rounds=s.rounds,
                 seed=s.seed,
                 dropout=dropout,
-                storage=store,
-                after_round=on_round,
+                after_round=on_round,  # type: ignore[arg-type]
+                per_device_noise=False,
             )
-            coord = run.coordinator
-            V = np.asarray(coord.model_state, dtype=np.float64)
-            committed = coord.model_version - 1
-            mu = coord.mu
-            eps_user = coord.ledger.spent() if coord.ledger is not None else math.inf
-        finally:
-            store.close()
+            sim = srun.simulator
+            V = np.asarray(sim.model_state, dtype=np.float64)
+            committed, mu, devices = sim.model_version - 1, sim.mu, srun.devices
+            eps_user = sim.ledger.spent() if sim.ledger is not None else math.inf
+        else:
+            store = Storage(cfg.data_dir)
+            try:
+                run = run_private(
+                    cfg,
+                    clients,
+                    new_model,
+                    rounds=s.rounds,
+                    seed=s.seed,
+                    dropout=dropout,
+                    storage=store,
+                    after_round=on_round,
+                )
+                coord = run.coordinator
+                V = np.asarray(coord.model_state, dtype=np.float64)
+                committed = coord.model_version - 1
+                mu = coord.mu
+                eps_user = coord.ledger.spent() if coord.ledger is not None else math.inf
+                devices = run.devices
+            finally:
+                store.close()
     # Stage 3 on every device against the final V, then the held-out figures.
     # `run_private` registers the clients in the mapping's order: the k-th device id is the k-th user.
-    user_of = dict(zip(sorted(run.devices), clients, strict=True))
+    user_of = dict(zip(sorted(devices), clients, strict=True))
     U = np.zeros((train.n_users, s.factors))
     wire = V.astype("<f8").tobytes()
-    for device_id, dev in run.devices.items():
+    for device_id, dev in devices.items():
         model: MFModel = dev.model
         model.set_global(b"", wire, committed + 1)
         model.fine_tune(dev.data, s.fine_tune_epochs)

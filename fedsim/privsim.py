@@ -11,7 +11,7 @@ Two modes, one set of rules:
 
 * **exact** (`PrivateSimulator.run_round` with real `device_sdk` models, meant for n <= a few
   hundred): every device runs `device_sdk.training.local_round` with the generators of
-  `device_sdk.client.seeded_rngs`, and draws and corrects its noise with `protocol.noise.device_noise`
+  `device_sdk.client.insecure_seeded_rngs`, and draws and corrects its noise with `protocol.noise.device_noise`
   / `protocol.noise.correct_noise`, the functions the device session calls.  With the coordinator's
   ``rounds.seed`` and the same dropout schedule, the final model is bit-identical to
   `fedsim.private.run_private` (real coordinator, real crypto) — `tests/test_fedsim_privsim.py`.
@@ -30,7 +30,7 @@ correct their noise; the round aborts (nothing released, nothing charged) when a
 member of U2 has fewer than t answering neighbours.
 
 Randomness: the noise and thinning coins follow whatever `protocol.noise` samples with.  A seed enters
-only through ``seed=`` of the runs (the devices' `seeded_rngs`, the test hook of the real runs) and
+only through ``seed=`` of the runs (the devices' `insecure_seeded_rngs`, the test hook of the real runs) and
 ``sim_seed=`` of the scaled mode; nothing here is a device's production randomness.
 """
 
@@ -48,11 +48,12 @@ from numpy.typing import NDArray
 from agg_server.config import ServerConfig
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
-from device_sdk.client import DropoutAt, seeded_rngs
+from device_sdk.client import DropoutAt, insecure_seeded_rngs
 from device_sdk.family import LocalRatings
 from device_sdk.training import local_round
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
+from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import ConfigError, NotEnoughParticipants
 from protocol.graph import find_parameters, harary_graph, validate_parameters
 from protocol.messages import ModelPayload, RoundInvite
@@ -82,6 +83,8 @@ __all__ = [
     "PrivateSimulator",
     "LightFRCohort",
     "one_blas_thread",
+    "SimulatedRun",
+    "run_simulated",
 ]
 
 
@@ -177,9 +180,12 @@ class PrivateSimulator:
     config : the server configuration the coordinator would run with (its ``rounds.seed`` makes
         the cohort choice, graph and aggregation reproducible; None draws from ``secrets``).
     strategy : the server strategy (default: the configuration's).
+    mu : the aggregate noise variance of every round (default: calibrated for the configuration's
+        ε over ``privacy.planned_rounds``, as the coordinator does); a caller that charges other
+        releases to the same ledger (`fedsim.private_scale`) passes the μ its split asks for.
     """
 
-    def __init__(self, config: ServerConfig, *, strategy: Strategy | None = None) -> None:
+    def __init__(self, config: ServerConfig, *, strategy: Strategy | None = None, mu: float | None = None) -> None:
         self.config = config
         self.strategy: Strategy = strategy if strategy is not None else build_strategy(config)
         if self.strategy.n_items != config.model.n_items:
@@ -193,8 +199,12 @@ class PrivateSimulator:
         self.mu = 0.0
         if config.privacy.enabled:
             self.ledger = PrivacyLedger(epsilon_budget=config.privacy.epsilon, delta=config.privacy.delta)
-            self.mu = calibrate_mu(
-                config.privacy.epsilon, config.privacy.delta, config.privacy.planned_rounds, self.l1, self.l2
+            self.mu = (
+                calibrate_mu(
+                    config.privacy.epsilon, config.privacy.delta, config.privacy.planned_rounds, self.l1, self.l2
+                )
+                if mu is None
+                else float(mu)
             )
         n = config.rounds.cohort_size
         t_min = minimum_survivors(n, config.rounds.dropout_rate) if self.mu else 1
@@ -282,9 +292,14 @@ class PrivateSimulator:
         *,
         seed: int,
         dropout: Callable[[int, int], DropoutAt] | None = None,
+        per_device_noise: bool = True,
     ) -> RoundOutcome | None:
         """One round with real device models (``devices[id]`` a `device_sdk` model holding its state,
         ``data[id]`` its ratings), bit-identical to the coordinator's round for the same seeds.
+
+        ``per_device_noise=False`` draws the survivors' released noise in one piece (Skellam of
+        `released_variance`, its exact law) from a generator seeded by ``seed`` and the round: the
+        same distribution for a fraction of the cost, but no longer bit-identical.
 
         Returns None when the configuration stops (``max_rounds``).
         """
@@ -297,13 +312,13 @@ class PrivateSimulator:
         drops = {d: schedule(round_id, d) for d in cohort}
         payload = self.payload()
         rings: dict[int, NDArray[np.uint32]] = {}
-        noise_rngs: dict[int, np.random.Generator] = {}
+        noise_rngs: dict[int, NoiseStream] = {}
         for d in cohort:
             model = devices[d]
             invite: RoundInvite = replace(params.invite(d), **plan)
             if model.model_version != invite.model_version:
                 model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
-            training_rng, noise_rng = seeded_rngs(seed, round_id, d)
+            training_rng, noise_rng = insecure_seeded_rngs(seed, round_id, d)
             rings[d], _ = local_round(model, invite, data[d], None, training_rng)
             noise_rngs[d] = noise_rng
         sets = survivor_sets(cohort, drops, k=params.k, t=params.t, t_min=params.dp_t_min, rng=self._round_rng)
@@ -313,11 +328,15 @@ class PrivateSimulator:
         s = len(sets.u3)
         for d in sorted(sets.u3):
             total += rings[d].view(np.int32)
-            if params.dp_mu > 0.0:
+            if params.dp_mu > 0.0 and per_device_noise:
                 draw = device_noise(params.dp_mu, params.dp_t_min, self.vector_length, noise_rngs[d])
                 if d in sets.corrected:
                     draw, _ = correct_noise(draw, params.dp_t_min, s, noise_rngs[d])
                 total += draw.value()
+        if params.dp_mu > 0.0 and not per_device_noise:
+            noise = insecure_test_noise_stream(seed, round_id, 0x5EED)  # a simulation: ε is not a guarantee here
+            var = released_variance(params.dp_mu, params.dp_t_min, s, len(sets.corrected))
+            total += sample_skellam(var, self.vector_length, noise).value()
         ring_total = to_ring(total)
         eps = self._commit(ring_total, s, plan)
         var = released_variance(self.mu, params.dp_t_min, s, len(sets.corrected)) if self.mu else 0.0
@@ -368,12 +387,60 @@ class PrivateSimulator:
         t0 = time.perf_counter()
         if params.dp_mu > 0.0:
             var = released_variance(params.dp_mu, params.dp_t_min, s, len(sets.corrected))
-            total += sample_skellam(var, self.vector_length, sim).value()
+            noise = insecure_test_noise_stream(sim_seed, round_id)  # a simulation: ε is not a guarantee here
+            total += sample_skellam(var, self.vector_length, noise).value()
         timings["noise"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         eps = self._commit(to_ring(total), s, plan)
         timings["aggregate"] = time.perf_counter() - t0
         return RoundOutcome(round_id, True, sets, eps, self.model_version, time.perf_counter() - start, var, timings)
+
+
+@dataclass
+class SimulatedRun:
+    """Result of `run_simulated`: the simulator (model, ledger) and the devices (``.model``,
+    ``.data``), keyed by the device ids the coordinator would have given them (1, 2, ...)."""
+
+    simulator: PrivateSimulator
+    devices: dict[int, Any]
+    outcomes: list[RoundOutcome] = field(default_factory=list)
+
+    @property
+    def coordinator(self) -> PrivateSimulator:
+        """The simulator, where `fedsim.private.PrivateRun` has the coordinator (``model_version``,
+        ``model_state``, ``ledger``, ``mu``), so progress callbacks work with either run."""
+        return self.simulator
+
+
+def run_simulated(
+    config: ServerConfig,
+    clients: Mapping[int, LocalRatings],
+    new_model: Callable[[int], Any],
+    *,
+    rounds: int,
+    seed: int,
+    dropout: Callable[[int, int], DropoutAt] | None = None,
+    strategy: Strategy | None = None,
+    after_round: Callable[[SimulatedRun], None] | None = None,
+    per_device_noise: bool = True,
+) -> SimulatedRun:
+    """`fedsim.private.run_private` without the crypto: the same devices (ids in the mapping's order,
+    from 1), the same seeds and dropout schedule, and the same final model, bit for bit."""
+    from fedsim.private import SimulatedDevice
+
+    sim = PrivateSimulator(config, strategy=strategy)
+    devices = {i + 1: SimulatedDevice(i + 1, data, new_model(i + 1)) for i, data in enumerate(clients.values())}
+    run = SimulatedRun(sim, devices)
+    models = {d: dev.model for d, dev in devices.items()}
+    data = {d: dev.data for d, dev in devices.items()}
+    for _ in range(rounds):
+        out = sim.run_round(models, data, seed=seed, dropout=dropout, per_device_noise=per_device_noise)
+        if out is None:
+            break
+        run.outcomes.append(out)
+        if after_round is not None:
+            after_round(run)
+    return run
 
 
 def one_blas_thread() -> contextlib.AbstractContextManager[Any]:
@@ -571,7 +638,7 @@ def _entry_gradients(
 def _noise_check(mu: float, n: int, dropout_rate: float, survivors: int, corrected: int, length: int) -> float:
     """Empirical variance of the released noise of one round drawn device by device with the
     device's functions (for tests and `fedrec plan-privacy --check`)."""
-    rng = np.random.default_rng(0)
+    rng = insecure_test_noise_stream(0)  # a check of the variance, not a private run
     t_min = minimum_survivors(n, dropout_rate)
     total = np.zeros(length, dtype=np.int64)
     for d in range(survivors):

@@ -1,8 +1,10 @@
 # Invariants: deterministic given (inputs, schedule, parameters, seed): every np.random.Generator (graph
-# placement, quantization coins, DP noise, thinning) is spawned from one SeedSequence, so the same seed and
-# schedule give a bit-identical sum.  Key material still comes from the OS CSPRNG (it never affects the sum:
-# masks cancel).  Messages travel through the real codec unless ``wire=False``.  Inputs are produced and
-# handed to a device only when it builds its masked input, so at most one plaintext vector is alive.
+# placement, quantization coins) is spawned from one SeedSequence and the DP noise and thinning coins come
+# from `insecure_test_noise_stream(seed, round, device)`, so the same seed and schedule give a bit-identical
+# sum (and the DP noise of such a run is predictable: a test harness, not a privacy guarantee).  Key
+# material still comes from the OS CSPRNG (it never affects the sum: masks cancel).  Messages travel
+# through the real codec unless ``wire=False``.  Inputs are produced and handed to a device only when it
+# builds its masked input, so at most one plaintext vector is alive.
 """In-process SecAgg+ round for tests and benchmarks: n device sessions and one server session, no I/O."""
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from protocol.codec import decode, encode
+from protocol.crypto import insecure_test_noise_stream
 from protocol.errors import FedRecError
 from protocol.graph import GraphParams, find_parameters
 from protocol.messages import Abort, Message, UnmaskResponse
@@ -215,7 +218,8 @@ def run_secagg_round(
                 continue
             start = tick()
             if phase is Phase.ADVERTISE_KEYS:
-                devices[u] = DeviceSecAggSession(carry(incoming), rng=rngs[u])  # type: ignore[arg-type]
+                noise = insecure_test_noise_stream(seed, round_id, u)  # reproducible runs; not a DP guarantee
+                devices[u] = DeviceSecAggSession(carry(incoming), rng=noise)  # type: ignore[arg-type]
             else:
                 devices[u].receive(carry(incoming))
             device_seconds[u] += tick() - start

@@ -1,13 +1,16 @@
 # Invariants of this module:
 # - Every split returns (train, val, test) `Ratings` in the SAME id space as the input (same n_users,
 #   n_items, user_ids, item_ids); together they hold every input row exactly once.
-# - "Later" means larger timestamp; ties (and logs without timestamps) fall back to file order, so a
-#   split is a pure function of the input (no randomness).
-# - Vectorised: one lexsort by (user, timestamp, row), ranks within a user from the CSR indptr.
+# - "Later" means larger timestamp, ties by file order.  A log WITHOUT timestamps has no "later":
+#   its order is a seeded random permutation (`np.random.default_rng(seed)`), so held-out ratings
+#   are a random sample of each user's, never silently the last lines of the file.  ``seed=None``
+#   asks for file order explicitly.  Every part's ``meta["holdout"]`` says which rule was used.
+# - Vectorised: one lexsort by (user, timestamp or random key, row), ranks from the CSR indptr.
 """Per-user train / validation / test splits of a rating log."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
@@ -15,9 +18,10 @@ import numpy.typing as npt
 
 from fedsim.datasets import Ratings
 
-__all__ = ["Split", "chronological_split", "leave_one_out", "split_counts"]
+__all__ = ["Split", "chronological_split", "leave_one_out", "split_counts", "carve_validation", "holdout_rule"]
 
 IntArray = npt.NDArray[np.int64]
+Seed = int | np.random.Generator | None
 
 
 class Split(NamedTuple):
@@ -28,15 +32,29 @@ class Split(NamedTuple):
     test: Ratings
 
 
-def _recency(ratings: Ratings) -> tuple[IntArray, IntArray]:
+def holdout_rule(ratings: Ratings, seed: Seed) -> str:
+    """How a split of ``ratings`` picks held-out ratings (the text stored in ``meta["holdout"]``)."""
+    if ratings.timestamps is not None:
+        return "latest by timestamp"
+    if seed is None:
+        return "last lines of the file (no timestamps; file order taken as time order)"
+    label = f"seed {seed}" if isinstance(seed, int) else "seeded"
+    return f"uniformly random (no timestamps; {label})"
+
+
+def _recency(ratings: Ratings, seed: Seed = None) -> tuple[IntArray, IntArray]:
     """For each row: its user's rating count, and its position from the end in that user's history
-    (0 = latest), ordered by (timestamp, file row)."""
+    (0 = latest), ordered by (timestamp, file row); without timestamps by a seeded random key (file
+    order when ``seed`` is None)."""
     n = len(ratings)
     row = np.arange(n, dtype=np.int64)
-    if ratings.timestamps is None:
+    if ratings.timestamps is not None:
+        order = np.lexsort((row, ratings.timestamps, ratings.users))
+    elif seed is None:
         order = np.lexsort((row, ratings.users))
     else:
-        order = np.lexsort((row, ratings.timestamps, ratings.users))
+        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        order = np.lexsort((rng.permutation(n), ratings.users))
     counts = np.bincount(ratings.users, minlength=ratings.n_users).astype(np.int64)
     indptr = np.zeros(ratings.n_users + 1, dtype=np.int64)
     np.cumsum(counts, out=indptr[1:])
@@ -47,12 +65,27 @@ def _recency(ratings: Ratings) -> tuple[IntArray, IntArray]:
     return counts[ratings.users], from_end
 
 
-def _assemble(ratings: Ratings, part: npt.NDArray[np.int8]) -> Split:
+def _with_rule(part: Ratings, rule: str) -> Ratings:
+    return Ratings(
+        users=part.users,
+        items=part.items,
+        ratings=part.ratings,
+        timestamps=part.timestamps,
+        n_users=part.n_users,
+        n_items=part.n_items,
+        user_ids=part.user_ids,
+        item_ids=part.item_ids,
+        name=part.name,
+        meta=MappingProxyType(dict(part.meta) | {"holdout": rule}),
+    )
+
+
+def _assemble(ratings: Ratings, part: npt.NDArray[np.int8], rule: str) -> Split:
     base = ratings.name
     return Split(
-        ratings.subset(part == 0, name=f"{base}[train]"),
-        ratings.subset(part == 1, name=f"{base}[val]"),
-        ratings.subset(part == 2, name=f"{base}[test]"),
+        _with_rule(ratings.subset(part == 0, name=f"{base}[train]"), rule),
+        _with_rule(ratings.subset(part == 1, name=f"{base}[val]"), rule),
+        _with_rule(ratings.subset(part == 2, name=f"{base}[test]"), rule),
     )
 
 
@@ -88,12 +121,14 @@ def split_counts(n: npt.ArrayLike, fractions: tuple[float, float, float] = (0.8,
     return np.stack([counts - n_val - n_test, n_val, n_test], axis=-1)
 
 
-def chronological_split(ratings: Ratings, fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)) -> Split:
+def chronological_split(
+    ratings: Ratings, fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), *, seed: Seed = 0
+) -> Split:
     """Split each user's history in time order: earliest ratings train, then validation, latest test.
 
     Part sizes per user follow `split_counts` (round half up for val and test, train keeps the rest
-    and at least one rating).  Without timestamps, file order is time order; equal timestamps keep
-    file order.
+    and at least one rating).  Equal timestamps keep file order.  Without timestamps the parts are
+    a seeded uniformly random split of each user's ratings (``seed=None``: file order as time order).
 
     Parameters
     ----------
@@ -101,11 +136,13 @@ def chronological_split(ratings: Ratings, fractions: tuple[float, float, float] 
         The log to split.
     fractions : (float, float, float)
         Train, validation, test fractions: non-negative, summing to 1, train > 0.
+    seed : int, np.random.Generator or None
+        Order of a log without timestamps (ignored when it has timestamps).
 
     Returns
     -------
     Split
-        ``(train, val, test)`` in the input's id space.
+        ``(train, val, test)`` in the input's id space; each part's ``meta["holdout"]`` names the rule.
 
     Raises
     ------
@@ -114,21 +151,22 @@ def chronological_split(ratings: Ratings, fractions: tuple[float, float, float] 
     """
     if len(fractions) != 3 or min(fractions) < 0 or fractions[0] <= 0 or abs(sum(fractions) - 1) > 1e-9:
         raise ValueError(f"fractions must be 3 non-negative numbers summing to 1 with train > 0: {fractions}")
-    count, from_end = _recency(ratings)
+    count, from_end = _recency(ratings, seed)
     sizes = split_counts(np.arange(int(count.max(initial=0)) + 1), fractions)
     n_val, n_test = sizes[count, 1], sizes[count, 2]
     part = np.zeros(len(ratings), dtype=np.int8)
     part[from_end < n_test + n_val] = 1
     part[from_end < n_test] = 2
-    return _assemble(ratings, part)
+    return _assemble(ratings, part, holdout_rule(ratings, seed))
 
 
-def leave_one_out(ratings: Ratings, validation: bool = True) -> Split:
+def leave_one_out(ratings: Ratings, validation: bool = True, *, seed: Seed = 0) -> Split:
     """Hold out each user's latest rating for test and (optionally) the second latest for validation.
 
     A user with one rating keeps it in train; with two, one train and one test; validation is taken
-    only from users with at least three ratings.  Order is by timestamp, ties and missing timestamps
-    by file order.
+    only from users with at least three ratings.  Order is by timestamp, ties by file order.  A log
+    without timestamps has no latest rating: a seeded uniformly random rating of each user is held
+    out for test (and another for validation); ``seed=None`` takes the last lines of the file instead.
 
     Parameters
     ----------
@@ -136,15 +174,68 @@ def leave_one_out(ratings: Ratings, validation: bool = True) -> Split:
         The log to split.
     validation : bool
         Also hold out a validation rating; if False, ``val`` is empty.
+    seed : int, np.random.Generator or None
+        Which ratings a log without timestamps holds out (ignored when it has timestamps).
 
     Returns
     -------
     Split
-        ``(train, val, test)`` in the input's id space.
+        ``(train, val, test)`` in the input's id space; each part's ``meta["holdout"]`` names the rule.
     """
-    count, from_end = _recency(ratings)
+    count, from_end = _recency(ratings, seed)
     part = np.zeros(len(ratings), dtype=np.int8)
     part[(from_end == 0) & (count >= 2)] = 2
     if validation:
         part[(from_end == 1) & (count >= 3)] = 1
-    return _assemble(ratings, part)
+    return _assemble(ratings, part, holdout_rule(ratings, seed))
+
+
+def carve_validation(
+    train: Ratings, fraction: float = 0.1, *, seed: int | np.random.Generator = 0
+) -> tuple[Ratings, Ratings]:
+    """Carve a validation part out of a training log: a seeded random ``fraction`` of each user's
+    ratings (rounded half up), every user keeping at least one rating in train.
+
+    For datasets that come with their own train/test split (amazon-book): choose hyper-parameters
+    on ``(fit, val)``, then refit on the whole train and report the test split once.
+
+    Parameters
+    ----------
+    train : Ratings
+        The log to split (timestamps are ignored: the choice is random).
+    fraction : float
+        Share of each user's ratings moved to validation, in (0, 1).
+    seed : int or np.random.Generator
+        Equal seeds give equal parts.
+
+    Returns
+    -------
+    (fit, val) : Ratings
+        In the input's id space; together they hold every row of ``train`` once.
+
+    Raises
+    ------
+    ValueError
+        If ``fraction`` is not in (0, 1).
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    n = len(train)
+    row = np.arange(n, dtype=np.int64)
+    order = np.lexsort((rng.permutation(n), train.users))
+    counts = np.bincount(train.users, minlength=train.n_users).astype(np.int64)
+    indptr = np.zeros(train.n_users + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    sorted_users = train.users[order]
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = row - indptr[sorted_users]
+    n_val = np.minimum(np.floor(counts * fraction + 0.5 + 1e-9).astype(np.int64), np.maximum(counts - 1, 0))
+    is_val = rank < n_val[train.users]
+    label = f"seed {seed}" if isinstance(seed, int) else "seeded"
+    rule = f"validation carved from train: random {fraction:g} of each user's ratings ({label})"
+    base = train.name
+    return (
+        _with_rule(train.subset(~is_val, name=f"{base}[fit]"), rule),
+        _with_rule(train.subset(is_val, name=f"{base}[val]"), rule),
+    )

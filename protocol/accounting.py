@@ -32,7 +32,7 @@ that holds back its correction adds noise, which is post-processing-safe as well
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from dp_accounting.rdp import compute_epsilon as _rdp_to_dp
 from numpy.typing import NDArray
 
 from protocol.errors import ConfigError, PrivacyBudgetExceeded, StorageError
+from protocol.rdp import ORDERS, skellam_rdp
 
 __all__ = [
     "ORDERS",
@@ -53,9 +54,6 @@ __all__ = [
     "RoundCharge",
     "PrivacyLedger",
 ]
-
-ORDERS: tuple[int, ...] = (*range(2, 65), 80, 96, 128, 160, 192, 256)
-"""Integer Renyi orders at which privacy is tracked (the bound was verified at each of these)."""
 
 _ORDERS_ARRAY = np.asarray(ORDERS, dtype=np.float64)
 _LEDGER_FORMAT = 1
@@ -75,41 +73,6 @@ def _check_delta(delta: float) -> float:
     if not (math.isfinite(d) and 0.0 < d < 1.0):
         raise ConfigError(f"delta must be in (0, 1), got {delta!r}")
     return d
-
-
-def skellam_rdp(
-    mu: float, l1: float, l2: float, orders: Sequence[float] | NDArray[np.float64] = ORDERS
-) -> NDArray[np.float64]:
-    """Return the per-round RDP bound of the Skellam mechanism at each order.
-
-    Parameters
-    ----------
-    mu : float
-        Aggregate per-coordinate noise variance (quantized units), > 0.
-    l1, l2 : float
-        L1 and L2 sensitivity of one device's contribution (quantized units), >= 0.
-    orders : sequence of float
-        Renyi orders alpha > 1 (default `ORDERS`).
-
-    Returns
-    -------
-    NDArray[np.float64]
-        eps(alpha) for each order (Agarwal, Kairouz, Liu 2021; formula in the module docstring).
-
-    Raises
-    ------
-    ConfigError
-        If mu <= 0, a sensitivity is negative, or an order is <= 1.
-    """
-    m = _check_positive("mu", mu)
-    d1 = _check_positive("l1 sensitivity", l1, allow_zero=True)
-    d2 = _check_positive("l2 sensitivity", l2, allow_zero=True)
-    a = np.asarray(orders, dtype=np.float64)
-    if a.size == 0 or np.any(~np.isfinite(a)) or np.any(a <= 1.0):
-        raise ConfigError("Renyi orders must be finite and > 1")
-    gaussian = a * d2**2 / (2.0 * m)
-    correction = np.minimum(((2.0 * a - 1.0) * d2**2 + 6.0 * d1) / (16.0 * m**2), 3.0 * d1 / (4.0 * m))
-    return gaussian + correction
 
 
 def composed_rdp(rounds: Iterable[tuple[float, float, float]]) -> NDArray[np.float64]:

@@ -7,7 +7,8 @@
 
 Type codes: 1–10 are the SecAgg round messages; 11–16 registration, check-in, model download and the
 round result (protocol 1.1); protocol 1.2 appended the model-family fields of `RoundInvite` and
-`ModelPayload.values`; 17–19 reserved; 20+ are free.  Never reuse a code.
+`ModelPayload.values`; protocol 1.3 appended `RoundInvite.cohort_size`; 17–19 reserved; 20+ are free.
+Never reuse a code.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ __all__ = [
     "check_version",
     "encode",
     "decode",
+    "check_shape",
+    "MAX_OBJECTS",
+    "MAX_DEPTH",
 ]
 
 PROTOCOL_VERSION: tuple[int, int] = (1, 3)
@@ -58,6 +62,19 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _MAX_ARRAY_LEN = 1 << 20
 _MAX_MAP_LEN = 64
 _MAX_STR_LEN = 1 << 16
+#: Caps on the shape of any envelope, checked by `check_shape` before msgpack builds a single object: the
+#: largest legitimate message (a ShareKeys broadcast or unmask response of a few thousand neighbours) has
+#: well under 2**15 objects and a depth of 5.  Without them 63 MiB of nested or empty arrays decode into
+#: gigabytes of Python lists.
+MAX_OBJECTS = 1 << 16
+MAX_DEPTH = 8
+
+# Bytes that follow the type byte for fixed-size types, and the width of the length prefix of sized ones.
+_FIXED_TAIL = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2}
+_FIXED_TAIL.update({0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17})
+_SIZED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1)}
+_SIZED.update({0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0)})
+_CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
 
 
 class Kind(Enum):
@@ -117,6 +134,8 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("step_rule", "sr", Kind.STR),
                 ("alignment", "al", Kind.STR),
                 ("round_index", "ri", Kind.INT),
+                # protocol 1.3: the device-side privacy floor
+                ("cohort_size", "nc", Kind.INT),
                 ("unobserved_weight", "w0", Kind.FLOAT),  # protocol 1.3
                 ("confidence", "cf", Kind.FLOAT),  # protocol 1.3
             ),
@@ -350,6 +369,63 @@ def _decode_value(kind: Kind, value: Any, key: str) -> Any:
     return np.frombuffer(raw, dtype=_U32_WIRE_DTYPE).astype(np.uint32, copy=False)
 
 
+def check_shape(
+    data: bytes | bytearray | memoryview, *, max_objects: int = MAX_OBJECTS, max_depth: int = MAX_DEPTH
+) -> None:
+    """Walk the msgpack headers of ``data`` (payloads skipped) and refuse too many objects or too deep nesting.
+
+    Costs one step per object, so at most ``max_objects`` steps whatever the size of ``data``; strings and
+    byte strings are skipped by their length prefix.
+
+    Raises
+    ------
+    DecodeError
+        More than ``max_objects`` objects, nesting deeper than ``max_depth``, or an invalid type byte.
+        Truncation is left to the parser that follows.
+    """
+    view = memoryview(data)
+    end = len(view)
+    pos = 0
+    count = 0
+    pending = [1]  # objects still to read in each open container; the outermost "container" holds one
+    while pending:
+        if pending[-1] == 0:
+            pending.pop()
+            continue
+        pending[-1] -= 1
+        if pos >= end:
+            return  # truncated: msgpack reports it
+        b = view[pos]
+        pos += 1
+        count += 1
+        if count > max_objects:
+            raise DecodeError(f"message has more than {max_objects} msgpack objects")
+        if b <= 0x7F or b >= 0xE0:
+            continue
+        if b <= 0x9F:  # fixmap 0x80-0x8f, fixarray 0x90-0x9f
+            items = (b & 0x0F) * (2 if b <= 0x8F else 1)
+        elif b <= 0xBF:  # fixstr
+            pos += b & 0x1F
+            continue
+        elif b in _FIXED_TAIL:
+            pos += _FIXED_TAIL[b]
+            continue
+        elif b in _SIZED:
+            width, extra = _SIZED[b]
+            pos += width + extra + int.from_bytes(view[pos : pos + width], "big")
+            continue
+        elif b in _CONTAINERS:
+            width, per = _CONTAINERS[b]
+            items = int.from_bytes(view[pos : pos + width], "big") * per
+            pos += width
+        else:  # 0xc1, never used
+            raise DecodeError(f"invalid msgpack type byte 0x{b:02x}")
+        if items:
+            if len(pending) > max_depth:
+                raise DecodeError(f"message nests deeper than {max_depth} levels")
+            pending.append(items)
+
+
 def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
     """Decode and validate one envelope.
 
@@ -372,13 +448,14 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message
     VersionMismatch
         The envelope is well-formed but its major version differs from ours.
     DecodeError
-        Anything else: malformed msgpack, wrong types or shapes, unknown type code, missing fields, or
-        values the message class refuses.
+        Anything else: malformed msgpack, more than `MAX_OBJECTS` objects or deeper than `MAX_DEPTH`,
+        wrong types or shapes, unknown type code, missing fields, or values the message class refuses.
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise DecodeError(f"expected bytes, got {type(data).__name__}")
     if len(data) > max_size:
         raise PayloadTooLarge(f"message of {len(data)} bytes exceeds the limit of {max_size}")
+    check_shape(data)
     try:
         obj = msgpack.unpackb(
             data,

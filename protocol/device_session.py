@@ -19,6 +19,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from protocol import crypto
+from protocol.crypto import NoiseStream
 from protocol.errors import CryptoError, LocalProtocolError, RemoteProtocolError, StaleRound
 from protocol.fixed_secrets import FixedDeviceSecrets
 from protocol.masking import mask_input, pair_mask_keys
@@ -47,6 +48,7 @@ from protocol.phases import (
     check_sharers,
     check_survivor_quorum,
 )
+from protocol.policy import DeviceLedger, PrivacyPolicy, check_invite
 from protocol.shamir import SHARE_BYTES, Share, split
 
 __all__ = ["DeviceSecAggSession", "SHARE_PLAINTEXT_BYTES", "ID_BYTES"]
@@ -68,22 +70,43 @@ class DeviceSecAggSession:
     ----------
     invite : RoundInvite
         The round's parameters, addressed to this device.
-    rng : np.random.Generator
-        Source of the DP noise and thinning coins (seeded by the caller from ``secrets``).
+    rng : NoiseStream, optional
+        Source of the DP noise and thinning coins.  Default: a fresh stream keyed from ``secrets``, which
+        is what a device must use; simulations pass `protocol.crypto.insecure_test_noise_stream`.
     fixed_secrets : FixedDeviceSecrets, optional
         Known-answer vectors and tests only: use these keys, seed, Shamir coefficients and nonces instead
         of the OS CSPRNG.  Leave None (the default) everywhere else.
+    policy : PrivacyPolicy, optional
+        The device's privacy floor (`protocol.policy`), checked against the invite before anything is
+        generated; None checks nothing (protocol tests and simulations).  `DeviceClient` always passes one.
+    ledger : DeviceLedger, optional
+        The device's own privacy ledger, for the policy's total-ε floor.
+
+    Raises
+    ------
+    PrivacyFloorViolation
+        The invite is below ``policy``: the device sits the round out.
     """
 
     def __init__(
-        self, invite: RoundInvite, *, rng: np.random.Generator, fixed_secrets: FixedDeviceSecrets | None = None
+        self,
+        invite: RoundInvite,
+        *,
+        rng: NoiseStream | None = None,
+        fixed_secrets: FixedDeviceSecrets | None = None,
+        policy: PrivacyPolicy | None = None,
+        ledger: DeviceLedger | None = None,
     ) -> None:
         if not isinstance(invite, RoundInvite):
             raise TypeError("invite must be a RoundInvite")
         if fixed_secrets is not None and not isinstance(fixed_secrets, FixedDeviceSecrets):
             raise TypeError("fixed_secrets must be a FixedDeviceSecrets")
+        #: ε the round charges this device at its policy's δ (0 without a policy or without DP).
+        self.round_epsilon = 0.0 if policy is None else check_invite(invite, policy, ledger)
         self.invite = invite
-        self._rng = rng
+        if rng is not None and not isinstance(rng, NoiseStream):
+            raise TypeError(f"rng must be a protocol.crypto.NoiseStream, got {type(rng).__name__}")
+        self._rng = rng if rng is not None else NoiseStream.from_os()
         self._fixed = fixed_secrets
         self._phase = Phase.ADVERTISE_KEYS
         self._reply_ready = True  # the invite is the ADVERTISE_KEYS request

@@ -28,6 +28,7 @@ __all__ = [
     "AuthError",
     "PermissionDenied",
     "PayloadTooLarge",
+    "PrivacyFloorViolation",
     "error_class_for_code",
 ]
 
@@ -138,6 +139,12 @@ class PermissionDenied(AuthError):
     """Valid credentials, but for another device than the message names."""
 
     code = "permission_denied"
+
+
+class PrivacyFloorViolation(RemoteProtocolError):
+    """A round asks less privacy than the device's `PrivacyPolicy` allows; the device sits it out."""
+
+    code = "privacy_floor"
 
 
 class PayloadTooLarge(RemoteProtocolError):

@@ -36,13 +36,12 @@ n=100, gamma=5%, omega=33% row "28, 6" is ``GraphParams(k=29, t=6)`` here.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.special import gammaln
-from scipy.stats import hypergeom
 
 from protocol.errors import ConfigError
 from protocol.noise import exact_rate
@@ -108,20 +107,43 @@ def _log_prob_disconnected(n: int, d: int, bad: int) -> float:
     if d > bad:
         return -math.inf
     log_pairs = math.log(n) + math.log(n - d - 1) - _LN2
-    log_all_bad = gammaln(bad + 1) + gammaln(n - d + 1) - gammaln(n + 1) - gammaln(bad - d + 1)
+    log_all_bad = math.lgamma(bad + 1) + math.lgamma(n - d + 1) - math.lgamma(n + 1) - math.lgamma(bad - d + 1)
     return float(log_pairs + log_all_bad)
+
+
+@functools.lru_cache(maxsize=8)
+def _log_factorials(n: int) -> np.ndarray:
+    """``out[i] = log(i!)`` for i = 0..n, each from `math.lgamma` (no summed rounding error)."""
+    out = np.array([math.lgamma(i + 1.0) for i in range(n + 1)], dtype=np.float64)
+    out.setflags(write=False)
+    return out
+
+
+def _log_pmf(n: int, marked: int, d: int) -> np.ndarray:
+    """``out[x] = log P[Hypergeom(n, marked, d) == x]`` for x = 0..d; -inf outside the support.
+
+    C(marked, x) C(n - marked, d - x) / C(n, d) from exact log-factorials (scipy stays off the device:
+    this module is on its import path through the session).
+    """
+    lf = _log_factorials(n)
+    x = np.arange(d + 1)
+    ok = (x <= marked) & (d - x <= n - marked)
+    xs, ys = x[ok], d - x[ok]
+    out = np.full(d + 1, -np.inf)
+    out[ok] = (lf[marked] - lf[xs] - lf[marked - xs] + lf[n - marked] - lf[ys] - lf[n - marked - ys]) - (
+        lf[n] - lf[d] - lf[n - d]
+    )
+    return out
 
 
 def _log_sf(n: int, marked: int, d: int) -> np.ndarray:
     """``out[a] = log P[Hypergeom(n, marked, d) >= a]`` for a = 0..d (exact, log space)."""
-    lp = hypergeom.logpmf(np.arange(d + 1), n, marked, d)
-    return np.logaddexp.accumulate(lp[::-1])[::-1]
+    return np.logaddexp.accumulate(_log_pmf(n, marked, d)[::-1])[::-1]
 
 
 def _log_cdf(n: int, marked: int, d: int) -> np.ndarray:
     """``out[x] = log P[Hypergeom(n, marked, d) <= x]`` for x = 0..d (exact, log space)."""
-    lp = hypergeom.logpmf(np.arange(d + 1), n, marked, d)
-    return np.logaddexp.accumulate(lp)
+    return np.logaddexp.accumulate(_log_pmf(n, marked, d))
 
 
 def _sparse_threshold(n: int, d: int, adversaries: int, survivors: int, dropouts: int) -> int | None:

@@ -23,6 +23,17 @@ from numpy.typing import NDArray
 
 from protocol.errors import FedRecError, error_class_for_code
 from protocol.families.lightfr import UploadLayout
+from protocol.spec import (
+    MAX_ITEMS,
+    MAX_LOCAL_STEPS,
+    MAX_RANK,
+    MAX_TEXT,
+    MAX_VECTOR_LENGTH,
+    Aggregation,
+    Alignment,
+    ModelKind,
+    StepRule,
+)
 
 __all__ = [
     "KEY_BYTES",
@@ -50,7 +61,6 @@ __all__ = [
 KEY_BYTES = 32
 SESSION_ID_BYTES = 32
 MAX_ID = 2**63 - 1
-_MAX_TEXT = 4096
 _MAX_CODE = 64
 
 
@@ -205,6 +215,10 @@ class RoundInvite(Message):
         FNMF client-side alignment: "none", "lap", "lap_rho" or "sinkhorn"; "" elsewhere.
     round_index : int
         0 for the round that trains model version 1, then 1, 2, ... (drives schedules).
+    cohort_size : int
+        Protocol 1.3: the number of devices invited to the round (n), which the device's privacy floor
+        (`protocol.policy`) checks k, t and t_min against; 0 = not stated (a 1.2 server), which a device
+        with a privacy floor refuses.
     unobserved_weight : float
         Protocol 1.3, LightFR: w0 >= 0.  0 is the sampled-negatives objective (upload: the item
         gradients, ``n_items * bits``); w0 > 0 the all-items objective, whose upload appends item
@@ -250,12 +264,15 @@ class RoundInvite(Message):
     step_rule: str = ""
     alignment: str = ""
     round_index: int = 0
+    # Appended in protocol 1.3 (device-side privacy floor).
+    cohort_size: int = 0
     # Appended in protocol 1.3 (LightFR all-items objective).
     unobserved_weight: float = 0.0
     confidence: float = 0.0
 
     def __post_init__(self) -> None:
         n = "RoundInvite"
+        _check_id(n, "cohort_size", self.cohort_size)
         _check_float(n, "unobserved_weight", self.unobserved_weight, minimum=0.0)
         _check_float(n, "confidence", self.confidence, minimum=0.0)
         if self.unobserved_weight > 1.0 + self.confidence:
@@ -266,26 +283,26 @@ class RoundInvite(Message):
         if self.inertia >= 1.0:
             _fail(n, f"inertia must be < 1, got {self.inertia}")
         _check_id(n, "pretrain_epochs", self.pretrain_epochs)
-        if self.pretrain_epochs > 1000:
-            _fail(n, f"pretrain_epochs must be <= 1000, got {self.pretrain_epochs}")
+        if self.pretrain_epochs > MAX_LOCAL_STEPS:
+            _fail(n, f"pretrain_epochs must be <= {MAX_LOCAL_STEPS}, got {self.pretrain_epochs}")
         _check_id(n, "round_index", self.round_index)
-        if self.step_rule not in ("", "lipschitz", "mu"):
-            _fail(n, f"step_rule must be '', 'lipschitz' or 'mu', got {self.step_rule!r}")
-        if self.alignment not in ("", "none", "lap", "lap_rho", "sinkhorn"):
-            _fail(n, f"alignment must be '', 'none', 'lap', 'lap_rho' or 'sinkhorn', got {self.alignment!r}")
+        if self.step_rule != "" and self.step_rule not in tuple(StepRule):
+            _fail(n, f"step_rule must be '' or one of {[r.value for r in StepRule]}, got {self.step_rule!r}")
+        if self.alignment != "" and self.alignment not in tuple(Alignment):
+            _fail(n, f"alignment must be '' or one of {[a.value for a in Alignment]}, got {self.alignment!r}")
         for name in ("model_version", "bits", "n_items", "negatives", "example_cap"):
             _check_id(n, name, getattr(self, name))
         for name in ("local_epochs", "max_sweeps"):
             _check_id(n, name, getattr(self, name))
-            if not 1 <= getattr(self, name) <= 1000:
-                _fail(n, f"{name} must be in [1, 1000], got {getattr(self, name)}")
+            if not 1 <= getattr(self, name) <= MAX_LOCAL_STEPS:
+                _fail(n, f"{name} must be in [1, {MAX_LOCAL_STEPS}], got {getattr(self, name)}")
         _check_text(n, "model_kind", self.model_kind, 32)
-        if self.aggregation not in ("grad", "para"):
-            _fail(n, f"aggregation must be 'grad' or 'para', got {self.aggregation!r}")
+        if self.aggregation not in tuple(Aggregation):
+            _fail(n, f"aggregation must be one of {[a.value for a in Aggregation]}, got {self.aggregation!r}")
         _check_float(n, "lam", self.lam, minimum=0.0)
         if self.bits and self.n_items:
             size = self.bits * self.n_items
-            if self.model_kind == "lightfr":
+            if self.model_kind == ModelKind.LIGHTFR:
                 want = UploadLayout(self.n_items, self.bits, full=self.unobserved_weight > 0).length
                 if want != self.vector_length:
                     _fail(n, f"vector_length {self.vector_length} != {want}, the LightFR upload for this plan")
@@ -295,7 +312,7 @@ class RoundInvite(Message):
         _check_id(n, "device_id", self.device_id)
         for name in ("vector_length", "graph_k", "graph_t", "scale_bits", "dp_t_min"):
             _check_id(n, name, getattr(self, name))
-        if not 1 <= self.vector_length <= 1 << 28:
+        if not 1 <= self.vector_length <= MAX_VECTOR_LENGTH:
             _fail(n, f"vector_length must be in [1, 2**28], got {self.vector_length}")
         if not 1 <= self.graph_t <= self.graph_k:
             _fail(n, f"need 1 <= graph_t <= graph_k, got t={self.graph_t}, k={self.graph_k}")
@@ -600,7 +617,7 @@ class Abort(Message):
         n = "Abort"
         _check_id(n, "round_id", self.round_id)
         _check_id(n, "device_id", self.device_id)
-        _check_text(n, "reason", self.reason, _MAX_TEXT)
+        _check_text(n, "reason", self.reason, MAX_TEXT)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -625,7 +642,7 @@ class ErrorMessage(Message):
     def __post_init__(self) -> None:
         n = "ErrorMessage"
         _check_text(n, "code", self.code, _MAX_CODE)
-        _check_text(n, "message", self.message, _MAX_TEXT)
+        _check_text(n, "message", self.message, MAX_TEXT)
         code = self.code
         if (
             not code
@@ -648,7 +665,7 @@ class ErrorMessage(Message):
         -------
         ErrorMessage
         """
-        return cls(code=exc.code, message=str(exc)[:_MAX_TEXT])
+        return cls(code=exc.code, message=str(exc)[:MAX_TEXT])
 
     def to_exception(self) -> FedRecError:
         """Rebuild the exception class named by ``code`` with ``message``; a code this peer does not
@@ -748,7 +765,7 @@ class Wait(Message):
 
     def __post_init__(self) -> None:
         _check_float("Wait", "retry_after", self.retry_after, minimum=0.0)
-        _check_text("Wait", "reason", self.reason, _MAX_TEXT)
+        _check_text("Wait", "reason", self.reason, MAX_TEXT)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -793,8 +810,8 @@ class ModelPayload(Message):
         _check_text(n, "model_kind", self.model_kind, 32)
         _check_id(n, "bits", self.bits)
         _check_id(n, "n_items", self.n_items)
-        if not (1 <= self.bits <= 4096 and 1 <= self.n_items <= 1 << 26):
-            _fail(n, f"bits must be in [1, 4096] and n_items in [1, 2**26], got {self.bits}, {self.n_items}")
+        if not (1 <= self.bits <= MAX_RANK and 1 <= self.n_items <= MAX_ITEMS):
+            _fail(n, f"bits must be in [1, {MAX_RANK}] and n_items in [1, 2**26], got {self.bits}, {self.n_items}")
         if self.model_kind == "lightfr":
             expected = 8 * ((self.bits + 63) // 64) * self.n_items
             _check_bytes(n, "words", self.words, expected, max_len=1 << 31)
@@ -844,4 +861,4 @@ class RoundResult(Message):
         if type(self.committed) is not bool:
             _fail("RoundResult", "committed must be a bool")
         _check_id("RoundResult", "model_version", self.model_version)
-        _check_text("RoundResult", "reason", self.reason, _MAX_TEXT)
+        _check_text("RoundResult", "reason", self.reason, MAX_TEXT)

@@ -9,7 +9,10 @@ Invariants of this module:
   fresh binomial coins, and by the Poisson thinning theorem they are independent.
 * Every rate is turned into an exact fraction from its shortest decimal form before it meets ``n``,
   so ``0.3 * 100`` is 30 and not 30.000000000000004.
-* All randomness comes from the `np.random.Generator` passed in; nothing here touches a clock or I/O.
+* All randomness comes from the `protocol.crypto.NoiseStream` passed in (a ChaCha20 keystream; numpy
+  generators are refused), through the pure samplers of `protocol.samplers`; nothing here touches a clock
+  or I/O.  A device keys its stream from `secrets` (`NoiseStream.from_os`), so the server cannot predict its
+  noise; simulations key it from a seed only through `protocol.crypto.insecure_test_noise_stream`.
 
 The scheme (DESIGN.md §5, correcting section 6 of the FMF privacy paper): each device of a cohort of
 ``n`` adds Skellam(mu / t_min), with t_min = ceil((1 - omega) * n), so that any surviving set of at least
@@ -31,7 +34,9 @@ from fractions import Fraction
 import numpy as np
 from numpy.typing import NDArray
 
+from protocol.crypto import NoiseStream
 from protocol.errors import ConfigError, NotEnoughParticipants
+from protocol.samplers import binomial, poisson
 
 __all__ = [
     "SkellamDraw",
@@ -81,7 +86,7 @@ def _check_variance(variance: float) -> float:
     return v
 
 
-def sample_skellam(variance: float, size: int, rng: np.random.Generator) -> SkellamDraw:
+def sample_skellam(variance: float, size: int, rng: NoiseStream) -> SkellamDraw:
     """Draw a Skellam vector of the given per-coordinate variance.
 
     Skellam(v) is the difference of two independent Poisson(v / 2) variables: mean 0, variance v,
@@ -93,8 +98,8 @@ def sample_skellam(variance: float, size: int, rng: np.random.Generator) -> Skel
         Per-coordinate variance v >= 0 (in quantized units).
     size : int
         Number of coordinates.
-    rng : np.random.Generator
-        Source of randomness (seeded by the caller from ``secrets``).
+    rng : NoiseStream
+        Source of randomness (keyed by the caller from ``secrets``).
 
     Returns
     -------
@@ -112,12 +117,12 @@ def sample_skellam(variance: float, size: int, rng: np.random.Generator) -> Skel
     if size < 0:
         raise ValueError(f"size must be >= 0, got {size}")
     lam = v / 2.0
-    pos = rng.poisson(lam, size).astype(np.int64)
-    neg = rng.poisson(lam, size).astype(np.int64)
+    pos = poisson(lam, size, rng)
+    neg = poisson(lam, size, rng)
     return SkellamDraw(pos=pos, neg=neg)
 
 
-def thin(draw: SkellamDraw, keep_fraction: float, rng: np.random.Generator) -> tuple[SkellamDraw, NDArray[np.int64]]:
+def thin(draw: SkellamDraw, keep_fraction: float, rng: NoiseStream) -> tuple[SkellamDraw, NDArray[np.int64]]:
     """Split a Skellam draw into a kept part and an independent revealed excess.
 
     Each Poisson count N ~ Poisson(lam) is thinned as K | N ~ Binomial(N, p).  By the Poisson
@@ -131,7 +136,7 @@ def thin(draw: SkellamDraw, keep_fraction: float, rng: np.random.Generator) -> t
         The device's original noise.
     keep_fraction : float
         p in [0, 1]; normally `correction_keep_fraction`.
-    rng : np.random.Generator
+    rng : NoiseStream
         Source of the binomial coins.
 
     Returns
@@ -149,8 +154,8 @@ def thin(draw: SkellamDraw, keep_fraction: float, rng: np.random.Generator) -> t
     p = float(keep_fraction)
     if not (0.0 <= p <= 1.0):
         raise ValueError(f"keep_fraction must be in [0, 1], got {keep_fraction!r}")
-    kept_pos = rng.binomial(draw.pos, p).astype(np.int64)
-    kept_neg = rng.binomial(draw.neg, p).astype(np.int64)
+    kept_pos = binomial(draw.pos, p, rng)
+    kept_neg = binomial(draw.neg, p, rng)
     kept = SkellamDraw(pos=kept_pos, neg=kept_neg)
     excess = (draw.pos - kept_pos) - (draw.neg - kept_neg)
     return kept, excess
@@ -295,7 +300,7 @@ def correction_keep_fraction(n: int, dropout_rate: float, survivors: int) -> flo
     return t_min / survivors
 
 
-def device_noise(mu: float, t_min: int, length: int, rng: np.random.Generator) -> SkellamDraw:
+def device_noise(mu: float, t_min: int, length: int, rng: NoiseStream) -> SkellamDraw:
     """The noise one device adds to its masked input: Skellam(mu / t_min) on each of ``length``
     coordinates (DESIGN.md §5).  The device session and the private-round simulator
     (`fedsim.privsim`) both draw it here, so they follow one sampler.
@@ -311,7 +316,7 @@ def device_noise(mu: float, t_min: int, length: int, rng: np.random.Generator) -
 
 
 def correct_noise(
-    draw: SkellamDraw, t_min: int, n_survivors: int, rng: np.random.Generator
+    draw: SkellamDraw, t_min: int, n_survivors: int, rng: NoiseStream
 ) -> tuple[SkellamDraw, NDArray[np.int64]]:
     """A survivor's correction once the server announced ``n_survivors``: thin ``draw`` with keep
     fraction t_min / s; returns (kept noise, revealed excess), independent of each other.

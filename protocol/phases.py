@@ -250,6 +250,11 @@ def check_survivor_quorum(survivors: int, n_survivors: int, invite: RoundInvite)
         raise RemoteProtocolError(f"only {survivors} surviving neighbours, below the threshold t={invite.graph_t}")
     if n_survivors < survivors:
         raise RemoteProtocolError("n_survivors is smaller than the survivor list")
+    if invite.cohort_size and n_survivors > invite.cohort_size:
+        raise RemoteProtocolError(
+            f"n_survivors={n_survivors} exceeds the invited cohort of {invite.cohort_size}: an overstated survivor "
+            "count would shrink every device's kept noise"
+        )
     if invite.dp_mu > 0.0 and n_survivors < invite.dp_t_min:
         raise RemoteProtocolError(
             f"{n_survivors} survivors is below t_min={invite.dp_t_min}: the noise would not cover mu"

@@ -22,6 +22,8 @@ from numpy.typing import NDArray
 from protocol.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_SCALE_BITS",
+    "MAX_SCALE_BITS",
     "QuantizationConfig",
     "QuantizationStats",
     "clip_l2",
@@ -33,7 +35,11 @@ __all__ = [
 ]
 
 _SIGNED_LIMIT = 2**31  # |sum| must stay strictly below this to be read back as int32
-_MAX_SCALE_BITS = 30
+MAX_SCALE_BITS = 30
+"""Largest fixed-point scale s (values times 2**s must leave head-room in the 32-bit ring)."""
+DEFAULT_SCALE_BITS = 10
+"""The quantization scale s a server uses unless configured (`rounds.scale_bits`); the one default."""
+_MAX_SCALE_BITS = MAX_SCALE_BITS
 
 
 @dataclass(frozen=True, slots=True)

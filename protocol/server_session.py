@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -75,8 +76,8 @@ class RoundParameters:
     vector_length: int
     k: int
     t: int
-    clip_norm: float = 1.0
-    scale_bits: int = 16
+    clip_norm: float
+    scale_bits: int
     dp_mu: float = 0.0
     dp_t_min: int = 0
     deadlines: tuple[float, float, float, float]
@@ -155,7 +156,8 @@ class ServerSecAggSession:
         if len(set(ids)) != len(ids):
             raise ValueError("device ids must be distinct")
         self.params = params
-        self._invites = {u: params.invite(u) for u in ids}  # validates every field once
+        # validates every field once; the cohort size lets each device check its privacy floor
+        self._invites = {u: dataclasses.replace(params.invite(u), cohort_size=len(ids)) for u in ids}
         if params.k < len(ids) and params.k % 2 == 0:
             harary_graph(ids, params.k, rng)  # raises the graph module's ConfigError
         self._rng = rng

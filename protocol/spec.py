@@ -1,11 +1,33 @@
-"""Model vocabulary both sides agree on: which model family a round trains and how the LightFR
-uploads are combined.  String values are stable wire/config names; never rename one."""
+"""Model vocabulary and wire limits both sides agree on: which model family a round trains, how the
+LightFR uploads are combined, FELB's step rule, FNMF's alignment, and the largest sizes a message may
+carry.  String values are stable wire/config names; never rename one."""
 
 from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["Aggregation", "ModelKind"]
+__all__ = [
+    "Aggregation",
+    "Alignment",
+    "MAX_ITEMS",
+    "MAX_LOCAL_STEPS",
+    "MAX_RANK",
+    "MAX_TEXT",
+    "MAX_VECTOR_LENGTH",
+    "ModelKind",
+    "StepRule",
+]
+
+MAX_VECTOR_LENGTH = 1 << 28
+"""Largest update vector L (uint32 ring elements, 1 GiB masked)."""
+MAX_RANK = 4096
+"""Largest code length / factor count / component count: the ``bits`` wire field."""
+MAX_ITEMS = 1 << 26
+"""Largest catalogue a model payload may describe."""
+MAX_LOCAL_STEPS = 1000
+"""Largest count of local epochs, DCD sweeps, local steps or pre-training epochs a plan may ask."""
+MAX_TEXT = 4096
+"""Longest human-readable reason or detail in a message."""
 
 
 class ModelKind(StrEnum):
@@ -22,3 +44,19 @@ class Aggregation(StrEnum):
 
     GRAD = "grad"  # eq. 14–16: devices upload item gradients; the default
     PARA = "para"  # eq. 17: devices upload locally updated item codes; the paper's ablation
+
+
+class StepRule(StrEnum):
+    """FELB local step sizes."""
+
+    LIPSCHITZ = "lipschitz"  # η = 1/(1.1 L) per block (FELB)
+    MU = "mu"  # elementwise multiplicative-update steps (FELB^MU)
+
+
+class Alignment(StrEnum):
+    """FNMF client-side alignment of the local components to the broadcast V̄ (`protocol.families.fnmf`)."""
+
+    NONE = "none"  # P = I: FedAvg / FedProx
+    LAP = "lap"  # D1: the permutation minimising ‖V̄ − PV‖ (the default)
+    LAP_RHO = "lap_rho"  # D2: partial permutation over significantly correlated pairs
+    SINKHORN = "sinkhorn"  # D3: entropic (soft) transport plan

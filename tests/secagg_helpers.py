@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from protocol.crypto import insecure_test_noise_stream
 from protocol.messages import (
     Abort,
     CheckIn,
@@ -97,13 +98,17 @@ class Round:
             vector_length=length,
             k=k or n,
             t=t,
+            clip_norm=1.0,
+            scale_bits=16,
             dp_mu=dp_mu,
             dp_t_min=dp_t_min,
             deadlines=(1.0, 2.0, 3.0, 4.0),
         )
         self.ids = list(range(10, 10 + n))
         self.server = ServerSecAggSession(self.params, self.ids, rng=np.random.default_rng(seed))
-        self.devices = {u: DeviceSecAggSession(self.server.outbox(u), rng=np.random.default_rng(u)) for u in self.ids}  # type: ignore[arg-type]
+        self.devices = {
+            u: DeviceSecAggSession(self.server.outbox(u), rng=insecure_test_noise_stream(seed, u)) for u in self.ids
+        }  # type: ignore[arg-type]
         rng = np.random.default_rng(seed + 1)
         self.inputs = {u: rng.integers(0, 2**32, size=length, dtype=np.uint32) for u in self.ids}
 

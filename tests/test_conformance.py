@@ -29,6 +29,7 @@ import pytest
 
 import protocol.messages as messages_module
 from protocol import codec, codes, crypto, shamir
+from protocol.crypto import insecure_test_noise_stream
 from protocol.errors import DecodeError, LocalProtocolError, VersionMismatch
 from protocol.messages import Message, RoundInvite
 from protocol.quantization import QuantizationConfig, dequantize_sum, quantize
@@ -189,7 +190,7 @@ def _replay_round() -> tuple[list[str], ServerSecAggSession]:
                 if not isinstance(received, RoundInvite):
                     raise AssertionError("the first message to a device must be its invite")
                 devices[u] = DeviceSecAggSession(
-                    received, rng=np.random.default_rng(u), fixed_secrets=_round_secrets(str(u))
+                    received, rng=insecure_test_noise_stream(u), fixed_secrets=_round_secrets(str(u))
                 )
                 devices[u].provide_input(np.array(ROUND["inputs_int32"][str(u)], dtype=np.int64).astype(np.uint32))
             else:
@@ -422,11 +423,13 @@ def _invite(device_id: int) -> RoundInvite:
 
 
 def test_without_fixed_secrets_keys_are_fresh() -> None:
-    first = DeviceSecAggSession(_invite(1), rng=np.random.default_rng(0)).send()
-    second = DeviceSecAggSession(_invite(1), rng=np.random.default_rng(0)).send()
+    first = DeviceSecAggSession(_invite(1), rng=insecure_test_noise_stream(0)).send()
+    second = DeviceSecAggSession(_invite(1), rng=insecure_test_noise_stream(0)).send()
     assert codec.encode(first) != codec.encode(second)
     fixed = _round_secrets("10")
-    again = [DeviceSecAggSession(_invite(1), rng=np.random.default_rng(0), fixed_secrets=fixed).send() for _ in "ab"]
+    again = [
+        DeviceSecAggSession(_invite(1), rng=insecure_test_noise_stream(0), fixed_secrets=fixed).send() for _ in "ab"
+    ]
     assert codec.encode(again[0]) == codec.encode(again[1])
 
 
@@ -462,7 +465,7 @@ def test_fixed_secrets_are_validated() -> None:
     with pytest.raises(LocalProtocolError, match="coefficients"):
         fixed.shares(fixed.self_mask_seed, (1, 2), 2, 3)
     with pytest.raises(TypeError):
-        DeviceSecAggSession(_invite(1), rng=np.random.default_rng(0), fixed_secrets=object())  # type: ignore[arg-type]
+        DeviceSecAggSession(_invite(1), rng=insecure_test_noise_stream(0), fixed_secrets=object())  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------------ generator

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,13 +31,14 @@ from device_sdk.client import (
     DropoutAt,
     RoundOutcome,
     RoundStatus,
-    seeded_rngs,
+    insecure_seeded_rngs,
 )
 from device_sdk.models import LightFRModel
 from device_sdk.training import local_round
 from device_sdk.transport import Response
 from protocol.codec import decode, encode
 from protocol.codes import pack_signs, random_signs, to_bytes
+from protocol.crypto import NoiseStream
 from protocol.errors import (
     AuthError,
     FedRecError,
@@ -62,6 +64,7 @@ from protocol.messages import (
     Wait,
 )
 from protocol.noise import to_ring
+from protocol.policy import PrivacyPolicy
 from protocol.session import ACTIVE_PHASES, DeviceSecAggSession, Phase, RoundParameters, ServerSecAggSession
 
 N_ITEMS = 24
@@ -324,11 +327,11 @@ def make_device(server: FakeServer, store: Path, index: int) -> Device:
     def rngs(round_id: int) -> tuple[np.random.Generator, np.random.Generator]:
         device_id = box[0].device_id
         assert device_id is not None
-        return seeded_rngs(SEED, round_id, device_id)
+        return insecure_seeded_rngs(SEED, round_id, device_id)
 
     client = DeviceClient(
         FakeTransport(server),
-        ClientConfig(store_dir=store, disconnect_after=0.02),
+        ClientConfig(store_dir=store, disconnect_after=0.02, privacy=PrivacyPolicy.no_floor()),
         items=items,
         ratings=ratings,
         n_items=N_ITEMS,
@@ -344,8 +347,8 @@ class RecordingSession(DeviceSecAggSession):
 
     created: list[RecordingSession] = []
 
-    def __init__(self, invite: RoundInvite, *, rng: np.random.Generator) -> None:
-        super().__init__(invite, rng=rng)
+    def __init__(self, invite: RoundInvite, *, rng: NoiseStream, **kwargs: Any) -> None:
+        super().__init__(invite, rng=rng, **kwargs)
         self.recorded: NDArray[np.uint32] | None = None
         RecordingSession.created.append(self)
 
@@ -413,12 +416,12 @@ async def test_full_round_secure_sum_is_bit_exact(tmp_path: Path, recording: lis
     np.testing.assert_array_equal(server.result_total, expected_sum(recording, server.result_survivors))
     assert any(s.kept_noise().any() for s in recording)  # DP noise really is in the sum
 
-    # The update is exactly what the in-process reference computes with `seeded_rngs`.
+    # The update is exactly what the in-process reference computes with `insecure_seeded_rngs`.
     for device, model, session in zip(devices, before, recording, strict=True):
         device_id = device.client.device_id
         assert device_id is not None and session.device_id == device_id
         model.set_item_codes(global_codes, 3)
-        training_rng, _ = seeded_rngs(SEED, 1, device_id)
+        training_rng, _ = insecure_seeded_rngs(SEED, 1, device_id)
         q, _ = local_round(model, server.invites[device_id], device.items, device.ratings, training_rng)
         np.testing.assert_array_equal(q, session.recorded)
         np.testing.assert_array_equal(device.client.model.user_codes, model.user_codes)
@@ -612,15 +615,16 @@ async def test_failed_save_after_training_keeps_the_old_store(tmp_path: Path, mo
 
 
 def test_seeded_rngs_are_reproducible_and_distinct() -> None:
-    a_train, a_noise = seeded_rngs(1, 2, 3)
-    b_train, b_noise = seeded_rngs(1, 2, 3)
+    a_train, a_noise = insecure_seeded_rngs(1, 2, 3)
+    b_train, b_noise = insecure_seeded_rngs(1, 2, 3)
     assert a_train.integers(0, 2**63) == b_train.integers(0, 2**63)
-    assert a_noise.integers(0, 2**63) == b_noise.integers(0, 2**63)
-    c_train, c_noise = seeded_rngs(1, 2, 3)
-    assert c_train.integers(0, 2**63) != c_noise.integers(0, 2**63)
-    assert seeded_rngs(1, 3, 3)[0].integers(0, 2**63) != seeded_rngs(1, 2, 3)[0].integers(0, 2**63)
+    assert np.array_equal(a_noise.uint64(4), b_noise.uint64(4))
+    c_train, c_noise = insecure_seeded_rngs(1, 2, 3)
+    assert isinstance(c_noise, NoiseStream)  # DP noise always from a keystream, never a numpy generator
+    assert not np.array_equal(insecure_seeded_rngs(1, 2, 4)[1].uint64(4), c_noise.uint64(4))
+    assert insecure_seeded_rngs(1, 3, 3)[0].integers(0, 2**63) != insecure_seeded_rngs(1, 2, 3)[0].integers(0, 2**63)
     with pytest.raises(ValueError):
-        seeded_rngs(-1, 0, 0)
+        insecure_seeded_rngs(-1, 0, 0)
 
 
 def test_client_config_validates(tmp_path: Path) -> None:

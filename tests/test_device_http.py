@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundStatus, seeded_rngs
+from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundStatus, insecure_seeded_rngs
 from device_sdk.http import HttpTransport
 from device_sdk.transport import MSGPACK_CONTENT_TYPE, TransportError, raise_for_error
 from protocol.codec import decode, encode
@@ -31,6 +31,7 @@ from protocol.errors import (
     RoundClosed,
 )
 from protocol.messages import CheckIn, ErrorMessage, Message, Wait
+from protocol.policy import PrivacyPolicy
 from tests.test_device_client import BITS, N_ITEMS, SEED, FakeServer, RecordingSession, _data, expected_sum
 from tests.test_device_client import recording as recording  # noqa: F401  (fixture)
 
@@ -346,11 +347,11 @@ async def test_device_clients_over_http(
         def rngs(round_id: int) -> tuple[np.random.Generator, np.random.Generator]:
             device_id = clients[i].device_id
             assert device_id is not None
-            return seeded_rngs(SEED, round_id, device_id)
+            return insecure_seeded_rngs(SEED, round_id, device_id)
 
         return DeviceClient.connect(
             url_of(server),
-            ClientConfig(store_dir=tmp_path / f"d{i}", long_poll_timeout=10.0),
+            ClientConfig(store_dir=tmp_path / f"d{i}", long_poll_timeout=10.0, privacy=PrivacyPolicy.no_floor()),
             items=items,
             ratings=ratings,
             n_items=N_ITEMS,

@@ -1,8 +1,9 @@
 """Every model family runs a private round over HTTP through the real server and real device clients,
 and ends bit-identical to the same round driven in-process (`fedsim.private.run_private`).
 
-One device of the cohort drops before its masked input, so the SecAgg+ recovery path is part of the
-round; the sum the strategy sees is the survivors' only.
+One device of the cohort drops (announced) before its masked input, so the SecAgg+ recovery path is part
+of the round; the sum the strategy sees is the survivors' only.  Silent drops that wait a deadline out
+are tested once, in tests/test_server_app.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from agg_server.app import COORDINATOR, create_app
 from agg_server.config import ServerConfig, config_from_dict
 from agg_server.coordinator import RoundCoordinator
 from agg_server.storage import Storage
-from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundStatus, seeded_rngs
+from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundStatus, insecure_seeded_rngs
 from device_sdk.family import LocalRatings
 from device_sdk.felb import FELBConfig, FELBModel
 from device_sdk.fnmf import FNMFConfig, FNMFModel
@@ -27,6 +28,7 @@ from device_sdk.http import HttpTransport
 from device_sdk.mf import MFConfig, MFModel
 from fedsim.planted import planted_binary, planted_nonnegative
 from fedsim.private import run_private
+from protocol.policy import PrivacyPolicy
 
 N_ITEMS = 24
 DEVICES = 6
@@ -35,7 +37,9 @@ DROPPER = 2  # index (registration order) of the device that leaves before its m
 
 
 def _config(data_dir: Path, kind: str) -> ServerConfig:
-    timeout = 3.0
+    # Deadlines far above any honest device's time on a loaded machine: the dropper announces its
+    # departure, so phases close at quorum and the round never waits a deadline out.
+    timeout = 30.0
     return config_from_dict(
         {
             "server": {"data_dir": str(data_dir), "port": 0},
@@ -98,13 +102,18 @@ async def _http_round(cfg: ServerConfig, kind: str, aiohttp_server: Any, store: 
         holder: dict[str, DeviceClient] = {}
         client = DeviceClient(
             HttpTransport(url, retries=2),
-            ClientConfig(store_dir=store / f"d{index}", request_timeout=10.0, long_poll_timeout=20.0),
+            ClientConfig(
+                store_dir=store / f"d{index}",
+                request_timeout=10.0,
+                long_poll_timeout=20.0,
+                privacy=PrivacyPolicy.no_floor(),
+            ),
             items=np.zeros(0, np.int64),
             ratings=None,
             n_items=N_ITEMS,
             model=new_model(),
             data=local,
-            rng_for_round=lambda r, _h=holder: seeded_rngs(SEED, r, int(_h["c"].device_id or 0)),
+            rng_for_round=lambda r, _h=holder: insecure_seeded_rngs(SEED, r, int(_h["c"].device_id or 0)),
         )
         holder["c"] = client
         client._owns_transport = True
@@ -114,7 +123,7 @@ async def _http_round(cfg: ServerConfig, kind: str, aiohttp_server: Any, store: 
 
     async def until_done(index: int, client: DeviceClient) -> RoundStatus:
         for _ in range(200):
-            outcome = await client.run_round(dropout=_dropout(index))
+            outcome = await client.run_round(dropout=_dropout(index), announce_drop=True)
             if outcome.status is not RoundStatus.WAITED:
                 return outcome.status
             await asyncio.sleep(min(outcome.retry_after or 0.05, 0.1))

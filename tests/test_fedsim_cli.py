@@ -172,7 +172,6 @@ def test_family_misuse_is_one_clear_line(argv: list[str], message: str, capsys: 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--epsilon", "8"], "--epsilon is not implemented for --model lightfr"),
         (["--secure"], "--secure is not implemented for --model lightfr"),
         (["--model", "felb", "--lam", "0.5"], "--lam applies to --model lightfr only; --model felb"),
         (["--model", "fnmf", "--epsilon", "1"], "--epsilon is not implemented for --model fnmf"),
@@ -204,7 +203,7 @@ def test_bad_input_is_one_line_and_an_exit_code(tmp_path: Path) -> None:
         (("demo", "--devices", "2"), "--devices 2: a secure-aggregation round needs at least 3 devices"),
         (("simulate", "--dataset", str(binary)), "binary content (a NUL byte at offset"),
         (("simulate", "--dataset", "ml-100k", "--data-dir", str(tmp_path)), "expected layout: DATA/ml-100k/u.data"),
-        (("simulate", "--dataset", "synthetic", "--epsilon", "8"), "--epsilon is not implemented"),
+        (("simulate", "--model", "fnmf", "--epsilon", "8"), "--epsilon is not implemented"),
     ]
     for argv, message in cases:
         proc = _fedrec(*argv)
@@ -229,3 +228,43 @@ def test_version_and_data_listing(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert main(["data", "--data-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.count("synthetic") == 1 and "expected layout" in out
+
+
+def test_loadtest_failure_is_one_line_naming_the_cause() -> None:
+    from fedsim.demo import describe_outcomes
+    from fedsim.fleet import FleetReport
+
+    rep = FleetReport(devices=60)
+    rep.server_rounds = [{"round_id": 4, "status": "committed"}, {"round_id": 5, "status": "aborted", "reason": "x"}]
+    rep.errors.update({"ConfigError": 40, "status: TimeoutError": 2})
+    rep.error_examples["ConfigError"] = "invite n_items 1682 != device 3706"
+    assert rep.failure(2) == (
+        "1 of 2 rounds committed; aborted: x ×1; "
+        "devices failed 40× with ConfigError (invite n_items 1682 != device 3706)"
+    )
+    assert rep.failure(1) is None
+    rep.outcomes.update({"committed": 50, "waited": 700, "dropped": 3})
+    rep.drops.update({"before_keys": 3})
+    assert describe_outcomes(rep) == (
+        "device rounds: 50 took part in a committed round; 0 in an aborted one; 3 dropped as injected "
+        "(before_keys 3); 700 check-ins were told to wait (not in the cohort, or no round open)"
+    )
+
+
+def test_simulate_private_lightfr_reports_the_ledgers_epsilon(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["simulate", "--dataset", "synthetic", "--epsilon", "4", "--rounds", "2", "--bits", "16", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "ε spent 4.000 at δ=1e-05" in out
+    for name in ("private_popularity", "popularity", "random"):
+        assert f"\n{name} " in out
+
+
+def test_plan_privacy_prints_one_row_per_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan-privacy", "--dataset", "synthetic", "--epsilon", "4", "--rounds", "1", "5", "--clips", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [ln for ln in out.splitlines() if ln[:2] in ("1 ", "5 ")]
+    assert len(rows) == 2
+    # More rounds at the same ε: more noise per round, so a smaller share above SNR 2.
+    assert float(rows[0].split()[3]) < float(rows[1].split()[3])

@@ -18,7 +18,7 @@ from device_sdk.mf import MFConfig, MFModel
 from device_sdk.models import LightFRConfig, LightFRModel
 from fedsim.planted import planted_binary, planted_nonnegative
 from fedsim.private import run_private
-from fedsim.privsim import LightFRCohort, PrivateSimulator, _noise_check, survivor_sets
+from fedsim.privsim import LightFRCohort, PrivateSimulator, _noise_check, run_simulated, survivor_sets
 from protocol.noise import minimum_survivors
 
 N_ITEMS = 20
@@ -218,3 +218,29 @@ def test_batched_lightfr_devices_match_real_devices(tmp_path: Path) -> None:
     got = cohort.quantized_sum(sim.model_state, invite, cohort.device_ids, cohort.device_ids, np.random.default_rng(0))
     assert np.max(np.abs(got - expected)) <= n
     assert np.count_nonzero(expected) > 100
+
+
+def test_run_simulated_matches_run_private_device_ids_and_model(tmp_path: Path) -> None:
+    new_model, data = _family("mf", 8)
+    clients = dict(enumerate(data))
+    ref = run_private(
+        _config(tmp_path / "ref", "mf", 8, dp=True, rounds=2), clients, lambda d: new_model(), rounds=2, seed=SEED
+    )
+    sim = run_simulated(
+        _config(tmp_path / "sim", "mf", 8, dp=True, rounds=2), clients, lambda d: new_model(), rounds=2, seed=SEED
+    )
+    assert sorted(sim.devices) == sorted(ref.devices)
+    assert np.array_equal(sim.simulator.model_state, ref.coordinator.model_state)
+    for d in ref.devices:
+        assert np.array_equal(sim.devices[d].model.user_factors, ref.devices[d].model.user_factors)
+
+
+def test_aggregate_noise_mode_releases_variance_mu(tmp_path: Path) -> None:
+    n, m = 30, 1500
+    cfg = _config(tmp_path, "mf", n, dp=True, rounds=1, n_items=m)
+    sim = PrivateSimulator(cfg)
+    empty = {d: LocalRatings.single_user(np.zeros(0, np.int64), np.zeros(0)) for d in range(1, n + 1)}
+    models = {d: MFModel(m, MFConfig(factors=4), rng=np.random.default_rng(0)) for d in empty}
+    out = sim.run_round(models, empty, seed=1, per_device_noise=False)
+    assert out is not None and out.committed and sim.last_release is not None
+    assert abs(float(np.var(sim.last_release)) - sim.mu) <= 0.05 * sim.mu

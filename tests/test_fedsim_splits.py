@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedsim.datasets import Ratings, load_movielens, synthetic
-from fedsim.splits import Split, chronological_split, leave_one_out, split_counts
+from fedsim.splits import Split, carve_validation, chronological_split, leave_one_out, split_counts
 
 
 def _log(users: list[int], ts: list[int] | None, n_items: int = 50) -> Ratings:
@@ -78,7 +78,7 @@ class TestChronological:
         assert _rows(train) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 14, 15]
 
     def test_without_timestamps_uses_file_order(self) -> None:
-        train, val, test = chronological_split(_log([0] * 5, None))
+        train, val, test = chronological_split(_log([0] * 5, None), seed=None)
         assert (_rows(train), _rows(val), _rows(test)) == ([0, 1, 2], [3], [4])
 
     @pytest.mark.parametrize("fractions", [(0.8, 0.1, 0.1), (0.6, 0.2, 0.2), (0.7, 0.0, 0.3), (1.0, 0.0, 0.0)])
@@ -130,7 +130,7 @@ class TestLeaveOneOut:
         assert _rows(train) == [1, 3, 5, 6, 9]
 
     def test_without_validation(self) -> None:
-        train, val, test = leave_one_out(_log([0, 0, 0, 1], None), validation=False)
+        train, val, test = leave_one_out(_log([0, 0, 0, 1], None), validation=False, seed=None)
         assert (_rows(train), _rows(val), _rows(test)) == ([0, 1, 3], [], [2])
         assert val.n_items == 50
 
@@ -140,6 +140,50 @@ class TestLeaveOneOut:
         np.testing.assert_array_equal(np.sort(test.users), np.arange(r.n_users))
         np.testing.assert_array_equal(np.sort(val.users), np.arange(r.n_users))
         assert len(train) + len(val) + len(test) == len(r)
+
+
+class TestWithoutTimestamps:
+    def test_leave_one_out_holds_out_a_seeded_random_rating_and_says_so(self) -> None:
+        r = _log([0] * 4 + [1] * 4, None)
+        counts = np.zeros(8, dtype=np.int64)
+        for seed in range(400):
+            train, val, test = leave_one_out(r, seed=seed)
+            assert np.array_equal(np.sort(test.users), [0, 1]) and np.array_equal(np.sort(val.users), [0, 1])
+            assert len(train) + len(val) + len(test) == 8
+            counts[test.ratings.astype(int)] += 1
+        assert counts.min() > 70  # each of a user's 4 ratings is held out about 100 times in 400
+        a, b = leave_one_out(r, seed=3), leave_one_out(r, seed=3)
+        assert _rows(a.test) == _rows(b.test)
+        assert test.meta["holdout"] == "uniformly random (no timestamps; seed 399)"
+        assert leave_one_out(r, seed=None).test.meta["holdout"].startswith("last lines of the file")
+        timed = leave_one_out(_log([0, 0], [2, 1]), seed=5)
+        assert _rows(timed.test) == [0] and timed.test.meta["holdout"] == "latest by timestamp"
+
+    def test_chronological_without_timestamps_is_a_random_split(self) -> None:
+        r = _log([0] * 10, None)
+        seen = {tuple(_rows(chronological_split(r, seed=s).test)) for s in range(60)}
+        assert len(seen) == 10  # every rating is held out by some seed and all(len(t) == 1 for t in seen)
+
+
+class TestCarveValidation:
+    def test_fraction_per_user_and_partition(self) -> None:
+        r = synthetic(n_users=300, n_items=200, ratings_per_user=20, seed=1)
+        fit, val = carve_validation(r, 0.1, seed=0)
+        assert len(fit) + len(val) == len(r)
+        keys = np.concatenate([fit.users * r.n_items + fit.items, val.users * r.n_items + val.items])
+        assert np.unique(keys).size == len(r)
+        want = np.minimum(np.floor(r.user_counts() * 0.1 + 0.5), r.user_counts() - 1)
+        np.testing.assert_array_equal(val.user_counts(), want)
+        assert (fit.user_counts() >= 1).all()
+        assert "seed 0" in val.meta["holdout"] and fit.name.endswith("[fit]")
+        again = carve_validation(r, 0.1, seed=0)[1]
+        assert np.array_equal(again.items, val.items) and not np.array_equal(
+            carve_validation(r, 0.1, seed=1)[1].items, val.items
+        )
+
+    def test_invalid_fraction(self) -> None:
+        with pytest.raises(ValueError, match="fraction"):
+            carve_validation(_log([0, 0], None), 1.0)
 
 
 @pytest.mark.data

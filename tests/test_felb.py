@@ -12,7 +12,6 @@ import pytest
 
 from agg_server.strategy.base import Strategy
 from agg_server.strategy.felb import FELBStrategy, logical_or, majority_vote, rounded_mean
-from agg_server.strategy.felb import prox_elb as server_prox
 from device_sdk import felb
 from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.felb import FELBConfig, FELBModel
@@ -54,8 +53,6 @@ def test_prox_elementwise_matches_scalar_reference_and_is_monotone() -> None:
         xs = np.sort(rng.uniform(-1, 2, 2000))
         ys = felb.prox_elb(xs, kappa, lamb)
         assert np.all(np.diff(ys) >= 0)
-        # The server's copy of the prox (agg_server may not import device_sdk) is the same function.
-        np.testing.assert_array_equal(server_prox(xs, kappa, lamb), ys)
 
 
 def test_prox_known_values_and_validation() -> None:
@@ -322,16 +319,16 @@ def test_fold_in_and_recommend() -> None:
     u = model.fold_in([0, 1, 2])
     assert u[0] > 0.5 and u[1] < 0.1  # rounds to component 0 (u₀ → (3 + λ)/(5 + λ) as λ grows)
     ids, scores = model.recommend([0, 1, 2], N=3)
-    assert ids[:2].tolist() == [3, 4]  # the rest of component 0, then ties broken by item id
+    assert set(ids[:2].tolist()) == {3, 4}  # the rest of component 0 (tied: in random order)
     assert scores[0] > 0.5 and scores[2] < 0.1
     ids, _ = model.recommend([0, 1, 2], N=20, filter_items=[3])
     assert ids.size == 6 and 3 not in ids and 0 not in ids
     ids, _ = model.recommend([0], N=2, filter_already_liked_items=False, items=[0, 7, 8])
-    assert ids.tolist() == [0, 7]
+    assert ids[0] == 0 and ids[1] in (7, 8)  # 7 and 8 tie: one of them at random
     assert model.reconstruct().tolist() == [[1] * 5 + [0] * 5]
     # A second user is added as a new row.
     model.fold_in([6, 7, 8], userid=1)
-    assert model.recommend([6, 7, 8], N=2, userid=1)[0].tolist() == [5, 9]
+    assert set(model.recommend([6, 7, 8], N=2, userid=1)[0].tolist()) == {5, 9}
     with pytest.raises(ValueError):
         model.recommend(N=1, userid=5)
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.codec import PROTOCOL_VERSION, check_version, decode, encode, is_compatible
+from protocol import messages as messages_module
+from protocol.codec import _SCHEMA, PROTOCOL_VERSION, check_version, decode, encode, is_compatible
 from protocol.errors import DecodeError, PayloadTooLarge, VersionMismatch
 from protocol.messages import (
     Abort,
@@ -29,6 +33,7 @@ from protocol.messages import (
     UnmaskResponse,
     Wait,
 )
+from protocol.spec import MAX_ITEMS, MAX_LOCAL_STEPS, MAX_RANK, Aggregation, Alignment, ModelKind, StepRule
 
 from .secagg_helpers import sample_messages
 
@@ -42,25 +47,62 @@ finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 
 
 @st.composite
-def invites(draw: st.DrawFn) -> RoundInvite:
+def invite_fields(draw: st.DrawFn) -> dict[str, object]:
+    """Keyword arguments of a valid `RoundInvite` that draw every field (a test checks none is left out)."""
     k = draw(st.integers(1, 1000))
     deadlines = sorted(draw(st.lists(finite, min_size=4, max_size=4)))
     mu = draw(st.floats(0.0, 1e9))
-    return RoundInvite(
-        round_id=draw(ids),
-        device_id=draw(ids),
-        vector_length=draw(st.integers(1, 2**28)),
-        graph_k=k,
-        graph_t=draw(st.integers(1, k)),
-        clip_norm=draw(st.floats(1e-9, 1e9)),
-        scale_bits=draw(st.integers(0, 30)),
-        dp_mu=mu,
-        dp_t_min=draw(st.integers(1, 10**6)) if mu > 0 else 0,
-        advertise_deadline=deadlines[0],
-        share_keys_deadline=deadlines[1],
-        masked_input_deadline=deadlines[2],
-        unmask_deadline=deadlines[3],
-    )
+    kind = draw(st.sampled_from(list(ModelKind)))
+    vector_length = draw(st.integers(1, 2**28))
+    bits = draw(st.integers(0, MAX_RANK))
+    if bits and draw(st.booleans()):
+        # A plan naming the catalogue: LightFR's update is exactly n_items × bits, the others' at least.
+        n_items = draw(st.integers(1, max(1, min(MAX_ITEMS, (2**28) // bits))))
+        vector_length = n_items * bits if kind == ModelKind.LIGHTFR else draw(st.integers(n_items * bits, 2**28))
+    else:
+        n_items = 0 if bits else draw(st.integers(0, MAX_ITEMS))
+    non_negative = st.floats(0.0, 1e6)
+    return {
+        "round_id": draw(ids),
+        "device_id": draw(ids),
+        "vector_length": vector_length,
+        "graph_k": k,
+        "graph_t": draw(st.integers(1, k)),
+        "clip_norm": draw(st.floats(1e-9, 1e9)),
+        "scale_bits": draw(st.integers(0, 30)),
+        "dp_mu": mu,
+        "dp_t_min": draw(st.integers(1, 10**6)) if mu > 0 else 0,
+        "advertise_deadline": deadlines[0],
+        "share_keys_deadline": deadlines[1],
+        "masked_input_deadline": deadlines[2],
+        "unmask_deadline": deadlines[3],
+        "model_version": draw(ids),
+        "model_kind": kind.value,
+        "aggregation": draw(st.sampled_from([a.value for a in Aggregation])),
+        "bits": bits,
+        "n_items": n_items,
+        "lam": draw(non_negative),
+        "negatives": draw(st.integers(0, 100)),
+        "local_epochs": draw(st.integers(1, MAX_LOCAL_STEPS)),
+        "max_sweeps": draw(st.integers(1, MAX_LOCAL_STEPS)),
+        "example_cap": draw(st.integers(0, 10**6)),
+        "learning_rate": draw(non_negative),
+        "reg": draw(non_negative),
+        "reg_growth": draw(st.floats(1.0, 10.0)),
+        "kappa": draw(non_negative),
+        "proximity": draw(non_negative),
+        "inertia": draw(st.floats(0.0, 1.0, exclude_max=True)),
+        "max_norm2": draw(non_negative),
+        "pretrain_epochs": draw(st.integers(0, MAX_LOCAL_STEPS)),
+        "step_rule": draw(st.sampled_from(["", *(r.value for r in StepRule)])),
+        "alignment": draw(st.sampled_from(["", *(a.value for a in Alignment)])),
+        "round_index": draw(st.integers(0, 10**6)),
+        "cohort_size": draw(st.integers(0, 10**6)),
+    }
+
+
+def invites() -> st.SearchStrategy[RoundInvite]:
+    return invite_fields().map(lambda kw: RoundInvite(**kw))  # type: ignore[arg-type]
 
 
 @st.composite
@@ -146,6 +188,29 @@ def messages(draw: st.DrawFn) -> Message:
 @given(message=messages())
 def test_round_trip_every_message_type(message: Message) -> None:
     assert decode(encode(message)) == message
+
+
+@settings(max_examples=50, deadline=None)
+@given(fields=invite_fields())
+def test_the_invite_generator_draws_every_field(fields: dict[str, object]) -> None:
+    assert set(fields) == {f.name for f in dataclasses.fields(RoundInvite)}
+
+
+def test_the_codec_schema_names_every_field_of_every_message() -> None:
+    """A field the codec does not name would silently travel as its default: every dataclass field of every
+    message type is in the schema, once, with a key no other field of that type uses."""
+    classes = {
+        c
+        for _, c in inspect.getmembers(messages_module, inspect.isclass)
+        if issubclass(c, Message) and c is not Message
+    }
+    assert {cls for cls, _ in _SCHEMA.values()} == classes
+    for code, (cls, fields) in _SCHEMA.items():
+        assert cls.TYPE == code
+        names = [name for name, _, _ in fields]
+        keys = [key for _, key, _ in fields]
+        assert sorted(names) == sorted(f.name for f in dataclasses.fields(cls)), cls.__name__
+        assert len(set(names)) == len(names) and len(set(keys)) == len(keys), cls.__name__
 
 
 def test_every_type_round_trips_and_has_a_distinct_code() -> None:

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import ConfigError, NotEnoughParticipants
 from protocol.noise import (
     SkellamDraw,
@@ -48,7 +49,7 @@ def test_device_variance_and_keep_fraction() -> None:
 
 
 def test_skellam_moments_and_types() -> None:
-    rng = np.random.default_rng(0)
+    rng = insecure_test_noise_stream(0)
     d = sample_skellam(50.0, 200_000, rng)
     assert d.pos.dtype == np.int64 and d.neg.dtype == np.int64
     v = d.value()
@@ -62,7 +63,7 @@ def test_skellam_moments_and_types() -> None:
 
 
 def test_thinning_marginals_and_independence() -> None:
-    rng = np.random.default_rng(1)
+    rng = insecure_test_noise_stream(1)
     d = sample_skellam(30.0, 200_000, rng)
     kept, excess = thin(d, 0.25, rng)
     assert np.array_equal(kept.value() + excess, d.value())
@@ -98,7 +99,7 @@ def _best_combination_variance(pre: np.ndarray, post: np.ndarray) -> float:
     return float((c[0, 0] * c[1, 1] - c[0, 1] ** 2) / denom)
 
 
-def _simulate_correction(s: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _simulate_correction(s: int, rng: NoiseStream) -> tuple[np.ndarray, np.ndarray]:
     """Noise in the server's pre- and post-correction sums over TRIALS rounds with s survivors."""
     draw = sample_skellam(device_variance(MU, N, OMEGA), TRIALS * s, rng)
     kept, _excess = thin(draw, correction_keep_fraction(N, OMEGA, s), rng)
@@ -109,7 +110,7 @@ def _simulate_correction(s: int, rng: np.random.Generator) -> tuple[np.ndarray, 
 
 @pytest.mark.parametrize("s", [70, 85, 100])
 def test_corrected_scheme_keeps_variance_mu(s: int) -> None:
-    pre, post = _simulate_correction(s, np.random.default_rng(1000 + s))
+    pre, post = _simulate_correction(s, insecure_test_noise_stream(1000 + s))
     # before the correction the noise is s/t_min times larger than needed ...
     assert pre.var() == pytest.approx(MU * s / 70, rel=0.05)
     # ... after it, exactly mu ...
@@ -125,7 +126,7 @@ def test_corrected_scheme_keeps_variance_mu(s: int) -> None:
 def test_naive_replacement_correction_leaks(s: int) -> None:
     # FMF paper §6: "send -xi + xi'" with fresh xi' ~ Sk(mu/s).  The two sums the server sees have
     # independent noise of variances s*mu/t_min and mu; combined, mu * s / (s + t_min) < mu.
-    rng = np.random.default_rng(2000 + s)
+    rng = insecure_test_noise_stream(2000 + s)
     draw = sample_skellam(device_variance(MU, N, OMEGA), TRIALS * s, rng)
     fresh = sample_skellam(MU / s, TRIALS * s, rng)
     pre = draw.value().reshape(TRIALS, s).sum(axis=1)
@@ -138,7 +139,7 @@ def test_naive_replacement_correction_leaks(s: int) -> None:
 
 def test_device_dropping_before_correction_keeps_more_noise() -> None:
     # survivors that never send their correction keep Skellam(mu/t_min) > Skellam(mu/s): safe side
-    rng = np.random.default_rng(3)
+    rng = insecure_test_noise_stream(3)
     s, silent = 100, 10
     draw = sample_skellam(device_variance(MU, N, OMEGA), TRIALS * s, rng)
     kept, _ = thin(draw, correction_keep_fraction(N, OMEGA, s), rng)

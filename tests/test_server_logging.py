@@ -118,6 +118,7 @@ level = "info"
 
 
 @pytest.mark.asyncio
+@pytest.mark.integration
 async def test_json_logs_of_a_real_server_process(tmp_path: Path) -> None:
     config = tmp_path / "server.toml"
     _write_config(config)  # the file says text; the flag must win

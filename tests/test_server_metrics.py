@@ -1,12 +1,11 @@
-"""``GET /metrics``: the hand-written Prometheus text exposition parses with ``prometheus_client``'s own
-parser, and after a real round over HTTP (five devices, one announced dropout, DP on) every figure
+"""``GET /metrics``: the exposition (``prometheus_client``, one registry per app) parses with the library's
+own parser, and after a real round over HTTP (five devices, one announced dropout, DP on) every figure
 agrees with ``/v1/status`` and with what the devices did; route labels are templates, never raw paths.
-Plus the pieces: label escaping, value formatting, cumulative histogram buckets, round events."""
+Plus the pieces: hostile labels, one error counter, per-app registries, round events."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agg_server.app import COORDINATOR, create_app
-from agg_server.metrics import PHASES, Histogram, Metrics, escape_label_value, format_value
+from agg_server.metrics import PHASES, Metrics
 from device_sdk.client import DropoutAt
 from fedsim.fleet import FleetConfig, run_fleet
 from tests.server_helpers import BITS, N_ITEMS, small_config, users
@@ -42,39 +41,40 @@ def _value(families: dict[str, Any], sample: str, **labels: str) -> float:
     return float(hits[0])
 
 
-def test_escaping_and_values() -> None:
-    assert escape_label_value('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
-    assert [format_value(v) for v in (3, 2.0, 0.25, math.inf, -math.inf)] == ["3", "2", "0.25", "+Inf", "-Inf"]
-    assert format_value(math.nan) == "NaN" and format_value(True) == "1"
-    metrics = Metrics()
+def _render(metrics: Metrics) -> dict[str, Any]:
+    return _parse(metrics.render().decode("utf-8"))
+
+
+def test_hostile_labels_round_trip_and_errors_are_counted_once() -> None:
+    metrics = Metrics(status_source=lambda: _STATUS)
     hostile = 'route "with" \\ and\nnewline'
     metrics.observe_request(hostile, 404, 10, 20, "remote_protocol_error")
-    families = _parse(metrics.render(_STATUS))
+    metrics.observe_request("/v1/checkin", 401, 0, 20, "auth_error")
+    metrics.observe_request("/v1/checkin", 401, 0, 20, "auth_error")
+    metrics.observe_request("/v1/checkin", 200, 0, 20, None)
+    families = _render(metrics)
     assert _value(families, "fedrec_http_requests_total", route=hostile, status="404") == 1
-    assert _value(families, "fedrec_http_errors_total", code="remote_protocol_error") == 1
+    assert _value(families, "fedrec_http_errors_total", code="remote_protocol_error", status="404") == 1
+    assert _value(families, "fedrec_http_errors_total", code="auth_error", status="401") == 2
+    assert metrics.errors_by_code() == {"auth_error": 2, "remote_protocol_error": 1}
+    assert metrics.errors_by_status() == {"401": 2, "404": 1}
+    assert _value(families, "fedrec_http_request_bytes_total") == 10
+    assert _value(families, "fedrec_waiting_devices") == 2
 
 
-def test_histogram_buckets_are_cumulative_and_inclusive() -> None:
-    h = Histogram([0.1, 1.0, 10.0])
-    for v in (0.05, 0.1, 0.5, 1.0, 20.0, math.nan):
-        h.observe(v)
-    lines = list(h.samples("x", [("phase", "p")]))
-    assert lines == [
-        'x_bucket{phase="p",le="0.1"} 2',
-        'x_bucket{phase="p",le="1"} 4',
-        'x_bucket{phase="p",le="10"} 4',
-        'x_bucket{phase="p",le="+Inf"} 5',
-        'x_sum{phase="p"} 21.65',
-        'x_count{phase="p"} 5',
+def test_each_app_has_its_own_registry() -> None:
+    a, b = Metrics(), Metrics()
+    a.observe_request("/v1/checkin", 200, 1, 1, None)
+    assert _value(_render(a), "fedrec_http_requests_total", route="/v1/checkin", status="200") == 1
+    assert "fedrec_http_requests" not in _render(b) or not [
+        s for s in _render(b)["fedrec_http_requests"].samples if s.name == "fedrec_http_requests_total"
     ]
-    with pytest.raises(ValueError, match="strictly increasing"):
-        Histogram([1.0, 1.0])
-    with pytest.raises(ValueError, match="finite"):
-        Histogram([])
+    assert "fedrec_model_version" not in _render(a)  # no status source: only what the metrics count
 
 
 def test_round_events_drive_counters_and_the_device_gauge() -> None:
-    metrics = Metrics({"committed": 3, "aborted": 1, "open": 1})
+    status: dict[str, Any] = dict(_STATUS)
+    metrics = Metrics({"committed": 3, "aborted": 1, "open": 1}, status_source=lambda: status)
     metrics.on_round_event("round_opened", {"round_id": 6, "cohort": 10})
     assert metrics.devices == {"advertise_keys": 10, "share_keys": 0, "masked_input": 0, "unmask": 0}
     metrics.on_round_event(
@@ -82,7 +82,7 @@ def test_round_events_drive_counters_and_the_device_gauge() -> None:
     )
     metrics.on_round_event("phase", {"round_id": 6, "phase": "share_keys", "seconds": 0.3, "alive": 7, "dropped": 2})
     assert metrics.devices == {"advertise_keys": 9, "share_keys": 7, "masked_input": 7, "unmask": 0}
-    families = _parse(metrics.render(_STATUS))
+    families = _render(metrics)
     assert _value(families, "fedrec_devices", phase="masked_input") == 7
     assert _value(families, "fedrec_phase_dropouts_total", phase="share_keys") == 2
     assert _value(families, "fedrec_phase_seconds_count", phase="advertise_keys") == 1
@@ -93,7 +93,8 @@ def test_round_events_drive_counters_and_the_device_gauge() -> None:
         {"round_id": 6, "outcome": "aborted", "seconds": 3.0, "survivors": 7, "epsilon_spent": None},
     )
     metrics.on_round_event("round_finished", {"round_id": 7, "outcome": "abandoned", "seconds": 1.0, "survivors": 0})
-    families = _parse(metrics.render({**_STATUS, "privacy": None}))
+    status["privacy"] = None
+    families = _render(metrics)
     assert _value(families, "fedrec_rounds_total", outcome="committed") == 3  # seeded from the database
     assert _value(families, "fedrec_rounds_total", outcome="aborted") == 2
     assert _value(families, "fedrec_rounds_total", outcome="abandoned") == 1
@@ -176,7 +177,7 @@ async def test_metrics_after_a_real_round_agree_with_status(
     assert requests[("/v1/rounds/{round_id}/shares", "200")] == 4
     assert requests[("/v1/rounds/{round_id}/unmask", "200")] == 4
     assert requests[("/v1/checkin", "401")] == 1
-    assert _value(families, "fedrec_http_errors_total", code="auth_error") == 1
+    assert _value(families, "fedrec_http_errors_total", code="auth_error", status="401") == 1
     # Bytes: at least the masked uploads (4 survivors × L ring elements of 4 bytes) came in.
     assert _value(families, "fedrec_http_request_bytes_total") > 4 * N_ITEMS * BITS * 4
     assert _value(families, "fedrec_http_response_bytes_total") > 0

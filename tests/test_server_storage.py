@@ -515,6 +515,7 @@ def _kill_mid_commit(dirs: list[Path], rng: random.Random) -> None:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+@pytest.mark.integration
 def test_sigkill_during_commits_leaves_a_consistent_store(tmp_path: Path) -> None:
     rng = random.Random(20240611)
     # Two stores in parallel (each child spends ~1 s importing), each killed twice.

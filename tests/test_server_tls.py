@@ -27,6 +27,7 @@ from device_sdk.http import HttpTransport
 from device_sdk.transport import TransportError
 from fedsim.fleet import fetch_status
 from protocol.messages import CheckIn, RegisterRequest, RegisterResponse, Wait
+from protocol.policy import PrivacyPolicy
 from tests.server_helpers import BITS, N_ITEMS, users
 
 
@@ -113,7 +114,9 @@ async def test_devices_train_over_tls_and_plain_http_is_refused(tmp_path: Path) 
             clients = [
                 DeviceClient(
                     HttpTransport(url, session=session, retries=2, backoff_base=0.05),
-                    ClientConfig(store_dir=tmp_path / f"device-{i}", long_poll_timeout=30.0),
+                    ClientConfig(
+                        store_dir=tmp_path / f"device-{i}", long_poll_timeout=30.0, privacy=PrivacyPolicy.no_floor()
+                    ),
                     items=items,
                     ratings=ratings,
                     n_items=N_ITEMS,

@@ -26,6 +26,8 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
+from protocol.families.felb import prox_elb, schedule
+from protocol.spec import MAX_LOCAL_STEPS, MAX_RANK, ModelKind, StepRule
 
 __all__ = [
     "FELBStrategy",
@@ -34,32 +36,6 @@ __all__ = [
     "prox_elb",
     "rounded_mean",
 ]
-
-_LAMBDA_CAP = 1e12
-
-
-def prox_elb(x: ArrayLike, kappa: float, lam: float) -> NDArray[np.float64]:
-    """ELB proximal map (exact soft-threshold, branch at ½), clamped to [0, 1].
-
-    Deliberately a copy of `device_sdk.felb.prox_elb` (scalar weights only): `agg_server` must not
-    import `device_sdk` (DESIGN §1).  tests/test_felb.py checks that the two agree.
-    """
-    if not (np.isfinite(kappa) and kappa >= 0 and np.isfinite(lam) and lam >= 0):
-        raise ValueError(f"kappa and lam must be finite and >= 0, got {kappa}, {lam}")
-    xa = np.asarray(x, dtype=np.float64)
-    d = xa - 1.0
-    y0 = np.sign(xa) * np.maximum(np.abs(xa) - kappa, 0.0) / (1.0 + lam)
-    y1 = 1.0 + np.sign(d) * np.maximum(np.abs(d) - kappa, 0.0) / (1.0 + lam)
-    return np.clip(np.where(xa <= 0.5, y0, y1), 0.0, 1.0)
-
-
-def _schedule(reg: float, growth: float, index: int) -> float:
-    # λ_r = reg · growth**r, capped (as on the device) so a long-running server never overflows.
-    try:
-        lam = reg * growth**index
-    except OverflowError:
-        return _LAMBDA_CAP if reg > 0 else 0.0
-    return float(min(lam, _LAMBDA_CAP))
 
 
 def _sum_of(total: ArrayLike, survivors: int) -> NDArray[np.float64]:
@@ -115,13 +91,13 @@ class FELBStrategy:
     proximity: float = 1.0
     inertia: float = 1e-3
     local_epochs: int = 10
-    step_rule: str = "lipschitz"
+    step_rule: str = StepRule.LIPSCHITZ.value
     server_scale: float = 1.0
-    kind: str = field(default="felb", init=False)
+    kind: str = field(default=ModelKind.FELB.value, init=False)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.rank <= 4096:
-            raise ValueError(f"rank must be in [1, 4096], got {self.rank}")
+        if not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"rank must be in [1, {MAX_RANK}], got {self.rank}")
         if self.n_items < 1:
             raise ValueError(f"n_items must be positive, got {self.n_items}")
         for name in ("kappa", "reg", "proximity", "server_scale"):
@@ -132,9 +108,9 @@ class FELBStrategy:
             raise ValueError(f"reg_growth must be >= 1, got {self.reg_growth}")
         if not 0.0 <= self.inertia < 1.0:
             raise ValueError(f"inertia must be in [0, 1), got {self.inertia}")
-        if not 1 <= self.local_epochs <= 1000:
-            raise ValueError(f"local_epochs must be in [1, 1000], got {self.local_epochs}")
-        if self.step_rule not in ("lipschitz", "mu"):
+        if not 1 <= self.local_epochs <= MAX_LOCAL_STEPS:
+            raise ValueError(f"local_epochs must be in [1, {MAX_LOCAL_STEPS}], got {self.local_epochs}")
+        if self.step_rule not in tuple(StepRule):
             raise ValueError(f"step_rule must be 'lipschitz' or 'mu', got {self.step_rule!r}")
 
     @property
@@ -164,7 +140,7 @@ class FELBStrategy:
 
     def reg_at(self, round_index: int) -> float:
         """λ_r for round ``round_index``."""
-        return _schedule(self.reg, self.reg_growth, round_index)
+        return schedule(self.reg, self.reg_growth, round_index)
 
     def aggregate(
         self,

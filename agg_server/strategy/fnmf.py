@@ -12,8 +12,8 @@ Invariants:
   aggregation; building it logs a WARNING saying so.  The HTTP server never receives individual
   matrices; only `fedsim` uses it.
 - V̄ is a (k, m) float64 non-negative matrix; its wire form is k·m little-endian float64 in C order.
-- The LAP helper duplicates `device_sdk.fnmf.lap_align` on purpose: `agg_server` may not import
-  `device_sdk` (DESIGN §1), and the two must agree on the assignment (a test checks it).
+- The alignment (`lap_align`) and the upload layout (`split_upload`) are the devices' own, from
+  `protocol.families.fnmf`.
 """
 
 from __future__ import annotations
@@ -25,36 +25,21 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.optimize import linear_sum_assignment
 
 from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
+from protocol.families.fnmf import lap_align, split_upload, upload_length
+from protocol.spec import MAX_LOCAL_STEPS, MAX_RANK, Alignment, ModelKind
 
 __all__ = [
     "FNMFStrategy",
     "TrustedBarycenterFNMF",
     "fedavg_mean",
-    "lap_permutation",
     "trusted_barycenter",
 ]
 
-_ALIGNMENTS = ("none", "lap", "lap_rho", "sinkhorn")
 _log = logging.getLogger(__name__)
 
 Array = NDArray[np.float64]
-
-
-def lap_permutation(V: Array, V_bar: Array) -> Array:
-    """The permutation P minimising ‖V̄ − PV‖²_F (Hungarian algorithm on squared row distances).
-
-    A copy of `device_sdk.fnmf.lap_align` (the packages may not import each other).
-    """
-    if V.ndim != 2 or V.shape != V_bar.shape:
-        raise ValueError(f"matrices differ in shape: {V.shape} vs {V_bar.shape}")
-    d = (V_bar * V_bar).sum(axis=1)[:, None] + (V * V).sum(axis=1)[None, :] - 2.0 * (V_bar @ V.T)
-    rows, cols = linear_sum_assignment(np.maximum(d, 0.0))
-    P = np.zeros((V.shape[0], V.shape[0]))
-    P[rows, cols] = 1.0
-    return P
 
 
 def fedavg_mean(matrices: Sequence[Array]) -> Array:
@@ -88,7 +73,7 @@ def trusted_barycenter(
     v_bar = fedavg_mean(mats) if init is None else np.asarray(init, dtype=np.float64).copy()
     perms = [np.eye(k) for _ in mats]
     for _ in range(iterations):  # loop over fixed-point passes (clients inside: c is small)
-        perms = [lap_permutation(v, v_bar) for v in mats]
+        perms = [lap_align(v, v_bar) for v in mats]
         new = np.mean(np.stack([p @ v for p, v in zip(perms, mats, strict=True)]), axis=0)
         if np.array_equal(new, v_bar):
             break
@@ -116,24 +101,24 @@ class FNMFStrategy:
     proximity: float = 1.0
     inertia: float = 0.0
     alignment: str = "lap"
-    kind: str = field(default="fnmf", init=False)
+    kind: str = field(default=ModelKind.FNMF.value, init=False)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.rank <= 4096 or self.n_items <= 0:
-            raise ValueError(f"need 1 <= rank <= 4096 and n_items > 0, got {self.rank}, {self.n_items}")
-        if not 1 <= self.local_steps <= 1000:
-            raise ValueError(f"local_steps must be in [1, 1000], got {self.local_steps}")
+        if not 1 <= self.rank <= MAX_RANK or self.n_items <= 0:
+            raise ValueError(f"need 1 <= rank <= {MAX_RANK} and n_items > 0, got {self.rank}, {self.n_items}")
+        if not 1 <= self.local_steps <= MAX_LOCAL_STEPS:
+            raise ValueError(f"local_steps must be in [1, {MAX_LOCAL_STEPS}], got {self.local_steps}")
         if not (self.proximity >= 0.0 and np.isfinite(self.proximity)):
             raise ValueError(f"proximity must be a finite value >= 0, got {self.proximity}")
         if not 0.0 <= self.inertia < 1.0:
             raise ValueError(f"inertia must be in [0, 1), got {self.inertia}")
-        if self.alignment not in _ALIGNMENTS:
-            raise ValueError(f"alignment must be one of {_ALIGNMENTS}, got {self.alignment!r}")
+        if self.alignment not in tuple(Alignment):
+            raise ValueError(f"alignment must be one of {[a.value for a in Alignment]}, got {self.alignment!r}")
 
     @property
     def vector_length(self) -> int:
         """k·m, plus k match counts for "lap_rho"."""
-        return self.rank * self.n_items + (self.rank if self.alignment == "lap_rho" else 0)
+        return upload_length(self.rank, self.n_items, self.alignment)
 
     def initialize(self, rng: np.random.Generator) -> Array:
         """Version-1 V̄ ~ Uniform[0, 1)^{k×m}."""
@@ -174,9 +159,9 @@ class FNMFStrategy:
             raise ValueError(f"aggregate must be {self.vector_length} finite values, got shape {total.shape}")
         if survivors < 1:
             raise ValueError(f"survivors must be >= 1, got {survivors}")
-        S = total[: k * m].reshape(k, m)
-        if self.alignment == "lap_rho":
-            counts = np.rint(total[k * m :])
+        S, summed_counts = split_upload(total, k, m, self.alignment)
+        if summed_counts is not None:
+            counts = np.rint(summed_counts)
             ok = counts >= 1.0
             step = np.zeros((k, m))
             step[ok] = S[ok] / counts[ok, None]
@@ -220,11 +205,11 @@ class TrustedBarycenterFNMF:
     n_items: int
     iterations: int = 10
     warm_start: bool = True
-    kind: str = field(default="fnmf", init=False)
+    kind: str = field(default=ModelKind.FNMF.value, init=False)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.rank <= 4096 or self.n_items <= 0:
-            raise ValueError(f"need 1 <= rank <= 4096 and n_items > 0, got {self.rank}, {self.n_items}")
+        if not 1 <= self.rank <= MAX_RANK or self.n_items <= 0:
+            raise ValueError(f"need 1 <= rank <= {MAX_RANK} and n_items > 0, got {self.rank}, {self.n_items}")
         if self.iterations < 0:
             raise ValueError(f"iterations must be >= 0, got {self.iterations}")
         _log.warning(

@@ -7,8 +7,7 @@ takes one projected step  V ← Π_V(V − γ/|survivors| · Σ uploads).
 
 Invariants:
 - The state is V, (n_items, f) float64, every row non-negative with squared norm ≤ R after every
-  `initialize` and `aggregate` (the same projection Π as the devices use; the five lines are copied
-  here because ``agg_server`` may not import ``device_sdk``).
+  `initialize` and `aggregate` (the projection Π the devices use, `protocol.families.mf.project_rows`).
 - `aggregate` is a function of the current V, the sum and the survivor count only: it needs no
   individual upload, so it runs unchanged behind SecAgg+ and DP noise.
 - Wire form: ``values`` = float64 little-endian C-order bytes of V, ``words`` empty.
@@ -23,20 +22,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
-from protocol.spec import ModelKind
+from protocol.families.mf import project_rows
+from protocol.spec import MAX_LOCAL_STEPS, MAX_RANK, ModelKind
 
-__all__ = ["MFStrategy", "project_rows"]
-
-
-def project_rows(X: NDArray[np.floating], R: float) -> NDArray[np.float64]:
-    """Embedding clipping Π (FMF paper eq. 6): negatives to 0, rows with squared norm > R scaled to
-    norm √R.  A copy of `device_sdk.mf.project_rows` (the packages may not import each other)."""
-    Y = np.maximum(np.asarray(X, dtype=np.float64), 0.0)
-    n2 = np.einsum("ij,ij->i", Y, Y)
-    scale = np.ones_like(n2)
-    over = n2 > R
-    scale[over] = np.sqrt(R / n2[over])
-    return Y * scale[:, None]
+__all__ = ["MFStrategy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +61,8 @@ class MFStrategy:
     def __post_init__(self) -> None:
         if self.n_items <= 0:
             raise ValueError(f"n_items must be positive, got {self.n_items}")
-        if not 1 <= self.rank <= 4096:
-            raise ValueError(f"rank must be in [1, 4096], got {self.rank}")
+        if not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"rank must be in [1, {MAX_RANK}], got {self.rank}")
         for name in ("max_norm2", "server_lr", "init_scale"):
             v = getattr(self, name)
             if not (np.isfinite(v) and v > 0):
@@ -82,10 +71,10 @@ class MFStrategy:
             v = getattr(self, name)
             if not (np.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")
-        if not 0 <= self.pretrain_epochs <= 1000:
-            raise ValueError(f"pretrain_epochs must be in [0, 1000], got {self.pretrain_epochs}")
-        if not 1 <= self.local_epochs <= 1000:
-            raise ValueError(f"local_epochs must be in [1, 1000], got {self.local_epochs}")
+        if not 0 <= self.pretrain_epochs <= MAX_LOCAL_STEPS:
+            raise ValueError(f"pretrain_epochs must be in [0, {MAX_LOCAL_STEPS}], got {self.pretrain_epochs}")
+        if not 1 <= self.local_epochs <= MAX_LOCAL_STEPS:
+            raise ValueError(f"local_epochs must be in [1, {MAX_LOCAL_STEPS}], got {self.local_epochs}")
         if self.negatives < 0:
             raise ValueError(f"negatives must be >= 0, got {self.negatives}")
         if self.kind != ModelKind.MF.value:

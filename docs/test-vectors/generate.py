@@ -528,7 +528,8 @@ def round_vector() -> dict[str, Any]:
         if u not in devices:
             if not isinstance(message, RoundInvite):
                 raise RuntimeError(f"device {u} was not invited")
-            devices[u] = DeviceSecAggSession(message, rng=np.random.default_rng(u), fixed_secrets=secrets_by_device[u])
+            noise = crypto.insecure_test_noise_stream(u)
+            devices[u] = DeviceSecAggSession(message, rng=noise, fixed_secrets=secrets_by_device[u])
             devices[u].provide_input(np.array(ROUND_INPUTS[u], dtype=np.int64).astype(np.uint32))
         else:
             devices[u].receive(codec.decode(codec.encode(message)))

@@ -1,0 +1,52 @@
+"""Cold start on the device: time and peak extra memory of `LightFRModel.fold_in` for a new user with
+50 rated items, as the catalogue grows (f = 64, one core).
+
+Fold-in solves DCD (LightFR eq. 18–19) on the codes of the items the user touched (its ratings and
+the sampled negatives) only, so its cost is O(|Ω_u|·f) whatever the catalogue size; the peak is what
+numpy allocates during the call (tracemalloc), on top of the model already in memory.
+
+    python benchmarks/bench_fold_in.py                    # 10^5, 10^6, 10^7 items
+    python benchmarks/bench_fold_in.py --sizes 1000000 --rated 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import tracemalloc
+
+import numpy as np
+
+from device_sdk.models import LightFRConfig, LightFRModel
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[10**5, 10**6, 10**7])
+    p.add_argument("--bits", type=int, default=64)
+    p.add_argument("--rated", type=int, default=50)
+    p.add_argument("--repeat", type=int, default=21)
+    args = p.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"fold_in of a user with {args.rated} rated items, f = {args.bits}; load average {os.getloadavg()}")
+    print(f"{'items':>10} {'median ms':>10} {'min ms':>8} {'peak MiB':>9}")
+    for m in args.sizes:
+        model = LightFRModel(m, LightFRConfig(bits=args.bits), rng=np.random.default_rng(1))
+        times = []
+        for _ in range(args.repeat):
+            items = rng.choice(m, args.rated, replace=False)
+            ratings = rng.integers(1, 6, args.rated).astype(float)
+            t = time.perf_counter()
+            model.fold_in(items, ratings)
+            times.append(time.perf_counter() - t)
+        tracemalloc.start()
+        model.fold_in(rng.choice(m, args.rated, replace=False), rng.integers(1, 6, args.rated).astype(float))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        print(f"{m:>10} {np.median(times) * 1e3:>10.2f} {np.min(times) * 1e3:>8.2f} {peak / 2**20:>9.2f}", flush=True)
+        del model
+
+
+if __name__ == "__main__":
+    main()

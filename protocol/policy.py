@@ -1,0 +1,226 @@
+# Invariants:
+# - The device decides, not the server: every check here reads only the invite (and, later in the round,
+#   what the device itself verified) and the device's own `PrivacyPolicy`; nothing the server says
+#   lowers a floor.
+# - Fail closed: a field the floor needs that the invite does not state (cohort_size = 0) is a refusal.
+# - Light: numpy and the standard library only (no dp-accounting, no scipy), so a phone can import it;
+#   the per-round RDP bound is the one the server's accountant uses (`protocol.rdp.skellam_rdp`).
+"""The device-side privacy floor (issue 15 item 3): what a device refuses to take part in.
+
+A `PrivacyPolicy` sits in the device's configuration with safe defaults.  `check_invite` refuses, with a
+`PrivacyFloorViolation` naming the violated floor, an invite whose
+
+* cohort size is not stated, or whose threshold t / neighbourhood k would let an adversary holding the
+  policy's fraction of devices collect t shares of this device's secrets (`protocol.graph` rules, with
+  the policy's adversary rate): this refuses t = 1, k = 1, and t = 2 where the cohort's safe t is 6;
+* noise is below the floor: no noise at all (dp_mu = 0, unless the policy allows rounds without DP), a
+  noise multiplier sqrt(mu) / Delta_2 below ``min_noise_multiplier`` (dp_mu = 1e-300), or a survivor
+  threshold t_min outside [t, cohort_size] (dp_t_min = 2**62 would make each device add mu / 2**62);
+* privacy cost exceeds ``max_epsilon_per_round``, or would take the device's own ledger past
+  ``max_epsilon_total`` (`DeviceLedger`, kept by the device across rounds).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from protocol.errors import ConfigError, PrivacyFloorViolation
+from protocol.graph import validate_parameters
+from protocol.messages import RoundInvite
+from protocol.quantization import QuantizationConfig, sensitivity
+from protocol.rdp import ORDERS, rdp_to_epsilon, skellam_rdp
+
+__all__ = ["PrivacyPolicy", "DeviceLedger", "check_invite", "round_rdp"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrivacyPolicy:
+    """What a device refuses (defaults are the safe setting for a phone).
+
+    Attributes
+    ----------
+    adversary_rate : float
+        gamma, the fraction of a cohort the device assumes may collude with the server (default 0.05,
+        the design's production setting); t and k must keep this device's secrets out of its reach.
+    require_noise : bool
+        Refuse rounds without DP noise (default True).  A deployment that runs without DP must say so by
+        setting it to False; the other floors still hold.
+    min_noise_multiplier : float
+        Least sqrt(mu) / Delta_2 (aggregate noise std over the L2 sensitivity in quantized units) a DP
+        round may ask for (default 0.5).
+    max_epsilon_per_round : float
+        Most epsilon (at ``delta``) one round may charge this device (default 8.0).
+    max_epsilon_total : float
+        Most epsilon this device lets itself be charged over all the rounds it joins (default 16.0).
+    delta : float
+        The delta of the device's own accounting (default 1e-6).
+    enforce : bool
+        False only for `PrivacyPolicy.no_floor` (simulations of tiny cohorts and tests).
+
+    Raises
+    ------
+    ConfigError
+        A value out of range.
+    """
+
+    adversary_rate: float = 0.05
+    require_noise: bool = True
+    min_noise_multiplier: float = 0.5
+    max_epsilon_per_round: float = 8.0
+    max_epsilon_total: float = 16.0
+    delta: float = 1e-6
+    enforce: bool = True
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.adversary_rate) and 0.0 <= self.adversary_rate < 0.5):
+            raise ConfigError(f"adversary_rate must be in [0, 0.5), got {self.adversary_rate!r}")
+        for name in ("min_noise_multiplier", "max_epsilon_per_round", "max_epsilon_total"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value > 0 and not math.isnan(value)):
+                raise ConfigError(f"{name} must be > 0, got {value!r}")
+        if not (0.0 < self.delta < 1.0):
+            raise ConfigError(f"delta must be in (0, 1), got {self.delta!r}")
+
+    @classmethod
+    def no_floor(cls) -> PrivacyPolicy:
+        """TEST HOOK: a policy that checks nothing (simulations of tiny cohorts, protocol tests).
+
+        A device running it takes part in any round the server designs, including rounds that reveal its
+        input to the server; never use it on a real device.
+        """
+        return cls(require_noise=False, enforce=False)
+
+
+def round_rdp(invite: RoundInvite) -> NDArray[np.float64]:
+    """The RDP curve (at `protocol.rdp.ORDERS`) one DP round charges a participating device.
+
+    Raises
+    ------
+    ConfigError
+        The invite carries no noise (dp_mu = 0).
+    """
+    l2, l1 = sensitivity(
+        QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits), invite.vector_length
+    )
+    return skellam_rdp(invite.dp_mu, l1, l2)
+
+
+@lru_cache(maxsize=256)
+def _graph_floor(n: int, k: int, t: int, adversary_rate: float) -> str | None:
+    # Only the privacy side of the graph rules: no dropouts assumed, so liveness never refuses a round.
+    try:
+        validate_parameters(n, k, t, 0.0, adversary_rate)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def check_invite(invite: RoundInvite, policy: PrivacyPolicy, ledger: DeviceLedger | None = None) -> float:
+    """Refuse an invite below the device's floor; return the epsilon the round would charge (0 without DP).
+
+    Parameters
+    ----------
+    invite : RoundInvite
+        The round's parameters as the server sent them.
+    policy : PrivacyPolicy
+        The device's floor.
+    ledger : DeviceLedger, optional
+        The device's own record of what it was charged so far.
+
+    Returns
+    -------
+    float
+        The round's epsilon at ``policy.delta``.
+
+    Raises
+    ------
+    PrivacyFloorViolation
+        Naming the floor the invite breaks.
+    """
+    if not policy.enforce:
+        return 0.0
+    n, k, t = invite.cohort_size, invite.graph_k, invite.graph_t
+    if n < 2:
+        raise PrivacyFloorViolation(f"the invite states no usable cohort size (cohort_size={n}); refused")
+    if k > n:
+        raise PrivacyFloorViolation(f"neighbourhood k={k} exceeds the stated cohort of {n}")
+    problem = _graph_floor(n, k, t, policy.adversary_rate)
+    if problem is not None:
+        raise PrivacyFloorViolation(f"k={k}, t={t} for a cohort of {n} is below this device's floor: {problem}")
+    if invite.dp_mu <= 0.0:
+        if policy.require_noise:
+            raise PrivacyFloorViolation("the round adds no DP noise (dp_mu = 0) and this device requires it")
+        return 0.0
+    if not (t <= invite.dp_t_min <= n):
+        raise PrivacyFloorViolation(
+            f"survivor threshold t_min={invite.dp_t_min} must be in [t={t}, cohort {n}]: each device adds mu / t_min"
+        )
+    l2, _ = sensitivity(
+        QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits), invite.vector_length
+    )
+    z = math.sqrt(invite.dp_mu) / l2
+    if not z >= policy.min_noise_multiplier:
+        raise PrivacyFloorViolation(
+            f"noise multiplier sqrt(mu)/Delta_2 = {z:.3g} is below this device's floor {policy.min_noise_multiplier}"
+        )
+    curve = round_rdp(invite)
+    eps = rdp_to_epsilon(curve, policy.delta)
+    if eps > policy.max_epsilon_per_round:
+        raise PrivacyFloorViolation(
+            f"the round costs ε={eps:.3g}, above this device's {policy.max_epsilon_per_round} per round"
+        )
+    if ledger is not None:
+        total = rdp_to_epsilon(ledger.rdp + curve, policy.delta)
+        if total > policy.max_epsilon_total:
+            raise PrivacyFloorViolation(
+                f"joining would take this device to ε={total:.3g}, above its budget {policy.max_epsilon_total}"
+            )
+    return eps
+
+
+@dataclass(slots=True)
+class DeviceLedger:
+    """The privacy a device has been charged, kept by the device itself (an RDP curve at `ORDERS`).
+
+    A round is charged when the device releases its masked input, whatever happens afterwards.
+    """
+
+    rdp: NDArray[np.float64] = field(default_factory=lambda: np.zeros(len(ORDERS)))
+    rounds: int = 0
+
+    def charge(self, invite: RoundInvite) -> None:
+        """Add one DP round (no-op without noise)."""
+        if invite.dp_mu > 0.0:
+            self.rdp = self.rdp + round_rdp(invite)
+            self.rounds += 1
+
+    def epsilon(self, delta: float) -> float:
+        """Epsilon spent so far at ``delta``."""
+        return rdp_to_epsilon(self.rdp, delta)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The store form."""
+        return {"orders": list(ORDERS), "rdp": [float(x) for x in self.rdp], "rounds": self.rounds}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> DeviceLedger:
+        """Rebuild from `to_dict`.
+
+        Raises
+        ------
+        ConfigError
+            The record does not match this build's orders or is malformed.
+        """
+        orders, rdp, rounds = state.get("orders"), state.get("rdp"), state.get("rounds")
+        if orders != list(ORDERS) or not isinstance(rdp, list) or len(rdp) != len(ORDERS) or type(rounds) is not int:
+            raise ConfigError("malformed device privacy ledger")
+        curve = np.asarray(rdp, dtype=np.float64)
+        if not np.all(np.isfinite(curve)) or np.any(curve < 0) or rounds < 0:
+            raise ConfigError("malformed device privacy ledger")
+        return cls(rdp=curve, rounds=rounds)

@@ -1,0 +1,104 @@
+"""The layering of DESIGN §1, enforced.
+
+- `device_sdk` and `agg_server` never import each other; `protocol` imports no other fedrec package and
+  never aiohttp; nothing but `fedsim` (and tests, examples, benchmarks) imports `fedsim`; inside
+  `device_sdk` only the HTTP transport module imports aiohttp.  Checked on the source (every import
+  statement, at any depth, so a lazy import inside a function counts too).
+- `import device_sdk` in a fresh interpreter loads no aiohttp, scipy or dp-accounting, and no server or
+  simulation package, and takes at most 0.3 s of CPU time (bytecode cached, as on an installed device).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("protocol", "device_sdk", "agg_server", "fedsim")
+
+# package -> top-level modules it must never import (anywhere in its source).
+FORBIDDEN = {
+    "protocol": {"device_sdk", "agg_server", "fedsim", "aiohttp", "yarl", "scipy"},
+    "device_sdk": {"agg_server", "fedsim", "scipy", "dp_accounting", "tqdm"},
+    "agg_server": {"device_sdk", "fedsim"},
+}
+# The one module of device_sdk that may import aiohttp (loaded lazily by DeviceClient.connect).
+AIOHTTP_OK = {"device_sdk/http.py"}
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level names of every module ``path`` imports (absolute imports; relative ones stay in-package)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def _sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_only_what_its_layer_allows(package: str) -> None:
+    broken = []
+    for path in _sources(package):
+        rel = path.relative_to(ROOT).as_posix()
+        bad = _imports(path) & FORBIDDEN[package]
+        if "aiohttp" in _imports(path) and package == "device_sdk" and rel not in AIOHTTP_OK:
+            bad.add("aiohttp")
+        if bad:
+            broken.append(f"{rel} imports {sorted(bad)}")
+    assert not broken, "layering broken (DESIGN §1):\n" + "\n".join(broken)
+
+
+def test_the_scan_sees_every_kind_of_import(tmp_path: Path) -> None:
+    """The checker itself: plain, from-, nested and lazy imports are all found; relative ones are not."""
+    src = tmp_path / "m.py"
+    src.write_text(
+        "import a.b\nfrom c import d\nfrom . import e\n"
+        "def f():\n    import g\n    from h.i import j\n"
+        "class K:\n    from agg_server import x\n",
+        encoding="utf-8",
+    )
+    assert _imports(src) == {"a", "c", "g", "h", "agg_server"}
+
+
+_PROBE = """
+import json, sys, time
+t = time.process_time()
+import device_sdk
+cpu = time.process_time() - t
+print(json.dumps({"cpu": cpu, "modules": sorted({m.split(".")[0] for m in sys.modules})}))
+"""
+
+
+def _probe(env: dict[str, str]) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+def test_import_device_sdk_is_light(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    # Compiled bytecode as an installed package has it, kept out of the checkout.
+    env["PYTHONPYCACHEPREFIX"] = str(tmp_path / "pycache")
+    env["PYTHONPATH"] = str(ROOT)
+    first = _probe(env)  # writes the bytecode cache
+    modules = set(first["modules"])  # type: ignore[arg-type]
+    heavy = modules & {"aiohttp", "yarl", "multidict", "scipy", "dp_accounting", "agg_server", "fedsim", "tqdm"}
+    assert not heavy, f"import device_sdk loaded {sorted(heavy)}"
+    # CPU time, not wall time: the test machine is shared, and the best of three runs is the import's cost.
+    cpu = min(float(_probe(env)["cpu"]) for _ in range(3))  # type: ignore[arg-type]
+    assert cpu <= 0.3, f"import device_sdk took {cpu:.3f} s of CPU (limit 0.3 s)"

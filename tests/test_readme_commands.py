@@ -1,0 +1,89 @@
+"""The README's server and load-test commands, run literally, work together.
+
+The server is started with the README's own line (``fedrec-server --config examples/server.toml``) plus
+two overrides a test needs (a temporary ``--data-dir`` and ``--port 0``); the load test is the README's
+``fedrec loadtest`` line with the URL of that server and its fleet scaled down (fewer devices, one
+round).  ``fedrec`` / ``fedrec-server`` become ``python -m fedsim.cli`` / ``python -m agg_server`` so the
+checkout under test runs, not an installed copy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _readme_line(prefix: str) -> list[str]:
+    """The first line of a README code block that starts with ``prefix``, split like a shell (comments dropped)."""
+    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+        for line in block.splitlines():
+            if line.startswith(prefix):
+                return shlex.split(line, comments=True)
+    raise AssertionError(f"no README command starts with {prefix!r}")
+
+
+def _scale(argv: list[str], option: str, value: str) -> list[str]:
+    i = argv.index(option)
+    return [*argv[: i + 1], value, *argv[i + 2 :]]
+
+
+@pytest.mark.timeout(240)
+def test_readme_server_and_loadtest_work_together(tmp_path: Path) -> None:
+    server_cmd = _readme_line("fedrec-server ")
+    loadtest_cmd = _readme_line("fedrec loadtest ")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    server = [sys.executable, "-m", "agg_server", *server_cmd[1:], "--data-dir", str(tmp_path / "data"), "--port", "0"]
+    with (
+        open(tmp_path / "server.log", "w") as log,
+        subprocess.Popen(server, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True) as proc,
+    ):
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert "listening on http://127.0.0.1:" in line, (tmp_path / "server.log").read_text()
+            url = line.strip().rsplit(" ", 1)[-1]
+            argv = _scale(_scale(loadtest_cmd[1:], "--devices", "12"), "--rounds", "1")
+            argv = _scale(argv, "--url", url)
+            wrong = subprocess.run(
+                [sys.executable, "-m", "fedsim.cli", *argv, "--n-items", "3706"],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            lt = subprocess.run(
+                [sys.executable, "-m", "fedsim.cli", *argv, "--time-limit", "150"],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=200,
+                check=False,
+            )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=60)
+    # A size that disagrees with the server is one line and status 2, before any device starts.
+    assert wrong.returncode == 2 and wrong.stdout == ""
+    assert wrong.stderr == (
+        f"fedrec loadtest: error: --n-items 3706 but the server at {url} trains model.n_items=1682; "
+        "drop --n-items to use the server's\n"
+    )
+    assert lt.returncode == 0, f"{shlex.join(argv)}\n{lt.stdout}\n{lt.stderr}"
+    assert "12 devices, 1 rounds finished (1 committed)" in lt.stdout
+    assert "errors by type: none" in lt.stdout
+    assert code == 0
+    # Nothing was written into the checkout.
+    assert not (ROOT / "examples" / "fedrec-data").exists()
