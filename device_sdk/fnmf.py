@@ -5,15 +5,8 @@ secure variant.
 
 Notation: a client holds X (n, m) ≥ 0 (its rows: many users in the cross-silo setting), its private
 U (n, k) ≥ 0 and a local component matrix V (k, m) ≥ 0 in its *own* row order; the server's
-V̄ (k, m) ≥ 0 is in the *global* order.  An alignment is a (k, k) matrix P with rows in the global
-order and columns in the client's order, so ``P @ V`` is compared row by row with V̄:
-- "none": P = I (FedAvg / FedProx);
-- "lap" (D1): a permutation matrix minimising ‖V̄ − PV‖²_F (linear assignment);
-- "lap_rho" (D2): a partial permutation; a pair may match only if its Pearson correlation is
-  significantly positive (Fisher z, one-sided, level α); global rows with no match are zero rows of
-  P and local rows with no match are *personal* (never pulled towards V̄);
-- "sinkhorn" (D3): a row-stochastic entropic transport plan (each global row is a convex
-  combination of local rows).
+V̄ (k, m) ≥ 0 is in the *global* order.  The alignments P of V to V̄ ("none", "lap", "lap_rho",
+"sinkhorn") and the upload layout are `protocol.families.fnmf`'s, shared with the server.
 
 Invariants:
 - Every kernel is pure numpy: arrays in, new arrays out; no logging, no global randomness.  Python

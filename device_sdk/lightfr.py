@@ -360,9 +360,15 @@ def dcd_full(
     alpha: float,
     *,
     max_sweeps: int = 10,
+    gram: tuple[NDArray[np.float64], NDArray[np.float64]] | None = None,
 ) -> tuple[NDArray[np.int8], DCDStats]:
     """DCD of user codes against the all-items objective (see the comment above), item codes and
-    biases fixed.  ``r`` holds the observed items' targets only (no sampled negatives)."""
+    biases fixed.  ``r`` holds the observed items' targets only (no sampled negatives).
+
+    ``gram``, if given, is (G_D, Dᵀβ) of the whole catalogue, computed once per model version; ``D``
+    and ``beta`` may then hold only the rows of the items in ``items`` (indexed by ``items``), so a
+    call costs O(f·|Ω_u| + f²) and never reads the rest of the catalogue (cold-start fold-in).
+    """
     B = np.asarray(B)
     D = np.asarray(D)
     n, f = B.shape
@@ -379,9 +385,13 @@ def dcd_full(
     _check_csr(indptr, items, r, m)
     c = 1.0 + alpha
     wq = c - w0
-    Df = D.astype(np.float64)
-    G = Df.T @ Df
-    Dbeta = Df.T @ beta
+    if gram is None:
+        Df = D.astype(np.float64)
+        G, Dbeta = Df.T @ Df, Df.T @ beta
+    else:
+        G, Dbeta = gram
+        if G.shape != (f, f) or Dbeta.shape != (f,):
+            raise ValueError(f"gram must be ((f, f), (f,)) for f = {f}, got {G.shape}, {Dbeta.shape}")
     counts = np.diff(indptr)
     rows = _row_of(indptr)
     nonempty = np.flatnonzero(counts)

@@ -51,9 +51,9 @@ from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
-from protocol.families.mf import project_rows
+from protocol.families.mf import check_training, project_rows
 from protocol.messages import RoundInvite
-from protocol.spec import MAX_LOCAL_STEPS, MAX_RANK, ModelKind
+from protocol.spec import MAX_RANK, ModelKind
 
 __all__ = [
     "MFConfig",
@@ -254,22 +254,20 @@ class MFConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.factors <= MAX_RANK:
             raise ValueError(f"factors must be in [1, {MAX_RANK}], got {self.factors}")
-        for name in ("max_norm2", "init_scale"):
-            v = getattr(self, name)
-            if not (np.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be finite and > 0, got {v}")
-        for name in ("learning_rate", "reg"):
-            v = getattr(self, name)
-            if not (np.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be finite and >= 0, got {v}")
-        for name in ("example_cap", "negatives", "fine_tune_epochs"):
+        if not (np.isfinite(self.init_scale) and self.init_scale > 0):
+            raise ValueError(f"init_scale must be finite and > 0, got {self.init_scale}")
+        for name in ("example_cap", "fine_tune_epochs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        # The plan's bounds (RoundInvite, the server's [mf] table): a config no round could carry is refused.
-        if not 0 <= self.pretrain_epochs <= MAX_LOCAL_STEPS:
-            raise ValueError(f"pretrain_epochs must be in [0, {MAX_LOCAL_STEPS}], got {self.pretrain_epochs}")
-        if not 1 <= self.local_epochs <= MAX_LOCAL_STEPS:
-            raise ValueError(f"local_epochs must be in [1, {MAX_LOCAL_STEPS}], got {self.local_epochs}")
+        # The plan's bounds, checked as the server's strategy checks them (one validator).
+        check_training(
+            max_norm2=self.max_norm2,
+            learning_rate=self.learning_rate,
+            reg=self.reg,
+            pretrain_epochs=self.pretrain_epochs,
+            local_epochs=self.local_epochs,
+            negatives=self.negatives,
+        )
 
 
 def _targets(ratings: NDArray[np.float64] | None, n: int, R: float) -> NDArray[np.float64]:

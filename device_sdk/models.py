@@ -162,6 +162,9 @@ class LightFRModel(Recommender):
     _levels: NDArray[np.uint8] | None = field(default=None, init=False, repr=False)
     _weight: int = field(default=1, init=False, repr=False)
     _index: HammingIndex | None = field(default=None, init=False, repr=False)
+    _gram: tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]] | None = field(
+        default=None, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.n_items <= 0:
@@ -195,6 +198,7 @@ class LightFRModel(Recommender):
                 raise ValueError("item_levels must be integers in [0, 255]")
             self._levels = lv.astype(np.uint8)
         self._index = None
+        self._gram = None
 
     @property
     def hamming_weight(self) -> int:
@@ -207,6 +211,25 @@ class LightFRModel(Recommender):
             raise ValueError(f"hamming_weight must be an integer >= 1, got {weight!r}")
         self._weight = int(weight)
         self._index = None
+        self._gram = None
+
+    def item_gram(self) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+        """(G_D = DᵀD (f, f), Dᵀβ (f,), β (m,)) of the current item codes and the item biases β the
+        levels stand for (`protocol.families.lightfr.bias_from_levels`): what the all-items objective
+        needs of the catalogue.  Computed once per new model (one pass over the codes, in chunks),
+        then reused by every fold-in."""
+        if self._gram is None:
+            f, m = self.config.bits, self.n_items
+            beta = bias_from_levels(self._levels, m, f, self._weight)
+            G = np.zeros((f, f))
+            Db = np.zeros(f)
+            step = max(1, (1 << 22) // f)  # rows per chunk: a few MiB of float64 at a time
+            for s in range(0, m, step):  # chunks of the catalogue, each a BLAS product
+                Dc = self.item_codes[s : s + step].astype(np.float64)
+                G += Dc.T @ Dc
+                Db += Dc.T @ beta[s : s + step]
+            self._gram = (G, Db, beta)
+        return self._gram
 
     def _hamming_index(self) -> HammingIndex:
         """The retrieval index of the current item codes and levels, built once per change."""
@@ -281,6 +304,7 @@ class LightFRModel(Recommender):
         self.item_codes = signs
         self._item_words = pack_signs(signs)
         self._index = None
+        self._gram = None
         self.model_version = int(version)
 
     # -- training -------------------------------------------------------------------------------
@@ -387,10 +411,45 @@ class LightFRModel(Recommender):
         if items.size == 0:
             raise ValueError("fold_in needs at least one rated item")
         targets = cfg.normalize(None if ratings is None else np.asarray(ratings, float), items.size)
-        indptr, all_items, r = self._user_csr(items, targets, self.rng, cfg.negatives)
-        codes, _ = lightfr.fold_in_codes(indptr, all_items, r, self.item_codes, max_sweeps=cfg.max_sweeps)
+        if cfg.unobserved_weight > 0:
+            codes = self._fold_in_full(items, targets)
+        else:
+            indptr, all_items, r = self._user_csr(items, targets, self.rng, cfg.negatives)
+            codes, _ = lightfr.fold_in_codes(indptr, all_items, r, self.item_codes, max_sweeps=cfg.max_sweeps)
         self._set_user(userid, codes[0])
         return codes[0].copy()
+
+    def _fold_in_full(self, items: NDArray[np.int64], targets: NDArray[np.float64]) -> NDArray[np.int8]:
+        """Fold-in under the all-items objective: DCD (`lightfr.dcd_full`) on the rated items' codes
+        with the catalogue entering only through the cached item Gram, so a call costs
+        O(f·|Ω_u| + f²) whatever m is.  Starts from the sign of the objective's linear part."""
+        cfg = self.config
+        G, Db, beta = self.item_gram()
+        touched, local = np.unique(items, return_inverse=True)
+        local = local.astype(np.int64).ravel()
+        # Repeated ids count once, with the last rating given.
+        r = np.zeros(touched.size)
+        r[local] = targets
+        D_sub = self.item_codes[touched]
+        b_sub = beta[touched]
+        c = 1.0 + cfg.confidence
+        w0 = cfg.unobserved_weight
+        lin = -(c * r - (c - w0) * b_sub) @ D_sub + w0 * Db  # C_k / f at b = 0
+        B0 = np.where(lin > 0, -1, 1).astype(np.int8)[None, :]
+        indptr = np.array([0, touched.size], dtype=np.int64)
+        codes, _ = lightfr.dcd_full(
+            indptr,
+            np.arange(touched.size, dtype=np.int64),
+            r,
+            B0,
+            D_sub,
+            b_sub,
+            w0,
+            cfg.confidence,
+            max_sweeps=cfg.max_sweeps,
+            gram=(G, Db),
+        )
+        return codes
 
     def reset_user(self, rng: np.random.Generator, *, userid: int = 0) -> None:
         """Draw a fresh random code for a user (LightFR Algorithm 1: clients start from random codes).
@@ -402,6 +461,16 @@ class LightFRModel(Recommender):
         code = random_signs(1, self.config.bits, rng)[0]
         self.user_codes[userid] = code
         self._user_words[:, userid] = pack_signs(code[None, :])[:, 0]
+
+    def set_user_code(self, code: ArrayLike, *, userid: int = 0) -> None:
+        """Adopt a user code learnt elsewhere (e.g. exported from a simulated run); the user counts as
+        trained.  ``code`` is (f,) of ±1."""
+        if not 0 <= userid < self.n_users:
+            raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
+        c = np.asarray(code)
+        if c.shape != (self.config.bits,) or not np.all(np.abs(c) == 1):
+            raise ValueError(f"a user code is {self.config.bits} values of ±1, got shape {c.shape}")
+        self._set_user(userid, c.astype(np.int8))
 
     def _set_user(self, userid: int, code: NDArray[np.int8]) -> None:
         self.user_codes[userid] = code

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -106,6 +107,11 @@ class HammingIndex:
         # Costs fit int16 for any practical B (f·B + 255 < 2^15), where numpy sorts by counting.
         cdt = np.int16 if self.f * self.weight + self._top < 2**15 else np.int64
         self._bias = (self._top - lv[order]).astype(cdt)  # ascending along the scan
+
+    def __reduce__(self) -> tuple[type[HammingIndex], tuple[Any, ...]]:
+        # Copies (copy.deepcopy of a model, pickling) rebuild the index from its inputs; the
+        # per-thread scan buffers are a cache and are never copied.
+        return (HammingIndex, (self._words, self.f, self._levels, self.weight))
 
     @property
     def _B(self) -> int:

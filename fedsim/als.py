@@ -3,7 +3,8 @@ that binary codes are compared against.  Not federated and not private — a bas
 
 Confidence c_ui = 1 + α·[u rated i], preference p_ui = [u rated i]; each half-step solves, for every
 user (item), (YᵀY + Yᵀ(C_u − I)Y + λI) x_u = YᵀC_u p_u.  The per-row Gram corrections are built in
-chunks of rows with one einsum per chunk, so memory stays bounded and no Python loop runs over ratings.
+chunks of rows of similar length with one batched matmul per chunk, so memory stays bounded and no
+Python loop runs over ratings.
 """
 
 from __future__ import annotations
@@ -18,22 +19,35 @@ __all__ = ["implicit_als"]
 
 
 def _half_step(
-    R: sp.csr_matrix, Y: NDArray[np.float64], alpha: float, reg: float, chunk: int = 256
+    R: sp.csr_matrix, Y: NDArray[np.float64], alpha: float, reg: float, budget: int = 1 << 22
 ) -> NDArray[np.float64]:
+    """Solve every row's normal equations.  Rows are taken in order of their rating count and padded
+    to the longest row of their chunk, so each chunk's Gram corrections Yᵤᵀ Yᵤ are one batched
+    matmul (B, f, L) @ (B, L, f) over ``budget`` floats at most; no Python loop runs over ratings."""
     n, f = R.shape[0], Y.shape[1]
-    YtY = Y.T @ Y
+    base = Y.T @ Y + reg * np.eye(f)
     X = np.zeros((n, f))
-    eye = reg * np.eye(f)
-    for start in range(0, n, chunk):
-        stop = min(start + chunk, n)
-        sub = R[start:stop]
-        rows = np.repeat(np.arange(stop - start), np.diff(sub.indptr))
-        Yi = Y[sub.indices]  # (nnz_chunk, f)
-        A = np.broadcast_to(YtY + eye, (stop - start, f, f)).copy()
-        np.add.at(A, rows, alpha * np.einsum("ef,eg->efg", Yi, Yi))
-        b = np.zeros((stop - start, f))
-        np.add.at(b, rows, (1.0 + alpha) * Yi)
-        X[start:stop] = np.linalg.solve(A, b[..., None])[..., 0]
+    deg = np.diff(R.indptr)
+    order = np.argsort(deg, kind="stable")
+    deg_sorted = deg[order]
+    start = 0
+    while start < n:  # loop over chunks of rows of similar length
+        # largest chunk whose padded block (rows x longest row x f) fits the budget
+        ahead = deg_sorted[start : start + 2048]  # A and b of 2048 rows: 64 MiB at f = 64
+        padded = np.maximum(ahead, 1) * np.arange(1, ahead.shape[0] + 1) * f
+        size = max(1, int(np.searchsorted(padded, budget, side="right")))
+        rows = order[start : start + size]
+        L = int(deg_sorted[start + rows.shape[0] - 1])
+        A = np.broadcast_to(base, (rows.shape[0], f, f)).copy()
+        b = np.zeros((rows.shape[0], f))
+        if L:
+            pos = R.indptr[rows][:, None] + np.arange(L)[None, :]
+            live = np.arange(L)[None, :] < deg[rows][:, None]
+            P = Y[R.indices[np.where(live, pos, 0)]] * live[..., None]  # (B, L, f), zero padding
+            A += alpha * np.matmul(P.transpose(0, 2, 1), P)
+            b = (1.0 + alpha) * P.sum(axis=1)
+        X[rows] = np.linalg.solve(A, b[..., None])[..., 0]
+        start += rows.shape[0]
     return X
 
 

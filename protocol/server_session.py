@@ -151,7 +151,14 @@ class ServerSecAggSession:
         Invalid parameters (k even and below n, t > k, bad invite fields, duplicate ids).
     """
 
-    def __init__(self, params: RoundParameters, device_ids: Sequence[int], *, rng: np.random.Generator) -> None:
+    def __init__(
+        self,
+        params: RoundParameters,
+        device_ids: Sequence[int],
+        *,
+        rng: np.random.Generator,
+        defer_finish: bool = False,
+    ) -> None:
         ids = [int(i) for i in device_ids]
         if len(set(ids)) != len(ids):
             raise ValueError("device ids must be distinct")
@@ -164,6 +171,9 @@ class ServerSecAggSession:
         self._phase = Phase.ADVERTISE_KEYS
         self.invited: frozenset[int] = frozenset(ids)
         self._keys: dict[int, tuple[bytes, bytes]] = {}
+        self._used_keys: set[bytes] = set()
+        self._defer_finish = defer_finish
+        self._finishing = False
         self._failed: set[int] = set()
         self._left: set[int] = set()
         self._dropouts: dict[Phase, set[int]] = {p: set() for p in ACTIVE_PHASES}
@@ -206,15 +216,23 @@ class ServerSecAggSession:
         """Why the round aborted (None unless ABORTED)."""
         return self._abort_error
 
+    @property
+    def finishing(self) -> bool:
+        """UNMASK has closed and the mask removal waits for `finish` (only with ``defer_finish``)."""
+        return self._finishing
+
     def expected(self) -> frozenset[int]:
         """Devices whose message for the current phase is still awaited."""
         return frozenset(self._expected_set() - self._done_set())
 
-    def receive(self, device_id: int, message: Message) -> None:
+    def receive(self, device_id: int, message: Message, *, digest: bytes | None = None) -> None:
         """Accept one device's message.
 
         A device whose message is illegal is excluded from the round (a dropout) and the error is raised
         for the caller to report; the round itself goes on.  An identical retransmission is ignored.
+
+        ``digest`` identifies the message's bytes (the SHA-256 of the request body, say); without it
+        the message is encoded again to be hashed.
 
         Raises
         ------
@@ -233,6 +251,8 @@ class ServerSecAggSession:
             raise RemoteProtocolError(f"device {device_id} was excluded from this round after a protocol error")
         if self._phase in (Phase.DONE, Phase.ABORTED):
             raise RoundClosed(f"round {self.params.round_id} is {self._phase.name}")
+        if self._finishing:
+            raise RoundClosed(f"round {self.params.round_id} closed UNMASK and is finishing")
         if device_id in self._left:
             raise RoundClosed(f"device {device_id} left the round")
         key = (Role.SERVER, self._phase, Direction.RECEIVE, type(message))
@@ -253,7 +273,8 @@ class ServerSecAggSession:
             )
         if device_id not in self._expected_set():
             raise RoundClosed(f"device {device_id} is not part of phase {self._phase.name}")
-        digest = hashlib.sha256(encode(message)).digest()
+        if digest is None:
+            digest = hashlib.sha256(encode(message)).digest()
         if device_id in self._done_set():
             if self._digests.get(device_id) == digest:
                 return  # idempotent retry (e.g. an HTTP retransmission)
@@ -281,7 +302,11 @@ class ServerSecAggSession:
             The phase after advancing.
         """
         self._guard()
-        while self._phase in ACTIVE_PHASES and now >= phase_deadline(self._phase, self.params.deadlines):
+        while (
+            self._phase in ACTIVE_PHASES
+            and not self._finishing
+            and now >= phase_deadline(self._phase, self.params.deadlines)
+        ):
             self._close_phase()
         return self._phase
 
@@ -305,7 +330,7 @@ class ServerSecAggSession:
         if device_id not in self.invited:
             raise RemoteProtocolError(f"device {device_id} is not part of round {self.params.round_id}")
         rid = self.params.round_id
-        if self._phase is Phase.DONE:
+        if self._phase is Phase.DONE or self._finishing:
             return None
         if self._phase is Phase.ABORTED:
             return Abort(round_id=rid, device_id=device_id, reason=str(self._abort_error or "aborted"))
@@ -319,8 +344,42 @@ class ServerSecAggSession:
     def abort(self, reason: str) -> None:
         """Abort the round from the coordinator's side (nothing further is revealed)."""
         self._guard()
+        if self._finishing:
+            raise LocalProtocolError("the round is finishing; it cannot be aborted now")
         if self._phase in ACTIVE_PHASES:
             self._abort(RoundClosed(reason))
+
+    def finish(self) -> Phase:
+        """Remove the masks after UNMASK closed (``defer_finish``): the CPU-heavy part of a round.
+
+        While `finishing`, nothing else changes this session (receive refuses, advance and abort
+        wait), so a caller may run this in another thread.
+
+        Returns
+        -------
+        Phase
+            DONE, or ABORTED when too few shares came back.
+
+        Raises
+        ------
+        LocalProtocolError
+            Not finishing.
+        CryptoError
+            A reconstructed key does not match its advertised key (the session moves to ERROR).
+        """
+        self._guard()
+        if not self._finishing:
+            raise LocalProtocolError(f"nothing to finish in phase {self._phase.name}")
+        try:
+            self._remove_masks()
+        except NotEnoughParticipants as exc:
+            self._abort(exc)
+        except Exception:
+            self._phase = Phase.ERROR
+            raise
+        finally:
+            self._finishing = False
+        return self._phase
 
     def result(self) -> SecAggResult:
         """The aggregate of a completed round.
@@ -385,7 +444,7 @@ class ServerSecAggSession:
         return frozenset()
 
     def _maybe_close(self) -> None:
-        if self._phase not in ACTIVE_PHASES:
+        if self._phase not in ACTIVE_PHASES or self._finishing:
             return
         waiting = self._expected_set() - self._done_set() - self._failed - self._left
         if not waiting:
@@ -416,10 +475,10 @@ class ServerSecAggSession:
             raise StaleRound(f"message for round {round_id}, this is round {p.round_id}")
         if isinstance(message, PublicKeys):
             pair = (message.c_public_key, message.s_public_key)
-            used = {k for kp in self._keys.values() for k in kp}
-            if pair[0] in used or pair[1] in used:
+            if pair[0] in self._used_keys or pair[1] in self._used_keys:
                 raise RemoteProtocolError(f"device {u} advertised a key another device already uses")
             self._keys[u] = pair
+            self._used_keys.update(pair)
             return
         if getattr(message, "session_id", self._session) != self._session:
             raise StaleRound("session id mismatch: the message belongs to another session")
@@ -500,9 +559,9 @@ class ServerSecAggSession:
         self._phase = Phase.UNMASK
 
     def _close_unmask(self) -> None:
-        p, acc = self.params, self._acc
-        if acc is None:  # pragma: no cover
-            raise LocalProtocolError("no accumulator")
+        # The checks close the phase; the mask removal (`_remove_masks`) is the heavy part, run at once
+        # or, with ``defer_finish``, by `finish` (the server runs it off its event loop).
+        p = self.params
         self._record_dropouts(Phase.UNMASK, self._responded)
         dropped = sorted(self._u2 - self._u3)
         for owner in sorted(self._u3):
@@ -511,15 +570,26 @@ class ServerSecAggSession:
         for owner in dropped:
             if len(self._s_shares.get(owner, ())) < p.t:
                 raise NotEnoughParticipants(f"too few neighbours of dropped {owner} answered the unmask request")
+        self._finishing = True
+        if not self._defer_finish:
+            self._finishing = False
+            self._remove_masks()
+
+    def _remove_masks(self) -> None:
+        p, acc = self.params, self._acc
+        if acc is None:  # pragma: no cover
+            raise LocalProtocolError("no accumulator")
+        dropped = sorted(self._u2 - self._u3)
         session = self._session
         for owner in sorted(self._u3):
             acc.remove_self_mask(reconstruct(self._b_shares[owner], p.t), session, owner)
         for owner in dropped:
-            s_private = reconstruct(self._s_shares[owner], p.t)
-            if crypto.key_pair_from_private_bytes(s_private).public_key != self._keys[owner][1]:
+            # Parsed once per dropped device (its public key is derived once for the check, too).
+            pair = crypto.key_pair_from_private_bytes(reconstruct(self._s_shares[owner], p.t))
+            if pair.public_key != self._keys[owner][1]:
                 raise CryptoError(f"reconstructed mask key of {owner} does not match its advertised key")
             peers = {u: self._keys[u][1] for u in self._graph[owner] if u in self._u3}
-            for u, key in pair_mask_keys(s_private, peers, session, owner).items():
+            for u, key in pair_mask_keys(pair.private_key, peers, session, owner).items():
                 acc.remove_pair_mask(u, owner, key)
         self._result = SecAggResult(
             total=acc.total(),

@@ -48,17 +48,19 @@ def shared_data() -> Path:
 
 
 # -- test layers ----------------------------------------------------------------------------------
-# The unit layer runs no server, socket or fleet; the integration layer starts real servers
-# (aiohttp on loopback, `fedrec-server` processes), fleets of device clients, the example scripts, the
-# CLI end to end or a browser.  A test is integration when it uses a loopback-server fixture, lives in
-# one of these modules, or says so with ``@pytest.mark.integration``.  `.ci/run` runs the two layers
+# The unit layer runs no server, socket, fleet or real dataset; the integration layer starts real
+# servers (aiohttp on loopback, `fedrec-server` processes), fleets of device clients, the example
+# scripts, the CLI end to end or a browser, or trains and evaluates on the real datasets.  A test is
+# integration when it uses a loopback-server fixture or the real datasets (`shared_data`), lives in one
+# of these modules, or says so with ``@pytest.mark.integration``.  `.ci/run` runs the two layers
 # as two steps; together they are exactly ``python -m pytest``.
-_SERVER_FIXTURES = frozenset({"aiohttp_server", "aiohttp_client", "aiohttp_raw_server"})
+_INTEGRATION_FIXTURES = frozenset({"aiohttp_server", "aiohttp_client", "aiohttp_raw_server", "shared_data"})
 _INTEGRATION_MODULES = frozenset(
     {
         "test_dashboard_browser",
         "test_examples",
         "test_fedsim_cli",
+        "test_readme_commands",
         "test_server_cli",
         "test_server_crash",
         "test_server_tls",
@@ -70,5 +72,5 @@ _INTEGRATION_MODULES = frozenset(
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
-        if _SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or module in _INTEGRATION_MODULES:
+        if _INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())) or module in _INTEGRATION_MODULES:
             item.add_marker(pytest.mark.integration)

@@ -242,3 +242,38 @@ def test_valid_store_with_invalid_state_is_a_storage_error(tmp_path: Path) -> No
     store.save_store(path, "lightfr", {"config": {"bits": 64}, "n_items": 3})
     with pytest.raises(StorageError, match="LightFR state is invalid"):
         LightFRModel.load(path)
+
+
+def test_fold_in_all_items_objective_uses_the_cached_gram_and_matches_the_full_kernel() -> None:
+    from device_sdk import lightfr
+    from protocol.families.lightfr import bias_from_levels
+
+    rng = np.random.default_rng(11)
+    m, f, w0, alpha = 400, 32, 0.1, 2.0
+    cfg = LightFRConfig(bits=f, rating_range=None, unobserved_weight=w0, confidence=alpha)
+    model = LightFRModel(m, cfg, rng=np.random.default_rng(0))
+    D = random_signs(m, f, rng)
+    model.set_item_codes(D, version=3)
+    model.item_levels = rng.integers(100, 156, m).astype(np.uint8)
+    model.hamming_weight = 2
+    items = np.sort(rng.choice(m, 25, replace=False))
+    code = model.fold_in(items)
+    gram = model._gram
+    assert gram is not None
+    # The same DCD on the whole catalogue (the kernel computes G and Dᵀβ itself) from the same start.
+    beta = bias_from_levels(model.item_levels, m, f, 2)
+    r = np.ones(items.size)
+    c = 1.0 + alpha
+    lin = -(c * r - (c - w0) * beta[items]) @ D[items].astype(float) + w0 * (D.T.astype(float) @ beta)
+    B0 = np.where(lin > 0, -1, 1).astype(np.int8)[None, :]
+    ref, _ = lightfr.dcd_full(np.array([0, items.size]), items, r, B0, D, beta, w0, alpha, max_sweeps=cfg.max_sweeps)
+    assert np.array_equal(code, ref[0])
+    np.testing.assert_allclose(gram[0], D.T.astype(float) @ D)
+    # Cached per model version: a second fold-in reuses it, new codes or levels recompute it.
+    model.fold_in(items[:5])
+    assert model._gram is gram
+    model.item_levels = None
+    assert model._gram is None
+    model.fold_in(items[:5])
+    model.set_item_codes(-D, version=4)
+    assert model._gram is None

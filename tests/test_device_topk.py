@@ -157,3 +157,17 @@ def test_index_validates_its_inputs() -> None:
         index.search(np.zeros((2, 1), np.uint64), 3, None, exclude=[None])
     with pytest.raises(ValueError, match="out of range"):
         index.search(np.zeros((1, 1), np.uint64), 3, None, exclude=[np.array([5])])
+
+
+def test_index_survives_copies() -> None:
+    import copy
+
+    rng = np.random.default_rng(5)
+    D = random_signs(300, 64, rng)
+    levels = rng.integers(0, 4, 300).astype(np.uint8)
+    index = HammingIndex(pack_signs(D), 64, levels, 3)
+    u = pack_signs(random_signs(2, 64, rng)).T.copy()
+    before = index.search(u, 7, np.random.default_rng(1))
+    clone = copy.deepcopy(index)
+    after = clone.search(u, 7, np.random.default_rng(1))
+    assert np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])

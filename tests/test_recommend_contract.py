@@ -185,3 +185,12 @@ class TestFNMF(RecommenderContract):
 
     def fold(self, model: FNMFModel, liked: np.ndarray, userid: int) -> None:
         model.fold_in(liked, userid=userid)
+
+
+def test_a_model_that_has_recommended_can_be_deep_copied() -> None:
+    import copy
+
+    model = TestLightFR().ready()
+    a = model.recommend(EVENS[1:], N=5, rng=np.random.default_rng(2))
+    b = copy.deepcopy(model).recommend(EVENS[1:], N=5, rng=np.random.default_rng(2))
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])

@@ -22,8 +22,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
-from protocol.families.mf import project_rows
-from protocol.spec import MAX_LOCAL_STEPS, MAX_RANK, ModelKind
+from protocol.families.mf import check_training, project_rows
+from protocol.spec import MAX_RANK, ModelKind
 
 __all__ = ["MFStrategy"]
 
@@ -63,20 +63,18 @@ class MFStrategy:
             raise ValueError(f"n_items must be positive, got {self.n_items}")
         if not 1 <= self.rank <= MAX_RANK:
             raise ValueError(f"rank must be in [1, {MAX_RANK}], got {self.rank}")
-        for name in ("max_norm2", "server_lr", "init_scale"):
+        for name in ("server_lr", "init_scale"):
             v = getattr(self, name)
             if not (np.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {v}")
-        for name in ("learning_rate", "reg"):
-            v = getattr(self, name)
-            if not (np.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be finite and >= 0, got {v}")
-        if not 0 <= self.pretrain_epochs <= MAX_LOCAL_STEPS:
-            raise ValueError(f"pretrain_epochs must be in [0, {MAX_LOCAL_STEPS}], got {self.pretrain_epochs}")
-        if not 1 <= self.local_epochs <= MAX_LOCAL_STEPS:
-            raise ValueError(f"local_epochs must be in [1, {MAX_LOCAL_STEPS}], got {self.local_epochs}")
-        if self.negatives < 0:
-            raise ValueError(f"negatives must be >= 0, got {self.negatives}")
+        check_training(
+            max_norm2=self.max_norm2,
+            learning_rate=self.learning_rate,
+            reg=self.reg,
+            pretrain_epochs=self.pretrain_epochs,
+            local_epochs=self.local_epochs,
+            negatives=self.negatives,
+        )
         if self.kind != ModelKind.MF.value:
             raise ValueError(f"kind must be {ModelKind.MF.value!r}, got {self.kind!r}")
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["project_rows"]
+from protocol.spec import MAX_LOCAL_STEPS
+
+__all__ = ["check_training", "project_rows"]
 
 
 def project_rows(X: NDArray[np.floating], R: float) -> NDArray[np.float64]:
@@ -39,3 +41,35 @@ def project_rows(X: NDArray[np.floating], R: float) -> NDArray[np.float64]:
     scale = np.ones_like(n2)
     scale[over] = np.sqrt(R / n2[over])  # u / max{1, ‖u‖/√R}
     return Y * scale[:, None]
+
+
+def check_training(
+    *,
+    max_norm2: float,
+    learning_rate: float,
+    reg: float,
+    pretrain_epochs: int,
+    local_epochs: int,
+    negatives: int,
+) -> None:
+    """The one check of MF's training parameters, for the device's config and the server's strategy alike
+    (the bounds a `RoundInvite` can carry).
+
+    Raises
+    ------
+    ValueError
+        Naming the first parameter out of range: R must be finite and > 0; the step and the L2 weight
+        finite and >= 0; pre-training epochs in [0, MAX_LOCAL_STEPS]; local epochs in
+        [1, MAX_LOCAL_STEPS]; negatives >= 0.
+    """
+    if not (np.isfinite(max_norm2) and max_norm2 > 0):
+        raise ValueError(f"max_norm2 must be finite and > 0, got {max_norm2}")
+    for name, v in (("learning_rate", learning_rate), ("reg", reg)):
+        if not (np.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be finite and >= 0, got {v}")
+    if not 0 <= pretrain_epochs <= MAX_LOCAL_STEPS:
+        raise ValueError(f"pretrain_epochs must be in [0, {MAX_LOCAL_STEPS}], got {pretrain_epochs}")
+    if not 1 <= local_epochs <= MAX_LOCAL_STEPS:
+        raise ValueError(f"local_epochs must be in [1, {MAX_LOCAL_STEPS}], got {local_epochs}")
+    if negatives < 0:
+        raise ValueError(f"negatives must be >= 0, got {negatives}")
