@@ -48,6 +48,8 @@ __all__ = [
     "MaskedInput",
     "UnmaskRequest",
     "UnmaskResponse",
+    "ConsistencyRequest",
+    "ConsistencySignature",
     "Abort",
     "ErrorMessage",
     "RegisterRequest",
@@ -353,6 +355,11 @@ class PublicKeys(Message):
         32 raw bytes; key agreement for encrypting Shamir shares.
     s_public_key : bytes
         32 raw bytes; key agreement for the pairwise masks. Must differ from ``c_public_key``.
+    certificate : bytes
+        Protocol 1.3: the device's enrollment certificate (`protocol.crypto.issue_certificate`), or empty.
+    signature : bytes
+        Protocol 1.3: the device's Ed25519 signature of
+        `protocol.crypto.key_advertisement_payload` (round, device id, both keys), or empty.
     """
 
     TYPE: ClassVar[int] = 2
@@ -360,6 +367,8 @@ class PublicKeys(Message):
     device_id: int
     c_public_key: bytes
     s_public_key: bytes
+    certificate: bytes = b""
+    signature: bytes = b""
 
     def __post_init__(self) -> None:
         n = "PublicKeys"
@@ -367,6 +376,8 @@ class PublicKeys(Message):
         _check_id(n, "device_id", self.device_id)
         _check_bytes(n, "c_public_key", self.c_public_key, KEY_BYTES)
         _check_bytes(n, "s_public_key", self.s_public_key, KEY_BYTES)
+        _check_bytes(n, "certificate", self.certificate, max_len=256)
+        _check_bytes(n, "signature", self.signature, max_len=64)
         if self.c_public_key == self.s_public_key:
             _fail(n, "c_public_key and s_public_key must differ")
 
@@ -396,6 +407,9 @@ class ShareKeysBroadcast(Message):
     neighbour_ids: tuple[int, ...]
     c_public_keys: tuple[bytes, ...]
     s_public_keys: tuple[bytes, ...]
+    # Protocol 1.3: each neighbour's certificate and key-advertisement signature (empty: not signed).
+    certificates: tuple[bytes, ...] = ()
+    signatures: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         n = "ShareKeysBroadcast"
@@ -407,6 +421,11 @@ class ShareKeysBroadcast(Message):
         _check_bytes_tuple(n, "s_public_keys", self.s_public_keys, KEY_BYTES)
         if not len(self.neighbour_ids) == len(self.c_public_keys) == len(self.s_public_keys):
             _fail(n, "neighbour_ids, c_public_keys and s_public_keys must have equal lengths")
+        _check_bytes_tuple(n, "certificates", self.certificates)
+        _check_bytes_tuple(n, "signatures", self.signatures)
+        if self.certificates or self.signatures:
+            if not len(self.certificates) == len(self.signatures) == len(self.neighbour_ids):
+                _fail(n, "certificates and signatures must have one entry per neighbour")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -527,7 +546,13 @@ class UnmaskRequest(Message):
     dropped : tuple of int
         Neighbours in U2 ∖ U3; their mask-key (s) shares are requested.
     n_survivors : int
-        |U3| over the whole cohort, for the DP correction (section 5).
+        |U3| over the whole cohort, for the DP correction (section 5).  With the consistency check the
+        device uses the number of valid signatures instead and refuses a larger claim.
+    survivor_set : tuple of int
+        Protocol 1.3: the whole signed set U3 (sorted), empty without the consistency check.
+    signer_ids, signer_certificates, signatures : tuples
+        Protocol 1.3: survivors' Ed25519 signatures of `protocol.crypto.survivor_set_payload` over
+        ``survivor_set``, with their enrollment certificates, aligned.
     """
 
     TYPE: ClassVar[int] = 7
@@ -537,6 +562,10 @@ class UnmaskRequest(Message):
     survivors: tuple[int, ...]
     dropped: tuple[int, ...]
     n_survivors: int
+    survivor_set: tuple[int, ...] = ()
+    signer_ids: tuple[int, ...] = ()
+    signer_certificates: tuple[bytes, ...] = ()
+    signatures: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         n = "UnmaskRequest"
@@ -546,6 +575,68 @@ class UnmaskRequest(Message):
         _check_ids(n, "survivors", self.survivors)
         _check_ids(n, "dropped", self.dropped)
         _check_id(n, "n_survivors", self.n_survivors)
+        _check_ids(n, "survivor_set", self.survivor_set)
+        _check_ids(n, "signer_ids", self.signer_ids)
+        _check_bytes_tuple(n, "signer_certificates", self.signer_certificates)
+        _check_bytes_tuple(n, "signatures", self.signatures)
+        if not len(self.signer_ids) == len(self.signer_certificates) == len(self.signatures):
+            _fail(n, "signer_ids, signer_certificates and signatures must have equal lengths")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ConsistencyRequest(Message):
+    """Server → device, protocol 1.3, start of UNMASK when identities are in use: the survivor set U3 to sign.
+
+    Attributes
+    ----------
+    round_id, device_id : int
+        Round and recipient.
+    session_id : bytes
+        32-byte session id.
+    survivor_set : tuple of int
+        The whole set U3 (sorted): every device whose masked input the server holds.
+    """
+
+    TYPE: ClassVar[int] = 20
+    round_id: int
+    device_id: int
+    session_id: bytes
+    survivor_set: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = "ConsistencyRequest"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
+        _check_ids(n, "survivor_set", self.survivor_set)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ConsistencySignature(Message):
+    """Device → server, protocol 1.3: the device's Ed25519 signature of the survivor set it was shown.
+
+    Attributes
+    ----------
+    round_id, device_id : int
+        Round and sender.
+    session_id : bytes
+        32-byte session id.
+    signature : bytes
+        64 bytes over `protocol.crypto.survivor_set_payload(round_id, session_id, survivor_set)`.
+    """
+
+    TYPE: ClassVar[int] = 21
+    round_id: int
+    device_id: int
+    session_id: bytes
+    signature: bytes
+
+    def __post_init__(self) -> None:
+        n = "ConsistencySignature"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
+        _check_bytes(n, "signature", self.signature, 64)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
