@@ -33,6 +33,8 @@ from protocol.graph import harary_graph
 from protocol.masking import MaskedSumAccumulator, pair_mask_keys
 from protocol.messages import (
     Abort,
+    ConsistencyRequest,
+    ConsistencySignature,
     EncryptedShares,
     ErrorMessage,
     MaskedInput,
@@ -51,9 +53,11 @@ from protocol.phases import (
     Direction,
     Phase,
     Role,
+    consistency_deadline,
     phase_deadline,
     prune_unmaskable,
     require_quorum,
+    required_signatures,
 )
 from protocol.shamir import Share, reconstruct
 
@@ -81,6 +85,9 @@ class RoundParameters:
     dp_mu: float = 0.0
     dp_t_min: int = 0
     deadlines: tuple[float, float, float, float]
+    #: Protocol 1.3: the enrollment authority's public key; when set, every key advertisement must carry a
+    #: certificate of it and a valid signature, and UNMASK starts with the consistency check.
+    authority_key: bytes = b""
 
     def invite(self, device_id: int) -> RoundInvite:
         """The invite for one device.
@@ -190,6 +197,12 @@ class ServerSecAggSession:
         self._b_shares: dict[int, list[Share]] = {}
         self._s_shares: dict[int, list[Share]] = {}
         self._responded: set[int] = set()
+        # protocol 1.3
+        self._probe = crypto.generate_key_pair()  # a throwaway key to test advertised points
+        self._certs: dict[int, tuple[bytes, bytes, bytes]] = {}  # id -> (certificate, signature, identity)
+        self._signing = False  # UNMASK sub-step: collecting survivor-set signatures
+        self._set_signatures: dict[int, bytes] = {}
+        self._signers: frozenset[int] = frozenset()
         self._corrected: set[int] = set()
         self._result: SecAggResult | None = None
         self._abort_error: FedRecError | None = None
@@ -302,11 +315,12 @@ class ServerSecAggSession:
             The phase after advancing.
         """
         self._guard()
-        while (
-            self._phase in ACTIVE_PHASES
-            and not self._finishing
-            and now >= phase_deadline(self._phase, self.params.deadlines)
-        ):
+        while self._phase in ACTIVE_PHASES and not self._finishing:
+            if self._signing and now >= consistency_deadline(self.params.deadlines):
+                self._close_phase()
+                continue
+            if now < phase_deadline(self._phase, self.params.deadlines):
+                break
             self._close_phase()
         return self._phase
 
@@ -428,7 +442,7 @@ class ServerSecAggSession:
         if phase is Phase.MASKED_INPUT:
             return self._u2
         if phase is Phase.UNMASK:
-            return self._u3
+            return self._u3 if self._signing or not self.params.authority_key else self._signers
         return frozenset()
 
     def _done_set(self) -> set[int] | frozenset[int]:
@@ -440,7 +454,7 @@ class ServerSecAggSession:
         if phase is Phase.MASKED_INPUT:
             return self._masked_from
         if phase is Phase.UNMASK:
-            return self._responded
+            return frozenset(self._set_signatures) if self._signing else self._responded
         return frozenset()
 
     def _maybe_close(self) -> None:
@@ -456,7 +470,7 @@ class ServerSecAggSession:
                 Phase.ADVERTISE_KEYS: self._close_advertise,
                 Phase.SHARE_KEYS: self._close_share_keys,
                 Phase.MASKED_INPUT: self._close_masked_input,
-                Phase.UNMASK: self._close_unmask,
+                Phase.UNMASK: self._close_consistency if self._signing else self._close_unmask,
             }[self._phase]()
         except NotEnoughParticipants as exc:
             self._abort(exc)
@@ -473,7 +487,17 @@ class ServerSecAggSession:
         round_id = getattr(message, "round_id", None)
         if round_id != p.round_id:
             raise StaleRound(f"message for round {round_id}, this is round {p.round_id}")
+        if isinstance(message, ConsistencySignature):
+            if not self._signing:
+                raise RoundClosed("the consistency check is closed")
+            if message.session_id != self._session:
+                raise StaleRound("session id mismatch: the message belongs to another session")
+            payload = crypto.survivor_set_payload(p.round_id, self._session, sorted(self._u3))
+            crypto.verify_signature(self._certs[u][2], message.signature, payload)
+            self._set_signatures[u] = message.signature
+            return
         if isinstance(message, PublicKeys):
+            self._check_public_keys(u, message)
             pair = (message.c_public_key, message.s_public_key)
             if pair[0] in self._used_keys or pair[1] in self._used_keys:
                 raise RemoteProtocolError(f"device {u} advertised a key another device already uses")
@@ -548,6 +572,23 @@ class ServerSecAggSession:
         self._digests.clear()
         self._phase = Phase.MASKED_INPUT
 
+    def _check_public_keys(self, u: int, message: PublicKeys) -> None:
+        # Item 5 of issue 15: a low-order or malformed X25519 point is refused before it is broadcast, so
+        # one bad device cannot fail its neighbours' sessions (crypto.x25519 refuses an all-zero secret).
+        for key in (message.c_public_key, message.s_public_key):
+            crypto.x25519(self._probe.private_key, key)
+        authority = self.params.authority_key
+        if not authority:
+            return
+        if not message.certificate or not message.signature:
+            raise RemoteProtocolError(f"device {u} advertised unsigned keys; this round requires enrolled devices")
+        identity = crypto.verify_certificate(message.certificate, authority)
+        if any(entry[2] == identity for v, entry in self._certs.items() if v != u):
+            raise RemoteProtocolError(f"device {u} presents a certified identity another device already used")
+        payload = crypto.key_advertisement_payload(message.round_id, u, message.c_public_key, message.s_public_key)
+        crypto.verify_signature(identity, message.signature, payload)
+        self._certs[u] = (message.certificate, message.signature, identity)
+
     def _close_masked_input(self) -> None:
         # Every accumulated input is in U3, even if its sender left afterwards: its masks must come off.
         u3 = frozenset(self._masked_from)
@@ -556,7 +597,23 @@ class ServerSecAggSession:
         self._need(len(u3), "masked inputs arrived")
         self._shares_out.clear()  # routed already; no longer needed
         self._digests.clear()
+        self._signing = bool(self.params.authority_key)
         self._phase = Phase.UNMASK
+
+    def _close_consistency(self) -> None:
+        p = self.params
+        signers = frozenset(self._set_signatures)
+        self._record_dropouts(Phase.UNMASK, signers)
+        invite = next(iter(self._invites.values()))
+        need = required_signatures(invite)
+        if len(signers) < need:
+            raise NotEnoughParticipants(
+                f"{len(signers)} survivors signed the survivor set, {need} needed; round aborted unrevealed"
+            )
+        require_quorum(len(signers), "survivors signed", t=p.t, dp_mu=p.dp_mu, dp_t_min=p.dp_t_min)
+        self._signers = signers
+        self._signing = False
+        self._digests.clear()
 
     def _close_unmask(self) -> None:
         # The checks close the phase; the mask removal (`_remove_masks`) is the heavy part, run at once
@@ -615,6 +672,8 @@ class ServerSecAggSession:
                 neighbour_ids=ids,
                 c_public_keys=tuple(self._keys[v][0] for v in ids),
                 s_public_keys=tuple(self._keys[v][1] for v in ids),
+                certificates=tuple(self._certs[v][0] for v in ids) if self.params.authority_key else (),
+                signatures=tuple(self._certs[v][1] for v in ids) if self.params.authority_key else (),
             )
         if phase is Phase.MASKED_INPUT:
             inbound = self._shares_out.get(u, {})
@@ -626,12 +685,23 @@ class ServerSecAggSession:
                 sender_ids=senders,
                 ciphertexts=tuple(inbound[v] for v in senders),
             )
+        if self._signing:
+            return ConsistencyRequest(
+                round_id=rid, device_id=u, session_id=session, survivor_set=tuple(sorted(self._u3))
+            )
         ids = self._graph[u]
+        signed = bool(self.params.authority_key)
+        signers = tuple(sorted(self._signers)) if signed else ()
         return UnmaskRequest(
             round_id=rid,
             device_id=u,
             session_id=session,
             survivors=tuple(v for v in ids if v in self._u3),
             dropped=tuple(v for v in ids if v in self._u2 and v not in self._u3),
-            n_survivors=len(self._u3),
+            # with the consistency check the DP correction counts signed survivors only (safe side)
+            n_survivors=len(signers) if signed else len(self._u3),
+            survivor_set=tuple(sorted(self._u3)) if signed else (),
+            signer_ids=signers,
+            signer_certificates=tuple(self._certs[v][0] for v in signers),
+            signatures=tuple(self._set_signatures[v] for v in signers),
         )
