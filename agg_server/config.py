@@ -234,6 +234,13 @@ class ModelSection:
         Fit observed ratings as 1 (implicit feedback) instead of the rescaled rating.
     rating_min, rating_max : float
         The rating scale, rating_min < rating_max.
+    unobserved_weight : float
+        LightFR w0 in [0, 1 + confidence]: > 0 trains against every unobserved item (the all-items
+        objective, chosen on validation: 0.1) and learns item levels; 0 uses ``negatives`` sampled ones.
+    confidence : float
+        LightFR α >= 0: observed items weigh 1 + α under the all-items objective.
+    hamming_weight : int
+        B in [1, 255] of the devices' integer score (f − Hamming)·B + item level.
     """
 
     kind: str = ModelKind.LIGHTFR.value
@@ -244,10 +251,13 @@ class ModelSection:
     local_epochs: int = 1
     max_sweeps: int = 10
     aggregation: str = Aggregation.GRAD.value
-    flip_fraction: float = 0.1
+    flip_fraction: float = 0.3
     binary_positives: bool = True
     rating_min: float = 1.0
     rating_max: float = 5.0
+    unobserved_weight: float = 0.1
+    confidence: float = 0.0
+    hamming_weight: int = 2
 
     def __post_init__(self) -> None:
         # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
@@ -280,6 +290,15 @@ class ModelSection:
             raise ConfigError(
                 f"model.rating_max: must be > model.rating_min ({self.rating_min}), got {self.rating_max}"
             )
+        _set(self, "confidence", _float("model.confidence", self.confidence, lo=0.0))
+        _set(
+            self,
+            "unobserved_weight",
+            _float("model.unobserved_weight", self.unobserved_weight, lo=0.0, hi=1.0 + self.confidence),
+        )
+        _int("model.hamming_weight", self.hamming_weight, lo=1, hi=255)
+        if self.unobserved_weight > 0 and self.aggregation != Aggregation.GRAD.value:
+            raise ConfigError("model.aggregation: the all-items objective (unobserved_weight > 0) needs 'grad'")
 
 
 #: The smallest cohort a secure-aggregation round accepts (``rounds.cohort_size`` and ``min_cohort``).

@@ -226,7 +226,8 @@ class RoundCoordinator:
                     "(start a new data_dir for a different model)"
                 )
             assert isinstance(msg, ModelPayload)
-            self._set_model(version, st.from_wire(msg.words, msg.values), payload)
+            levels = (msg.item_levels,) if msg.item_levels else ()  # LightFR's item term (protocol 1.3)
+            self._set_model(version, st.from_wire(msg.words, msg.values, *levels), payload)
             log.info("resumed from model version %d", version)
             return
         rng = self._rng(0)
@@ -250,6 +251,8 @@ class RoundCoordinator:
     @property
     def item_codes(self) -> NDArray[Any]:
         """The global model (LightFR: the (m, f) ±1 item codes); kept for LightFR callers."""
+        if self.strategy.kind == "lightfr":
+            return self.model_state[:, : self.strategy.rank]
         return self.model_state
 
     def _rng(self, round_id: int) -> np.random.Generator:

@@ -752,7 +752,7 @@ class DeviceClient:
                 f"this device runs {kind!r} with rank {rank}, m={m}"
             )
         try:
-            self._model.set_global(payload.words, payload.values, payload.model_version)
+            self._model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
         except ValueError as exc:
             raise RemoteProtocolError(f"model {payload.model_version}: {exc}") from exc
         # Persisted after the model itself (`_save_model`), never before.

@@ -124,7 +124,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--negatives",
         type=_nonneg_int,
         default=4,
-        help="sampled unobserved items per rating, fitted as 0 (default 4; 0 = explicit ratings only)",
+        help="sampled unobserved items per rating, fitted as 0, when --unobserved-weight is 0 (default 4)",
+    )
+    g.add_argument(
+        "--unobserved-weight",
+        type=_nonneg_float,
+        default=None,
+        help="w0: > 0 trains against every unobserved item and learns item levels (default 0.1, chosen on "
+        "validation; 0 with --aggregation para); 0 = the paper's sampled negatives",
+    )
+    g.add_argument(
+        "--confidence",
+        type=_nonneg_float,
+        default=0.0,
+        help="α: observed items weigh 1 + α under the all-items objective (default 0)",
     )
     g.add_argument(
         "--targets",
@@ -154,8 +167,8 @@ def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
     g.add_argument(
         "--flip-fraction",
         type=_fraction,
-        default=0.1,
-        help="probability that an item bit Agg_grad wants to flip is flipped (default 0.1; 1 = the paper's rule)",
+        default=0.3,
+        help="probability that an item bit Agg_grad wants to flip is flipped (default 0.3; 1 = the paper's rule)",
     )
     g.add_argument(
         "--seed",
@@ -469,7 +482,15 @@ def _model_config(args: argparse.Namespace, exp: Experiment) -> LightFRConfig:
         max_sweeps=args.sweeps,
         rating_range=exp.rating_range,
         binary_positives=args.targets == "binary",
+        unobserved_weight=_unobserved_weight(args),
+        confidence=args.confidence,
     )
+
+
+def _unobserved_weight(args: argparse.Namespace) -> float:
+    if args.unobserved_weight is not None:
+        return float(args.unobserved_weight)
+    return 0.1 if args.aggregation == Aggregation.GRAD.value else 0.0
 
 
 def _fed_config(args: argparse.Namespace) -> FederationConfig:
@@ -634,7 +655,19 @@ def _resolve_dataset(args: argparse.Namespace, out: TextIO) -> tuple[Experiment,
 #: that silently does nothing is worst when it is a privacy flag.
 _APPLIES_TO: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
-        ("bits", "lam", "negatives", "targets", "epochs", "sweeps", "aggregation", "flip_fraction", "protocol"),
+        (
+            "bits",
+            "lam",
+            "negatives",
+            "unobserved_weight",
+            "confidence",
+            "targets",
+            "epochs",
+            "sweeps",
+            "aggregation",
+            "flip_fraction",
+            "protocol",
+        ),
         ("lightfr",),
     ),
     "eval_every": ("lightfr",),
@@ -710,7 +743,13 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     exp, data_dir = _resolve_dataset(args, out)
     out.write(exp.describe() + "\n")
     out.write(
-        f"LightFR f={args.bits}, λ={args.lam}, {args.negatives} negatives per rating, E={args.epochs}; "
+        f"LightFR f={args.bits}, λ={args.lam}, "
+        + (
+            f"all items (w0={_unobserved_weight(args)}, α={args.confidence}, item levels)"
+            if _unobserved_weight(args) > 0
+            else f"{args.negatives} negatives per rating"
+        )
+        + f", E={args.epochs}; "
         f"T={args.rounds} rounds, p={args.fraction}, Agg_{args.aggregation} "
         f"(flip fraction {args.flip_fraction}), "
         f"seed {args.seed}\n"

@@ -259,6 +259,7 @@ def run_private_scaled(
                 "bits": s.bits,
                 "negatives": s.negatives,
                 "flip_fraction": s.flip_fraction,
+                "unobserved_weight": 0.0,  # the scaled simulator runs the sampled-negatives objective
             },
             "rounds": {
                 "cohort_size": n,

@@ -139,6 +139,8 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("round_index", "ri", Kind.INT),
                 # protocol 1.3: the device-side privacy floor
                 ("cohort_size", "nc", Kind.INT),
+                ("unobserved_weight", "w0", Kind.FLOAT),  # protocol 1.3
+                ("confidence", "cf", Kind.FLOAT),  # protocol 1.3
             ),
         ),
         PublicKeys.TYPE: (
@@ -271,6 +273,8 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("n_items", "m", Kind.INT),
                 ("words", "w", Kind.BYTES),
                 ("values", "val", Kind.BYTES),  # protocol 1.2
+                ("item_levels", "lv", Kind.BYTES),  # protocol 1.3
+                ("hamming_weight", "hw", Kind.INT),  # protocol 1.3
             ),
         ),
         RoundResult.TYPE: (

@@ -22,6 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from protocol.errors import FedRecError, error_class_for_code
+from protocol.families.lightfr import UploadLayout
 from protocol.spec import (
     MAX_ITEMS,
     MAX_LOCAL_STEPS,
@@ -220,6 +221,12 @@ class RoundInvite(Message):
         Protocol 1.3: the number of devices invited to the round (n), which the device's privacy floor
         (`protocol.policy`) checks k, t and t_min against; 0 = not stated (a 1.2 server), which a device
         with a privacy floor refuses.
+    unobserved_weight : float
+        Protocol 1.3, LightFR: w0 >= 0.  0 is the sampled-negatives objective (upload: the item
+        gradients, ``n_items * bits``); w0 > 0 the all-items objective, whose upload appends item
+        bias terms, counts, the code's Gram and the code (`protocol.families.lightfr.UploadLayout`).
+    confidence : float
+        Protocol 1.3, LightFR: α >= 0, observed items weigh 1 + α in the all-items objective.
     """
 
     TYPE: ClassVar[int] = 1
@@ -261,10 +268,17 @@ class RoundInvite(Message):
     round_index: int = 0
     # Appended in protocol 1.3 (device-side privacy floor).
     cohort_size: int = 0
+    # Appended in protocol 1.3 (LightFR all-items objective).
+    unobserved_weight: float = 0.0
+    confidence: float = 0.0
 
     def __post_init__(self) -> None:
         n = "RoundInvite"
         _check_id(n, "cohort_size", self.cohort_size)
+        _check_float(n, "unobserved_weight", self.unobserved_weight, minimum=0.0)
+        _check_float(n, "confidence", self.confidence, minimum=0.0)
+        if self.unobserved_weight > 1.0 + self.confidence:
+            _fail(n, f"unobserved_weight must be <= 1 + confidence, got {self.unobserved_weight}")
         for name in ("learning_rate", "reg", "kappa", "proximity", "inertia", "max_norm2"):
             _check_float(n, name, getattr(self, name), minimum=0.0)
         _check_float(n, "reg_growth", self.reg_growth, minimum=1.0)
@@ -290,8 +304,10 @@ class RoundInvite(Message):
         _check_float(n, "lam", self.lam, minimum=0.0)
         if self.bits and self.n_items:
             size = self.bits * self.n_items
-            if self.model_kind == ModelKind.LIGHTFR and size != self.vector_length:
-                _fail(n, f"vector_length {self.vector_length} != n_items {self.n_items} × bits {self.bits}")
+            if self.model_kind == ModelKind.LIGHTFR:
+                want = UploadLayout(self.n_items, self.bits, full=self.unobserved_weight > 0).length
+                if want != self.vector_length:
+                    _fail(n, f"vector_length {self.vector_length} != {want}, the LightFR upload for this plan")
             if size > self.vector_length:
                 _fail(n, f"vector_length {self.vector_length} < n_items {self.n_items} × bits {self.bits}")
         _check_id(n, "round_id", self.round_id)
@@ -861,6 +877,11 @@ class ModelPayload(Message):
         Protocol 1.2, the real-valued families (MF, FELB, FNMF): the item matrix as ``bits * n_items``
         little-endian float64 in C order — MF's V is (n_items, bits), FELB's and FNMF's V is
         (bits, n_items).  Empty for LightFR.
+    item_levels : bytes
+        Protocol 1.3, LightFR: one uint8 level per item (``n_items`` bytes) or empty (no item term).
+        A device scores item i as (bits − Hamming)·hamming_weight + level_i.
+    hamming_weight : int
+        Protocol 1.3, LightFR: B in [1, 255] of that integer score.
     """
 
     TYPE: ClassVar[int] = 15
@@ -870,6 +891,9 @@ class ModelPayload(Message):
     n_items: int
     words: bytes
     values: bytes = b""
+    # Appended in protocol 1.3 (LightFR item term).
+    item_levels: bytes = b""
+    hamming_weight: int = 1
 
     def __post_init__(self) -> None:
         n = "ModelPayload"
@@ -886,6 +910,20 @@ class ModelPayload(Message):
         else:
             _check_bytes(n, "words", self.words, 0)
             _check_bytes(n, "values", self.values, 8 * self.bits * self.n_items, max_len=1 << 31)
+        _check_id(n, "hamming_weight", self.hamming_weight)
+        if not 1 <= self.hamming_weight <= 255:
+            _fail(n, f"hamming_weight must be in [1, 255], got {self.hamming_weight}")
+        if self.item_levels:
+            if self.model_kind != "lightfr":
+                _fail(n, "item_levels are for LightFR models only")
+            _check_bytes(n, "item_levels", self.item_levels, self.n_items, max_len=1 << 27)
+
+    def lightfr_extras(self) -> dict[str, Any]:
+        """Keyword arguments a LightFR device model's ``set_global`` takes beyond words and values
+        (the item term, protocol 1.3); empty for the other families."""
+        if self.model_kind != "lightfr":
+            return {}
+        return {"item_levels": self.item_levels, "hamming_weight": self.hamming_weight}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
