@@ -728,10 +728,11 @@ def _check_applicable(args: argparse.Namespace) -> None:
         if model in models or getattr(args, dest) == getattr(defaults, dest):
             continue
         if dest in ("epsilon", "secure"):
+            where = " or ".join(f"--model {m}" for m in models)
             raise ConfigError(
                 f"{_flag(dest)} is not implemented for --model {model}: 'fedrec simulate' trains {model} "
-                "in-process with plain sums, without secure aggregation or DP noise. Use 'fedrec demo "
-                "--epsilon E' for LightFR through the real server with SecAgg+ and DP, or --model mf."
+                f"in-process with plain sums, without secure aggregation or DP noise ({_flag(dest)} works with "
+                f"{where}; 'fedrec demo --epsilon E' runs LightFR through the real server with SecAgg+ and DP)"
             )
         only = " or ".join(f"--model {m}" for m in models)
         raise ConfigError(f"{_flag(dest)} applies to {only} only; --model {model} does not use it")
