@@ -7,26 +7,35 @@ Invariants:
 - Handlers stay short: read bytes, decode, call the coordinator, encode, respond.  All decisions are
   the coordinator's.
 - Every error leaves as an encoded `ErrorMessage` with the status the one middleware assigns.
-- Every state change (an upload, a tick that closed a phase) wakes the waiting long-polls, which then
-  ask the coordinator whether their answer is ready.
+- Long-polls wake only when what they wait for moved: the round's phase, the round itself or the model
+  version (`_fingerprint`); an upload that leaves the phase open wakes no one.
+- The end of a round (mask removal, aggregation, encoding) runs in a worker thread while the event
+  loop keeps answering; status and health report the round as "finishing" meanwhile.  Threads suffice
+  (measured in docs/architecture.md): the work is numpy and OpenSSL calls plus short Python loops,
+  so the loop gets the interpreter at every switch interval, and one round finishes at a time.
+- A long-poll whose connection closes before its answer tells the coordinator, which drops that device
+  after ``rounds.disconnect_grace`` seconds (the server runs with ``handler_cancellation``, so a closed
+  connection cancels its handler; without it a waiter notices within `_PRESENCE_CHECK` seconds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
 
 from agg_server import dashboard
 from agg_server.config import ServerConfig
-from agg_server.coordinator import RoundCoordinator
+from agg_server.coordinator import FinishJob, RoundCoordinator
 from agg_server.logs import current_request_id
 from agg_server.storage import Storage
 from agg_server.strategy.base import Strategy
@@ -66,10 +75,13 @@ log = logging.getLogger("agg_server.app")
 
 MSGPACK = "application/msgpack"
 TICK_SECONDS = 0.05
+_PRESENCE_CHECK = 5.0  # seconds between a waiting long-poll's checks that its connection is still open
+_FINISH_WAIT = 300.0  # seconds a graceful shutdown waits for a finishing round to commit
 
 
 class _Changes:
-    """Wakes every waiter when the coordinator's state moved (an asyncio 'broadcast')."""
+    """Wakes every waiter when the coordinator's state moved (an asyncio 'broadcast'); callers notify
+    only when `_fingerprint` changed."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
@@ -90,6 +102,8 @@ _CHANGES = web.AppKey("changes", _Changes)
 Clock = Callable[[], float]
 _CLOCK: web.AppKey[Clock] = web.AppKey("clock")
 _STRATEGY: web.AppKey[Strategy | None] = web.AppKey("strategy")
+_EXECUTOR = web.AppKey("finish_executor", ThreadPoolExecutor)
+_FINISHING: web.AppKey[dict[int, asyncio.Task[None]]] = web.AppKey("finishing")
 
 _STATUS: list[tuple[type[FedRecError], int]] = [
     (PermissionDenied, 403),
@@ -173,6 +187,10 @@ async def _errors(
 
 
 async def _read(request: web.Request) -> Message:
+    return decode(await _read_body(request), max_size=request.app[CONFIG].listen.max_body_bytes)
+
+
+async def _read_body(request: web.Request) -> bytes:
     # Read the body ourselves instead of `request.read()`, which caches the bytes on the request for
     # its whole life: a long-poll handler would then pin every device's upload (1000 devices ×
     # 1 MB masked inputs) until the phase closes.
@@ -184,7 +202,7 @@ async def _read(request: web.Request) -> Message:
         body += chunk
         if len(body) > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    return decode(bytes(body), max_size=limit)
+    return bytes(body)
 
 
 def _send(message: Message, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -224,7 +242,11 @@ async def check_in(request: web.Request) -> web.Response:
         raise RemoteProtocolError(f"expected CheckIn, got {type(msg).__name__}")
     coordinator = request.app[COORDINATOR]
     coordinator.check_sender(device, msg)
-    reply = coordinator.check_in(device, request.app[_CLOCK]())
+    before = _fingerprint(coordinator)
+    try:
+        reply = coordinator.check_in(device, request.app[_CLOCK]())  # may drop a device that left its round
+    finally:
+        _notify_if_moved(request.app, before)
     if isinstance(reply, Wait):
         return _send(reply, headers={"Retry-After": str(max(1, math.ceil(reply.retry_after)))})
     return _send(reply)
@@ -243,15 +265,19 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
     async def handler(request: web.Request) -> web.Response:
         device = _device(request)
         round_id = _round_id(request)
-        msg = await _read(request)
+        app = request.app
+        body = await _read_body(request)
+        msg = decode(body, max_size=app[CONFIG].listen.max_body_bytes)
         if not isinstance(msg, expected):
             raise RemoteProtocolError(f"expected {expected.__name__} on this route, got {type(msg).__name__}")
-        app = request.app
+        digest = hashlib.sha256(body).digest()  # identifies a retransmission without encoding msg again
+        del body
         coordinator, changes, clock = app[COORDINATOR], app[_CHANGES], app[_CLOCK]
+        before = _fingerprint(coordinator)
         try:
-            after = coordinator.submit(device, round_id, msg, clock())
+            after = coordinator.submit(device, round_id, msg, clock(), digest=digest)
         finally:
-            changes.notify()
+            _notify_if_moved(app, before)
         leaving = isinstance(msg, Abort)
         del msg  # the masked input is in the session's running sum now; do not pin it while polling
         if leaving:
@@ -266,21 +292,34 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         cfg = app[CONFIG].rounds
         give_up = clock() + cfg.advertise_timeout + cfg.share_keys_timeout + cfg.masked_input_timeout
         give_up += cfg.unmask_timeout + 30.0
-        while True:
-            reply = coordinator.reply(device, round_id, after)
-            if reply is not None:
-                return _send(reply)
-            remaining = give_up - clock()
-            if remaining <= 0:
-                raise RoundError(f"round {round_id} did not move on in time")
-            await changes.wait(min(remaining, 1.0))
+        answered = False
+        coordinator.poll_started(device, round_id)
+        try:
+            while True:
+                reply = coordinator.reply(device, round_id, after)
+                if reply is not None:
+                    answered = True
+                    return _send(reply)
+                remaining = give_up - clock()
+                if remaining <= 0:
+                    raise RoundError(f"round {round_id} did not move on in time")
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    raise ConnectionResetError("the device closed its long-poll connection")
+                await changes.wait(min(remaining, _PRESENCE_CHECK))
+        finally:
+            # Cancelled (the connection closed) or given up: unanswered.
+            coordinator.poll_ended(device, round_id, clock(), answered=answered)
 
     handler.__name__ = f"upload_{expected.__name__}"
     return handler
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    """Liveness: answered from memory, also while a round is finishing (``state``)."""
+    r = request.app[COORDINATOR].open_round
+    state = "idle" if r is None else ("finishing" if r.finishing else "round")
+    return web.json_response({"status": "ok", "state": state})
 
 
 async def status(request: web.Request) -> web.Response:
@@ -293,7 +332,7 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def _ticker(app: web.Application) -> None:
-    coordinator, changes, clock = app[COORDINATOR], app[_CHANGES], app[_CLOCK]
+    coordinator, clock = app[COORDINATOR], app[_CLOCK]
     while True:
         before = _fingerprint(coordinator)
         try:
@@ -302,25 +341,62 @@ async def _ticker(app: web.Application) -> None:
             log.exception("round ticker: a round could not be advanced")
         except Exception:  # keep the server alive; the error is logged with its traceback
             log.exception("round ticker crashed on one tick")
-        if _fingerprint(coordinator) != before:
-            changes.notify()
+        job = coordinator.take_finish_job()
+        if job is not None:
+            app[_FINISHING][job.round_id] = asyncio.create_task(_finish(app, job), name=f"fedrec-finish-{job.round_id}")
+        _notify_if_moved(app, before)
         await asyncio.sleep(TICK_SECONDS)
 
 
+async def _finish(app: web.Application, job: FinishJob) -> None:
+    """Run a round's finishing job in the worker thread, then commit it on the loop."""
+    coordinator, clock = app[COORDINATOR], app[_CLOCK]
+    try:
+        await asyncio.get_running_loop().run_in_executor(app[_EXECUTOR], job.run)
+        before = _fingerprint(coordinator)
+        try:
+            coordinator.complete_finish(job, clock())
+        finally:
+            _notify_if_moved(app, before)
+    except Exception:
+        log.exception("round %d could not be finished", job.round_id)
+    finally:
+        app[_FINISHING].pop(job.round_id, None)
+
+
 def _fingerprint(coordinator: RoundCoordinator) -> tuple[Any, ...]:
+    """What long-polls wait for: the model version, the open round, its phase, and whether it finishes."""
     r = coordinator.open_round
-    return (coordinator.model_version, None if r is None else (r.round_id, r.session.phase))
+    return (coordinator.model_version, None if r is None else (r.round_id, r.session.phase, r.finishing))
+
+
+def _notify_if_moved(app: web.Application, before: tuple[Any, ...]) -> None:
+    if _fingerprint(app[COORDINATOR]) != before:
+        app[_CHANGES].notify()
+
+
+async def _wait_finishing(app: web.Application) -> None:
+    tasks = list(app[_FINISHING].values())
+    if tasks:
+        log.info("waiting for %d finishing round(s) to commit before shutting down", len(tasks))
+        await asyncio.wait(tasks, timeout=_FINISH_WAIT)
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    storage = Storage(config.data_dir)
+    storage = Storage(config.data_dir, url=config.storage.url)
     app[_STORAGE] = storage
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrec-finish")
+    app[_EXECUTOR] = executor
+    app[_FINISHING] = {}
     try:
-        app[COORDINATOR] = RoundCoordinator(config, storage, now=app[_CLOCK](), strategy=app[_STRATEGY])
+        app[COORDINATOR] = RoundCoordinator(
+            config, storage, now=app[_CLOCK](), strategy=app[_STRATEGY], defer_finish=True
+        )
         app[_CHANGES] = _Changes()
         task = asyncio.create_task(_ticker(app), name="fedrec-round-ticker")
     except BaseException:
+        executor.shutdown(wait=False)
         storage.close()
         raise
     try:
@@ -329,6 +405,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        await _wait_finishing(app)
+        executor.shutdown(wait=True)
         try:
             app[COORDINATOR].shutdown(app[_CLOCK]())
         except FedRecError:
@@ -341,6 +419,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 async def _on_shutdown(app: web.Application) -> None:
     # Runs before aiohttp waits for in-flight requests: close the round first so that every
     # long-poll is answered (aborted) at once instead of holding the shutdown until it times out.
+    # A round that is finishing commits first: its sum is unmasked already.
+    await _wait_finishing(app)
     try:
         app[COORDINATOR].shutdown(app[_CLOCK]())
     except FedRecError:

@@ -73,7 +73,9 @@ def _override(config: ServerConfig, args: argparse.Namespace) -> ServerConfig:
 
 async def _serve(config: ServerConfig) -> None:
     app = create_app(config, clock=time.time)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    # handler_cancellation: a long-poll whose device closed its connection is cancelled at once, which
+    # tells the coordinator the device is gone (agg_server.app).
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
     await runner.setup()
     context = None
     if config.listen.tls_cert is not None and config.listen.tls_key is not None:

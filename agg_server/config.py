@@ -46,6 +46,7 @@ __all__ = [
     "RoundSection",
     "PrivacySection",
     "LogSection",
+    "StorageSection",
     "MFSection",
     "FELBSection",
     "FNMFSection",
@@ -233,6 +234,13 @@ class ModelSection:
         Fit observed ratings as 1 (implicit feedback) instead of the rescaled rating.
     rating_min, rating_max : float
         The rating scale, rating_min < rating_max.
+    unobserved_weight : float
+        LightFR w0 in [0, 1 + confidence]: > 0 trains against every unobserved item (the all-items
+        objective, chosen on validation: 0.1) and learns item levels; 0 uses ``negatives`` sampled ones.
+    confidence : float
+        LightFR α >= 0: observed items weigh 1 + α under the all-items objective.
+    hamming_weight : int
+        B in [1, 255] of the devices' integer score (f − Hamming)·B + item level.
     """
 
     kind: str = ModelKind.LIGHTFR.value
@@ -243,10 +251,13 @@ class ModelSection:
     local_epochs: int = 1
     max_sweeps: int = 10
     aggregation: str = Aggregation.GRAD.value
-    flip_fraction: float = 0.1
+    flip_fraction: float = 0.3
     binary_positives: bool = True
     rating_min: float = 1.0
     rating_max: float = 5.0
+    unobserved_weight: float = 0.1
+    confidence: float = 0.0
+    hamming_weight: int = 2
 
     def __post_init__(self) -> None:
         # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
@@ -279,6 +290,15 @@ class ModelSection:
             raise ConfigError(
                 f"model.rating_max: must be > model.rating_min ({self.rating_min}), got {self.rating_max}"
             )
+        _set(self, "confidence", _float("model.confidence", self.confidence, lo=0.0))
+        _set(
+            self,
+            "unobserved_weight",
+            _float("model.unobserved_weight", self.unobserved_weight, lo=0.0, hi=1.0 + self.confidence),
+        )
+        _int("model.hamming_weight", self.hamming_weight, lo=1, hi=255)
+        if self.unobserved_weight > 0 and self.aggregation != Aggregation.GRAD.value:
+            raise ConfigError("model.aggregation: the all-items objective (unobserved_weight > 0) needs 'grad'")
 
 
 #: The smallest cohort a secure-aggregation round accepts (``rounds.cohort_size`` and ``min_cohort``).
@@ -312,6 +332,10 @@ class RoundSection:
         Per-phase deadlines in seconds (> 0).
     round_interval : float
         Pause between rounds in seconds (>= 0).
+    disconnect_grace : float
+        Seconds (>= 0) a device whose long-poll connection closed before its answer may take to come
+        back; after that it counts as dropped and the phase closes without it (the deadlines stay the
+        upper bound).  A device that checks in again while in a round has left it at once.
     max_rounds : int
         Stop after this many rounds (>= 0; 0 = unlimited).
     seed : int or None
@@ -333,6 +357,7 @@ class RoundSection:
     masked_input_timeout: float = 120.0
     unmask_timeout: float = 30.0
     round_interval: float = 1.0
+    disconnect_grace: float = 3.0
     max_rounds: int = 0
     seed: int | None = None
 
@@ -357,6 +382,7 @@ class RoundSection:
         for name in ("advertise_timeout", "share_keys_timeout", "masked_input_timeout", "unmask_timeout"):
             _set(self, name, _float(f"rounds.{name}", getattr(self, name), lo=0.0, lo_open=True))
         _set(self, "round_interval", _float("rounds.round_interval", self.round_interval, lo=0.0))
+        _set(self, "disconnect_grace", _float("rounds.disconnect_grace", self.disconnect_grace, lo=0.0))
         _int("rounds.max_rounds", self.max_rounds, lo=0)
         if self.seed is not None:
             # numpy's SeedSequence refuses negative entropy.
@@ -386,6 +412,34 @@ class RoundSection:
                     f"{key}: no safe SecAgg+ graph for {size} devices with rounds.dropout_rate={omega} "
                     f"and rounds.adversary_rate={gamma}: {exc}"
                 ) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StorageSection:
+    """Where the durable state lives (TOML table ``[storage]``).
+
+    Attributes
+    ----------
+    url : str or None
+        None (default): SQLite in ``server.data_dir``.  ``"postgresql://user:password@host:port/db"``
+        (or ``?host=/socket/dir`` for a Unix socket): a PostgreSQL database, which needs the
+        ``postgres`` extra (psycopg 3).  Model checkpoint files stay in ``server.data_dir``.
+    """
+
+    url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.url is None:
+            return
+        if not isinstance(self.url, str) or not self.url.strip():
+            raise _fail("storage.url", "a database URL string", self.url)
+        scheme = self.url.split(":", 1)[0].lower() if ":" in self.url else ""
+        if scheme not in ("postgresql", "postgres", "sqlite"):
+            shown = self.url.split("@", 1)[-1] if "@" in self.url else self.url
+            raise ConfigError(
+                f"storage.url: must start with postgresql:// (or sqlite://), got a {scheme or 'scheme-less'} URL "
+                f"({shown!r})"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -574,6 +628,7 @@ class ServerConfig:
     rounds : RoundSection
     privacy : PrivacySection
     log : LogSection
+    storage : StorageSection
     mf, felb, fnmf : the model families' hyper-parameters (only ``model.kind``'s is used)
     """
 
@@ -583,6 +638,7 @@ class ServerConfig:
     rounds: RoundSection = field(default_factory=RoundSection)
     privacy: PrivacySection = field(default_factory=PrivacySection)
     log: LogSection = field(default_factory=LogSection)
+    storage: StorageSection = field(default_factory=StorageSection)
     mf: MFSection = field(default_factory=MFSection)
     felb: FELBSection = field(default_factory=FELBSection)
     fnmf: FNMFSection = field(default_factory=FNMFSection)
@@ -607,6 +663,7 @@ _SECTION_TYPES: dict[str, type] = {
     "rounds": RoundSection,
     "privacy": PrivacySection,
     "log": LogSection,
+    "storage": StorageSection,
     "mf": MFSection,
     "felb": FELBSection,
     "fnmf": FNMFSection,
@@ -619,6 +676,7 @@ _TABLES: dict[str, tuple[str, type]] = {
     "rounds": ("rounds", RoundSection),
     "privacy": ("privacy", PrivacySection),
     "log": ("log", LogSection),
+    "storage": ("storage", StorageSection),
     "mf": ("mf", MFSection),
     "felb": ("felb", FELBSection),
     "fnmf": ("fnmf", FNMFSection),

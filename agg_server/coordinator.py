@@ -42,9 +42,12 @@ from protocol.codec import decode, encode
 from protocol.errors import (
     AuthError,
     ConfigError,
+    FedRecError,
+    LocalProtocolError,
     PermissionDenied,
     PrivacyBudgetExceeded,
     RemoteProtocolError,
+    RoundClosed,
     StaleRound,
     StorageError,
 )
@@ -103,6 +106,35 @@ class _OpenRound:
     l1: float = 0.0
     l2: float = 0.0
     handed_out: set[int] = field(default_factory=set)
+    polling: dict[int, int] = field(default_factory=dict)  # device -> open long-polls
+    gone: dict[int, float] = field(default_factory=dict)  # device -> when its long-poll broke unanswered
+    finishing: bool = False  # UNMASK closed; the mask removal and commit run off the event loop
+
+
+@dataclass
+class FinishJob:
+    """The CPU-heavy end of a round, runnable in another thread: remove the masks, aggregate, encode.
+
+    `run` touches only the round's session (which refuses every other change while it finishes),
+    the round's generator and the current model state, which no one changes meanwhile (one round at a
+    time).  Hand the job back with `RoundCoordinator.complete_finish` on the coordinator's own thread.
+    """
+
+    round_id: int
+    _run: Callable[[], _Prepared]
+    prepared: _Prepared | None = None
+
+    def run(self) -> None:
+        self.prepared = self._run()
+
+
+@dataclass
+class _Prepared:
+    unmasked: bool  # the sum was revealed (the privacy ledger must be charged whatever happens next)
+    survivors: int = 0
+    state: Any = None
+    payload: bytes = b""
+    error: BaseException | None = None
 
 
 class RoundCoordinator:
@@ -115,8 +147,21 @@ class RoundCoordinator:
     now : the caller's clock at start-up.
     """
 
-    def __init__(self, config: ServerConfig, storage: Storage, *, now: float, strategy: Strategy | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        storage: Storage,
+        *,
+        now: float,
+        strategy: Strategy | None = None,
+        defer_finish: bool = False,
+    ) -> None:
         self.config = config
+        #: With ``defer_finish`` a round whose UNMASK closed waits in a "finishing" state until the caller
+        #: runs `take_finish_job`'s job (off its event loop) and hands it back to `complete_finish`;
+        #: without it (simulations, tests) the round finishes inside the call that closed UNMASK.
+        self.defer_finish = defer_finish
+        self._job: FinishJob | None = None
         self.storage = storage
         self.strategy: Strategy = strategy if strategy is not None else build_strategy(config)
         if not isinstance(self.strategy, Strategy):
@@ -181,7 +226,8 @@ class RoundCoordinator:
                     "(start a new data_dir for a different model)"
                 )
             assert isinstance(msg, ModelPayload)
-            self._set_model(version, st.from_wire(msg.words, msg.values), payload)
+            levels = (msg.item_levels,) if msg.item_levels else ()  # LightFR's item term (protocol 1.3)
+            self._set_model(version, st.from_wire(msg.words, msg.values, *levels), payload)
             log.info("resumed from model version %d", version)
             return
         rng = self._rng(0)
@@ -205,6 +251,8 @@ class RoundCoordinator:
     @property
     def item_codes(self) -> NDArray[Any]:
         """The global model (LightFR: the (m, f) ±1 item codes); kept for LightFR callers."""
+        if self.strategy.kind == "lightfr":
+            return self.model_state[:, : self.strategy.rank]
         return self.model_state
 
     def _rng(self, round_id: int) -> np.random.Generator:
@@ -264,6 +312,9 @@ class RoundCoordinator:
                 if isinstance(invite, RoundInvite):
                     r.handed_out.add(device_id)
                     return replace(invite, **r.plan)
+            if device_id in r.handed_out:
+                # A device checks in only when it is in no round: this one left ours.
+                self._leave(r, device_id, "checked in again while in the round", now)
             return Wait(retry_after=self.retry_after, reason=f"already invited to round {r.round_id}")
         self._pool[device_id] = now
         self._pool_since.setdefault(device_id, now)
@@ -329,7 +380,7 @@ class RoundCoordinator:
             dp_t_min=t_min,
             deadlines=deadlines,
         )
-        session = ServerSecAggSession(params, cohort, rng=rng)
+        session = ServerSecAggSession(params, cohort, rng=rng, defer_finish=self.defer_finish)
         plan = round_plan(self.strategy, self.model_version, example_cap=cfg.example_cap)
         self.storage.start_round(
             round_id,
@@ -360,7 +411,63 @@ class RoundCoordinator:
         self._emit("round_opened", {"round_id": round_id, "cohort": n})
         log.info("round %d opened: %d devices, k=%d, t=%d, mu=%.4g", round_id, n, k, t, self.mu)
 
-    def submit(self, device_id: int, round_id: int, message: Message, now: float) -> Phase:
+    # -- presence: phases close as soon as every device still there has answered ---------------------
+    def poll_started(self, device_id: int, round_id: int) -> None:
+        """A device's long-poll on ``round_id`` is open (it is connected and waiting for the next phase)."""
+        r = self._round
+        if r is None or r.round_id != round_id:
+            return
+        r.polling[device_id] = r.polling.get(device_id, 0) + 1
+        r.gone.pop(device_id, None)
+
+    def poll_ended(self, device_id: int, round_id: int, now: float, *, answered: bool) -> None:
+        """A device's long-poll ended: ``answered`` (it got its next message) or not (its connection
+        closed first).  A device whose connection is gone and that does not come back within
+        ``rounds.disconnect_grace`` seconds is dropped from the phase (`tick`)."""
+        r = self._round
+        if r is None or r.round_id != round_id:
+            return
+        left = r.polling.get(device_id, 0) - 1
+        if left > 0:
+            r.polling[device_id] = left
+            return
+        r.polling.pop(device_id, None)
+        if not answered:
+            r.gone[device_id] = now
+
+    def _leave(self, r: _OpenRound, device_id: int, reason: str, now: float) -> None:
+        """Drop a device that is evidently no longer taking part from the open phase (as if it had sent
+        `Abort`), so the phase closes once everyone else has answered."""
+        r.gone.pop(device_id, None)
+        if r.finishing or r.session.phase not in ACTIVE_PHASES or device_id not in r.session.expected():
+            return
+        log.info("round %d: device %d dropped from %s: %s", r.round_id, device_id, r.session.phase.value, reason)
+        try:
+            r.session.receive(device_id, Abort(round_id=r.round_id, device_id=device_id, reason=reason))
+        except RoundClosed:
+            pass  # it had left already
+        except FedRecError:
+            log.exception("round %d: could not drop device %d", r.round_id, device_id)
+        finally:
+            self._after_change(now)
+
+    def _drop_gone(self, r: _OpenRound, now: float) -> None:
+        # A device gone while nothing is awaited from it (it had uploaded for this phase) stays listed
+        # until the next phase awaits it.
+        grace = self.config.rounds.disconnect_grace
+        late = [(d, since) for d, since in r.gone.items() if now - since >= grace]
+        if not late:
+            return
+        expected = r.session.expected()
+        for device_id, since in late:
+            if self._round is not r or r.finishing:
+                return
+            if device_id in expected:
+                self._leave(r, device_id, f"connection gone for {now - since:.1f} s", now)
+
+    def submit(
+        self, device_id: int, round_id: int, message: Message, now: float, *, digest: bytes | None = None
+    ) -> Phase:
         """Accept a device's upload for ``round_id``; returns the phase it belongs to.
 
         Raises
@@ -381,7 +488,7 @@ class RoundCoordinator:
         elif phase is None:
             raise RemoteProtocolError(f"{type(message).__name__} is not a round upload")
         try:
-            r.session.receive(device_id, message)
+            r.session.receive(device_id, message, digest=digest)
         finally:
             self._after_change(now)
         return phase
@@ -414,22 +521,68 @@ class RoundCoordinator:
     def tick(self, now: float) -> None:
         """Advance deadlines, finish rounds, and open the next round when devices are waiting."""
         r = self._round
-        if r is not None:
+        if r is not None and not r.finishing:
             try:
                 r.session.advance(now)
             finally:
                 self._after_change(now)
+            if self._round is r and r.gone:
+                self._drop_gone(r, now)
         self._maybe_open(now)
 
     def _after_change(self, now: float) -> None:
         r = self._round
         if r is None:
             return
+        if r.finishing:
+            return
         phase = r.session.phase
         if phase is not r.phase:
             self._record_phases(r, phase, now)
-        if phase in (Phase.DONE, Phase.ABORTED, Phase.ERROR):
+        if r.session.finishing:
+            r.finishing = True
+            self._job = FinishJob(round_id=r.round_id, _run=lambda: self._prepare(r))
+            log.info("round %d: UNMASK closed, finishing", r.round_id)
+        elif phase in (Phase.DONE, Phase.ABORTED, Phase.ERROR):
             self._finish(r, now)
+
+    # -- finishing a round off the caller's loop --------------------------------------------------------
+    def take_finish_job(self) -> FinishJob | None:
+        """The job that finishes the open round, once (None when there is none)."""
+        job, self._job = self._job, None
+        return job
+
+    def _prepare(self, r: _OpenRound) -> _Prepared:
+        """Unmask, aggregate and encode (thread-safe as `FinishJob` explains)."""
+        try:
+            r.session.finish()
+        except Exception as exc:
+            return _Prepared(unmasked=False, error=exc)
+        if r.session.phase is not Phase.DONE:
+            return _Prepared(unmasked=False)
+        try:
+            result = r.session.result()
+            total = dequantize_sum(result.total, self.quantization)
+            survivors = len(result.survivors)
+            state = self.strategy.aggregate(
+                self.model_state, total, survivors, r.rng, round_index=int(r.plan["round_index"])
+            )
+            payload = self._payload(self.model_version + 1, state)
+        except Exception as exc:
+            return _Prepared(unmasked=True, error=exc)
+        return _Prepared(unmasked=True, survivors=survivors, state=state, payload=payload)
+
+    def complete_finish(self, job: FinishJob, now: float) -> None:
+        """Commit (or abort) the round whose `FinishJob` ran: charge the ledger, store the model."""
+        r = self._round
+        if r is None or r.round_id != job.round_id or not r.finishing:
+            raise LocalProtocolError(f"round {job.round_id} is not finishing")
+        prepared = job.prepared if job.prepared is not None else _Prepared(unmasked=False, error=None)
+        if prepared.error is not None:
+            log.error("round %d could not be finished: %s", r.round_id, prepared.error, exc_info=prepared.error)
+        if r.session.phase is not r.phase:
+            self._record_phases(r, r.session.phase, now)
+        self._finish(r, now, prepared)
 
     def _record_phases(self, r: _OpenRound, phase: Phase, now: float) -> None:
         drops = r.session.dropouts
@@ -463,15 +616,17 @@ class RoundCoordinator:
             except Exception:
                 log.exception("round-event listener %r failed on %s", listener, event)
 
-    def _finish(self, r: _OpenRound, now: float) -> None:
+    def _finish(self, r: _OpenRound, now: float, prepared: _Prepared | None = None) -> None:
         # Whatever fails below, the round is released exactly once: a failed commit must neither be
         # retried on the next tick (it would charge the privacy ledger again) nor wedge the server.
         session = r.session
         reason = str(session.abort_error or f"round failed ({session.phase.name})")
         outcome = RoundResult(round_id=r.round_id, committed=False, model_version=self.model_version, reason=reason)
         try:
-            if session.phase is Phase.DONE:
-                outcome = self._commit(r, now)
+            if prepared is not None and prepared.unmasked:
+                outcome = self._commit(r, now, prepared)
+            elif prepared is None and session.phase is Phase.DONE:
+                outcome = self._commit(r, now, self._prepare_done(r))
             else:
                 log.warning("round %d aborted: %s", r.round_id, reason)
                 self.storage.finish_round(r.round_id, "aborted", reason=reason, now=now)
@@ -496,20 +651,37 @@ class RoundCoordinator:
             self._round = None
             self._next_open = now + self.config.rounds.round_interval
 
-    def _commit(self, r: _OpenRound, now: float) -> RoundResult:
+    def _prepare_done(self, r: _OpenRound) -> _Prepared:
+        # The session finished in the caller's call (no defer_finish): aggregate here, same code path.
         result = r.session.result()
-        total = dequantize_sum(result.total, self.quantization)
         survivors = len(result.survivors)
+        try:
+            state = self.strategy.aggregate(
+                self.model_state,
+                dequantize_sum(result.total, self.quantization),
+                survivors,
+                r.rng,
+                round_index=int(r.plan["round_index"]),
+            )
+            payload = self._payload(self.model_version + 1, state)
+        except Exception as exc:
+            return _Prepared(unmasked=True, error=exc)
+        return _Prepared(unmasked=True, survivors=survivors, state=state, payload=payload)
+
+    def _commit(self, r: _OpenRound, now: float, prepared: _Prepared) -> RoundResult:
         epsilon = None
         if self.ledger is not None:
             # The sum is released the moment it is unmasked: charge it before anything can fail.
             epsilon = self.ledger.record_round(r.mu, r.l1, r.l2, round_id=r.round_id)
             self.storage.save_ledger(self.ledger.to_dict())
-        state = self.strategy.aggregate(
-            self.model_state, total, survivors, r.rng, round_index=int(r.plan["round_index"])
-        )
+        if prepared.error is not None:
+            log.error("round %d: aggregation failed after unmasking: %s", r.round_id, prepared.error)
+            self.storage.finish_round(r.round_id, "aborted", reason=f"aggregation failed: {prepared.error}", now=now)
+            return RoundResult(
+                round_id=r.round_id, committed=False, model_version=self.model_version, reason="aggregation failed"
+            )
+        survivors, state, payload = prepared.survivors, prepared.state, prepared.payload
         version = self.model_version + 1
-        payload = self._payload(version, state)
         try:
             self.storage.commit_model(
                 version,
@@ -541,7 +713,10 @@ class RoundCoordinator:
         r = self._round
         if r is None:
             return
-        if r.session.phase in ACTIVE_PHASES:
+        if r.finishing:
+            # Its job was not handed back (the app waits for it first): the sum never left this process.
+            log.warning("round %d was finishing at shutdown; abandoned", r.round_id)
+        elif r.session.phase in ACTIVE_PHASES:
             r.session.abort("server shutting down")
         self.storage.finish_round(r.round_id, "abandoned", reason="server shut down", now=now)
         self._finished[r.round_id] = RoundResult(
@@ -574,10 +749,10 @@ class RoundCoordinator:
         if r is not None:
             current = {
                 "round_id": r.round_id,
-                "phase": r.session.phase.value,
+                "phase": "finishing" if r.finishing else r.session.phase.value,
                 "cohort": len(r.cohort),
                 "alive": len(r.alive),
-                "awaiting": len(r.session.expected()) if r.session.phase in ACTIVE_PHASES else 0,
+                "awaiting": len(r.session.expected()) if r.session.phase in ACTIVE_PHASES and not r.finishing else 0,
                 "seconds": round(now - r.started, 3),
                 "dropouts": {p.value: len(v) for p, v in r.session.dropouts.items()},
             }

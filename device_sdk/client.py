@@ -597,8 +597,8 @@ class DeviceClient:
                 await self._leave(invite, f"refused: {exc}")
                 return self._outcome(RoundStatus.REFUSED, rid, tally, reason=str(exc))
             with tally.step("train"):
-                update, _ = local_round(self._model, invite, self._data, None, training_rng)
-                self._save_model()
+                # Off the app's event loop: training is the device's long CPU step.
+                update = await asyncio.to_thread(self._train, invite, training_rng)
             session.provide_input(update)
             del update  # the session holds the only copy until it is masked
             for name, stop_before, answer_type in _STEPS:
@@ -606,7 +606,8 @@ class DeviceClient:
                     if announce_drop:
                         await self._leave(invite, f"left before {name}")
                     return self._dropped(session, rid, tally, f"fault injection: {dropout.value}")
-                outgoing = session.send()
+                # Masking expands one keystream per neighbour: off the event loop, like training.
+                outgoing = await asyncio.to_thread(session.send) if name == "masked" else session.send()
                 path = f"/v1/rounds/{rid}/{name}"
                 if name == "masked" and dropout is DropoutAt.DISCONNECT_MASKED:
                     with tally.step(name):
@@ -637,6 +638,12 @@ class DeviceClient:
             raise
         finally:
             _forget(session)  # every exit, cancellation included, drops the session's secrets
+
+    def _train(self, invite: RoundInvite, rng: np.random.Generator) -> NDArray[np.uint32]:
+        """Local training and saving the trained model (runs in a worker thread)."""
+        update, _ = local_round(self._model, invite, self._data, None, rng)
+        self._save_model()
+        return update
 
     def _finish(
         self, session: DeviceSecAggSession, invite: RoundInvite, result: RoundResult, tally: _Tally
@@ -745,7 +752,7 @@ class DeviceClient:
                 f"this device runs {kind!r} with rank {rank}, m={m}"
             )
         try:
-            self._model.set_global(payload.words, payload.values, payload.model_version)
+            self._model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
         except ValueError as exc:
             raise RemoteProtocolError(f"model {payload.model_version}: {exc}") from exc
         # Persisted after the model itself (`_save_model`), never before.

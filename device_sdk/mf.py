@@ -260,14 +260,7 @@ class MFConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         # The plan's bounds, checked as the server's strategy checks them (one validator).
-        check_training(
-            max_norm2=self.max_norm2,
-            learning_rate=self.learning_rate,
-            reg=self.reg,
-            pretrain_epochs=self.pretrain_epochs,
-            local_epochs=self.local_epochs,
-            negatives=self.negatives,
-        )
+        check_training(self)
 
 
 def _targets(ratings: NDArray[np.float64] | None, n: int, R: float) -> NDArray[np.float64]:

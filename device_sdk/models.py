@@ -26,7 +26,7 @@ from device_sdk.store import load_store, save_store
 from device_sdk.topk import HammingIndex
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
 from protocol.errors import ModelError, StorageError
-from protocol.families.lightfr import bias_from_levels
+from protocol.families.lightfr import UploadLayout, bias_from_levels
 from protocol.messages import RoundInvite
 from protocol.spec import MAX_RANK, Aggregation
 
@@ -53,9 +53,11 @@ class LightFRConfig:
         given are already normalised.
     binary_positives : fit every observed rating as 1 (pure implicit feedback) instead of its
         normalised value.
-    unobserved_weight : w0.  0 selects the paper's objective with ``negatives`` sampled unobserved
-        items; w0 > 0 the all-items objective (every unobserved item at target 0 with weight w0, through
-        the item Gram; ``negatives`` is then unused; see `device_sdk.lightfr.dcd_full`).
+    unobserved_weight : w0 (0.1, chosen on ML-100K/FilmTrust validation; large sparse catalogues
+        want less: amazon-book's validation chose 0.001).  0 selects the paper's objective with
+        ``negatives`` sampled unobserved items; w0 > 0 the all-items objective (every unobserved item
+        at target 0 with weight w0, through the item Gram; ``negatives`` is then unused; see
+        `device_sdk.lightfr.dcd_full`).
     confidence : α ≥ 0 of the all-items objective: observed items weigh c = 1 + α (w0 ≤ c).
     """
 
@@ -66,7 +68,7 @@ class LightFRConfig:
     max_sweeps: int = 10
     rating_range: tuple[float, float] | None = (1.0, 5.0)
     binary_positives: bool = False
-    unobserved_weight: float = 0.0
+    unobserved_weight: float = 0.1
     confidence: float = 0.0
 
     def __post_init__(self) -> None:
@@ -118,12 +120,15 @@ class LocalUpdate:
     aggregation : which rule the values are for.
     n_examples : observed ratings plus sampled negatives fitted in the last epoch.
     flips : user-code bits flipped by DCD over all epochs.
+    parts : under the all-items objective, every part of the upload by name
+        (`protocol.families.lightfr.UploadLayout`; ``values`` is then its "gradient").
     """
 
     values: NDArray[Any]
     aggregation: Aggregation
     n_examples: int
     flips: int
+    parts: dict[str, NDArray[np.float64]] | None = None
 
 
 @dataclass
@@ -238,11 +243,19 @@ class LightFRModel(Recommender):
         return self.config.bits
 
     # -- the global model -------------------------------------------------------------------------
-    def set_global(self, words: bytes, values: bytes, version: int) -> None:
-        """Adopt a `ModelPayload`'s packed item codes as global model ``version``."""
+    def set_global(
+        self, words: bytes, values: bytes, version: int, *, item_levels: bytes = b"", hamming_weight: int = 1
+    ) -> None:
+        """Adopt a `ModelPayload`'s packed item codes (and item levels, protocol 1.3) as global model
+        ``version``."""
         if values:
             raise ValueError("a LightFR model takes packed item codes, not float values")
+        if item_levels and len(item_levels) != self.n_items:
+            raise ValueError(f"item_levels has {len(item_levels)} bytes for {self.n_items} items")
+        levels = np.frombuffer(item_levels, dtype=np.uint8).copy() if item_levels else None
         self.set_item_codes(from_bytes(words, self.config.bits, self.n_items), version)
+        self.item_levels = levels
+        self.hamming_weight = hamming_weight
 
     def local_update(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
         """One round of local training as ``invite``'s plan says; the upload is the item gradient
@@ -267,6 +280,10 @@ class LightFRModel(Recommender):
             values = None if values is None else values[keep]
         aggregation = Aggregation(invite.aggregation)
         update = self.fit_local(item_ids, values, aggregation=aggregation, rng=rng)
+        if update.parts is not None:
+            layout = UploadLayout(self.n_items, self.config.bits, full=True)
+            vec = layout.join(**update.parts)
+            return LocalResult(vector=vec, examples=update.n_examples, info={"flips": update.flips})
         x = update.values.astype(np.float64)
         if aggregation is Aggregation.PARA:
             x = x - self.item_codes
@@ -328,7 +345,9 @@ class LightFRModel(Recommender):
 
         Returns
         -------
-        LocalUpdate with the dense (m, f) upload, averaged over epochs for GRAD.
+        LocalUpdate with the dense (m, f) upload, averaged over epochs for GRAD; under the all-items
+        objective (``config.unobserved_weight > 0``) E epochs of `lightfr.dcd_full` against the item
+        codes and levels, and every part of the upload in ``parts``.
         """
         rng = rng or self.rng
         cfg = self.config
@@ -337,6 +356,10 @@ class LightFRModel(Recommender):
             raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
         targets = cfg.normalize(None if ratings is None else np.asarray(ratings, float), items.size)
         b = self.user_codes[userid : userid + 1]
+        if cfg.unobserved_weight > 0:
+            if aggregation is not Aggregation.GRAD:
+                raise ValueError("the all-items objective uploads gradients (aggregation 'grad')")
+            return self._fit_full(items, targets, b, userid)
         acc: NDArray[Any] | None = None
         flips = 0
         n_examples = 0
@@ -356,6 +379,27 @@ class LightFRModel(Recommender):
             acc = acc / cfg.local_epochs
         self._set_user(userid, b[0])
         return LocalUpdate(values=acc, aggregation=aggregation, n_examples=n_examples, flips=flips)
+
+    def _fit_full(
+        self, items: NDArray[np.int64], targets: NDArray[np.float64], b: NDArray[np.int8], userid: int
+    ) -> LocalUpdate:
+        cfg = self.config
+        items, first = np.unique(items, return_index=True)  # each item once
+        targets = targets[first]
+        indptr = np.array([0, items.size], dtype=np.int64)
+        beta = bias_from_levels(self.item_levels, self.n_items, cfg.bits, self.hamming_weight)
+        w0, alpha = cfg.unobserved_weight, cfg.confidence
+        flips = 0
+        for _ in range(cfg.local_epochs):
+            b, stats = lightfr.dcd_full(
+                indptr, items, targets, b, self.item_codes, beta, w0, alpha, max_sweeps=cfg.max_sweeps
+            )
+            flips += stats.flips
+        parts = lightfr.full_upload(indptr, items, targets, b, self.item_codes, beta, w0, alpha)
+        self._set_user(userid, b[0])
+        return LocalUpdate(
+            values=parts["gradient"], aggregation=Aggregation.GRAD, n_examples=int(items.size), flips=flips, parts=parts
+        )
 
     def fold_in(self, user_items: ArrayLike, ratings: ArrayLike | None = None, *, userid: int = 0) -> NDArray[np.int8]:
         """Cold-start code for a new user from its ratings against the current item codes, offline
@@ -417,6 +461,16 @@ class LightFRModel(Recommender):
         code = random_signs(1, self.config.bits, rng)[0]
         self.user_codes[userid] = code
         self._user_words[:, userid] = pack_signs(code[None, :])[:, 0]
+
+    def set_user_code(self, code: ArrayLike, *, userid: int = 0) -> None:
+        """Adopt a user code learnt elsewhere (e.g. exported from a simulated run); the user counts as
+        trained.  ``code`` is (f,) of ±1."""
+        if not 0 <= userid < self.n_users:
+            raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
+        c = np.asarray(code)
+        if c.shape != (self.config.bits,) or not np.all(np.abs(c) == 1):
+            raise ValueError(f"a user code is {self.config.bits} values of ±1, got shape {c.shape}")
+        self._set_user(userid, c.astype(np.int8))
 
     def _set_user(self, userid: int, code: NDArray[np.int8]) -> None:
         self.user_codes[userid] = code
@@ -522,4 +576,6 @@ def apply_plan(model: LightFRModel, invite: RoundInvite) -> None:
         negatives=invite.negatives,
         local_epochs=invite.local_epochs,
         max_sweeps=invite.max_sweeps,
+        unobserved_weight=invite.unobserved_weight,
+        confidence=invite.confidence,
     )

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import secrets
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
+from protocol.atomic import write_atomic
 from protocol.errors import StorageError
 
 __all__ = ["STORE_FORMAT", "save_store", "load_store", "MAX_STORE_BYTES"]
@@ -32,30 +32,11 @@ __all__ = ["STORE_FORMAT", "save_store", "load_store", "MAX_STORE_BYTES"]
 STORE_MAGIC = "fedrec-store"
 STORE_FORMAT = (1, 0)
 MAX_STORE_BYTES = 2**31  # refuse to read anything larger (a 10^7-item, 128-bit model is 160 MB)
-_CHUNK = 1 << 20
-
-
-def _write_all(fh: Any, data: bytes) -> None:
-    # Written in chunks through one seam (`_write_chunk`) so tests can fail a save part-way through.
-    for start in range(0, len(data), _CHUNK):
-        _write_chunk(fh, data[start : start + _CHUNK])
 
 
 def _write_chunk(fh: Any, chunk: bytes) -> None:
+    # The seam through which tests fail a save part-way (`protocol.atomic.write_atomic` calls it).
     fh.write(chunk)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
 
 
 def save_store(path: str | os.PathLike[str], kind: str, state: dict[str, Any]) -> None:
@@ -82,21 +63,10 @@ def save_store(path: str | os.PathLike[str], kind: str, state: dict[str, Any]) -
         },
         use_bin_type=True,
     )
-    directory = path.parent if str(path.parent) else Path(".")
-    tmp = directory / f".{path.name}.tmp-{secrets.token_hex(6)}"
     try:
-        with open(tmp, "xb") as fh:
-            _write_all(fh, blob)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(directory)
+        write_atomic(path, blob, write_chunk=lambda fh, chunk: _write_chunk(fh, chunk))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise StorageError(f"could not write {path}: {exc}") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _move_aside(path: Path) -> Path:

@@ -18,7 +18,7 @@ import numpy as np
 
 from agg_server.config import MIN_COHORT
 from device_sdk.models import LightFRConfig, LightFRModel
-from device_sdk.store import load_store, save_store
+from device_sdk.store import save_store
 from fedsim.datasets import DATASET_NAMES, LightFRSplit, TrainTestSplit, find_data_dir, load_dataset
 from fedsim.evaluation import (
     EvalResult,
@@ -36,13 +36,11 @@ from fedsim.families import FAMILY_DEFAULT_ROUNDS, simulate_family
 from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, run_lightfr, user_data
 from fedsim.report import result_record, write_json
 from fedsim.ui import progress, table
-from protocol.codes import from_bytes, pack_signs, to_bytes, unpack_signs
+from protocol.codes import pack_signs
 from protocol.errors import ConfigError, FedRecError
 from protocol.spec import Aggregation
 
 __all__ = ["main", "build_parser"]
-
-_RUN_KIND = "lightfr-run"
 
 
 def _parse_int(text: str, low: int) -> int:
@@ -126,7 +124,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--negatives",
         type=_nonneg_int,
         default=4,
-        help="sampled unobserved items per rating, fitted as 0 (default 4; 0 = explicit ratings only)",
+        help="sampled unobserved items per rating, fitted as 0, when --unobserved-weight is 0 (default 4)",
+    )
+    g.add_argument(
+        "--unobserved-weight",
+        type=_nonneg_float,
+        default=None,
+        help="w0: > 0 trains against every unobserved item and learns item levels (default 0.1, chosen on "
+        "validation; 0 with --aggregation para); 0 = the paper's sampled negatives",
+    )
+    g.add_argument(
+        "--confidence",
+        type=_nonneg_float,
+        default=0.0,
+        help="α: observed items weigh 1 + α under the all-items objective (default 0)",
     )
     g.add_argument(
         "--targets",
@@ -156,8 +167,8 @@ def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
     g.add_argument(
         "--flip-fraction",
         type=_fraction,
-        default=0.1,
-        help="probability that an item bit Agg_grad wants to flip is flipped (default 0.1; 1 = the paper's rule)",
+        default=0.3,
+        help="probability that an item bit Agg_grad wants to flip is flipped (default 0.3; 1 = the paper's rule)",
     )
     g.add_argument(
         "--seed",
@@ -301,9 +312,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="DP budget ε over the run at δ=1e-5 (0 = no DP; default 8)",
     )
     demo.add_argument("--flip-fraction", type=_fraction, default=0.3, help="Agg_grad damping ρ (default 0.3)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the simulation (default: 0)")
+    demo.add_argument(
+        "--seed",
+        type=_nonneg_int,
+        default=0,
+        help="seed of everything the simulation decides: which devices each round invites, which drop and "
+        "where, the devices' first codes and sampled negatives, the server's cohort graph and damping, and "
+        "the evaluation's tie-breaks (default: 0). Without DP (--epsilon 0) two runs with one seed print "
+        "the same output; with DP the noise is fresh from the OS each run, so figures differ by the noise "
+        "only (see --insecure-seed-dp-noise)",
+    )
+    demo.add_argument(
+        "--insecure-seed-dp-noise",
+        action="store_true",
+        help="TEST HOOK: derive every device's DP noise from --seed too, so DP runs repeat exactly; anyone "
+        "who knows the seed can remove the noise, so the run's ε is NOT a privacy guarantee (it says so)",
+    )
     demo.add_argument("--workdir", type=Path, default=None, help="keep server data and device stores here")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument(
+        "--json", action="store_true", help="print the result as one JSON object, the last line of stdout"
+    )
 
     lt = sub.add_parser(
         "loadtest",
@@ -338,6 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
         "deadlines (default: drops are silent, and each phase with a silent drop lasts its full deadline)",
     )
     lt.add_argument("--quiet", action="store_true", help="no progress bar")
+    lt.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="draw every per-phase latency the devices saw against time (needs the 'plot' extra)",
+    )
+    lt.add_argument("--json", action="store_true", help="print the report as one JSON object, the last line of stdout")
     lt.add_argument("--store", type=Path, default=None, help="device store folder (default: a temporary one)")
     lt.add_argument(
         "--ca-file",
@@ -360,6 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_family_args(sim)
     _add_data_args(sim, default=None)
     sim.add_argument("--save", type=Path, default=None, help="write the trained run to this file")
+    sim.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="draw validation HR@10/NDCG@10 per evaluated round (LightFR in-process runs; needs the 'plot' extra)",
+    )
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     sim.add_argument("--json", action="store_true", help=_JSON_HELP)
 
@@ -401,6 +445,33 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rounds", type=_positive_int, nargs="+", default=[1, 2, 3, 5, 10], help="rounds to plan")
     plan.add_argument("--clips", type=_positive_float, nargs="+", default=[1.0, 4.0], help="clip norms C to plan")
 
+    rec = sub.add_parser(
+        "recommend",
+        help="top-N items for one user of a saved run",
+        description="Recommend from a run saved by 'fedrec simulate --save' (any model family): the user's "
+        "device model is rebuilt from the run and ranks every item the user did not rate in training, with the "
+        "SDK's recommend (random ties from --seed).",
+    )
+    rec.add_argument("run", type=Path, help="a run file written by 'fedrec simulate --save'")
+    rec.add_argument(
+        "--user", required=True, help="user id as in the dataset (its raw id; planted data: the row number)"
+    )
+    rec.add_argument("-n", type=_positive_int, default=10, help="how many items (default: 10)")
+    rec.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the tie-breaking (default: 0)")
+    rec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    exp_ = sub.add_parser(
+        "export",
+        help="turn a saved run into the on-device model file the SDK loads",
+        description="Write the model file a device loads (LightFRModel.load, MFModel.load, FELBModel.load, "
+        "FNMFModel.load) from a run saved by 'fedrec simulate --save'. With --user: that user's device model "
+        "(LightFR, MF: a one-user model; FELB, FNMF: the client model holding the user, and its row). Without: "
+        "the whole run as one model (LightFR, MF).",
+    )
+    exp_.add_argument("run", type=Path, help="a run file written by 'fedrec simulate --save'")
+    exp_.add_argument("-o", dest="output", type=Path, required=True, help="model file to write (e.g. model.fedrec)")
+    exp_.add_argument("--user", default=None, help="export only this user's device model (raw id as in the dataset)")
+
     data = sub.add_parser("data", help="list the datasets fedrec can find")
     data.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
     return parser
@@ -425,7 +496,15 @@ def _model_config(args: argparse.Namespace, exp: Experiment) -> LightFRConfig:
         max_sweeps=args.sweeps,
         rating_range=exp.rating_range,
         binary_positives=args.targets == "binary",
+        unobserved_weight=_unobserved_weight(args),
+        confidence=args.confidence,
     )
+
+
+def _unobserved_weight(args: argparse.Namespace) -> float:
+    if args.unobserved_weight is not None:
+        return float(args.unobserved_weight)
+    return 0.1 if args.aggregation == Aggregation.GRAD.value else 0.0
 
 
 def _fed_config(args: argparse.Namespace) -> FederationConfig:
@@ -590,7 +669,19 @@ def _resolve_dataset(args: argparse.Namespace, out: TextIO) -> tuple[Experiment,
 #: that silently does nothing is worst when it is a privacy flag.
 _APPLIES_TO: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
-        ("bits", "lam", "negatives", "targets", "epochs", "sweeps", "aggregation", "flip_fraction", "protocol"),
+        (
+            "bits",
+            "lam",
+            "negatives",
+            "unobserved_weight",
+            "confidence",
+            "targets",
+            "epochs",
+            "sweeps",
+            "aggregation",
+            "flip_fraction",
+            "protocol",
+        ),
         ("lightfr",),
     ),
     "eval_every": ("lightfr",),
@@ -652,13 +743,19 @@ def _where_looked(arg: Path | None, found: Path | None) -> str:
 
 def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     _check_applicable(args)
+    if args.plot is not None:
+        from fedsim.plots import check_plot_target
+
+        if args.model != "lightfr" or args.epsilon > 0:
+            raise ConfigError("--plot draws in-process LightFR runs only (not --model mf|felb|fnmf or --epsilon) yet")
+        check_plot_target(args.plot)
     if args.model == "lightfr" and args.epsilon > 0:
+        if args.save is not None:
+            raise ConfigError("--save is not available for private LightFR runs (--epsilon) yet; drop --save")
         return _simulate_private_lightfr(args, out)
     if args.rounds is None:
         args.rounds = FAMILY_DEFAULT_ROUNDS[args.model]
     if args.model != "lightfr":
-        if args.save is not None:
-            raise ValueError("--save writes LightFR runs only; the other families' models have save()/load()")
         return simulate_family(args, _data_dir(args.data_dir), out)
     if args.dataset is None:
         raise ValueError("--dataset is required (a dataset name, a ratings file, or synthetic)")
@@ -666,18 +763,42 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     exp, data_dir = _resolve_dataset(args, out)
     out.write(exp.describe() + "\n")
     out.write(
-        f"LightFR f={args.bits}, λ={args.lam}, {args.negatives} negatives per rating, E={args.epochs}; "
+        f"LightFR f={args.bits}, λ={args.lam}, "
+        + (
+            f"all items (w0={_unobserved_weight(args)}, α={args.confidence}, item levels)"
+            if _unobserved_weight(args) > 0
+            else f"{args.negatives} negatives per rating"
+        )
+        + f", E={args.epochs}; "
         f"T={args.rounds} rounds, p={args.fraction}, Agg_{args.aggregation} "
         f"(flip fraction {args.flip_fraction}), "
         f"seed {args.seed}\n"
     )
     state = _train(args, exp, out, show_progress=not getattr(args, "quiet", False))
+    if args.plot is not None:
+        from fedsim.plots import plot_training
+
+        evaluated = [r for r in state.history if r.metric is not None]
+        plot_training(
+            args.plot,
+            f"LightFR f={args.bits} on {exp.name}, Agg_{args.aggregation} ρ={args.flip_fraction}",
+            [r.round for r in evaluated],
+            {
+                "HR@10": [r.metric.hr for r in evaluated if r.metric],
+                "NDCG@10": [r.metric.ndcg for r in evaluated if r.metric],
+            },
+            None,
+        )
+        out.write(f"plot: {args.plot}\n")
     label = f"LightFR (Agg_{args.aggregation})"
     metrics = _evaluate_and_report(exp, state, label, args.eval_seed, out)
     if getattr(args, "save", None) is not None:
+        from fedsim.runs import LIGHTFR_RUN, TrainItems, lightfr_run_fields
+
+        train = exp.train
         save_store(
             args.save,
-            _RUN_KIND,
+            LIGHTFR_RUN,
             {
                 "dataset": str(args.dataset),
                 "protocol": exp.protocol.value,
@@ -685,11 +806,15 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
                 "seed": args.seed,
                 "eval_seed": args.eval_seed,
                 "rounds": args.rounds,
-                "bits": args.bits,
-                "n_users": int(state.user_codes.shape[0]),
-                "n_items": int(state.item_codes.shape[0]),
-                "user_words": to_bytes(pack_signs(state.user_codes)),
-                "item_words": to_bytes(pack_signs(state.item_codes)),
+                **lightfr_run_fields(
+                    state.user_codes,
+                    state.item_codes,
+                    TrainItems.from_pairs(train.users, train.items, train.n_users),
+                    item_levels=state.item_levels,
+                    hamming_weight=state.hamming_weight,
+                    user_ids=train.user_ids,
+                    item_ids=train.item_ids,
+                ),
             },
         )
         out.write(f"saved the run to {args.save}\n")
@@ -803,16 +928,23 @@ def _cmd_eval(args: argparse.Namespace, out: TextIO) -> int:
 
 def _load_run(args: argparse.Namespace) -> tuple[Experiment, FederatedLightFR, int, int | None]:
     """A saved LightFR run and the experiment it was trained on (same split, same evaluation seed)."""
-    state_dict = load_store(args.run, _RUN_KIND)
-    try:
-        bits, n_users, n_items = (
-            int(state_dict["bits"]),
-            int(state_dict["n_users"]),
-            int(state_dict["n_items"]),
+    from fedsim.runs import load_run
+
+    run = load_run(args.run)
+    if run.family != "lightfr":
+        raise ConfigError(
+            f"{args.run} is a {run.family} run: 'fedrec eval' re-scores LightFR runs ('fedrec simulate' printed "
+            f"the {run.family} figures); 'fedrec recommend {args.run} --user ID' uses it"
         )
+    model = run.device_model(None)[0]
+    state_dict = run.state
+    try:
+        n_users, n_items = run.n_users, run.n_items
         state = FederatedLightFR(
-            user_codes=unpack_signs(from_bytes(state_dict["user_words"], bits, n_users), bits),
-            item_codes=unpack_signs(from_bytes(state_dict["item_words"], bits, n_items), bits),
+            user_codes=model.user_codes.copy(),
+            item_codes=model.item_codes.copy(),
+            item_levels=model.item_levels,
+            hamming_weight=model.hamming_weight,
         )
         dataset, protocol = str(state_dict["dataset"]), Protocol(state_dict["protocol"])
         n_neg = int(state_dict["eval_negatives"])
@@ -890,6 +1022,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         out=out,
         workdir=args.workdir,
         show_progress=False if args.quiet else None,
+        insecure_seed_noise=args.insecure_seed_dp_noise,
     )
     results = {"LightFR over the server": res["results"]}
     for name in ("popularity", "random"):
@@ -899,6 +1032,8 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     ours, pop = res["results"][TieMode.RANDOM], res["baselines"][TieMode.RANDOM]["popularity"]
     spent = privacy["epsilon_spent"] if privacy else None
     out.write(verdict("private model over the real server" if privacy else "model", ours.hr, pop.hr, spent) + "\n")
+    if privacy and args.insecure_seed_dp_noise:
+        out.write("ε is NOT a privacy guarantee here: --insecure-seed-dp-noise derived the DP noise from the seed\n")
     if privacy and ours.hr < pop.hr:
         n = exp.train.n_users
         out.write(
@@ -916,7 +1051,26 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         )
     client = res["clients"][int(exp.test.users[0])]
     _show_device(exp, client.model, data_dir, out)
-    out.write(f"done in {res['seconds']:.1f} s\n")
+    print(f"done in {res['seconds']:.1f} s", file=sys.stderr)
+    if args.json:
+        base = res["baselines"][TieMode.RANDOM]
+        figures = {"model": ours, "popularity": base["popularity"], "random": base["random"]}
+        rounds_run = res["report"].server_rounds
+        record = result_record(
+            dataset=exp.name,
+            protocol=exp.protocol.value,
+            rounds=sum(1 for r in rounds_run if r.get("status") == "committed"),
+            seconds=res["seconds"],
+            metrics={k: {"hr@10": v.hr, "ndcg@10": v.ndcg} for k, v in figures.items()},
+            epsilon=None if not privacy else float(privacy["epsilon_spent"]),
+            delta=None if not privacy else float(privacy["delta"]),
+            seed=args.seed,
+            epsilon_is_guarantee=bool(privacy) and not args.insecure_seed_dp_noise,
+            server_rounds=[
+                {k: r.get(k) for k in ("round_id", "status", "cohort_size", "survivors")} for r in rounds_run
+            ],
+        )
+        write_json(record, sys.stdout)
     return 0
 
 
@@ -959,11 +1113,15 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
     import tempfile
 
     from fedsim.datasets import synthetic
-    from fedsim.demo import RoundProgress, format_loadtest, run_loadtest
+    from fedsim.demo import RoundProgress, format_loadtest, loadtest_record, run_loadtest
     from fedsim.fleet import FleetConfig, get_status
 
     if not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.plot is not None:
+        from fedsim.plots import check_plot_target
+
+        check_plot_target(args.plot)
     url = args.url.rstrip("/")
     model = get_status(url, args.ca_file).get("model") or {}
     if model.get("kind", "lightfr") != "lightfr":
@@ -1014,11 +1172,57 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
     finally:
         bar.close()
     format_loadtest(report, out)
+    if args.plot is not None:
+        from fedsim.fleet import PHASE_STEPS
+        from fedsim.plots import plot_loadtest
+
+        title = f"{args.devices} devices, dropout {args.dropout:.0%}, {report.rounds_finished} rounds ({url})"
+        plot_loadtest(args.plot, report.latency_series, PHASE_STEPS, title)
+        out.write(f"plot: {args.plot}\n")
     failure = report.failure(args.rounds)
+    if args.json:
+        write_json(loadtest_record(report, args.rounds, failure), sys.stdout)
     if failure is not None:
         out.flush()
         print(f"fedrec loadtest: error: {failure}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _cmd_recommend(args: argparse.Namespace, out: TextIO) -> int:
+    from fedsim.runs import load_run
+
+    run = load_run(args.run)
+    user = run.user_index(str(args.user))
+    ids, scores = run.recommend(user, args.n, seed=args.seed)
+    rows = [(run.item_label(int(i)), int(i), float(sc)) for i, sc in zip(ids, scores, strict=True)]
+    if args.json:
+        record = {
+            "run": str(args.run),
+            "family": run.family,
+            "user": run.user_label(user),
+            "items": [{"item": label, "index": index, "score": score} for label, index, score in rows],
+        }
+        write_json(record, sys.stdout)
+        return 0
+    out.write(
+        f"{run.family} run {args.run}: top {len(rows)} for user {run.user_label(user)} "
+        f"({run.train.of(user).size} items rated in training, not recommended again)\n"
+    )
+    table(["rank", "item", "score"], [[str(k), str(r[0]), f"{r[2]:.4f}"] for k, r in enumerate(rows, 1)], out)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
+    from fedsim.runs import load_run
+
+    run = load_run(args.run)
+    user = None if args.user is None else run.user_index(str(args.user))
+    model, row = run.device_model(user)
+    model.save(args.output)
+    cls = type(model).__name__
+    who = "every user of the run" if user is None else f"user {run.user_label(user)} as userid={row}"
+    out.write(f"wrote {args.output}: a {cls} ({who}); load it with {cls}.load({str(args.output)!r})\n")
     return 0
 
 
@@ -1040,6 +1244,10 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         return _cmd_simulate(args, out)
     if args.command == "eval":
         return _cmd_eval(args, out)
+    if args.command == "recommend":
+        return _cmd_recommend(args, out)
+    if args.command == "export":
+        return _cmd_export(args, out)
     if args.command == "plan-privacy":
         return _cmd_plan_privacy(args, out)
     return _cmd_data(args, out)

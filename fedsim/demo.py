@@ -134,17 +134,25 @@ def device_data(exp: Experiment, n_devices: int | None = None) -> list[tuple[np.
 
 
 def evaluate_devices(
-    exp: Experiment, clients: list[Any], item_codes: np.ndarray, version: int
+    exp: Experiment, clients: list[Any], item_codes: np.ndarray, version: int, seed: int = 0
 ) -> dict[TieMode, EvalResult]:
     """Every device refreshes its code against the final item codes (a local DCD, nothing uploaded)
-    and scores its own test block; the results are averaged."""
+    and scores its own test block; the results are averaged.
+
+    The evaluation is a simulation step, so its randomness is seeded: a device never invited to a
+    round starts from a code drawn from ``(seed, u)``, and each device's tie-breaking generator (used
+    by its later ``recommend``) is ``(seed, 1, u)``.
+    """
     idx = exp.train.by_user()
     blocks = {int(u): c for u, c in zip(exp.test.users, exp.test.items, strict=True)}
     scores = []
     for u, client in enumerate(clients):
+        model = client.model
+        model.rng = np.random.default_rng([seed, 1, u])
+        if not model.user_trained[0]:
+            model.reset_user(np.random.default_rng([seed, u]))
         if u not in blocks:
             continue
-        model = client.model
         model.set_item_codes(item_codes, version)
         items = idx.items[idx.indptr[u] : idx.indptr[u + 1]]
         ratings = idx.ratings[idx.indptr[u] : idx.indptr[u + 1]]
@@ -197,6 +205,7 @@ def run_demo_fleet(
     out: TextIO,
     workdir: Path | None = None,
     show_progress: bool | None = None,
+    insecure_seed_noise: bool = False,
 ) -> dict[str, Any]:
     """Start a server, run a device per user for ``rounds`` rounds, evaluate, stop the server."""
     n_users = int(np.max(exp.train.users)) + 1 if len(exp.train) else 0
@@ -208,16 +217,20 @@ def run_demo_fleet(
             "model": {"n_items": m, "bits": bits, "flip_fraction": flip_fraction},
             "rounds": {
                 "cohort_size": cohort,
-                "min_cohort": min(cohort, max(3, cohort // 2)),
+                # The fleet sends exactly the seeded cohort (FleetConfig.cohort): wait for all of it.
+                "min_cohort": cohort,
                 "max_rounds": rounds,
                 "dropout_rate": 0.33,
                 "clip_norm": 8.0,
                 "scale_bits": 12,
                 "example_cap": 0,
-                "advertise_timeout": 60.0,
-                "share_keys_timeout": 30.0,
-                "masked_input_timeout": 60.0,
-                "unmask_timeout": 30.0,
+                # Devices that drop announce it and the fleet sends only the cohort, so a phase closes as
+                # soon as every device answered: the deadlines are only a safety net, generous enough for
+                # 300 devices training in one process on a busy 2-core machine.
+                "advertise_timeout": 300.0,
+                "share_keys_timeout": 120.0,
+                "masked_input_timeout": 300.0,
+                "unmask_timeout": 120.0,
                 "round_interval": 0.5,
                 "seed": seed,
             },
@@ -233,26 +246,29 @@ def run_demo_fleet(
             settings["model"].update(rating_min=exp.rating_range[0], rating_max=exp.rating_range[1])
         config_path = root / "server.toml"
         write_server_config(config_path, settings)
-        out.write(f"server: starting fedrec-server ({config_path})\n")
+        # Where and when (paths, port, seconds) goes to stderr; stdout is the run's result, the same in
+        # every run with the same seed.
+        log = sys.stderr
+        log.write(f"server: starting fedrec-server ({config_path})\n")
         t0 = time.perf_counter()
         with ServerProcess(config_path, root / "server.log") as server:
-            out.write(f"server: listening on {server.url}; {n_users} devices registering\n")
+            log.write(f"server: listening on {server.url}; {n_users} devices registering\n")
+            log.flush()
             header = (
                 f"{'round':>5} {'cohort':>6} {'survivors':>9}  dropped per phase (keys/shares/masked/unmask)  "
-                f"{'seconds':>7}  {'ε spent':>8}\n"
+                f"{'ε spent':>8}\n"
             )
             out.write(header)
 
             def on_round(rec: dict[str, Any]) -> None:
                 drops = "/".join(str(p["dropped"]) for p in rec.get("phases", []))
-                secs = (rec.get("finished_at") or 0) - (rec.get("started_at") or 0)
                 eps = (rec.get("privacy") or {}).get("epsilon_spent")
                 eps_text = f"{eps:8.3f}" if isinstance(eps, float) else "       -"
                 state = "" if rec.get("status") == "committed" else f"  ({rec.get('status')}: {rec.get('reason')})"
                 bar.write(
                     out,
                     f"{rec['round_id']:>5} {rec.get('cohort_size', 0):>6} {rec.get('survivors') or 0:>9}  "
-                    f"{drops:<46} {secs:>7.1f}  {eps_text}{state}\n",
+                    f"{drops:<46} {eps_text}{state}\n",
                 )
 
             fleet_cfg = FleetConfig(
@@ -267,6 +283,11 @@ def run_demo_fleet(
                 time_limit=1800.0,
                 # Devices that drop say so (like an app closed cleanly), so phases close at quorum.
                 announce_drops=True,
+                # The fleet picks each round's cohort from the seed and the devices train from it, so
+                # runs with one seed match; the DP noise is keyed from the OS unless the test hook says.
+                cohort=cohort,
+                seed_training=True,
+                insecure_reproducible=insecure_seed_noise,
             )
             bar = RoundProgress(rounds, "demo", enabled=show_progress)
             try:
@@ -276,9 +297,9 @@ def run_demo_fleet(
             finally:
                 bar.close()
             payload, status = asyncio.run(_final_model(server.url))
-        out.write(f"server: stopped (exit {server.proc.returncode if server.proc else '?'})\n")
+        log.write(f"server: stopped (exit {server.proc.returncode if server.proc else '?'})\n")
         codes = unpack_signs(from_bytes(payload.words, payload.bits, payload.n_items), payload.bits)
-        results = evaluate_devices(exp, clients, codes, payload.model_version)
+        results = evaluate_devices(exp, clients, codes, payload.model_version, seed)
         return {
             "report": report,
             "results": results,
@@ -354,6 +375,8 @@ def describe_outcomes(report: FleetReport) -> str:
     parts = [f"{o.get('committed', 0)} took part in a committed round", f"{o.get('aborted', 0)} in an aborted one"]
     drops = ", ".join(f"{k} {v}" for k, v in sorted(report.drops.items()))
     parts.append(f"{o.get('dropped', 0)} dropped as injected" + (f" ({drops})" if drops else ""))
+    if o.get("refused"):
+        parts.append(f"{o['refused']} refused by the device's privacy floor")
     parts.append(f"{o.get('waited', 0)} check-ins were told to wait (not in the cohort, or no round open)")
     return "device rounds: " + "; ".join(parts)
 
@@ -408,6 +431,50 @@ class RoundProgress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def loadtest_record(report: FleetReport, wanted: int, failure: str | None) -> dict[str, Any]:
+    """``fedrec loadtest --json``: the report as one JSON-able object (schema in `fedsim.report`)."""
+    latency = {
+        step: {"n": len(v), "p50": _finite(_pct(v, 50)), "p95": _finite(_pct(v, 95)), "p99": _finite(_pct(v, 99))}
+        for step, v in ((s, report.latencies.get(s, [])) for s in PHASE_STEPS)
+    }
+    rounds = []
+    prev = report.cpu_start
+    for rec in report.server_rounds:
+        cpu = (rec.get("process") or {}).get("cpu_seconds")
+        rounds.append(
+            {
+                "round_id": rec.get("round_id"),
+                "status": rec.get("status"),
+                "cohort": rec.get("cohort_size"),
+                "survivors": rec.get("survivors"),
+                "seconds": _finite((rec.get("finished_at") or 0) - (rec.get("started_at") or 0)),
+                "cpu_seconds": None if cpu is None or prev is None else _finite(cpu - prev),
+                "peak_rss_mb": (rec.get("process") or {}).get("max_rss_mb"),
+            }
+        )
+        prev = cpu if cpu is not None else prev
+    return {
+        "devices": report.devices,
+        "rounds_requested": wanted,
+        "rounds_finished": report.rounds_finished,
+        "rounds_committed": report.committed,
+        "seconds": round(report.seconds, 3),
+        "ok": failure is None,
+        "failure": failure,
+        "outcomes": dict(report.outcomes),
+        "drops": dict(report.drops),
+        "latency_seconds": latency,
+        "bytes_up_median": float(np.median(report.bytes_up)) if report.bytes_up else None,
+        "bytes_down_median": float(np.median(report.bytes_down)) if report.bytes_down else None,
+        "server_rounds": rounds,
+        "errors": dict(report.errors),
+    }
+
+
+def _finite(x: float) -> float | None:
+    return round(float(x), 4) if np.isfinite(x) else None
 
 
 def format_loadtest(report: FleetReport, out: TextIO) -> None:

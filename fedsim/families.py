@@ -31,6 +31,7 @@ from fedsim.evaluation import TieMode
 from fedsim.experiment import baselines, prepare
 from fedsim.planted import planted_binary, planted_nonnegative
 from fedsim.splits import leave_one_out
+from fedsim.ui import table
 from protocol.errors import ConfigError
 
 __all__ = ["FAMILY_DEFAULT_ROUNDS", "simulate_family"]
@@ -40,9 +41,7 @@ FAMILY_DEFAULT_ROUNDS = {"lightfr": 50, "mf": 20, "felb": 100, "fnmf": 10}
 
 
 def _rows(out: TextIO, header: list[str], rows: list[list[str]]) -> None:
-    out.write("| " + " | ".join(header) + " |\n|" + "---|" * len(header) + "\n")
-    for row in rows:
-        out.write("| " + " | ".join(row) + " |\n")
+    table(header, rows, out)  # the one table style of every fedrec command
 
 
 def _ratings(args: argparse.Namespace, data_dir: Path | None) -> Ratings:
@@ -80,6 +79,8 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     rank = args.rank or 32
     out.write(exp.describe() + "\n")
     secure = args.epsilon > 0 or args.secure
+    if secure and getattr(args, "save", None) is not None:
+        raise ConfigError("--save is not available for MF runs through the coordinator (--epsilon/--secure) yet")
     if secure:
         if args.silos:
             raise ConfigError("--silos runs in-process without secure aggregation; drop --epsilon/--secure")
@@ -127,6 +128,26 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
         )
         state = run_federated_mf(train, strategy, schedule)
         ev = evaluate_mf(state.user_factors, state.item_factors, test, exp.test)
+        if getattr(args, "save", None) is not None:
+            from device_sdk.mf import MFModel
+            from fedsim.mf import device_config
+            from fedsim.runs import TrainItems, save_family_run
+
+            model = MFModel(train.n_items, device_config(strategy, schedule), n_users=train.n_users)
+            model.item_factors = np.array(state.item_factors, dtype=np.float64)
+            model.user_factors = np.array(state.user_factors, dtype=np.float64)
+            model.user_trained[:] = True
+            model.model_version = args.rounds + 1
+            save_family_run(
+                args.save,
+                "mf",
+                [(model, train.n_users)],
+                TrainItems.from_pairs(train.users, train.items, train.n_users),
+                {"dataset": str(args.dataset), "seed": args.seed, "n_items": train.n_items},
+                user_ids=train.user_ids,
+                item_ids=train.item_ids,
+            )
+            out.write(f"saved the run to {args.save}\n")
     assert ev.ranking is not None
     b = baselines(exp, TieMode.RANDOM)
     mean = float(np.mean(train.ratings))
@@ -181,6 +202,19 @@ def _felb(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     )
     run = run_felb(blocks, strategy, rounds=args.rounds, rng=rng, noise_sigma=args.noise_sigma)
     m = evaluate_felb(run, blocks, signal=signal, planted_v=planted_v)
+    if getattr(args, "save", None) is not None:
+        from fedsim.runs import TrainItems, save_family_run
+
+        stacked = np.vstack(blocks)
+        users, items = np.nonzero(stacked)  # a row's 1s are its "rated" items: never recommended again
+        save_family_run(
+            args.save,
+            "felb",
+            [(model, block.shape[0]) for model, block in zip(run.models, blocks, strict=True)],
+            TrainItems.from_pairs(users, items, stacked.shape[0]),
+            {"dataset": str(args.dataset or "planted"), "seed": args.seed, "n_items": int(stacked.shape[1])},
+        )
+        out.write(f"saved the run to {args.save}\n")
     rows = [
         ["FELB", f"{m.f1:.4f}", f"{m.f1_star:.4f}", f"{m.factor_f1:.4f}", f"{m.rmsd:.4f}", f"{m.gap:.4f}"],
         ["all-zero model", "0.0000", "—", "—", f"{m.zero_rmsd:.4f}", "—"],
@@ -225,6 +259,19 @@ def _fnmf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     )
     run = run_fnmf(clients, rank, cfg, rng, truth=planted.v)
     floor = fnmf_sigma_rmsd(clients, list(np.split(planted.signal, clients_n)))
+    if getattr(args, "save", None) is not None:
+        from fedsim.runs import TrainItems, save_family_run
+
+        n_rows = sum(c.shape[0] for c in clients)
+        empty = np.zeros(0, dtype=np.int64)  # dense non-negative rows: no item counts as already rated
+        save_family_run(
+            args.save,
+            "fnmf",
+            [(model, c.shape[0]) for model, c in zip(run.models, clients, strict=True)],
+            TrainItems.from_pairs(empty, empty, n_rows),
+            {"dataset": "planted", "seed": args.seed, "n_items": int(clients[0].shape[1])},
+        )
+        out.write(f"saved the run to {args.save}\n")
     rows = [
         [args.aggregator, f"{run.sigma_rmsd:.4f}", f"{run.matched_cosine:.4f}", f"{run.orthogonality_gap:.4f}"],
         ["noise floor Σ RMSD(X_i, S_i)", f"{floor:.4f}", "—", "—"],

@@ -35,6 +35,7 @@ from protocol.policy import PrivacyPolicy
 __all__ = ["FleetConfig", "FleetReport", "run_fleet", "fetch_status", "get_status", "PHASE_STEPS"]
 
 TIME_LIMIT = "fleet time limit reached"
+_FINISHED = (RoundStatus.COMMITTED, RoundStatus.ABORTED)
 PHASE_STEPS = ("checkin", "model", "train", "keys", "shares", "masked", "unmask")
 _DROPS = (
     DropoutAt.BEFORE_KEYS,
@@ -63,6 +64,10 @@ class FleetConfig:
     insecure_reproducible : TEST HOOK: seed the devices' training generators and DP-noise streams with
         `insecure_seeded_rngs` (bit-identical re-runs); the fleet then prints that its ε is not a
         privacy guarantee.  Default False: every device keys its noise from `secrets`, as a real one does.
+    seed_training : seed only the devices' training generators (first-round user code, θ and negative
+        sampling: child 0 of ``SeedSequence([seed, round_id, device_id])``, as `insecure_seeded_rngs`
+        draws it) while their DP noise stays keyed from `secrets`: a simulation reproduces its
+        cohorts, dropouts and training, and its ε stays a guarantee.
     rating_range, binary_positives : how devices normalise their ratings.
     time_limit : seconds after which the fleet stops regardless.
     long_poll_timeout : seconds a device waits on one phase request.
@@ -71,6 +76,11 @@ class FleetConfig:
     announce_drops : dropped devices tell the server they leave (phases then close at quorum instead
         of at their deadline); by default they vanish silently.
     drop_pause : seconds a dropped device stays away before checking in again.
+    cohort : when set, the fleet picks each round's cohort itself: for its k-th round it draws this many
+        devices from ``SeedSequence([seed, 11, k])`` and only those check in, so the server's pool (and
+        with a seeded server, the round) is the same in every run with the same seed, however the
+        event loop schedules the devices.  The server's ``cohort_size`` must equal it.  Unset: every
+        device checks in whenever it is free (a load test).
     ca_file : PEM file of the CA (or self-signed certificate) that signs an ``https`` server's
         certificate; None uses the system's trusted roots.
     """
@@ -83,6 +93,7 @@ class FleetConfig:
     dropout: float = 0.0
     seed: int = 0
     insecure_reproducible: bool = False
+    seed_training: bool = False
     privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy.no_floor)
     rating_range: tuple[float, float] | None = (1.0, 5.0)
     binary_positives: bool = True
@@ -92,6 +103,7 @@ class FleetConfig:
     announce_drops: bool = False
     drop_pause: float = 1.0
     ca_file: Path | None = None
+    cohort: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.dropout < 1.0:
@@ -190,6 +202,40 @@ class FleetReport:
         return "; ".join(parts)
 
 
+class _CohortGate:
+    """Which devices may check in now (`FleetConfig.cohort`): the seeded cohort of the fleet's next round."""
+
+    def __init__(self, seed: int, cohort: int, n_devices: int) -> None:
+        self.seed, self.size, self.n = seed, min(cohort, n_devices), n_devices
+        self.finished: set[int] = set()
+        self._chosen: tuple[int, frozenset[int]] | None = None
+        self._event = asyncio.Event()
+
+    def chosen(self) -> frozenset[int]:
+        k = len(self.finished)
+        if self._chosen is None or self._chosen[0] != k:
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, 11, k]))
+            self._chosen = (k, frozenset(int(i) for i in rng.choice(self.n, size=self.size, replace=False)))
+        return self._chosen[1]
+
+    def finish(self, round_id: int) -> None:
+        if round_id not in self.finished:
+            self.finished.add(round_id)
+            self._event.set()
+            self._event = asyncio.Event()
+
+    async def wait_turn(self, index: int, stop: asyncio.Event, after: int | None) -> None:
+        """Until device ``index`` is in the next round's cohort and round ``after`` (the one it last
+        left, if any) has finished: a check-in in flight across a round's end would otherwise land
+        in the server's pool for the next round."""
+        while not stop.is_set() and (index not in self.chosen() or (after is not None and after not in self.finished)):
+            event = self._event
+            try:
+                await asyncio.wait_for(event.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+
+
 async def fetch_status(session: Any, url: str) -> dict[str, Any]:
     """GET ``/v1/status`` as JSON (``session`` is an aiohttp ClientSession)."""
     async with session.get(f"{url}/v1/status") as resp:
@@ -285,8 +331,11 @@ async def run_fleet(
             holder: dict[str, DeviceClient] = {}
 
             def rngs(round_id: int, _h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, NoiseStream]:
-                device_id = _h["c"].device_id
-                return insecure_seeded_rngs(config.seed, round_id, int(device_id or 0))
+                device_id = int(_h["c"].device_id or 0)
+                if config.insecure_reproducible:
+                    return insecure_seeded_rngs(config.seed, round_id, device_id)
+                training, _ = np.random.SeedSequence([config.seed, round_id, device_id]).spawn(2)
+                return np.random.default_rng(training), NoiseStream.from_os()
 
             client = DeviceClient(
                 transport,
@@ -301,7 +350,7 @@ async def run_fleet(
                 bits=config.bits,
                 rating_range=config.rating_range,
                 binary_positives=config.binary_positives,
-                rng_for_round=rngs if config.insecure_reproducible else None,
+                rng_for_round=rngs if config.insecure_reproducible or config.seed_training else None,
             )
             holder["c"] = client
             clients.append(client)
@@ -309,12 +358,17 @@ async def run_fleet(
         # seeded run reproducible (the in-process reference registers in the same order).
         for c in clients:
             await c.register()
+        gate = None
+        if config.cohort is not None:
+            if first_index or not monitor:
+                raise ValueError("a fleet that picks its cohorts (cohort=...) runs in one process")
+            gate = _CohortGate(config.seed, config.cohort, len(clients))
         tasks = [
-            asyncio.create_task(_device_loop(c, first_index + i, config, report, stop, start))
+            asyncio.create_task(_device_loop(c, first_index + i, config, report, stop, start, gate))
             for i, c in enumerate(clients)
         ]
         if monitor:
-            tasks.append(asyncio.create_task(_monitor(session, config, report, stop, on_round, on_status)))
+            tasks.append(asyncio.create_task(_monitor(session, config, report, stop, on_round, on_status, gate)))
         try:
             await asyncio.wait_for(stop.wait(), timeout=config.time_limit)
         except TimeoutError:
@@ -332,7 +386,13 @@ async def run_fleet(
 
 
 async def _device_loop(
-    client: DeviceClient, index: int, config: FleetConfig, report: FleetReport, stop: asyncio.Event, start: float
+    client: DeviceClient,
+    index: int,
+    config: FleetConfig,
+    report: FleetReport,
+    stop: asyncio.Event,
+    start: float,
+    gate: _CohortGate | None = None,
 ) -> None:
     backoff = 0.5
     chosen: dict[int, DropoutAt] = {}
@@ -352,7 +412,12 @@ async def _device_loop(
                 chosen[round_id] = drop
         return chosen[round_id]
 
+    left: int | None = None  # the round this device dropped out of (gated fleets wait for its end)
     while not stop.is_set():
+        if gate is not None:
+            await gate.wait_turn(index, stop, left)
+            if stop.is_set():
+                return
         try:
             outcome = await client.run_round(dropout=plan, announce_drop=config.announce_drops)
         except asyncio.CancelledError:
@@ -365,6 +430,11 @@ async def _device_loop(
             continue
         backoff = 0.5
         _record(report, outcome, time.perf_counter() - start)
+        if gate is not None and outcome.round_id is not None:
+            if outcome.status in _FINISHED:
+                gate.finish(outcome.round_id)
+            elif outcome.status in (RoundStatus.DROPPED, RoundStatus.REFUSED):
+                left = outcome.round_id
         if outcome.status is RoundStatus.DROPPED and outcome.round_id is not None:
             report.drops[plan(outcome.round_id).value] += 1
             await _sleep(stop, config.drop_pause)
@@ -386,6 +456,7 @@ async def _monitor(
     stop: asyncio.Event,
     on_round: Callable[[dict[str, Any]], None] | None,
     on_status: Callable[[dict[str, Any]], None] | None = None,
+    gate: _CohortGate | None = None,
 ) -> None:
     seen: set[int] = set()
     # Rounds that finished or were already open when the fleet started belong to someone else (an
@@ -412,6 +483,8 @@ async def _monitor(
             if rid in seen or rid <= last_foreign:
                 continue
             seen.add(rid)
+            if gate is not None:
+                gate.finish(rid)
             rec = {**rec, "process": status.get("process"), "privacy": status.get("privacy")}
             report.server_rounds.append(rec)
             report.rounds_finished += 1

@@ -206,7 +206,7 @@ def _one_round(
             payload = decode(coordinator.model_bytes)
             if not isinstance(payload, ModelPayload):  # pragma: no cover - the coordinator encodes it
                 raise RuntimeError("the coordinator's model is not a ModelPayload")
-            dev.model.set_global(payload.words, payload.values, payload.model_version)
+            dev.model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
         training_rng, noise_rng = insecure_seeded_rngs(seed, round_id, d)
         ring, _ = local_round(dev.model, invite, dev.data, None, training_rng)
         sessions[d] = DeviceSecAggSession(invite, rng=noise_rng)

@@ -94,6 +94,8 @@ class PrivateMFResult:
     mu: float
     committed: int
     seconds: float
+    user_factors: Any = None  # (n_users, f) after stage-3 fine-tuning, for full-ranking evaluation
+    item_factors: Any = None  # (m, f) the server's final V
 
 
 def _server_config(data_dir: Path, s: PrivateMFSettings, n_items: int, n_users: int) -> ServerConfig:
@@ -245,4 +247,4 @@ def run_private_mf(
         ).per_rating
     test_ev = evaluate_mf(U, V, test, test_blocks)
     val_ev = evaluate_mf(U, V, val[0], val[1]) if val is not None else None
-    return PrivateMFResult(test_ev, val_ev, eps_user, eps_rating, mu, committed, time.perf_counter() - start)
+    return PrivateMFResult(test_ev, val_ev, eps_user, eps_rating, mu, committed, time.perf_counter() - start, U, V)

@@ -259,6 +259,7 @@ def run_private_scaled(
                 "bits": s.bits,
                 "negatives": s.negatives,
                 "flip_fraction": s.flip_fraction,
+                "unobserved_weight": 0.0,  # the scaled simulator runs the sampled-negatives objective
             },
             "rounds": {
                 "cohort_size": n,
@@ -455,6 +456,7 @@ def evaluate_private(
     *,
     eval_seed: int = 0,
     val_users: int = 8000,
+    test_users: int | None = None,
     on_round: Callable[[int, float], None] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
@@ -464,6 +466,7 @@ def evaluate_private(
     α of the item level is chosen on validation (candidate blocks carved from train, or one carved
     train item per user); the test split is scored once for the chosen α, for private popularity
     (α = ∞), and for the non-private popularity and random baselines (random ties everywhere).
+    ``test_users`` evaluates a seeded sample of that many users instead of all (full ranking only).
 
     Returns
     -------
@@ -487,9 +490,12 @@ def evaluate_private(
                 chosen = (a, v)
         assert chosen is not None
         seen, test = data.train, data.test
+        tu = None
+        if test_users is not None and test_users < seen.n_users:
+            tu = np.random.default_rng(eval_seed + 1).choice(seen.n_users, test_users, replace=False)
 
         def full(score: Any) -> dict[str, float]:
-            r = evaluate_all_items(score, seen, test, k=20, seed=eval_seed)
+            r = evaluate_all_items(score, seen, test, k=20, seed=eval_seed, users=tu)
             return {"recall@20": r.recall, "ndcg@20": r.ndcg}
 
         metrics = {

@@ -317,7 +317,7 @@ class PrivateSimulator:
             model = devices[d]
             invite: RoundInvite = replace(params.invite(d), **plan)
             if model.model_version != invite.model_version:
-                model.set_global(payload.words, payload.values, payload.model_version)
+                model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
             training_rng, noise_rng = insecure_seeded_rngs(seed, round_id, d)
             rings[d], _ = local_round(model, invite, data[d], None, training_rng)
             noise_rngs[d] = noise_rng
@@ -517,6 +517,11 @@ class LightFRCohort:
 
         if Aggregation(invite.aggregation) is not Aggregation.GRAD:
             raise ConfigError("the scaled LightFR simulation runs Agg_grad uploads only")
+        if invite.unobserved_weight > 0:
+            raise ConfigError(
+                "the scaled LightFR simulation runs the sampled-negatives objective only: set "
+                "model.unobserved_weight = 0 (the all-items upload layout is protocol/families/lightfr.py)"
+            )
         m, f = self.n_items, self.bits
         qcfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
         lam = float(invite.lam)

@@ -15,6 +15,21 @@ Schema (`fedrec simulate` and `fedrec eval`; other commands reuse `fedsim.report
   `X`), each holding the keys it measured among `hr@10`, `ndcg@10` (sampled negatives) and
   `recall@20`, `ndcg@20` (full ranking), always with random tie-breaking (seeded by `--eval-seed`).
 
+`fedrec demo --json` uses the same fixed keys (`metrics` holds `hr@10` / `ndcg@10` of the model the
+server trained, popularity and random; `rounds` counts committed rounds) and adds `epsilon`, `delta`
+(null without DP), `seed`, `epsilon_is_guarantee` (false without DP and with `--insecure-seed-dp-noise`)
+and `server_rounds` (`round_id`, `status`, `cohort_size`, `survivors` of each round).
+
+`fedrec loadtest --json` is a report, not a quality figure: `devices`, `rounds_requested`,
+`rounds_finished`, `rounds_committed`, `seconds`, `ok` (the exit status is 0), `failure` (the one-line
+reason, or null), `outcomes` and `drops` (counts by kind), `latency_seconds` (per phase: `n`, `p50`,
+`p95`, `p99`; null when no sample), `bytes_up_median` / `bytes_down_median`, `server_rounds` (per
+round: `round_id`, `status`, `cohort`, `survivors`, `seconds`, `cpu_seconds`, `peak_rss_mb`) and
+`errors` (counts by type).
+
+`fedrec recommend --json`: `{"run", "family", "user", "items": [{"item", "index", "score"}, ...]}`,
+best first; `item` / `user` are the dataset's raw ids when the run kept them, `index` the dense index.
+
 Invariants: values are finite floats (`allow_nan=False`), the object is one line, and extra keys
 (e.g. `epsilon`, `delta`) never shadow the fixed ones.
 """

@@ -28,13 +28,13 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> 
 
 
 def parse_table(text: str, label: str) -> list[str]:
-    """The cells of the first row of a `table` in ``text`` whose first cell is ``label`` (for tests
-    and scripts reading a report back)."""
+    """The cells of the first row of a `table` in ``text`` whose first cell starts with ``label`` (for
+    tests and scripts reading a report back)."""
     import re
 
     for line in text.splitlines():
         cells = re.split(r"\s{2,}", line.strip())
-        if cells and cells[0] == label:
+        if len(cells) > 1 and cells[0].startswith(label):
             return cells
     raise KeyError(f"no table row labelled {label!r}")
 

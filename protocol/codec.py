@@ -7,7 +7,8 @@
 
 Type codes: 1–10 are the SecAgg round messages; 11–16 registration, check-in, model download and the
 round result (protocol 1.1); protocol 1.2 appended the model-family fields of `RoundInvite` and
-`ModelPayload.values`; protocol 1.3 appended `RoundInvite.cohort_size`; 17–19 reserved; 20+ are free.
+`ModelPayload.values`; protocol 1.3 appended `RoundInvite.cohort_size`, the signed key advertisements
+and the consistency check (20 ConsistencyRequest, 21 ConsistencySignature); 17–19 reserved; 22+ are free.
 Never reuse a code.
 """
 
@@ -26,6 +27,8 @@ from protocol.errors import DecodeError, PayloadTooLarge, VersionMismatch
 from protocol.messages import (
     Abort,
     CheckIn,
+    ConsistencyRequest,
+    ConsistencySignature,
     EncryptedShares,
     ErrorMessage,
     MaskedInput,
@@ -136,6 +139,8 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("round_index", "ri", Kind.INT),
                 # protocol 1.3: the device-side privacy floor
                 ("cohort_size", "nc", Kind.INT),
+                ("unobserved_weight", "w0", Kind.FLOAT),  # protocol 1.3
+                ("confidence", "cf", Kind.FLOAT),  # protocol 1.3
             ),
         ),
         PublicKeys.TYPE: (
@@ -145,6 +150,9 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("device_id", "d", Kind.INT),
                 ("c_public_key", "pc", Kind.BYTES),
                 ("s_public_key", "ps", Kind.BYTES),
+                # protocol 1.3: signed key advertisements
+                ("certificate", "crt", Kind.BYTES),
+                ("signature", "sig", Kind.BYTES),
             ),
         ),
         ShareKeysBroadcast.TYPE: (
@@ -156,6 +164,9 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("neighbour_ids", "n", Kind.INTS),
                 ("c_public_keys", "pc", Kind.BYTES_LIST),
                 ("s_public_keys", "ps", Kind.BYTES_LIST),
+                # protocol 1.3
+                ("certificates", "crt", Kind.BYTES_LIST),
+                ("signatures", "sig", Kind.BYTES_LIST),
             ),
         ),
         EncryptedShares.TYPE: (
@@ -196,6 +207,29 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("survivors", "u3", Kind.INTS),
                 ("dropped", "dr", Kind.INTS),
                 ("n_survivors", "ns", Kind.INT),
+                # protocol 1.3: the consistency check
+                ("survivor_set", "u3s", Kind.INTS),
+                ("signer_ids", "sgi", Kind.INTS),
+                ("signer_certificates", "crt", Kind.BYTES_LIST),
+                ("signatures", "sig", Kind.BYTES_LIST),
+            ),
+        ),
+        ConsistencyRequest.TYPE: (
+            ConsistencyRequest,
+            (
+                ("round_id", "r", Kind.INT),
+                ("device_id", "d", Kind.INT),
+                ("session_id", "sid", Kind.BYTES),
+                ("survivor_set", "u3s", Kind.INTS),
+            ),
+        ),
+        ConsistencySignature.TYPE: (
+            ConsistencySignature,
+            (
+                ("round_id", "r", Kind.INT),
+                ("device_id", "d", Kind.INT),
+                ("session_id", "sid", Kind.BYTES),
+                ("signature", "sig", Kind.BYTES),
             ),
         ),
         UnmaskResponse.TYPE: (
@@ -239,6 +273,8 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("n_items", "m", Kind.INT),
                 ("words", "w", Kind.BYTES),
                 ("values", "val", Kind.BYTES),  # protocol 1.2
+                ("item_levels", "lv", Kind.BYTES),  # protocol 1.3
+                ("hamming_weight", "hw", Kind.INT),  # protocol 1.3
             ),
         ),
         RoundResult.TYPE: (

@@ -22,8 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -59,6 +60,14 @@ __all__ = [
     "NoiseStream",
     "insecure_test_noise_stream",
     "INSECURE_NOISE_NOTICE",
+    "SIGNATURE_BYTES",
+    "CERTIFICATE_BYTES",
+    "SigningKey",
+    "verify_signature",
+    "issue_certificate",
+    "verify_certificate",
+    "key_advertisement_payload",
+    "survivor_set_payload",
 ]
 
 KEY_BYTES = 32
@@ -491,3 +500,136 @@ def insecure_test_noise_stream(seed: int, *context: int) -> NoiseStream:
     _log.debug("INSECURE test noise stream for seed %d: ε of this run is not a privacy guarantee", seed)
     key = hashlib.sha256(_LABEL_INSECURE_NOISE + b"".join(struct.pack(">Q", int(v)) for v in parts)).digest()
     return NoiseStream(key)
+
+
+# -- long-term identities (Ed25519) and enrollment certificates ------------------------------------------
+
+SIGNATURE_BYTES = 64
+_CERT_MAGIC = b"FRC1"
+#: magic ‖ subject public key ‖ 16-byte serial ‖ CA signature over (label ‖ magic ‖ subject ‖ serial).
+CERTIFICATE_BYTES = len(_CERT_MAGIC) + KEY_BYTES + 16 + SIGNATURE_BYTES
+_LABEL_CERTIFICATE = b"fedrec/enrollment/certificate"
+_LABEL_KEY_ADVERTISEMENT = b"fedrec/secagg/key-advertisement"
+_LABEL_SURVIVOR_SET = b"fedrec/secagg/survivor-set"
+
+
+@dataclass(frozen=True, slots=True)
+class SigningKey:
+    """An Ed25519 key pair: a device's long-term identity, or the enrollment authority's key.
+
+    Attributes
+    ----------
+    private_key : Ed25519PrivateKey
+    public_key : bytes
+        32 raw bytes.
+    """
+
+    private_key: Ed25519PrivateKey
+    public_key: bytes
+
+    @classmethod
+    def generate(cls) -> SigningKey:
+        """A fresh key from the OS CSPRNG."""
+        private = Ed25519PrivateKey.generate()
+        return cls(private, private.public_key().public_bytes_raw())
+
+    @classmethod
+    def from_private_bytes(cls, raw: bytes) -> SigningKey:
+        """Rebuild from the 32-byte seed (a device's stored identity).
+
+        Raises
+        ------
+        CryptoError
+            Not 32 bytes.
+        """
+        if type(raw) is not bytes or len(raw) != KEY_BYTES:
+            raise CryptoError("an Ed25519 private key is 32 bytes")
+        private = Ed25519PrivateKey.from_private_bytes(raw)
+        return cls(private, private.public_key().public_bytes_raw())
+
+    def private_bytes(self) -> bytes:
+        """The 32-byte seed (for the device's store only)."""
+        return self.private_key.private_bytes_raw()
+
+    def sign(self, data: bytes) -> bytes:
+        """A 64-byte Ed25519 signature of ``data``."""
+        return self.private_key.sign(data)
+
+
+def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> None:
+    """Check an Ed25519 signature.
+
+    Raises
+    ------
+    CryptoError
+        Malformed key or signature, or a signature that does not verify.
+    """
+    if type(public_key) is not bytes or len(public_key) != KEY_BYTES:
+        raise CryptoError("an Ed25519 public key is 32 bytes")
+    if type(signature) is not bytes or len(signature) != SIGNATURE_BYTES:
+        raise CryptoError("an Ed25519 signature is 64 bytes")
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+    except (InvalidSignature, ValueError):
+        raise CryptoError("signature does not verify") from None
+
+
+def issue_certificate(authority: SigningKey, subject_public_key: bytes) -> bytes:
+    """The enrollment authority certifies a device's long-term public key.
+
+    Parameters
+    ----------
+    authority : SigningKey
+        The enrollment authority's key (kept apart from the aggregation server).
+    subject_public_key : bytes
+        The device's 32-byte Ed25519 public key.
+
+    Returns
+    -------
+    bytes
+        `CERTIFICATE_BYTES` bytes.
+    """
+    if type(subject_public_key) is not bytes or len(subject_public_key) != KEY_BYTES:
+        raise CryptoError("an Ed25519 public key is 32 bytes")
+    body = _CERT_MAGIC + subject_public_key + os.urandom(16)
+    return body + authority.sign(_LABEL_CERTIFICATE + body)
+
+
+def verify_certificate(certificate: bytes, authority_public_key: bytes) -> bytes:
+    """Check a certificate against the pinned authority key; return the certified device public key.
+
+    Raises
+    ------
+    CryptoError
+        Malformed, or not signed by the authority.
+    """
+    if (
+        type(certificate) is not bytes
+        or len(certificate) != CERTIFICATE_BYTES
+        or not certificate.startswith(_CERT_MAGIC)
+    ):
+        raise CryptoError("malformed enrollment certificate")
+    body, signature = certificate[:-SIGNATURE_BYTES], certificate[-SIGNATURE_BYTES:]
+    try:
+        verify_signature(authority_public_key, signature, _LABEL_CERTIFICATE + body)
+    except CryptoError:
+        raise CryptoError("enrollment certificate is not signed by the pinned authority") from None
+    return body[len(_CERT_MAGIC) : len(_CERT_MAGIC) + KEY_BYTES]
+
+
+def key_advertisement_payload(round_id: int, device_id: int, c_public_key: bytes, s_public_key: bytes) -> bytes:
+    """What a device signs when it advertises its round keys (binds round, device id and both keys)."""
+    return _LABEL_KEY_ADVERTISEMENT + _VERSION_BINDING + _u64(round_id) + _u64(device_id) + c_public_key + s_public_key
+
+
+def survivor_set_payload(round_id: int, session: bytes, survivors: Sequence[int]) -> bytes:
+    """What a survivor signs in the consistency check: the round, the session and the sorted set U3."""
+    ids = sorted(survivors)
+    return (
+        _LABEL_SURVIVOR_SET
+        + _VERSION_BINDING
+        + _u64(round_id)
+        + _len_prefixed(session)
+        + struct.pack(">I", len(ids))
+        + b"".join(_u64(v) for v in ids)
+    )

@@ -19,12 +19,14 @@ import numpy as np
 from numpy.typing import NDArray
 
 from protocol import crypto
-from protocol.crypto import NoiseStream
+from protocol.crypto import NoiseStream, SigningKey
 from protocol.errors import CryptoError, LocalProtocolError, RemoteProtocolError, StaleRound
 from protocol.fixed_secrets import FixedDeviceSecrets
 from protocol.masking import mask_input, pair_mask_keys
 from protocol.messages import (
     Abort,
+    ConsistencyRequest,
+    ConsistencySignature,
     EncryptedShares,
     ErrorMessage,
     MaskedInput,
@@ -47,6 +49,7 @@ from protocol.phases import (
     check_neighbourhood,
     check_sharers,
     check_survivor_quorum,
+    required_signatures,
 )
 from protocol.policy import DeviceLedger, PrivacyPolicy, check_invite
 from protocol.shamir import SHARE_BYTES, Share, split
@@ -81,6 +84,13 @@ class DeviceSecAggSession:
         generated; None checks nothing (protocol tests and simulations).  `DeviceClient` always passes one.
     ledger : DeviceLedger, optional
         The device's own privacy ledger, for the policy's total-ε floor.
+    identity, certificate : SigningKey and bytes, optional
+        Protocol 1.3: the device's long-term Ed25519 key and its enrollment certificate; the key
+        advertisement and the survivor set are signed with it.
+    authority_key : bytes, optional
+        Protocol 1.3: the pinned public key of the enrollment authority.  When given, the session refuses
+        unsigned or wrongly signed neighbour keys (key substitution) and releases no share before it holds
+        `protocol.phases.required_signatures` valid survivor signatures on the one set it signed itself.
 
     Raises
     ------
@@ -96,11 +106,24 @@ class DeviceSecAggSession:
         fixed_secrets: FixedDeviceSecrets | None = None,
         policy: PrivacyPolicy | None = None,
         ledger: DeviceLedger | None = None,
+        identity: SigningKey | None = None,
+        certificate: bytes = b"",
+        authority_key: bytes | None = None,
     ) -> None:
         if not isinstance(invite, RoundInvite):
             raise TypeError("invite must be a RoundInvite")
         if fixed_secrets is not None and not isinstance(fixed_secrets, FixedDeviceSecrets):
             raise TypeError("fixed_secrets must be a FixedDeviceSecrets")
+        if authority_key is not None and (identity is None or not certificate):
+            raise TypeError("a session that pins an enrollment authority needs the device's identity and certificate")
+        if identity is not None and authority_key is not None:
+            if crypto.verify_certificate(certificate, authority_key) != identity.public_key:
+                raise CryptoError("the device's certificate does not certify its identity key")
+        self._identity = identity
+        self._certificate = certificate
+        self._authority = authority_key
+        self._gamma = 0.0 if policy is None else policy.adversary_rate
+        self._signed_set: tuple[int, ...] | None = None
         #: ε the round charges this device at its policy's δ (0 without a policy or without DP).
         self.round_epsilon = 0.0 if policy is None else check_invite(invite, policy, ledger)
         self.invite = invite
@@ -128,6 +151,7 @@ class DeviceSecAggSession:
         self._kept_after_reply: SkellamDraw | None = None
         self._pending: Message | None = None
         self.abort_reason: str | None = None
+        self._identities: dict[int, bytes] = {}  # neighbour id -> certified Ed25519 key (protocol 1.3)
 
     # -- public API -----------------------------------------------------------------------------------
 
@@ -177,6 +201,8 @@ class DeviceSecAggSession:
         """
         self._guard()
         reply_type = DEVICE_REPLY.get(self._phase)
+        if isinstance(self._pending, ConsistencySignature):
+            reply_type = ConsistencySignature
         if reply_type is None:  # pragma: no cover - _guard handles the terminal phases
             self._fail(LocalProtocolError(f"nothing to send in phase {self._phase.name}"))
         key = (Role.DEVICE, self._phase, Direction.SEND, reply_type)
@@ -190,12 +216,7 @@ class DeviceSecAggSession:
             )
         try:
             if self._phase is Phase.ADVERTISE_KEYS:
-                message: Message = PublicKeys(
-                    round_id=self.invite.round_id,
-                    device_id=self.device_id,
-                    c_public_key=self._c.public_key,
-                    s_public_key=self._s.public_key,
-                )
+                message: Message = self._public_keys()
             elif self._phase is Phase.MASKED_INPUT:
                 message = self._masked_input()
             else:
@@ -242,6 +263,8 @@ class DeviceSecAggSession:
                 self._pending = self._on_share_keys(message)
             elif isinstance(message, MaskedInputRequest):
                 self._on_masked_input_request(message)
+            elif isinstance(message, ConsistencyRequest):
+                self._pending = self._on_consistency_request(message)
             elif isinstance(message, UnmaskRequest):
                 self._pending = self._on_unmask_request(message)
         except Exception as exc:
@@ -300,7 +323,109 @@ class DeviceSecAggSession:
         if round_id is not None and round_id != self.invite.round_id:
             raise StaleRound(f"message for round {round_id}, this session is round {self.invite.round_id}")
 
-    def _check_addressing(self, message: ShareKeysBroadcast | MaskedInputRequest | UnmaskRequest) -> None:
+    def _public_keys(self) -> PublicKeys:
+        rid, me, c, s = self.invite.round_id, self.device_id, self._c.public_key, self._s.public_key
+        if self._identity is None:
+            return PublicKeys(round_id=rid, device_id=me, c_public_key=c, s_public_key=s)
+        signature = self._identity.sign(crypto.key_advertisement_payload(rid, me, c, s))
+        return PublicKeys(
+            round_id=rid,
+            device_id=me,
+            c_public_key=c,
+            s_public_key=s,
+            certificate=self._certificate,
+            signature=signature,
+        )
+
+    def _check_signed_keys(self, msg: ShareKeysBroadcast) -> None:
+        # Protocol 1.3: every neighbour's keys carry a certificate of the pinned authority and a signature
+        # binding (round, id, keys): the server cannot substitute keys of its own.
+        if self._authority is None:
+            return
+        if not msg.certificates:
+            raise RemoteProtocolError("ShareKeys broadcast carries no certificates; this device requires signed keys")
+        seen: set[bytes] = set()
+        for v, c, s, cert, sig in zip(
+            msg.neighbour_ids, msg.c_public_keys, msg.s_public_keys, msg.certificates, msg.signatures, strict=True
+        ):
+            identity = crypto.verify_certificate(cert, self._authority)
+            if identity in seen:
+                raise RemoteProtocolError(f"ShareKeys broadcast uses one certified identity twice (at {v})")
+            seen.add(identity)
+            try:
+                crypto.verify_signature(identity, sig, crypto.key_advertisement_payload(self.invite.round_id, v, c, s))
+            except CryptoError:
+                raise CryptoError(f"the keys advertised for device {v} are not signed by its certified key") from None
+            self._identities[v] = identity
+
+    def _on_consistency_request(self, msg: ConsistencyRequest) -> ConsistencySignature:
+        self._check_addressing(msg)
+        if self._identity is None:
+            raise RemoteProtocolError("ConsistencyRequest received, but this device has no identity to sign with")
+        if self._signed_set is not None:
+            raise RemoteProtocolError("a second ConsistencyRequest: a device signs one survivor set per round")
+        members = msg.survivor_set
+        if list(members) != sorted(set(members)):
+            raise RemoteProtocolError("the survivor set must be sorted and list each device once")
+        if self.device_id not in members:
+            raise RemoteProtocolError("the survivor set omits this device, which sent its masked input")
+        session = self._session or b""
+        self._signed_set = members
+        signature = self._identity.sign(crypto.survivor_set_payload(self.invite.round_id, session, members))
+        return ConsistencySignature(
+            round_id=self.invite.round_id, device_id=self.device_id, session_id=session, signature=signature
+        )
+
+    def _check_consistency(self, msg: UnmaskRequest) -> int:
+        # Protocol 1.3: the request must rest on the set this device signed, carry enough valid signatures of
+        # certified members on exactly that set, and derive its two lists from it.  Returns the number of
+        # valid signatures, which bounds n_survivors for the DP correction.
+        if self._authority is None and self._signed_set is None:
+            return msg.n_survivors  # 1.2 behaviour: no consistency check in this session
+        if self._signed_set is None:
+            raise RemoteProtocolError("UnmaskRequest before the consistency check: nothing is released unsigned")
+        if msg.survivor_set != self._signed_set:
+            raise RemoteProtocolError("UnmaskRequest rests on a different survivor set than the one this device signed")
+        members = set(self._signed_set)
+        payload = crypto.survivor_set_payload(self.invite.round_id, self._session or b"", self._signed_set)
+        valid: set[int] = set()
+        identities: set[bytes] = set()
+        for v, cert, sig in zip(msg.signer_ids, msg.signer_certificates, msg.signatures, strict=True):
+            if v not in members or v in valid:
+                continue
+            try:
+                identity = (
+                    crypto.verify_certificate(cert, self._authority)
+                    if self._authority is not None
+                    else self._identities.get(v, b"")
+                )
+                if identity in identities or (v in self._identities and self._identities[v] != identity):
+                    continue
+                crypto.verify_signature(identity, sig, payload)
+            except CryptoError:
+                continue
+            valid.add(v)
+            identities.add(identity)
+        need = required_signatures(self.invite, self._gamma)
+        if len(valid) < need:
+            raise RemoteProtocolError(
+                f"only {len(valid)} valid survivor signatures on the signed set, {need} required; nothing released"
+            )
+        u2 = self._u2
+        want_survivors = tuple(v for v in u2 if v in members)
+        want_dropped = tuple(v for v in u2 if v not in members)
+        if tuple(sorted(msg.survivors)) != want_survivors or tuple(sorted(msg.dropped)) != want_dropped:
+            raise RemoteProtocolError("UnmaskRequest's survivor and dropped lists contradict the signed survivor set")
+        if msg.n_survivors > len(valid):
+            raise RemoteProtocolError(
+                f"n_survivors={msg.n_survivors} exceeds the {len(valid)} signed survivors: an overstated count would "
+                "shrink every device's kept noise"
+            )
+        return msg.n_survivors
+
+    def _check_addressing(
+        self, message: ShareKeysBroadcast | MaskedInputRequest | UnmaskRequest | ConsistencyRequest
+    ) -> None:
         self._check_round(message.round_id)
         if message.device_id != self.device_id:
             raise RemoteProtocolError(f"message addressed to device {message.device_id}, we are {self.device_id}")
@@ -322,6 +447,7 @@ class DeviceSecAggSession:
         if len(set(all_keys)) != len(all_keys):
             raise RemoteProtocolError("ShareKeys broadcast contains repeated public keys")
         check_neighbourhood(len(ids), inv)
+        self._check_signed_keys(msg)
         self._session = msg.session_id
         self._neighbours = keys
         order = sorted(ids)
@@ -431,7 +557,8 @@ class DeviceSecAggSession:
             )
         if me not in survivors:
             raise RemoteProtocolError("UnmaskRequest does not list this device as a survivor")
-        check_survivor_quorum(len(survivors), msg.n_survivors, inv)
+        self._check_consistency(msg)
+        check_survivor_quorum(len(survivors), msg.n_survivors, inv, signed=self._signed_set is not None)
         excess = np.zeros(0, dtype=np.uint32)
         if inv.dp_mu > 0.0:
             if self._noise is None:  # pragma: no cover - set when the masked input was built

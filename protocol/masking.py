@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from numpy.typing import NDArray
 
-from protocol.crypto import MaskPrg, pair_mask_key, self_mask_key, x25519
+from protocol.crypto import MaskPrg, key_pair_from_private_bytes, pair_mask_key, self_mask_key, x25519
 
 __all__ = ["pair_sign", "pair_mask_keys", "mask_input", "MaskedSumAccumulator"]
 
@@ -24,13 +25,16 @@ def pair_sign(u: int, v: int) -> int:
     return 1 if u < v else -1
 
 
-def pair_mask_keys(s_private_key: bytes, peers: Mapping[int, bytes], session: bytes, own_id: int) -> dict[int, bytes]:
+def pair_mask_keys(
+    s_private_key: bytes | X25519PrivateKey, peers: Mapping[int, bytes], session: bytes, own_id: int
+) -> dict[int, bytes]:
     """PRG keys s_uv for each peer: HKDF(X25519(s_u, s_v), pair-mask label, session, pair).
 
     Parameters
     ----------
-    s_private_key : bytes
-        Our raw 32-byte s private key (or a dropped device's, reconstructed by the server).
+    s_private_key : bytes or X25519PrivateKey
+        Our raw 32-byte s private key (or a dropped device's, reconstructed by the server); parsed
+        once for all peers.
     peers : mapping of int to bytes
         Peer id → its 32-byte s public key.
     session : bytes
@@ -48,7 +52,10 @@ def pair_mask_keys(s_private_key: bytes, peers: Mapping[int, bytes], session: by
     CryptoError
         Bad key bytes.
     """
-    return {v: pair_mask_key(x25519(s_private_key, pk), session, own_id, v) for v, pk in peers.items() if v != own_id}
+    private = s_private_key
+    if isinstance(private, bytes):
+        private = key_pair_from_private_bytes(private).private_key
+    return {v: pair_mask_key(x25519(private, pk), session, own_id, v) for v, pk in peers.items() if v != own_id}
 
 
 def mask_input(

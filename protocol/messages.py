@@ -22,6 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from protocol.errors import FedRecError, error_class_for_code
+from protocol.families.lightfr import UploadLayout
 from protocol.spec import (
     MAX_ITEMS,
     MAX_LOCAL_STEPS,
@@ -47,6 +48,8 @@ __all__ = [
     "MaskedInput",
     "UnmaskRequest",
     "UnmaskResponse",
+    "ConsistencyRequest",
+    "ConsistencySignature",
     "Abort",
     "ErrorMessage",
     "RegisterRequest",
@@ -218,6 +221,12 @@ class RoundInvite(Message):
         Protocol 1.3: the number of devices invited to the round (n), which the device's privacy floor
         (`protocol.policy`) checks k, t and t_min against; 0 = not stated (a 1.2 server), which a device
         with a privacy floor refuses.
+    unobserved_weight : float
+        Protocol 1.3, LightFR: w0 >= 0.  0 is the sampled-negatives objective (upload: the item
+        gradients, ``n_items * bits``); w0 > 0 the all-items objective, whose upload appends item
+        bias terms, counts, the code's Gram and the code (`protocol.families.lightfr.UploadLayout`).
+    confidence : float
+        Protocol 1.3, LightFR: α >= 0, observed items weigh 1 + α in the all-items objective.
     """
 
     TYPE: ClassVar[int] = 1
@@ -259,10 +268,17 @@ class RoundInvite(Message):
     round_index: int = 0
     # Appended in protocol 1.3 (device-side privacy floor).
     cohort_size: int = 0
+    # Appended in protocol 1.3 (LightFR all-items objective).
+    unobserved_weight: float = 0.0
+    confidence: float = 0.0
 
     def __post_init__(self) -> None:
         n = "RoundInvite"
         _check_id(n, "cohort_size", self.cohort_size)
+        _check_float(n, "unobserved_weight", self.unobserved_weight, minimum=0.0)
+        _check_float(n, "confidence", self.confidence, minimum=0.0)
+        if self.unobserved_weight > 1.0 + self.confidence:
+            _fail(n, f"unobserved_weight must be <= 1 + confidence, got {self.unobserved_weight}")
         for name in ("learning_rate", "reg", "kappa", "proximity", "inertia", "max_norm2"):
             _check_float(n, name, getattr(self, name), minimum=0.0)
         _check_float(n, "reg_growth", self.reg_growth, minimum=1.0)
@@ -288,8 +304,10 @@ class RoundInvite(Message):
         _check_float(n, "lam", self.lam, minimum=0.0)
         if self.bits and self.n_items:
             size = self.bits * self.n_items
-            if self.model_kind == ModelKind.LIGHTFR and size != self.vector_length:
-                _fail(n, f"vector_length {self.vector_length} != n_items {self.n_items} × bits {self.bits}")
+            if self.model_kind == ModelKind.LIGHTFR:
+                want = UploadLayout(self.n_items, self.bits, full=self.unobserved_weight > 0).length
+                if want != self.vector_length:
+                    _fail(n, f"vector_length {self.vector_length} != {want}, the LightFR upload for this plan")
             if size > self.vector_length:
                 _fail(n, f"vector_length {self.vector_length} < n_items {self.n_items} × bits {self.bits}")
         _check_id(n, "round_id", self.round_id)
@@ -337,6 +355,11 @@ class PublicKeys(Message):
         32 raw bytes; key agreement for encrypting Shamir shares.
     s_public_key : bytes
         32 raw bytes; key agreement for the pairwise masks. Must differ from ``c_public_key``.
+    certificate : bytes
+        Protocol 1.3: the device's enrollment certificate (`protocol.crypto.issue_certificate`), or empty.
+    signature : bytes
+        Protocol 1.3: the device's Ed25519 signature of
+        `protocol.crypto.key_advertisement_payload` (round, device id, both keys), or empty.
     """
 
     TYPE: ClassVar[int] = 2
@@ -344,6 +367,8 @@ class PublicKeys(Message):
     device_id: int
     c_public_key: bytes
     s_public_key: bytes
+    certificate: bytes = b""
+    signature: bytes = b""
 
     def __post_init__(self) -> None:
         n = "PublicKeys"
@@ -351,6 +376,8 @@ class PublicKeys(Message):
         _check_id(n, "device_id", self.device_id)
         _check_bytes(n, "c_public_key", self.c_public_key, KEY_BYTES)
         _check_bytes(n, "s_public_key", self.s_public_key, KEY_BYTES)
+        _check_bytes(n, "certificate", self.certificate, max_len=256)
+        _check_bytes(n, "signature", self.signature, max_len=64)
         if self.c_public_key == self.s_public_key:
             _fail(n, "c_public_key and s_public_key must differ")
 
@@ -380,6 +407,9 @@ class ShareKeysBroadcast(Message):
     neighbour_ids: tuple[int, ...]
     c_public_keys: tuple[bytes, ...]
     s_public_keys: tuple[bytes, ...]
+    # Protocol 1.3: each neighbour's certificate and key-advertisement signature (empty: not signed).
+    certificates: tuple[bytes, ...] = ()
+    signatures: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         n = "ShareKeysBroadcast"
@@ -391,6 +421,11 @@ class ShareKeysBroadcast(Message):
         _check_bytes_tuple(n, "s_public_keys", self.s_public_keys, KEY_BYTES)
         if not len(self.neighbour_ids) == len(self.c_public_keys) == len(self.s_public_keys):
             _fail(n, "neighbour_ids, c_public_keys and s_public_keys must have equal lengths")
+        _check_bytes_tuple(n, "certificates", self.certificates)
+        _check_bytes_tuple(n, "signatures", self.signatures)
+        if self.certificates or self.signatures:
+            if not len(self.certificates) == len(self.signatures) == len(self.neighbour_ids):
+                _fail(n, "certificates and signatures must have one entry per neighbour")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -511,7 +546,13 @@ class UnmaskRequest(Message):
     dropped : tuple of int
         Neighbours in U2 ∖ U3; their mask-key (s) shares are requested.
     n_survivors : int
-        |U3| over the whole cohort, for the DP correction (section 5).
+        |U3| over the whole cohort, for the DP correction (section 5).  With the consistency check the
+        device uses the number of valid signatures instead and refuses a larger claim.
+    survivor_set : tuple of int
+        Protocol 1.3: the whole signed set U3 (sorted), empty without the consistency check.
+    signer_ids, signer_certificates, signatures : tuples
+        Protocol 1.3: survivors' Ed25519 signatures of `protocol.crypto.survivor_set_payload` over
+        ``survivor_set``, with their enrollment certificates, aligned.
     """
 
     TYPE: ClassVar[int] = 7
@@ -521,6 +562,10 @@ class UnmaskRequest(Message):
     survivors: tuple[int, ...]
     dropped: tuple[int, ...]
     n_survivors: int
+    survivor_set: tuple[int, ...] = ()
+    signer_ids: tuple[int, ...] = ()
+    signer_certificates: tuple[bytes, ...] = ()
+    signatures: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         n = "UnmaskRequest"
@@ -530,6 +575,68 @@ class UnmaskRequest(Message):
         _check_ids(n, "survivors", self.survivors)
         _check_ids(n, "dropped", self.dropped)
         _check_id(n, "n_survivors", self.n_survivors)
+        _check_ids(n, "survivor_set", self.survivor_set)
+        _check_ids(n, "signer_ids", self.signer_ids)
+        _check_bytes_tuple(n, "signer_certificates", self.signer_certificates)
+        _check_bytes_tuple(n, "signatures", self.signatures)
+        if not len(self.signer_ids) == len(self.signer_certificates) == len(self.signatures):
+            _fail(n, "signer_ids, signer_certificates and signatures must have equal lengths")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ConsistencyRequest(Message):
+    """Server → device, protocol 1.3, start of UNMASK when identities are in use: the survivor set U3 to sign.
+
+    Attributes
+    ----------
+    round_id, device_id : int
+        Round and recipient.
+    session_id : bytes
+        32-byte session id.
+    survivor_set : tuple of int
+        The whole set U3 (sorted): every device whose masked input the server holds.
+    """
+
+    TYPE: ClassVar[int] = 20
+    round_id: int
+    device_id: int
+    session_id: bytes
+    survivor_set: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = "ConsistencyRequest"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
+        _check_ids(n, "survivor_set", self.survivor_set)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ConsistencySignature(Message):
+    """Device → server, protocol 1.3: the device's Ed25519 signature of the survivor set it was shown.
+
+    Attributes
+    ----------
+    round_id, device_id : int
+        Round and sender.
+    session_id : bytes
+        32-byte session id.
+    signature : bytes
+        64 bytes over `protocol.crypto.survivor_set_payload(round_id, session_id, survivor_set)`.
+    """
+
+    TYPE: ClassVar[int] = 21
+    round_id: int
+    device_id: int
+    session_id: bytes
+    signature: bytes
+
+    def __post_init__(self) -> None:
+        n = "ConsistencySignature"
+        _check_id(n, "round_id", self.round_id)
+        _check_id(n, "device_id", self.device_id)
+        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
+        _check_bytes(n, "signature", self.signature, 64)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -770,6 +877,11 @@ class ModelPayload(Message):
         Protocol 1.2, the real-valued families (MF, FELB, FNMF): the item matrix as ``bits * n_items``
         little-endian float64 in C order — MF's V is (n_items, bits), FELB's and FNMF's V is
         (bits, n_items).  Empty for LightFR.
+    item_levels : bytes
+        Protocol 1.3, LightFR: one uint8 level per item (``n_items`` bytes) or empty (no item term).
+        A device scores item i as (bits − Hamming)·hamming_weight + level_i.
+    hamming_weight : int
+        Protocol 1.3, LightFR: B in [1, 255] of that integer score.
     """
 
     TYPE: ClassVar[int] = 15
@@ -779,6 +891,9 @@ class ModelPayload(Message):
     n_items: int
     words: bytes
     values: bytes = b""
+    # Appended in protocol 1.3 (LightFR item term).
+    item_levels: bytes = b""
+    hamming_weight: int = 1
 
     def __post_init__(self) -> None:
         n = "ModelPayload"
@@ -795,6 +910,20 @@ class ModelPayload(Message):
         else:
             _check_bytes(n, "words", self.words, 0)
             _check_bytes(n, "values", self.values, 8 * self.bits * self.n_items, max_len=1 << 31)
+        _check_id(n, "hamming_weight", self.hamming_weight)
+        if not 1 <= self.hamming_weight <= 255:
+            _fail(n, f"hamming_weight must be in [1, 255], got {self.hamming_weight}")
+        if self.item_levels:
+            if self.model_kind != "lightfr":
+                _fail(n, "item_levels are for LightFR models only")
+            _check_bytes(n, "item_levels", self.item_levels, self.n_items, max_len=1 << 27)
+
+    def lightfr_extras(self) -> dict[str, Any]:
+        """Keyword arguments a LightFR device model's ``set_global`` takes beyond words and values
+        (the item term, protocol 1.3); empty for the other families."""
+        if self.model_kind != "lightfr":
+            return {}
+        return {"item_levels": self.item_levels, "hamming_weight": self.hamming_weight}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -19,6 +19,8 @@ from types import MappingProxyType
 from protocol.errors import NotEnoughParticipants, RemoteProtocolError
 from protocol.messages import (
     Abort,
+    ConsistencyRequest,
+    ConsistencySignature,
     EncryptedShares,
     ErrorMessage,
     MaskedInput,
@@ -47,6 +49,8 @@ __all__ = [
     "check_neighbourhood",
     "check_sharers",
     "check_survivor_quorum",
+    "consistency_deadline",
+    "required_signatures",
 ]
 
 
@@ -91,6 +95,8 @@ def _build_transitions() -> Mapping[tuple[Role, Phase, Direction, type[Message]]
         (d, sk, snd, EncryptedShares): mi,
         (d, mi, rcv, MaskedInputRequest): mi,
         (d, mi, snd, MaskedInput): um,
+        (d, um, rcv, ConsistencyRequest): um,  # protocol 1.3: sign U3 before any share is released
+        (d, um, snd, ConsistencySignature): um,
         (d, um, rcv, UnmaskRequest): um,
         (d, um, snd, UnmaskResponse): Phase.DONE,
         # server: the phase broadcast goes out and the devices' replies come in; phases close on quorum
@@ -101,6 +107,8 @@ def _build_transitions() -> Mapping[tuple[Role, Phase, Direction, type[Message]]
         (s, sk, rcv, EncryptedShares): sk,
         (s, mi, snd, MaskedInputRequest): mi,
         (s, mi, rcv, MaskedInput): mi,
+        (s, um, snd, ConsistencyRequest): um,
+        (s, um, rcv, ConsistencySignature): um,
         (s, um, snd, UnmaskRequest): um,
         (s, um, rcv, UnmaskResponse): um,
         (s, Phase.ABORTED, snd, Abort): Phase.ABORTED,
@@ -142,6 +150,7 @@ SERVER_EXPECTS: Mapping[type[Message], Phase] = MappingProxyType(
         EncryptedShares: Phase.SHARE_KEYS,
         MaskedInput: Phase.MASKED_INPUT,
         UnmaskResponse: Phase.UNMASK,
+        ConsistencySignature: Phase.UNMASK,
     }
 )
 
@@ -228,7 +237,7 @@ def check_sharers(count: int, invite: RoundInvite) -> None:
         raise RemoteProtocolError(f"only {count} neighbours shared keys, below the threshold t={invite.graph_t}")
 
 
-def check_survivor_quorum(survivors: int, n_survivors: int, invite: RoundInvite) -> None:
+def check_survivor_quorum(survivors: int, n_survivors: int, invite: RoundInvite, *, signed: bool = False) -> None:
     """Device rule before unmasking: at least t surviving neighbours, a consistent survivor count, and with
     DP at least t_min survivors (fewer would leave less noise than mu after the correction).
 
@@ -240,15 +249,18 @@ def check_survivor_quorum(survivors: int, n_survivors: int, invite: RoundInvite)
         The round's survivor count the request claims.
     invite : RoundInvite
         The round's parameters.
+    signed : bool
+        Protocol 1.3: n_survivors counts the survivors that signed the survivor set (checked by the
+        device), which may be fewer than the surviving neighbours listed.
 
     Raises
     ------
     RemoteProtocolError
-        One of the three conditions fails.
+        One of the conditions fails.
     """
     if survivors < invite.graph_t:
         raise RemoteProtocolError(f"only {survivors} surviving neighbours, below the threshold t={invite.graph_t}")
-    if n_survivors < survivors:
+    if n_survivors < survivors and not signed:
         raise RemoteProtocolError("n_survivors is smaller than the survivor list")
     if invite.cohort_size and n_survivors > invite.cohort_size:
         raise RemoteProtocolError(
@@ -259,3 +271,26 @@ def check_survivor_quorum(survivors: int, n_survivors: int, invite: RoundInvite)
         raise RemoteProtocolError(
             f"{n_survivors} survivors is below t_min={invite.dp_t_min}: the noise would not cover mu"
         )
+
+
+def consistency_deadline(deadlines: tuple[float, float, float, float]) -> float:
+    """Protocol 1.3: the consistency check (signing U3) closes halfway between the masked-input and the
+    unmask deadlines; the unmask step keeps the other half."""
+    return deadlines[2] + (deadlines[3] - deadlines[2]) / 2.0
+
+
+def required_signatures(invite: RoundInvite, adversary_rate: float = 0.0) -> int:
+    """Protocol 1.3: how many valid survivor signatures on ONE set U3 a device needs before it unmasks.
+
+    At least t; with DP at least t_min (the DP correction counts signed survivors); and a strict majority
+    of the cohort plus the adversary's share, ⌊(n + ⌊γ n⌋) / 2⌋ + 1, so that honest devices, which sign
+    one set each, can never have signed two different sets that both pass (the attack in which some
+    neighbours of X are told X survived and others that X dropped).
+    """
+    n = invite.cohort_size
+    need = invite.graph_t
+    if invite.dp_mu > 0.0:
+        need = max(need, invite.dp_t_min)
+    if n > 0:
+        need = max(need, (n + int(adversary_rate * n)) // 2 + 1)
+    return need

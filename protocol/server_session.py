@@ -33,6 +33,8 @@ from protocol.graph import harary_graph
 from protocol.masking import MaskedSumAccumulator, pair_mask_keys
 from protocol.messages import (
     Abort,
+    ConsistencyRequest,
+    ConsistencySignature,
     EncryptedShares,
     ErrorMessage,
     MaskedInput,
@@ -51,9 +53,11 @@ from protocol.phases import (
     Direction,
     Phase,
     Role,
+    consistency_deadline,
     phase_deadline,
     prune_unmaskable,
     require_quorum,
+    required_signatures,
 )
 from protocol.shamir import Share, reconstruct
 
@@ -81,6 +85,9 @@ class RoundParameters:
     dp_mu: float = 0.0
     dp_t_min: int = 0
     deadlines: tuple[float, float, float, float]
+    #: Protocol 1.3: the enrollment authority's public key; when set, every key advertisement must carry a
+    #: certificate of it and a valid signature, and UNMASK starts with the consistency check.
+    authority_key: bytes = b""
 
     def invite(self, device_id: int) -> RoundInvite:
         """The invite for one device.
@@ -151,7 +158,14 @@ class ServerSecAggSession:
         Invalid parameters (k even and below n, t > k, bad invite fields, duplicate ids).
     """
 
-    def __init__(self, params: RoundParameters, device_ids: Sequence[int], *, rng: np.random.Generator) -> None:
+    def __init__(
+        self,
+        params: RoundParameters,
+        device_ids: Sequence[int],
+        *,
+        rng: np.random.Generator,
+        defer_finish: bool = False,
+    ) -> None:
         ids = [int(i) for i in device_ids]
         if len(set(ids)) != len(ids):
             raise ValueError("device ids must be distinct")
@@ -164,6 +178,9 @@ class ServerSecAggSession:
         self._phase = Phase.ADVERTISE_KEYS
         self.invited: frozenset[int] = frozenset(ids)
         self._keys: dict[int, tuple[bytes, bytes]] = {}
+        self._used_keys: set[bytes] = set()
+        self._defer_finish = defer_finish
+        self._finishing = False
         self._failed: set[int] = set()
         self._left: set[int] = set()
         self._dropouts: dict[Phase, set[int]] = {p: set() for p in ACTIVE_PHASES}
@@ -180,6 +197,12 @@ class ServerSecAggSession:
         self._b_shares: dict[int, list[Share]] = {}
         self._s_shares: dict[int, list[Share]] = {}
         self._responded: set[int] = set()
+        # protocol 1.3
+        self._probe = crypto.generate_key_pair()  # a throwaway key to test advertised points
+        self._certs: dict[int, tuple[bytes, bytes, bytes]] = {}  # id -> (certificate, signature, identity)
+        self._signing = False  # UNMASK sub-step: collecting survivor-set signatures
+        self._set_signatures: dict[int, bytes] = {}
+        self._signers: frozenset[int] = frozenset()
         self._corrected: set[int] = set()
         self._result: SecAggResult | None = None
         self._abort_error: FedRecError | None = None
@@ -206,15 +229,23 @@ class ServerSecAggSession:
         """Why the round aborted (None unless ABORTED)."""
         return self._abort_error
 
+    @property
+    def finishing(self) -> bool:
+        """UNMASK has closed and the mask removal waits for `finish` (only with ``defer_finish``)."""
+        return self._finishing
+
     def expected(self) -> frozenset[int]:
         """Devices whose message for the current phase is still awaited."""
         return frozenset(self._expected_set() - self._done_set())
 
-    def receive(self, device_id: int, message: Message) -> None:
+    def receive(self, device_id: int, message: Message, *, digest: bytes | None = None) -> None:
         """Accept one device's message.
 
         A device whose message is illegal is excluded from the round (a dropout) and the error is raised
         for the caller to report; the round itself goes on.  An identical retransmission is ignored.
+
+        ``digest`` identifies the message's bytes (the SHA-256 of the request body, say); without it
+        the message is encoded again to be hashed.
 
         Raises
         ------
@@ -233,6 +264,8 @@ class ServerSecAggSession:
             raise RemoteProtocolError(f"device {device_id} was excluded from this round after a protocol error")
         if self._phase in (Phase.DONE, Phase.ABORTED):
             raise RoundClosed(f"round {self.params.round_id} is {self._phase.name}")
+        if self._finishing:
+            raise RoundClosed(f"round {self.params.round_id} closed UNMASK and is finishing")
         if device_id in self._left:
             raise RoundClosed(f"device {device_id} left the round")
         key = (Role.SERVER, self._phase, Direction.RECEIVE, type(message))
@@ -253,7 +286,8 @@ class ServerSecAggSession:
             )
         if device_id not in self._expected_set():
             raise RoundClosed(f"device {device_id} is not part of phase {self._phase.name}")
-        digest = hashlib.sha256(encode(message)).digest()
+        if digest is None:
+            digest = hashlib.sha256(encode(message)).digest()
         if device_id in self._done_set():
             if self._digests.get(device_id) == digest:
                 return  # idempotent retry (e.g. an HTTP retransmission)
@@ -281,7 +315,12 @@ class ServerSecAggSession:
             The phase after advancing.
         """
         self._guard()
-        while self._phase in ACTIVE_PHASES and now >= phase_deadline(self._phase, self.params.deadlines):
+        while self._phase in ACTIVE_PHASES and not self._finishing:
+            if self._signing and now >= consistency_deadline(self.params.deadlines):
+                self._close_phase()
+                continue
+            if now < phase_deadline(self._phase, self.params.deadlines):
+                break
             self._close_phase()
         return self._phase
 
@@ -305,7 +344,7 @@ class ServerSecAggSession:
         if device_id not in self.invited:
             raise RemoteProtocolError(f"device {device_id} is not part of round {self.params.round_id}")
         rid = self.params.round_id
-        if self._phase is Phase.DONE:
+        if self._phase is Phase.DONE or self._finishing:
             return None
         if self._phase is Phase.ABORTED:
             return Abort(round_id=rid, device_id=device_id, reason=str(self._abort_error or "aborted"))
@@ -319,8 +358,42 @@ class ServerSecAggSession:
     def abort(self, reason: str) -> None:
         """Abort the round from the coordinator's side (nothing further is revealed)."""
         self._guard()
+        if self._finishing:
+            raise LocalProtocolError("the round is finishing; it cannot be aborted now")
         if self._phase in ACTIVE_PHASES:
             self._abort(RoundClosed(reason))
+
+    def finish(self) -> Phase:
+        """Remove the masks after UNMASK closed (``defer_finish``): the CPU-heavy part of a round.
+
+        While `finishing`, nothing else changes this session (receive refuses, advance and abort
+        wait), so a caller may run this in another thread.
+
+        Returns
+        -------
+        Phase
+            DONE, or ABORTED when too few shares came back.
+
+        Raises
+        ------
+        LocalProtocolError
+            Not finishing.
+        CryptoError
+            A reconstructed key does not match its advertised key (the session moves to ERROR).
+        """
+        self._guard()
+        if not self._finishing:
+            raise LocalProtocolError(f"nothing to finish in phase {self._phase.name}")
+        try:
+            self._remove_masks()
+        except NotEnoughParticipants as exc:
+            self._abort(exc)
+        except Exception:
+            self._phase = Phase.ERROR
+            raise
+        finally:
+            self._finishing = False
+        return self._phase
 
     def result(self) -> SecAggResult:
         """The aggregate of a completed round.
@@ -369,7 +442,7 @@ class ServerSecAggSession:
         if phase is Phase.MASKED_INPUT:
             return self._u2
         if phase is Phase.UNMASK:
-            return self._u3
+            return self._u3 if self._signing or not self.params.authority_key else self._signers
         return frozenset()
 
     def _done_set(self) -> set[int] | frozenset[int]:
@@ -381,11 +454,11 @@ class ServerSecAggSession:
         if phase is Phase.MASKED_INPUT:
             return self._masked_from
         if phase is Phase.UNMASK:
-            return self._responded
+            return frozenset(self._set_signatures) if self._signing else self._responded
         return frozenset()
 
     def _maybe_close(self) -> None:
-        if self._phase not in ACTIVE_PHASES:
+        if self._phase not in ACTIVE_PHASES or self._finishing:
             return
         waiting = self._expected_set() - self._done_set() - self._failed - self._left
         if not waiting:
@@ -397,7 +470,7 @@ class ServerSecAggSession:
                 Phase.ADVERTISE_KEYS: self._close_advertise,
                 Phase.SHARE_KEYS: self._close_share_keys,
                 Phase.MASKED_INPUT: self._close_masked_input,
-                Phase.UNMASK: self._close_unmask,
+                Phase.UNMASK: self._close_consistency if self._signing else self._close_unmask,
             }[self._phase]()
         except NotEnoughParticipants as exc:
             self._abort(exc)
@@ -414,12 +487,22 @@ class ServerSecAggSession:
         round_id = getattr(message, "round_id", None)
         if round_id != p.round_id:
             raise StaleRound(f"message for round {round_id}, this is round {p.round_id}")
+        if isinstance(message, ConsistencySignature):
+            if not self._signing:
+                raise RoundClosed("the consistency check is closed")
+            if message.session_id != self._session:
+                raise StaleRound("session id mismatch: the message belongs to another session")
+            payload = crypto.survivor_set_payload(p.round_id, self._session, sorted(self._u3))
+            crypto.verify_signature(self._certs[u][2], message.signature, payload)
+            self._set_signatures[u] = message.signature
+            return
         if isinstance(message, PublicKeys):
+            self._check_public_keys(u, message)
             pair = (message.c_public_key, message.s_public_key)
-            used = {k for kp in self._keys.values() for k in kp}
-            if pair[0] in used or pair[1] in used:
+            if pair[0] in self._used_keys or pair[1] in self._used_keys:
                 raise RemoteProtocolError(f"device {u} advertised a key another device already uses")
             self._keys[u] = pair
+            self._used_keys.update(pair)
             return
         if getattr(message, "session_id", self._session) != self._session:
             raise StaleRound("session id mismatch: the message belongs to another session")
@@ -489,6 +572,23 @@ class ServerSecAggSession:
         self._digests.clear()
         self._phase = Phase.MASKED_INPUT
 
+    def _check_public_keys(self, u: int, message: PublicKeys) -> None:
+        # Item 5 of issue 15: a low-order or malformed X25519 point is refused before it is broadcast, so
+        # one bad device cannot fail its neighbours' sessions (crypto.x25519 refuses an all-zero secret).
+        for key in (message.c_public_key, message.s_public_key):
+            crypto.x25519(self._probe.private_key, key)
+        authority = self.params.authority_key
+        if not authority:
+            return
+        if not message.certificate or not message.signature:
+            raise RemoteProtocolError(f"device {u} advertised unsigned keys; this round requires enrolled devices")
+        identity = crypto.verify_certificate(message.certificate, authority)
+        if any(entry[2] == identity for v, entry in self._certs.items() if v != u):
+            raise RemoteProtocolError(f"device {u} presents a certified identity another device already used")
+        payload = crypto.key_advertisement_payload(message.round_id, u, message.c_public_key, message.s_public_key)
+        crypto.verify_signature(identity, message.signature, payload)
+        self._certs[u] = (message.certificate, message.signature, identity)
+
     def _close_masked_input(self) -> None:
         # Every accumulated input is in U3, even if its sender left afterwards: its masks must come off.
         u3 = frozenset(self._masked_from)
@@ -497,12 +597,28 @@ class ServerSecAggSession:
         self._need(len(u3), "masked inputs arrived")
         self._shares_out.clear()  # routed already; no longer needed
         self._digests.clear()
+        self._signing = bool(self.params.authority_key)
         self._phase = Phase.UNMASK
 
+    def _close_consistency(self) -> None:
+        p = self.params
+        signers = frozenset(self._set_signatures)
+        self._record_dropouts(Phase.UNMASK, signers)
+        invite = next(iter(self._invites.values()))
+        need = required_signatures(invite)
+        if len(signers) < need:
+            raise NotEnoughParticipants(
+                f"{len(signers)} survivors signed the survivor set, {need} needed; round aborted unrevealed"
+            )
+        require_quorum(len(signers), "survivors signed", t=p.t, dp_mu=p.dp_mu, dp_t_min=p.dp_t_min)
+        self._signers = signers
+        self._signing = False
+        self._digests.clear()
+
     def _close_unmask(self) -> None:
-        p, acc = self.params, self._acc
-        if acc is None:  # pragma: no cover
-            raise LocalProtocolError("no accumulator")
+        # The checks close the phase; the mask removal (`_remove_masks`) is the heavy part, run at once
+        # or, with ``defer_finish``, by `finish` (the server runs it off its event loop).
+        p = self.params
         self._record_dropouts(Phase.UNMASK, self._responded)
         dropped = sorted(self._u2 - self._u3)
         for owner in sorted(self._u3):
@@ -511,15 +627,26 @@ class ServerSecAggSession:
         for owner in dropped:
             if len(self._s_shares.get(owner, ())) < p.t:
                 raise NotEnoughParticipants(f"too few neighbours of dropped {owner} answered the unmask request")
+        self._finishing = True
+        if not self._defer_finish:
+            self._finishing = False
+            self._remove_masks()
+
+    def _remove_masks(self) -> None:
+        p, acc = self.params, self._acc
+        if acc is None:  # pragma: no cover
+            raise LocalProtocolError("no accumulator")
+        dropped = sorted(self._u2 - self._u3)
         session = self._session
         for owner in sorted(self._u3):
             acc.remove_self_mask(reconstruct(self._b_shares[owner], p.t), session, owner)
         for owner in dropped:
-            s_private = reconstruct(self._s_shares[owner], p.t)
-            if crypto.key_pair_from_private_bytes(s_private).public_key != self._keys[owner][1]:
+            # Parsed once per dropped device (its public key is derived once for the check, too).
+            pair = crypto.key_pair_from_private_bytes(reconstruct(self._s_shares[owner], p.t))
+            if pair.public_key != self._keys[owner][1]:
                 raise CryptoError(f"reconstructed mask key of {owner} does not match its advertised key")
             peers = {u: self._keys[u][1] for u in self._graph[owner] if u in self._u3}
-            for u, key in pair_mask_keys(s_private, peers, session, owner).items():
+            for u, key in pair_mask_keys(pair.private_key, peers, session, owner).items():
                 acc.remove_pair_mask(u, owner, key)
         self._result = SecAggResult(
             total=acc.total(),
@@ -545,6 +672,8 @@ class ServerSecAggSession:
                 neighbour_ids=ids,
                 c_public_keys=tuple(self._keys[v][0] for v in ids),
                 s_public_keys=tuple(self._keys[v][1] for v in ids),
+                certificates=tuple(self._certs[v][0] for v in ids) if self.params.authority_key else (),
+                signatures=tuple(self._certs[v][1] for v in ids) if self.params.authority_key else (),
             )
         if phase is Phase.MASKED_INPUT:
             inbound = self._shares_out.get(u, {})
@@ -556,12 +685,23 @@ class ServerSecAggSession:
                 sender_ids=senders,
                 ciphertexts=tuple(inbound[v] for v in senders),
             )
+        if self._signing:
+            return ConsistencyRequest(
+                round_id=rid, device_id=u, session_id=session, survivor_set=tuple(sorted(self._u3))
+            )
         ids = self._graph[u]
+        signed = bool(self.params.authority_key)
+        signers = tuple(sorted(self._signers)) if signed else ()
         return UnmaskRequest(
             round_id=rid,
             device_id=u,
             session_id=session,
             survivors=tuple(v for v in ids if v in self._u3),
             dropped=tuple(v for v in ids if v in self._u2 and v not in self._u3),
-            n_survivors=len(self._u3),
+            # with the consistency check the DP correction counts signed survivors only (safe side)
+            n_survivors=len(signers) if signed else len(self._u3),
+            survivor_set=tuple(sorted(self._u3)) if signed else (),
+            signer_ids=signers,
+            signer_certificates=tuple(self._certs[v][0] for v in signers),
+            signatures=tuple(self._set_signatures[v] for v in signers),
         )

@@ -416,10 +416,13 @@ async def test_full_round_secure_sum_is_bit_exact(tmp_path: Path, recording: lis
     np.testing.assert_array_equal(server.result_total, expected_sum(recording, server.result_survivors))
     assert any(s.kept_noise().any() for s in recording)  # DP noise really is in the sum
 
-    # The update is exactly what the in-process reference computes with `insecure_seeded_rngs`.
-    for device, model, session in zip(devices, before, recording, strict=True):
+    # The update is exactly what the in-process reference computes with `insecure_seeded_rngs`.  Devices
+    # train in worker threads, so their sessions are recorded in whatever order training finished.
+    by_device = {s.device_id: s for s in recording}
+    for device, model in zip(devices, before, strict=True):
         device_id = device.client.device_id
-        assert device_id is not None and session.device_id == device_id
+        assert device_id is not None
+        session = by_device[device_id]
         model.set_item_codes(global_codes, 3)
         training_rng, _ = insecure_seeded_rngs(SEED, 1, device_id)
         q, _ = local_round(model, server.invites[device_id], device.items, device.ratings, training_rng)

@@ -106,7 +106,7 @@ def test_batch_recommend_pads_and_matches_single_calls(trained_items: np.ndarray
 
 def test_fit_local_uploads_dense_update_and_trains_user_code() -> None:
     rng = np.random.default_rng(3)
-    model = LightFRModel(50, LightFRConfig(bits=16, negatives=4), rng=rng)
+    model = LightFRModel(50, LightFRConfig(bits=16, negatives=4, unobserved_weight=0.0), rng=rng)
     update = model.fit_local(np.array([1, 5, 9]), np.array([5.0, 4.0, 1.0]))
     assert update.values.shape == (50, 16) and update.aggregation is Aggregation.GRAD
     assert update.n_examples == 3 + 12

@@ -55,7 +55,7 @@ def test_embed_sdk(tmp_path: Path) -> None:
 def test_run_server(tmp_path: Path) -> None:
     out = assert_ok(run_example("run_server.py", tmp_path))
     assert "fedrec-server listening on http://127.0.0.1:" in out
-    assert "GET /v1/health -> {'status': 'ok'}" in out
+    assert "GET /v1/health -> {'status': 'ok', 'state': 'idle'}" in out
     assert out.count("committed round 1 -> model version 2") == 4
     assert "SIGTERM: fedrec-server exited with status 0" in out
     assert "run_server: all checks passed" in out

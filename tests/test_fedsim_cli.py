@@ -1,14 +1,17 @@
 from __future__ import annotations
 
 import gzip
+import json
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedsim.cli import build_parser, main
+from fedsim.ui import parse_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,10 +49,11 @@ def test_simulate_prints_table_and_baselines(capsys: pytest.CaptureFixture[str],
 def test_demo_runs_a_real_server_and_fleet(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     argv = ["demo", "--dataset", "synthetic", "--devices", "12", "--cohort", "12", "--rounds", "2"]
     assert main([*argv, "--dropout", "0.1", "--workdir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "server: listening on http://127.0.0.1:" in out and "server: stopped (exit 0)" in out
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
+    assert "server: listening on http://127.0.0.1:" in err and "server: stopped (exit 0)" in err
     assert "LightFR over the server" in out and "popularity" in out
-    assert "privacy: ε spent" in out
+    assert "ε spent" in out and "verdict: " in out
     assert "Top-5 computed on device" in out and "1. " in out
     # The server really committed two rounds, and its database is intact.
     import sqlite3
@@ -110,8 +114,7 @@ def test_readme_demo_on_movielens(capsys: pytest.CaptureFixture[str], shared_dat
 
 
 def _table_row(out: str, label: str) -> list[str]:
-    line = next(ln for ln in out.splitlines() if ln.startswith(f"| {label}"))
-    return [c.strip() for c in line.strip("|").split("|")]
+    return parse_table(out, label)
 
 
 def test_simulate_felb_on_the_planted_recipe(capsys: pytest.CaptureFixture[str]) -> None:
@@ -156,7 +159,14 @@ def test_simulate_mf_in_process_and_private(capsys: pytest.CaptureFixture[str]) 
         (["simulate", "--model", "mf"], "--model mf needs --dataset"),
         (["simulate", "--model", "fnmf", "--dataset", "synthetic"], "planted"),
         (["simulate", "--model", "mf", "--dataset", "synthetic", "--silos", "3", "--epsilon", "1"], "--silos"),
-        (["simulate", "--dataset", "synthetic", "--model", "felb", "--save", "x"], "--save writes LightFR"),
+        (
+            ["simulate", "--model", "mf", "--dataset", "synthetic", "--epsilon", "1", "--save", "x"],
+            "--save is not available for MF runs through the coordinator",
+        ),
+        (
+            ["simulate", "--dataset", "synthetic", "--epsilon", "1", "--save", "x"],
+            "--save is not available for private",
+        ),
         (["simulate"], "--dataset is required"),
     ],
 )
@@ -260,6 +270,71 @@ def test_simulate_private_lightfr_reports_the_ledgers_epsilon(capsys: pytest.Cap
         assert f"\n{name} " in out
 
 
+@pytest.mark.slow  # two demo runs: about 35 s on 2 cores
+def test_two_demo_runs_with_one_seed_print_the_same(capsys: pytest.CaptureFixture[str]) -> None:
+    """Cohorts, dropouts, training and (through the loudly named test hook) the DP noise all follow --seed."""
+    argv = ["demo", "--dataset", "synthetic", "--devices", "10", "--cohort", "8", "--rounds", "2", "--dropout", "0.2"]
+    outputs = []
+    for _ in range(2):
+        assert main([*argv, "--quiet", "--insecure-seed-dp-noise"]) == 0
+        captured = capsys.readouterr()
+        outputs.append(captured.out)
+        assert "NOT a privacy guarantee" in captured.err
+    assert outputs[0] == outputs[1]
+    assert "NOT a privacy guarantee" in outputs[0] and "Top-5 computed on device" in outputs[0]
+    assert main([*argv, "--quiet", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (
+        record["rounds"] == 2
+        and record["epsilon_is_guarantee"] is True
+        and set(record["metrics"])
+        == {
+            "model",
+            "popularity",
+            "random",
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("family", "argv", "loader"),
+    [
+        ("lightfr", ["--dataset", "synthetic", "--rounds", "3"], "LightFRModel"),
+        ("mf", ["--model", "mf", "--dataset", "synthetic", "--rank", "8", "--rounds", "2"], "MFModel"),
+        ("felb", ["--model", "felb", "--rounds", "3"], "FELBModel"),
+        ("fnmf", ["--model", "fnmf", "--rounds", "2"], "FNMFModel"),
+    ],
+)
+def test_saved_runs_recommend_and_export_to_sdk_models(
+    family: str, argv: list[str], loader: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import device_sdk
+    from fedsim.runs import load_run
+
+    run_file, model_file = tmp_path / "run.fedrec", tmp_path / "model.fedrec"
+    assert main(["simulate", *argv, "--quiet", "--save", str(run_file)]) == 0
+    assert f"saved the run to {run_file}" in capsys.readouterr().out
+    run = load_run(run_file)
+    user = str(run.user_label(3))
+    assert main(["recommend", str(run_file), "--user", user, "-n", "5", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["family"] == family and len(record["items"]) == 5
+    picked = [it["index"] for it in record["items"]]
+    assert not set(picked) & set(run.train.of(3).tolist())  # never an item the user rated in training
+    scores = [it["score"] for it in record["items"]]
+    assert scores == sorted(scores, reverse=True)
+    # The exported file is what the SDK loads, and its device recommends the same items.
+    assert main(["export", str(run_file), "--user", user, "-o", str(model_file)]) == 0
+    assert f"a {loader}" in capsys.readouterr().out
+    model = getattr(device_sdk, loader).load(model_file)
+    row = run.device_model(3)[1]
+    ids, _ = model.recommend(run.train.of(3), N=5, userid=row, rng=np.random.default_rng(0))
+    assert ids.tolist() == picked
+    # Not a run file: one line naming it.
+    assert main(["recommend", str(model_file), "--user", user]) == 2
+    assert "not a run written by 'fedrec simulate --save'" in capsys.readouterr().err
+
+
 def test_plan_privacy_prints_one_row_per_choice(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["plan-privacy", "--dataset", "synthetic", "--epsilon", "4", "--rounds", "1", "5", "--clips", "2"])
     out = capsys.readouterr().out
@@ -268,3 +343,20 @@ def test_plan_privacy_prints_one_row_per_choice(capsys: pytest.CaptureFixture[st
     assert len(rows) == 2
     # More rounds at the same ε: more noise per round, so a smaller share above SNR 2.
     assert float(rows[0].split()[3]) < float(rows[1].split()[3])
+
+
+def test_plots_are_written_and_bad_targets_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedsim.plots import plot_loadtest
+
+    png = tmp_path / "quality.png"
+    argv = ["simulate", "--dataset", "synthetic", "--rounds", "4", "--eval-every", "2", "--quiet"]
+    assert main([*argv, "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot: {png}" in capsys.readouterr().out
+    assert main([*argv, "--plot", str(tmp_path / "q.jpg")]) == 2
+    assert "must end in .png, .svg, .pdf" in capsys.readouterr().err
+    assert main([*argv, "--model", "felb", "--plot", str(png)]) == 2
+    latency = tmp_path / "latency.svg"
+    plot_loadtest(latency, [(0.5, "keys", 0.2), (1.0, "masked", 1.5), (1.2, "keys", 0.1)], ["keys", "masked"], "t")
+    assert b"<svg" in latency.read_bytes()

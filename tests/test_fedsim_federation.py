@@ -56,7 +56,8 @@ def test_runs_are_reproducible_and_para_works() -> None:
     b = run_lightfr(ud, cfg, FederationConfig(rounds=4, seed=5, flip_fraction=0.3))
     assert np.array_equal(a.item_codes, b.item_codes) and np.array_equal(a.user_codes, b.user_codes)
     assert len(a.history) == 4 and all(r.cohort == 72 for r in a.history)
-    p = run_lightfr(ud, cfg, FederationConfig(rounds=3, seed=5, aggregation=Aggregation.PARA))
+    para = LightFRConfig(bits=32, rating_range=(1.0, 5.0), unobserved_weight=0.0)
+    p = run_lightfr(user_data(data, para), para, FederationConfig(rounds=3, seed=5, aggregation=Aggregation.PARA))
     assert p.item_codes.shape == (80, 32)
 
 
@@ -65,7 +66,7 @@ def test_cohort_sum_equals_sum_of_device_uploads() -> None:
     from fedsim.datasets import synthetic
 
     data = synthetic(n_users=30, n_items=40, ratings_per_user=8, seed=3)
-    cfg = LightFRConfig(bits=16, rating_range=None, negatives=0, binary_positives=True)
+    cfg = LightFRConfig(bits=16, rating_range=None, negatives=0, binary_positives=True, unobserved_weight=0.0)
     ud = user_data(data, cfg)
     rng = np.random.default_rng(0)
     strategy = LightFRStrategy(bits=16)

@@ -25,11 +25,15 @@ N_ITEMS = 20
 SEED = 13
 
 
-def _config(data_dir: Path, kind: str, n: int, *, dp: bool, rounds: int, n_items: int = N_ITEMS) -> ServerConfig:
+def _config(
+    data_dir: Path, kind: str, n: int, *, dp: bool, rounds: int, n_items: int = N_ITEMS, sampled: bool = False
+) -> ServerConfig:
+    # sampled: LightFR's sampled-negatives objective, the one the scaled mode (LightFRCohort) runs.
+    extra = {"unobserved_weight": 0.0} if sampled else {}
     return config_from_dict(
         {
             "server": {"data_dir": str(data_dir), "port": 0},
-            "model": {"kind": kind, "n_items": n_items, "bits": 16},
+            "model": {"kind": kind, "n_items": n_items, "bits": 16, **extra},
             "rounds": {
                 "cohort_size": n,
                 "min_cohort": n,
@@ -158,7 +162,7 @@ def test_released_noise_variance_is_mu_after_the_correction(survivors: int, corr
 def test_scaled_round_noise_has_variance_mu(tmp_path: Path) -> None:
     # Devices with no ratings upload nothing: the released sum is pure noise, of variance mu.
     n, m = 200, 2000
-    sim = PrivateSimulator(_config(tmp_path, "lightfr", n, dp=True, rounds=1, n_items=m))
+    sim = PrivateSimulator(_config(tmp_path, "lightfr", n, dp=True, rounds=1, n_items=m, sampled=True))
     cohort = LightFRCohort([(np.zeros(0, np.int64), None)] * n, m, 16)
     out = sim.run_scaled_round(cohort, sim_seed=1)
     assert out is not None and out.committed and out.noise_variance == pytest.approx(sim.mu)
@@ -189,7 +193,7 @@ def test_batched_lightfr_devices_match_real_devices(tmp_path: Path) -> None:
     from protocol.session import RoundParameters
 
     n, m = 15, 40
-    cfg = _config(tmp_path, "lightfr", n, dp=False, rounds=1, n_items=m)
+    cfg = _config(tmp_path, "lightfr", n, dp=False, rounds=1, n_items=m, sampled=True)
     cfg = replace(cfg, model=replace(cfg.model, negatives=0), rounds=replace(cfg.rounds, example_cap=0))
     sim = PrivateSimulator(cfg)
     rng = np.random.default_rng(4)
@@ -240,3 +244,32 @@ def test_aggregate_noise_mode_releases_variance_mu(tmp_path: Path) -> None:
     out = sim.run_round(models, empty, seed=1, per_device_noise=False)
     assert out is not None and out.committed and sim.last_release is not None
     assert abs(float(np.var(sim.last_release)) - sim.mu) <= 0.05 * sim.mu
+
+
+@pytest.mark.asyncio
+async def test_http_round_with_dp_equals_the_simulator(aiohttp_server: Any, tmp_path: Path) -> None:
+    # One real HTTP round (aiohttp server, DeviceClients, SecAgg+ with real crypto, DP noise from the
+    # devices' keystreams, one device leaving before its masked input) ends with the model the simulator
+    # computes for the same seeds and dropout schedule.
+    from dataclasses import replace
+
+    from tests import test_families_http as fh
+
+    def private(cfg: ServerConfig) -> ServerConfig:
+        return replace(cfg, privacy=replace(cfg.privacy, enabled=True, epsilon=8.0, delta=1e-5, planned_rounds=1))
+
+    coord, statuses, data, new_model = await fh._http_round(
+        private(fh._config(tmp_path / "http", "mf")), "mf", aiohttp_server, tmp_path / "devices"
+    )
+    assert coord.model_version == 2 and coord.ledger is not None and coord.ledger.spent() > 0
+    ids = list(range(1, fh.DEVICES + 1))
+    sim = run_simulated(
+        private(fh._config(tmp_path / "sim", "mf")),
+        dict(enumerate(data)),
+        lambda device_id: new_model(),
+        rounds=1,
+        seed=fh.SEED,
+        dropout=lambda round_id, device_id: fh._dropout(ids.index(device_id)),
+    )
+    assert np.array_equal(sim.simulator.model_state, coord.model_state)
+    assert sim.simulator.ledger is not None and sim.simulator.ledger.spent() == coord.ledger.spent()

@@ -152,3 +152,48 @@ def test_full_kernels_reject_bad_input() -> None:
         lightfr.full_upload(indptr, items, r, B, D, np.zeros(10), 0.1, -1.0)
     with pytest.raises(ValueError, match="biases"):
         lightfr.dcd_full(indptr, items, r, B, D, np.zeros(9), 0.1, 0.0)
+
+
+def test_devices_through_the_wire_match_the_in_process_cohort() -> None:
+    """LightFRModel devices fed the server's ModelPayload and RoundInvite upload vectors whose sum,
+    aggregated by the server strategy, is exactly the in-process batched step (codes and levels)."""
+    from agg_server.strategy import LightFRServerStrategy, LightFRStrategy
+    from device_sdk.family import LocalRatings
+    from device_sdk.models import LightFRConfig, LightFRModel
+    from fedsim.private import in_process_invite
+    from protocol.codec import decode, encode
+    from protocol.messages import ModelPayload
+
+    rng = np.random.default_rng(11)
+    n, m, f = 9, 30, 16
+    indptr, items, _ = _batch(rng, n, m, 6)
+    r = np.ones(items.size)
+    strategy = LightFRServerStrategy(
+        LightFRStrategy(bits=f, flip_fraction=1.0), m, unobserved_weight=0.2, confidence=1.0, hamming_weight=2
+    )
+    state = strategy.initialize(rng)
+    state[:, -1] = rng.integers(-20, 20, m).astype(np.int8)  # some item levels
+    wire = decode(
+        encode(ModelPayload(model_version=1, model_kind="lightfr", bits=f, n_items=m, **strategy.to_wire(state)))
+    )
+    assert isinstance(wire, ModelPayload) and len(wire.item_levels) == m and wire.hamming_weight == 2
+    np.testing.assert_array_equal(strategy.from_wire(wire.words, wire.values, wire.item_levels), state)
+    invite = in_process_invite(strategy, 1)
+    B0 = random_signs(n, f, rng)
+    total = np.zeros(strategy.vector_length)
+    for u in range(n):
+        dev = LightFRModel(m, LightFRConfig(bits=f, rating_range=None), rng=np.random.default_rng(u))
+        dev.set_global(wire.words, wire.values, 1, **wire.lightfr_extras())
+        dev.user_codes[0] = B0[u]
+        dev.user_trained[0] = True
+        res = dev.local_update(invite, LocalRatings.single_user(items[indptr[u] : indptr[u + 1]], None), rng)
+        assert res.vector.size == strategy.vector_length == m * f + 2 * m + f * f + f
+        total += res.vector
+    new_state = strategy.aggregate(state, total, n, np.random.default_rng(0), round_index=0)
+    # The batched in-process step on the same inputs.
+    beta = bias_from_levels((state[:, -1].astype(np.int16) + LEVEL_CENTER).astype(np.uint8), m, f, 2)
+    B1, _ = lightfr.dcd_full(indptr, items, r, B0, state[:, :f], beta, 0.2, 1.0, max_sweeps=10)
+    parts = lightfr.full_upload(indptr, items, r, B1, state[:, :f], beta, 0.2, 1.0)
+    D, new_beta = agg_full(state[:, :f], beta, parts, n, 0.2, 1.0, flip_fraction=1.0)
+    np.testing.assert_array_equal(new_state[:, :f], D)
+    np.testing.assert_array_equal(strategy.levels(new_state), levels_from_bias(new_beta, f, 2))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from protocol import messages as messages_module
 from protocol.codec import _SCHEMA, PROTOCOL_VERSION, check_version, decode, encode, is_compatible
 from protocol.errors import DecodeError, PayloadTooLarge, VersionMismatch
+from protocol.families.lightfr import UploadLayout
 from protocol.messages import (
     Abort,
     CheckIn,
@@ -55,10 +56,14 @@ def invite_fields(draw: st.DrawFn) -> dict[str, object]:
     kind = draw(st.sampled_from(list(ModelKind)))
     vector_length = draw(st.integers(1, 2**28))
     bits = draw(st.integers(0, MAX_RANK))
+    confidence = draw(st.floats(0.0, 100.0))
+    w0 = draw(st.sampled_from([0.0, draw(st.floats(0.0, 1.0 + confidence))]))
     if bits and draw(st.booleans()):
-        # A plan naming the catalogue: LightFR's update is exactly n_items × bits, the others' at least.
-        n_items = draw(st.integers(1, max(1, min(MAX_ITEMS, (2**28) // bits))))
-        vector_length = n_items * bits if kind == ModelKind.LIGHTFR else draw(st.integers(n_items * bits, 2**28))
+        # A plan naming the catalogue: LightFR's update is exactly its upload layout (n_items × bits,
+        # plus 2·n_items + bits² + bits under the all-items objective), the others' at least n_items × bits.
+        n_items = draw(st.integers(1, max(1, min(MAX_ITEMS, (2**28) // bits - 2 * bits - 2))))
+        lightfr = UploadLayout(n_items, bits, full=w0 > 0).length
+        vector_length = lightfr if kind == ModelKind.LIGHTFR else draw(st.integers(n_items * bits, 2**28))
     else:
         n_items = 0 if bits else draw(st.integers(0, MAX_ITEMS))
     non_negative = st.floats(0.0, 1e6)
@@ -98,6 +103,8 @@ def invite_fields(draw: st.DrawFn) -> dict[str, object]:
         "alignment": draw(st.sampled_from(["", *(a.value for a in Alignment)])),
         "round_index": draw(st.integers(0, 10**6)),
         "cohort_size": draw(st.integers(0, 10**6)),
+        "unobserved_weight": w0,
+        "confidence": confidence,
     }
 
 

@@ -358,7 +358,9 @@ def test_transition_table_is_complete_for_devices() -> None:
     for phase in ACTIVE_PHASES:
         assert (phase, Direction.RECEIVE, "Abort") in device_keys
         assert (phase, Direction.SEND, "Abort") in device_keys
-    assert len([k for k in device_keys if k[1] is Direction.SEND and k[2] != "Abort"]) == 4
+    assert (
+        len([k for k in device_keys if k[1] is Direction.SEND and k[2] != "Abort"]) == 5
+    )  # the four phase replies and, protocol 1.3, the survivor-set signature
 
 
 @pytest.mark.parametrize("state", _STATES)

@@ -181,3 +181,304 @@ def test_an_overstated_survivor_count_is_refused() -> None:
     for factor in (2, 10, 1000):  # issue 15: 2x, 10x, 1000x the real 70 survivors
         with pytest.raises(RemoteProtocolError, match="exceeds the invited cohort"):
             check_survivor_quorum(20, 70 * factor, invite)
+
+
+# -- identities, signed keys and the consistency check (items 1, 2, 5) -------------------------------------
+
+
+def _enrolled(ids: list[int]) -> tuple[Any, dict[int, tuple[Any, bytes]]]:
+    from protocol import crypto
+
+    authority = crypto.SigningKey.generate()
+    devices = {}
+    for u in ids:
+        key = crypto.SigningKey.generate()
+        devices[u] = (key, crypto.issue_certificate(authority, key.public_key))
+    return authority, devices
+
+
+def _signed_round(n: int = 12, t: int = 4, k: int | None = None, *, length: int = 16, seed: int = 0) -> Any:
+    import numpy as np
+
+    from protocol.crypto import insecure_test_noise_stream
+    from protocol.device_session import DeviceSecAggSession
+    from protocol.server_session import RoundParameters, ServerSecAggSession
+
+    ids = list(range(100, 100 + n))
+    authority, enrolled = _enrolled(ids)
+    params = RoundParameters(
+        round_id=3,
+        vector_length=length,
+        k=k or n,
+        t=t,
+        clip_norm=1.0,
+        scale_bits=16,
+        deadlines=(1.0, 2.0, 3.0, 4.0),
+        authority_key=authority.public_key,
+    )
+    server = ServerSecAggSession(params, ids, rng=np.random.default_rng(seed))
+    devices = {
+        u: DeviceSecAggSession(
+            server.outbox(u),  # type: ignore[arg-type]
+            rng=insecure_test_noise_stream(seed, u),
+            identity=enrolled[u][0],
+            certificate=enrolled[u][1],
+            authority_key=authority.public_key,
+        )
+        for u in ids
+    }
+    rng = np.random.default_rng(seed + 1)
+    inputs = {u: rng.integers(0, 2**32, size=length, dtype=np.uint32) for u in ids}
+    return server, devices, inputs, authority, enrolled
+
+
+def _drive(server: Any, devices: dict[int, Any], inputs: dict[int, Any], drops: dict[str, set[int]]) -> set[int]:
+    """Run a signed round with the given dropouts per step; return the devices whose input is in the sum."""
+    from protocol.messages import Abort
+    from protocol.phases import consistency_deadline
+
+    d = server.params.deadlines
+    steps = [("keys", d[0]), ("shares", d[1]), ("masked", d[2]), ("sign", consistency_deadline(d)), ("unmask", d[3])]
+    gone: set[int] = set()
+    masked: set[int] = set()
+    for index, (name, deadline) in enumerate(steps):
+        for u, dev in devices.items():
+            if u in gone:
+                continue
+            if index > 0:
+                incoming = server.outbox(u)
+                if incoming is None or isinstance(incoming, Abort):
+                    gone.add(u)
+                    continue
+                dev.receive(incoming)
+            if u in drops.get(name, set()):
+                gone.add(u)
+                continue
+            if name == "masked":
+                dev.provide_input(inputs[u])
+                masked.add(u)
+            server.receive(u, dev.send())
+        server.advance(deadline)
+    return masked
+
+
+@pytest.mark.parametrize(
+    "drops",
+    [
+        {},
+        {"keys": {100}, "shares": {101}, "masked": {102}, "sign": {103}, "unmask": {104}},
+        {"sign": {105, 106}},
+        {"masked": {107, 108}, "unmask": {109}},
+    ],
+)
+def test_honest_signed_rounds_are_bit_exact_with_dropouts_at_every_phase(drops: dict[str, set[int]]) -> None:
+    import numpy as np
+
+    server, devices, inputs, _, _ = _signed_round()
+    masked = _drive(server, devices, inputs, drops)
+    result = server.result()
+    assert result.survivors == frozenset(masked)
+    expected = np.zeros(16, dtype=np.uint32)
+    for u in masked:
+        expected += inputs[u]
+    assert np.array_equal(result.total, expected)
+
+
+def _to_consistency(n: int = 20, t: int = 4) -> Any:
+    server, devices, inputs, authority, enrolled = _signed_round(n=n, t=t)
+    d = server.params.deadlines
+    for index, name in enumerate(("keys", "shares", "masked")):
+        for u, dev in devices.items():
+            if index > 0:
+                dev.receive(server.outbox(u))
+            if name == "masked":
+                dev.provide_input(inputs[u])
+            server.receive(u, dev.send())
+        server.advance(d[index])
+    return server, devices, inputs, authority, enrolled
+
+
+def test_split_view_of_one_device_is_refused_by_every_honest_neighbour() -> None:
+    # Issue 15 row 1: the server tells some neighbours of X that X survived and others that X dropped.
+    # Before: x_X recovered bit-exact.  Now: each group holds signatures on a different set and neither
+    # reaches the majority a device requires, so nobody releases anything about X.
+    from protocol.errors import RemoteProtocolError
+    from protocol.messages import ConsistencyRequest, UnmaskRequest
+
+    server, devices, _, _, enrolled = _to_consistency()
+    ids = sorted(devices)
+    x = ids[0]
+    sid = server.session_id
+    s1 = tuple(ids)  # X survived
+    s2 = tuple(v for v in ids if v != x)  # X dropped
+    group_a, group_b = ids[1:11], ids[11:]
+    sigs: dict[tuple[int, ...], dict[int, bytes]] = {s1: {}, s2: {}}
+    for group, shown in ((group_a, s1), (group_b, s2)):
+        for u in group:
+            devices[u].receive(ConsistencyRequest(round_id=3, device_id=u, session_id=sid, survivor_set=shown))
+            sigs[shown][u] = devices[u].send().signature
+    refused = 0
+    for group, shown in ((group_a, s1), (group_b, s2)):
+        signers = tuple(sorted(sigs[shown]))
+        for u in group:
+            u2 = tuple(sorted(ids))
+            req = UnmaskRequest(
+                round_id=3,
+                device_id=u,
+                session_id=sid,
+                survivors=tuple(v for v in u2 if v in shown),
+                dropped=tuple(v for v in u2 if v not in shown),
+                n_survivors=len(signers),
+                survivor_set=shown,
+                signer_ids=signers,
+                signer_certificates=tuple(enrolled[v][1] for v in signers),
+                signatures=tuple(sigs[shown][v] for v in signers),
+            )
+            with pytest.raises(RemoteProtocolError, match="valid survivor signatures"):
+                devices[u].receive(req)
+            refused += 1
+    assert refused == len(group_a) + len(group_b)
+
+
+def test_signatures_on_another_set_do_not_count() -> None:
+    from protocol.errors import RemoteProtocolError
+    from protocol.messages import ConsistencyRequest, UnmaskRequest
+
+    server, devices, _, _, enrolled = _to_consistency(n=12)
+    ids = sorted(devices)
+    sid = server.session_id
+    shown_to_victim = tuple(ids)
+    other = tuple(ids[1:])
+    sigs = {}
+    for u in ids[1:]:
+        devices[u].receive(ConsistencyRequest(round_id=3, device_id=u, session_id=sid, survivor_set=other))
+        sigs[u] = devices[u].send().signature
+    victim = ids[1]
+    # the victim signed `other`; the server replays the signatures under the full set: wrong set, refused
+    req = UnmaskRequest(
+        round_id=3,
+        device_id=victim,
+        session_id=sid,
+        survivors=shown_to_victim,
+        dropped=(),
+        n_survivors=11,
+        survivor_set=shown_to_victim,
+        signer_ids=tuple(sorted(sigs)),
+        signer_certificates=tuple(enrolled[v][1] for v in sorted(sigs)),
+        signatures=tuple(sigs[v] for v in sorted(sigs)),
+    )
+    with pytest.raises(RemoteProtocolError, match="different survivor set"):
+        devices[victim].receive(req)
+
+
+def test_overstated_survivor_count_is_refused_against_the_signed_set() -> None:
+    import dataclasses
+
+    from protocol.errors import RemoteProtocolError
+    from protocol.messages import UnmaskRequest
+
+    server, devices, inputs, _, _ = _signed_round(n=12)
+    d = server.params.deadlines
+    from protocol.phases import consistency_deadline
+
+    for index, name in enumerate(("keys", "shares", "masked", "sign")):
+        for u, dev in devices.items():
+            if index > 0:
+                dev.receive(server.outbox(u))
+            if name == "masked":
+                dev.provide_input(inputs[u])
+            server.receive(u, dev.send())
+        server.advance(d[index] if name != "sign" else consistency_deadline(d))
+    for factor in (2, 10, 1000):
+        u = 100 + factor % 12
+        honest = server.outbox(u)
+        assert isinstance(honest, UnmaskRequest) and honest.n_survivors == 12
+        lie = dataclasses.replace(honest, n_survivors=12 * factor)
+        with pytest.raises(RemoteProtocolError, match="n_survivors"):
+            devices[u].receive(lie)
+
+
+def test_substituted_keys_are_refused() -> None:
+    # Issue 15 row 2: the server puts its own public keys in X's slot.  Before: x_X recovered.  Now the
+    # substituted keys carry no valid signature of X's certified identity (or no certificate of the
+    # pinned authority) and the receiving device refuses the broadcast.
+    import dataclasses
+
+    from protocol import crypto
+    from protocol.errors import CryptoError
+
+    server, devices, inputs, authority, enrolled = _signed_round(n=6, t=3)
+    for u, dev in devices.items():
+        server.receive(u, dev.send())
+    server.advance(1.0)
+    victim_view = server.outbox(101)
+    ids = list(victim_view.neighbour_ids)
+    x = ids.index(100)
+    fake = crypto.generate_key_pair(), crypto.generate_key_pair()
+    c = list(victim_view.c_public_keys)
+    s = list(victim_view.s_public_keys)
+    c[x], s[x] = fake[0].public_key, fake[1].public_key
+    swapped = dataclasses.replace(victim_view, c_public_keys=tuple(c), s_public_keys=tuple(s))
+    with pytest.raises(CryptoError, match="not signed by its certified key"):
+        devices[101].receive(swapped)
+    # ... and a certificate the server made itself does not pass either
+    rogue = crypto.SigningKey.generate()
+    rogue_id = crypto.SigningKey.generate()
+    certs = list(victim_view.certificates)
+    sigs = list(victim_view.signatures)
+    certs[x] = crypto.issue_certificate(rogue, rogue_id.public_key)
+    sigs[x] = rogue_id.sign(crypto.key_advertisement_payload(3, 100, c[x], s[x]))
+    other_view = server.outbox(102)
+    assert other_view.neighbour_ids == victim_view.neighbour_ids  # complete graph: the same list
+    forged = dataclasses.replace(
+        other_view, c_public_keys=tuple(c), s_public_keys=tuple(s), certificates=tuple(certs), signatures=tuple(sigs)
+    )
+    with pytest.raises(CryptoError, match="pinned authority"):
+        devices[102].receive(forged)
+
+
+def test_unsigned_keys_and_low_order_points_are_refused_by_the_server_and_the_round_goes_on() -> None:
+    import numpy as np
+
+    from protocol import crypto
+    from protocol.errors import CryptoError, RemoteProtocolError
+    from protocol.messages import PublicKeys
+
+    server, devices, inputs, authority, enrolled = _signed_round(n=8, t=3)
+    bad = 100
+    keys = devices[bad].send()
+    low_order = bytes(32)  # the all-zero point: every shared secret with it is zero
+    with pytest.raises(CryptoError):
+        server.receive(
+            bad, PublicKeys(round_id=3, device_id=bad, c_public_key=low_order, s_public_key=keys.s_public_key)
+        )
+    with pytest.raises(RemoteProtocolError):
+        server.receive(
+            101, PublicKeys(round_id=3, device_id=101, c_public_key=b"\x09" + bytes(31), s_public_key=b"\x05" * 32)
+        )
+    del devices[bad], devices[101]
+    masked = _drive(server, devices, inputs, {})
+    assert server.result().survivors == frozenset(masked) and bad not in masked
+    expected = np.zeros(16, dtype=np.uint32)
+    for u in masked:
+        expected += inputs[u]
+    assert np.array_equal(server.result().total, expected)
+    assert crypto.CERTIFICATE_BYTES == 4 + 32 + 16 + 64
+
+
+@pytest.mark.parametrize("dp", [False, True])
+def test_signed_harness_rounds_are_bit_exact_with_a_drop_in_every_phase(dp: bool) -> None:
+    import numpy as np
+
+    from fedsim.secagg_harness import run_secagg_round
+    from protocol.phases import Phase
+
+    rng = np.random.default_rng(5)
+    inputs = [rng.integers(0, 2**32, size=64, dtype=np.uint32) for _ in range(30)]
+    drops = {Phase.ADVERTISE_KEYS: {0}, Phase.SHARE_KEYS: {1}, Phase.MASKED_INPUT: {2, 3}, Phase.UNMASK: {4}}
+    result = run_secagg_round(
+        inputs, dropouts=drops, signed=True, consistency_dropouts={5}, dp_mu=4000.0 if dp else 0.0, seed=1
+    )
+    assert result.error is None and result.total is not None
+    assert np.array_equal(result.total, result.expected)
+    assert 5 in result.survivors and 2 not in result.survivors  # signed-set dropouts stay in the sum

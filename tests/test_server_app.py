@@ -133,7 +133,7 @@ async def test_hostile_inputs_get_the_right_status(aiohttp_client: Any, tmp_path
     status_json = await (await client.get("/v1/status")).json()
     assert status_json["model"]["version"] == 1 and status_json["registered_devices"] == 2
     assert status_json["errors_by_status"]["401"] == 2
-    assert (await (await client.get("/v1/health")).json()) == {"status": "ok"}
+    assert (await (await client.get("/v1/health")).json()) == {"status": "ok", "state": "idle"}
 
 
 @pytest.mark.asyncio

@@ -20,6 +20,7 @@ from agg_server.config import (
     PrivacySection,
     RoundSection,
     ServerConfig,
+    StorageSection,
     config_from_dict,
     load_config,
 )
@@ -70,6 +71,7 @@ def test_example_lists_every_key() -> None:
         "mf": [f.name for f in dataclasses.fields(MFSection)],
         "felb": [f.name for f in dataclasses.fields(FELBSection)],
         "fnmf": [f.name for f in dataclasses.fields(FNMFSection)],
+        "storage": [f.name for f in dataclasses.fields(StorageSection)],
     }
     sections = re.split(r"^\[(\w+)\]$", text, flags=re.MULTILINE)
     bodies = dict(zip(sections[1::2], sections[2::2], strict=True))
@@ -323,3 +325,16 @@ def test_replace_revalidates_and_objects_are_frozen() -> None:
         dataclasses.replace(config.log, format="xml")
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.rounds.cohort_size = 3  # type: ignore[misc]
+
+
+def test_storage_url_names_its_scheme(tmp_path: Path) -> None:
+    from agg_server.config import config_from_dict
+
+    base = {"server": {"data_dir": str(tmp_path)}, "model": {"n_items": 10}}
+    cfg = config_from_dict({**base, "storage": {"url": "postgresql://u:p@db/fedrec"}}, base_dir=tmp_path)
+    assert cfg.storage.url == "postgresql://u:p@db/fedrec"
+    with pytest.raises(ConfigError, match=r"^storage\.url: must start with postgresql://") as info:
+        config_from_dict({**base, "storage": {"url": "mysql://u:secret@db/x"}}, base_dir=tmp_path)
+    assert "secret" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"^rounds\.disconnect_grace"):
+        config_from_dict({**base, "rounds": {"disconnect_grace": -1}}, base_dir=tmp_path)

@@ -41,7 +41,14 @@ def build_strategy(config: ServerConfig) -> Strategy:
             bits=m.bits, lam=m.lam, aggregation=Aggregation(m.aggregation), flip_fraction=m.flip_fraction
         )
         return LightFRServerStrategy(
-            rule, m.n_items, negatives=m.negatives, local_epochs=m.local_epochs, max_sweeps=m.max_sweeps
+            rule,
+            m.n_items,
+            negatives=m.negatives,
+            local_epochs=m.local_epochs,
+            max_sweeps=m.max_sweeps,
+            unobserved_weight=m.unobserved_weight,
+            confidence=m.confidence,
+            hamming_weight=m.hamming_weight,
         )
     # The [mf], [felb] and [fnmf] tables name exactly their strategy's hyper-parameters.
     try:

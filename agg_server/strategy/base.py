@@ -86,8 +86,10 @@ class Strategy(Protocol):
         """
         ...
 
-    def to_wire(self, state: NDArray[Any]) -> dict[str, bytes]:
-        """``{"words": ...}`` (packed LightFR codes) or ``{"values": ...}`` (float64 little-endian)."""
+    def to_wire(self, state: NDArray[Any]) -> dict[str, Any]:
+        """``{"words": ...}`` (packed LightFR codes, plus ``item_levels`` and ``hamming_weight`` under
+        LightFR's all-items objective) or ``{"values": ...}`` (float64 little-endian): `ModelPayload`
+        fields."""
         ...
 
     def from_wire(self, words: bytes, values: bytes) -> NDArray[Any]:

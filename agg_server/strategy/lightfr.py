@@ -18,6 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs
+from protocol.families.lightfr import LEVEL_CENTER, UploadLayout, bias_from_levels, levels_from_bias
 from protocol.spec import Aggregation
 
 __all__ = [
@@ -214,11 +215,19 @@ class LightFRServerStrategy:
     gradients (Agg_grad) or the change D^u − D of their local codes (Agg_para, the server adds
     s·D back).
 
+    With ``unobserved_weight > 0`` (the all-items objective) the devices upload the parts of
+    `protocol.families.lightfr.UploadLayout`, the server steps codes and item biases with `agg_full`
+    and the state is an (m, f + 1) int8 matrix: the codes, then each item's level − 128 (levels ship
+    as `ModelPayload.item_levels`, with ``hamming_weight``).
+
     Attributes
     ----------
     rule : the aggregation rule and its hyper-parameters.
     n_items : catalogue size m.
     negatives, local_epochs, max_sweeps : the devices' local training plan.
+    unobserved_weight, confidence : w0 and α of the all-items objective (w0 = 0: sampled negatives).
+    hamming_weight : B of the devices' integer score (f − Hamming)·B + level.
+    learn_bias : learn item levels (otherwise every level stays 128, no item term).
     """
 
     rule: LightFRStrategy
@@ -227,6 +236,29 @@ class LightFRServerStrategy:
     local_epochs: int = 1
     max_sweeps: int = 10
     kind: str = "lightfr"
+    unobserved_weight: float = 0.0
+    confidence: float = 0.0
+    hamming_weight: int = 2
+    learn_bias: bool = True
+
+    def __post_init__(self) -> None:
+        if not (np.isfinite(self.confidence) and self.confidence >= 0):
+            raise ValueError(f"confidence must be a finite value >= 0, got {self.confidence}")
+        if not (np.isfinite(self.unobserved_weight) and 0 <= self.unobserved_weight <= 1 + self.confidence):
+            raise ValueError(f"unobserved_weight must be in [0, 1 + confidence], got {self.unobserved_weight}")
+        if not 1 <= self.hamming_weight <= 255:
+            raise ValueError(f"hamming_weight must be in [1, 255], got {self.hamming_weight}")
+        if self.full and self.rule.aggregation is not Aggregation.GRAD:
+            raise ValueError("the all-items objective (unobserved_weight > 0) needs aggregation 'grad'")
+
+    @property
+    def full(self) -> bool:
+        """True under the all-items objective."""
+        return self.unobserved_weight > 0
+
+    @property
+    def layout(self) -> UploadLayout:
+        return UploadLayout(self.n_items, self.rule.bits, full=self.full)
 
     @property
     def rank(self) -> int:
@@ -234,10 +266,13 @@ class LightFRServerStrategy:
 
     @property
     def vector_length(self) -> int:
-        return self.n_items * self.rule.bits
+        return self.layout.length
 
     def initialize(self, rng: np.random.Generator) -> NDArray[np.int8]:
-        return self.rule.initialize(self.n_items, rng)
+        codes = self.rule.initialize(self.n_items, rng)
+        if not self.full:
+            return codes
+        return np.concatenate([codes, np.zeros((self.n_items, 1), np.int8)], axis=1)
 
     def plan(self) -> dict[str, object]:
         return {
@@ -246,7 +281,19 @@ class LightFRServerStrategy:
             "negatives": self.negatives,
             "local_epochs": self.local_epochs,
             "max_sweeps": self.max_sweeps,
+            "unobserved_weight": float(self.unobserved_weight),
+            "confidence": float(self.confidence),
         }
+
+    def codes(self, state: NDArray[np.int8]) -> NDArray[np.int8]:
+        """The (m, f) item codes of a state."""
+        return state[:, : self.rule.bits]
+
+    def levels(self, state: NDArray[np.int8]) -> NDArray[np.uint8] | None:
+        """The (m,) uint8 item levels of a state (None without the all-items objective)."""
+        if not self.full:
+            return None
+        return (state[:, self.rule.bits].astype(np.int16) + LEVEL_CENTER).astype(np.uint8)
 
     def aggregate(
         self,
@@ -257,18 +304,56 @@ class LightFRServerStrategy:
         *,
         round_index: int,
     ) -> NDArray[np.int8]:
+        if self.full:
+            return self._aggregate_full(state, total, survivors, rng)
         update_sum = np.asarray(total, dtype=np.float64).reshape(state.shape)
         if self.rule.aggregation is Aggregation.PARA:
             update_sum = update_sum + survivors * state  # Σ_u D^u = s·D + Σ_u (D^u − D)
         return self.rule.aggregate(state, update_sum, rng)
 
-    def to_wire(self, state: NDArray[np.int8]) -> dict[str, bytes]:
-        return {"words": to_bytes(pack_signs(state))}
+    def _aggregate_full(
+        self, state: NDArray[np.int8], total: NDArray[np.float64], survivors: int, rng: np.random.Generator
+    ) -> NDArray[np.int8]:
+        f, m = self.rule.bits, self.n_items
+        parts = self.layout.split(np.asarray(total, dtype=np.float64))
+        beta = bias_from_levels(self.levels(state), m, f, self.hamming_weight)  # what the devices used
+        D, beta = agg_full(
+            self.codes(state),
+            beta,
+            parts,
+            survivors,
+            self.unobserved_weight,
+            self.confidence,
+            flip_fraction=self.rule.flip_fraction,
+            rng=rng,
+            learn_bias=self.learn_bias,
+        )
+        lv = levels_from_bias(beta, f, self.hamming_weight)
+        return np.concatenate([D, (lv.astype(np.int16) - LEVEL_CENTER).astype(np.int8)[:, None]], axis=1)
 
-    def from_wire(self, words: bytes, values: bytes) -> NDArray[np.int8]:
+    def to_wire(self, state: NDArray[np.int8]) -> dict[str, object]:
+        wire: dict[str, object] = {"words": to_bytes(pack_signs(self.codes(state)))}
+        levels = self.levels(state)
+        if levels is not None:
+            wire["item_levels"] = levels.tobytes()
+            wire["hamming_weight"] = self.hamming_weight
+        return wire
+
+    def from_wire(self, words: bytes, values: bytes, item_levels: bytes = b"") -> NDArray[np.int8]:
         if values:
             raise ValueError("LightFR models carry packed codes, not float values")
-        return unpack_signs(from_bytes(words, self.rule.bits, self.n_items), self.rule.bits)
+        f, m = self.rule.bits, self.n_items
+        codes = unpack_signs(from_bytes(words, f, m), f)
+        if not self.full:
+            return codes
+        if len(item_levels) != m:
+            raise ValueError(f"the all-items LightFR model needs {m} item levels, got {len(item_levels)} bytes")
+        lv = np.frombuffer(item_levels, dtype=np.uint8)
+        return np.concatenate([codes, (lv.astype(np.int16) - LEVEL_CENTER).astype(np.int8)[:, None]], axis=1)
 
     def describe(self, old: NDArray[np.int8], new: NDArray[np.int8]) -> str:
-        return f"{int(np.count_nonzero(old != new))} item bits flipped"
+        flips = int(np.count_nonzero(self.codes(old) != self.codes(new)))
+        if not self.full:
+            return f"{flips} item bits flipped"
+        moved = int(np.count_nonzero(old[:, -1] != new[:, -1]))
+        return f"{flips} item bits flipped, {moved} item levels changed"

@@ -67,14 +67,7 @@ class MFStrategy:
             v = getattr(self, name)
             if not (np.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {v}")
-        check_training(
-            max_norm2=self.max_norm2,
-            learning_rate=self.learning_rate,
-            reg=self.reg,
-            pretrain_epochs=self.pretrain_epochs,
-            local_epochs=self.local_epochs,
-            negatives=self.negatives,
-        )
+        check_training(self)
         if self.kind != ModelKind.MF.value:
             raise ValueError(f"kind must be {ModelKind.MF.value!r}, got {self.kind!r}")
 

@@ -34,6 +34,8 @@ from protocol import codec, codes, crypto, shamir  # noqa: E402
 from protocol.messages import (  # noqa: E402
     Abort,
     CheckIn,
+    ConsistencyRequest,
+    ConsistencySignature,
     EncryptedShares,
     ErrorMessage,
     MaskedInput,
@@ -240,6 +242,9 @@ def message_vectors() -> dict[str, Any]:
         Wait(retry_after=12.5, reason="no round open"),
         ModelPayload(model_version=3, model_kind="lightfr", bits=5, n_items=3, words=codes.to_bytes(words)),
         RoundResult(round_id=7, committed=True, model_version=4, reason=""),
+        # protocol 1.3: the consistency check
+        ConsistencyRequest(round_id=7, device_id=300, session_id=sid, survivor_set=(100, 300, 700)),
+        ConsistencySignature(round_id=7, device_id=300, session_id=sid, signature=bytes(range(64))),
     ]
     extra: list[Message] = [
         ModelPayload(model_version=3, model_kind="mf", bits=2, n_items=3, words=b"", values=mf_values.tobytes()),

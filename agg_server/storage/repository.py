@@ -1,278 +1,55 @@
-"""The aggregation server's durable state: SQLite (WAL) plus model checkpoint files.
+"""`Storage`: the aggregation server's durable state — devices, rounds, participation, the privacy
+ledger, quality reports and model checkpoints — over a `Database` (SQLite or PostgreSQL,
+`agg_server.storage.database`) and a `CheckpointFiles` folder (`agg_server.storage.checkpoints`).
+
+Longer than 500 lines because it is one class with one method per query, each with its validation and
+docstring; splitting it by table would scatter transactions that span tables (a commit writes the
+checkpoint, the ledger and the round at once).
 
 Invariants of this module:
 
-* One `Storage` owns one data directory: ``fedrec.sqlite3`` and ``checkpoints/model-<version>.msgpack``.
-  It is used from one thread (the server's event loop); nothing here is shared between instances.
-* Every multi-row change runs in one explicit ``BEGIN IMMEDIATE`` … ``COMMIT`` transaction, so a crash
-  leaves either the old rows or the new ones.  ``synchronous=FULL`` makes a returned commit durable.
-* A checkpoint row exists only for a file that was completely written and fsynced first (temp file,
-  fsync, ``os.replace``, fsync of the folder).  A file without a row is an orphan of a crash: it is
-  ignored and overwritten by the next commit of that version.
-* Model versions only increase: a commit must be newer than every good checkpoint.
+* Every multi-row change runs in one transaction, so a crash leaves either the old rows or the new ones.
+* A checkpoint row exists only for a file that was completely written and fsynced first.  A file
+  without a row is an orphan of a crash: it is ignored and overwritten by the next commit of that version.
+* Model versions only increase, and one version is committed once: the check and the insert are one
+  transaction holding the rounds lock (on PostgreSQL shared by every instance), and the version is the
+  checkpoints' primary key.
 * A checkpoint is trusted only if its file's SHA-256 matches the row; a mismatching or missing file is
   marked 'corrupt', logged at ERROR and never served again.
-* Paths in the database are relative to the data directory, so the directory can be moved.
-* Every `sqlite3.Error` leaving this class becomes a `StorageError` naming the operation and database;
+* Every driver error leaving this class is a `StorageError` naming the operation and database;
   argument misuse (wrong status name, bad digest length) raises plain `ValueError`.
-* Schema changes are migration steps applied in order in one transaction on open (``_MIGRATIONS``);
-  a database of an older version is upgraded in place, never recreated.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import math
-import os
-import sqlite3
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from agg_server.storage.checkpoints import CheckpointFiles
+from agg_server.storage.database import DATABASE_NAME, Database, open_database
+from agg_server.storage.records import (
+    COHORT_PHASE,
+    CheckpointRecord,
+    CheckpointStatus,
+    ParticipationStatus,
+    PhaseRecord,
+    QualityRecord,
+    RoundRecord,
+    RoundStatus,
+)
 from protocol.errors import StorageError
 
-__all__ = [
-    "SCHEMA_VERSION",
-    "DATABASE_NAME",
-    "COHORT_PHASE",
-    "RoundStatus",
-    "CheckpointStatus",
-    "ParticipationStatus",
-    "RoundRecord",
-    "PhaseRecord",
-    "CheckpointRecord",
-    "QualityRecord",
-    "Storage",
-]
+__all__ = ["Storage"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("agg_server.storage")
 
-SCHEMA_VERSION = 2
-"""Schema version stored in ``PRAGMA user_version``; a database with a newer one is refused."""
-
-DATABASE_NAME = "fedrec.sqlite3"
-"""File name of the database inside the data directory."""
-
-COHORT_PHASE = "cohort"
-"""Participation phase under which `Storage.start_round` records the invited cohort."""
-
-_CHECKPOINT_DIR = "checkpoints"
-_TEMP_SUFFIX = ".tmp"
 _DIGEST_BYTES = 32
-
-
-class RoundStatus(StrEnum):
-    """Lifecycle of a round row."""
-
-    OPEN = "open"
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-    ABANDONED = "abandoned"  # open when the server stopped; see `Storage.abandon_open_rounds`
-
-
-class CheckpointStatus(StrEnum):
-    """Whether a checkpoint file can still be trusted."""
-
-    GOOD = "good"
-    CORRUPT = "corrupt"
-
-
-class ParticipationStatus(StrEnum):
-    """What one device did in one phase of a round."""
-
-    OK = "ok"
-    DROPPED = "dropped"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoundRecord:
-    """One stored round.
-
-    Attributes
-    ----------
-    round_id : int
-    started_at, finished_at : float, float or None
-        Coordinator clock in seconds; ``finished_at`` is None while the round is open.
-    status : RoundStatus
-    reason : str
-        Why the round aborted or was abandoned ("" otherwise).
-    base_model_version : int
-        Model version the cohort trained.
-    new_model_version : int or None
-        Version committed by the round, if it committed.
-    cohort_size : int
-        Devices invited.
-    survivors : int or None
-        Devices whose input made it into the sum.
-    epsilon_spent : float or None
-        Privacy ledger's ε after the round, if DP is on.
-    params : dict[str, Any]
-        The round's parameters as given to `Storage.start_round`.
-    """
-
-    round_id: int
-    started_at: float
-    finished_at: float | None
-    status: RoundStatus
-    reason: str
-    base_model_version: int
-    new_model_version: int | None
-    cohort_size: int
-    survivors: int | None
-    epsilon_spent: float | None
-    params: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PhaseRecord:
-    """Timing and head-count of one closed phase of a round.
-
-    Attributes
-    ----------
-    round_id : int
-    phase : str
-        Phase name (a `protocol.session.Phase` value).
-    seconds : float
-        How long the phase was open.
-    arrived, dropped : int
-        Devices that answered in time, devices dropped in this phase.
-    """
-
-    round_id: int
-    phase: str
-    seconds: float
-    arrived: int
-    dropped: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class QualityRecord:
-    """A quality figure an operator's evaluation job reported for one model version.
-
-    Attributes
-    ----------
-    model_version : int
-    metric : str
-        e.g. "hr@10".
-    dataset : str
-        What it was measured on, e.g. "ml-100k holdout".
-    value : float
-    reported_at : float
-        Coordinator clock at the report, in seconds.
-    """
-
-    model_version: int
-    metric: str
-    dataset: str
-    value: float
-    reported_at: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CheckpointRecord:
-    """One stored model checkpoint.
-
-    Attributes
-    ----------
-    model_version : int
-    round_id : int or None
-        Round that produced it (None for the initial model).
-    path : Path
-        Absolute path of the file.
-    sha256 : bytes
-        Digest of the file's bytes at commit time (32 bytes).
-    size : int
-        File size in bytes at commit time.
-    created_at : float
-    status : CheckpointStatus
-    """
-
-    model_version: int
-    round_id: int | None
-    path: Path
-    sha256: bytes
-    size: int
-    created_at: float
-    status: CheckpointStatus
-
-
-# Every statement of version 1, created in one transaction.  Never edit a released version: add a
-# migration step and bump SCHEMA_VERSION instead.
-_SCHEMA_V1 = (
-    """CREATE TABLE devices (
-        device_id INTEGER PRIMARY KEY,
-        token_sha256 BLOB UNIQUE NOT NULL CHECK (length(token_sha256) = 32),
-        platform TEXT NOT NULL DEFAULT '',
-        registered_at REAL NOT NULL
-    )""",
-    """CREATE TABLE rounds (
-        round_id INTEGER PRIMARY KEY,
-        started_at REAL NOT NULL,
-        finished_at REAL,
-        status TEXT NOT NULL CHECK (status IN ('open', 'committed', 'aborted', 'abandoned')),
-        reason TEXT NOT NULL DEFAULT '',
-        base_model_version INTEGER NOT NULL,
-        new_model_version INTEGER,
-        cohort_size INTEGER NOT NULL,
-        survivors INTEGER,
-        epsilon_spent REAL,
-        params TEXT NOT NULL DEFAULT '{}'
-    )""",
-    "CREATE INDEX rounds_by_status ON rounds (status)",
-    """CREATE TABLE participation (
-        round_id INTEGER NOT NULL REFERENCES rounds (round_id),
-        device_id INTEGER NOT NULL REFERENCES devices (device_id),
-        phase TEXT NOT NULL,
-        status TEXT NOT NULL CHECK (status IN ('ok', 'dropped')),
-        at REAL NOT NULL,
-        PRIMARY KEY (round_id, device_id, phase)
-    )""",
-    "CREATE INDEX participation_by_device ON participation (device_id)",
-    """CREATE TABLE phase_timings (
-        round_id INTEGER NOT NULL REFERENCES rounds (round_id),
-        phase TEXT NOT NULL,
-        seconds REAL NOT NULL,
-        arrived INTEGER NOT NULL,
-        dropped INTEGER NOT NULL,
-        PRIMARY KEY (round_id, phase)
-    )""",
-    """CREATE TABLE privacy_ledger (
-        id INTEGER PRIMARY KEY CHECK (id = 1),
-        ledger TEXT NOT NULL
-    )""",
-    """CREATE TABLE checkpoints (
-        model_version INTEGER PRIMARY KEY,
-        round_id INTEGER REFERENCES rounds (round_id),
-        path TEXT NOT NULL,
-        sha256 BLOB NOT NULL CHECK (length(sha256) = 32),
-        size INTEGER NOT NULL,
-        created_at REAL NOT NULL,
-        status TEXT NOT NULL CHECK (status IN ('good', 'corrupt'))
-    )""",
-)
-
-# Version 2: quality figures reported by the operator (the server has no data to evaluate a model on).
-# One row per (version, metric, dataset); a new report of the same triple replaces the value.
-_SCHEMA_V2 = (
-    """CREATE TABLE model_quality (
-        model_version INTEGER NOT NULL,
-        metric TEXT NOT NULL,
-        dataset TEXT NOT NULL,
-        value REAL NOT NULL,
-        reported_at REAL NOT NULL,
-        PRIMARY KEY (model_version, metric, dataset)
-    )""",
-)
-
-# Migration step n brings a database from version n - 1 to n.
-_MIGRATIONS: dict[int, tuple[str, ...]] = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
 
 _ROUND_COLUMNS = (
     "round_id, started_at, finished_at, status, reason, base_model_version, new_model_version, "
@@ -315,17 +92,6 @@ def _to_json(name: str, value: Mapping[str, Any]) -> str:
         raise ValueError(f"{name} cannot be stored as JSON: {exc}") from None
 
 
-def _fsync_dir(folder: Path) -> None:
-    # Makes the rename itself durable.  Windows cannot open a directory for fsync; NTFS journals renames.
-    if os.name == "nt":
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Storage:
     """Devices, rounds, participation, the privacy ledger and model checkpoints of one server.
 
@@ -349,102 +115,37 @@ class Storage:
     Use from one thread.  `close` (or leaving a ``with`` block) checkpoints the WAL and closes.
     """
 
-    def __init__(self, data_dir: Path, *, keep_checkpoints: int = 5) -> None:
+    def __init__(self, data_dir: Path, *, keep_checkpoints: int = 5, url: str | None = None) -> None:
         if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
         self.data_dir = Path(data_dir)
         self.db_path = self.data_dir / DATABASE_NAME
         self.keep_checkpoints = keep_checkpoints
-        self._checkpoint_dir = self.data_dir / _CHECKPOINT_DIR
-        self._conn: sqlite3.Connection | None = None
-        try:
-            self._checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StorageError(f"cannot create data directory {self._checkpoint_dir}: {exc}") from exc
-        self._conn = self._open()
+        self._files = CheckpointFiles(self.data_dir)
+        self._checkpoint_dir = self._files.folder
+        self._db: Database | None = open_database(self.data_dir, url)
+        self.where = self._db.where
         try:
             self._remove_leftovers()
         except BaseException:
             self.close()
             raise
 
-    # -- connection -----------------------------------------------------------------------------
+    @property
+    def dialect(self) -> str:
+        """The database back-end: "sqlite" or "postgresql"."""
+        return self._database("dialect").dialect
 
-    def _open(self) -> sqlite3.Connection:
-        try:
-            # isolation_level=None: no implicit transactions; every write below says BEGIN/COMMIT itself.
-            conn = sqlite3.connect(self.db_path, isolation_level=None)
-        except sqlite3.Error as exc:
-            raise StorageError(f"cannot open database {self.db_path}: {exc}") from exc
-        try:
-            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise StorageError(f"database {self.db_path} cannot use WAL mode (journal_mode={mode})")
-            conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("PRAGMA foreign_keys=ON")
-            conn.execute("PRAGMA busy_timeout=5000")
-            self._migrate(conn)
-        except sqlite3.Error as exc:
-            conn.close()
-            raise StorageError(f"cannot open database {self.db_path}: {exc}") from exc
-        except BaseException:
-            conn.close()
-            raise
-        return conn
+    def _database(self, op: str) -> Database:
+        if self._db is None:
+            raise StorageError(f"{op}: storage {self.where} is closed")
+        return self._db
 
-    def _migrate(self, conn: sqlite3.Connection) -> None:
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise StorageError(
-                f"database {self.db_path} has schema version {version}, newer than this server's "
-                f"{SCHEMA_VERSION}; run a newer fedrec or restore a matching backup"
-            )
-        if version == SCHEMA_VERSION:
-            return
-        if version == 0:
-            tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
-            if tables:
-                raise StorageError(f"{self.db_path} is not a fedrec database (no schema version, {tables} tables)")
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            for step in range(version + 1, SCHEMA_VERSION + 1):
-                for statement in _MIGRATIONS[step]:
-                    conn.execute(statement)
-            # user_version lives in the file header and is part of this transaction.
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            raise
+    def _guard(self, op: str) -> Any:
+        return self._database(op).guard(op)
 
-    def _connection(self, op: str) -> sqlite3.Connection:
-        if self._conn is None:
-            raise StorageError(f"{op}: storage {self.db_path} is closed")
-        return self._conn
-
-    @contextlib.contextmanager
-    def _guard(self, op: str) -> Iterator[sqlite3.Connection]:
-        conn = self._connection(op)
-        try:
-            yield conn
-        except sqlite3.Error as exc:
-            raise StorageError(f"{op} failed on database {self.db_path}: {exc}") from exc
-
-    @contextlib.contextmanager
-    def _transaction(self, op: str) -> Iterator[sqlite3.Connection]:
-        # BEGIN IMMEDIATE takes the write lock up front, so a transaction never fails half-way on
-        # lock upgrade; any exception (ours or sqlite's) rolls the whole transaction back.
-        with self._guard(op) as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
-                raise
+    def _transaction(self, op: str) -> Any:
+        return self._database(op).transaction(op)
 
     def close(self) -> None:
         """Checkpoint the WAL into the database file and close; calling it again does nothing.
@@ -455,17 +156,9 @@ class Storage:
             If the connection cannot be closed.  A failed WAL checkpoint is only logged: the WAL
             is replayed on the next open, so no data is lost.
         """
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        try:
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error as exc:
-            _log.warning("could not checkpoint the WAL of %s on close: %s", self.db_path, exc)
-        try:
-            conn.close()
-        except sqlite3.Error as exc:
-            raise StorageError(f"close failed on database {self.db_path}: {exc}") from exc
+        db, self._db = self._db, None
+        if db is not None:
+            db.close()
 
     def __enter__(self) -> Storage:
         return self
@@ -479,25 +172,24 @@ class Storage:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._conn is None else "open"
-        return f"Storage({str(self.data_dir)!r}, {state})"
+        state = "closed" if self._db is None else "open"
+        return f"Storage({str(self.data_dir)!r}, {self.where!r}, {state})"
 
     def integrity_check(self) -> str:
-        """Run SQLite's ``PRAGMA integrity_check``.
+        """Check the database: SQLite's ``PRAGMA integrity_check``; on PostgreSQL, a full read of every
+        table and the invariants the schema cannot state (no model version committed twice).
 
         Returns
         -------
         str
-            "ok" for a healthy database, otherwise SQLite's findings, one per line.
+            "ok" for a healthy database, otherwise the findings, one per line.
 
         Raises
         ------
         StorageError
             If the check cannot run.
         """
-        with self._guard("integrity_check") as conn:
-            rows = conn.execute("PRAGMA integrity_check").fetchall()
-        return "\n".join(str(row[0]) for row in rows)
+        return self._database("integrity_check").integrity_check()
 
     # -- devices --------------------------------------------------------------------------------
 
@@ -530,14 +222,13 @@ class Storage:
         with self._transaction("add_device") as conn:
             if conn.execute("SELECT 1 FROM devices WHERE token_sha256 = ?", (digest,)).fetchone():
                 raise StorageError("add_device: this token digest is already registered")
-            cur = conn.execute(
-                "INSERT INTO devices (token_sha256, platform, registered_at) VALUES (?, ?, ?)",
+            row = conn.execute(
+                "INSERT INTO devices (token_sha256, platform, registered_at) VALUES (?, ?, ?) RETURNING device_id",
                 (digest, str(platform), at),
-            )
-            device_id = cur.lastrowid
-        if device_id is None:  # pragma: no cover - sqlite always sets it after an INSERT
+            ).fetchone()
+        if row is None:  # pragma: no cover - RETURNING always gives the new row
             raise StorageError("add_device: no row id returned")
-        return device_id
+        return int(row[0])
 
     def device_for_token(self, token_sha256: bytes) -> int | None:
         """Return the device id registered with this token digest, or None."""
@@ -599,6 +290,7 @@ class Storage:
         text = _to_json("params", params)
         at = _check_time("now", now)
         with self._transaction("start_round") as conn:
+            conn.lock_rounds()
             if conn.execute("SELECT 1 FROM rounds WHERE round_id = ?", (rid,)).fetchone():
                 raise StorageError(f"start_round: round {rid} already exists")
             conn.execute(
@@ -658,7 +350,7 @@ class Storage:
 
     def _finish_round(
         self,
-        conn: sqlite3.Connection,
+        conn: Database,
         round_id: int,
         status: str,
         *,
@@ -801,7 +493,8 @@ class Storage:
         rid = _check_id("round_id", round_id)
         with self._guard("phase_stats") as conn:
             rows = conn.execute(
-                "SELECT phase, seconds, arrived, dropped FROM phase_timings WHERE round_id = ? ORDER BY rowid",
+                "SELECT phase, seconds, arrived, dropped FROM phase_timings WHERE round_id = ? "
+                f"ORDER BY {conn.order_of_insertion()}",
                 (rid,),
             ).fetchall()
         return [
@@ -859,9 +552,9 @@ class Storage:
         try:
             value = json.loads(row[0])
         except ValueError as exc:
-            raise StorageError(f"load_ledger: the stored privacy ledger in {self.db_path} is not JSON: {exc}") from exc
+            raise StorageError(f"load_ledger: the stored privacy ledger in {self.where} is not JSON: {exc}") from exc
         if not isinstance(value, dict):
-            raise StorageError(f"load_ledger: the stored privacy ledger in {self.db_path} is not an object")
+            raise StorageError(f"load_ledger: the stored privacy ledger in {self.where} is not an object")
         return value
 
     # -- model quality --------------------------------------------------------------------------
@@ -895,8 +588,9 @@ class Storage:
         at = _check_time("now", now)
         with self._transaction("record_quality") as conn:
             conn.execute(
-                "INSERT OR REPLACE INTO model_quality (model_version, metric, dataset, value, reported_at) "
-                "VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO model_quality (model_version, metric, dataset, value, reported_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (model_version, metric, dataset) "
+                "DO UPDATE SET value = excluded.value, reported_at = excluded.reported_at",
                 (version, metric, dataset, figure, at),
             )
 
@@ -973,27 +667,33 @@ class Storage:
             if unknown:
                 raise ValueError(f"round_update: unknown keys {sorted(unknown)}; allowed {sorted(_ROUND_UPDATE_KEYS)}")
             update = {"reason": "", "survivors": None, "epsilon_spent": None, **round_update}
-        with self._guard("commit_model") as conn:
-            newest = conn.execute(
-                "SELECT max(model_version) FROM checkpoints WHERE status = ?", (CheckpointStatus.GOOD.value,)
-            ).fetchone()[0]
-        if newest is not None and version <= newest:
-            raise StorageError(f"commit_model: model version {version} is not newer than the committed {newest}")
-        relative = f"{_CHECKPOINT_DIR}/model-{version}.msgpack"
-        digest = hashlib.sha256(data).digest()
-        self._write_file(self.data_dir / relative, data)
+        self._check_newer(version)
+        relative, digest = self._files.write(version, data)
         with self._transaction("commit_model") as conn:
+            conn.lock_rounds()
+            self._check_newer(version, conn)  # again, under the lock: another instance may have committed
             self._record_checkpoint(conn, version, rid, relative, digest, len(data), at)
             if ledger_text is not None:
                 _store_ledger(conn, ledger_text)
             if round_update is not None and rid is not None:
                 self._finish_round(conn, rid, RoundStatus.COMMITTED, new_model_version=version, now=at, **update)
             expired = self._expire_checkpoints(conn)
-        self._delete_files(expired)
+        self._files.delete(expired)
+
+    def _check_newer(self, version: int, conn: Database | None = None) -> None:
+        if conn is None:
+            with self._guard("commit_model") as db:
+                self._check_newer(version, db)
+            return
+        newest = conn.execute(
+            "SELECT max(model_version) FROM checkpoints WHERE status = ?", (CheckpointStatus.GOOD.value,)
+        ).fetchone()[0]
+        if newest is not None and version <= newest:
+            raise StorageError(f"commit_model: model version {version} is not newer than the committed {newest}")
 
     def _record_checkpoint(
         self,
-        conn: sqlite3.Connection,
+        conn: Database,
         version: int,
         round_id: int | None,
         relative: str,
@@ -1012,42 +712,14 @@ class Storage:
             (version, round_id, relative, digest, size, now, CheckpointStatus.GOOD.value),
         )
 
-    def _write_file(self, path: Path, data: bytes) -> None:
-        temp: str | None = None
-        try:
-            fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TEMP_SUFFIX, dir=path.parent)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(temp, path)
-            temp = None
-            _fsync_dir(path.parent)
-        except OSError as exc:
-            raise StorageError(f"cannot write checkpoint {path}: {exc}") from exc
-        finally:
-            if temp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(temp)
-
     def _remove_leftovers(self) -> None:
-        # Only crashes leave these, and this process owns the directory: temp files of an unfinished
-        # write, and files whose rows were pruned by a commit that died before unlinking them.  Files
-        # newer than every row are left alone (an orphan commit is overwritten by the next one).
-        for temp in self._checkpoint_dir.glob(f".model-*{_TEMP_SUFFIX}"):
-            with contextlib.suppress(OSError):
-                temp.unlink()
+        # Only crashes leave these: temp files of an unfinished write, and files whose rows were pruned
+        # by a commit that died before unlinking them.
         with self._guard("open") as conn:
             oldest = conn.execute("SELECT min(model_version) FROM checkpoints").fetchone()[0]
-        if oldest is None:
-            return
-        for path in self._checkpoint_dir.glob("model-*.msgpack"):
-            version = path.name[len("model-") : -len(".msgpack")]
-            if version.isdigit() and int(version) < oldest:
-                with contextlib.suppress(OSError):
-                    path.unlink()
+        self._files.remove_leftovers(None if oldest is None else int(oldest))
 
-    def _expire_checkpoints(self, conn: sqlite3.Connection) -> list[str]:
+    def _expire_checkpoints(self, conn: Database) -> list[str]:
         # Inside the commit's transaction, so the row count never exceeds keep_checkpoints good ones
         # whatever the moment of a crash.  Everything older than the keep-th newest good checkpoint
         # goes, corrupt rows included.  Returns the files to delete once the transaction committed:
@@ -1062,14 +734,6 @@ class Storage:
         old = conn.execute("SELECT path FROM checkpoints WHERE model_version < ?", (row[0],)).fetchall()
         conn.execute("DELETE FROM checkpoints WHERE model_version < ?", (row[0],))
         return [str(r[0]) for r in old]
-
-    def _delete_files(self, relatives: list[str]) -> None:
-        # After the commit: a failure here must not turn a committed model into an error.
-        for relative in relatives:
-            try:
-                (self.data_dir / relative).unlink(missing_ok=True)
-            except OSError as exc:
-                _log.warning("could not delete old checkpoint %s: %s", self.data_dir / relative, exc)
 
     def load_latest_model(self) -> tuple[int, bytes] | None:
         """Return the newest intact checkpoint, falling back past missing or corrupted files.
@@ -1096,9 +760,9 @@ class Storage:
                 (CheckpointStatus.GOOD.value,),
             ).fetchall()
         for version, relative, expected, size in candidates:
-            path = self.data_dir / relative
+            path = self._files.path(relative)
             try:
-                data = path.read_bytes()
+                data = self._files.read(relative)
             except FileNotFoundError:
                 found = "no file"
             except OSError as exc:
@@ -1152,8 +816,11 @@ class Storage:
         ]
 
 
-def _store_ledger(conn: sqlite3.Connection, text: str) -> None:
-    conn.execute("INSERT OR REPLACE INTO privacy_ledger (id, ledger) VALUES (1, ?)", (text,))
+def _store_ledger(conn: Database, text: str) -> None:
+    conn.execute(
+        "INSERT INTO privacy_ledger (id, ledger) VALUES (1, ?) ON CONFLICT (id) DO UPDATE SET ledger = excluded.ledger",
+        (text,),
+    )
 
 
 def _check_digest(value: object) -> bytes:

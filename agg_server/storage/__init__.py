@@ -1,0 +1,41 @@
+"""The aggregation server's durable state, split along its seams:
+
+* `agg_server.storage.database` — the back-ends (SQLite, the embedded default; PostgreSQL for several
+  instances), the one schema and its migrations;
+* `agg_server.storage.checkpoints` — the model checkpoint files (written with `protocol.atomic`, the
+  helper the device store shares);
+* `agg_server.storage.repository` — `Storage`, every query the server makes;
+* `agg_server.storage.records` — the row types it returns.
+
+``from agg_server.storage import Storage`` (and the names below) is the public import.
+"""
+
+from __future__ import annotations
+
+from agg_server.storage.database import DATABASE_NAME, SCHEMA_VERSION, redact_url
+from agg_server.storage.records import (
+    COHORT_PHASE,
+    CheckpointRecord,
+    CheckpointStatus,
+    ParticipationStatus,
+    PhaseRecord,
+    QualityRecord,
+    RoundRecord,
+    RoundStatus,
+)
+from agg_server.storage.repository import Storage
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DATABASE_NAME",
+    "COHORT_PHASE",
+    "RoundStatus",
+    "CheckpointStatus",
+    "ParticipationStatus",
+    "RoundRecord",
+    "PhaseRecord",
+    "CheckpointRecord",
+    "QualityRecord",
+    "Storage",
+    "redact_url",
+]
