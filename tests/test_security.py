@@ -464,3 +464,21 @@ def test_unsigned_keys_and_low_order_points_are_refused_by_the_server_and_the_ro
         expected += inputs[u]
     assert np.array_equal(server.result().total, expected)
     assert crypto.CERTIFICATE_BYTES == 4 + 32 + 16 + 64
+
+
+@pytest.mark.parametrize("dp", [False, True])
+def test_signed_harness_rounds_are_bit_exact_with_a_drop_in_every_phase(dp: bool) -> None:
+    import numpy as np
+
+    from fedsim.secagg_harness import run_secagg_round
+    from protocol.phases import Phase
+
+    rng = np.random.default_rng(5)
+    inputs = [rng.integers(0, 2**32, size=64, dtype=np.uint32) for _ in range(30)]
+    drops = {Phase.ADVERTISE_KEYS: {0}, Phase.SHARE_KEYS: {1}, Phase.MASKED_INPUT: {2, 3}, Phase.UNMASK: {4}}
+    result = run_secagg_round(
+        inputs, dropouts=drops, signed=True, consistency_dropouts={5}, dp_mu=4000.0 if dp else 0.0, seed=1
+    )
+    assert result.error is None and result.total is not None
+    assert np.array_equal(result.total, result.expected)
+    assert 5 in result.survivors and 2 not in result.survivors  # signed-set dropouts stay in the sum
