@@ -367,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
         "deadlines (default: drops are silent, and each phase with a silent drop lasts its full deadline)",
     )
     lt.add_argument("--quiet", action="store_true", help="no progress bar")
+    lt.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="draw every per-phase latency the devices saw against time (needs the 'plot' extra)",
+    )
     lt.add_argument("--json", action="store_true", help="print the report as one JSON object, the last line of stdout")
     lt.add_argument("--store", type=Path, default=None, help="device store folder (default: a temporary one)")
     lt.add_argument(
@@ -390,6 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_family_args(sim)
     _add_data_args(sim, default=None)
     sim.add_argument("--save", type=Path, default=None, help="write the trained run to this file")
+    sim.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="draw validation HR@10/NDCG@10 per evaluated round (LightFR in-process runs; needs the 'plot' extra)",
+    )
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     sim.add_argument("--json", action="store_true", help=_JSON_HELP)
 
@@ -729,6 +743,12 @@ def _where_looked(arg: Path | None, found: Path | None) -> str:
 
 def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     _check_applicable(args)
+    if args.plot is not None:
+        from fedsim.plots import check_plot_target
+
+        if args.model != "lightfr" or args.epsilon > 0:
+            raise ConfigError("--plot draws in-process LightFR runs only (not --model mf|felb|fnmf or --epsilon) yet")
+        check_plot_target(args.plot)
     if args.model == "lightfr" and args.epsilon > 0:
         if args.save is not None:
             raise ConfigError("--save is not available for private LightFR runs (--epsilon) yet; drop --save")
@@ -755,6 +775,21 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
         f"seed {args.seed}\n"
     )
     state = _train(args, exp, out, show_progress=not getattr(args, "quiet", False))
+    if args.plot is not None:
+        from fedsim.plots import plot_training
+
+        evaluated = [r for r in state.history if r.metric is not None]
+        plot_training(
+            args.plot,
+            f"LightFR f={args.bits} on {exp.name}, Agg_{args.aggregation} ρ={args.flip_fraction}",
+            [r.round for r in evaluated],
+            {
+                "HR@10": [r.metric.hr for r in evaluated if r.metric],
+                "NDCG@10": [r.metric.ndcg for r in evaluated if r.metric],
+            },
+            None,
+        )
+        out.write(f"plot: {args.plot}\n")
     label = f"LightFR (Agg_{args.aggregation})"
     metrics = _evaluate_and_report(exp, state, label, args.eval_seed, out)
     if getattr(args, "save", None) is not None:
@@ -1083,6 +1118,10 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
 
     if not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.plot is not None:
+        from fedsim.plots import check_plot_target
+
+        check_plot_target(args.plot)
     url = args.url.rstrip("/")
     model = get_status(url, args.ca_file).get("model") or {}
     if model.get("kind", "lightfr") != "lightfr":
@@ -1133,6 +1172,13 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
     finally:
         bar.close()
     format_loadtest(report, out)
+    if args.plot is not None:
+        from fedsim.fleet import PHASE_STEPS
+        from fedsim.plots import plot_loadtest
+
+        title = f"{args.devices} devices, dropout {args.dropout:.0%}, {report.rounds_finished} rounds ({url})"
+        plot_loadtest(args.plot, report.latency_series, PHASE_STEPS, title)
+        out.write(f"plot: {args.plot}\n")
     failure = report.failure(args.rounds)
     if args.json:
         write_json(loadtest_record(report, args.rounds, failure), sys.stdout)
