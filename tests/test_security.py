@@ -78,8 +78,10 @@ def test_codec_still_decodes_the_largest_legitimate_messages() -> None:
 async def test_a_deeply_nested_registration_is_refused_quickly(aiohttp_client: Any, tmp_path: Path) -> None:
     client = await aiohttp_client(create_app(small_config(tmp_path, cohort=3)))
     start = time.perf_counter()
+    status, msg = await _post(client, "/v1/devices", b"\x91" * 60_000 + b"\xc0")
+    assert status == 400 and isinstance(msg, ErrorMessage) and "deeper" in msg.message
     status, msg = await _post(client, "/v1/devices", msgpack.packb([[]] * 500_000))
-    assert status == 400 and isinstance(msg, ErrorMessage) and "objects" in msg.message
+    assert status == 413  # far above what a registration needs: refused before it is read
     assert time.perf_counter() - start < 2.0
     status, msg = await _post(client, "/v1/checkin", encode(CheckIn(device_id=0)), "x" * 40)
     assert status == 401  # the server is still answering
@@ -482,3 +484,29 @@ def test_signed_harness_rounds_are_bit_exact_with_a_drop_in_every_phase(dp: bool
     assert result.error is None and result.total is not None
     assert np.array_equal(result.total, result.expected)
     assert 5 in result.survivors and 2 not in result.survivors  # signed-set dropouts stay in the sum
+
+
+# -- resource limits (item 8, per-route body limits) -------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_routes_without_a_vector_take_a_few_kilobytes_only(aiohttp_client: Any, tmp_path: Path) -> None:
+    from agg_server.app import SMALL_BODY_BYTES
+    from protocol.errors import PayloadTooLarge
+
+    client = await aiohttp_client(create_app(small_config(tmp_path, cohort=3)))
+    status, reg = await _post(client, "/v1/devices", encode(RegisterRequest(platform="pytest")))
+    assert status == 201
+    import io
+
+    garbage = b"\x00" * (16 * 1024 * 1024)
+    for path in ("/v1/devices", "/v1/checkin", "/v1/rounds/1/keys", "/v1/rounds/1/abort", "/v1/rounds/1/masked"):
+        start = time.perf_counter()
+        headers = {**MSGPACK, "Authorization": f"Bearer {reg.token}", "Content-Length": str(len(garbage))}
+        resp = await client.post(path, data=io.BytesIO(garbage), headers=headers)
+        status, msg = resp.status, decode(await resp.read())
+        assert status == 413, (path, status)
+        assert isinstance(msg.to_exception(), PayloadTooLarge) and str(SMALL_BODY_BYTES) in msg.message
+        assert time.perf_counter() - start < 2.0
+    status, _ = await _post(client, "/v1/checkin", encode(CheckIn(device_id=reg.device_id)), reg.token)
+    assert status == 200
