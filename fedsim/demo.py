@@ -298,6 +298,9 @@ def run_demo_fleet(
                 bar.close()
             payload, status = asyncio.run(_final_model(server.url))
         log.write(f"server: stopped (exit {server.proc.returncode if server.proc else '?'})\n")
+        if report.errors:  # e.g. timeouts on an overloaded machine: the run is then not the seed's alone
+            first = "; ".join(f"{k}: {v}" for k, v in list(report.error_examples.items())[:2])
+            log.write(f"devices hit errors: {dict(report.errors)} ({first})\n")
         codes = unpack_signs(from_bytes(payload.words, payload.bits, payload.n_items), payload.bits)
         results = evaluate_devices(exp, clients, codes, payload.model_version, seed)
         return {
