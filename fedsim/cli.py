@@ -210,8 +210,9 @@ def _add_family_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--threshold",
         type=_nonneg_float,
-        default=2.0,
-        help="lightfr private: move a bit only when its summed gradient exceeds this many σ of the noise (0 = off)",
+        default=0.0,
+        help="lightfr private: move a bit only when its summed gradient exceeds this many σ of the noise "
+        "(default 0 = off: measured worse on ML-100K)",
     )
     g.add_argument(
         "--secure",
@@ -841,12 +842,16 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
     if not isinstance(data, TrainTestSplit):
         data = prepare(data, Protocol(args.protocol) if args.protocol else None, n_negatives=args.eval_negatives)
     rounds = args.rounds if args.rounds is not None else 3
+    defaults = build_parser().parse_args(["simulate"])
     settings = ScaledSettings(
         epsilon=args.epsilon,
         rounds=rounds,
         bits=args.bits,
-        negatives=args.negatives,
-        flip_fraction=args.flip_fraction,
+        # No sampled negatives unless asked: they multiply a device's coordinates (and its clipped share of
+        # the signal) by 1 + negatives, and cost validation HR@10 on ML-100K (0.116 vs 0.445, codes only).
+        negatives=args.negatives if args.negatives != defaults.negatives else 0,
+        # Every device is in every round, and few rounds: the paper's full Agg_grad step unless asked.
+        flip_fraction=args.flip_fraction if args.flip_fraction != defaults.flip_fraction else 1.0,
         threshold=args.threshold,
         pop_share=args.pop_share,
         seed=args.seed,
@@ -855,7 +860,8 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
     out.write(
         f"private LightFR on {args.dataset}: {n_users} devices, every one in every round; ε={args.epsilon:g} at "
         f"δ=1e-5 over a private popularity release ({args.pop_share:g} of ε) and T={rounds} rounds, θ="
-        f"{settings.example_cap} items per device, C={settings.clip_norm:g}, {args.negatives} negatives per item, "
+        f"{settings.example_cap} items per device, C={settings.clip_norm:g}, {settings.negatives} negatives per item, "
+        f"flip fraction {settings.flip_fraction:g}, "
         f"noise-aware threshold {args.threshold:g}σ; rounds through the private-round simulator (fedsim.privsim)\n"
     )
 
