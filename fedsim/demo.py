@@ -178,7 +178,7 @@ def simulated_beside(exp: Experiment, epsilon: float, seed: int) -> tuple[dict[s
     aggregation, every device in every round), evaluated on the same test blocks."""
     from fedsim.private_scale import ScaledSettings, evaluate_private
 
-    settings = ScaledSettings(epsilon=epsilon, rounds=3, pop_share=0.5, example_cap=20, seed=seed)
+    settings = ScaledSettings(epsilon=epsilon, rounds=3, pop_share=0.5, example_cap=20, threshold=0.0, seed=seed)
     return evaluate_private(exp, settings, eval_seed=0)
 
 
