@@ -186,15 +186,35 @@ async def _errors(
 # -- helpers --------------------------------------------------------------------------------------
 
 
+#: Body limit of every route that carries no vector (register, check-in, keys, abort): a few kB suffice.
+SMALL_BODY_BYTES = 64 * 1024
+
+
+def body_limit(request: web.Request, expected: type[Message] | None = None) -> int:
+    """The largest body a route accepts (issue 15 item 8): sized from the open round for the routes
+    that carry a ring vector or k ciphertexts, `SMALL_BODY_BYTES` for every other route, and never more
+    than ``listen.max_body_bytes``."""
+    cap = request.app[CONFIG].listen.max_body_bytes
+    if expected not in (EncryptedShares, MaskedInput, UnmaskResponse):
+        return min(cap, SMALL_BODY_BYTES)
+    r = request.app[COORDINATOR].open_round
+    if r is None:
+        return min(cap, SMALL_BODY_BYTES)
+    p = r.session.params
+    vector = 4 * p.vector_length if expected is not EncryptedShares else 0
+    return min(cap, SMALL_BODY_BYTES + vector + 512 * p.k)
+
+
 async def _read(request: web.Request) -> Message:
-    return decode(await _read_body(request), max_size=request.app[CONFIG].listen.max_body_bytes)
+    limit = body_limit(request)
+    return decode(await _read_body(request, limit), max_size=limit)
 
 
-async def _read_body(request: web.Request) -> bytes:
+async def _read_body(request: web.Request, limit: int | None = None) -> bytes:
     # Read the body ourselves instead of `request.read()`, which caches the bytes on the request for
     # its whole life: a long-poll handler would then pin every device's upload (1000 devices ×
     # 1 MB masked inputs) until the phase closes.
-    limit = request.app[CONFIG].listen.max_body_bytes
+    limit = request.app[CONFIG].listen.max_body_bytes if limit is None else limit
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
     body = bytearray()
@@ -266,8 +286,9 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         device = _device(request)
         round_id = _round_id(request)
         app = request.app
-        body = await _read_body(request)
-        msg = decode(body, max_size=app[CONFIG].listen.max_body_bytes)
+        limit = body_limit(request, expected)
+        body = await _read_body(request, limit)
+        msg = decode(body, max_size=limit)
         if not isinstance(msg, expected):
             raise RemoteProtocolError(f"expected {expected.__name__} on this route, got {type(msg).__name__}")
         digest = hashlib.sha256(body).digest()  # identifies a retransmission without encoding msg again

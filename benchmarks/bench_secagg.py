@@ -3,6 +3,7 @@
 Example::
 
     python benchmarks/bench_secagg.py --n 100 1000 --length 100000 --drop 0.1 0.3 --late-drop 0.05
+    python benchmarks/bench_secagg.py --n 1000 --drop 0.3 --signed   # with signatures and the extra round
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from protocol.session import Phase
 
 
 def _run(
-    n: int, length: int, drop: float, late: float, seed: int, adversary: float, omega: float, trace: bool
+    n: int,
+    length: int,
+    drop: float,
+    late: float,
+    seed: int,
+    adversary: float,
+    omega: float,
+    trace: bool,
+    signed: bool = False,
 ) -> dict[str, float]:
     rng = np.random.default_rng(seed)
     order = rng.permutation(n)
@@ -47,6 +56,7 @@ def _run(
         adversary_rate=adversary,
         seed=seed,
         clock=time.perf_counter,
+        signed=signed,
     )
     peak = tracemalloc.get_traced_memory()[1] if trace else 0
     if trace:
@@ -84,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--omega", type=float, default=0.33, help="omega for the parameter finder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tracemalloc", action="store_true", help="peak Python heap (slows the run)")
+    parser.add_argument(
+        "--signed",
+        action="store_true",
+        help="protocol 1.3: enrolled Ed25519 identities, signed keys and the consistency check (extra round)",
+    )
     args = parser.parse_args(argv)
     for n in args.n:
         p = find_parameters(n, args.omega, args.adversary)
@@ -115,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.adversary,
                     args.omega,
                     args.tracemalloc,
+                    args.signed,
                 )
             )
             print("done", {h: rows[-1][h] for h in ("n", "drop", "server_s")}, flush=True)

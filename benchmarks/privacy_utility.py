@@ -89,7 +89,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="LightFR rounds")
     p.add_argument("--mf-rounds", type=int, default=5)
     p.add_argument("--pop-share", type=float, default=0.5)
-    p.add_argument("--threshold", type=float, default=2.0)
+    p.add_argument("--threshold", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--test-users", type=int, default=None, help="evaluate a seeded sample of users (default all)")
     p.add_argument("--out", type=Path, default=Path("."))

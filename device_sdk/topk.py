@@ -275,7 +275,7 @@ class HammingIndex:
             flat = dd.ravel()
             mk = mask[: flat.size]
             np.less_equal(flat, lim_max, out=mk)
-            hits = np.flatnonzero(mk)
+            hits = mk.nonzero()[0]
             if hits.size:
                 r_local, c = np.divmod(hits, stop - start)
                 dist = flat[hits]

@@ -98,7 +98,7 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
         )
         out.write(
             f"MF f={rank}, R={R:g}, θ={args.example_cap}, C={args.clip_norm:g}; T={args.rounds} private rounds "
-            f"through the coordinator (SecAgg+, 30% tolerated dropout"
+            f"through the private-round simulator (the released SecAgg+ sums, 30% tolerated dropout"
             + (f", per-user ε={args.epsilon:g} at δ=1e-5)" if args.epsilon > 0 else ", no DP noise)")
             + f"; seed {args.seed}\n"
         )

@@ -88,10 +88,10 @@ class ScaledSettings:
     bits: int = 64
     clip_norm: float = 4.0
     scale_bits: int = 0  # 0 = the largest that fits the bit budget
-    example_cap: int = 50
+    example_cap: int = 20
     negatives: int = 0
     flip_fraction: float = 1.0
-    threshold: float = 2.0
+    threshold: float = 0.0
     pop_share: float = 0.1
     dropout_rate: float = 0.3
     seed: int = 0

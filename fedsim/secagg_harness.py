@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
+from protocol import crypto
 from protocol.codec import decode, encode
 from protocol.crypto import insecure_test_noise_stream
 from protocol.errors import FedRecError
 from protocol.graph import GraphParams, find_parameters
-from protocol.messages import Abort, Message, UnmaskResponse
+from protocol.messages import Abort, ConsistencySignature, Message, UnmaskResponse
 from protocol.noise import minimum_survivors, to_ring
+from protocol.phases import consistency_deadline
 from protocol.quantization import QuantizationConfig, quantize
 from protocol.session import (
     ACTIVE_PHASES,
@@ -98,6 +100,8 @@ def run_secagg_round(
     device_ids: Sequence[int] | None = None,
     wire: bool = True,
     clock: Callable[[], float] | None = None,
+    signed: bool = False,
+    consistency_dropouts: Iterable[int] = (),
 ) -> HarnessResult:
     """Run one SecAgg+ round in process.
 
@@ -128,6 +132,12 @@ def run_secagg_round(
         Encode and decode every message through the codec.
     clock : callable, optional
         Monotonic clock (e.g. ``time.perf_counter``) to time devices and the server's unmasking.
+    signed : bool
+        Protocol 1.3: every device is enrolled with an Ed25519 identity certified by a fresh enrollment
+        authority, key advertisements are signed and UNMASK starts with the consistency check (the
+        server's time for it counts as unmasking time).
+    consistency_dropouts : ids
+        With ``signed``: devices that drop before signing the survivor set.
 
     Returns
     -------
@@ -155,6 +165,12 @@ def run_secagg_round(
             raise ValueError("give both k and t, or neither")
         graph = GraphParams(k=k, t=t)
     dp_t_min = minimum_survivors(n, dropout_rate) if dp_mu > 0 else 0
+    authority = crypto.SigningKey.generate() if signed else None
+    enrolled: dict[int, tuple[crypto.SigningKey, bytes]] = {}
+    if authority is not None:
+        for u in ids:
+            key = crypto.SigningKey.generate()
+            enrolled[u] = (key, crypto.issue_certificate(authority, key.public_key))
     schedule = {p: set(dropouts.get(p, ())) if dropouts else set() for p in ACTIVE_PHASES}
     length = int(get_input(0).shape[0])
     clip, scale = (quantization.clip_norm, quantization.scale_bits) if quantization else (1.0, 16)
@@ -168,6 +184,7 @@ def run_secagg_round(
         dp_mu=float(dp_mu),
         dp_t_min=dp_t_min,
         deadlines=(1.0, 2.0, 3.0, 4.0),
+        authority_key=authority.public_key if authority is not None else b"",
     )
     root = np.random.SeedSequence(seed)
     graph_seq, *device_seqs = root.spawn(n + 1)
@@ -197,14 +214,18 @@ def run_secagg_round(
                 shares[("s", owner)] += 1
         start = tick()
         server.receive(u, message)
-        if server.phase in (Phase.UNMASK, Phase.DONE) and isinstance(message, UnmaskResponse):
+        if server.phase in (Phase.UNMASK, Phase.DONE) and isinstance(message, UnmaskResponse | ConsistencySignature):
             unmask_seconds += tick() - start
 
     devices: dict[int, DeviceSecAggSession] = {}
     rngs = {u: np.random.default_rng(s) for u, s in zip(ids, device_seqs, strict=True)}
     gone: set[int] = set()
     plain = np.zeros(length, dtype=np.uint32)
-    for index, phase in enumerate(ACTIVE_PHASES):
+    steps = [(index, phase, False) for index, phase in enumerate(ACTIVE_PHASES)]
+    if signed:
+        steps.insert(3, (3, Phase.UNMASK, True))  # the consistency check opens UNMASK
+    sign_drops = set(consistency_dropouts)
+    for index, phase, signing in steps:
         if server.phase is not phase:
             break
         for i, u in enumerate(ids):
@@ -219,11 +240,18 @@ def run_secagg_round(
             start = tick()
             if phase is Phase.ADVERTISE_KEYS:
                 noise = insecure_test_noise_stream(seed, round_id, u)  # reproducible runs; not a DP guarantee
-                devices[u] = DeviceSecAggSession(carry(incoming), rng=noise)  # type: ignore[arg-type]
+                identity, certificate = enrolled.get(u, (None, b""))
+                devices[u] = DeviceSecAggSession(
+                    carry(incoming),  # type: ignore[arg-type]
+                    rng=noise,
+                    identity=identity,
+                    certificate=certificate,
+                    authority_key=None if authority is None else authority.public_key,
+                )
             else:
                 devices[u].receive(carry(incoming))
             device_seconds[u] += tick() - start
-            if u in schedule[phase]:
+            if u in (sign_drops if signing else schedule[phase]):
                 gone.add(u)
                 continue
             if phase is Phase.MASKED_INPUT:
@@ -238,7 +266,7 @@ def run_secagg_round(
                 break
         if server.phase is phase:
             start = tick()
-            server.advance(params.deadlines[index])
+            server.advance(consistency_deadline(params.deadlines) if signing else params.deadlines[index])
             if phase is Phase.UNMASK:
                 unmask_seconds += tick() - start
 

@@ -343,3 +343,20 @@ def test_plan_privacy_prints_one_row_per_choice(capsys: pytest.CaptureFixture[st
     assert len(rows) == 2
     # More rounds at the same ε: more noise per round, so a smaller share above SNR 2.
     assert float(rows[0].split()[3]) < float(rows[1].split()[3])
+
+
+def test_plots_are_written_and_bad_targets_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedsim.plots import plot_loadtest
+
+    png = tmp_path / "quality.png"
+    argv = ["simulate", "--dataset", "synthetic", "--rounds", "4", "--eval-every", "2", "--quiet"]
+    assert main([*argv, "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot: {png}" in capsys.readouterr().out
+    assert main([*argv, "--plot", str(tmp_path / "q.jpg")]) == 2
+    assert "must end in .png, .svg, .pdf" in capsys.readouterr().err
+    assert main([*argv, "--model", "felb", "--plot", str(png)]) == 2
+    latency = tmp_path / "latency.svg"
+    plot_loadtest(latency, [(0.5, "keys", 0.2), (1.0, "masked", 1.5), (1.2, "keys", 0.1)], ["keys", "masked"], "t")
+    assert b"<svg" in latency.read_bytes()

@@ -244,3 +244,32 @@ def test_aggregate_noise_mode_releases_variance_mu(tmp_path: Path) -> None:
     out = sim.run_round(models, empty, seed=1, per_device_noise=False)
     assert out is not None and out.committed and sim.last_release is not None
     assert abs(float(np.var(sim.last_release)) - sim.mu) <= 0.05 * sim.mu
+
+
+@pytest.mark.asyncio
+async def test_http_round_with_dp_equals_the_simulator(aiohttp_server: Any, tmp_path: Path) -> None:
+    # One real HTTP round (aiohttp server, DeviceClients, SecAgg+ with real crypto, DP noise from the
+    # devices' keystreams, one device leaving before its masked input) ends with the model the simulator
+    # computes for the same seeds and dropout schedule.
+    from dataclasses import replace
+
+    from tests import test_families_http as fh
+
+    def private(cfg: ServerConfig) -> ServerConfig:
+        return replace(cfg, privacy=replace(cfg.privacy, enabled=True, epsilon=8.0, delta=1e-5, planned_rounds=1))
+
+    coord, statuses, data, new_model = await fh._http_round(
+        private(fh._config(tmp_path / "http", "mf")), "mf", aiohttp_server, tmp_path / "devices"
+    )
+    assert coord.model_version == 2 and coord.ledger is not None and coord.ledger.spent() > 0
+    ids = list(range(1, fh.DEVICES + 1))
+    sim = run_simulated(
+        private(fh._config(tmp_path / "sim", "mf")),
+        dict(enumerate(data)),
+        lambda device_id: new_model(),
+        rounds=1,
+        seed=fh.SEED,
+        dropout=lambda round_id, device_id: fh._dropout(ids.index(device_id)),
+    )
+    assert np.array_equal(sim.simulator.model_state, coord.model_state)
+    assert sim.simulator.ledger is not None and sim.simulator.ledger.spent() == coord.ledger.spent()

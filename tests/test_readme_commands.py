@@ -64,7 +64,7 @@ def test_readme_server_and_loadtest_work_together(tmp_path: Path) -> None:
                 check=False,
             )
             lt = subprocess.run(
-                [sys.executable, "-m", "fedsim.cli", *argv, "--time-limit", "150"],
+                [sys.executable, "-m", "fedsim.cli", *argv, "--time-limit", "150", "--plot", str(tmp_path / "lat.png")],
                 cwd=ROOT,
                 env=env,
                 capture_output=True,
@@ -84,6 +84,7 @@ def test_readme_server_and_loadtest_work_together(tmp_path: Path) -> None:
     assert lt.returncode == 0, f"{shlex.join(argv)}\n{lt.stdout}\n{lt.stderr}"
     assert "12 devices, 1 rounds finished (1 committed)" in lt.stdout
     assert "errors by type: none" in lt.stdout
+    assert (tmp_path / "lat.png").read_bytes()[:4] == b"\x89PNG"
     assert code == 0
     # Nothing was written into the checkout.
     assert not (ROOT / "examples" / "fedrec-data").exists()

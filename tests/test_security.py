@@ -78,8 +78,10 @@ def test_codec_still_decodes_the_largest_legitimate_messages() -> None:
 async def test_a_deeply_nested_registration_is_refused_quickly(aiohttp_client: Any, tmp_path: Path) -> None:
     client = await aiohttp_client(create_app(small_config(tmp_path, cohort=3)))
     start = time.perf_counter()
+    status, msg = await _post(client, "/v1/devices", b"\x91" * 60_000 + b"\xc0")
+    assert status == 400 and isinstance(msg, ErrorMessage) and "deeper" in msg.message
     status, msg = await _post(client, "/v1/devices", msgpack.packb([[]] * 500_000))
-    assert status == 400 and isinstance(msg, ErrorMessage) and "objects" in msg.message
+    assert status == 413  # far above what a registration needs: refused before it is read
     assert time.perf_counter() - start < 2.0
     status, msg = await _post(client, "/v1/checkin", encode(CheckIn(device_id=0)), "x" * 40)
     assert status == 401  # the server is still answering
@@ -464,3 +466,102 @@ def test_unsigned_keys_and_low_order_points_are_refused_by_the_server_and_the_ro
         expected += inputs[u]
     assert np.array_equal(server.result().total, expected)
     assert crypto.CERTIFICATE_BYTES == 4 + 32 + 16 + 64
+
+
+@pytest.mark.parametrize("dp", [False, True])
+def test_signed_harness_rounds_are_bit_exact_with_a_drop_in_every_phase(dp: bool) -> None:
+    import numpy as np
+
+    from fedsim.secagg_harness import run_secagg_round
+    from protocol.phases import Phase
+
+    rng = np.random.default_rng(5)
+    inputs = [rng.integers(0, 2**32, size=64, dtype=np.uint32) for _ in range(30)]
+    drops = {Phase.ADVERTISE_KEYS: {0}, Phase.SHARE_KEYS: {1}, Phase.MASKED_INPUT: {2, 3}, Phase.UNMASK: {4}}
+    result = run_secagg_round(
+        inputs, dropouts=drops, signed=True, consistency_dropouts={5}, dp_mu=4000.0 if dp else 0.0, seed=1
+    )
+    assert result.error is None and result.total is not None
+    assert np.array_equal(result.total, result.expected)
+    assert 5 in result.survivors and 2 not in result.survivors  # signed-set dropouts stay in the sum
+
+
+# -- resource limits (item 8, per-route body limits) -------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_routes_without_a_vector_take_a_few_kilobytes_only(aiohttp_client: Any, tmp_path: Path) -> None:
+    from agg_server.app import SMALL_BODY_BYTES
+    from protocol.errors import PayloadTooLarge
+
+    client = await aiohttp_client(create_app(small_config(tmp_path, cohort=3)))
+    status, reg = await _post(client, "/v1/devices", encode(RegisterRequest(platform="pytest")))
+    assert status == 201
+    import io
+
+    garbage = b"\x00" * (16 * 1024 * 1024)
+    for path in ("/v1/devices", "/v1/checkin", "/v1/rounds/1/keys", "/v1/rounds/1/abort", "/v1/rounds/1/masked"):
+        start = time.perf_counter()
+        headers = {**MSGPACK, "Authorization": f"Bearer {reg.token}", "Content-Length": str(len(garbage))}
+        resp = await client.post(path, data=io.BytesIO(garbage), headers=headers)
+        status, msg = resp.status, decode(await resp.read())
+        assert status == 413, (path, status)
+        assert isinstance(msg.to_exception(), PayloadTooLarge) and str(SMALL_BODY_BYTES) in msg.message
+        assert time.perf_counter() - start < 2.0
+    status, _ = await _post(client, "/v1/checkin", encode(CheckIn(device_id=reg.device_id)), reg.token)
+    assert status == 200
+
+
+def test_with_dp_a_survivor_count_above_the_signatures_is_refused_even_below_the_cohort() -> None:
+    import dataclasses
+
+    import numpy as np
+
+    from protocol.crypto import insecure_test_noise_stream
+    from protocol.device_session import DeviceSecAggSession
+    from protocol.errors import RemoteProtocolError
+    from protocol.messages import UnmaskRequest
+    from protocol.phases import consistency_deadline
+    from protocol.server_session import RoundParameters, ServerSecAggSession
+
+    ids = list(range(100, 112))
+    authority, enrolled = _enrolled(ids)
+    params = RoundParameters(
+        round_id=3,
+        vector_length=8,
+        k=12,
+        t=4,
+        clip_norm=1.0,
+        scale_bits=16,
+        dp_mu=50.0,
+        dp_t_min=8,
+        deadlines=(1.0, 2.0, 3.0, 4.0),
+        authority_key=authority.public_key,
+    )
+    server = ServerSecAggSession(params, ids, rng=np.random.default_rng(0))
+    devices = {
+        u: DeviceSecAggSession(
+            server.outbox(u),  # type: ignore[arg-type]
+            rng=insecure_test_noise_stream(0, u),
+            identity=enrolled[u][0],
+            certificate=enrolled[u][1],
+            authority_key=authority.public_key,
+        )
+        for u in ids
+    }
+    gone = {100, 101, 102}  # drop before the masked input: 9 survivors sign
+    d = params.deadlines
+    for index, name in enumerate(("keys", "shares", "masked", "sign")):
+        for u, dev in devices.items():
+            if index >= 2 and u in gone:
+                continue
+            if index > 0:
+                dev.receive(server.outbox(u))
+            if name == "masked":
+                dev.provide_input(np.zeros(8, dtype=np.uint32))
+            server.receive(u, dev.send())
+        server.advance(consistency_deadline(d) if name == "sign" else d[index])
+    honest = server.outbox(103)
+    assert isinstance(honest, UnmaskRequest) and honest.n_survivors == 9
+    with pytest.raises(RemoteProtocolError, match="exceeds the 9 signed survivors"):
+        devices[103].receive(dataclasses.replace(honest, n_survivors=11))  # below the cohort of 12
