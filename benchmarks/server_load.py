@@ -55,6 +55,12 @@ def main() -> int:
     p.add_argument("--bits", type=int, default=64)
     p.add_argument("--ratings-per-user", type=int, default=166)
     p.add_argument("--grace", type=float, default=3.0, help="rounds.disconnect_grace")
+    p.add_argument(
+        "--unobserved-weight",
+        type=float,
+        default=0.0,
+        help="model.unobserved_weight (default 0: the sampled-negatives objective of issue 12's measurement)",
+    )
     p.add_argument("--time-limit", type=float, default=1800.0)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="fedrec-server-load-") as tmp:
@@ -64,7 +70,7 @@ def main() -> int:
             cfg,
             {
                 "server": {"host": "127.0.0.1", "port": 0, "data_dir": str(root / "data")},
-                "model": {"n_items": args.n_items, "bits": args.bits},
+                "model": {"n_items": args.n_items, "bits": args.bits, "unobserved_weight": args.unobserved_weight},
                 "rounds": {
                     "cohort_size": args.devices,
                     "min_cohort": max(3, args.devices // 2),

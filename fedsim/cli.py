@@ -902,19 +902,17 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
     )
     seconds = time.perf_counter() - t0
     out.write(f"done in {seconds:.1f} s\n")
-    if getattr(args, "json", False):
-        import json
-
-        record = {
-            "dataset": str(args.dataset),
-            "protocol": extra["protocol"],
-            "rounds": rounds,
-            "seconds": seconds,
-            "metrics": metrics,
-            "epsilon": extra["epsilon"],
-            "delta": extra["delta"],
-        }
-        sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
+    if args.json:
+        record = result_record(
+            dataset=str(args.dataset),
+            protocol=str(extra["protocol"]),
+            rounds=rounds,
+            seconds=seconds,
+            metrics=metrics,
+            epsilon=extra["epsilon"],
+            delta=extra["delta"],
+        )
+        write_json(record, sys.stdout)
     return 0
 
 

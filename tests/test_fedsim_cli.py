@@ -262,12 +262,18 @@ def test_loadtest_failure_is_one_line_naming_the_cause() -> None:
 
 
 def test_simulate_private_lightfr_reports_the_ledgers_epsilon(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["simulate", "--dataset", "synthetic", "--epsilon", "4", "--rounds", "2", "--bits", "16", "--quiet"])
+    import json
+
+    argv = ["simulate", "--dataset", "synthetic", "--epsilon", "4", "--rounds", "2", "--bits", "16", "--quiet"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert code == 0
     assert "ε spent 4.000 at δ=1e-05" in out
     for name in ("private_popularity", "popularity", "random"):
         assert f"\n{name} " in out
+    assert main([*argv, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 3.99 < record["epsilon"] <= 4.0 and record["delta"] == 1e-5
+    assert set(record["metrics"]) == {"model", "private_popularity", "popularity", "random"}
 
 
 @pytest.mark.slow  # two demo runs: about 35 s on 2 cores

@@ -148,3 +148,15 @@ def test_result_record_validates(tmp_path: Path) -> None:
     with pytest.raises(TypeError):  # Python itself refuses a repeated keyword
         result_record(dataset="d", protocol="p", rounds=0, seconds=0, metrics={}, **shadow)
     assert METRIC_KEYS == ("hr@10", "ndcg@10", "recall@20", "ndcg@20")
+
+
+def test_data_lists_a_split_dataset(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    folder = tmp_path / "amazon-book-kgat"
+    folder.mkdir()
+    (folder / "train.txt").write_text("0 1 2\n1 0\n")
+    (folder / "test.txt").write_text("0 3\n1\n")
+    assert main(["data", "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("amazon-book"))
+    assert "2 users" in line and "3 train + 1 test pairs (implicit, its own split)" in line
+    assert out.count("synthetic") == 1

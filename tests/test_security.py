@@ -510,3 +510,58 @@ async def test_routes_without_a_vector_take_a_few_kilobytes_only(aiohttp_client:
         assert time.perf_counter() - start < 2.0
     status, _ = await _post(client, "/v1/checkin", encode(CheckIn(device_id=reg.device_id)), reg.token)
     assert status == 200
+
+
+def test_with_dp_a_survivor_count_above_the_signatures_is_refused_even_below_the_cohort() -> None:
+    import dataclasses
+
+    import numpy as np
+
+    from protocol.crypto import insecure_test_noise_stream
+    from protocol.device_session import DeviceSecAggSession
+    from protocol.errors import RemoteProtocolError
+    from protocol.messages import UnmaskRequest
+    from protocol.phases import consistency_deadline
+    from protocol.server_session import RoundParameters, ServerSecAggSession
+
+    ids = list(range(100, 112))
+    authority, enrolled = _enrolled(ids)
+    params = RoundParameters(
+        round_id=3,
+        vector_length=8,
+        k=12,
+        t=4,
+        clip_norm=1.0,
+        scale_bits=16,
+        dp_mu=50.0,
+        dp_t_min=8,
+        deadlines=(1.0, 2.0, 3.0, 4.0),
+        authority_key=authority.public_key,
+    )
+    server = ServerSecAggSession(params, ids, rng=np.random.default_rng(0))
+    devices = {
+        u: DeviceSecAggSession(
+            server.outbox(u),  # type: ignore[arg-type]
+            rng=insecure_test_noise_stream(0, u),
+            identity=enrolled[u][0],
+            certificate=enrolled[u][1],
+            authority_key=authority.public_key,
+        )
+        for u in ids
+    }
+    gone = {100, 101, 102}  # drop before the masked input: 9 survivors sign
+    d = params.deadlines
+    for index, name in enumerate(("keys", "shares", "masked", "sign")):
+        for u, dev in devices.items():
+            if index >= 2 and u in gone:
+                continue
+            if index > 0:
+                dev.receive(server.outbox(u))
+            if name == "masked":
+                dev.provide_input(np.zeros(8, dtype=np.uint32))
+            server.receive(u, dev.send())
+        server.advance(consistency_deadline(d) if name == "sign" else d[index])
+    honest = server.outbox(103)
+    assert isinstance(honest, UnmaskRequest) and honest.n_survivors == 9
+    with pytest.raises(RemoteProtocolError, match="exceeds the 9 signed survivors"):
+        devices[103].receive(dataclasses.replace(honest, n_survivors=11))  # below the cohort of 12
