@@ -228,9 +228,9 @@ def run_demo_fleet(
                 # soon as every device answered: the deadlines are only a safety net, generous enough for
                 # 300 devices training in one process on a busy 2-core machine.
                 "advertise_timeout": 300.0,
-                "share_keys_timeout": 120.0,
+                "share_keys_timeout": 300.0,
                 "masked_input_timeout": 300.0,
-                "unmask_timeout": 120.0,
+                "unmask_timeout": 300.0,
                 "round_interval": 0.5,
                 "seed": seed,
             },
