@@ -64,6 +64,16 @@ def write_server_config(path: Path, settings: dict[str, dict[str, Any]]) -> None
     path.write_text("\n".join(lines))
 
 
+def _die_with_parent() -> None:
+    """In the server child (Linux): get SIGTERM when the process that started it dies, however it dies
+    (a killed demo must not leave its server running)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class ServerProcess:
     """`python -m agg_server --config FILE` as a child process on a free loopback port."""
 
@@ -81,6 +91,7 @@ class ServerProcess:
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
             )
         finally:
             log.close()
