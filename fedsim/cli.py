@@ -1060,9 +1060,9 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         out.write(
             f"The real server's LightFR model cannot beat popularity here: with user-level DP over {n} devices\n"
             "the noise each code coordinate needs is larger than the per-item signal the sum carries, and the\n"
-            "server's upload has no private popularity channel yet. The private-round simulator on the same data\n"
-            "and ε, every device in every round, a private popularity release feeding the item level\n"
-            "(fedsim.private_scale):\n"
+            "server's model does not yet take a private popularity release as its item level. The private-round\n"
+            "simulator on the same data and ε, every device in every round, a private popularity release feeding\n"
+            "the item level (fedsim.private_scale):\n"
         )
         metrics, extra = simulated_beside(exp, float(args.epsilon), args.seed)
         sim_hr = metrics["model"]["hr@10"]
