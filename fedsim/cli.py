@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--dataset", default="auto", help="dataset name or file (default: ml-100k if found)")
     demo.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
-    demo.add_argument("--rounds", type=_positive_int, default=10, help="server rounds (default: 10)")
+    demo.add_argument("--rounds", type=_positive_int, default=3, help="server rounds (default: 3)")
     demo.add_argument("--cohort", type=_positive_int, default=300, help="devices per round (default: 300)")
     demo.add_argument("--devices", type=_positive_int, default=None, help="use only the first N users")
     demo.add_argument("--bits", type=_positive_int, default=64, help="code length f (default: 64)")

@@ -655,3 +655,21 @@ async def test_cancelled_round_drops_the_session_secrets(tmp_path: Path, recordi
     with pytest.raises(asyncio.CancelledError):
         await task
     assert recording[0].phase is Phase.ABORTED
+
+
+@pytest.mark.asyncio
+async def test_a_device_below_its_privacy_floor_sits_the_round_out(tmp_path: Path) -> None:
+    import dataclasses
+
+    server = FakeServer()
+    devices = await cohort(server, tmp_path, 4)
+    strict = devices[0].client
+    strict.config = dataclasses.replace(strict.config, privacy=PrivacyPolicy())  # the default of a real device
+    before = strict.model.user_codes.copy()
+    outcomes = await run_cohort(server, devices)
+    assert outcomes[0].status is RoundStatus.REFUSED and outcomes[0].status == "refused"
+    # this fake server states no cohort size: the floor fails closed
+    assert "cohort size" in outcomes[0].reason or "floor" in outcomes[0].reason
+    np.testing.assert_array_equal(strict.model.user_codes, before)  # it did not even train
+    assert strict.privacy_spent == 0.0
+    assert all(o.status is not RoundStatus.REFUSED for o in outcomes[1:])
