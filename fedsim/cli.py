@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--dataset", default="auto", help="dataset name or file (default: ml-100k if found)")
     demo.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
-    demo.add_argument("--rounds", type=_positive_int, default=10, help="server rounds (default: 10)")
+    demo.add_argument("--rounds", type=_positive_int, default=3, help="server rounds (default: 3)")
     demo.add_argument("--cohort", type=_positive_int, default=300, help="devices per round (default: 300)")
     demo.add_argument("--devices", type=_positive_int, default=None, help="use only the first N users")
     demo.add_argument("--bits", type=_positive_int, default=64, help="code length f (default: 64)")
@@ -1060,9 +1060,9 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         out.write(
             f"The real server's LightFR model cannot beat popularity here: with user-level DP over {n} devices\n"
             "the noise each code coordinate needs is larger than the per-item signal the sum carries, and the\n"
-            "server's upload has no private popularity channel yet. The private-round simulator on the same data\n"
-            "and ε, every device in every round, a private popularity release feeding the item level\n"
-            "(fedsim.private_scale):\n"
+            "server's model does not yet take a private popularity release as its item level. The private-round\n"
+            "simulator on the same data and ε, every device in every round, a private popularity release feeding\n"
+            "the item level (fedsim.private_scale):\n"
         )
         metrics, extra = simulated_beside(exp, float(args.epsilon), args.seed)
         sim_hr = metrics["model"]["hr@10"]
