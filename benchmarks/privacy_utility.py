@@ -109,6 +109,7 @@ def main() -> None:
             settings = ScaledSettings(
                 epsilon=eps if private else 0.0,
                 rounds=args.rounds,
+                example_cap=50,
                 pop_share=args.pop_share,
                 threshold=args.threshold,
                 seed=args.seed,
