@@ -624,6 +624,8 @@ class DeviceClient:
                     self._charge(invite)  # the masked input may leave now: charge the device's own ledger first
                 with tally.step(name):
                     response = await self._call("POST", path, outgoing, tally, timeout=self.config.long_poll_timeout)
+                # Sent: not kept through the next phase's wait (the masked input is 4 bytes per coordinate).
+                del outgoing
                 answer = response.message
                 if isinstance(answer, RoundResult):
                     return self._finish(session, invite, answer, tally)

@@ -38,7 +38,7 @@ from protocol.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
-from protocol.noise import SkellamDraw, correct_noise, device_noise, to_ring
+from protocol.noise import StoredSkellam, correct_noise, device_noise, to_ring
 from protocol.phases import (
     DEVICE_REPLY,
     TERMINAL_PHASES,
@@ -147,8 +147,9 @@ class DeviceSecAggSession:
         self._held_s: dict[int, Share] = {}
         self._u2: tuple[int, ...] = ()
         self._input: NDArray[np.uint32] | None = None
-        self._noise: SkellamDraw | None = None
-        self._kept_after_reply: SkellamDraw | None = None
+        # The DP noise is kept narrow (`StoredSkellam`) from the masked input to the unmask reply.
+        self._noise: StoredSkellam | None = None
+        self._kept_after_reply: StoredSkellam | None = None
         self._pending: Message | None = None
         self.abort_reason: str | None = None
         self._identities: dict[int, bytes] = {}  # neighbour id -> certified Ed25519 key (protocol 1.3)
@@ -298,7 +299,7 @@ class DeviceSecAggSession:
         """
         if self._noise is None:
             return np.zeros(self.invite.vector_length, dtype=np.int64)
-        return self._noise.value()
+        return self._noise.draw().value()
 
     # -- internals ------------------------------------------------------------------------------------
 
@@ -530,8 +531,10 @@ class DeviceSecAggSession:
         value = self._input
         if inv.dp_mu > 0.0:
             # Skellam(mu / t_min): enough noise even if only t_min devices survive (DESIGN.md §5).
-            self._noise = device_noise(inv.dp_mu, inv.dp_t_min, inv.vector_length, self._rng)
-            value = value + to_ring(self._noise.value())
+            draw = device_noise(inv.dp_mu, inv.dp_t_min, inv.vector_length, self._rng)
+            self._noise = StoredSkellam.of(draw)
+            value = value + to_ring(draw.value())
+            del draw
         peers = {v: self._neighbours[v][1] for v in self._u2 if v != me}
         y = mask_input(
             value,
@@ -569,8 +572,8 @@ class DeviceSecAggSession:
             if self._noise is None:  # pragma: no cover - set when the masked input was built
                 raise LocalProtocolError("no noise to correct")
             # Keep Skellam(mu / s) by binomial thinning; the excess is independent of what stays (§5).
-            kept, revealed = correct_noise(self._noise, inv.dp_t_min, msg.n_survivors, self._rng)
-            self._kept_after_reply = kept  # takes effect only once the excess is actually sent
+            kept, revealed = correct_noise(self._noise.draw(), inv.dp_t_min, msg.n_survivors, self._rng)
+            self._kept_after_reply = StoredSkellam.of(kept)  # takes effect only once the excess is actually sent
             excess = to_ring(revealed)
         b_ids = tuple(sorted(survivors))
         s_ids = tuple(sorted(dropped))

@@ -11,6 +11,7 @@ from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import ConfigError, NotEnoughParticipants
 from protocol.noise import (
     SkellamDraw,
+    StoredSkellam,
     correction_keep_fraction,
     device_variance,
     minimum_survivors,
@@ -146,3 +147,20 @@ def test_device_dropping_before_correction_keeps_more_noise() -> None:
     values = kept.value().reshape(TRIALS, s)
     values[:, :silent] = draw.value().reshape(TRIALS, s)[:, :silent]
     assert values.sum(axis=1).var() >= 0.95 * MU
+
+
+@pytest.mark.parametrize(("variance", "dtype"), [(0.0, np.uint8), (40.0, np.uint8), (4e3, np.uint16), (4e6, np.uint32)])
+def test_stored_skellam_is_exact_and_narrow(variance: float, dtype: type) -> None:
+    draw = sample_skellam(variance, 5_000, insecure_test_noise_stream(7))
+    stored = StoredSkellam.of(draw)
+    assert stored.pos.dtype == dtype and stored.neg.dtype == dtype
+    back = stored.draw()
+    assert back.pos.dtype == np.int64 and back.neg.dtype == np.int64
+    np.testing.assert_array_equal(back.pos, draw.pos)
+    np.testing.assert_array_equal(back.neg, draw.neg)
+
+
+def test_stored_skellam_rejects_negative_counts() -> None:
+    bad = SkellamDraw(np.array([1, -1], dtype=np.int64), np.zeros(2, dtype=np.int64))
+    with pytest.raises(ValueError, match="non-negative"):
+        StoredSkellam.of(bad)
