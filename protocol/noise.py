@@ -82,32 +82,43 @@ class SkellamDraw:
 
 @dataclass(frozen=True, slots=True)
 class StoredSkellam:
-    """A `SkellamDraw` held in the narrowest unsigned integer type its counts fit (uint8 to uint64).
+    """A `SkellamDraw` stored exactly as offsets from each half's smallest count, in the narrowest
+    unsigned integer type (uint8 to uint64) that holds them.
 
     A device keeps its DP noise from the masked input to the unmask reply: as two int64 vectors that
-    is 16 bytes per coordinate, 1.7 MB for a 107,648-coordinate update, held by every device of a
-    round at once in a simulated fleet.  Poisson counts are small and non-negative, so a narrower
-    type stores the same draw exactly; `draw` gives back the identical int64 halves.
+    is 16 bytes per coordinate, held by every device of a round at once in a simulated fleet.  The
+    counts of a Poisson half spread over a few standard deviations around their mean, so the offsets
+    fit in 1 or 2 bytes even when the counts themselves need 4; `draw` gives back the identical
+    int64 halves.
     """
 
+    pos_base: int
+    neg_base: int
     pos: NDArray[np.unsignedinteger]
     neg: NDArray[np.unsignedinteger]
 
     @classmethod
     def of(cls, draw: SkellamDraw) -> StoredSkellam:
-        """Store ``draw`` exactly, each half in the narrowest unsigned type that holds its largest count."""
-        return cls(_narrow(draw.pos), _narrow(draw.neg))
+        """Store ``draw`` exactly (its halves must be non-negative counts)."""
+        pos_base, pos = _narrow(draw.pos)
+        neg_base, neg = _narrow(draw.neg)
+        return cls(pos_base, neg_base, pos, neg)
 
     def draw(self) -> SkellamDraw:
         """The stored draw as int64 halves (fresh arrays)."""
-        return SkellamDraw(self.pos.astype(np.int64), self.neg.astype(np.int64))
+        return SkellamDraw(
+            self.pos.astype(np.int64) + np.int64(self.pos_base), self.neg.astype(np.int64) + np.int64(self.neg_base)
+        )
 
 
-def _narrow(counts: NDArray[np.int64]) -> NDArray[np.unsignedinteger]:
-    if counts.size and int(counts.min()) < 0:
+def _narrow(counts: NDArray[np.int64]) -> tuple[int, NDArray[np.unsignedinteger]]:
+    if not counts.size:
+        return 0, np.zeros(counts.shape, dtype=np.uint8)
+    base, top = int(counts.min()), int(counts.max())
+    if base < 0:
         raise ValueError("Poisson counts must be non-negative")
-    top = int(counts.max()) if counts.size else 0
-    return counts.astype(np.min_scalar_type(top) if top > 0 else np.uint8)
+    span = top - base
+    return base, (counts - np.int64(base)).astype(np.min_scalar_type(span) if span > 0 else np.uint8)
 
 
 def _check_variance(variance: float) -> float:
