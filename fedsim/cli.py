@@ -1257,21 +1257,17 @@ def _version() -> str:
 
 
 def _run(args: argparse.Namespace, out: TextIO) -> int:
-    if args.command == "demo":
-        return _cmd_demo(args, out)
-    if args.command == "loadtest":
-        return _cmd_loadtest(args, out)
-    if args.command == "simulate":
-        return _cmd_simulate(args, out)
-    if args.command == "eval":
-        return _cmd_eval(args, out)
-    if args.command == "recommend":
-        return _cmd_recommend(args, out)
-    if args.command == "export":
-        return _cmd_export(args, out)
-    if args.command == "plan-privacy":
-        return _cmd_plan_privacy(args, out)
-    return _cmd_data(args, out)
+    commands = {
+        "demo": _cmd_demo,
+        "loadtest": _cmd_loadtest,
+        "simulate": _cmd_simulate,
+        "eval": _cmd_eval,
+        "recommend": _cmd_recommend,
+        "export": _cmd_export,
+        "plan-privacy": _cmd_plan_privacy,
+        "data": _cmd_data,
+    }
+    return commands[args.command](args, out)
 
 
 def _cmd_plan_privacy(args: argparse.Namespace, out: TextIO) -> int:
