@@ -162,7 +162,7 @@ class TestWithoutTimestamps:
     def test_chronological_without_timestamps_is_a_random_split(self) -> None:
         r = _log([0] * 10, None)
         seen = {tuple(_rows(chronological_split(r, seed=s).test)) for s in range(60)}
-        assert len(seen) == 10  # every rating is held out by some seed and all(len(t) == 1 for t in seen)
+        assert len(seen) == 10 and all(len(t) == 1 for t in seen)  # one rating per split, each held out by some seed
 
 
 class TestCarveValidation:

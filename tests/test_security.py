@@ -319,7 +319,6 @@ def test_split_view_of_one_device_is_refused_by_every_honest_neighbour() -> None
         for u in group:
             devices[u].receive(ConsistencyRequest(round_id=3, device_id=u, session_id=sid, survivor_set=shown))
             sigs[shown][u] = devices[u].send().signature
-    refused = 0
     for group, shown in ((group_a, s1), (group_b, s2)):
         signers = tuple(sorted(sigs[shown]))
         for u in group:
@@ -338,8 +337,6 @@ def test_split_view_of_one_device_is_refused_by_every_honest_neighbour() -> None
             )
             with pytest.raises(RemoteProtocolError, match="valid survivor signatures"):
                 devices[u].receive(req)
-            refused += 1
-    assert refused == len(group_a) + len(group_b)
 
 
 def test_signatures_on_another_set_do_not_count() -> None:
