@@ -611,6 +611,8 @@ class DeviceClient:
                 # its 150 s deadline with 1,000 devices).
                 outgoing = session.send()
                 path = f"/v1/rounds/{rid}/{name}"
+                if name == "masked":
+                    self._charge(invite)  # the masked input may leave now: charge the device's own ledger first
                 if name == "masked" and dropout is DropoutAt.DISCONNECT_MASKED:
                     with tally.step(name):
                         await self._send_and_disconnect(path, outgoing, tally)
@@ -620,8 +622,6 @@ class DeviceClient:
                         tally,
                         "fault injection: disconnect_masked (closed the connection after the masked input)",
                     )
-                if name == "masked":
-                    self._charge(invite)  # the masked input may leave now: charge the device's own ledger first
                 with tally.step(name):
                     response = await self._call("POST", path, outgoing, tally, timeout=self.config.long_poll_timeout)
                 # Sent: not kept through the next phase's wait (the masked input is 4 bytes per coordinate).

@@ -192,9 +192,11 @@ def load_ledger(store_dir: Path) -> DeviceLedger:
     StorageError
         The stored ledger is malformed: never silently reset a privacy budget.
     """
-    state = _load_small(store_dir, LEDGER_FILE, _LEDGER_KIND)
-    if state is None:
+    path = store_dir / LEDGER_FILE
+    if not path.exists():
         return DeviceLedger()
+    # Not `_load_small`: a corrupt ledger is moved aside but never forgiven (that would reset ε to 0).
+    state = load_store(path, _LEDGER_KIND)
     try:
         return DeviceLedger.from_dict(state)
     except ConfigError as exc:

@@ -452,6 +452,8 @@ async def test_each_dropout_leaves_the_round_to_the_others(
     in_sum = dropout in (DropoutAt.BEFORE_UNMASK, DropoutAt.DISCONNECT_MASKED)
     assert (dropper in server.result_survivors) is in_sum
     assert len(server.result_survivors) == (5 if in_sum else 4)
+    # A device whose masked input may be in the sum has charged its own ledger for the round, whatever happened next.
+    assert (devices[2].client.privacy_spent > 0) is in_sum
     assert server.result_total is not None
     np.testing.assert_array_equal(server.result_total, expected_sum(recording, server.result_survivors))
     # Every session is finished: no secrets or plaintext left behind.
@@ -673,3 +675,18 @@ async def test_a_device_below_its_privacy_floor_sits_the_round_out(tmp_path: Pat
     np.testing.assert_array_equal(strict.model.user_codes, before)  # it did not even train
     assert strict.privacy_spent == 0.0
     assert all(o.status is not RoundStatus.REFUSED for o in outcomes[1:])
+
+
+def test_a_corrupt_privacy_ledger_is_never_reset(tmp_path: Path) -> None:
+    from device_sdk.persistence import LEDGER_FILE, load_ledger, save_ledger
+    from protocol.errors import StorageError
+    from protocol.policy import DeviceLedger
+
+    ledger = DeviceLedger()
+    save_ledger(tmp_path, ledger)
+    assert load_ledger(tmp_path).rounds == 0
+    path = tmp_path / LEDGER_FILE
+    path.write_bytes(path.read_bytes()[:-3])  # truncated: the checksum fails
+    with pytest.raises(StorageError):
+        load_ledger(tmp_path)  # never an empty ledger (that would hand the device a fresh ε budget)
+    assert any(p.name.startswith(LEDGER_FILE) for p in tmp_path.iterdir())  # moved aside, not deleted
