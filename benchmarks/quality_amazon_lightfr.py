@@ -64,20 +64,6 @@ def carve_validation(train: Ratings, seed: int, share: float = 0.2) -> tuple[Rat
     return _subset(train, ~held, "amazon-book train-minus-val"), _subset(train, held, "amazon-book val")
 
 
-def _scorer(state: FederatedLightFR):
-    f = state.user_codes.shape[1]
-    U = state.user_codes.astype(np.float32)
-    V = state.item_codes.astype(np.float32)
-    lv = None if state.item_levels is None else state.item_levels.astype(np.float32)
-    w = float(state.hamming_weight)
-
-    def score(users: np.ndarray) -> np.ndarray:
-        close = (U[users] @ V.T + f) / 2  # f − Hamming, exact in float32
-        return close * w + lv if lv is not None else close
-
-    return score
-
-
 def train_lightfr(train: Ratings, recipe: dict, rounds: int, seed: int) -> FederatedLightFR:
     cfg = LightFRConfig(
         bits=64, binary_positives=True, rating_range=None, unobserved_weight=recipe["w0"], confidence=recipe["alpha"]
@@ -103,7 +89,7 @@ def main() -> None:
         for recipe in [GRID[i] for i in (args.grid if args.grid is not None else range(len(GRID)))]:
             t = time.perf_counter()
             st = train_lightfr(fit, recipe, args.rounds, seed=0)
-            res = evaluate_all_items(_scorer(st), fit, val, seed=args.eval_seed)
+            res = evaluate_all_items(st.all_scores, fit, val, seed=args.eval_seed)
             row = {"split": "validation", "recipe": recipe, "recall@20": res.recall, "ndcg@20": res.ndcg}
             print(json.dumps({**row, "seconds": round(time.perf_counter() - t)}), flush=True)
         return
@@ -117,7 +103,7 @@ def main() -> None:
     for seed in args.seeds:
         t = time.perf_counter()
         st = train_lightfr(train, CHOSEN, args.rounds, seed)
-        res = evaluate_all_items(_scorer(st), train, test, seed=args.eval_seed)
+        res = evaluate_all_items(st.all_scores, train, test, seed=args.eval_seed)
         row = {"split": "test", "model": "LightFR", "recipe": CHOSEN, "seed": seed}
         print(
             json.dumps({**row, "recall@20": res.recall, "ndcg@20": res.ndcg, "seconds": round(time.perf_counter() - t)})

@@ -28,7 +28,6 @@ from fedsim.evaluation import (
     TieMode,
     evaluate_all_items,
     evaluate_candidates,
-    hamming_scorer,
     popularity_scorer,
     random_scorer,
 )
@@ -37,7 +36,6 @@ from fedsim.families import FAMILY_DEFAULT_ROUNDS, simulate_family
 from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, run_lightfr, user_data
 from fedsim.report import result_record, write_json
 from fedsim.ui import progress, table
-from protocol.codes import pack_signs
 from protocol.errors import ConfigError, FedRecError
 from protocol.spec import Aggregation
 
@@ -628,8 +626,7 @@ def _full_results(
         raise ValueError(f"protocol {exp.protocol.value} needs a dataset with its own train/test split")
     scorers: dict[str, Scorer] = {}
     if state is not None:
-        bits = int(state.user_codes.shape[1])
-        scorers["model"] = hamming_scorer(pack_signs(state.user_codes), pack_signs(state.item_codes), bits)
+        scorers["model"] = state.all_scores  # the trained score, item levels included
     scorers["popularity"] = popularity_scorer(exp.train)
     scorers["random"] = random_scorer(exp.train.n_items, eval_seed)
     return {

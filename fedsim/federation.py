@@ -151,6 +151,15 @@ class FederatedLightFR:
             return close.astype(np.int32)
         return (close * self.hamming_weight + self.item_levels[candidates]).astype(np.int32)
 
+    def all_scores(self, users: NDArray[np.int64]) -> NDArray[np.float32]:
+        """The same score as `scores` against every item, (len(users), m) float32 (exact: the values are
+        small integers); a full-ranking scorer for `fedsim.evaluation.evaluate_all_items`."""
+        f = self.user_codes.shape[1]
+        close = (self.user_codes[users].astype(np.float32) @ self.item_codes.T.astype(np.float32) + f) / 2
+        if self.item_levels is None:
+            return close
+        return close * np.float32(self.hamming_weight) + self.item_levels.astype(np.float32)
+
 
 def run_lightfr(
     data: UserData,

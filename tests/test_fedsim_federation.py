@@ -99,3 +99,20 @@ def test_all_items_objective_beats_popularity_on_ml100k_validation(shared_data: 
         np.bincount(exp.train.items, minlength=exp.train.n_items)[exp.val.items], 10, TieMode.RANDOM
     )
     assert res.hr > pop.hr + 0.03
+
+
+@pytest.mark.parametrize("levels", [False, True])
+def test_full_ranking_scores_equal_the_candidate_scores(levels: bool) -> None:
+    from fedsim.federation import FederatedLightFR
+
+    rng = np.random.default_rng(3)
+    n, m, f = 7, 50, 64
+    state = FederatedLightFR(
+        user_codes=random_signs(n, f, rng),
+        item_codes=random_signs(m, f, rng),
+        item_levels=rng.integers(0, 256, m).astype(np.uint8) if levels else None,
+        hamming_weight=4 if levels else 1,
+    )
+    users = np.array([0, 3, 6])
+    every = np.broadcast_to(np.arange(m), (users.size, m))
+    np.testing.assert_array_equal(state.all_scores(users), state.scores(users, every).astype(np.float32))
