@@ -714,6 +714,20 @@ _APPLIES_TO: dict[str, tuple[str, ...]] = {
 }
 
 
+# In-process LightFR options that the private-round simulator (`fedsim.private_scale.ScaledSettings`) does not take.
+_NOT_PRIVATE_LIGHTFR = (
+    "lam",
+    "sweeps",
+    "epochs",
+    "unobserved_weight",
+    "confidence",
+    "targets",
+    "aggregation",
+    "fraction",
+    "eval_every",
+)
+
+
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
@@ -854,9 +868,20 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
     data_dir = _data_dir(args.data_dir)
     data: Any = load_dataset(args.dataset, data_dir)
     if not isinstance(data, TrainTestSplit):
-        data = prepare(data, Protocol(args.protocol) if args.protocol else None, n_negatives=args.eval_negatives)
+        data = prepare(
+            data,
+            Protocol(args.protocol) if args.protocol else None,
+            n_negatives=args.eval_negatives,
+            seed=args.eval_seed,
+        )
     rounds = args.rounds if args.rounds is not None else 3
     defaults = build_parser().parse_args(["simulate"])
+    for dest in _NOT_PRIVATE_LIGHTFR:
+        if getattr(args, dest) != getattr(defaults, dest):
+            raise ConfigError(
+                f"{_flag(dest)} does not apply to private LightFR runs (--epsilon): the private-round simulator "
+                "trains every device in every round with its own fixed DCD settings; drop the flag"
+            )
     settings = ScaledSettings(
         epsilon=args.epsilon,
         rounds=rounds,
@@ -887,7 +912,7 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
     def log(text: str) -> None:
         out.write(text + "\n")
 
-    metrics, extra = evaluate_private(data, settings, eval_seed=0, on_round=on_round, log=log)
+    metrics, extra = evaluate_private(data, settings, eval_seed=args.eval_seed, on_round=on_round, log=log)
     keys = sorted({k for m in metrics.values() for k in m})
     rows = [["model", *keys]]
     for name, values in metrics.items():

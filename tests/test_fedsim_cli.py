@@ -167,6 +167,10 @@ def test_simulate_mf_in_process_and_private(capsys: pytest.CaptureFixture[str]) 
             ["simulate", "--dataset", "synthetic", "--epsilon", "1", "--save", "x"],
             "--save is not available for private",
         ),
+        (
+            ["simulate", "--dataset", "synthetic", "--epsilon", "1", "--lam", "0.5"],
+            "--lam does not apply to private LightFR runs",
+        ),
         (["simulate"], "--dataset is required"),
     ],
 )
