@@ -200,6 +200,8 @@ class ServerSecAggSession:
         # protocol 1.3
         self._probe = crypto.generate_key_pair()  # a throwaway key to test advertised points
         self._certs: dict[int, tuple[bytes, bytes, bytes]] = {}  # id -> (certificate, signature, identity)
+        self._identities: dict[bytes, int] = {}  # identity -> the device id that presented it
+        self._set_payload = b""  # what survivors sign once U3 is fixed (built once, not per signature)
         self._signing = False  # UNMASK sub-step: collecting survivor-set signatures
         self._set_signatures: dict[int, bytes] = {}
         self._signers: frozenset[int] = frozenset()
@@ -492,8 +494,7 @@ class ServerSecAggSession:
                 raise RoundClosed("the consistency check is closed")
             if message.session_id != self._session:
                 raise StaleRound("session id mismatch: the message belongs to another session")
-            payload = crypto.survivor_set_payload(p.round_id, self._session, sorted(self._u3))
-            crypto.verify_signature(self._certs[u][2], message.signature, payload)
+            crypto.verify_signature(self._certs[u][2], message.signature, self._set_payload)
             self._set_signatures[u] = message.signature
             return
         if isinstance(message, PublicKeys):
@@ -583,11 +584,12 @@ class ServerSecAggSession:
         if not message.certificate or not message.signature:
             raise RemoteProtocolError(f"device {u} advertised unsigned keys; this round requires enrolled devices")
         identity = crypto.verify_certificate(message.certificate, authority)
-        if any(entry[2] == identity for v, entry in self._certs.items() if v != u):
+        if self._identities.get(identity, u) != u:
             raise RemoteProtocolError(f"device {u} presents a certified identity another device already used")
         payload = crypto.key_advertisement_payload(message.round_id, u, message.c_public_key, message.s_public_key)
         crypto.verify_signature(identity, message.signature, payload)
         self._certs[u] = (message.certificate, message.signature, identity)
+        self._identities[identity] = u
 
     def _close_masked_input(self) -> None:
         # Every accumulated input is in U3, even if its sender left afterwards: its masks must come off.
@@ -598,6 +600,8 @@ class ServerSecAggSession:
         self._shares_out.clear()  # routed already; no longer needed
         self._digests.clear()
         self._signing = bool(self.params.authority_key)
+        if self._signing:
+            self._set_payload = crypto.survivor_set_payload(self.params.round_id, self._session, sorted(u3))
         self._phase = Phase.UNMASK
 
     def _close_consistency(self) -> None:
