@@ -216,18 +216,7 @@ def carve_validation(train: Ratings, seed: int) -> tuple[Ratings, Ratings]:
     held = first & (counts[users] >= 2)
     pick = order[held]
     rest = np.setdiff1d(np.arange(len(train)), pick)
-    return _subset(train, rest), _subset(train, pick)
-
-
-def _subset(r: Ratings, idx: NDArray[np.int64]) -> Ratings:
-    idx = np.sort(idx)
-    return replace(
-        r,
-        users=r.users[idx],
-        items=r.items[idx],
-        ratings=r.ratings[idx],
-        timestamps=None if r.timestamps is None else r.timestamps[idx],
-    )
+    return train.subset(rest), train.subset(np.sort(pick))
 
 
 def _per_user(train: Ratings) -> list[NDArray[np.int64]]:
