@@ -637,7 +637,7 @@ def _entry_gradients(
 
 def _noise_check(mu: float, n: int, dropout_rate: float, survivors: int, corrected: int, length: int) -> float:
     """Empirical variance of the released noise of one round drawn device by device with the
-    device's functions (for tests and `fedrec plan-privacy --check`)."""
+    device's functions, as the simulator's exact mode draws it (used by tests/test_fedsim_privsim.py)."""
     rng = insecure_test_noise_stream(0)  # a check of the variance, not a private run
     t_min = minimum_survivors(n, dropout_rate)
     total = np.zeros(length, dtype=np.int64)
