@@ -42,6 +42,9 @@ from numpy.typing import NDArray
 
 from protocol.errors import ConfigError, PrivacyBudgetExceeded, StorageError
 from protocol.rdp import ORDERS, skellam_rdp
+from protocol.rdp import ORDERS_ARRAY as _ORDERS_ARRAY
+from protocol.rdp import check_delta as _check_delta
+from protocol.rdp import check_positive as _check_positive
 
 __all__ = [
     "ORDERS",
@@ -55,24 +58,7 @@ __all__ = [
     "PrivacyLedger",
 ]
 
-_ORDERS_ARRAY = np.asarray(ORDERS, dtype=np.float64)
 _LEDGER_FORMAT = 1
-
-
-def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
-    v = float(value)
-    ok = math.isfinite(v) and (v >= 0.0 if allow_zero else v > 0.0)
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{name} must be finite and {bound}, got {value!r}")
-    return v
-
-
-def _check_delta(delta: float) -> float:
-    d = float(delta)
-    if not (math.isfinite(d) and 0.0 < d < 1.0):
-        raise ConfigError(f"delta must be in (0, 1), got {delta!r}")
-    return d
 
 
 def composed_rdp(rounds: Iterable[tuple[float, float, float]]) -> NDArray[np.float64]:

@@ -19,21 +19,28 @@ from numpy.typing import NDArray
 
 from protocol.errors import ConfigError
 
-__all__ = ["ORDERS", "skellam_rdp", "rdp_to_epsilon"]
+__all__ = ["ORDERS", "ORDERS_ARRAY", "check_positive", "check_delta", "skellam_rdp", "rdp_to_epsilon"]
 
 ORDERS: tuple[int, ...] = (*range(2, 65), 80, 96, 128, 160, 192, 256)
 """Integer Renyi orders at which privacy is tracked (the bound was verified at each of these)."""
 
-_ORDERS_ARRAY = np.asarray(ORDERS, dtype=np.float64)
+ORDERS_ARRAY = np.asarray(ORDERS, dtype=np.float64)
 
 
-def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
+def check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
     v = float(value)
     ok = math.isfinite(v) and (v >= 0.0 if allow_zero else v > 0.0)
     if not ok:
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{name} must be finite and {bound}, got {value!r}")
     return v
+
+
+def check_delta(delta: float) -> float:
+    d = float(delta)
+    if not (math.isfinite(d) and 0.0 < d < 1.0):
+        raise ConfigError(f"delta must be in (0, 1), got {delta!r}")
+    return d
 
 
 def skellam_rdp(
@@ -60,9 +67,9 @@ def skellam_rdp(
     ConfigError
         If mu <= 0, a sensitivity is negative, or an order is <= 1.
     """
-    m = _check_positive("mu", mu)
-    d1 = _check_positive("l1 sensitivity", l1, allow_zero=True)
-    d2 = _check_positive("l2 sensitivity", l2, allow_zero=True)
+    m = check_positive("mu", mu)
+    d1 = check_positive("l1 sensitivity", l1, allow_zero=True)
+    d2 = check_positive("l2 sensitivity", l2, allow_zero=True)
     a = np.asarray(orders, dtype=np.float64)
     if a.size == 0 or np.any(~np.isfinite(a)) or np.any(a <= 1.0):
         raise ConfigError("Renyi orders must be finite and > 1")
@@ -79,14 +86,12 @@ def rdp_to_epsilon(rdp: NDArray[np.float64], delta: float) -> float:
     ConfigError
         ``delta`` outside (0, 1) or a curve of the wrong length.
     """
-    d = float(delta)
-    if not (math.isfinite(d) and 0.0 < d < 1.0):
-        raise ConfigError(f"delta must be in (0, 1), got {delta!r}")
+    d = check_delta(delta)
     curve = np.asarray(rdp, dtype=np.float64)
-    if curve.shape != _ORDERS_ARRAY.shape:
+    if curve.shape != ORDERS_ARRAY.shape:
         raise ConfigError(f"an RDP curve needs {len(ORDERS)} values (one per order), got {curve.shape}")
     if not np.any(curve > 0):
         return 0.0
-    a = _ORDERS_ARRAY
+    a = ORDERS_ARRAY
     eps = curve + np.log1p(-1.0 / a) - (math.log(d) + np.log(a)) / (a - 1.0)
     return float(max(0.0, np.min(eps)))
