@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from protocol import crypto
+from protocol import crypto, shamir
 from protocol.errors import LocalProtocolError
 from protocol.shamir import PRIME, Share
 
@@ -65,11 +65,4 @@ class FixedDeviceSecrets:
         """
         if len(coefficients) != t - 1:
             raise LocalProtocolError(f"fixed secrets carry {len(coefficients)} coefficients, t={t} needs {t - 1}")
-        top_down = (int.from_bytes(secret, "big"), *coefficients)[::-1]
-        out = []
-        for x in range(1, count + 1):
-            y = 0
-            for c in top_down:
-                y = (y * x + c) % PRIME
-            out.append(Share(x, y))
-        return out
+        return shamir.evaluate((int.from_bytes(secret, "big"), *coefficients), count)

@@ -21,6 +21,7 @@ __all__ = [
     "PRIME",
     "SECRET_BYTES",
     "SHARE_BYTES",
+    "evaluate",
     "MAX_SHARES",
     "Share",
     "split",
@@ -103,7 +104,14 @@ def split(secret: bytes, t: int, k: int) -> list[Share]:
         raise ValueError(f"need 1 <= t <= k <= {MAX_SHARES}, got t={t}, k={k}")
     # Coefficients from the OS CSPRNG: the random polynomial is what hides the secret.
     coefficients = [int.from_bytes(secret, "big")] + [secrets.randbelow(PRIME) for _ in range(t - 1)]
-    top_down = coefficients[::-1]
+    return evaluate(coefficients, k)
+
+
+def evaluate(coefficients: Sequence[int], k: int) -> list[Share]:
+    """Shares 1..k of the polynomial c_0 + c_1 x + ... + c_{t-1} x^{t-1} over the field (c_0 is the secret).
+
+    `split` draws the coefficients; the fixed secrets of the test vectors pass their own."""
+    top_down = list(coefficients)[::-1]
     shares = []
     for x in range(1, k + 1):
         y = 0
