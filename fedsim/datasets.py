@@ -273,15 +273,20 @@ class _Problems:
         raise DatasetError(f"{self.path}: {total} malformed line(s):\n{shown}{more}")
 
 
-def _read_lines(path: Path) -> list[str]:
+def _read_bytes(path: Path) -> bytes:
+    """A data file's bytes, or one `DatasetError` naming the file and why it cannot be read."""
     if not path.exists():
         raise DatasetError(f"{path}: file not found")
     if not path.is_file():
         raise DatasetError(f"{path}: not a regular file")
     try:
-        raw = path.read_bytes()
+        return path.read_bytes()
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read ({exc.strerror})") from exc
+
+
+def _read_lines(path: Path) -> list[str]:
+    raw = _read_bytes(path)
     nul = raw.find(b"\x00", 0, 1 << 16)
     if nul >= 0:
         raise DatasetError(
@@ -756,14 +761,7 @@ def _parse_kgat_file(path: Path) -> _KgatLines:
     whitespace (signs, decimals, letters), an id of more than 18 digits, a user listed on two lines,
     an item listed twice on one line.
     """
-    if not path.exists():
-        raise DatasetError(f"{path}: file not found")
-    if not path.is_file():
-        raise DatasetError(f"{path}: not a regular file")
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DatasetError(f"{path}: cannot read ({exc.strerror})") from exc
+    raw = _read_bytes(path)
     b = np.frombuffer(raw, dtype=np.uint8)
     digit = (b >= 48) & (b <= 57)
     newline = b == 10
