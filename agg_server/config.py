@@ -71,7 +71,6 @@ _MIB = 1 << 20
 _MAX_BITS = MAX_RANK
 _MAX_ITEMS = MAX_ITEMS
 _MAX_LOCAL_STEPS = MAX_LOCAL_STEPS
-_MAX_SCALE_BITS = MAX_SCALE_BITS
 
 
 # -- field checks -------------------------------------------------------------------------------------
@@ -373,7 +372,7 @@ class RoundSection:
             _set(self, name, _float(key, getattr(self, name), lo=0.0, hi=1.0, hi_open=True))
         self._check_graph()
         _set(self, "clip_norm", _float("rounds.clip_norm", self.clip_norm, lo=0.0, lo_open=True))
-        _int("rounds.scale_bits", self.scale_bits, lo=0, hi=_MAX_SCALE_BITS)
+        _int("rounds.scale_bits", self.scale_bits, lo=0, hi=MAX_SCALE_BITS)
         try:
             QuantizationConfig(clip_norm=self.clip_norm, scale_bits=self.scale_bits)
         except ConfigError as exc:

@@ -39,7 +39,6 @@ MAX_SCALE_BITS = 30
 """Largest fixed-point scale s (values times 2**s must leave head-room in the 32-bit ring)."""
 DEFAULT_SCALE_BITS = 10
 """The quantization scale s a server uses unless configured (`rounds.scale_bits`); the one default."""
-_MAX_SCALE_BITS = MAX_SCALE_BITS
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +66,8 @@ class QuantizationConfig:
             raise ConfigError(f"clip_norm must be finite and > 0, got {self.clip_norm!r}")
         if isinstance(self.scale_bits, bool) or not isinstance(self.scale_bits, int | np.integer):
             raise ConfigError(f"scale_bits must be an integer, got {self.scale_bits!r}")
-        if not 0 <= self.scale_bits <= _MAX_SCALE_BITS:
-            raise ConfigError(f"scale_bits must be in [0, {_MAX_SCALE_BITS}], got {self.scale_bits}")
+        if not 0 <= self.scale_bits <= MAX_SCALE_BITS:
+            raise ConfigError(f"scale_bits must be in [0, {MAX_SCALE_BITS}], got {self.scale_bits}")
         if self.ring_bits != 32:
             raise ConfigError(f"ring_bits must be 32 (the only supported ring), got {self.ring_bits!r}")
         if self.max_abs_value >= _SIGNED_LIMIT:

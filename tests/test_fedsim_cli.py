@@ -351,7 +351,7 @@ def test_plan_privacy_prints_one_row_per_choice(capsys: pytest.CaptureFixture[st
     assert code == 0
     rows = [ln for ln in out.splitlines() if ln[:2] in ("1 ", "5 ")]
     assert len(rows) == 2
-    # More rounds at the same ε: more noise per round, so a smaller share above SNR 2.
+    # More rounds at the same ε: more noise per coordinate and round (the σ/coord column).
     assert float(rows[0].split()[3]) < float(rows[1].split()[3])
 
 
