@@ -85,6 +85,26 @@ _KEEP_FINISHED = 64  # outcomes of recent rounds kept for late long-polls
 CHECKIN_RATE = 400.0  # target check-ins per second from waiting devices
 
 
+def round_shape(
+    cfg: Any, fresh: list[int], rng: np.random.Generator, *, dp: bool
+) -> tuple[tuple[int, ...], int, int, int] | None:
+    """A round's cohort (drawn from ``fresh`` with the round generator), graph degree k, threshold t and
+    DP survivor floor t_min, by the `[rounds]` config ``cfg``; None when the operator fixed (k, t) and fewer
+    devices than the full cohort are available (those values were validated for that cohort only).
+    The one rule for the coordinator and the private-round simulator (`fedsim.privsim`)."""
+    n = min(cfg.cohort_size, len(fresh))
+    cohort = tuple(sorted(int(d) for d in rng.choice(np.array(fresh), size=n, replace=False)))
+    if cfg.k is not None and cfg.t is not None:
+        if n < cfg.cohort_size:
+            return None
+        k, t = cfg.k, cfg.t
+        validate_parameters(n, k, t, cfg.dropout_rate, cfg.adversary_rate)
+    else:
+        gp = find_parameters(n, cfg.dropout_rate, cfg.adversary_rate)
+        k, t = gp.k, gp.t
+    return cohort, k, t, minimum_survivors(n, cfg.dropout_rate) if dp else 0
+
+
 def token_digest(token: str) -> bytes:
     """SHA-256 of a bearer token: the only form in which the server stores it."""
     return hashlib.sha256(token.encode("utf-8")).digest()
@@ -350,17 +370,10 @@ class RoundCoordinator:
                 return
         round_id = self.storage.next_round_id()
         rng = self._rng(round_id)
-        n = min(cfg.cohort_size, len(fresh))
-        cohort = tuple(sorted(int(d) for d in rng.choice(np.array(fresh), size=n, replace=False)))
-        if cfg.k is not None and cfg.t is not None:
-            if n < cfg.cohort_size:
-                return  # the operator's (k, t) were validated for the full cohort only: wait for it
-            k, t = cfg.k, cfg.t
-            validate_parameters(n, k, t, cfg.dropout_rate, cfg.adversary_rate)
-        else:
-            gp = find_parameters(n, cfg.dropout_rate, cfg.adversary_rate)
-            k, t = gp.k, gp.t
-        t_min = minimum_survivors(n, cfg.dropout_rate) if self.mu else 0
+        shape = round_shape(cfg, fresh, rng, dp=bool(self.mu))
+        if shape is None:
+            return  # the operator's (k, t) were validated for the full cohort only: wait for it
+        cohort, k, t, t_min = shape
         timeouts = (
             cfg.advertise_timeout,
             cfg.share_keys_timeout,
@@ -408,8 +421,8 @@ class RoundCoordinator:
             l2=self.l2,
         )
         self._rounds_run += 1
-        self._emit("round_opened", {"round_id": round_id, "cohort": n})
-        log.info("round %d opened: %d devices, k=%d, t=%d, mu=%.4g", round_id, n, k, t, self.mu)
+        self._emit("round_opened", {"round_id": round_id, "cohort": len(cohort)})
+        log.info("round %d opened: %d devices, k=%d, t=%d, mu=%.4g", round_id, len(cohort), k, t, self.mu)
 
     # -- presence: phases close as soon as every device still there has answered ---------------------
     def poll_started(self, device_id: int, round_id: int) -> None:

@@ -46,6 +46,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from agg_server.config import ServerConfig
+from agg_server.coordinator import round_shape
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
 from device_sdk.client import DropoutAt, insecure_seeded_rngs
@@ -55,7 +56,7 @@ from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
 from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import ConfigError, NotEnoughParticipants
-from protocol.graph import find_parameters, harary_graph, validate_parameters
+from protocol.graph import harary_graph
 from protocol.messages import ModelPayload, RoundInvite
 from protocol.noise import (
     correct_noise,
@@ -249,15 +250,12 @@ class PrivateSimulator:
         round_id = self.next_round_id
         self.next_round_id += 1
         self._round_rng = rng = self._rng(round_id)
-        n = min(cfg.cohort_size, len(fresh))
-        cohort = tuple(sorted(int(d) for d in rng.choice(np.array(fresh), size=n, replace=False)))
-        if cfg.k is not None and cfg.t is not None:
-            k, t = cfg.k, cfg.t
-            validate_parameters(n, k, t, cfg.dropout_rate, cfg.adversary_rate)
-        else:
-            gp = find_parameters(n, cfg.dropout_rate, cfg.adversary_rate)
-            k, t = gp.k, gp.t
-        t_min = minimum_survivors(n, cfg.dropout_rate) if self.mu else 0
+        shape = round_shape(cfg, fresh, rng, dp=bool(self.mu))
+        if shape is None:  # the server would wait for a full cohort that a simulation never gets
+            raise ConfigError(
+                f"rounds.k/t are fixed for a cohort of {cfg.cohort_size} but only {len(fresh)} devices are eligible"
+            )
+        cohort, k, t, t_min = shape
         params = RoundParameters(
             round_id=round_id,
             vector_length=self.vector_length,
