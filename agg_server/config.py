@@ -240,6 +240,12 @@ class ModelSection:
         LightFR α >= 0: observed items weigh 1 + α under the all-items objective.
     hamming_weight : int
         B in [1, 255] of the devices' integer score (f − Hamming)·B + item level.
+    counts_share : float
+        LightFR all-items objective, s in [0, 1): the share of the clip norm the devices give the
+        per-item counts of their upload (the private popularity channel); 0 clips the upload as one.
+    popularity_span : float
+        LightFR all-items objective, >= 0: > 0 sets the item levels from the released counts on a log
+        scale spanning this bias range, instead of learning them (meant for DP rounds); 0 = learned.
     """
 
     kind: str = ModelKind.LIGHTFR.value
@@ -257,6 +263,8 @@ class ModelSection:
     unobserved_weight: float = 0.1
     confidence: float = 0.0
     hamming_weight: int = 2
+    counts_share: float = 0.0
+    popularity_span: float = 0.0
 
     def __post_init__(self) -> None:
         # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
@@ -296,6 +304,12 @@ class ModelSection:
             _float("model.unobserved_weight", self.unobserved_weight, lo=0.0, hi=1.0 + self.confidence),
         )
         _int("model.hamming_weight", self.hamming_weight, lo=1, hi=255)
+        _set(self, "counts_share", _float("model.counts_share", self.counts_share, lo=0.0, hi=1.0, hi_open=True))
+        _set(self, "popularity_span", _float("model.popularity_span", self.popularity_span, lo=0.0))
+        if (self.counts_share > 0 or self.popularity_span > 0) and self.unobserved_weight == 0:
+            raise ConfigError(
+                "model.counts_share / model.popularity_span need the all-items objective (model.unobserved_weight > 0)"
+            )
         if self.unobserved_weight > 0 and self.aggregation != Aggregation.GRAD.value:
             raise ConfigError("model.aggregation: the all-items objective (unobserved_weight > 0) needs 'grad'")
 

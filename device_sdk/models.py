@@ -26,7 +26,7 @@ from device_sdk.store import load_store, save_store
 from device_sdk.topk import HammingIndex
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
 from protocol.errors import ModelError, StorageError
-from protocol.families.lightfr import UploadLayout, bias_from_levels
+from protocol.families.lightfr import UploadLayout, bias_from_levels, clip_parts
 from protocol.messages import RoundInvite
 from protocol.spec import MAX_RANK, Aggregation
 
@@ -283,6 +283,8 @@ class LightFRModel(Recommender):
         if update.parts is not None:
             layout = UploadLayout(self.n_items, self.config.bits, full=True)
             vec = layout.join(**update.parts)
+            if invite.counts_share > 0:  # the private popularity channel's share of the clip norm
+                vec = clip_parts(vec, layout, invite.clip_norm, invite.counts_share)
             return LocalResult(vector=vec, examples=update.n_examples, info={"flips": update.flips})
         x = update.values.astype(np.float64)
         if aggregation is Aggregation.PARA:
