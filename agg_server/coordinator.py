@@ -27,7 +27,7 @@ import math
 import resource
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,7 @@ from protocol.messages import (
     Wait,
 )
 from protocol.noise import minimum_survivors
+from protocol.plan import TrainingPlan
 from protocol.quantization import QuantizationConfig, check_bit_budget, dequantize_sum, sensitivity
 from protocol.session import ACTIVE_PHASES, Phase, RoundParameters, ServerSecAggSession
 
@@ -115,7 +116,7 @@ class _OpenRound:
     round_id: int
     session: ServerSecAggSession
     cohort: tuple[int, ...]
-    plan: dict[str, Any]
+    plan: TrainingPlan
     rng: np.random.Generator
     base_version: int
     started: float
@@ -331,7 +332,7 @@ class RoundCoordinator:
                 invite = r.session.outbox(device_id)
                 if isinstance(invite, RoundInvite):
                     r.handed_out.add(device_id)
-                    return replace(invite, **r.plan)
+                    return invite.with_plan(r.plan)
             if device_id in r.handed_out:
                 # A device checks in only when it is in no round: this one left ours.
                 self._leave(r, device_id, "checked in again while in the round", now)
@@ -394,12 +395,14 @@ class RoundCoordinator:
             deadlines=deadlines,
         )
         session = ServerSecAggSession(params, cohort, rng=rng, defer_finish=self.defer_finish)
-        plan = round_plan(self.strategy, self.model_version, example_cap=cfg.example_cap)
+        plan = round_plan(
+            self.strategy, self.model_version, example_cap=cfg.example_cap, clip_norm=self.quantization.clip_norm
+        )
         self.storage.start_round(
             round_id,
             self.model_version,
             cohort,
-            {"k": k, "t": t, "mu": self.mu, "t_min": t_min, "deadlines": list(deadlines), **plan},
+            {"k": k, "t": t, "mu": self.mu, "t_min": t_min, "deadlines": list(deadlines), **plan.invite_fields()},
             now,
         )
         for d in cohort:
@@ -577,9 +580,7 @@ class RoundCoordinator:
             result = r.session.result()
             total = dequantize_sum(result.total, self.quantization)
             survivors = len(result.survivors)
-            state = self.strategy.aggregate(
-                self.model_state, total, survivors, r.rng, round_index=int(r.plan["round_index"])
-            )
+            state = self.strategy.aggregate(self.model_state, total, survivors, r.rng, round_index=r.plan.round_index)
             payload = self._payload(self.model_version + 1, state)
         except Exception as exc:
             return _Prepared(unmasked=True, error=exc)
@@ -674,7 +675,7 @@ class RoundCoordinator:
                 dequantize_sum(result.total, self.quantization),
                 survivors,
                 r.rng,
-                round_index=int(r.plan["round_index"]),
+                round_index=r.plan.round_index,
             )
             payload = self._payload(self.model_version + 1, state)
         except Exception as exc:

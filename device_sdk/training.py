@@ -64,15 +64,15 @@ def local_round(
     ValueError
         The plan is for another model kind or shape, or the data do not fit the model.
     """
-    if invite.model_kind != model.KIND:
-        raise ValueError(f"this device runs {model.KIND!r}; the round trains {invite.model_kind!r}")
+    plan = invite.plan
+    plan.check_fits(model.KIND, model.n_items, model.rank)
     if isinstance(items, LocalRatings):
         if ratings is not None:
             raise ValueError("pass ratings inside the LocalRatings")
         data = items
     else:
         data = LocalRatings.single_user(items, ratings)
-    result = model.local_update(invite, data, rng)
+    result = model.local_update(plan, data, rng)
     x = np.asarray(result.vector, dtype=np.float64).ravel()
     if x.size != invite.vector_length:
         raise ValueError(f"update has {x.size} elements, the round expects {invite.vector_length}")

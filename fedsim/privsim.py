@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,6 +67,7 @@ from protocol.noise import (
     to_ring,
 )
 from protocol.phases import prune_unmaskable, require_quorum
+from protocol.plan import TrainingPlan
 from protocol.quantization import (
     QuantizationConfig,
     check_bit_budget,
@@ -240,7 +241,7 @@ class PrivateSimulator:
         assert isinstance(msg, ModelPayload)
         return msg
 
-    def _open(self, eligible: Sequence[int]) -> tuple[int, tuple[int, ...], RoundParameters, dict[str, Any]] | None:
+    def _open(self, eligible: Sequence[int]) -> tuple[int, tuple[int, ...], RoundParameters, TrainingPlan] | None:
         cfg = self.config.rounds
         if cfg.max_rounds and self.next_round_id > cfg.max_rounds:
             self.stopped_reason = f"max_rounds={cfg.max_rounds} reached"
@@ -270,17 +271,19 @@ class PrivateSimulator:
             dp_t_min=t_min,
             deadlines=(0.0, 0.0, 0.0, 0.0),
         )
-        plan = round_plan(self.strategy, self.model_version, example_cap=cfg.example_cap)
+        plan = round_plan(
+            self.strategy, self.model_version, example_cap=cfg.example_cap, clip_norm=self.quantization.clip_norm
+        )
         return round_id, cohort, params, plan
 
-    def _commit(self, ring_total: NDArray[np.uint32], survivors: int, plan: Mapping[str, Any]) -> float | None:
+    def _commit(self, ring_total: NDArray[np.uint32], survivors: int, plan: TrainingPlan) -> float | None:
         self.last_release = ring_total.view(np.int32).astype(np.int64)
         total = dequantize_sum(ring_total, self.quantization)
         epsilon = None
         if self.ledger is not None:
             epsilon = self.ledger.record_round(self.mu, self.l1, self.l2)
         self.model_state = self.strategy.aggregate(
-            self.model_state, total, survivors, self._round_rng, round_index=int(plan["round_index"])
+            self.model_state, total, survivors, self._round_rng, round_index=plan.round_index
         )
         self.model_version += 1
         return epsilon
@@ -316,7 +319,7 @@ class PrivateSimulator:
         noise_rngs: dict[int, NoiseStream] = {}
         for d in cohort:
             model = devices[d]
-            invite: RoundInvite = replace(params.invite(d), **plan)
+            invite = params.invite(d).with_plan(plan)
             if model.model_version != invite.model_version:
                 model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
             training_rng, noise_rng = insecure_seeded_rngs(seed, round_id, d)
@@ -375,7 +378,7 @@ class PrivateSimulator:
             need_graph=late or len(cohort) <= 20_000,
         )
         sim = np.random.default_rng(np.random.SeedSequence([sim_seed, round_id]))
-        invite: RoundInvite = replace(params.invite(0), **plan)
+        invite = params.invite(0).with_plan(plan)
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         with one_blas_thread():

@@ -205,7 +205,7 @@ def test_batched_lightfr_devices_match_real_devices(tmp_path: Path) -> None:
     params = RoundParameters(
         round_id=1, vector_length=m * 16, k=n, t=1, clip_norm=4.0, scale_bits=10, deadlines=(0.0,) * 4
     )
-    invite = replace(params.invite(0), **round_plan(sim.strategy, 1))
+    invite = params.invite(0).with_plan(round_plan(sim.strategy, 1))
     expected = np.zeros(m * 16, dtype=np.int64)
     for j, (items, _) in enumerate(users):
         model = LightFRModel(m, LightFRConfig(bits=16), rng=np.random.default_rng(1))
