@@ -34,7 +34,7 @@ import math
 import resource
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -73,6 +73,7 @@ from protocol.messages import (
     Wait,
 )
 from protocol.noise import minimum_survivors
+from protocol.plan import TrainingPlan
 from protocol.quantization import QuantizationConfig, check_bit_budget, dequantize_sum, sensitivity
 from protocol.session import ACTIVE_PHASES, Phase, RoundParameters, ServerSecAggSession
 
@@ -123,7 +124,7 @@ class _OpenRound:
     round_id: int
     session: ServerSecAggSession
     cohort: tuple[int, ...]
-    plan: dict[str, Any]
+    plan: TrainingPlan
     rng: np.random.Generator
     base_version: int
     started: float
@@ -420,7 +421,7 @@ class RoundCoordinator:
                 invite = r.session.outbox(device_id)
                 if isinstance(invite, RoundInvite):
                     r.handed_out.add(device_id)
-                    return replace(invite, **r.plan)
+                    return invite.with_plan(r.plan)
             if device_id in r.handed_out:
                 # A device checks in only when it is in no round: this one left ours.
                 self._leave(r, device_id, "checked in again while in the round", now)
@@ -487,7 +488,9 @@ class RoundCoordinator:
             deadlines=deadlines,
         )
         session = ServerSecAggSession(params, cohort, rng=rng, defer_finish=self.defer_finish)
-        plan = round_plan(self.strategy, self.model_version, example_cap=cfg.example_cap)
+        plan = round_plan(
+            self.strategy, self.model_version, example_cap=cfg.example_cap, clip_norm=self.quantization.clip_norm
+        )
         reserved: list[PrivacyLedger] = []
 
         def reserve(stored: dict[str, Any] | None) -> dict[str, Any]:
@@ -507,7 +510,7 @@ class RoundCoordinator:
                 round_id,
                 self.model_version,
                 cohort,
-                {"k": k, "t": t, "mu": self.mu, "t_min": t_min, "deadlines": list(deadlines), **plan},
+                {"k": k, "t": t, "mu": self.mu, "t_min": t_min, "deadlines": list(deadlines), **plan.invite_fields()},
                 now,
                 fence=self.fence,
                 reserve=reserve if self.ledger is not None else None,
@@ -818,9 +821,7 @@ class RoundCoordinator:
             survivors = len(result.survivors)
             digest = hashlib.sha256(np.asarray(result.total, dtype="<u4").tobytes()).digest()
             total = dequantize_sum(result.total, self.quantization)
-            state = self.strategy.aggregate(
-                self.model_state, total, survivors, r.rng, round_index=int(r.plan["round_index"])
-            )
+            state = self.strategy.aggregate(self.model_state, total, survivors, r.rng, round_index=r.plan.round_index)
             payload = self._payload(self.model_version + 1, state)
         except Exception as exc:
             return _Prepared(unmasked=True, error=exc)
@@ -859,7 +860,7 @@ class RoundCoordinator:
                         head_bytes = self.storage.load_model(moved.head)
                         head_state = self._decode_model(moved.head, head_bytes)
                         state = self.strategy.aggregate(
-                            head_state, prepared.total, survivors, r.rng, round_index=int(r.plan["round_index"])
+                            head_state, prepared.total, survivors, r.rng, round_index=r.plan.round_index
                         )
                         base, payload = moved.head, self._payload(moved.head + 1, state)
                         self._set_model(moved.head, head_state, head_bytes)
