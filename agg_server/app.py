@@ -342,7 +342,7 @@ async def model(request: web.Request) -> web.StreamResponse:
     return web.Response(body=coordinator.model_bytes, content_type=MSGPACK, headers={"ETag": etag})
 
 
-def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable[web.Response]]:
+def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handler(request: web.Request) -> web.StreamResponse:
         device = _device(request)
         round_id = _round_id(request)

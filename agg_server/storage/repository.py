@@ -357,7 +357,7 @@ class Storage:
         at = _check_time("now", now)
         with self._transaction("start_round") as conn:
             conn.lock_rounds()
-            cohort, token = (0, 0) if fence is None else _check_fence(conn, "start_round", fence)
+            lead, token = (0, 0) if fence is None else _check_fence(conn, "start_round", fence)
             if conn.execute("SELECT 1 FROM rounds WHERE round_id = ?", (rid,)).fetchone():
                 raise StorageError(f"start_round: round {rid} already exists")
             if reserve is not None:
@@ -365,7 +365,7 @@ class Storage:
             conn.execute(
                 "INSERT INTO rounds (round_id, started_at, status, base_model_version, cohort_size, params, "
                 "cohort, lease_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (rid, at, RoundStatus.OPEN.value, base, len(members), text, cohort, token),
+                (rid, at, RoundStatus.OPEN.value, base, len(members), text, lead, token),
             )
             conn.executemany(
                 "INSERT INTO participation (round_id, device_id, phase, status, at) VALUES (?, ?, ?, ?, ?)",
