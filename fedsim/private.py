@@ -184,7 +184,7 @@ def _one_round(
                 raise RuntimeError("the coordinator's model is not a ModelPayload")
             dev.model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
         training_rng, noise_rng = insecure_seeded_rngs(seed, round_id, d)
-        ring, _ = local_round(dev.model, invite, dev.data, None, training_rng)
+        ring, _ = local_round(dev.model, invite, dev.data, None, training_rng, coins=noise_rng)
         sessions[d] = DeviceSecAggSession(invite, rng=noise_rng)
         sessions[d].provide_input(ring)
         pending[d] = sessions[d].send()

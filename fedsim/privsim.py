@@ -89,6 +89,9 @@ __all__ = [
     "run_simulated",
 ]
 
+#: Context word of the scale mode's rounding-coin stream (its noise stream is keyed by (seed, round) alone).
+_ROUNDING_CONTEXT = 0x90D
+
 
 @dataclass(frozen=True, slots=True)
 class Survivors:
@@ -320,7 +323,7 @@ class PrivateSimulator:
             if model.model_version != invite.model_version:
                 model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
             training_rng, noise_rng = insecure_seeded_rngs(seed, round_id, d)
-            rings[d], _ = local_round(model, invite, data[d], None, training_rng)
+            rings[d], _ = local_round(model, invite, data[d], None, training_rng, coins=noise_rng)
             noise_rngs[d] = noise_rng
         sets = survivor_sets(cohort, drops, k=params.k, t=params.t, t_min=params.dp_t_min, rng=self._round_rng)
         if not sets.released:
@@ -379,7 +382,9 @@ class PrivateSimulator:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         with one_blas_thread():
-            total = trainer.quantized_sum(self.model_state, invite, cohort, sets.u3, sim)
+            # a simulation: the rounding coins come from a seeded stream, so ε is not a guarantee here
+            coins = insecure_test_noise_stream(sim_seed, round_id, _ROUNDING_CONTEXT)
+            total = trainer.quantized_sum(self.model_state, invite, cohort, sets.u3, sim, coins)
         timings["devices"] = time.perf_counter() - t0
         if not sets.released:
             return RoundOutcome(round_id, False, sets, self._spent(), self.model_version, time.perf_counter() - start)
@@ -510,9 +515,11 @@ class LightFRCohort:
         cohort: Iterable[int],
         survivors: Iterable[int],
         rng: np.random.Generator,
+        coins: NoiseStream,
     ) -> NDArray[np.int64]:
         """Train every cohort device for one round; return Σ over ``survivors`` of the quantized
-        uploads as signed integers (length m·f)."""
+        uploads as signed integers (length m·f).  ``rng`` drives training, ``coins`` the stochastic
+        rounding (of the non-zero part of each upload: same law as a device's dense rounding, other words)."""
         from device_sdk.lightfr import dcd_update, inner_products, sample_negatives
         from protocol.spec import Aggregation
 
@@ -584,7 +591,7 @@ class LightFRCohort:
                 if a == b:
                     continue
                 clipped, _ = clip_l2(vals[a:b], qcfg.clip_norm)
-                q = stochastic_round(clipped * qcfg.scale, rng)
+                q = stochastic_round(clipped * qcfg.scale, coins)
                 idx = (uitem[a:b, None] * f + np.arange(f)).ravel()
                 _scatter_add(total, idx, q.ravel())
         return total
