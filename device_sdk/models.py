@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
@@ -27,12 +28,13 @@ from device_sdk.topk import HammingIndex
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
 from protocol.errors import ModelError, StorageError
 from protocol.families.lightfr import UploadLayout, bias_from_levels, clip_parts
-from protocol.messages import RoundInvite
+from protocol.plan import LightFRParams, TrainingPlan
 from protocol.spec import MAX_RANK, Aggregation
 
 __all__ = ["LightFRConfig", "LightFRModel", "LocalUpdate", "apply_plan"]
 
 _KIND = "lightfr"
+_PARAMS = LightFRParams()
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,37 +64,37 @@ class LightFRConfig:
     """
 
     bits: int = 64
-    lam: float = 0.0
-    negatives: int = 4
-    local_epochs: int = 1
-    max_sweeps: int = 10
+    # The training parameters: defaults and bounds are `protocol.plan.LightFRParams`' (a round's plan
+    # replaces them).
+    lam: float = _PARAMS.lam
+    negatives: int = _PARAMS.negatives
+    local_epochs: int = _PARAMS.local_epochs
+    max_sweeps: int = _PARAMS.max_sweeps
     rating_range: tuple[float, float] | None = (1.0, 5.0)
     binary_positives: bool = False
-    unobserved_weight: float = 0.1
-    confidence: float = 0.0
+    unobserved_weight: float = _PARAMS.unobserved_weight
+    confidence: float = _PARAMS.confidence
 
     def __post_init__(self) -> None:
-        if not (np.isfinite(self.confidence) and self.confidence >= 0):
-            raise ValueError(f"confidence must be a finite value >= 0, got {self.confidence}")
-        if not (np.isfinite(self.unobserved_weight) and 0 <= self.unobserved_weight <= 1 + self.confidence):
-            raise ValueError(
-                f"unobserved_weight must be in [0, 1 + confidence = {1 + self.confidence}], "
-                f"got {self.unobserved_weight}"
-            )
         if not 1 <= self.bits <= MAX_RANK:
             raise ValueError(f"bits must be in [1, {MAX_RANK}], got {self.bits}")
-        if not (self.lam >= 0 and np.isfinite(self.lam)):
-            raise ValueError(f"lam must be a finite value >= 0, got {self.lam}")
-        if self.negatives < 0:
-            raise ValueError(f"negatives must be >= 0, got {self.negatives}")
-        if self.local_epochs < 1:
-            raise ValueError(f"local_epochs must be >= 1, got {self.local_epochs}")
-        if self.max_sweeps < 1:
-            raise ValueError(f"max_sweeps must be >= 1, got {self.max_sweeps}")
+        self.params(Aggregation.GRAD)  # the plan's bounds, as the server's config checks them
         if self.rating_range is not None:
             lo, hi = self.rating_range
             if not (np.isfinite(lo) and np.isfinite(hi) and hi > lo):
                 raise ValueError(f"rating_range must be (low, high) with high > low, got {self.rating_range}")
+
+    def params(self, aggregation: Aggregation) -> LightFRParams:
+        """These training parameters as a `protocol.plan.LightFRParams` (which validates them)."""
+        return LightFRParams(
+            aggregation=aggregation,
+            lam=self.lam,
+            negatives=self.negatives,
+            local_epochs=self.local_epochs,
+            max_sweeps=self.max_sweeps,
+            unobserved_weight=self.unobserved_weight,
+            confidence=self.confidence,
+        )
 
     def normalize(self, ratings: NDArray[np.float64] | None, n: int) -> NDArray[np.float64]:
         """Targets in [0, 1] for ``n`` observed ratings (all 1 when ``ratings`` is None)."""
@@ -257,14 +259,14 @@ class LightFRModel(Recommender):
         self.item_levels = levels
         self.hamming_weight = hamming_weight
 
-    def local_update(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
-        """One round of local training as ``invite``'s plan says; the upload is the item gradient
+    def local_update(self, plan: TrainingPlan, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
+        """One round of local training as ``plan`` says; the upload is the item gradient
         (Agg_grad) or the change D^u − D of the local item codes (Agg_para), flattened.
 
         Draws from ``rng`` in a fixed order: a first-round user code, the θ ratings kept, the
         negatives and DCD tie-breaks inside `fit_local`.
         """
-        apply_plan(self, invite)
+        apply_plan(self, plan)
         if data.n_users != 1 or self.n_users != 1:
             raise ValueError("a LightFR device trains one user per round")
         data.check_items(self.n_items)
@@ -273,18 +275,20 @@ class LightFRModel(Recommender):
             # seeded simulation is reproducible and a real device's start is cryptographically random.
             self.reset_user(rng)
         item_ids, values = data.items, data.ratings
-        if invite.example_cap and item_ids.size > invite.example_cap:
+        if plan.example_cap and item_ids.size > plan.example_cap:
             # θ of the device's ratings per round bound its contribution (per-user DP).
-            keep = np.sort(rng.choice(item_ids.size, invite.example_cap, replace=False))
+            keep = np.sort(rng.choice(item_ids.size, plan.example_cap, replace=False))
             item_ids = item_ids[keep]
             values = None if values is None else values[keep]
-        aggregation = Aggregation(invite.aggregation)
+        assert isinstance(plan.params, LightFRParams)  # apply_plan checked the kind
+        aggregation = plan.params.aggregation
         update = self.fit_local(item_ids, values, aggregation=aggregation, rng=rng)
         if update.parts is not None:
             layout = UploadLayout(self.n_items, self.config.bits, full=True)
             vec = layout.join(**update.parts)
-            if invite.counts_share > 0:  # the private popularity channel's share of the clip norm
-                vec = clip_parts(vec, layout, invite.clip_norm, invite.counts_share)
+            share = plan.params.counts_share
+            if share > 0 and math.isfinite(plan.clip_norm):  # the private popularity channel's part of C
+                vec = clip_parts(vec, layout, plan.clip_norm, share)
             return LocalResult(vector=vec, examples=update.n_examples, info={"flips": update.flips})
         x = update.values.astype(np.float64)
         if aggregation is Aggregation.PARA:
@@ -562,22 +566,18 @@ class LightFRModel(Recommender):
         return model
 
 
-def apply_plan(model: LightFRModel, invite: RoundInvite) -> None:
-    """Adopt the round's training plan (λ, negatives, epochs, sweeps) after checking it fits the
-    model the device holds."""
-    if invite.model_kind != _KIND:
-        raise ValueError(f"this device runs LightFR; the round trains {invite.model_kind!r}")
-    if invite.bits != model.config.bits or invite.n_items != model.n_items:
-        raise ValueError(
-            f"round plan is f={invite.bits}, m={invite.n_items}; the device model is "
-            f"f={model.config.bits}, m={model.n_items}"
-        )
+def apply_plan(model: LightFRModel, plan: TrainingPlan) -> None:
+    """Adopt the round's training plan (λ, negatives, epochs, sweeps, w0, α) after checking it fits
+    the model the device holds."""
+    plan.check_fits(_KIND, model.n_items, model.config.bits)
+    p = plan.params
+    assert isinstance(p, LightFRParams)
     model.config = replace(
         model.config,
-        lam=invite.lam,
-        negatives=invite.negatives,
-        local_epochs=invite.local_epochs,
-        max_sweeps=invite.max_sweeps,
-        unobserved_weight=invite.unobserved_weight,
-        confidence=invite.confidence,
+        lam=p.lam,
+        negatives=p.negatives,
+        local_epochs=p.local_epochs,
+        max_sweeps=p.max_sweeps,
+        unobserved_weight=p.unobserved_weight,
+        confidence=p.confidence,
     )

@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs
 from protocol.families.lightfr import LEVEL_CENTER, UploadLayout, bias_from_levels, levels_from_bias
+from protocol.plan import LightFRParams
 from protocol.spec import Aggregation
 
 __all__ = [
@@ -265,20 +266,13 @@ class LightFRServerStrategy:
     popularity_span: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.counts_share < 1:
-            raise ValueError(f"counts_share must be in [0, 1), got {self.counts_share}")
         if not (np.isfinite(self.popularity_span) and self.popularity_span >= 0):
             raise ValueError(f"popularity_span must be a finite value >= 0, got {self.popularity_span}")
-        if (self.counts_share > 0 or self.popularity_span > 0) and self.unobserved_weight == 0:
-            raise ValueError("counts_share and popularity_span need the all-items objective (unobserved_weight > 0)")
-        if not (np.isfinite(self.confidence) and self.confidence >= 0):
-            raise ValueError(f"confidence must be a finite value >= 0, got {self.confidence}")
-        if not (np.isfinite(self.unobserved_weight) and 0 <= self.unobserved_weight <= 1 + self.confidence):
-            raise ValueError(f"unobserved_weight must be in [0, 1 + confidence], got {self.unobserved_weight}")
+        if self.popularity_span > 0 and self.unobserved_weight == 0:
+            raise ValueError("popularity_span needs the all-items objective (unobserved_weight > 0)")
         if not 1 <= self.hamming_weight <= 255:
             raise ValueError(f"hamming_weight must be in [1, 255], got {self.hamming_weight}")
-        if self.full and self.rule.aggregation is not Aggregation.GRAD:
-            raise ValueError("the all-items objective (unobserved_weight > 0) needs aggregation 'grad'")
+        self.plan()  # the plan's bounds: `protocol.plan.LightFRParams` checks them
 
     @property
     def full(self) -> bool:
@@ -303,17 +297,17 @@ class LightFRServerStrategy:
             return codes
         return np.concatenate([codes, np.zeros((self.n_items, 1), np.int8)], axis=1)
 
-    def plan(self) -> dict[str, object]:
-        return {
-            "aggregation": self.rule.aggregation.value,
-            "lam": float(self.rule.lam),
-            "negatives": self.negatives,
-            "local_epochs": self.local_epochs,
-            "max_sweeps": self.max_sweeps,
-            "unobserved_weight": float(self.unobserved_weight),
-            "confidence": float(self.confidence),
-            "counts_share": float(self.counts_share),
-        }
+    def plan(self) -> LightFRParams:
+        return LightFRParams(
+            aggregation=self.rule.aggregation,
+            lam=self.rule.lam,
+            negatives=self.negatives,
+            local_epochs=self.local_epochs,
+            max_sweeps=self.max_sweeps,
+            unobserved_weight=self.unobserved_weight,
+            confidence=self.confidence,
+            counts_share=self.counts_share,
+        )
 
     def codes(self, state: NDArray[np.int8]) -> NDArray[np.int8]:
         """The (m, f) item codes of a state."""
