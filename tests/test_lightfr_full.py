@@ -234,7 +234,7 @@ def test_popularity_levels_follow_the_released_counts_and_average_over_rounds() 
     st = LightFRServerStrategy(
         LightFRStrategy(bits=f), m, unobserved_weight=0.1, hamming_weight=1, counts_share=0.5, popularity_span=2.0
     )
-    assert st.plan()["counts_share"] == 0.5
+    assert st.plan().counts_share == 0.5
     layout = st.layout
     state = st.initialize(np.random.default_rng(0))
     parts = {
