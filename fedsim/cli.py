@@ -393,8 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="reproducible rounds: the fleet picks each round's N devices from --seed and only those check in, and "
         "the devices' training is seeded; with a server whose rounds.cohort_size is N and rounds.seed is set, "
-        "runs with the same seeds commit the same rounds and the same model on every back-end and split "
-        "(default: every device checks in whenever it is free)",
+        "runs with the same seeds commit the same rounds on every back-end and split, and with "
+        "--insecure-seed-noise the same model (default: every device checks in whenever it is free)",
+    )
+    lt.add_argument(
+        "--insecure-seed-noise",
+        action="store_true",
+        help="TEST HOOK: derive every device's noise stream (DP noise and stochastic-rounding coins) from --seed "
+        "too, so seeded runs commit bit-identical models; anyone who knows the seed can remove the noise, so the "
+        "run's ε is NOT a privacy guarantee (it says so)",
     )
     lt.add_argument(
         "--seed",
@@ -1242,6 +1249,7 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
                 announce_drops=args.announce_drops,
                 cohort=args.cohort,
                 seed_training=args.cohort is not None,
+                insecure_reproducible=args.insecure_seed_noise,
             )
             report = run_loadtest(
                 cfg,
