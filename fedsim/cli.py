@@ -37,9 +37,12 @@ from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, r
 from fedsim.report import result_record, write_json
 from fedsim.ui import progress, table
 from protocol.errors import ConfigError, FedRecError
-from protocol.spec import Aggregation
+from protocol.plan import LightFRParams
+from protocol.spec import MAX_LOCAL_STEPS, Aggregation
 
 __all__ = ["main", "build_parser"]
+
+_LIGHTFR = LightFRParams()  # the training defaults the CLI shows are the plan's
 
 
 def _parse_int(text: str, low: int) -> int:
@@ -54,6 +57,14 @@ def _parse_int(text: str, low: int) -> int:
 
 def _positive_int(text: str) -> int:
     return _parse_int(text, 1)
+
+
+def _local_steps(text: str) -> int:
+    # Local epochs, sweeps and steps: the bounds every training plan has (`protocol.plan`).
+    value = _parse_int(text, 1)
+    if value > MAX_LOCAL_STEPS:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_LOCAL_STEPS}, got {value}")
+    return value
 
 
 def _nonneg_int(text: str) -> int:
@@ -147,8 +158,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default="binary",
         help="fit observed items as 1 (binary, default) or as their normalised rating",
     )
-    g.add_argument("--epochs", type=_positive_int, default=1, help="local epochs E per round (default: 1)")
-    g.add_argument("--sweeps", type=_positive_int, default=10, help="cap on DCD sweeps per epoch (default: 10)")
+    g.add_argument(
+        "--epochs", type=_local_steps, default=_LIGHTFR.local_epochs, help="local epochs E per round (default: 1)"
+    )
+    g.add_argument(
+        "--sweeps", type=_local_steps, default=_LIGHTFR.max_sweeps, help="cap on DCD sweeps per epoch (default: 10)"
+    )
 
 
 def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
@@ -193,7 +208,7 @@ def _add_family_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clients", type=_positive_int, default=None, help="felb/fnmf clients (default 10; 50 on ratings)")
     g.add_argument(
         "--local-steps",
-        type=_positive_int,
+        type=_local_steps,
         default=None,
         help="local iterations per round: felb b (default 10), fnmf T (default 100)",
     )

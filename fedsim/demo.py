@@ -255,8 +255,6 @@ def run_demo_fleet(
             },
             "log": {"format": "text", "level": "warning"},
         }
-        if exp.rating_range is not None:
-            settings["model"].update(rating_min=exp.rating_range[0], rating_max=exp.rating_range[1])
         config_path = root / "server.toml"
         write_server_config(config_path, settings)
         # Where and when (paths, port, seconds) goes to stderr; stdout is the run's result, the same in
