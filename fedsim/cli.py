@@ -770,7 +770,6 @@ _NOT_PRIVATE_LIGHTFR = (
     "lam",
     "sweeps",
     "epochs",
-    "unobserved_weight",
     "confidence",
     "targets",
     "aggregation",
@@ -945,13 +944,20 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
         threshold=args.threshold,
         pop_share=args.pop_share,
         seed=args.seed,
+        # The server's objective unless asked: all items (w0 > 0, learned item levels), or sampled negatives.
+        unobserved_weight=_unobserved_weight(args),
     )
     n_users = data.train.n_users
     out.write(
         f"private LightFR on {args.dataset}: {n_users} devices, every one in every round; ε={args.epsilon:g} at "
         f"δ=1e-5 over a private popularity release ({args.pop_share:g} of ε) and T={rounds} rounds, θ="
-        f"{settings.example_cap} items per device, C={settings.clip_norm:g}, {settings.negatives} negatives per item, "
-        f"flip fraction {settings.flip_fraction:g}, "
+        f"{settings.example_cap} items per device, C={settings.clip_norm:g}, "
+        + (
+            f"all-items objective (w0={settings.unobserved_weight:g}, learned item levels), "
+            if settings.unobserved_weight > 0
+            else f"{settings.negatives} negatives per item, "
+        )
+        + f"flip fraction {settings.flip_fraction:g}, "
         f"noise-aware threshold {args.threshold:g}σ; rounds through the private-round simulator (fedsim.privsim)\n"
     )
 
