@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import secrets
@@ -51,6 +52,7 @@ from protocol.errors import (
     PermissionDenied,
     PrivacyBudgetExceeded,
     ProtocolError,
+    RateLimited,
     RemoteProtocolError,
     RoundError,
     VersionMismatch,
@@ -58,6 +60,7 @@ from protocol.errors import (
 from protocol.messages import (
     Abort,
     CheckIn,
+    ConsistencySignature,
     EncryptedShares,
     ErrorMessage,
     MaskedInput,
@@ -117,6 +120,7 @@ _STATUS: list[tuple[type[FedRecError], int]] = [
     (DatasetError, 400),
     (RoundError, 409),
     (PrivacyBudgetExceeded, 409),
+    (RateLimited, 429),
 ]
 
 
@@ -131,12 +135,10 @@ def status_for(exc: FedRecError) -> int:
 def _error_response(request: web.Request, exc: FedRecError, status: int, request_id: str) -> web.Response:
     message = ErrorMessage.from_exception(exc)
     request[dashboard.ERROR] = message  # for the metrics and the error ring, without decoding the body
-    return web.Response(
-        body=encode(message),
-        status=status,
-        content_type=MSGPACK,
-        headers={"X-Request-Id": request_id},
-    )
+    headers = {"X-Request-Id": request_id}
+    if isinstance(exc, RateLimited):
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return web.Response(body=encode(message), status=status, content_type=MSGPACK, headers=headers)
 
 
 @web.middleware
@@ -251,8 +253,35 @@ async def register(request: web.Request) -> web.Response:
     msg = await _read(request)
     if not isinstance(msg, RegisterRequest):
         raise RemoteProtocolError(f"expected RegisterRequest, got {type(msg).__name__}")
-    reply = request.app[COORDINATOR].register(msg.platform, request.app[_CLOCK]())
+    reply = request.app[COORDINATOR].register(
+        msg.platform,
+        request.app[_CLOCK](),
+        certificate=msg.certificate,
+        proof=msg.proof,
+        enrollment_token=msg.enrollment_token,
+        peer=request.remote or "",
+    )
     return _send(reply, status=201)
+
+
+async def admin_enrollment_tokens(request: web.Request) -> web.Response:
+    """``POST /v1/admin/enrollment-tokens`` (admin token): JSON ``{"count": n, "source": "label"}`` →
+    ``{"source": "token:label", "tokens": [...]}``, one-time enrollment tokens shown once."""
+    request.app[dashboard.OPERATOR].check_admin(request.headers.get("Authorization"))
+    try:
+        doc = json.loads(await _read_body(request, SMALL_BODY_BYTES))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RemoteProtocolError(f"enrollment-tokens: the body is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or set(doc) - {"count", "source"}:
+        raise RemoteProtocolError('enrollment-tokens: expected {"count": <int>, "source": "<label>"}')
+    try:
+        tokens = request.app[COORDINATOR].enrollment.issue_tokens(
+            doc.get("count", 1), doc.get("source", ""), request.app[_CLOCK]()
+        )
+    except ValueError as exc:
+        raise RemoteProtocolError(f"enrollment-tokens: {exc}") from None
+    log.info("issued %d enrollment tokens under source token:%s", len(tokens), doc.get("source"))
+    return web.json_response({"source": f"token:{doc.get('source')}", "tokens": tokens}, status=201)
 
 
 async def check_in(request: web.Request) -> web.Response:
@@ -297,6 +326,7 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         before = _fingerprint(coordinator)
         try:
             after = coordinator.submit(device, round_id, msg, clock(), digest=digest)
+            consistency = isinstance(msg, ConsistencySignature)
         finally:
             _notify_if_moved(app, before)
         leaving = isinstance(msg, Abort)
@@ -317,7 +347,7 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         coordinator.poll_started(device, round_id)
         try:
             while True:
-                reply = coordinator.reply(device, round_id, after)
+                reply = coordinator.reply(device, round_id, after, consistency=consistency)
                 if reply is not None:
                     answered = True
                     return _send(reply)
@@ -388,7 +418,9 @@ async def _finish(app: web.Application, job: FinishJob) -> None:
 def _fingerprint(coordinator: RoundCoordinator) -> tuple[Any, ...]:
     """What long-polls wait for: the model version, the open round, its phase, and whether it finishes."""
     r = coordinator.open_round
-    return (coordinator.model_version, None if r is None else (r.round_id, r.session.phase, r.finishing))
+    if r is None:
+        return (coordinator.model_version, None)
+    return (coordinator.model_version, (r.round_id, r.session.phase, r.session.consistency_open, r.finishing))
 
 
 def _notify_if_moved(app: web.Application, before: tuple[Any, ...]) -> None:
@@ -475,10 +507,12 @@ def create_app(
     app.router.add_post("/v1/rounds/{round_id}/keys", _phase_handler(PublicKeys))
     app.router.add_post("/v1/rounds/{round_id}/shares", _phase_handler(EncryptedShares))
     app.router.add_post("/v1/rounds/{round_id}/masked", _phase_handler(MaskedInput))
+    app.router.add_post("/v1/rounds/{round_id}/consistency", _phase_handler(ConsistencySignature))
     app.router.add_post("/v1/rounds/{round_id}/unmask", _phase_handler(UnmaskResponse))
     app.router.add_post("/v1/rounds/{round_id}/abort", _phase_handler(Abort))
     app.router.add_get("/v1/health", health)
     app.router.add_get("/v1/status", status)
+    app.router.add_post("/v1/admin/enrollment-tokens", admin_enrollment_tokens)
     # The dashboard (GET /), its JSON, /metrics and the admin quality endpoint; observes the coordinator.
     dashboard.install(app, config=config, clock=clock, coordinator=COORDINATOR, storage=_STORAGE)
     return app
