@@ -158,9 +158,9 @@ def test_devices_through_the_wire_match_the_in_process_cohort() -> None:
     """LightFRModel devices fed the server's ModelPayload and RoundInvite upload vectors whose sum,
     aggregated by the server strategy, is exactly the in-process batched step (codes and levels)."""
     from agg_server.strategy import LightFRServerStrategy, LightFRStrategy
+    from agg_server.strategy.base import round_plan
     from device_sdk.family import LocalRatings
     from device_sdk.models import LightFRConfig, LightFRModel
-    from fedsim.private import in_process_invite
     from protocol.codec import decode, encode
     from protocol.messages import ModelPayload
 
@@ -178,7 +178,7 @@ def test_devices_through_the_wire_match_the_in_process_cohort() -> None:
     )
     assert isinstance(wire, ModelPayload) and len(wire.item_levels) == m and wire.hamming_weight == 2
     np.testing.assert_array_equal(strategy.from_wire(wire.words, wire.values, wire.item_levels), state)
-    invite = in_process_invite(strategy, 1)
+    plan = round_plan(strategy, 1)
     B0 = random_signs(n, f, rng)
     total = np.zeros(strategy.vector_length)
     for u in range(n):
@@ -186,7 +186,7 @@ def test_devices_through_the_wire_match_the_in_process_cohort() -> None:
         dev.set_global(wire.words, wire.values, 1, **wire.lightfr_extras())
         dev.user_codes[0] = B0[u]
         dev.user_trained[0] = True
-        res = dev.local_update(invite, LocalRatings.single_user(items[indptr[u] : indptr[u + 1]], None), rng)
+        res = dev.local_update(plan, LocalRatings.single_user(items[indptr[u] : indptr[u + 1]], None), rng)
         assert res.vector.size == strategy.vector_length == m * f + 2 * m + f * f + f
         total += res.vector
     new_state = strategy.aggregate(state, total, n, np.random.default_rng(0), round_index=0)

@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs
 from protocol.families.lightfr import LEVEL_CENTER, UploadLayout, bias_from_levels, levels_from_bias
+from protocol.plan import LightFRParams
 from protocol.spec import Aggregation
 
 __all__ = [
@@ -242,14 +243,9 @@ class LightFRServerStrategy:
     learn_bias: bool = True
 
     def __post_init__(self) -> None:
-        if not (np.isfinite(self.confidence) and self.confidence >= 0):
-            raise ValueError(f"confidence must be a finite value >= 0, got {self.confidence}")
-        if not (np.isfinite(self.unobserved_weight) and 0 <= self.unobserved_weight <= 1 + self.confidence):
-            raise ValueError(f"unobserved_weight must be in [0, 1 + confidence], got {self.unobserved_weight}")
         if not 1 <= self.hamming_weight <= 255:
             raise ValueError(f"hamming_weight must be in [1, 255], got {self.hamming_weight}")
-        if self.full and self.rule.aggregation is not Aggregation.GRAD:
-            raise ValueError("the all-items objective (unobserved_weight > 0) needs aggregation 'grad'")
+        self.plan()  # the plan's bounds: `protocol.plan.LightFRParams` checks them
 
     @property
     def full(self) -> bool:
@@ -274,16 +270,16 @@ class LightFRServerStrategy:
             return codes
         return np.concatenate([codes, np.zeros((self.n_items, 1), np.int8)], axis=1)
 
-    def plan(self) -> dict[str, object]:
-        return {
-            "aggregation": self.rule.aggregation.value,
-            "lam": float(self.rule.lam),
-            "negatives": self.negatives,
-            "local_epochs": self.local_epochs,
-            "max_sweeps": self.max_sweeps,
-            "unobserved_weight": float(self.unobserved_weight),
-            "confidence": float(self.confidence),
-        }
+    def plan(self) -> LightFRParams:
+        return LightFRParams(
+            aggregation=self.rule.aggregation,
+            lam=self.rule.lam,
+            negatives=self.negatives,
+            local_epochs=self.local_epochs,
+            max_sweeps=self.max_sweeps,
+            unobserved_weight=self.unobserved_weight,
+            confidence=self.confidence,
+        )
 
     def codes(self, state: NDArray[np.int8]) -> NDArray[np.int8]:
         """The (m, f) item codes of a state."""
