@@ -636,7 +636,9 @@ def identity_vectors() -> dict[str, Any]:
         certificate=certificate,
         signature=device.sign(advert),
     )
-    signature = ConsistencySignature(round_id=7, device_id=42, session_id=session, signature=device.sign(survivor_payload))
+    signature = ConsistencySignature(
+        round_id=7, device_id=42, session_id=session, signature=device.sign(survivor_payload)
+    )
     for sig, data in ((proof, registration), (keys.signature, advert), (signature.signature, survivor_payload)):
         crypto.verify_signature(device.public_key, sig, data)
     return {
