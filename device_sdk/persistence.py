@@ -128,8 +128,9 @@ def load_or_create_signing_key(store_dir: Path) -> SigningKey:
     Raises
     ------
     StorageError
-        The key file is corrupt or malformed.  It is never replaced silently: a new key would not match
-        the device's certificate, so the device must be re-enrolled by its operator.
+        The key file is corrupt or malformed (the store moves a corrupt file aside and raises).  A later
+        call then creates a new key, which no longer matches the device's certificate: its rounds fail
+        with `CryptoError` until the operator re-enrolls it.
     """
     path = store_dir / SIGNING_KEY_FILE
     if path.exists():

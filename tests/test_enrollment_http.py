@@ -488,3 +488,46 @@ async def test_split_view_is_refused_by_every_device_over_http(aiohttp_server: A
     assert session is None or not session._responded
     for c in clients:
         await c.close()
+
+
+# -- keys at rest ---------------------------------------------------------------------------------------------
+
+
+def test_device_identity_key_is_persisted_and_never_silently_replaced(tmp_path: Path) -> None:
+    import os
+
+    from device_sdk.persistence import SIGNING_KEY_FILE
+    from protocol.errors import StorageError
+
+    def client() -> DeviceClient:
+        return DeviceClient.connect(
+            "http://127.0.0.1:9",
+            ClientConfig(store_dir=tmp_path / "dev"),
+            items=[1, 2],
+            ratings=None,
+            n_items=N_ITEMS,
+            bits=BITS,
+        )
+
+    first = client().identity_public_key
+    assert len(first) == 32 and client().identity_public_key == first  # a restart keeps the identity
+    assert not [p for p in os.listdir(tmp_path / "dev") if ".tmp-" in p]  # written atomically, no leftovers
+    path = tmp_path / "dev" / SIGNING_KEY_FILE
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(StorageError):
+        _ = client().identity_public_key  # a corrupt key is an error: a new key would not match the certificate
+
+
+def test_the_authority_key_file_is_private_and_never_overwritten(tmp_path: Path) -> None:
+    ca = EnrollmentAuthority.generate()
+    path = tmp_path / "ca.key"
+    ca.save(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert EnrollmentAuthority.load(path).public_key == ca.public_key
+    with pytest.raises(ConfigError, match="never overwritten"):
+        EnrollmentAuthority.generate().save(path)
+    path.write_text("not a key\n")
+    with pytest.raises(ConfigError, match="not a fedrec enrollment authority key"):
+        EnrollmentAuthority.load(path)
+    with pytest.raises(ConfigError, match="batch name"):
+        ca.issue(bytes(32), "no spaces allowed")
