@@ -386,6 +386,15 @@ async def test_signed_http_rounds_with_dropouts_at_every_phase_are_bit_exact(
     assert survivors == [r["survivors"] for r in report2.server_rounds] and min(survivors) < 14
     assert coordinator.model_bytes == plain_app[COORDINATOR].model_bytes
     assert coordinator.model_version == 3
+    # ... and the in-process reference (no HTTP, no signatures) agrees with both
+    from fedsim.private import run_private_lightfr
+
+    ref_cfg = _config(tmp_path / "ref", cohort=14, enrollment={})
+    reference = run_private_lightfr(ref_cfg, users(14, seed=3), rounds=2, seed=11, dropout=_drops(False))
+    try:
+        assert reference.coordinator.model_bytes == coordinator.model_bytes
+    finally:
+        reference.coordinator.storage.close()
 
 
 @pytest.mark.asyncio
