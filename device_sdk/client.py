@@ -689,7 +689,7 @@ class DeviceClient:
                 del outgoing
                 answer = response.message
                 if isinstance(answer, RoundResult):
-                    return self._finish(session, invite, answer, tally)
+                    return await self._finish(session, invite, answer, tally)
                 if name == "masked" and isinstance(answer, ConsistencyRequest):
                     # Protocol 1.3: sign the survivor set before the unmask request (§6.3).
                     steps.insert(0, _CONSISTENCY_STEP)
@@ -715,7 +715,7 @@ class DeviceClient:
         self._save_model()
         return update
 
-    def _finish(
+    async def _finish(
         self, session: DeviceSecAggSession, invite: RoundInvite, result: RoundResult, tally: _Tally
     ) -> RoundOutcome:
         if result.round_id != invite.round_id:
@@ -729,7 +729,7 @@ class DeviceClient:
                 model_version=result.model_version,
                 reason=result.reason,
             )
-        self._save_model()
+        await asyncio.to_thread(self._save_model)  # off the loop: an atomic write with fsyncs
         _log.info("round %d committed; global model is now version %d", invite.round_id, result.model_version)
         return self._outcome(RoundStatus.COMMITTED, invite.round_id, tally, model_version=result.model_version)
 
