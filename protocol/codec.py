@@ -196,6 +196,8 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("device_id", "d", Kind.INT),
                 ("session_id", "sid", Kind.BYTES),
                 ("masked", "y", Kind.U32),
+                # protocol 1.3: neighbours whose share ciphertexts were unusable (issue 15 item 5)
+                ("bad_share_senders", "bad", Kind.INTS),
             ),
         ),
         UnmaskRequest.TYPE: (
@@ -331,6 +333,11 @@ def _encode_value(kind: Kind, value: Any) -> Any:
     return value
 
 
+#: Fields written only when non-empty: an honest device's message keeps the bytes it had before the field
+#: existed (the committed test vectors, peers of the same major that predate it).
+_OMITTED_WHEN_EMPTY = frozenset({(MaskedInput.TYPE, "bad")})
+
+
 def encode(message: Message) -> bytes:
     """Encode a message into its versioned msgpack envelope.
 
@@ -351,7 +358,11 @@ def encode(message: Message) -> bytes:
     entry = _SCHEMA.get(getattr(type(message), "TYPE", -1))
     if entry is None or entry[0] is not type(message):
         raise TypeError(f"no codec entry for {type(message).__name__}")
-    body = {key: _encode_value(kind, getattr(message, name)) for name, key, kind in entry[1]}
+    body = {
+        key: _encode_value(kind, getattr(message, name))
+        for name, key, kind in entry[1]
+        if (message.TYPE, key) not in _OMITTED_WHEN_EMPTY or getattr(message, name)
+    }
     envelope = {"v": list(PROTOCOL_VERSION), "t": message.TYPE, "b": body}
     packed: bytes = msgpack.packb(envelope, use_bin_type=True)
     return packed

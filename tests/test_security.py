@@ -562,3 +562,233 @@ def test_with_dp_a_survivor_count_above_the_signatures_is_refused_even_below_the
     assert isinstance(honest, UnmaskRequest) and honest.n_survivors == 9
     with pytest.raises(RemoteProtocolError, match="exceeds the 9 signed survivors"):
         devices[103].receive(dataclasses.replace(honest, n_survivors=11))  # below the cohort of 12
+
+
+# -- one bad device cannot abort a round (item 5, device side and exclusion) --------------------------------
+
+
+def _garble(shares: Any, victims: set[int] | None = None) -> Any:
+    """The same EncryptedShares with random bytes in place of the ciphertexts for ``victims`` (all: None)."""
+    import dataclasses
+    import os
+
+    blobs = tuple(
+        os.urandom(len(blob)) if victims is None or v in victims else blob
+        for v, blob in zip(shares.recipient_ids, shares.ciphertexts, strict=True)
+    )
+    return dataclasses.replace(shares, ciphertexts=blobs)
+
+
+def _run_with_a_bad_sharer(
+    server: Any, devices: dict[int, Any], inputs: dict[int, Any], bad: int, victims: set[int] | None, signed: bool
+) -> set[int]:
+    """A round in which ``bad`` sends garbage share ciphertexts (to ``victims``, or to everyone) and uploads
+    its masked input before anybody else; returns the devices whose input should be in the sum."""
+    from protocol.messages import Abort
+    from protocol.phases import consistency_deadline
+
+    d = server.params.deadlines
+    for u, dev in devices.items():
+        server.receive(u, dev.send())
+    server.advance(d[0])
+    for u, dev in devices.items():
+        dev.receive(server.outbox(u))
+        reply = dev.send()
+        server.receive(u, _garble(reply, victims) if u == bad else reply)
+    server.advance(d[1])
+    order = [bad, *(u for u in devices if u != bad)]  # the bad device's masked input arrives first
+    masked = set()
+    for u in order:
+        devices[u].receive(server.outbox(u))
+        devices[u].provide_input(inputs[u])
+        sent = devices[u].send()
+        if u != bad:
+            assert sent.bad_share_senders == ((bad,) if victims is None or u in victims else ())
+        try:
+            server.receive(u, sent)
+        except Exception:
+            assert u == bad
+            continue
+        masked.add(u)
+    server.advance(d[2])
+    steps = [consistency_deadline(d), d[3]] if signed else [d[3]]
+    for deadline in steps:
+        for u, dev in devices.items():
+            incoming = server.outbox(u)
+            if isinstance(incoming, Abort) or incoming is None:
+                continue
+            dev.receive(incoming)
+            server.receive(u, dev.send())
+        server.advance(deadline)
+    return masked - {bad}
+
+
+@pytest.mark.parametrize("signed", [False, True])
+@pytest.mark.parametrize("victims", [None, {101, 103, 105}])
+def test_garbage_share_ciphertexts_exclude_their_sender_and_the_round_stays_bit_exact(
+    signed: bool, victims: set[int] | None
+) -> None:
+    # Issue 15 row 7 (garbage share ciphertexts): before, every honest neighbour failed its session and the
+    # round aborted.  Now each sets the sender aside, reports it, and the server leaves it out of the sum,
+    # even though its masked input arrived first.
+    import numpy as np
+
+    from protocol.crypto import insecure_test_noise_stream
+    from protocol.device_session import DeviceSecAggSession
+    from protocol.phases import Phase
+    from protocol.server_session import RoundParameters, ServerSecAggSession
+
+    bad = 100
+    if signed:
+        server, devices, inputs, _, _ = _signed_round(n=10, t=4)
+    else:
+        ids = list(range(100, 110))
+        params = RoundParameters(
+            round_id=3,
+            vector_length=16,
+            k=10,
+            t=4,
+            clip_norm=1.0,
+            scale_bits=16,
+            deadlines=(1.0, 2.0, 3.0, 4.0),
+        )
+        server = ServerSecAggSession(params, ids, rng=np.random.default_rng(0))
+        devices = {
+            u: DeviceSecAggSession(server.outbox(u), rng=insecure_test_noise_stream(0, u))  # type: ignore[arg-type]
+            for u in ids
+        }
+        rng = np.random.default_rng(1)
+        inputs = {u: rng.integers(0, 2**32, size=16, dtype=np.uint32) for u in ids}
+    honest = _run_with_a_bad_sharer(server, devices, inputs, bad, victims, signed)
+    result = server.result()
+    assert result.survivors == frozenset(honest) and len(honest) == 9
+    assert bad in result.dropouts[Phase.MASKED_INPUT]
+    reporters = set(devices) - {bad} if victims is None else victims
+    assert {u for u, who in result.reports.items() if bad in who} == reporters
+    expected = np.zeros(16, dtype=np.uint32)
+    for u in honest:
+        expected += inputs[u]
+    assert np.array_equal(result.total, expected)
+    assert all(devices[u].phase is Phase.DONE for u in honest)
+
+
+def _reporter_at_unmask(bad: int, reporter: int) -> tuple[Any, list[int]]:
+    """A 6-device round in which ``bad`` garbles only its ciphertext to ``reporter``; returns the reporter's
+    session after its masked input (it reported ``bad``) and the ids."""
+    import numpy as np
+
+    from protocol.crypto import insecure_test_noise_stream
+    from protocol.device_session import DeviceSecAggSession
+    from protocol.server_session import RoundParameters, ServerSecAggSession
+
+    ids = list(range(100, 106))
+    params = RoundParameters(
+        round_id=3, vector_length=8, k=6, t=3, clip_norm=1.0, scale_bits=16, deadlines=(1.0, 2.0, 3.0, 4.0)
+    )
+    server = ServerSecAggSession(params, ids, rng=np.random.default_rng(0))
+    devices = {u: DeviceSecAggSession(server.outbox(u), rng=insecure_test_noise_stream(0, u)) for u in ids}  # type: ignore[arg-type]
+    for u, dev in devices.items():
+        server.receive(u, dev.send())
+    server.advance(1.0)
+    for u, dev in devices.items():
+        dev.receive(server.outbox(u))
+        reply = dev.send()
+        server.receive(u, _garble(reply, {reporter}) if u == bad else reply)
+    server.advance(2.0)
+    dev = devices[reporter]
+    dev.receive(server.outbox(reporter))
+    dev.provide_input(np.zeros(8, dtype=np.uint32))
+    assert dev.send().bad_share_senders == (bad,)
+    return dev, ids
+
+
+@pytest.mark.parametrize("named_as", ["dropped", "survivor"])
+def test_a_reporting_device_never_releases_a_share_of_the_neighbour_it_reported(named_as: str) -> None:
+    # "Treat as dropped" must not become a way to obtain both shares of one device: the reporter holds no
+    # share of the reported neighbour and refuses any unmask request that names it, as dropped (s-share)
+    # or as survivor (b-share); so the consistency rule (b-shares for the signed set, s-shares outside it)
+    # still gives each neighbour's secret away at most once.
+    from protocol.errors import RemoteProtocolError
+    from protocol.messages import UnmaskRequest
+
+    bad, reporter = 100, 101
+    dev, ids = _reporter_at_unmask(bad, reporter)
+    others = tuple(v for v in ids if v != bad)
+    request = UnmaskRequest(
+        round_id=3,
+        device_id=reporter,
+        session_id=dev.session_id,
+        survivors=others if named_as == "dropped" else tuple(ids),
+        dropped=(bad,) if named_as == "dropped" else (),
+        n_survivors=5 if named_as == "dropped" else 6,
+    )
+    with pytest.raises(RemoteProtocolError, match="not neighbours that shared keys"):
+        dev.receive(request)
+
+
+@pytest.mark.asyncio
+async def test_a_device_sending_garbage_shares_over_http_is_excluded_and_the_round_commits(
+    aiohttp_server: Any, aiohttp_client: Any, tmp_path: Path
+) -> None:
+    # Issue 15 row 7 against a live server: one enrolled device runs the real session but replaces every
+    # share ciphertext with random bytes and rushes its masked input.  Before, its honest neighbours failed
+    # their sessions and the round aborted; now they report it, the server excludes it, and the round of
+    # the six honest devices commits.
+    import asyncio
+
+    import numpy as np
+
+    from agg_server.app import COORDINATOR
+    from device_sdk.client import DropoutAt
+    from fedsim.fleet import FleetConfig, run_fleet
+    from protocol.device_session import DeviceSecAggSession
+    from protocol.messages import EncryptedShares, MaskedInputRequest, RoundInvite, RoundResult, ShareKeysBroadcast
+    from tests.server_helpers import BITS, N_ITEMS, users
+
+    honest = users(6)
+    app = create_app(small_config(tmp_path / "server", cohort=7, timeout=6.0, min_cohort=7))
+    server = await aiohttp_server(app)
+    client = await aiohttp_client(server)
+    status, reg = await _post(client, "/v1/devices", encode(RegisterRequest(platform="pytest")))
+    assert status == 201
+    tok = reg.token
+
+    async def attack() -> Any:
+        invite = None
+        while not isinstance(invite, RoundInvite):
+            _, invite = await _post(client, "/v1/checkin", encode(CheckIn(device_id=reg.device_id)), tok)
+            await asyncio.sleep(0.05)
+        rid = invite.round_id
+        session = DeviceSecAggSession(invite)
+        _, broadcast = await _post(client, f"/v1/rounds/{rid}/keys", encode(session.send()), tok)
+        assert isinstance(broadcast, ShareKeysBroadcast)
+        session.receive(broadcast)
+        shares = session.send()
+        assert isinstance(shares, EncryptedShares)
+        _, request = await _post(client, f"/v1/rounds/{rid}/shares", encode(_garble(shares)), tok)
+        assert isinstance(request, MaskedInputRequest)
+        session.receive(request)
+        session.provide_input(np.zeros(invite.vector_length, dtype=np.uint32))
+        return await _post(client, f"/v1/rounds/{rid}/masked", encode(session.send()), tok)
+
+    fleet_cfg = FleetConfig(
+        url=str(server.make_url("")).rstrip("/"),
+        store_root=tmp_path / "devices",
+        n_items=N_ITEMS,
+        bits=BITS,
+        rounds=1,
+        time_limit=60.0,
+        schedule=lambda r, d: DropoutAt.NONE,
+    )
+    attack_task = asyncio.create_task(attack())
+    report, _ = await run_fleet(fleet_cfg, list(honest.values()))
+    status, answer = await attack_task
+    # refused if the reports came first, otherwise held back and then left out of the sum
+    assert (status == 400 and "excluded" in answer.message) or (
+        status == 200 and isinstance(answer, RoundResult) and not answer.committed
+    ), (status, answer)
+    coordinator = app[COORDINATOR]
+    rec = coordinator.status(0.0)["recent_rounds"][0]
+    assert rec["status"] == "committed" and rec["survivors"] == 6
+    assert report.outcomes["committed"] == 6 and not report.errors
+    assert coordinator.model_version == 2
