@@ -105,7 +105,12 @@ _STRATEGY: web.AppKey[Strategy | None] = web.AppKey("strategy")
 _EXECUTOR = web.AppKey("finish_executor", ThreadPoolExecutor)
 _FINISHING: web.AppKey[dict[int, asyncio.Task[None]]] = web.AppKey("finishing")
 
+class BodyTimeout(RemoteProtocolError):
+    """A request body did not arrive within ``server.body_timeout`` (408; the connection is closed)."""
+
+
 _STATUS: list[tuple[type[FedRecError], int]] = [
+    (BodyTimeout, 408),
     (PermissionDenied, 403),
     (AuthError, 401),
     (PayloadTooLarge, 413),
@@ -163,7 +168,10 @@ async def _errors(
                 exc.code,
                 exc,
             )
-        return _error_response(request, exc, status, request_id)
+        response = _error_response(request, exc, status, request_id)
+        if isinstance(exc, BodyTimeout | PayloadTooLarge):
+            response.force_close()  # the rest of the body is never read: do not keep the connection
+        return response
     except web.HTTPRequestEntityTooLarge as exc:
         return _error_response(request, PayloadTooLarge(exc.text or "request body too large"), 413, request_id)
     except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
@@ -205,24 +213,53 @@ def body_limit(request: web.Request, expected: type[Message] | None = None) -> i
     return min(cap, SMALL_BODY_BYTES + vector + 512 * p.k)
 
 
+#: Bodies above this size are decoded (and hashed) in a worker thread, so that no decode holds the event
+#: loop for long: the codec's object and depth caps bound a small body's decode to well under a
+#: millisecond, and a vector's decode and SHA-256 grow with its size (measured in tests/test_security.py).
+THREAD_DECODE_BYTES = 256 * 1024
+
+
 async def _read(request: web.Request) -> Message:
     limit = body_limit(request)
-    return decode(await _read_body(request, limit), max_size=limit)
+    message, _ = await _decode(await _read_body(request, limit), limit)
+    return message
 
 
-async def _read_body(request: web.Request, limit: int | None = None) -> bytes:
+def _decode_and_hash(body: bytes | bytearray, limit: int) -> tuple[Message, bytes]:
+    message = decode(body, max_size=limit)
+    return message, hashlib.sha256(body).digest()
+
+
+async def _decode(body: bytes | bytearray, limit: int) -> tuple[Message, bytes]:
+    """Decode a body and hash it (the digest identifies a retransmission); off the event loop when the
+    body is larger than `THREAD_DECODE_BYTES`."""
+    if len(body) <= THREAD_DECODE_BYTES:
+        return _decode_and_hash(body, limit)
+    return await asyncio.get_running_loop().run_in_executor(None, _decode_and_hash, body, limit)
+
+
+async def _read_body(request: web.Request, limit: int | None = None) -> bytearray:
     # Read the body ourselves instead of `request.read()`, which caches the bytes on the request for
     # its whole life: a long-poll handler would then pin every device's upload (1000 devices ×
-    # 1 MB masked inputs) until the phase closes.
-    limit = request.app[CONFIG].listen.max_body_bytes if limit is None else limit
+    # 1 MB masked inputs) until the phase closes.  A body that has not fully arrived after
+    # ``server.body_timeout`` seconds is cut (issue 15 item 8: slow or partial bodies held sockets forever).
+    listen = request.app[CONFIG].listen
+    limit = listen.max_body_bytes if limit is None else limit
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
     body = bytearray()
-    async for chunk in request.content.iter_chunked(1 << 16):
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    return bytes(body)
+    try:
+        async with asyncio.timeout(listen.body_timeout):
+            async for chunk in request.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    except TimeoutError:
+        raise BodyTimeout(
+            f"request body not received within {listen.body_timeout:g} s (server.body_timeout); "
+            f"{len(body)} bytes arrived"
+        ) from None
+    return body
 
 
 def _send(message: Message, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -288,11 +325,11 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         app = request.app
         limit = body_limit(request, expected)
         body = await _read_body(request, limit)
-        msg = decode(body, max_size=limit)
+        # the digest identifies a retransmission without encoding msg again
+        msg, digest = await _decode(body, limit)
+        del body
         if not isinstance(msg, expected):
             raise RemoteProtocolError(f"expected {expected.__name__} on this route, got {type(msg).__name__}")
-        digest = hashlib.sha256(body).digest()  # identifies a retransmission without encoding msg again
-        del body
         coordinator, changes, clock = app[COORDINATOR], app[_CHANGES], app[_CLOCK]
         before = _fingerprint(coordinator)
         try:
@@ -344,6 +381,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
+    request.app[dashboard.OPERATOR].check_operator(request.headers.get("Authorization"))
     body = request.app[COORDINATOR].status(request.app[_CLOCK]())
     body["errors_by_status"] = request.app[dashboard.OPERATOR].metrics.errors_by_status()
     return web.json_response(body)

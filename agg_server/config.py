@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import math
 import os
 import tomllib
@@ -177,6 +178,13 @@ class ListenConfig:
     admin_token_sha256 : str or None
         Hex SHA-256 of the operator's admin bearer token (for ``/v1/admin/*``); None disables
         the admin endpoints.  The token itself is never written to the configuration.
+    body_timeout : float
+        Seconds a request body may take to arrive, from the start of its handler (> 0, at most a day); a
+        slow or partial body is cut with 408 and its connection closed.
+    protect_operator_endpoints : bool or None
+        Put ``/metrics``, ``/v1/status`` and the dashboard (``/``, ``/v1/dashboard``, its static files)
+        behind the admin token.  None (the default) means on when ``host`` is not a loopback address and
+        off on loopback.  On without ``admin_token_sha256`` leaves those endpoints closed (403).
     """
 
     host: str = "127.0.0.1"
@@ -185,6 +193,8 @@ class ListenConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     admin_token_sha256: str | None = None
+    body_timeout: float = 30.0
+    protect_operator_endpoints: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -204,6 +214,27 @@ class ListenConfig:
             not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest)
         ):
             raise _fail("server.admin_token_sha256", "64 lowercase hex digits (sha256 of the token)", digest)
+        _set(self, "body_timeout", _float("server.body_timeout", self.body_timeout, lo=0.0, hi=86400.0, lo_open=True))
+        if self.protect_operator_endpoints is not None:
+            _bool("server.protect_operator_endpoints", self.protect_operator_endpoints)
+
+    @property
+    def operator_endpoints_protected(self) -> bool:
+        """Whether ``/metrics``, ``/v1/status`` and the dashboard need the admin token."""
+        if self.protect_operator_endpoints is not None:
+            return self.protect_operator_endpoints
+        return not is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1); False for anything else,
+    wildcard binds and names included."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
