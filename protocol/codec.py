@@ -469,7 +469,9 @@ def check_shape(
             pending.append(items)
 
 
-def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+def decode(
+    data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES, max_objects: int = MAX_OBJECTS
+) -> Message:
     """Decode and validate one envelope.
 
     Parameters
@@ -478,6 +480,9 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message
         Bytes from the peer.
     max_size : int
         Refuse larger inputs before parsing.
+    max_objects : int
+        Refuse inputs of more msgpack objects (at most `MAX_OBJECTS`; a route whose messages are small
+        passes less, which bounds the parser's uninterruptible time).
 
     Returns
     -------
@@ -498,7 +503,7 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message
         raise DecodeError(f"expected bytes, got {type(data).__name__}")
     if len(data) > max_size:
         raise PayloadTooLarge(f"message of {len(data)} bytes exceeds the limit of {max_size}")
-    check_shape(data)
+    check_shape(data, max_objects=min(max_objects, MAX_OBJECTS))
     try:
         obj = msgpack.unpackb(
             data,

@@ -568,7 +568,9 @@ class DeviceSecAggSession:
             pair_keys=pair_mask_keys(self._s.private_bytes(), peers, session, me),
         )
         self._input = None  # the update is no longer needed on this path
-        return MaskedInput(round_id=inv.round_id, device_id=me, session_id=session, masked=y, bad_share_senders=self._bad)
+        return MaskedInput(
+            round_id=inv.round_id, device_id=me, session_id=session, masked=y, bad_share_senders=self._bad
+        )
 
     def _on_unmask_request(self, msg: UnmaskRequest) -> UnmaskResponse:
         self._check_addressing(msg)

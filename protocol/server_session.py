@@ -785,9 +785,7 @@ class ServerSecAggSession:
             device_id=u,
             session_id=session,
             survivors=tuple(v for v in ids if v in self._u3),
-            dropped=tuple(
-                v for v in ids if v in self._u2 and v not in self._u3 and v not in self._bad.get(u, ())
-            ),
+            dropped=tuple(v for v in ids if v in self._u2 and v not in self._u3 and v not in self._bad.get(u, ())),
             # with the consistency check the DP correction counts signed survivors only (safe side)
             n_survivors=len(signers) if signed else len(self._u3),
             survivor_set=tuple(sorted(self._u3)) if signed else (),
