@@ -1004,3 +1004,35 @@ async def test_health_stays_fast_with_300_partial_bodies_and_a_64_mib_upload_in_
     assert p99 <= 0.1, (p99, max(latencies))
     for writer in writers:
         writer.close()
+
+
+# -- noise a server cannot predict (item 6) ----------------------------------------------------------------
+
+
+def test_noise_thinning_and_rounding_coins_refuse_numpy_generators_and_default_to_secret_streams(
+    tmp_path: Path,
+) -> None:
+    # Issue 15 rows "fedrec demo and fedsim.fleet: devices' generators default to seed 0" and "DP noise and
+    # thinning coins drawn from PCG64": every randomness that enters the released sum (noise, thinning
+    # coins, and now the stochastic-rounding coins) comes from a ChaCha20 stream keyed from `secrets`
+    # unless a loudly named test hook is used.
+    import numpy as np
+
+    from device_sdk.client import _secret_round_rngs
+    from fedsim.fleet import FleetConfig
+    from protocol.crypto import NoiseStream
+    from protocol.noise import correct_noise, device_noise
+    from protocol.quantization import QuantizationConfig, quantize
+
+    numpy_rng = np.random.default_rng(0)
+    with pytest.raises(TypeError, match="NoiseStream"):
+        device_noise(100.0, 10, 8, numpy_rng)  # type: ignore[arg-type]
+    draw = device_noise(100.0, 10, 8, NoiseStream.from_os())
+    with pytest.raises(TypeError, match="NoiseStream"):
+        correct_noise(draw, 10, 12, numpy_rng)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="NoiseStream"):
+        quantize(np.full(8, 0.3), QuantizationConfig(clip_norm=1.0, scale_bits=4), numpy_rng)  # type: ignore[arg-type]
+    assert FleetConfig(url="http://127.0.0.1:1", store_root=tmp_path, n_items=4).insecure_reproducible is False
+    streams = [_secret_round_rngs(1)[1] for _ in range(2)]  # what a DeviceClient uses without a test hook
+    assert all(isinstance(s, NoiseStream) for s in streams)
+    assert not np.array_equal(streams[0].uint64(4), streams[1].uint64(4))
