@@ -24,6 +24,8 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any, ClassVar, Protocol, TypeVar
 
+import numpy as np
+
 from protocol.families.fnmf import upload_length
 from protocol.families.lightfr import UploadLayout
 from protocol.spec import (
@@ -66,13 +68,15 @@ def _fail(name: str, what: str, value: object) -> ValueError:
 
 
 def check_int(name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
-    """``value`` as an int in [lo, hi] (a bool is not an int here); ValueError naming ``name`` otherwise."""
+    """``value`` as an int in [lo, hi] (numpy integers are accepted, a bool is not an int here);
+    ValueError naming ``name`` otherwise."""
     what = f"an integer {_range_text(lo, hi, False, False)}".rstrip()
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
         raise _fail(name, what, value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+    n = int(value)
+    if (lo is not None and n < lo) or (hi is not None and n > hi):
         raise _fail(name, what, value)
-    return int(value)
+    return n
 
 
 def check_float(
@@ -86,7 +90,7 @@ def check_float(
 ) -> float:
     """``value`` as a finite float in the range (an int is accepted and converted, a bool is not)."""
     what = f"a finite number {_range_text(lo, hi, lo_open, hi_open)}".rstrip()
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.integer | np.floating):
         raise _fail(name, what, value)
     x = float(value)
     if not math.isfinite(x):
@@ -138,6 +142,9 @@ class LightFRParams:
     unobserved_weight : w0 in [0, 1 + confidence]; > 0 is the all-items objective (chosen on
         validation: 0.1), 0 the paper's sampled-negatives objective.  w0 > 0 needs "grad".
     confidence : α >= 0: observed items weigh 1 + α under the all-items objective.
+    counts_share : s in [0, 1), only with w0 > 0: the device clips the per-item counts of its upload
+        to √s·C and the rest to √(1 − s)·C (`protocol.families.lightfr.clip_parts`), the private
+        popularity channel's share of the clip norm; 0 clips the upload as one.
     """
 
     KIND: ClassVar[ModelKind] = ModelKind.LIGHTFR
@@ -148,6 +155,7 @@ class LightFRParams:
     max_sweeps: int = 10
     unobserved_weight: float = 0.1
     confidence: float = 0.0
+    counts_share: float = 0.0
 
     def __post_init__(self) -> None:
         _set(self, "aggregation", check_choice("aggregation", self.aggregation, Aggregation))
@@ -163,6 +171,11 @@ class LightFRParams:
         )
         if self.unobserved_weight > 0 and self.aggregation is not Aggregation.GRAD:
             raise ValueError("aggregation: the all-items objective (unobserved_weight > 0) needs 'grad'")
+        _nonneg(self, "counts_share", below_one=True)
+        if self.counts_share > 0 and self.unobserved_weight == 0:
+            raise ValueError(
+                "counts_share: needs the all-items objective (unobserved_weight > 0), whose upload has counts"
+            )
 
     def upload_length(self, n_items: int, rank: int) -> int:
         return UploadLayout(n_items, rank, full=self.unobserved_weight > 0).length
