@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.errors import ConfigError
+from protocol.families.lightfr import DENSITY_SCALE
 from protocol.graph import find_parameters, validate_parameters
 from protocol.quantization import DEFAULT_SCALE_BITS, MAX_SCALE_BITS, QuantizationConfig
 from protocol.spec import (
@@ -233,9 +234,14 @@ class ModelSection:
         Fit observed ratings as 1 (implicit feedback) instead of the rescaled rating.
     rating_min, rating_max : float
         The rating scale, rating_min < rating_max.
-    unobserved_weight : float
+    unobserved_weight : float or "auto"
         LightFR w0 in [0, 1 + confidence]: > 0 trains against every unobserved item (the all-items
-        objective, chosen on validation: 0.1) and learns item levels; 0 uses ``negatives`` sampled ones.
+        objective) and learns item levels; 0 uses ``negatives`` sampled ones.  "auto" (the default)
+        is the all-items objective with w0 derived each round from the catalogue's density,
+        w0 = unobserved_scale · density^(2/3), density = the round's summed counts / (survivors · m)
+        (`protocol.families.lightfr.density_weight`; chosen on validation across three datasets).
+    unobserved_scale : float
+        κ > 0 of that rule (default 0.6); used only with ``unobserved_weight = "auto"``.
     confidence : float
         LightFR α >= 0: observed items weigh 1 + α under the all-items objective.
     hamming_weight : int
@@ -254,9 +260,10 @@ class ModelSection:
     binary_positives: bool = True
     rating_min: float = 1.0
     rating_max: float = 5.0
-    unobserved_weight: float = 0.1
+    unobserved_weight: float | str = "auto"
     confidence: float = 0.0
     hamming_weight: int = 2
+    unobserved_scale: float = DENSITY_SCALE
 
     def __post_init__(self) -> None:
         # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
@@ -290,14 +297,21 @@ class ModelSection:
                 f"model.rating_max: must be > model.rating_min ({self.rating_min}), got {self.rating_max}"
             )
         _set(self, "confidence", _float("model.confidence", self.confidence, lo=0.0))
-        _set(
-            self,
-            "unobserved_weight",
-            _float("model.unobserved_weight", self.unobserved_weight, lo=0.0, hi=1.0 + self.confidence),
-        )
+        if self.unobserved_weight != "auto":
+            if isinstance(self.unobserved_weight, str):
+                what = f'"auto" or a number in [0, {1.0 + self.confidence}]'
+                raise _fail("model.unobserved_weight", what, self.unobserved_weight)
+            w0 = _float("model.unobserved_weight", self.unobserved_weight, lo=0.0, hi=1.0 + self.confidence)
+            _set(self, "unobserved_weight", w0)
+        _set(self, "unobserved_scale", _float("model.unobserved_scale", self.unobserved_scale, lo=0.0, lo_open=True))
         _int("model.hamming_weight", self.hamming_weight, lo=1, hi=255)
-        if self.unobserved_weight > 0 and self.aggregation != Aggregation.GRAD.value:
+        if self.all_items and self.aggregation != Aggregation.GRAD.value:
             raise ConfigError("model.aggregation: the all-items objective (unobserved_weight > 0) needs 'grad'")
+
+    @property
+    def all_items(self) -> bool:
+        """True under LightFR's all-items objective (``unobserved_weight`` "auto" or > 0)."""
+        return self.unobserved_weight == "auto" or float(self.unobserved_weight) > 0
 
 
 #: The smallest cohort a secure-aggregation round accepts (``rounds.cohort_size`` and ``min_cohort``).
