@@ -16,6 +16,9 @@ Invariants:
 - A long-poll whose connection closes before its answer tells the coordinator, which drops that device
   after ``rounds.disconnect_grace`` seconds (the server runs with ``handler_cancellation``, so a closed
   connection cancels its handler; without it a waiter notices within `_PRESENCE_CHECK` seconds).
+- The instance runs ``storage.cohorts_per_instance`` coordinators, one per cohort lease it holds
+  (`agg_server.cluster`); a device's requests go to the coordinator of its cohort, or are forwarded to
+  the instance that leads it.  ``app[COORDINATOR]`` is the first one (the dashboard's).
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from agg_server import dashboard
+from agg_server.cluster import FORWARDED_HEADER, LeaseKeeper
 from agg_server.config import ServerConfig
 from agg_server.coordinator import FinishJob, RoundCoordinator
 from agg_server.logs import current_request_id
@@ -104,6 +109,9 @@ _CLOCK: web.AppKey[Clock] = web.AppKey("clock")
 _STRATEGY: web.AppKey[Strategy | None] = web.AppKey("strategy")
 _EXECUTOR = web.AppKey("finish_executor", ThreadPoolExecutor)
 _FINISHING: web.AppKey[dict[int, asyncio.Task[None]]] = web.AppKey("finishing")
+_SLOTS: web.AppKey[list[RoundCoordinator]] = web.AppKey("slots")
+_KEEPER = web.AppKey("lease_keeper", LeaseKeeper)
+_PROXY = web.AppKey("proxy_session", aiohttp.ClientSession)
 
 _STATUS: list[tuple[type[FedRecError], int]] = [
     (PermissionDenied, 403),
@@ -190,14 +198,16 @@ async def _errors(
 SMALL_BODY_BYTES = 64 * 1024
 
 
-def body_limit(request: web.Request, expected: type[Message] | None = None) -> int:
+def body_limit(
+    request: web.Request, expected: type[Message] | None = None, coordinator: RoundCoordinator | None = None
+) -> int:
     """The largest body a route accepts (issue 15 item 8): sized from the open round for the routes
     that carry a ring vector or k ciphertexts, `SMALL_BODY_BYTES` for every other route, and never more
     than ``listen.max_body_bytes``."""
     cap = request.app[CONFIG].listen.max_body_bytes
     if expected not in (EncryptedShares, MaskedInput, UnmaskResponse):
         return min(cap, SMALL_BODY_BYTES)
-    r = request.app[COORDINATOR].open_round
+    r = (coordinator if coordinator is not None else request.app[COORDINATOR]).open_round
     if r is None:
         return min(cap, SMALL_BODY_BYTES)
     p = r.session.params
@@ -244,6 +254,51 @@ def _round_id(request: web.Request) -> int:
     return int(raw)
 
 
+def _leader(request: web.Request, device: int) -> RoundCoordinator | str:
+    """The local coordinator of the device's cohort, or the URL of the instance leading it, or "" when
+    there is none (or the request was forwarded here already)."""
+    route = request.app[_KEEPER].route(device, request.app[_CLOCK]())
+    if route.local is not None:
+        return route.local
+    if route.url and FORWARDED_HEADER not in request.headers:
+        return route.url
+    return ""
+
+
+async def _elsewhere(request: web.Request, device: int, url: str, body: bytes | None) -> web.StreamResponse:
+    """Forward a device's request to the leader of its cohort at ``url`` and relay the answer; with no
+    leader, a check-in waits and anything else gets 503 + Retry-After (device transports retry those)."""
+    if not url:
+        route = request.app[_KEEPER].route(device, request.app[_CLOCK]())
+        reason = route.reason or "this request was forwarded already"
+        if request.path == "/v1/checkin":
+            return _send(Wait(retry_after=2.0, reason=reason), headers={"Retry-After": "2"})
+        return _send(ErrorMessage.from_exception(RoundError(reason)), status=503, headers={"Retry-After": "2"})
+    headers = {h: request.headers[h] for h in ("Authorization", "Content-Type", "Accept", "If-None-Match")}
+    headers[FORWARDED_HEADER] = request.app[_KEEPER].instance
+    rid = current_request_id()
+    if rid:
+        headers["X-Request-Id"] = rid
+    cfg = request.app[CONFIG].rounds
+    limit = cfg.advertise_timeout + cfg.share_keys_timeout + cfg.masked_input_timeout + cfg.unmask_timeout + 60.0
+    try:
+        async with request.app[_PROXY].request(
+            request.method,
+            url + request.path_qs,
+            data=body,
+            headers={k: v for k, v in headers.items() if v},
+            timeout=aiohttp.ClientTimeout(total=limit, sock_connect=5.0),
+            allow_redirects=False,
+        ) as upstream:
+            data = await upstream.read()
+            relay = {h: upstream.headers[h] for h in ("Retry-After", "ETag", "Content-Type") if h in upstream.headers}
+            return web.Response(status=upstream.status, body=data, headers=relay)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.warning("could not forward %s %s to %s: %s", request.method, request.path, url, exc)
+        error = RoundError(f"the instance leading this device's cohort ({url}) is unreachable")
+        return _send(ErrorMessage.from_exception(error), status=503, headers={"Retry-After": "2"})
+
+
 # -- handlers -------------------------------------------------------------------------------------
 
 
@@ -255,14 +310,17 @@ async def register(request: web.Request) -> web.Response:
     return _send(reply, status=201)
 
 
-async def check_in(request: web.Request) -> web.Response:
+async def check_in(request: web.Request) -> web.StreamResponse:
     device = _device(request)
+    leader = _leader(request, device)
+    if not isinstance(leader, RoundCoordinator):
+        return await _elsewhere(request, device, leader, await _read_body(request, body_limit(request)))
     msg = await _read(request)
     if not isinstance(msg, CheckIn):
         raise RemoteProtocolError(f"expected CheckIn, got {type(msg).__name__}")
-    coordinator = request.app[COORDINATOR]
+    coordinator = leader
     coordinator.check_sender(device, msg)
-    before = _fingerprint(coordinator)
+    before = _fingerprint(request.app)
     try:
         reply = coordinator.check_in(device, request.app[_CLOCK]())  # may drop a device that left its round
     finally:
@@ -272,29 +330,35 @@ async def check_in(request: web.Request) -> web.Response:
     return _send(reply)
 
 
-async def model(request: web.Request) -> web.Response:
-    _device(request)
-    coordinator = request.app[COORDINATOR]
+async def model(request: web.Request) -> web.StreamResponse:
+    device = _device(request)
+    leader = _leader(request, device)
+    if not isinstance(leader, RoundCoordinator):
+        return await _elsewhere(request, device, leader, None)
+    coordinator = leader  # the version its cohort's round trains
     etag = coordinator.model_etag
     if request.headers.get("If-None-Match") == etag:
         return web.Response(status=304, headers={"ETag": etag})
     return web.Response(body=coordinator.model_bytes, content_type=MSGPACK, headers={"ETag": etag})
 
 
-def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable[web.Response]]:
-    async def handler(request: web.Request) -> web.Response:
+def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handler(request: web.Request) -> web.StreamResponse:
         device = _device(request)
         round_id = _round_id(request)
         app = request.app
-        limit = body_limit(request, expected)
+        leader = _leader(request, device)
+        if not isinstance(leader, RoundCoordinator):
+            return await _elsewhere(request, device, leader, await _read_body(request))
+        limit = body_limit(request, expected, leader)
         body = await _read_body(request, limit)
         msg = decode(body, max_size=limit)
         if not isinstance(msg, expected):
             raise RemoteProtocolError(f"expected {expected.__name__} on this route, got {type(msg).__name__}")
         digest = hashlib.sha256(body).digest()  # identifies a retransmission without encoding msg again
         del body
-        coordinator, changes, clock = app[COORDINATOR], app[_CHANGES], app[_CLOCK]
-        before = _fingerprint(coordinator)
+        coordinator, changes, clock = leader, app[_CHANGES], app[_CLOCK]
+        before = _fingerprint(app)
         try:
             after = coordinator.submit(device, round_id, msg, clock(), digest=digest)
         finally:
@@ -337,14 +401,17 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness: answered from memory, also while a round is finishing (``state``)."""
-    r = request.app[COORDINATOR].open_round
-    state = "idle" if r is None else ("finishing" if r.finishing else "round")
+    """Liveness: answered from memory, also while a round is finishing (``state``: of any cohort this
+    instance leads, "finishing" before "round" before "idle")."""
+    rounds = [s.open_round for s in request.app[_SLOTS] if s.open_round is not None]
+    state = "idle" if not rounds else ("finishing" if any(r.finishing for r in rounds) else "round")
     return web.json_response({"status": "ok", "state": state})
 
 
 async def status(request: web.Request) -> web.Response:
-    body = request.app[COORDINATOR].status(request.app[_CLOCK]())
+    now = request.app[_CLOCK]()
+    body = request.app[COORDINATOR].status(now)
+    body["cluster"] = request.app[_KEEPER].describe(now)
     body["errors_by_status"] = request.app[dashboard.OPERATOR].metrics.errors_by_status()
     return web.json_response(body)
 
@@ -353,28 +420,35 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def _ticker(app: web.Application) -> None:
-    coordinator, clock = app[COORDINATOR], app[_CLOCK]
+    clock, keeper = app[_CLOCK], app[_KEEPER]
     while True:
-        before = _fingerprint(coordinator)
+        before = _fingerprint(app)
         try:
-            coordinator.tick(clock())
-        except FedRecError:
-            log.exception("round ticker: a round could not be advanced")
-        except Exception:  # keep the server alive; the error is logged with its traceback
-            log.exception("round ticker crashed on one tick")
-        job = coordinator.take_finish_job()
-        if job is not None:
-            app[_FINISHING][job.round_id] = asyncio.create_task(_finish(app, job), name=f"fedrec-finish-{job.round_id}")
+            keeper.step(clock())
+        except Exception:
+            log.exception("lease keeper failed on one tick")
+        for coordinator in app[_SLOTS]:
+            try:
+                coordinator.tick(clock())
+            except FedRecError:
+                log.exception("round ticker: a round could not be advanced")
+            except Exception:  # keep the server alive; the error is logged with its traceback
+                log.exception("round ticker crashed on one tick")
+            job = coordinator.take_finish_job()
+            if job is not None:
+                app[_FINISHING][job.round_id] = asyncio.create_task(
+                    _finish(app, coordinator, job), name=f"fedrec-finish-{job.round_id}"
+                )
         _notify_if_moved(app, before)
         await asyncio.sleep(TICK_SECONDS)
 
 
-async def _finish(app: web.Application, job: FinishJob) -> None:
+async def _finish(app: web.Application, coordinator: RoundCoordinator, job: FinishJob) -> None:
     """Run a round's finishing job in the worker thread, then commit it on the loop."""
-    coordinator, clock = app[COORDINATOR], app[_CLOCK]
+    clock = app[_CLOCK]
     try:
         await asyncio.get_running_loop().run_in_executor(app[_EXECUTOR], job.run)
-        before = _fingerprint(coordinator)
+        before = _fingerprint(app)
         try:
             coordinator.complete_finish(job, clock())
         finally:
@@ -385,14 +459,18 @@ async def _finish(app: web.Application, job: FinishJob) -> None:
         app[_FINISHING].pop(job.round_id, None)
 
 
-def _fingerprint(coordinator: RoundCoordinator) -> tuple[Any, ...]:
-    """What long-polls wait for: the model version, the open round, its phase, and whether it finishes."""
-    r = coordinator.open_round
-    return (coordinator.model_version, None if r is None else (r.round_id, r.session.phase, r.finishing))
+def _fingerprint(app: web.Application) -> tuple[Any, ...]:
+    """What long-polls wait for, per coordinator: the model version, the open round, its phase, and
+    whether it finishes."""
+    out = []
+    for coordinator in app[_SLOTS]:
+        r = coordinator.open_round
+        out.append((coordinator.model_version, None if r is None else (r.round_id, r.session.phase, r.finishing)))
+    return tuple(out)
 
 
 def _notify_if_moved(app: web.Application, before: tuple[Any, ...]) -> None:
-    if _fingerprint(app[COORDINATOR]) != before:
+    if _fingerprint(app) != before:
         app[_CHANGES].notify()
 
 
@@ -407,14 +485,26 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     storage = Storage(config.data_dir, url=config.storage.url)
     app[_STORAGE] = storage
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrec-finish")
+    slots = config.storage.cohorts_per_instance
+    executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="fedrec-finish")
     app[_EXECUTOR] = executor
     app[_FINISHING] = {}
     try:
-        app[COORDINATOR] = RoundCoordinator(
-            config, storage, now=app[_CLOCK](), strategy=app[_STRATEGY], defer_finish=True
-        )
+        coordinators = [
+            RoundCoordinator(
+                config, storage, now=app[_CLOCK](), strategy=app[_STRATEGY], defer_finish=True, leased=True
+            )
+            for _ in range(slots)
+        ]
+        for c in coordinators[1:]:
+            c.listeners = coordinators[0].listeners  # one set of observers (metrics, dashboard) for all
+        app[COORDINATOR] = coordinators[0]
+        app[_SLOTS] = coordinators
+        keeper = LeaseKeeper(config, storage, coordinators)
+        keeper.step(app[_CLOCK](), force=True)  # lead the free cohorts (a restart: its own) at once
+        app[_KEEPER] = keeper
         app[_CHANGES] = _Changes()
+        app[_PROXY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         task = asyncio.create_task(_ticker(app), name="fedrec-round-ticker")
     except BaseException:
         executor.shutdown(wait=False)
@@ -428,11 +518,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await task
         await _wait_finishing(app)
         executor.shutdown(wait=True)
-        try:
-            app[COORDINATOR].shutdown(app[_CLOCK]())
-        except FedRecError:
-            log.exception("could not close the open round at shutdown")
+        _shutdown_rounds(app)
+        app[_KEEPER].release_all()
         app[_CHANGES].notify()
+        await app[_PROXY].close()
         storage.close()
         log.info("storage closed")
 
@@ -442,11 +531,16 @@ async def _on_shutdown(app: web.Application) -> None:
     # long-poll is answered (aborted) at once instead of holding the shutdown until it times out.
     # A round that is finishing commits first: its sum is unmasked already.
     await _wait_finishing(app)
-    try:
-        app[COORDINATOR].shutdown(app[_CLOCK]())
-    except FedRecError:
-        log.exception("could not close the open round at shutdown")
+    _shutdown_rounds(app)
     app[_CHANGES].notify()
+
+
+def _shutdown_rounds(app: web.Application) -> None:
+    for coordinator in app[_SLOTS]:
+        try:
+            coordinator.shutdown(app[_CLOCK]())
+        except FedRecError:
+            log.exception("could not close the open round at shutdown")
 
 
 def create_app(

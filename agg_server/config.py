@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from protocol.errors import ConfigError
 from protocol.families.lightfr import DENSITY_SCALE
@@ -436,12 +437,48 @@ class StorageSection:
     url : str or None
         None (default): SQLite in ``server.data_dir``.  ``"postgresql://user:password@host:port/db"``
         (or ``?host=/socket/dir`` for a Unix socket): a PostgreSQL database, which needs the
-        ``postgres`` extra (psycopg 3).  Model checkpoint files stay in ``server.data_dir``.
+        ``postgres`` extra (psycopg 3).  Model checkpoint files stay in ``server.data_dir`` (on PostgreSQL
+        the model bytes are in the database too, so every instance reads every version).
+    cohorts : int
+        Devices are split into this many cohorts (device id d is in cohort (d - 1) mod cohorts); each
+        cohort runs its own rounds, led by one instance at a time.  The same on every instance.
+    cohorts_per_instance : int
+        Cohorts one instance leads at most (its round coordinators), <= ``cohorts``.
+    lease_seconds : float
+        How long a cohort lease lasts without renewal (renewed every third of it): after an instance
+        dies, another one may take its cohorts over this much later.
+    instance_id : str or None
+        This instance's name in the leases; unique per instance, stable across restarts (a restarted
+        instance takes its cohorts back at once).  Default: the host name and ``server.data_dir``.
+    advertise_url : str or None
+        Where the other instances forward the requests of devices of this instance's cohorts, e.g.
+        ``"http://10.0.0.5:8080"``.  Default: ``http(s)://server.host:server.port`` (none for port 0).
     """
 
     url: str | None = None
+    cohorts: int = 1
+    cohorts_per_instance: int = 1
+    lease_seconds: float = 15.0
+    instance_id: str | None = None
+    advertise_url: str | None = None
 
     def __post_init__(self) -> None:
+        _set(self, "cohorts", _int("storage.cohorts", self.cohorts, lo=1, hi=4096))
+        _set(
+            self,
+            "cohorts_per_instance",
+            _int("storage.cohorts_per_instance", self.cohorts_per_instance, lo=1, hi=self.cohorts),
+        )
+        _set(self, "lease_seconds", _float("storage.lease_seconds", self.lease_seconds, lo=1.0, hi=3600.0))
+        if self.instance_id is not None and (
+            not isinstance(self.instance_id, str) or not self.instance_id.strip() or len(self.instance_id) > 200
+        ):
+            raise _fail("storage.instance_id", "a non-empty string of at most 200 characters", self.instance_id)
+        if self.advertise_url is not None:
+            parts = urlsplit(self.advertise_url) if isinstance(self.advertise_url, str) else None
+            bad = parts is None or parts.scheme not in ("http", "https") or not parts.hostname
+            if bad or parts is None or parts.path not in ("", "/"):
+                raise _fail("storage.advertise_url", "an absolute http(s) URL without a path", self.advertise_url)
         if self.url is None:
             return
         if not isinstance(self.url, str) or not self.url.strip():

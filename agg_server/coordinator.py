@@ -9,9 +9,15 @@ Invariants:
   `ServerSecAggSession`; fewer than t survivors abort the round with nothing revealed.
 - The only thing the coordinator learns from devices' updates is the secure sum of the survivors'
   quantized updates plus their DP noise; the strategy turns that sum into the new item codes.
-- Every committed model is on disk (checkpoint + SQLite row) before any device is told "committed";
-  the privacy ledger is charged as soon as a sum is unmasked — even if the commit then fails, since
-  the release already happened.
+- Every committed model is on disk (checkpoint + database row) before any device is told "committed".
+- The privacy ledger reserves a round's ε in the transaction that opens it (`Storage.start_round`), so
+  rounds of several cohorts on several instances can never overspend; the round is marked revealed
+  before its UNMASK phase is announced, and a round that ends without committing gives its reservation
+  back only if it was never revealed (docs/dp-accounting.md §5).
+- Several cohorts (docs/operations.md): with ``leased=True`` the coordinator opens rounds only while it
+  holds a cohort lease (`take_lease`), writes every round row with its fencing token, and commits with a
+  compare-and-set on the model version: a sum computed against version v whose commit finds a newer
+  head h is applied to h (rebased) and committed as h + 1.
 - All server-side randomness of round r (cohort, graph, damping) comes from one generator seeded by
   ``SeedSequence([seed, r])`` when the operator set a seed (reproducible simulations), else from
   `secrets`.
@@ -19,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -27,14 +34,14 @@ import math
 import resource
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from agg_server.config import ServerConfig
-from agg_server.storage import Storage
+from agg_server.storage import HeadMoved, LeaseLost, Storage
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
 from protocol.accounting import PrivacyLedger, calibrate_mu
@@ -66,6 +73,7 @@ from protocol.messages import (
     Wait,
 )
 from protocol.noise import minimum_survivors
+from protocol.plan import TrainingPlan
 from protocol.quantization import QuantizationConfig, check_bit_budget, dequantize_sum, sensitivity
 from protocol.session import ACTIVE_PHASES, Phase, RoundParameters, ServerSecAggSession
 
@@ -82,6 +90,7 @@ PHASE_OF_MESSAGE: dict[type[Message], Phase] = {
 }
 
 _KEEP_FINISHED = 64  # outcomes of recent rounds kept for late long-polls
+_REBASES = 16  # commit attempts of one round when other cohorts keep committing first
 CHECKIN_RATE = 400.0  # target check-ins per second from waiting devices
 
 
@@ -115,7 +124,7 @@ class _OpenRound:
     round_id: int
     session: ServerSecAggSession
     cohort: tuple[int, ...]
-    plan: dict[str, Any]
+    plan: TrainingPlan
     rng: np.random.Generator
     base_version: int
     started: float
@@ -126,6 +135,7 @@ class _OpenRound:
     l1: float = 0.0
     l2: float = 0.0
     handed_out: set[int] = field(default_factory=set)
+    revealed: bool = False  # the UNMASK phase was announced: the ε reservation can no longer be returned
     polling: dict[int, int] = field(default_factory=dict)  # device -> open long-polls
     gone: dict[int, float] = field(default_factory=dict)  # device -> when its long-poll broke unanswered
     finishing: bool = False  # UNMASK closed; the mask removal and commit run off the event loop
@@ -155,6 +165,8 @@ class _Prepared:
     state: Any = None
     payload: bytes = b""
     error: BaseException | None = None
+    total: Any = None  # the dequantized sum (a rebase applies it to a newer head)
+    sum_sha256: bytes | None = None  # SHA-256 of the unmasked ring sum, little-endian uint32
 
 
 class RoundCoordinator:
@@ -175,8 +187,14 @@ class RoundCoordinator:
         now: float,
         strategy: Strategy | None = None,
         defer_finish: bool = False,
+        leased: bool = False,
     ) -> None:
         self.config = config
+        #: With ``leased`` (the server app) rounds open only while `take_lease` gave this coordinator a
+        #: cohort; the open rounds of a cohort are abandoned by whoever acquires its lease.  Without it
+        #: (simulators, tests) it runs alone: open rounds are abandoned here and no lease is needed.
+        self.leased = leased
+        self.fence: tuple[int, int] | None = None
         #: With ``defer_finish`` a round whose UNMASK closed waits in a "finishing" state until the caller
         #: runs `take_finish_job`'s job (off its event loop) and hands it back to `complete_finish`;
         #: without it (simulations, tests) the round finishes inside the call that closed UNMASK.
@@ -193,7 +211,7 @@ class RoundCoordinator:
         self.quantization = QuantizationConfig(clip_norm=config.rounds.clip_norm, scale_bits=config.rounds.scale_bits)
         self.vector_length = int(self.strategy.vector_length)
         self._seed = config.rounds.seed
-        self.abandoned = storage.abandon_open_rounds(now)
+        self.abandoned = [] if leased else storage.abandon_open_rounds(now)
         for rid in self.abandoned:
             log.warning("round %d was open when the server stopped; abandoned (its devices will check in again)", rid)
         self._load_or_create_model(now)
@@ -253,9 +271,81 @@ class RoundCoordinator:
         rng = self._rng(0)
         state = st.initialize(rng)
         payload = self._payload(1, state)
-        self.storage.commit_model(1, None, payload, now)
+        try:
+            self.storage.commit_model(1, None, payload, now, base_version=None)
+        except StorageError:
+            # Another instance on the same database initialised it first: use theirs.
+            head = self.storage.head_version()
+            if head is None:
+                raise
+            payload = self.storage.load_model(head)
+            self._set_model(head, self._decode_model(head, payload), payload)
+            return
         self._set_model(1, state, payload)
         log.info("initialised %s model version 1 (rank %d, m=%d)", st.kind, st.rank, st.n_items)
+
+    def _decode_model(self, version: int, payload: bytes) -> NDArray[Any]:
+        st = self.strategy
+        msg = decode(payload, max_size=len(payload) + 1)
+        if not isinstance(msg, ModelPayload) or (msg.model_kind, msg.bits, msg.n_items) != (
+            st.kind,
+            st.rank,
+            st.n_items,
+        ):
+            raise ConfigError(f"model version {version} in the database is not a {st.kind!r} model of this shape")
+        levels = (msg.item_levels,) if msg.item_levels else ()
+        return st.from_wire(msg.words, msg.values, *levels)
+
+    def _refresh_model(self) -> None:
+        """Follow the head (another cohort may have committed): the next round trains the newest model."""
+        head = self.storage.head_version()
+        if head is None or head == self.model_version:
+            return
+        payload = self.storage.load_model(head)
+        self._set_model(head, self._decode_model(head, payload), payload)
+        log.info("model version %d (committed by another cohort) is the head now", head)
+
+    def _refresh_ledger(self) -> None:
+        if self.ledger is None:
+            return
+        saved = self.storage.load_ledger()
+        if saved is not None:
+            self.ledger = PrivacyLedger.from_dict(saved)
+
+    # -- cohort leases ----------------------------------------------------------------------------
+    def take_lease(self, cohort: int, token: int, abandoned: list[int]) -> None:
+        """This coordinator leads ``cohort`` with fencing ``token`` (from `Storage.acquire_lease`, which
+        abandoned the cohort's open rounds ``abandoned``)."""
+        self.fence = (cohort, token)
+        self.abandoned = list(abandoned)
+        for rid in abandoned:
+            self._finished[rid] = RoundResult(
+                round_id=rid, committed=False, model_version=self.model_version, reason="round abandoned"
+            )
+        log.info("leading cohort %d (fencing token %d)", cohort, token)
+
+    def lose_lease(self, now: float, reason: str) -> None:
+        """The lease is gone (expired, or taken by another instance): drop the open round without writing
+        (every write would be refused); its new leader abandons it in the database."""
+        r, self.fence = self._round, None
+        self._pool.clear()
+        self._pool_since.clear()
+        self._job = None
+        if r is None:
+            return
+        log.warning("round %d dropped: %s", r.round_id, reason)
+        if r.session.phase in ACTIVE_PHASES and not r.finishing:
+            r.session.abort(reason)
+        self._finished[r.round_id] = RoundResult(
+            round_id=r.round_id, committed=False, model_version=self.model_version, reason=reason
+        )
+        self._round = None
+        self._emit_finished(r, now, "abandoned", self.model_version, reason)
+
+    @property
+    def cohort(self) -> int | None:
+        """The cohort this coordinator leads (None without a lease)."""
+        return None if self.fence is None else self.fence[0]
 
     def _payload(self, version: int, state: NDArray[Any]) -> bytes:
         st = self.strategy
@@ -331,7 +421,7 @@ class RoundCoordinator:
                 invite = r.session.outbox(device_id)
                 if isinstance(invite, RoundInvite):
                     r.handed_out.add(device_id)
-                    return replace(invite, **r.plan)
+                    return invite.with_plan(r.plan)
             if device_id in r.handed_out:
                 # A device checks in only when it is in no round: this one left ours.
                 self._leave(r, device_id, "checked in again while in the round", now)
@@ -348,6 +438,8 @@ class RoundCoordinator:
         cfg = self.config.rounds
         if self._round is not None or now < self._next_open or self.stopped_reason:
             return
+        if self.leased and self.fence is None:
+            return
         if cfg.max_rounds and self._rounds_run >= cfg.max_rounds:
             self.stopped_reason = f"max_rounds={cfg.max_rounds} reached"
             return
@@ -361,12 +453,14 @@ class RoundCoordinator:
         oldest = min(self._pool_since[d] for d in fresh)
         if len(fresh) < cfg.cohort_size and now - oldest < 5 * self.retry_after:
             return  # give the pool a moment to fill
+        if self.leased:
+            self._refresh_model()
+        self._refresh_ledger()
         if self.ledger is not None:
             try:
                 self.ledger.check_round(self.mu, self.l1, self.l2)
             except PrivacyBudgetExceeded as exc:
-                self.stopped_reason = f"privacy budget exhausted: {exc}"
-                log.warning("%s", self.stopped_reason)
+                self._budget_refused(exc, now)
                 return
         round_id = self.storage.next_round_id()
         rng = self._rng(round_id)
@@ -394,14 +488,46 @@ class RoundCoordinator:
             deadlines=deadlines,
         )
         session = ServerSecAggSession(params, cohort, rng=rng, defer_finish=self.defer_finish)
-        plan = round_plan(self.strategy, self.model_version, example_cap=cfg.example_cap)
-        self.storage.start_round(
-            round_id,
-            self.model_version,
-            cohort,
-            {"k": k, "t": t, "mu": self.mu, "t_min": t_min, "deadlines": list(deadlines), **plan},
-            now,
+        plan = round_plan(
+            self.strategy, self.model_version, example_cap=cfg.example_cap, clip_norm=self.quantization.clip_norm
         )
+        reserved: list[PrivacyLedger] = []
+
+        def reserve(stored: dict[str, Any] | None) -> dict[str, Any]:
+            # Inside start_round's transaction, under the rounds lock: the ledger every instance shares.
+            assert self.ledger is not None
+            ledger = (
+                PrivacyLedger.from_dict(stored)
+                if stored is not None
+                else PrivacyLedger(epsilon_budget=self.ledger.epsilon_budget, delta=self.ledger.delta)
+            )
+            ledger.record_round(self.mu, self.l1, self.l2, round_id=round_id)
+            reserved.append(ledger)
+            return ledger.to_dict()
+
+        try:
+            self.storage.start_round(
+                round_id,
+                self.model_version,
+                cohort,
+                {"k": k, "t": t, "mu": self.mu, "t_min": t_min, "deadlines": list(deadlines), **plan.invite_fields()},
+                now,
+                fence=self.fence,
+                reserve=reserve if self.ledger is not None else None,
+            )
+        except PrivacyBudgetExceeded as exc:
+            self._budget_refused(exc, now)
+            return
+        except LeaseLost as exc:
+            self.lose_lease(now, str(exc))
+            return
+        except StorageError as exc:
+            # Another instance took this round id first (or the database hiccuped): try again shortly.
+            log.warning("round %d could not be opened: %s", round_id, exc)
+            self._next_open = now + max(0.2, cfg.round_interval)
+            return
+        if reserved:
+            self.ledger = reserved[-1]
         for d in cohort:
             self._pool.pop(d, None)
             self._pool_since.pop(d, None)
@@ -423,6 +549,15 @@ class RoundCoordinator:
         self._rounds_run += 1
         self._emit("round_opened", {"round_id": round_id, "cohort": len(cohort)})
         log.info("round %d opened: %d devices, k=%d, t=%d, mu=%.4g", round_id, len(cohort), k, t, self.mu)
+
+    def _budget_refused(self, exc: PrivacyBudgetExceeded, now: float) -> None:
+        # Other cohorts' open rounds may still give their reservations back: then wait and retry.
+        if self.leased and self.storage.round_counts().get("open", 0):
+            log.info("no ε left for a new round while other rounds hold reservations: %s", exc)
+            self._next_open = now + max(1.0, self.config.rounds.round_interval)
+            return
+        self.stopped_reason = f"privacy budget exhausted: {exc}"
+        log.warning("%s", self.stopped_reason)
 
     # -- presence: phases close as soon as every device still there has answered ---------------------
     def poll_started(self, device_id: int, round_id: int) -> None:
@@ -552,6 +687,21 @@ class RoundCoordinator:
         phase = r.session.phase
         if phase is not r.phase:
             self._record_phases(r, phase, now)
+        if not r.revealed and (phase in (Phase.UNMASK, Phase.DONE) or r.session.finishing):
+            # Before any device hears of the UNMASK phase (devices are woken after this call returns):
+            # from here on the sum can be learned, so the ε reservation must stay charged.
+            try:
+                self.storage.mark_revealed(r.round_id, fence=self.fence)
+                r.revealed = True
+            except StorageError as exc:
+                log.error("round %d: could not record that it reveals its sum; aborting it: %s", r.round_id, exc)
+                if r.session.phase in ACTIVE_PHASES:
+                    r.session.abort(f"could not record the round: {exc}")
+                    self._finish(r, now)
+                    return
+                if r.session.phase is Phase.DONE:
+                    # Revealed already (the sum was computed inline): keep it charged, drop the round.
+                    r.revealed = True
         if r.session.finishing:
             r.finishing = True
             self._job = FinishJob(round_id=r.round_id, _run=lambda: self._prepare(r))
@@ -573,17 +723,7 @@ class RoundCoordinator:
             return _Prepared(unmasked=False, error=exc)
         if r.session.phase is not Phase.DONE:
             return _Prepared(unmasked=False)
-        try:
-            result = r.session.result()
-            total = dequantize_sum(result.total, self.quantization)
-            survivors = len(result.survivors)
-            state = self.strategy.aggregate(
-                self.model_state, total, survivors, r.rng, round_index=int(r.plan["round_index"])
-            )
-            payload = self._payload(self.model_version + 1, state)
-        except Exception as exc:
-            return _Prepared(unmasked=True, error=exc)
-        return _Prepared(unmasked=True, survivors=survivors, state=state, payload=payload)
+        return self._prepare_done(r)
 
     def complete_finish(self, job: FinishJob, now: float) -> None:
         """Commit (or abort) the round whose `FinishJob` ran: charge the ledger, store the model."""
@@ -606,7 +746,9 @@ class RoundCoordinator:
             dropped = sorted(drops.get(p, frozenset()) & r.alive)
             r.alive -= set(dropped)
             try:
-                self.storage.record_phase(r.round_id, p.value, sorted(r.alive), dropped, now - r.phase_started, now)
+                self.storage.record_phase(
+                    r.round_id, p.value, sorted(r.alive), dropped, now - r.phase_started, now, fence=self.fence
+                )
             except StorageError:
                 log.exception("could not record phase %s of round %d", p.value, r.round_id)
             self._emit(
@@ -642,72 +784,111 @@ class RoundCoordinator:
                 outcome = self._commit(r, now, self._prepare_done(r))
             else:
                 log.warning("round %d aborted: %s", r.round_id, reason)
-                self.storage.finish_round(r.round_id, "aborted", reason=reason, now=now)
+                self.storage.finish_round(r.round_id, "aborted", reason=reason, now=now, fence=self.fence)
         except Exception:
             log.exception("round %d could not be finished cleanly", r.round_id)
         finally:
             self._finished[r.round_id] = outcome
-            self._emit(
-                "round_finished",
-                {
-                    "round_id": r.round_id,
-                    "outcome": "committed" if outcome.committed else "aborted",
-                    "seconds": now - r.started,
-                    "survivors": len(r.alive),
-                    "epsilon_spent": self.ledger.spent() if self.ledger is not None else None,
-                    "model_version": outcome.model_version,
-                    "reason": outcome.reason,
-                },
+            with contextlib.suppress(Exception):
+                self._refresh_ledger()  # a reservation may have been given back
+            self._emit_finished(
+                r, now, "committed" if outcome.committed else "aborted", outcome.model_version, outcome.reason
             )
             while len(self._finished) > _KEEP_FINISHED:
                 self._finished.pop(next(iter(self._finished)))
             self._round = None
             self._next_open = now + self.config.rounds.round_interval
 
+    def _emit_finished(self, r: _OpenRound, now: float, outcome: str, version: int, reason: str) -> None:
+        self._emit(
+            "round_finished",
+            {
+                "round_id": r.round_id,
+                "outcome": outcome,
+                "seconds": now - r.started,
+                "survivors": len(r.alive),
+                "epsilon_spent": self.ledger.spent() if self.ledger is not None else None,
+                "model_version": version,
+                "reason": reason,
+            },
+        )
+
     def _prepare_done(self, r: _OpenRound) -> _Prepared:
-        # The session finished in the caller's call (no defer_finish): aggregate here, same code path.
-        result = r.session.result()
-        survivors = len(result.survivors)
+        # Aggregate the unmasked sum onto the round's base model (in the finishing thread, or inline in
+        # the caller's call without defer_finish).
         try:
-            state = self.strategy.aggregate(
-                self.model_state,
-                dequantize_sum(result.total, self.quantization),
-                survivors,
-                r.rng,
-                round_index=int(r.plan["round_index"]),
-            )
+            result = r.session.result()
+            survivors = len(result.survivors)
+            digest = hashlib.sha256(np.asarray(result.total, dtype="<u4").tobytes()).digest()
+            total = dequantize_sum(result.total, self.quantization)
+            state = self.strategy.aggregate(self.model_state, total, survivors, r.rng, round_index=r.plan.round_index)
             payload = self._payload(self.model_version + 1, state)
         except Exception as exc:
             return _Prepared(unmasked=True, error=exc)
-        return _Prepared(unmasked=True, survivors=survivors, state=state, payload=payload)
+        return _Prepared(
+            unmasked=True, survivors=survivors, state=state, payload=payload, total=total, sum_sha256=digest
+        )
 
     def _commit(self, r: _OpenRound, now: float, prepared: _Prepared) -> RoundResult:
-        epsilon = None
-        if self.ledger is not None:
-            # The sum is released the moment it is unmasked: charge it before anything can fail.
-            epsilon = self.ledger.record_round(r.mu, r.l1, r.l2, round_id=r.round_id)
-            self.storage.save_ledger(self.ledger.to_dict())
+        # The round's ε was reserved when it opened and it is marked revealed: the ledger stays charged
+        # whatever happens below.
+        self._refresh_ledger()
+        epsilon = self.ledger.spent() if self.ledger is not None else None
         if prepared.error is not None:
             log.error("round %d: aggregation failed after unmasking: %s", r.round_id, prepared.error)
-            self.storage.finish_round(r.round_id, "aborted", reason=f"aggregation failed: {prepared.error}", now=now)
+            self.storage.finish_round(
+                r.round_id, "aborted", reason=f"aggregation failed: {prepared.error}", now=now, fence=self.fence
+            )
             return RoundResult(
                 round_id=r.round_id, committed=False, model_version=self.model_version, reason="aggregation failed"
             )
         survivors, state, payload = prepared.survivors, prepared.state, prepared.payload
-        version = self.model_version + 1
-        try:
-            self.storage.commit_model(
-                version,
-                r.round_id,
-                payload,
-                now,
-                ledger=self.ledger.to_dict() if self.ledger is not None else None,
-                round_update={"survivors": survivors, "epsilon_spent": epsilon},
-            )
-        except StorageError as exc:
-            log.error("round %d: could not commit model version %d: %s", r.round_id, version, exc)
-            self.storage.finish_round(r.round_id, "aborted", reason=f"commit failed: {exc}", now=now)
-            return RoundResult(round_id=r.round_id, committed=False, model_version=self.model_version, reason=str(exc))
+        base, rebased = self.model_version, 0
+        update = {"survivors": survivors, "epsilon_spent": epsilon, "sum_sha256": prepared.sum_sha256}
+        while True:
+            try:
+                self.storage.commit_model(
+                    base + 1, r.round_id, payload, now, round_update=update, fence=self.fence, base_version=base
+                )
+                break
+            except HeadMoved as moved:
+                # Another cohort committed first: apply this round's sum to the newest head and try again.
+                rebased += 1
+                error: Exception | None = None
+                if rebased <= _REBASES and prepared.total is not None:
+                    try:
+                        head_bytes = self.storage.load_model(moved.head)
+                        head_state = self._decode_model(moved.head, head_bytes)
+                        state = self.strategy.aggregate(
+                            head_state, prepared.total, survivors, r.rng, round_index=r.plan.round_index
+                        )
+                        base, payload = moved.head, self._payload(moved.head + 1, state)
+                        self._set_model(moved.head, head_state, head_bytes)
+                        continue
+                    except Exception as exc:
+                        error = exc
+                reason = f"commit failed after {rebased} rebases: {error or moved}"
+                log.error("round %d: %s", r.round_id, reason)
+                self.storage.finish_round(r.round_id, "aborted", reason=reason, now=now, fence=self.fence)
+                return RoundResult(
+                    round_id=r.round_id, committed=False, model_version=self.model_version, reason=reason
+                )
+            except LeaseLost as exc:
+                log.error("round %d: not committed, the cohort's lease is lost: %s", r.round_id, exc)
+                return RoundResult(
+                    round_id=r.round_id, committed=False, model_version=self.model_version, reason=str(exc)
+                )
+            except StorageError as exc:
+                log.error("round %d: could not commit model version %d: %s", r.round_id, base + 1, exc)
+                self.storage.finish_round(
+                    r.round_id, "aborted", reason=f"commit failed: {exc}", now=now, fence=self.fence
+                )
+                return RoundResult(
+                    round_id=r.round_id, committed=False, model_version=self.model_version, reason=str(exc)
+                )
+        if rebased:
+            log.info("round %d: sum applied to model version %d (rebased %d times)", r.round_id, base, rebased)
+        version = base + 1
         change = self.strategy.describe(self.model_state, state)
         self._set_model(version, state, payload)
         log.info(
@@ -731,23 +912,13 @@ class RoundCoordinator:
             log.warning("round %d was finishing at shutdown; abandoned", r.round_id)
         elif r.session.phase in ACTIVE_PHASES:
             r.session.abort("server shutting down")
-        self.storage.finish_round(r.round_id, "abandoned", reason="server shut down", now=now)
         self._finished[r.round_id] = RoundResult(
             round_id=r.round_id, committed=False, model_version=self.model_version, reason="server shut down"
         )
         self._round = None
-        self._emit(
-            "round_finished",
-            {
-                "round_id": r.round_id,
-                "outcome": "abandoned",
-                "seconds": now - r.started,
-                "survivors": len(r.alive),
-                "epsilon_spent": self.ledger.spent() if self.ledger is not None else None,
-                "model_version": self.model_version,
-                "reason": "server shut down",
-            },
-        )
+        # An unrevealed round gives its ε reservation back (Storage.finish_round).
+        self.storage.finish_round(r.round_id, "abandoned", reason="server shut down", now=now, fence=self.fence)
+        self._emit_finished(r, now, "abandoned", self.model_version, "server shut down")
         log.info("round %d abandoned at shutdown", r.round_id)
 
     # -- introspection ------------------------------------------------------------------------------

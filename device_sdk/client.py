@@ -10,7 +10,9 @@
 # - The plaintext update lives only between local training and the SecAgg session; every way out of a
 #   round (commit, abort, dropout, error) leaves the session finished, so its secrets are dropped.
 # - Randomness: the training generator and the DP-noise stream come from ``rng_for_round`` (default: keyed
-#   from ``secrets`` every round); key material is generated inside `protocol` only.
+#   from ``secrets`` every round); the stochastic-rounding coins are the noise stream's first words (read
+#   in the training thread before the session draws its noise); key material is generated inside
+#   `protocol` only.
 """`DeviceClient`: one device taking part in federated rounds over a `Transport` (DESIGN.md §4, §7)."""
 
 from __future__ import annotations
@@ -210,8 +212,9 @@ class RoundOutcome:
 def insecure_seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.random.Generator, NoiseStream]:
     """TEST HOOK: reproducible per-round generators of one device, ``(training_rng, noise_stream)``.
 
-    The DP noise stream is `protocol.crypto.insecure_test_noise_stream(seed, round_id, device_id)`: anyone
-    who knows the seed predicts every device's noise, so the ε of a run that uses this hook is NOT a
+    The noise stream (DP noise, thinning and stochastic-rounding coins) is
+    `protocol.crypto.insecure_test_noise_stream(seed, round_id, device_id)`: anyone who knows the seed
+    predicts every device's noise and rounding, so the ε of a run that uses this hook is NOT a
     privacy guarantee (callers that report ε must say so).  The in-process simulator and devices driven
     over HTTP both use exactly this function so that they produce bit-identical updates and noise.  Pass
     it to `DeviceClient` once the device id is known, e.g.
@@ -243,7 +246,8 @@ def insecure_seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.r
 
 
 def _secret_round_rngs(round_id: int) -> tuple[np.random.Generator, NoiseStream]:
-    # Training randomness from a secrets-seeded numpy generator; DP noise from a secrets-keyed ChaCha20 stream.
+    # Training randomness from a secrets-seeded numpy generator; DP noise and rounding coins from a
+    # secrets-keyed ChaCha20 stream.
     return secret_generator(), NoiseStream.from_os()
 
 
@@ -598,7 +602,7 @@ class DeviceClient:
                 return self._outcome(RoundStatus.REFUSED, rid, tally, reason=str(exc))
             with tally.step("train"):
                 # Off the app's event loop: training is the device's long CPU step.
-                update = await asyncio.to_thread(self._train, invite, training_rng)
+                update = await asyncio.to_thread(self._train, invite, training_rng, noise_rng)
             session.provide_input(update)
             del update  # the session holds the only copy until it is masked
             for name, stop_before, answer_type in _STEPS:
@@ -643,9 +647,10 @@ class DeviceClient:
         finally:
             _forget(session)  # every exit, cancellation included, drops the session's secrets
 
-    def _train(self, invite: RoundInvite, rng: np.random.Generator) -> NDArray[np.uint32]:
-        """Local training and saving the trained model (runs in a worker thread)."""
-        update, _ = local_round(self._model, invite, self._data, None, rng)
+    def _train(self, invite: RoundInvite, rng: np.random.Generator, coins: NoiseStream) -> NDArray[np.uint32]:
+        """Local training and saving the trained model (runs in a worker thread; the session does not touch
+        ``coins`` until the update is provided)."""
+        update, _ = local_round(self._model, invite, self._data, None, rng, coins=coins)
         self._save_model()
         return update
 

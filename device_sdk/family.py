@@ -12,7 +12,7 @@ Invariants:
 - `local_update` draws every random choice from the generator passed in, in a fixed order: a device
   with the same generator state returns the same vector (the HTTP run and the in-process run agree
   bit for bit).
-- The returned vector has exactly ``invite.vector_length`` finite float64 entries; ratings, user
+- The returned vector has exactly ``plan.vector_length`` finite float64 entries; ratings, user
   factors and anything else local never leave the model except through it.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from protocol.messages import RoundInvite
+from protocol.plan import TrainingPlan
 
 __all__ = ["FederatedModel", "LocalRatings", "LocalResult"]
 
@@ -128,8 +128,8 @@ class FederatedModel(Protocol):
         ValueError when they do not fit this model."""
         ...
 
-    def local_update(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
-        """Train on ``data`` as ``invite``'s plan says and return the upload."""
+    def local_update(self, plan: TrainingPlan, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
+        """Train on ``data`` as ``plan`` says and return the upload (``plan.vector_length`` entries)."""
         ...
 
     def recommend(

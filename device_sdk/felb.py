@@ -43,7 +43,7 @@ from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes, float_matrix_to_bytes
 from protocol.errors import ModelError, StorageError
 from protocol.families.felb import prox_elb, prox_elb_unchecked, schedule
-from protocol.messages import RoundInvite
+from protocol.plan import FELBParams, TrainingPlan
 from protocol.spec import MAX_RANK, StepRule
 
 __all__ = [
@@ -351,23 +351,17 @@ class FELBModel(Recommender):
         return float_matrix_to_bytes(self.item_factors)
 
     # -- training -------------------------------------------------------------------------------
-    def _check_plan(self, invite: RoundInvite) -> None:
-        if invite.model_kind != _KIND:
-            raise ValueError(f"this device runs FELB; the round trains {invite.model_kind!r}")
-        k, m = self.config.rank, self.n_items
-        if invite.bits != k or invite.n_items != m:
-            raise ValueError(f"round plan is k={invite.bits}, m={invite.n_items}; the device model is k={k}, m={m}")
-        if invite.vector_length != k * m:
-            raise ValueError(f"vector_length {invite.vector_length} != k·m = {k * m}")
-        if invite.step_rule not in STEP_RULES:
-            raise ValueError(f"FELB needs a step_rule in {STEP_RULES}, got {invite.step_rule!r}")
+    def _check_plan(self, plan: TrainingPlan) -> FELBParams:
+        plan.check_fits(_KIND, self.n_items, self.config.rank)
+        assert isinstance(plan.params, FELBParams)
         if self.model_version < 1:
             raise ModelError("no global model yet: call set_global first")
-        if invite.model_version and invite.model_version != self.model_version:
-            raise ValueError(f"the round trains version {invite.model_version}; the device holds {self.model_version}")
+        if plan.model_version and plan.model_version != self.model_version:
+            raise ValueError(f"the round trains version {plan.model_version}; the device holds {self.model_version}")
+        return plan.params
 
-    def local_update(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
-        """One round on the device: V_i ← V̂, ``invite.local_epochs`` local iterations at
+    def local_update(self, plan: TrainingPlan, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
+        """One round on the device: V_i ← V̂, ``local_epochs`` local iterations at
         λ_r = reg · reg_growth**round_index, and the upload ΔV_i = V_i − V̂ flattened to (k·m,).
 
         U_i is drawn Uniform[0, 1] from ``rng`` the first time (one row per local user) and kept.
@@ -377,32 +371,32 @@ class FELBModel(Recommender):
         ValueError : the plan or the data do not fit this model.
         ModelError : no global model adopted yet.
         """
-        self._check_plan(invite)
+        p = self._check_plan(plan)
         A = self.config.binarize(data, self.n_items)
         k = self.config.rank
         if self.user_factors is None:
             self.user_factors = rng.random((data.n_users, k))
         elif self.user_factors.shape[0] != data.n_users:
             raise ValueError(f"the device holds {self.user_factors.shape[0]} users; the data has {data.n_users}")
-        lam = schedule(invite.reg, invite.reg_growth, invite.round_index)
+        lam = schedule(p.reg, p.reg_growth, plan.round_index)
         V_hat = self.item_factors
         U, V = felb_local(
             A,
             self.user_factors,
             V_hat,
             V_hat,
-            kappa=invite.kappa,
+            kappa=p.kappa,
             lam=lam,
-            gamma=invite.proximity,
-            beta=invite.inertia,
-            step_rule=invite.step_rule,
-            iterations=invite.local_epochs,
+            gamma=p.proximity,
+            beta=p.inertia,
+            step_rule=p.step_rule,
+            iterations=p.local_epochs,
         )
         self.user_factors = U
         delta = (V - V_hat).ravel()
         info = {
             "lambda": lam,
-            "objective": local_objective(A, U, V, V_hat, kappa=invite.kappa, lam=lam, gamma=invite.proximity),
+            "objective": local_objective(A, U, V, V_hat, kappa=p.kappa, lam=lam, gamma=p.proximity),
             "ones": int(A.sum()),
             "integrality_gap": integrality_gap(U),
         }

@@ -47,7 +47,7 @@ from protocol.families.fnmf import (
     upload_length,
     upload_vector,
 )
-from protocol.messages import RoundInvite
+from protocol.plan import FNMFParams, TrainingPlan
 from protocol.spec import MAX_RANK, Alignment
 
 __all__ = [
@@ -323,34 +323,26 @@ class FNMFModel(Recommender):
         return mask[:, None] * target + (1.0 - mask[:, None]) * self.v_local
 
     # -- training -------------------------------------------------------------------------------
-    def apply_plan(self, invite: RoundInvite) -> None:
+    def apply_plan(self, plan: TrainingPlan) -> None:
         """Adopt the round plan (T, γ, β, alignment) after checking it fits this model."""
-        if invite.model_kind != _KIND:
-            raise ValueError(f"this device runs FNMF; the round trains {invite.model_kind!r}")
-        if invite.bits != self.rank or invite.n_items != self.n_items:
-            raise ValueError(
-                f"round plan is k={invite.bits}, m={invite.n_items}; the model is k={self.rank}, m={self.n_items}"
-            )
-        if invite.alignment not in ALIGNMENTS:
-            raise ValueError(f"the round names no FNMF alignment ({invite.alignment!r})")
-        expected = upload_length(self.rank, self.n_items, invite.alignment)
-        if invite.vector_length != expected:
-            raise ValueError(f"vector_length {invite.vector_length} != {expected} for alignment {invite.alignment!r}")
+        plan.check_fits(_KIND, self.n_items, self.rank)
+        p = plan.params
+        assert isinstance(p, FNMFParams)
         self.config = replace(
             self.config,
-            local_steps=invite.local_epochs,
-            proximity=invite.proximity,
-            inertia=invite.inertia,
-            alignment=invite.alignment,
+            local_steps=p.local_steps,
+            proximity=p.proximity,
+            inertia=p.inertia,
+            alignment=p.alignment.value,
         )
 
-    def train(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> Array:
+    def train(self, plan: TrainingPlan, data: LocalRatings, rng: np.random.Generator) -> Array:
         """Sync to V̄ and run T local steps; returns the trained local V (client order).
 
         The trusted-aggregator simulator sends this matrix itself; `local_update` sends only its
         aligned difference to V̄.
         """
-        self.apply_plan(invite)
+        self.apply_plan(plan)
         v_bar = self._require_global()
         X = data.dense(self.n_items)
         k, n = self.rank, data.n_users
@@ -363,7 +355,7 @@ class FNMFModel(Recommender):
         else:
             V = self.item_matrix()  # V_j ← V̄, in this client's order
         c = self.config
-        pull = invite.round_index > 0
+        pull = plan.round_index > 0
         self.u, V = pgd_steps(
             X,
             self.u,
@@ -397,11 +389,11 @@ class FNMFModel(Recommender):
             P = self.alignment_matrix()
         return upload_vector(self.v_local, v_bar, P, self.config.alignment)
 
-    def local_update(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
+    def local_update(self, plan: TrainingPlan, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
         """One round of the anchored secure variant: sync, T local steps, align to V̄, upload Δ.
 
         For "lap_rho" the match counts must reach the server unscaled, but the upload is clipped
-        to ``invite.clip_norm`` as a whole before quantization; so Δ alone is shrunk here to the
+        to ``plan.clip_norm`` as a whole before quantization; so Δ alone is shrunk here to the
         norm the counts leave free, and the later clip is a no-op.
 
         Raises
@@ -409,10 +401,10 @@ class FNMFModel(Recommender):
         ValueError
             If the plan does not fit the model, or "lap_rho" runs with ``clip_norm² ≤ k``.
         """
-        V = self.train(invite, data, rng)
-        vector = self.align_update(first_round=invite.round_index == 0)
-        if invite.alignment == "lap_rho":
-            vector = _clip_keeping_counts(vector, self.rank, invite.clip_norm)
+        V = self.train(plan, data, rng)
+        vector = self.align_update(first_round=plan.round_index == 0)
+        if self.config.alignment == "lap_rho" and math.isfinite(plan.clip_norm):
+            vector = _clip_keeping_counts(vector, self.rank, plan.clip_norm)
         if self.u is None:  # pragma: no cover - train always sets U
             raise ModelError("training produced no U")
         X = data.dense(self.n_items)

@@ -51,8 +51,8 @@ from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
-from protocol.families.mf import check_training, project_rows
-from protocol.messages import RoundInvite
+from protocol.families.mf import project_rows
+from protocol.plan import MFParams, TrainingPlan
 from protocol.spec import MAX_RANK, ModelKind
 
 __all__ = [
@@ -260,7 +260,18 @@ class MFConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         # The plan's bounds, checked as the server's strategy checks them (one validator).
-        check_training(self)
+        self.params()
+
+    def params(self) -> MFParams:
+        """The training parameters of this configuration (`protocol.plan.MFParams` checks them)."""
+        return MFParams(
+            max_norm2=self.max_norm2,
+            learning_rate=self.learning_rate,
+            reg=self.reg,
+            pretrain_epochs=self.pretrain_epochs,
+            local_epochs=self.local_epochs,
+            negatives=self.negatives,
+        )
 
 
 def _targets(ratings: NDArray[np.float64] | None, n: int, R: float) -> NDArray[np.float64]:
@@ -363,14 +374,13 @@ class MFModel(Recommender):
         self.user_trained[new] = True
         return int(new.size)
 
-    def local_update(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
+    def local_update(self, plan: TrainingPlan, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
         """One round of LFL/HFL-SGDMF stage 2 on the local users' ratings (see the module docstring).
 
         Parameters
         ----------
-        invite : the round's plan: ``learning_rate``, ``reg``, ``max_norm2`` (R; 0 = the config's),
-            ``pretrain_epochs``, ``local_epochs``, ``example_cap`` (θ), ``negatives``; ``bits`` and
-            ``n_items`` must match the model.
+        plan : the round's plan: `protocol.plan.MFParams` (``max_norm2`` must be the model's R) and
+            ``example_cap`` (θ); its shape must be the model's.
         data : local ratings (raw, in [0, R]); users absent from it are not touched.
         rng : the round's generator (new users' vectors, trimming, negatives — in that order).
 
@@ -383,29 +393,25 @@ class MFModel(Recommender):
         ValueError
             On a plan for another model or data that does not fit it.
         """
-        m, f = self.n_items, self.config.factors
-        if invite.model_kind != self.KIND:
-            raise ValueError(f"the round trains a {invite.model_kind!r} model, this is {self.KIND!r}")
-        if invite.bits != f or invite.n_items != m or invite.vector_length != m * f:
-            raise ValueError(
-                f"the round is for {invite.n_items} items × {invite.bits} factors (vector_length "
-                f"{invite.vector_length}); this model has {m} × {f}"
-            )
+        m = self.n_items
+        plan.check_fits(self.KIND, m, self.config.factors)
+        p = plan.params
+        assert isinstance(p, MFParams)  # check_fits checked the kind
         self._check_data(data)
-        R = invite.max_norm2 or self.config.max_norm2
+        R = p.max_norm2
         if R != self.config.max_norm2:
             raise ValueError(f"the round's max_norm2 {R} differs from the model's {self.config.max_norm2}")
         users, items = data.users, data.items
         r = _targets(data.ratings, items.size, R)
-        lr, reg = invite.learning_rate, invite.reg
+        lr, reg = p.learning_rate, p.reg
         V = self.item_factors
-        pretrained = self._start_new_users(users, items, r, rng, lr, reg, R, invite.pretrain_epochs)
-        U = fit_users(self.user_factors, V, users, items, r, lr, reg, R, invite.local_epochs)
+        pretrained = self._start_new_users(users, items, r, rng, lr, reg, R, p.pretrain_epochs)
+        U = fit_users(self.user_factors, V, users, items, r, lr, reg, R, p.local_epochs)
         self.user_factors = U
-        keep = trim_per_user(users, invite.example_cap, rng)
+        keep = trim_per_user(users, plan.example_cap, rng)
         ku, ki, kr = users[keep], items[keep], r[keep]
-        if invite.negatives > 0 and keep.size:
-            nu, ni = sample_negatives(np.repeat(ku, invite.negatives), users, items, m, rng)
+        if p.negatives > 0 and keep.size:
+            nu, ni = sample_negatives(np.repeat(ku, p.negatives), users, items, m, rng)
             ku, ki, kr = np.r_[ku, nu], np.r_[ki, ni], np.r_[kr, np.zeros(nu.size)]
         vector = item_gradient_sum(U, V, ku, ki, kr)
         info = {

@@ -27,7 +27,7 @@ from device_sdk.topk import HammingIndex
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
 from protocol.errors import ModelError, StorageError
 from protocol.families.lightfr import UploadLayout, bias_from_levels
-from protocol.messages import RoundInvite
+from protocol.plan import LightFRParams, TrainingPlan
 from protocol.spec import MAX_RANK, Aggregation
 
 __all__ = ["LightFRConfig", "LightFRModel", "LocalUpdate", "apply_plan"]
@@ -257,14 +257,14 @@ class LightFRModel(Recommender):
         self.item_levels = levels
         self.hamming_weight = hamming_weight
 
-    def local_update(self, invite: RoundInvite, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
-        """One round of local training as ``invite``'s plan says; the upload is the item gradient
+    def local_update(self, plan: TrainingPlan, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
+        """One round of local training as ``plan`` says; the upload is the item gradient
         (Agg_grad) or the change D^u − D of the local item codes (Agg_para), flattened.
 
         Draws from ``rng`` in a fixed order: a first-round user code, the θ ratings kept, the
         negatives and DCD tie-breaks inside `fit_local`.
         """
-        apply_plan(self, invite)
+        apply_plan(self, plan)
         if data.n_users != 1 or self.n_users != 1:
             raise ValueError("a LightFR device trains one user per round")
         data.check_items(self.n_items)
@@ -273,12 +273,13 @@ class LightFRModel(Recommender):
             # seeded simulation is reproducible and a real device's start is cryptographically random.
             self.reset_user(rng)
         item_ids, values = data.items, data.ratings
-        if invite.example_cap and item_ids.size > invite.example_cap:
+        if plan.example_cap and item_ids.size > plan.example_cap:
             # θ of the device's ratings per round bound its contribution (per-user DP).
-            keep = np.sort(rng.choice(item_ids.size, invite.example_cap, replace=False))
+            keep = np.sort(rng.choice(item_ids.size, plan.example_cap, replace=False))
             item_ids = item_ids[keep]
             values = None if values is None else values[keep]
-        aggregation = Aggregation(invite.aggregation)
+        assert isinstance(plan.params, LightFRParams)  # apply_plan checked the kind
+        aggregation = plan.params.aggregation
         update = self.fit_local(item_ids, values, aggregation=aggregation, rng=rng)
         if update.parts is not None:
             layout = UploadLayout(self.n_items, self.config.bits, full=True)
@@ -560,22 +561,18 @@ class LightFRModel(Recommender):
         return model
 
 
-def apply_plan(model: LightFRModel, invite: RoundInvite) -> None:
-    """Adopt the round's training plan (λ, negatives, epochs, sweeps) after checking it fits the
-    model the device holds."""
-    if invite.model_kind != _KIND:
-        raise ValueError(f"this device runs LightFR; the round trains {invite.model_kind!r}")
-    if invite.bits != model.config.bits or invite.n_items != model.n_items:
-        raise ValueError(
-            f"round plan is f={invite.bits}, m={invite.n_items}; the device model is "
-            f"f={model.config.bits}, m={model.n_items}"
-        )
+def apply_plan(model: LightFRModel, plan: TrainingPlan) -> None:
+    """Adopt the round's training plan (λ, negatives, epochs, sweeps, w0, α) after checking it fits
+    the model the device holds."""
+    plan.check_fits(_KIND, model.n_items, model.config.bits)
+    p = plan.params
+    assert isinstance(p, LightFRParams)
     model.config = replace(
         model.config,
-        lam=invite.lam,
-        negatives=invite.negatives,
-        local_epochs=invite.local_epochs,
-        max_sweeps=invite.max_sweeps,
-        unobserved_weight=invite.unobserved_weight,
-        confidence=invite.confidence,
+        lam=p.lam,
+        negatives=p.negatives,
+        local_epochs=p.local_epochs,
+        max_sweeps=p.max_sweeps,
+        unobserved_weight=p.unobserved_weight,
+        confidence=p.confidence,
     )

@@ -50,6 +50,8 @@ from fedsim import synthetic
 from fedsim.private import run_private
 from protocol.codec import decode
 from protocol.messages import ModelPayload
+from protocol.plan import LightFRParams
+from protocol.spec import Aggregation
 
 N_ITEMS = 150
 BITS = 32
@@ -101,15 +103,17 @@ class AnnealedAggGrad:
     def initialize(self, rng: np.random.Generator) -> NDArray[np.int8]:
         return random_signs(self.n_items, self.bits, rng)
 
-    def plan(self) -> dict[str, Any]:
-        # Devices upload item gradients (eq. 12); λ = 0 (see README for why not the paper's 0.6).
-        return {
-            "aggregation": "grad",
-            "lam": 0.0,
-            "negatives": self.negatives,
-            "local_epochs": self.local_epochs,
-            "max_sweeps": self.max_sweeps,
-        }
+    def plan(self) -> LightFRParams:
+        # Devices upload item gradients (eq. 12) of the sampled-negatives objective (w0 = 0, so the
+        # upload is the (m, f) gradient alone); λ = 0 (see README for why not the paper's 0.6).
+        return LightFRParams(
+            aggregation=Aggregation.GRAD,
+            lam=0.0,
+            negatives=self.negatives,
+            local_epochs=self.local_epochs,
+            max_sweeps=self.max_sweeps,
+            unobserved_weight=0.0,
+        )
 
     def aggregate(
         self,

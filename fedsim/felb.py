@@ -26,12 +26,12 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy.optimize import linear_sum_assignment
 
+from agg_server.strategy.base import round_plan
 from agg_server.strategy.felb import FELBStrategy
 from device_sdk.family import LocalRatings
 from device_sdk.felb import FELBConfig, FELBModel, boolean_product, integrality_gap
 from fedsim.datasets import load_movielens
-from fedsim.private import in_process_invite
-from protocol.messages import RoundInvite
+from protocol.plan import TrainingPlan
 
 __all__ = [
     "FELBMetrics",
@@ -40,7 +40,7 @@ __all__ = [
     "evaluate_felb",
     "f1_score",
     "factor_f1",
-    "felb_invite",
+    "felb_plan",
     "load_ml100k_binary",
     "run_felb",
     "sigma_rmsd",
@@ -56,9 +56,9 @@ def binary_ratings(block: ArrayLike) -> LocalRatings:
     return LocalRatings(users.astype(np.int64), items.astype(np.int64), None, a.shape[0])
 
 
-def felb_invite(strategy: FELBStrategy, version: int, round_index: int) -> RoundInvite:
-    """The `RoundInvite` a device would receive for this round (no secure aggregation in process)."""
-    return in_process_invite(strategy, version, round_index=round_index)
+def felb_plan(strategy: FELBStrategy, version: int, round_index: int) -> TrainingPlan:
+    """The training plan a device receives for this round (in process: nothing clipped)."""
+    return round_plan(strategy, version, round_index=round_index)
 
 
 @dataclass
@@ -109,12 +109,12 @@ def run_felb(
     version = 1
     for r in range(rounds):
         payload = strategy.to_wire(V)["values"]
-        invite = felb_invite(strategy, version, r)
+        plan = felb_plan(strategy, version, r)
         total = np.zeros(strategy.vector_length)
         objective = 0.0
         for model, local, crng in zip(models, data, client_rngs, strict=True):
             model.set_global(b"", payload, version)
-            result = model.local_update(invite, local, crng)
+            result = model.local_update(plan, local, crng)
             upload = result.vector
             if noise_sigma > 0:
                 upload = upload + noise_rng.normal(0.0, noise_sigma, size=upload.size)

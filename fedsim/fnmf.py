@@ -4,7 +4,7 @@ variant) and FNMF with the paper's trusted barycenter, all with the same device 
 
 Invariants:
 - Devices and server exchange exactly what they would over HTTP: V̄ as `ModelPayload` bytes, a
-  `RoundInvite` plan, and — in every mode but `Method.FNMF_TRUSTED` — only the float **sum** of the
+  `TrainingPlan`, and — in every mode but `Method.FNMF_TRUSTED` — only the float **sum** of the
   uploads and the survivor count (secure aggregation without quantization).  The trusted mode hands
   each client's own matrix to `TrustedBarycenterFNMF` and is labelled as such.
 - Every random draw comes from the generator passed in: the server's initial V̄ first, then one
@@ -26,10 +26,10 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.optimize import linear_sum_assignment
 
+from agg_server.strategy.base import round_plan
 from agg_server.strategy.fnmf import FNMFStrategy, TrustedBarycenterFNMF
 from device_sdk.family import LocalRatings
 from device_sdk.fnmf import ALIGNMENTS, FNMFConfig, FNMFModel, align, upload_vector
-from fedsim.private import in_process_invite
 
 __all__ = [
     "FNMFRun",
@@ -233,22 +233,22 @@ def run_fnmf(
     data = [LocalRatings.from_matrix(x) for x in clients]
     sync_rounds = 0
     for r in range(config.rounds):
-        invite = in_process_invite(strategy, r + 1)
+        plan = round_plan(strategy, r + 1)
         values = strategy.to_wire(v_bar)["values"]
         for model in models:
             model.set_global(b"", values, r + 1)
         if trusted is not None:
-            mats = [mdl.train(invite, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
+            mats = [mdl.train(plan, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
             v_bar, _ = trusted.aggregate_matrices(v_bar if r > 0 else None, mats)
             sync_rounds += 1
         elif aligned and (config.fixed_point_every_round or (r == 0 and config.independent_init)):
-            mats = [mdl.train(invite, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
+            mats = [mdl.train(plan, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
             v_bar, used = secure_fixed_point(
                 mats, strategy, v_bar, config.fixed_point_iterations, eps=config.sinkhorn_eps, alpha=config.rho_alpha
             )
             sync_rounds += used
         else:
-            results = [mdl.local_update(invite, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
+            results = [mdl.local_update(plan, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
             total = np.sum([res.vector for res in results], axis=0)
             v_bar = strategy.aggregate(v_bar, total, len(models), rng, round_index=r)
             sync_rounds += 1

@@ -27,13 +27,13 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from agg_server.strategy.base import round_plan
 from agg_server.strategy.mf import MFStrategy
 from device_sdk.family import LocalRatings
 from device_sdk.mf import MFConfig, MFModel, example_rmse, initial_factors, project_rows, sample_negatives
 from fedsim.datasets import Ratings
 from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
 from fedsim.experiment import Candidates
-from fedsim.private import in_process_invite
 from protocol.accounting import compute_epsilon
 
 __all__ = [
@@ -243,7 +243,7 @@ def run_federated_mf(
         start = time.perf_counter()
         cohort = rng.choice(clients, size=cohort_size, replace=False)
         version = t + 1
-        invite = in_process_invite(strategy, version, round_index=t, example_cap=schedule.example_cap)
+        plan = round_plan(strategy, version, round_index=t, example_cap=schedule.example_cap)
         wire = strategy.to_wire(V)["values"]
         total = np.zeros(strategy.vector_length)
         examples, sq, count = 0, 0.0, 0
@@ -256,7 +256,7 @@ def run_federated_mf(
         for s, mask in parts:  # loop over the cohort's silos (one pool call in the cross-device mode)
             models[s].set_global(b"", wire, version)
             data = data_of(s, mask)
-            result = models[s].local_update(invite, data, rng)
+            result = models[s].local_update(plan, data, rng)
             total += result.vector
             examples += result.examples
             sq += float(result.info["train_rmse"]) ** 2 * data.items.size

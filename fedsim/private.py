@@ -23,7 +23,7 @@ from numpy.typing import NDArray
 from agg_server.config import ServerConfig
 from agg_server.coordinator import RoundCoordinator
 from agg_server.storage import Storage
-from agg_server.strategy.base import Strategy, round_plan
+from agg_server.strategy.base import Strategy
 from device_sdk.client import DropoutAt, insecure_seeded_rngs
 from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.models import LightFRConfig, LightFRModel
@@ -33,7 +33,7 @@ from protocol.crypto import INSECURE_NOISE_NOTICE
 from protocol.messages import Message, ModelPayload, RoundInvite, RoundResult
 from protocol.session import DeviceSecAggSession, Phase
 
-__all__ = ["SimulatedDevice", "PrivateRun", "in_process_invite", "run_private", "run_private_lightfr"]
+__all__ = ["SimulatedDevice", "PrivateRun", "run_private", "run_private_lightfr"]
 
 _STOP_BEFORE = {
     DropoutAt.BEFORE_KEYS: Phase.ADVERTISE_KEYS,
@@ -63,30 +63,6 @@ class PrivateRun:
     @property
     def item_codes(self) -> NDArray[np.int8]:
         return self.coordinator.item_codes
-
-
-def in_process_invite(
-    strategy: Strategy, model_version: int, *, round_index: int | None = None, example_cap: int = 0
-) -> RoundInvite:
-    """The invitation a device of ``strategy``'s family would receive for the round that trains
-    ``model_version``, for in-process runs over plain sums: the training plan is the coordinator's
-    (`round_plan`); the SecAgg fields are placeholders and nothing is clipped (no secure aggregation
-    runs)."""
-    index = model_version - 1 if round_index is None else round_index
-    return RoundInvite(
-        round_id=index + 1,
-        device_id=0,
-        vector_length=strategy.vector_length,
-        graph_k=1,
-        graph_t=1,
-        clip_norm=1e100,
-        scale_bits=0,
-        advertise_deadline=0.0,
-        share_keys_deadline=0.0,
-        masked_input_deadline=0.0,
-        unmask_deadline=0.0,
-        **round_plan(strategy, model_version, example_cap=example_cap, round_index=index),
-    )
 
 
 def _wire(message: Message) -> Message:
@@ -208,7 +184,7 @@ def _one_round(
                 raise RuntimeError("the coordinator's model is not a ModelPayload")
             dev.model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
         training_rng, noise_rng = insecure_seeded_rngs(seed, round_id, d)
-        ring, _ = local_round(dev.model, invite, dev.data, None, training_rng)
+        ring, _ = local_round(dev.model, invite, dev.data, None, training_rng, coins=noise_rng)
         sessions[d] = DeviceSecAggSession(invite, rng=noise_rng)
         sessions[d].provide_input(ring)
         pending[d] = sessions[d].send()

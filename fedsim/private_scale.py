@@ -172,12 +172,14 @@ def release_counts(
     """
     scale = quantization.scale
     total = np.zeros(n_items, dtype=np.int64)
+    # a simulation: the rounding coins come from a seeded stream, so ε is not a guarantee here
+    coins = insecure_test_noise_stream(int(rng.integers(2**63)))
     for items in users:
         if items.size == 0:
             continue
         kept = items if items.size <= theta else rng.choice(items, theta, replace=False)
         clipped, _ = clip_l2(np.ones(kept.size), quantization.clip_norm)
-        total[kept] += stochastic_round(clipped * scale, rng)
+        total[kept] += stochastic_round(clipped * scale, coins)
     if mu > 0:
         noise = insecure_test_noise_stream(int(rng.integers(2**63)))  # a simulation: ε is not a guarantee here
         total += sample_skellam(released_variance(mu, 1, 1, 1), n_items, noise).value()

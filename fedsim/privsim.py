@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,6 +67,7 @@ from protocol.noise import (
     to_ring,
 )
 from protocol.phases import prune_unmaskable, require_quorum
+from protocol.plan import TrainingPlan
 from protocol.quantization import (
     QuantizationConfig,
     check_bit_budget,
@@ -87,6 +88,9 @@ __all__ = [
     "SimulatedRun",
     "run_simulated",
 ]
+
+#: Context word of the scale mode's rounding-coin stream (its noise stream is keyed by (seed, round) alone).
+_ROUNDING_CONTEXT = 0x90D
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +241,7 @@ class PrivateSimulator:
         assert isinstance(msg, ModelPayload)
         return msg
 
-    def _open(self, eligible: Sequence[int]) -> tuple[int, tuple[int, ...], RoundParameters, dict[str, Any]] | None:
+    def _open(self, eligible: Sequence[int]) -> tuple[int, tuple[int, ...], RoundParameters, TrainingPlan] | None:
         cfg = self.config.rounds
         if cfg.max_rounds and self.next_round_id > cfg.max_rounds:
             self.stopped_reason = f"max_rounds={cfg.max_rounds} reached"
@@ -267,17 +271,19 @@ class PrivateSimulator:
             dp_t_min=t_min,
             deadlines=(0.0, 0.0, 0.0, 0.0),
         )
-        plan = round_plan(self.strategy, self.model_version, example_cap=cfg.example_cap)
+        plan = round_plan(
+            self.strategy, self.model_version, example_cap=cfg.example_cap, clip_norm=self.quantization.clip_norm
+        )
         return round_id, cohort, params, plan
 
-    def _commit(self, ring_total: NDArray[np.uint32], survivors: int, plan: Mapping[str, Any]) -> float | None:
+    def _commit(self, ring_total: NDArray[np.uint32], survivors: int, plan: TrainingPlan) -> float | None:
         self.last_release = ring_total.view(np.int32).astype(np.int64)
         total = dequantize_sum(ring_total, self.quantization)
         epsilon = None
         if self.ledger is not None:
             epsilon = self.ledger.record_round(self.mu, self.l1, self.l2)
         self.model_state = self.strategy.aggregate(
-            self.model_state, total, survivors, self._round_rng, round_index=int(plan["round_index"])
+            self.model_state, total, survivors, self._round_rng, round_index=plan.round_index
         )
         self.model_version += 1
         return epsilon
@@ -313,11 +319,11 @@ class PrivateSimulator:
         noise_rngs: dict[int, NoiseStream] = {}
         for d in cohort:
             model = devices[d]
-            invite: RoundInvite = replace(params.invite(d), **plan)
+            invite = params.invite(d).with_plan(plan)
             if model.model_version != invite.model_version:
                 model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
             training_rng, noise_rng = insecure_seeded_rngs(seed, round_id, d)
-            rings[d], _ = local_round(model, invite, data[d], None, training_rng)
+            rings[d], _ = local_round(model, invite, data[d], None, training_rng, coins=noise_rng)
             noise_rngs[d] = noise_rng
         sets = survivor_sets(cohort, drops, k=params.k, t=params.t, t_min=params.dp_t_min, rng=self._round_rng)
         if not sets.released:
@@ -372,11 +378,13 @@ class PrivateSimulator:
             need_graph=late or len(cohort) <= 20_000,
         )
         sim = np.random.default_rng(np.random.SeedSequence([sim_seed, round_id]))
-        invite: RoundInvite = replace(params.invite(0), **plan)
+        invite = params.invite(0).with_plan(plan)
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         with one_blas_thread():
-            total = trainer.quantized_sum(self.model_state, invite, cohort, sets.u3, sim)
+            # a simulation: the rounding coins come from a seeded stream, so ε is not a guarantee here
+            coins = insecure_test_noise_stream(sim_seed, round_id, _ROUNDING_CONTEXT)
+            total = trainer.quantized_sum(self.model_state, invite, cohort, sets.u3, sim, coins)
         timings["devices"] = time.perf_counter() - t0
         if not sets.released:
             return RoundOutcome(round_id, False, sets, self._spent(), self.model_version, time.perf_counter() - start)
@@ -507,9 +515,11 @@ class LightFRCohort:
         cohort: Iterable[int],
         survivors: Iterable[int],
         rng: np.random.Generator,
+        coins: NoiseStream,
     ) -> NDArray[np.int64]:
         """Train every cohort device for one round; return Σ over ``survivors`` of the quantized
-        uploads as signed integers (length m·f)."""
+        uploads as signed integers (length m·f).  ``rng`` drives training, ``coins`` the stochastic
+        rounding (of the non-zero part of each upload: same law as a device's dense rounding, other words)."""
         from device_sdk.lightfr import dcd_update, inner_products, sample_negatives
         from protocol.spec import Aggregation
 
@@ -581,7 +591,7 @@ class LightFRCohort:
                 if a == b:
                     continue
                 clipped, _ = clip_l2(vals[a:b], qcfg.clip_norm)
-                q = stochastic_round(clipped * qcfg.scale, rng)
+                q = stochastic_round(clipped * qcfg.scale, coins)
                 idx = (uitem[a:b, None] * f + np.arange(f)).ravel()
                 _scatter_add(total, idx, q.ravel())
         return total

@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 
 from protocol import crypto
 from protocol.codec import decode, encode
-from protocol.crypto import insecure_test_noise_stream
+from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import FedRecError
 from protocol.graph import GraphParams, find_parameters
 from protocol.messages import Abort, ConsistencySignature, Message, UnmaskResponse
@@ -187,7 +187,7 @@ def run_secagg_round(
         authority_key=authority.public_key if authority is not None else b"",
     )
     root = np.random.SeedSequence(seed)
-    graph_seq, *device_seqs = root.spawn(n + 1)
+    graph_seq = root.spawn(1)[0]
     server = ServerSecAggSession(params, ids, rng=np.random.default_rng(graph_seq))
     tick = clock or (lambda: 0.0)
 
@@ -218,7 +218,7 @@ def run_secagg_round(
             unmask_seconds += tick() - start
 
     devices: dict[int, DeviceSecAggSession] = {}
-    rngs = {u: np.random.default_rng(s) for u, s in zip(ids, device_seqs, strict=True)}
+    streams: dict[int, NoiseStream] = {}  # each device's noise stream: rounding coins, then DP noise
     gone: set[int] = set()
     plain = np.zeros(length, dtype=np.uint32)
     steps = [(index, phase, False) for index, phase in enumerate(ACTIVE_PHASES)]
@@ -240,6 +240,7 @@ def run_secagg_round(
             start = tick()
             if phase is Phase.ADVERTISE_KEYS:
                 noise = insecure_test_noise_stream(seed, round_id, u)  # reproducible runs; not a DP guarantee
+                streams[u] = noise
                 identity, certificate = enrolled.get(u, (None, b""))
                 devices[u] = DeviceSecAggSession(
                     carry(incoming),  # type: ignore[arg-type]
@@ -255,7 +256,7 @@ def run_secagg_round(
                 gone.add(u)
                 continue
             if phase is Phase.MASKED_INPUT:
-                q = _quantized(get_input(i), quantization, rngs[u])
+                q = _quantized(get_input(i), quantization, streams[u])
                 np.add(plain, q, out=plain)
                 devices[u].provide_input(q)
             start = tick()
@@ -299,10 +300,10 @@ def run_secagg_round(
     )
 
 
-def _quantized(x: NDArray[np.generic], cfg: QuantizationConfig | None, rng: np.random.Generator) -> NDArray[np.uint32]:
+def _quantized(x: NDArray[np.generic], cfg: QuantizationConfig | None, coins: NoiseStream) -> NDArray[np.uint32]:
     if x.dtype == np.uint32:
         return np.ascontiguousarray(x, dtype=np.uint32)
     if cfg is None:
         raise ValueError("float inputs need a QuantizationConfig")
-    q, _ = quantize(np.asarray(x, dtype=np.float64), cfg, rng)
+    q, _ = quantize(np.asarray(x, dtype=np.float64), cfg, coins)
     return q

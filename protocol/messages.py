@@ -23,6 +23,7 @@ from numpy.typing import NDArray
 
 from protocol.errors import FedRecError, error_class_for_code
 from protocol.families.lightfr import UploadLayout
+from protocol.plan import TrainingPlan
 from protocol.spec import (
     MAX_ITEMS,
     MAX_LOCAL_STEPS,
@@ -331,6 +332,19 @@ class RoundInvite(Message):
             _check_float(n, f"{name}_deadline", d)
         if any(b < a for a, b in zip(deadlines, deadlines[1:], strict=False)):
             _fail(n, "phase deadlines must be non-decreasing")
+
+    @property
+    def plan(self) -> TrainingPlan:
+        """The typed training plan these flat fields carry (`protocol.plan.TrainingPlan.from_invite`:
+        the family's parameter type validates it); ValueError if it is not a valid plan."""
+        return TrainingPlan.from_invite(self)
+
+    def with_plan(self, plan: TrainingPlan) -> RoundInvite:
+        """This invite carrying ``plan`` (its flat fields, `TrainingPlan.invite_fields`); ValueError if
+        the plan's upload is not ``vector_length`` entries."""
+        if plan.vector_length != self.vector_length:
+            _fail("RoundInvite", f"vector_length {self.vector_length} != {plan.vector_length}, the plan's upload")
+        return dataclasses.replace(self, **plan.invite_fields())
 
     @property
     def deadlines(self) -> tuple[float, float, float, float]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from protocol.crypto import NoiseStream
 from protocol.errors import ConfigError
 
 __all__ = [
@@ -156,7 +157,7 @@ def clip_l2(x: NDArray[np.floating] | NDArray[np.integer], clip_norm: float) -> 
 
 
 def quantize(
-    x: NDArray[np.floating], cfg: QuantizationConfig, rng: np.random.Generator
+    x: NDArray[np.floating], cfg: QuantizationConfig, coins: NoiseStream
 ) -> tuple[NDArray[np.uint32], QuantizationStats]:
     """Clip, scale and stochastically round an update into ring elements.
 
@@ -169,8 +170,9 @@ def quantize(
         The float update (any shape; the output has the same shape).
     cfg : QuantizationConfig
         Clip norm and scale.
-    rng : np.random.Generator
-        Source of the rounding coins.
+    coins : NoiseStream
+        Source of the rounding coins: the device's ChaCha20 keystream (`protocol.crypto.NoiseStream`),
+        which the server cannot predict; a numpy generator is refused.
 
     Returns
     -------
@@ -183,17 +185,19 @@ def quantize(
     ------
     ValueError
         If ``x`` contains NaN or inf.
+    TypeError
+        ``coins`` is not a `NoiseStream`.
     """
     raw = _as_finite_float64(x)
     norm_before = float(np.linalg.norm(raw))
     clipped, was_clipped = clip_l2(raw, cfg.clip_norm)
     changed = int(np.count_nonzero(clipped != raw)) if was_clipped else 0
-    ints = stochastic_round(clipped * cfg.scale, rng)
+    ints = stochastic_round(clipped * cfg.scale, coins)
     ring = np.bitwise_and(ints, np.int64(0xFFFFFFFF)).astype(np.uint32)
     return ring, QuantizationStats(norm_before=norm_before, clipped=was_clipped, clipped_values=changed)
 
 
-def stochastic_round(scaled: NDArray[np.float64], rng: np.random.Generator) -> NDArray[np.int64]:
+def stochastic_round(scaled: NDArray[np.float64], coins: NoiseStream) -> NDArray[np.int64]:
     """Unbiased stochastic rounding: floor(v) + Bernoulli(frac(v)), one uniform coin per element.
 
     An element that is already an integer (a zero coordinate in particular) comes out unchanged
@@ -204,11 +208,23 @@ def stochastic_round(scaled: NDArray[np.float64], rng: np.random.Generator) -> N
     ----------
     scaled : NDArray[np.float64]
         Finite values already multiplied by 2^s.
-    rng : np.random.Generator
-        Source of the coins (``rng.random(scaled.shape)``, drawn once).
+    coins : NoiseStream
+        Source of the coins: ``coins.uniform(scaled.size)``, one 64-bit keystream word per element in C
+        order, drawn once (the rounding residue feeds the sum the server sees, so its coins must be as
+        unpredictable to the server as the DP noise; a numpy generator is refused).
+
+    Raises
+    ------
+    TypeError
+        ``coins`` is not a `NoiseStream`.
     """
+    if not isinstance(coins, NoiseStream):
+        raise TypeError(
+            f"stochastic rounding needs a protocol.crypto.NoiseStream (a cryptographic keystream), got "
+            f"{type(coins).__name__}"
+        )
     low = np.floor(scaled)
-    up = rng.random(scaled.shape) < (scaled - low)
+    up = coins.uniform(low.size).reshape(low.shape) < (scaled - low)
     return low.astype(np.int64) + up.astype(np.int64)
 
 

@@ -329,7 +329,7 @@ def test_quantization() -> None:
     v = CRYPTO["quantization"]
     cfg = QuantizationConfig(clip_norm=v["clip_norm"], scale_bits=v["scale_bits"])
     x = np.array(v["x"], dtype=np.float64)
-    q, stats = quantize(x, cfg, np.random.default_rng(v["numpy_pcg64_seed"]))
+    q, stats = quantize(x, cfg, insecure_test_noise_stream(v["noise_stream_seed"]))
     assert q.tolist() == v["q_uint32"] and stats.clipped == v["was_clipped"]
     # The rule itself, from the recorded coins: q = floor(2^s x') + [u < frac(2^s x')], two's complement.
     scaled = np.array(v["clipped"]) * 2.0 ** v["scale_bits"]

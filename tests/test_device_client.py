@@ -424,8 +424,8 @@ async def test_full_round_secure_sum_is_bit_exact(tmp_path: Path, recording: lis
         assert device_id is not None
         session = by_device[device_id]
         model.set_item_codes(global_codes, 3)
-        training_rng, _ = insecure_seeded_rngs(SEED, 1, device_id)
-        q, _ = local_round(model, server.invites[device_id], device.items, device.ratings, training_rng)
+        training_rng, coins = insecure_seeded_rngs(SEED, 1, device_id)
+        q, _ = local_round(model, server.invites[device_id], device.items, device.ratings, training_rng, coins=coins)
         np.testing.assert_array_equal(q, session.recorded)
         np.testing.assert_array_equal(device.client.model.user_codes, model.user_codes)
 

@@ -19,6 +19,7 @@ from device_sdk.models import LightFRConfig, LightFRModel
 from fedsim.planted import planted_binary, planted_nonnegative
 from fedsim.private import run_private
 from fedsim.privsim import LightFRCohort, PrivateSimulator, _noise_check, run_simulated, survivor_sets
+from protocol.crypto import insecure_test_noise_stream
 from protocol.noise import minimum_survivors
 
 N_ITEMS = 20
@@ -204,7 +205,7 @@ def test_batched_lightfr_devices_match_real_devices(tmp_path: Path) -> None:
     params = RoundParameters(
         round_id=1, vector_length=m * 16, k=n, t=1, clip_norm=4.0, scale_bits=10, deadlines=(0.0,) * 4
     )
-    invite = replace(params.invite(0), **round_plan(sim.strategy, 1))
+    invite = params.invite(0).with_plan(round_plan(sim.strategy, 1))
     expected = np.zeros(m * 16, dtype=np.int64)
     for j, (items, _) in enumerate(users):
         model = LightFRModel(m, LightFRConfig(bits=16), rng=np.random.default_rng(1))
@@ -212,10 +213,20 @@ def test_batched_lightfr_devices_match_real_devices(tmp_path: Path) -> None:
         model.reset_user(np.random.default_rng(j))
         model.user_trained[0] = True
         cohort.codes[j] = model.user_codes[0]
-        ring, _ = local_round(model, invite, LocalRatings.single_user(items), None, np.random.default_rng(j))
+        ring, _ = local_round(
+            model,
+            invite,
+            LocalRatings.single_user(items),
+            None,
+            np.random.default_rng(j),
+            coins=insecure_test_noise_stream(j),
+        )
         expected += ring.view(np.int32)
     cohort.trained[:] = True
-    got = cohort.quantized_sum(sim.model_state, invite, cohort.device_ids, cohort.device_ids, np.random.default_rng(0))
+    coins = insecure_test_noise_stream(0)
+    got = cohort.quantized_sum(
+        sim.model_state, invite, cohort.device_ids, cohort.device_ids, np.random.default_rng(0), coins
+    )
     assert np.max(np.abs(got - expected)) <= n
     assert np.count_nonzero(expected) > 100
 

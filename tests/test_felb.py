@@ -16,7 +16,7 @@ from device_sdk import felb
 from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.felb import FELBConfig, FELBModel
 from device_sdk.store import save_store
-from fedsim.felb import binary_ratings, evaluate_felb, f1_score, factor_f1, felb_invite, run_felb, sigma_rmsd
+from fedsim.felb import binary_ratings, evaluate_felb, f1_score, factor_f1, felb_plan, run_felb, sigma_rmsd
 from fedsim.planted import planted_binary
 from protocol.errors import ModelError, StorageError
 from tests.felb_reference import iteration_reference, local_reference, prox_scalar
@@ -234,8 +234,8 @@ def test_strategy_hand_example() -> None:
         np.array([[0.4, 0.6, 0.4, 0.6]]), np.array([[0.6, 0.4, 0.4, 0.6]])
     )
     # The plan is a valid RoundInvite, and λ_r stays finite on a long-running server.
-    invite = felb_invite(st, 3, 7)
-    assert (invite.model_kind, invite.bits, invite.n_items, invite.reg_growth) == ("felb", 1, 4, 2.0)
+    plan = felb_plan(st, 3, 7)
+    assert (plan.kind, plan.rank, plan.n_items, plan.params.reg_growth) == ("felb", 1, 4, 2.0)
     assert st.reg_at(100_000) == 1e12
 
 
@@ -257,9 +257,9 @@ def test_local_update_is_delta_and_deterministic() -> None:
     a, st, V = _model_with_global()
     b, _, _ = _model_with_global()
     assert isinstance(a, FederatedModel)
-    invite = felb_invite(st, 1, 0)
-    ra = a.local_update(invite, data, np.random.default_rng(11))
-    rb = b.local_update(invite, data, np.random.default_rng(11))
+    plan = felb_plan(st, 1, 0)
+    ra = a.local_update(plan, data, np.random.default_rng(11))
+    rb = b.local_update(plan, data, np.random.default_rng(11))
     assert ra.vector.shape == (36,) and ra.examples == 60
     np.testing.assert_array_equal(ra.vector, rb.vector)
     # The upload is V_i − V̂ after b local iterations from U ~ Uniform[0,1] (drawn from the rng).
@@ -269,11 +269,11 @@ def test_local_update_is_delta_and_deterministic() -> None:
     assert a.user_factors is not None
     np.testing.assert_allclose(a.user_factors, U, atol=1e-15)
     c, _, _ = _model_with_global()
-    rc = c.local_update(invite, data, np.random.default_rng(12))
+    rc = c.local_update(plan, data, np.random.default_rng(12))
     assert not np.array_equal(rc.vector, ra.vector)
     # U persists: a second round uses no randomness.
-    r2 = a.local_update(invite, data, np.random.default_rng(99))
-    r3 = b.local_update(invite, data, np.random.default_rng(7))
+    r2 = a.local_update(plan, data, np.random.default_rng(99))
+    r3 = b.local_update(plan, data, np.random.default_rng(7))
     np.testing.assert_array_equal(r2.vector, r3.vector)
 
 
@@ -286,12 +286,12 @@ def test_local_update_rejects_mismatched_plans() -> None:
         FELBStrategy(rank=3, n_items=11),
     ):
         with pytest.raises(ValueError):
-            model.local_update(felb_invite(bad, 1, 0), data, rng)
+            model.local_update(felb_plan(bad, 1, 0), data, rng)
     with pytest.raises(ValueError):
-        model.local_update(felb_invite(st, 2, 0), data, rng)  # the device holds version 1
+        model.local_update(felb_plan(st, 2, 0), data, rng)  # the device holds version 1
     fresh = FELBModel(12, FELBConfig(rank=3))
     with pytest.raises(ModelError):
-        fresh.local_update(felb_invite(st, 0, 0), data, rng)
+        fresh.local_update(felb_plan(st, 0, 0), data, rng)
     with pytest.raises(ValueError):
         model.set_global(b"", np.full(36, 2.0).tobytes(), 2)
     with pytest.raises(ValueError):
@@ -340,7 +340,7 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     empty = FELBModel.load(path)
     assert empty.user_factors is None and empty.model_version == 1
     rng = np.random.default_rng(6)
-    model.local_update(felb_invite(st, 1, 0), binary_ratings(rng.random((3, 12)) < 0.5), rng)
+    model.local_update(felb_plan(st, 1, 0), binary_ratings(rng.random((3, 12)) < 0.5), rng)
     model.save(path)
     back = FELBModel.load(path)
     assert back.config == model.config and back.model_version == 1

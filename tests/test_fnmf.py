@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from agg_server.strategy.base import Strategy
+from agg_server.strategy.base import Strategy, round_plan
 from agg_server.strategy.fnmf import (
     FNMFStrategy,
     TrustedBarycenterFNMF,
@@ -67,9 +67,7 @@ def _invite(strategy: FNMFStrategy, round_index: int = 1) -> RoundInvite:
         share_keys_deadline=0.0,
         masked_input_deadline=0.0,
         unmask_deadline=0.0,
-        model_version=1,
-        round_index=round_index,
-        **strategy.plan(),
+        **round_plan(strategy, 1, round_index=round_index).invite_fields(),
     )
 
 
@@ -275,14 +273,14 @@ def test_local_update_uploads_the_aligned_difference() -> None:
     model, strategy, v_bar = _model_with_global(alignment="lap_rho")
     assert isinstance(model, FederatedModel)
     data = LocalRatings.from_matrix(np.random.default_rng(2).random((15, 12)))
-    res = model.local_update(_invite(strategy), data, np.random.default_rng(3))
+    res = model.local_update(_invite(strategy).plan, data, np.random.default_rng(3))
     assert res.vector.shape == (strategy.vector_length,) and np.all(np.isfinite(res.vector))
     assert res.examples == 15 * 12 and res.info["steps"] == 20
     P = model.alignment_matrix()
     assert model.v_local is not None
     np.testing.assert_allclose(res.vector, upload_vector(model.v_local, v_bar, P, "lap_rho"))
     with pytest.raises(ValueError):
-        model.local_update(_invite(FNMFStrategy(rank=3, n_items=11)), data, np.random.default_rng(3))
+        model.local_update(_invite(FNMFStrategy(rank=3, n_items=11)).plan, data, np.random.default_rng(3))
     with pytest.raises(ValueError):
         model.set_global(b"", b"\x00" * 8, 2)
     with pytest.raises(ModelError):
@@ -293,7 +291,7 @@ def test_local_update_uploads_the_aligned_difference() -> None:
 def test_first_round_starts_from_the_shared_or_the_clients_own_matrix(independent: bool) -> None:
     model, strategy, v_bar = _model_with_global(independent_init=independent)
     X = np.random.default_rng(2).random((6, 12))
-    model.train(_invite(strategy, round_index=0), LocalRatings.from_matrix(X), np.random.default_rng(3))
+    model.train(_invite(strategy, round_index=0).plan, LocalRatings.from_matrix(X), np.random.default_rng(3))
     g = np.random.default_rng(3)  # the documented draw order: U first, then the client's own V
     U0 = g.random((6, 3))
     V0 = g.random((3, 12)) if independent else v_bar
@@ -306,17 +304,17 @@ def test_lap_rho_upload_keeps_its_counts_through_clipping() -> None:
     model, strategy, _ = _model_with_global(alignment="lap_rho")
     data = LocalRatings.from_matrix(np.random.default_rng(2).random((15, 12)))
     invite = replace(_invite(strategy, round_index=0), clip_norm=2.0)
-    res = model.local_update(invite, data, np.random.default_rng(3))
+    res = model.local_update(invite.plan, data, np.random.default_rng(3))
     assert np.linalg.norm(res.vector) <= 2.0
     np.testing.assert_array_equal(res.vector[-3:], [1.0, 1.0, 1.0])  # round 0: LAP matches all three
     with pytest.raises(ValueError, match="clip_norm"):
-        model.local_update(replace(invite, clip_norm=1.5), data, np.random.default_rng(3))
+        model.local_update(replace(invite, clip_norm=1.5).plan, data, np.random.default_rng(3))
 
 
 def test_recommend_ranks_by_u_vbar_and_filters() -> None:
     model, strategy, v_bar = _model_with_global()
     data = LocalRatings.from_matrix(np.random.default_rng(2).random((4, 12)))
-    model.local_update(_invite(strategy), data, np.random.default_rng(3))
+    model.local_update(_invite(strategy).plan, data, np.random.default_rng(3))
     assert model.u is not None
     scores = model.u[1] @ model.item_matrix()
     ids, sc = model.recommend([0, 1], N=5, userid=1)
@@ -347,7 +345,7 @@ def test_fold_in_recovers_a_row_generated_from_the_components() -> None:
 def test_save_load_roundtrip_and_invalid_files(tmp_path) -> None:
     model, strategy, _ = _model_with_global()
     data = LocalRatings.from_matrix(np.random.default_rng(2).random((5, 12)))
-    model.local_update(_invite(strategy), data, np.random.default_rng(3))
+    model.local_update(_invite(strategy).plan, data, np.random.default_rng(3))
     path = tmp_path / "fnmf.store"
     model.save(path)
     back = FNMFModel.load(path)

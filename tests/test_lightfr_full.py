@@ -158,9 +158,9 @@ def test_devices_through_the_wire_match_the_in_process_cohort() -> None:
     """LightFRModel devices fed the server's ModelPayload and RoundInvite upload vectors whose sum,
     aggregated by the server strategy, is exactly the in-process batched step (codes and levels)."""
     from agg_server.strategy import LightFRServerStrategy, LightFRStrategy
+    from agg_server.strategy.base import round_plan
     from device_sdk.family import LocalRatings
     from device_sdk.models import LightFRConfig, LightFRModel
-    from fedsim.private import in_process_invite
     from protocol.codec import decode, encode
     from protocol.messages import ModelPayload
 
@@ -178,7 +178,7 @@ def test_devices_through_the_wire_match_the_in_process_cohort() -> None:
     )
     assert isinstance(wire, ModelPayload) and len(wire.item_levels) == m and wire.hamming_weight == 2
     np.testing.assert_array_equal(strategy.from_wire(wire.words, wire.values, wire.item_levels), state)
-    invite = in_process_invite(strategy, 1)
+    plan = round_plan(strategy, 1)
     B0 = random_signs(n, f, rng)
     total = np.zeros(strategy.vector_length)
     for u in range(n):
@@ -186,7 +186,7 @@ def test_devices_through_the_wire_match_the_in_process_cohort() -> None:
         dev.set_global(wire.words, wire.values, 1, **wire.lightfr_extras())
         dev.user_codes[0] = B0[u]
         dev.user_trained[0] = True
-        res = dev.local_update(invite, LocalRatings.single_user(items[indptr[u] : indptr[u + 1]], None), rng)
+        res = dev.local_update(plan, LocalRatings.single_user(items[indptr[u] : indptr[u + 1]], None), rng)
         assert res.vector.size == strategy.vector_length == m * f + 2 * m + f * f + f
         total += res.vector
     new_state = strategy.aggregate(state, total, n, np.random.default_rng(0), round_index=0)
@@ -227,7 +227,7 @@ def test_server_derives_w0_from_the_counts_of_each_sum() -> None:
     strategy = LightFRServerStrategy(
         LightFRStrategy(bits=f, flip_fraction=1.0), m, unobserved_weight=0.05, unobserved_scale=0.6
     )
-    assert strategy.plan()["unobserved_weight"] == 0.05  # round 1: the provisional value
+    assert strategy.plan().unobserved_weight == 0.05  # round 1: the provisional value
     state = strategy.initialize(rng)
     B = random_signs(n, f, rng)
     beta = np.zeros(m)
@@ -235,7 +235,7 @@ def test_server_derives_w0_from_the_counts_of_each_sum() -> None:
     total = UploadLayout(m, f, full=True).join(**parts)
     new_state = strategy.aggregate(state, total, n, np.random.default_rng(0), round_index=0)
     w0 = density_weight(float(items.size), n, m, scale=0.6)
-    assert strategy.plan()["unobserved_weight"] == pytest.approx(w0) and w0 != 0.05
+    assert strategy.plan().unobserved_weight == pytest.approx(w0) and w0 != 0.05
     D, new_beta = agg_full(state[:, :f], beta, parts, n, w0, 0.0, flip_fraction=1.0)
     np.testing.assert_array_equal(new_state[:, :f], D)
     np.testing.assert_array_equal(strategy.levels(new_state), levels_from_bias(new_beta, f, 2))
@@ -256,9 +256,9 @@ def test_server_config_auto_weight_builds_a_density_strategy(tmp_path) -> None:
     config_from_dict = partial(from_dict, base_dir=tmp_path)
     base = {"server": {"data_dir": str(tmp_path)}}
     st = build_strategy(config_from_dict({**base, "model": {"n_items": 500}}))
-    assert st.unobserved_scale == 0.6 and st.plan()["unobserved_weight"] == density_weight(0.0, 1, 500)
+    assert st.unobserved_scale == 0.6 and st.plan().unobserved_weight == density_weight(0.0, 1, 500)
     fixed = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "unobserved_weight": 0.1}}))
-    assert fixed.unobserved_scale == 0.0 and fixed.plan()["unobserved_weight"] == 0.1
+    assert fixed.unobserved_scale == 0.0 and fixed.plan().unobserved_weight == 0.1
     with pytest.raises(ConfigError, match='"auto" or a number'):
         config_from_dict({**base, "model": {"n_items": 500, "unobserved_weight": "automatic"}})
     with pytest.raises(ConfigError, match="unobserved_scale"):

@@ -14,7 +14,7 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agg_server.strategy.base import Strategy
+from agg_server.strategy.base import Strategy, round_plan
 from agg_server.strategy.mf import MFStrategy
 from device_sdk import mf
 from device_sdk.family import FederatedModel, LocalRatings
@@ -168,7 +168,7 @@ def test_gradient_norm_bound_holds_for_adversarial_inputs_and_is_tight() -> None
         items = rng.choice(m, 15, replace=False)
         ratings = rng.choice([0.0, R], 15)  # extreme ratings maximise |r − u·v|
         inv = _invite(m, f, learning_rate=float(rng.choice([0.0, 0.1, 10.0])), example_cap=theta)
-        out = model.local_update(inv, LocalRatings.single_user(items, ratings), rng)
+        out = model.local_update(inv.plan, LocalRatings.single_user(items, ratings), rng)
         rows = out.vector.reshape(m, f)
         assert (np.linalg.norm(rows, axis=1) <= worst * (1 + 1e-12)).all()
         assert np.linalg.norm(out.vector) <= theta * worst * (1 + 1e-12)
@@ -214,7 +214,7 @@ def test_local_update_is_deterministic_given_the_generator_and_trims() -> None:
 
     def run(seed: int):
         model = MFModel(m, MFConfig(factors=f), n_users=3, rng=np.random.default_rng(7))
-        return model.local_update(inv, data, np.random.default_rng(seed)), model
+        return model.local_update(inv.plan, data, np.random.default_rng(seed)), model
 
     (a, ma), (b, mb), (c, _) = run(11), run(11), run(12)
     assert np.array_equal(a.vector, b.vector) and np.array_equal(ma.user_factors, mb.user_factors)
@@ -238,21 +238,21 @@ def test_local_update_with_negatives_and_refusals() -> None:
     model = MFModel(m, MFConfig(factors=f), rng=np.random.default_rng(0))
     items = np.array([1, 2, 3])
     res = model.local_update(
-        _invite(m, f, negatives=2), LocalRatings.single_user(items, [5.0, 4.0, 1.0]), np.random.default_rng(0)
+        _invite(m, f, negatives=2).plan, LocalRatings.single_user(items, [5.0, 4.0, 1.0]), np.random.default_rng(0)
     )
     assert res.examples == 9
     nz = np.flatnonzero(np.abs(res.vector.reshape(m, f)).sum(axis=1))
     assert set(items) <= set(nz) and nz.size <= 9
     with pytest.raises(ValueError, match=r"\[0, R\]"):
-        model.local_update(_invite(m, f), LocalRatings.single_user([1], [6.0]), np.random.default_rng(0))
+        model.local_update(_invite(m, f).plan, LocalRatings.single_user([1], [6.0]), np.random.default_rng(0))
     with pytest.raises(ValueError, match="lightfr"):
         model.local_update(
-            dataclasses.replace(_invite(m, f), model_kind="lightfr"),
+            dataclasses.replace(_invite(m, f), model_kind="lightfr").plan,
             LocalRatings.single_user([1], [3.0]),
             np.random.default_rng(0),
         )
-    with pytest.raises(ValueError, match="factors"):
-        model.local_update(_invite(m, f + 1), LocalRatings.single_user([1], [3.0]), np.random.default_rng(0))
+    with pytest.raises(ValueError, match="rank"):
+        model.local_update(_invite(m, f + 1).plan, LocalRatings.single_user([1], [3.0]), np.random.default_rng(0))
     with pytest.raises(ValueError, match="bytes"):
         model.set_global(b"", b"\x00" * 8, 1)
     with pytest.raises(ValueError, match="words"):
@@ -433,10 +433,11 @@ def test_strategy_contract_wire_and_plan() -> None:
         s.from_wire(b"", wire["values"][:-8])
     with pytest.raises(ValueError, match="words"):
         s.from_wire(b"\x00", wire["values"])
-    plan = s.plan()
-    assert set(plan) == {"learning_rate", "reg", "max_norm2", "pretrain_epochs", "local_epochs", "negatives"}
-    inv = _invite(7, 3, **plan)  # every key is a RoundInvite field with a valid value
-    assert inv.max_norm2 == 5.0 and inv.learning_rate == s.learning_rate
+    names = ("learning_rate", "reg", "max_norm2", "pretrain_epochs", "local_epochs", "negatives")
+    assert {f.name for f in dataclasses.fields(s.plan())} == set(names)
+    wire = round_plan(s, 1).invite_fields()
+    inv = _invite(7, 3, **{k: wire[k] for k in names})  # every key is a RoundInvite field with a valid value
+    assert inv.max_norm2 == 5.0 and inv.learning_rate == s.learning_rate and inv.plan.params == s.plan()
     assert "mean |ΔV|" in s.describe(V, V)
 
 

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import ConfigError
 from protocol.quantization import (
     QuantizationConfig,
@@ -15,6 +16,7 @@ from protocol.quantization import (
     dequantize_sum,
     quantize,
     sensitivity,
+    stochastic_round,
 )
 
 
@@ -53,14 +55,14 @@ def test_non_finite_input_refused() -> None:
     cfg = QuantizationConfig(clip_norm=1.0, scale_bits=10)
     for bad in (np.array([0.0, np.nan]), np.array([np.inf, 1.0])):
         with pytest.raises(ValueError, match="non-finite"):
-            quantize(bad, cfg, np.random.default_rng(0))
+            quantize(bad, cfg, insecure_test_noise_stream(0))
         with pytest.raises(ValueError, match="non-finite"):
             clip_l2(bad, 1.0)
 
 
 def test_clipped_value_count_and_stats() -> None:
     cfg = QuantizationConfig(clip_norm=1.0, scale_bits=8)
-    rng = np.random.default_rng(1)
+    rng = insecure_test_noise_stream(1)
     x = np.array([3.0, 0.0, -4.0, 0.0, 0.0])
     _, stats = quantize(x, cfg, rng)
     assert stats.norm_before == pytest.approx(5.0)
@@ -73,7 +75,7 @@ def test_clipped_value_count_and_stats() -> None:
 def test_stochastic_rounding_is_unbiased() -> None:
     cfg = QuantizationConfig(clip_norm=10.0, scale_bits=2)
     x = np.array([0.1, -0.3, 0.6, -1.37, 0.0, 2.125, -0.01])  # norm < C: no clipping
-    rng = np.random.default_rng(2)
+    rng = insecure_test_noise_stream(2)
     draws = 20_000
     q = np.stack([quantize(x, cfg, rng)[0] for _ in range(draws)])
     ints = q.view(np.int32).astype(np.float64)
@@ -90,10 +92,11 @@ def test_sum_round_trip_including_negatives() -> None:
     rng = np.random.default_rng(3)
     n, dim = 50, 64
     updates = rng.normal(size=(n, dim)) * 0.1 - 0.05  # mostly negative sums
+    coins = insecure_test_noise_stream(3)
     total = np.zeros(dim, dtype=np.uint32)
     int_sum = np.zeros(dim, dtype=np.int64)
     for u in updates:
-        q, _ = quantize(u, cfg, rng)
+        q, _ = quantize(u, cfg, coins)
         total += q  # uint32 wrap-around is the ring addition
         int_sum += q.view(np.int32)
     decoded = dequantize_sum(total, cfg)
@@ -146,10 +149,34 @@ def test_sensitivity_bounds_actual_quantized_norms() -> None:
     assert l2 == pytest.approx(2.0 * 64 + 10.0)
     assert l1 == pytest.approx(10.0 * 2.0 * 64 + 100)
     rng = np.random.default_rng(4)
+    coins = insecure_test_noise_stream(4)
     for _ in range(200):
         x = rng.normal(size=dim) * 5
-        q = quantize(x, cfg, rng)[0].view(np.int32).astype(np.float64)
+        q = quantize(x, cfg, coins)[0].view(np.int32).astype(np.float64)
         assert np.linalg.norm(q) <= l2
         assert np.abs(q).sum() <= l1
     with pytest.raises(ConfigError):
         sensitivity(cfg, 0)
+
+
+def test_rounding_coins_come_from_the_keystream_and_a_numpy_generator_is_refused() -> None:
+    # Issue 15 item 6: the rounding residue enters the sum the server sees, so its coins come from the
+    # device's ChaCha20 stream: one word per element, in order, and nothing else is accepted.
+    cfg = QuantizationConfig(clip_norm=100.0, scale_bits=3)
+    x = np.linspace(-2.0, 2.0, 257)
+    q, _ = quantize(x, cfg, insecure_test_noise_stream(9, 1))
+    twin = insecure_test_noise_stream(9, 1)
+    scaled = x * 8
+    expected = np.floor(scaled) + (twin.uniform(x.size) < scaled - np.floor(scaled))
+    assert np.array_equal(q.view(np.int32), expected.astype(np.int32))
+    stream = insecure_test_noise_stream(9, 1)
+    stochastic_round(scaled.reshape(1, -1), stream)
+    assert stream.words_read == x.size
+    for bad in (np.random.default_rng(0), np.random.RandomState(0), None):
+        with pytest.raises(TypeError, match="NoiseStream"):
+            quantize(x, cfg, bad)  # type: ignore[arg-type]
+    # two different secret streams give different roundings of the same update (the server cannot
+    # predict the residue from anything it sees)
+    a, _ = quantize(x, cfg, NoiseStream.from_os())
+    b, _ = quantize(x, cfg, NoiseStream.from_os())
+    assert not np.array_equal(a, b)

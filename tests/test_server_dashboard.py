@@ -217,6 +217,15 @@ def test_quality_table_and_migration_from_schema_1(tmp_path: Path) -> None:
     # Turn it into a version-1 database (as the previous release left it), then open it again.
     db = sqlite3.connect(tmp_path / DATABASE_NAME)
     db.execute("DROP TABLE model_quality")
+    db.execute("DROP TABLE cohort_leases")  # and version 3's additions
+    for table, column in (
+        ("rounds", "cohort"),
+        ("rounds", "lease_token"),
+        ("rounds", "revealed"),
+        ("rounds", "sum_sha256"),
+        ("checkpoints", "payload"),
+    ):
+        db.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
     db.execute("PRAGMA user_version = 1")
     db.commit()
     db.close()
@@ -225,7 +234,7 @@ def test_quality_table_and_migration_from_schema_1(tmp_path: Path) -> None:
         assert storage.model_quality() == []
         storage.record_quality(1, "hr@10", "a", 0.5, 5.0)
     db = sqlite3.connect(tmp_path / DATABASE_NAME)
-    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     db.close()
 
 

@@ -17,13 +17,14 @@ from agg_server.storage.records import (
     COHORT_PHASE,
     CheckpointRecord,
     CheckpointStatus,
+    LeaseRecord,
     ParticipationStatus,
     PhaseRecord,
     QualityRecord,
     RoundRecord,
     RoundStatus,
 )
-from agg_server.storage.repository import Storage
+from agg_server.storage.repository import HeadMoved, LeaseLost, Storage
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -37,5 +38,8 @@ __all__ = [
     "CheckpointRecord",
     "QualityRecord",
     "Storage",
+    "LeaseRecord",
+    "LeaseLost",
+    "HeadMoved",
     "redact_url",
 ]

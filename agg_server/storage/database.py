@@ -31,7 +31,7 @@ from protocol.errors import StorageError
 
 __all__ = ["SCHEMA_VERSION", "DATABASE_NAME", "Database", "open_database", "redact_url"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Schema version (SQLite: ``PRAGMA user_version``; PostgreSQL: table ``fedrec_schema``)."""
 
 DATABASE_NAME = "fedrec.sqlite3"
@@ -114,8 +114,31 @@ _SCHEMA_V2 = (
     )""",
 )
 
+# Version 3: several instances on one database (docs/operations.md "Several instances").
+# * cohort_leases: which instance leads each cohort, until when, and its fencing token (only ever grows;
+#   every write of a round compares it in the same transaction).
+# * rounds.cohort / lease_token: the cohort a round belongs to and the token its leader held.
+# * rounds.revealed: 1 once the UNMASK phase was opened (the server could learn the sum from then on):
+#   the ε reserved for such a round stays charged whatever happens to it.
+# * rounds.sum_sha256: SHA-256 of the unmasked ring sum (little-endian uint32) of a committed round.
+# * checkpoints.payload: the model bytes in the database, so that every instance reads every version.
+_SCHEMA_V3 = (
+    """CREATE TABLE cohort_leases (
+        cohort {int} PRIMARY KEY CHECK (cohort >= 0),
+        holder TEXT NOT NULL,
+        url TEXT NOT NULL DEFAULT '',
+        token {int} NOT NULL CHECK (token >= 1),
+        expires_at {real} NOT NULL
+    )""",
+    "ALTER TABLE rounds ADD COLUMN cohort {int} NOT NULL DEFAULT 0",
+    "ALTER TABLE rounds ADD COLUMN lease_token {int} NOT NULL DEFAULT 0",
+    "ALTER TABLE rounds ADD COLUMN revealed {int} NOT NULL DEFAULT 0",
+    "ALTER TABLE rounds ADD COLUMN sum_sha256 {blob}",
+    "ALTER TABLE checkpoints ADD COLUMN payload {blob}",
+)
+
 # Migration step n brings a database from version n - 1 to n.
-_MIGRATIONS: dict[int, tuple[str, ...]] = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
+_MIGRATIONS: dict[int, tuple[str, ...]] = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3}
 
 _PG_MIGRATION_LOCK = 0x66656472  # "fedr": the advisory lock key of schema migrations
 
@@ -183,11 +206,18 @@ class Database:
         yield self  # pragma: no cover
 
     def lock_rounds(self) -> None:
-        """Inside a transaction: serialise round-id allocation and commits with other instances."""
+        """Inside a transaction: serialise round-id allocation, commits, the privacy ledger and the
+        cohort leases with other instances (SQLite's ``BEGIN IMMEDIATE`` already serialises everything)."""
 
     def order_of_insertion(self) -> str:
         """The SQL expression that orders rows of a never-updated table by insertion."""
         raise NotImplementedError
+
+    def row_lock(self, mode: str) -> str:
+        """The clause ending a SELECT that locks the rows it read until the transaction ends: ``mode`` is
+        "share" (fencing checks) or "update" (lease changes).  Empty on SQLite, whose ``BEGIN
+        IMMEDIATE`` already holds the whole database."""
+        return ""
 
     def schema_version(self) -> int:
         raise NotImplementedError
@@ -381,6 +411,11 @@ class PostgresDatabase(Database):
     def _lock_migrations(self) -> None:
         self.execute("SELECT pg_advisory_xact_lock(?)", (_PG_MIGRATION_LOCK,))
 
+    def row_lock(self, mode: str) -> str:
+        if mode not in ("share", "update"):
+            raise ValueError(f"row lock mode must be 'share' or 'update', got {mode!r}")
+        return f" FOR {mode.upper()}"
+
     def order_of_insertion(self) -> str:
         return "ctid"  # rows of phase_timings are never updated, so their heap order is insertion order
 
@@ -405,7 +440,15 @@ class PostgresDatabase(Database):
         # reads through and that the rows keep the invariants the schema cannot state.
         problems: list[str] = []
         with self.guard("integrity_check"):
-            for table in ("devices", "rounds", "participation", "phase_timings", "checkpoints", "model_quality"):
+            for table in (
+                "devices",
+                "rounds",
+                "participation",
+                "phase_timings",
+                "checkpoints",
+                "model_quality",
+                "cohort_leases",
+            ):
                 self.execute(f"SELECT count(*) FROM {table}").fetchone()
             row = self.execute(
                 "SELECT count(*) FROM rounds WHERE status = 'committed' AND new_model_version IS NULL"

@@ -16,6 +16,7 @@ __all__ = [
     "PhaseRecord",
     "CheckpointRecord",
     "QualityRecord",
+    "LeaseRecord",
 ]
 
 COHORT_PHASE = "cohort"
@@ -69,6 +70,10 @@ class RoundRecord:
         Privacy ledger's ε after the round, if DP is on.
     params : dict[str, Any]
         The round's parameters as given to `Storage.start_round`.
+    cohort : int
+        The cohort the round belongs to (0 on a single instance).
+    revealed : bool
+        The UNMASK phase was opened: the sum could be learned, so the round stays charged.
     """
 
     round_id: int
@@ -82,6 +87,8 @@ class RoundRecord:
     survivors: int | None
     epsilon_spent: float | None
     params: dict[str, Any]
+    cohort: int = 0
+    revealed: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,3 +162,27 @@ class CheckpointRecord:
     size: int
     created_at: float
     status: CheckpointStatus
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseRecord:
+    """Which instance leads a cohort (`Storage.acquire_lease`).
+
+    Attributes
+    ----------
+    cohort : int
+    holder : str
+        The leading instance's id (``storage.instance_id``).
+    url : str
+        Where the other instances forward the cohort's device requests (``storage.advertise_url``).
+    token : int
+        Fencing token: grows by one at every acquisition; writes of a round carry the token of its leader.
+    expires_at : float
+        Wall-clock time after which another instance may take the cohort over.
+    """
+
+    cohort: int
+    holder: str
+    url: str
+    token: int
+    expires_at: float

@@ -18,6 +18,14 @@ Invariants of this module:
   marked 'corrupt', logged at ERROR and never served again.
 * Every driver error leaving this class is a `StorageError` naming the operation and database;
   argument misuse (wrong status name, bad digest length) raises plain `ValueError`.
+* Several instances (docs/operations.md): a write of a round given ``fence=(cohort, token)`` first reads
+  the cohort's lease row with a share lock and refuses (`LeaseLost`) unless the token is still the
+  current one, in the same transaction; a lease acquisition locks that row for update and bumps the
+  token, so a write of a deposed leader either commits before the take-over or is refused after it.
+* The privacy ledger is read, changed and written only under the rounds lock: a round's ε is reserved
+  (appended to the ledger) in the transaction that opens it, and a round that ends without committing
+  gives its reservation back only if it was never revealed (``rounds.revealed``, set before the UNMASK
+  phase is announced); a revealed round stays charged whatever happens next.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -37,6 +45,7 @@ from agg_server.storage.records import (
     COHORT_PHASE,
     CheckpointRecord,
     CheckpointStatus,
+    LeaseRecord,
     ParticipationStatus,
     PhaseRecord,
     QualityRecord,
@@ -45,7 +54,28 @@ from agg_server.storage.records import (
 )
 from protocol.errors import StorageError
 
-__all__ = ["Storage"]
+__all__ = ["Storage", "LeaseLost", "HeadMoved"]
+
+
+class LeaseLost(StorageError):
+    """A write of a round was refused: the cohort's lease has a newer fencing token (another instance
+    leads the cohort now) or no longer exists."""
+
+
+class HeadMoved(StorageError):
+    """`Storage.commit_model` with ``base_version``: another round committed first; ``head`` is the
+    newest committed version (the caller rebases onto it and tries again)."""
+
+    def __init__(self, message: str, head: int) -> None:
+        super().__init__(message)
+        self.head = head
+
+
+Fence = tuple[int, int]
+"""(cohort, fencing token) of the instance writing a round."""
+
+LedgerUpdate = Callable[[dict[str, Any] | None], dict[str, Any]]
+"""Reads the stored privacy ledger (None if none) and returns the new one, or raises to refuse."""
 
 _log = logging.getLogger("agg_server.storage")
 
@@ -53,9 +83,9 @@ _DIGEST_BYTES = 32
 
 _ROUND_COLUMNS = (
     "round_id, started_at, finished_at, status, reason, base_model_version, new_model_version, "
-    "cohort_size, survivors, epsilon_spent, params"
+    "cohort_size, survivors, epsilon_spent, params, cohort, revealed"
 )
-_ROUND_UPDATE_KEYS = frozenset({"survivors", "epsilon_spent", "reason"})
+_ROUND_UPDATE_KEYS = frozenset({"survivors", "epsilon_spent", "reason", "sum_sha256"})
 
 
 def _check_id(name: str, value: object) -> int:
@@ -189,7 +219,34 @@ class Storage:
         StorageError
             If the check cannot run.
         """
-        return self._database("integrity_check").integrity_check()
+        found = self._database("integrity_check").integrity_check()
+        if found != "ok":
+            return found
+        problems = self._ledger_problems()
+        return "\n".join(problems) if problems else "ok"
+
+    def _ledger_problems(self) -> list[str]:
+        # Every ε charge names a round that exists and is open (reserved), committed or revealed: a
+        # round that never revealed its sum and did not commit must have given its reservation back.
+        ledger = self.load_ledger()
+        if ledger is None:
+            return []
+        with self._guard("integrity_check") as conn:
+            rounds = {
+                int(r): (str(s), bool(v)) for r, s, v in conn.execute("SELECT round_id, status, revealed FROM rounds")
+            }
+        problems: list[str] = []
+        charged = [c.get("round_id") for c in ledger.get("rounds", []) if isinstance(c, dict)]
+        twice = sorted({r for r in charged if r is not None and charged.count(r) > 1})
+        if twice:
+            problems.append(f"rounds charged twice in the privacy ledger: {twice}")
+        for rid in charged:
+            if rid is None:
+                continue
+            status, revealed = rounds.get(int(rid), ("missing", False))
+            if status not in (RoundStatus.OPEN.value, RoundStatus.COMMITTED.value) and not revealed:
+                problems.append(f"round {rid} is charged in the privacy ledger but is {status} and was never revealed")
+        return problems
 
     # -- devices --------------------------------------------------------------------------------
 
@@ -261,6 +318,9 @@ class Storage:
         cohort: Sequence[int],
         params: Mapping[str, Any],
         now: float,
+        *,
+        fence: Fence | None = None,
+        reserve: LedgerUpdate | None = None,
     ) -> None:
         """Record a new open round and its invited cohort.
 
@@ -276,11 +336,17 @@ class Storage:
             JSON-serialisable round parameters (graph, deadlines, training plan…).
         now : float
             Start time on the coordinator's clock.
+        fence : (cohort, token), optional
+            The leader's lease: refused with `LeaseLost` unless the token is current.
+        reserve : callable, optional
+            Reserves the round's ε: called with the stored privacy ledger inside the transaction (under
+            the rounds lock, so no other instance changes the ledger meanwhile); its result is stored.
+            Whatever it raises (e.g. `PrivacyBudgetExceeded`) refuses the round, nothing is written.
 
         Raises
         ------
         StorageError
-            If the round id exists, a device is unknown, or the database fails.
+            If the round id exists, a device is unknown, the lease was lost, or the database fails.
         ValueError
             If an argument is malformed (negative id, duplicate device, params not JSON).
         """
@@ -291,12 +357,15 @@ class Storage:
         at = _check_time("now", now)
         with self._transaction("start_round") as conn:
             conn.lock_rounds()
+            lead, token = (0, 0) if fence is None else _check_fence(conn, "start_round", fence)
             if conn.execute("SELECT 1 FROM rounds WHERE round_id = ?", (rid,)).fetchone():
                 raise StorageError(f"start_round: round {rid} already exists")
+            if reserve is not None:
+                _store_ledger(conn, _to_json("ledger", reserve(_read_ledger(conn, self.where))))
             conn.execute(
-                "INSERT INTO rounds (round_id, started_at, status, base_model_version, cohort_size, params) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (rid, at, RoundStatus.OPEN.value, base, len(members), text),
+                "INSERT INTO rounds (round_id, started_at, status, base_model_version, cohort_size, params, "
+                "cohort, lease_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (rid, at, RoundStatus.OPEN.value, base, len(members), text, lead, token),
             )
             conn.executemany(
                 "INSERT INTO participation (round_id, device_id, phase, status, at) VALUES (?, ?, ?, ?, ?)",
@@ -313,8 +382,10 @@ class Storage:
         survivors: int | None = None,
         epsilon_spent: float | None = None,
         now: float,
+        fence: Fence | None = None,
     ) -> None:
-        """Close an open round.
+        """Close an open round.  A round that does not commit and was never revealed gives its ε
+        reservation back (its entry leaves the privacy ledger); a revealed one stays charged.
 
         Parameters
         ----------
@@ -328,15 +399,20 @@ class Storage:
             Outcome of the round, when known.
         now : float
             Finish time on the coordinator's clock.
+        fence : (cohort, token), optional
+            The leader's lease (`LeaseLost` unless current).
 
         Raises
         ------
         StorageError
-            If the round does not exist or is not open, or the database fails.
+            If the round does not exist or is not open, the lease was lost, or the database fails.
         ValueError
             If ``status`` is not a final status or a value is malformed.
         """
         with self._transaction("finish_round") as conn:
+            conn.lock_rounds()  # the ledger may change (a released reservation)
+            if fence is not None:
+                _check_fence(conn, "finish_round", fence)
             self._finish_round(
                 conn,
                 round_id,
@@ -359,8 +435,10 @@ class Storage:
         survivors: int | None,
         epsilon_spent: float | None,
         now: float,
+        sum_sha256: bytes | None = None,
     ) -> None:
-        # Runs inside the caller's transaction (finish_round's own, or commit_model's).
+        # Runs inside the caller's transaction (finish_round's own, or commit_model's), which holds the
+        # rounds lock.
         rid = _check_id("round_id", round_id)
         final = _round_status(status)
         if final is RoundStatus.OPEN:
@@ -369,22 +447,26 @@ class Storage:
         count = None if survivors is None else _check_id("survivors", survivors)
         epsilon = _optional_number("epsilon_spent", epsilon_spent)
         at = _check_time("now", now)
+        digest = None if sum_sha256 is None else bytes(sum_sha256)
         cur = conn.execute(
             "UPDATE rounds SET status = ?, reason = ?, finished_at = ?, new_model_version = ?, "
-            "survivors = ?, epsilon_spent = ? WHERE round_id = ? AND status = ?",
-            (final.value, str(reason), at, version, count, epsilon, rid, RoundStatus.OPEN.value),
+            "survivors = ?, epsilon_spent = ?, sum_sha256 = ? WHERE round_id = ? AND status = ?",
+            (final.value, str(reason), at, version, count, epsilon, digest, rid, RoundStatus.OPEN.value),
         )
         if cur.rowcount != 1:
             row = conn.execute("SELECT status FROM rounds WHERE round_id = ?", (rid,)).fetchone()
             if row is None:
                 raise StorageError(f"finish_round: round {rid} does not exist")
             raise StorageError(f"finish_round: round {rid} is already {row[0]}")
+        if final is not RoundStatus.COMMITTED:
+            _release_unrevealed(conn, [rid], self.where)
 
     def abandon_open_rounds(self, now: float) -> list[int]:
-        """Mark every open round 'abandoned' with reason "server restarted" (call on start-up).
+        """Mark every open round 'abandoned' with reason "server restarted" (call on start-up of a
+        single instance; several instances abandon one cohort's rounds in `acquire_lease`).
 
         A round's secrets lived only in the stopped process, so it can never finish; its devices
-        will be told to check in again.
+        will be told to check in again.  Unrevealed rounds give their ε reservation back.
 
         Parameters
         ----------
@@ -398,18 +480,99 @@ class Storage:
         """
         at = _check_time("now", now)
         with self._transaction("abandon_open_rounds") as conn:
-            ids = [
-                int(r[0])
-                for r in conn.execute(
-                    "SELECT round_id FROM rounds WHERE status = ? ORDER BY round_id",
-                    (RoundStatus.OPEN.value,),
-                )
-            ]
+            conn.lock_rounds()
+            return _abandon(conn, None, "server restarted", at, self.where)
+
+    # -- cohort leases (several instances on one database) ----------------------------------------
+
+    def acquire_lease(
+        self, cohort: int, holder: str, url: str, now: float, seconds: float
+    ) -> tuple[int, list[int]] | None:
+        """Lead ``cohort`` for ``seconds`` if it has no live leader (or ``holder`` leads it already, e.g.
+        before a restart): the token grows by one, and the cohort's rounds still open (their leader is
+        gone or restarted) are abandoned in the same transaction, unrevealed ones giving their ε back.
+
+        Returns
+        -------
+        (int, list[int]) or None
+            The new fencing token and the round ids abandoned, or None when another holder's lease has
+            not expired.
+        """
+        c = _check_id("cohort", cohort)
+        at = _check_time("now", now)
+        ttl = _check_time("seconds", seconds)
+        if not isinstance(holder, str) or not holder:
+            raise ValueError(f"holder must be a non-empty string, got {holder!r}")
+        with self._transaction("acquire_lease") as conn:
+            conn.lock_rounds()
             conn.execute(
-                "UPDATE rounds SET status = ?, reason = ?, finished_at = ? WHERE status = ?",
-                (RoundStatus.ABANDONED.value, "server restarted", at, RoundStatus.OPEN.value),
+                "INSERT INTO cohort_leases (cohort, holder, url, token, expires_at) VALUES (?, '', '', 1, 0) "
+                "ON CONFLICT (cohort) DO NOTHING",
+                (c,),
             )
-        return ids
+            row = conn.execute(
+                f"SELECT holder, token, expires_at FROM cohort_leases WHERE cohort = ?{conn.row_lock('update')}",
+                (c,),
+            ).fetchone()
+            current, token, expires = str(row[0]), int(row[1]), float(row[2])
+            if current and current != holder and expires > at:
+                return None
+            token = token + 1 if current else token
+            conn.execute(
+                "UPDATE cohort_leases SET holder = ?, url = ?, token = ?, expires_at = ? WHERE cohort = ?",
+                (holder, str(url), token, at + ttl, c),
+            )
+            abandoned = _abandon(conn, c, f"cohort {c} taken over by {holder}", at, self.where)
+        for rid in abandoned:
+            _log.warning("round %d of cohort %d abandoned: its leader is gone (now led by %s)", rid, c, holder)
+        return token, abandoned
+
+    def renew_lease(self, cohort: int, token: int, now: float, seconds: float) -> bool:
+        """Extend a held lease; False when the token is no longer current (the lease was lost)."""
+        c, t = _check_id("cohort", cohort), _check_id("token", token)
+        until = _check_time("now", now) + _check_time("seconds", seconds)
+        with self._transaction("renew_lease") as conn:
+            cur = conn.execute("UPDATE cohort_leases SET expires_at = ? WHERE cohort = ? AND token = ?", (until, c, t))
+            return cur.rowcount == 1
+
+    def release_lease(self, cohort: int, token: int) -> None:
+        """Give a held lease up at once (graceful shutdown), so another instance can take the cohort."""
+        c, t = _check_id("cohort", cohort), _check_id("token", token)
+        with self._transaction("release_lease") as conn:
+            conn.execute("UPDATE cohort_leases SET expires_at = 0 WHERE cohort = ? AND token = ?", (c, t))
+
+    def leases(self) -> list[LeaseRecord]:
+        """Every cohort lease, by cohort."""
+        with self._guard("leases") as conn:
+            rows = conn.execute(
+                "SELECT cohort, holder, url, token, expires_at FROM cohort_leases ORDER BY cohort"
+            ).fetchall()
+        return [
+            LeaseRecord(cohort=int(c), holder=str(h), url=str(u), token=int(t), expires_at=float(e))
+            for c, h, u, t, e in rows
+        ]
+
+    def mark_revealed(self, round_id: int, *, fence: Fence | None = None) -> None:
+        """Record, before the UNMASK phase is announced, that the round's sum may be revealed from now
+        on: its ε reservation then stays charged whatever happens to the round."""
+        rid = _check_id("round_id", round_id)
+        with self._transaction("mark_revealed") as conn:
+            if fence is not None:
+                _check_fence(conn, "mark_revealed", fence)
+            cur = conn.execute(
+                "UPDATE rounds SET revealed = 1 WHERE round_id = ? AND status = ?", (rid, RoundStatus.OPEN.value)
+            )
+            if cur.rowcount != 1:
+                raise StorageError(f"mark_revealed: round {rid} is not open")
+
+    def round_sums(self) -> dict[int, tuple[int, bytes | None]]:
+        """Committed rounds: round id -> (model version, SHA-256 of the unmasked sum or None)."""
+        with self._guard("round_sums") as conn:
+            rows = conn.execute(
+                "SELECT round_id, new_model_version, sum_sha256 FROM rounds WHERE status = ? ORDER BY round_id",
+                (RoundStatus.COMMITTED.value,),
+            ).fetchall()
+        return {int(r): (int(v), None if h is None else bytes(h)) for r, v, h in rows}
 
     def recent_rounds(self, limit: int = 20) -> list[RoundRecord]:
         """Return up to ``limit`` rounds, newest first.
@@ -442,6 +605,8 @@ class Storage:
         dropped: Sequence[int],
         seconds: float,
         now: float,
+        *,
+        fence: Fence | None = None,
     ) -> None:
         """Record who answered and who dropped in one closed phase, and how long it took.
 
@@ -477,6 +642,8 @@ class Storage:
         secs = _check_time("seconds", seconds)
         at = _check_time("now", now)
         with self._transaction("record_phase") as conn:
+            if fence is not None:
+                _check_fence(conn, "record_phase", fence)
             conn.execute(
                 "INSERT INTO phase_timings (round_id, phase, seconds, arrived, dropped) VALUES (?, ?, ?, ?, ?)",
                 (rid, name, secs, len(ok), len(gone)),
@@ -535,6 +702,7 @@ class Storage:
         """
         text = _to_json("ledger", ledger)
         with self._transaction("save_ledger") as conn:
+            conn.lock_rounds()
             _store_ledger(conn, text)
 
     def load_ledger(self) -> dict[str, Any] | None:
@@ -619,6 +787,8 @@ class Storage:
         *,
         ledger: Mapping[str, Any] | None = None,
         round_update: dict[str, Any] | None = None,
+        fence: Fence | None = None,
+        base_version: int | None = None,
     ) -> None:
         """Durably commit a new global model, and optionally the ledger and its round, all or nothing.
 
@@ -641,13 +811,22 @@ class Storage:
         round_update : dict or None
             If given, round ``round_id`` is finished as committed with ``new_model_version =
             model_version`` in the same transaction; allowed keys: "survivors", "epsilon_spent",
-            "reason".
+            "reason", "sum_sha256".
+        fence : (cohort, token), optional
+            The leader's lease (`LeaseLost` unless current).
+        base_version : int, optional
+            Compare-and-set: commit only if the newest committed version is still ``base_version``
+            (``model_version`` must then be ``base_version + 1``); otherwise `HeadMoved` names the head.
+
+        On PostgreSQL the model bytes are stored in the checkpoint row as well, so that every instance
+        can load every version (the file stays a local copy).
 
         Raises
         ------
         StorageError
             If the version is not newer than the latest good checkpoint, the file cannot be written
-            (naming the path), the round is not open, or the database fails.
+            (naming the path), the round is not open, the lease was lost, the head moved (`HeadMoved`),
+            or the database fails.
         ValueError
             If an argument is malformed.
         """
@@ -667,12 +846,18 @@ class Storage:
             if unknown:
                 raise ValueError(f"round_update: unknown keys {sorted(unknown)}; allowed {sorted(_ROUND_UPDATE_KEYS)}")
             update = {"reason": "", "survivors": None, "epsilon_spent": None, **round_update}
-        self._check_newer(version)
+        if base_version is not None and version != _check_id("base_version", base_version) + 1:
+            raise ValueError(f"model_version {version} must be base_version + 1 = {base_version + 1}")
+        self._check_newer(version, base=base_version)
         relative, digest = self._files.write(version, data)
+        shared = data if self.dialect == "postgresql" else None
         with self._transaction("commit_model") as conn:
             conn.lock_rounds()
-            self._check_newer(version, conn)  # again, under the lock: another instance may have committed
-            self._record_checkpoint(conn, version, rid, relative, digest, len(data), at)
+            if fence is not None:
+                _check_fence(conn, "commit_model", fence)
+            # Again, under the lock: another instance may have committed meanwhile.
+            self._check_newer(version, conn, base=base_version)
+            self._record_checkpoint(conn, version, rid, relative, digest, len(data), at, shared)
             if ledger_text is not None:
                 _store_ledger(conn, ledger_text)
             if round_update is not None and rid is not None:
@@ -680,14 +865,16 @@ class Storage:
             expired = self._expire_checkpoints(conn)
         self._files.delete(expired)
 
-    def _check_newer(self, version: int, conn: Database | None = None) -> None:
+    def _check_newer(self, version: int, conn: Database | None = None, *, base: int | None = None) -> None:
         if conn is None:
             with self._guard("commit_model") as db:
-                self._check_newer(version, db)
+                self._check_newer(version, db, base=base)
             return
         newest = conn.execute(
             "SELECT max(model_version) FROM checkpoints WHERE status = ?", (CheckpointStatus.GOOD.value,)
         ).fetchone()[0]
+        if base is not None and newest is not None and int(newest) != base:
+            raise HeadMoved(f"commit_model: the head is model version {newest}, not the base {base}", int(newest))
         if newest is not None and version <= newest:
             raise StorageError(f"commit_model: model version {version} is not newer than the committed {newest}")
 
@@ -700,6 +887,7 @@ class Storage:
         digest: bytes,
         size: int,
         now: float,
+        payload: bytes | None = None,
     ) -> None:
         # A 'corrupt' row of the same version (a fallback happened) is replaced by the new model.
         conn.execute(
@@ -707,9 +895,9 @@ class Storage:
             (version, CheckpointStatus.CORRUPT.value),
         )
         conn.execute(
-            "INSERT INTO checkpoints (model_version, round_id, path, sha256, size, created_at, status) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (version, round_id, relative, digest, size, now, CheckpointStatus.GOOD.value),
+            "INSERT INTO checkpoints (model_version, round_id, path, sha256, size, created_at, status, payload) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (version, round_id, relative, digest, size, now, CheckpointStatus.GOOD.value, payload),
         )
 
     def _remove_leftovers(self) -> None:
@@ -755,14 +943,14 @@ class Storage:
         """
         with self._guard("load_latest_model") as conn:
             candidates = conn.execute(
-                "SELECT model_version, path, sha256, size FROM checkpoints WHERE status = ? "
+                "SELECT model_version, path, sha256, size, payload IS NOT NULL FROM checkpoints WHERE status = ? "
                 "ORDER BY model_version DESC",
                 (CheckpointStatus.GOOD.value,),
             ).fetchall()
-        for version, relative, expected, size in candidates:
+        for version, relative, expected, size, in_database in candidates:
             path = self._files.path(relative)
             try:
-                data = self._files.read(relative)
+                data = self._stored_payload(int(version)) if in_database else self._files.read(relative)
             except FileNotFoundError:
                 found = "no file"
             except OSError as exc:
@@ -795,6 +983,47 @@ class Storage:
             )
         return None
 
+    def _stored_payload(self, version: int) -> bytes:
+        with self._guard("load_model") as conn:
+            row = conn.execute("SELECT payload FROM checkpoints WHERE model_version = ?", (version,)).fetchone()
+        if row is None or row[0] is None:
+            raise FileNotFoundError(f"model version {version} has no stored payload")
+        return bytes(row[0])
+
+    def load_model(self, version: int) -> bytes:
+        """The bytes of committed model ``version`` (from the database row on PostgreSQL, else the
+        file), checked against the recorded SHA-256.
+
+        Raises
+        ------
+        StorageError
+            The version was never committed (or expired), or its bytes do not match the digest.
+        """
+        v = _check_id("model_version", version)
+        with self._guard("load_model") as conn:
+            row = conn.execute(
+                "SELECT path, sha256, payload FROM checkpoints WHERE model_version = ? AND status = ?",
+                (v, CheckpointStatus.GOOD.value),
+            ).fetchone()
+        if row is None:
+            raise StorageError(f"load_model: model version {v} is not a good checkpoint in {self.where}")
+        relative, expected, payload = row
+        try:
+            data = bytes(payload) if payload is not None else self._files.read(str(relative))
+        except OSError as exc:
+            raise StorageError(f"load_model: cannot read {self._files.path(str(relative))}: {exc}") from exc
+        if hashlib.sha256(data).digest() != bytes(expected):
+            raise StorageError(f"load_model: model version {v} does not match its recorded SHA-256")
+        return data
+
+    def head_version(self) -> int | None:
+        """The newest good committed model version (None before the first commit)."""
+        with self._guard("head_version") as conn:
+            row = conn.execute(
+                "SELECT max(model_version) FROM checkpoints WHERE status = ?", (CheckpointStatus.GOOD.value,)
+            ).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
     def checkpoints(self) -> list[CheckpointRecord]:
         """Return every checkpoint row, newest version first."""
         with self._guard("checkpoints") as conn:
@@ -814,6 +1043,67 @@ class Storage:
             )
             for v, r, p, h, n, c, s in rows
         ]
+
+
+def _check_fence(conn: Database, op: str, fence: Fence) -> Fence:
+    cohort, token = _check_id("fence cohort", fence[0]), _check_id("fence token", fence[1])
+    row = conn.execute(
+        f"SELECT token FROM cohort_leases WHERE cohort = ?{conn.row_lock('share')}", (cohort,)
+    ).fetchone()
+    if row is None or int(row[0]) != token:
+        now = "no lease" if row is None else f"token {row[0]}"
+        raise LeaseLost(f"{op}: the lease of cohort {cohort} is lost (held token {token}, the database has {now})")
+    return cohort, token
+
+
+def _read_ledger(conn: Database, where: str) -> dict[str, Any] | None:
+    row = conn.execute("SELECT ledger FROM privacy_ledger WHERE id = 1").fetchone()
+    if row is None:
+        return None
+    try:
+        value = json.loads(row[0])
+    except ValueError as exc:
+        raise StorageError(f"the stored privacy ledger in {where} is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise StorageError(f"the stored privacy ledger in {where} is not an object")
+    return value
+
+
+def _release_unrevealed(conn: Database, round_ids: Sequence[int], where: str) -> None:
+    """Give back the ε reservations of those of ``round_ids`` that were never revealed (caller holds the
+    rounds lock).  A reservation is the ledger entry carrying the round id."""
+    if not round_ids:
+        return
+    marks = ", ".join("?" for _ in round_ids)
+    unrevealed = {
+        int(r[0])
+        for r in conn.execute(
+            f"SELECT round_id FROM rounds WHERE revealed = 0 AND round_id IN ({marks})", tuple(round_ids)
+        )
+    }
+    ledger = _read_ledger(conn, where) if unrevealed else None
+    if ledger is None or not isinstance(ledger.get("rounds"), list):
+        return
+    kept = [c for c in ledger["rounds"] if not (isinstance(c, dict) and c.get("round_id") in unrevealed)]
+    if len(kept) != len(ledger["rounds"]):
+        _store_ledger(conn, _to_json("ledger", {**ledger, "rounds": kept}))
+
+
+def _abandon(conn: Database, cohort: int | None, reason: str, at: float, where: str) -> list[int]:
+    # Open rounds (of one cohort, or all) become 'abandoned'; unrevealed ones give their ε back.
+    where_cohort = "" if cohort is None else " AND cohort = ?"
+    args: tuple[Any, ...] = (RoundStatus.OPEN.value,) if cohort is None else (RoundStatus.OPEN.value, cohort)
+    ids = [
+        int(r[0])
+        for r in conn.execute(f"SELECT round_id FROM rounds WHERE status = ?{where_cohort} ORDER BY round_id", args)
+    ]
+    if ids:
+        conn.execute(
+            f"UPDATE rounds SET status = ?, reason = ?, finished_at = ? WHERE status = ?{where_cohort}",
+            (RoundStatus.ABANDONED.value, reason, at, *args),
+        )
+        _release_unrevealed(conn, ids, where)
+    return ids
 
 
 def _store_ledger(conn: Database, text: str) -> None:
@@ -845,7 +1135,7 @@ def _round_status(value: str) -> RoundStatus:
 
 
 def _round_record(row: tuple[Any, ...]) -> RoundRecord:
-    rid, started, finished, status, reason, base, new, cohort, survivors, epsilon, params = row
+    rid, started, finished, status, reason, base, new, size, survivors, epsilon, params, cohort, revealed = row
     try:
         decoded = json.loads(params)
         state = RoundStatus(status)
@@ -859,8 +1149,10 @@ def _round_record(row: tuple[Any, ...]) -> RoundRecord:
         reason=str(reason),
         base_model_version=int(base),
         new_model_version=None if new is None else int(new),
-        cohort_size=int(cohort),
+        cohort_size=int(size),
         survivors=None if survivors is None else int(survivors),
         epsilon_spent=None if epsilon is None else float(epsilon),
         params=decoded if isinstance(decoded, dict) else {"value": decoded},
+        cohort=int(cohort),
+        revealed=bool(revealed),
     )

@@ -14,12 +14,14 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from numpy.typing import NDArray
 
 from protocol.codes import float_matrix_from_bytes, float_matrix_to_bytes
+from protocol.plan import FamilyParams, TrainingPlan
 
 # The float wire form lives in `protocol.codes` (devices decode it too); kept here under its old names.
 float_state_to_bytes = float_matrix_to_bytes
@@ -61,8 +63,8 @@ class Strategy(Protocol):
         """The version-1 global model, drawn from ``rng``."""
         ...
 
-    def plan(self) -> dict[str, Any]:
-        """Family hyper-parameters sent in every `RoundInvite` (keys are `RoundInvite` field names)."""
+    def plan(self) -> FamilyParams:
+        """The family's training parameters every device of a round receives (`protocol.plan`)."""
         ...
 
     def aggregate(
@@ -102,19 +104,37 @@ class Strategy(Protocol):
 
 
 def round_plan(
-    strategy: Strategy, model_version: int, *, example_cap: int = 0, round_index: int | None = None
-) -> dict[str, Any]:
-    """The training plan of a round that trains ``model_version``: the `RoundInvite` fields every
-    invited device receives (the strategy's hyper-parameters plus the model's kind and shape).
+    strategy: Strategy,
+    model_version: int,
+    *,
+    example_cap: int = 0,
+    round_index: int | None = None,
+    clip_norm: float = math.inf,
+) -> TrainingPlan:
+    """The training plan of a round that trains ``model_version``: the strategy's parameters plus the
+    model's shape (a `RoundInvite` carries it as `TrainingPlan.invite_fields`).
 
-    ``round_index`` defaults to ``model_version - 1`` (0 for the round that trains version 1).
+    ``round_index`` defaults to ``model_version - 1`` (0 for the round that trains version 1);
+    ``clip_norm`` is the upload's clipping bound (infinity: in-process runs clip nothing).
+
+    Raises
+    ------
+    ValueError
+        The strategy's parameters are not its family's (``strategy.kind``) or its `vector_length`
+        is not the plan's upload.
     """
-    return {
-        **strategy.plan(),
-        "model_version": model_version,
-        "model_kind": strategy.kind,
-        "bits": strategy.rank,
-        "n_items": strategy.n_items,
-        "example_cap": example_cap,
-        "round_index": model_version - 1 if round_index is None else round_index,
-    }
+    params = strategy.plan()
+    plan = TrainingPlan(
+        params=params,
+        n_items=strategy.n_items,
+        rank=strategy.rank,
+        model_version=model_version,
+        round_index=model_version - 1 if round_index is None else round_index,
+        example_cap=example_cap,
+        clip_norm=clip_norm,
+    )
+    if plan.kind != strategy.kind:
+        raise ValueError(f"strategy of kind {strategy.kind!r} returned {plan.kind.value!r} parameters")
+    if plan.vector_length != strategy.vector_length:
+        raise ValueError(f"strategy uploads {strategy.vector_length} entries, its plan {plan.vector_length}")
+    return plan

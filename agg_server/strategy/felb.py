@@ -27,7 +27,8 @@ from numpy.typing import ArrayLike, NDArray
 
 from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
 from protocol.families.felb import prox_elb, schedule
-from protocol.spec import MAX_LOCAL_STEPS, MAX_RANK, ModelKind, StepRule
+from protocol.plan import FELBParams
+from protocol.spec import MAX_RANK, ModelKind, StepRule
 
 __all__ = [
     "FELBStrategy",
@@ -100,18 +101,9 @@ class FELBStrategy:
             raise ValueError(f"rank must be in [1, {MAX_RANK}], got {self.rank}")
         if self.n_items < 1:
             raise ValueError(f"n_items must be positive, got {self.n_items}")
-        for name in ("kappa", "reg", "proximity", "server_scale"):
-            v = getattr(self, name)
-            if not (np.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be finite and >= 0, got {v}")
-        if not (np.isfinite(self.reg_growth) and self.reg_growth >= 1.0):
-            raise ValueError(f"reg_growth must be >= 1, got {self.reg_growth}")
-        if not 0.0 <= self.inertia < 1.0:
-            raise ValueError(f"inertia must be in [0, 1), got {self.inertia}")
-        if not 1 <= self.local_epochs <= MAX_LOCAL_STEPS:
-            raise ValueError(f"local_epochs must be in [1, {MAX_LOCAL_STEPS}], got {self.local_epochs}")
-        if self.step_rule not in tuple(StepRule):
-            raise ValueError(f"step_rule must be 'lipschitz' or 'mu', got {self.step_rule!r}")
+        if not (np.isfinite(self.server_scale) and self.server_scale >= 0):
+            raise ValueError(f"server_scale must be finite and >= 0, got {self.server_scale}")
+        self.plan()  # the plan's bounds: `protocol.plan.FELBParams` checks them
 
     @property
     def vector_length(self) -> int:
@@ -127,16 +119,16 @@ class FELBStrategy:
         permutation drift of independent starts)."""
         return rng.random(self.shape)
 
-    def plan(self) -> dict[str, Any]:
-        return {
-            "local_epochs": self.local_epochs,
-            "reg": float(self.reg),
-            "reg_growth": float(self.reg_growth),
-            "kappa": float(self.kappa),
-            "proximity": float(self.proximity),
-            "inertia": float(self.inertia),
-            "step_rule": self.step_rule,
-        }
+    def plan(self) -> FELBParams:
+        return FELBParams(
+            local_epochs=self.local_epochs,
+            reg=self.reg,
+            reg_growth=self.reg_growth,
+            kappa=self.kappa,
+            proximity=self.proximity,
+            inertia=self.inertia,
+            step_rule=StepRule(self.step_rule),
+        )
 
     def reg_at(self, round_index: int) -> float:
         """λ_r for round ``round_index``."""

@@ -28,7 +28,8 @@ from numpy.typing import NDArray
 
 from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
 from protocol.families.fnmf import lap_align, split_upload, upload_length
-from protocol.spec import MAX_LOCAL_STEPS, MAX_RANK, Alignment, ModelKind
+from protocol.plan import FNMFParams
+from protocol.spec import MAX_RANK, Alignment, ModelKind
 
 __all__ = [
     "FNMFStrategy",
@@ -106,14 +107,7 @@ class FNMFStrategy:
     def __post_init__(self) -> None:
         if not 1 <= self.rank <= MAX_RANK or self.n_items <= 0:
             raise ValueError(f"need 1 <= rank <= {MAX_RANK} and n_items > 0, got {self.rank}, {self.n_items}")
-        if not 1 <= self.local_steps <= MAX_LOCAL_STEPS:
-            raise ValueError(f"local_steps must be in [1, {MAX_LOCAL_STEPS}], got {self.local_steps}")
-        if not (self.proximity >= 0.0 and np.isfinite(self.proximity)):
-            raise ValueError(f"proximity must be a finite value >= 0, got {self.proximity}")
-        if not 0.0 <= self.inertia < 1.0:
-            raise ValueError(f"inertia must be in [0, 1), got {self.inertia}")
-        if self.alignment not in tuple(Alignment):
-            raise ValueError(f"alignment must be one of {[a.value for a in Alignment]}, got {self.alignment!r}")
+        self.plan()  # the plan's bounds: `protocol.plan.FNMFParams` checks them
 
     @property
     def vector_length(self) -> int:
@@ -124,17 +118,14 @@ class FNMFStrategy:
         """Version-1 V̄ ~ Uniform[0, 1)^{k×m}."""
         return rng.random((self.rank, self.n_items))
 
-    def plan(self) -> dict[str, Any]:
-        """The round plan: k, m, T, γ, β and the alignment the devices use."""
-        return {
-            "model_kind": self.kind,
-            "bits": self.rank,
-            "n_items": self.n_items,
-            "local_epochs": self.local_steps,
-            "proximity": self.proximity,
-            "inertia": self.inertia,
-            "alignment": self.alignment,
-        }
+    def plan(self) -> FNMFParams:
+        """T, γ, β and the alignment the devices use."""
+        return FNMFParams(
+            local_steps=self.local_steps,
+            proximity=self.proximity,
+            inertia=self.inertia,
+            alignment=Alignment(self.alignment),
+        )
 
     def aggregate(
         self,

@@ -25,6 +25,7 @@ from protocol.families.lightfr import (
     density_weight,
     levels_from_bias,
 )
+from protocol.plan import LightFRParams
 from protocol.spec import Aggregation
 
 __all__ = [
@@ -258,16 +259,11 @@ class LightFRServerStrategy:
     def __post_init__(self) -> None:
         if not (np.isfinite(self.unobserved_scale) and self.unobserved_scale >= 0):
             raise ValueError(f"unobserved_scale must be a finite value >= 0, got {self.unobserved_scale}")
-        if self.unobserved_scale > 0 and self.unobserved_weight <= 0:
+        if self.unobserved_scale > 0 and not self.unobserved_weight > 0:
             raise ValueError("a density-derived w0 (unobserved_scale > 0) needs unobserved_weight > 0 for round 1")
-        if not (np.isfinite(self.confidence) and self.confidence >= 0):
-            raise ValueError(f"confidence must be a finite value >= 0, got {self.confidence}")
-        if not (np.isfinite(self.unobserved_weight) and 0 <= self.unobserved_weight <= 1 + self.confidence):
-            raise ValueError(f"unobserved_weight must be in [0, 1 + confidence], got {self.unobserved_weight}")
         if not 1 <= self.hamming_weight <= 255:
             raise ValueError(f"hamming_weight must be in [1, 255], got {self.hamming_weight}")
-        if self.full and self.rule.aggregation is not Aggregation.GRAD:
-            raise ValueError("the all-items objective (unobserved_weight > 0) needs aggregation 'grad'")
+        self.plan()  # the plan's bounds: `protocol.plan.LightFRParams` checks them
 
     @property
     def full(self) -> bool:
@@ -292,16 +288,16 @@ class LightFRServerStrategy:
             return codes
         return np.concatenate([codes, np.zeros((self.n_items, 1), np.int8)], axis=1)
 
-    def plan(self) -> dict[str, object]:
-        return {
-            "aggregation": self.rule.aggregation.value,
-            "lam": float(self.rule.lam),
-            "negatives": self.negatives,
-            "local_epochs": self.local_epochs,
-            "max_sweeps": self.max_sweeps,
-            "unobserved_weight": self.current_weight,
-            "confidence": float(self.confidence),
-        }
+    def plan(self) -> LightFRParams:
+        return LightFRParams(
+            aggregation=self.rule.aggregation,
+            lam=self.rule.lam,
+            negatives=self.negatives,
+            local_epochs=self.local_epochs,
+            max_sweeps=self.max_sweeps,
+            unobserved_weight=self.current_weight,
+            confidence=self.confidence,
+        )
 
     @property
     def current_weight(self) -> float:

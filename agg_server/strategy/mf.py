@@ -22,7 +22,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
-from protocol.families.mf import check_training, project_rows
+from protocol.families.mf import project_rows
+from protocol.plan import MFParams
 from protocol.spec import MAX_RANK, ModelKind
 
 __all__ = ["MFStrategy"]
@@ -67,7 +68,7 @@ class MFStrategy:
             v = getattr(self, name)
             if not (np.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {v}")
-        check_training(self)
+        self.plan()  # the plan's bounds: `protocol.plan.MFParams` checks them
         if self.kind != ModelKind.MF.value:
             raise ValueError(f"kind must be {ModelKind.MF.value!r}, got {self.kind!r}")
 
@@ -80,16 +81,16 @@ class MFStrategy:
         """Small non-negative random rows, projected (the version-1 item matrix)."""
         return project_rows(self.init_scale * rng.random((self.n_items, self.rank)), self.max_norm2)
 
-    def plan(self) -> dict[str, Any]:
-        """`RoundInvite` fields every device trains with."""
-        return {
-            "learning_rate": float(self.learning_rate),
-            "reg": float(self.reg),
-            "max_norm2": float(self.max_norm2),
-            "pretrain_epochs": int(self.pretrain_epochs),
-            "local_epochs": int(self.local_epochs),
-            "negatives": int(self.negatives),
-        }
+    def plan(self) -> MFParams:
+        """What every device trains with."""
+        return MFParams(
+            learning_rate=self.learning_rate,
+            reg=self.reg,
+            max_norm2=self.max_norm2,
+            pretrain_epochs=self.pretrain_epochs,
+            local_epochs=self.local_epochs,
+            negatives=self.negatives,
+        )
 
     def aggregate(
         self,

@@ -361,8 +361,8 @@ def crypto_vectors() -> dict[str, Any]:
 
     x = np.array([0.3, -1.7, 2.25, 0.0, -0.001, 1.0 / 3.0, 5.0, -4.5], dtype=np.float64)
     qcfg = QuantizationConfig(clip_norm=4.0, scale_bits=8)
-    q, stats = quantize(x, qcfg, np.random.default_rng(20260101))
-    uniforms = np.random.default_rng(20260101).random(x.shape)
+    q, stats = quantize(x, qcfg, crypto.insecure_test_noise_stream(20260101))
+    uniforms = crypto.insecure_test_noise_stream(20260101).uniform(x.size)
     clipped = x * (qcfg.clip_norm / float(np.linalg.norm(x)))
 
     def hkdf_entry(label: bytes, ikm: bytes, parties: tuple[int, ...], out: bytes) -> dict[str, Any]:
@@ -453,7 +453,7 @@ def crypto_vectors() -> dict[str, Any]:
             "scale_bits": qcfg.scale_bits,
             "clipped": clipped.tolist(),
             "was_clipped": stats.clipped,
-            "numpy_pcg64_seed": 20260101,
+            "noise_stream_seed": 20260101,
             "uniforms": uniforms.tolist(),
             "q_uint32": [int(v) for v in q],
             "q_int32": [int(v) for v in q.view(np.int32)],

@@ -1,0 +1,419 @@
+"""The training plan of a round, typed: what a device trains, how, and what it uploads.
+
+Invariants:
+- One parameter type per model family (`LightFRParams`, `MFParams`, `FELBParams`, `FNMFParams`):
+  frozen, with the one set of defaults and the one validator of that family's training
+  hyper-parameters.  The server's configuration tables, the strategies, the device models and the
+  CLI all build these types, so they cannot disagree on a default or a bound.
+- `TrainingPlan` is a family's parameters plus the model's shape, version and schedule index, and
+  the upload's clipping bound.  A `RoundInvite` still carries the plan as flat fields (protocol
+  1.1–1.3 appended them one by one, and the evolution rule of docs/protocol.md keeps them); this
+  module is the one place that maps a plan to those fields (`TrainingPlan.invite_fields`) and
+  back (`TrainingPlan.from_invite`).
+- In-process runs (no secure aggregation) use a `TrainingPlan` directly: nothing in it is about
+  SecAgg, and ``clip_norm`` defaults to infinity (nothing clipped).
+- Every error is a `ValueError` whose message starts with the parameter's name
+  (``local_epochs: must be an integer in [1, 1000], got 0``), so the server configuration can
+  prefix its table (``mf.local_epochs: ...``) and a device can quote it when it refuses a round.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from protocol.families.fnmf import upload_length
+from protocol.families.lightfr import UploadLayout
+from protocol.spec import (
+    MAX_ITEMS,
+    MAX_LOCAL_STEPS,
+    MAX_RANK,
+    MAX_VECTOR_LENGTH,
+    Aggregation,
+    Alignment,
+    ModelKind,
+    StepRule,
+)
+
+__all__ = [
+    "FamilyParams",
+    "FELBParams",
+    "FNMFParams",
+    "LightFRParams",
+    "MFParams",
+    "TrainingPlan",
+    "params_type",
+]
+
+
+# -- the checks (one per kind of value) -----------------------------------------------------------------
+
+
+def _range_text(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {lo}"
+    if hi is not None:
+        return f"{'<' if hi_open else '<='} {hi}"
+    return ""
+
+
+def _fail(name: str, what: str, value: object) -> ValueError:
+    return ValueError(f"{name}: must be {what}, got {value!r}")
+
+
+def check_int(name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as an int in [lo, hi] (a bool is not an int here); ValueError naming ``name`` otherwise."""
+    what = f"an integer {_range_text(lo, hi, False, False)}".rstrip()
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(name, what, value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise _fail(name, what, value)
+    return int(value)
+
+
+def check_float(
+    name: str,
+    value: object,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> float:
+    """``value`` as a finite float in the range (an int is accepted and converted, a bool is not)."""
+    what = f"a finite number {_range_text(lo, hi, lo_open, hi_open)}".rstrip()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(name, what, value)
+    x = float(value)
+    if not math.isfinite(x):
+        raise _fail(name, what, value)
+    if lo is not None and (x <= lo if lo_open else x < lo):
+        raise _fail(name, what, value)
+    if hi is not None and (x >= hi if hi_open else x > hi):
+        raise _fail(name, what, value)
+    return x
+
+
+_E = TypeVar("_E", Aggregation, Alignment, StepRule)
+
+
+def check_choice(name: str, value: object, vocabulary: type[_E]) -> _E:
+    """``value`` as a member of ``vocabulary`` (a `protocol.spec` StrEnum)."""
+    try:
+        return vocabulary(value)  # type: ignore[arg-type]
+    except ValueError:
+        raise _fail(name, "one of " + ", ".join(repr(v.value) for v in vocabulary), value) from None
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)
+
+
+def _epochs(obj: object, name: str) -> None:
+    _set(obj, name, check_int(name, getattr(obj, name), lo=1, hi=MAX_LOCAL_STEPS))
+
+
+def _nonneg(obj: object, name: str, *, positive: bool = False, below_one: bool = False) -> None:
+    hi = 1.0 if below_one else None
+    _set(obj, name, check_float(name, getattr(obj, name), lo=0.0, lo_open=positive, hi=hi, hi_open=below_one))
+
+
+# -- the four families' parameters ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LightFRParams:
+    """LightFR's local training (binary codes by discrete coordinate descent).
+
+    Attributes
+    ----------
+    aggregation : "grad" (devices upload item gradients; the default) or "para" (updated codes).
+    lam : balance weight λ >= 0 of the local DCD.
+    negatives : sampled unobserved items per rating, fitted as 0 (>= 0; unused when w0 > 0).
+    local_epochs, max_sweeps : local epochs E and the DCD sweep cap, each in [1, 1000].
+    unobserved_weight : w0 in [0, 1 + confidence]; > 0 is the all-items objective (chosen on
+        validation: 0.1), 0 the paper's sampled-negatives objective.  w0 > 0 needs "grad".
+    confidence : α >= 0: observed items weigh 1 + α under the all-items objective.
+    """
+
+    KIND: ClassVar[ModelKind] = ModelKind.LIGHTFR
+    aggregation: Aggregation = Aggregation.GRAD
+    lam: float = 0.0
+    negatives: int = 4
+    local_epochs: int = 1
+    max_sweeps: int = 10
+    unobserved_weight: float = 0.1
+    confidence: float = 0.0
+
+    def __post_init__(self) -> None:
+        _set(self, "aggregation", check_choice("aggregation", self.aggregation, Aggregation))
+        _nonneg(self, "lam")
+        _set(self, "negatives", check_int("negatives", self.negatives, lo=0))
+        _epochs(self, "local_epochs")
+        _epochs(self, "max_sweeps")
+        _nonneg(self, "confidence")
+        _set(
+            self,
+            "unobserved_weight",
+            check_float("unobserved_weight", self.unobserved_weight, lo=0.0, hi=1.0 + self.confidence),
+        )
+        if self.unobserved_weight > 0 and self.aggregation is not Aggregation.GRAD:
+            raise ValueError("aggregation: the all-items objective (unobserved_weight > 0) needs 'grad'")
+
+    def upload_length(self, n_items: int, rank: int) -> int:
+        return UploadLayout(n_items, rank, full=self.unobserved_weight > 0).length
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MFParams:
+    """Real-valued MF's local training (projected SGD on the user vector, then the item gradient).
+
+    Attributes
+    ----------
+    max_norm2 : R > 0, the embedding clipping bound (rows non-negative, squared norm <= R); the top
+        of the rating scale, so one rating's item gradient has L2 norm <= 2R^{3/2}.
+    learning_rate : device SGD step η >= 0 (0 freezes the user vectors).
+    reg : L2 weight λ >= 0 on the user vector.
+    pretrain_epochs : stage-1 steps fitting a new user's vector with V fixed, in [0, 1000].
+    local_epochs : steps on u per round before the V-gradient is taken, in [1, 1000].
+    negatives : unobserved items per kept rating fitted as 0 (>= 0).
+    """
+
+    KIND: ClassVar[ModelKind] = ModelKind.MF
+    max_norm2: float = 5.0
+    learning_rate: float = 0.1
+    reg: float = 0.0
+    pretrain_epochs: int = 50
+    local_epochs: int = 1
+    negatives: int = 0
+
+    def __post_init__(self) -> None:
+        _nonneg(self, "max_norm2", positive=True)
+        _nonneg(self, "learning_rate")
+        _nonneg(self, "reg")
+        _set(self, "pretrain_epochs", check_int("pretrain_epochs", self.pretrain_epochs, lo=0, hi=MAX_LOCAL_STEPS))
+        _epochs(self, "local_epochs")
+        _set(self, "negatives", check_int("negatives", self.negatives, lo=0))
+
+    def upload_length(self, n_items: int, rank: int) -> int:
+        return n_items * rank
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FELBParams:
+    """FELB's local training (iPALM on the ELB-regularized Boolean factorization).
+
+    Attributes
+    ----------
+    local_epochs : local iterations b per round, in [1, 1000].
+    reg : base L2 weight λ >= 0 of the ELB regularizer; round r uses λ_r = reg · reg_growth**r.
+    reg_growth : >= 1.
+    kappa : L1 weight κ >= 0 of the ELB regularizer.
+    proximity : γ >= 0, the pull towards the broadcast V̂.
+    inertia : iPALM β in [0, 1).
+    step_rule : "lipschitz" (FELB) or "mu" (FELB^MU).
+    """
+
+    KIND: ClassVar[ModelKind] = ModelKind.FELB
+    local_epochs: int = 10
+    reg: float = 0.1
+    reg_growth: float = 1.05
+    kappa: float = 1e-3
+    proximity: float = 1.0
+    inertia: float = 1e-3
+    step_rule: StepRule = StepRule.LIPSCHITZ
+
+    def __post_init__(self) -> None:
+        _epochs(self, "local_epochs")
+        _nonneg(self, "reg")
+        _set(self, "reg_growth", check_float("reg_growth", self.reg_growth, lo=1.0))
+        _nonneg(self, "kappa")
+        _nonneg(self, "proximity")
+        _nonneg(self, "inertia", below_one=True)
+        _set(self, "step_rule", check_choice("step_rule", self.step_rule, StepRule))
+
+    def upload_length(self, n_items: int, rank: int) -> int:
+        return n_items * rank
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FNMFParams:
+    """FNMF's local training (projected gradient with a pull towards the aligned broadcast V̄).
+
+    Attributes
+    ----------
+    local_steps : T, local projected-gradient steps per round, in [1, 1000] (``local_epochs`` on the wire).
+    proximity : γ >= 0 (0 with alignment "none" is FedAvg).
+    inertia : iPALM β in [0, 1).
+    alignment : "lap" (Hungarian), "lap_rho" (partial, correlation distance), "sinkhorn" (soft) or "none".
+    """
+
+    KIND: ClassVar[ModelKind] = ModelKind.FNMF
+    local_steps: int = 100
+    proximity: float = 1.0
+    inertia: float = 0.0
+    alignment: Alignment = Alignment.LAP
+
+    def __post_init__(self) -> None:
+        _epochs(self, "local_steps")
+        _nonneg(self, "proximity")
+        _nonneg(self, "inertia", below_one=True)
+        _set(self, "alignment", check_choice("alignment", self.alignment, Alignment))
+
+    def upload_length(self, n_items: int, rank: int) -> int:
+        return upload_length(rank, n_items, self.alignment)
+
+
+FamilyParams = LightFRParams | MFParams | FELBParams | FNMFParams
+"""The training parameters of one family."""
+
+_PARAMS: dict[ModelKind, type[FamilyParams]] = {
+    ModelKind.LIGHTFR: LightFRParams,
+    ModelKind.MF: MFParams,
+    ModelKind.FELB: FELBParams,
+    ModelKind.FNMF: FNMFParams,
+}
+
+# Attribute of a parameter type -> its `RoundInvite` field, where the two names differ.
+_WIRE_NAME = {"local_steps": "local_epochs"}
+
+
+def params_type(kind: str) -> type[FamilyParams]:
+    """The parameter type of model family ``kind``; ValueError for a family this build does not know."""
+    try:
+        return _PARAMS[ModelKind(kind)]
+    except ValueError:
+        raise ValueError(f"model_kind: unknown model family {kind!r} (known: {[k.value for k in ModelKind]})") from None
+
+
+class _InviteFields(Protocol):
+    """What `TrainingPlan.from_invite` reads (a `protocol.messages.RoundInvite`)."""
+
+    @property
+    def model_kind(self) -> str: ...
+    @property
+    def bits(self) -> int: ...
+    @property
+    def n_items(self) -> int: ...
+    @property
+    def model_version(self) -> int: ...
+    @property
+    def round_index(self) -> int: ...
+    @property
+    def example_cap(self) -> int: ...
+    @property
+    def vector_length(self) -> int: ...
+    @property
+    def clip_norm(self) -> float: ...
+
+
+# -- the plan -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingPlan:
+    """What every device of a round trains, with which parameters, and what it uploads.
+
+    Attributes
+    ----------
+    params : the family's parameters; their type names the family (`kind`).
+    n_items, rank : catalogue size m and the code length / factor or component count (``bits`` on
+        the wire), each >= 1; the upload has `vector_length` entries.
+    model_version : the global model version the round trains (0 = not stated).
+    round_index : 0 for the round that trains version 1, then 1, 2, ... (drives schedules).
+    example_cap : θ, at most this many of a device's ratings are used per round (0 = all).
+    clip_norm : the L2 bound the upload is clipped to before quantization (> 0; infinity = none,
+        the in-process default). FNMF's "lap_rho" shrinks its components to it so its counts survive.
+    """
+
+    params: FamilyParams
+    n_items: int
+    rank: int
+    model_version: int = 0
+    round_index: int = 0
+    example_cap: int = 0
+    clip_norm: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, LightFRParams | MFParams | FELBParams | FNMFParams):
+            raise ValueError(f"params: must be a family's parameters, got {self.params!r}")
+        check_int("n_items", self.n_items, lo=1, hi=MAX_ITEMS)
+        check_int("rank", self.rank, lo=1, hi=MAX_RANK)
+        for name in ("model_version", "round_index", "example_cap"):
+            check_int(name, getattr(self, name), lo=0)
+        if not (isinstance(self.clip_norm, int | float) and self.clip_norm > 0 and not math.isnan(self.clip_norm)):
+            raise _fail("clip_norm", "> 0", self.clip_norm)
+        _set(self, "clip_norm", float(self.clip_norm))
+        if not 1 <= self.vector_length <= MAX_VECTOR_LENGTH:
+            raise ValueError(f"vector_length: the upload has {self.vector_length} entries, limit {MAX_VECTOR_LENGTH}")
+
+    @property
+    def kind(self) -> ModelKind:
+        """The model family."""
+        return self.params.KIND
+
+    @property
+    def vector_length(self) -> int:
+        """Entries of one device's upload (the family's upload layout for this shape and plan)."""
+        return self.params.upload_length(self.n_items, self.rank)
+
+    def check_fits(self, kind: str, n_items: int, rank: int) -> None:
+        """Raise ValueError unless this plan trains a ``kind`` model of ``n_items`` × ``rank`` (what a
+        device checks before it trains)."""
+        if self.kind != kind:
+            raise ValueError(f"this device runs {kind!r}; the round trains {self.kind.value!r}")
+        if (self.n_items, self.rank) != (n_items, rank):
+            raise ValueError(
+                f"the round trains m={self.n_items} items at rank {self.rank}; "
+                f"the device model has m={n_items}, rank {rank}"
+            )
+
+    def invite_fields(self) -> dict[str, Any]:
+        """The flat `RoundInvite` fields of this plan (plain str, int and float values; ``clip_norm``
+        and ``vector_length`` are the SecAgg parameters' and not included)."""
+        out: dict[str, Any] = {
+            "model_kind": self.kind.value,
+            "bits": self.rank,
+            "n_items": self.n_items,
+            "model_version": self.model_version,
+            "round_index": self.round_index,
+            "example_cap": self.example_cap,
+        }
+        for f in fields(self.params):
+            value = getattr(self.params, f.name)
+            out[_WIRE_NAME.get(f.name, f.name)] = value.value if isinstance(value, StrEnum) else value
+        return out
+
+    @classmethod
+    def from_invite(cls, invite: _InviteFields) -> TrainingPlan:
+        """The plan a `RoundInvite` carries, validated by the family's parameter type.
+
+        Raises
+        ------
+        ValueError
+            The invite names no plan (a 1.0 invite: ``bits`` or ``n_items`` is 0), an unknown family,
+            a parameter out of the family's range, or a ``vector_length`` that is not this plan's upload.
+        """
+        if not invite.bits or not invite.n_items:
+            raise ValueError("the invite carries no training plan (bits and n_items must be >= 1)")
+        ptype = params_type(invite.model_kind)
+        params = ptype(**{f.name: getattr(invite, _WIRE_NAME.get(f.name, f.name)) for f in fields(ptype)})
+        plan = cls(
+            params=params,
+            n_items=invite.n_items,
+            rank=invite.bits,
+            model_version=invite.model_version,
+            round_index=invite.round_index,
+            example_cap=invite.example_cap,
+            clip_norm=invite.clip_norm,
+        )
+        if plan.vector_length != invite.vector_length:
+            raise ValueError(
+                f"vector_length: {invite.vector_length} is not the {plan.kind.value} upload of this plan "
+                f"({plan.vector_length} for n_items={plan.n_items}, rank={plan.rank})"
+            )
+        return plan

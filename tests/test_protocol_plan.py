@@ -1,0 +1,102 @@
+"""The typed training plan (`protocol.plan`): one validator per family, and the one mapping between a
+plan and the flat `RoundInvite` fields, in both directions, through the real codec."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from protocol.codec import decode, encode
+from protocol.messages import RoundInvite
+from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams, TrainingPlan, params_type
+from protocol.spec import Aggregation, Alignment, ModelKind, StepRule
+
+PARAMS = [
+    LightFRParams(
+        aggregation=Aggregation.PARA, lam=0.2, negatives=3, local_epochs=2, max_sweeps=4, unobserved_weight=0
+    ),
+    LightFRParams(unobserved_weight=0.5, confidence=1.5, local_epochs=3),
+    MFParams(max_norm2=4.0, learning_rate=0.05, reg=0.01, pretrain_epochs=7, local_epochs=2, negatives=1),
+    FELBParams(local_epochs=5, reg=0.2, reg_growth=1.1, kappa=0.01, proximity=0.5, inertia=0.1, step_rule=StepRule.MU),
+    FNMFParams(local_steps=17, proximity=0.3, inertia=0.2, alignment=Alignment.LAP_RHO),
+]
+
+
+def _invite(plan: TrainingPlan) -> RoundInvite:
+    bare = RoundInvite(
+        round_id=4,
+        device_id=9,
+        vector_length=plan.vector_length,
+        graph_k=3,
+        graph_t=2,
+        clip_norm=2.5,
+        scale_bits=12,
+        advertise_deadline=1.0,
+        share_keys_deadline=2.0,
+        masked_input_deadline=3.0,
+        unmask_deadline=4.0,
+    )
+    return bare.with_plan(plan)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: type(p).__name__)
+def test_plan_survives_the_wire(params) -> None:
+    plan = TrainingPlan(params=params, n_items=13, rank=6, model_version=5, round_index=4, example_cap=8, clip_norm=2.5)
+    invite = decode(encode(_invite(plan)))
+    assert isinstance(invite, RoundInvite)
+    assert invite.plan == plan
+    assert invite.model_kind == plan.kind.value and invite.bits == 6 and invite.vector_length == plan.vector_length
+
+
+def test_vector_length_is_each_familys_upload() -> None:
+    m, f = 13, 6
+    assert TrainingPlan(params=LightFRParams(unobserved_weight=0.0), n_items=m, rank=f).vector_length == m * f
+    assert TrainingPlan(params=LightFRParams(), n_items=m, rank=f).vector_length == m * f + 2 * m + f * f + f
+    assert TrainingPlan(params=MFParams(), n_items=m, rank=f).vector_length == m * f
+    assert TrainingPlan(params=FNMFParams(alignment=Alignment.LAP_RHO), n_items=m, rank=f).vector_length == m * f + f
+
+
+def test_one_validator_names_the_parameter() -> None:
+    with pytest.raises(ValueError, match=r"^local_epochs: must be an integer in \[1, 1000\], got 0"):
+        MFParams(local_epochs=0)
+    with pytest.raises(ValueError, match="^inertia"):
+        FELBParams(inertia=1.0)
+    with pytest.raises(ValueError, match="^alignment: must be one of"):
+        FNMFParams(alignment="hungarian")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^unobserved_weight"):
+        LightFRParams(unobserved_weight=2.5, confidence=1.0)
+    with pytest.raises(ValueError, match="^aggregation"):
+        LightFRParams(aggregation=Aggregation.PARA)  # the all-items objective (w0 = 0.1 by default) needs grad
+    with pytest.raises(ValueError, match="^negatives"):
+        MFParams(negatives=True)  # a bool is not a count
+    assert MFParams(reg=1).reg == 1.0 and type(MFParams(reg=1).reg) is float
+    assert FELBParams(step_rule="mu").step_rule is StepRule.MU  # type: ignore[arg-type]
+
+
+def test_invites_without_a_valid_plan_are_refused() -> None:
+    plan = TrainingPlan(params=MFParams(), n_items=5, rank=2)
+    invite = _invite(plan)
+    with pytest.raises(ValueError, match="no training plan"):
+        _ = dataclasses.replace(invite, bits=0, n_items=0).plan  # a 1.0 invite
+    with pytest.raises(ValueError, match="unknown model family"):
+        _ = dataclasses.replace(invite, model_kind="tensor").plan
+    with pytest.raises(ValueError, match="^step_rule: must be one of"):
+        _ = dataclasses.replace(invite, model_kind="felb", step_rule="").plan  # "" is valid on the wire only
+    assert dataclasses.replace(invite, model_kind="felb", step_rule="mu").plan.kind is ModelKind.FELB
+    with pytest.raises(ValueError, match="vector_length"):
+        _ = dataclasses.replace(invite, model_kind="felb", step_rule="mu", vector_length=11).plan
+    with pytest.raises(ValueError, match="vector_length"):
+        invite.with_plan(TrainingPlan(params=MFParams(), n_items=6, rank=2))
+    with pytest.raises(ValueError, match="lightfr"):
+        plan.check_fits(ModelKind.LIGHTFR, 5, 2)
+    with pytest.raises(ValueError, match="rank 2"):
+        plan.check_fits(ModelKind.MF, 5, 3)
+
+
+def test_in_process_plans_clip_nothing() -> None:
+    assert math.isinf(TrainingPlan(params=FNMFParams(), n_items=4, rank=2).clip_norm)
+    with pytest.raises(ValueError, match="clip_norm"):
+        TrainingPlan(params=FNMFParams(), n_items=4, rank=2, clip_norm=0.0)
+    assert params_type("felb") is FELBParams
