@@ -274,7 +274,7 @@ async def _elsewhere(request: web.Request, device: int, url: str, body: bytes | 
         if request.path == "/v1/checkin":
             return _send(Wait(retry_after=2.0, reason=reason), headers={"Retry-After": "2"})
         return _send(ErrorMessage.from_exception(RoundError(reason)), status=503, headers={"Retry-After": "2"})
-    headers = {h: request.headers[h] for h in ("Authorization", "Content-Type", "Accept", "If-None-Match")}
+    headers = {h: request.headers.get(h, "") for h in ("Authorization", "Content-Type", "Accept", "If-None-Match")}
     headers[FORWARDED_HEADER] = request.app[_KEEPER].instance
     rid = current_request_id()
     if rid:

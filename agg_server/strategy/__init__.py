@@ -17,7 +17,6 @@ from agg_server.strategy.lightfr import (
     cold_start_items,
 )
 from protocol.errors import ConfigError
-from protocol.families.lightfr import density_weight
 
 if TYPE_CHECKING:
     from agg_server.config import ServerConfig
@@ -47,13 +46,7 @@ def build_strategy(config: ServerConfig) -> Strategy:
             negatives=m.negatives,
             local_epochs=m.local_epochs,
             max_sweeps=m.max_sweeps,
-            # "auto": round 1 trains with the density rule at its floor (one positive per device);
-            # the server derives w0 from every round's counts from then on.
-            unobserved_weight=(
-                density_weight(0.0, 1, m.n_items, scale=m.unobserved_scale, cap=1.0 + m.confidence)
-                if m.unobserved_weight == "auto"
-                else float(m.unobserved_weight)
-            ),
+            unobserved_weight=m.first_unobserved_weight,
             unobserved_scale=m.unobserved_scale if m.unobserved_weight == "auto" else 0.0,
             confidence=m.confidence,
             hamming_weight=m.hamming_weight,

@@ -1,0 +1,223 @@
+"""Several instances on one database (docs/operations.md "Several instances"): cohort leases and their
+fencing tokens, the ε reservation that concurrent cohorts cannot overspend, compare-and-set commits —
+first on the storage (SQLite and PostgreSQL), then with real `fedrec-server` processes on one real
+PostgreSQL and real devices over HTTP (bit-exact sums against the in-process reference, a SIGKILLed
+instance, cohorts racing for the last ε).
+
+The PostgreSQL cases carry the ``postgres`` marker; .ci/run runs them as their own step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agg_server.storage import HeadMoved, LeaseLost, Storage
+from protocol.accounting import PrivacyLedger, calibrate_mu
+from protocol.errors import PrivacyBudgetExceeded
+from tests.pg_helpers import database_url, running_postgres
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def pg_server() -> Iterator[str]:
+    with running_postgres() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def backend(request: pytest.FixtureRequest) -> str | None:
+    if request.param == "sqlite":
+        return None
+    return database_url(request.getfixturevalue("pg_server"), f"m{next(_names)}")
+
+
+def test_a_lease_fences_the_writes_of_a_deposed_leader(backend: str | None, tmp_path: Path) -> None:
+    with Storage(tmp_path / "a", url=backend) as a, Storage(tmp_path / "a", url=backend) as b:
+        d = a.add_device(bytes(32), "x", 0.0)
+        got = a.acquire_lease(0, "A", "http://a", 100.0, 10.0)
+        assert got == (1, [])
+        assert b.acquire_lease(0, "B", "http://b", 105.0, 10.0) is None  # A's lease is live
+        a.start_round(1, 1, [d], {}, 101.0, fence=(0, 1))
+        assert b.acquire_lease(0, "B", "http://b", 111.0, 10.0) == (2, [1])  # expired: taken over, round 1 abandoned
+        with pytest.raises(LeaseLost, match="token 2"):
+            a.record_phase(1, "advertise_keys", [d], [], 1.0, 112.0, fence=(0, 1))
+        with pytest.raises(LeaseLost):
+            a.start_round(2, 1, [d], {}, 112.0, fence=(0, 1))
+        assert not a.renew_lease(0, 1, 112.0, 10.0) and b.renew_lease(0, 2, 112.0, 10.0)
+        assert a.acquire_lease(0, "A", "http://a", 113.0, 10.0) is None
+        b.release_lease(0, 2)
+        assert a.acquire_lease(0, "A", "http://a", 113.0, 10.0) == (3, [])
+        (lease,) = a.leases()
+        assert (lease.holder, lease.url, lease.token) == ("A", "http://a", 3)
+        (rec,) = a.recent_rounds()
+        assert rec.status.value == "abandoned" and "taken over" in rec.reason
+
+
+def test_commits_compare_and_set_the_model_version(backend: str | None, tmp_path: Path) -> None:
+    b_dir = tmp_path / ("a" if backend is None else "b")  # one SQLite file; two folders on PostgreSQL
+    with Storage(tmp_path / "a", url=backend) as a, Storage(b_dir, url=backend) as b:
+        a.commit_model(1, None, b"one", 1.0)
+        a.commit_model(2, None, b"two", 2.0, base_version=1)
+        with pytest.raises(HeadMoved) as moved:
+            b.commit_model(2, None, b"two-again", 3.0, base_version=1)
+        assert moved.value.head == 2
+        b.commit_model(3, None, b"three", 4.0, base_version=2)
+        assert a.head_version() == 3
+        if backend is not None:  # every instance reads every version from the database
+            assert a.load_model(3) == b"three" and b.load_model(2) == b"two"
+
+
+def _reserve(budget: PrivacyLedger, mu: float, l1: float, l2: float, rid: int):  # type: ignore[no-untyped-def]
+    def reserve(stored):  # type: ignore[no-untyped-def]
+        ledger = PrivacyLedger.from_dict(stored) if stored is not None else budget
+        ledger.record_round(mu, l1, l2, round_id=rid)
+        return ledger.to_dict()
+
+    return reserve
+
+
+def test_racing_reservations_never_overspend_and_unrevealed_rounds_give_back(
+    backend: str | None, tmp_path: Path
+) -> None:
+    l1, l2 = 3000.0, 200.0
+    mu = calibrate_mu(4.0, 1e-5, 3, l1, l2)  # exactly 3 rounds fit the budget
+    stores = [Storage(tmp_path / "a", url=backend) for _ in range(2)]
+    try:
+        devices = [stores[0].add_device(bytes([i]) * 32, "x", 0.0) for i in range(1, 3)]
+        ids = iter(range(1, 1000))
+        lock = threading.Lock()
+        opened: list[int] = []
+        refused: list[int] = []
+
+        def racer() -> None:
+            with Storage(tmp_path / "a", url=backend) as s:  # one connection per racer, as per instance
+                for _ in range(4):
+                    with lock:
+                        rid = next(ids)
+                    try:
+                        s.start_round(
+                            rid, 1, devices, {}, 1.0, reserve=_reserve(PrivacyLedger(4.0, 1e-5), mu, l1, l2, rid)
+                        )
+                        opened.append(rid)
+                    except PrivacyBudgetExceeded:
+                        refused.append(rid)
+
+        threads = [threading.Thread(target=racer) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(opened) == 3 and len(refused) == 13
+        ledger = PrivacyLedger.from_dict(stores[0].load_ledger() or {})
+        assert sorted(c.round_id for c in ledger.rounds) == sorted(opened)  # type: ignore[type-var]
+        assert ledger.spent() <= 4.0
+        first, second, third = sorted(opened)
+        stores[0].finish_round(first, "aborted", reason="never revealed", now=2.0)  # gives its ε back
+        stores[1].mark_revealed(second)
+        stores[1].finish_round(second, "abandoned", reason="crashed while unmasking", now=2.0)  # stays charged
+        charged = [c.round_id for c in PrivacyLedger.from_dict(stores[0].load_ledger() or {}).rounds]
+        assert sorted(charged) == [second, third]  # type: ignore[type-var]
+        assert stores[0].integrity_check() == "ok"
+    finally:
+        for s in stores:
+            s.close()
+
+
+# -- real instances -----------------------------------------------------------------------------------
+
+
+async def _until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(0.5)
+
+
+def _committed(rounds: list[dict], cohort: int | None = None) -> list[dict]:  # type: ignore[type-arg]
+    return [r for r in rounds if r["status"] == "committed" and (cohort is None or r["cohort"] == cohort)]
+
+
+def _assert_consistent(url: str, record: dict, epsilon: float) -> list[dict]:  # type: ignore[type-arg]
+    from tests.multi_helpers import check_sums, database_rounds, ledger_charges
+
+    rounds = database_rounds(url)
+    committed = _committed(rounds)
+    versions = [r["version"] for r in committed]
+    assert len(set(versions)) == len(versions), f"a model version was committed twice: {versions}"
+    assert sorted(versions) == list(range(2, 2 + len(versions))), versions  # contiguous after version 1
+    assert check_sums(rounds, record) == len(committed)
+    charged, ledger = ledger_charges(url)
+    released = {r["round_id"] for r in rounds if r["status"] == "committed" or r["revealed"]}
+    assert sorted(charged) == sorted(released), (charged, released)  # the ledger is the sum of the releases
+    assert PrivacyLedger.from_dict(ledger).spent() <= epsilon
+    with Storage(Path("/nonexistent-unused"), url=url) as s:
+        assert s.integrity_check() == "ok"
+    return rounds
+
+
+def _users(n: int):  # type: ignore[no-untyped-def]
+    from tests.server_helpers import users
+
+    return list(users(n, seed=7).values())
+
+
+@pytest.mark.postgres
+@pytest.mark.asyncio
+async def test_two_instances_run_four_cohorts_in_parallel(pg_server: str, tmp_path: Path) -> None:
+    from tests.multi_helpers import Instance, recording, run_devices
+    from tests.server_helpers import BITS, N_ITEMS
+
+    url = database_url(pg_server, f"m{next(_names)}")
+    privacy = {"enabled": True, "epsilon": 50.0, "planned_rounds": 40}
+    instances = [
+        Instance(name, tmp_path / name, url, 4, 2, N_ITEMS, BITS, cohort_size=5, privacy=privacy) for name in "ab"
+    ]
+    for inst in instances:
+        inst.start()
+    stop = asyncio.Event()
+    try:
+        with recording() as record:
+            task = asyncio.create_task(
+                run_devices(
+                    [i.url for i in instances],
+                    _users(20),
+                    tmp_path / "devices",
+                    n_items=N_ITEMS,
+                    bits=BITS,
+                    stop=stop,
+                    cohorts=4,
+                )
+            )
+            from tests.multi_helpers import database_rounds
+
+            await _until(
+                lambda: all(len(_committed(database_rounds(url), c)) >= 3 for c in range(4)),
+                240,
+                "3 committed rounds in each of 4 cohorts",
+            )
+            stop.set()
+            run = await task
+            for inst in instances:
+                inst.stop()
+            rounds = _assert_consistent(url, record, 50.0)
+        assert run.outcomes["committed"] >= 60, run
+        # Each instance led two of the four cohorts.
+        import psycopg
+
+        with psycopg.connect(url) as conn:
+            holders = sorted(h for (h,) in conn.execute("SELECT holder FROM cohort_leases"))
+        assert holders == ["a", "a", "b", "b"]
+        assert {r["cohort"] for r in rounds} == {0, 1, 2, 3}
+    finally:
+        stop.set()
+        for inst in instances:
+            inst.kill()
