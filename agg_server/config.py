@@ -244,6 +244,12 @@ class ModelSection:
         LightFR α >= 0: observed items weigh 1 + α under the all-items objective.
     hamming_weight : int
         B in [1, 255] of the devices' integer score (f − Hamming)·B + item level.
+    counts_share : float
+        LightFR all-items objective, s in [0, 1): the share of the clip norm the devices give the
+        per-item counts of their upload (the private popularity channel); 0 clips the upload as one.
+    popularity_span : float
+        LightFR all-items objective, >= 0: > 0 sets the item levels from the released counts on a log
+        scale spanning this bias range, instead of learning them (meant for DP rounds); 0 = learned.
     """
 
     kind: str = ModelKind.LIGHTFR.value
@@ -260,6 +266,8 @@ class ModelSection:
     confidence: float = _LIGHTFR.confidence
     hamming_weight: int = 2
     unobserved_scale: float = DENSITY_SCALE
+    counts_share: float = _LIGHTFR.counts_share
+    popularity_span: float = 0.0
 
     def __post_init__(self) -> None:
         # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
@@ -275,7 +283,9 @@ class ModelSection:
             raise _fail("model.unobserved_weight", '"auto" or a number in [0, 1 + confidence]', self.unobserved_weight)
         _set(self, "unobserved_scale", _float("model.unobserved_scale", self.unobserved_scale, lo=0.0, lo_open=True))
         params = self.lightfr_params()
-        names = ("lam", "confidence") + (() if self.unobserved_weight == "auto" else ("unobserved_weight",))
+        names = ("lam", "confidence", "counts_share") + (
+            () if self.unobserved_weight == "auto" else ("unobserved_weight",)
+        )
         for name in names:  # normalised: an int given is stored as a float
             _set(self, name, getattr(params, name))
         _set(
@@ -284,6 +294,9 @@ class ModelSection:
             _float("model.flip_fraction", self.flip_fraction, lo=0.0, hi=1.0, lo_open=True),
         )
         _int("model.hamming_weight", self.hamming_weight, lo=1, hi=255)
+        _set(self, "popularity_span", _float("model.popularity_span", self.popularity_span, lo=0.0))
+        if self.popularity_span > 0 and self.unobserved_weight == 0:
+            raise ConfigError("model.popularity_span: needs the all-items objective (model.unobserved_weight > 0)")
 
     def lightfr_params(self) -> LightFRParams:
         """LightFR's training parameters of this table (`protocol.plan.LightFRParams` validates them;
@@ -297,6 +310,7 @@ class ModelSection:
                 max_sweeps=self.max_sweeps,
                 unobserved_weight=self.first_unobserved_weight,
                 confidence=self.confidence,
+                counts_share=self.counts_share,
             )
         except ValueError as exc:
             raise ConfigError(f"model.{exc}") from None
