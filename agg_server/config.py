@@ -28,16 +28,14 @@ from urllib.parse import urlsplit
 
 from protocol.errors import ConfigError
 from protocol.graph import find_parameters, validate_parameters
+from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams
 from protocol.quantization import DEFAULT_SCALE_BITS, MAX_SCALE_BITS, QuantizationConfig
 from protocol.spec import (
     MAX_ITEMS,
     MAX_LOCAL_STEPS,
     MAX_RANK,
     MAX_VECTOR_LENGTH,
-    Aggregation,
-    Alignment,
     ModelKind,
-    StepRule,
 )
 
 __all__ = [
@@ -207,6 +205,9 @@ class ListenConfig:
             raise _fail("server.admin_token_sha256", "64 lowercase hex digits (sha256 of the token)", digest)
 
 
+_LIGHTFR = LightFRParams()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSection:
     """The global model and each device's local training plan (TOML table ``[model]``).
@@ -230,10 +231,6 @@ class ModelSection:
         "grad" (Agg_grad, the default) or "para" (Agg_para), a `protocol.spec.Aggregation` value.
     flip_fraction : float
         Damping ρ in (0, 1] of Agg_grad: the probability a bit that wants to flip does.
-    binary_positives : bool
-        Fit observed ratings as 1 (implicit feedback) instead of the rescaled rating.
-    rating_min, rating_max : float
-        The rating scale, rating_min < rating_max.
     unobserved_weight : float
         LightFR w0 in [0, 1 + confidence]: > 0 trains against every unobserved item (the all-items
         objective, chosen on validation: 0.1) and learns item levels; 0 uses ``negatives`` sampled ones.
@@ -246,17 +243,15 @@ class ModelSection:
     kind: str = ModelKind.LIGHTFR.value
     n_items: int
     bits: int = 64
-    lam: float = 0.0
-    negatives: int = 4
-    local_epochs: int = 1
-    max_sweeps: int = 10
-    aggregation: str = Aggregation.GRAD.value
+    # LightFR's training parameters: defaults and bounds are `protocol.plan.LightFRParams`'.
+    lam: float = _LIGHTFR.lam
+    negatives: int = _LIGHTFR.negatives
+    local_epochs: int = _LIGHTFR.local_epochs
+    max_sweeps: int = _LIGHTFR.max_sweeps
+    aggregation: str = _LIGHTFR.aggregation.value
     flip_fraction: float = 0.3
-    binary_positives: bool = True
-    rating_min: float = 1.0
-    rating_max: float = 5.0
-    unobserved_weight: float = 0.1
-    confidence: float = 0.0
+    unobserved_weight: float = _LIGHTFR.unobserved_weight
+    confidence: float = _LIGHTFR.confidence
     hamming_weight: int = 2
 
     def __post_init__(self) -> None:
@@ -269,36 +264,31 @@ class ModelSection:
                 f"model.n_items: n_items * bits = {self.n_items} * {self.bits} = {self.n_items * self.bits} "
                 f"exceeds the largest update vector 2**28 = {MAX_VECTOR_LENGTH}; lower model.bits or n_items"
             )
-        _set(self, "lam", _float("model.lam", self.lam, lo=0.0))
-        _int("model.negatives", self.negatives, lo=0)
-        _int("model.local_epochs", self.local_epochs, lo=1, hi=_MAX_LOCAL_STEPS)
-        _int("model.max_sweeps", self.max_sweeps, lo=1, hi=_MAX_LOCAL_STEPS)
-        _set(
-            self,
-            "aggregation",
-            _choice("model.aggregation", self.aggregation, tuple(a.value for a in Aggregation)),
-        )
+        params = self.lightfr_params()
+        for name in ("lam", "unobserved_weight", "confidence"):  # normalised: an int given is stored as a float
+            _set(self, name, getattr(params, name))
         _set(
             self,
             "flip_fraction",
             _float("model.flip_fraction", self.flip_fraction, lo=0.0, hi=1.0, lo_open=True),
         )
-        _bool("model.binary_positives", self.binary_positives)
-        _set(self, "rating_min", _float("model.rating_min", self.rating_min))
-        _set(self, "rating_max", _float("model.rating_max", self.rating_max))
-        if not self.rating_min < self.rating_max:
-            raise ConfigError(
-                f"model.rating_max: must be > model.rating_min ({self.rating_min}), got {self.rating_max}"
-            )
-        _set(self, "confidence", _float("model.confidence", self.confidence, lo=0.0))
-        _set(
-            self,
-            "unobserved_weight",
-            _float("model.unobserved_weight", self.unobserved_weight, lo=0.0, hi=1.0 + self.confidence),
-        )
         _int("model.hamming_weight", self.hamming_weight, lo=1, hi=255)
-        if self.unobserved_weight > 0 and self.aggregation != Aggregation.GRAD.value:
-            raise ConfigError("model.aggregation: the all-items objective (unobserved_weight > 0) needs 'grad'")
+
+    def lightfr_params(self) -> LightFRParams:
+        """LightFR's training parameters of this table (`protocol.plan.LightFRParams` validates them;
+        an error names the ``model.`` key)."""
+        try:
+            return LightFRParams(
+                aggregation=self.aggregation,  # type: ignore[arg-type]
+                lam=self.lam,
+                negatives=self.negatives,
+                local_epochs=self.local_epochs,
+                max_sweeps=self.max_sweeps,
+                unobserved_weight=self.unobserved_weight,
+                confidence=self.confidence,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"model.{exc}") from None
 
 
 #: The smallest cohort a secure-aggregation round accepts (``rounds.cohort_size`` and ``min_cohort``).
@@ -526,98 +516,67 @@ class LogSection:
         _set(self, "level", _choice("log.level", self.level, LOG_LEVELS, fold_case=True))
 
 
+def _family_checks(table: str, params_type: type, section: object) -> None:
+    """Run the family parameter type's validator (`protocol.plan`) on a config table, with the table
+    named in the error (``mf.local_epochs: must be ...``)."""
+    try:
+        params_type.__post_init__(section)  # type: ignore[attr-defined]
+    except ValueError as exc:
+        raise ConfigError(f"{table}.{exc}") from None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MFSection:
-    """Real-valued MF (TOML table ``[mf]``, used when ``model.kind = "mf"``).
+class MFSection(MFParams):
+    """Real-valued MF (TOML table ``[mf]``, used when ``model.kind = "mf"``): the devices' training
+    parameters are `protocol.plan.MFParams` (their defaults and bounds), plus the server's own.
 
     Attributes
     ----------
     rank : int
         Factor count f in [1, 4096].
-    max_norm2 : float
-        R > 0, the embedding clipping bound (rows non-negative with squared norm <= R); the top of
-        the rating scale, so one rating's V-gradient has L2 norm <= 2R^{3/2}.
     server_lr : float
         Server step on the survivors' mean gradient (> 0).
-    learning_rate, reg : float
-        Device SGD step (> 0) and L2 weight (>= 0) for the user vectors.
-    pretrain_epochs : int
-        Stage-1 steps fitting a new user's vector with V fixed, in [0, 1000].
-    local_epochs : int
-        Steps on u per round before the V-gradient is taken, in [1, 1000].
-    negatives : int
-        Unobserved items per kept rating the devices fit as 0 (>= 0).
+    max_norm2, learning_rate, reg, pretrain_epochs, local_epochs, negatives
+        As in `protocol.plan.MFParams`.
     """
 
     rank: int = 32
-    max_norm2: float = 5.0
     server_lr: float = 1.0
-    learning_rate: float = 0.1
-    reg: float = 0.0
-    pretrain_epochs: int = 50
-    local_epochs: int = 1
-    negatives: int = 0
 
     def __post_init__(self) -> None:
+        _family_checks("mf", MFParams, self)
         _int("mf.rank", self.rank, lo=1, hi=_MAX_BITS)
-        _set(self, "max_norm2", _float("mf.max_norm2", self.max_norm2, lo=0.0, lo_open=True))
         _set(self, "server_lr", _float("mf.server_lr", self.server_lr, lo=0.0, lo_open=True))
-        _set(self, "learning_rate", _float("mf.learning_rate", self.learning_rate, lo=0.0, lo_open=True))
-        _set(self, "reg", _float("mf.reg", self.reg, lo=0.0))
-        _int("mf.pretrain_epochs", self.pretrain_epochs, lo=0, hi=_MAX_LOCAL_STEPS)
-        _int("mf.local_epochs", self.local_epochs, lo=1, hi=_MAX_LOCAL_STEPS)
-        _int("mf.negatives", self.negatives, lo=0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class FELBSection:
-    """Federated Boolean MF (TOML table ``[felb]``, used when ``model.kind = "felb"``).
+class FELBSection(FELBParams):
+    """Federated Boolean MF (TOML table ``[felb]``, used when ``model.kind = "felb"``): the devices'
+    training parameters are `protocol.plan.FELBParams`, plus the server's own.
 
     Attributes
     ----------
     rank : int
         Component count k in [1, 4096].
-    kappa, reg : float
-        ELB L1 weight κ and base L2 weight λ (>= 0).
-    reg_growth : float
-        λ_r = reg · reg_growth**r over sync rounds r (>= 1).
-    proximity : float
-        γ >= 0, the devices' pull towards the global V̂.
-    inertia : float
-        iPALM β in [0, 1).
-    local_epochs : int
-        Local iterations b per round, in [1, 1000].
-    step_rule : str
-        "lipschitz" (FELB) or "mu" (FELB^MU).
     server_scale : float
         s > 0 in the server prox with (s·κ, s·λ_r).
+    local_epochs, reg, reg_growth, kappa, proximity, inertia, step_rule
+        As in `protocol.plan.FELBParams`.
     """
 
     rank: int = 5
-    kappa: float = 1e-3
-    reg: float = 0.1
-    reg_growth: float = 1.05
-    proximity: float = 1.0
-    inertia: float = 1e-3
-    local_epochs: int = 10
-    step_rule: str = "lipschitz"
     server_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        _family_checks("felb", FELBParams, self)
         _int("felb.rank", self.rank, lo=1, hi=_MAX_BITS)
-        _set(self, "kappa", _float("felb.kappa", self.kappa, lo=0.0))
-        _set(self, "reg", _float("felb.reg", self.reg, lo=0.0))
-        _set(self, "reg_growth", _float("felb.reg_growth", self.reg_growth, lo=1.0))
-        _set(self, "proximity", _float("felb.proximity", self.proximity, lo=0.0))
-        _set(self, "inertia", _float("felb.inertia", self.inertia, lo=0.0, hi=1.0, hi_open=True))
-        _int("felb.local_epochs", self.local_epochs, lo=1, hi=_MAX_LOCAL_STEPS)
-        _choice("felb.step_rule", self.step_rule, tuple(r.value for r in StepRule))
         _set(self, "server_scale", _float("felb.server_scale", self.server_scale, lo=0.0, lo_open=True))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class FNMFSection:
-    """Coherent federated NMF (TOML table ``[fnmf]``, used when ``model.kind = "fnmf"``).
+class FNMFSection(FNMFParams):
+    """Coherent federated NMF (TOML table ``[fnmf]``, used when ``model.kind = "fnmf"``): the devices'
+    training parameters are `protocol.plan.FNMFParams`, plus the rank.
 
     Over HTTP the server runs the secure variant only: devices align their V to the broadcast V̄
     and the server needs just the sum.  The barycenter that needs each client's matrix exists only
@@ -627,28 +586,15 @@ class FNMFSection:
     ----------
     rank : int
         Component count k in [1, 4096].
-    local_steps : int
-        T, local projected-gradient steps per round, in [1, 1000].
-    proximity : float
-        γ >= 0, the pull towards the aligned V̄ (0 with alignment "none" is FedAvg).
-    inertia : float
-        iPALM β in [0, 1).
-    alignment : str
-        "lap" (Hungarian), "lap_rho" (partial, correlation distance), "sinkhorn" (soft) or "none".
+    local_steps, proximity, inertia, alignment
+        As in `protocol.plan.FNMFParams`.
     """
 
     rank: int = 5
-    local_steps: int = 100
-    proximity: float = 1.0
-    inertia: float = 0.0
-    alignment: str = "lap"
 
     def __post_init__(self) -> None:
+        _family_checks("fnmf", FNMFParams, self)
         _int("fnmf.rank", self.rank, lo=1, hi=_MAX_BITS)
-        _int("fnmf.local_steps", self.local_steps, lo=1, hi=_MAX_LOCAL_STEPS)
-        _set(self, "proximity", _float("fnmf.proximity", self.proximity, lo=0.0))
-        _set(self, "inertia", _float("fnmf.inertia", self.inertia, lo=0.0, hi=1.0, hi_open=True))
-        _choice("fnmf.alignment", self.alignment, tuple(a.value for a in Alignment))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -717,6 +663,17 @@ _TABLES: dict[str, tuple[str, type]] = {
     "felb": ("felb", FELBSection),
     "fnmf": ("fnmf", FNMFSection),
 }
+# Keys older files may hold that the server never read: each is refused with what to do instead.
+_DEVICE_SIDE = (
+    "the rating scale and how ratings become targets are each device's choice (device_sdk "
+    "LightFRConfig(rating_range=..., binary_positives=...), DeviceClient(rating_range=..., binary_positives=...)); "
+    "no server setting reaches a device: delete this line"
+)
+_REMOVED: dict[tuple[str, str], str] = {
+    ("model", "rating_min"): _DEVICE_SIDE,
+    ("model", "rating_max"): _DEVICE_SIDE,
+    ("model", "binary_positives"): _DEVICE_SIDE,
+}
 _PATH_KEYS = {("server", "data_dir"), ("server", "tls_cert"), ("server", "tls_key")}
 _REQUIRED = (("server", "data_dir"), ("model", "n_items"))
 
@@ -767,6 +724,8 @@ def config_from_dict(data: Mapping[str, Any], *, base_dir: Path) -> ServerConfig
             raise ConfigError(f"{table}: must be a table, got {section!r}")
         allowed = _table_keys(table)
         for key in section:
+            if (table, key) in _REMOVED:
+                raise ConfigError(f"{table}.{key}: no longer a server setting: {_REMOVED[table, key]}")
             if key not in allowed:
                 raise _unknown(f"{table}.{key}", allowed, "key")
         values[table] = dict(section)

@@ -72,6 +72,7 @@ __all__ = [
 ]
 
 _KIND = "fnmf"
+_PARAMS = FNMFParams()
 ALIGNMENTS = tuple(a.value for a in Alignment)
 
 Array = NDArray[np.float64]
@@ -232,10 +233,12 @@ class FNMFConfig:
     """
 
     rank: int = 5
-    local_steps: int = 10
-    proximity: float = 1.0
-    inertia: float = 0.0
-    alignment: str = "lap"
+    # The training parameters: defaults and bounds are `protocol.plan.FNMFParams`' (a round's plan
+    # replaces them).
+    local_steps: int = _PARAMS.local_steps
+    proximity: float = _PARAMS.proximity
+    inertia: float = _PARAMS.inertia
+    alignment: str = _PARAMS.alignment.value
     scaled_prox: bool = True
     sinkhorn_eps: float = 0.05
     rho_alpha: float = 0.05
@@ -245,14 +248,15 @@ class FNMFConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.rank <= MAX_RANK:
             raise ValueError(f"rank must be in [1, {MAX_RANK}], got {self.rank}")
-        if not 0 <= self.local_steps <= 100_000 or not 1 <= self.fold_in_steps <= 100_000:
-            raise ValueError("local_steps must be in [0, 1e5] and fold_in_steps in [1, 1e5]")
-        if not (self.proximity >= 0.0 and math.isfinite(self.proximity)):
-            raise ValueError(f"proximity must be a finite value >= 0, got {self.proximity}")
-        if not 0.0 <= self.inertia < 1.0:
-            raise ValueError(f"inertia must be in [0, 1), got {self.inertia}")
-        if self.alignment not in ALIGNMENTS:
-            raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {self.alignment!r}")
+        if not 1 <= self.fold_in_steps <= 100_000:
+            raise ValueError(f"fold_in_steps must be in [1, 1e5], got {self.fold_in_steps}")
+        # The plan's bounds, as the server's config checks them (one validator).
+        FNMFParams(
+            local_steps=self.local_steps,
+            proximity=self.proximity,
+            inertia=self.inertia,
+            alignment=self.alignment,  # type: ignore[arg-type]
+        )
         if not (self.sinkhorn_eps >= 0.002 and math.isfinite(self.sinkhorn_eps)):
             raise ValueError(f"sinkhorn_eps must be a finite value >= 0.002, got {self.sinkhorn_eps}")
         if not 0.0 < self.rho_alpha < 1.0:

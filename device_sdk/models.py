@@ -33,6 +33,7 @@ from protocol.spec import MAX_RANK, Aggregation
 __all__ = ["LightFRConfig", "LightFRModel", "LocalUpdate", "apply_plan"]
 
 _KIND = "lightfr"
+_PARAMS = LightFRParams()
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,37 +63,37 @@ class LightFRConfig:
     """
 
     bits: int = 64
-    lam: float = 0.0
-    negatives: int = 4
-    local_epochs: int = 1
-    max_sweeps: int = 10
+    # The training parameters: defaults and bounds are `protocol.plan.LightFRParams`' (a round's plan
+    # replaces them).
+    lam: float = _PARAMS.lam
+    negatives: int = _PARAMS.negatives
+    local_epochs: int = _PARAMS.local_epochs
+    max_sweeps: int = _PARAMS.max_sweeps
     rating_range: tuple[float, float] | None = (1.0, 5.0)
     binary_positives: bool = False
-    unobserved_weight: float = 0.1
-    confidence: float = 0.0
+    unobserved_weight: float = _PARAMS.unobserved_weight
+    confidence: float = _PARAMS.confidence
 
     def __post_init__(self) -> None:
-        if not (np.isfinite(self.confidence) and self.confidence >= 0):
-            raise ValueError(f"confidence must be a finite value >= 0, got {self.confidence}")
-        if not (np.isfinite(self.unobserved_weight) and 0 <= self.unobserved_weight <= 1 + self.confidence):
-            raise ValueError(
-                f"unobserved_weight must be in [0, 1 + confidence = {1 + self.confidence}], "
-                f"got {self.unobserved_weight}"
-            )
         if not 1 <= self.bits <= MAX_RANK:
             raise ValueError(f"bits must be in [1, {MAX_RANK}], got {self.bits}")
-        if not (self.lam >= 0 and np.isfinite(self.lam)):
-            raise ValueError(f"lam must be a finite value >= 0, got {self.lam}")
-        if self.negatives < 0:
-            raise ValueError(f"negatives must be >= 0, got {self.negatives}")
-        if self.local_epochs < 1:
-            raise ValueError(f"local_epochs must be >= 1, got {self.local_epochs}")
-        if self.max_sweeps < 1:
-            raise ValueError(f"max_sweeps must be >= 1, got {self.max_sweeps}")
+        self.params(Aggregation.GRAD)  # the plan's bounds, as the server's config checks them
         if self.rating_range is not None:
             lo, hi = self.rating_range
             if not (np.isfinite(lo) and np.isfinite(hi) and hi > lo):
                 raise ValueError(f"rating_range must be (low, high) with high > low, got {self.rating_range}")
+
+    def params(self, aggregation: Aggregation) -> LightFRParams:
+        """These training parameters as a `protocol.plan.LightFRParams` (which validates them)."""
+        return LightFRParams(
+            aggregation=aggregation,
+            lam=self.lam,
+            negatives=self.negatives,
+            local_epochs=self.local_epochs,
+            max_sweeps=self.max_sweeps,
+            unobserved_weight=self.unobserved_weight,
+            confidence=self.confidence,
+        )
 
     def normalize(self, ratings: NDArray[np.float64] | None, n: int) -> NDArray[np.float64]:
         """Targets in [0, 1] for ``n`` observed ratings (all 1 when ``ratings`` is None)."""

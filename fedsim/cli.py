@@ -37,9 +37,12 @@ from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, r
 from fedsim.report import result_record, write_json
 from fedsim.ui import progress, table
 from protocol.errors import ConfigError, FedRecError
-from protocol.spec import Aggregation
+from protocol.plan import LightFRParams
+from protocol.spec import MAX_LOCAL_STEPS, Aggregation
 
 __all__ = ["main", "build_parser"]
+
+_LIGHTFR = LightFRParams()  # the training defaults the CLI shows are the plan's
 
 
 def _parse_int(text: str, low: int) -> int:
@@ -54,6 +57,14 @@ def _parse_int(text: str, low: int) -> int:
 
 def _positive_int(text: str) -> int:
     return _parse_int(text, 1)
+
+
+def _local_steps(text: str) -> int:
+    # Local epochs, sweeps and steps: the bounds every training plan has (`protocol.plan`).
+    value = _parse_int(text, 1)
+    if value > MAX_LOCAL_STEPS:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_LOCAL_STEPS}, got {value}")
+    return value
 
 
 def _nonneg_int(text: str) -> int:
@@ -147,8 +158,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default="binary",
         help="fit observed items as 1 (binary, default) or as their normalised rating",
     )
-    g.add_argument("--epochs", type=_positive_int, default=1, help="local epochs E per round (default: 1)")
-    g.add_argument("--sweeps", type=_positive_int, default=10, help="cap on DCD sweeps per epoch (default: 10)")
+    g.add_argument(
+        "--epochs", type=_local_steps, default=_LIGHTFR.local_epochs, help="local epochs E per round (default: 1)"
+    )
+    g.add_argument(
+        "--sweeps", type=_local_steps, default=_LIGHTFR.max_sweeps, help="cap on DCD sweeps per epoch (default: 10)"
+    )
 
 
 def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
@@ -193,7 +208,7 @@ def _add_family_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clients", type=_positive_int, default=None, help="felb/fnmf clients (default 10; 50 on ratings)")
     g.add_argument(
         "--local-steps",
-        type=_positive_int,
+        type=_local_steps,
         default=None,
         help="local iterations per round: felb b (default 10), fnmf T (default 100)",
     )
@@ -366,7 +381,43 @@ def build_parser() -> argparse.ArgumentParser:
         "--bits", type=_positive_int, default=None, help="code length of the server's model (default: read from it)"
     )
     lt.add_argument("--ratings-per-user", type=_positive_int, default=166, help="synthetic ratings per device")
-    lt.add_argument("--workers", type=_positive_int, default=1, help="worker processes (default: 1)")
+    lt.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="shards of the fleet: worker processes, or Ray actors with --backend ray (default: 1)",
+    )
+    lt.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="where the shards run: local worker processes (default) or Ray actors, each hosting its devices as "
+        "asyncio tasks (needs the 'ray' extra; RAY_ADDRESS selects an existing cluster, else a local Ray is "
+        "started for the run)",
+    )
+    lt.add_argument(
+        "--nice",
+        type=_nonneg_int,
+        default=0,
+        help="lower the priority of the fleet's worker processes by N (a fleet on the server's own machine then "
+        "leaves the server its CPU; --workers 1 runs the fleet in this process, which is not reniced)",
+    )
+    lt.add_argument(
+        "--cohort",
+        type=_positive_int,
+        default=None,
+        help="reproducible rounds: the fleet picks each round's N devices from --seed and only those check in, and "
+        "the devices' training is seeded; with a server whose rounds.cohort_size is N and rounds.seed is set, "
+        "runs with the same seeds commit the same rounds on every back-end and split, and with "
+        "--insecure-seed-noise the same model (default: every device checks in whenever it is free)",
+    )
+    lt.add_argument(
+        "--insecure-seed-noise",
+        action="store_true",
+        help="TEST HOOK: derive every device's noise stream (DP noise and stochastic-rounding coins) from --seed "
+        "too, so seeded runs commit bit-identical models; anyone who knows the seed can remove the noise, so the "
+        "run's ε is NOT a privacy guarantee (it says so)",
+    )
     lt.add_argument(
         "--seed",
         type=_nonneg_int,
@@ -1190,8 +1241,9 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
         )
         for u in range(data.n_users)
     ]
+    shard = "Ray actor" if args.backend == "ray" else "worker process"
     out.write(
-        f"load test: {args.devices} devices ({args.workers} worker process(es)) against {url}; "
+        f"load test: {args.devices} devices ({args.workers} {shard}(s)) against {url}; "
         f"m={args.n_items}, f={args.bits} (as the server trains), ~{args.ratings_per_user} ratings each; "
         f"dropout {args.dropout:.0%} ({'announced' if args.announce_drops else 'silent'}); {args.rounds} rounds\n"
     )
@@ -1210,8 +1262,20 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
                 time_limit=args.time_limit,
                 ca_file=args.ca_file,
                 announce_drops=args.announce_drops,
+                cohort=args.cohort,
+                seed_training=args.cohort is not None,
+                insecure_reproducible=args.insecure_seed_noise,
             )
-            report = run_loadtest(cfg, users, args.workers, progress=bar)
+            report = run_loadtest(
+                cfg,
+                users,
+                args.workers,
+                progress=bar,
+                backend=args.backend,
+                keep_store=args.store is not None,
+                probe_health=True,
+                worker_nice=args.nice,
+            )
     finally:
         bar.close()
     format_loadtest(report, out)
@@ -1224,7 +1288,10 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"plot: {args.plot}\n")
     failure = report.failure(args.rounds)
     if args.json:
-        write_json(loadtest_record(report, args.rounds, failure), sys.stdout)
+        write_json(
+            loadtest_record(report, args.rounds, failure, url=url, backend=args.backend, workers=args.workers),
+            sys.stdout,
+        )
     if failure is not None:
         out.flush()
         print(f"fedrec loadtest: error: {failure}", file=sys.stderr)

@@ -33,6 +33,7 @@ from fedsim.planted import planted_binary, planted_nonnegative
 from fedsim.splits import leave_one_out
 from fedsim.ui import table
 from protocol.errors import ConfigError
+from protocol.plan import FELBParams, FNMFParams
 
 __all__ = ["FAMILY_DEFAULT_ROUNDS", "simulate_family"]
 
@@ -192,7 +193,7 @@ def _felb(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     strategy = FELBStrategy(
         rank=rank,
         n_items=blocks[0].shape[1],
-        local_epochs=args.local_steps or 10,
+        local_epochs=args.local_steps or FELBParams().local_epochs,
         step_rule=args.step_rule,
         server_scale=args.server_scale if args.server_scale is not None else 1.0,
     )
@@ -251,7 +252,7 @@ def _fnmf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
         method=method,
         alignment=args.alignment,
         rounds=args.rounds,
-        local_steps=args.local_steps or 100,
+        local_steps=args.local_steps or FNMFParams().local_steps,
     )
     out.write(
         f"FNMF ({args.aggregator}, alignment {args.alignment}) on planted non-negative blocks ({clients_n} clients × "

@@ -24,6 +24,8 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any, ClassVar, Protocol, TypeVar
 
+import numpy as np
+
 from protocol.families.fnmf import upload_length
 from protocol.families.lightfr import UploadLayout
 from protocol.spec import (
@@ -66,13 +68,15 @@ def _fail(name: str, what: str, value: object) -> ValueError:
 
 
 def check_int(name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
-    """``value`` as an int in [lo, hi] (a bool is not an int here); ValueError naming ``name`` otherwise."""
+    """``value`` as an int in [lo, hi] (numpy integers are accepted, a bool is not an int here);
+    ValueError naming ``name`` otherwise."""
     what = f"an integer {_range_text(lo, hi, False, False)}".rstrip()
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
         raise _fail(name, what, value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+    n = int(value)
+    if (lo is not None and n < lo) or (hi is not None and n > hi):
         raise _fail(name, what, value)
-    return int(value)
+    return n
 
 
 def check_float(
@@ -86,7 +90,7 @@ def check_float(
 ) -> float:
     """``value`` as a finite float in the range (an int is accepted and converted, a bool is not)."""
     what = f"a finite number {_range_text(lo, hi, lo_open, hi_open)}".rstrip()
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.integer | np.floating):
         raise _fail(name, what, value)
     x = float(value)
     if not math.isfinite(x):

@@ -100,3 +100,38 @@ def test_in_process_plans_clip_nothing() -> None:
     with pytest.raises(ValueError, match="clip_norm"):
         TrainingPlan(params=FNMFParams(), n_items=4, rank=2, clip_norm=0.0)
     assert params_type("felb") is FELBParams
+
+
+def test_server_config_devices_and_cli_share_defaults_and_bounds() -> None:
+    from agg_server.config import FELBSection, FNMFSection, MFSection, ModelSection
+    from device_sdk.fnmf import FNMFConfig
+    from device_sdk.mf import MFConfig
+    from device_sdk.models import LightFRConfig
+    from fedsim.cli import build_parser
+    from protocol.errors import ConfigError
+
+    for section, params in ((MFSection, MFParams), (FELBSection, FELBParams), (FNMFSection, FNMFParams)):
+        assert issubclass(section, params)  # the config table *is* the parameter type, plus server keys
+        shared = {f.name for f in dataclasses.fields(params)}
+        assert {f.name: getattr(section(), f.name) for f in dataclasses.fields(params)} == dataclasses.asdict(params())
+        assert shared <= {f.name for f in dataclasses.fields(section)}
+    assert ModelSection(n_items=3).lightfr_params() == LightFRParams()
+    assert LightFRConfig().params(Aggregation.GRAD) == LightFRParams()
+    assert MFConfig().params() == MFParams()
+    fnmf = FNMFConfig()
+    assert FNMFParams(local_steps=fnmf.local_steps, alignment=fnmf.alignment) == FNMFParams()  # type: ignore[arg-type]
+    # local_epochs: the same bound everywhere.
+    with pytest.raises(ConfigError, match=r"^mf\.local_epochs: must be an integer in \[1, 1000\]"):
+        MFSection(local_epochs=1001)
+    with pytest.raises(ConfigError, match=r"^model\.local_epochs: must be an integer in \[1, 1000\]"):
+        ModelSection(n_items=3, local_epochs=0)
+    with pytest.raises(ValueError, match=r"^local_epochs: must be an integer in \[1, 1000\]"):
+        LightFRConfig(local_epochs=1001)
+    with pytest.raises(ValueError, match=r"^local_steps"):
+        FNMFConfig(local_steps=0)
+    with pytest.raises(ValueError, match=r"^local_epochs"):
+        MFConfig(local_epochs=0)
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["simulate", "--epochs", "1001"])
+    assert parser.parse_args(["simulate", "--epochs", "1000"]).epochs == 1000
