@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
@@ -26,7 +27,7 @@ from device_sdk.store import load_store, save_store
 from device_sdk.topk import HammingIndex
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
 from protocol.errors import ModelError, StorageError
-from protocol.families.lightfr import UploadLayout, bias_from_levels
+from protocol.families.lightfr import UploadLayout, bias_from_levels, clip_parts
 from protocol.plan import LightFRParams, TrainingPlan
 from protocol.spec import MAX_RANK, Aggregation
 
@@ -54,11 +55,11 @@ class LightFRConfig:
         given are already normalised.
     binary_positives : fit every observed rating as 1 (pure implicit feedback) instead of its
         normalised value.
-    unobserved_weight : w0 (0.1, chosen on ML-100K/FilmTrust validation; large sparse catalogues
-        want less: amazon-book's validation chose 0.001).  0 selects the paper's objective with
-        ``negatives`` sampled unobserved items; w0 > 0 the all-items objective (every unobserved item
-        at target 0 with weight w0, through the item Gram; ``negatives`` is then unused; see
-        `device_sdk.lightfr.dcd_full`).
+    unobserved_weight : w0 (0.1 for a model trained alone; in federated rounds the server's plan sets
+        it, by default from the catalogue's density, `protocol.families.lightfr.density_weight`).
+        0 selects the paper's objective with ``negatives`` sampled unobserved items; w0 > 0 the
+        all-items objective (every unobserved item at target 0 with weight w0, through the item Gram;
+        ``negatives`` is then unused; see `device_sdk.lightfr.dcd_full`).
     confidence : α ≥ 0 of the all-items objective: observed items weigh c = 1 + α (w0 ≤ c).
     """
 
@@ -285,6 +286,9 @@ class LightFRModel(Recommender):
         if update.parts is not None:
             layout = UploadLayout(self.n_items, self.config.bits, full=True)
             vec = layout.join(**update.parts)
+            share = plan.params.counts_share
+            if share > 0 and math.isfinite(plan.clip_norm):  # the private popularity channel's part of C
+                vec = clip_parts(vec, layout, plan.clip_norm, share)
             return LocalResult(vector=vec, examples=update.n_examples, info={"flips": update.flips})
         x = update.values.astype(np.float64)
         if aggregation is Aggregation.PARA:

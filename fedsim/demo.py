@@ -49,6 +49,12 @@ __all__ = [
 ]
 
 
+#: The private popularity channel of the demo's DP runs (chosen on ML-100K's validation blocks, see
+#: docs/dp-accounting.md §9): half of the clip norm's square buys the upload's per-item counts, and the
+#: item levels come from them on a log scale spanning the widest bias the uint8 levels hold at B = 1.
+PRIVATE_MODEL: dict[str, Any] = {"counts_share": 0.5, "popularity_span": 4.0, "hamming_weight": 1}
+
+
 def write_server_config(path: Path, settings: dict[str, dict[str, Any]]) -> None:
     """Write a server TOML file from nested {table: {key: value}} (strings, numbers, booleans)."""
     lines = []
@@ -147,10 +153,11 @@ def device_data(exp: Experiment, n_devices: int | None = None) -> list[tuple[np.
 
 
 def evaluate_devices(
-    exp: Experiment, clients: list[Any], item_codes: np.ndarray, version: int, seed: int = 0
+    exp: Experiment, clients: list[Any], payload: ModelPayload, seed: int = 0
 ) -> dict[TieMode, EvalResult]:
-    """Every device refreshes its code against the final item codes (a local DCD, nothing uploaded)
-    and scores its own test block; the results are averaged.
+    """Every device installs the final model (item codes and, under the all-items objective, item
+    levels), refreshes its code against it (a local DCD, nothing uploaded) and scores its own test
+    block with the score its ``recommend`` ranks by, (f − Hamming)·B + level; the results are averaged.
 
     The evaluation is a simulation step, so its randomness is seeded: a device never invited to a
     round starts from a code drawn from ``(seed, u)``, and each device's tie-breaking generator (used
@@ -166,14 +173,23 @@ def evaluate_devices(
             model.reset_user(np.random.default_rng([seed, u]))
         if u not in blocks:
             continue
-        model.set_item_codes(item_codes, version)
+        model.set_global(payload.words, b"", payload.model_version, **payload.lightfr_extras())
         items = idx.items[idx.indptr[u] : idx.indptr[u + 1]]
         ratings = idx.ratings[idx.indptr[u] : idx.indptr[u + 1]]
         if items.size:
             model.fit_local(items, ratings, rng=np.random.default_rng(u))
-        scores.append(model.similarity(blocks[u]))
+        scores.append(device_scores(model, blocks[u]))
     matrix = np.vstack(scores)
     return {t: evaluate_candidates(matrix, 10, t) for t in TieMode}
+
+
+def device_scores(model: Any, items: np.ndarray) -> np.ndarray:
+    """The integer score a LightFR device's ``recommend`` ranks ``items`` by: (f − Hamming)·B + level."""
+    f = model.config.bits
+    same = np.rint(model.similarity(items) * f)  # f − Hamming = f·sim, exact
+    levels = model.item_levels
+    extra = 0.0 if levels is None else levels[np.asarray(items)].astype(np.float64)
+    return same * model.hamming_weight + extra
 
 
 def verdict(label: str, model_hr: float, popularity_hr: float, epsilon: float | None) -> str:
@@ -224,10 +240,11 @@ def run_demo_fleet(
     n_users = int(np.max(exp.train.users)) + 1 if len(exp.train) else 0
     m = exp.train.n_items
     cohort = min(cohort, n_users)
+    dp = privacy_epsilon is not None
     with _workdir(workdir) as root:
         settings: dict[str, dict[str, Any]] = {
             "server": {"host": "127.0.0.1", "port": 0, "data_dir": str(root / "server-data")},
-            "model": {"n_items": m, "bits": bits, "flip_fraction": flip_fraction},
+            "model": {"n_items": m, "bits": bits, "flip_fraction": flip_fraction, **(PRIVATE_MODEL if dp else {})},
             "rounds": {
                 "cohort_size": cohort,
                 # The fleet sends exactly the seeded cohort (FleetConfig.cohort): wait for all of it.
@@ -313,7 +330,7 @@ def run_demo_fleet(
             first = "; ".join(f"{k}: {v}" for k, v in list(report.error_examples.items())[:2])
             log.write(f"devices hit errors: {dict(report.errors)} ({first})\n")
         codes = unpack_signs(from_bytes(payload.words, payload.bits, payload.n_items), payload.bits)
-        results = evaluate_devices(exp, clients, codes, payload.model_version, seed)
+        results = evaluate_devices(exp, clients, payload, seed)
         return {
             "report": report,
             "results": results,

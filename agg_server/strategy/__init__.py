@@ -46,9 +46,12 @@ def build_strategy(config: ServerConfig) -> Strategy:
             negatives=m.negatives,
             local_epochs=m.local_epochs,
             max_sweeps=m.max_sweeps,
-            unobserved_weight=m.unobserved_weight,
+            unobserved_weight=m.first_unobserved_weight,
+            unobserved_scale=m.unobserved_scale if m.unobserved_weight == "auto" else 0.0,
             confidence=m.confidence,
             hamming_weight=m.hamming_weight,
+            counts_share=m.counts_share,
+            popularity_span=m.popularity_span,
         )
     # The [mf], [felb] and [fnmf] tables name exactly their strategy's hyper-parameters.
     try:
