@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import ssl
 import sys
 import time
@@ -37,6 +38,9 @@ from protocol.policy import PrivacyPolicy
 __all__ = ["FleetConfig", "FleetReport", "run_fleet", "fetch_status", "get_status", "rounds_so_far", "PHASE_STEPS"]
 
 TIME_LIMIT = "fleet time limit reached"
+# Seconds between the monitor's reads of /v1/status (each shard reads it: at 4 reads a second it was
+# about 5% of a 1,000-device server's CPU, for round counts that change once a minute).
+_MONITOR_EVERY = 1.0
 _FINISH_GRACE = 30.0  # seconds a stopping fleet waits for devices reading a counted round's result
 _FINISHED = (RoundStatus.COMMITTED, RoundStatus.ABORTED)
 PHASE_STEPS = ("checkin", "model", "train", "keys", "shares", "masked", "unmask")
@@ -288,9 +292,21 @@ def rounds_so_far(status: dict[str, Any]) -> int:
     return max(ids, default=0)
 
 
-async def fetch_status(session: Any, url: str) -> dict[str, Any]:
-    """GET ``/v1/status`` as JSON (``session`` is an aiohttp ClientSession)."""
-    async with session.get(f"{url}/v1/status") as resp:
+#: Environment variable holding the operator's admin token, sent with the fleet's ``/v1/status`` reads: a
+#: server bound to a non-loopback address protects that endpoint by default
+#: (``server.protect_operator_endpoints``).
+ADMIN_TOKEN_ENV = "FEDREC_ADMIN_TOKEN"
+
+
+def _operator_headers(admin_token: str | None) -> dict[str, str]:
+    token = admin_token if admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+async def fetch_status(session: Any, url: str, admin_token: str | None = None) -> dict[str, Any]:
+    """GET ``/v1/status`` as JSON (``session`` is an aiohttp ClientSession); with ``admin_token`` (default:
+    the ``FEDREC_ADMIN_TOKEN`` environment variable) as the bearer token when one is given."""
+    async with session.get(f"{url}/v1/status", headers=_operator_headers(admin_token)) as resp:
         text = await resp.text()
         if resp.status != 200:
             raise RuntimeError(f"status endpoint answered {resp.status}")
@@ -298,8 +314,11 @@ async def fetch_status(session: Any, url: str) -> dict[str, Any]:
         return data
 
 
-def get_status(url: str, ca_file: Path | None = None, timeout: float = 10.0) -> dict[str, Any]:
-    """GET ``/v1/status`` without an event loop (before a fleet starts, or from a parent process).
+def get_status(
+    url: str, ca_file: Path | None = None, timeout: float = 10.0, admin_token: str | None = None
+) -> dict[str, Any]:
+    """GET ``/v1/status`` without an event loop (before a fleet starts, or from a parent process); the
+    admin token as in `fetch_status`.
 
     Raises
     ------
@@ -312,10 +331,16 @@ def get_status(url: str, ca_file: Path | None = None, timeout: float = 10.0) -> 
     context = ssl.create_default_context(cafile=str(ca_file)) if ca_file is not None else None
     target = f"{url.rstrip('/')}/v1/status"
     try:
-        with urllib.request.urlopen(target, timeout=timeout, context=context) as resp:  # noqa: S310 - operator URL
+        request = urllib.request.Request(target, headers=_operator_headers(admin_token))
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:  # noqa: S310 - operator URL
             data: dict[str, Any] = json.loads(resp.read())
             return data
     except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            raise FedRecError(
+                f"{target} answered HTTP {exc.code}: the server protects its operator endpoints; set "
+                f"{ADMIN_TOKEN_ENV} to the admin token"
+            ) from None
         raise FedRecError(f"{target} answered HTTP {exc.code}; is this a fedrec-server?") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
@@ -354,7 +379,7 @@ async def run_fleet(
     users : each device's (item ids, raw ratings or None).
     first_index : index of ``users[0]`` in the whole fleet (store folder names, dropout choices).
     on_round : called with the server's record of each round that finishes (from ``/v1/status``).
-    on_status : called with every ``/v1/status`` snapshot the monitor reads (about 4 per second), for
+    on_status : called with every ``/v1/status`` snapshot the monitor reads (about once a second), for
         in-round progress.
     monitor : watch ``/v1/status`` and stop when enough rounds finished (one process per fleet
         should monitor; worker shards of a load test may be stopped by a shared deadline instead).
@@ -627,4 +652,4 @@ async def _monitor(
         if report.rounds_finished >= config.rounds or status.get("stopped"):
             stop.set()
             return
-        await _sleep(stop, 0.25)
+        await _sleep(stop, _MONITOR_EVERY)
