@@ -561,11 +561,6 @@ class PrivacySection:
         _int("privacy.planned_rounds", self.planned_rounds, lo=1)
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names only this machine (127.0.0.0/8, ::1, localhost)."""
-    return host == "localhost" or host == "::1" or host.startswith("127.")
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EnrollmentSection:
     """Who may register a device (TOML table ``[enrollment]``, protocol 1.4; docs/threat-model.md §3.10).
