@@ -438,12 +438,22 @@ def run_simulated(
     strategy: Strategy | None = None,
     after_round: Callable[[SimulatedRun], None] | None = None,
     per_device_noise: bool = True,
+    mu: float | None = None,
+    prior_charges: Sequence[tuple[float, float, float]] = (),
 ) -> SimulatedRun:
     """`fedsim.private.run_private` without the crypto: the same devices (ids in the mapping's order,
-    from 1), the same seeds and dropout schedule, and the same final model, bit for bit."""
+    from 1), the same seeds and dropout schedule, and the same final model, bit for bit.
+
+    ``mu`` and ``prior_charges`` are for runs that spend part of the budget on other releases (a
+    private popularity release, `fedsim.private_mf`): the rounds' noise variance, and (μ, Δ1, Δ2) of
+    each earlier release, recorded in the ledger before the first round."""
     from fedsim.private import SimulatedDevice
 
-    sim = PrivateSimulator(config, strategy=strategy)
+    sim = PrivateSimulator(config, strategy=strategy, mu=mu)
+    for charge in prior_charges:
+        if sim.ledger is None:
+            raise ConfigError("prior releases are charged to a privacy ledger: enable privacy")
+        sim.ledger.record_round(*charge)
     devices = {i + 1: SimulatedDevice(i + 1, data, new_model(i + 1)) for i, data in enumerate(clients.values())}
     run = SimulatedRun(sim, devices)
     models = {d: dev.model for d, dev in devices.items()}
