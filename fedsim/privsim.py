@@ -685,8 +685,9 @@ class LightFRCohort:
             grad = coef[:, None] * Bf[owner] - (wq / f) * Df[items]
             bias = c * targets - wq * s_e / f
             k = np.bincount(owner, minlength=rows.size).astype(np.float64)
-            rest2 = np.bincount(owner, weights=np.einsum("ij,ij->i", grad, grad) + bias * bias, minlength=rows.size)
-            rest2 += 1.0 + 1.0 / f  # ‖b bᵀ/f‖² + ‖b/f‖²
+            sq = np.einsum("ij,ij->i", grad, grad) + bias * bias
+            rest2 = np.bincount(owner, weights=sq, minlength=rows.size).astype(np.float64) + (1.0 + 1.0 / f)
+            # (the last term is ‖b bᵀ/f‖² + ‖b/f‖²)
             if share > 0:
                 fc = np.minimum(1.0, math.sqrt(share) * clip / np.sqrt(np.maximum(k, 1.0)))
                 fr = np.minimum(1.0, math.sqrt(1.0 - share) * clip / np.sqrt(rest2))
