@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundOutcome, RoundStatus, insecure_seeded_rngs
+from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
+from fedsim.faults import DropoutAt, FaultyTransport
 from protocol.crypto import INSECURE_NOISE_NOTICE, NoiseStream
 from protocol.errors import FedRecError
 from protocol.policy import PrivacyPolicy
@@ -324,11 +325,18 @@ async def run_fleet(
     connector = aiohttp.TCPConnector(limit=0, force_close=False, ssl=tls if tls is not None else True)
     session = aiohttp.ClientSession(connector=connector)
     clients: list[DeviceClient] = []
+    faults: list[FaultyTransport] = []
     try:
         for offset, (items, ratings) in enumerate(users):
             index = first_index + offset
-            transport = HttpTransport(config.url, session=session)
             holder: dict[str, DeviceClient] = {}
+            # The device code is unchanged: dropouts are injected by wrapping its transport.
+            transport = FaultyTransport(
+                HttpTransport(config.url, session=session),
+                _dropout_schedule(config, index, holder),
+                announce=config.announce_drops,
+            )
+            faults.append(transport)
 
             def rngs(round_id: int, _h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, NoiseStream]:
                 device_id = int(_h["c"].device_id or 0)
@@ -364,7 +372,7 @@ async def run_fleet(
                 raise ValueError("a fleet that picks its cohorts (cohort=...) runs in one process")
             gate = _CohortGate(config.seed, config.cohort, len(clients))
         tasks = [
-            asyncio.create_task(_device_loop(c, first_index + i, config, report, stop, start, gate))
+            asyncio.create_task(_device_loop(c, faults[i], first_index + i, config, report, stop, start, gate))
             for i, c in enumerate(clients)
         ]
         if monitor:
@@ -385,8 +393,26 @@ async def run_fleet(
     return report, clients
 
 
+def _dropout_schedule(config: FleetConfig, index: int, holder: dict[str, DeviceClient]) -> Callable[[int], DropoutAt]:
+    """Where device ``index`` leaves each round: ``config.schedule`` by (round, device id), or a seeded
+    draw of ``config.dropout`` over the phases (`FaultyTransport` asks once per round)."""
+
+    def plan(round_id: int) -> DropoutAt:
+        if config.schedule is not None:
+            return config.schedule(round_id, int(holder["c"].device_id or 0))
+        rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, index, round_id]))
+        if config.dropout and rng.random() < config.dropout:
+            # An announced drop cannot be a broken connection, which says nothing.
+            kinds = _DROPS if not config.announce_drops else _DROPS[:3] + _DROPS[4:]
+            return kinds[int(rng.integers(len(kinds)))]
+        return DropoutAt.NONE
+
+    return plan
+
+
 async def _device_loop(
     client: DeviceClient,
+    faults: FaultyTransport,
     index: int,
     config: FleetConfig,
     report: FleetReport,
@@ -395,23 +421,6 @@ async def _device_loop(
     gate: _CohortGate | None = None,
 ) -> None:
     backoff = 0.5
-    chosen: dict[int, DropoutAt] = {}
-
-    def plan(round_id: int) -> DropoutAt:
-        # Decided once per round (a device re-invited to a round it left drops the same way).
-        if round_id not in chosen:
-            if config.schedule is not None:
-                chosen[round_id] = config.schedule(round_id, int(client.device_id or 0))
-            else:
-                rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, index, round_id]))
-                drop = DropoutAt.NONE
-                if config.dropout and rng.random() < config.dropout:
-                    # An announced drop cannot be a broken connection, which says nothing.
-                    kinds = _DROPS if not config.announce_drops else _DROPS[:3] + _DROPS[4:]
-                    drop = kinds[int(rng.integers(len(kinds)))]
-                chosen[round_id] = drop
-        return chosen[round_id]
-
     left: int | None = None  # the round this device dropped out of (gated fleets wait for its end)
     while not stop.is_set():
         if gate is not None:
@@ -419,7 +428,7 @@ async def _device_loop(
             if stop.is_set():
                 return
         try:
-            outcome = await client.run_round(dropout=plan, announce_drop=config.announce_drops)
+            outcome = await client.run_round()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a load test counts every error type and keeps going
@@ -436,7 +445,7 @@ async def _device_loop(
             elif outcome.status in (RoundStatus.DROPPED, RoundStatus.REFUSED):
                 left = outcome.round_id
         if outcome.status is RoundStatus.DROPPED and outcome.round_id is not None:
-            report.drops[plan(outcome.round_id).value] += 1
+            report.drops[faults.dropout_of(outcome.round_id).value] += 1
             await _sleep(stop, config.drop_pause)
         if outcome.status is RoundStatus.WAITED:
             await _sleep(stop, outcome.retry_after or 1.0)

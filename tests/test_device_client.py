@@ -28,7 +28,6 @@ from device_sdk.client import (
     MODEL_FILE,
     ClientConfig,
     DeviceClient,
-    DropoutAt,
     RoundOutcome,
     RoundStatus,
     insecure_seeded_rngs,
@@ -36,6 +35,7 @@ from device_sdk.client import (
 from device_sdk.models import LightFRModel
 from device_sdk.training import local_round
 from device_sdk.transport import Response
+from fedsim.faults import DropoutAt, FaultyTransport
 from protocol.codec import decode, encode
 from protocol.codes import pack_signs, random_signs, to_bytes
 from protocol.crypto import NoiseStream
@@ -312,6 +312,8 @@ class Device:
     client: DeviceClient
     items: NDArray[np.int64]
     ratings: NDArray[np.float64]
+    #: where the device leaves its next round (fault injection by `fedsim.faults.FaultyTransport`)
+    leaves: list[DropoutAt] = field(default_factory=lambda: [DropoutAt.NONE])
 
 
 def _data(index: int) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
@@ -329,9 +331,10 @@ def make_device(server: FakeServer, store: Path, index: int) -> Device:
         assert device_id is not None
         return insecure_seeded_rngs(SEED, round_id, device_id)
 
+    leaves = [DropoutAt.NONE]
     client = DeviceClient(
-        FakeTransport(server),
-        ClientConfig(store_dir=store, disconnect_after=0.02, privacy=PrivacyPolicy.no_floor()),
+        FaultyTransport(FakeTransport(server), lambda _round_id: leaves[0], disconnect_after=0.02),
+        ClientConfig(store_dir=store, privacy=PrivacyPolicy.no_floor()),
         items=items,
         ratings=ratings,
         n_items=N_ITEMS,
@@ -339,7 +342,7 @@ def make_device(server: FakeServer, store: Path, index: int) -> Device:
         rng_for_round=rngs,
     )
     box.append(client)
-    return Device(client, items, ratings)
+    return Device(client, items, ratings, leaves)
 
 
 class RecordingSession(DeviceSecAggSession):
@@ -372,7 +375,8 @@ async def run_cohort(
 
     async def drive(index: int, device: Device) -> RoundOutcome:
         try:
-            return await device.client.run_round(dropout=dropouts.get(index, DropoutAt.NONE))
+            device.leaves[0] = dropouts.get(index, DropoutAt.NONE)
+            return await device.client.run_round()
         finally:
             device_id = device.client.device_id
             if device_id is not None:
