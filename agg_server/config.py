@@ -238,6 +238,12 @@ class ModelSection:
         LightFR α >= 0: observed items weigh 1 + α under the all-items objective.
     hamming_weight : int
         B in [1, 255] of the devices' integer score (f − Hamming)·B + item level.
+    counts_share : float
+        LightFR all-items objective, s in [0, 1): the share of the clip norm the devices give the
+        per-item counts of their upload (the private popularity channel); 0 clips the upload as one.
+    popularity_span : float
+        LightFR all-items objective, >= 0: > 0 sets the item levels from the released counts on a log
+        scale spanning this bias range, instead of learning them (meant for DP rounds); 0 = learned.
     """
 
     kind: str = ModelKind.LIGHTFR.value
@@ -253,6 +259,8 @@ class ModelSection:
     unobserved_weight: float = _LIGHTFR.unobserved_weight
     confidence: float = _LIGHTFR.confidence
     hamming_weight: int = 2
+    counts_share: float = _LIGHTFR.counts_share
+    popularity_span: float = 0.0
 
     def __post_init__(self) -> None:
         # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
@@ -265,7 +273,12 @@ class ModelSection:
                 f"exceeds the largest update vector 2**28 = {MAX_VECTOR_LENGTH}; lower model.bits or n_items"
             )
         params = self.lightfr_params()
-        for name in ("lam", "unobserved_weight", "confidence"):  # normalised: an int given is stored as a float
+        for name in (
+            "lam",
+            "unobserved_weight",
+            "confidence",
+            "counts_share",
+        ):  # normalised: an int given is stored as a float
             _set(self, name, getattr(params, name))
         _set(
             self,
@@ -273,6 +286,9 @@ class ModelSection:
             _float("model.flip_fraction", self.flip_fraction, lo=0.0, hi=1.0, lo_open=True),
         )
         _int("model.hamming_weight", self.hamming_weight, lo=1, hi=255)
+        _set(self, "popularity_span", _float("model.popularity_span", self.popularity_span, lo=0.0))
+        if self.popularity_span > 0 and self.unobserved_weight == 0:
+            raise ConfigError("model.popularity_span: needs the all-items objective (model.unobserved_weight > 0)")
 
     def lightfr_params(self) -> LightFRParams:
         """LightFR's training parameters of this table (`protocol.plan.LightFRParams` validates them;
@@ -286,6 +302,7 @@ class ModelSection:
                 max_sweeps=self.max_sweeps,
                 unobserved_weight=self.unobserved_weight,
                 confidence=self.confidence,
+                counts_share=self.counts_share,
             )
         except ValueError as exc:
             raise ConfigError(f"model.{exc}") from None

@@ -356,7 +356,8 @@ class RoundCoordinator:
         self.model_version = version
         self.model_state = state
         self.model_bytes = payload
-        self.model_etag = f'"{version}-{hashlib.sha256(payload).hexdigest()[:16]}"'
+        self.model_sha256 = hashlib.sha256(payload).hexdigest()
+        self.model_etag = f'"{version}-{self.model_sha256[:16]}"'
 
     @property
     def item_codes(self) -> NDArray[Any]:
@@ -955,6 +956,7 @@ class RoundCoordinator:
                 "kind": self.strategy.kind,
                 "bits": self.strategy.rank,
                 "n_items": self.strategy.n_items,
+                "sha256": self.model_sha256,  # of the served ModelPayload: tells two runs' models apart
             },
             "round": current,
             "waiting_devices": len(self._pool),

@@ -581,7 +581,7 @@ class DeviceClient:
                 del outgoing
                 answer = response.message
                 if isinstance(answer, RoundResult):
-                    return self._finish(session, invite, answer, tally)
+                    return await self._finish(session, invite, answer, tally)
                 if not isinstance(answer, answer_type):
                     raise RemoteProtocolError(f"{name} answered with {_name(answer)}, expected {answer_type.__name__}")
                 session.receive(answer)
@@ -607,7 +607,7 @@ class DeviceClient:
         self._save_model()
         return update
 
-    def _finish(
+    async def _finish(
         self, session: DeviceSecAggSession, invite: RoundInvite, result: RoundResult, tally: _Tally
     ) -> RoundOutcome:
         if result.round_id != invite.round_id:
@@ -621,7 +621,7 @@ class DeviceClient:
                 model_version=result.model_version,
                 reason=result.reason,
             )
-        self._save_model()
+        await asyncio.to_thread(self._save_model)  # off the loop: an atomic write with fsyncs
         _log.info("round %d committed; global model is now version %d", invite.round_id, result.model_version)
         return self._outcome(RoundStatus.COMMITTED, invite.round_id, tally, model_version=result.model_version)
 

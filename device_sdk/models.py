@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
@@ -26,7 +27,7 @@ from device_sdk.store import load_store, save_store
 from device_sdk.topk import HammingIndex
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
 from protocol.errors import ModelError, StorageError
-from protocol.families.lightfr import UploadLayout, bias_from_levels
+from protocol.families.lightfr import UploadLayout, bias_from_levels, clip_parts
 from protocol.plan import LightFRParams, TrainingPlan
 from protocol.spec import MAX_RANK, Aggregation
 
@@ -285,6 +286,9 @@ class LightFRModel(Recommender):
         if update.parts is not None:
             layout = UploadLayout(self.n_items, self.config.bits, full=True)
             vec = layout.join(**update.parts)
+            share = plan.params.counts_share
+            if share > 0 and math.isfinite(plan.clip_norm):  # the private popularity channel's part of C
+                vec = clip_parts(vec, layout, plan.clip_norm, share)
             return LocalResult(vector=vec, examples=update.n_examples, info={"flips": update.flips})
         x = update.values.astype(np.float64)
         if aggregation is Aggregation.PARA:

@@ -381,7 +381,43 @@ def build_parser() -> argparse.ArgumentParser:
         "--bits", type=_positive_int, default=None, help="code length of the server's model (default: read from it)"
     )
     lt.add_argument("--ratings-per-user", type=_positive_int, default=166, help="synthetic ratings per device")
-    lt.add_argument("--workers", type=_positive_int, default=1, help="worker processes (default: 1)")
+    lt.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="shards of the fleet: worker processes, or Ray actors with --backend ray (default: 1)",
+    )
+    lt.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="where the shards run: local worker processes (default) or Ray actors, each hosting its devices as "
+        "asyncio tasks (needs the 'ray' extra; RAY_ADDRESS selects an existing cluster, else a local Ray is "
+        "started for the run)",
+    )
+    lt.add_argument(
+        "--nice",
+        type=_nonneg_int,
+        default=0,
+        help="lower the priority of the fleet's worker processes by N (a fleet on the server's own machine then "
+        "leaves the server its CPU; --workers 1 runs the fleet in this process, which is not reniced)",
+    )
+    lt.add_argument(
+        "--cohort",
+        type=_positive_int,
+        default=None,
+        help="reproducible rounds: the fleet picks each round's N devices from --seed and only those check in, and "
+        "the devices' training is seeded; with a server whose rounds.cohort_size is N and rounds.seed is set, "
+        "runs with the same seeds commit the same rounds on every back-end and split, and with "
+        "--insecure-seed-noise the same model (default: every device checks in whenever it is free)",
+    )
+    lt.add_argument(
+        "--insecure-seed-noise",
+        action="store_true",
+        help="TEST HOOK: derive every device's noise stream (DP noise and stochastic-rounding coins) from --seed "
+        "too, so seeded runs commit bit-identical models; anyone who knows the seed can remove the noise, so the "
+        "run's ε is NOT a privacy guarantee (it says so)",
+    )
     lt.add_argument(
         "--seed",
         type=_nonneg_int,
@@ -1205,8 +1241,9 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
         )
         for u in range(data.n_users)
     ]
+    shard = "Ray actor" if args.backend == "ray" else "worker process"
     out.write(
-        f"load test: {args.devices} devices ({args.workers} worker process(es)) against {url}; "
+        f"load test: {args.devices} devices ({args.workers} {shard}(s)) against {url}; "
         f"m={args.n_items}, f={args.bits} (as the server trains), ~{args.ratings_per_user} ratings each; "
         f"dropout {args.dropout:.0%} ({'announced' if args.announce_drops else 'silent'}); {args.rounds} rounds\n"
     )
@@ -1225,8 +1262,20 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
                 time_limit=args.time_limit,
                 ca_file=args.ca_file,
                 announce_drops=args.announce_drops,
+                cohort=args.cohort,
+                seed_training=args.cohort is not None,
+                insecure_reproducible=args.insecure_seed_noise,
             )
-            report = run_loadtest(cfg, users, args.workers, progress=bar)
+            report = run_loadtest(
+                cfg,
+                users,
+                args.workers,
+                progress=bar,
+                backend=args.backend,
+                keep_store=args.store is not None,
+                probe_health=True,
+                worker_nice=args.nice,
+            )
     finally:
         bar.close()
     format_loadtest(report, out)
@@ -1239,7 +1288,10 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"plot: {args.plot}\n")
     failure = report.failure(args.rounds)
     if args.json:
-        write_json(loadtest_record(report, args.rounds, failure), sys.stdout)
+        write_json(
+            loadtest_record(report, args.rounds, failure, url=url, backend=args.backend, workers=args.workers),
+            sys.stdout,
+        )
     if failure is not None:
         out.flush()
         print(f"fedrec loadtest: error: {failure}", file=sys.stderr)

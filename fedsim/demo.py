@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -29,10 +31,10 @@ import numpy as np
 
 from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
 from fedsim.experiment import Experiment, baselines
-from fedsim.fleet import PHASE_STEPS, FleetConfig, FleetReport, fetch_status, get_status, run_fleet
+from fedsim.fleet import PHASE_STEPS, FleetConfig, FleetReport, fetch_status, get_status, rounds_so_far, run_fleet
 from protocol.codec import decode, encode
 from protocol.codes import from_bytes, unpack_signs
-from protocol.errors import FedRecError
+from protocol.errors import ConfigError, FedRecError
 from protocol.messages import ModelPayload, RegisterRequest, RegisterResponse
 
 __all__ = [
@@ -45,6 +47,12 @@ __all__ = [
     "verdict",
     "simulated_beside",
 ]
+
+
+#: The private popularity channel of the demo's DP runs (chosen on ML-100K's validation blocks, see
+#: docs/dp-accounting.md §9): half of the clip norm's square buys the upload's per-item counts, and the
+#: item levels come from them on a log scale spanning the widest bias the uint8 levels hold at B = 1.
+PRIVATE_MODEL: dict[str, Any] = {"counts_share": 0.5, "popularity_span": 4.0, "hamming_weight": 1}
 
 
 def write_server_config(path: Path, settings: dict[str, dict[str, Any]]) -> None:
@@ -145,10 +153,11 @@ def device_data(exp: Experiment, n_devices: int | None = None) -> list[tuple[np.
 
 
 def evaluate_devices(
-    exp: Experiment, clients: list[Any], item_codes: np.ndarray, version: int, seed: int = 0
+    exp: Experiment, clients: list[Any], payload: ModelPayload, seed: int = 0
 ) -> dict[TieMode, EvalResult]:
-    """Every device refreshes its code against the final item codes (a local DCD, nothing uploaded)
-    and scores its own test block; the results are averaged.
+    """Every device installs the final model (item codes and, under the all-items objective, item
+    levels), refreshes its code against it (a local DCD, nothing uploaded) and scores its own test
+    block with the score its ``recommend`` ranks by, (f − Hamming)·B + level; the results are averaged.
 
     The evaluation is a simulation step, so its randomness is seeded: a device never invited to a
     round starts from a code drawn from ``(seed, u)``, and each device's tie-breaking generator (used
@@ -164,14 +173,23 @@ def evaluate_devices(
             model.reset_user(np.random.default_rng([seed, u]))
         if u not in blocks:
             continue
-        model.set_item_codes(item_codes, version)
+        model.set_global(payload.words, b"", payload.model_version, **payload.lightfr_extras())
         items = idx.items[idx.indptr[u] : idx.indptr[u + 1]]
         ratings = idx.ratings[idx.indptr[u] : idx.indptr[u + 1]]
         if items.size:
             model.fit_local(items, ratings, rng=np.random.default_rng(u))
-        scores.append(model.similarity(blocks[u]))
+        scores.append(device_scores(model, blocks[u]))
     matrix = np.vstack(scores)
     return {t: evaluate_candidates(matrix, 10, t) for t in TieMode}
+
+
+def device_scores(model: Any, items: np.ndarray) -> np.ndarray:
+    """The integer score a LightFR device's ``recommend`` ranks ``items`` by: (f − Hamming)·B + level."""
+    f = model.config.bits
+    same = np.rint(model.similarity(items) * f)  # f − Hamming = f·sim, exact
+    levels = model.item_levels
+    extra = 0.0 if levels is None else levels[np.asarray(items)].astype(np.float64)
+    return same * model.hamming_weight + extra
 
 
 def verdict(label: str, model_hr: float, popularity_hr: float, epsilon: float | None) -> str:
@@ -222,10 +240,11 @@ def run_demo_fleet(
     n_users = int(np.max(exp.train.users)) + 1 if len(exp.train) else 0
     m = exp.train.n_items
     cohort = min(cohort, n_users)
+    dp = privacy_epsilon is not None
     with _workdir(workdir) as root:
         settings: dict[str, dict[str, Any]] = {
             "server": {"host": "127.0.0.1", "port": 0, "data_dir": str(root / "server-data")},
-            "model": {"n_items": m, "bits": bits, "flip_fraction": flip_fraction},
+            "model": {"n_items": m, "bits": bits, "flip_fraction": flip_fraction, **(PRIVATE_MODEL if dp else {})},
             "rounds": {
                 "cohort_size": cohort,
                 # The fleet sends exactly the seeded cohort (FleetConfig.cohort): wait for all of it.
@@ -311,7 +330,7 @@ def run_demo_fleet(
             first = "; ".join(f"{k}: {v}" for k, v in list(report.error_examples.items())[:2])
             log.write(f"devices hit errors: {dict(report.errors)} ({first})\n")
         codes = unpack_signs(from_bytes(payload.words, payload.bits, payload.n_items), payload.bits)
-        results = evaluate_devices(exp, clients, codes, payload.model_version, seed)
+        results = evaluate_devices(exp, clients, payload, seed)
         return {
             "report": report,
             "results": results,
@@ -347,34 +366,124 @@ def run_loadtest(
     users: Sequence[tuple[np.ndarray, np.ndarray | None]],
     workers: int,
     progress: RoundProgress | None = None,
+    *,
+    backend: str = "local",
+    keep_store: bool = True,
+    probe_health: bool = False,
+    worker_nice: int = 0,
 ) -> FleetReport:
-    """Run the fleet, split over ``workers`` processes when asked; every worker watches the server and
-    stops after the requested rounds (``progress`` follows the rounds in one worker only)."""
-    if workers <= 1:
-        report, _ = asyncio.run(run_fleet(config, users, on_status=progress.on_status if progress else None))
-        return report
-    shards = np.array_split(np.arange(len(users)), workers)
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers) as pool:
-        jobs = [
-            pool.apply_async(_worker, (config, [users[i] for i in shard], int(shard[0]) if shard.size else 0))
-            for shard in shards
-        ]
-        while progress is not None and not all(job.ready() for job in jobs):
+    """Run the fleet, split over ``workers`` shards: worker processes (``backend="local"``, the default;
+    one in-process fleet when ``workers`` is 1) or Ray actors (``backend="ray"``, `fedsim.ray_fleet`).
+    Every shard watches the server and stops after the requested rounds; ``progress`` follows the rounds.
+
+    The shards count the same rounds as the fleet's (``FleetConfig.rounds_before``) and, when the fleet
+    picks its cohorts or seeds its devices, register in fleet order: with the same seeds every split and
+    both back-ends run the same rounds.  ``probe_health``: a separate process times ``GET /v1/health``
+    every 50 ms throughout (`FleetReport.health`).  ``keep_store`` (Ray): the actors use
+    ``config.store_root`` instead of temporary folders on their nodes.  ``worker_nice``: the local
+    back-end's worker processes lower their priority by this much (a fleet sharing the server's machine
+    then does not take the server's CPU; so do Ray actors; the in-process fleet of ``workers=1`` is not
+    reniced).
+    """
+    if backend not in ("local", "ray"):
+        raise ConfigError(f"backend must be 'local' or 'ray', got {backend!r}")
+    status = get_status(config.url, config.ca_file)
+    seeded = config.cohort is not None or config.seed_training or config.insecure_reproducible
+    config = replace(
+        config,
+        fleet_size=len(users),
+        rounds_before=rounds_so_far(status) if config.rounds_before is None else config.rounds_before,
+        registered_before=int(status.get("registered_devices") or 0) if seeded else None,
+    )
+    shards = [
+        (int(idx[0]), [users[i] for i in idx]) for idx in np.array_split(np.arange(len(users)), workers) if idx.size
+    ]
+
+    def watch() -> None:
+        if progress is not None:
             with contextlib.suppress(FedRecError):
                 progress.on_status(get_status(config.url, config.ca_file))
-            time.sleep(0.5)
-        dicts = [job.get() for job in jobs]
+
+    with HealthProbe(config.url, enabled=probe_health) as probe:
+        if backend == "ray":
+            from fedsim.ray_fleet import run_ray_fleet
+
+            dicts = run_ray_fleet(config, shards, keep_store=keep_store, on_wait=watch, nice=worker_nice)
+        elif len(shards) <= 1:
+            report, _ = asyncio.run(run_fleet(config, users, on_status=progress.on_status if progress else None))
+            dicts = [report.to_dict()]
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            with ctx.Pool(len(shards)) as pool:
+                jobs = [pool.apply_async(_worker, (config, part, first, worker_nice)) for first, part in shards]
+                while not all(job.ready() for job in jobs):
+                    watch()
+                    time.sleep(0.5)
+                dicts = [job.get() for job in jobs]
     merged = FleetReport.from_dict(dicts[0])
     for d in dicts[1:]:
         merged.merge(FleetReport.from_dict(d))
+    merged.health = probe.samples
+    with contextlib.suppress(FedRecError):
+        merged.final_status = get_status(config.url, config.ca_file)
     return merged
 
 
-def _worker(config: FleetConfig, users: list[tuple[np.ndarray, np.ndarray | None]], first: int) -> dict[str, Any]:
+def _worker(
+    config: FleetConfig, users: list[tuple[np.ndarray, np.ndarray | None]], first: int, nice: int = 0
+) -> dict[str, Any]:
     # Every shard watches the server's status and stops once the requested rounds have finished.
+    if nice:
+        os.nice(nice)
     report, _ = asyncio.run(run_fleet(config, users, first_index=first))
     return report.to_dict()
+
+
+_PROBE = r"""
+import sys, time, urllib.request
+url = sys.argv[1]
+while True:
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            state = r.read().decode().replace(" ", "")
+        ok = 1
+    except Exception as exc:
+        state, ok = type(exc).__name__, 0
+    print(f"{time.time():.3f} {time.perf_counter() - t0:.4f} {ok} {state}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+class HealthProbe:
+    """``GET /v1/health`` every 50 ms from a child process (so the fleet's own load on its event loop
+    does not count as server latency); `samples` holds (unix time, seconds, ok, body) per probe."""
+
+    def __init__(self, url: str, *, enabled: bool = True) -> None:
+        self.url, self.enabled = url, enabled
+        self.samples: list[tuple[float, float, bool, str]] = []
+        self._proc: subprocess.Popen[str] | None = None
+        self._out: Any = None
+
+    def __enter__(self) -> HealthProbe:
+        if self.enabled and self.url.startswith("http://"):  # https would need the CA: not probed
+            self._out = tempfile.TemporaryFile("w+")
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _PROBE, f"{self.url}/v1/health"], stdout=self._out, text=True
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        self._proc.wait()
+        self._out.seek(0)
+        for line in self._out.read().splitlines():
+            parts = line.split(" ", 3)
+            if len(parts) == 4:
+                self.samples.append((float(parts[0]), float(parts[1]), parts[2] == "1", parts[3]))
+        self._out.close()
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -445,29 +554,79 @@ class RoundProgress:
         self.bar.close()
 
 
-def loadtest_record(report: FleetReport, wanted: int, failure: str | None) -> dict[str, Any]:
-    """``fedrec loadtest --json``: the report as one JSON-able object (schema in `fedsim.report`)."""
-    latency = {
-        step: {"n": len(v), "p50": _finite(_pct(v, 50)), "p95": _finite(_pct(v, 95)), "p99": _finite(_pct(v, 99))}
-        for step, v in ((s, report.latencies.get(s, [])) for s in PHASE_STEPS)
-    }
-    rounds = []
+def _round_rows(report: FleetReport) -> list[dict[str, Any]]:
+    """The fleet's rounds as the server recorded them, with the server CPU spent since the previous one."""
+    rows = []
     prev = report.cpu_start
     for rec in report.server_rounds:
-        cpu = (rec.get("process") or {}).get("cpu_seconds")
-        rounds.append(
+        proc = rec.get("process") or {}
+        cpu = proc.get("cpu_seconds")
+        delta = None if cpu is None or prev is None else cpu - prev
+        cohort = int(rec.get("cohort_size") or 0)
+        rows.append(
             {
                 "round_id": rec.get("round_id"),
                 "status": rec.get("status"),
-                "cohort": rec.get("cohort_size"),
+                "cohort": cohort,
                 "survivors": rec.get("survivors"),
                 "seconds": _finite((rec.get("finished_at") or 0) - (rec.get("started_at") or 0)),
-                "cpu_seconds": None if cpu is None or prev is None else _finite(cpu - prev),
-                "peak_rss_mb": (rec.get("process") or {}).get("max_rss_mb"),
+                "phases": {ph["phase"]: _finite(ph["seconds"]) for ph in rec.get("phases") or []},
+                "cpu_seconds": None if delta is None else _finite(delta),
+                "cpu_ms_per_device": None if delta is None or not cohort else _finite(1e3 * delta / cohort),
+                "peak_rss_mb": proc.get("max_rss_mb"),
             }
         )
         prev = cpu if cpu is not None else prev
+    return rows
+
+
+def _health(report: FleetReport) -> dict[str, Any] | None:
+    if not report.health:
+        return None
+    lat = np.array([s[1] for s in report.health])
+    finishing = np.array([s[1] for s in report.health if "finishing" in s[3]])
+
+    def ms(values: np.ndarray, q: float) -> float | None:
+        return _finite(1e3 * float(np.percentile(values, q))) if values.size else None
+
     return {
+        "probes": int(lat.size),
+        "failures": sum(1 for s in report.health if not s[2]),
+        "p50_ms": ms(lat, 50),
+        "p99_ms": ms(lat, 99),
+        "max_ms": ms(lat, 100),
+        "probes_while_finishing": int(finishing.size),
+        "p99_ms_while_finishing": ms(finishing, 99),
+    }
+
+
+def loadtest_record(report: FleetReport, wanted: int, failure: str | None, **extra: Any) -> dict[str, Any]:
+    """``fedrec loadtest --json``: the report as one JSON-able object (schema in `fedsim.report`)."""
+    latency = {
+        step: {
+            "n": len(v),
+            "p50": _finite(_pct(v, 50)),
+            "p95": _finite(_pct(v, 95)),
+            "p99": _finite(_pct(v, 99)),
+            "max": _finite(max(v)) if v else None,
+        }
+        for step, v in ((s, report.latencies.get(s, [])) for s in PHASE_STEPS)
+    }
+    rounds = _round_rows(report)
+    cpu = [r["cpu_seconds"] for r in rounds if r["cpu_seconds"] is not None]
+    device_rounds = sum(r["cohort"] for r in rounds if r["cpu_seconds"] is not None)
+    final = report.final_status or {}
+    model = final.get("model") or {}
+    proc = final.get("process") or {}
+    instance = {
+        "url": extra.pop("url", None),
+        "rounds_committed": report.committed,
+        "peak_rss_mb": proc.get("max_rss_mb"),
+        "cpu_seconds": _finite(sum(cpu)) if cpu else None,
+    }
+    privacy = final.get("privacy")
+    return {
+        **extra,
         "devices": report.devices,
         "rounds_requested": wanted,
         "rounds_finished": report.rounds_finished,
@@ -478,10 +637,22 @@ def loadtest_record(report: FleetReport, wanted: int, failure: str | None) -> di
         "outcomes": dict(report.outcomes),
         "drops": dict(report.drops),
         "latency_seconds": latency,
+        "round_seconds_max": max((r["seconds"] for r in rounds if r["seconds"] is not None), default=None),
+        "server_cpu_ms_per_device_round": _finite(1e3 * sum(cpu) / device_rounds) if device_rounds else None,
+        "health": _health(report),
+        "instances": [instance],
         "bytes_up_median": float(np.median(report.bytes_up)) if report.bytes_up else None,
         "bytes_down_median": float(np.median(report.bytes_down)) if report.bytes_down else None,
+        "bytes_per_device_round_mean": _finite(float(np.mean(np.add(report.bytes_up, report.bytes_down))))
+        if report.bytes_up
+        else None,
+        "ledger": None
+        if not privacy
+        else {k: privacy.get(k) for k in ("epsilon_spent", "epsilon_budget", "delta", "rounds_charged")},
+        "final_model": {"version": model.get("version"), "sha256": model.get("sha256")} if model else None,
         "server_rounds": rounds,
         "errors": dict(report.errors),
+        "device_errors": report.device_errors,
     }
 
 
@@ -497,10 +668,10 @@ def format_loadtest(report: FleetReport, out: TextIO) -> None:
     )
     out.write(describe_outcomes(report) + "\n")
     out.write("\nper-phase latency seen by devices (seconds; phases include the long-poll wait)\n")
-    out.write(f"{'phase':<8} {'n':>7} {'p50':>8} {'p95':>8}\n")
+    out.write(f"{'phase':<8} {'n':>7} {'p50':>8} {'p95':>8} {'p99':>8}\n")
     for step in PHASE_STEPS:
         v = report.latencies.get(step, [])
-        out.write(f"{step:<8} {len(v):>7} {_pct(v, 50):>8.3f} {_pct(v, 95):>8.3f}\n")
+        out.write(f"{step:<8} {len(v):>7} {_pct(v, 50):>8.3f} {_pct(v, 95):>8.3f} {_pct(v, 99):>8.3f}\n")
     if report.bytes_up:
         out.write(
             f"\nbytes per device per committed round: up median {np.median(report.bytes_up) / 1e3:.1f} kB, "
@@ -508,18 +679,35 @@ def format_loadtest(report: FleetReport, out: TextIO) -> None:
         )
     out.write("\nserver, per round\n")
     out.write(
-        f"{'round':>5} {'status':<10} {'cohort':>6} {'survivors':>9} {'seconds':>8} {'cpu s':>8} {'peak RSS MB':>12}\n"
+        f"{'round':>5} {'status':<10} {'cohort':>6} {'survivors':>9} {'seconds':>8} {'cpu s':>8} {'ms/device':>9} "
+        f"{'peak RSS MB':>12}\n"
     )
-    prev_cpu = report.cpu_start
-    for rec in report.server_rounds:
-        proc = rec.get("process") or {}
-        cpu = proc.get("cpu_seconds")
-        # Server CPU is sampled when a round ends; the first round subtracts the fleet's first sample.
-        delta = f"{cpu - prev_cpu:>8.1f}" if cpu is not None and prev_cpu is not None else f"{'—':>8}"
-        prev_cpu = cpu if cpu is not None else prev_cpu
-        secs = (rec.get("finished_at") or 0) - (rec.get("started_at") or 0)
+    for row in _round_rows(report):
+        cpu, per = row["cpu_seconds"], row["cpu_ms_per_device"]
         out.write(
-            f"{rec['round_id']:>5} {rec['status']:<10} {rec.get('cohort_size', 0):>6} {rec.get('survivors') or 0:>9} "
-            f"{secs:>8.1f} {delta} {proc.get('max_rss_mb', float('nan')):>12.0f}\n"
+            f"{row['round_id']:>5} {row['status']:<10} {row['cohort']:>6} {row['survivors'] or 0:>9} "
+            f"{row['seconds'] or 0:>8.1f} {'—' if cpu is None else f'{cpu:.1f}':>8} "
+            f"{'—' if per is None else f'{per:.1f}':>9} {row['peak_rss_mb'] or float('nan'):>12.0f}\n"
         )
+        if row["phases"]:
+            out.write("      phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in row["phases"].items() if v) + "\n")
+    record = loadtest_record(report, 0, None)
+    if record["server_cpu_ms_per_device_round"] is not None:
+        out.write(f"server CPU per device-round: {record['server_cpu_ms_per_device_round']:.1f} ms\n")
+    health = record["health"]
+    if health:
+        out.write(
+            f"GET /v1/health: {health['probes']} probes, {health['failures']} failed, p50 {health['p50_ms']} ms, "
+            f"p99 {health['p99_ms']} ms, max {health['max_ms']} ms; while finishing: "
+            f"{health['probes_while_finishing']} probes, p99 {health['p99_ms_while_finishing']} ms\n"
+        )
+    if record["ledger"]:
+        led = record["ledger"]
+        out.write(
+            f"privacy ledger: epsilon {led['epsilon_spent']:.4g} of {led['epsilon_budget']:.4g} spent, "
+            f"{led['rounds_charged']} rounds charged\n"
+        )
+    if record["final_model"]:
+        fm = record["final_model"]
+        out.write(f"final model: version {fm['version']}, sha256 {fm['sha256']}\n")
     out.write(f"\nerrors by type: {dict(report.errors) if report.errors else 'none'}\n")

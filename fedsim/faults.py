@@ -7,8 +7,8 @@ message and raises `device_sdk.transport.LeftRound`, which `DeviceClient.run_rou
 schedule and apply it to their devices directly.
 
 Invariants:
-- The schedule is asked once per round (at the device's first phase request of that round) and its
-  answer kept: a device re-invited to a round it left drops the same way.
+- The schedule is asked once per round, when the check-in answers with the invitation, and its answer
+  kept: a device re-invited to a round it left drops the same way.
 - ``BEFORE_*`` leaves silently (a vanished phone says nothing) unless ``announce`` is set, when the
   wrapper first sends the `Abort` an app closed cleanly would.  ``DISCONNECT_MASKED`` sends the masked
   input, then closes the connection before the answer arrives (after ``disconnect_after`` seconds):
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from enum import Enum
 
 from device_sdk.transport import LeftRound, Response, Transport
-from protocol.messages import Abort, Message, RoundResult
+from protocol.messages import Abort, Message, RoundInvite, RoundResult
 from protocol.spec import MAX_TEXT
 
 __all__ = ["DropoutAt", "FaultyTransport"]
@@ -124,6 +124,8 @@ class FaultyTransport:
         response = await self.inner.request(
             method, path, message, token=token, if_none_match=if_none_match, timeout=timeout
         )
+        if path == "/v1/checkin" and isinstance(response.message, RoundInvite):
+            self.dropout_of(response.message.round_id)  # decided once the invitation arrived
         if route is not None:
             upcoming = _LEAVES_AFTER.get(phase)
             ends = response.status >= 400 or isinstance(response.message, RoundResult)

@@ -29,13 +29,15 @@ from numpy.typing import NDArray
 
 from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
 from fedsim.faults import DropoutAt, FaultyTransport
+from fedsim.threads import one_blas_thread
 from protocol.crypto import INSECURE_NOISE_NOTICE, NoiseStream
 from protocol.errors import FedRecError
 from protocol.policy import PrivacyPolicy
 
-__all__ = ["FleetConfig", "FleetReport", "run_fleet", "fetch_status", "get_status", "PHASE_STEPS"]
+__all__ = ["FleetConfig", "FleetReport", "run_fleet", "fetch_status", "get_status", "rounds_so_far", "PHASE_STEPS"]
 
 TIME_LIMIT = "fleet time limit reached"
+_FINISH_GRACE = 30.0  # seconds a stopping fleet waits for devices reading a counted round's result
 _FINISHED = (RoundStatus.COMMITTED, RoundStatus.ABORTED)
 PHASE_STEPS = ("checkin", "model", "train", "keys", "shares", "masked", "unmask")
 _DROPS = (
@@ -81,7 +83,17 @@ class FleetConfig:
         devices from ``SeedSequence([seed, 11, k])`` and only those check in, so the server's pool (and
         with a seeded server, the round) is the same in every run with the same seed, however the
         event loop schedules the devices.  The server's ``cohort_size`` must equal it.  Unset: every
-        device checks in whenever it is free (a load test).
+        device checks in whenever it is free (a load test).  A fleet split over several processes or
+        Ray actors draws the same cohorts: each shard runs the same gate over ``fleet_size`` devices.
+    fleet_size : devices in the whole fleet when this process runs one shard of it (default: the
+        devices given to `run_fleet`).
+    rounds_before : rounds with an id up to this one are not the fleet's (set by the process that
+        splits a fleet, so that every shard counts the same rounds; default: what the shard's monitor
+        sees open or finished when it starts).
+    registered_before : devices the server held before the fleet started.  When set, the shards
+        register in fleet order (a shard waits until the server holds ``registered_before +
+        first_index`` devices), so device ids follow the fleet's order however it is split: the
+        devices' seeded generators, keyed by device id, are then the same on every back-end.
     ca_file : PEM file of the CA (or self-signed certificate) that signs an ``https`` server's
         certificate; None uses the system's trusted roots.
     """
@@ -105,6 +117,9 @@ class FleetConfig:
     drop_pause: float = 1.0
     ca_file: Path | None = None
     cohort: int | None = None
+    fleet_size: int | None = None
+    rounds_before: int | None = None
+    registered_before: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.dropout < 1.0:
@@ -133,6 +148,10 @@ class FleetReport:
     cpu_start: float | None = None
     #: (seconds since the fleet started, step, latency seconds) of every phase a device finished.
     latency_series: list[tuple[float, str, float]] = field(default_factory=list)
+    #: (unix time, seconds, ok, body) of each ``GET /v1/health`` probe (`fedsim.demo.HealthProbe`).
+    health: list[tuple[float, float, bool, str]] = field(default_factory=list)
+    #: The server's ``/v1/status`` once the fleet stopped (model digest, ledger, process figures).
+    final_status: dict[str, Any] | None = None
 
     def merge(self, other: FleetReport) -> None:
         self.devices += other.devices
@@ -184,16 +203,23 @@ class FleetReport:
         """Rounds the fleet took part in that the server committed."""
         return sum(1 for r in self.server_rounds if r.get("status") == "committed")
 
+    @property
+    def device_errors(self) -> dict[str, int]:
+        """Errors the devices hit, by type: everything but the monitor's status reads and the time limit
+        (injected drops are outcomes, never errors)."""
+        return {k: v for k, v in self.errors.items() if not k.startswith("status:") and k != TIME_LIMIT}
+
     def failure(self, wanted: int) -> str | None:
-        """One line saying why fewer than ``wanted`` rounds committed (None when they all did)."""
-        if self.committed >= wanted:
+        """One line saying why the run failed: fewer than ``wanted`` rounds committed, or devices failed for
+        a reason other than an injected drop (None when neither happened)."""
+        device_errors = self.device_errors
+        if self.committed >= wanted and not device_errors:
             return None
         parts = [f"{self.committed} of {wanted} rounds committed"]
         aborted = [r for r in self.server_rounds if r.get("status") != "committed"]
         if aborted:
             reasons = Counter(str(r.get("reason") or r.get("status")) for r in aborted)
             parts.append("aborted: " + "; ".join(f"{why} ×{n}" for why, n in reasons.most_common(3)))
-        device_errors = {k: v for k, v in self.errors.items() if not k.startswith("status:") and k != TIME_LIMIT}
         if device_errors:
             kind, n = Counter(device_errors).most_common(1)[0]
             example = self.error_examples.get(kind, "")
@@ -235,6 +261,15 @@ class _CohortGate:
                 await asyncio.wait_for(event.wait(), timeout=1.0)
             except TimeoutError:
                 pass
+
+
+def rounds_so_far(status: dict[str, Any]) -> int:
+    """The highest round id a ``/v1/status`` snapshot shows open or finished (0 for none): the rounds a
+    fleet starting now does not count as its own."""
+    ids = [int(r["round_id"]) for r in status.get("recent_rounds", [])]
+    if status.get("round"):
+        ids.append(int(status["round"]["round_id"]))
+    return max(ids, default=0)
 
 
 async def fetch_status(session: Any, url: str) -> dict[str, Any]:
@@ -312,12 +347,24 @@ async def run_fleet(
     -------
     (report, clients): the clients stay usable offline (their models are on disk) but are closed.
     """
+    if config.insecure_reproducible:
+        print(INSECURE_NOISE_NOTICE, file=sys.stderr, flush=True)
+    with one_blas_thread():  # the devices train in worker threads: one BLAS thread each
+        return await _run_fleet(config, users, first_index, on_round, on_status, monitor)
+
+
+async def _run_fleet(
+    config: FleetConfig,
+    users: Sequence[tuple[NDArray[np.int64], NDArray[np.float64] | None]],
+    first_index: int,
+    on_round: Callable[[dict[str, Any]], None] | None,
+    on_status: Callable[[dict[str, Any]], None] | None,
+    monitor: bool,
+) -> tuple[FleetReport, list[DeviceClient]]:
     import aiohttp
 
     from device_sdk.http import HttpTransport
 
-    if config.insecure_reproducible:
-        print(INSECURE_NOISE_NOTICE, file=sys.stderr, flush=True)
     report = FleetReport(devices=len(users))
     stop = asyncio.Event()
     start = time.perf_counter()
@@ -326,6 +373,7 @@ async def run_fleet(
     session = aiohttp.ClientSession(connector=connector)
     clients: list[DeviceClient] = []
     faults: list[FaultyTransport] = []
+    joined: dict[int, int] = {}  # device index -> the round it is taking part in
     try:
         for offset, (items, ratings) in enumerate(users):
             index = first_index + offset
@@ -333,7 +381,7 @@ async def run_fleet(
             # The device code is unchanged: dropouts are injected by wrapping its transport.
             transport = FaultyTransport(
                 HttpTransport(config.url, session=session),
-                _dropout_schedule(config, index, holder),
+                _dropout_schedule(config, index, holder, joined),
                 announce=config.announce_drops,
             )
             faults.append(transport)
@@ -363,18 +411,22 @@ async def run_fleet(
             holder["c"] = client
             clients.append(client)
         # Register one after the other: device ids then follow the order of ``users``, which makes a
-        # seeded run reproducible (the in-process reference registers in the same order).
+        # seeded run reproducible (the in-process reference registers in the same order); a shard first
+        # waits for the shards before it (`FleetConfig.registered_before`).
+        if config.registered_before is not None:
+            await _wait_registered(session, config, config.registered_before + first_index, stop)
         for c in clients:
             await c.register()
         gate = None
         if config.cohort is not None:
-            if first_index or not monitor:
-                raise ValueError("a fleet that picks its cohorts (cohort=...) runs in one process")
-            gate = _CohortGate(config.seed, config.cohort, len(clients))
-        tasks = [
-            asyncio.create_task(_device_loop(c, faults[i], first_index + i, config, report, stop, start, gate))
+            if not monitor:
+                raise ValueError("a fleet that picks its cohorts (cohort=...) must monitor the server's rounds")
+            gate = _CohortGate(config.seed, config.cohort, config.fleet_size or len(clients))
+        devices = [
+            asyncio.create_task(_device_loop(c, faults[i], first_index + i, config, report, stop, start, gate, joined))
             for i, c in enumerate(clients)
         ]
+        tasks = list(devices)
         if monitor:
             tasks.append(asyncio.create_task(_monitor(session, config, report, stop, on_round, on_status, gate)))
         try:
@@ -382,6 +434,12 @@ async def run_fleet(
         except TimeoutError:
             report.errors[TIME_LIMIT] += 1
         stop.set()
+        # Devices still reading the result of a round the fleet counted finish it (their outcome is
+        # recorded); devices in any later round are cancelled.
+        counted = {r.get("round_id") for r in report.server_rounds}
+        finishing = [t for i, t in enumerate(devices) if joined.get(first_index + i) in counted]
+        if finishing:
+            await asyncio.wait(finishing, timeout=_FINISH_GRACE)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -393,11 +451,15 @@ async def run_fleet(
     return report, clients
 
 
-def _dropout_schedule(config: FleetConfig, index: int, holder: dict[str, DeviceClient]) -> Callable[[int], DropoutAt]:
+def _dropout_schedule(
+    config: FleetConfig, index: int, holder: dict[str, DeviceClient], joined: dict[int, int]
+) -> Callable[[int], DropoutAt]:
     """Where device ``index`` leaves each round: ``config.schedule`` by (round, device id), or a seeded
-    draw of ``config.dropout`` over the phases (`FaultyTransport` asks once per round)."""
+    draw of ``config.dropout`` over the phases.  `FaultyTransport` asks once per round, when the
+    invitation arrives: the device is in that round from then on (``joined``)."""
 
     def plan(round_id: int) -> DropoutAt:
+        joined[index] = round_id
         if config.schedule is not None:
             return config.schedule(round_id, int(holder["c"].device_id or 0))
         rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, index, round_id]))
@@ -410,6 +472,18 @@ def _dropout_schedule(config: FleetConfig, index: int, holder: dict[str, DeviceC
     return plan
 
 
+async def _wait_registered(session: Any, config: FleetConfig, count: int, stop: asyncio.Event) -> None:
+    """Until the server holds ``count`` registered devices (the shards before this one registered)."""
+    deadline = time.monotonic() + config.time_limit
+    while True:
+        status = await fetch_status(session, config.url)
+        if int(status.get("registered_devices") or 0) >= count:
+            return
+        if time.monotonic() > deadline:
+            raise FedRecError(f"the fleet's earlier shards did not register {count} devices in time")
+        await _sleep(stop, 0.1)
+
+
 async def _device_loop(
     client: DeviceClient,
     faults: FaultyTransport,
@@ -419,6 +493,7 @@ async def _device_loop(
     stop: asyncio.Event,
     start: float,
     gate: _CohortGate | None = None,
+    joined: dict[int, int] | None = None,
 ) -> None:
     backoff = 0.5
     left: int | None = None  # the round this device dropped out of (gated fleets wait for its end)
@@ -432,11 +507,15 @@ async def _device_loop(
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a load test counts every error type and keeps going
+            if joined is not None:
+                joined.pop(index, None)
             report.errors[type(exc).__name__] += 1
             report.error_examples.setdefault(type(exc).__name__, " ".join(str(exc).split())[:200])
             await _sleep(stop, backoff)
             backoff = min(backoff * 2, 10.0)
             continue
+        if joined is not None:
+            joined.pop(index, None)
         backoff = 0.5
         _record(report, outcome, time.perf_counter() - start)
         if gate is not None and outcome.round_id is not None:
@@ -470,7 +549,7 @@ async def _monitor(
     seen: set[int] = set()
     # Rounds that finished or were already open when the fleet started belong to someone else (an
     # earlier fleet's leftover invitations): they are neither counted nor reported.
-    last_foreign: int | None = None
+    last_foreign: int | None = config.rounds_before
     while not stop.is_set():
         try:
             status = await fetch_status(session, config.url)
@@ -480,10 +559,8 @@ async def _monitor(
             continue
         finished = [r for r in status.get("recent_rounds", []) if r.get("status") in ("committed", "aborted")]
         if last_foreign is None:
-            ids = [r["round_id"] for r in status.get("recent_rounds", [])]
-            if status.get("round"):
-                ids.append(int(status["round"]["round_id"]))
-            last_foreign = max(ids, default=0)
+            last_foreign = rounds_so_far(status)
+        if report.cpu_start is None:
             report.cpu_start = (status.get("process") or {}).get("cpu_seconds")
         if on_status is not None:
             on_status(status)

@@ -36,7 +36,6 @@ only through ``seed=`` of the runs (the devices' `insecure_seeded_rngs`, the tes
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from device_sdk.client import insecure_seeded_rngs
 from device_sdk.family import LocalRatings
 from device_sdk.training import local_round
 from fedsim.faults import DropoutAt
+from fedsim.threads import one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
 from protocol.crypto import NoiseStream, insecure_test_noise_stream
@@ -448,18 +448,6 @@ def run_simulated(
         if after_round is not None:
             after_round(run)
     return run
-
-
-def one_blas_thread() -> contextlib.AbstractContextManager[Any]:
-    """Limit BLAS to one thread while simulating (``threadpoolctl`` when installed, the ``bench`` and
-    ``dev`` extras): the kernels call BLAS on small blocks, and a threaded BLAS on a busy machine
-    spends more time waking threads than computing (measured: 48 s vs 7.8 s for one round of 10,000
-    amazon-book devices on the shared 2-core machine)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - optional
-        return contextlib.nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
 
 
 class LightFRCohort:

@@ -20,12 +20,21 @@ server trained, popularity and random; `rounds` counts committed rounds) and add
 (null without DP), `seed`, `epsilon_is_guarantee` (false without DP and with `--insecure-seed-dp-noise`)
 and `server_rounds` (`round_id`, `status`, `cohort_size`, `survivors` of each round).
 
-`fedrec loadtest --json` is a report, not a quality figure: `devices`, `rounds_requested`,
-`rounds_finished`, `rounds_committed`, `seconds`, `ok` (the exit status is 0), `failure` (the one-line
-reason, or null), `outcomes` and `drops` (counts by kind), `latency_seconds` (per phase: `n`, `p50`,
-`p95`, `p99`; null when no sample), `bytes_up_median` / `bytes_down_median`, `server_rounds` (per
-round: `round_id`, `status`, `cohort`, `survivors`, `seconds`, `cpu_seconds`, `peak_rss_mb`) and
-`errors` (counts by type).
+`fedrec loadtest --json` is a report, not a quality figure: `devices`, `backend` (`local` or `ray`),
+`workers`, `url`, `rounds_requested`, `rounds_finished`, `rounds_committed`, `seconds`, `ok` (the exit
+status is 0), `failure` (the one-line reason, or null: fewer rounds committed than requested, or devices
+failed for a reason other than an injected drop), `outcomes` and `drops` (counts by kind),
+`latency_seconds` (per device-side phase: `n`, `p50`, `p95`, `p99`, `max`; null when no sample),
+`round_seconds_max`, `server_cpu_ms_per_device_round` (server CPU from the fleet's start to its last
+round's end, over the sum of the rounds' cohorts), `health` (`GET /v1/health` probed every 50 ms from a
+separate process: `probes`, `failures`, `p50_ms`, `p99_ms`, `max_ms`, `probes_while_finishing`,
+`p99_ms_while_finishing`; null for https), `instances` (per server: `url`, `rounds_committed`,
+`peak_rss_mb`, `cpu_seconds`), `bytes_up_median` / `bytes_down_median` / `bytes_per_device_round_mean`,
+`ledger` (`epsilon_spent`, `epsilon_budget`, `delta`, `rounds_charged`; null without DP), `final_model`
+(`version`, `sha256` of the served model), `server_rounds` (per round: `round_id`, `status`, `cohort`,
+`survivors`, `seconds`, `phases` (seconds per SecAgg phase), `cpu_seconds`, `cpu_ms_per_device`,
+`peak_rss_mb`), `errors` (counts by type) and `device_errors` (the same without the monitor's status
+reads and the time limit).
 
 `fedrec recommend --json`: `{"run", "family", "user", "items": [{"item", "index", "score"}, ...]}`,
 best first; `item` / `user` are the dataset's raw ids when the run kept them, `index` the dense index.

@@ -141,6 +141,7 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("cohort_size", "nc", Kind.INT),
                 ("unobserved_weight", "w0", Kind.FLOAT),  # protocol 1.3
                 ("confidence", "cf", Kind.FLOAT),  # protocol 1.3
+                ("counts_share", "cs", Kind.FLOAT),  # protocol 1.3
             ),
         ),
         PublicKeys.TYPE: (

@@ -228,6 +228,10 @@ class RoundInvite(Message):
         bias terms, counts, the code's Gram and the code (`protocol.families.lightfr.UploadLayout`).
     confidence : float
         Protocol 1.3, LightFR: α >= 0, observed items weigh 1 + α in the all-items objective.
+    counts_share : float
+        Protocol 1.3, LightFR all-items objective: s in [0, 1).  s > 0 clips the per-item counts part
+        of the upload to norm √s·C and the rest to √(1 − s)·C (the private popularity channel's share
+        of the clip norm, `protocol.families.lightfr.clip_parts`); 0 clips the whole upload to C.
     """
 
     TYPE: ClassVar[int] = 1
@@ -272,9 +276,16 @@ class RoundInvite(Message):
     # Appended in protocol 1.3 (LightFR all-items objective).
     unobserved_weight: float = 0.0
     confidence: float = 0.0
+    # Appended in protocol 1.3 (LightFR private popularity channel).
+    counts_share: float = 0.0
 
     def __post_init__(self) -> None:
         n = "RoundInvite"
+        _check_float(n, "counts_share", self.counts_share, minimum=0.0)
+        if self.counts_share >= 1.0:
+            _fail(n, f"counts_share must be < 1, got {self.counts_share}")
+        if self.counts_share > 0 and self.unobserved_weight == 0:
+            _fail(n, "counts_share needs the all-items objective (unobserved_weight > 0), whose upload has counts")
         _check_id(n, "cohort_size", self.cohort_size)
         _check_float(n, "unobserved_weight", self.unobserved_weight, minimum=0.0)
         _check_float(n, "confidence", self.confidence, minimum=0.0)

@@ -142,6 +142,9 @@ class LightFRParams:
     unobserved_weight : w0 in [0, 1 + confidence]; > 0 is the all-items objective (chosen on
         validation: 0.1), 0 the paper's sampled-negatives objective.  w0 > 0 needs "grad".
     confidence : α >= 0: observed items weigh 1 + α under the all-items objective.
+    counts_share : s in [0, 1), only with w0 > 0: the device clips the per-item counts of its upload
+        to √s·C and the rest to √(1 − s)·C (`protocol.families.lightfr.clip_parts`), the private
+        popularity channel's share of the clip norm; 0 clips the upload as one.
     """
 
     KIND: ClassVar[ModelKind] = ModelKind.LIGHTFR
@@ -152,6 +155,7 @@ class LightFRParams:
     max_sweeps: int = 10
     unobserved_weight: float = 0.1
     confidence: float = 0.0
+    counts_share: float = 0.0
 
     def __post_init__(self) -> None:
         _set(self, "aggregation", check_choice("aggregation", self.aggregation, Aggregation))
@@ -167,6 +171,11 @@ class LightFRParams:
         )
         if self.unobserved_weight > 0 and self.aggregation is not Aggregation.GRAD:
             raise ValueError("aggregation: the all-items objective (unobserved_weight > 0) needs 'grad'")
+        _nonneg(self, "counts_share", below_one=True)
+        if self.counts_share > 0 and self.unobserved_weight == 0:
+            raise ValueError(
+                "counts_share: needs the all-items objective (unobserved_weight > 0), whose upload has counts"
+            )
 
     def upload_length(self, n_items: int, rank: int) -> int:
         return UploadLayout(n_items, rank, full=self.unobserved_weight > 0).length

@@ -26,11 +26,24 @@ N_ITEMS = 20
 SEED = 13
 
 
+#: LightFR's private popularity channel: a share of the clip norm for the counts, levels from them.
+POPULARITY = {"counts_share": 0.5, "popularity_span": 2.0, "hamming_weight": 1}
+
+
 def _config(
-    data_dir: Path, kind: str, n: int, *, dp: bool, rounds: int, n_items: int = N_ITEMS, sampled: bool = False
+    data_dir: Path,
+    kind: str,
+    n: int,
+    *,
+    dp: bool,
+    rounds: int,
+    n_items: int = N_ITEMS,
+    sampled: bool = False,
+    model: dict[str, Any] | None = None,
 ) -> ServerConfig:
     # sampled: LightFR's sampled-negatives objective, the one the scaled mode (LightFRCohort) runs.
     extra = {"unobserved_weight": 0.0} if sampled else {}
+    extra.update(model or {})
     return config_from_dict(
         {
             "server": {"data_dir": str(data_dir), "port": 0},
@@ -89,21 +102,30 @@ def _schedule(r: int, d: int) -> DropoutAt:
 
 
 @pytest.mark.parametrize(
-    ("kind", "dp", "n"),
-    [("lightfr", True, 12), ("lightfr", False, 12), ("mf", True, 10), ("felb", True, 10), ("fnmf", False, 10)],
+    ("kind", "dp", "n", "model"),
+    [
+        ("lightfr", True, 12, None),
+        ("lightfr", False, 12, None),
+        ("lightfr", True, 12, POPULARITY),
+        ("mf", True, 10, None),
+        ("felb", True, 10, None),
+        ("fnmf", False, 10, None),
+    ],
 )
-def test_simulator_is_bit_identical_to_the_coordinator(kind: str, dp: bool, n: int, tmp_path: Path) -> None:
+def test_simulator_is_bit_identical_to_the_coordinator(
+    kind: str, dp: bool, n: int, model: dict[str, Any] | None, tmp_path: Path
+) -> None:
     rounds = 2
     new_model, data = _family(kind, n)
     ref = run_private(
-        _config(tmp_path / "ref", kind, n, dp=dp, rounds=rounds),
+        _config(tmp_path / "ref", kind, n, dp=dp, rounds=rounds, model=model),
         dict(enumerate(data)),
         lambda device_id: new_model(),
         rounds=rounds,
         seed=SEED,
         dropout=_schedule,
     )
-    sim = PrivateSimulator(_config(tmp_path / "sim", kind, n, dp=dp, rounds=rounds))
+    sim = PrivateSimulator(_config(tmp_path / "sim", kind, n, dp=dp, rounds=rounds, model=model))
     ids = sorted(ref.devices)
     models = {d: new_model() for d in ids}
     local = {d: data[i] for i, d in enumerate(ids)}
@@ -113,6 +135,9 @@ def test_simulator_is_bit_identical_to_the_coordinator(kind: str, dp: bool, n: i
     assert sim.model_version == coord.model_version == rounds + 1
     assert np.array_equal(np.asarray(sim.model_state), np.asarray(coord.model_state))
     assert sim.payload().words == coord.strategy.to_wire(coord.model_state).get("words", b"")
+    if model is not None:  # the item levels came from the released counts: popular items rank higher
+        levels = coord.strategy.levels(coord.model_state)
+        assert levels is not None and int(levels.max()) > 128
     if dp:
         assert coord.ledger is not None and sim.ledger is not None
         assert sim.ledger.spent() == coord.ledger.spent() > 0

@@ -197,3 +197,62 @@ def test_devices_through_the_wire_match_the_in_process_cohort() -> None:
     D, new_beta = agg_full(state[:, :f], beta, parts, n, 0.2, 1.0, flip_fraction=1.0)
     np.testing.assert_array_equal(new_state[:, :f], D)
     np.testing.assert_array_equal(strategy.levels(new_state), levels_from_bias(new_beta, f, 2))
+
+
+def test_clip_parts_gives_the_counts_their_share_of_the_clip_norm() -> None:
+    from protocol.families.lightfr import clip_parts
+
+    m, f, clip = 30, 8, 4.0
+    layout = UploadLayout(m, f, full=True)
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=layout.length) * 3.0
+    out = clip_parts(v, layout, clip, 0.25)
+    counts = out[layout.counts]
+    rest = np.delete(out, np.arange(layout.counts.start, layout.counts.stop))
+    assert np.linalg.norm(counts) <= clip * 0.5 + 1e-12 and np.linalg.norm(rest) <= clip * np.sqrt(0.75) + 1e-12
+    assert np.linalg.norm(out) <= clip + 1e-12
+    # Each part is only scaled, never changed in direction.
+    assert np.allclose(counts / np.linalg.norm(counts), v[layout.counts] / np.linalg.norm(v[layout.counts]))
+    # A part already within its share is left alone; share 0 is the plain copy.
+    small = np.zeros(layout.length)
+    small[layout.counts.start] = 1.0
+    assert np.array_equal(clip_parts(small, layout, clip, 0.25), small)
+    assert np.array_equal(clip_parts(v, layout, clip, 0.0), v)
+    with pytest.raises(ValueError, match="counts share"):
+        clip_parts(v, layout, clip, 1.0)
+    with pytest.raises(ValueError, match="all-items"):
+        clip_parts(v[: m * f], UploadLayout(m, f, full=False), clip, 0.5)
+
+
+def test_popularity_levels_follow_the_released_counts_and_average_over_rounds() -> None:
+    from agg_server.strategy.lightfr import LightFRServerStrategy, LightFRStrategy, popularity_bias
+
+    beta = popularity_bias(np.array([-3.0, 0.0, 1.0, 10.0, 100.0]), 2.0)
+    assert beta[0] == beta[1] == 0.0 and np.all(np.diff(beta[1:]) > 0) and beta[-1] == pytest.approx(2.0)
+    assert np.array_equal(popularity_bias(np.array([-1.0, 0.0]), 2.0), np.zeros(2))
+    m, f = 6, 8
+    st = LightFRServerStrategy(
+        LightFRStrategy(bits=f), m, unobserved_weight=0.1, hamming_weight=1, counts_share=0.5, popularity_span=2.0
+    )
+    assert st.plan().counts_share == 0.5
+    layout = st.layout
+    state = st.initialize(np.random.default_rng(0))
+    parts = {
+        "gradient": np.zeros((m, f)),
+        "bias": np.full(m, 50.0),  # ignored: the levels come from the counts
+        "counts": np.array([0.0, 1.0, 3.0, 7.0, 15.0, 31.0]),
+        "gram": np.eye(f),
+        "code_sum": np.zeros(f),
+    }
+    first = st.aggregate(state, layout.join(**parts), 5, np.random.default_rng(1), round_index=0)
+    lv1 = st.levels(first)
+    assert lv1 is not None and np.all(np.diff(lv1.astype(int)) > 0) and lv1[0] == LEVEL_CENTER
+    want = levels_from_bias(popularity_bias(parts["counts"], 2.0), f, 1)
+    assert np.array_equal(lv1, want)
+    # Round 2 releases the reverse order: the level is the mean of the two rounds' biases (flat here).
+    parts["counts"] = parts["counts"][::-1].copy()
+    second = st.aggregate(first, layout.join(**parts), 5, np.random.default_rng(2), round_index=1)
+    lv2 = st.levels(second)
+    assert lv2 is not None and int(lv2.max()) - int(lv2.min()) <= 1
+    with pytest.raises(ValueError, match="all-items"):
+        LightFRServerStrategy(LightFRStrategy(bits=f), m, unobserved_weight=0.0, popularity_span=1.0)

@@ -105,6 +105,7 @@ def invite_fields(draw: st.DrawFn) -> dict[str, object]:
         "cohort_size": draw(st.integers(0, 10**6)),
         "unobserved_weight": w0,
         "confidence": confidence,
+        "counts_share": draw(st.floats(0.0, 1.0, exclude_max=True)) if w0 > 0 else 0.0,
     }
 
 

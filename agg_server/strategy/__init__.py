@@ -49,6 +49,8 @@ def build_strategy(config: ServerConfig) -> Strategy:
             unobserved_weight=m.unobserved_weight,
             confidence=m.confidence,
             hamming_weight=m.hamming_weight,
+            counts_share=m.counts_share,
+            popularity_span=m.popularity_span,
         )
     # The [mf], [felb] and [fnmf] tables name exactly their strategy's hyper-parameters.
     try:

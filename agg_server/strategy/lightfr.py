@@ -29,6 +29,7 @@ __all__ = [
     "agg_grad",
     "agg_para",
     "agg_full",
+    "popularity_bias",
     "cold_start_items",
 ]
 
@@ -148,6 +149,20 @@ def agg_full(
     return out.astype(np.int8), beta
 
 
+def popularity_bias(counts: NDArray[np.float64], span: float) -> NDArray[np.float64]:
+    """Item biases from (noisy) per-item counts: span·log(1 + n̂) / log(1 + max n̂), n̂ = max(count, 0).
+
+    Post-processing of the released sum only.  A log scale, so the head of the catalogue does not
+    flatten the rest; all zeros when no count is positive.
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    if not np.all(np.isfinite(c)):
+        raise ValueError("counts must be finite")
+    lv = np.log1p(np.maximum(c, 0.0))
+    top = float(lv.max()) if lv.size else 0.0
+    return lv * (span / top) if top > 0 else np.zeros_like(lv)
+
+
 def agg_para(D: NDArray[np.int8], codes_sum: NDArray[np.integer] | NDArray[np.floating]) -> NDArray[np.int8]:
     """Agg_para (eq. 17): D ← sign(Σ_u D^u), keeping the current bit where the sum is 0."""
     _check(D, codes_sum)
@@ -229,6 +244,12 @@ class LightFRServerStrategy:
     unobserved_weight, confidence : w0 and α of the all-items objective (w0 = 0: sampled negatives).
     hamming_weight : B of the devices' integer score (f − Hamming)·B + level.
     learn_bias : learn item levels (otherwise every level stays 128, no item term).
+    counts_share : the share s of the clip norm the devices give the counts part of their upload
+        (`protocol.families.lightfr.clip_parts`; 0 = the whole upload clipped as one).
+    popularity_span : > 0 sets the item levels from the released counts instead of the learned
+        biases (the private popularity channel, for rounds under DP, where the bias sums are noise):
+        β_i = span·log(1 + n̂_i) / log(1 + max n̂), n̂ the round's counts (negative noise as 0),
+        averaged over the rounds so far (`popularity_bias`).  0 = learned levels.
     """
 
     rule: LightFRStrategy
@@ -241,8 +262,14 @@ class LightFRServerStrategy:
     confidence: float = 0.0
     hamming_weight: int = 2
     learn_bias: bool = True
+    counts_share: float = 0.0
+    popularity_span: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (np.isfinite(self.popularity_span) and self.popularity_span >= 0):
+            raise ValueError(f"popularity_span must be a finite value >= 0, got {self.popularity_span}")
+        if self.popularity_span > 0 and self.unobserved_weight == 0:
+            raise ValueError("popularity_span needs the all-items objective (unobserved_weight > 0)")
         if not 1 <= self.hamming_weight <= 255:
             raise ValueError(f"hamming_weight must be in [1, 255], got {self.hamming_weight}")
         self.plan()  # the plan's bounds: `protocol.plan.LightFRParams` checks them
@@ -279,6 +306,7 @@ class LightFRServerStrategy:
             max_sweeps=self.max_sweeps,
             unobserved_weight=self.unobserved_weight,
             confidence=self.confidence,
+            counts_share=self.counts_share,
         )
 
     def codes(self, state: NDArray[np.int8]) -> NDArray[np.int8]:
@@ -301,14 +329,19 @@ class LightFRServerStrategy:
         round_index: int,
     ) -> NDArray[np.int8]:
         if self.full:
-            return self._aggregate_full(state, total, survivors, rng)
+            return self._aggregate_full(state, total, survivors, rng, round_index)
         update_sum = np.asarray(total, dtype=np.float64).reshape(state.shape)
         if self.rule.aggregation is Aggregation.PARA:
             update_sum = update_sum + survivors * state  # Σ_u D^u = s·D + Σ_u (D^u − D)
         return self.rule.aggregate(state, update_sum, rng)
 
     def _aggregate_full(
-        self, state: NDArray[np.int8], total: NDArray[np.float64], survivors: int, rng: np.random.Generator
+        self,
+        state: NDArray[np.int8],
+        total: NDArray[np.float64],
+        survivors: int,
+        rng: np.random.Generator,
+        round_index: int,
     ) -> NDArray[np.int8]:
         f, m = self.rule.bits, self.n_items
         parts = self.layout.split(np.asarray(total, dtype=np.float64))
@@ -322,8 +355,11 @@ class LightFRServerStrategy:
             self.confidence,
             flip_fraction=self.rule.flip_fraction,
             rng=rng,
-            learn_bias=self.learn_bias,
+            learn_bias=self.learn_bias and self.popularity_span == 0,
         )
+        if self.popularity_span > 0:
+            fresh = popularity_bias(parts["counts"], self.popularity_span)
+            beta = (round_index * beta + fresh) / (round_index + 1)
         lv = levels_from_bias(beta, f, self.hamming_weight)
         return np.concatenate([D, (lv.astype(np.int16) - LEVEL_CENTER).astype(np.int8)[:, None]], axis=1)
 

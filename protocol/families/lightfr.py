@@ -9,6 +9,9 @@ Invariants:
   the per-item bias numerator (m), the per-item positive counts (m), the user code's outer product
   b bᵀ / f (f × f) and the user code b / f (f).  Every part is a sum over devices, so the server
   needs nothing but the secure sum.
+- With a counts share s > 0 (`clip_parts`) a device clips the counts part of its upload to norm √s·C
+  and everything else to √(1 − s)·C, so the whole stays within C (the sensitivity the accountant
+  charges is unchanged) while s of the clip norm buys the private popularity channel.
 - Item levels are uint8: level = clip(round(β·f·B/2) + 128, 0, 255) for an item bias β (in units of
   bᵀd / f) and hamming weight B >= 1, so that (f − Hamming)·B + level ranks items exactly as
   bᵀd / f + β does, up to the quantization step 2 / (f·B).
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["UploadLayout", "LEVEL_CENTER", "levels_from_bias", "bias_from_levels"]
+__all__ = ["UploadLayout", "LEVEL_CENTER", "levels_from_bias", "bias_from_levels", "clip_parts"]
 
 #: The level that stands for item bias 0.
 LEVEL_CENTER = 128
@@ -141,3 +144,32 @@ def bias_from_levels(levels: NDArray[np.uint8] | None, n_items: int, bits: int, 
     if weight < 1:
         raise ValueError(f"hamming weight must be >= 1, got {weight}")
     return (lv.astype(np.float64) - LEVEL_CENTER) * 2.0 / (bits * weight)
+
+
+def clip_parts(
+    vector: NDArray[np.float64], layout: UploadLayout, clip_norm: float, share: float
+) -> NDArray[np.float64]:
+    """Clip the counts part of an all-items upload to norm √share·C and the rest to √(1 − share)·C.
+
+    The result has norm at most C (up to rounding, which the quantizer's own clip to C removes), so
+    a round's sensitivity is the one the accountant charges; ``share`` is the fraction of the clip
+    norm's square given to the private popularity channel.  ``share == 0`` returns a copy.
+    """
+    from protocol.quantization import clip_l2  # here: protocol.quantization imports the codec, which imports this
+
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"counts share must be in [0, 1), got {share}")
+    v = np.array(vector, dtype=np.float64)
+    if share == 0.0:
+        return v
+    if not layout.full:
+        raise ValueError("a counts share needs the all-items upload, which has a counts part")
+    if v.shape != (layout.length,):
+        raise ValueError(f"a LightFR upload has {layout.length} elements, got shape {v.shape}")
+    sl = layout.counts
+    counts, _ = clip_l2(v[sl], clip_norm * np.sqrt(share))
+    rest_idx = np.r_[0 : sl.start, sl.stop : layout.length]
+    rest, _ = clip_l2(v[rest_idx], clip_norm * np.sqrt(1.0 - share))
+    v[sl] = counts
+    v[rest_idx] = rest
+    return v
