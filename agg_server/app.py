@@ -44,7 +44,7 @@ from agg_server.coordinator import FinishJob, RoundCoordinator
 from agg_server.logs import current_request_id
 from agg_server.storage import Storage
 from agg_server.strategy.base import Strategy
-from protocol.codec import decode, encode
+from protocol.codec import MAX_OBJECTS, decode, encode
 from protocol.errors import (
     AuthError,
     ConfigError,
@@ -113,7 +113,13 @@ _SLOTS: web.AppKey[list[RoundCoordinator]] = web.AppKey("slots")
 _KEEPER = web.AppKey("lease_keeper", LeaseKeeper)
 _PROXY = web.AppKey("proxy_session", aiohttp.ClientSession)
 
+
+class BodyTimeout(RemoteProtocolError):
+    """A request body did not arrive within ``server.body_timeout`` (408; the connection is closed)."""
+
+
 _STATUS: list[tuple[type[FedRecError], int]] = [
+    (BodyTimeout, 408),
     (PermissionDenied, 403),
     (AuthError, 401),
     (PayloadTooLarge, 413),
@@ -171,7 +177,16 @@ async def _errors(
                 exc.code,
                 exc,
             )
-        return _error_response(request, exc, status, request_id)
+        response = _error_response(request, exc, status, request_id)
+        if isinstance(exc, BodyTimeout):
+            # A stalled body: answer, then close at once instead of aiohttp's lingering read of the
+            # rest (up to 10 s more per connection); a 413 keeps the lingering so its sender reads it.
+            response.force_close()
+            await response.prepare(request)
+            await response.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+        return response
     except web.HTTPRequestEntityTooLarge as exc:
         return _error_response(request, PayloadTooLarge(exc.text or "request body too large"), 413, request_id)
     except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
@@ -215,24 +230,73 @@ def body_limit(
     return min(cap, SMALL_BODY_BYTES + vector + 512 * p.k)
 
 
+def body_objects(
+    request: web.Request, expected: type[Message] | None = None, coordinator: RoundCoordinator | None = None
+) -> int:
+    """The most msgpack objects a route's body may hold, sized like `body_limit`: the largest legitimate
+    message of a vector route has about 4·k objects (ids and shares of k neighbours), every other route a
+    few dozen.  msgpack's C parser holds the interpreter while it builds them (measured: 65,536 empty
+    arrays took 25–300 ms on this machine, depending on load), so the cap keeps that time negligible."""
+    if expected not in (EncryptedShares, MaskedInput, UnmaskResponse):
+        return SMALL_ROUTE_OBJECTS
+    r = (coordinator if coordinator is not None else request.app[COORDINATOR]).open_round
+    if r is None:
+        return SMALL_ROUTE_OBJECTS
+    return min(MAX_OBJECTS, SMALL_ROUTE_OBJECTS + 4 * r.session.params.k)
+
+
+#: Bodies above this size are decoded (and hashed) in a worker thread (issue 15 item 8): a body this small
+#: holds at most a few thousand msgpack objects, a few milliseconds of parsing; above it, the codec's
+#: header walk (Python, which yields the interpreter to the loop) and SHA-256 (which releases it) run off
+#: the loop, and only msgpack's C parser holds the interpreter, to copy the vector (measured in
+#: tests/test_security.py; figures in docs/threat-model.md §3.5).
+THREAD_DECODE_BYTES = 4 * 1024
+#: Object cap of the routes without a vector (register, check-in, keys, abort): their messages have a
+#: few dozen objects; the cap bounds the C parser's uninterruptible time on a hostile 64 KiB body.
+SMALL_ROUTE_OBJECTS = 1024
+
+
 async def _read(request: web.Request) -> Message:
     limit = body_limit(request)
-    return decode(await _read_body(request, limit), max_size=limit)
+    message, _ = await _decode(await _read_body(request, limit), limit, SMALL_ROUTE_OBJECTS)
+    return message
 
 
-async def _read_body(request: web.Request, limit: int | None = None) -> bytes:
+def _decode_and_hash(body: bytes | bytearray, limit: int, max_objects: int) -> tuple[Message, bytes]:
+    message = decode(body, max_size=limit, max_objects=max_objects)
+    return message, hashlib.sha256(body).digest()
+
+
+async def _decode(body: bytes | bytearray, limit: int, max_objects: int) -> tuple[Message, bytes]:
+    """Decode a body and hash it (the digest identifies a retransmission); off the event loop when the
+    body is larger than `THREAD_DECODE_BYTES`."""
+    if len(body) <= THREAD_DECODE_BYTES:
+        return _decode_and_hash(body, limit, max_objects)
+    return await asyncio.get_running_loop().run_in_executor(None, _decode_and_hash, body, limit, max_objects)
+
+
+async def _read_body(request: web.Request, limit: int | None = None) -> bytearray:
     # Read the body ourselves instead of `request.read()`, which caches the bytes on the request for
     # its whole life: a long-poll handler would then pin every device's upload (1000 devices ×
-    # 1 MB masked inputs) until the phase closes.
-    limit = request.app[CONFIG].listen.max_body_bytes if limit is None else limit
+    # 1 MB masked inputs) until the phase closes.  A body that has not fully arrived after
+    # ``server.body_timeout`` seconds is cut (issue 15 item 8: slow or partial bodies held sockets forever).
+    listen = request.app[CONFIG].listen
+    limit = listen.max_body_bytes if limit is None else limit
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
     body = bytearray()
-    async for chunk in request.content.iter_chunked(1 << 16):
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    return bytes(body)
+    try:
+        async with asyncio.timeout(listen.body_timeout):
+            async for chunk in request.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    except TimeoutError:
+        raise BodyTimeout(
+            f"request body not received within {listen.body_timeout:g} s (server.body_timeout); "
+            f"{len(body)} bytes arrived"
+        ) from None
+    return body
 
 
 def _send(message: Message, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -265,7 +329,7 @@ def _leader(request: web.Request, device: int) -> RoundCoordinator | str:
     return ""
 
 
-async def _elsewhere(request: web.Request, device: int, url: str, body: bytes | None) -> web.StreamResponse:
+async def _elsewhere(request: web.Request, device: int, url: str, body: bytes | bytearray | None) -> web.StreamResponse:
     """Forward a device's request to the leader of its cohort at ``url`` and relay the answer; with no
     leader, a check-in waits and anything else gets 503 + Retry-After (device transports retry those)."""
     if not url:
@@ -352,11 +416,11 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
             return await _elsewhere(request, device, leader, await _read_body(request))
         limit = body_limit(request, expected, leader)
         body = await _read_body(request, limit)
-        msg = decode(body, max_size=limit)
+        # the digest identifies a retransmission without encoding msg again
+        msg, digest = await _decode(body, limit, body_objects(request, expected, leader))
+        del body
         if not isinstance(msg, expected):
             raise RemoteProtocolError(f"expected {expected.__name__} on this route, got {type(msg).__name__}")
-        digest = hashlib.sha256(body).digest()  # identifies a retransmission without encoding msg again
-        del body
         coordinator, changes, clock = leader, app[_CHANGES], app[_CLOCK]
         before = _fingerprint(app)
         try:
@@ -409,6 +473,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
+    request.app[dashboard.OPERATOR].check_operator(request.headers.get("Authorization"))
     now = request.app[_CLOCK]()
     body = request.app[COORDINATOR].status(now)
     body["cluster"] = request.app[_KEEPER].describe(now)

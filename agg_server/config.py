@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import math
 import os
 import tomllib
@@ -27,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from protocol.errors import ConfigError
+from protocol.families.lightfr import DENSITY_SCALE, density_weight
 from protocol.graph import find_parameters, validate_parameters
 from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams
 from protocol.quantization import DEFAULT_SCALE_BITS, MAX_SCALE_BITS, QuantizationConfig
@@ -176,6 +178,13 @@ class ListenConfig:
     admin_token_sha256 : str or None
         Hex SHA-256 of the operator's admin bearer token (for ``/v1/admin/*``); None disables
         the admin endpoints.  The token itself is never written to the configuration.
+    body_timeout : float
+        Seconds a request body may take to arrive, from the start of its handler (> 0, at most a day); a
+        slow or partial body is cut with 408 and its connection closed.
+    protect_operator_endpoints : bool or None
+        Put ``/metrics``, ``/v1/status`` and the dashboard's data (``/v1/dashboard``; the page itself holds
+        none) behind the admin token.  None (the default) means on when ``host`` is not a loopback address and
+        off on loopback.  On without ``admin_token_sha256`` leaves those endpoints closed (403).
     """
 
     host: str = "127.0.0.1"
@@ -184,6 +193,8 @@ class ListenConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     admin_token_sha256: str | None = None
+    body_timeout: float = 30.0
+    protect_operator_endpoints: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -203,6 +214,27 @@ class ListenConfig:
             not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest)
         ):
             raise _fail("server.admin_token_sha256", "64 lowercase hex digits (sha256 of the token)", digest)
+        _set(self, "body_timeout", _float("server.body_timeout", self.body_timeout, lo=0.0, hi=86400.0, lo_open=True))
+        if self.protect_operator_endpoints is not None:
+            _bool("server.protect_operator_endpoints", self.protect_operator_endpoints)
+
+    @property
+    def operator_endpoints_protected(self) -> bool:
+        """Whether ``/metrics``, ``/v1/status`` and the dashboard need the admin token."""
+        if self.protect_operator_endpoints is not None:
+            return self.protect_operator_endpoints
+        return not is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1); False for anything else,
+    wildcard binds and names included."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 _LIGHTFR = LightFRParams()
@@ -231,9 +263,14 @@ class ModelSection:
         "grad" (Agg_grad, the default) or "para" (Agg_para), a `protocol.spec.Aggregation` value.
     flip_fraction : float
         Damping ρ in (0, 1] of Agg_grad: the probability a bit that wants to flip does.
-    unobserved_weight : float
+    unobserved_weight : float or "auto"
         LightFR w0 in [0, 1 + confidence]: > 0 trains against every unobserved item (the all-items
-        objective, chosen on validation: 0.1) and learns item levels; 0 uses ``negatives`` sampled ones.
+        objective) and learns item levels; 0 uses ``negatives`` sampled ones.  "auto" (the default)
+        is the all-items objective with w0 derived each round from the catalogue's density,
+        w0 = unobserved_scale · density^(2/3), density = the round's summed counts / (survivors · m)
+        (`protocol.families.lightfr.density_weight`; chosen on validation across three datasets).
+    unobserved_scale : float
+        κ > 0 of that rule (default 0.6); used only with ``unobserved_weight = "auto"``.
     confidence : float
         LightFR α >= 0: observed items weigh 1 + α under the all-items objective.
     hamming_weight : int
@@ -256,9 +293,10 @@ class ModelSection:
     max_sweeps: int = _LIGHTFR.max_sweeps
     aggregation: str = _LIGHTFR.aggregation.value
     flip_fraction: float = 0.3
-    unobserved_weight: float = _LIGHTFR.unobserved_weight
+    unobserved_weight: float | str = "auto"
     confidence: float = _LIGHTFR.confidence
     hamming_weight: int = 2
+    unobserved_scale: float = DENSITY_SCALE
     counts_share: float = _LIGHTFR.counts_share
     popularity_span: float = 0.0
 
@@ -272,13 +310,14 @@ class ModelSection:
                 f"model.n_items: n_items * bits = {self.n_items} * {self.bits} = {self.n_items * self.bits} "
                 f"exceeds the largest update vector 2**28 = {MAX_VECTOR_LENGTH}; lower model.bits or n_items"
             )
+        if isinstance(self.unobserved_weight, str) and self.unobserved_weight != "auto":
+            raise _fail("model.unobserved_weight", '"auto" or a number in [0, 1 + confidence]', self.unobserved_weight)
+        _set(self, "unobserved_scale", _float("model.unobserved_scale", self.unobserved_scale, lo=0.0, lo_open=True))
         params = self.lightfr_params()
-        for name in (
-            "lam",
-            "unobserved_weight",
-            "confidence",
-            "counts_share",
-        ):  # normalised: an int given is stored as a float
+        names = ("lam", "confidence", "counts_share") + (
+            () if self.unobserved_weight == "auto" else ("unobserved_weight",)
+        )
+        for name in names:  # normalised: an int given is stored as a float
             _set(self, name, getattr(params, name))
         _set(
             self,
@@ -300,12 +339,20 @@ class ModelSection:
                 negatives=self.negatives,
                 local_epochs=self.local_epochs,
                 max_sweeps=self.max_sweeps,
-                unobserved_weight=self.unobserved_weight,
+                unobserved_weight=self.first_unobserved_weight,
                 confidence=self.confidence,
                 counts_share=self.counts_share,
             )
         except ValueError as exc:
             raise ConfigError(f"model.{exc}") from None
+
+    @property
+    def first_unobserved_weight(self) -> float:
+        """The w0 of the first round: the number configured, or under "auto" the density rule at its floor
+        (one positive per device); the server derives it from every round's counts from then on."""
+        if self.unobserved_weight == "auto":
+            return density_weight(0.0, 1, self.n_items, scale=self.unobserved_scale, cap=1.0)
+        return float(self.unobserved_weight)
 
 
 #: The smallest cohort a secure-aggregation round accepts (``rounds.cohort_size`` and ``min_cohort``).

@@ -27,9 +27,10 @@ from fedsim.als import implicit_als
 from fedsim.evaluation import TieMode, evaluate_candidates
 from fedsim.experiment import Experiment, Protocol, baselines, prepare
 from fedsim.federation import FederatedLightFR, FederationConfig, run_lightfr, user_data
+from protocol.families.lightfr import DENSITY_SCALE, density_weight
 
 ROUNDS = 40
-DEFAULT = "all items, w0=0.1, learned levels, ρ=0.3"
+DEFAULT = "all items, w0=auto (0.6·density^(2/3)), learned levels, ρ=0.3"
 
 
 def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig, bool]]:
@@ -37,7 +38,13 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
     full = LightFRConfig(bits=64, rating_range=exp.rating_range, binary_positives=True, unobserved_weight=0.1)
     sampled = replace(full, unobserved_weight=0.0, negatives=4)
     fed = FederationConfig(rounds=ROUNDS, fraction=0.6, flip_fraction=0.3)
+    auto = (
+        replace(full, unobserved_weight=density_weight(0.0, 1, exp.train.n_items)),
+        replace(fed, unobserved_scale=DENSITY_SCALE),
+        False,
+    )
     return {
+        DEFAULT: auto,
         "paper objective, 4 sampled negatives, ρ=0.1 (old default)": (sampled, replace(fed, flip_fraction=0.1), False),
         "paper objective, 4 sampled negatives, ρ=0.3": (sampled, fed, False),
         "paper objective, 8 sampled negatives, ρ=0.1": (
@@ -47,7 +54,7 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
         ),
         "all items, w0=0.1, no item term, ρ=0.3": (full, replace(fed, learn_bias=False), False),
         "all items, w0=0.1, popularity levels, ρ=0.3": (full, replace(fed, learn_bias=False), True),
-        DEFAULT: (full, fed, False),
+        "all items, w0=0.1, learned levels, ρ=0.3 (the previous default)": (full, fed, False),
         "all items, w0=0.1, learned levels, ρ=0.1": (full, replace(fed, flip_fraction=0.1), False),
         "all items, w0=0.03, learned levels, ρ=0.3": (replace(full, unobserved_weight=0.03), fed, False),
         "all items, w0=0.3, learned levels, ρ=0.3": (replace(full, unobserved_weight=0.3), fed, False),

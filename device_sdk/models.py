@@ -55,11 +55,11 @@ class LightFRConfig:
         given are already normalised.
     binary_positives : fit every observed rating as 1 (pure implicit feedback) instead of its
         normalised value.
-    unobserved_weight : w0 (0.1, chosen on ML-100K/FilmTrust validation; large sparse catalogues
-        want less: amazon-book's validation chose 0.001).  0 selects the paper's objective with
-        ``negatives`` sampled unobserved items; w0 > 0 the all-items objective (every unobserved item
-        at target 0 with weight w0, through the item Gram; ``negatives`` is then unused; see
-        `device_sdk.lightfr.dcd_full`).
+    unobserved_weight : w0 (0.1 for a model trained alone; in federated rounds the server's plan sets
+        it, by default from the catalogue's density, `protocol.families.lightfr.density_weight`).
+        0 selects the paper's objective with ``negatives`` sampled unobserved items; w0 > 0 the
+        all-items objective (every unobserved item at target 0 with weight w0, through the item Gram;
+        ``negatives`` is then unused; see `device_sdk.lightfr.dcd_full`).
     confidence : α ≥ 0 of the all-items objective: observed items weigh c = 1 + α (w0 ≤ c).
     """
 

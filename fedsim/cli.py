@@ -37,6 +37,7 @@ from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, r
 from fedsim.report import result_record, write_json
 from fedsim.ui import progress, table
 from protocol.errors import ConfigError, FedRecError
+from protocol.families.lightfr import DENSITY_SCALE, density_weight
 from protocol.plan import LightFRParams
 from protocol.spec import MAX_LOCAL_STEPS, Aggregation
 
@@ -109,6 +110,10 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _weight_or_auto(text: str) -> float | str:
+    return "auto" if text.strip().lower() == "auto" else _nonneg_float(text)
+
+
 #: Agg_grad damping ρ: one default for `simulate`, `demo` and the server (its `ModelSection`).
 FLIP_FRACTION = next(f.default for f in dataclasses.fields(ModelSection) if f.name == "flip_fraction")
 
@@ -141,10 +146,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--unobserved-weight",
-        type=_nonneg_float,
+        type=_weight_or_auto,
         default=None,
-        help="w0: > 0 trains against every unobserved item and learns item levels (default 0.1, chosen on "
-        "validation; 0 with --aggregation para); 0 = the paper's sampled negatives",
+        help="w0: > 0 trains against every unobserved item and learns item levels; 'auto' (the default; "
+        "0 with --aggregation para) derives it from the catalogue's density each round, w0 = 0.6·density^(2/3), "
+        "chosen on validation; 0 = the paper's sampled negatives",
     )
     g.add_argument(
         "--confidence",
@@ -562,15 +568,23 @@ def _model_config(args: argparse.Namespace, exp: Experiment) -> LightFRConfig:
         max_sweeps=args.sweeps,
         rating_range=exp.rating_range,
         binary_positives=args.targets == "binary",
-        unobserved_weight=_unobserved_weight(args),
+        unobserved_weight=_first_weight(args, exp.train.n_items),
         confidence=args.confidence,
     )
 
 
-def _unobserved_weight(args: argparse.Namespace) -> float:
+def _unobserved_weight(args: argparse.Namespace) -> float | str:
+    """The --unobserved-weight asked for: a number, or "auto" (the density rule)."""
     if args.unobserved_weight is not None:
-        return float(args.unobserved_weight)
-    return 0.1 if args.aggregation == Aggregation.GRAD.value else 0.0
+        return args.unobserved_weight if args.unobserved_weight == "auto" else float(args.unobserved_weight)
+    return "auto" if args.aggregation == Aggregation.GRAD.value else 0.0
+
+
+def _first_weight(args: argparse.Namespace, n_items: int) -> float:
+    """The w0 the first round trains with: the number asked for, or under "auto" the density rule at its
+    floor (one positive per device; the server replaces it from the first round's counts)."""
+    w = _unobserved_weight(args)
+    return density_weight(0.0, 1, n_items) if w == "auto" else float(w)
 
 
 def _fed_config(args: argparse.Namespace) -> FederationConfig:
@@ -580,6 +594,7 @@ def _fed_config(args: argparse.Namespace) -> FederationConfig:
         seed=args.seed,
         aggregation=Aggregation(args.aggregation),
         flip_fraction=args.flip_fraction,
+        unobserved_scale=DENSITY_SCALE if _unobserved_weight(args) == "auto" else 0.0,
     )
 
 
@@ -846,7 +861,7 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
         f"LightFR f={args.bits}, λ={args.lam}, "
         + (
             f"all items (w0={_unobserved_weight(args)}, α={args.confidence}, item levels)"
-            if _unobserved_weight(args) > 0
+            if _unobserved_weight(args) != 0
             else f"{args.negatives} negatives per rating"
         )
         + f", E={args.epochs}; "

@@ -26,7 +26,7 @@ from device_sdk.models import LightFRConfig
 from fedsim.datasets import Ratings
 from fedsim.evaluation import EvalResult
 from protocol.codes import random_signs
-from protocol.families.lightfr import bias_from_levels, levels_from_bias
+from protocol.families.lightfr import bias_from_levels, density_weight, levels_from_bias
 from protocol.spec import Aggregation
 
 __all__ = [
@@ -54,6 +54,10 @@ class FederationConfig:
     flip_fraction : damping ρ of the server's code update (see `agg_server.strategy.lightfr.agg_grad`).
     hamming_weight : B of the integer score (f − Hamming)·B + item level (all-items objective).
     learn_bias : learn item biases (shipped as uint8 levels) under the all-items objective.
+    unobserved_scale : κ > 0 derives the all-items objective's w0 from the catalogue density, as the
+        server does (`agg_server.strategy.lightfr.LightFRServerStrategy`): each round w0 = κ·density^γ
+        from the counts slice of the cohort's sum; the devices of round 1 train with the model
+        config's ``unobserved_weight``.  0 keeps that w0 fixed.
     """
 
     rounds: int = 50
@@ -63,8 +67,11 @@ class FederationConfig:
     flip_fraction: float = 1.0
     hamming_weight: int = 2
     learn_bias: bool = True
+    unobserved_scale: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (np.isfinite(self.unobserved_scale) and self.unobserved_scale >= 0):
+            raise ValueError(f"unobserved_scale must be a finite value >= 0, got {self.unobserved_scale}")
         if self.rounds < 0:
             raise ValueError(f"rounds must be >= 0, got {self.rounds}")
         if not 0 < self.fraction <= 1:
@@ -139,6 +146,8 @@ class FederatedLightFR:
     history: list[RoundReport] = field(default_factory=list)
     item_levels: NDArray[np.uint8] | None = None
     hamming_weight: int = 1
+    #: The w0 of the last round under the all-items objective (density-derived or fixed).
+    unobserved_weight: float = 0.0
 
     def scores(self, users: NDArray[np.int64], candidates: NDArray[np.int64]) -> NDArray[np.int32]:
         """The integer score (f − Hamming)·B + level (level 0 without item levels) of each user's
@@ -252,6 +261,7 @@ def run_full(
     n, m, f = data.n_users, data.n_items, model.bits
     w0, alpha, wgt = model.unobserved_weight, model.confidence, federation.hamming_weight
     state = FederatedLightFR(user_codes=random_signs(n, f, rng), item_codes=random_signs(m, f, rng), hamming_weight=wgt)
+    state.unobserved_weight = w0
     beta = np.zeros(m)
     if federation.learn_bias:
         state.item_levels = levels_from_bias(beta, f, wgt)
@@ -271,6 +281,11 @@ def run_full(
             flips += stats.flips
         parts = lightfr.full_upload(local.indptr, local.items, local.targets, B, D, dev_beta, w0, alpha)
         state.user_codes[cohort] = B
+        if federation.unobserved_scale > 0:  # the server's w0, from this round's counts (next round's plan)
+            w0 = density_weight(
+                float(parts["counts"].sum()), cohort.size, m, scale=federation.unobserved_scale, cap=1.0 + alpha
+            )
+            state.unobserved_weight = w0
         new_D, beta = agg_full(
             D,
             dev_beta,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import ssl
 import sys
 import time
@@ -272,9 +273,21 @@ def rounds_so_far(status: dict[str, Any]) -> int:
     return max(ids, default=0)
 
 
-async def fetch_status(session: Any, url: str) -> dict[str, Any]:
-    """GET ``/v1/status`` as JSON (``session`` is an aiohttp ClientSession)."""
-    async with session.get(f"{url}/v1/status") as resp:
+#: Environment variable holding the operator's admin token, sent with the fleet's ``/v1/status`` reads: a
+#: server bound to a non-loopback address protects that endpoint by default
+#: (``server.protect_operator_endpoints``).
+ADMIN_TOKEN_ENV = "FEDREC_ADMIN_TOKEN"
+
+
+def _operator_headers(admin_token: str | None) -> dict[str, str]:
+    token = admin_token if admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+async def fetch_status(session: Any, url: str, admin_token: str | None = None) -> dict[str, Any]:
+    """GET ``/v1/status`` as JSON (``session`` is an aiohttp ClientSession); with ``admin_token`` (default:
+    the ``FEDREC_ADMIN_TOKEN`` environment variable) as the bearer token when one is given."""
+    async with session.get(f"{url}/v1/status", headers=_operator_headers(admin_token)) as resp:
         text = await resp.text()
         if resp.status != 200:
             raise RuntimeError(f"status endpoint answered {resp.status}")
@@ -282,8 +295,11 @@ async def fetch_status(session: Any, url: str) -> dict[str, Any]:
         return data
 
 
-def get_status(url: str, ca_file: Path | None = None, timeout: float = 10.0) -> dict[str, Any]:
-    """GET ``/v1/status`` without an event loop (before a fleet starts, or from a parent process).
+def get_status(
+    url: str, ca_file: Path | None = None, timeout: float = 10.0, admin_token: str | None = None
+) -> dict[str, Any]:
+    """GET ``/v1/status`` without an event loop (before a fleet starts, or from a parent process); the
+    admin token as in `fetch_status`.
 
     Raises
     ------
@@ -296,10 +312,16 @@ def get_status(url: str, ca_file: Path | None = None, timeout: float = 10.0) -> 
     context = ssl.create_default_context(cafile=str(ca_file)) if ca_file is not None else None
     target = f"{url.rstrip('/')}/v1/status"
     try:
-        with urllib.request.urlopen(target, timeout=timeout, context=context) as resp:  # noqa: S310 - operator URL
+        request = urllib.request.Request(target, headers=_operator_headers(admin_token))
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:  # noqa: S310 - operator URL
             data: dict[str, Any] = json.loads(resp.read())
             return data
     except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            raise FedRecError(
+                f"{target} answered HTTP {exc.code}: the server protects its operator endpoints; set "
+                f"{ADMIN_TOKEN_ENV} to the admin token"
+            ) from None
         raise FedRecError(f"{target} answered HTTP {exc.code}; is this a fedrec-server?") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)

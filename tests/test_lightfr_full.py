@@ -199,6 +199,72 @@ def test_devices_through_the_wire_match_the_in_process_cohort() -> None:
     np.testing.assert_array_equal(strategy.levels(new_state), levels_from_bias(new_beta, f, 2))
 
 
+def test_density_weight_rule_and_its_clips() -> None:
+    from protocol.families.lightfr import DENSITY_POWER, DENSITY_SCALE, density_weight
+
+    # 10 devices with 50 positives each over 1000 items: density 0.05.
+    assert density_weight(500.0, 10, 1000) == pytest.approx(DENSITY_SCALE * 0.05**DENSITY_POWER)
+    # A noisy sum below one positive per device (or not finite) counts as one per device: the floor 1/m.
+    floor = DENSITY_SCALE * (1 / 1000) ** DENSITY_POWER
+    assert density_weight(-30.0, 10, 1000) == density_weight(float("nan"), 10, 1000) == pytest.approx(floor)
+    assert density_weight(1e9, 10, 1000, cap=0.25) == 0.25  # density clipped to 1, w0 to the cap
+    with pytest.raises(ValueError, match="devices and n_items"):
+        density_weight(1.0, 0, 10)
+    with pytest.raises(ValueError, match="scale and power"):
+        density_weight(1.0, 1, 10, scale=0.0)
+
+
+def test_server_derives_w0_from_the_counts_of_each_sum() -> None:
+    """With unobserved_scale > 0 the strategy steps with κ·density^γ of the round's own counts and
+    sends that w0 in the next plan; the step equals agg_full called with it."""
+    from agg_server.strategy import LightFRServerStrategy, LightFRStrategy
+    from protocol.families.lightfr import density_weight
+
+    rng = np.random.default_rng(5)
+    n, m, f = 12, 40, 16
+    indptr, items, _ = _batch(rng, n, m, 8)
+    r = np.ones(items.size)
+    strategy = LightFRServerStrategy(
+        LightFRStrategy(bits=f, flip_fraction=1.0), m, unobserved_weight=0.05, unobserved_scale=0.6
+    )
+    assert strategy.plan().unobserved_weight == 0.05  # round 1: the provisional value
+    state = strategy.initialize(rng)
+    B = random_signs(n, f, rng)
+    beta = np.zeros(m)
+    parts = lightfr.full_upload(indptr, items, r, B, state[:, :f], beta, 0.05, 0.0)
+    total = UploadLayout(m, f, full=True).join(**parts)
+    new_state = strategy.aggregate(state, total, n, np.random.default_rng(0), round_index=0)
+    w0 = density_weight(float(items.size), n, m, scale=0.6)
+    assert strategy.plan().unobserved_weight == pytest.approx(w0) and w0 != 0.05
+    D, new_beta = agg_full(state[:, :f], beta, parts, n, w0, 0.0, flip_fraction=1.0)
+    np.testing.assert_array_equal(new_state[:, :f], D)
+    np.testing.assert_array_equal(strategy.levels(new_state), levels_from_bias(new_beta, f, 2))
+    with pytest.raises(ValueError, match="unobserved_scale"):
+        LightFRServerStrategy(LightFRStrategy(bits=f), m, unobserved_weight=0.1, unobserved_scale=-1.0)
+    with pytest.raises(ValueError, match="round 1"):
+        LightFRServerStrategy(LightFRStrategy(bits=f), m, unobserved_weight=0.0, unobserved_scale=0.6)
+
+
+def test_server_config_auto_weight_builds_a_density_strategy(tmp_path) -> None:
+    from functools import partial
+
+    from agg_server.config import config_from_dict as from_dict
+    from agg_server.strategy import build_strategy
+    from protocol.errors import ConfigError
+    from protocol.families.lightfr import density_weight
+
+    config_from_dict = partial(from_dict, base_dir=tmp_path)
+    base = {"server": {"data_dir": str(tmp_path)}}
+    st = build_strategy(config_from_dict({**base, "model": {"n_items": 500}}))
+    assert st.unobserved_scale == 0.6 and st.plan().unobserved_weight == density_weight(0.0, 1, 500)
+    fixed = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "unobserved_weight": 0.1}}))
+    assert fixed.unobserved_scale == 0.0 and fixed.plan().unobserved_weight == 0.1
+    with pytest.raises(ConfigError, match='"auto" or a number'):
+        config_from_dict({**base, "model": {"n_items": 500, "unobserved_weight": "automatic"}})
+    with pytest.raises(ConfigError, match="unobserved_scale"):
+        config_from_dict({**base, "model": {"n_items": 500, "unobserved_scale": 0}})
+
+
 def test_clip_parts_gives_the_counts_their_share_of_the_clip_norm() -> None:
     from protocol.families.lightfr import clip_parts
 

@@ -115,7 +115,12 @@ def test_server_config_devices_and_cli_share_defaults_and_bounds() -> None:
         shared = {f.name for f in dataclasses.fields(params)}
         assert {f.name: getattr(section(), f.name) for f in dataclasses.fields(params)} == dataclasses.asdict(params())
         assert shared <= {f.name for f in dataclasses.fields(section)}
-    assert ModelSection(n_items=3).lightfr_params() == LightFRParams()
+    # The server's default w0 is "auto" (derived from the density of each round's counts): its first
+    # plan carries the density rule at its floor; every other parameter is the plan's default.
+    from protocol.families.lightfr import density_weight
+
+    first = dataclasses.replace(LightFRParams(), unobserved_weight=density_weight(0.0, 1, 3))
+    assert ModelSection(n_items=3).lightfr_params() == first
     assert LightFRConfig().params(Aggregation.GRAD) == LightFRParams()
     assert MFConfig().params() == MFParams()
     fnmf = FNMFConfig()

@@ -12,13 +12,19 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
 
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs
-from protocol.families.lightfr import LEVEL_CENTER, UploadLayout, bias_from_levels, levels_from_bias
+from protocol.families.lightfr import (
+    LEVEL_CENTER,
+    UploadLayout,
+    bias_from_levels,
+    density_weight,
+    levels_from_bias,
+)
 from protocol.plan import LightFRParams
 from protocol.spec import Aggregation
 
@@ -242,6 +248,11 @@ class LightFRServerStrategy:
     n_items : catalogue size m.
     negatives, local_epochs, max_sweeps : the devices' local training plan.
     unobserved_weight, confidence : w0 and α of the all-items objective (w0 = 0: sampled negatives).
+    unobserved_scale : κ > 0 derives w0 from the catalogue's density instead (the default of the
+        server's configuration): each round the server sets w0 = κ · density^γ
+        (`protocol.families.lightfr.density_weight`) from the counts slice of that round's sum, steps
+        with it, and sends it in the next round's plan.  ``unobserved_weight`` is then only what the
+        devices of the first round (and of the first round after a restart) train with.
     hamming_weight : B of the devices' integer score (f − Hamming)·B + level.
     learn_bias : learn item levels (otherwise every level stays 128, no item term).
     counts_share : the share s of the clip norm the devices give the counts part of their upload
@@ -264,8 +275,15 @@ class LightFRServerStrategy:
     learn_bias: bool = True
     counts_share: float = 0.0
     popularity_span: float = 0.0
+    unobserved_scale: float = 0.0
+    # The last density-derived w0 (empty until a round has been aggregated); the one mutable part.
+    _derived: list[float] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not (np.isfinite(self.unobserved_scale) and self.unobserved_scale >= 0):
+            raise ValueError(f"unobserved_scale must be a finite value >= 0, got {self.unobserved_scale}")
+        if self.unobserved_scale > 0 and not self.unobserved_weight > 0:
+            raise ValueError("a density-derived w0 (unobserved_scale > 0) needs unobserved_weight > 0 for round 1")
         if not (np.isfinite(self.popularity_span) and self.popularity_span >= 0):
             raise ValueError(f"popularity_span must be a finite value >= 0, got {self.popularity_span}")
         if self.popularity_span > 0 and self.unobserved_weight == 0:
@@ -304,10 +322,15 @@ class LightFRServerStrategy:
             negatives=self.negatives,
             local_epochs=self.local_epochs,
             max_sweeps=self.max_sweeps,
-            unobserved_weight=self.unobserved_weight,
+            unobserved_weight=self.current_weight,
             confidence=self.confidence,
             counts_share=self.counts_share,
         )
+
+    @property
+    def current_weight(self) -> float:
+        """The w0 the next round's devices train with."""
+        return self._derived[-1] if self._derived else float(self.unobserved_weight)
 
     def codes(self, state: NDArray[np.int8]) -> NDArray[np.int8]:
         """The (m, f) item codes of a state."""
@@ -346,12 +369,18 @@ class LightFRServerStrategy:
         f, m = self.rule.bits, self.n_items
         parts = self.layout.split(np.asarray(total, dtype=np.float64))
         beta = bias_from_levels(self.levels(state), m, f, self.hamming_weight)  # what the devices used
+        w0 = self.current_weight
+        if self.unobserved_scale > 0:
+            w0 = density_weight(
+                float(parts["counts"].sum()), survivors, m, scale=self.unobserved_scale, cap=1.0 + self.confidence
+            )
+            self._derived[:] = [w0]
         D, beta = agg_full(
             self.codes(state),
             beta,
             parts,
             survivors,
-            self.unobserved_weight,
+            w0,
             self.confidence,
             flip_fraction=self.rule.flip_fraction,
             rng=rng,

@@ -64,7 +64,8 @@ from protocol.session import (  # noqa: E402
 OUT = Path(__file__).resolve().parent
 PREFIX = b"fedrec test vector/"
 
-# Protocol version that introduced each field (fields not listed: 1.0 for types 1-10, 1.1 for 11-16).
+# Protocol version that introduced each field (fields not listed: 1.0 for types 1-10, 1.1 for 11-16, 1.3 for
+# the consistency check's types 20-21).
 _SINCE_1_1 = {
     "RoundInvite": (
         "model_version",
@@ -95,6 +96,13 @@ _SINCE_1_2 = {
     ),
     "ModelPayload": ("values",),
 }
+_SINCE_1_3 = {
+    "RoundInvite": ("cohort_size",),
+    "PublicKeys": ("certificate", "signature"),
+    "ShareKeysBroadcast": ("certificates", "signatures"),
+    "MaskedInput": ("bad_share_senders",),
+    "UnmaskRequest": ("survivor_set", "signer_ids", "signer_certificates", "signatures"),
+}
 
 
 def _check(condition: bool) -> None:
@@ -113,6 +121,8 @@ def fixed_field_element(label: str) -> int:
 
 
 def _since(cls_name: str, type_code: int, field: str) -> str:
+    if field in _SINCE_1_3.get(cls_name, ()) or type_code in (20, 21):
+        return "1.3"
     if field in _SINCE_1_2.get(cls_name, ()):
         return "1.2"
     if field in _SINCE_1_1.get(cls_name, ()) or type_code >= 11:
@@ -222,6 +232,7 @@ def message_vectors() -> dict[str, Any]:
             device_id=300,
             session_id=sid,
             masked=np.array([0, 1, 2**31, 2**32 - 1, 0x01020304, 7, 8, 9], dtype=np.uint32),
+            bad_share_senders=(500,),  # written only when non-empty: round.json has the honest encoding
         ),
         UnmaskRequest(round_id=7, device_id=300, session_id=sid, survivors=(100, 300), dropped=(500,), n_survivors=41),
         UnmaskResponse(
