@@ -13,6 +13,8 @@ Invariants:
   loop keeps answering; status and health report the round as "finishing" meanwhile.  Threads suffice
   (measured in docs/architecture.md): the work is numpy and OpenSSL calls plus short Python loops,
   so the loop gets the interpreter at every switch interval, and one round finishes at a time.
+- A check-in that cannot join the open round is held until that round ends (at most `_CHECKIN_HOLD`
+  seconds), so waiting devices do not poll while a round runs.
 - A long-poll whose connection closes before its answer tells the coordinator, which drops that device
   after ``rounds.disconnect_grace`` seconds (the server runs with ``handler_cancellation``, so a closed
   connection cancels its handler; without it a waiter notices within `_PRESENCE_CHECK` seconds).
@@ -28,6 +30,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -69,6 +72,7 @@ from protocol.messages import (
     Message,
     PublicKeys,
     RegisterRequest,
+    RoundInvite,
     RoundResult,
     UnmaskResponse,
     Wait,
@@ -80,6 +84,8 @@ log = logging.getLogger("agg_server.app")
 
 MSGPACK = "application/msgpack"
 TICK_SECONDS = 0.05
+_CHECKIN_HOLD = 15.0  # seconds a check-in that cannot join the open round is held (devices wait 30 s)
+_CHECKIN_SPREAD = 1.0  # seconds over which the check-ins held until a round's end are answered
 _PRESENCE_CHECK = 5.0  # seconds between a waiting long-poll's checks that its connection is still open
 _FINISH_WAIT = 300.0  # seconds a graceful shutdown waits for a finishing round to commit
 
@@ -389,9 +395,37 @@ async def check_in(request: web.Request) -> web.StreamResponse:
         reply = coordinator.check_in(device, request.app[_CLOCK]())  # may drop a device that left its round
     finally:
         _notify_if_moved(request.app, before)
+    if isinstance(reply, Wait) and coordinator.open_round is not None and not coordinator.stopped_reason:
+        reply = await _hold_check_in(request, coordinator, device, coordinator.open_round.round_id)
     if isinstance(reply, Wait):
         return _send(reply, headers={"Retry-After": str(max(1, math.ceil(reply.retry_after)))})
     return _send(reply)
+
+
+async def _hold_check_in(
+    request: web.Request, coordinator: RoundCoordinator, device: int, round_id: int
+) -> RoundInvite | Wait:
+    """A device that cannot join the open round (not in its cohort, or it left it) has nothing to do
+    before that round ends: hold its check-in until then (at most `_CHECKIN_HOLD` seconds) instead of
+    letting it poll, then check it in again, so it is in the pool when the next round opens.  The held
+    answers leave spread over `_CHECKIN_SPREAD` seconds: a round's end does not answer every waiting
+    device in one turn of the event loop."""
+    app, clock = request.app, request.app[_CLOCK]
+    give_up = clock() + _CHECKIN_HOLD
+    changes = app[_CHANGES]
+    while True:
+        r = coordinator.open_round
+        remaining = give_up - clock()
+        if r is None or r.round_id != round_id or remaining <= 0:
+            break
+        await changes.wait(min(remaining, _PRESENCE_CHECK))
+    if coordinator.open_round is None or coordinator.open_round.round_id != round_id:
+        await asyncio.sleep(random.uniform(0.0, _CHECKIN_SPREAD))  # not a secret: load spreading only
+    before = _fingerprint(app)
+    try:
+        return coordinator.check_in(device, clock())
+    finally:
+        _notify_if_moved(app, before)
 
 
 async def model(request: web.Request) -> web.StreamResponse:
