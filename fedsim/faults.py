@@ -25,7 +25,7 @@ from collections.abc import Callable
 from enum import Enum
 
 from device_sdk.transport import LeftRound, Response, Transport
-from protocol.messages import Abort, Message, RoundInvite, RoundResult
+from protocol.messages import Abort, ConsistencyRequest, Message, RoundInvite, RoundResult
 from protocol.spec import MAX_TEXT
 
 __all__ = ["DropoutAt", "FaultyTransport"]
@@ -44,20 +44,21 @@ class DropoutAt(Enum):
     BEFORE_MASKED = "before_masked"
     BEFORE_UNMASK = "before_unmask"
     DISCONNECT_MASKED = "disconnect_masked"
+    BEFORE_CONSISTENCY = "before_consistency"  # protocol 1.3: before signing the survivor set
 
 
-# The phase route (its last path segment) each BEFORE_* dropout stops before, and the route whose answer
-# the device vanishes with: it leaves once it has the previous phase's answer in hand (for BEFORE_KEYS,
-# once it trained: at the keys request), so it never reaches the next send — nor, before the masked
-# input, the charge of its own privacy ledger that precedes that send.
-_STOPS_BEFORE = {
-    DropoutAt.BEFORE_KEYS: "keys",
-    DropoutAt.BEFORE_SHARES: "shares",
-    DropoutAt.BEFORE_MASKED: "masked",
-    DropoutAt.BEFORE_UNMASK: "unmask",
+# Where each dropout leaves.  BEFORE_KEYS stops at the keys request (the device trained); the others
+# leave once the device has the answer the next send would follow in hand, so it never reaches that
+# send — nor, before the masked input, the charge of its own privacy ledger that precedes it.
+# BEFORE_CONSISTENCY (protocol 1.3: before signing the survivor set) is the point right after the masked
+# input's answer; in a round without the consistency check that is right before unmask.
+_LEAVES_ON_ANSWER_TO = {
+    DropoutAt.BEFORE_SHARES: ("keys",),
+    DropoutAt.BEFORE_MASKED: ("shares",),
+    DropoutAt.BEFORE_CONSISTENCY: ("masked",),
+    DropoutAt.BEFORE_UNMASK: ("masked", "consistency"),
 }
-_LEAVES_AFTER = {"keys": "shares", "shares": "masked", "masked": "unmask"}
-_PHASE_ROUTE = re.compile(r"^/v1/rounds/(\d+)/(keys|shares|masked|unmask)$")
+_PHASE_ROUTE = re.compile(r"^/v1/rounds/(\d+)/(keys|shares|masked|consistency|unmask)$")
 
 
 class FaultyTransport:
@@ -113,7 +114,7 @@ class FaultyTransport:
         if route is not None:
             round_id, phase = int(route.group(1)), route.group(2)
             drop = self.dropout_of(round_id)
-            if _STOPS_BEFORE.get(drop) == phase:  # BEFORE_KEYS (the others leave on the answer before)
+            if drop is DropoutAt.BEFORE_KEYS and phase == "keys":
                 await self._leave(round_id, message, phase, token)
                 raise LeftRound(f"fault injection: {drop.value}")
             if phase == "masked" and drop is DropoutAt.DISCONNECT_MASKED:
@@ -126,10 +127,13 @@ class FaultyTransport:
         )
         if path == "/v1/checkin" and isinstance(response.message, RoundInvite):
             self.dropout_of(response.message.round_id)  # decided once the invitation arrived
-        if route is not None:
-            upcoming = _LEAVES_AFTER.get(phase)
+        if route is not None and phase in _LEAVES_ON_ANSWER_TO.get(drop, ()):
             ends = response.status >= 400 or isinstance(response.message, RoundResult)
-            if upcoming is not None and _STOPS_BEFORE.get(drop) == upcoming and not ends:
+            consistency = isinstance(response.message, ConsistencyRequest)
+            if not ends and not (drop is DropoutAt.BEFORE_UNMASK and consistency):
+                upcoming = {"keys": "shares", "shares": "masked"}.get(phase) or (
+                    "consistency" if consistency else "unmask"
+                )
                 await self._leave(round_id, message, upcoming, token)
                 raise LeftRound(f"fault injection: {drop.value}", response)
         return response
