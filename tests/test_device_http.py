@@ -352,9 +352,9 @@ async def test_device_clients_over_http(
 
         client = DeviceClient(
             # Device 2 leaves as ``dropout`` says (fault injection wraps its real HTTP transport).
-            # A second for the masked input to leave before the connection is cut: on a loaded machine the
+            # 0.3 s for the masked input to leave before the connection is cut: on a loaded machine the
             # default 50 ms sometimes cut it before the body left (then it is a MASKED_INPUT dropout).
-            FaultyTransport(HttpTransport(url_of(server)), dropout if i == 2 else DropoutAt.NONE, disconnect_after=1.0),
+            FaultyTransport(HttpTransport(url_of(server)), dropout if i == 2 else DropoutAt.NONE, disconnect_after=0.3),
             ClientConfig(store_dir=tmp_path / f"d{i}", long_poll_timeout=10.0, privacy=PrivacyPolicy.no_floor()),
             items=items,
             ratings=ratings,
