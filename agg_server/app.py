@@ -13,6 +13,8 @@ Invariants:
   loop keeps answering; status and health report the round as "finishing" meanwhile.  Threads suffice
   (measured in docs/architecture.md): the work is numpy and OpenSSL calls plus short Python loops,
   so the loop gets the interpreter at every switch interval, and one round finishes at a time.
+- A check-in that cannot join the open round is held until that round ends (at most `_CHECKIN_HOLD`
+  seconds), so waiting devices do not poll while a round runs.
 - A long-poll whose connection closes before its answer tells the coordinator, which drops that device
   after ``rounds.disconnect_grace`` seconds (the server runs with ``handler_cancellation``, so a closed
   connection cancels its handler; without it a waiter notices within `_PRESENCE_CHECK` seconds).
@@ -26,8 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import math
+import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,7 +48,7 @@ from agg_server.coordinator import FinishJob, RoundCoordinator
 from agg_server.logs import current_request_id
 from agg_server.storage import Storage
 from agg_server.strategy.base import Strategy
-from protocol.codec import decode, encode
+from protocol.codec import MAX_OBJECTS, decode, encode
 from protocol.errors import (
     AuthError,
     ConfigError,
@@ -56,6 +60,7 @@ from protocol.errors import (
     PermissionDenied,
     PrivacyBudgetExceeded,
     ProtocolError,
+    RateLimited,
     RemoteProtocolError,
     RoundError,
     VersionMismatch,
@@ -63,12 +68,14 @@ from protocol.errors import (
 from protocol.messages import (
     Abort,
     CheckIn,
+    ConsistencySignature,
     EncryptedShares,
     ErrorMessage,
     MaskedInput,
     Message,
     PublicKeys,
     RegisterRequest,
+    RoundInvite,
     RoundResult,
     UnmaskResponse,
     Wait,
@@ -80,6 +87,8 @@ log = logging.getLogger("agg_server.app")
 
 MSGPACK = "application/msgpack"
 TICK_SECONDS = 0.05
+_CHECKIN_HOLD = 15.0  # seconds a check-in that cannot join the open round is held (devices wait 30 s)
+_CHECKIN_SPREAD = 1.0  # seconds over which the check-ins held until a round's end are answered
 _PRESENCE_CHECK = 5.0  # seconds between a waiting long-poll's checks that its connection is still open
 _FINISH_WAIT = 300.0  # seconds a graceful shutdown waits for a finishing round to commit
 
@@ -113,7 +122,13 @@ _SLOTS: web.AppKey[list[RoundCoordinator]] = web.AppKey("slots")
 _KEEPER = web.AppKey("lease_keeper", LeaseKeeper)
 _PROXY = web.AppKey("proxy_session", aiohttp.ClientSession)
 
+
+class BodyTimeout(RemoteProtocolError):
+    """A request body did not arrive within ``server.body_timeout`` (408; the connection is closed)."""
+
+
 _STATUS: list[tuple[type[FedRecError], int]] = [
+    (BodyTimeout, 408),
     (PermissionDenied, 403),
     (AuthError, 401),
     (PayloadTooLarge, 413),
@@ -125,6 +140,7 @@ _STATUS: list[tuple[type[FedRecError], int]] = [
     (DatasetError, 400),
     (RoundError, 409),
     (PrivacyBudgetExceeded, 409),
+    (RateLimited, 429),
 ]
 
 
@@ -139,12 +155,10 @@ def status_for(exc: FedRecError) -> int:
 def _error_response(request: web.Request, exc: FedRecError, status: int, request_id: str) -> web.Response:
     message = ErrorMessage.from_exception(exc)
     request[dashboard.ERROR] = message  # for the metrics and the error ring, without decoding the body
-    return web.Response(
-        body=encode(message),
-        status=status,
-        content_type=MSGPACK,
-        headers={"X-Request-Id": request_id},
-    )
+    headers = {"X-Request-Id": request_id}
+    if isinstance(exc, RateLimited):
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return web.Response(body=encode(message), status=status, content_type=MSGPACK, headers=headers)
 
 
 @web.middleware
@@ -171,7 +185,16 @@ async def _errors(
                 exc.code,
                 exc,
             )
-        return _error_response(request, exc, status, request_id)
+        response = _error_response(request, exc, status, request_id)
+        if isinstance(exc, BodyTimeout):
+            # A stalled body: answer, then close at once instead of aiohttp's lingering read of the
+            # rest (up to 10 s more per connection); a 413 keeps the lingering so its sender reads it.
+            response.force_close()
+            await response.prepare(request)
+            await response.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+        return response
     except web.HTTPRequestEntityTooLarge as exc:
         return _error_response(request, PayloadTooLarge(exc.text or "request body too large"), 413, request_id)
     except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
@@ -215,24 +238,73 @@ def body_limit(
     return min(cap, SMALL_BODY_BYTES + vector + 512 * p.k)
 
 
+def body_objects(
+    request: web.Request, expected: type[Message] | None = None, coordinator: RoundCoordinator | None = None
+) -> int:
+    """The most msgpack objects a route's body may hold, sized like `body_limit`: the largest legitimate
+    message of a vector route has about 4·k objects (ids and shares of k neighbours), every other route a
+    few dozen.  msgpack's C parser holds the interpreter while it builds them (measured: 65,536 empty
+    arrays took 25–300 ms on this machine, depending on load), so the cap keeps that time negligible."""
+    if expected not in (EncryptedShares, MaskedInput, UnmaskResponse):
+        return SMALL_ROUTE_OBJECTS
+    r = (coordinator if coordinator is not None else request.app[COORDINATOR]).open_round
+    if r is None:
+        return SMALL_ROUTE_OBJECTS
+    return min(MAX_OBJECTS, SMALL_ROUTE_OBJECTS + 4 * r.session.params.k)
+
+
+#: Bodies above this size are decoded (and hashed) in a worker thread (issue 15 item 8): a body this small
+#: holds at most a few thousand msgpack objects, a few milliseconds of parsing; above it, the codec's
+#: header walk (Python, which yields the interpreter to the loop) and SHA-256 (which releases it) run off
+#: the loop, and only msgpack's C parser holds the interpreter, to copy the vector (measured in
+#: tests/test_security.py; figures in docs/threat-model.md §3.5).
+THREAD_DECODE_BYTES = 4 * 1024
+#: Object cap of the routes without a vector (register, check-in, keys, abort): their messages have a
+#: few dozen objects; the cap bounds the C parser's uninterruptible time on a hostile 64 KiB body.
+SMALL_ROUTE_OBJECTS = 1024
+
+
 async def _read(request: web.Request) -> Message:
     limit = body_limit(request)
-    return decode(await _read_body(request, limit), max_size=limit)
+    message, _ = await _decode(await _read_body(request, limit), limit, SMALL_ROUTE_OBJECTS)
+    return message
 
 
-async def _read_body(request: web.Request, limit: int | None = None) -> bytes:
+def _decode_and_hash(body: bytes | bytearray, limit: int, max_objects: int) -> tuple[Message, bytes]:
+    message = decode(body, max_size=limit, max_objects=max_objects)
+    return message, hashlib.sha256(body).digest()
+
+
+async def _decode(body: bytes | bytearray, limit: int, max_objects: int) -> tuple[Message, bytes]:
+    """Decode a body and hash it (the digest identifies a retransmission); off the event loop when the
+    body is larger than `THREAD_DECODE_BYTES`."""
+    if len(body) <= THREAD_DECODE_BYTES:
+        return _decode_and_hash(body, limit, max_objects)
+    return await asyncio.get_running_loop().run_in_executor(None, _decode_and_hash, body, limit, max_objects)
+
+
+async def _read_body(request: web.Request, limit: int | None = None) -> bytearray:
     # Read the body ourselves instead of `request.read()`, which caches the bytes on the request for
     # its whole life: a long-poll handler would then pin every device's upload (1000 devices ×
-    # 1 MB masked inputs) until the phase closes.
-    limit = request.app[CONFIG].listen.max_body_bytes if limit is None else limit
+    # 1 MB masked inputs) until the phase closes.  A body that has not fully arrived after
+    # ``server.body_timeout`` seconds is cut (issue 15 item 8: slow or partial bodies held sockets forever).
+    listen = request.app[CONFIG].listen
+    limit = listen.max_body_bytes if limit is None else limit
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
     body = bytearray()
-    async for chunk in request.content.iter_chunked(1 << 16):
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    return bytes(body)
+    try:
+        async with asyncio.timeout(listen.body_timeout):
+            async for chunk in request.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    except TimeoutError:
+        raise BodyTimeout(
+            f"request body not received within {listen.body_timeout:g} s (server.body_timeout); "
+            f"{len(body)} bytes arrived"
+        ) from None
+    return body
 
 
 def _send(message: Message, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -265,7 +337,7 @@ def _leader(request: web.Request, device: int) -> RoundCoordinator | str:
     return ""
 
 
-async def _elsewhere(request: web.Request, device: int, url: str, body: bytes | None) -> web.StreamResponse:
+async def _elsewhere(request: web.Request, device: int, url: str, body: bytes | bytearray | None) -> web.StreamResponse:
     """Forward a device's request to the leader of its cohort at ``url`` and relay the answer; with no
     leader, a check-in waits and anything else gets 503 + Retry-After (device transports retry those)."""
     if not url:
@@ -306,8 +378,35 @@ async def register(request: web.Request) -> web.Response:
     msg = await _read(request)
     if not isinstance(msg, RegisterRequest):
         raise RemoteProtocolError(f"expected RegisterRequest, got {type(msg).__name__}")
-    reply = request.app[COORDINATOR].register(msg.platform, request.app[_CLOCK]())
+    reply = request.app[COORDINATOR].register(
+        msg.platform,
+        request.app[_CLOCK](),
+        certificate=msg.certificate,
+        proof=msg.proof,
+        enrollment_token=msg.enrollment_token,
+        peer=request.remote or "",
+    )
     return _send(reply, status=201)
+
+
+async def admin_enrollment_tokens(request: web.Request) -> web.Response:
+    """``POST /v1/admin/enrollment-tokens`` (admin token): JSON ``{"count": n, "source": "label"}`` →
+    ``{"source": "token:label", "tokens": [...]}``, one-time enrollment tokens shown once."""
+    request.app[dashboard.OPERATOR].check_admin(request.headers.get("Authorization"))
+    try:
+        doc = json.loads(await _read_body(request, SMALL_BODY_BYTES))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RemoteProtocolError(f"enrollment-tokens: the body is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or set(doc) - {"count", "source"}:
+        raise RemoteProtocolError('enrollment-tokens: expected {"count": <int>, "source": "<label>"}')
+    try:
+        tokens = request.app[COORDINATOR].enrollment.issue_tokens(
+            doc.get("count", 1), doc.get("source", ""), request.app[_CLOCK]()
+        )
+    except ValueError as exc:
+        raise RemoteProtocolError(f"enrollment-tokens: {exc}") from None
+    log.info("issued %d enrollment tokens under source token:%s", len(tokens), doc.get("source"))
+    return web.json_response({"source": f"token:{doc.get('source')}", "tokens": tokens}, status=201)
 
 
 async def check_in(request: web.Request) -> web.StreamResponse:
@@ -325,9 +424,37 @@ async def check_in(request: web.Request) -> web.StreamResponse:
         reply = coordinator.check_in(device, request.app[_CLOCK]())  # may drop a device that left its round
     finally:
         _notify_if_moved(request.app, before)
+    if isinstance(reply, Wait) and coordinator.open_round is not None and not coordinator.stopped_reason:
+        reply = await _hold_check_in(request, coordinator, device, coordinator.open_round.round_id)
     if isinstance(reply, Wait):
         return _send(reply, headers={"Retry-After": str(max(1, math.ceil(reply.retry_after)))})
     return _send(reply)
+
+
+async def _hold_check_in(
+    request: web.Request, coordinator: RoundCoordinator, device: int, round_id: int
+) -> RoundInvite | Wait:
+    """A device that cannot join the open round (not in its cohort, or it left it) has nothing to do
+    before that round ends: hold its check-in until then (at most `_CHECKIN_HOLD` seconds) instead of
+    letting it poll, then check it in again, so it is in the pool when the next round opens.  The held
+    answers leave spread over `_CHECKIN_SPREAD` seconds: a round's end does not answer every waiting
+    device in one turn of the event loop."""
+    app, clock = request.app, request.app[_CLOCK]
+    give_up = clock() + _CHECKIN_HOLD
+    changes = app[_CHANGES]
+    while True:
+        r = coordinator.open_round
+        remaining = give_up - clock()
+        if r is None or r.round_id != round_id or remaining <= 0:
+            break
+        await changes.wait(min(remaining, _PRESENCE_CHECK))
+    if coordinator.open_round is None or coordinator.open_round.round_id != round_id:
+        await asyncio.sleep(random.uniform(0.0, _CHECKIN_SPREAD))  # not a secret: load spreading only
+    before = _fingerprint(app)
+    try:
+        return coordinator.check_in(device, clock())
+    finally:
+        _notify_if_moved(app, before)
 
 
 async def model(request: web.Request) -> web.StreamResponse:
@@ -352,15 +479,16 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
             return await _elsewhere(request, device, leader, await _read_body(request))
         limit = body_limit(request, expected, leader)
         body = await _read_body(request, limit)
-        msg = decode(body, max_size=limit)
+        # the digest identifies a retransmission without encoding msg again
+        msg, digest = await _decode(body, limit, body_objects(request, expected, leader))
+        del body
         if not isinstance(msg, expected):
             raise RemoteProtocolError(f"expected {expected.__name__} on this route, got {type(msg).__name__}")
-        digest = hashlib.sha256(body).digest()  # identifies a retransmission without encoding msg again
-        del body
         coordinator, changes, clock = leader, app[_CHANGES], app[_CLOCK]
         before = _fingerprint(app)
         try:
             after = coordinator.submit(device, round_id, msg, clock(), digest=digest)
+            consistency = isinstance(msg, ConsistencySignature)
         finally:
             _notify_if_moved(app, before)
         leaving = isinstance(msg, Abort)
@@ -381,7 +509,7 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         coordinator.poll_started(device, round_id)
         try:
             while True:
-                reply = coordinator.reply(device, round_id, after)
+                reply = coordinator.reply(device, round_id, after, consistency=consistency)
                 if reply is not None:
                     answered = True
                     return _send(reply)
@@ -409,6 +537,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
+    request.app[dashboard.OPERATOR].check_operator(request.headers.get("Authorization"))
     now = request.app[_CLOCK]()
     body = request.app[COORDINATOR].status(now)
     body["cluster"] = request.app[_KEEPER].describe(now)
@@ -465,7 +594,8 @@ def _fingerprint(app: web.Application) -> tuple[Any, ...]:
     out = []
     for coordinator in app[_SLOTS]:
         r = coordinator.open_round
-        out.append((coordinator.model_version, None if r is None else (r.round_id, r.session.phase, r.finishing)))
+        state = None if r is None else (r.round_id, r.session.phase, r.session.consistency_open, r.finishing)
+        out.append((coordinator.model_version, state))
     return tuple(out)
 
 
@@ -569,10 +699,12 @@ def create_app(
     app.router.add_post("/v1/rounds/{round_id}/keys", _phase_handler(PublicKeys))
     app.router.add_post("/v1/rounds/{round_id}/shares", _phase_handler(EncryptedShares))
     app.router.add_post("/v1/rounds/{round_id}/masked", _phase_handler(MaskedInput))
+    app.router.add_post("/v1/rounds/{round_id}/consistency", _phase_handler(ConsistencySignature))
     app.router.add_post("/v1/rounds/{round_id}/unmask", _phase_handler(UnmaskResponse))
     app.router.add_post("/v1/rounds/{round_id}/abort", _phase_handler(Abort))
     app.router.add_get("/v1/health", health)
     app.router.add_get("/v1/status", status)
+    app.router.add_post("/v1/admin/enrollment-tokens", admin_enrollment_tokens)
     # The dashboard (GET /), its JSON, /metrics and the admin quality endpoint; observes the coordinator.
     dashboard.install(app, config=config, clock=clock, coordinator=COORDINATOR, storage=_STORAGE)
     return app

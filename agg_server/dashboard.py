@@ -271,6 +271,24 @@ class Operator:
         self._parts()
         return self.metrics.render()
 
+    def check_operator(self, authorization: str | None) -> None:
+        """With ``server.protect_operator_endpoints`` in effect (by default on non-loopback binds), refuse
+        a request for ``/metrics``, ``/v1/status`` or the dashboard's data without the admin token.
+
+        Raises
+        ------
+        AuthError, PermissionDenied
+            As `check_admin`.
+        """
+        if not self.config.listen.operator_endpoints_protected:
+            return
+        if self.config.listen.admin_token_sha256 is None:
+            raise PermissionDenied(
+                "operator endpoints are protected (server.protect_operator_endpoints, on by default for "
+                "non-loopback binds) and no server.admin_token_sha256 is set"
+            )
+        self.check_admin(authorization)
+
     def check_admin(self, authorization: str | None) -> None:
         """Refuse a request that does not carry the operator's admin token.
 
@@ -449,10 +467,12 @@ def _asset(name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
 
 
 async def dashboard_json(request: web.Request) -> web.Response:
+    request.app[OPERATOR].check_operator(request.headers.get("Authorization"))
     return web.json_response(request.app[OPERATOR].snapshot(), headers={"Cache-Control": "no-store"})
 
 
 async def metrics(request: web.Request) -> web.Response:
+    request.app[OPERATOR].check_operator(request.headers.get("Authorization"))
     return web.Response(body=request.app[OPERATOR].metrics_text(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 

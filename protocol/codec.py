@@ -58,7 +58,7 @@ __all__ = [
     "MAX_DEPTH",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 3)
+PROTOCOL_VERSION: tuple[int, int] = (1, 4)
 #: Default total size limit for one encoded message (a 10**6-element masked vector is 4 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Far above any legitimate list (neighbourhoods are at most a few thousand), far below what would hurt.
@@ -197,6 +197,8 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("device_id", "d", Kind.INT),
                 ("session_id", "sid", Kind.BYTES),
                 ("masked", "y", Kind.U32),
+                # protocol 1.3: neighbours whose share ciphertexts were unusable (issue 15 item 5)
+                ("bad_share_senders", "bad", Kind.INTS),
             ),
         ),
         UnmaskRequest.TYPE: (
@@ -261,7 +263,15 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("message", "m", Kind.STR),
             ),
         ),
-        RegisterRequest.TYPE: (RegisterRequest, (("platform", "p", Kind.STR),)),
+        RegisterRequest.TYPE: (
+            RegisterRequest,
+            (
+                ("platform", "p", Kind.STR),
+                ("certificate", "cert", Kind.BYTES),  # 1.4
+                ("proof", "pf", Kind.BYTES),  # 1.4
+                ("enrollment_token", "et", Kind.STR),  # 1.4
+            ),
+        ),
         RegisterResponse.TYPE: (RegisterResponse, (("device_id", "d", Kind.INT), ("token", "tok", Kind.STR))),
         CheckIn.TYPE: (CheckIn, (("device_id", "d", Kind.INT), ("model_version", "mv", Kind.INT))),
         Wait.TYPE: (Wait, (("retry_after", "ra", Kind.FLOAT), ("reason", "why", Kind.STR))),
@@ -332,6 +342,11 @@ def _encode_value(kind: Kind, value: Any) -> Any:
     return value
 
 
+#: Fields written only when non-empty: an honest device's message keeps the bytes it had before the field
+#: existed (the committed test vectors, peers of the same major that predate it).
+_OMITTED_WHEN_EMPTY = frozenset({(MaskedInput.TYPE, "bad")})
+
+
 def encode(message: Message) -> bytes:
     """Encode a message into its versioned msgpack envelope.
 
@@ -352,7 +367,11 @@ def encode(message: Message) -> bytes:
     entry = _SCHEMA.get(getattr(type(message), "TYPE", -1))
     if entry is None or entry[0] is not type(message):
         raise TypeError(f"no codec entry for {type(message).__name__}")
-    body = {key: _encode_value(kind, getattr(message, name)) for name, key, kind in entry[1]}
+    body = {
+        key: _encode_value(kind, getattr(message, name))
+        for name, key, kind in entry[1]
+        if (message.TYPE, key) not in _OMITTED_WHEN_EMPTY or getattr(message, name)
+    }
     envelope = {"v": list(PROTOCOL_VERSION), "t": message.TYPE, "b": body}
     packed: bytes = msgpack.packb(envelope, use_bin_type=True)
     return packed
@@ -459,7 +478,9 @@ def check_shape(
             pending.append(items)
 
 
-def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+def decode(
+    data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES, max_objects: int = MAX_OBJECTS
+) -> Message:
     """Decode and validate one envelope.
 
     Parameters
@@ -468,6 +489,9 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message
         Bytes from the peer.
     max_size : int
         Refuse larger inputs before parsing.
+    max_objects : int
+        Refuse inputs of more msgpack objects (at most `MAX_OBJECTS`; a route whose messages are small
+        passes less, which bounds the parser's uninterruptible time).
 
     Returns
     -------
@@ -488,7 +512,7 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message
         raise DecodeError(f"expected bytes, got {type(data).__name__}")
     if len(data) > max_size:
         raise PayloadTooLarge(f"message of {len(data)} bytes exceeds the limit of {max_size}")
-    check_shape(data)
+    check_shape(data, max_objects=min(max_objects, MAX_OBJECTS))
     try:
         obj = msgpack.unpackb(
             data,

@@ -5,6 +5,11 @@
 #   check nothing is released (the reply is built only after every check passed).  The device never
 #   releases both the b-share and the s-share for one id: only one UnmaskRequest is ever accepted and it
 #   is refused when its lists overlap.
+# - A neighbour whose share ciphertext is unusable (fails AEAD authentication, or decrypts to a wrong
+#   length, wrong src/dst or an invalid share) is treated as dropped before the masked input: no share of it
+#   is held, it is not in U2 (so not in the pairwise masks and never named in an answered unmask request),
+#   and it is reported in `MaskedInput.bad_share_senders`.  The session fails only if fewer than t usable
+#   neighbours remain.
 # - No clock, no sockets, no global RNG: key material comes from the OS CSPRNG (via protocol.crypto); DP
 #   noise and thinning coins from the generator the caller passes, through `protocol.noise`.  The one
 #   exception is `FixedDeviceSecrets` (protocol.fixed_secrets), an explicit keyword-only injection for
@@ -146,6 +151,7 @@ class DeviceSecAggSession:
         self._held_b: dict[int, Share] = {}
         self._held_s: dict[int, Share] = {}
         self._u2: tuple[int, ...] = ()
+        self._bad: tuple[int, ...] = ()  # senders whose share ciphertext was unusable (reported, not in U2)
         self._input: NDArray[np.uint32] | None = None
         # The DP noise is kept narrow (`StoredSkellam`) from the masked input to the unmask reply.
         self._noise: StoredSkellam | None = None
@@ -243,7 +249,8 @@ class DeviceSecAggSession:
         StaleRound
             The message belongs to another round or session (replay).
         CryptoError
-            A share ciphertext failed authentication.
+            A signed key advertisement does not verify (protocol 1.3).  An unusable share ciphertext is not
+            an error: its sender is treated as dropped and reported (`MaskedInput.bad_share_senders`).
         LocalProtocolError
             The session already failed.
         """
@@ -505,22 +512,40 @@ class DeviceSecAggSession:
         check_sharers(len(senders) + 1, self.invite)
         held_b: dict[int, Share] = {}
         held_s: dict[int, Share] = {}
+        bad: list[int] = []
         for v, blob in zip(senders, msg.ciphertexts, strict=True):
-            key = crypto.share_encryption_key(
-                crypto.x25519(self._c.private_key, self._neighbours[v][0]), session, v, me
-            )
-            plaintext = crypto.aead_decrypt(key, blob, crypto.share_associated_data(session, v, me))
-            if len(plaintext) != _SHARE_PLAINTEXT_BYTES:
-                raise CryptoError(f"share plaintext from {v} has the wrong length")
-            src = int.from_bytes(plaintext[:_ID_BYTES], "big")
-            dst = int.from_bytes(plaintext[_ID_BYTES : 2 * _ID_BYTES], "big")
-            if (src, dst) != (v, me):
-                raise CryptoError(f"share from {v} names src={src}, dst={dst}")
-            held_b[v] = Share.from_bytes(plaintext[2 * _ID_BYTES : 2 * _ID_BYTES + SHARE_BYTES])
-            held_s[v] = Share.from_bytes(plaintext[2 * _ID_BYTES + SHARE_BYTES :])
+            try:
+                held_b[v], held_s[v] = self._open_share(v, blob, session)
+            except CryptoError:
+                # Issue 15 item 5: one bad neighbour (or a ciphertext altered on the way) does not fail this
+                # session.  The neighbour is treated as dropped before the masked input: no share of it is
+                # held, it is left out of U2 (so out of the pairwise masks), and the report makes the server
+                # exclude it.  Nothing about it can be released later: the device's unmask checks refuse any
+                # id outside its U2, so it never gives a b-share or an s-share for it.
+                bad.append(v)
+        good = [v for v in senders if v in held_b]
+        check_sharers(len(good) + 1, self.invite, unusable=len(bad))
         self._held_b.update(held_b)
         self._held_s.update(held_s)
-        self._u2 = tuple(sorted((*senders, me)))
+        self._bad = tuple(sorted(bad))
+        self._u2 = tuple(sorted((*good, me)))
+
+    def _open_share(self, v: int, blob: bytes, session: bytes) -> tuple[Share, Share]:
+        """Decrypt and parse neighbour ``v``'s share ciphertext; CryptoError if it is unusable."""
+        me = self.device_id
+        key = crypto.share_encryption_key(crypto.x25519(self._c.private_key, self._neighbours[v][0]), session, v, me)
+        plaintext = crypto.aead_decrypt(key, blob, crypto.share_associated_data(session, v, me))
+        if len(plaintext) != _SHARE_PLAINTEXT_BYTES:
+            raise CryptoError(f"share plaintext from {v} has the wrong length")
+        src = int.from_bytes(plaintext[:_ID_BYTES], "big")
+        dst = int.from_bytes(plaintext[_ID_BYTES : 2 * _ID_BYTES], "big")
+        if (src, dst) != (v, me):
+            raise CryptoError(f"share from {v} names src={src}, dst={dst}")
+        b_share = Share.from_bytes(plaintext[2 * _ID_BYTES : 2 * _ID_BYTES + SHARE_BYTES])
+        s_share = Share.from_bytes(plaintext[2 * _ID_BYTES + SHARE_BYTES :])
+        if b_share.index != s_share.index:
+            raise CryptoError(f"the two shares from {v} carry different indices")
+        return b_share, s_share
 
     def _masked_input(self) -> MaskedInput:
         inv, me, session = self.invite, self.device_id, self._session
@@ -543,7 +568,9 @@ class DeviceSecAggSession:
             pair_keys=pair_mask_keys(self._s.private_bytes(), peers, session, me),
         )
         self._input = None  # the update is no longer needed on this path
-        return MaskedInput(round_id=inv.round_id, device_id=me, session_id=session, masked=y)
+        return MaskedInput(
+            round_id=inv.round_id, device_id=me, session_id=session, masked=y, bad_share_senders=self._bad
+        )
 
     def _on_unmask_request(self, msg: UnmaskRequest) -> UnmaskResponse:
         self._check_addressing(msg)

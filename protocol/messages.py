@@ -536,6 +536,11 @@ class MaskedInput(Message):
         32-byte session id.
     masked : ndarray of uint32, shape (L,)
         The masked ring vector (4 bytes per element on the wire).
+    bad_share_senders : tuple of int
+        Neighbours whose share ciphertext failed authentication or decrypted to malformed content: this
+        device holds no share of theirs and left them out of its pairwise masks (it treated them as dropped
+        for this round); the server excludes them.  Sorted, distinct; empty (and omitted on the wire) in an
+        honest round.
     """
 
     TYPE: ClassVar[int] = 6
@@ -543,6 +548,7 @@ class MaskedInput(Message):
     device_id: int
     session_id: bytes
     masked: NDArray[np.uint32]
+    bad_share_senders: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = "MaskedInput"
@@ -552,6 +558,11 @@ class MaskedInput(Message):
         _set(self, "masked", _frozen_u32(n, "masked", self.masked))
         if self.masked.size == 0:
             _fail(n, "masked must not be empty")
+        _check_ids(n, "bad_share_senders", self.bad_share_senders)
+        if list(self.bad_share_senders) != sorted(set(self.bad_share_senders)):
+            _fail(n, "bad_share_senders must be sorted and list each device once")
+        if self.device_id in self.bad_share_senders:
+            _fail(n, "bad_share_senders must not name the sender itself")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -810,13 +821,31 @@ class RegisterRequest(Message):
     ----------
     platform : str
         Free-form description of the device software (at most 128 characters), for operators.
+    certificate : bytes
+        Protocol 1.4: the device's enrollment certificate (`protocol.crypto.issue_certificate`), or empty.
+    proof : bytes
+        Protocol 1.4: with a certificate, the device's Ed25519 signature of
+        `protocol.crypto.registration_payload` (proof that it holds the certified key), else empty.
+    enrollment_token : str
+        Protocol 1.4: an operator-issued one-time enrollment token (test fleets), or empty.
     """
 
     TYPE: ClassVar[int] = 11
     platform: str = ""
+    certificate: bytes = b""
+    proof: bytes = b""
+    enrollment_token: str = ""
 
     def __post_init__(self) -> None:
-        _check_text("RegisterRequest", "platform", self.platform, 128)
+        n = "RegisterRequest"
+        _check_text(n, "platform", self.platform, 128)
+        _check_bytes(n, "certificate", self.certificate, max_len=256)
+        _check_bytes(n, "proof", self.proof, max_len=64)
+        _check_text(n, "enrollment_token", self.enrollment_token, _MAX_TOKEN)
+        if bool(self.certificate) != bool(self.proof):
+            _fail(n, "certificate and proof go together")
+        if self.certificate and self.enrollment_token:
+            _fail(n, "one credential per registration: a certificate or an enrollment token, not both")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

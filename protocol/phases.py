@@ -225,8 +225,10 @@ def check_neighbourhood(size: int, invite: RoundInvite) -> None:
         raise RemoteProtocolError(f"neighbourhood of {size} exceeds k={invite.graph_k}")
 
 
-def check_sharers(count: int, invite: RoundInvite) -> None:
-    """Device rule: at least t neighbours (itself included) shared keys before the masked input.
+def check_sharers(count: int, invite: RoundInvite, *, unusable: int = 0) -> None:
+    """Device (and server) rule: at least t neighbours (the device included) shared usable keys before the
+    masked input.  ``unusable`` counts the senders already set aside because their ciphertext was unusable
+    (only for the message).
 
     Raises
     ------
@@ -234,7 +236,10 @@ def check_sharers(count: int, invite: RoundInvite) -> None:
         Fewer than t.
     """
     if count < invite.graph_t:
-        raise RemoteProtocolError(f"only {count} neighbours shared keys, below the threshold t={invite.graph_t}")
+        extra = f" ({unusable} more sent unusable share ciphertexts)" if unusable else ""
+        raise RemoteProtocolError(
+            f"only {count} neighbours shared usable keys{extra}, below the threshold t={invite.graph_t}"
+        )
 
 
 def check_survivor_quorum(survivors: int, n_survivors: int, invite: RoundInvite, *, signed: bool = False) -> None:

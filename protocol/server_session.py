@@ -3,6 +3,13 @@
 #   caller); the server session itself moves to ERROR only when its own processing fails.  It never asks
 #   for s-shares of devices that dropped before sharing keys: "dropped" is exactly U2 ∖ U3 (pitfall 2).
 #   Fewer than t survivors (or fewer than t_min with DP) aborts before any share is requested.
+# - A device reported for unusable share ciphertexts (`MaskedInput.bad_share_senders`) is excluded while its
+#   own masked input is still outside the sum: each masked input waits (`_pending`) until t of the
+#   neighbours that received its shares answered the masked-input request without reporting it (so t
+#   holders of its shares exist), or all of them answered or are gone, and only then is added.  A report
+#   about a device already added excludes the reporter instead (its masked input, which left the reported
+#   device out of its masks, never counts).  The reporter holds none of the reported device's shares, so it
+#   is never asked for them, and its masks are not corrected for it (`_mask_peers`).
 # - No clock, no sockets, no global RNG: deadlines are compared with the `now` the caller passes; the
 #   graph placement uses the caller's generator.
 """The server side of one SecAgg+ round (DESIGN.md §4–5; Bonawitz et al. 2017; Bell et al. 2020)."""
@@ -129,12 +136,15 @@ class SecAggResult:
         Devices lost in each phase (missed the deadline, left, or were excluded after an error).
     corrected : frozenset of int
         Survivors whose DP excess was revealed and removed.
+    reports : mapping of int to frozenset of int
+        Device → the neighbours whose share ciphertexts it reported unusable (those were excluded).
     """
 
     total: NDArray[np.uint32]
     survivors: frozenset[int]
     dropouts: Mapping[Phase, frozenset[int]]
     corrected: frozenset[int]
+    reports: Mapping[int, frozenset[int]] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
 
 class ServerSecAggSession:
@@ -192,6 +202,13 @@ class ServerSecAggSession:
         self._shares_out: dict[int, dict[int, bytes]] = {}  # dst -> src -> ciphertext
         self._sent_shares: set[int] = set()
         self._masked_from: set[int] = set()
+        # issue 15 item 5: masked inputs not yet in the sum, reports of unusable shares, and per device the
+        # number of its neighbours that got its shares and have not yet answered (or gone)
+        self._pending: dict[int, NDArray[np.uint32]] = {}
+        self._bad: dict[int, frozenset[int]] = {}
+        self._unsettled: dict[int, int] = {}
+        self._vouches: dict[int, int] = {}
+        self._settled: set[int] = set()
         self._digests: dict[int, bytes] = {}  # device -> fingerprint of its message in the current phase
         self._acc: MaskedSumAccumulator | None = None
         self._b_shares: dict[int, list[Share]] = {}
@@ -227,9 +244,19 @@ class ServerSecAggSession:
         return MappingProxyType({p: frozenset(s) for p, s in self._dropouts.items()})
 
     @property
+    def reports(self) -> Mapping[int, frozenset[int]]:
+        """Device → neighbours whose share ciphertexts it reported unusable (each of those was excluded)."""
+        return MappingProxyType(dict(self._bad))
+
+    @property
     def abort_error(self) -> FedRecError | None:
         """Why the round aborted (None unless ABORTED)."""
         return self._abort_error
+
+    @property
+    def consistency_open(self) -> bool:
+        """Protocol 1.3: UNMASK is in its first sub-step, collecting survivor-set signatures."""
+        return self._signing
 
     @property
     def finishing(self) -> bool:
@@ -279,6 +306,7 @@ class ServerSecAggSession:
             raise RemoteProtocolError(f"{type(message).__name__} is not allowed in phase {self._phase.name}")
         if isinstance(message, Abort | ErrorMessage):
             self._left.add(device_id)
+            self._settle(device_id)
             self._maybe_close()
             return
         if getattr(message, "device_id", device_id) != device_id:
@@ -424,7 +452,35 @@ class ServerSecAggSession:
 
     def _exclude(self, device_id: int) -> None:
         self._failed.add(device_id)
+        self._settle(device_id)
         self._maybe_close()
+
+    def _settle(self, w: int) -> None:
+        # MASKED_INPUT only: w can no longer report a neighbour; a pending masked input whose every
+        # share recipient has settled can no longer be excluded, so it goes into the sum.
+        if self._phase is not Phase.MASKED_INPUT or w in self._settled or w not in self._u2:
+            return
+        self._settled.add(w)
+        for v in self._graph[w]:
+            if v == w or v not in self._unsettled:
+                continue
+            self._unsettled[v] -= 1
+            if self._unsettled[v] == 0 and v in self._pending:
+                self._fold(v)
+
+    def _fold(self, v: int) -> None:
+        if self._acc is None:  # pragma: no cover - created when SHARE_KEYS closed
+            raise LocalProtocolError("no accumulator")
+        self._acc.add(self._pending.pop(v))
+
+    def _mask_peers(self, owner: int) -> dict[int, bytes]:
+        """Survivors whose masked input carries a pairwise mask with ``owner`` (a neighbour that reported
+        ``owner``'s shares unusable left it out), with their s public keys."""
+        return {
+            u: self._keys[u][1]
+            for u in self._graph[owner]
+            if u in self._u3 and u != owner and owner not in self._bad.get(u, ())
+        }
 
     def _abort(self, error: FedRecError) -> None:
         self._abort_error = error
@@ -433,6 +489,7 @@ class ServerSecAggSession:
         self._b_shares.clear()
         self._s_shares.clear()
         self._shares_out.clear()
+        self._pending.clear()
         self._acc = None
 
     def _expected_set(self) -> frozenset[int]:
@@ -519,17 +576,58 @@ class ServerSecAggSession:
                 raise RemoteProtocolError(
                     f"masked input has length {message.masked.shape[0]}, expected {p.vector_length}"
                 )
-            if self._acc is None:  # pragma: no cover - created when SHARE_KEYS closed
-                raise LocalProtocolError("no accumulator")
-            self._acc.add(message.masked)  # streaming: the vector is not kept
-            self._masked_from.add(u)
+            self._accept_masked(u, message)
         elif isinstance(message, UnmaskResponse):
             self._accept_unmask(u, message)
 
+    def _accept_masked(self, u: int, message: MaskedInput) -> None:
+        forwarded = {v for v in self._graph[u] if v in self._u2 and v != u}
+        bad = frozenset(message.bad_share_senders)
+        if not bad <= forwarded:
+            raise RemoteProtocolError(
+                f"device {u} reports unusable shares from {sorted(bad - forwarded)}, which sent it none"
+            )
+        usable = len(forwarded) - len(bad) + 1
+        if usable < self.params.t:
+            raise RemoteProtocolError(
+                f"device {u} kept {usable} usable neighbours, below t={self.params.t}: it must not mask"
+            )
+        added = sorted(v for v in bad if v in self._masked_from and v not in self._pending)
+        if added:
+            # t share recipients of these already answered without a complaint, so their masked inputs are
+            # in the sum and their b_v can be reconstructed: the reporter (whose masked input left them out)
+            # is the one that leaves, as if it dropped before its masked input; its report is ignored.
+            raise RemoteProtocolError(
+                f"device {u} reports unusable shares from {added}, whose masked inputs are already in the sum "
+                f"({self.params.t} of their share recipients used them); device {u} is excluded instead"
+            )
+        for v in sorted(bad):
+            # v's ciphertext to u failed (or was altered on the way): v leaves the round before its masked
+            # input counts.
+            if v in self._failed or (v in self._left and v not in self._pending):
+                continue
+            self._pending.pop(v, None)
+            self._masked_from.discard(v)
+            self._failed.add(v)
+            self._settle(v)
+        if bad:
+            self._bad[u] = bad
+        self._pending[u] = message.masked  # read-only, owned by the message; added once t recipients vouched
+        self._masked_from.add(u)
+        for v in forwarded - bad:
+            # u used v's shares: one more holder that can give b_v (or s_v) back
+            self._vouches[v] = self._vouches.get(v, 0) + 1
+            if self._vouches[v] >= self.params.t and v in self._pending:
+                self._fold(v)
+        self._settle(u)
+        if u in self._pending and (self._unsettled.get(u, 0) == 0 or self._vouches.get(u, 0) >= self.params.t):
+            self._fold(u)
+
     def _accept_unmask(self, u: int, message: UnmaskResponse) -> None:
         p = self.params
+        unusable = self._bad.get(u, frozenset())
         want_b = tuple(v for v in self._graph[u] if v in self._u3)
-        want_s = tuple(v for v in self._graph[u] if v in self._u2 and v not in self._u3)
+        want_s = tuple(v for v in self._graph[u] if v in self._u2 and v not in self._u3 and v not in unusable)
         if message.b_share_ids != want_b or message.s_share_ids != want_s:
             raise RemoteProtocolError(f"device {u} released shares for other devices than requested")
         expected_excess = p.vector_length if p.dp_mu > 0.0 else 0
@@ -570,6 +668,7 @@ class ServerSecAggSession:
         self._u2 = u2
         self._need(len(u2), "devices shared keys")
         self._acc = MaskedSumAccumulator(self.params.vector_length)
+        self._unsettled = {v: sum(1 for w in self._graph[v] if w != v and w in u2) for v in u2}
         self._digests.clear()
         self._phase = Phase.MASKED_INPUT
 
@@ -593,6 +692,8 @@ class ServerSecAggSession:
 
     def _close_masked_input(self) -> None:
         # Every accumulated input is in U3, even if its sender left afterwards: its masks must come off.
+        for v in sorted(self._pending):
+            self._fold(v)
         u3 = frozenset(self._masked_from)
         self._record_dropouts(Phase.MASKED_INPUT, u3)
         self._u3 = u3
@@ -629,7 +730,7 @@ class ServerSecAggSession:
             if len(self._b_shares.get(owner, ())) < p.t:
                 raise NotEnoughParticipants(f"too few neighbours of {owner} answered the unmask request")
         for owner in dropped:
-            if len(self._s_shares.get(owner, ())) < p.t:
+            if self._mask_peers(owner) and len(self._s_shares.get(owner, ())) < p.t:
                 raise NotEnoughParticipants(f"too few neighbours of dropped {owner} answered the unmask request")
         self._finishing = True
         if not self._defer_finish:
@@ -645,11 +746,13 @@ class ServerSecAggSession:
         for owner in sorted(self._u3):
             acc.remove_self_mask(reconstruct(self._b_shares[owner], p.t), session, owner)
         for owner in dropped:
+            peers = self._mask_peers(owner)
+            if not peers:
+                continue  # every survivor among its neighbours left it out of its masks
             # Parsed once per dropped device (its public key is derived once for the check, too).
             pair = crypto.key_pair_from_private_bytes(reconstruct(self._s_shares[owner], p.t))
             if pair.public_key != self._keys[owner][1]:
                 raise CryptoError(f"reconstructed mask key of {owner} does not match its advertised key")
-            peers = {u: self._keys[u][1] for u in self._graph[owner] if u in self._u3}
             for u, key in pair_mask_keys(pair.private_key, peers, session, owner).items():
                 acc.remove_pair_mask(u, owner, key)
         self._result = SecAggResult(
@@ -657,6 +760,7 @@ class ServerSecAggSession:
             survivors=self._u3,
             dropouts=self.dropouts,
             corrected=frozenset(self._corrected),
+            reports=self.reports,
         )
         self._b_shares.clear()
         self._s_shares.clear()
@@ -701,7 +805,7 @@ class ServerSecAggSession:
             device_id=u,
             session_id=session,
             survivors=tuple(v for v in ids if v in self._u3),
-            dropped=tuple(v for v in ids if v in self._u2 and v not in self._u3),
+            dropped=tuple(v for v in ids if v in self._u2 and v not in self._u3 and v not in self._bad.get(u, ())),
             # with the consistency check the DP correction counts signed survivors only (safe side)
             n_survivors=len(signers) if signed else len(self._u3),
             survivor_set=tuple(sorted(self._u3)) if signed else (),

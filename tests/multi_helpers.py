@@ -97,6 +97,7 @@ class Instance:
     timeout: float = 20.0
     privacy: dict[str, Any] = field(default_factory=dict)
     rounds: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -120,7 +121,7 @@ class Instance:
         }
         tables = {
             "server": {"data_dir": str(self.root / "data"), "host": "127.0.0.1", "port": self.port},
-            "model": {"n_items": self.n_items, "bits": self.bits},
+            "model": {"n_items": self.n_items, "bits": self.bits, **self.model},
             "rounds": rounds,
             "privacy": self.privacy,
             "log": {"level": "info"},
@@ -184,6 +185,31 @@ class Instance:
             return dict(json.loads(r.read()))
 
 
+class FailoverTransport:
+    """A device's list of server URLs (as behind a DNS round robin): it talks to its first instance and
+    moves to the next one when a request cannot reach it (`TransportError`)."""
+
+    def __init__(self, transports: Sequence[Any]) -> None:
+        self._transports = list(transports)
+        self._current = 0
+
+    async def request(self, method: str, path: str, message: Any = None, **kwargs: Any) -> Any:
+        from device_sdk.transport import TransportError
+
+        for attempt in range(len(self._transports)):
+            try:
+                return await self._transports[self._current].request(method, path, message, **kwargs)
+            except TransportError:
+                if attempt == len(self._transports) - 1:
+                    raise
+                self._current = (self._current + 1) % len(self._transports)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def close(self) -> None:
+        for t in self._transports:
+            await t.close()
+
+
 @dataclass
 class DeviceRun:
     outcomes: Counter[str] = field(default_factory=Counter)
@@ -202,8 +228,9 @@ async def run_devices(
     cohorts: int,
 ) -> DeviceRun:
     """One `DeviceClient` per user until ``stop`` is set.  Device d (ids follow ``users``' order) talks
-    to ``urls[((d - 1) // cohorts) % len(urls)]``: every cohort has devices on every instance, so most
-    requests are forwarded to the cohort's leader."""
+    to ``urls[((d - 1) // cohorts) % len(urls)]`` first: every cohort has devices on every instance, so
+    many requests are forwarded to the cohort's leader.  A device whose instance is unreachable moves to
+    the next URL (`FailoverTransport`)."""
     import aiohttp
 
     from device_sdk.client import ClientConfig, DeviceClient, RoundStatus
@@ -215,10 +242,14 @@ async def run_devices(
     clients: list[DeviceClient] = []
     try:
         for i, (items, ratings) in enumerate(users):
-            url = urls[(i // cohorts) % len(urls)]
+            first = (i // cohorts) % len(urls)
+            order = [urls[(first + j) % len(urls)] for j in range(len(urls))]
+            transport = FailoverTransport(
+                [HttpTransport(u, session=session, retries=2, backoff_max=1.0) for u in order]
+            )
             clients.append(
                 DeviceClient(
-                    HttpTransport(url, session=session, retries=8, backoff_max=2.0),
+                    transport,  # type: ignore[arg-type]
                     ClientConfig(
                         store_dir=store_root / f"device-{i:05d}",
                         long_poll_timeout=300.0,

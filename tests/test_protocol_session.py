@@ -17,7 +17,7 @@ from protocol.errors import (
     RoundClosed,
     StaleRound,
 )
-from protocol.messages import Abort, ErrorMessage, UnmaskRequest
+from protocol.messages import Abort, ErrorMessage, MaskedInput, UnmaskRequest
 from protocol.noise import to_ring
 from protocol.quantization import QuantizationConfig
 from protocol.session import ACTIVE_PHASES, TRANSITIONS, Direction, Phase, Role
@@ -273,8 +273,10 @@ def test_device_checks_its_own_keys_and_distinct_keys_in_broadcast() -> None:
         assert rnd.devices[me].phase is Phase.ERROR
 
 
-def test_device_rejects_tampered_or_misaddressed_share_ciphertexts() -> None:
-    from protocol.errors import CryptoError
+def test_device_sets_aside_tampered_or_misaddressed_share_ciphertexts() -> None:
+    # Issue 15 item 5: an unusable ciphertext no longer fails the session; its sender is treated as dropped
+    # (no share held, left out of the masks) and reported in the masked input.
+    from protocol.errors import RemoteProtocolError
 
     rnd = Round(n=4, t=2)
     rnd.step(Phase.ADVERTISE_KEYS)
@@ -283,15 +285,25 @@ def test_device_rejects_tampered_or_misaddressed_share_ciphertexts() -> None:
     request = rnd.server.outbox(me)
     blobs = list(request.ciphertexts)  # type: ignore[union-attr]
     blobs[0] = blobs[0][:-1] + bytes([blobs[0][-1] ^ 1])
-    with pytest.raises(CryptoError):
-        rnd.devices[me].receive(dataclasses.replace(request, ciphertexts=tuple(blobs)))  # type: ignore[type-var]
-    assert rnd.devices[me].phase is Phase.ERROR
+    rnd.devices[me].receive(dataclasses.replace(request, ciphertexts=tuple(blobs)))  # type: ignore[type-var]
+    rnd.devices[me].provide_input(np.zeros(rnd.params.vector_length, dtype=np.uint32))
+    sent = rnd.devices[me].send()
+    assert isinstance(sent, MaskedInput) and sent.bad_share_senders == (request.sender_ids[0],)  # type: ignore[union-attr]
     # Swapping two senders' ciphertexts fails authentication too (src/dst are in the associated data).
     me2 = rnd.ids[1]
     req2 = rnd.server.outbox(me2)
     swapped = dataclasses.replace(req2, ciphertexts=tuple(reversed(req2.ciphertexts)))  # type: ignore[type-var]
-    with pytest.raises(CryptoError):
-        rnd.devices[me2].receive(swapped)
+    rnd.devices[me2].receive(swapped)
+    rnd.devices[me2].provide_input(np.zeros(rnd.params.vector_length, dtype=np.uint32))
+    ends = (req2.sender_ids[0], req2.sender_ids[-1])  # type: ignore[union-attr]
+    assert rnd.devices[me2].send().bad_share_senders == tuple(sorted(ends))  # type: ignore[union-attr]
+    # ... but a device left with fewer than t usable neighbours refuses to mask
+    me3 = rnd.ids[2]
+    req3 = rnd.server.outbox(me3)
+    garbage = tuple(b"\x00" * len(blob) for blob in req3.ciphertexts)  # type: ignore[union-attr]
+    with pytest.raises(RemoteProtocolError, match="unusable share ciphertexts"):
+        rnd.devices[me3].receive(dataclasses.replace(req3, ciphertexts=garbage))  # type: ignore[type-var]
+    assert rnd.devices[me3].phase is Phase.ERROR
 
 
 # ------------------------------------------------------------------------------------ transitions

@@ -221,3 +221,127 @@ async def test_two_instances_run_four_cohorts_in_parallel(pg_server: str, tmp_pa
         stop.set()
         for inst in instances:
             inst.kill()
+
+
+def _lease_holders(url: str) -> dict[str, int]:
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        return {str(h): int(c) for c, h in conn.execute("SELECT cohort, holder FROM cohort_leases")}
+
+
+@pytest.mark.postgres
+@pytest.mark.asyncio
+async def test_a_sigkilled_instance_loses_its_round_and_resumes_while_the_other_commits(
+    pg_server: str, tmp_path: Path
+) -> None:
+    from tests.multi_helpers import Instance, database_rounds, recording, run_devices
+    from tests.server_helpers import BITS, N_ITEMS
+
+    url = database_url(pg_server, f"m{next(_names)}")
+    privacy = {"enabled": True, "epsilon": 50.0, "planned_rounds": 40}
+    a, b = (
+        Instance(name, tmp_path / name, url, 2, 1, N_ITEMS, BITS, cohort_size=5, privacy=privacy, lease_seconds=3.0)
+        for name in "ab"
+    )
+    a.start()
+    b.start()
+    stop = asyncio.Event()
+    try:
+        with recording() as record:
+            task = asyncio.create_task(
+                run_devices(
+                    [a.url, b.url], _users(10), tmp_path / "devices", n_items=N_ITEMS, bits=BITS, stop=stop, cohorts=2
+                )
+            )
+            await _until(lambda: len(_lease_holders(url)) == 2, 30, "both instances to lead a cohort")
+            ca, cb = _lease_holders(url)["a"], _lease_holders(url)["b"]
+
+            def a_mid_round() -> bool:
+                rounds = database_rounds(url)
+                return len(_committed(rounds, ca)) >= 1 and any(
+                    r["status"] == "open" and r["cohort"] == ca for r in rounds
+                )
+
+            await _until(a_mid_round, 120, "a committed round of a's cohort and then an open one")
+            a.kill()
+            (killed,) = [r["round_id"] for r in database_rounds(url) if r["status"] == "open" and r["cohort"] == ca]
+            before_a = len(_committed(database_rounds(url), ca))
+            before_b = len(_committed(database_rounds(url), cb))
+            await _until(
+                lambda: len(_committed(database_rounds(url), cb)) >= before_b + 2,
+                120,
+                "the other instance to commit two more rounds",
+            )
+            assert len(_committed(database_rounds(url), ca)) == before_a  # nobody ran the dead instance's cohort
+            a.start()  # the same instance id: it takes its cohort back at once and abandons the killed round
+            await _until(
+                lambda: len(_committed(database_rounds(url), ca)) >= before_a + 1,
+                120,
+                "the restarted instance to commit again",
+            )
+            stop.set()
+            await task
+            a.stop()
+            b.stop()
+            rounds = _assert_consistent(url, record, 50.0)
+        (dead,) = [r for r in rounds if r["round_id"] == killed]
+        assert dead["status"] == "abandoned" and dead["version"] is None
+        assert all(r["status"] != "open" for r in rounds)
+        with Storage(tmp_path / "check", url=url) as s:
+            head = s.head_version()
+            assert head == 1 + len(_committed(rounds)) and s.load_model(head)  # nothing committed was lost
+    finally:
+        stop.set()
+        a.kill()
+        b.kill()
+
+
+@pytest.mark.postgres
+@pytest.mark.asyncio
+async def test_cohorts_racing_on_two_instances_cannot_overspend_the_budget(pg_server: str, tmp_path: Path) -> None:
+    from tests.multi_helpers import Instance, database_rounds, ledger_charges, recording, run_devices
+    from tests.server_helpers import BITS, N_ITEMS
+
+    url = database_url(pg_server, f"m{next(_names)}")
+    privacy = {"enabled": True, "epsilon": 4.0, "planned_rounds": 3}  # μ calibrated: exactly 3 rounds fit
+    instances = [
+        Instance(name, tmp_path / name, url, 4, 2, N_ITEMS, BITS, cohort_size=4, privacy=privacy) for name in "ab"
+    ]
+    for inst in instances:
+        inst.start()
+    stop = asyncio.Event()
+    try:
+        with recording() as record:
+            task = asyncio.create_task(
+                run_devices(
+                    [i.url for i in instances],
+                    _users(16),
+                    tmp_path / "devices",
+                    n_items=N_ITEMS,
+                    bits=BITS,
+                    stop=stop,
+                    cohorts=4,
+                )
+            )
+
+            def spent_and_settled() -> bool:
+                rounds = database_rounds(url)
+                return len(ledger_charges(url)[0]) >= 3 and not any(r["status"] == "open" for r in rounds)
+
+            await _until(spent_and_settled, 120, "the budget to be spent")
+            await asyncio.sleep(3.0)  # every cohort keeps trying to open rounds meanwhile
+            stop.set()
+            await task
+            for inst in instances:
+                inst.stop()
+            rounds = _assert_consistent(url, record, 4.0)
+        charged, ledger = ledger_charges(url)
+        assert len(charged) == 3 and len(_committed(rounds)) <= 3
+        assert PrivacyLedger.from_dict(ledger).spent() <= 4.0
+        refused = [i.name for i in instances if "privacy budget exhausted" in i.log_tail(10**7)]
+        assert refused == ["a", "b"]  # both instances tried to open a fourth round and were refused
+    finally:
+        stop.set()
+        for inst in instances:
+            inst.kill()

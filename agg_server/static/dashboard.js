@@ -324,7 +324,11 @@
 
   async function poll() {
     try {
-      const resp = await fetch(new URL("v1/dashboard", document.baseURI), { cache: "no-store" });
+      // A server that protects its operator endpoints (server.protect_operator_endpoints) wants the admin
+      // token: open the page as /#token=<admin token> (a fragment never reaches the server or its logs).
+      const token = new URLSearchParams(location.hash.slice(1)).get("token");
+      const headers = token ? { Authorization: "Bearer " + token } : {};
+      const resp = await fetch(new URL("v1/dashboard", document.baseURI), { cache: "no-store", headers });
       if (!resp.ok) throw new Error("HTTP " + resp.status);
       render(await resp.json());
       setConnection(true, "live");

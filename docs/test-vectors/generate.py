@@ -64,7 +64,8 @@ from protocol.session import (  # noqa: E402
 OUT = Path(__file__).resolve().parent
 PREFIX = b"fedrec test vector/"
 
-# Protocol version that introduced each field (fields not listed: 1.0 for types 1-10, 1.1 for 11-16).
+# Protocol version that introduced each field (fields not listed: 1.0 for types 1-10, 1.1 for 11-16, 1.3 for
+# the consistency check's types 20-21).
 _SINCE_1_1 = {
     "RoundInvite": (
         "model_version",
@@ -95,6 +96,16 @@ _SINCE_1_2 = {
     ),
     "ModelPayload": ("values",),
 }
+_SINCE_1_3 = {
+    "RoundInvite": ("cohort_size",),
+    "PublicKeys": ("certificate", "signature"),
+    "ShareKeysBroadcast": ("certificates", "signatures"),
+    "MaskedInput": ("bad_share_senders",),
+    "UnmaskRequest": ("survivor_set", "signer_ids", "signer_certificates", "signatures"),
+}
+
+
+_SINCE_1_4 = {"RegisterRequest": ("certificate", "proof", "enrollment_token")}
 
 
 def _check(condition: bool) -> None:
@@ -113,6 +124,10 @@ def fixed_field_element(label: str) -> int:
 
 
 def _since(cls_name: str, type_code: int, field: str) -> str:
+    if field in _SINCE_1_4.get(cls_name, ()):
+        return "1.4"
+    if field in _SINCE_1_3.get(cls_name, ()) or type_code in (20, 21):
+        return "1.3"
     if field in _SINCE_1_2.get(cls_name, ()):
         return "1.2"
     if field in _SINCE_1_1.get(cls_name, ()) or type_code >= 11:
@@ -222,6 +237,7 @@ def message_vectors() -> dict[str, Any]:
             device_id=300,
             session_id=sid,
             masked=np.array([0, 1, 2**31, 2**32 - 1, 0x01020304, 7, 8, 9], dtype=np.uint32),
+            bad_share_senders=(500,),  # written only when non-empty: round.json has the honest encoding
         ),
         UnmaskRequest(round_id=7, device_id=300, session_id=sid, survivors=(100, 300), dropped=(500,), n_survivors=41),
         UnmaskResponse(
@@ -599,13 +615,86 @@ def round_vector() -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------------------------- identity
+
+
+def identity_vectors() -> dict[str, Any]:
+    """Protocol 1.3/1.4 identities: an enrollment certificate, the registration proof, a signed key
+    advertisement and a survivor-set signature (Ed25519 is deterministic: fixed keys give fixed bytes)."""
+    from protocol.enrollment import batch_id
+
+    authority = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/authority"))
+    device = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/device"))
+    batch = batch_id("batch-a")
+    tail = fixed_bytes("identity/serial", crypto.BATCH_BYTES)
+    certificate = crypto.issue_certificate(authority, device.public_key, batch=batch, serial=tail)
+    _check(crypto.verify_certificate(certificate, authority.public_key) == device.public_key)
+    _check(crypto.certificate_batch(certificate) == batch)
+    registration = crypto.registration_payload(certificate)
+    proof = device.sign(registration)
+    c_key = crypto.key_pair_from_private_bytes(fixed_bytes("identity/c")).public_key
+    s_key = crypto.key_pair_from_private_bytes(fixed_bytes("identity/s")).public_key
+    advert = crypto.key_advertisement_payload(7, 42, c_key, s_key)
+    session = fixed_bytes("identity/session")
+    survivors = [3, 42, 99]
+    survivor_payload = crypto.survivor_set_payload(7, session, survivors)
+    register = RegisterRequest(platform="vector", certificate=certificate, proof=proof)
+    keys = PublicKeys(
+        round_id=7,
+        device_id=42,
+        c_public_key=c_key,
+        s_public_key=s_key,
+        certificate=certificate,
+        signature=device.sign(advert),
+    )
+    signature = ConsistencySignature(
+        round_id=7, device_id=42, session_id=session, signature=device.sign(survivor_payload)
+    )
+    for sig, data in ((proof, registration), (keys.signature, advert), (signature.signature, survivor_payload)):
+        crypto.verify_signature(device.public_key, sig, data)
+    return {
+        "description": "Ed25519 identities (RFC 8032, raw 32-byte keys, 64-byte signatures); keys are "
+        "SHA-256('fedrec test vector/' + label) used as Ed25519 seeds",
+        "authority_seed_label": "identity/authority",
+        "authority_public_key": authority.public_key.hex(),
+        "device_seed_label": "identity/device",
+        "device_public_key": device.public_key.hex(),
+        "batch_name": "batch-a",
+        "batch_id": batch.hex(),
+        "serial_tail": tail.hex(),
+        "certificate": certificate.hex(),
+        "registration_payload": registration.hex(),
+        "registration_proof": proof.hex(),
+        "key_advertisement": {
+            "round_id": 7,
+            "device_id": 42,
+            "c_public_key": c_key.hex(),
+            "s_public_key": s_key.hex(),
+            "payload": advert.hex(),
+            "signature": keys.signature.hex(),
+        },
+        "survivor_set": {
+            "round_id": 7,
+            "session_id": session.hex(),
+            "survivors": survivors,
+            "payload": survivor_payload.hex(),
+            "signature": signature.signature.hex(),
+        },
+        "messages": {
+            "RegisterRequest": describe(register),
+            "PublicKeys": describe(keys),
+            "ConsistencySignature": describe(signature),
+        },
+    }
+
+
 def _write(out: Path, name: str, data: dict[str, Any]) -> None:
     text = json.dumps(data, indent=1, ensure_ascii=False) + "\n"
     (out / name).write_text(text, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Write messages.json, crypto.json and round.json (next to this script, or into ``--out DIR``)."""
+    """Write messages.json, crypto.json, round.json and identity.json (next to this script, or into ``--out DIR``)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=OUT, help="output folder (default: next to this script)")
     out: Path = parser.parse_args(argv).out
@@ -613,6 +702,7 @@ def main(argv: list[str] | None = None) -> None:
     _write(out, "messages.json", message_vectors())
     _write(out, "crypto.json", crypto_vectors())
     _write(out, "round.json", round_vector())
+    _write(out, "identity.json", identity_vectors())
 
 
 if __name__ == "__main__":
