@@ -454,6 +454,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="PEM certificate to trust for an https server with a private or self-signed certificate",
     )
+    lt.add_argument(
+        "--authority-key",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the operator's enrollment authority key (fedrec enroll-ca init): each device gets a certificate for "
+        "its identity key and registers with it; rounds run signed (the server's enrollment.authority_key)",
+    )
+    lt.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="file holding the server's admin token: the fleet asks the server for one one-time enrollment token "
+        "per device and each device registers with its token (default without either: open registration, "
+        "which a server accepts on loopback only)",
+    )
+    lt.add_argument(
+        "--credential-sources",
+        type=_positive_int,
+        default=1,
+        help="spread the devices' credentials over this many sources (certificate or token batches; default 1)",
+    )
 
     sim = sub.add_parser(
         "simulate",
@@ -543,6 +566,28 @@ def build_parser() -> argparse.ArgumentParser:
     exp_.add_argument("run", type=Path, help="a run file written by 'fedrec simulate --save'")
     exp_.add_argument("-o", dest="output", type=Path, required=True, help="model file to write (e.g. model.fedrec)")
     exp_.add_argument("--user", default=None, help="export only this user's device model (raw id as in the dataset)")
+
+    ca = sub.add_parser(
+        "enroll-ca",
+        help="the operator's enrollment authority: create it, certify devices",
+        description="The enrollment authority (CA) certifies devices' long-term Ed25519 identity keys (protocol "
+        "1.4).  Keep its key file away from the aggregation server: the server's configuration holds only the "
+        "public key (enrollment.authority_key), and devices pin it.",
+    )
+    ca_sub = ca.add_subparsers(dest="ca_command", required=True, metavar="ACTION")
+    ca_init = ca_sub.add_parser("init", help="create the authority key file and print its public key")
+    ca_init.add_argument("--key", type=Path, required=True, metavar="FILE", help="key file to create (mode 0600)")
+    ca_issue = ca_sub.add_parser("issue", help="certify a device's public key; prints the certificate as hex")
+    ca_issue.add_argument("--key", type=Path, required=True, metavar="FILE", help="the authority key file")
+    ca_issue.add_argument(
+        "--device-key", required=True, metavar="HEX", help="the device's 32-byte Ed25519 public key, as 64 hex digits"
+    )
+    ca_issue.add_argument(
+        "--batch",
+        default="default",
+        help="the batch (credential source) to issue under: the server rate-limits and caps each round's share "
+        "per batch (default: 'default')",
+    )
 
     data = sub.add_parser("data", help="list the datasets fedrec can find")
     data.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
@@ -1277,6 +1322,9 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
                 time_limit=args.time_limit,
                 ca_file=args.ca_file,
                 announce_drops=args.announce_drops,
+                authority_key_file=args.authority_key,
+                admin_token=_read_secret(args.admin_token_file) if args.admin_token_file else None,
+                credential_sources=args.credential_sources,
                 cohort=args.cohort,
                 seed_training=args.cohort is not None,
                 insecure_reproducible=args.insecure_seed_noise,
@@ -1360,8 +1408,40 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _read_secret(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not text:
+        raise ConfigError(f"{path} is empty")
+    return text
+
+
+def _cmd_enroll_ca(args: argparse.Namespace, out: TextIO) -> int:
+    from protocol.enrollment import EnrollmentAuthority
+
+    if args.ca_command == "init":
+        authority = EnrollmentAuthority.generate()
+        authority.save(args.key)
+        out.write(f"enrollment authority key written to {args.key} (keep it away from the aggregation server)\n")
+        out.write("server configuration ([enrollment] table):\n")
+        out.write(f'authority_key = "{authority.public_key.hex()}"\n')
+        return 0
+    authority = EnrollmentAuthority.load(args.key)
+    try:
+        device_key = bytes.fromhex(args.device_key)
+    except ValueError:
+        raise ConfigError(f"--device-key must be 64 hex digits, got {args.device_key!r}") from None
+    if len(device_key) != 32:
+        raise ConfigError(f"--device-key must be 64 hex digits (32 bytes), got {len(device_key)} bytes")
+    out.write(authority.issue(device_key, args.batch).hex() + "\n")
+    return 0
+
+
 def _run(args: argparse.Namespace, out: TextIO) -> int:
     commands = {
+        "enroll-ca": _cmd_enroll_ca,
         "demo": _cmd_demo,
         "loadtest": _cmd_loadtest,
         "simulate": _cmd_simulate,

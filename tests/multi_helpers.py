@@ -97,6 +97,7 @@ class Instance:
     timeout: float = 20.0
     privacy: dict[str, Any] = field(default_factory=dict)
     rounds: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -120,7 +121,7 @@ class Instance:
         }
         tables = {
             "server": {"data_dir": str(self.root / "data"), "host": "127.0.0.1", "port": self.port},
-            "model": {"n_items": self.n_items, "bits": self.bits},
+            "model": {"n_items": self.n_items, "bits": self.bits, **self.model},
             "rounds": rounds,
             "privacy": self.privacy,
             "log": {"level": "info"},
