@@ -48,6 +48,7 @@ __all__ = [
     "PrivacySection",
     "LogSection",
     "StorageSection",
+    "EnrollmentSection",
     "MFSection",
     "FELBSection",
     "FNMFSection",
@@ -561,6 +562,74 @@ class PrivacySection:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EnrollmentSection:
+    """Who may register a device (TOML table ``[enrollment]``, protocol 1.4; docs/threat-model.md §3.10).
+
+    Attributes
+    ----------
+    authority_key : str or None
+        Hex of the enrollment authority's 32-byte Ed25519 public key (``fedrec enroll-ca init`` prints
+        it).  When set, a registration must carry a certificate of this authority and a proof that the
+        device holds the certified key, and every round runs signed (protocol 1.3: signed key
+        advertisements and the consistency check).  The authority's private key never comes near the
+        server.
+    open_registration : bool or None
+        Accept registrations without a credential (development only: anyone may then register any number
+        of devices).  Unset: true when ``server.host`` is a loopback address and no authority is set,
+        false otherwise.  Cannot be true together with ``authority_key``.
+    max_source_share : float
+        Share in (0, 1] of a round's cohort that devices enrolled through one credential source (one
+        certificate batch, one token batch, or open registration) may fill at most; 1 = no cap.
+    registrations_per_second : float
+        Sustained registrations accepted per credential source (> 0); beyond it 429 with ``Retry-After``.
+    registration_burst : int
+        Registrations one source may make at once before the rate applies (>= 1).
+    """
+
+    authority_key: str | None = None
+    open_registration: bool | None = None
+    max_source_share: float = 1.0
+    registrations_per_second: float = 20.0
+    registration_burst: int = 100
+
+    def __post_init__(self) -> None:
+        key = self.authority_key
+        if key is not None and (
+            not isinstance(key, str) or len(key) != 64 or any(c not in "0123456789abcdef" for c in key)
+        ):
+            raise _fail("enrollment.authority_key", "64 lowercase hex digits (an Ed25519 public key)", key)
+        if self.open_registration is not None:
+            _bool("enrollment.open_registration", self.open_registration)
+            if self.open_registration and key is not None:
+                raise ConfigError(
+                    "enrollment.open_registration: cannot be true with enrollment.authority_key set "
+                    "(signed rounds need certified devices)"
+                )
+        _set(
+            self,
+            "max_source_share",
+            _float("enrollment.max_source_share", self.max_source_share, lo=0.0, hi=1.0, lo_open=True),
+        )
+        _set(
+            self,
+            "registrations_per_second",
+            _float("enrollment.registrations_per_second", self.registrations_per_second, lo=0.0, lo_open=True),
+        )
+        _int("enrollment.registration_burst", self.registration_burst, lo=1)
+
+    @property
+    def authority_public_key(self) -> bytes:
+        """The authority key as 32 bytes (empty when none is set)."""
+        return bytes.fromhex(self.authority_key) if self.authority_key else b""
+
+    def registration_is_open(self, host: str) -> bool:
+        """Whether registrations without a credential are accepted by a server bound to ``host``."""
+        if self.open_registration is not None:
+            return self.open_registration
+        return self.authority_key is None and is_loopback(host)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LogSection:
     """Logging (TOML table ``[log]``).
 
@@ -675,6 +744,7 @@ class ServerConfig:
     privacy : PrivacySection
     log : LogSection
     storage : StorageSection
+    enrollment : EnrollmentSection
     mf, felb, fnmf : the model families' hyper-parameters (only ``model.kind``'s is used)
     """
 
@@ -685,6 +755,7 @@ class ServerConfig:
     privacy: PrivacySection = field(default_factory=PrivacySection)
     log: LogSection = field(default_factory=LogSection)
     storage: StorageSection = field(default_factory=StorageSection)
+    enrollment: EnrollmentSection = field(default_factory=EnrollmentSection)
     mf: MFSection = field(default_factory=MFSection)
     felb: FELBSection = field(default_factory=FELBSection)
     fnmf: FNMFSection = field(default_factory=FNMFSection)
@@ -710,6 +781,7 @@ _SECTION_TYPES: dict[str, type] = {
     "privacy": PrivacySection,
     "log": LogSection,
     "storage": StorageSection,
+    "enrollment": EnrollmentSection,
     "mf": MFSection,
     "felb": FELBSection,
     "fnmf": FNMFSection,
@@ -723,6 +795,7 @@ _TABLES: dict[str, tuple[str, type]] = {
     "privacy": ("privacy", PrivacySection),
     "log": ("log", LogSection),
     "storage": ("storage", StorageSection),
+    "enrollment": ("enrollment", EnrollmentSection),
     "mf": ("mf", MFSection),
     "felb": ("felb", FELBSection),
     "fnmf": ("fnmf", FNMFSection),

@@ -44,6 +44,7 @@ from device_sdk.persistence import (
     load_identity,
     load_ledger,
     load_model,
+    load_or_create_signing_key,
     load_sync,
     save_identity,
     save_ledger,
@@ -52,7 +53,8 @@ from device_sdk.persistence import (
 )
 from device_sdk.training import local_round
 from device_sdk.transport import Response, Transport, TransportError, raise_for_error
-from protocol.crypto import NoiseStream, insecure_test_noise_stream
+from protocol import crypto
+from protocol.crypto import NoiseStream, SigningKey, insecure_test_noise_stream
 from protocol.errors import (
     ConfigError,
     FedRecError,
@@ -66,6 +68,7 @@ from protocol.errors import (
 from protocol.messages import (
     Abort,
     CheckIn,
+    ConsistencyRequest,
     MaskedInputRequest,
     Message,
     ModelPayload,
@@ -122,6 +125,11 @@ class ClientConfig:
     disconnect_after : float
         Fault injection only (`DropoutAt.DISCONNECT_MASKED`): seconds the masked-input request may run
         before the client abandons it and closes the connection.
+    authority_key : bytes, optional
+        The pinned 32-byte Ed25519 public key of the enrollment authority (protocol 1.3/1.4).  When set,
+        the device registers only with a certificate of this authority for its own identity key, signs
+        its key advertisements and survivor sets, and refuses any round whose neighbours' keys are not
+        certified by it or that skips the consistency check.
 
     Raises
     ------
@@ -135,8 +143,11 @@ class ClientConfig:
     long_poll_timeout: float = 300.0
     disconnect_after: float = 0.05
     privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
+    authority_key: bytes | None = None
 
     def __post_init__(self) -> None:
+        if self.authority_key is not None and (type(self.authority_key) is not bytes or len(self.authority_key) != 32):
+            raise ConfigError("authority_key must be the enrollment authority's 32-byte Ed25519 public key")
         if not isinstance(self.privacy, PrivacyPolicy):
             raise ConfigError(f"privacy must be a PrivacyPolicy, got {type(self.privacy).__name__}")
         object.__setattr__(self, "store_dir", Path(self.store_dir))
@@ -162,6 +173,7 @@ class DropoutAt(Enum):
     BEFORE_MASKED = "before_masked"
     BEFORE_UNMASK = "before_unmask"
     DISCONNECT_MASKED = "disconnect_masked"
+    BEFORE_CONSISTENCY = "before_consistency"  # protocol 1.3: before signing the survivor set
 
 
 class RoundStatus(StrEnum):
@@ -277,6 +289,8 @@ _STEPS: tuple[tuple[str, DropoutAt, type[Message]], ...] = (
     ("masked", DropoutAt.BEFORE_MASKED, UnmaskRequest),
     ("unmask", DropoutAt.BEFORE_UNMASK, RoundResult),
 )
+#: Protocol 1.3: inserted after "masked" when the server answers with a `ConsistencyRequest`.
+_CONSISTENCY_STEP: tuple[str, DropoutAt, type[Message]] = ("consistency", DropoutAt.BEFORE_CONSISTENCY, UnmaskRequest)
 
 
 class DeviceClient:
@@ -371,6 +385,7 @@ class DeviceClient:
         except OSError as exc:
             raise StorageError(f"cannot create the store folder {config.store_dir}: {exc}") from exc
         self._identity = load_identity(config.store_dir)
+        self._signing_key: SigningKey | None = None
         self._sync = load_sync(config.store_dir)
         self._ledger = load_ledger(config.store_dir)
         self._model = self._load_model()
@@ -455,12 +470,32 @@ class DeviceClient:
         """The registered device id, None before `register`."""
         return None if self._identity is None else self._identity.device_id
 
+    @property
+    def identity_public_key(self) -> bytes:
+        """The device's long-term Ed25519 public key (32 bytes), for its operator's enrollment authority
+        to certify.  The key is created on first use and kept in the store (``signing-key.fedrec``)."""
+        return self._signing().public_key
+
+    def _signing(self) -> SigningKey:
+        if self._signing_key is None:
+            self._signing_key = load_or_create_signing_key(self.config.store_dir)
+        return self._signing_key
+
     # -- protocol ---------------------------------------------------------------------------------
 
-    async def register(self) -> int:
+    async def register(self, *, certificate: bytes | None = None, enrollment_token: str | None = None) -> int:
         """Get an identity from the server once (``POST /v1/devices``) and persist it.
 
         Later calls, and later runs with the same ``store_dir``, reuse the stored identity.
+
+        Parameters
+        ----------
+        certificate : bytes, optional
+            The enrollment authority's certificate of `identity_public_key` (protocol 1.4); the device
+            adds a proof that it holds the key.  Checked against ``config.authority_key`` first.
+        enrollment_token : str, optional
+            An operator-issued one-time enrollment token (test fleets).  Without either credential the
+            registration is open, which a server accepts only in development.
 
         Returns
         -------
@@ -469,12 +504,19 @@ class DeviceClient:
 
         Raises
         ------
+        EnrollmentRefused
+            The server refused the credential (missing, forged, reused).
+        RateLimited
+            The credential source registers too fast (after the transport's own retries).
+        ConfigError, CryptoError
+            A certificate with both credentials, or one that the pinned authority did not issue for this
+            device's key; a pinned authority but no certificate.
         FedRecError
             The error the server answered with, `TransportError` when it cannot be reached, or
             `StorageError` when the identity cannot be written.
         """
         async with self._lock:
-            return (await self._ensure_identity(_Tally())).device_id
+            return (await self._ensure_identity(_Tally(), certificate or b"", enrollment_token or "")).device_id
 
     async def run_round(
         self,
@@ -593,8 +635,20 @@ class DeviceClient:
                 await self._leave(invite, str(exc))
                 raise
             training_rng, noise_rng = self._rng_for_round(rid)
+            signed: dict[str, Any] = {}
+            if self.config.authority_key is not None:
+                certificate = self._identity.certificate if self._identity is not None else b""
+                if not certificate:
+                    raise ConfigError("this device pins an enrollment authority but registered without a certificate")
+                signed = {
+                    "identity": self._signing(),
+                    "certificate": certificate,
+                    "authority_key": self.config.authority_key,
+                }
             try:
-                session = DeviceSecAggSession(invite, rng=noise_rng, policy=self.config.privacy, ledger=self._ledger)
+                session = DeviceSecAggSession(
+                    invite, rng=noise_rng, policy=self.config.privacy, ledger=self._ledger, **signed
+                )
             except PrivacyFloorViolation as exc:
                 # Below this device's floor: sit the round out (before training), and say why.
                 _log.warning("refusing round %d: %s", rid, exc)
@@ -605,8 +659,11 @@ class DeviceClient:
                 update = await asyncio.to_thread(self._train, invite, training_rng, noise_rng)
             session.provide_input(update)
             del update  # the session holds the only copy until it is masked
-            for name, stop_before, answer_type in _STEPS:
-                if dropout is stop_before:
+            steps = list(_STEPS)
+            while steps:
+                name, stop_before, answer_type = steps.pop(0)
+                # BEFORE_CONSISTENCY in a round without the consistency check: the same point, before unmask.
+                if dropout is stop_before or (name == "unmask" and dropout is DropoutAt.BEFORE_CONSISTENCY):
                     if announce_drop:
                         await self._leave(invite, f"left before {name}")
                     return self._dropped(session, rid, tally, f"fault injection: {dropout.value}")
@@ -633,6 +690,10 @@ class DeviceClient:
                 answer = response.message
                 if isinstance(answer, RoundResult):
                     return await self._finish(session, invite, answer, tally)
+                if name == "masked" and isinstance(answer, ConsistencyRequest):
+                    # Protocol 1.3: sign the survivor set before the unmask request (§6.3).
+                    steps.insert(0, _CONSISTENCY_STEP)
+                    answer_type = ConsistencyRequest
                 if not isinstance(answer, answer_type):
                     raise RemoteProtocolError(f"{name} answered with {_name(answer)}, expected {answer_type.__name__}")
                 session.receive(answer)
@@ -780,22 +841,29 @@ class DeviceClient:
 
     # -- identity ---------------------------------------------------------------------------------
 
-    async def _ensure_identity(self, tally: _Tally) -> Identity:
+    async def _ensure_identity(self, tally: _Tally, certificate: bytes = b"", enrollment_token: str = "") -> Identity:
         if self._identity is not None:
             return self._identity
+        if certificate and enrollment_token:
+            raise ConfigError("register with a certificate or an enrollment token, not both")
+        authority = self.config.authority_key
+        if authority is not None and not certificate:
+            raise ConfigError("this device pins an enrollment authority: register it with a certificate")
+        request = RegisterRequest(platform=self.config.platform, enrollment_token=enrollment_token)
+        if certificate:
+            key = self._signing()
+            if authority is not None and crypto.verify_certificate(certificate, authority) != key.public_key:
+                raise ConfigError("the certificate does not certify this device's identity key")
+            proof = key.sign(crypto.registration_payload(certificate))
+            request = RegisterRequest(platform=self.config.platform, certificate=certificate, proof=proof)
         with tally.step("register"):
             response = await self._call(
-                "POST",
-                "/v1/devices",
-                RegisterRequest(platform=self.config.platform),
-                tally,
-                timeout=self.config.request_timeout,
-                authorized=False,
+                "POST", "/v1/devices", request, tally, timeout=self.config.request_timeout, authorized=False
             )
         message = response.message
         if not isinstance(message, RegisterResponse):
             raise RemoteProtocolError(f"registration answered with {_name(message)}")
-        identity = Identity(device_id=message.device_id, token=message.token)
+        identity = Identity(device_id=message.device_id, token=message.token, certificate=certificate)
         save_identity(self.config.store_dir, identity)
         self._identity = identity
         _log.info("registered as device %d", identity.device_id)

@@ -31,6 +31,7 @@ from numpy.typing import NDArray
 from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundOutcome, RoundStatus, insecure_seeded_rngs
 from fedsim.threads import one_blas_thread
 from protocol.crypto import INSECURE_NOISE_NOTICE, NoiseStream
+from protocol.enrollment import EnrollmentAuthority
 from protocol.errors import FedRecError
 from protocol.policy import PrivacyPolicy
 
@@ -99,6 +100,15 @@ class FleetConfig:
         devices' seeded generators, keyed by device id, are then the same on every back-end.
     ca_file : PEM file of the CA (or self-signed certificate) that signs an ``https`` server's
         certificate; None uses the system's trusted roots.
+    authority_key_file : the operator's enrollment authority key (``fedrec enroll-ca init``; protocol
+        1.4).  The fleet then acts as the operator's enrollment service: each device creates its identity
+        key, gets a certificate for it (batch ``fleet-<i mod credential_sources>``), pins the authority's
+        public key and registers with the certificate; rounds run signed, with the consistency check.
+    admin_token : the server's admin token: the fleet asks ``POST /v1/admin/enrollment-tokens`` for one
+        one-time enrollment token per device (source ``fleet-<i mod credential_sources>``) and each device
+        registers with its token.  Neither set: open registration (a development server on loopback).
+    credential_sources : how many credential sources (certificate batches or token batches) the devices
+        are spread over, round-robin by fleet index.
     """
 
     url: str
@@ -123,8 +133,15 @@ class FleetConfig:
     fleet_size: int | None = None
     rounds_before: int | None = None
     registered_before: int | None = None
+    authority_key_file: Path | None = None
+    admin_token: str | None = None
+    credential_sources: int = 1
 
     def __post_init__(self) -> None:
+        if self.authority_key_file is not None and self.admin_token is not None:
+            raise ValueError("enroll the fleet by certificate (authority_key_file) or by token (admin_token), not both")
+        if self.credential_sources < 1:
+            raise ValueError(f"credential_sources must be >= 1, got {self.credential_sources}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.rounds < 1:
@@ -396,6 +413,7 @@ async def _run_fleet(
     connector = aiohttp.TCPConnector(limit=0, force_close=False, ssl=tls if tls is not None else True)
     session = aiohttp.ClientSession(connector=connector)
     clients: list[DeviceClient] = []
+    authority = EnrollmentAuthority.load(config.authority_key_file) if config.authority_key_file else None
     try:
         for offset, (items, ratings) in enumerate(users):
             index = first_index + offset
@@ -415,6 +433,7 @@ async def _run_fleet(
                     store_dir=config.store_root / f"device-{index:06d}",
                     long_poll_timeout=config.long_poll_timeout,
                     privacy=config.privacy,
+                    authority_key=authority.public_key if authority is not None else None,
                 ),
                 items=items,
                 ratings=ratings,
@@ -431,8 +450,7 @@ async def _run_fleet(
         # waits for the shards before it (`FleetConfig.registered_before`).
         if config.registered_before is not None:
             await _wait_registered(session, config, config.registered_before + first_index, stop)
-        for c in clients:
-            await c.register()
+        await _enroll(clients, config, session, authority, first_index)
         gate = None
         if config.cohort is not None:
             if not monitor:
@@ -466,6 +484,47 @@ async def _run_fleet(
         await session.close()
     report.seconds = time.perf_counter() - start
     return report, clients
+
+
+def _source(config: FleetConfig, index: int) -> str:
+    return f"fleet-{index % config.credential_sources}"
+
+
+async def _enroll(
+    clients: list[DeviceClient],
+    config: FleetConfig,
+    session: Any,
+    authority: EnrollmentAuthority | None,
+    first_index: int,
+) -> None:
+    """Register every device with a credential obtained as a real fleet would: a certificate of the
+    operator's enrollment authority, or a one-time token the operator issued (the fleet plays the
+    operator with the admin token); open registration only when neither is configured."""
+    if config.admin_token is None:
+        for i, c in enumerate(clients):
+            cert = authority.issue(c.identity_public_key, _source(config, first_index + i)) if authority else None
+            await c.register(certificate=cert)
+        return
+    todo = [c for c in clients if c.device_id is None]
+    by_source: dict[str, list[DeviceClient]] = {}
+    for i, c in enumerate(clients):
+        if c.device_id is None:
+            by_source.setdefault(_source(config, first_index + i), []).append(c)
+    tokens: dict[int, str] = {}
+    for label, members in by_source.items():
+        for start in range(0, len(members), 10_000):
+            chunk = members[start : start + 10_000]
+            async with session.post(
+                f"{config.url.rstrip('/')}/v1/admin/enrollment-tokens",
+                json={"count": len(chunk), "source": label},
+                headers={"Authorization": f"Bearer {config.admin_token}", "Accept": "application/json"},
+            ) as resp:
+                if resp.status != 201:
+                    raise FedRecError(f"the server refused to issue enrollment tokens: HTTP {resp.status}")
+                issued = (await resp.json())["tokens"]
+            tokens.update({id(c): t for c, t in zip(chunk, issued, strict=True)})
+    for c in clients:  # one after the other, in fleet order: device ids follow ``users``
+        await c.register(enrollment_token=tokens.get(id(c)) if c in todo else None)
 
 
 async def _wait_registered(session: Any, config: FleetConfig, count: int, stop: asyncio.Event) -> None:

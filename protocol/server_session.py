@@ -254,6 +254,11 @@ class ServerSecAggSession:
         return self._abort_error
 
     @property
+    def consistency_open(self) -> bool:
+        """Protocol 1.3: UNMASK is in its first sub-step, collecting survivor-set signatures."""
+        return self._signing
+
+    @property
     def finishing(self) -> bool:
         """UNMASK has closed and the mask removal waits for `finish` (only with ``defer_finish``)."""
         return self._finishing

@@ -449,7 +449,7 @@ async def test_each_dropout_leaves_the_round_to_the_others(
     assert outcomes[2].status is RoundStatus.DROPPED and dropout.value in outcomes[2].reason
     assert [o.status for i, o in enumerate(outcomes) if i != 2] == [RoundStatus.COMMITTED] * 4
     dropper = devices[2].client.device_id
-    in_sum = dropout in (DropoutAt.BEFORE_UNMASK, DropoutAt.DISCONNECT_MASKED)
+    in_sum = dropout in (DropoutAt.BEFORE_UNMASK, DropoutAt.BEFORE_CONSISTENCY, DropoutAt.DISCONNECT_MASKED)
     assert (dropper in server.result_survivors) is in_sum
     assert len(server.result_survivors) == (5 if in_sum else 4)
     # A device whose masked input may be in the sum has charged its own ledger for the round, whatever happened next.
