@@ -1016,8 +1016,8 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
         f"δ=1e-5 over a private popularity release ({args.pop_share:g} of ε) and T={rounds} rounds, θ="
         f"{settings.example_cap} items per device, C={settings.clip_norm:g}, "
         + (
-            f"all-items objective (w0={settings.unobserved_weight:g}, learned item levels), "
-            if settings.unobserved_weight > 0
+            f"all-items objective (w0={settings.unobserved_weight}, learned item levels), "
+            if settings.unobserved_weight != 0
             else f"{settings.negatives} negatives per item, "
         )
         + f"flip fraction {settings.flip_fraction:g}, "

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import ssl
@@ -457,13 +458,16 @@ async def _run_fleet(
                 raise ValueError("a fleet that picks its cohorts (cohort=...) must monitor the server's rounds")
             gate = _CohortGate(config.seed, config.cohort, config.fleet_size or len(clients))
         joined: dict[int, int] = {}  # device index -> the round it is taking part in
+        round_over = asyncio.Event()  # a device saw a round end: the monitor reads the status now
         devices = [
-            asyncio.create_task(_device_loop(c, first_index + i, config, report, stop, start, gate, joined))
+            asyncio.create_task(_device_loop(c, first_index + i, config, report, stop, start, gate, joined, round_over))
             for i, c in enumerate(clients)
         ]
         tasks = list(devices)
         if monitor:
-            tasks.append(asyncio.create_task(_monitor(session, config, report, stop, on_round, on_status, gate)))
+            tasks.append(
+                asyncio.create_task(_monitor(session, config, report, stop, on_round, on_status, gate, round_over))
+            )
         try:
             await asyncio.wait_for(stop.wait(), timeout=config.time_limit)
         except TimeoutError:
@@ -548,6 +552,7 @@ async def _device_loop(
     start: float,
     gate: _CohortGate | None = None,
     joined: dict[int, int] | None = None,
+    round_over: asyncio.Event | None = None,
 ) -> None:
     backoff = 0.5
     chosen: dict[int, DropoutAt] = {}
@@ -591,6 +596,8 @@ async def _device_loop(
             joined.pop(index, None)
         backoff = 0.5
         _record(report, outcome, time.perf_counter() - start)
+        if round_over is not None and outcome.status in _FINISHED:
+            round_over.set()
         if gate is not None and outcome.round_id is not None:
             if outcome.status in _FINISHED:
                 gate.finish(outcome.round_id)
@@ -618,6 +625,7 @@ async def _monitor(
     on_round: Callable[[dict[str, Any]], None] | None,
     on_status: Callable[[dict[str, Any]], None] | None = None,
     gate: _CohortGate | None = None,
+    round_over: asyncio.Event | None = None,
 ) -> None:
     seen: set[int] = set()
     # Rounds that finished or were already open when the fleet started belong to someone else (an
@@ -652,4 +660,10 @@ async def _monitor(
         if report.rounds_finished >= config.rounds or status.get("stopped"):
             stop.set()
             return
-        await _sleep(stop, _MONITOR_EVERY)
+        # Once a second, or at once when a device saw a round end (a fast round is then not overrun).
+        if round_over is None:
+            await _sleep(stop, _MONITOR_EVERY)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(round_over.wait(), timeout=_MONITOR_EVERY)
+            round_over.clear()

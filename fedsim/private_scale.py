@@ -81,8 +81,9 @@ class ScaledSettings:
     pop_share : fraction of ε given to the popularity release when calibrating (0 = no channel).
     dropout_rate : ω tolerated by SecAgg+ and the DP correction (t_min = ⌈(1 − ω)·n⌉).
     seed : seeds the server generators and the simulation.
-    unobserved_weight : w0 of LightFR's objective: > 0 the all-items objective (the server's
-        default; item codes and learned item biases, the upload's longer layout), 0 sampled negatives.
+    unobserved_weight : w0 of LightFR's objective: > 0 or "auto" (derived from the catalogue's
+        density each round, the server's default) the all-items objective (item codes and learned item
+        biases, the upload's longer layout), 0 sampled negatives.
     """
 
     epsilon: float = 8.0
@@ -98,7 +99,7 @@ class ScaledSettings:
     pop_share: float = 0.1
     dropout_rate: float = 0.3
     seed: int = 0
-    unobserved_weight: float = 0.0
+    unobserved_weight: float | str = 0.0
 
 
 @dataclass
@@ -322,7 +323,7 @@ def run_private_scaled(
     with one_blas_thread():
         if st.full:
             B, _ = dcd_full(
-                indptr, items, np.ones(items.size), cohort.codes, D, beta, s.unobserved_weight, 0.0, max_sweeps=10
+                indptr, items, np.ones(items.size), cohort.codes, D, beta, st.current_weight, 0.0, max_sweeps=10
             )
         else:
             B, _ = dcd_update(indptr, items, np.ones(items.size), cohort.codes, D, 0.0, max_sweeps=10)
