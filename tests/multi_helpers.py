@@ -93,6 +93,7 @@ class Instance:
     n_items: int
     bits: int
     cohort_size: int
+    min_cohort: int = 0  # 0: the full cohort
     lease_seconds: float = 4.0
     timeout: float = 20.0
     privacy: dict[str, Any] = field(default_factory=dict)
@@ -109,7 +110,7 @@ class Instance:
         self.root.mkdir(parents=True, exist_ok=True)
         rounds = {
             "cohort_size": self.cohort_size,
-            "min_cohort": self.cohort_size,
+            "min_cohort": self.min_cohort or self.cohort_size,
             "clip_norm": 64.0,
             "scale_bits": 12,
             "advertise_timeout": self.timeout,
