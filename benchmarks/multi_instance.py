@@ -90,6 +90,7 @@ async def _run(args: argparse.Namespace, url: str, root: Path) -> dict[str, obje
                     bits=64,
                     stop=stop,
                     cohorts=cohorts,
+                    long_poll_timeout=2 * args.phase_timeout + 60.0,
                 )
             )
             deadline = time.monotonic() + args.time_limit
