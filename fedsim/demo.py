@@ -584,6 +584,7 @@ def _round_rows(report: FleetReport) -> list[dict[str, Any]]:
             {
                 "round_id": rec.get("round_id"),
                 "status": rec.get("status"),
+                "reason": rec.get("reason") or None,
                 "cohort": cohort,
                 "survivors": rec.get("survivors"),
                 "seconds": _finite((rec.get("finished_at") or 0) - (rec.get("started_at") or 0)),
@@ -669,6 +670,7 @@ def loadtest_record(report: FleetReport, wanted: int, failure: str | None, **ext
         "final_model": {"version": model.get("version"), "sha256": model.get("sha256")} if model else None,
         "server_rounds": rounds,
         "errors": dict(report.errors),
+        "error_examples": dict(report.error_examples),
         "device_errors": report.device_errors,
     }
 
