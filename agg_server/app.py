@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import random
@@ -59,6 +60,7 @@ from protocol.errors import (
     PermissionDenied,
     PrivacyBudgetExceeded,
     ProtocolError,
+    RateLimited,
     RemoteProtocolError,
     RoundError,
     VersionMismatch,
@@ -66,6 +68,7 @@ from protocol.errors import (
 from protocol.messages import (
     Abort,
     CheckIn,
+    ConsistencySignature,
     EncryptedShares,
     ErrorMessage,
     MaskedInput,
@@ -137,6 +140,7 @@ _STATUS: list[tuple[type[FedRecError], int]] = [
     (DatasetError, 400),
     (RoundError, 409),
     (PrivacyBudgetExceeded, 409),
+    (RateLimited, 429),
 ]
 
 
@@ -151,12 +155,10 @@ def status_for(exc: FedRecError) -> int:
 def _error_response(request: web.Request, exc: FedRecError, status: int, request_id: str) -> web.Response:
     message = ErrorMessage.from_exception(exc)
     request[dashboard.ERROR] = message  # for the metrics and the error ring, without decoding the body
-    return web.Response(
-        body=encode(message),
-        status=status,
-        content_type=MSGPACK,
-        headers={"X-Request-Id": request_id},
-    )
+    headers = {"X-Request-Id": request_id}
+    if isinstance(exc, RateLimited):
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return web.Response(body=encode(message), status=status, content_type=MSGPACK, headers=headers)
 
 
 @web.middleware
@@ -376,8 +378,35 @@ async def register(request: web.Request) -> web.Response:
     msg = await _read(request)
     if not isinstance(msg, RegisterRequest):
         raise RemoteProtocolError(f"expected RegisterRequest, got {type(msg).__name__}")
-    reply = request.app[COORDINATOR].register(msg.platform, request.app[_CLOCK]())
+    reply = request.app[COORDINATOR].register(
+        msg.platform,
+        request.app[_CLOCK](),
+        certificate=msg.certificate,
+        proof=msg.proof,
+        enrollment_token=msg.enrollment_token,
+        peer=request.remote or "",
+    )
     return _send(reply, status=201)
+
+
+async def admin_enrollment_tokens(request: web.Request) -> web.Response:
+    """``POST /v1/admin/enrollment-tokens`` (admin token): JSON ``{"count": n, "source": "label"}`` →
+    ``{"source": "token:label", "tokens": [...]}``, one-time enrollment tokens shown once."""
+    request.app[dashboard.OPERATOR].check_admin(request.headers.get("Authorization"))
+    try:
+        doc = json.loads(await _read_body(request, SMALL_BODY_BYTES))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RemoteProtocolError(f"enrollment-tokens: the body is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or set(doc) - {"count", "source"}:
+        raise RemoteProtocolError('enrollment-tokens: expected {"count": <int>, "source": "<label>"}')
+    try:
+        tokens = request.app[COORDINATOR].enrollment.issue_tokens(
+            doc.get("count", 1), doc.get("source", ""), request.app[_CLOCK]()
+        )
+    except ValueError as exc:
+        raise RemoteProtocolError(f"enrollment-tokens: {exc}") from None
+    log.info("issued %d enrollment tokens under source token:%s", len(tokens), doc.get("source"))
+    return web.json_response({"source": f"token:{doc.get('source')}", "tokens": tokens}, status=201)
 
 
 async def check_in(request: web.Request) -> web.StreamResponse:
@@ -459,6 +488,7 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         before = _fingerprint(app)
         try:
             after = coordinator.submit(device, round_id, msg, clock(), digest=digest)
+            consistency = isinstance(msg, ConsistencySignature)
         finally:
             _notify_if_moved(app, before)
         leaving = isinstance(msg, Abort)
@@ -479,7 +509,7 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         coordinator.poll_started(device, round_id)
         try:
             while True:
-                reply = coordinator.reply(device, round_id, after)
+                reply = coordinator.reply(device, round_id, after, consistency=consistency)
                 if reply is not None:
                     answered = True
                     return _send(reply)
@@ -564,7 +594,8 @@ def _fingerprint(app: web.Application) -> tuple[Any, ...]:
     out = []
     for coordinator in app[_SLOTS]:
         r = coordinator.open_round
-        out.append((coordinator.model_version, None if r is None else (r.round_id, r.session.phase, r.finishing)))
+        state = None if r is None else (r.round_id, r.session.phase, r.session.consistency_open, r.finishing)
+        out.append((coordinator.model_version, state))
     return tuple(out)
 
 
@@ -668,10 +699,12 @@ def create_app(
     app.router.add_post("/v1/rounds/{round_id}/keys", _phase_handler(PublicKeys))
     app.router.add_post("/v1/rounds/{round_id}/shares", _phase_handler(EncryptedShares))
     app.router.add_post("/v1/rounds/{round_id}/masked", _phase_handler(MaskedInput))
+    app.router.add_post("/v1/rounds/{round_id}/consistency", _phase_handler(ConsistencySignature))
     app.router.add_post("/v1/rounds/{round_id}/unmask", _phase_handler(UnmaskResponse))
     app.router.add_post("/v1/rounds/{round_id}/abort", _phase_handler(Abort))
     app.router.add_get("/v1/health", health)
     app.router.add_get("/v1/status", status)
+    app.router.add_post("/v1/admin/enrollment-tokens", admin_enrollment_tokens)
     # The dashboard (GET /), its JSON, /metrics and the admin quality endpoint; observes the coordinator.
     dashboard.install(app, config=config, clock=clock, coordinator=COORDINATOR, storage=_STORAGE)
     return app

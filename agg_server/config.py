@@ -11,6 +11,10 @@ Invariants of this module:
 * Relative paths in a file resolve against the file's folder, never the process's working directory,
   so a config means the same thing wherever the server is started from.
 * Apart from checking that TLS files exist, nothing here does I/O; reading the file is `load_config`.
+
+Why one module of ~850 lines: one table, one dataclass, each with its checks and the docstring an
+operator reads; the families' training parameters are not here but in `protocol.plan` (the [mf], [felb]
+and [fnmf] sections subclass them).
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
-import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -30,7 +33,7 @@ from urllib.parse import urlsplit
 from protocol.errors import ConfigError
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
 from protocol.graph import find_parameters, validate_parameters
-from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams
+from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams, check_float, check_int
 from protocol.quantization import DEFAULT_SCALE_BITS, MAX_SCALE_BITS, QuantizationConfig
 from protocol.spec import (
     MAX_ITEMS,
@@ -48,6 +51,7 @@ __all__ = [
     "PrivacySection",
     "LogSection",
     "StorageSection",
+    "EnrollmentSection",
     "MFSection",
     "FELBSection",
     "FNMFSection",
@@ -82,45 +86,19 @@ def _fail(key: str, what: str, value: object) -> ConfigError:
     return ConfigError(f"{key}: must be {what}, got {value!r}")
 
 
-def _range_text(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
-    if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-    if lo is not None:
-        return f"{'>' if lo_open else '>='} {lo}"
-    if hi is not None:
-        return f"{'<' if hi_open else '<='} {hi}"
-    return ""
+def _int(key: str, value: object, **bounds: int | None) -> int:
+    # The same checks, and messages, as the training plan's parameters (`protocol.plan`).
+    try:
+        return check_int(key, value, **bounds)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
-def _int(key: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
-    what = f"an integer {_range_text(lo, hi, False, False)}".rstrip()
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(key, what, value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise _fail(key, what, value)
-    return int(value)
-
-
-def _float(
-    key: str,
-    value: object,
-    *,
-    lo: float | None = None,
-    hi: float | None = None,
-    lo_open: bool = False,
-    hi_open: bool = False,
-) -> float:
-    what = f"a finite number {_range_text(lo, hi, lo_open, hi_open)}".rstrip()
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _fail(key, what, value)
-    x = float(value)
-    if not math.isfinite(x):
-        raise _fail(key, what, value)
-    if lo is not None and (x <= lo if lo_open else x < lo):
-        raise _fail(key, what, value)
-    if hi is not None and (x >= hi if hi_open else x > hi):
-        raise _fail(key, what, value)
-    return x
+def _float(key: str, value: object, **bounds: Any) -> float:
+    try:
+        return check_float(key, value, **bounds)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _bool(key: str, value: object) -> bool:
@@ -561,6 +539,74 @@ class PrivacySection:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EnrollmentSection:
+    """Who may register a device (TOML table ``[enrollment]``, protocol 1.4; docs/threat-model.md §3.10).
+
+    Attributes
+    ----------
+    authority_key : str or None
+        Hex of the enrollment authority's 32-byte Ed25519 public key (``fedrec enroll-ca init`` prints
+        it).  When set, a registration must carry a certificate of this authority and a proof that the
+        device holds the certified key, and every round runs signed (protocol 1.3: signed key
+        advertisements and the consistency check).  The authority's private key never comes near the
+        server.
+    open_registration : bool or None
+        Accept registrations without a credential (development only: anyone may then register any number
+        of devices).  Unset: true when ``server.host`` is a loopback address and no authority is set,
+        false otherwise.  Cannot be true together with ``authority_key``.
+    max_source_share : float
+        Share in (0, 1] of a round's cohort that devices enrolled through one credential source (one
+        certificate batch, one token batch, or open registration) may fill at most; 1 = no cap.
+    registrations_per_second : float
+        Sustained registrations accepted per credential source (> 0); beyond it 429 with ``Retry-After``.
+    registration_burst : int
+        Registrations one source may make at once before the rate applies (>= 1).
+    """
+
+    authority_key: str | None = None
+    open_registration: bool | None = None
+    max_source_share: float = 1.0
+    registrations_per_second: float = 20.0
+    registration_burst: int = 100
+
+    def __post_init__(self) -> None:
+        key = self.authority_key
+        if key is not None and (
+            not isinstance(key, str) or len(key) != 64 or any(c not in "0123456789abcdef" for c in key)
+        ):
+            raise _fail("enrollment.authority_key", "64 lowercase hex digits (an Ed25519 public key)", key)
+        if self.open_registration is not None:
+            _bool("enrollment.open_registration", self.open_registration)
+            if self.open_registration and key is not None:
+                raise ConfigError(
+                    "enrollment.open_registration: cannot be true with enrollment.authority_key set "
+                    "(signed rounds need certified devices)"
+                )
+        _set(
+            self,
+            "max_source_share",
+            _float("enrollment.max_source_share", self.max_source_share, lo=0.0, hi=1.0, lo_open=True),
+        )
+        _set(
+            self,
+            "registrations_per_second",
+            _float("enrollment.registrations_per_second", self.registrations_per_second, lo=0.0, lo_open=True),
+        )
+        _int("enrollment.registration_burst", self.registration_burst, lo=1)
+
+    @property
+    def authority_public_key(self) -> bytes:
+        """The authority key as 32 bytes (empty when none is set)."""
+        return bytes.fromhex(self.authority_key) if self.authority_key else b""
+
+    def registration_is_open(self, host: str) -> bool:
+        """Whether registrations without a credential are accepted by a server bound to ``host``."""
+        if self.open_registration is not None:
+            return self.open_registration
+        return self.authority_key is None and is_loopback(host)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LogSection:
     """Logging (TOML table ``[log]``).
 
@@ -675,6 +721,7 @@ class ServerConfig:
     privacy : PrivacySection
     log : LogSection
     storage : StorageSection
+    enrollment : EnrollmentSection
     mf, felb, fnmf : the model families' hyper-parameters (only ``model.kind``'s is used)
     """
 
@@ -685,6 +732,7 @@ class ServerConfig:
     privacy: PrivacySection = field(default_factory=PrivacySection)
     log: LogSection = field(default_factory=LogSection)
     storage: StorageSection = field(default_factory=StorageSection)
+    enrollment: EnrollmentSection = field(default_factory=EnrollmentSection)
     mf: MFSection = field(default_factory=MFSection)
     felb: FELBSection = field(default_factory=FELBSection)
     fnmf: FNMFSection = field(default_factory=FNMFSection)
@@ -710,6 +758,7 @@ _SECTION_TYPES: dict[str, type] = {
     "privacy": PrivacySection,
     "log": LogSection,
     "storage": StorageSection,
+    "enrollment": EnrollmentSection,
     "mf": MFSection,
     "felb": FELBSection,
     "fnmf": FNMFSection,
@@ -723,6 +772,7 @@ _TABLES: dict[str, tuple[str, type]] = {
     "privacy": ("privacy", PrivacySection),
     "log": ("log", LogSection),
     "storage": ("storage", StorageSection),
+    "enrollment": ("enrollment", EnrollmentSection),
     "mf": ("mf", MFSection),
     "felb": ("felb", FELBSection),
     "fnmf": ("fnmf", FNMFSection),

@@ -41,6 +41,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from agg_server.config import ServerConfig
+from agg_server.enrollment import Enrollment, capped_cohort
 from agg_server.storage import HeadMoved, LeaseLost, Storage
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
@@ -61,6 +62,7 @@ from protocol.errors import (
 from protocol.graph import find_parameters, validate_parameters
 from protocol.messages import (
     Abort,
+    ConsistencySignature,
     EncryptedShares,
     MaskedInput,
     Message,
@@ -86,6 +88,7 @@ PHASE_OF_MESSAGE: dict[type[Message], Phase] = {
     PublicKeys: Phase.ADVERTISE_KEYS,
     EncryptedShares: Phase.SHARE_KEYS,
     MaskedInput: Phase.MASKED_INPUT,
+    ConsistencySignature: Phase.UNMASK,  # protocol 1.3: the first sub-step of UNMASK
     UnmaskResponse: Phase.UNMASK,
 }
 
@@ -95,14 +98,30 @@ CHECKIN_RATE = 400.0  # target check-ins per second from waiting devices
 
 
 def round_shape(
-    cfg: Any, fresh: list[int], rng: np.random.Generator, *, dp: bool
+    cfg: Any,
+    fresh: list[int],
+    rng: np.random.Generator,
+    *,
+    dp: bool,
+    sources: dict[int, str] | None = None,
+    max_source_share: float = 1.0,
 ) -> tuple[tuple[int, ...], int, int, int] | None:
     """A round's cohort (drawn from ``fresh`` with the round generator), graph degree k, threshold t and
     DP survivor floor t_min, by the `[rounds]` config ``cfg``; None when the operator fixed (k, t) and fewer
-    devices than the full cohort are available (those values were validated for that cohort only).
-    The one rule for the coordinator and the private-round simulator (`fedsim.privsim`)."""
+    devices than the full cohort are available (those values were validated for that cohort only), or
+    when the per-source cap leaves fewer than ``cfg.min_cohort`` devices.
+    The one rule for the coordinator and the private-round simulator (`fedsim.privsim`).
+
+    With ``max_source_share`` < 1, no credential source (``sources[device]``) fills more than that share
+    of the cohort (`agg_server.enrollment.capped_cohort`)."""
     n = min(cfg.cohort_size, len(fresh))
-    cohort = tuple(sorted(int(d) for d in rng.choice(np.array(fresh), size=n, replace=False)))
+    if max_source_share < 1.0 and sources is not None:
+        cohort = capped_cohort(fresh, n, sources, max_source_share, rng)
+        n = len(cohort)
+        if n < cfg.min_cohort:
+            return None
+    else:
+        cohort = tuple(sorted(int(d) for d in rng.choice(np.array(fresh), size=n, replace=False)))
     if cfg.k is not None and cfg.t is not None:
         if n < cfg.cohort_size:
             return None
@@ -215,6 +234,12 @@ class RoundCoordinator:
         for rid in self.abandoned:
             log.warning("round %d was open when the server stopped; abandoned (its devices will check in again)", rid)
         self._load_or_create_model(now)
+        self.enrollment = Enrollment(config, storage)
+        if self.enrollment.open:
+            log.warning(
+                "open registration: any client may register any number of devices (Sybils); set "
+                "enrollment.authority_key or issue enrollment tokens for anything but local development"
+            )
         self.ledger: PrivacyLedger | None = None
         self.mu = 0.0
         self.l2, self.l1 = sensitivity(self.quantization, self.vector_length)
@@ -378,10 +403,41 @@ class RoundCoordinator:
         check_bit_budget(n, self.quantization, self.vector_length, n * self.mu / t_min)
 
     # -- devices ------------------------------------------------------------------------------------
-    def register(self, platform: str, now: float) -> RegisterResponse:
-        """Create a device identity; the token is returned once and stored only as its SHA-256."""
+    def register(
+        self,
+        platform: str,
+        now: float,
+        *,
+        certificate: bytes = b"",
+        proof: bytes = b"",
+        enrollment_token: str = "",
+        peer: str = "",
+    ) -> RegisterResponse:
+        """Create a device identity; the token is returned once and stored only as its SHA-256.
+
+        The registration's enrollment credential is checked first, then the credential source's rate
+        (``peer`` keys the rate of open registrations); the certificate's identity key or the one-time
+        token is consumed with the new device in one transaction.
+
+        Raises
+        ------
+        EnrollmentRefused
+            Missing, forged, foreign or reused credential (`agg_server.enrollment.Enrollment.check`).
+        RateLimited
+            The credential source registers faster than ``enrollment.registrations_per_second``.
+        """
+        credential = self.enrollment.check(certificate=certificate, proof=proof, token=enrollment_token, peer=peer)
+        self.enrollment.admit(credential, now)
         token = secrets.token_urlsafe(32)
-        device_id = self.storage.add_device(token_digest(token), platform, now)
+        device_id = self.storage.add_device(
+            token_digest(token),
+            platform,
+            now,
+            source=credential.source,
+            identity_key=credential.identity_key,
+            enrollment_token_sha256=credential.token_sha256,
+        )
+        self.enrollment.remember(device_id, credential.source)
         return RegisterResponse(device_id=device_id, token=token)
 
     def authenticate(self, token: str | None) -> int:
@@ -465,7 +521,9 @@ class RoundCoordinator:
                 return
         round_id = self.storage.next_round_id()
         rng = self._rng(round_id)
-        shape = round_shape(cfg, fresh, rng, dp=bool(self.mu))
+        share = self.config.enrollment.max_source_share
+        sources = self.enrollment.sources(fresh) if share < 1.0 else None
+        shape = round_shape(cfg, fresh, rng, dp=bool(self.mu), sources=sources, max_source_share=share)
         if shape is None:
             return  # the operator's (k, t) were validated for the full cohort only: wait for it
         cohort, k, t, t_min = shape
@@ -487,6 +545,7 @@ class RoundCoordinator:
             dp_mu=float(self.mu),
             dp_t_min=t_min,
             deadlines=deadlines,
+            authority_key=self.enrollment.authority,
         )
         session = ServerSecAggSession(params, cohort, rng=rng, defer_finish=self.defer_finish)
         plan = round_plan(
@@ -650,17 +709,18 @@ class RoundCoordinator:
             self._after_change(now)
         return phase
 
-    def reply(self, device_id: int, round_id: int, after: Phase) -> Message | None:
+    def reply(self, device_id: int, round_id: int, after: Phase, *, consistency: bool = False) -> Message | None:
         """The answer to a long-poll of a device that uploaded in phase ``after``: the next phase's
         broadcast, a `RoundResult` when the round ended (or the device was dropped), or None while
-        the phase is still open."""
+        the phase is still open.  ``consistency``: the upload was a survivor-set signature, answered
+        once the consistency sub-step of UNMASK closed (with the `UnmaskRequest`)."""
         done = self._finished.get(round_id)
         if done is not None:
             return done
         r = self._current(round_id)
         if device_id not in r.session.invited:
             raise RemoteProtocolError(f"device {device_id} is not part of round {round_id}")
-        if r.session.phase is after:
+        if r.session.phase is after and (not consistency or r.session.consistency_open):
             return None
         out = r.session.outbox(device_id)
         if out is None:

@@ -20,7 +20,8 @@ import numpy as np
 from device_sdk.family import FederatedModel
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import load_store, save_store
-from protocol.errors import ConfigError, StorageError
+from protocol.crypto import SigningKey
+from protocol.errors import ConfigError, CryptoError, StorageError
 from protocol.policy import DeviceLedger
 
 __all__ = [
@@ -39,12 +40,16 @@ __all__ = [
     "LEDGER_FILE",
     "load_ledger",
     "save_ledger",
+    "SIGNING_KEY_FILE",
+    "load_or_create_signing_key",
 ]
 
 MODEL_FILE = "model.fedrec"
 IDENTITY_FILE = "identity.fedrec"
 SYNC_FILE = "sync.fedrec"
 LEDGER_FILE = "privacy.fedrec"
+SIGNING_KEY_FILE = "signing-key.fedrec"
+_SIGNING_KEY_KIND = "signing-key"
 _LEDGER_KIND = "privacy-ledger"
 _IDENTITY_KIND = "identity"
 _SYNC_KIND = "sync"
@@ -59,10 +64,12 @@ def secret_generator() -> np.random.Generator:
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """The device id and bearer token the server issued at registration."""
+    """The device id and bearer token the server issued at registration, and the enrollment certificate
+    the device registered with (protocol 1.4; empty when it enrolled by token or openly)."""
 
     device_id: int
     token: str
+    certificate: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +105,44 @@ def load_identity(store_dir: Path) -> Identity | None:
     if state is None:
         return None
     device_id, token = state.get("device_id"), state.get("token")
+    certificate = state.get("certificate", b"")
     if type(device_id) is not int or device_id < 0 or not isinstance(token, str) or not token:
         raise StorageError(f"{store_dir / IDENTITY_FILE} holds a malformed identity")
-    return Identity(device_id=device_id, token=token)
+    if type(certificate) is not bytes:
+        raise StorageError(f"{store_dir / IDENTITY_FILE} holds a malformed certificate")
+    return Identity(device_id=device_id, token=token, certificate=certificate)
 
 
 def save_identity(store_dir: Path, identity: Identity) -> None:
     """Persist the identity (atomically)."""
-    save_store(store_dir / IDENTITY_FILE, _IDENTITY_KIND, {"device_id": identity.device_id, "token": identity.token})
+    state: dict[str, Any] = {"device_id": identity.device_id, "token": identity.token}
+    if identity.certificate:
+        state["certificate"] = identity.certificate
+    save_store(store_dir / IDENTITY_FILE, _IDENTITY_KIND, state)
+
+
+def load_or_create_signing_key(store_dir: Path) -> SigningKey:
+    """The device's long-term Ed25519 identity key (protocol 1.3), created from the OS CSPRNG and
+    written atomically on first use.
+
+    Raises
+    ------
+    StorageError
+        The key file is corrupt or malformed (the store moves a corrupt file aside and raises).  A later
+        call then creates a new key, which no longer matches the device's certificate: its rounds fail
+        with `CryptoError` until the operator re-enrolls it.
+    """
+    path = store_dir / SIGNING_KEY_FILE
+    if path.exists():
+        state = load_store(path, _SIGNING_KEY_KIND)  # a corrupt file raises (moved aside by the store)
+        seed = state.get("seed")
+        try:
+            return SigningKey.from_private_bytes(seed)  # type: ignore[arg-type]
+        except CryptoError as exc:
+            raise StorageError(f"{path} holds a malformed identity key: {exc}") from exc
+    key = SigningKey.generate()
+    save_store(path, _SIGNING_KEY_KIND, {"seed": key.private_bytes()})
+    return key
 
 
 def load_sync(store_dir: Path) -> Sync | None:

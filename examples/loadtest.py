@@ -1,12 +1,16 @@
 """A small load test: ``fedrec loadtest`` with 50 simulated devices against a server on loopback.
 
-1. Start ``python -m agg_server`` (= ``fedrec-server``) on a free loopback port with a small model
-   (m = 500 items, f = 32 bits) and short phase deadlines, so that devices that drop silently cost
-   seconds, not minutes.
+1. Act as the operator: create an enrollment authority (``fedrec enroll-ca init --key ca.key``), and
+   start ``python -m agg_server`` (= ``fedrec-server``) on a free loopback port with its public key
+   (``[enrollment] authority_key``), a small model (m = 500 items, f = 32 bits) and short phase
+   deadlines, so that devices that drop silently cost seconds, not minutes.
 2. Run the command a person load-testing the server would type (printed first)::
 
        fedrec loadtest --url URL --devices 50 --rounds 1 --dropout 0.1 --n-items 500 --bits 32 \\
-           --ratings-per-user 20
+           --ratings-per-user 20 --authority-key ca.key --credential-sources 2
+
+   The fleet certifies each device's identity key with the authority, as the operator's enrollment
+   service would; the devices register with their certificates and every round runs signed.
 
    Every simulated device is a real `DeviceClient` over HTTP; 10% of them drop at a random phase
    (some in the middle of the masked-input upload).  The command prints per-phase latency
@@ -34,15 +38,17 @@ from pathlib import Path
 
 from fedsim.cli import main as fedrec
 from fedsim.demo import ServerProcess, write_server_config
+from protocol.enrollment import EnrollmentAuthority
 from protocol.errors import FedRecError
 
 N_ITEMS = 500
 BITS = 32
 
 
-def server_settings(data_dir: Path, devices: int) -> dict[str, dict[str, object]]:
+def server_settings(data_dir: Path, devices: int, authority_key: str) -> dict[str, dict[str, object]]:
     """A server sized for the load test: one round takes the whole fleet (dropouts tolerated: 33%)."""
     return {
+        "enrollment": {"authority_key": authority_key},
         "server": {"host": "127.0.0.1", "port": 0, "data_dir": str(data_dir)},
         "model": {"n_items": N_ITEMS, "bits": BITS},
         "rounds": {
@@ -70,7 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedrec-loadtest-example-") as tmp:
         root = Path(tmp)
         config = root / "server.toml"
-        write_server_config(config, server_settings(root / "server-data", args.devices))
+        ca_key = root / "ca.key"
+        authority = EnrollmentAuthority.generate()  # what `fedrec enroll-ca init --key ca.key` does
+        authority.save(ca_key)
+        write_server_config(config, server_settings(root / "server-data", args.devices, authority.public_key.hex()))
         log = root / "server.log"
         try:
             with ServerProcess(config, log) as server:  # waits for "fedrec-server listening on URL"
@@ -93,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "20",
                     "--time-limit",
                     "300",
+                    "--authority-key",
+                    str(ca_key),
+                    "--credential-sources",
+                    "2",
                 ]
                 print("$ fedrec " + shlex.join(command), flush=True)
                 status = fedrec(command)  # the `fedrec` console script's entry point, in this process

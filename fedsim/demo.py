@@ -34,6 +34,8 @@ from fedsim.experiment import Experiment, baselines
 from fedsim.fleet import PHASE_STEPS, FleetConfig, FleetReport, fetch_status, get_status, rounds_so_far, run_fleet
 from protocol.codec import decode, encode
 from protocol.codes import from_bytes, unpack_signs
+from protocol.crypto import SigningKey, registration_payload
+from protocol.enrollment import EnrollmentAuthority
 from protocol.errors import ConfigError, FedRecError
 from protocol.messages import ModelPayload, RegisterRequest, RegisterResponse
 
@@ -242,6 +244,13 @@ def run_demo_fleet(
     cohort = min(cohort, n_users)
     dp = privacy_epsilon is not None
     with _workdir(workdir) as root:
+        # The demo plays the operator: it creates an enrollment authority (its key stays outside the
+        # server's folder), gives the server only the public key, and certifies each device's identity key
+        # before the device registers; every round then runs signed, with the consistency check.
+        authority_file = root / "enrollment-authority.key"
+        if not authority_file.exists():
+            EnrollmentAuthority.generate().save(authority_file)
+        authority = EnrollmentAuthority.load(authority_file)
         settings: dict[str, dict[str, Any]] = {
             "server": {"host": "127.0.0.1", "port": 0, "data_dir": str(root / "server-data")},
             "model": {"n_items": m, "bits": bits, "flip_fraction": flip_fraction, **(PRIVATE_MODEL if dp else {})},
@@ -271,6 +280,7 @@ def run_demo_fleet(
                 "planned_rounds": rounds,
             },
             "log": {"format": "text", "level": "warning"},
+            "enrollment": {"authority_key": authority.public_key.hex()},
         }
         config_path = root / "server.toml"
         write_server_config(config_path, settings)
@@ -316,6 +326,7 @@ def run_demo_fleet(
                 cohort=cohort,
                 seed_training=True,
                 insecure_reproducible=insecure_seed_noise,
+                authority_key_file=authority_file,
             )
             bar = RoundProgress(rounds, "demo", enabled=show_progress)
             try:
@@ -324,7 +335,7 @@ def run_demo_fleet(
                 )
             finally:
                 bar.close()
-            payload, status = asyncio.run(_final_model(server.url))
+            payload, status = asyncio.run(_final_model(server.url, authority))
         log.write(f"server: stopped (exit {server.proc.returncode if server.proc else '?'})\n")
         if report.errors:  # e.g. timeouts on an overloaded machine: the run is then not the seed's alone
             first = "; ".join(f"{k}: {v}" for k, v in list(report.error_examples.items())[:2])
@@ -342,14 +353,20 @@ def run_demo_fleet(
         }
 
 
-async def _final_model(url: str) -> tuple[ModelPayload, dict[str, Any]]:
-    """The committed model and the server status, fetched as an evaluation device would."""
+async def _final_model(url: str, authority: EnrollmentAuthority) -> tuple[ModelPayload, dict[str, Any]]:
+    """The committed model and the server status, fetched as an evaluation device would (enrolled with a
+    certificate of the demo's enrollment authority, like every other device)."""
     import aiohttp
 
+    identity = SigningKey.generate()
+    certificate = authority.issue(identity.public_key, "evaluator")
+    request = RegisterRequest(
+        platform="fedrec-demo-evaluator",
+        certificate=certificate,
+        proof=identity.sign(registration_payload(certificate)),
+    )
     async with aiohttp.ClientSession() as session:
-        async with session.post(
-            f"{url}/v1/devices", data=encode(RegisterRequest(platform="fedrec-demo-evaluator"))
-        ) as resp:
+        async with session.post(f"{url}/v1/devices", data=encode(request)) as resp:
             reg = decode(await resp.read())
         if not isinstance(reg, RegisterResponse):
             raise RuntimeError(f"registration failed: {reg}")
@@ -567,6 +584,7 @@ def _round_rows(report: FleetReport) -> list[dict[str, Any]]:
             {
                 "round_id": rec.get("round_id"),
                 "status": rec.get("status"),
+                "reason": rec.get("reason") or None,
                 "cohort": cohort,
                 "survivors": rec.get("survivors"),
                 "seconds": _finite((rec.get("finished_at") or 0) - (rec.get("started_at") or 0)),
@@ -652,6 +670,7 @@ def loadtest_record(report: FleetReport, wanted: int, failure: str | None, **ext
         "final_model": {"version": model.get("version"), "sha256": model.get("sha256")} if model else None,
         "server_rounds": rounds,
         "errors": dict(report.errors),
+        "error_examples": dict(report.error_examples),
         "device_errors": report.device_errors,
     }
 

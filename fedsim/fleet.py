@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import ssl
@@ -28,9 +29,11 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundOutcome, RoundStatus, insecure_seeded_rngs
+from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
+from fedsim.faults import DropoutAt, FaultyTransport
 from fedsim.threads import one_blas_thread
 from protocol.crypto import INSECURE_NOISE_NOTICE, NoiseStream
+from protocol.enrollment import EnrollmentAuthority
 from protocol.errors import FedRecError
 from protocol.policy import PrivacyPolicy
 
@@ -99,6 +102,15 @@ class FleetConfig:
         devices' seeded generators, keyed by device id, are then the same on every back-end.
     ca_file : PEM file of the CA (or self-signed certificate) that signs an ``https`` server's
         certificate; None uses the system's trusted roots.
+    authority_key_file : the operator's enrollment authority key (``fedrec enroll-ca init``; protocol
+        1.4).  The fleet then acts as the operator's enrollment service: each device creates its identity
+        key, gets a certificate for it (batch ``fleet-<i mod credential_sources>``), pins the authority's
+        public key and registers with the certificate; rounds run signed, with the consistency check.
+    admin_token : the server's admin token: the fleet asks ``POST /v1/admin/enrollment-tokens`` for one
+        one-time enrollment token per device (source ``fleet-<i mod credential_sources>``) and each device
+        registers with its token.  Neither set: open registration (a development server on loopback).
+    credential_sources : how many credential sources (certificate batches or token batches) the devices
+        are spread over, round-robin by fleet index.
     """
 
     url: str
@@ -123,8 +135,15 @@ class FleetConfig:
     fleet_size: int | None = None
     rounds_before: int | None = None
     registered_before: int | None = None
+    authority_key_file: Path | None = None
+    admin_token: str | None = None
+    credential_sources: int = 1
 
     def __post_init__(self) -> None:
+        if self.authority_key_file is not None and self.admin_token is not None:
+            raise ValueError("enroll the fleet by certificate (authority_key_file) or by token (admin_token), not both")
+        if self.credential_sources < 1:
+            raise ValueError(f"credential_sources must be >= 1, got {self.credential_sources}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.rounds < 1:
@@ -396,11 +415,20 @@ async def _run_fleet(
     connector = aiohttp.TCPConnector(limit=0, force_close=False, ssl=tls if tls is not None else True)
     session = aiohttp.ClientSession(connector=connector)
     clients: list[DeviceClient] = []
+    faults: list[FaultyTransport] = []
+    joined: dict[int, int] = {}  # device index -> the round it is taking part in
+    authority = EnrollmentAuthority.load(config.authority_key_file) if config.authority_key_file else None
     try:
         for offset, (items, ratings) in enumerate(users):
             index = first_index + offset
-            transport = HttpTransport(config.url, session=session)
             holder: dict[str, DeviceClient] = {}
+            # The device code is unchanged: dropouts are injected by wrapping its transport.
+            transport = FaultyTransport(
+                HttpTransport(config.url, session=session),
+                _dropout_schedule(config, index, holder, joined),
+                announce=config.announce_drops,
+            )
+            faults.append(transport)
 
             def rngs(round_id: int, _h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, NoiseStream]:
                 device_id = int(_h["c"].device_id or 0)
@@ -415,6 +443,7 @@ async def _run_fleet(
                     store_dir=config.store_root / f"device-{index:06d}",
                     long_poll_timeout=config.long_poll_timeout,
                     privacy=config.privacy,
+                    authority_key=authority.public_key if authority is not None else None,
                 ),
                 items=items,
                 ratings=ratings,
@@ -431,21 +460,24 @@ async def _run_fleet(
         # waits for the shards before it (`FleetConfig.registered_before`).
         if config.registered_before is not None:
             await _wait_registered(session, config, config.registered_before + first_index, stop)
-        for c in clients:
-            await c.register()
+        await _enroll(clients, config, session, authority, first_index)
         gate = None
         if config.cohort is not None:
             if not monitor:
                 raise ValueError("a fleet that picks its cohorts (cohort=...) must monitor the server's rounds")
             gate = _CohortGate(config.seed, config.cohort, config.fleet_size or len(clients))
-        joined: dict[int, int] = {}  # device index -> the round it is taking part in
+        round_over = asyncio.Event()  # a device saw a round end: the monitor reads the status now
         devices = [
-            asyncio.create_task(_device_loop(c, first_index + i, config, report, stop, start, gate, joined))
+            asyncio.create_task(
+                _device_loop(c, faults[i], first_index + i, config, report, stop, start, gate, joined, round_over)
+            )
             for i, c in enumerate(clients)
         ]
         tasks = list(devices)
         if monitor:
-            tasks.append(asyncio.create_task(_monitor(session, config, report, stop, on_round, on_status, gate)))
+            tasks.append(
+                asyncio.create_task(_monitor(session, config, report, stop, on_round, on_status, gate, round_over))
+            )
         try:
             await asyncio.wait_for(stop.wait(), timeout=config.time_limit)
         except TimeoutError:
@@ -468,6 +500,68 @@ async def _run_fleet(
     return report, clients
 
 
+def _dropout_schedule(
+    config: FleetConfig, index: int, holder: dict[str, DeviceClient], joined: dict[int, int]
+) -> Callable[[int], DropoutAt]:
+    """Where device ``index`` leaves each round: ``config.schedule`` by (round, device id), or a seeded
+    draw of ``config.dropout`` over the phases.  `FaultyTransport` asks once per round, when the
+    invitation arrives: the device is in that round from then on (``joined``)."""
+
+    def plan(round_id: int) -> DropoutAt:
+        joined[index] = round_id
+        if config.schedule is not None:
+            return config.schedule(round_id, int(holder["c"].device_id or 0))
+        rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, index, round_id]))
+        if config.dropout and rng.random() < config.dropout:
+            # An announced drop cannot be a broken connection, which says nothing.
+            kinds = _DROPS if not config.announce_drops else _DROPS[:3] + _DROPS[4:]
+            return kinds[int(rng.integers(len(kinds)))]
+        return DropoutAt.NONE
+
+    return plan
+
+
+def _source(config: FleetConfig, index: int) -> str:
+    return f"fleet-{index % config.credential_sources}"
+
+
+async def _enroll(
+    clients: list[DeviceClient],
+    config: FleetConfig,
+    session: Any,
+    authority: EnrollmentAuthority | None,
+    first_index: int,
+) -> None:
+    """Register every device with a credential obtained as a real fleet would: a certificate of the
+    operator's enrollment authority, or a one-time token the operator issued (the fleet plays the
+    operator with the admin token); open registration only when neither is configured."""
+    if config.admin_token is None:
+        for i, c in enumerate(clients):
+            cert = authority.issue(c.identity_public_key, _source(config, first_index + i)) if authority else None
+            await c.register(certificate=cert)
+        return
+    todo = [c for c in clients if c.device_id is None]
+    by_source: dict[str, list[DeviceClient]] = {}
+    for i, c in enumerate(clients):
+        if c.device_id is None:
+            by_source.setdefault(_source(config, first_index + i), []).append(c)
+    tokens: dict[int, str] = {}
+    for label, members in by_source.items():
+        for start in range(0, len(members), 10_000):
+            chunk = members[start : start + 10_000]
+            async with session.post(
+                f"{config.url.rstrip('/')}/v1/admin/enrollment-tokens",
+                json={"count": len(chunk), "source": label},
+                headers={"Authorization": f"Bearer {config.admin_token}", "Accept": "application/json"},
+            ) as resp:
+                if resp.status != 201:
+                    raise FedRecError(f"the server refused to issue enrollment tokens: HTTP {resp.status}")
+                issued = (await resp.json())["tokens"]
+            tokens.update({id(c): t for c, t in zip(chunk, issued, strict=True)})
+    for c in clients:  # one after the other, in fleet order: device ids follow ``users``
+        await c.register(enrollment_token=tokens.get(id(c)) if c in todo else None)
+
+
 async def _wait_registered(session: Any, config: FleetConfig, count: int, stop: asyncio.Event) -> None:
     """Until the server holds ``count`` registered devices (the shards before this one registered)."""
     deadline = time.monotonic() + config.time_limit
@@ -482,6 +576,7 @@ async def _wait_registered(session: Any, config: FleetConfig, count: int, stop: 
 
 async def _device_loop(
     client: DeviceClient,
+    faults: FaultyTransport,
     index: int,
     config: FleetConfig,
     report: FleetReport,
@@ -489,27 +584,9 @@ async def _device_loop(
     start: float,
     gate: _CohortGate | None = None,
     joined: dict[int, int] | None = None,
+    round_over: asyncio.Event | None = None,
 ) -> None:
     backoff = 0.5
-    chosen: dict[int, DropoutAt] = {}
-
-    def plan(round_id: int) -> DropoutAt:
-        if joined is not None:  # asked once the invitation arrived: the device is in this round now
-            joined[index] = round_id
-        # Decided once per round (a device re-invited to a round it left drops the same way).
-        if round_id not in chosen:
-            if config.schedule is not None:
-                chosen[round_id] = config.schedule(round_id, int(client.device_id or 0))
-            else:
-                rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, index, round_id]))
-                drop = DropoutAt.NONE
-                if config.dropout and rng.random() < config.dropout:
-                    # An announced drop cannot be a broken connection, which says nothing.
-                    kinds = _DROPS if not config.announce_drops else _DROPS[:3] + _DROPS[4:]
-                    drop = kinds[int(rng.integers(len(kinds)))]
-                chosen[round_id] = drop
-        return chosen[round_id]
-
     left: int | None = None  # the round this device dropped out of (gated fleets wait for its end)
     while not stop.is_set():
         if gate is not None:
@@ -517,7 +594,7 @@ async def _device_loop(
             if stop.is_set():
                 return
         try:
-            outcome = await client.run_round(dropout=plan, announce_drop=config.announce_drops)
+            outcome = await client.run_round()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a load test counts every error type and keeps going
@@ -532,13 +609,15 @@ async def _device_loop(
             joined.pop(index, None)
         backoff = 0.5
         _record(report, outcome, time.perf_counter() - start)
+        if round_over is not None and outcome.status in _FINISHED:
+            round_over.set()
         if gate is not None and outcome.round_id is not None:
             if outcome.status in _FINISHED:
                 gate.finish(outcome.round_id)
             elif outcome.status in (RoundStatus.DROPPED, RoundStatus.REFUSED):
                 left = outcome.round_id
         if outcome.status is RoundStatus.DROPPED and outcome.round_id is not None:
-            report.drops[plan(outcome.round_id).value] += 1
+            report.drops[faults.dropout_of(outcome.round_id).value] += 1
             await _sleep(stop, config.drop_pause)
         if outcome.status is RoundStatus.WAITED:
             await _sleep(stop, outcome.retry_after or 1.0)
@@ -559,6 +638,7 @@ async def _monitor(
     on_round: Callable[[dict[str, Any]], None] | None,
     on_status: Callable[[dict[str, Any]], None] | None = None,
     gate: _CohortGate | None = None,
+    round_over: asyncio.Event | None = None,
 ) -> None:
     seen: set[int] = set()
     # Rounds that finished or were already open when the fleet started belong to someone else (an
@@ -593,4 +673,10 @@ async def _monitor(
         if report.rounds_finished >= config.rounds or status.get("stopped"):
             stop.set()
             return
-        await _sleep(stop, _MONITOR_EVERY)
+        # Once a second, or at once when a device saw a round end (a fast round is then not overrun).
+        if round_over is None:
+            await _sleep(stop, _MONITOR_EVERY)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(round_over.wait(), timeout=_MONITOR_EVERY)
+            round_over.clear()

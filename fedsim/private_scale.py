@@ -45,6 +45,7 @@ from fedsim.privsim import LightFRCohort, PrivateSimulator, one_blas_thread
 from protocol.accounting import calibrate_mu, composed_rdp, epsilon_from_rdp
 from protocol.codes import pack_signs
 from protocol.crypto import insecure_test_noise_stream
+from protocol.families.lightfr import bias_from_levels
 from protocol.noise import released_variance, sample_skellam
 from protocol.quantization import QuantizationConfig, clip_l2, sensitivity, stochastic_round
 
@@ -80,6 +81,9 @@ class ScaledSettings:
     pop_share : fraction of ε given to the popularity release when calibrating (0 = no channel).
     dropout_rate : ω tolerated by SecAgg+ and the DP correction (t_min = ⌈(1 − ω)·n⌉).
     seed : seeds the server generators and the simulation.
+    unobserved_weight : w0 of LightFR's objective: > 0 or "auto" (derived from the catalogue's
+        density each round, the server's default) the all-items objective (item codes and learned item
+        biases, the upload's longer layout), 0 sampled negatives.
     """
 
     epsilon: float = 8.0
@@ -95,6 +99,7 @@ class ScaledSettings:
     pop_share: float = 0.1
     dropout_rate: float = 0.3
     seed: int = 0
+    unobserved_weight: float | str = 0.0
 
 
 @dataclass
@@ -111,6 +116,9 @@ class ScaledResult:
     seconds: float
     round_seconds: list[float] = field(default_factory=list)
     settings: ScaledSettings = field(default_factory=ScaledSettings)
+    #: The model's own item term in units of (f − Hamming): β·f/2 for the learned biases β of the
+    #: all-items objective (what its levels stand for); zeros under sampled negatives.
+    item_bias: NDArray[np.float64] | None = None
 
 
 def _largest_scale_bits(n: int, clip_norm: float, head: float = 0.9) -> int:
@@ -165,21 +173,27 @@ def release_counts(
     mu: float,
     rng: np.random.Generator,
 ) -> NDArray[np.float64]:
-    """The private popularity release: Σ_u clip(1[θ of u's items]) + Skellam(μ), dequantized.
+    """The private popularity release: Σ_u clip(1[u's items]) + Skellam(μ), dequantized.
 
-    Each device keeps at most θ of its items at random (its contribution then has L2 norm ≤ √θ = C),
-    clips with `clip_l2` and rounds with `stochastic_round` like any upload.  ``mu = 0``: no noise.
+    Each device's indicator of all its items is clipped to L2 norm C = √θ (`clip_l2`: a device with
+    k > θ items adds √(θ/k) to each, one with k ≤ θ adds 1) and rounded with `stochastic_round` like
+    any upload.  Clipping the whole indicator, rather than keeping θ items at random, has the same
+    sensitivity and no sampling noise: on ML-100K's validation blocks, private popularity at ε = 1
+    (θ = 20) ranks 0.439 by HR@10 this way and 0.378 with θ random items.  ``mu = 0``: no noise.
+    ``theta`` is used only through ``quantization.clip_norm`` (= √θ, checked).
     """
+    if not math.isclose(quantization.clip_norm, math.sqrt(theta)):
+        raise ValueError(f"the popularity release clips to √θ = {math.sqrt(theta):g}, got {quantization.clip_norm:g}")
     scale = quantization.scale
-    total = np.zeros(n_items, dtype=np.int64)
     # a simulation: the rounding coins come from a seeded stream, so ε is not a guarantee here
     coins = insecure_test_noise_stream(int(rng.integers(2**63)))
-    for items in users:
-        if items.size == 0:
-            continue
-        kept = items if items.size <= theta else rng.choice(items, theta, replace=False)
-        clipped, _ = clip_l2(np.ones(kept.size), quantization.clip_norm)
-        total[kept] += stochastic_round(clipped * scale, coins)
+    sizes = np.array([u.size for u in users], dtype=np.int64)
+    items = np.concatenate(users) if users else np.zeros(0, np.int64)
+    # Every entry of a device's clipped all-ones vector is the same: clip it once per distinct length.
+    lengths, which = np.unique(sizes, return_inverse=True)
+    entry = np.array([clip_l2(np.ones(k), quantization.clip_norm)[0][0] if k else 0.0 for k in lengths])
+    values = np.repeat(entry[which], sizes) * scale
+    total = np.bincount(items, weights=stochastic_round(values, coins), minlength=n_items).astype(np.int64)
     if mu > 0:
         noise = insecure_test_noise_stream(int(rng.integers(2**63)))  # a simulation: ε is not a guarantee here
         total += sample_skellam(released_variance(mu, 1, 1, 1), n_items, noise).value()
@@ -233,7 +247,7 @@ def run_private_scaled(
     on_round: Callable[[int, float], None] | None = None,
 ) -> ScaledResult:
     """Run the popularity release and T private LightFR rounds over every user of ``train``."""
-    from device_sdk.lightfr import dcd_update
+    from device_sdk.lightfr import dcd_full, dcd_update
 
     start = time.perf_counter()
     s = settings
@@ -250,7 +264,7 @@ def run_private_scaled(
                 "bits": s.bits,
                 "negatives": s.negatives,
                 "flip_fraction": s.flip_fraction,
-                "unobserved_weight": 0.0,  # the scaled simulator runs the sampled-negatives objective
+                "unobserved_weight": s.unobserved_weight,
             },
             "rounds": {
                 "cohort_size": n,
@@ -271,7 +285,8 @@ def run_private_scaled(
         base_dir=Path(tmp),
     )
     qm = QuantizationConfig(clip_norm=s.clip_norm, scale_bits=scale_bits)
-    l2m, l1m = sensitivity(qm, m * s.bits)
+    base = build_strategy(cfg)
+    l2m, l1m = sensitivity(qm, int(base.vector_length))
     theta_pop = s.example_cap or int(max(u.size for u in per_user))
     qp = QuantizationConfig(clip_norm=math.sqrt(theta_pop), scale_bits=_largest_scale_bits(n, math.sqrt(theta_pop)))
     l2p, l1p = sensitivity(qp, m)
@@ -280,7 +295,6 @@ def run_private_scaled(
         mu_model, mu_pop = split_budget(
             s.epsilon, s.delta, max(1, s.rounds), (l1m, l2m), (l1p, l2p), s.pop_share if s.pop_share > 0 else 0.0
         )
-    base = build_strategy(cfg)
     strategy: Strategy = base
     if dp and s.threshold > 0:
         strategy = NoiseAwareLightFR(base, math.sqrt(mu_model) / qm.scale, s.threshold)
@@ -298,12 +312,21 @@ def run_private_scaled(
         round_seconds.append(out.seconds)
         if on_round is not None:
             on_round(r + 1, out.seconds)
-    D = np.asarray(sim.model_state, dtype=np.int8)
+    st: Any = base
+    D = np.asarray(st.codes(sim.model_state), dtype=np.int8)
+    beta = np.zeros(m)
+    if st.full:
+        beta = bias_from_levels(st.levels(sim.model_state), m, s.bits, st.hamming_weight)
     # Each device refreshes its code against the final item codes (local; nothing uploaded).
     indptr = np.concatenate(([0], np.cumsum([u.size for u in per_user]))).astype(np.int64)
     items = np.concatenate(per_user) if per_user else np.zeros(0, np.int64)
     with one_blas_thread():
-        B, _ = dcd_update(indptr, items, np.ones(items.size), cohort.codes, D, 0.0, max_sweeps=10)
+        if st.full:
+            B, _ = dcd_full(
+                indptr, items, np.ones(items.size), cohort.codes, D, beta, st.current_weight, 0.0, max_sweeps=10
+            )
+        else:
+            B, _ = dcd_update(indptr, items, np.ones(items.size), cohort.codes, D, 0.0, max_sweeps=10)
     eps = sim.ledger.spent() if sim.ledger is not None else None
     return ScaledResult(
         item_codes=D,
@@ -316,6 +339,7 @@ def run_private_scaled(
         seconds=time.perf_counter() - start,
         round_seconds=round_seconds,
         settings=replace(s, scale_bits=scale_bits),
+        item_bias=beta * s.bits / 2.0,
     )
 
 
@@ -327,18 +351,22 @@ def item_levels(counts: NDArray[np.float64], bits: int) -> NDArray[np.float64]:
 
 
 def scorer(result: ScaledResult, alpha: float) -> Callable[[NDArray[np.int64]], NDArray[np.float64]]:
-    """``(f − Hamming(b_u, d_i)) + α·level_i`` for a batch of users (α = ∞: the level alone)."""
+    """``(f − Hamming(b_u, d_i)) + own_i + α·level_i`` for a batch of users, own_i the model's item
+    bias β_i·f/2 (all-items objective; 0 otherwise) and level_i the private popularity (α = ∞: the
+    level alone)."""
     f = result.item_codes.shape[1]
     level = item_levels(result.private_counts, f)
     Dt = result.item_codes.astype(np.float32).T
     B = result.user_codes.astype(np.float32)
+
+    own = _own_term(result)
 
     def score(users: NDArray[np.int64]) -> NDArray[np.float64]:
         if math.isinf(alpha):
             return np.broadcast_to(level, (np.asarray(users).size, level.size)).astype(np.float64)
         # f − Hamming = (f + b·d)/2, exact in float32 for f ≤ 2^23.
         sim = (f + B[np.asarray(users)] @ Dt) / 2.0
-        return sim.astype(np.float64) + alpha * level
+        return sim.astype(np.float64) + own + alpha * level
 
     return score
 
@@ -356,7 +384,13 @@ def candidate_scores(result: ScaledResult, users: NDArray[np.int64], items: NDAr
         return level[items]
     B = result.user_codes[users].astype(np.int32)
     dots = np.einsum("uf,ukf->uk", B, result.item_codes[items].astype(np.int32))
-    return (f + dots) / 2.0 + alpha * level[items]
+    return (f + dots) / 2.0 + _own_term(result)[items] + alpha * level[items]
+
+
+def _own_term(result: ScaledResult) -> NDArray[np.float64]:
+    """The model's own item term (its learned biases, in units of f − Hamming), zeros if none."""
+    m = result.item_codes.shape[0]
+    return np.zeros(m) if result.item_bias is None else result.item_bias
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ only through ``seed=`` of the runs (the devices' `insecure_seeded_rngs`, the tes
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,14 +49,16 @@ from agg_server.config import ServerConfig
 from agg_server.coordinator import round_shape
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
-from device_sdk.client import DropoutAt, insecure_seeded_rngs
+from device_sdk.client import insecure_seeded_rngs
 from device_sdk.family import LocalRatings
 from device_sdk.training import local_round
+from fedsim.faults import DropoutAt
 from fedsim.threads import one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
 from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import ConfigError, NotEnoughParticipants
+from protocol.families.lightfr import UploadLayout, bias_from_levels
 from protocol.graph import harary_graph
 from protocol.messages import ModelPayload, RoundInvite
 from protocol.noise import (
@@ -384,7 +387,14 @@ class PrivateSimulator:
         with one_blas_thread():
             # a simulation: the rounding coins come from a seeded stream, so ε is not a guarantee here
             coins = insecure_test_noise_stream(sim_seed, round_id, _ROUNDING_CONTEXT)
-            total = trainer.quantized_sum(self.model_state, invite, cohort, sets.u3, sim, coins)
+            if getattr(self.strategy, "full", False):  # LightFR's all-items objective: codes and item biases
+                extras = self.payload().lightfr_extras()
+                levels = np.frombuffer(extras["item_levels"], dtype=np.uint8) if extras["item_levels"] else None
+                st: Any = self.strategy
+                beta = bias_from_levels(levels, st.n_items, st.rank, int(extras["hamming_weight"]))
+                total = trainer.quantized_sum(st.codes(self.model_state), invite, cohort, sets.u3, sim, coins, beta)
+            else:
+                total = trainer.quantized_sum(self.model_state, invite, cohort, sets.u3, sim, coins)
         timings["devices"] = time.perf_counter() - t0
         if not sets.released:
             return RoundOutcome(round_id, False, sets, self._spent(), self.model_version, time.perf_counter() - start)
@@ -504,20 +514,22 @@ class LightFRCohort:
         survivors: Iterable[int],
         rng: np.random.Generator,
         coins: NoiseStream,
+        beta: NDArray[np.float64] | None = None,
     ) -> NDArray[np.int64]:
         """Train every cohort device for one round; return Σ over ``survivors`` of the quantized
-        uploads as signed integers (length m·f).  ``rng`` drives training, ``coins`` the stochastic
-        rounding (of the non-zero part of each upload: same law as a device's dense rounding, other words)."""
+        uploads as signed integers (the invite's upload length).  ``rng`` drives training, ``coins`` the
+        stochastic rounding (of the non-zero part of each upload: same law as a device's dense rounding,
+        other words).  Under the all-items objective ``D`` is the (m, f) item codes and ``beta`` the item
+        biases the downloaded levels stand for (`_full_sum`)."""
         from device_sdk.lightfr import dcd_update, inner_products, sample_negatives
         from protocol.spec import Aggregation
 
         if Aggregation(invite.aggregation) is not Aggregation.GRAD:
             raise ConfigError("the scaled LightFR simulation runs Agg_grad uploads only")
         if invite.unobserved_weight > 0:
-            raise ConfigError(
-                "the scaled LightFR simulation runs the sampled-negatives objective only: set "
-                "model.unobserved_weight = 0 (the all-items upload layout is protocol/families/lightfr.py)"
-            )
+            if beta is None:
+                raise ConfigError("the all-items objective needs the item biases the devices download (beta=)")
+            return self._full_sum(D, beta, invite, cohort, survivors, rng, coins)
         m, f = self.n_items, self.bits
         qcfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
         lam = float(invite.lam)
@@ -582,6 +594,112 @@ class LightFRCohort:
                 q = stochastic_round(clipped * qcfg.scale, coins)
                 idx = (uitem[a:b, None] * f + np.arange(f)).ravel()
                 _scatter_add(total, idx, q.ravel())
+        return total
+
+    def _kept(
+        self, rows: NDArray[np.int64], cap: int, rng: np.random.Generator
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64], NDArray[np.int64]]:
+        """(indptr, items, targets, owner) of a batch after the θ cap: θ ratings per device, uniformly
+        without replacement (random keys, smallest θ kept), then each item once (the device's unique)."""
+        counts = self.indptr[rows + 1] - self.indptr[rows]
+        take = np.concatenate([np.arange(self.indptr[r], self.indptr[r + 1]) for r in rows])
+        items, targets = self.items[take], self.targets[take]
+        owner = np.repeat(np.arange(rows.size), counts)
+        if cap:
+            indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+            order = np.lexsort((rng.random(items.size), owner))
+            rank = np.arange(items.size) - np.repeat(indptr[:-1], counts)
+            keep = np.sort(order[rank < cap])
+            items, targets, owner = items[keep], targets[keep], owner[keep]
+        _, first = np.unique(owner * self.n_items + items, return_index=True)  # sorted by (device, item)
+        items, targets, owner = items[first], targets[first], owner[first]
+        counts = np.bincount(owner, minlength=rows.size)
+        return np.concatenate(([0], np.cumsum(counts))).astype(np.int64), items, targets, owner
+
+    def _full_sum(
+        self,
+        D: NDArray[np.int8],
+        beta: NDArray[np.float64],
+        invite: RoundInvite,
+        cohort: Iterable[int],
+        survivors: Iterable[int],
+        rng: np.random.Generator,
+        coins: NoiseStream,
+    ) -> NDArray[np.int64]:
+        """`quantized_sum` under the all-items objective (``invite.unobserved_weight > 0``).
+
+        Per device, as `device_sdk.models.LightFRModel` does: the θ cap, ``local_epochs`` of
+        `device_sdk.lightfr.dcd_full` against the codes and biases, then the parts of
+        `device_sdk.lightfr.full_upload` one device at a time — a row (w_q s/f − w_l)·b − (w_q/f)·d_i and
+        a bias term c·t − w_q s/f per kept item, a count of 1 per kept item, b bᵀ/f and b/f — clipped as
+        `protocol.families.lightfr.clip_parts` clips them (the counts to √s·C and the rest to
+        √(1 − s)·C for a counts share s > 0; the whole to C otherwise; each part's norm is known in closed
+        form: ‖b bᵀ‖/f = 1, ‖b‖/f = 1/√f) and stochastically rounded.  Batched: the Python loops run over
+        batches and bits, never over devices.
+        """
+        from device_sdk.lightfr import dcd_full, inner_products
+
+        m, f = self.n_items, self.bits
+        layout = UploadLayout(m, f, full=True)
+        scale = float(2**invite.scale_bits)
+        clip = float(invite.clip_norm)
+        share = float(invite.counts_share)
+        w0, alpha = float(invite.unobserved_weight), float(invite.confidence)
+        c = 1.0 + alpha
+        wq = c - w0
+        Df = D.astype(np.float64)
+        gram = (Df.T @ Df, Df.T @ beta)  # G_D and Dᵀβ, once per model version (as a device caches them)
+        alive = np.zeros(len(self.device_ids), dtype=bool)
+        alive[[self._index[d] for d in survivors]] = True
+        rows_all = np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
+        fresh = rows_all[~self.trained[rows_all]]
+        if fresh.size:  # a device's first round starts from a random code
+            self.codes[fresh] = np.where(rng.random((fresh.size, f)) < 0.5, -1, 1).astype(np.int8)
+        grad_t = np.zeros(m * f)
+        bias_t = np.zeros(m)
+        count_t = np.zeros(m)
+        gram_t = np.zeros((f, f))
+        code_t = np.zeros(f)
+        for lo in range(0, rows_all.size, self.batch):
+            rows = rows_all[lo : lo + self.batch]
+            indptr, items, targets, owner = self._kept(rows, int(invite.example_cap), rng)
+            B = self.codes[rows]
+            for _ in range(int(invite.local_epochs)):
+                B, _ = dcd_full(
+                    indptr, items, targets, B, D, beta, w0, alpha, max_sweeps=int(invite.max_sweeps), gram=gram
+                )
+            self.codes[rows] = B
+            self.trained[rows] = True
+            s_e = inner_products(indptr, items, B, D).astype(np.float64)
+            coef = wq * s_e / f - (c * targets - wq * beta[items])
+            Bf = B.astype(np.float64)
+            grad = coef[:, None] * Bf[owner] - (wq / f) * Df[items]
+            bias = c * targets - wq * s_e / f
+            k = np.bincount(owner, minlength=rows.size).astype(np.float64)
+            rest2 = np.bincount(owner, weights=np.einsum("ij,ij->i", grad, grad) + bias * bias, minlength=rows.size)
+            rest2 += 1.0 + 1.0 / f  # ‖b bᵀ/f‖² + ‖b/f‖²
+            if share > 0:
+                fc = np.minimum(1.0, math.sqrt(share) * clip / np.sqrt(np.maximum(k, 1.0)))
+                fr = np.minimum(1.0, math.sqrt(1.0 - share) * clip / np.sqrt(rest2))
+            else:
+                fc = fr = np.minimum(1.0, clip / np.sqrt(rest2 + k))
+            up = alive[rows]
+            sel = up[owner]
+            e_items, e_own = items[sel], owner[sel]
+            q = stochastic_round(grad[sel] * (fr[e_own] * scale)[:, None], coins)
+            idx = (e_items[:, None] * f + np.arange(f)).ravel()
+            grad_t += np.bincount(idx, weights=q.ravel().astype(np.float64), minlength=m * f)
+            bias_t += np.bincount(e_items, weights=stochastic_round(bias[sel] * fr[e_own] * scale, coins), minlength=m)
+            count_t += np.bincount(e_items, weights=stochastic_round(fc[e_own] * scale, coins), minlength=m)
+            live = np.flatnonzero(up)
+            for g in range(0, live.size, 512):  # b bᵀ/f of 512 devices at a time (512·f² values)
+                j = live[g : g + 512]
+                outer = Bf[j, :, None] * Bf[j, None, :] * (fr[j] * scale / f)[:, None, None]
+                gram_t += stochastic_round(outer, coins).sum(axis=0)
+            code_t += stochastic_round(Bf[live] * (fr[live] * scale / f)[:, None], coins).sum(axis=0)
+        parts = (grad_t, bias_t, count_t, gram_t.ravel(), code_t)
+        total = np.rint(np.concatenate(parts)).astype(np.int64)
+        assert total.size == layout.length
         return total
 
 

@@ -31,10 +31,10 @@ separate process: `probes`, `failures`, `p50_ms`, `p99_ms`, `max_ms`, `probes_wh
 `p99_ms_while_finishing`; null for https), `instances` (per server: `url`, `rounds_committed`,
 `peak_rss_mb`, `cpu_seconds`), `bytes_up_median` / `bytes_down_median` / `bytes_per_device_round_mean`,
 `ledger` (`epsilon_spent`, `epsilon_budget`, `delta`, `rounds_charged`; null without DP), `final_model`
-(`version`, `sha256` of the served model), `server_rounds` (per round: `round_id`, `status`, `cohort`,
+(`version`, `sha256` of the served model), `server_rounds` (per round: `round_id`, `status`, `reason`, `cohort`,
 `survivors`, `seconds`, `phases` (seconds per SecAgg phase), `cpu_seconds`, `cpu_ms_per_device`,
-`peak_rss_mb`), `errors` (counts by type) and `device_errors` (the same without the monitor's status
-reads and the time limit).
+`peak_rss_mb`), `errors` (counts by type), `error_examples` (the first message of each type) and
+`device_errors` (the counts without the monitor's status reads and the time limit).
 
 `fedrec recommend --json`: `{"run", "family", "user", "items": [{"item", "index", "score"}, ...]}`,
 best first; `item` / `user` are the dataset's raw ids when the run kept them, `index` the dense index.

@@ -58,7 +58,7 @@ __all__ = [
     "MAX_DEPTH",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 3)
+PROTOCOL_VERSION: tuple[int, int] = (1, 4)
 #: Default total size limit for one encoded message (a 10**6-element masked vector is 4 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Far above any legitimate list (neighbourhoods are at most a few thousand), far below what would hurt.
@@ -263,7 +263,15 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("message", "m", Kind.STR),
             ),
         ),
-        RegisterRequest.TYPE: (RegisterRequest, (("platform", "p", Kind.STR),)),
+        RegisterRequest.TYPE: (
+            RegisterRequest,
+            (
+                ("platform", "p", Kind.STR),
+                ("certificate", "cert", Kind.BYTES),  # 1.4
+                ("proof", "pf", Kind.BYTES),  # 1.4
+                ("enrollment_token", "et", Kind.STR),  # 1.4
+            ),
+        ),
         RegisterResponse.TYPE: (RegisterResponse, (("device_id", "d", Kind.INT), ("token", "tok", Kind.STR))),
         CheckIn.TYPE: (CheckIn, (("device_id", "d", Kind.INT), ("model_version", "mv", Kind.INT))),
         Wait.TYPE: (Wait, (("retry_after", "ra", Kind.FLOAT), ("reason", "why", Kind.STR))),

@@ -62,6 +62,9 @@ __all__ = [
     "INSECURE_NOISE_NOTICE",
     "SIGNATURE_BYTES",
     "CERTIFICATE_BYTES",
+    "BATCH_BYTES",
+    "certificate_batch",
+    "registration_payload",
     "SigningKey",
     "verify_signature",
     "issue_certificate",
@@ -511,6 +514,9 @@ CERTIFICATE_BYTES = len(_CERT_MAGIC) + KEY_BYTES + 16 + SIGNATURE_BYTES
 _LABEL_CERTIFICATE = b"fedrec/enrollment/certificate"
 _LABEL_KEY_ADVERTISEMENT = b"fedrec/secagg/key-advertisement"
 _LABEL_SURVIVOR_SET = b"fedrec/secagg/survivor-set"
+_LABEL_REGISTRATION = b"fedrec/enrollment/registration"
+#: Protocol 1.4: the first 8 of a certificate's 16 serial bytes name its enrollment batch.
+BATCH_BYTES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -574,7 +580,9 @@ def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> None:
         raise CryptoError("signature does not verify") from None
 
 
-def issue_certificate(authority: SigningKey, subject_public_key: bytes) -> bytes:
+def issue_certificate(
+    authority: SigningKey, subject_public_key: bytes, *, batch: bytes = bytes(BATCH_BYTES), serial: bytes | None = None
+) -> bytes:
     """The enrollment authority certifies a device's long-term public key.
 
     Parameters
@@ -583,6 +591,12 @@ def issue_certificate(authority: SigningKey, subject_public_key: bytes) -> bytes
         The enrollment authority's key (kept apart from the aggregation server).
     subject_public_key : bytes
         The device's 32-byte Ed25519 public key.
+    batch : bytes
+        Protocol 1.4: the 8-byte enrollment batch (credential source) the certificate is issued under;
+        the first half of the 16-byte serial, signed with the rest.  The server rate-limits registrations
+        and caps each round's share per batch.
+    serial : bytes, optional
+        The other 8 serial bytes; random by default (fixed only by the test-vector generator).
 
     Returns
     -------
@@ -591,8 +605,25 @@ def issue_certificate(authority: SigningKey, subject_public_key: bytes) -> bytes
     """
     if type(subject_public_key) is not bytes or len(subject_public_key) != KEY_BYTES:
         raise CryptoError("an Ed25519 public key is 32 bytes")
-    body = _CERT_MAGIC + subject_public_key + os.urandom(16)
+    if type(batch) is not bytes or len(batch) != BATCH_BYTES:
+        raise CryptoError(f"a certificate batch is {BATCH_BYTES} bytes")
+    tail = os.urandom(BATCH_BYTES) if serial is None else serial
+    if type(tail) is not bytes or len(tail) != BATCH_BYTES:
+        raise CryptoError(f"a certificate serial tail is {BATCH_BYTES} bytes")
+    body = _CERT_MAGIC + subject_public_key + batch + tail
     return body + authority.sign(_LABEL_CERTIFICATE + body)
+
+
+def certificate_batch(certificate: bytes) -> bytes:
+    """Protocol 1.4: the enrollment batch (8 bytes) of a certificate (check the certificate first)."""
+    start = len(_CERT_MAGIC) + KEY_BYTES
+    return certificate[start : start + BATCH_BYTES]
+
+
+def registration_payload(certificate: bytes) -> bytes:
+    """Protocol 1.4: what a device signs with its identity key to register with ``certificate`` (proof
+    that it holds the certified key: a certificate alone is public, neighbours receive it every round)."""
+    return _LABEL_REGISTRATION + _VERSION_BINDING + _len_prefixed(certificate)
 
 
 def verify_certificate(certificate: bytes, authority_public_key: bytes) -> bytes:

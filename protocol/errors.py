@@ -29,6 +29,8 @@ __all__ = [
     "PermissionDenied",
     "PayloadTooLarge",
     "PrivacyFloorViolation",
+    "EnrollmentRefused",
+    "RateLimited",
     "error_class_for_code",
 ]
 
@@ -151,6 +153,25 @@ class PayloadTooLarge(RemoteProtocolError):
     """A message exceeds a configured size limit."""
 
     code = "payload_too_large"
+
+
+class EnrollmentRefused(PermissionDenied):
+    """A registration without a valid enrollment credential: none given where one is required, a forged or
+    foreign certificate, a certificate or one-time token used before, or a proof of possession that does
+    not verify (protocol 1.4)."""
+
+    code = "enrollment_refused"
+
+
+class RateLimited(FedRecError):
+    """Too many requests from one source (registrations per credential source, protocol 1.4); try again
+    after ``retry_after`` seconds (the server sends it as ``Retry-After``)."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str = "", retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 def _all_subclasses(cls: type[FedRecError]) -> list[type[FedRecError]]:

@@ -3,11 +3,13 @@
 #   caller); the server session itself moves to ERROR only when its own processing fails.  It never asks
 #   for s-shares of devices that dropped before sharing keys: "dropped" is exactly U2 ∖ U3 (pitfall 2).
 #   Fewer than t survivors (or fewer than t_min with DP) aborts before any share is requested.
-# - A device reported for unusable share ciphertexts (`MaskedInput.bad_share_senders`) is excluded before
-#   its own masked input can reach the sum: each masked input waits (`_pending`) until every neighbour that
-#   received its shares has answered the masked-input request or is gone, and only then is added.  The
-#   reporter left the reported device out of its masks and holds none of its shares, so the reporter is
-#   never asked for them and its masks are not corrected for it (`_mask_peers`).
+# - A device reported for unusable share ciphertexts (`MaskedInput.bad_share_senders`) is excluded while its
+#   own masked input is still outside the sum: each masked input waits (`_pending`) until t of the
+#   neighbours that received its shares answered the masked-input request without reporting it (so t
+#   holders of its shares exist), or all of them answered or are gone, and only then is added.  A report
+#   about a device already added excludes the reporter instead (its masked input, which left the reported
+#   device out of its masks, never counts).  The reporter holds none of the reported device's shares, so it
+#   is never asked for them, and its masks are not corrected for it (`_mask_peers`).
 # - No clock, no sockets, no global RNG: deadlines are compared with the `now` the caller passes; the
 #   graph placement uses the caller's generator.
 """The server side of one SecAgg+ round (DESIGN.md §4–5; Bonawitz et al. 2017; Bell et al. 2020)."""
@@ -205,6 +207,7 @@ class ServerSecAggSession:
         self._pending: dict[int, NDArray[np.uint32]] = {}
         self._bad: dict[int, frozenset[int]] = {}
         self._unsettled: dict[int, int] = {}
+        self._vouches: dict[int, int] = {}
         self._settled: set[int] = set()
         self._digests: dict[int, bytes] = {}  # device -> fingerprint of its message in the current phase
         self._acc: MaskedSumAccumulator | None = None
@@ -249,6 +252,11 @@ class ServerSecAggSession:
     def abort_error(self) -> FedRecError | None:
         """Why the round aborted (None unless ABORTED)."""
         return self._abort_error
+
+    @property
+    def consistency_open(self) -> bool:
+        """Protocol 1.3: UNMASK is in its first sub-step, collecting survivor-set signatures."""
+        return self._signing
 
     @property
     def finishing(self) -> bool:
@@ -584,11 +592,18 @@ class ServerSecAggSession:
             raise RemoteProtocolError(
                 f"device {u} kept {usable} usable neighbours, below t={self.params.t}: it must not mask"
             )
+        added = sorted(v for v in bad if v in self._masked_from and v not in self._pending)
+        if added:
+            # t share recipients of these already answered without a complaint, so their masked inputs are
+            # in the sum and their b_v can be reconstructed: the reporter (whose masked input left them out)
+            # is the one that leaves, as if it dropped before its masked input; its report is ignored.
+            raise RemoteProtocolError(
+                f"device {u} reports unusable shares from {added}, whose masked inputs are already in the sum "
+                f"({self.params.t} of their share recipients used them); device {u} is excluded instead"
+            )
         for v in sorted(bad):
             # v's ciphertext to u failed (or was altered on the way): v leaves the round before its masked
-            # input counts.  It was not yet added: u, one of its share recipients, had not answered.
-            if v in self._masked_from and v not in self._pending:  # pragma: no cover - _settle keeps it pending
-                raise LocalProtocolError(f"masked input of {v} was added before all its share recipients answered")
+            # input counts.
             if v in self._failed or (v in self._left and v not in self._pending):
                 continue
             self._pending.pop(v, None)
@@ -597,10 +612,15 @@ class ServerSecAggSession:
             self._settle(v)
         if bad:
             self._bad[u] = bad
-        self._pending[u] = message.masked  # read-only, owned by the message; added once u's recipients settle
+        self._pending[u] = message.masked  # read-only, owned by the message; added once t recipients vouched
         self._masked_from.add(u)
+        for v in forwarded - bad:
+            # u used v's shares: one more holder that can give b_v (or s_v) back
+            self._vouches[v] = self._vouches.get(v, 0) + 1
+            if self._vouches[v] >= self.params.t and v in self._pending:
+                self._fold(v)
         self._settle(u)
-        if self._unsettled.get(u, 0) == 0 and u in self._pending:
+        if u in self._pending and (self._unsettled.get(u, 0) == 0 or self._vouches.get(u, 0) >= self.params.t):
             self._fold(u)
 
     def _accept_unmask(self, u: int, message: UnmaskResponse) -> None:

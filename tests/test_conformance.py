@@ -479,3 +479,44 @@ def test_generator_is_deterministic_and_committed(tmp_path: Path) -> None:
     )
     for name in ("messages.json", "crypto.json", "round.json"):
         assert (tmp_path / name).read_bytes() == (VECTORS / name).read_bytes(), name
+
+
+# -- protocol 1.3/1.4 identities (identity.json) -------------------------------------------------------------
+
+
+def test_identity_vectors_reproduce_byte_for_byte() -> None:
+    from protocol.enrollment import batch_id
+
+    vec = _load("identity.json")
+
+    def seed(label: str) -> bytes:
+        return hashlib.sha256(b"fedrec test vector/" + label.encode()).digest()
+
+    authority = crypto.SigningKey.from_private_bytes(seed(vec["authority_seed_label"]))
+    device = crypto.SigningKey.from_private_bytes(seed(vec["device_seed_label"]))
+    assert authority.public_key.hex() == vec["authority_public_key"]
+    assert device.public_key.hex() == vec["device_public_key"]
+    assert batch_id(vec["batch_name"]).hex() == vec["batch_id"]
+    cert = crypto.issue_certificate(
+        authority,
+        device.public_key,
+        batch=bytes.fromhex(vec["batch_id"]),
+        serial=bytes.fromhex(vec["serial_tail"]),
+    )
+    assert cert.hex() == vec["certificate"]
+    assert crypto.verify_certificate(cert, authority.public_key) == device.public_key
+    assert crypto.registration_payload(cert).hex() == vec["registration_payload"]
+    assert device.sign(crypto.registration_payload(cert)).hex() == vec["registration_proof"]
+    ka = vec["key_advertisement"]
+    payload = crypto.key_advertisement_payload(
+        ka["round_id"], ka["device_id"], bytes.fromhex(ka["c_public_key"]), bytes.fromhex(ka["s_public_key"])
+    )
+    assert payload.hex() == ka["payload"] and device.sign(payload).hex() == ka["signature"]
+    ss = vec["survivor_set"]
+    payload = crypto.survivor_set_payload(ss["round_id"], bytes.fromhex(ss["session_id"]), ss["survivors"])
+    assert payload.hex() == ss["payload"] and device.sign(payload).hex() == ss["signature"]
+    crypto.verify_signature(device.public_key, bytes.fromhex(ss["signature"]), payload)
+    for vector in vec["messages"].values():
+        message = _build(vector)
+        assert codec.encode(message).hex() == vector["hex"]
+        assert not _message_mismatches(vector)

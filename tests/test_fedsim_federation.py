@@ -116,3 +116,20 @@ def test_full_ranking_scores_equal_the_candidate_scores(levels: bool) -> None:
     users = np.array([0, 3, 6])
     every = np.broadcast_to(np.arange(m), (users.size, m))
     np.testing.assert_array_equal(state.all_scores(users), state.scores(users, every).astype(np.float32))
+
+
+def test_density_derived_w0_is_what_the_server_reads_off_the_counts() -> None:
+    """With unobserved_scale > 0 and every user in every cohort, the w0 of the run is the density rule
+    at the training set's exact density (the counts slice sums to the number of distinct ratings)."""
+    from fedsim.datasets import synthetic
+    from protocol.families.lightfr import density_weight
+
+    data = synthetic(n_users=40, n_items=60, ratings_per_user=10, seed=4)
+    cfg = LightFRConfig(bits=16, rating_range=(1.0, 5.0), binary_positives=True, unobserved_weight=0.5)
+    fed = FederationConfig(rounds=2, fraction=1.0, flip_fraction=0.3, unobserved_scale=0.6)
+    ud = user_data(data, cfg)
+    state = run_lightfr(ud, cfg, fed)
+    pairs = np.unique(np.repeat(np.arange(ud.n_users), np.diff(ud.indptr)) * data.n_items + ud.items).size
+    assert state.unobserved_weight == pytest.approx(density_weight(float(pairs), ud.n_users, data.n_items))
+    fixed = run_lightfr(ud, cfg, FederationConfig(rounds=1, fraction=1.0, flip_fraction=0.3))
+    assert fixed.unobserved_weight == 0.5

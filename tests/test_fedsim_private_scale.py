@@ -34,11 +34,18 @@ def test_split_budget_meets_the_target_composed() -> None:
     assert epsilon_from_rdp(composed_rdp([(mu_pop, l1p, l2p), *[(0.99 * mu, l1m, l2m)] * 3]), 1e-5) > 8.0
 
 
-def test_release_counts_are_exact_without_noise_and_capped() -> None:
+def test_release_counts_are_exact_without_noise_and_clipped() -> None:
     users = [np.array([0, 1, 2]), np.array([1]), np.arange(10)]
     q = QuantizationConfig(clip_norm=2.0, scale_bits=10)  # θ = 4 → norm 2
     counts = release_counts(users, 10, 4, q, 0.0, np.random.default_rng(0))
-    assert counts[1] >= 2 and counts.sum() == pytest.approx(3 + 1 + 4)
+    # Devices with at most θ items add 1 per item; the one with 10 spreads norm 2 over them: 2/√10 each.
+    tail = 2 / np.sqrt(10)
+    assert counts[3:] == pytest.approx(np.full(7, tail), abs=1 / q.scale)
+    assert counts[1] == pytest.approx(2 + tail, abs=1 / q.scale) and counts[0] == pytest.approx(
+        1 + tail, abs=1 / q.scale
+    )
+    with pytest.raises(ValueError, match="√θ"):
+        release_counts(users, 10, 9, q, 0.0, np.random.default_rng(0))
     noisy = release_counts([np.zeros(0, np.int64)] * 3, 20_000, 4, q, 1e6, np.random.default_rng(1))
     assert abs(np.var(noisy * q.scale) - 1e6) < 0.05 * 1e6
 

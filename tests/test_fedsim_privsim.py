@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from agg_server.config import ServerConfig, config_from_dict
-from device_sdk.client import DropoutAt
 from device_sdk.family import LocalRatings
 from device_sdk.felb import FELBConfig, FELBModel
 from device_sdk.fnmf import FNMFConfig, FNMFModel
 from device_sdk.mf import MFConfig, MFModel
 from device_sdk.models import LightFRConfig, LightFRModel
+from fedsim.faults import DropoutAt
 from fedsim.planted import planted_binary, planted_nonnegative
 from fedsim.private import run_private
 from fedsim.privsim import LightFRCohort, PrivateSimulator, _noise_check, run_simulated, survivor_sets
@@ -309,3 +309,65 @@ async def test_http_round_with_dp_equals_the_simulator(aiohttp_server: Any, tmp_
     )
     assert np.array_equal(sim.simulator.model_state, coord.model_state)
     assert sim.simulator.ledger is not None and sim.simulator.ledger.spent() == coord.ledger.spent()
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_batched_all_items_devices_match_real_devices(share: float, tmp_path: Path) -> None:
+    # The all-items objective (w0 > 0) with item levels, clipped as one or with a counts share: the
+    # batched uploads equal the devices' own `local_round` outputs up to the stochastic rounding.
+    from dataclasses import replace
+
+    from agg_server.strategy.base import round_plan
+    from device_sdk.training import local_round
+    from protocol.families.lightfr import bias_from_levels
+    from protocol.session import RoundParameters
+
+    n, m, f = 15, 40, 16
+    cfg = _config(tmp_path, "lightfr", n, dp=False, rounds=1, n_items=m, model={"counts_share": share})
+    cfg = replace(cfg, rounds=replace(cfg.rounds, example_cap=0))
+    sim = PrivateSimulator(cfg)
+    rng = np.random.default_rng(4)
+    sim.model_state[:, f] = rng.integers(-20, 20, size=m)  # item levels around the centre
+    payload = sim.payload()
+    st: Any = sim.strategy
+    beta = bias_from_levels(np.frombuffer(payload.item_levels, dtype=np.uint8), m, f, payload.hamming_weight)
+    assert np.count_nonzero(beta) > 10
+    users = [(np.sort(rng.choice(m, size=int(rng.integers(1, 12)), replace=False)), None) for _ in range(n)]
+    cohort = LightFRCohort(users, m, f)
+    length = st.vector_length
+    params = RoundParameters(
+        round_id=1, vector_length=length, k=n, t=1, clip_norm=1.5, scale_bits=10, deadlines=(0.0,) * 4
+    )
+    invite = params.invite(0).with_plan(round_plan(st, 1))
+    assert invite.counts_share == share and invite.unobserved_weight > 0
+    expected = np.zeros(length, dtype=np.int64)
+    for j, (items, _) in enumerate(users):
+        model = LightFRModel(m, LightFRConfig(bits=f), rng=np.random.default_rng(1))
+        model.set_global(payload.words, b"", 1, **payload.lightfr_extras())
+        model.reset_user(np.random.default_rng(j))
+        model.user_trained[0] = True
+        cohort.codes[j] = model.user_codes[0]
+        ring, stats = local_round(
+            model,
+            invite,
+            LocalRatings.single_user(items),
+            None,
+            np.random.default_rng(j),
+            coins=insecure_test_noise_stream(j),
+        )
+        expected += ring.view(np.int32)
+    cohort.trained[:] = True
+    got = cohort.quantized_sum(
+        st.codes(sim.model_state),
+        invite,
+        cohort.device_ids,
+        cohort.device_ids,
+        np.random.default_rng(0),
+        insecure_test_noise_stream(0),
+        beta,
+    )
+    assert got.shape == expected.shape
+    assert np.max(np.abs(got - expected)) <= n
+    assert np.count_nonzero(expected) > 100
+    # The uploads were clipped (C = 1.5 is below their norms), so the comparison covers the clip factors.
+    assert np.abs(expected).max() < 1.5 * 2**10 * n

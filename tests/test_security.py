@@ -581,9 +581,11 @@ def _garble(shares: Any, victims: set[int] | None = None) -> Any:
 
 def _run_with_a_bad_sharer(
     server: Any, devices: dict[int, Any], inputs: dict[int, Any], bad: int, victims: set[int] | None, signed: bool
-) -> set[int]:
+) -> tuple[set[int], set[int]]:
     """A round in which ``bad`` sends garbage share ciphertexts (to ``victims``, or to everyone) and uploads
-    its masked input before anybody else; returns the devices whose input should be in the sum."""
+    its masked input before anybody else, the others in id order; returns the devices whose masked input
+    the server took and those it refused."""
+    from protocol.errors import RemoteProtocolError
     from protocol.messages import Abort
     from protocol.phases import consistency_deadline
 
@@ -597,7 +599,8 @@ def _run_with_a_bad_sharer(
         server.receive(u, _garble(reply, victims) if u == bad else reply)
     server.advance(d[1])
     order = [bad, *(u for u in devices if u != bad)]  # the bad device's masked input arrives first
-    masked = set()
+    masked: set[int] = set()
+    refused: set[int] = set()
     for u in order:
         devices[u].receive(server.outbox(u))
         devices[u].provide_input(inputs[u])
@@ -606,8 +609,8 @@ def _run_with_a_bad_sharer(
             assert sent.bad_share_senders == ((bad,) if victims is None or u in victims else ())
         try:
             server.receive(u, sent)
-        except Exception:
-            assert u == bad
+        except RemoteProtocolError:
+            refused.add(u)
             continue
         masked.add(u)
     server.advance(d[2])
@@ -620,7 +623,7 @@ def _run_with_a_bad_sharer(
             dev.receive(incoming)
             server.receive(u, dev.send())
         server.advance(deadline)
-    return masked - {bad}
+    return masked, refused
 
 
 @pytest.mark.parametrize("signed", [False, True])
@@ -659,7 +662,9 @@ def test_garbage_share_ciphertexts_exclude_their_sender_and_the_round_stays_bit_
         }
         rng = np.random.default_rng(1)
         inputs = {u: rng.integers(0, 2**32, size=16, dtype=np.uint32) for u in ids}
-    honest = _run_with_a_bad_sharer(server, devices, inputs, bad, victims, signed)
+    masked, refused = _run_with_a_bad_sharer(server, devices, inputs, bad, victims, signed)
+    assert not refused  # every report came while the bad device's masked input was still held back
+    honest = masked - {bad}
     result = server.result()
     assert result.survivors == frozenset(honest) and len(honest) == 9
     assert bad in result.dropouts[Phase.MASKED_INPUT]
@@ -670,6 +675,42 @@ def test_garbage_share_ciphertexts_exclude_their_sender_and_the_round_stays_bit_
         expected += inputs[u]
     assert np.array_equal(result.total, expected)
     assert all(devices[u].phase is Phase.DONE for u in honest)
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_report_after_the_reported_input_was_added_excludes_the_reporter_and_the_sum_stays_exact(
+    signed: bool,
+) -> None:
+    # The bad device garbles only its ciphertext to the last device; t others have used its shares by the
+    # time that device reports, so its masked input is already in the sum: the reporter leaves instead (its
+    # own masked input left the bad device out of its masks and never counts) and the round stays exact.
+    import numpy as np
+
+    from protocol.phases import Phase
+
+    bad, victim = 100, 109
+    server, devices, inputs, _, _ = _signed_round(n=10, t=4)
+    if not signed:
+        import dataclasses
+
+        from protocol.crypto import insecure_test_noise_stream
+        from protocol.device_session import DeviceSecAggSession
+        from protocol.server_session import ServerSecAggSession
+
+        params = dataclasses.replace(server.params, authority_key=b"")
+        server = ServerSecAggSession(params, sorted(devices), rng=np.random.default_rng(0))
+        devices = {
+            u: DeviceSecAggSession(server.outbox(u), rng=insecure_test_noise_stream(0, u))  # type: ignore[arg-type]
+            for u in sorted(devices)
+        }
+    masked, refused = _run_with_a_bad_sharer(server, devices, inputs, bad, {victim}, signed)
+    assert refused == {victim} and bad in masked
+    result = server.result()
+    assert result.survivors == frozenset(masked) and victim in result.dropouts[Phase.MASKED_INPUT]
+    expected = np.zeros(16, dtype=np.uint32)
+    for u in masked:
+        expected += inputs[u]
+    assert np.array_equal(result.total, expected)
 
 
 def _reporter_at_unmask(bad: int, reporter: int) -> tuple[Any, list[int]]:
@@ -739,7 +780,7 @@ async def test_a_device_sending_garbage_shares_over_http_is_excluded_and_the_rou
     import numpy as np
 
     from agg_server.app import COORDINATOR
-    from device_sdk.client import DropoutAt
+    from fedsim.faults import DropoutAt
     from fedsim.fleet import FleetConfig, run_fleet
     from protocol.device_session import DeviceSecAggSession
     from protocol.messages import EncryptedShares, MaskedInputRequest, RoundInvite, RoundResult, ShareKeysBroadcast

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from agg_server.config import (
+    EnrollmentSection,
     FELBSection,
     FNMFSection,
     ListenConfig,
@@ -72,6 +73,7 @@ def test_example_lists_every_key() -> None:
         "felb": [f.name for f in dataclasses.fields(FELBSection)],
         "fnmf": [f.name for f in dataclasses.fields(FNMFSection)],
         "storage": [f.name for f in dataclasses.fields(StorageSection)],
+        "enrollment": [f.name for f in dataclasses.fields(EnrollmentSection)],
     }
     sections = re.split(r"^\[(\w+)\]$", text, flags=re.MULTILINE)
     bodies = dict(zip(sections[1::2], sections[2::2], strict=True))

@@ -218,7 +218,11 @@ def test_quality_table_and_migration_from_schema_1(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / DATABASE_NAME)
     db.execute("DROP TABLE model_quality")
     db.execute("DROP TABLE cohort_leases")  # and version 3's additions
+    db.execute("DROP TABLE enrollment_tokens")  # and version 4's
+    db.execute("DROP INDEX devices_by_identity")
     for table, column in (
+        ("devices", "source"),
+        ("devices", "identity_key"),
         ("rounds", "cohort"),
         ("rounds", "lease_token"),
         ("rounds", "revealed"),
@@ -234,7 +238,7 @@ def test_quality_table_and_migration_from_schema_1(tmp_path: Path) -> None:
         assert storage.model_quality() == []
         storage.record_quality(1, "hr@10", "a", 0.5, 5.0)
     db = sqlite3.connect(tmp_path / DATABASE_NAME)
-    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     db.close()
 
 

@@ -19,7 +19,7 @@ import pytest
 from agg_server import app as app_module
 from agg_server.app import COORDINATOR, create_app
 from agg_server.strategy import build_strategy
-from device_sdk.client import DropoutAt
+from fedsim.faults import DropoutAt
 from fedsim.fleet import FleetConfig, run_fleet
 from protocol import crypto
 from protocol.codec import encode
@@ -290,3 +290,51 @@ def test_a_finishing_session_refuses_uploads() -> None:
         s.receive(1, PublicKeys(round_id=1, device_id=1, c_public_key=b"a" * 32, s_public_key=b"b" * 32))
     assert s.outbox(1) is None
     assert s.advance(1e9) is Phase.ADVERTISE_KEYS
+
+
+@pytest.mark.asyncio
+async def test_a_check_in_that_cannot_join_the_open_round_is_held_until_it_ends(
+    aiohttp_client: Any, tmp_path: Path
+) -> None:
+    import aiohttp
+
+    from protocol.codec import decode
+    from protocol.messages import Abort, CheckIn, RegisterRequest, RoundInvite, Wait
+
+    cfg = small_config(tmp_path / "srv", cohort=3, min_cohort=3, timeout=30.0)
+    app = create_app(cfg)
+    client = await aiohttp_client(app)
+    headers = {"Content-Type": "application/msgpack"}
+
+    async def post(path: str, message: Any, token: str) -> Any:
+        h = dict(headers, Authorization=f"Bearer {token}")
+        resp = await client.post(path, data=encode(message), headers=h, timeout=aiohttp.ClientTimeout(total=30))
+        return decode(await resp.read())
+
+    tokens = {}
+    for _ in range(4):
+        resp = await client.post("/v1/devices", data=encode(RegisterRequest(platform="test")), headers=headers)
+        reg = decode(await resp.read())
+        tokens[reg.device_id] = reg.token
+    *cohort, late = sorted(tokens)
+    invites: dict[int, RoundInvite] = {}
+    while len(invites) < 3:
+        for d in cohort:
+            if d not in invites:
+                msg = await post("/v1/checkin", CheckIn(device_id=d), tokens[d])
+                if isinstance(msg, RoundInvite):
+                    invites[d] = msg
+        await asyncio.sleep(0.05)
+    rid = invites[cohort[0]].round_id
+    # The fourth device is in no cohort: its check-in stays open while the round runs (no polling) ...
+    held = asyncio.create_task(post("/v1/checkin", CheckIn(device_id=late), tokens[late]))
+    await asyncio.sleep(1.0)
+    assert not held.done()
+    # ... and is answered once the round has ended (its devices all leave).
+    t_end = time.perf_counter()
+    for d in cohort:
+        await post(f"/v1/rounds/{rid}/abort", Abort(round_id=rid, device_id=d, reason="test"), tokens[d])
+    reply = await asyncio.wait_for(held, timeout=10.0)
+    assert isinstance(reply, Wait) and app[COORDINATOR].open_round is None
+    assert time.perf_counter() - t_end < 1.0 + app_module._CHECKIN_SPREAD + 1.0
+    assert late in app[COORDINATOR]._pool  # checked in again at the round's end: ready for the next one

@@ -31,7 +31,7 @@ from protocol.errors import StorageError
 
 __all__ = ["SCHEMA_VERSION", "DATABASE_NAME", "Database", "open_database", "redact_url"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Schema version (SQLite: ``PRAGMA user_version``; PostgreSQL: table ``fedrec_schema``)."""
 
 DATABASE_NAME = "fedrec.sqlite3"
@@ -137,8 +137,24 @@ _SCHEMA_V3 = (
     "ALTER TABLE checkpoints ADD COLUMN payload {blob}",
 )
 
+# Version 4 (protocol 1.4, enrollment): each device's credential source and, when it enrolled with a
+# certificate, its certified identity key (one registration per identity); the operator's one-time
+# enrollment tokens, stored as SHA-256 only, each used by at most one device.
+_SCHEMA_V4 = (
+    "ALTER TABLE devices ADD COLUMN source TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE devices ADD COLUMN identity_key {blob} CHECK (identity_key IS NULL OR length(identity_key) = 32)",
+    "CREATE UNIQUE INDEX devices_by_identity ON devices (identity_key)",
+    """CREATE TABLE enrollment_tokens (
+        token_sha256 {blob} PRIMARY KEY CHECK (length(token_sha256) = 32),
+        source TEXT NOT NULL,
+        created_at {real} NOT NULL,
+        used_by {int} REFERENCES devices (device_id),
+        used_at {real}
+    )""",
+)
+
 # Migration step n brings a database from version n - 1 to n.
-_MIGRATIONS: dict[int, tuple[str, ...]] = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3}
+_MIGRATIONS: dict[int, tuple[str, ...]] = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3, 4: _SCHEMA_V4}
 
 _PG_MIGRATION_LOCK = 0x66656472  # "fedr": the advisory lock key of schema migrations
 

@@ -105,6 +105,9 @@ _SINCE_1_3 = {
 }
 
 
+_SINCE_1_4 = {"RegisterRequest": ("certificate", "proof", "enrollment_token")}
+
+
 def _check(condition: bool) -> None:
     if not condition:
         raise RuntimeError("the implementation disagrees with itself; no vectors written")
@@ -121,6 +124,8 @@ def fixed_field_element(label: str) -> int:
 
 
 def _since(cls_name: str, type_code: int, field: str) -> str:
+    if field in _SINCE_1_4.get(cls_name, ()):
+        return "1.4"
     if field in _SINCE_1_3.get(cls_name, ()) or type_code in (20, 21):
         return "1.3"
     if field in _SINCE_1_2.get(cls_name, ()):
@@ -610,13 +615,86 @@ def round_vector() -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------------------------- identity
+
+
+def identity_vectors() -> dict[str, Any]:
+    """Protocol 1.3/1.4 identities: an enrollment certificate, the registration proof, a signed key
+    advertisement and a survivor-set signature (Ed25519 is deterministic: fixed keys give fixed bytes)."""
+    from protocol.enrollment import batch_id
+
+    authority = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/authority"))
+    device = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/device"))
+    batch = batch_id("batch-a")
+    tail = fixed_bytes("identity/serial", crypto.BATCH_BYTES)
+    certificate = crypto.issue_certificate(authority, device.public_key, batch=batch, serial=tail)
+    _check(crypto.verify_certificate(certificate, authority.public_key) == device.public_key)
+    _check(crypto.certificate_batch(certificate) == batch)
+    registration = crypto.registration_payload(certificate)
+    proof = device.sign(registration)
+    c_key = crypto.key_pair_from_private_bytes(fixed_bytes("identity/c")).public_key
+    s_key = crypto.key_pair_from_private_bytes(fixed_bytes("identity/s")).public_key
+    advert = crypto.key_advertisement_payload(7, 42, c_key, s_key)
+    session = fixed_bytes("identity/session")
+    survivors = [3, 42, 99]
+    survivor_payload = crypto.survivor_set_payload(7, session, survivors)
+    register = RegisterRequest(platform="vector", certificate=certificate, proof=proof)
+    keys = PublicKeys(
+        round_id=7,
+        device_id=42,
+        c_public_key=c_key,
+        s_public_key=s_key,
+        certificate=certificate,
+        signature=device.sign(advert),
+    )
+    signature = ConsistencySignature(
+        round_id=7, device_id=42, session_id=session, signature=device.sign(survivor_payload)
+    )
+    for sig, data in ((proof, registration), (keys.signature, advert), (signature.signature, survivor_payload)):
+        crypto.verify_signature(device.public_key, sig, data)
+    return {
+        "description": "Ed25519 identities (RFC 8032, raw 32-byte keys, 64-byte signatures); keys are "
+        "SHA-256('fedrec test vector/' + label) used as Ed25519 seeds",
+        "authority_seed_label": "identity/authority",
+        "authority_public_key": authority.public_key.hex(),
+        "device_seed_label": "identity/device",
+        "device_public_key": device.public_key.hex(),
+        "batch_name": "batch-a",
+        "batch_id": batch.hex(),
+        "serial_tail": tail.hex(),
+        "certificate": certificate.hex(),
+        "registration_payload": registration.hex(),
+        "registration_proof": proof.hex(),
+        "key_advertisement": {
+            "round_id": 7,
+            "device_id": 42,
+            "c_public_key": c_key.hex(),
+            "s_public_key": s_key.hex(),
+            "payload": advert.hex(),
+            "signature": keys.signature.hex(),
+        },
+        "survivor_set": {
+            "round_id": 7,
+            "session_id": session.hex(),
+            "survivors": survivors,
+            "payload": survivor_payload.hex(),
+            "signature": signature.signature.hex(),
+        },
+        "messages": {
+            "RegisterRequest": describe(register),
+            "PublicKeys": describe(keys),
+            "ConsistencySignature": describe(signature),
+        },
+    }
+
+
 def _write(out: Path, name: str, data: dict[str, Any]) -> None:
     text = json.dumps(data, indent=1, ensure_ascii=False) + "\n"
     (out / name).write_text(text, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Write messages.json, crypto.json and round.json (next to this script, or into ``--out DIR``)."""
+    """Write messages.json, crypto.json, round.json and identity.json (next to this script, or into ``--out DIR``)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=OUT, help="output folder (default: next to this script)")
     out: Path = parser.parse_args(argv).out
@@ -624,6 +702,7 @@ def main(argv: list[str] | None = None) -> None:
     _write(out, "messages.json", message_vectors())
     _write(out, "crypto.json", crypto_vectors())
     _write(out, "round.json", round_vector())
+    _write(out, "identity.json", identity_vectors())
 
 
 if __name__ == "__main__":

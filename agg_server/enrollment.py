@@ -1,0 +1,201 @@
+"""Who may register a device (protocol 1.4, issue 15 items 1 and 4): enrollment credentials, their
+sources, the per-source registration rate, and the per-source share of a round's cohort.
+
+Invariants:
+- A registration carries at most one credential: a certificate of the configured enrollment authority
+  with a proof that the device holds the certified key, or an operator-issued one-time token.  Without
+  one it is accepted only when ``enrollment.open_registration`` resolves to true (loopback development).
+- Every credential has a source: ``cert:<batch hex>`` (the batch is signed inside the certificate),
+  ``token:<label>`` (the label the operator issued the tokens under), or ``open``.  The rate limit and the
+  cohort cap count per source.
+- A certified identity key registers once, a token is consumed once (both in the same database
+  transaction as the new device); tokens are stored as SHA-256 only.
+- Nothing here touches the network or the clock: the caller passes ``now``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import secrets
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from agg_server.config import ServerConfig
+from agg_server.storage import Storage
+from protocol import crypto
+from protocol.errors import CryptoError, EnrollmentRefused, RateLimited
+
+__all__ = ["Enrollment", "Credential", "capped_cohort", "TOKEN_LABEL", "MAX_TOKENS_PER_REQUEST"]
+
+#: What an operator may call a batch of enrollment tokens.
+TOKEN_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_TOKENS_PER_REQUEST = 10_000
+OPEN_SOURCE = "open"
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """A checked registration credential: its source, the certified key (certificates) and the token
+    digest to consume (tokens)."""
+
+    source: str
+    identity_key: bytes | None = None
+    token_sha256: bytes | None = None
+    rate_key: str = ""
+
+
+class _Bucket:
+    __slots__ = ("level", "at")
+
+    def __init__(self, level: float, at: float) -> None:
+        self.level = level
+        self.at = at
+
+
+class Enrollment:
+    """The registration gate of one server.
+
+    Parameters
+    ----------
+    config : the server configuration (``[enrollment]`` and ``server.host``).
+    storage : the opened storage (devices, enrollment tokens).
+    """
+
+    def __init__(self, config: ServerConfig, storage: Storage) -> None:
+        self.config = config.enrollment
+        self.storage = storage
+        self.authority = self.config.authority_public_key
+        self.open = self.config.registration_is_open(config.listen.host)
+        self._buckets: dict[str, _Bucket] = {}
+        self._sources: dict[int, str] = {}
+
+    # -- credentials --------------------------------------------------------------------------------
+    def check(self, *, certificate: bytes, proof: bytes, token: str, peer: str) -> Credential:
+        """The credential of one registration, checked (nothing is consumed yet).
+
+        Raises
+        ------
+        EnrollmentRefused
+            No credential where one is required, a certificate that is forged, foreign or lacks a valid
+            proof, a certificate on a server without an authority, a token on a server that enrolls by
+            certificate, or an unknown or used token.
+        """
+        if certificate:
+            if not self.authority:
+                raise EnrollmentRefused("this server has no enrollment authority; it does not take certificates")
+            try:
+                identity = crypto.verify_certificate(certificate, self.authority)
+                crypto.verify_signature(identity, proof, crypto.registration_payload(certificate))
+            except CryptoError as exc:
+                raise EnrollmentRefused(f"certificate refused: {exc}") from None
+            source = "cert:" + crypto.certificate_batch(certificate).hex()
+            return Credential(source=source, identity_key=identity, rate_key=source)
+        if token:
+            if self.authority:
+                raise EnrollmentRefused(
+                    "this server enrolls devices by certificate (signed rounds); enrollment tokens are not accepted"
+                )
+            digest = hashlib.sha256(token.encode("utf-8")).digest()
+            known = self.storage.enrollment_token_source(digest)
+            if known is None:
+                raise EnrollmentRefused("unknown enrollment token")
+            source, used = known
+            if used:
+                raise EnrollmentRefused("the enrollment token was used before (tokens are single use)")
+            return Credential(source=source, token_sha256=digest, rate_key=source)
+        if not self.open:
+            what = "a certificate of the enrollment authority" if self.authority else "an enrollment token"
+            raise EnrollmentRefused(f"registration requires an enrollment credential: {what}")
+        return Credential(source=OPEN_SOURCE, rate_key=f"open:{peer}")
+
+    def admit(self, credential: Credential, now: float) -> None:
+        """Take one registration from the credential source's bucket.
+
+        Raises
+        ------
+        RateLimited
+            The source registered ``registration_burst`` devices and more than
+            ``registrations_per_second`` since; ``retry_after`` says when one more is accepted.
+        """
+        rate, burst = self.config.registrations_per_second, float(self.config.registration_burst)
+        bucket = self._buckets.get(credential.rate_key)
+        if bucket is None:
+            bucket = self._buckets[credential.rate_key] = _Bucket(burst, now)
+        bucket.level = min(burst, bucket.level + max(0.0, now - bucket.at) * rate)
+        bucket.at = now
+        if bucket.level < 1.0:
+            wait = (1.0 - bucket.level) / rate
+            raise RateLimited(
+                f"registrations from credential source {credential.source!r} are limited to "
+                f"{rate:g}/s after a burst of {burst:g}; retry in {wait:.2f} s",
+                retry_after=wait,
+            )
+        bucket.level -= 1.0
+        if len(self._buckets) > 100_000:  # forget full buckets of quiet sources (memory bound)
+            for key in [k for k, b in self._buckets.items() if b.level >= burst]:
+                del self._buckets[key]
+
+    def remember(self, device_id: int, source: str) -> None:
+        self._sources[device_id] = source
+
+    # -- operator tokens ------------------------------------------------------------------------------
+    def issue_tokens(self, count: int, label: str, now: float) -> list[str]:
+        """Create ``count`` one-time enrollment tokens under source ``token:<label>``; only their SHA-256
+        is stored, the tokens are returned once.
+
+        Raises
+        ------
+        EnrollmentRefused
+            The server enrolls by certificate.
+        ValueError
+            A count outside [1, 10000] or a label that is not 1-64 of ``[A-Za-z0-9._-]``.
+        """
+        if self.authority:
+            raise EnrollmentRefused("this server enrolls devices by certificate; it issues no enrollment tokens")
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_TOKENS_PER_REQUEST:
+            raise ValueError(f"count must be an integer in [1, {MAX_TOKENS_PER_REQUEST}], got {count!r}")
+        if not isinstance(label, str) or TOKEN_LABEL.fullmatch(label) is None:
+            raise ValueError(f"source must be 1-64 characters of [A-Za-z0-9._-], got {label!r}")
+        tokens = [secrets.token_urlsafe(32) for _ in range(count)]
+        self.storage.add_enrollment_tokens(
+            [hashlib.sha256(t.encode("utf-8")).digest() for t in tokens], f"token:{label}", now
+        )
+        return tokens
+
+    # -- cohorts --------------------------------------------------------------------------------------
+    def sources(self, device_ids: Sequence[int]) -> dict[int, str]:
+        """The credential source of each device (cached; read from storage once per device)."""
+        missing = [d for d in device_ids if d not in self._sources]
+        if missing:
+            self._sources.update(self.storage.device_sources(missing))
+        return {d: self._sources.get(d, "") for d in device_ids}
+
+
+def capped_cohort(
+    fresh: Sequence[int], n: int, sources: Mapping[int, str], share: float, rng: np.random.Generator
+) -> tuple[int, ...]:
+    """Draw up to ``n`` devices of ``fresh`` at random so that no credential source fills more than
+    ``share`` of the cohort drawn: each source contributes at most ⌊share·size⌋ devices.  When the pool
+    cannot fill ``n`` that way the cohort shrinks (and the cap with it) until it holds; () if nothing can.
+    """
+    order = rng.permutation(np.asarray(fresh, dtype=np.int64))
+    while n > 0:
+        cap = math.floor(share * n + 1e-9)
+        if cap < 1:
+            return ()
+        counts: Counter[str] = Counter()
+        chosen: list[int] = []
+        for d in order.tolist():
+            s = sources.get(d, "")
+            if counts[s] < cap:
+                counts[s] += 1
+                chosen.append(d)
+                if len(chosen) == n:
+                    return tuple(sorted(chosen))
+        n = len(chosen)
+    return ()
