@@ -86,25 +86,17 @@ def _fail(key: str, what: str, value: object) -> ConfigError:
     return ConfigError(f"{key}: must be {what}, got {value!r}")
 
 
-def _int(key: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
-    # The same check, and message, as the training plan's parameters (`protocol.plan.check_int`).
+def _int(key: str, value: object, **bounds: int | None) -> int:
+    # The same checks, and messages, as the training plan's parameters (`protocol.plan`).
     try:
-        return check_int(key, value, lo=lo, hi=hi)
+        return check_int(key, value, **bounds)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def _float(
-    key: str,
-    value: object,
-    *,
-    lo: float | None = None,
-    hi: float | None = None,
-    lo_open: bool = False,
-    hi_open: bool = False,
-) -> float:
+def _float(key: str, value: object, **bounds: Any) -> float:
     try:
-        return check_float(key, value, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open)
+        return check_float(key, value, **bounds)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
