@@ -11,6 +11,10 @@ Invariants of this module:
 * Relative paths in a file resolve against the file's folder, never the process's working directory,
   so a config means the same thing wherever the server is started from.
 * Apart from checking that TLS files exist, nothing here does I/O; reading the file is `load_config`.
+
+Why one module of ~850 lines: one table, one dataclass, each with its checks and the docstring an
+operator reads; the families' training parameters are not here but in `protocol.plan` (the [mf], [felb]
+and [fnmf] sections subclass them).
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
-import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -30,7 +33,7 @@ from urllib.parse import urlsplit
 from protocol.errors import ConfigError
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
 from protocol.graph import find_parameters, validate_parameters
-from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams
+from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams, check_float, check_int
 from protocol.quantization import DEFAULT_SCALE_BITS, MAX_SCALE_BITS, QuantizationConfig
 from protocol.spec import (
     MAX_ITEMS,
@@ -83,45 +86,19 @@ def _fail(key: str, what: str, value: object) -> ConfigError:
     return ConfigError(f"{key}: must be {what}, got {value!r}")
 
 
-def _range_text(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
-    if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-    if lo is not None:
-        return f"{'>' if lo_open else '>='} {lo}"
-    if hi is not None:
-        return f"{'<' if hi_open else '<='} {hi}"
-    return ""
+def _int(key: str, value: object, **bounds: int | None) -> int:
+    # The same checks, and messages, as the training plan's parameters (`protocol.plan`).
+    try:
+        return check_int(key, value, **bounds)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
-def _int(key: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
-    what = f"an integer {_range_text(lo, hi, False, False)}".rstrip()
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(key, what, value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise _fail(key, what, value)
-    return int(value)
-
-
-def _float(
-    key: str,
-    value: object,
-    *,
-    lo: float | None = None,
-    hi: float | None = None,
-    lo_open: bool = False,
-    hi_open: bool = False,
-) -> float:
-    what = f"a finite number {_range_text(lo, hi, lo_open, hi_open)}".rstrip()
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _fail(key, what, value)
-    x = float(value)
-    if not math.isfinite(x):
-        raise _fail(key, what, value)
-    if lo is not None and (x <= lo if lo_open else x < lo):
-        raise _fail(key, what, value)
-    if hi is not None and (x >= hi if hi_open else x > hi):
-        raise _fail(key, what, value)
-    return x
+def _float(key: str, value: object, **bounds: Any) -> float:
+    try:
+        return check_float(key, value, **bounds)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _bool(key: str, value: object) -> bool:

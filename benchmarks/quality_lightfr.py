@@ -65,6 +65,13 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
             fed,
             False,
         ),
+        "all items, w0=auto, α=3, learned levels, ρ=0.3": (replace(auto[0], confidence=3.0), auto[1], False),
+        "all items, w0=auto, E=2 local epochs, learned levels, ρ=0.3": (
+            replace(auto[0], local_epochs=2),
+            auto[1],
+            False,
+        ),
+        "all items, w0=auto, learned levels, ρ=0.3, 80 rounds": (auto[0], replace(auto[1], rounds=80), False),
         "all items, w0=0.1, α=3, learned levels, ρ=0.3, 80 rounds": (
             replace(full, confidence=3.0),
             replace(fed, rounds=80),

@@ -9,7 +9,6 @@ from __future__ import annotations
 from device_sdk.client import (
     ClientConfig,
     DeviceClient,
-    DropoutAt,
     RoundOutcome,
     RoundStatus,
     insecure_seeded_rngs,
@@ -33,7 +32,7 @@ from device_sdk.models import LightFRConfig, LightFRModel, LocalUpdate
 from device_sdk.store import load_store, save_store
 from device_sdk.topk import hamming_distances, topk_hamming
 from device_sdk.training import local_round
-from device_sdk.transport import Response, Transport, TransportError, raise_for_error
+from device_sdk.transport import LeftRound, Response, Transport, TransportError, raise_for_error
 from protocol.errors import *  # noqa: F403
 from protocol.errors import __all__ as _errors_all
 from protocol.spec import Aggregation
@@ -41,12 +40,12 @@ from protocol.spec import Aggregation
 __all__ = [
     "DeviceClient",
     "ClientConfig",
-    "DropoutAt",
     "RoundOutcome",
     "RoundStatus",
     "insecure_seeded_rngs",
     "local_round",
     "Transport",
+    "LeftRound",
     "Response",
     "TransportError",
     "raise_for_error",

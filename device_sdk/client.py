@@ -13,7 +13,13 @@
 #   from ``secrets`` every round); the stochastic-rounding coins are the noise stream's first words (read
 #   in the training thread before the session draws its noise); key material is generated inside
 #   `protocol` only.
-"""`DeviceClient`: one device taking part in federated rounds over a `Transport` (DESIGN.md §4, §7)."""
+"""`DeviceClient`: one device taking part in federated rounds over a `Transport` (DESIGN.md §4, §7).
+
+Why one module of ~800 lines: it is one class, the round driver, whose steps (check-in, model sync,
+training, the four SecAgg+ phases, leaving) share the client's lock, store and tally; about half of it
+is docstrings.  What could leave has left: store files (`device_sdk.persistence`), the transport and its
+retry policy (`device_sdk.transport`, `device_sdk.http`), fault injection (`fedsim.faults`).
+"""
 
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from enum import Enum, StrEnum
+from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -52,7 +58,7 @@ from device_sdk.persistence import (
     secret_generator,
 )
 from device_sdk.training import local_round
-from device_sdk.transport import Response, Transport, TransportError, raise_for_error
+from device_sdk.transport import LeftRound, Response, Transport, TransportError, raise_for_error
 from protocol import crypto
 from protocol.crypto import NoiseStream, SigningKey, insecure_test_noise_stream
 from protocol.errors import (
@@ -89,7 +95,6 @@ __all__ = [
     "IDENTITY_FILE",
     "SYNC_FILE",
     "ClientConfig",
-    "DropoutAt",
     "RoundStatus",
     "RoundOutcome",
     "DeviceClient",
@@ -122,9 +127,6 @@ class ClientConfig:
         The device's privacy floor (`protocol.policy`): rounds below it are refused and the device sits
         them out (`RoundStatus.REFUSED`).  The default is the safe one; a deployment without DP must set
         ``PrivacyPolicy(require_noise=False)``; `PrivacyPolicy.no_floor()` is for simulations only.
-    disconnect_after : float
-        Fault injection only (`DropoutAt.DISCONNECT_MASKED`): seconds the masked-input request may run
-        before the client abandons it and closes the connection.
     authority_key : bytes, optional
         The pinned 32-byte Ed25519 public key of the enrollment authority (protocol 1.3/1.4).  When set,
         the device registers only with a certificate of this authority for its own identity key, signs
@@ -141,7 +143,6 @@ class ClientConfig:
     platform: str = "fedrec-python"
     request_timeout: float = 30.0
     long_poll_timeout: float = 300.0
-    disconnect_after: float = 0.05
     privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
     authority_key: bytes | None = None
 
@@ -151,29 +152,12 @@ class ClientConfig:
         if not isinstance(self.privacy, PrivacyPolicy):
             raise ConfigError(f"privacy must be a PrivacyPolicy, got {type(self.privacy).__name__}")
         object.__setattr__(self, "store_dir", Path(self.store_dir))
-        for name in ("request_timeout", "long_poll_timeout", "disconnect_after"):
+        for name in ("request_timeout", "long_poll_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         if len(self.platform) > 128:
             raise ConfigError("platform must be at most 128 characters")
-
-
-class DropoutAt(Enum):
-    """Fault injection: where a device stops taking part in a round (tests and load tests).
-
-    ``BEFORE_*`` stop silently right before sending that phase's message (no `Abort`: a vanished phone
-    says nothing).  ``DISCONNECT_MASKED`` sends the masked input, then closes the connection before the
-    answer arrives.
-    """
-
-    NONE = "none"
-    BEFORE_KEYS = "before_keys"
-    BEFORE_SHARES = "before_shares"
-    BEFORE_MASKED = "before_masked"
-    BEFORE_UNMASK = "before_unmask"
-    DISCONNECT_MASKED = "disconnect_masked"
-    BEFORE_CONSISTENCY = "before_consistency"  # protocol 1.3: before signing the survivor set
 
 
 class RoundStatus(StrEnum):
@@ -282,15 +266,15 @@ class _Tally:
         self.bytes_down += response.bytes_down
 
 
-# (step name = path segment, the dropout that stops before it, the answer expected unless the round ends)
-_STEPS: tuple[tuple[str, DropoutAt, type[Message]], ...] = (
-    ("keys", DropoutAt.BEFORE_KEYS, ShareKeysBroadcast),
-    ("shares", DropoutAt.BEFORE_SHARES, MaskedInputRequest),
-    ("masked", DropoutAt.BEFORE_MASKED, UnmaskRequest),
-    ("unmask", DropoutAt.BEFORE_UNMASK, RoundResult),
+# (step name = path segment, the answer expected unless the round ends)
+_STEPS: tuple[tuple[str, type[Message]], ...] = (
+    ("keys", ShareKeysBroadcast),
+    ("shares", MaskedInputRequest),
+    ("masked", UnmaskRequest),
+    ("unmask", RoundResult),
 )
 #: Protocol 1.3: inserted after "masked" when the server answers with a `ConsistencyRequest`.
-_CONSISTENCY_STEP: tuple[str, DropoutAt, type[Message]] = ("consistency", DropoutAt.BEFORE_CONSISTENCY, UnmaskRequest)
+_CONSISTENCY_STEP: tuple[str, type[Message]] = ("consistency", UnmaskRequest)
 
 
 class DeviceClient:
@@ -518,12 +502,7 @@ class DeviceClient:
         async with self._lock:
             return (await self._ensure_identity(_Tally(), certificate or b"", enrollment_token or "")).device_id
 
-    async def run_round(
-        self,
-        *,
-        dropout: DropoutAt | Callable[[int], DropoutAt] = DropoutAt.NONE,
-        announce_drop: bool = False,
-    ) -> RoundOutcome:
+    async def run_round(self) -> RoundOutcome:
         """Check in and, when invited, take part in one round.
 
         Check in with the model version held; a `Wait` ends the call ("waited").  On a `RoundInvite`:
@@ -531,16 +510,9 @@ class DeviceClient:
         ETag), train locally as the invite's plan says, save the model, then drive the SecAgg+ session
         through the keys, shares, masked and unmask long-polls.  A `RoundResult` at any phase ends the
         round; `RoundError`s from the server (round closed, stale round, not enough participants)
-        become an "aborted" outcome with the reason.
-
-        Parameters
-        ----------
-        dropout : DropoutAt or callable
-            Fault injection: stop taking part at that point ("dropped").  A callable is asked with the
-            round id once the invitation arrived (schedules keyed by round).
-        announce_drop : bool
-            With a ``BEFORE_*`` dropout, tell the server the device leaves (an `Abort`), as an app
-            that is closed cleanly would; by default the device vanishes silently.
+        become an "aborted" outcome with the reason.  A transport that raises
+        `device_sdk.transport.LeftRound` takes the device out of the round ("dropped"; how load tests
+        inject dropouts: `fedsim.faults.FaultyTransport`).
 
         Returns
         -------
@@ -563,7 +535,7 @@ class DeviceClient:
             tally = _Tally()
             start = time.perf_counter()
             try:
-                return await self._round(dropout, tally, announce_drop)
+                return await self._round(tally)
             finally:
                 tally.timings["total"] = time.perf_counter() - start
 
@@ -600,9 +572,7 @@ class DeviceClient:
 
     # -- one round --------------------------------------------------------------------------------
 
-    async def _round(
-        self, dropout: DropoutAt | Callable[[int], DropoutAt], tally: _Tally, announce_drop: bool = False
-    ) -> RoundOutcome:
+    async def _round(self, tally: _Tally) -> RoundOutcome:
         identity = await self._ensure_identity(tally)
         try:
             with tally.step("checkin"):
@@ -617,12 +587,9 @@ class DeviceClient:
             raise RemoteProtocolError(f"check-in answered with {_name(message)}, expected RoundInvite or Wait")
         if message.device_id != identity.device_id:
             raise RemoteProtocolError(f"invite addressed to device {message.device_id}")
-        plan = dropout(message.round_id) if callable(dropout) else dropout
-        return await self._join(message, plan, tally, announce_drop)
+        return await self._join(message, tally)
 
-    async def _join(
-        self, invite: RoundInvite, dropout: DropoutAt, tally: _Tally, announce_drop: bool = False
-    ) -> RoundOutcome:
+    async def _join(self, invite: RoundInvite, tally: _Tally) -> RoundOutcome:
         rid = invite.round_id
         session: DeviceSecAggSession | None = None
         try:
@@ -661,12 +628,7 @@ class DeviceClient:
             del update  # the session holds the only copy until it is masked
             steps = list(_STEPS)
             while steps:
-                name, stop_before, answer_type = steps.pop(0)
-                # BEFORE_CONSISTENCY in a round without the consistency check: the same point, before unmask.
-                if dropout is stop_before or (name == "unmask" and dropout is DropoutAt.BEFORE_CONSISTENCY):
-                    if announce_drop:
-                        await self._leave(invite, f"left before {name}")
-                    return self._dropped(session, rid, tally, f"fault injection: {dropout.value}")
+                name, answer_type = steps.pop(0)
                 # On the loop (not in `asyncio.to_thread`): in a fleet, a masking job queued behind other
                 # devices' training in the shared executor missed its phase (measured: MASKED_INPUT ran to
                 # its 150 s deadline with 1,000 devices).
@@ -674,15 +636,6 @@ class DeviceClient:
                 path = f"/v1/rounds/{rid}/{name}"
                 if name == "masked":
                     self._charge(invite)  # the masked input may leave now: charge the device's own ledger first
-                if name == "masked" and dropout is DropoutAt.DISCONNECT_MASKED:
-                    with tally.step(name):
-                        await self._send_and_disconnect(path, outgoing, tally)
-                    return self._dropped(
-                        session,
-                        rid,
-                        tally,
-                        "fault injection: disconnect_masked (closed the connection after the masked input)",
-                    )
                 with tally.step(name):
                     response = await self._call("POST", path, outgoing, tally, timeout=self.config.long_poll_timeout)
                 # Sent: not kept through the next phase's wait (the masked input is 4 bytes per coordinate).
@@ -698,6 +651,10 @@ class DeviceClient:
                     raise RemoteProtocolError(f"{name} answered with {_name(answer)}, expected {answer_type.__name__}")
                 session.receive(answer)
             raise LocalProtocolError("the unmask phase must end with a RoundResult")  # pragma: no cover
+        except LeftRound as exc:
+            if exc.response is not None:
+                tally.count(exc.response)
+            return self._dropped(session, rid, tally, str(exc))
         except RoundError as exc:
             return self._outcome(RoundStatus.ABORTED, rid, tally, reason=str(exc))
         except Exception as exc:
@@ -733,24 +690,9 @@ class DeviceClient:
         _log.info("round %d committed; global model is now version %d", invite.round_id, result.model_version)
         return self._outcome(RoundStatus.COMMITTED, invite.round_id, tally, model_version=result.model_version)
 
-    def _dropped(self, session: DeviceSecAggSession, rid: int, tally: _Tally, reason: str) -> RoundOutcome:
+    def _dropped(self, session: DeviceSecAggSession | None, rid: int, tally: _Tally, reason: str) -> RoundOutcome:
         _forget(session)
         return self._outcome(RoundStatus.DROPPED, rid, tally, reason=reason)
-
-    async def _send_and_disconnect(self, path: str, message: Message, tally: _Tally) -> None:
-        # The request runs as a task; after `disconnect_after` it is cancelled, which closes its
-        # connection.  If the body had not left by then the device is a MASKED_INPUT dropout instead;
-        # either way the round must go on without it.
-        token = self._identity.token if self._identity is not None else None
-        request = self._transport.request("POST", path, message, token=token, timeout=self.config.long_poll_timeout)
-        task = asyncio.ensure_future(request)
-        done, _ = await asyncio.wait({task}, timeout=self.config.disconnect_after)
-        if task in done:
-            if task.exception() is None:
-                tally.count(task.result())
-            return
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
     async def _leave(self, invite: RoundInvite, reason: str) -> None:
         # Best effort: tell the server this device leaves, so it need not wait for the deadline.

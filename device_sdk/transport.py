@@ -12,7 +12,7 @@ from typing import Protocol
 from protocol.errors import RemoteProtocolError
 from protocol.messages import ErrorMessage, Message
 
-__all__ = ["MSGPACK_CONTENT_TYPE", "Response", "Transport", "TransportError", "raise_for_error"]
+__all__ = ["MSGPACK_CONTENT_TYPE", "LeftRound", "Response", "Transport", "TransportError", "raise_for_error"]
 
 #: Content type of every request and response body of the `/v1` API (docs/http-api.md).
 MSGPACK_CONTENT_TYPE = "application/msgpack"
@@ -24,6 +24,24 @@ class TransportError(RemoteProtocolError):
     A subclass of `RemoteProtocolError` for now; it keeps its parent's wire ``code`` on purpose: a code of
     its own would make `protocol.errors.error_class_for_code` depend on whether this module was imported.
     """
+
+
+class LeftRound(Exception):  # noqa: N818 - a signal, not an error: the device left on purpose
+    """Raised by a transport instead of sending a round's message: the device leaves the round there
+    (the app was closed, the OS cut the connection).  `DeviceClient.run_round` then ends "dropped" with
+    this reason and sends nothing more for the round; the transport has said whatever it wanted to the
+    server (an `Abort`, or nothing: a vanished phone says nothing).  Load tests inject their dropouts
+    this way (`fedsim.faults.FaultyTransport`).
+
+    Attributes
+    ----------
+    response : Response or None
+        The answer to a request that did leave before the device did (its bytes are counted).
+    """
+
+    def __init__(self, reason: str, response: Response | None = None) -> None:
+        super().__init__(reason)
+        self.response = response
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundOutcome, RoundStatus, insecure_seeded_rngs
+from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
+from fedsim.faults import DropoutAt, FaultyTransport
 from fedsim.threads import one_blas_thread
 from protocol.crypto import INSECURE_NOISE_NOTICE, NoiseStream
 from protocol.enrollment import EnrollmentAuthority
@@ -414,12 +415,20 @@ async def _run_fleet(
     connector = aiohttp.TCPConnector(limit=0, force_close=False, ssl=tls if tls is not None else True)
     session = aiohttp.ClientSession(connector=connector)
     clients: list[DeviceClient] = []
+    faults: list[FaultyTransport] = []
+    joined: dict[int, int] = {}  # device index -> the round it is taking part in
     authority = EnrollmentAuthority.load(config.authority_key_file) if config.authority_key_file else None
     try:
         for offset, (items, ratings) in enumerate(users):
             index = first_index + offset
-            transport = HttpTransport(config.url, session=session)
             holder: dict[str, DeviceClient] = {}
+            # The device code is unchanged: dropouts are injected by wrapping its transport.
+            transport = FaultyTransport(
+                HttpTransport(config.url, session=session),
+                _dropout_schedule(config, index, holder, joined),
+                announce=config.announce_drops,
+            )
+            faults.append(transport)
 
             def rngs(round_id: int, _h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, NoiseStream]:
                 device_id = int(_h["c"].device_id or 0)
@@ -457,10 +466,11 @@ async def _run_fleet(
             if not monitor:
                 raise ValueError("a fleet that picks its cohorts (cohort=...) must monitor the server's rounds")
             gate = _CohortGate(config.seed, config.cohort, config.fleet_size or len(clients))
-        joined: dict[int, int] = {}  # device index -> the round it is taking part in
         round_over = asyncio.Event()  # a device saw a round end: the monitor reads the status now
         devices = [
-            asyncio.create_task(_device_loop(c, first_index + i, config, report, stop, start, gate, joined, round_over))
+            asyncio.create_task(
+                _device_loop(c, faults[i], first_index + i, config, report, stop, start, gate, joined, round_over)
+            )
             for i, c in enumerate(clients)
         ]
         tasks = list(devices)
@@ -488,6 +498,27 @@ async def _run_fleet(
         await session.close()
     report.seconds = time.perf_counter() - start
     return report, clients
+
+
+def _dropout_schedule(
+    config: FleetConfig, index: int, holder: dict[str, DeviceClient], joined: dict[int, int]
+) -> Callable[[int], DropoutAt]:
+    """Where device ``index`` leaves each round: ``config.schedule`` by (round, device id), or a seeded
+    draw of ``config.dropout`` over the phases.  `FaultyTransport` asks once per round, when the
+    invitation arrives: the device is in that round from then on (``joined``)."""
+
+    def plan(round_id: int) -> DropoutAt:
+        joined[index] = round_id
+        if config.schedule is not None:
+            return config.schedule(round_id, int(holder["c"].device_id or 0))
+        rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, index, round_id]))
+        if config.dropout and rng.random() < config.dropout:
+            # An announced drop cannot be a broken connection, which says nothing.
+            kinds = _DROPS if not config.announce_drops else _DROPS[:3] + _DROPS[4:]
+            return kinds[int(rng.integers(len(kinds)))]
+        return DropoutAt.NONE
+
+    return plan
 
 
 def _source(config: FleetConfig, index: int) -> str:
@@ -545,6 +576,7 @@ async def _wait_registered(session: Any, config: FleetConfig, count: int, stop: 
 
 async def _device_loop(
     client: DeviceClient,
+    faults: FaultyTransport,
     index: int,
     config: FleetConfig,
     report: FleetReport,
@@ -555,25 +587,6 @@ async def _device_loop(
     round_over: asyncio.Event | None = None,
 ) -> None:
     backoff = 0.5
-    chosen: dict[int, DropoutAt] = {}
-
-    def plan(round_id: int) -> DropoutAt:
-        if joined is not None:  # asked once the invitation arrived: the device is in this round now
-            joined[index] = round_id
-        # Decided once per round (a device re-invited to a round it left drops the same way).
-        if round_id not in chosen:
-            if config.schedule is not None:
-                chosen[round_id] = config.schedule(round_id, int(client.device_id or 0))
-            else:
-                rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7, index, round_id]))
-                drop = DropoutAt.NONE
-                if config.dropout and rng.random() < config.dropout:
-                    # An announced drop cannot be a broken connection, which says nothing.
-                    kinds = _DROPS if not config.announce_drops else _DROPS[:3] + _DROPS[4:]
-                    drop = kinds[int(rng.integers(len(kinds)))]
-                chosen[round_id] = drop
-        return chosen[round_id]
-
     left: int | None = None  # the round this device dropped out of (gated fleets wait for its end)
     while not stop.is_set():
         if gate is not None:
@@ -581,7 +594,7 @@ async def _device_loop(
             if stop.is_set():
                 return
         try:
-            outcome = await client.run_round(dropout=plan, announce_drop=config.announce_drops)
+            outcome = await client.run_round()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a load test counts every error type and keeps going
@@ -604,7 +617,7 @@ async def _device_loop(
             elif outcome.status in (RoundStatus.DROPPED, RoundStatus.REFUSED):
                 left = outcome.round_id
         if outcome.status is RoundStatus.DROPPED and outcome.round_id is not None:
-            report.drops[plan(outcome.round_id).value] += 1
+            report.drops[faults.dropout_of(outcome.round_id).value] += 1
             await _sleep(stop, config.drop_pause)
         if outcome.status is RoundStatus.WAITED:
             await _sleep(stop, outcome.retry_after or 1.0)

@@ -24,10 +24,11 @@ from agg_server.config import ServerConfig
 from agg_server.coordinator import RoundCoordinator
 from agg_server.storage import Storage
 from agg_server.strategy.base import Strategy
-from device_sdk.client import DropoutAt, insecure_seeded_rngs
+from device_sdk.client import insecure_seeded_rngs
 from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.training import local_round
+from fedsim.faults import DropoutAt
 from protocol.codec import decode, encode
 from protocol.crypto import INSECURE_NOISE_NOTICE
 from protocol.messages import Message, ModelPayload, RoundInvite, RoundResult

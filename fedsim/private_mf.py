@@ -26,11 +26,11 @@ import numpy as np
 
 from agg_server.config import ServerConfig, config_from_dict
 from agg_server.storage import Storage
-from device_sdk.client import DropoutAt
 from device_sdk.family import LocalRatings
 from device_sdk.mf import MFConfig, MFModel
 from fedsim.datasets import Ratings
 from fedsim.experiment import Candidates
+from fedsim.faults import DropoutAt
 from fedsim.mf import MFEvaluation, evaluate_mf, mf_epsilons
 from fedsim.private import PrivateRun, run_private
 from fedsim.privsim import run_simulated

@@ -49,9 +49,10 @@ from agg_server.config import ServerConfig
 from agg_server.coordinator import round_shape
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
-from device_sdk.client import DropoutAt, insecure_seeded_rngs
+from device_sdk.client import insecure_seeded_rngs
 from device_sdk.family import LocalRatings
 from device_sdk.training import local_round
+from fedsim.faults import DropoutAt
 from fedsim.threads import one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode

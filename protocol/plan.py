@@ -46,6 +46,9 @@ __all__ = [
     "LightFRParams",
     "MFParams",
     "TrainingPlan",
+    "check_choice",
+    "check_float",
+    "check_int",
     "params_type",
 ]
 

@@ -1,5 +1,10 @@
 """DeviceClient against an in-memory server: a real `ServerSecAggSession` behind a fake `Transport`.
 
+The client's rounds against the real coordinator (the exact secure sum and each update against the
+in-process reference, every dropout, the ETag of the next download) are in
+test_device_client_coordinator.py; what stays here needs a server that
+misbehaves on purpose (failing routes, wrong invites, stale models) or controls the session directly.
+
 The fake speaks the HTTP API's semantics (docs/http-api.md) through the real codec, without sockets.
 Its phase "deadline" passes when every device still expected in a phase has either answered or
 finished its `run_round` call (`FakeServer.mark_gone`), so dropouts are deterministic and no test sleeps.
@@ -8,7 +13,6 @@ finished its `run_round` call (`FakeServer.mark_gone`), so dropouts are determin
 from __future__ import annotations
 
 import asyncio
-import copy
 import hashlib
 import logging
 import subprocess
@@ -28,14 +32,13 @@ from device_sdk.client import (
     MODEL_FILE,
     ClientConfig,
     DeviceClient,
-    DropoutAt,
     RoundOutcome,
     RoundStatus,
     insecure_seeded_rngs,
 )
 from device_sdk.models import LightFRModel
-from device_sdk.training import local_round
 from device_sdk.transport import Response
+from fedsim.faults import DropoutAt, FaultyTransport
 from protocol.codec import decode, encode
 from protocol.codes import pack_signs, random_signs, to_bytes
 from protocol.crypto import NoiseStream
@@ -312,6 +315,8 @@ class Device:
     client: DeviceClient
     items: NDArray[np.int64]
     ratings: NDArray[np.float64]
+    #: where the device leaves its next round (fault injection by `fedsim.faults.FaultyTransport`)
+    leaves: list[DropoutAt] = field(default_factory=lambda: [DropoutAt.NONE])
 
 
 def _data(index: int) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
@@ -329,9 +334,10 @@ def make_device(server: FakeServer, store: Path, index: int) -> Device:
         assert device_id is not None
         return insecure_seeded_rngs(SEED, round_id, device_id)
 
+    leaves = [DropoutAt.NONE]
     client = DeviceClient(
-        FakeTransport(server),
-        ClientConfig(store_dir=store, disconnect_after=0.02, privacy=PrivacyPolicy.no_floor()),
+        FaultyTransport(FakeTransport(server), lambda _round_id: leaves[0], disconnect_after=0.02),
+        ClientConfig(store_dir=store, privacy=PrivacyPolicy.no_floor()),
         items=items,
         ratings=ratings,
         n_items=N_ITEMS,
@@ -339,7 +345,7 @@ def make_device(server: FakeServer, store: Path, index: int) -> Device:
         rng_for_round=rngs,
     )
     box.append(client)
-    return Device(client, items, ratings)
+    return Device(client, items, ratings, leaves)
 
 
 class RecordingSession(DeviceSecAggSession):
@@ -372,7 +378,8 @@ async def run_cohort(
 
     async def drive(index: int, device: Device) -> RoundOutcome:
         try:
-            return await device.client.run_round(dropout=dropouts.get(index, DropoutAt.NONE))
+            device.leaves[0] = dropouts.get(index, DropoutAt.NONE)
+            return await device.client.run_round()
         finally:
             device_id = device.client.device_id
             if device_id is not None:
@@ -399,65 +406,6 @@ def expected_sum(sessions: Sequence[RecordingSession], survivors: frozenset[int]
 
 
 # -- tests --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_full_round_secure_sum_is_bit_exact(tmp_path: Path, recording: list[RecordingSession]) -> None:
-    server = FakeServer()
-    devices = await cohort(server, tmp_path, 5)
-    before = [copy.deepcopy(d.client.model) for d in devices]
-    global_codes = server.codes.copy()
-    outcomes = await run_cohort(server, devices)
-
-    assert [o.status for o in outcomes] == [RoundStatus.COMMITTED] * 5
-    assert all(o.status == "committed" and o.round_id == 1 and o.model_version == 4 for o in outcomes)
-    assert server.result_total is not None and len(server.result_survivors) == 5
-    assert len(recording) == 5
-    np.testing.assert_array_equal(server.result_total, expected_sum(recording, server.result_survivors))
-    assert any(s.kept_noise().any() for s in recording)  # DP noise really is in the sum
-
-    # The update is exactly what the in-process reference computes with `insecure_seeded_rngs`.  Devices
-    # train in worker threads, so their sessions are recorded in whatever order training finished.
-    by_device = {s.device_id: s for s in recording}
-    for device, model in zip(devices, before, strict=True):
-        device_id = device.client.device_id
-        assert device_id is not None
-        session = by_device[device_id]
-        model.set_item_codes(global_codes, 3)
-        training_rng, coins = insecure_seeded_rngs(SEED, 1, device_id)
-        q, _ = local_round(model, server.invites[device_id], device.items, device.ratings, training_rng, coins=coins)
-        np.testing.assert_array_equal(q, session.recorded)
-        np.testing.assert_array_equal(device.client.model.user_codes, model.user_codes)
-
-    outcome = outcomes[0]
-    assert outcome.bytes_up > 4 * N_ITEMS * BITS  # the masked input alone is 4 bytes per element
-    assert outcome.bytes_down > N_ITEMS * BITS // 8
-    assert {"checkin", "model", "train", "keys", "shares", "masked", "unmask", "total"} <= set(outcome.timings)
-    assert all(v >= 0 for v in outcome.timings.values())
-    assert server.model_requests == [None] * 5
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("dropout", [d for d in DropoutAt if d is not DropoutAt.NONE], ids=lambda d: d.name)
-async def test_each_dropout_leaves_the_round_to_the_others(
-    tmp_path: Path, recording: list[RecordingSession], dropout: DropoutAt
-) -> None:
-    server = FakeServer()
-    devices = await cohort(server, tmp_path, 5)
-    outcomes = await run_cohort(server, devices, {2: dropout})
-
-    assert outcomes[2].status is RoundStatus.DROPPED and dropout.value in outcomes[2].reason
-    assert [o.status for i, o in enumerate(outcomes) if i != 2] == [RoundStatus.COMMITTED] * 4
-    dropper = devices[2].client.device_id
-    in_sum = dropout in (DropoutAt.BEFORE_UNMASK, DropoutAt.BEFORE_CONSISTENCY, DropoutAt.DISCONNECT_MASKED)
-    assert (dropper in server.result_survivors) is in_sum
-    assert len(server.result_survivors) == (5 if in_sum else 4)
-    # A device whose masked input may be in the sum has charged its own ledger for the round, whatever happened next.
-    assert (devices[2].client.privacy_spent > 0) is in_sum
-    assert server.result_total is not None
-    np.testing.assert_array_equal(server.result_total, expected_sum(recording, server.result_survivors))
-    # Every session is finished: no secrets or plaintext left behind.
-    assert all(s.phase not in ACTIVE_PHASES for s in recording)
 
 
 @pytest.mark.asyncio

@@ -19,7 +19,8 @@ import pytest
 from agg_server.app import COORDINATOR, create_app
 from agg_server.config import config_from_dict
 from agg_server.enrollment import capped_cohort
-from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundOutcome, RoundStatus
+from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus
+from fedsim.faults import DropoutAt
 from fedsim.fleet import FleetConfig, run_fleet
 from protocol import crypto
 from protocol.codec import decode, encode

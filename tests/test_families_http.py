@@ -20,12 +20,13 @@ from agg_server.app import COORDINATOR, create_app
 from agg_server.config import ServerConfig, config_from_dict
 from agg_server.coordinator import RoundCoordinator
 from agg_server.storage import Storage
-from device_sdk.client import ClientConfig, DeviceClient, DropoutAt, RoundStatus, insecure_seeded_rngs
+from device_sdk.client import ClientConfig, DeviceClient, RoundStatus, insecure_seeded_rngs
 from device_sdk.family import LocalRatings
 from device_sdk.felb import FELBConfig, FELBModel
 from device_sdk.fnmf import FNMFConfig, FNMFModel
 from device_sdk.http import HttpTransport
 from device_sdk.mf import MFConfig, MFModel
+from fedsim.faults import DropoutAt, FaultyTransport
 from fedsim.planted import planted_binary, planted_nonnegative
 from fedsim.private import run_private
 from protocol.policy import PrivacyPolicy
@@ -101,7 +102,8 @@ async def _http_round(cfg: ServerConfig, kind: str, aiohttp_server: Any, store: 
     for index, local in enumerate(data):
         holder: dict[str, DeviceClient] = {}
         client = DeviceClient(
-            HttpTransport(url, retries=2),
+            # The dropper leaves as an app closed cleanly would (an Abort), injected by its transport.
+            FaultyTransport(HttpTransport(url, retries=2), _dropout(index), announce=True),
             ClientConfig(
                 store_dir=store / f"d{index}",
                 request_timeout=10.0,
@@ -123,7 +125,7 @@ async def _http_round(cfg: ServerConfig, kind: str, aiohttp_server: Any, store: 
 
     async def until_done(index: int, client: DeviceClient) -> RoundStatus:
         for _ in range(200):
-            outcome = await client.run_round(dropout=_dropout(index), announce_drop=True)
+            outcome = await client.run_round()
             if outcome.status is not RoundStatus.WAITED:
                 return outcome.status
             await asyncio.sleep(min(outcome.retry_after or 0.05, 0.1))

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from agg_server.config import ServerConfig, config_from_dict
-from device_sdk.client import DropoutAt
 from device_sdk.family import LocalRatings
 from device_sdk.felb import FELBConfig, FELBModel
 from device_sdk.fnmf import FNMFConfig, FNMFModel
 from device_sdk.mf import MFConfig, MFModel
 from device_sdk.models import LightFRConfig, LightFRModel
+from fedsim.faults import DropoutAt
 from fedsim.planted import planted_binary, planted_nonnegative
 from fedsim.private import run_private
 from fedsim.privsim import LightFRCohort, PrivateSimulator, _noise_check, run_simulated, survivor_sets

@@ -780,7 +780,7 @@ async def test_a_device_sending_garbage_shares_over_http_is_excluded_and_the_rou
     import numpy as np
 
     from agg_server.app import COORDINATOR
-    from device_sdk.client import DropoutAt
+    from fedsim.faults import DropoutAt
     from fedsim.fleet import FleetConfig, run_fleet
     from protocol.device_session import DeviceSecAggSession
     from protocol.messages import EncryptedShares, MaskedInputRequest, RoundInvite, RoundResult, ShareKeysBroadcast

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from agg_server.app import COORDINATOR, create_app
-from device_sdk.client import DropoutAt
+from fedsim.faults import DropoutAt
 from fedsim.fleet import FleetConfig, run_fleet
 from fedsim.private import run_private_lightfr
 from protocol.codec import decode, encode

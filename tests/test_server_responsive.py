@@ -19,7 +19,7 @@ import pytest
 from agg_server import app as app_module
 from agg_server.app import COORDINATOR, create_app
 from agg_server.strategy import build_strategy
-from device_sdk.client import DropoutAt
+from fedsim.faults import DropoutAt
 from fedsim.fleet import FleetConfig, run_fleet
 from protocol import crypto
 from protocol.codec import encode

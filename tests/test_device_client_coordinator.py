@@ -1,0 +1,192 @@
+"""DeviceClient against the real `RoundCoordinator` (its SecAgg+ session, strategy, storage and privacy
+ledger) through `fedsim.memory.InMemoryTransport`: no sockets, no fake server, a virtual clock.
+
+Dropouts are injected the way load tests inject them (`fedsim.faults.FaultyTransport`); a phase that
+waits only for devices whose `run_round` returned closes at once (its deadline on the virtual clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+
+from agg_server import config_from_dict
+from agg_server.coordinator import RoundCoordinator
+from agg_server.storage import Storage
+from agg_server.strategy import build_strategy
+from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
+from device_sdk.training import local_round
+from fedsim.faults import DropoutAt, FaultyTransport
+from fedsim.memory import InMemoryServer
+from protocol.errors import AuthError
+from protocol.policy import PrivacyPolicy
+from protocol.quantization import dequantize_sum
+from protocol.session import ACTIVE_PHASES
+from tests.test_device_client import BITS, N_ITEMS, SEED, RecordingSession, _data, expected_sum
+from tests.test_device_client import recording as recording  # noqa: F401  (fixture)
+
+COHORT = 5
+
+
+class RecordingStrategy:
+    """The configured strategy, remembering the dequantized sum and survivor count of every round."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.sums: list[tuple[NDArray[np.float64], int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def aggregate(self, state: Any, total: Any, survivors: int, rng: Any, *, round_index: int) -> Any:
+        self.sums.append((np.array(total, copy=True), survivors))
+        return self.inner.aggregate(state, total, survivors, rng, round_index=round_index)
+
+
+def _server(tmp_path: Path, *, dp: bool = True) -> tuple[InMemoryServer, RecordingStrategy]:
+    config = config_from_dict(
+        {
+            "server": {"data_dir": str(tmp_path / "server")},
+            "model": {"n_items": N_ITEMS, "bits": BITS, "negatives": 2, "max_sweeps": 5, "unobserved_weight": 0.0},
+            "rounds": {"cohort_size": COHORT, "min_cohort": 3, "clip_norm": 4.0, "scale_bits": 12, "seed": 5},
+            "privacy": {"enabled": dp, "epsilon": 50.0, "planned_rounds": 4},
+        },
+        base_dir=tmp_path,
+    )
+    strategy = RecordingStrategy(build_strategy(config))
+    coordinator = RoundCoordinator(config, Storage(config.data_dir), now=0.0, strategy=strategy)  # type: ignore[arg-type]
+    return InMemoryServer(coordinator), strategy
+
+
+def _clients(server: InMemoryServer, tmp_path: Path, dropouts: dict[int, DropoutAt]) -> list[DeviceClient]:
+    clients: list[DeviceClient] = []
+    for i in range(COHORT):
+        items, ratings = _data(i)
+
+        def rngs(round_id: int, i: int = i) -> Any:
+            return insecure_seeded_rngs(SEED, round_id, int(clients[i].device_id or 0))
+
+        transport = FaultyTransport(server.transport(), dropouts.get(i, DropoutAt.NONE), disconnect_after=0.02)
+        clients.append(
+            DeviceClient(
+                transport,
+                ClientConfig(store_dir=tmp_path / f"d{i}", privacy=PrivacyPolicy.no_floor()),
+                items=items,
+                ratings=ratings,
+                n_items=N_ITEMS,
+                bits=BITS,
+                rng_for_round=rngs,
+            )
+        )
+    return clients
+
+
+async def _round(server: InMemoryServer, clients: Sequence[DeviceClient]) -> list[RoundOutcome]:
+    """Every client checks in (and waits), the coordinator opens a round with all of them, and each takes part."""
+    for c in clients:
+        await c.register()
+        waited = await c.run_round()
+        assert waited.status is RoundStatus.WAITED and waited.retry_after is not None
+    await server.open_round()
+
+    async def drive(c: DeviceClient) -> RoundOutcome:
+        try:
+            return await c.run_round()
+        finally:
+            await server.mark_gone(int(c.device_id or 0))
+
+    return list(await asyncio.gather(*(drive(c) for c in clients)))
+
+
+@pytest.mark.asyncio
+async def test_a_round_commits_the_exact_secure_sum(tmp_path: Path, recording: list[RecordingSession]) -> None:
+    server, strategy = _server(tmp_path)
+    clients = _clients(server, tmp_path, {})
+    before = [copy.deepcopy(c.model) for c in clients]
+    global_codes = server.coordinator.item_codes.copy()
+    outcomes = await _round(server, clients)
+
+    assert [o.status for o in outcomes] == [RoundStatus.COMMITTED] * COHORT
+    assert {o.model_version for o in outcomes} == {2} and server.coordinator.model_version == 2
+    ((total, survivors),) = strategy.sums
+    assert survivors == COHORT and len(recording) == COHORT
+    ids = frozenset(int(c.device_id or 0) for c in clients)
+    ring = expected_sum(recording, ids)  # every device's quantized update plus the noise it kept
+    assert any(s.kept_noise().any() for s in recording)  # DP noise is really in the sum
+    np.testing.assert_array_equal(total, dequantize_sum(ring, server.coordinator.quantization))
+    assert all(s.phase not in ACTIVE_PHASES for s in recording)
+    assert server.model_requests == [None] * COHORT  # a fresh device has no ETag to send
+    # Each update is exactly what the in-process reference computes from the invite the coordinator sent
+    # (devices train in worker threads, so their sessions are recorded in whatever order training ended).
+    by_device = {s.device_id: s for s in recording}
+    for c, model in zip(clients, before, strict=True):
+        device_id = int(c.device_id or 0)
+        model.set_item_codes(global_codes, 1)
+        training_rng, coins = insecure_seeded_rngs(SEED, 1, device_id)
+        items, ratings = _data(clients.index(c))
+        q, _ = local_round(model, server.invites[device_id], items, ratings, training_rng, coins=coins)
+        np.testing.assert_array_equal(q, by_device[device_id].recorded)
+        np.testing.assert_array_equal(c.model.user_codes, model.user_codes)
+    outcome = outcomes[0]
+    assert outcome.bytes_up > 4 * N_ITEMS * BITS  # the masked input alone is 4 bytes per element
+    assert outcome.bytes_down > N_ITEMS * BITS // 8
+    assert {"checkin", "model", "train", "keys", "shares", "masked", "unmask", "total"} <= set(outcome.timings)
+    # The server charged its privacy ledger for the released sum.
+    assert server.coordinator.ledger is not None and len(server.coordinator.ledger.rounds) == 1
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("dropout", [d for d in DropoutAt if d is not DropoutAt.NONE], ids=lambda d: d.name)
+async def test_each_dropout_leaves_the_round_to_the_others(
+    tmp_path: Path, recording: list[RecordingSession], dropout: DropoutAt
+) -> None:
+    server, strategy = _server(tmp_path)
+    clients = _clients(server, tmp_path, {2: dropout})
+    outcomes = await _round(server, clients)
+
+    assert outcomes[2].status is RoundStatus.DROPPED and dropout.value in outcomes[2].reason
+    assert [o.status for i, o in enumerate(outcomes) if i != 2] == [RoundStatus.COMMITTED] * (COHORT - 1)
+    # Without the consistency check (no enrollment authority), BEFORE_CONSISTENCY is right before unmask.
+    in_sum = dropout in (DropoutAt.BEFORE_UNMASK, DropoutAt.BEFORE_CONSISTENCY, DropoutAt.DISCONNECT_MASKED)
+    ((total, survivors),) = strategy.sums
+    assert survivors == (COHORT if in_sum else COHORT - 1)
+    ids = [int(c.device_id or 0) for c in clients]
+    kept = frozenset(ids) if in_sum else frozenset(ids) - {ids[2]}
+    np.testing.assert_array_equal(total, dequantize_sum(expected_sum(recording, kept), server.coordinator.quantization))
+    # A device whose masked input may be in the sum has charged its own ledger, whatever happened next.
+    assert (clients[2].privacy_spent > 0) is in_sum
+    assert all(s.phase not in ACTIVE_PHASES for s in recording)
+
+
+@pytest.mark.asyncio
+async def test_the_next_round_downloads_the_new_model_with_the_stored_etag(tmp_path: Path) -> None:
+    server, _ = _server(tmp_path, dp=False)
+    clients = _clients(server, tmp_path, {})
+    await _round(server, clients)
+    first = server.model_requests[:]
+    await _round(server, clients)
+    assert first == [None] * COHORT
+    # Each device sends the ETag of the version-1 model it stored; the server serves version 2.
+    assert len(set(server.model_requests[COHORT:])) == 1 and server.model_requests[COHORT] is not None
+    # They check in with the version they hold (1: a commit does not ship the new model), then download 2.
+    assert [c.model_version for c in server.checkins[-COHORT:]] == [1] * COHORT
+    assert server.coordinator.model_version == 3
+
+
+@pytest.mark.asyncio
+async def test_an_unknown_token_is_the_servers_auth_error(tmp_path: Path) -> None:
+    server, _ = _server(tmp_path, dp=False)
+    transport = server.transport()
+    response = await transport.request("POST", "/v1/checkin", None, token="not-a-token")
+    assert response.status == 401
+    with pytest.raises(AuthError):
+        from device_sdk.transport import raise_for_error
+
+        raise_for_error(response)
