@@ -168,6 +168,7 @@ async def _run(args: argparse.Namespace, url: str, root: Path) -> dict[str, obje
         ],
         "device_outcomes": dict(run.outcomes),
         "device_errors": dict(run.errors),
+        "device_error_examples": dict(run.examples),
     }
 
 

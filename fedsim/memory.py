@@ -67,6 +67,7 @@ class InMemoryServer:
     model_requests : the ``If-None-Match`` of every model download, in order.
     checkins : every check-in received, in order.
     invites : the last invitation each device received.
+    registrations : how many devices registered.
     """
 
     coordinator: RoundCoordinator
@@ -75,6 +76,7 @@ class InMemoryServer:
     model_requests: list[str | None] = field(default_factory=list)
     checkins: list[CheckIn] = field(default_factory=list)
     invites: dict[int, RoundInvite] = field(default_factory=dict)
+    registrations: int = 0
 
     def __post_init__(self) -> None:
         self._changed = asyncio.Condition()
@@ -129,6 +131,7 @@ class InMemoryServer:
         if (method, path) == ("POST", "/v1/devices"):
             if not isinstance(message, RegisterRequest):
                 raise RemoteProtocolError(f"expected RegisterRequest, got {type(message).__name__}")
+            self.registrations += 1
             return 201, coordinator.register(message.platform, self.now), {}
         device = coordinator.authenticate(token)
         if (method, path) == ("POST", "/v1/checkin"):

@@ -28,7 +28,6 @@ from numpy.typing import NDArray
 
 import device_sdk.client as client_module
 from device_sdk.client import (
-    IDENTITY_FILE,
     MODEL_FILE,
     ClientConfig,
     DeviceClient,
@@ -440,17 +439,6 @@ async def test_wait_and_run_loop(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_run_stops_while_waiting(tmp_path: Path) -> None:
-    server = FakeServer(wait_seconds=60.0)
-    device = make_device(server, tmp_path / "d", 0)
-    stop = asyncio.Event()
-    asyncio.get_running_loop().call_later(0.02, stop.set)
-    outcomes = await asyncio.wait_for(device.client.run(stop=stop), timeout=5)
-    assert [o.status for o in outcomes] == [RoundStatus.WAITED]
-    assert outcomes[0].retry_after == 60.0
-
-
-@pytest.mark.asyncio
 async def test_model_download_uses_the_stored_etag(tmp_path: Path) -> None:
     server = FakeServer(k=3, t=2, dp_mu=0.0, dp_t_min=0)
     devices = await cohort(server, tmp_path, 3)
@@ -478,31 +466,6 @@ async def test_model_download_uses_the_stored_etag(tmp_path: Path) -> None:
     assert server.model_requests[-1] == v4_etag
     assert server.session is not None and devices[0].client.device_id is not None
     assert isinstance(server.session.outbox(devices[0].client.device_id), Abort)  # it told the server
-
-
-@pytest.mark.asyncio
-async def test_identity_persists_across_restart(tmp_path: Path) -> None:
-    server = FakeServer()
-    first = make_device(server, tmp_path / "d", 0).client
-    device_id = await first.register()
-    assert await first.register() == device_id
-    assert (tmp_path / "d" / IDENTITY_FILE).is_file()
-
-    again = make_device(server, tmp_path / "d", 0).client
-    assert again.device_id == device_id
-    assert await again.register() == device_id
-    assert server.registrations == 1
-
-
-@pytest.mark.asyncio
-async def test_unknown_token_raises_the_server_error(tmp_path: Path) -> None:
-    server = FakeServer()
-    device = make_device(server, tmp_path / "d", 0)
-    await device.client.register()
-    other = FakeServer()  # a server that never saw this device
-    stranger = make_device(other, tmp_path / "d", 0)
-    with pytest.raises(AuthError, match="unknown token"):
-        await stranger.client.run_round()
 
 
 def test_corrupt_model_store_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

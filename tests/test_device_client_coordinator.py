@@ -182,11 +182,35 @@ async def test_the_next_round_downloads_the_new_model_with_the_stored_etag(tmp_p
 
 @pytest.mark.asyncio
 async def test_an_unknown_token_is_the_servers_auth_error(tmp_path: Path) -> None:
-    server, _ = _server(tmp_path, dp=False)
-    transport = server.transport()
-    response = await transport.request("POST", "/v1/checkin", None, token="not-a-token")
-    assert response.status == 401
+    server, _ = _server(tmp_path / "a", dp=False)
+    (device,) = _clients(server, tmp_path, {})[:1]
+    await device.register()
+    other, _ = _server(tmp_path / "b", dp=False)  # a server that never saw this device
+    (stranger,) = _clients(other, tmp_path, {})[:1]  # the same store folder: the same identity
+    assert stranger.device_id == device.device_id
     with pytest.raises(AuthError):
-        from device_sdk.transport import raise_for_error
+        await stranger.run_round()
+    response = await other.transport().request("POST", "/v1/checkin", None, token="not-a-token")
+    assert response.status == 401
 
-        raise_for_error(response)
+
+@pytest.mark.asyncio
+async def test_the_identity_persists_across_a_restart(tmp_path: Path) -> None:
+    server, _ = _server(tmp_path, dp=False)
+    first = _clients(server, tmp_path, {})[0]
+    device_id = await first.register()
+    assert await first.register() == device_id
+    again = _clients(server, tmp_path, {})[0]  # a new client on the same store folder
+    assert again.device_id == device_id and await again.register() == device_id
+    assert server.registrations == 1
+
+
+@pytest.mark.asyncio
+async def test_run_stops_while_waiting(tmp_path: Path) -> None:
+    server, _ = _server(tmp_path, dp=False)
+    device = _clients(server, tmp_path, {})[0]
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.02, stop.set)
+    outcomes = await asyncio.wait_for(device.run(stop=stop), timeout=10)
+    assert [o.status for o in outcomes] == [RoundStatus.WAITED]  # one device: no round opens
+    assert outcomes[0].retry_after is not None and outcomes[0].retry_after >= 1
