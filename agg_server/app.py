@@ -359,7 +359,7 @@ async def _elsewhere(request: web.Request, device: int, url: str, body: bytes | 
             url + request.path_qs,
             data=body,
             headers={k: v for k, v in headers.items() if v},
-            timeout=aiohttp.ClientTimeout(total=limit, sock_connect=5.0),
+            timeout=aiohttp.ClientTimeout(total=limit, sock_connect=30.0),
             allow_redirects=False,
         ) as upstream:
             data = await upstream.read()

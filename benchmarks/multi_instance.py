@@ -65,6 +65,7 @@ async def _run(args: argparse.Namespace, url: str, root: Path) -> dict[str, obje
             1682,
             64,
             cohort_size=per_cohort,
+            min_cohort=max(3, int(0.9 * per_cohort)),  # a few devices still busy elsewhere do not hold a round
             timeout=args.phase_timeout,
             lease_seconds=15.0,
             privacy=privacy,
@@ -89,6 +90,7 @@ async def _run(args: argparse.Namespace, url: str, root: Path) -> dict[str, obje
                     bits=64,
                     stop=stop,
                     cohorts=cohorts,
+                    long_poll_timeout=2 * args.phase_timeout + 60.0,
                 )
             )
             deadline = time.monotonic() + args.time_limit
@@ -166,6 +168,7 @@ async def _run(args: argparse.Namespace, url: str, root: Path) -> dict[str, obje
         ],
         "device_outcomes": dict(run.outcomes),
         "device_errors": dict(run.errors),
+        "device_error_examples": dict(run.examples),
     }
 
 

@@ -35,6 +35,7 @@ from protocol.messages import (
     Message,
     PublicKeys,
     RegisterRequest,
+    RoundInvite,
     RoundResult,
     UnmaskResponse,
     Wait,
@@ -65,6 +66,8 @@ class InMemoryServer:
     gone : devices whose `DeviceClient.run_round` returned: whatever they did not send, they never will.
     model_requests : the ``If-None-Match`` of every model download, in order.
     checkins : every check-in received, in order.
+    invites : the last invitation each device received.
+    registrations : how many devices registered.
     """
 
     coordinator: RoundCoordinator
@@ -72,6 +75,8 @@ class InMemoryServer:
     gone: set[int] = field(default_factory=set)
     model_requests: list[str | None] = field(default_factory=list)
     checkins: list[CheckIn] = field(default_factory=list)
+    invites: dict[int, RoundInvite] = field(default_factory=dict)
+    registrations: int = 0
 
     def __post_init__(self) -> None:
         self._changed = asyncio.Condition()
@@ -126,6 +131,7 @@ class InMemoryServer:
         if (method, path) == ("POST", "/v1/devices"):
             if not isinstance(message, RegisterRequest):
                 raise RemoteProtocolError(f"expected RegisterRequest, got {type(message).__name__}")
+            self.registrations += 1
             return 201, coordinator.register(message.platform, self.now), {}
         device = coordinator.authenticate(token)
         if (method, path) == ("POST", "/v1/checkin"):
@@ -136,6 +142,8 @@ class InMemoryServer:
             async with self._changed:
                 reply = coordinator.check_in(device, self.now)
                 self._changed.notify_all()
+            if isinstance(reply, RoundInvite):
+                self.invites[device] = reply
             headers = {"Retry-After": str(max(1, round(reply.retry_after)))} if isinstance(reply, Wait) else {}
             return 200, reply, headers
         if (method, path) == ("GET", "/v1/model"):

@@ -93,6 +93,7 @@ class Instance:
     n_items: int
     bits: int
     cohort_size: int
+    min_cohort: int = 0  # 0: the full cohort
     lease_seconds: float = 4.0
     timeout: float = 20.0
     privacy: dict[str, Any] = field(default_factory=dict)
@@ -109,7 +110,7 @@ class Instance:
         self.root.mkdir(parents=True, exist_ok=True)
         rounds = {
             "cohort_size": self.cohort_size,
-            "min_cohort": self.cohort_size,
+            "min_cohort": self.min_cohort or self.cohort_size,
             "clip_norm": 64.0,
             "scale_bits": 12,
             "advertise_timeout": self.timeout,
@@ -226,6 +227,7 @@ async def run_devices(
     bits: int,
     stop: asyncio.Event,
     cohorts: int,
+    long_poll_timeout: float = 300.0,
 ) -> DeviceRun:
     """One `DeviceClient` per user until ``stop`` is set.  Device d (ids follow ``users``' order) talks
     to ``urls[((d - 1) // cohorts) % len(urls)]`` first: every cohort has devices on every instance, so
@@ -252,7 +254,8 @@ async def run_devices(
                     transport,  # type: ignore[arg-type]
                     ClientConfig(
                         store_dir=store_root / f"device-{i:05d}",
-                        long_poll_timeout=300.0,
+                        long_poll_timeout=long_poll_timeout,  # at least a phase: a device that gives up
+                        # on a long-poll checks in again and is dropped from its round
                         privacy=PrivacyPolicy.no_floor(),
                     ),
                     items=items,

@@ -8,6 +8,7 @@ waits only for devices whose `run_round` returned closes at once (its deadline o
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from agg_server.coordinator import RoundCoordinator
 from agg_server.storage import Storage
 from agg_server.strategy import build_strategy
 from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
+from device_sdk.training import local_round
 from fedsim.faults import DropoutAt, FaultyTransport
 from fedsim.memory import InMemoryServer
 from protocol.errors import AuthError
@@ -107,6 +109,8 @@ async def _round(server: InMemoryServer, clients: Sequence[DeviceClient]) -> lis
 async def test_a_round_commits_the_exact_secure_sum(tmp_path: Path, recording: list[RecordingSession]) -> None:
     server, strategy = _server(tmp_path)
     clients = _clients(server, tmp_path, {})
+    before = [copy.deepcopy(c.model) for c in clients]
+    global_codes = server.coordinator.item_codes.copy()
     outcomes = await _round(server, clients)
 
     assert [o.status for o in outcomes] == [RoundStatus.COMMITTED] * COHORT
@@ -119,6 +123,21 @@ async def test_a_round_commits_the_exact_secure_sum(tmp_path: Path, recording: l
     np.testing.assert_array_equal(total, dequantize_sum(ring, server.coordinator.quantization))
     assert all(s.phase not in ACTIVE_PHASES for s in recording)
     assert server.model_requests == [None] * COHORT  # a fresh device has no ETag to send
+    # Each update is exactly what the in-process reference computes from the invite the coordinator sent
+    # (devices train in worker threads, so their sessions are recorded in whatever order training ended).
+    by_device = {s.device_id: s for s in recording}
+    for c, model in zip(clients, before, strict=True):
+        device_id = int(c.device_id or 0)
+        model.set_item_codes(global_codes, 1)
+        training_rng, coins = insecure_seeded_rngs(SEED, 1, device_id)
+        items, ratings = _data(clients.index(c))
+        q, _ = local_round(model, server.invites[device_id], items, ratings, training_rng, coins=coins)
+        np.testing.assert_array_equal(q, by_device[device_id].recorded)
+        np.testing.assert_array_equal(c.model.user_codes, model.user_codes)
+    outcome = outcomes[0]
+    assert outcome.bytes_up > 4 * N_ITEMS * BITS  # the masked input alone is 4 bytes per element
+    assert outcome.bytes_down > N_ITEMS * BITS // 8
+    assert {"checkin", "model", "train", "keys", "shares", "masked", "unmask", "total"} <= set(outcome.timings)
     # The server charged its privacy ledger for the released sum.
     assert server.coordinator.ledger is not None and len(server.coordinator.ledger.rounds) == 1
 
@@ -163,11 +182,35 @@ async def test_the_next_round_downloads_the_new_model_with_the_stored_etag(tmp_p
 
 @pytest.mark.asyncio
 async def test_an_unknown_token_is_the_servers_auth_error(tmp_path: Path) -> None:
-    server, _ = _server(tmp_path, dp=False)
-    transport = server.transport()
-    response = await transport.request("POST", "/v1/checkin", None, token="not-a-token")
-    assert response.status == 401
+    server, _ = _server(tmp_path / "a", dp=False)
+    (device,) = _clients(server, tmp_path, {})[:1]
+    await device.register()
+    other, _ = _server(tmp_path / "b", dp=False)  # a server that never saw this device
+    (stranger,) = _clients(other, tmp_path, {})[:1]  # the same store folder: the same identity
+    assert stranger.device_id == device.device_id
     with pytest.raises(AuthError):
-        from device_sdk.transport import raise_for_error
+        await stranger.run_round()
+    response = await other.transport().request("POST", "/v1/checkin", None, token="not-a-token")
+    assert response.status == 401
 
-        raise_for_error(response)
+
+@pytest.mark.asyncio
+async def test_the_identity_persists_across_a_restart(tmp_path: Path) -> None:
+    server, _ = _server(tmp_path, dp=False)
+    first = _clients(server, tmp_path, {})[0]
+    device_id = await first.register()
+    assert await first.register() == device_id
+    again = _clients(server, tmp_path, {})[0]  # a new client on the same store folder
+    assert again.device_id == device_id and await again.register() == device_id
+    assert server.registrations == 1
+
+
+@pytest.mark.asyncio
+async def test_run_stops_while_waiting(tmp_path: Path) -> None:
+    server, _ = _server(tmp_path, dp=False)
+    device = _clients(server, tmp_path, {})[0]
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.02, stop.set)
+    outcomes = await asyncio.wait_for(device.run(stop=stop), timeout=10)
+    assert [o.status for o in outcomes] == [RoundStatus.WAITED]  # one device: no round opens
+    assert outcomes[0].retry_after is not None and outcomes[0].retry_after >= 1
