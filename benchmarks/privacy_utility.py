@@ -90,6 +90,12 @@ def main() -> None:
     p.add_argument("--mf-rounds", type=int, default=5)
     p.add_argument("--pop-share", type=float, default=0.5)
     p.add_argument("--threshold", type=float, default=0.0)
+    p.add_argument(
+        "--unobserved-weight",
+        default="auto",
+        help='LightFR w0: "auto" (the server default: all-items objective, w0 from the density) or a number '
+        "(0 = sampled negatives, the objective of the figures before this option)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--test-users", type=int, default=None, help="evaluate a seeded sample of users (default all)")
     p.add_argument("--out", type=Path, default=Path("."))
@@ -113,6 +119,9 @@ def main() -> None:
                 pop_share=args.pop_share,
                 threshold=args.threshold,
                 seed=args.seed,
+                unobserved_weight=args.unobserved_weight
+                if args.unobserved_weight == "auto"
+                else float(args.unobserved_weight),
             )
             metrics, extra = evaluate_private(data, settings, eval_seed=0, val_users=4000, test_users=args.test_users)
             mf = {"recall@20": float("nan")}

@@ -80,6 +80,7 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     rank = args.rank or 32
     out.write(exp.describe() + "\n")
     secure = args.epsilon > 0 or args.secure
+    extra_rows: list[list[str]] = []
     if secure and getattr(args, "save", None) is not None:
         raise ConfigError("--save is not available for MF runs through the coordinator (--epsilon/--secure) yet")
     if secure:
@@ -109,8 +110,25 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
                 out.write(f"  round {run.coordinator.model_version - 1}/{args.rounds} committed\n")
                 out.flush()
 
-        res = run_private_mf(train, test, exp.test, settings, on_round=progress)
+        res = run_private_mf(train, test, exp.test, settings, val=(val, exp.val), on_round=progress)
         ev = res.test
+        extra_rows = []
+        if res.alpha is not None and res.mf_only is not None and res.private_popularity is not None:
+            for label, e in (("MF alone (u·v)", res.mf_only), ("private popularity", res.private_popularity)):
+                assert e.ranking is not None
+                extra_rows.append(
+                    [
+                        label,
+                        f"{e.rmse:.4f}" if label.startswith("MF") else "—",
+                        f"{e.ranking.hr:.4f}",
+                        f"{e.ranking.ndcg:.4f}",
+                    ]
+                )
+            out.write(
+                f"private popularity channel: {settings.pop_share:g} of ε on a release of each device's items clipped "
+                f"to √{settings.pop_theta}; ranking by u·v + α·level, α={res.alpha:g} chosen on validation (inf = "
+                "the level alone); the RMSE is u·v's\n"
+            )
         eps = f"per-user ε {res.epsilon_user:.3g}, per-rating ε {res.epsilon_rating:.3g} (δ=1e-5)"
         out.write(f"{res.committed} rounds committed; {eps if args.epsilon > 0 else 'no DP noise'}\n")
     else:
@@ -154,6 +172,7 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     mean = float(np.mean(train.ratings))
     rows = [
         ["federated MF", f"{ev.rmse:.4f}", f"{ev.ranking.hr:.4f}", f"{ev.ranking.ndcg:.4f}"],
+        *extra_rows,
         ["item popularity", "—", f"{b['popularity'].hr:.4f}", f"{b['popularity'].ndcg:.4f}"],
         ["random", "—", f"{b['random'].hr:.4f}", f"{b['random'].ndcg:.4f}"],
         [f"global mean {mean:.2f}", f"{float(np.sqrt(np.mean((test.ratings - mean) ** 2))):.4f}", "—", "—"],

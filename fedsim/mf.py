@@ -304,16 +304,25 @@ def evaluate_mf(
     *,
     k: int = 10,
     tie_mode: TieMode = TieMode.RANDOM,
+    item_term: NDArray[np.float64] | None = None,
+    term_only: bool = False,
 ) -> MFEvaluation:
     """Test RMSE of u·v on ``held_out`` ratings and the ranking metrics of the candidate blocks
-    (positive in column 0; RANDOM ties are averaged exactly, see `fedsim.evaluation`)."""
+    (positive in column 0; RANDOM ties are averaged exactly, see `fedsim.evaluation`).  The blocks
+    are ranked by u·v + ``item_term[i]`` when given (a private popularity level), or by the term
+    alone with ``term_only``; the RMSE is always that of u·v."""
     U, V = np.asarray(user_factors, np.float64), np.asarray(item_factors, np.float64)
     if U.shape[1] != V.shape[1] or U.shape[0] < held_out.n_users or V.shape[0] < held_out.n_items:
         raise ValueError(f"factors {U.shape} / {V.shape} do not cover the held-out id space")
     rmse = example_rmse(U, V, held_out.users, held_out.items, np.asarray(held_out.ratings, np.float64))
     ranking = None
     if candidates is not None and len(candidates):
-        scores = np.einsum("nf,ncf->nc", U[candidates.users], V[candidates.items])
+        if term_only and item_term is not None:
+            scores = np.asarray(item_term, np.float64)[candidates.items]
+        else:
+            scores = np.einsum("nf,ncf->nc", U[candidates.users], V[candidates.items])
+            if item_term is not None:
+                scores = scores + np.asarray(item_term, np.float64)[candidates.items]
         ranking = evaluate_candidates(scores, k, tie_mode)
     return MFEvaluation(rmse, len(held_out), ranking)
 

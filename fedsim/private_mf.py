@@ -61,6 +61,11 @@ class PrivateMFSettings:
     simulator : run the rounds through `fedsim.privsim` (the released sums computed directly, exact
         in distribution, the survivors' noise drawn in one piece; no crypto) instead of the real coordinator
         with SecAgg+.
+    pop_share, pop_theta : with DP (simulator only), the private popularity channel: a release of every
+        device's items clipped to √θ (`fedsim.private_scale.release_counts`) calibrated for ``pop_share``·ε,
+        the rounds' μ bisected so the ledger's composed ε meets ε (`fedsim.private_scale.split_budget`);
+        its log counts, spread over [0, R], are added to u·v with a weight α chosen on validation from a
+        grid that includes popularity alone.  ``pop_share = 0``: no channel.
     """
 
     epsilon: float = 8.0
@@ -81,6 +86,8 @@ class PrivateMFSettings:
     negatives: int = 0
     seed: int = 0
     simulator: bool = True
+    pop_share: float = 0.5
+    pop_theta: int = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +103,9 @@ class PrivateMFResult:
     seconds: float
     user_factors: Any = None  # (n_users, f) after stage-3 fine-tuning, for full-ranking evaluation
     item_factors: Any = None  # (m, f) the server's final V
+    alpha: float | None = None  # weight of the private popularity level chosen on validation (inf: alone)
+    private_popularity: MFEvaluation | None = None  # the private popularity level alone, on test
+    mf_only: MFEvaluation | None = None  # u·v alone, on test
 
 
 def _server_config(data_dir: Path, s: PrivateMFSettings, n_items: int, n_users: int) -> ServerConfig:
@@ -186,6 +196,13 @@ def run_private_mf(
     with tempfile.TemporaryDirectory(prefix="fedrec-private-mf-") as tmp:
         data_dir = workdir or Path(tmp)
         cfg = _server_config(data_dir, s, train.n_items, len(clients))
+        counts = None
+        mu_rounds: float | None = None
+        charges: list[tuple[float, float, float]] = []
+        if s.epsilon > 0 and s.pop_share > 0:
+            if not s.simulator:
+                raise ValueError("the private popularity channel (pop_share > 0) runs through the simulator only")
+            counts, mu_rounds, charges = _popularity_release(train, s, cfg)
         if s.simulator:
             srun = run_simulated(
                 cfg,
@@ -196,6 +213,8 @@ def run_private_mf(
                 dropout=dropout,
                 after_round=on_round,  # type: ignore[arg-type]
                 per_device_noise=False,
+                mu=mu_rounds,
+                prior_charges=charges,
             )
             sim = srun.simulator
             V = np.asarray(sim.model_state, dtype=np.float64)
@@ -247,4 +266,52 @@ def run_private_mf(
         ).per_rating
     test_ev = evaluate_mf(U, V, test, test_blocks)
     val_ev = evaluate_mf(U, V, val[0], val[1]) if val is not None else None
-    return PrivateMFResult(test_ev, val_ev, eps_user, eps_rating, mu, committed, time.perf_counter() - start, U, V)
+    alpha = pop_ev = mf_ev = None
+    if counts is not None:
+        if val is None:
+            raise ValueError("the private popularity channel needs validation blocks to choose its weight")
+        level = np.log1p(np.maximum(counts, 0.0))
+        level = level * (s.max_norm2 / level.max()) if level.max() > 0 else level
+
+        def ranked(ev: MFEvaluation) -> float:
+            return ev.ranking.hr if ev.ranking is not None else 0.0
+
+        best: tuple[float, float] | None = None
+        for a in _ALPHAS:
+            inf = math.isinf(a)
+            v = ranked(evaluate_mf(U, V, val[0], val[1], item_term=level if inf else a * level, term_only=inf))
+            if best is None or v > best[1]:
+                best = (a, v)
+        assert best is not None
+        alpha = best[0]
+        mf_ev = test_ev
+        pop_ev = evaluate_mf(U, V, test, test_blocks, item_term=level, term_only=True)
+        inf = math.isinf(alpha)
+        test_ev = evaluate_mf(U, V, test, test_blocks, item_term=level if inf else alpha * level, term_only=inf)
+        val_ev = evaluate_mf(U, V, val[0], val[1], item_term=level if inf else alpha * level, term_only=inf)
+    return PrivateMFResult(
+        test_ev, val_ev, eps_user, eps_rating, mu, committed, time.perf_counter() - start, U, V, alpha, pop_ev, mf_ev
+    )
+
+
+#: The weights of the private popularity level tried on validation (∞ = the level alone).
+_ALPHAS: tuple[float, ...] = (0.0, 0.25, 1.0, 4.0, 16.0, math.inf)
+
+
+def _popularity_release(
+    train: Ratings, s: PrivateMFSettings, cfg: ServerConfig
+) -> tuple[np.ndarray, float, list[tuple[float, float, float]]]:
+    """(private counts, μ of every round, [(μ, Δ1, Δ2) of the popularity release]) for ``s``'s ε."""
+    from fedsim.private_scale import _largest_scale_bits, _per_user, release_counts, split_budget
+    from protocol.quantization import QuantizationConfig, sensitivity
+
+    n, m = train.n_users, train.n_items
+    qm = QuantizationConfig(clip_norm=cfg.rounds.clip_norm, scale_bits=cfg.rounds.scale_bits)
+    l2m, l1m = sensitivity(qm, m * s.factors)
+    theta = s.pop_theta
+    qp = QuantizationConfig(clip_norm=math.sqrt(theta), scale_bits=_largest_scale_bits(n, math.sqrt(theta)))
+    l2p, l1p = sensitivity(qp, m)
+    mu_rounds, mu_pop = split_budget(s.epsilon, s.delta, s.rounds, (l1m, l2m), (l1p, l2p), s.pop_share)
+    rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
+    counts = release_counts(_per_user(train), m, theta, qp, mu_pop, rng)
+    return counts, mu_rounds, [(mu_pop, l1p, l2p)]

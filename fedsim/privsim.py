@@ -439,12 +439,22 @@ def run_simulated(
     strategy: Strategy | None = None,
     after_round: Callable[[SimulatedRun], None] | None = None,
     per_device_noise: bool = True,
+    mu: float | None = None,
+    prior_charges: Sequence[tuple[float, float, float]] = (),
 ) -> SimulatedRun:
     """`fedsim.private.run_private` without the crypto: the same devices (ids in the mapping's order,
-    from 1), the same seeds and dropout schedule, and the same final model, bit for bit."""
+    from 1), the same seeds and dropout schedule, and the same final model, bit for bit.
+
+    ``mu`` and ``prior_charges`` are for runs that spend part of the budget on other releases (a
+    private popularity release, `fedsim.private_mf`): the rounds' noise variance, and (μ, Δ1, Δ2) of
+    each earlier release, recorded in the ledger before the first round."""
     from fedsim.private import SimulatedDevice
 
-    sim = PrivateSimulator(config, strategy=strategy)
+    sim = PrivateSimulator(config, strategy=strategy, mu=mu)
+    for charge in prior_charges:
+        if sim.ledger is None:
+            raise ConfigError("prior releases are charged to a privacy ledger: enable privacy")
+        sim.ledger.record_round(*charge)
     devices = {i + 1: SimulatedDevice(i + 1, data, new_model(i + 1)) for i, data in enumerate(clients.values())}
     run = SimulatedRun(sim, devices)
     models = {d: dev.model for d, dev in devices.items()}
@@ -676,8 +686,9 @@ class LightFRCohort:
             grad = coef[:, None] * Bf[owner] - (wq / f) * Df[items]
             bias = c * targets - wq * s_e / f
             k = np.bincount(owner, minlength=rows.size).astype(np.float64)
-            rest2 = np.bincount(owner, weights=np.einsum("ij,ij->i", grad, grad) + bias * bias, minlength=rows.size)
-            rest2 += 1.0 + 1.0 / f  # ‖b bᵀ/f‖² + ‖b/f‖²
+            sq = np.einsum("ij,ij->i", grad, grad) + bias * bias
+            rest2 = np.bincount(owner, weights=sq, minlength=rows.size).astype(np.float64) + (1.0 + 1.0 / f)
+            # (the last term is ‖b bᵀ/f‖² + ‖b/f‖²)
             if share > 0:
                 fc = np.minimum(1.0, math.sqrt(share) * clip / np.sqrt(np.maximum(k, 1.0)))
                 fr = np.minimum(1.0, math.sqrt(1.0 - share) * clip / np.sqrt(rest2))
