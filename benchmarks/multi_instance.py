@@ -91,6 +91,7 @@ async def _run(args: argparse.Namespace, url: str, root: Path) -> dict[str, obje
                     stop=stop,
                     cohorts=cohorts,
                     long_poll_timeout=2 * args.phase_timeout + 60.0,
+                    request_timeout=args.request_timeout,
                 )
             )
             deadline = time.monotonic() + args.time_limit
@@ -179,6 +180,12 @@ def main() -> int:
     p.add_argument("--epsilon", type=float, default=8.0)
     p.add_argument("--phase-timeout", type=float, default=600.0)
     p.add_argument("--time-limit", type=float, default=3600.0)
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="devices' request timeout: one fleet process starves its own event loop at 2,000 devices",
+    )
     p.add_argument("--data", default=os.environ.get("FEDREC_DATA", "/work/shared/data"))
     p.add_argument("--database", help="a PostgreSQL URL (default: start a throw-away server)")
     args = p.parse_args()

@@ -228,6 +228,7 @@ async def run_devices(
     stop: asyncio.Event,
     cohorts: int,
     long_poll_timeout: float = 300.0,
+    request_timeout: float = 30.0,
 ) -> DeviceRun:
     """One `DeviceClient` per user until ``stop`` is set.  Device d (ids follow ``users``' order) talks
     to ``urls[((d - 1) // cohorts) % len(urls)]`` first: every cohort has devices on every instance, so
@@ -254,6 +255,8 @@ async def run_devices(
                     transport,  # type: ignore[arg-type]
                     ClientConfig(
                         store_dir=store_root / f"device-{i:05d}",
+                        request_timeout=request_timeout,  # a check-in retried after a lost answer is a
+                        # device that left its round: keep it above the fleet's own event-loop delays
                         long_poll_timeout=long_poll_timeout,  # at least a phase: a device that gives up
                         # on a long-poll checks in again and is dropped from its round
                         privacy=PrivacyPolicy.no_floor(),
