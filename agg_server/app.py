@@ -477,6 +477,8 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         leader = _leader(request, device)
         if not isinstance(leader, RoundCoordinator):
             return await _elsewhere(request, device, leader, await _read_body(request))
+        if expected in (EncryptedShares, MaskedInput, UnmaskResponse):
+            leader.check_open(round_id)  # a late upload: StaleRound, not a 413 against the small-route limit
         limit = body_limit(request, expected, leader)
         body = await _read_body(request, limit)
         # the digest identifies a retransmission without encoding msg again

@@ -729,6 +729,12 @@ class RoundCoordinator:
             return RoundResult(round_id=round_id, committed=False, model_version=self.model_version, reason=out.reason)
         return out
 
+    def check_open(self, round_id: int) -> None:
+        """Raise `StaleRound` unless ``round_id`` is the open round (before a body is read: a late
+        upload's body is sized for no round, and its answer must say the round is gone, not that the
+        body is too large)."""
+        self._current(round_id)
+
     def _current(self, round_id: int) -> _OpenRound:
         r = self._round
         if r is None or r.round_id != round_id:

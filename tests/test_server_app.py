@@ -108,6 +108,12 @@ async def test_hostile_inputs_get_the_right_status(aiohttp_client: Any, tmp_path
     _error(msg, StaleRound)
     status, msg = await _post(client, "/v1/rounds/x/keys", encode(keys), token)
     assert status == 400
+    # A late masked input (its round is gone) is bigger than any route's limit without an open round:
+    # the answer says the round is stale, not that the body is too large.
+    late = MaskedInput(round_id=7, device_id=dev.device_id, session_id=b"\x00" * 32, masked=np.zeros(20_000, np.uint32))
+    status, msg = await _post(client, "/v1/rounds/7/masked", encode(late), token)
+    assert status == 409
+    _error(msg, StaleRound)
 
     resp = await client.get("/v1/nowhere")
     assert resp.status == 404 and isinstance(decode(await resp.read()), ErrorMessage)
