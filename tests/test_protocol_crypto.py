@@ -214,3 +214,24 @@ def test_prg_is_deterministic_uniform_and_matches_scratch_expander() -> None:
     assert np.array_equal(expander.expand(bytes(32)), prg_uint32(bytes(32), 100_000))
     with pytest.raises(CryptoError):
         prg_uint32(b"short", 4)
+
+
+def test_a_remembered_verification_answers_only_for_the_exact_same_bytes() -> None:
+    from protocol import crypto as c
+
+    key = c.SigningKey.generate()
+    data = b"survivor set" * 100
+    sig = key.sign(data)
+    c.verify_signature(key.public_key, sig, data)
+    c.verify_signature(key.public_key, sig, data)  # remembered: the same answer
+    other = c.SigningKey.generate()
+    flipped = bytes([sig[0] ^ 1]) + sig[1:]
+    for pk, s, d in (
+        (key.public_key, sig, data + b"!"),
+        (key.public_key, flipped, data),
+        (other.public_key, sig, data),
+    ):
+        with pytest.raises(CryptoError):
+            c.verify_signature(pk, s, d)
+        with pytest.raises(CryptoError):  # a failure is never remembered as a success either way
+            c.verify_signature(pk, s, d)
