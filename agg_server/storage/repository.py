@@ -787,16 +787,7 @@ class Storage:
             If the database fails or the stored ledger is not a JSON object.
         """
         with self._guard("load_ledger") as conn:
-            row = conn.execute("SELECT ledger FROM privacy_ledger WHERE id = 1").fetchone()
-        if row is None:
-            return None
-        try:
-            value = json.loads(row[0])
-        except ValueError as exc:
-            raise StorageError(f"load_ledger: the stored privacy ledger in {self.where} is not JSON: {exc}") from exc
-        if not isinstance(value, dict):
-            raise StorageError(f"load_ledger: the stored privacy ledger in {self.where} is not an object")
-        return value
+            return _read_ledger(conn, self.where, op="load_ledger: ")
 
     # -- model quality --------------------------------------------------------------------------
 
@@ -1129,16 +1120,16 @@ def _check_fence(conn: Database, op: str, fence: Fence) -> Fence:
     return cohort, token
 
 
-def _read_ledger(conn: Database, where: str) -> dict[str, Any] | None:
+def _read_ledger(conn: Database, where: str, *, op: str = "") -> dict[str, Any] | None:
     row = conn.execute("SELECT ledger FROM privacy_ledger WHERE id = 1").fetchone()
     if row is None:
         return None
     try:
         value = json.loads(row[0])
     except ValueError as exc:
-        raise StorageError(f"the stored privacy ledger in {where} is not JSON: {exc}") from exc
+        raise StorageError(f"{op}the stored privacy ledger in {where} is not JSON: {exc}") from exc
     if not isinstance(value, dict):
-        raise StorageError(f"the stored privacy ledger in {where} is not an object")
+        raise StorageError(f"{op}the stored privacy ledger in {where} is not an object")
     return value
 
 
