@@ -255,9 +255,10 @@ def body_objects(
 
 #: Bodies above this size are decoded (and hashed) in a worker thread (issue 15 item 8): a body this small
 #: holds at most a few thousand msgpack objects, a few milliseconds of parsing; above it, the codec's
-#: header walk (Python, which yields the interpreter to the loop) and SHA-256 (which releases it) run off
-#: the loop, and only msgpack's C parser holds the interpreter, to copy the vector (measured in
-#: tests/test_security.py; figures in docs/threat-model.md §3.5).
+#: header walk (Python, which yields the interpreter to the loop), SHA-256 and the message's copy of the
+#: vector (both release it) run off the loop; msgpack parses only the envelope around the vector, which
+#: the codec hands over as a view of the body (`protocol.codec.SPLICE_BIN_BYTES`: msgpack's own copy of a
+#: 64 MiB vector held the interpreter 32-133 ms).  Figures in docs/threat-model.md §3.5.
 THREAD_DECODE_BYTES = 4 * 1024
 #: Object cap of the routes without a vector (register, check-in, keys, abort): their messages have a
 #: few dozen objects; the cap bounds the C parser's uninterruptible time on a hostile 64 KiB body.

@@ -482,15 +482,19 @@ class RoundCoordinator:
         """A device is available: invite it if it is in the open round's cohort, else pool it."""
         r = self._round
         if r is not None and device_id in r.session.invited:
-            # The invitation is handed out once: a device trains once per round, and one that left
-            # (or lost the answer) sits this round out instead of training twice.
-            if r.session.phase is Phase.ADVERTISE_KEYS and device_id not in r.handed_out:
+            # The invitation is handed out while the round collects keys and the device has sent
+            # none: a device whose answer was lost (a timeout, a failover to another instance) gets
+            # the same invitation again.  It cannot take part twice: the session accepts one key
+            # advertisement per device, and the device charges its ledger only when its masked
+            # input leaves.
+            if r.session.phase is Phase.ADVERTISE_KEYS and device_id in r.session.expected():
                 invite = r.session.outbox(device_id)
                 if isinstance(invite, RoundInvite):
                     r.handed_out.add(device_id)
                     return invite.with_plan(r.plan)
             if device_id in r.handed_out:
-                # A device checks in only when it is in no round: this one left ours.
+                # A device checks in only when it is in no round: one that already sent its keys
+                # and checks in again left ours.
                 self._leave(r, device_id, "checked in again while in the round", now)
             return Wait(retry_after=self.retry_after, reason=f"already invited to round {r.round_id}")
         self._pool[device_id] = now

@@ -226,6 +226,44 @@ def test_a_connection_that_comes_back_within_the_grace_keeps_its_device(tmp_path
         assert d in r.session._left and d not in r.gone
 
 
+def test_a_lost_invitation_is_handed_out_again_until_the_device_sends_its_keys(tmp_path: Path) -> None:
+    """A check-in whose answer was lost (a timeout, a failover) is repeated: the device gets the same
+    invitation while it has sent no keys, and only a device that did send keys and checks in again
+    leaves the round."""
+    from agg_server.coordinator import RoundCoordinator
+    from agg_server.storage import Storage
+    from protocol.crypto import insecure_test_noise_stream
+    from protocol.device_session import DeviceSecAggSession
+    from protocol.messages import RoundInvite
+
+    cfg = small_config(tmp_path / "srv", cohort=3, min_cohort=3, timeout=30.0)
+    with Storage(cfg.data_dir) as storage:
+        coordinator = RoundCoordinator(cfg, storage, now=0.0)
+        devices = [coordinator.register("test", 0.0).device_id for _ in range(3)]
+        for d in devices:
+            coordinator.check_in(d, 99.5)
+        coordinator.tick(100.0)
+        r = coordinator.open_round
+        assert r is not None
+        d = devices[0]
+        first = coordinator.check_in(d, 100.1)
+        again = coordinator.check_in(d, 100.2)  # the first answer never arrived
+        assert isinstance(first, RoundInvite) and again == first
+        assert d in r.session.expected() and d not in r.session._left
+        keys = DeviceSecAggSession(again, rng=insecure_test_noise_stream(0, d)).send()
+        coordinator.submit(d, r.round_id, keys, 100.3)
+        late = coordinator.check_in(d, 100.4)  # keys sent, then a check-in: no second invitation
+        assert not isinstance(late, RoundInvite) and "already invited" in late.reason
+        other = devices[1]
+        assert isinstance(coordinator.check_in(other, 100.5), RoundInvite)
+        for e in devices[1:]:  # the others send keys: the phase moves on and awaits d's shares
+            keys = DeviceSecAggSession(coordinator.check_in(e, 100.6), rng=insecure_test_noise_stream(0, e)).send()
+            coordinator.submit(e, r.round_id, keys, 100.7)
+        assert r.session.phase is not Phase.ADVERTISE_KEYS and d in r.session.expected()
+        coordinator.check_in(d, 100.8)  # a device in the round checks in again: it left
+        assert d in r.session._left
+
+
 def _session(n: int = 4, **kw: Any) -> ServerSecAggSession:
     params = RoundParameters(
         round_id=1, vector_length=8, k=n, t=2, clip_norm=1.0, scale_bits=8, deadlines=(10.0, 20.0, 30.0, 40.0)
