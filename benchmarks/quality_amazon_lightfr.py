@@ -34,6 +34,11 @@ GRID = [
     {"w0": 0.001, "alpha": 0.0, "rho": 0.3},
     {"w0": 0.0003, "alpha": 0.0, "rho": 0.3},
     {"w0": 0.01, "alpha": 0.0, "rho": 0.3},
+    # asymmetric scoring: the user's real-valued vector as P ±1 bit-planes (FederationConfig.query_planes)
+    {"w0": "auto", "alpha": 0.0, "rho": 0.5, "planes": 2, "reg": 1.0},
+    {"w0": "auto", "alpha": 0.0, "rho": 0.5, "planes": 2, "reg": 10.0},
+    {"w0": "auto", "alpha": 0.0, "rho": 0.5, "planes": 3, "reg": 1.0},
+    {"w0": "auto", "alpha": 0.0, "rho": 1.0, "planes": 2, "reg": 1.0},
 ]
 # The recipe the test rows run: the library default ("auto"), which matched the best fixed w0 (0.003)
 # on validation (README).
@@ -80,6 +85,8 @@ def train_lightfr(train: Ratings, recipe: dict, rounds: int, seed: int) -> Feder
         seed=seed,
         flip_fraction=recipe["rho"],
         unobserved_scale=DENSITY_SCALE if auto else 0.0,
+        query_planes=recipe.get("planes", 0),
+        user_reg=recipe.get("reg", 1.0),
     )
     return run_lightfr(user_data(train, cfg), cfg, fed)
 

@@ -30,6 +30,18 @@ from fedsim.federation import FederatedLightFR, FederationConfig, run_lightfr, u
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
 
 ROUNDS = 40
+# Asymmetric scoring recipes (real-valued user vector as P ±1 bit-planes against the binary item codes;
+# `fedsim.federation.FederationConfig.query_planes`): (P, user ridge weight, damping ρ).
+ASYMMETRIC = [
+    (2, 1.0, 1.0),
+    (2, 1.0, 0.3),
+    (3, 1.0, 1.0),
+    (1, 1.0, 1.0),
+    (2, 10.0, 0.3),
+    (2, 30.0, 0.3),
+    (3, 10.0, 0.5),
+    (2, 10.0, 0.5),
+]
 DEFAULT = "all items, w0=auto (0.6·density^(2/3)), learned levels, ρ=0.3"
 
 
@@ -43,6 +55,14 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
         replace(fed, unobserved_scale=DENSITY_SCALE),
         False,
     )
+    asym = {
+        f"asymmetric: user vector as {p} bit-plane{'s' if p > 1 else ''}, ridge {reg:g}, w0=auto, ρ={rho:g}": (
+            auto[0],
+            replace(auto[1], query_planes=p, user_reg=reg, flip_fraction=rho),
+            False,
+        )
+        for p, reg, rho in ASYMMETRIC
+    }
     return {
         DEFAULT: auto,
         "paper objective, 4 sampled negatives, ρ=0.1 (old default)": (sampled, replace(fed, flip_fraction=0.1), False),
@@ -77,6 +97,7 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
             replace(fed, rounds=80),
             False,
         ),
+        **asym,
     }
 
 

@@ -159,6 +159,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="α: observed items weigh 1 + α under the all-items objective (default 0)",
     )
     g.add_argument(
+        "--query-planes",
+        type=_nonneg_int,
+        default=0,
+        help="P >= 1: asymmetric scoring, the user's vector solved exactly against the binary item codes and "
+        "kept as P ±1 bit-planes (all-items objective; items stay f-bit codes); 0 = ±1 user codes (default)",
+    )
+    g.add_argument(
+        "--user-reg",
+        type=_positive_float,
+        default=1.0,
+        help="ridge weight of the user solve with --query-planes (default 1)",
+    )
+    g.add_argument(
         "--targets",
         choices=["binary", "ratings"],
         default="binary",
@@ -643,6 +656,8 @@ def _fed_config(args: argparse.Namespace) -> FederationConfig:
         aggregation=Aggregation(args.aggregation),
         flip_fraction=args.flip_fraction,
         unobserved_scale=DENSITY_SCALE if _unobserved_weight(args) == "auto" else 0.0,
+        query_planes=getattr(args, "query_planes", 0),
+        user_reg=getattr(args, "user_reg", 1.0),
     )
 
 
@@ -656,6 +671,8 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
 
 def _train(args: argparse.Namespace, exp: Experiment, out: TextIO, show_progress: bool) -> FederatedLightFR:
     cfg, fed = _model_config(args, exp), _fed_config(args)
+    if fed.query_planes and getattr(args, "save", None) is not None:
+        raise ValueError("--save stores ±1 user codes; a run with --query-planes keeps bit-plane user vectors")
     data = user_data(exp.train, cfg)
     bar: Any = None
     if show_progress and fed.rounds:
