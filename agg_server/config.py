@@ -259,6 +259,10 @@ class ModelSection:
     popularity_span : float
         LightFR all-items objective, >= 0: > 0 sets the item levels from the released counts on a log
         scale spanning this bias range, instead of learning them (meant for DP rounds); 0 = learned.
+    mean_field : bool
+        LightFR all-items objective: the server's code step lets each bit's gradient follow the item's
+        bits already changed in the step, with the raters' Gram taken as (counts_i / survivors)·G_U
+        (`agg_server.strategy.lightfr.agg_full`); false = every bit from the old codes (Jacobi).
     """
 
     kind: str = ModelKind.LIGHTFR.value
@@ -277,6 +281,7 @@ class ModelSection:
     unobserved_scale: float = DENSITY_SCALE
     counts_share: float = _LIGHTFR.counts_share
     popularity_span: float = 0.0
+    mean_field: bool = False
 
     def __post_init__(self) -> None:
         # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
@@ -306,6 +311,8 @@ class ModelSection:
         _set(self, "popularity_span", _float("model.popularity_span", self.popularity_span, lo=0.0))
         if self.popularity_span > 0 and self.unobserved_weight == 0:
             raise ConfigError("model.popularity_span: needs the all-items objective (model.unobserved_weight > 0)")
+        if not isinstance(self.mean_field, bool):
+            raise _fail("model.mean_field", "true or false", self.mean_field)
 
     def lightfr_params(self) -> LightFRParams:
         """LightFR's training parameters of this table (`protocol.plan.LightFRParams` validates them;

@@ -98,6 +98,31 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
             False,
         ),
         **asym,
+        "all items, w0=auto, learned levels, ρ=0.3, mean-field server step": (
+            auto[0],
+            replace(auto[1], mean_field=True),
+            False,
+        ),
+        "all items, w0=auto, learned levels, ρ=1, mean-field server step": (
+            auto[0],
+            replace(auto[1], mean_field=True, flip_fraction=1.0),
+            False,
+        ),
+        "asymmetric: user vector as 2 bit-planes, ridge 30, w0=auto, ρ=0.3, mean-field": (
+            auto[0],
+            replace(auto[1], query_planes=2, user_reg=30.0, mean_field=True),
+            False,
+        ),
+        "asymmetric: user vector as 2 bit-planes, ridge 1, w0=auto, ρ=1, mean-field": (
+            auto[0],
+            replace(auto[1], query_planes=2, user_reg=1.0, mean_field=True, flip_fraction=1.0),
+            False,
+        ),
+        "asymmetric: user vector as 3 bit-planes, ridge 30, w0=auto, ρ=0.5, mean-field": (
+            auto[0],
+            replace(auto[1], query_planes=3, user_reg=30.0, mean_field=True, flip_fraction=0.5),
+            False,
+        ),
     }
 
 

@@ -208,6 +208,12 @@ def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
         "server's; 1 = the paper's rule)",
     )
     g.add_argument(
+        "--mean-field",
+        action="store_true",
+        help="all-items objective: the server's code step follows the item's bits already changed in the step "
+        "(raters' Gram taken as counts_i/n · G_U; the server's model.mean_field)",
+    )
+    g.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -658,6 +664,7 @@ def _fed_config(args: argparse.Namespace) -> FederationConfig:
         unobserved_scale=DENSITY_SCALE if _unobserved_weight(args) == "auto" else 0.0,
         query_planes=getattr(args, "query_planes", 0),
         user_reg=getattr(args, "user_reg", 1.0),
+        mean_field=getattr(args, "mean_field", False),
     )
 
 

@@ -79,6 +79,7 @@ class FederationConfig:
     query_planes: int = 0
     user_reg: float = 1.0
     refresh_users: bool = True
+    mean_field: bool = False
 
     def __post_init__(self) -> None:
         if not (np.isfinite(self.unobserved_scale) and self.unobserved_scale >= 0):
@@ -336,6 +337,7 @@ def run_full(
             flip_fraction=federation.flip_fraction,
             rng=rng,
             learn_bias=federation.learn_bias,
+            mean_field=federation.mean_field,
         )
         item_flips = int(np.count_nonzero(new_D != D))
         state.item_codes = new_D

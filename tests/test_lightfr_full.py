@@ -263,6 +263,10 @@ def test_server_config_auto_weight_builds_a_density_strategy(tmp_path) -> None:
         config_from_dict({**base, "model": {"n_items": 500, "unobserved_weight": "automatic"}})
     with pytest.raises(ConfigError, match="unobserved_scale"):
         config_from_dict({**base, "model": {"n_items": 500, "unobserved_scale": 0}})
+    mf = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "mean_field": True}}))
+    assert mf.mean_field and not st.mean_field
+    with pytest.raises(ConfigError, match="model.mean_field: must be true or false"):
+        config_from_dict({**base, "model": {"n_items": 500, "mean_field": "yes"}})
 
 
 def test_clip_parts_gives_the_counts_their_share_of_the_clip_norm() -> None:
@@ -433,3 +437,33 @@ def test_real_user_upload_matches_the_item_side_loss() -> None:
         d_new = d_old.copy()
         d_new[0] = new_D[i, 0]
         assert item_loss(i, d_new) <= item_loss(i, d_old) + 1e-9
+
+
+def test_mean_field_step_is_exact_coordinate_descent_when_raters_look_alike() -> None:
+    """When every user has the same vector, Σ_{u∈Ω_i} u uᵀ is exactly (counts_i / n)·G_U, so the mean-field
+    server step is exact bit-by-bit descent: no item's loss goes up, whichever bits flip together."""
+    rng = np.random.default_rng(5)
+    n, m, f = 8, 30, 8
+    indptr, items, r = _batch(rng, n, m, 10)
+    D = random_signs(m, f, rng)
+    beta = rng.normal(0, 0.1, m)
+    w0, alpha = 0.05, 1.0
+    U = np.tile(rng.normal(0, 2.0, f), (n, 1))
+    total = lightfr.full_upload(indptr, items, r, U, D, beta, w0, alpha)
+
+    def item_loss(i: int, d: np.ndarray) -> float:
+        x = U @ d / f + beta[i]
+        loss = 0.0
+        for u in range(n):
+            its = items[indptr[u] : indptr[u + 1]]
+            hit = np.flatnonzero(its == i)
+            loss += (1 + alpha) * (r[indptr[u] + hit[0]] - x[u]) ** 2 if hit.size else w0 * x[u] ** 2
+        return loss
+
+    new_D, _ = agg_full(D, beta, total, n, w0, alpha, flip_fraction=1.0, learn_bias=False, mean_field=True)
+    assert np.count_nonzero(new_D != D) > 0
+    for i in range(m):
+        assert item_loss(i, new_D[i].astype(float)) <= item_loss(i, D[i].astype(float)) + 1e-9
+    # the Jacobi step (every bit from the old codes) does overshoot on this data
+    jacobi, _ = agg_full(D, beta, total, n, w0, alpha, flip_fraction=1.0, learn_bias=False)
+    assert any(item_loss(i, jacobi[i].astype(float)) > item_loss(i, D[i].astype(float)) + 1e-9 for i in range(m))
