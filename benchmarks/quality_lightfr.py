@@ -123,6 +123,21 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
             replace(auto[1], query_planes=3, user_reg=30.0, mean_field=True, flip_fraction=0.5),
             False,
         ),
+        **{
+            f"asymmetric: user vector as {p} bit-planes, ridge {reg:g}, w0=auto κ={kappa:g}, ρ={rho:g}, mean-field": (
+                replace(auto[0], unobserved_weight=density_weight(0.0, 1, exp.train.n_items, scale=kappa)),
+                replace(
+                    auto[1],
+                    unobserved_scale=kappa,
+                    query_planes=p,
+                    user_reg=reg,
+                    mean_field=True,
+                    flip_fraction=rho,
+                ),
+                False,
+            )
+            for p, reg, kappa, rho in [(2, 1.0, 2.0, 1.0), (3, 1.0, 2.0, 1.0), (2, 30.0, 2.0, 0.3), (2, 1.0, 6.0, 1.0)]
+        },
     }
 
 
