@@ -42,7 +42,8 @@ ASYMMETRIC = [
     (3, 10.0, 0.5),
     (2, 10.0, 0.5),
 ]
-DEFAULT = "all items, w0=auto (0.6·density^(2/3)), learned levels, ρ=0.3"
+DEFAULT = "all items, w0=auto (0.6·density^(2/3)), learned levels, mean-field step, ρ=1"
+PREVIOUS = "all items, w0=auto (0.6·density^(2/3)), learned levels, ρ=0.3 (the previous default)"
 
 
 def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig, bool]]:
@@ -55,6 +56,8 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
         replace(fed, unobserved_scale=DENSITY_SCALE),
         False,
     )
+    # The library default (the server's model defaults): the mean-field code step with ρ = 1.
+    default = (auto[0], replace(auto[1], mean_field=True, flip_fraction=1.0), False)
     asym = {
         f"asymmetric: user vector as {p} bit-plane{'s' if p > 1 else ''}, ridge {reg:g}, w0=auto, ρ={rho:g}": (
             auto[0],
@@ -64,7 +67,8 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
         for p, reg, rho in ASYMMETRIC
     }
     return {
-        DEFAULT: auto,
+        DEFAULT: default,
+        PREVIOUS: auto,
         "paper objective, 4 sampled negatives, ρ=0.1 (old default)": (sampled, replace(fed, flip_fraction=0.1), False),
         "paper objective, 4 sampled negatives, ρ=0.3": (sampled, fed, False),
         "paper objective, 8 sampled negatives, ρ=0.1": (

@@ -263,8 +263,14 @@ def test_server_config_auto_weight_builds_a_density_strategy(tmp_path) -> None:
         config_from_dict({**base, "model": {"n_items": 500, "unobserved_weight": "automatic"}})
     with pytest.raises(ConfigError, match="unobserved_scale"):
         config_from_dict({**base, "model": {"n_items": 500, "unobserved_scale": 0}})
-    mf = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "mean_field": True}}))
-    assert mf.mean_field and not st.mean_field
+    # the mean-field step is the default, and with it ρ = 1; without it (or with sampled negatives) ρ = 0.3
+    assert st.mean_field and st.rule.flip_fraction == 1.0
+    jacobi = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "mean_field": False}}))
+    assert not jacobi.mean_field and jacobi.rule.flip_fraction == 0.3
+    sampled = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "unobserved_weight": 0}}))
+    assert sampled.rule.flip_fraction == 0.3
+    given = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "flip_fraction": 0.5}}))
+    assert given.mean_field and given.rule.flip_fraction == 0.5
     with pytest.raises(ConfigError, match="model.mean_field: must be true or false"):
         config_from_dict({**base, "model": {"n_items": 500, "mean_field": "yes"}})
 
