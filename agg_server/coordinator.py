@@ -291,6 +291,7 @@ class RoundCoordinator:
             assert isinstance(msg, ModelPayload)
             levels = (msg.item_levels,) if msg.item_levels else ()  # LightFR's item term (protocol 1.3)
             self._set_model(version, st.from_wire(msg.words, msg.values, *levels), payload)
+            self._resume_strategy(version)
             log.info("resumed from model version %d", version)
             return
         rng = self._rng(0)
@@ -328,7 +329,16 @@ class RoundCoordinator:
             return
         payload = self.storage.load_model(head)
         self._set_model(head, self._decode_model(head, payload), payload)
+        self._resume_strategy(head)
         log.info("model version %d (committed by another cohort) is the head now", head)
+
+    def _resume_strategy(self, version: int) -> None:
+        """Give the strategy back what it stored with ``version`` (e.g. LightFR's density-derived w0),
+        so the first round after a restart, or after another instance's commit, plans as the
+        uninterrupted server would have.  Strategies without `restore_state` keep nothing."""
+        restore = getattr(self.strategy, "restore_state", None)
+        if callable(restore):
+            restore(self.storage.strategy_state(version))
 
     def _refresh_ledger(self) -> None:
         if self.ledger is None:
@@ -927,7 +937,10 @@ class RoundCoordinator:
             )
         survivors, state, payload = prepared.survivors, prepared.state, prepared.payload
         base, rebased = self.model_version, 0
-        update = {"survivors": survivors, "epsilon_spent": epsilon, "sum_sha256": prepared.sum_sha256}
+        update: dict[str, Any] = {"survivors": survivors, "epsilon_spent": epsilon, "sum_sha256": prepared.sum_sha256}
+        carry = getattr(self.strategy, "carry_state", None)
+        if callable(carry):
+            update["strategy_state"] = carry()
         while True:
             try:
                 self.storage.commit_model(

@@ -26,6 +26,7 @@ from device_sdk.training import local_round
 from fedsim.faults import DropoutAt, FaultyTransport
 from fedsim.memory import InMemoryServer
 from protocol.errors import AuthError
+from protocol.families.lightfr import density_weight
 from protocol.policy import PrivacyPolicy
 from protocol.quantization import dequantize_sum
 from protocol.session import ACTIVE_PHASES
@@ -50,11 +51,14 @@ class RecordingStrategy:
         return self.inner.aggregate(state, total, survivors, rng, round_index=round_index)
 
 
-def _server(tmp_path: Path, *, dp: bool = True) -> tuple[InMemoryServer, RecordingStrategy]:
+def _server(
+    tmp_path: Path, *, dp: bool = True, unobserved_weight: float | str = 0.0
+) -> tuple[InMemoryServer, RecordingStrategy]:
+    model = {"n_items": N_ITEMS, "bits": BITS, "negatives": 2, "max_sweeps": 5, "unobserved_weight": unobserved_weight}
     config = config_from_dict(
         {
             "server": {"data_dir": str(tmp_path / "server")},
-            "model": {"n_items": N_ITEMS, "bits": BITS, "negatives": 2, "max_sweeps": 5, "unobserved_weight": 0.0},
+            "model": model,
             "rounds": {"cohort_size": COHORT, "min_cohort": 3, "clip_norm": 4.0, "scale_bits": 12, "seed": 5},
             "privacy": {"enabled": dp, "epsilon": 50.0, "planned_rounds": 4},
         },
@@ -203,6 +207,30 @@ async def test_the_identity_persists_across_a_restart(tmp_path: Path) -> None:
     again = _clients(server, tmp_path, {})[0]  # a new client on the same store folder
     assert again.device_id == device_id and await again.register() == device_id
     assert server.registrations == 1
+
+
+@pytest.mark.asyncio
+async def test_the_derived_w0_survives_a_server_restart(tmp_path: Path) -> None:
+    """w0 = "auto": the server derives w0 from each round's counts; a server restarted on the same
+    data_dir plans its first round with the w0 the last committed round derived, not the round-1 floor."""
+    server, strategy = _server(tmp_path, dp=False, unobserved_weight="auto")
+    floor = strategy.plan().unobserved_weight
+    clients = _clients(server, tmp_path, {})
+    outcomes = await _round(server, clients)
+    assert [o.status for o in outcomes] == [RoundStatus.COMMITTED] * COHORT
+    derived = strategy.plan().unobserved_weight
+    ((total, survivors),) = strategy.sums
+    counts = strategy.layout.split(total)["counts"]
+    assert derived == density_weight(float(counts.sum()), survivors, N_ITEMS, scale=strategy.unobserved_scale)
+    assert derived != floor  # 7 positives per device is above the one-per-device floor
+    assert server.coordinator.storage.strategy_state(2) == {"unobserved_weight": derived}
+
+    restarted, fresh = _server(tmp_path, dp=False, unobserved_weight="auto")
+    assert restarted.coordinator.model_version == 2
+    assert fresh.plan().unobserved_weight == derived  # was the floor before the w0 was stored
+    # A fixed w0 in the configuration wins over what was stored.
+    fixed, fixed_strategy = _server(tmp_path, dp=False, unobserved_weight=0.05)
+    assert fixed.coordinator.model_version == 2 and fixed_strategy.plan().unobserved_weight == 0.05
 
 
 @pytest.mark.asyncio

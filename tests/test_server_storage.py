@@ -286,6 +286,24 @@ def test_commit_model_is_one_transaction_with_ledger_and_round(storage: Storage,
     assert storage.checkpoints()[0].round_id == 1
 
 
+def test_strategy_state_is_stored_with_the_model_of_its_round(tmp_path: Path) -> None:
+    with Storage(tmp_path) as s:
+        devices = [s.add_device(_token(i), "linux", float(i)) for i in range(3)]
+        s.commit_model(1, None, _model(1), 1.0)
+        s.start_round(1, 1, devices, {"k": 3}, 2.0)
+        with pytest.raises(ValueError, match="strategy_state cannot be stored as JSON"):
+            s.commit_model(2, 1, _model(2), 3.0, round_update={"survivors": 4, "strategy_state": {"w": float("nan")}})
+        assert not (s.data_dir / "checkpoints" / "model-2.msgpack").exists()  # refused before the write
+        s.commit_model(2, 1, _model(2), 3.0, round_update={"survivors": 4, "strategy_state": {"w": 0.25}})
+        s.start_round(2, 2, devices, {}, 4.0)
+        s.commit_model(3, 2, _model(3), 5.0, round_update={"survivors": 4})
+    with Storage(tmp_path) as s:  # a restart reads it back; the round's other params are kept
+        assert s.strategy_state(2) == {"w": 0.25}
+        assert s.strategy_state(1) == {} and s.strategy_state(3) == {} and s.strategy_state(9) == {}
+        params = s.recent_rounds()[-1].params
+        assert params["k"] == 3 and params["strategy_state"] == {"w": 0.25}
+
+
 def test_commit_model_misuse(storage: Storage) -> None:
     storage.commit_model(3, None, _model(3), 1.0)
     with pytest.raises(StorageError, match="model version 3 is not newer than the committed 3"):

@@ -85,7 +85,7 @@ _ROUND_COLUMNS = (
     "round_id, started_at, finished_at, status, reason, base_model_version, new_model_version, "
     "cohort_size, survivors, epsilon_spent, params, cohort, revealed"
 )
-_ROUND_UPDATE_KEYS = frozenset({"survivors", "epsilon_spent", "reason", "sum_sha256"})
+_ROUND_UPDATE_KEYS = frozenset({"survivors", "epsilon_spent", "reason", "sum_sha256", "strategy_state"})
 
 
 def _check_id(name: str, value: object) -> int:
@@ -525,6 +525,7 @@ class Storage:
         epsilon_spent: float | None,
         now: float,
         sum_sha256: bytes | None = None,
+        strategy_state: Mapping[str, Any] | None = None,
     ) -> None:
         # Runs inside the caller's transaction (finish_round's own, or commit_model's), which holds the
         # rounds lock.
@@ -547,6 +548,11 @@ class Storage:
             if row is None:
                 raise StorageError(f"finish_round: round {rid} does not exist")
             raise StorageError(f"finish_round: round {rid} is already {row[0]}")
+        if strategy_state is not None:
+            row = conn.execute("SELECT params FROM rounds WHERE round_id = ?", (rid,)).fetchone()
+            params = json.loads(row[0]) if row is not None and row[0] else {}
+            params["strategy_state"] = dict(strategy_state)
+            conn.execute("UPDATE rounds SET params = ? WHERE round_id = ?", (_to_json("params", params), rid))
         if final is not RoundStatus.COMMITTED:
             _release_unrevealed(conn, [rid], self.where)
 
@@ -891,7 +897,8 @@ class Storage:
         round_update : dict or None
             If given, round ``round_id`` is finished as committed with ``new_model_version =
             model_version`` in the same transaction; allowed keys: "survivors", "epsilon_spent",
-            "reason", "sum_sha256".
+            "reason", "sum_sha256", "strategy_state" (a JSON-able mapping the strategy needs again
+            with this model, stored in the round's params; see `strategy_state`).
         fence : (cohort, token), optional
             The leader's lease (`LeaseLost` unless current).
         base_version : int, optional
@@ -926,6 +933,8 @@ class Storage:
             if unknown:
                 raise ValueError(f"round_update: unknown keys {sorted(unknown)}; allowed {sorted(_ROUND_UPDATE_KEYS)}")
             update = {"reason": "", "survivors": None, "epsilon_spent": None, **round_update}
+            if "strategy_state" in update:
+                _to_json("strategy_state", update["strategy_state"])  # refused before the file is written
         if base_version is not None and version != _check_id("base_version", base_version) + 1:
             raise ValueError(f"model_version {version} must be base_version + 1 = {base_version + 1}")
         self._check_newer(version, base=base_version)
@@ -1002,6 +1011,29 @@ class Storage:
         old = conn.execute("SELECT path FROM checkpoints WHERE model_version < ?", (row[0],)).fetchall()
         conn.execute("DELETE FROM checkpoints WHERE model_version < ?", (row[0],))
         return [str(r[0]) for r in old]
+
+    def strategy_state(self, model_version: int) -> dict[str, Any]:
+        """What the strategy stored with ``model_version`` when its round committed (the mapping given
+        as ``round_update["strategy_state"]`` to `commit_model`); empty for an initial model, a round
+        that stored nothing, or a version no round committed.
+
+        Raises
+        ------
+        StorageError
+            If the database fails or the stored value is not a JSON object.
+        """
+        version = _check_id("model_version", model_version)
+        with self._guard("strategy_state") as conn:
+            row = conn.execute(
+                "SELECT params FROM rounds WHERE new_model_version = ? AND status = ?",
+                (version, RoundStatus.COMMITTED.value),
+            ).fetchone()
+        if row is None or not row[0]:
+            return {}
+        state = json.loads(row[0]).get("strategy_state", {})
+        if not isinstance(state, dict):
+            raise StorageError(f"strategy_state: model version {version} has a malformed strategy state")
+        return state
 
     def load_latest_model(self) -> tuple[int, bytes] | None:
         """Return the newest intact checkpoint, falling back past missing or corrupted files.

@@ -252,7 +252,8 @@ class LightFRServerStrategy:
         server's configuration): each round the server sets w0 = κ · density^γ
         (`protocol.families.lightfr.density_weight`) from the counts slice of that round's sum, steps
         with it, and sends it in the next round's plan.  ``unobserved_weight`` is then only what the
-        devices of the first round (and of the first round after a restart) train with.
+        devices of the first round train with; the coordinator stores the derived value with each
+        committed model (`carry_state`, `restore_state`), so a restarted server plans with it.
     hamming_weight : B of the devices' integer score (f − Hamming)·B + level.
     learn_bias : learn item levels (otherwise every level stays 128, no item term).
     counts_share : the share s of the clip norm the devices give the counts part of their upload
@@ -331,6 +332,23 @@ class LightFRServerStrategy:
     def current_weight(self) -> float:
         """The w0 the next round's devices train with."""
         return self._derived[-1] if self._derived else float(self.unobserved_weight)
+
+    def carry_state(self) -> dict[str, float]:
+        """What the coordinator stores with a committed model and gives back to `restore_state` after a
+        restart: the density-derived w0 (empty when w0 is fixed or no round has been aggregated)."""
+        if self.unobserved_scale > 0 and self._derived:
+            return {"unobserved_weight": self._derived[-1]}
+        return {}
+
+    def restore_state(self, stored: dict[str, object]) -> None:
+        """Take back a `carry_state` mapping.  A fixed w0 (``unobserved_scale == 0``) ignores it; a value
+        outside (0, 1 + α] or not a number is refused with a ValueError naming it."""
+        if self.unobserved_scale == 0 or "unobserved_weight" not in stored:
+            return
+        w0 = stored["unobserved_weight"]
+        if isinstance(w0, bool) or not isinstance(w0, int | float) or not (0 < w0 <= 1.0 + self.confidence):
+            raise ValueError(f"stored unobserved_weight must be a number in (0, 1 + confidence], got {w0!r}")
+        self._derived[:] = [float(w0)]
 
     def codes(self, state: NDArray[np.int8]) -> NDArray[np.int8]:
         """The (m, f) item codes of a state."""
