@@ -518,6 +518,10 @@ class RoundCoordinator:
         for d in [d for d, t in self._pool.items() if now - t > ttl]:  # gone quiet: forget them
             del self._pool[d]
             self._pool_since.pop(d, None)
+        revoked = self.enrollment.revoked_devices()
+        for d in revoked.intersection(self._pool):  # revoked after registering: never drawn again
+            del self._pool[d]
+            self._pool_since.pop(d, None)
         fresh = sorted(self._pool)
         if len(fresh) < cfg.min_cohort:
             return

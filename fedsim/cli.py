@@ -36,6 +36,7 @@ from fedsim.families import FAMILY_DEFAULT_ROUNDS, simulate_family
 from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, run_lightfr, user_data
 from fedsim.report import result_record, write_json
 from fedsim.ui import progress, table
+from protocol.enrollment import DEFAULT_VALID_DAYS
 from protocol.errors import ConfigError, FedRecError
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
 from protocol.plan import LightFRParams
@@ -590,6 +591,36 @@ def build_parser() -> argparse.ArgumentParser:
         default="default",
         help="the batch (credential source) to issue under: the server rate-limits and caps each round's share "
         "per batch (default: 'default')",
+    )
+    ca_issue.add_argument(
+        "--valid-days",
+        type=float,
+        default=DEFAULT_VALID_DAYS,
+        metavar="DAYS",
+        help=f"how long the certificate is valid from now (default {DEFAULT_VALID_DAYS}); the server refuses it "
+        "at registration and devices refuse it in signed rounds outside that period",
+    )
+    ca_revoke = ca_sub.add_parser(
+        "revoke",
+        help="add device keys to the authority's signed revocation list (the file enrollment.revocation_list names)",
+        description="Writes the next revocation list: the keys of the existing FILE (checked against the authority) "
+        "plus the given ones (none: an empty first list), numbered one higher, signed by the authority, "
+        "replacing FILE atomically.  The server "
+        "reloads it when the file changes and refuses revoked devices at registration and in cohort draws.",
+    )
+    ca_revoke.add_argument("--key", type=Path, required=True, metavar="FILE", help="the authority key file")
+    ca_revoke.add_argument(
+        "--crl", type=Path, required=True, metavar="FILE", help="the revocation list to update or create"
+    )
+    ca_revoke.add_argument(
+        "--device-key", action="append", default=[], metavar="HEX", help="a device's Ed25519 public key (repeatable)"
+    )
+    ca_revoke.add_argument(
+        "--certificate",
+        action="append",
+        default=[],
+        metavar="HEX",
+        help="a certificate whose key to revoke (repeatable)",
     )
 
     data = sub.add_parser("data", help="list the datasets fedrec can find")
@@ -1440,13 +1471,45 @@ def _cmd_enroll_ca(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f'authority_key = "{authority.public_key.hex()}"\n')
         return 0
     authority = EnrollmentAuthority.load(args.key)
+    if args.ca_command == "revoke":
+        return _revoke(authority, args, out)
+    device_key = _hex_key("--device-key", args.device_key)
+    out.write(authority.issue(device_key, args.batch, valid_days=args.valid_days).hex() + "\n")
+    return 0
+
+
+def _hex_key(flag: str, text: str) -> bytes:
     try:
-        device_key = bytes.fromhex(args.device_key)
+        key = bytes.fromhex(text)
     except ValueError:
-        raise ConfigError(f"--device-key must be 64 hex digits, got {args.device_key!r}") from None
-    if len(device_key) != 32:
-        raise ConfigError(f"--device-key must be 64 hex digits (32 bytes), got {len(device_key)} bytes")
-    out.write(authority.issue(device_key, args.batch).hex() + "\n")
+        raise ConfigError(f"{flag} must be 64 hex digits, got {text!r}") from None
+    if len(key) != 32:
+        raise ConfigError(f"{flag} must be 64 hex digits (32 bytes), got {len(key)} bytes")
+    return key
+
+
+def _revoke(authority: Any, args: argparse.Namespace, out: TextIO) -> int:
+    from protocol import crypto
+    from protocol.enrollment import read_revocation_list, write_revocation_list
+
+    keys = [_hex_key("--device-key", k) for k in args.device_key]
+    for text in args.certificate:
+        try:
+            cert = bytes.fromhex(text)
+        except ValueError:
+            raise ConfigError(f"--certificate must be hex, got {text[:20]!r}...") from None
+        # revoking an expired certificate's key is fine: only the signature matters here
+        keys.append(crypto.read_certificate(cert, authority.public_key, check_period=False).subject)
+    if not keys and args.crl.exists():
+        raise ConfigError("enroll-ca revoke: name at least one --device-key or --certificate to add")
+    previous = None
+    if args.crl.exists():
+        read_revocation_list(args.crl, authority.public_key)  # refuses a tampered or foreign list by name
+        previous = args.crl.read_bytes()
+    data = authority.revoke(previous, keys)
+    write_revocation_list(args.crl, data)
+    crl = crypto.verify_revocation_list(data, authority.public_key)
+    out.write(f"revocation list #{crl.number} written to {args.crl}: {len(crl.device_keys)} device keys revoked\n")
     return 0
 
 
