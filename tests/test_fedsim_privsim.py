@@ -404,6 +404,7 @@ def test_scaled_mf_round_is_bit_identical_to_the_coordinator(
 
     n, rounds = 12, 2
     users = _mf_users(n)
+
     def cfg(where: str) -> ServerConfig:
         c = _config(tmp_path / where, "mf", n, dp=dp, rounds=rounds)
         from dataclasses import replace
