@@ -309,3 +309,33 @@ def test_the_cli_issues_certificates_with_a_period_and_revokes_them(
     assert read_revocation_list(crl, ca.public_key).device_keys == {device, other}
     crl.write_bytes(crl.read_bytes()[:-1] + bytes([crl.read_bytes()[-1] ^ 1]))
     assert cli_main(args) == 2 and "not signed by the enrollment authority" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("period", ["expired", "not yet valid"])
+def test_the_server_excludes_a_key_advertisement_under_a_certificate_outside_its_period(period: str) -> None:
+    # The server checks the period at `keys` too (a device registered before its certificate expired):
+    # the advertisement is refused with the typed error, and the round goes on without the device.
+    import numpy as np
+
+    from protocol.messages import PublicKeys
+    from tests.test_security import _drive, _signed_round
+
+    server, devices, inputs, authority, enrolled = _signed_round(n=8, t=3)
+    bad = 100
+    honest = devices[bad].send()
+    now = time.time()
+    window = (now - 10 * DAY, now - DAY) if period == "expired" else (now + DAY, now + 10 * DAY)
+    stale = crypto.issue_certificate(
+        authority, enrolled[bad][0].public_key, not_before=int(window[0]), not_after=int(window[1])
+    )
+    assert isinstance(honest, PublicKeys)
+    error = CertificateExpired if period == "expired" else CertificateNotYetValid
+    with pytest.raises(error, match=period):
+        server.receive(bad, dataclasses.replace(honest, certificate=stale))
+    del devices[bad]
+    masked = _drive(server, devices, inputs, {})
+    assert bad not in masked and server.result().survivors == frozenset(masked)
+    expected = np.zeros(16, dtype=np.uint32)
+    for u in masked:
+        expected += inputs[u]
+    assert np.array_equal(server.result().total, expected)
