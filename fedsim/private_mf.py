@@ -18,7 +18,7 @@ import math
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -315,3 +315,87 @@ def _popularity_release(
     rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
     counts = release_counts(_per_user(train), m, theta, qp, mu_pop, rng)
     return counts, mu_rounds, [(mu_pop, l1p, l2p)]
+
+
+@dataclass
+class ScaledMFResult:
+    """Factors, private counts and the ledger's ε of a scaled private MF run (`run_private_mf_scaled`)."""
+
+    user_factors: np.ndarray  # (n_users, f) after stage-3 fine-tuning against the final V
+    item_factors: np.ndarray  # (m, f) the server's final V
+    private_counts: np.ndarray | None  # the popularity release (None without the channel)
+    epsilon: float  # the ledger's (inf without DP)
+    mu: float  # every round's noise variance (quantized units)
+    mu_pop: float
+    committed: int
+    seconds: float
+    round_seconds: list[float]
+
+
+def run_private_mf_scaled(
+    train: Ratings,
+    settings: PrivateMFSettings,
+    *,
+    on_round: Callable[[int, float], None] | None = None,
+) -> ScaledMFResult:
+    """Private MF over every user of ``train`` in one cohort, through the simulator's scale mode
+    (`fedsim.privsim.MFCohort`: the devices' sparse uploads summed directly, the released noise drawn in
+    one piece; exact in distribution, no dropouts), with the private popularity channel of
+    `run_private_mf` (``pop_share`` of ε; without DP the same release without noise), then stage-3
+    fine-tuning of every user vector against the final V (on the device; nothing uploaded).
+
+    A simulation: the rounding coins and the noise come from seeded test streams, so the ε it reports is
+    the accountant's figure for the noise it draws, not a guarantee against whoever knows the seed.
+    """
+    from device_sdk.mf import fit_users
+    from fedsim.private_scale import _largest_scale_bits, _per_user, release_counts
+    from fedsim.privsim import MFCohort, PrivateSimulator
+    from protocol.families.mf import project_rows
+    from protocol.quantization import QuantizationConfig
+
+    start = time.perf_counter()
+    s = settings
+    n, m = train.n_users, train.n_items
+    idx = train.by_user()
+    users = [
+        (idx.items[lo:hi].astype(np.int64), idx.ratings[lo:hi].astype(np.float64))
+        for lo, hi in zip(idx.indptr[:-1], idx.indptr[1:], strict=True)
+    ]
+    with tempfile.TemporaryDirectory(prefix="fedrec-private-mf-") as tmp:
+        cfg = _server_config(Path(tmp), replace(s, cohort=n), m, n)
+        counts = None
+        mu_rounds: float | None = None
+        mu_pop = 0.0
+        charges: list[tuple[float, float, float]] = []
+        if s.pop_share > 0:
+            if s.epsilon > 0:
+                counts, mu_rounds, charges = _popularity_release(train, s, cfg)
+                mu_pop = charges[0][0]
+            else:
+                theta = s.pop_theta
+                qp = QuantizationConfig(clip_norm=math.sqrt(theta), scale_bits=_largest_scale_bits(n, math.sqrt(theta)))
+                rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
+                counts = release_counts(_per_user(train), m, theta, qp, 0.0, rng)
+        sim = PrivateSimulator(cfg, mu=mu_rounds)
+        for charge in charges:
+            assert sim.ledger is not None
+            sim.ledger.record_round(*charge)
+        cohort = MFCohort(users, m, s.factors, max_norm2=s.max_norm2)
+        round_seconds = []
+        for r in range(s.rounds):
+            out = sim.run_scaled_round(cohort, sim_seed=s.seed)
+            if out is None or not out.committed:
+                raise RuntimeError(f"round {r + 1} did not commit: {out}")
+            round_seconds.append(out.seconds)
+            if on_round is not None:
+                on_round(r + 1, out.seconds)
+    V = project_rows(np.asarray(sim.model_state, dtype=np.float64), s.max_norm2)  # what the devices download
+    # Stage 3 (`MFModel.fine_tune`): every user refits u against the final V on all its ratings.
+    owner = np.repeat(np.arange(n), np.diff(idx.indptr))
+    trained = cohort.trained
+    U = np.where(trained[:, None], cohort.user_factors, 0.0)
+    U = fit_users(U, V, owner, idx.items, idx.ratings, s.learning_rate, 0.0, s.max_norm2, s.fine_tune_epochs)
+    eps = sim.ledger.spent() if sim.ledger is not None else math.inf
+    return ScaledMFResult(
+        U, V, counts, eps, sim.mu, mu_pop, sim.model_version - 1, time.perf_counter() - start, round_seconds
+    )
