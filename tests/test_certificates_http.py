@@ -222,21 +222,47 @@ async def test_a_device_revoked_after_registering_is_never_drawn_again(aiohttp_s
     gone = clients[3]
     write_revocation_list(crl_path, ca.revoke(crl_path.read_bytes(), [gone.identity_public_key]))
 
-    async def revoked_device() -> list[RoundStatus]:
-        seen = []
-        for _ in range(40):
-            seen.append((await gone.run_round()).status)
+    async def revoked_device() -> list[str]:
+        refusals = []
+        for _ in range(20):  # it keeps trying while the others run their round
+            with pytest.raises(EnrollmentRefused) as refused:
+                await gone.run_round()
+            refusals.append(str(refused.value))
             await asyncio.sleep(0.05)
-        return seen
+        return refusals
 
     results = await asyncio.gather(*(_join(c) for c in clients[:3]), revoked_device())
     assert all(isinstance(r, RoundOutcome) and r.status is RoundStatus.COMMITTED for r in results[:3]), results
-    assert set(results[3]) == {RoundStatus.WAITED}  # checked in 40 times, never invited
+    assert all("revocation list #2" in why for why in results[3]), results[3]  # refused at every check-in
     coordinator = app[COORDINATOR]
     assert gone.device_id in coordinator.enrollment.revoked_devices()
-    assert coordinator.status(0.0)["recent_rounds"][0]["status"] == "committed"
+    (last,) = coordinator.status(0.0)["recent_rounds"][:1]
+    assert last["status"] == "committed"
     for c in clients:
         await c.close()
+
+
+@pytest.mark.asyncio
+async def test_a_device_revoked_while_waiting_in_the_pool_is_not_drawn(aiohttp_client: Any, tmp_path: Path) -> None:
+    ca = EnrollmentAuthority.generate()
+    crl_path = tmp_path / "ca.crl"
+    write_revocation_list(crl_path, ca.revoke(None, []))
+    enrollment = {"authority_key": ca.public_key.hex(), "revocation_list": str(crl_path)}
+    app = create_app(_config(tmp_path / "srv", cohort=4, enrollment=enrollment, min_cohort=3), clock=lambda: 1000.0)
+    client = await aiohttp_client(app)
+    keys = [crypto.SigningKey.generate() for _ in range(4)]
+    ids = []
+    for key in keys:
+        status, msg, _ = await _post(client, "/v1/devices", _register(ca.issue(key.public_key), key))
+        assert status == 201
+        ids.append(msg.device_id)
+    coord = app[COORDINATOR]
+    for d in ids:
+        coord.check_in(d, 1000.0)  # all four wait in the pool
+    write_revocation_list(crl_path, ca.revoke(crl_path.read_bytes(), [keys[0].public_key]))
+    coord.tick(1001.5)  # past the pool's short wait for a full cohort, before it forgets quiet devices
+    r = coord.open_round
+    assert r is not None and set(r.cohort) == set(ids[1:]), r.cohort
 
 
 # -- devices: a neighbour's certificate in a signed round ----------------------------------------------------
