@@ -365,3 +365,21 @@ def test_the_server_excludes_a_key_advertisement_under_a_certificate_outside_its
     for u in masked:
         expected += inputs[u]
     assert np.array_equal(server.result().total, expected)
+
+
+@pytest.mark.asyncio
+async def test_the_device_sdk_refuses_its_own_certificate_outside_its_period(
+    aiohttp_client: Any, tmp_path: Path
+) -> None:
+    ca = EnrollmentAuthority.generate()
+    app = create_app(_config(tmp_path / "srv", cohort=3, enrollment={"authority_key": ca.public_key.hex()}))
+    client = await aiohttp_client(app)
+    (sdk,) = _clients(str(client.make_url("")).rstrip("/"), tmp_path / "dev", 1, ca.public_key)
+    now = time.time()
+    with pytest.raises(CertificateExpired, match="expired"):
+        await sdk.register(certificate=_cert(ca, sdk.identity_public_key, now - 10 * DAY, now - DAY))
+    with pytest.raises(CertificateNotYetValid, match="not yet valid"):
+        await sdk.register(certificate=_cert(ca, sdk.identity_public_key, now + DAY, now + 10 * DAY))
+    assert app[COORDINATOR].storage.device_count() == 0  # nothing was sent
+    assert await sdk.register(certificate=ca.issue(sdk.identity_public_key, valid_days=1)) == 1
+    await sdk.close()
