@@ -50,6 +50,7 @@ from protocol.codec import decode, encode
 from protocol.errors import (
     AuthError,
     ConfigError,
+    EnrollmentRefused,
     FedRecError,
     LocalProtocolError,
     PermissionDenied,
@@ -479,7 +480,20 @@ class RoundCoordinator:
         return max(0.2, self.config.rounds.round_interval, len(self._pool) / CHECKIN_RATE)
 
     def check_in(self, device_id: int, now: float) -> RoundInvite | Wait:
-        """A device is available: invite it if it is in the open round's cohort, else pool it."""
+        """A device is available: invite it if it is in the open round's cohort, else pool it.
+
+        Raises
+        ------
+        EnrollmentRefused
+            The device's certified key is on the enrollment authority's revocation list.
+        """
+        if device_id in self.enrollment.revoked_devices():
+            crl = self.enrollment.revocation_list
+            number = f" #{crl.number}" if crl is not None else ""
+            raise EnrollmentRefused(
+                f"device {device_id}: its certified key is on the enrollment authority's revocation list{number}; "
+                "it takes part in no round"
+            )
         r = self._round
         if r is not None and device_id in r.session.invited:
             # The invitation is handed out while the round collects keys and the device has sent

@@ -168,7 +168,7 @@ def _run(root: Path, users: list, args: argparse.Namespace, attack: bool) -> dic
                 url=server.url, store_root=root / "devices", n_items=args.n_items, bits=args.bits, rounds=args.rounds
             )
             t0 = time.time()
-            report = run_loadtest(fleet, users, 1)
+            report = run_loadtest(fleet, users, args.workers, worker_nice=args.worker_nice)
             t1 = time.time()
             if attacker is not None:
                 attacker.wait(timeout=args.attack_seconds + 120)
@@ -220,6 +220,14 @@ def main() -> int:
     p.add_argument("--bits", type=int, default=64)
     p.add_argument("--attack-seconds", type=float, default=20.0)
     p.add_argument("--body-timeout", type=float, default=30.0, help="server.body_timeout")
+    p.add_argument("--workers", type=int, default=1, help="fleet worker processes (1: the fleet runs in this process)")
+    p.add_argument(
+        "--worker-nice",
+        type=int,
+        default=0,
+        help="with --workers > 1, lower the fleet workers' priority by this much, so that the honest devices "
+        "(which share this machine's cores with the server only in a benchmark) do not set the server's latency",
+    )
     args = p.parse_args()
     data = synthetic(n_users=args.devices, n_items=args.n_items, ratings_per_user=40, seed=0)
     users = []
@@ -235,6 +243,8 @@ def main() -> int:
     summary = {
         "L": args.n_items * args.bits,
         "devices": args.devices,
+        "workers": args.workers,
+        "worker_nice": args.worker_nice,
         "honest": honest,
         "attacked": attacked,
         "peak_ratio": round(attacked["server_peak_rss_mb"] / honest["server_peak_rss_mb"], 2),

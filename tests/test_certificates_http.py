@@ -222,21 +222,47 @@ async def test_a_device_revoked_after_registering_is_never_drawn_again(aiohttp_s
     gone = clients[3]
     write_revocation_list(crl_path, ca.revoke(crl_path.read_bytes(), [gone.identity_public_key]))
 
-    async def revoked_device() -> list[RoundStatus]:
-        seen = []
-        for _ in range(40):
-            seen.append((await gone.run_round()).status)
+    async def revoked_device() -> list[str]:
+        refusals = []
+        for _ in range(20):  # it keeps trying while the others run their round
+            with pytest.raises(EnrollmentRefused) as refused:
+                await gone.run_round()
+            refusals.append(str(refused.value))
             await asyncio.sleep(0.05)
-        return seen
+        return refusals
 
     results = await asyncio.gather(*(_join(c) for c in clients[:3]), revoked_device())
     assert all(isinstance(r, RoundOutcome) and r.status is RoundStatus.COMMITTED for r in results[:3]), results
-    assert set(results[3]) == {RoundStatus.WAITED}  # checked in 40 times, never invited
+    assert all("revocation list #2" in why for why in results[3]), results[3]  # refused at every check-in
     coordinator = app[COORDINATOR]
     assert gone.device_id in coordinator.enrollment.revoked_devices()
-    assert coordinator.status(0.0)["recent_rounds"][0]["status"] == "committed"
+    (last,) = coordinator.status(0.0)["recent_rounds"][:1]
+    assert last["status"] == "committed"
     for c in clients:
         await c.close()
+
+
+@pytest.mark.asyncio
+async def test_a_device_revoked_while_waiting_in_the_pool_is_not_drawn(aiohttp_client: Any, tmp_path: Path) -> None:
+    ca = EnrollmentAuthority.generate()
+    crl_path = tmp_path / "ca.crl"
+    write_revocation_list(crl_path, ca.revoke(None, []))
+    enrollment = {"authority_key": ca.public_key.hex(), "revocation_list": str(crl_path)}
+    app = create_app(_config(tmp_path / "srv", cohort=4, enrollment=enrollment, min_cohort=3), clock=lambda: 1000.0)
+    client = await aiohttp_client(app)
+    keys = [crypto.SigningKey.generate() for _ in range(4)]
+    ids = []
+    for key in keys:
+        status, msg, _ = await _post(client, "/v1/devices", _register(ca.issue(key.public_key), key))
+        assert status == 201
+        ids.append(msg.device_id)
+    coord = app[COORDINATOR]
+    for d in ids:
+        coord.check_in(d, 1000.0)  # all four wait in the pool
+    write_revocation_list(crl_path, ca.revoke(crl_path.read_bytes(), [keys[0].public_key]))
+    coord.tick(1001.5)  # past the pool's short wait for a full cohort, before it forgets quiet devices
+    r = coord.open_round
+    assert r is not None and set(r.cohort) == set(ids[1:]), r.cohort
 
 
 # -- devices: a neighbour's certificate in a signed round ----------------------------------------------------
@@ -309,3 +335,51 @@ def test_the_cli_issues_certificates_with_a_period_and_revokes_them(
     assert read_revocation_list(crl, ca.public_key).device_keys == {device, other}
     crl.write_bytes(crl.read_bytes()[:-1] + bytes([crl.read_bytes()[-1] ^ 1]))
     assert cli_main(args) == 2 and "not signed by the enrollment authority" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("period", ["expired", "not yet valid"])
+def test_the_server_excludes_a_key_advertisement_under_a_certificate_outside_its_period(period: str) -> None:
+    # The server checks the period at `keys` too (a device registered before its certificate expired):
+    # the advertisement is refused with the typed error, and the round goes on without the device.
+    import numpy as np
+
+    from protocol.messages import PublicKeys
+    from tests.test_security import _drive, _signed_round
+
+    server, devices, inputs, authority, enrolled = _signed_round(n=8, t=3)
+    bad = 100
+    honest = devices[bad].send()
+    now = time.time()
+    window = (now - 10 * DAY, now - DAY) if period == "expired" else (now + DAY, now + 10 * DAY)
+    stale = crypto.issue_certificate(
+        authority, enrolled[bad][0].public_key, not_before=int(window[0]), not_after=int(window[1])
+    )
+    assert isinstance(honest, PublicKeys)
+    error = CertificateExpired if period == "expired" else CertificateNotYetValid
+    with pytest.raises(error, match=period):
+        server.receive(bad, dataclasses.replace(honest, certificate=stale))
+    del devices[bad]
+    masked = _drive(server, devices, inputs, {})
+    assert bad not in masked and server.result().survivors == frozenset(masked)
+    expected = np.zeros(16, dtype=np.uint32)
+    for u in masked:
+        expected += inputs[u]
+    assert np.array_equal(server.result().total, expected)
+
+
+@pytest.mark.asyncio
+async def test_the_device_sdk_refuses_its_own_certificate_outside_its_period(
+    aiohttp_client: Any, tmp_path: Path
+) -> None:
+    ca = EnrollmentAuthority.generate()
+    app = create_app(_config(tmp_path / "srv", cohort=3, enrollment={"authority_key": ca.public_key.hex()}))
+    client = await aiohttp_client(app)
+    (sdk,) = _clients(str(client.make_url("")).rstrip("/"), tmp_path / "dev", 1, ca.public_key)
+    now = time.time()
+    with pytest.raises(CertificateExpired, match="expired"):
+        await sdk.register(certificate=_cert(ca, sdk.identity_public_key, now - 10 * DAY, now - DAY))
+    with pytest.raises(CertificateNotYetValid, match="not yet valid"):
+        await sdk.register(certificate=_cert(ca, sdk.identity_public_key, now + DAY, now + 10 * DAY))
+    assert app[COORDINATOR].storage.device_count() == 0  # nothing was sent
+    assert await sdk.register(certificate=ca.issue(sdk.identity_public_key, valid_days=1)) == 1
+    await sdk.close()

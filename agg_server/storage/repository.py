@@ -362,7 +362,7 @@ class Storage:
 
     def devices_with_identity(self, identity_keys: Sequence[bytes]) -> list[int]:
         """The registered devices whose certified identity key is one of ``identity_keys`` (ascending)."""
-        keys = [bytes(k) for k in identity_keys]
+        keys = sorted({bytes(k) for k in identity_keys})
         if any(len(k) != 32 for k in keys):
             raise ValueError("identity keys are 32 bytes")
         out: list[int] = []
