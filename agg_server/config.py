@@ -579,7 +579,14 @@ class EnrollmentSection:
     registrations_per_second : float
         Sustained registrations accepted per credential source (> 0); beyond it 429 with ``Retry-After``.
     registration_burst : int
-        Registrations one source may make at once before the rate applies (>= 1).
+        Registrations one source may make at once before the rate applies (>= 1).  Rate-limit buckets
+        live in each server instance's memory (docs/threat-model.md §6).
+    revocation_list : Path or None
+        The enrollment authority's signed revocation list (``fedrec enroll-ca revoke`` writes it; needs
+        ``authority_key``).  It must exist and verify when the server starts; the server re-reads it when
+        the file changes, refuses the devices it names at registration and leaves them out of every cohort
+        draw.  A replacement that does not verify or carries a lower number is refused (logged) and the
+        list in force stays.
     """
 
     authority_key: str | None = None
@@ -587,6 +594,7 @@ class EnrollmentSection:
     max_source_share: float = 1.0
     registrations_per_second: float = 20.0
     registration_burst: int = 100
+    revocation_list: Path | None = None
 
     def __post_init__(self) -> None:
         key = self.authority_key
@@ -612,6 +620,11 @@ class EnrollmentSection:
             _float("enrollment.registrations_per_second", self.registrations_per_second, lo=0.0, lo_open=True),
         )
         _int("enrollment.registration_burst", self.registration_burst, lo=1)
+        _set(self, "revocation_list", _optional_path("enrollment.revocation_list", self.revocation_list))
+        if self.revocation_list is not None and key is None:
+            raise ConfigError(
+                "enrollment.revocation_list: needs enrollment.authority_key (the list is checked against it)"
+            )
 
     @property
     def authority_public_key(self) -> bytes:
@@ -807,7 +820,7 @@ _REMOVED: dict[tuple[str, str], str] = {
     ("model", "rating_max"): _DEVICE_SIDE,
     ("model", "binary_positives"): _DEVICE_SIDE,
 }
-_PATH_KEYS = {("server", "data_dir"), ("server", "tls_cert"), ("server", "tls_key")}
+_PATH_KEYS = {("server", "data_dir"), ("server", "tls_cert"), ("server", "tls_key"), ("enrollment", "revocation_list")}
 _REQUIRED = (("server", "data_dir"), ("model", "n_items"))
 
 

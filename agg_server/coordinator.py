@@ -50,6 +50,7 @@ from protocol.codec import decode, encode
 from protocol.errors import (
     AuthError,
     ConfigError,
+    EnrollmentRefused,
     FedRecError,
     LocalProtocolError,
     PermissionDenied,
@@ -479,7 +480,20 @@ class RoundCoordinator:
         return max(0.2, self.config.rounds.round_interval, len(self._pool) / CHECKIN_RATE)
 
     def check_in(self, device_id: int, now: float) -> RoundInvite | Wait:
-        """A device is available: invite it if it is in the open round's cohort, else pool it."""
+        """A device is available: invite it if it is in the open round's cohort, else pool it.
+
+        Raises
+        ------
+        EnrollmentRefused
+            The device's certified key is on the enrollment authority's revocation list.
+        """
+        if device_id in self.enrollment.revoked_devices():
+            crl = self.enrollment.revocation_list
+            number = f" #{crl.number}" if crl is not None else ""
+            raise EnrollmentRefused(
+                f"device {device_id}: its certified key is on the enrollment authority's revocation list{number}; "
+                "it takes part in no round"
+            )
         r = self._round
         if r is not None and device_id in r.session.invited:
             # The invitation is handed out while the round collects keys and the device has sent
@@ -516,6 +530,10 @@ class RoundCoordinator:
             return
         ttl = 10 * self.retry_after
         for d in [d for d, t in self._pool.items() if now - t > ttl]:  # gone quiet: forget them
+            del self._pool[d]
+            self._pool_since.pop(d, None)
+        revoked = self.enrollment.revoked_devices()
+        for d in revoked.intersection(self._pool):  # revoked after registering: never drawn again
             del self._pool[d]
             self._pool_since.pop(d, None)
         fresh = sorted(self._pool)

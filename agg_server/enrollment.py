@@ -10,13 +10,18 @@ Invariants:
   cohort cap count per source.
 - A certified identity key registers once, a token is consumed once (both in the same database
   transaction as the new device); tokens are stored as SHA-256 only.
-- Nothing here touches the network or the clock: the caller passes ``now``.
+- Nothing here touches the network; the caller passes ``now`` for rate limits, and certificates' validity
+  periods are checked against the wall clock (``time.time()``, the clock the authority stamped them with).
+- The revocation list in force only moves forward: it is replaced by a list of the authority with a
+  higher (or equal, unchanged) number, never by one that fails to verify or goes back.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
+import os
 import re
 import secrets
 from collections import Counter
@@ -28,7 +33,8 @@ import numpy as np
 from agg_server.config import ServerConfig
 from agg_server.storage import Storage
 from protocol import crypto
-from protocol.errors import CryptoError, EnrollmentRefused, RateLimited
+from protocol.enrollment import read_revocation_list
+from protocol.errors import CryptoError, EnrollmentRefused, RateLimited, RevocationListInvalid
 
 __all__ = ["Enrollment", "Credential", "capped_cohort", "TOKEN_LABEL", "MAX_TOKENS_PER_REQUEST"]
 
@@ -36,6 +42,7 @@ __all__ = ["Enrollment", "Credential", "capped_cohort", "TOKEN_LABEL", "MAX_TOKE
 TOKEN_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_TOKENS_PER_REQUEST = 10_000
 OPEN_SOURCE = "open"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +80,66 @@ class Enrollment:
         self.open = self.config.registration_is_open(config.listen.host)
         self._buckets: dict[str, _Bucket] = {}
         self._sources: dict[int, str] = {}
+        self._crl_path = self.config.revocation_list
+        self._crl: crypto.RevocationList | None = None
+        self._crl_stamp: tuple[int, int, int] | None = None
+        self._revoked_ids: frozenset[int] = frozenset()
+        if self._crl_path is not None:
+            # At start-up a list that is missing, tampered with or foreign stops the server (fail closed).
+            self._load_crl(read_revocation_list(self._crl_path, self.authority), self._stamp())
+
+    # -- revocation -----------------------------------------------------------------------------------
+    def _stamp(self) -> tuple[int, int, int] | None:
+        assert self._crl_path is not None
+        try:
+            st = os.stat(self._crl_path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _load_crl(self, crl: crypto.RevocationList, stamp: tuple[int, int, int] | None) -> None:
+        self._crl = crl
+        self._crl_stamp = stamp
+        self._revoked_ids = frozenset(self.storage.devices_with_identity(sorted(crl.device_keys)))
+        log.info(
+            "revocation list #%d in force: %d device keys revoked, %d registered devices excluded",
+            crl.number,
+            len(crl.device_keys),
+            len(self._revoked_ids),
+        )
+
+    def refresh_revocations(self) -> None:
+        """Re-read the revocation list if its file changed; a replacement that does not verify or has a
+        lower number is refused (logged, with the check it failed) and the list in force stays."""
+        if self._crl_path is None:
+            return
+        stamp = self._stamp()
+        if stamp == self._crl_stamp:
+            return
+        self._crl_stamp = stamp
+        try:
+            if stamp is None:
+                raise RevocationListInvalid(f"the revocation list {self._crl_path} is gone")
+            crl = read_revocation_list(self._crl_path, self.authority)
+            if self._crl is not None and crl.number < self._crl.number:
+                raise RevocationListInvalid(
+                    f"{self._crl_path}: revocation list #{crl.number} is older than #{self._crl.number} in force "
+                    "(a rollback)"
+                )
+        except RevocationListInvalid as exc:
+            log.error("revocation list refused, the list in force stays: %s", exc)
+            return
+        self._load_crl(crl, stamp)
+
+    @property
+    def revocation_list(self) -> crypto.RevocationList | None:
+        """The revocation list in force (None without ``enrollment.revocation_list``)."""
+        return self._crl
+
+    def revoked_devices(self) -> frozenset[int]:
+        """Registered devices whose certified key the list in force revokes (re-read if the file changed)."""
+        self.refresh_revocations()
+        return self._revoked_ids
 
     # -- credentials --------------------------------------------------------------------------------
     def check(self, *, certificate: bytes, proof: bytes, token: str, peer: str) -> Credential:
@@ -81,15 +148,18 @@ class Enrollment:
         Raises
         ------
         EnrollmentRefused
-            No credential where one is required, a certificate that is forged, foreign or lacks a valid
-            proof, a certificate on a server without an authority, a token on a server that enrolls by
-            certificate, or an unknown or used token.
+            No credential where one is required, a certificate that is forged, foreign, outside its validity
+            period (the message says "expired" or "not yet valid"), revoked, or without a valid proof; a
+            certificate on a server without an authority, a token on a server that enrolls by certificate,
+            or an unknown or used token.
         """
         if certificate:
             if not self.authority:
                 raise EnrollmentRefused("this server has no enrollment authority; it does not take certificates")
+            self.refresh_revocations()
+            revoked: crypto.RevocationList | frozenset[bytes] = self._crl if self._crl is not None else frozenset()
             try:
-                identity = crypto.verify_certificate(certificate, self.authority)
+                identity = crypto.verify_certificate(certificate, self.authority, revoked=revoked)
                 crypto.verify_signature(identity, proof, crypto.registration_payload(certificate))
             except CryptoError as exc:
                 raise EnrollmentRefused(f"certificate refused: {exc}") from None

@@ -12,9 +12,12 @@ user's train set, random ties, over the subsample's users with a test item.
 - LightFR: `fedsim.private_scale` (private popularity release with ``--pop-share`` of ε, T rounds through
   the private-round simulator, noise-aware aggregation, item level α chosen on a validation item carved
   from each user's train); the α = ∞ scorer is private popularity, the floor line.
-- MF: `fedsim.private_mf` (real `MFModel` devices, rounds through the simulator with the survivors' noise
-  drawn in one piece), scored by full ranking with its factors; only at the sizes in ``--mf-sizes``
-  (each device builds a dense m·f update, so larger cohorts take too long here).
+- MF: `fedsim.private_mf.run_private_mf_scaled` (every device's `MFModel.local_update` batched by
+  `fedsim.privsim.MFCohort`: only the rows of its kept and negative items are built, clipped and rounded,
+  and summed sparsely; the released noise drawn in one piece), the same private popularity channel,
+  u·v + α·level ranked with α chosen on the carved validation item; at the sizes in ``--mf-sizes``.
+  f = 32, R = 1, θ = 20 with one negative each, C, γ and T from ``--mf-clip``, ``--mf-server-lr``,
+  ``--mf-rounds``.
 
 Writes ``privacy_utility.md`` (the table) and ``privacy_utility.png`` into ``--out``.
 """
@@ -30,7 +33,6 @@ from pathlib import Path
 import numpy as np
 
 from fedsim.datasets import Ratings, TrainTestSplit, load_amazon_book
-from fedsim.evaluation import evaluate_all_items
 from fedsim.private_scale import ScaledSettings, evaluate_private
 
 
@@ -57,37 +59,43 @@ def subsample(data: TrainTestSplit, n: int, seed: int) -> TrainTestSplit:
     return TrainTestSplit(cut(data.train), cut(data.test), f"{data.name}[{n}]")
 
 
-def run_mf(data: TrainTestSplit, epsilon: float, rounds: int, seed: int) -> dict[str, float]:
-    from fedsim.private_mf import PrivateMFSettings, run_private_mf
+def run_mf(
+    data: TrainTestSplit, epsilon: float, args: argparse.Namespace, *, test_users: int | None = None
+) -> dict[str, object]:
+    """Private MF over every user of ``data`` through the simulator's scale mode
+    (`fedsim.private_mf.evaluate_private_mf_scaled`: u·v + α·level, α chosen on a carved validation item)."""
+    from fedsim.private_mf import IMPLICIT_MF, evaluate_private_mf_scaled
 
-    train, test = data.train, data.test
-    settings = PrivateMFSettings(
+    settings = replace(
+        IMPLICIT_MF,
         epsilon=epsilon,
-        rounds=rounds,
-        cohort=train.n_users,
-        max_norm2=1.0,
-        factors=32,
-        negatives=1,
-        example_cap=20,
-        seed=seed,
+        rounds=args.mf_rounds,
+        clip_norm=args.mf_clip,
+        server_lr=args.mf_server_lr,
+        pop_share=args.pop_share,
+        seed=args.seed,
     )
-    # MF's own evaluation needs candidate blocks; full ranking uses the factors below instead.
-    from fedsim.evaluation import sample_test_blocks
-    from fedsim.experiment import Candidates
-
-    users, cands = sample_test_blocks(train, test, 99, seed)
-    res = run_private_mf(train, test, Candidates(users, cands), settings)
-    r = evaluate_all_items((res.user_factors, res.item_factors), train, test, k=20, seed=0)
-    return {"recall@20": r.recall, "ndcg@20": r.ndcg, "epsilon": res.epsilon_user}
+    metrics, extra = evaluate_private_mf_scaled(data, settings, eval_seed=0, val_users=4000, test_users=test_users)
+    return {
+        "recall@20": metrics["model"]["recall@20"],
+        "ndcg@20": metrics["model"]["ndcg@20"],
+        "mf_alone": metrics["mf_alone"]["recall@20"],
+        "alpha": extra["alpha"] if extra["alpha"] != "popularity only" else math.inf,
+        "epsilon": extra["epsilon"],
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000, 20000, 70679])
-    p.add_argument("--mf-sizes", type=int, nargs="*", default=[1000, 5000])
+    p.add_argument("--mf-sizes", type=int, nargs="*", default=[1000, 5000, 20000, 70679])
     p.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0, math.inf])
     p.add_argument("--rounds", type=int, default=3, help="LightFR rounds")
     p.add_argument("--mf-rounds", type=int, default=5)
+    # MF's C, γ and T: the best validation Recall@20 at 5,000 devices and ε = 8 among C in {0.25, 0.5, 2, 20},
+    # γ in {30, 100} (0.3 to 3000 without DP) and T in {5, 10, 20} (docs/dp-accounting.md §8).
+    p.add_argument("--mf-clip", type=float, default=0.5, help="MF clip norm C")
+    p.add_argument("--mf-server-lr", type=float, default=100.0, help="MF server step γ (on the survivors' mean)")
     p.add_argument("--pop-share", type=float, default=0.5)
     p.add_argument("--threshold", type=float, default=0.0)
     p.add_argument(
@@ -124,9 +132,9 @@ def main() -> None:
                 else float(args.unobserved_weight),
             )
             metrics, extra = evaluate_private(data, settings, eval_seed=0, val_users=4000, test_users=args.test_users)
-            mf = {"recall@20": float("nan")}
+            mf: dict[str, object] = {"recall@20": float("nan")}
             if n in args.mf_sizes:
-                mf = run_mf(data, eps if private else 0.0, args.mf_rounds, args.seed)
+                mf = run_mf(data, eps if private else 0.0, args, test_users=args.test_users)
             secs = time.perf_counter() - t
             spent = extra["epsilon"]
             pop = metrics["popularity"]["recall@20"]
@@ -137,13 +145,16 @@ def main() -> None:
                 "lightfr": metrics["model"]["recall@20"],
                 "private_popularity": metrics["private_popularity"]["recall@20"],
                 "mf": mf["recall@20"],
+                "mf_alpha": mf.get("alpha"),
+                "mf_alone": mf.get("mf_alone"),
                 "popularity": pop,
                 "alpha": extra["alpha"],
                 "seconds": secs,
             }
             rows.append(row)
             eps_text = f"{eps:g} ({spent:.3f})" if private else "∞"
-            mf_text = "—" if math.isnan(mf["recall@20"]) else f"{mf['recall@20']:.4f}"
+            mf_r = float(mf["recall@20"])  # type: ignore[arg-type]
+            mf_text = "—" if math.isnan(mf_r) else f"{mf_r:.4f} (α={mf['alpha']}; u·v alone {mf['mf_alone']:.4f})"
             line = (
                 f"| {data.train.n_users} | {eps_text} | {row['lightfr']:.4f} (α={extra['alpha']}) | "
                 f"{row['private_popularity']:.4f} | {mf_text} | {pop:.4f} | {secs:.0f} |"
@@ -154,7 +165,8 @@ def main() -> None:
         f"amazon-book (KGAT split), users subsampled (seed {args.seed}), all 24,915 items; user-level ε at "
         "δ=1e-5, every device in every round; Recall@20 full ranking, random ties. LightFR: "
         f"{args.rounds} rounds, f=64, θ=50, C=4, no negatives, noise-aware threshold {args.threshold}σ, "
-        f"popularity share {args.pop_share}. Command: python benchmarks/privacy_utility.py"
+        f"popularity share {args.pop_share}. MF: {args.mf_rounds} rounds, f=32, R=1, θ=20, 1 negative, "
+        f"C={args.mf_clip}, γ={args.mf_server_lr}. Command: python benchmarks/privacy_utility.py"
     )
     (args.out / "privacy_utility.md").write_text(header + "\n\n" + "\n".join(table) + "\n")
     _plot(rows, args.out / "privacy_utility.png")

@@ -35,6 +35,7 @@ from fedsim.families import FAMILY_DEFAULT_ROUNDS, simulate_family
 from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, run_lightfr, user_data
 from fedsim.report import result_record, write_json
 from fedsim.ui import progress, table
+from protocol.enrollment import DEFAULT_VALID_DAYS
 from protocol.errors import ConfigError, FedRecError
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
 from protocol.plan import LightFRParams
@@ -612,6 +613,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="the batch (credential source) to issue under: the server rate-limits and caps each round's share "
         "per batch (default: 'default')",
     )
+    ca_issue.add_argument(
+        "--valid-days",
+        type=float,
+        default=DEFAULT_VALID_DAYS,
+        metavar="DAYS",
+        help=f"how long the certificate is valid from now (default {DEFAULT_VALID_DAYS}); the server refuses it "
+        "at registration and devices refuse it in signed rounds outside that period",
+    )
+    ca_revoke = ca_sub.add_parser(
+        "revoke",
+        help="add device keys to the authority's signed revocation list (the file enrollment.revocation_list names)",
+        description="Writes the next revocation list: the keys of the existing FILE (checked against the authority) "
+        "plus the given ones (none: an empty first list), numbered one higher, signed by the authority, "
+        "replacing FILE atomically.  The server "
+        "reloads it when the file changes and refuses revoked devices at registration and in cohort draws.",
+    )
+    ca_revoke.add_argument("--key", type=Path, required=True, metavar="FILE", help="the authority key file")
+    ca_revoke.add_argument(
+        "--crl", type=Path, required=True, metavar="FILE", help="the revocation list to update or create"
+    )
+    ca_revoke.add_argument(
+        "--device-key", action="append", default=[], metavar="HEX", help="a device's Ed25519 public key (repeatable)"
+    )
+    ca_revoke.add_argument(
+        "--certificate",
+        action="append",
+        default=[],
+        metavar="HEX",
+        help="a certificate whose key to revoke (repeatable)",
+    )
 
     data = sub.add_parser("data", help="list the datasets fedrec can find")
     data.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
@@ -855,7 +886,7 @@ _APPLIES_TO: dict[str, tuple[str, ...]] = {
         ("lightfr",),
     ),
     "eval_every": ("lightfr",),
-    "json": ("lightfr",),
+    "json": ("lightfr", "mf"),
     "eval_seed": ("lightfr", "mf"),
     "fraction": ("lightfr", "mf"),
     "eval_negatives": ("lightfr", "mf"),
@@ -940,6 +971,10 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
         if args.save is not None:
             raise ConfigError("--save is not available for private LightFR runs (--epsilon) yet; drop --save")
         return _simulate_private_lightfr(args, out)
+    if args.model == "mf" and args.dataset not in (None, "planted", "synthetic"):
+        published = load_dataset(args.dataset, _data_dir(args.data_dir))
+        if isinstance(published, TrainTestSplit):
+            return _simulate_mf_published(args, published, out)
     if args.rounds is None:
         args.rounds = FAMILY_DEFAULT_ROUNDS[args.model]
     if args.model != "lightfr":
@@ -1098,6 +1133,76 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
             metrics=metrics,
             epsilon=extra["epsilon"],
             delta=extra["delta"],
+        )
+        write_json(record, sys.stdout)
+    return 0
+
+
+def _simulate_mf_published(args: argparse.Namespace, data: TrainTestSplit, out: TextIO) -> int:
+    """``simulate --model mf`` on a published split (amazon-book): every user a device in every round through
+    the simulator's sparse MF cohort (`fedsim.private_mf.evaluate_private_mf_scaled`), private with
+    ``--epsilon`` (the private popularity channel taking half of it), full ranking beside the baselines.
+    Options left at their defaults take `fedsim.private_mf.IMPLICIT_MF`'s (chosen on validation)."""
+    from fedsim.private_mf import IMPLICIT_MF, evaluate_private_mf_scaled
+
+    t0 = time.perf_counter()
+    defaults = build_parser().parse_args(["simulate"])
+    if args.silos:
+        raise ConfigError("--silos runs MF on rating logs only; a published split has one device per user")
+    if args.save is not None:
+        raise ConfigError("--save is not available for MF on a published split yet; drop --save")
+
+    def given(dest: str, fallback: Any) -> Any:
+        value = getattr(args, dest)
+        return fallback if value == getattr(defaults, dest) else value
+
+    settings = dataclasses.replace(
+        IMPLICIT_MF,
+        epsilon=args.epsilon,
+        rounds=args.rounds if args.rounds is not None else IMPLICIT_MF.rounds,
+        factors=args.rank or IMPLICIT_MF.factors,
+        clip_norm=given("clip_norm", IMPLICIT_MF.clip_norm),
+        example_cap=given("example_cap", IMPLICIT_MF.example_cap),
+        server_lr=given("server_lr", IMPLICIT_MF.server_lr),
+        learning_rate=args.lr,
+        max_norm2=args.max_norm2 if args.max_norm2 is not None else IMPLICIT_MF.max_norm2,
+        seed=args.seed,
+    )
+    s = settings
+    out.write(
+        f"private MF on {args.dataset}: {data.train.n_users} devices, every one in every round; "
+        + (f"ε={s.epsilon:g} at δ=1e-5 " if s.epsilon > 0 else "no DP noise, ")
+        + f"over a private popularity release ({s.pop_share:g} of ε, θ={s.pop_theta}) and T={s.rounds} rounds, "
+        f"f={s.factors}, R={s.max_norm2:g}, θ={s.example_cap} with {s.negatives} negative each, C={s.clip_norm:g}, "
+        f"server step {s.server_lr:g}; rounds through the private-round simulator (fedsim.privsim.MFCohort)\n"
+    )
+
+    def on_round(r: int, seconds: float) -> None:
+        if not getattr(args, "quiet", False):
+            out.write(f"  round {r}/{s.rounds}: {seconds:.1f} s\n")
+            out.flush()
+
+    metrics, extra = evaluate_private_mf_scaled(data, settings, eval_seed=args.eval_seed, on_round=on_round)
+    keys = sorted({k for m in metrics.values() for k in m})
+    rows = [["model", *keys]]
+    for name, values in metrics.items():
+        rows.append([name, *(f"{values[k]:.4f}" for k in keys)])
+    _table(rows, out)
+    spent = f"ε spent {extra['epsilon']:.3f} at δ={extra['delta']:g} (the ledger's RDP composition of every release)"
+    out.write(
+        (spent if s.epsilon > 0 else "no DP noise")
+        + f"; u·v + α·level with α={extra['alpha']} chosen on validation; full ranking, random ties\n"
+    )
+    seconds = time.perf_counter() - t0
+    out.write(f"done in {seconds:.1f} s\n")
+    if args.json:
+        record = result_record(
+            dataset=str(args.dataset),
+            protocol=str(extra["protocol"]),
+            rounds=s.rounds,
+            seconds=seconds,
+            metrics=metrics,
+            **({"epsilon": extra["epsilon"], "delta": extra["delta"]} if s.epsilon > 0 else {}),
         )
         write_json(record, sys.stdout)
     return 0
@@ -1485,13 +1590,45 @@ def _cmd_enroll_ca(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f'authority_key = "{authority.public_key.hex()}"\n')
         return 0
     authority = EnrollmentAuthority.load(args.key)
+    if args.ca_command == "revoke":
+        return _revoke(authority, args, out)
+    device_key = _hex_key("--device-key", args.device_key)
+    out.write(authority.issue(device_key, args.batch, valid_days=args.valid_days).hex() + "\n")
+    return 0
+
+
+def _hex_key(flag: str, text: str) -> bytes:
     try:
-        device_key = bytes.fromhex(args.device_key)
+        key = bytes.fromhex(text)
     except ValueError:
-        raise ConfigError(f"--device-key must be 64 hex digits, got {args.device_key!r}") from None
-    if len(device_key) != 32:
-        raise ConfigError(f"--device-key must be 64 hex digits (32 bytes), got {len(device_key)} bytes")
-    out.write(authority.issue(device_key, args.batch).hex() + "\n")
+        raise ConfigError(f"{flag} must be 64 hex digits, got {text!r}") from None
+    if len(key) != 32:
+        raise ConfigError(f"{flag} must be 64 hex digits (32 bytes), got {len(key)} bytes")
+    return key
+
+
+def _revoke(authority: Any, args: argparse.Namespace, out: TextIO) -> int:
+    from protocol import crypto
+    from protocol.enrollment import read_revocation_list, write_revocation_list
+
+    keys = [_hex_key("--device-key", k) for k in args.device_key]
+    for text in args.certificate:
+        try:
+            cert = bytes.fromhex(text)
+        except ValueError:
+            raise ConfigError(f"--certificate must be hex, got {text[:20]!r}...") from None
+        # revoking an expired certificate's key is fine: only the signature matters here
+        keys.append(crypto.read_certificate(cert, authority.public_key, check_period=False).subject)
+    if not keys and args.crl.exists():
+        raise ConfigError("enroll-ca revoke: name at least one --device-key or --certificate to add")
+    previous = None
+    if args.crl.exists():
+        read_revocation_list(args.crl, authority.public_key)  # refuses a tampered or foreign list by name
+        previous = args.crl.read_bytes()
+    data = authority.revoke(previous, keys)
+    write_revocation_list(args.crl, data)
+    crl = crypto.verify_revocation_list(data, authority.public_key)
+    out.write(f"revocation list #{crl.number} written to {args.crl}: {len(crl.device_keys)} device keys revoked\n")
     return 0
 
 

@@ -18,7 +18,7 @@ import math
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -315,3 +315,165 @@ def _popularity_release(
     rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
     counts = release_counts(_per_user(train), m, theta, qp, mu_pop, rng)
     return counts, mu_rounds, [(mu_pop, l1p, l2p)]
+
+
+@dataclass
+class ScaledMFResult:
+    """Factors, private counts and the ledger's ε of a scaled private MF run (`run_private_mf_scaled`)."""
+
+    user_factors: np.ndarray  # (n_users, f) after stage-3 fine-tuning against the final V
+    item_factors: np.ndarray  # (m, f) the server's final V
+    private_counts: np.ndarray | None  # the popularity release (None without the channel)
+    epsilon: float  # the ledger's (inf without DP)
+    mu: float  # every round's noise variance (quantized units)
+    mu_pop: float
+    committed: int
+    seconds: float
+    round_seconds: list[float]
+
+
+def run_private_mf_scaled(
+    train: Ratings,
+    settings: PrivateMFSettings,
+    *,
+    on_round: Callable[[int, float], None] | None = None,
+) -> ScaledMFResult:
+    """Private MF over every user of ``train`` in one cohort, through the simulator's scale mode
+    (`fedsim.privsim.MFCohort`: the devices' sparse uploads summed directly, the released noise drawn in
+    one piece; exact in distribution, no dropouts), with the private popularity channel of
+    `run_private_mf` (``pop_share`` of ε; without DP the same release without noise), then stage-3
+    fine-tuning of every user vector against the final V (on the device; nothing uploaded).
+
+    A simulation: the rounding coins and the noise come from seeded test streams, so the ε it reports is
+    the accountant's figure for the noise it draws, not a guarantee against whoever knows the seed.
+    """
+    from device_sdk.mf import fit_users
+    from fedsim.private_scale import _largest_scale_bits, _per_user, release_counts
+    from fedsim.privsim import MFCohort, PrivateSimulator
+    from protocol.families.mf import project_rows
+    from protocol.quantization import QuantizationConfig
+
+    start = time.perf_counter()
+    s = settings
+    n, m = train.n_users, train.n_items
+    idx = train.by_user()
+    users = [
+        (idx.items[lo:hi].astype(np.int64), idx.ratings[lo:hi].astype(np.float64))
+        for lo, hi in zip(idx.indptr[:-1], idx.indptr[1:], strict=True)
+    ]
+    with tempfile.TemporaryDirectory(prefix="fedrec-private-mf-") as tmp:
+        cfg = _server_config(Path(tmp), replace(s, cohort=n), m, n)
+        counts = None
+        mu_rounds: float | None = None
+        mu_pop = 0.0
+        charges: list[tuple[float, float, float]] = []
+        if s.pop_share > 0:
+            if s.epsilon > 0:
+                counts, mu_rounds, charges = _popularity_release(train, s, cfg)
+                mu_pop = charges[0][0]
+            else:
+                theta = s.pop_theta
+                qp = QuantizationConfig(clip_norm=math.sqrt(theta), scale_bits=_largest_scale_bits(n, math.sqrt(theta)))
+                rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
+                counts = release_counts(_per_user(train), m, theta, qp, 0.0, rng)
+        sim = PrivateSimulator(cfg, mu=mu_rounds)
+        for charge in charges:
+            assert sim.ledger is not None
+            sim.ledger.record_round(*charge)
+        cohort = MFCohort(users, m, s.factors, max_norm2=s.max_norm2)
+        round_seconds = []
+        for r in range(s.rounds):
+            out = sim.run_scaled_round(cohort, sim_seed=s.seed)
+            if out is None or not out.committed:
+                raise RuntimeError(f"round {r + 1} did not commit: {out}")
+            round_seconds.append(out.seconds)
+            if on_round is not None:
+                on_round(r + 1, out.seconds)
+    V = project_rows(np.asarray(sim.model_state, dtype=np.float64), s.max_norm2)  # what the devices download
+    # Stage 3 (`MFModel.fine_tune`): every user refits u against the final V on all its ratings.
+    owner = np.repeat(np.arange(n), np.diff(idx.indptr))
+    trained = cohort.trained
+    U = np.where(trained[:, None], cohort.user_factors, 0.0)
+    U = fit_users(U, V, owner, idx.items, idx.ratings, s.learning_rate, 0.0, s.max_norm2, s.fine_tune_epochs)
+    eps = sim.ledger.spent() if sim.ledger is not None else math.inf
+    return ScaledMFResult(
+        U, V, counts, eps, sim.mu, mu_pop, sim.model_version - 1, time.perf_counter() - start, round_seconds
+    )
+
+
+#: MF on an implicit published split (amazon-book) through `run_private_mf_scaled`: chosen on the validation
+#: item at 5,000 amazon-book devices and ε = 8 (docs/dp-accounting.md §8).
+IMPLICIT_MF = PrivateMFSettings(
+    rounds=5, clip_norm=0.5, max_norm2=1.0, factors=32, negatives=1, example_cap=20, server_lr=100.0, pop_theta=50
+)
+
+
+def evaluate_private_mf_scaled(
+    data: Any,
+    settings: PrivateMFSettings,
+    *,
+    eval_seed: int = 0,
+    val_users: int = 4000,
+    test_users: int | None = None,
+    on_round: Callable[[int, float], None] | None = None,
+) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """Private MF on a published split (`fedsim.datasets.TrainTestSplit`) by full ranking, as
+    `fedsim.private_scale.evaluate_private` evaluates LightFR: trained (`run_private_mf_scaled`) on train
+    minus one carved validation item per user, scored u·v + α·level (the private counts on a log scale
+    over [0, R]) with α chosen on that item from a grid holding the level alone (α = inf), then the test
+    split scored once for the chosen α, for u·v alone, for private popularity, popularity and random
+    (random ties).  ``test_users``: a seeded sample of that many users instead of all.
+
+    Returns
+    -------
+    (metrics, extra) : ``metrics`` maps "model", "mf_alone", "private_popularity", "popularity" and
+        "random" to {"recall@20", "ndcg@20"}; ``extra`` holds "epsilon" (the ledger's), "delta",
+        "alpha", "mu", "protocol" and "train_seconds".  Without the channel (``pop_share = 0``) there is no
+        "private_popularity" and α is 0.
+    """
+    from fedsim.evaluation import evaluate_all_items, popularity_scorer, random_scorer
+    from fedsim.private_scale import ALPHAS, carve_validation
+
+    fit, val = carve_validation(data.train, eval_seed)
+    res = run_private_mf_scaled(fit, replace(settings, cohort=fit.n_users), on_round=on_round)
+    U, V = res.user_factors, res.item_factors
+    counts = res.private_counts if res.private_counts is not None else np.zeros(fit.n_items)
+    level = np.log1p(np.maximum(counts, 0.0))
+    level = level * (settings.max_norm2 / level.max()) if level.max() > 0 else level
+
+    def scorer(alpha: float) -> Callable[[np.ndarray], np.ndarray]:
+        if math.isinf(alpha):
+            return lambda users: np.broadcast_to(level, (np.asarray(users).size, level.size))
+        return lambda users: U[np.asarray(users)] @ V.T + alpha * level
+
+    grid = ALPHAS if res.private_counts is not None else (0.0,)
+    vu = np.random.default_rng(eval_seed).choice(fit.n_users, min(val_users, fit.n_users), replace=False)
+    chosen: tuple[float, float] | None = None
+    for a in grid:
+        v = evaluate_all_items(scorer(a), fit, val, k=20, users=vu, seed=eval_seed).recall
+        if chosen is None or v > chosen[1]:
+            chosen = (a, v)
+    assert chosen is not None
+    seen, test = data.train, data.test
+    tu = None
+    if test_users is not None and test_users < seen.n_users:
+        tu = np.random.default_rng(eval_seed + 1).choice(seen.n_users, test_users, replace=False)
+
+    def full(score: Any) -> dict[str, float]:
+        r = evaluate_all_items(score, seen, test, k=20, seed=eval_seed, users=tu)
+        return {"recall@20": r.recall, "ndcg@20": r.ndcg}
+
+    metrics = {"model": full(scorer(chosen[0])), "mf_alone": full(scorer(0.0))}
+    if res.private_counts is not None:
+        metrics["private_popularity"] = full(scorer(math.inf))
+    metrics["popularity"] = full(popularity_scorer(seen))
+    metrics["random"] = full(random_scorer(seen.n_items, eval_seed))
+    extra = {
+        "epsilon": res.epsilon,
+        "delta": settings.delta,
+        "alpha": chosen[0] if math.isfinite(chosen[0]) else "popularity only",
+        "mu": res.mu,
+        "protocol": "full",
+        "train_seconds": res.seconds,
+    }
+    return metrics, extra

@@ -87,6 +87,7 @@ __all__ = [
     "survivor_sets",
     "PrivateSimulator",
     "LightFRCohort",
+    "MFCohort",
     "one_blas_thread",
     "SimulatedRun",
     "run_simulated",
@@ -355,13 +356,20 @@ class PrivateSimulator:
     # -- scale mode ---------------------------------------------------------------------------------
     def run_scaled_round(
         self,
-        trainer: LightFRCohort,
+        trainer: LightFRCohort | MFCohort,
         *,
         sim_seed: int,
         dropout: Callable[[int, int], DropoutAt] | None = None,
+        device_seed: int | None = None,
     ) -> RoundOutcome | None:
         """One round over every device of ``trainer`` (batched local training on sparse uploads,
         the released noise drawn in one piece): exact in distribution.
+
+        ``device_seed`` (MF only; the test hook `insecure_seeded_rngs`, so ε is not a guarantee): every
+        device draws its training, its rounding coins and its DP noise (with the survivor correction)
+        from its own seeded generator and stream, as `run_round` and the coordinator's devices do, so the
+        round is the real one bit for bit (`MFCohort` says when it could differ).  Its noise is dense
+        per device: for small cohorts and tests.
         """
         start = time.perf_counter()
         opened = self._open(trainer.device_ids)
@@ -384,10 +392,17 @@ class PrivateSimulator:
         invite = params.invite(0).with_plan(plan)
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
+        draws: DeviceDraws | None = None
+        if device_seed is not None:
+            if not isinstance(trainer, MFCohort):
+                raise ConfigError("device_seed= is implemented for the MF cohort only")
+            draws = {d: insecure_seeded_rngs(device_seed, round_id, d) for d in cohort}
         with one_blas_thread():
             # a simulation: the rounding coins come from a seeded stream, so ε is not a guarantee here
             coins = insecure_test_noise_stream(sim_seed, round_id, _ROUNDING_CONTEXT)
-            if getattr(self.strategy, "full", False):  # LightFR's all-items objective: codes and item biases
+            if isinstance(trainer, MFCohort):
+                total = trainer.quantized_sum(self.model_state, invite, cohort, sets.u3, sim, coins, device_draws=draws)
+            elif getattr(self.strategy, "full", False):  # LightFR's all-items objective: codes and item biases
                 extras = self.payload().lightfr_extras()
                 levels = np.frombuffer(extras["item_levels"], dtype=np.uint8) if extras["item_levels"] else None
                 st: Any = self.strategy
@@ -403,8 +418,15 @@ class PrivateSimulator:
         t0 = time.perf_counter()
         if params.dp_mu > 0.0:
             var = released_variance(params.dp_mu, params.dp_t_min, s, len(sets.corrected))
-            noise = insecure_test_noise_stream(sim_seed, round_id)  # a simulation: ε is not a guarantee here
-            total += sample_skellam(var, self.vector_length, noise).value()
+            if draws is not None:  # each survivor's own noise after its coins, corrected as in run_round
+                for d in sorted(sets.u3):
+                    draw = device_noise(params.dp_mu, params.dp_t_min, self.vector_length, draws[d][1])
+                    if d in sets.corrected:
+                        draw, _ = correct_noise(draw, params.dp_t_min, s, draws[d][1])
+                    total += draw.value()
+            else:
+                noise = insecure_test_noise_stream(sim_seed, round_id)  # a simulation: ε is not a guarantee here
+                total += sample_skellam(var, self.vector_length, noise).value()
         timings["noise"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         eps = self._commit(to_ring(total), s, plan)
@@ -772,3 +794,219 @@ def _noise_check(mu: float, n: int, dropout_rate: float, survivors: int, correct
             draw, _ = correct_noise(draw, t_min, survivors, rng)
         total += draw.value()
     return float(np.var(total))
+
+
+#: A device's training generator and noise stream (`device_sdk.client.insecure_seeded_rngs`).
+DeviceDraws = Mapping[int, tuple[np.random.Generator, NoiseStream]]
+
+
+class MFCohort:
+    """Every MF device of a dataset at once, for `PrivateSimulator.run_scaled_round`.
+
+    Holds each device's private user vector u (``user_factors``) and its ratings, and runs one round of
+    every device's `device_sdk.mf.MFModel.local_update` in batches with the device's own kernels
+    (`fit_users`, `initial_factors`, `trim_per_user`, `sample_negatives`): stage 1 for a device seen for
+    the first time, ``local_epochs`` steps on u against the downloaded V (projected with Π, as
+    `MFModel.set_global` does), θ ratings kept, negatives drawn, then the V-gradient of the kept
+    examples.  A device's dense (m·f,) upload is non-zero only on the rows of its kept and negative
+    items, so only those rows are built: each device's rows are clipped with
+    `protocol.quantization.clip_l2` and rounded with the formula of `stochastic_round`, and the
+    survivors' rounded rows are summed sparsely.  The zero coordinates a device also uploads round to
+    0 whatever their coins, so the sum is the one the devices' dense uploads give.
+
+    Two sources of randomness:
+
+    * one training generator and one coin stream for the whole cohort (the scale mode): the same
+      law as the devices' draws, other words;
+    * ``device_draws`` (``{device_id: (training generator, noise stream)}``, the test hook
+      `insecure_seeded_rngs` of every device): each device draws exactly what its `local_update`
+      draws, and its coins are words ``item·f + j`` of its stream, which is left after the m·f coin
+      words of a device's `quantize`, where the device's DP noise starts.  The sum is then the devices'
+      `local_round` sum bit for bit, up to one floating-point difference: a device's norm is summed over
+      its non-zero coordinates rather than over the dense vector, which can move the clip factor by an
+      ulp, and a rounded value changes only if a coin falls within that ulp of its threshold.
+
+    Parameters
+    ----------
+    users : for each device (one user), its rated item ids and raw ratings (None: implicit, fitted as 1).
+    n_items, factors : model shape (m, f).
+    max_norm2 : R of the embedding clipping (must equal the round plan's).
+    init_scale : a new user vector is Π(init_scale · Uniform[0, 1)) (`MFConfig.init_scale`).
+    batch : devices per vectorised batch.
+    """
+
+    def __init__(
+        self,
+        users: Sequence[tuple[NDArray[np.int64], NDArray[np.float64] | None]],
+        n_items: int,
+        factors: int,
+        *,
+        max_norm2: float = 5.0,
+        init_scale: float = 0.1,
+        batch: int = 8192,
+        first_id: int = 1,
+    ) -> None:
+        if n_items <= 0 or factors <= 0:
+            raise ConfigError(f"need n_items > 0 and factors > 0, got {n_items}, {factors}")
+        if not (math.isfinite(max_norm2) and max_norm2 > 0):
+            raise ConfigError(f"max_norm2 must be finite and > 0, got {max_norm2}")
+        self.n_items, self.factors, self.max_norm2 = int(n_items), int(factors), float(max_norm2)
+        self.init_scale = float(init_scale)
+        self.device_ids = list(range(first_id, first_id + len(users)))
+        self._index = {d: i for i, d in enumerate(self.device_ids)}
+        lengths = np.array([np.asarray(u[0]).size for u in users], dtype=np.int64)
+        self.indptr = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+        self.items = (
+            np.concatenate([np.asarray(u[0], dtype=np.int64).ravel() for u in users])
+            if users
+            else np.zeros(0, np.int64)
+        )
+        if self.items.size and (self.items.min() < 0 or self.items.max() >= n_items):
+            raise ConfigError(f"an item id is outside [0, {n_items})")
+        self.targets = (
+            np.concatenate(
+                [np.ones(np.asarray(i).size) if r is None else np.asarray(r, np.float64).ravel() for i, r in users]
+            )
+            if users
+            else np.zeros(0)
+        )
+        if self.targets.shape != self.items.shape:
+            raise ConfigError("every device needs one rating per rated item (or None)")
+        if self.targets.size and not (
+            np.all(np.isfinite(self.targets)) and self.targets.min() >= 0 and self.targets.max() <= max_norm2
+        ):
+            # Outside [0, R] the per-example gradient bound 2R^{3/2} would not hold (`device_sdk.mf`).
+            raise ConfigError(f"ratings must be finite and lie in [0, R] = [0, {max_norm2}]")
+        self.user_factors = np.zeros((len(users), factors))
+        self.trained = np.zeros(len(users), dtype=bool)
+        self.batch = int(batch)
+
+    def _gen(self, draws: DeviceDraws, row: np.integer | int) -> np.random.Generator:
+        return draws[self.device_ids[int(row)]][0]
+
+    def quantized_sum(
+        self,
+        V: NDArray[np.float64],
+        invite: RoundInvite,
+        cohort: Iterable[int],
+        survivors: Iterable[int],
+        rng: np.random.Generator,
+        coins: NoiseStream,
+        *,
+        device_draws: DeviceDraws | None = None,
+    ) -> NDArray[np.int64]:
+        """Train every cohort device for one round against the item matrix ``V``; return Σ over
+        ``survivors`` of their quantized uploads as signed integers (length m·f).  ``rng`` and ``coins``
+        are the cohort's generator and coin stream; ``device_draws`` replaces both by each device's own
+        (see the class)."""
+        from device_sdk.mf import fit_users, initial_factors, sample_negatives, trim_per_user
+        from protocol.families.mf import project_rows
+        from protocol.plan import MFParams
+
+        p = invite.plan.params
+        if not isinstance(p, MFParams):
+            raise ConfigError(f"an MF cohort needs an MF plan, got {type(p).__name__}")
+        R = float(p.max_norm2)
+        if R != self.max_norm2:
+            raise ConfigError(f"the round's max_norm2 {R} differs from the cohort's {self.max_norm2}")
+        m, f = self.n_items, self.factors
+        if int(invite.vector_length) != m * f:
+            raise ConfigError(f"the round expects {invite.vector_length} values, an MF upload has {m * f}")
+        Vd = project_rows(np.asarray(V, dtype=np.float64).reshape(m, f), R)  # as the device's set_global
+        qcfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
+        lr, reg, neg, cap = float(p.learning_rate), float(p.reg), int(p.negatives), int(invite.example_cap)
+        alive = np.zeros(len(self.device_ids), dtype=bool)
+        alive[[self._index[d] for d in survivors]] = True
+        rows_all = np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
+        total = np.zeros(m * f)
+        cols = np.arange(f, dtype=np.int64)
+        for lo in range(0, rows_all.size, self.batch):
+            rows = rows_all[lo : lo + self.batch]
+            counts = self.indptr[rows + 1] - self.indptr[rows]
+            owner = np.repeat(np.arange(rows.size), counts)
+            first = np.cumsum(counts) - counts
+            take = np.arange(owner.size) - first[owner] + self.indptr[rows][owner]
+            items, r = self.items[take], self.targets[take]
+            U = self.user_factors[rows]
+            # Stage 1 for devices seen for the first time (with ratings): a fresh small u, then pre-training.
+            new = np.flatnonzero(~self.trained[rows] & (counts > 0))
+            if new.size:
+                if device_draws is None:
+                    U[new] = initial_factors(new.size, f, R, self.init_scale, rng)
+                else:
+                    for jn in new.tolist():
+                        U[jn] = initial_factors(1, f, R, self.init_scale, self._gen(device_draws, rows[jn]))[0]
+                is_new = np.zeros(rows.size, dtype=bool)
+                is_new[new] = True
+                sel = is_new[owner]
+                U = fit_users(U, Vd, owner[sel], items[sel], r[sel], lr, reg, R, int(p.pretrain_epochs))
+                self.trained[rows[new]] = True
+            U = fit_users(U, Vd, owner, items, r, lr, reg, R, int(p.local_epochs))
+            self.user_factors[rows] = U
+            # θ ratings per device (trimming keys are drawn for every rating, as the device draws them).
+            if device_draws is None:
+                keep = trim_per_user(owner, cap, rng)
+            else:
+                keep = np.concatenate(
+                    [np.zeros(0, np.int64)]
+                    + [
+                        trim_per_user(np.zeros(int(counts[j]), np.int64), cap, self._gen(device_draws, rows[j]))
+                        + first[j]
+                        for j in range(rows.size)
+                    ]
+                )
+            ku, ki, kr = owner[keep], items[keep], r[keep]
+            if neg > 0 and ku.size:
+                if device_draws is None:
+                    nu, ni = sample_negatives(np.repeat(ku, neg), owner, items, m, rng)
+                else:  # a device with kept ratings draws its negatives after its trimming keys
+                    parts = []
+                    kc = np.bincount(ku, minlength=rows.size)
+                    for jk in np.flatnonzero(kc).tolist():
+                        g = self._gen(device_draws, rows[jk])
+                        own = items[first[jk] : first[jk] + counts[jk]]
+                        _, nj = sample_negatives(
+                            np.zeros(int(kc[jk]) * neg, np.int64), np.zeros(own.size, np.int64), own, m, g
+                        )
+                        parts.append((np.full(nj.size, jk), nj))
+                    nu = np.concatenate([a for a, _ in parts]).astype(np.int64)
+                    ni = np.concatenate([b for _, b in parts]).astype(np.int64)
+                # Each device's negatives after its kept ratings (the device's example order).
+                ku, ki, kr = np.r_[ku, nu], np.r_[ki, ni], np.r_[kr, np.zeros(nu.size)]
+                order = np.argsort(ku, kind="stable")
+                ku, ki, kr = ku[order], ki[order], kr[order]
+            # The V-gradient rows, summed per (device, item) in example order (`item_gradient_sum`).
+            w = -2.0 * (kr - np.einsum("ij,ij->i", U[ku], Vd[ki]))
+            keys, inv = np.unique(ku * m + ki, return_inverse=True)
+            inv = inv.ravel()
+            vals = np.empty((keys.size, f))
+            g_rows = w[:, None] * U[ku]
+            for k in range(f):  # loop over the small rank only
+                vals[:, k] = np.bincount(inv, weights=g_rows[:, k], minlength=keys.size)
+            downer, ditem = keys // m, keys % m
+            bounds = np.searchsorted(downer, np.arange(rows.size + 1))
+            scaled_parts: list[NDArray[np.float64]] = []
+            idx_parts: list[NDArray[np.int64]] = []
+            words = np.zeros(0)
+            for j in range(rows.size):
+                a, b = int(bounds[j]), int(bounds[j + 1])
+                up = alive[rows[j]]
+                if device_draws is not None:  # every cohort device reads its m·f coin words (its quantize)
+                    stream = device_draws[self.device_ids[int(rows[j])]][1]
+                    words = stream.uniform(m * f)
+                if not up or a == b:
+                    continue
+                clipped, _ = clip_l2(vals[a:b], qcfg.clip_norm)
+                v = clipped * qcfg.scale
+                idx = (ditem[a:b, None] * f + cols).ravel()
+                if device_draws is not None:
+                    low = np.floor(v).ravel()
+                    q = low.astype(np.int64) + (words[idx] < v.ravel() - low).astype(np.int64)
+                    total += np.bincount(idx, weights=q.astype(np.float64), minlength=m * f)
+                else:
+                    scaled_parts.append(v.ravel())
+                    idx_parts.append(idx)
+            if scaled_parts:
+                q = stochastic_round(np.concatenate(scaled_parts), coins)
+                total += np.bincount(np.concatenate(idx_parts), weights=q.astype(np.float64), minlength=m * f)
+        return np.rint(total).astype(np.int64)

@@ -523,7 +523,7 @@ class _Spliced:
 
 
 def _splice(view: memoryview, spans: list[tuple[int, int, int]]) -> tuple[bytes, list[memoryview]]:
-    """``view`` with each long byte string replaced by a 5-byte stand-in (a fixext 4 of type
+    """``view`` with each long byte string replaced by a 6-byte stand-in (a fixext 4 of type
     `_SPLICE_EXT` holding its index), and the views of those byte strings."""
     pieces: list[bytes] = []
     views: list[memoryview] = []

@@ -18,6 +18,7 @@ import logging
 import os
 import secrets
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,13 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 
 from protocol.codec import PROTOCOL_VERSION
-from protocol.errors import CryptoError
+from protocol.errors import (
+    CertificateExpired,
+    CertificateNotYetValid,
+    CertificateRevoked,
+    CryptoError,
+    RevocationListInvalid,
+)
 
 __all__ = [
     "KEY_BYTES",
@@ -69,6 +76,13 @@ __all__ = [
     "verify_signature",
     "issue_certificate",
     "verify_certificate",
+    "Certificate",
+    "read_certificate",
+    "CERTIFICATE_V2_BYTES",
+    "CERTIFICATE_CLOCK_SKEW",
+    "RevocationList",
+    "issue_revocation_list",
+    "verify_revocation_list",
     "key_advertisement_payload",
     "survivor_set_payload",
 ]
@@ -511,6 +525,17 @@ SIGNATURE_BYTES = 64
 _CERT_MAGIC = b"FRC1"
 #: magic ‖ subject public key ‖ 16-byte serial ‖ CA signature over (label ‖ magic ‖ subject ‖ serial).
 CERTIFICATE_BYTES = len(_CERT_MAGIC) + KEY_BYTES + 16 + SIGNATURE_BYTES
+#: Certificate format 2 (a validity period): "FRC2" ‖ subject ‖ serial ‖ not_before ‖ not_after (u64
+#: big-endian Unix seconds) ‖ CA signature over (label ‖ everything before it).  Format 1 stays readable.
+_CERT_MAGIC_V2 = b"FRC2"
+CERTIFICATE_V2_BYTES = CERTIFICATE_BYTES + 16
+#: How far a verifier's clock may be off the authority's (seconds) before a certificate counts as not yet
+#: valid or expired.
+CERTIFICATE_CLOCK_SKEW = 300
+_LABEL_REVOCATION_LIST = b"fedrec/enrollment/revocation-list"
+_CRL_MAGIC = b"FRL1"
+#: The most device keys one revocation list may name (a 32 MB file).
+MAX_REVOKED = 1 << 20
 _LABEL_CERTIFICATE = b"fedrec/enrollment/certificate"
 _LABEL_KEY_ADVERTISEMENT = b"fedrec/secagg/key-advertisement"
 _LABEL_SURVIVOR_SET = b"fedrec/secagg/survivor-set"
@@ -597,7 +622,13 @@ def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> None:
 
 
 def issue_certificate(
-    authority: SigningKey, subject_public_key: bytes, *, batch: bytes = bytes(BATCH_BYTES), serial: bytes | None = None
+    authority: SigningKey,
+    subject_public_key: bytes,
+    *,
+    batch: bytes = bytes(BATCH_BYTES),
+    serial: bytes | None = None,
+    not_before: int | None = None,
+    not_after: int | None = None,
 ) -> bytes:
     """The enrollment authority certifies a device's long-term public key.
 
@@ -613,11 +644,15 @@ def issue_certificate(
         and caps each round's share per batch.
     serial : bytes, optional
         The other 8 serial bytes; random by default (fixed only by the test-vector generator).
+    not_before, not_after : int, optional
+        The validity period in Unix seconds, both or neither: with them a format-2 certificate
+        (`CERTIFICATE_V2_BYTES`), without them a format-1 certificate that never expires (kept for the
+        test vectors of protocol 1.4; `protocol.enrollment.EnrollmentAuthority.issue` always sets them).
 
     Returns
     -------
     bytes
-        `CERTIFICATE_BYTES` bytes.
+        `CERTIFICATE_BYTES` or `CERTIFICATE_V2_BYTES` bytes.
     """
     if type(subject_public_key) is not bytes or len(subject_public_key) != KEY_BYTES:
         raise CryptoError("an Ed25519 public key is 32 bytes")
@@ -626,8 +661,115 @@ def issue_certificate(
     tail = os.urandom(BATCH_BYTES) if serial is None else serial
     if type(tail) is not bytes or len(tail) != BATCH_BYTES:
         raise CryptoError(f"a certificate serial tail is {BATCH_BYTES} bytes")
-    body = _CERT_MAGIC + subject_public_key + batch + tail
+    if not_before is None and not_after is None:
+        body = _CERT_MAGIC + subject_public_key + batch + tail
+    else:
+        for name, value in (("not_before", not_before), ("not_after", not_after)):
+            if type(value) is not int or not 0 <= value < 1 << 63:
+                raise CryptoError(f"a certificate's {name} is a non-negative integer of Unix seconds, got {value!r}")
+        assert not_before is not None and not_after is not None
+        if not_after <= not_before:
+            raise CryptoError(f"a certificate's not_after ({not_after}) must be after its not_before ({not_before})")
+        body = _CERT_MAGIC_V2 + subject_public_key + batch + tail + _u64(not_before) + _u64(not_after)
     return body + authority.sign(_LABEL_CERTIFICATE + body)
+
+
+@dataclass(frozen=True, slots=True)
+class Certificate:
+    """A checked enrollment certificate.
+
+    Attributes
+    ----------
+    subject : bytes
+        The certified 32-byte Ed25519 device key.
+    serial : bytes
+        16 bytes: the batch (8) and a random tail (8).
+    not_before, not_after : int or None
+        The validity period in Unix seconds; None for a format-1 certificate (no period: it never expires,
+        only revocation ends it).
+    """
+
+    subject: bytes
+    serial: bytes
+    not_before: int | None
+    not_after: int | None
+
+    @property
+    def batch(self) -> bytes:
+        return self.serial[:BATCH_BYTES]
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def read_certificate(
+    certificate: bytes,
+    authority_public_key: bytes,
+    *,
+    now: float | None = None,
+    revoked: frozenset[bytes] | RevocationList = frozenset(),
+    check_period: bool = True,
+) -> Certificate:
+    """Check a certificate against the pinned authority key, the verifier's clock and a revocation list.
+
+    Parameters
+    ----------
+    now : float, optional
+        The verifier's clock in Unix seconds (default: ``time.time()``); a format-2 certificate must be
+        within its validity period give or take `CERTIFICATE_CLOCK_SKEW`.
+    revoked : RevocationList or frozenset of bytes
+        Device keys whose certificates are refused.
+    check_period : bool
+        False only to read a certificate's fields whatever its period (the authority revoking it).
+
+    Raises
+    ------
+    CryptoError
+        Malformed, or not signed by the authority.
+    CertificateNotYetValid, CertificateExpired
+        Outside its validity period (checked after the signature: a forged period is reported as forged).
+    CertificateRevoked
+        Its device key is on ``revoked``.
+    """
+    if type(certificate) is not bytes:
+        raise CryptoError("malformed enrollment certificate")
+    if len(certificate) == CERTIFICATE_BYTES and certificate.startswith(_CERT_MAGIC):
+        v2 = False
+    elif len(certificate) == CERTIFICATE_V2_BYTES and certificate.startswith(_CERT_MAGIC_V2):
+        v2 = True
+    else:
+        raise CryptoError("malformed enrollment certificate")
+    body, signature = certificate[:-SIGNATURE_BYTES], certificate[-SIGNATURE_BYTES:]
+    try:
+        verify_signature(authority_public_key, signature, _LABEL_CERTIFICATE + body)
+    except CryptoError:
+        raise CryptoError("enrollment certificate is not signed by the pinned authority") from None
+    start = len(_CERT_MAGIC)
+    subject = body[start : start + KEY_BYTES]
+    serial = body[start + KEY_BYTES : start + KEY_BYTES + 16]
+    not_before = not_after = None
+    if v2:
+        not_before, not_after = struct.unpack(">QQ", body[start + KEY_BYTES + 16 :])
+    if not_before is not None and not_after is not None and check_period:
+        clock = time.time() if now is None else now
+        if clock + CERTIFICATE_CLOCK_SKEW < not_before:
+            raise CertificateNotYetValid(
+                f"enrollment certificate not yet valid: its not_before is {_utc(not_before)}, "
+                f"the verifier's clock says {_utc(clock)}"
+            )
+        if clock - CERTIFICATE_CLOCK_SKEW > not_after:
+            raise CertificateExpired(
+                f"enrollment certificate expired: its not_after is {_utc(not_after)}, "
+                f"the verifier's clock says {_utc(clock)}"
+            )
+    keys = revoked.device_keys if isinstance(revoked, RevocationList) else revoked
+    if subject in keys:
+        number = f" #{revoked.number}" if isinstance(revoked, RevocationList) else ""
+        raise CertificateRevoked(
+            f"enrollment certificate revoked: the authority's revocation list{number} names device key {subject.hex()}"
+        )
+    return Certificate(subject=subject, serial=serial, not_before=not_before, not_after=not_after)
 
 
 def certificate_batch(certificate: bytes) -> bytes:
@@ -642,26 +784,89 @@ def registration_payload(certificate: bytes) -> bytes:
     return _LABEL_REGISTRATION + _VERSION_BINDING + _len_prefixed(certificate)
 
 
-def verify_certificate(certificate: bytes, authority_public_key: bytes) -> bytes:
-    """Check a certificate against the pinned authority key; return the certified device public key.
+def verify_certificate(
+    certificate: bytes,
+    authority_public_key: bytes,
+    *,
+    now: float | None = None,
+    revoked: frozenset[bytes] | RevocationList = frozenset(),
+) -> bytes:
+    """Check a certificate (`read_certificate`: signature, validity period, revocation); return the
+    certified device public key.
 
     Raises
     ------
     CryptoError
         Malformed, or not signed by the authority.
+    CertificateNotYetValid, CertificateExpired, CertificateRevoked
+        As `read_certificate`.
     """
-    if (
-        type(certificate) is not bytes
-        or len(certificate) != CERTIFICATE_BYTES
-        or not certificate.startswith(_CERT_MAGIC)
-    ):
-        raise CryptoError("malformed enrollment certificate")
-    body, signature = certificate[:-SIGNATURE_BYTES], certificate[-SIGNATURE_BYTES:]
+    return read_certificate(certificate, authority_public_key, now=now, revoked=revoked).subject
+
+
+@dataclass(frozen=True, slots=True)
+class RevocationList:
+    """A checked revocation list of the enrollment authority.
+
+    Attributes
+    ----------
+    number : int
+        Increases with every list the authority issues; a verifier never goes back to a lower number.
+    issued_at : int
+        Unix seconds.
+    device_keys : frozenset of bytes
+        The revoked 32-byte device keys (every certificate of such a key is refused).
+    """
+
+    number: int
+    issued_at: int
+    device_keys: frozenset[bytes]
+
+
+def issue_revocation_list(authority: SigningKey, number: int, issued_at: int, device_keys: Sequence[bytes]) -> bytes:
+    """The authority's signed revocation list: "FRL1" ‖ number ‖ issued_at (u64) ‖ count (u32) ‖ the
+    sorted distinct 32-byte device keys ‖ signature over (label ‖ everything before it).
+
+    Raises
+    ------
+    CryptoError
+        A key that is not 32 bytes, more than `MAX_REVOKED` keys, or a negative number or time.
+    """
+    keys = sorted(set(device_keys))
+    if any(type(k) is not bytes or len(k) != KEY_BYTES for k in keys):
+        raise CryptoError("a revoked device key is 32 bytes")
+    if len(keys) > MAX_REVOKED:
+        raise CryptoError(f"a revocation list names at most {MAX_REVOKED} device keys")
+    for name, value in (("number", number), ("issued_at", issued_at)):
+        if type(value) is not int or not 0 <= value < 1 << 63:
+            raise CryptoError(f"a revocation list's {name} is a non-negative integer, got {value!r}")
+    body = _CRL_MAGIC + _u64(number) + _u64(issued_at) + struct.pack(">I", len(keys)) + b"".join(keys)
+    return body + authority.sign(_LABEL_REVOCATION_LIST + body)
+
+
+def verify_revocation_list(data: bytes, authority_public_key: bytes) -> RevocationList:
+    """Check a revocation list against the authority key.
+
+    Raises
+    ------
+    RevocationListInvalid
+        Malformed (magic, length, count, unsorted or repeated keys) or not signed by the authority.
+    """
+    head = len(_CRL_MAGIC) + 8 + 8 + 4
+    if type(data) is not bytes or len(data) < head + SIGNATURE_BYTES or not data.startswith(_CRL_MAGIC):
+        raise RevocationListInvalid("malformed revocation list (not a fedrec revocation list)")
+    number, issued_at, count = struct.unpack(">QQI", data[len(_CRL_MAGIC) : head])
+    if count > MAX_REVOKED or len(data) != head + KEY_BYTES * count + SIGNATURE_BYTES:
+        raise RevocationListInvalid(f"malformed revocation list: {len(data)} bytes do not hold {count} device keys")
+    body, signature = data[:-SIGNATURE_BYTES], data[-SIGNATURE_BYTES:]
     try:
-        verify_signature(authority_public_key, signature, _LABEL_CERTIFICATE + body)
+        verify_signature(authority_public_key, signature, _LABEL_REVOCATION_LIST + body)
     except CryptoError:
-        raise CryptoError("enrollment certificate is not signed by the pinned authority") from None
-    return body[len(_CERT_MAGIC) : len(_CERT_MAGIC) + KEY_BYTES]
+        raise RevocationListInvalid("revocation list is not signed by the enrollment authority") from None
+    keys = [body[head + KEY_BYTES * i : head + KEY_BYTES * (i + 1)] for i in range(count)]
+    if any(a >= b for a, b in zip(keys, keys[1:], strict=False)):
+        raise RevocationListInvalid("malformed revocation list: device keys not sorted and distinct")
+    return RevocationList(number=number, issued_at=issued_at, device_keys=frozenset(keys))
 
 
 def key_advertisement_payload(round_id: int, device_id: int, c_public_key: bytes, s_public_key: bytes) -> bytes:

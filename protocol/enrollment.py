@@ -7,20 +7,40 @@ Invariants:
   written atomically, never overwritten); nothing in the server reads that file.
 - A certificate names the batch it was issued under (the credential source the server rate-limits and
   caps per round): the first 8 serial bytes, SHA-256 of the batch name, signed with the rest.
+- Every certificate `EnrollmentAuthority.issue` writes has a validity period (certificate format 2).
+- A revocation list is cumulative and numbered: each `EnrollmentAuthority.revoke` re-signs the previous
+  list's keys plus the new ones under the next number; verifiers never accept a lower number than the
+  list they hold.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from protocol import crypto
 from protocol.atomic import write_atomic
-from protocol.errors import ConfigError, CryptoError
+from protocol.errors import ConfigError, CryptoError, RevocationListInvalid
 
-__all__ = ["EnrollmentAuthority", "batch_id", "BATCH_NAME"]
+__all__ = [
+    "EnrollmentAuthority",
+    "batch_id",
+    "BATCH_NAME",
+    "DEFAULT_VALID_DAYS",
+    "MAX_VALID_DAYS",
+    "read_revocation_list",
+    "write_revocation_list",
+]
+
+#: How long a certificate `EnrollmentAuthority.issue` writes is valid by default (days).
+DEFAULT_VALID_DAYS = 365
+#: The longest validity period it accepts (days, 10 years).
+MAX_VALID_DAYS = 3653
 
 _KEY_FILE_HEADER = "fedrec-enrollment-authority-v1"
 #: What a certificate batch may be called.
@@ -62,17 +82,60 @@ class EnrollmentAuthority:
         """The 32-byte public key devices pin and the server's ``enrollment.authority_key`` holds (as hex)."""
         return self.key.public_key
 
-    def issue(self, device_public_key: bytes, batch: str = "default") -> bytes:
-        """Certify a device's 32-byte Ed25519 public key under the batch called ``batch``.
+    def issue(
+        self,
+        device_public_key: bytes,
+        batch: str = "default",
+        *,
+        valid_days: float = DEFAULT_VALID_DAYS,
+        not_before: float | None = None,
+    ) -> bytes:
+        """Certify a device's 32-byte Ed25519 public key under the batch called ``batch``, valid from
+        ``not_before`` (Unix seconds, default now) for ``valid_days`` days (certificate format 2).
 
         Raises
         ------
         CryptoError
             The public key is not 32 bytes.
         ConfigError
-            A malformed batch name.
+            A malformed batch name, a validity period outside (0, `MAX_VALID_DAYS`] days, or a bad start.
         """
-        return crypto.issue_certificate(self.key, device_public_key, batch=batch_id(batch))
+        if (
+            isinstance(valid_days, bool)
+            or not isinstance(valid_days, int | float)
+            or not 0 < valid_days <= MAX_VALID_DAYS
+        ):
+            raise ConfigError(f"valid_days must be a number of days in (0, {MAX_VALID_DAYS}], got {valid_days!r}")
+        start = time.time() if not_before is None else not_before
+        if isinstance(start, bool) or not isinstance(start, int | float) or not 0 <= start < 1 << 40:
+            raise ConfigError(f"not_before must be Unix seconds, got {not_before!r}")
+        first = math.floor(start)
+        return crypto.issue_certificate(
+            self.key,
+            device_public_key,
+            batch=batch_id(batch),
+            not_before=first,
+            not_after=first + math.ceil(valid_days * 86400),
+        )
+
+    def revoke(self, previous: bytes | None, device_keys: Sequence[bytes], now: float | None = None) -> bytes:
+        """The next revocation list: ``previous``'s device keys (checked against this authority) plus
+        ``device_keys``, numbered one above ``previous`` (1 without one).
+
+        Raises
+        ------
+        RevocationListInvalid
+            ``previous`` is not a list of this authority.
+        CryptoError
+            A device key that is not 32 bytes.
+        """
+        old = crypto.verify_revocation_list(previous, self.public_key) if previous is not None else None
+        keys = set(old.device_keys) if old is not None else set()
+        keys.update(device_keys)
+        number = old.number + 1 if old is not None else 1
+        return crypto.issue_revocation_list(
+            self.key, number, math.floor(time.time() if now is None else now), sorted(keys)
+        )
 
     def save(self, path: Path) -> None:
         """Write the key file (mode 0600; refuses to replace an existing file).
@@ -115,3 +178,36 @@ class EnrollmentAuthority:
             return cls(crypto.SigningKey.from_private_bytes(bytes.fromhex(lines[1])))
         except (ValueError, CryptoError) as exc:
             raise ConfigError(f"{path} holds a malformed enrollment authority key: {exc}") from exc
+
+
+def read_revocation_list(path: Path, authority_public_key: bytes) -> crypto.RevocationList:
+    """Read and check a revocation list file (`write_revocation_list`).
+
+    Raises
+    ------
+    RevocationListInvalid
+        Unreadable, malformed, or not signed by the authority (the message names which).
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise RevocationListInvalid(f"cannot read the revocation list {path}: {exc}") from exc
+    try:
+        return crypto.verify_revocation_list(data, authority_public_key)
+    except RevocationListInvalid as exc:
+        raise RevocationListInvalid(f"{path}: {exc}") from None
+
+
+def write_revocation_list(path: Path, data: bytes) -> None:
+    """Replace the revocation list file atomically (readers see the old list or the new one, never part).
+
+    Raises
+    ------
+    ConfigError
+        The file cannot be written.
+    """
+    try:
+        write_atomic(Path(path), data)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc}") from exc

@@ -18,6 +18,10 @@ __all__ = [
     "DecodeError",
     "VersionMismatch",
     "CryptoError",
+    "CertificateExpired",
+    "CertificateNotYetValid",
+    "CertificateRevoked",
+    "RevocationListInvalid",
     "RoundError",
     "StaleRound",
     "RoundClosed",
@@ -87,6 +91,33 @@ class CryptoError(FedRecError):
     """Authentication of ciphertext failed, or key material is invalid."""
 
     code = "crypto_error"
+
+
+class CertificateExpired(CryptoError):
+    """An enrollment certificate whose validity period ended (its ``not_after`` is in the verifier's past,
+    beyond the allowed clock skew)."""
+
+    code = "certificate_expired"
+
+
+class CertificateNotYetValid(CryptoError):
+    """An enrollment certificate whose validity period has not begun (its ``not_before`` is in the
+    verifier's future, beyond the allowed clock skew)."""
+
+    code = "certificate_not_yet_valid"
+
+
+class CertificateRevoked(CryptoError):
+    """An enrollment certificate whose device key is on the enrollment authority's revocation list."""
+
+    code = "certificate_revoked"
+
+
+class RevocationListInvalid(CryptoError):
+    """A revocation list that is malformed, not signed by the enrollment authority, or older than the one
+    in force (a rollback)."""
+
+    code = "revocation_list_invalid"
 
 
 class RoundError(FedRecError):

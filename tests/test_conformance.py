@@ -507,6 +507,25 @@ def test_identity_vectors_reproduce_byte_for_byte() -> None:
     assert crypto.verify_certificate(cert, authority.public_key) == device.public_key
     assert crypto.registration_payload(cert).hex() == vec["registration_payload"]
     assert device.sign(crypto.registration_payload(cert)).hex() == vec["registration_proof"]
+    v2 = vec["certificate_v2"]
+    cert2 = crypto.issue_certificate(
+        authority,
+        device.public_key,
+        batch=bytes.fromhex(vec["batch_id"]),
+        serial=bytes.fromhex(vec["serial_tail"]),
+        not_before=v2["not_before"],
+        not_after=v2["not_after"],
+    )
+    assert cert2.hex() == v2["hex"]
+    parsed = crypto.read_certificate(cert2, authority.public_key, now=v2["not_before"])
+    assert parsed.subject == device.public_key
+    assert (parsed.not_before, parsed.not_after) == (v2["not_before"], v2["not_after"])
+    crl = vec["revocation_list"]
+    keys = [bytes.fromhex(k) for k in crl["device_keys"]]
+    data = crypto.issue_revocation_list(authority, crl["number"], crl["issued_at"], keys)
+    assert data.hex() == crl["hex"]
+    checked = crypto.verify_revocation_list(data, authority.public_key)
+    assert (checked.number, checked.issued_at, checked.device_keys) == (crl["number"], crl["issued_at"], set(keys))
     ka = vec["key_advertisement"]
     payload = crypto.key_advertisement_payload(
         ka["round_id"], ka["device_id"], bytes.fromhex(ka["c_public_key"]), bytes.fromhex(ka["s_public_key"])

@@ -99,3 +99,28 @@ def test_private_mf_popularity_channel_is_charged_and_chosen_on_validation() -> 
     # Without the channel the rounds get the whole ε (a smaller μ) and nothing is chosen.
     plain = run_private_mf(train, test, exp.test, replace(s, pop_share=0.0), val=(val, exp.val))
     assert plain.alpha is None and plain.mu < res.mu and 3.99 < plain.epsilon_user <= 4.0
+
+
+def test_scaled_private_mf_charges_the_ledger_and_keeps_the_clipping_constraint() -> None:
+    # Every device in one cohort through the sparse MF cohort: ε composed with the popularity release,
+    # the factors inside Π's set, and the private counts following true popularity.
+    from fedsim.private_mf import PrivateMFSettings, run_private_mf_scaled
+
+    data = synthetic(n_users=300, n_items=80, n_clusters=4, ratings_per_user=15, seed=0)
+    s = PrivateMFSettings(
+        epsilon=8.0, rounds=3, factors=4, pretrain_epochs=5, fine_tune_epochs=5, clip_norm=2.0, pop_theta=10
+    )
+    res = run_private_mf_scaled(data, s)
+    assert 7.99 < res.epsilon <= 8.0 and res.committed == 3 and res.mu > 0 and res.mu_pop > 0
+    U, V = res.user_factors, res.item_factors
+    assert U.shape == (300, 4) and V.shape == (80, 4)
+    for X in (U, V):
+        assert X.min() >= 0 and np.einsum("ij,ij->i", X, X).max() <= s.max_norm2 * (1 + 1e-9)
+    assert res.private_counts is not None
+    assert np.corrcoef(np.bincount(data.items, minlength=80), res.private_counts)[0, 1] > 0.8
+    # Without DP: no ledger, the counts are the clipped counts exactly, and the ratings are fitted.
+    plain = run_private_mf_scaled(data, replace(s, epsilon=0.0))
+    assert math.isinf(plain.epsilon) and plain.mu == 0.0
+    assert plain.private_counts is not None and np.all(plain.private_counts >= 0)
+    pred = np.einsum("ij,ij->i", plain.user_factors[data.users], plain.item_factors[data.items])
+    assert float(np.sqrt(np.mean((data.ratings - pred) ** 2))) < float(np.sqrt(np.mean(data.ratings**2)))

@@ -371,3 +371,109 @@ def test_batched_all_items_devices_match_real_devices(share: float, tmp_path: Pa
     assert np.count_nonzero(expected) > 100
     # The uploads were clipped (C = 1.5 is below their norms), so the comparison covers the clip factors.
     assert np.abs(expected).max() < 1.5 * 2**10 * n
+
+
+def _mf_users(n: int, m: int = N_ITEMS) -> list[tuple[np.ndarray, np.ndarray]]:
+    # 0 to 9 ratings per device (one device with none), raw ratings in [1, 5].
+    rng = np.random.default_rng(8)
+    users = []
+    for d in range(n):
+        k = 0 if d == 3 else int(rng.integers(1, 10))
+        users.append((rng.choice(m, size=k, replace=False).astype(np.int64), rng.integers(1, 6, size=k).astype(float)))
+    return users
+
+
+@pytest.mark.parametrize(("dp", "negatives"), [(True, 1), (False, 0), (True, 0)])
+def test_scaled_mf_round_is_bit_identical_to_the_coordinator(
+    dp: bool, negatives: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sparse MF cohort with each device's own seeded generator and stream (the test hook) against the
+    # real coordinator with SecAgg+ and the devices' dense uploads: same model, same user vectors, same ε.
+    from fedsim import privsim
+    from fedsim.privsim import MFCohort
+
+    clipped: list[bool] = []
+
+    def clip_l2(x: Any, c: float) -> Any:
+        out = real_clip(x, c)
+        clipped.append(out[1])
+        return out
+
+    real_clip = privsim.clip_l2
+    monkeypatch.setattr(privsim, "clip_l2", clip_l2)
+
+    n, rounds = 12, 2
+    users = _mf_users(n)
+
+    def cfg(where: str) -> ServerConfig:
+        c = _config(tmp_path / where, "mf", n, dp=dp, rounds=rounds)
+        from dataclasses import replace
+
+        # clip C = 4 sits inside the spread of the uploads' norms: some devices are clipped, some not
+        return replace(c, mf=replace(c.mf, negatives=negatives), rounds=replace(c.rounds, example_cap=5))
+
+    ref = run_private(
+        cfg("ref"),
+        {i: LocalRatings.single_user(it, r) for i, (it, r) in enumerate(users)},
+        lambda device_id: MFModel(N_ITEMS, MFConfig(factors=4), rng=np.random.default_rng(0)),
+        rounds=rounds,
+        seed=SEED,
+        dropout=_schedule,
+    )
+    sim = PrivateSimulator(cfg("sim"))
+    cohort = MFCohort(users, N_ITEMS, 4, max_norm2=5.0)
+    outcomes = [sim.run_scaled_round(cohort, sim_seed=0, dropout=_schedule, device_seed=SEED) for _ in range(rounds)]
+    assert all(o is not None and o.committed for o in outcomes)
+    assert any(clipped) and not all(clipped)  # the clip norm is inside the spread of the uploads' norms
+    coord = ref.coordinator
+    assert sim.model_version == coord.model_version == rounds + 1
+    assert np.array_equal(sim.model_state, coord.model_state)
+    for i, d in enumerate(sorted(ref.devices)):  # (a device with no ratings never trains its u)
+        assert cohort.trained[i] == ref.devices[d].model.user_trained[0] == (users[i][0].size > 0)
+        if cohort.trained[i]:
+            assert np.array_equal(cohort.user_factors[i], ref.devices[d].model.user_factors[0])
+    if dp:
+        assert coord.ledger is not None and sim.ledger is not None
+        assert sim.ledger.spent() == coord.ledger.spent() > 0
+
+
+def test_scaled_mf_cohort_batched_matches_per_device(tmp_path: Path) -> None:
+    # The scale mode (one generator and one coin stream for the cohort) computes the same uploads as
+    # the devices' own draws when nothing is drawn but the coins (trained users, θ = all, no negatives):
+    # equal up to the stochastic rounding (< 1 per device and coordinate).
+    from dataclasses import replace
+
+    from agg_server.strategy.base import round_plan
+    from device_sdk.client import insecure_seeded_rngs
+    from fedsim.privsim import MFCohort
+    from protocol.session import RoundParameters
+
+    n = 15
+    cfg = _config(tmp_path, "mf", n, dp=False, rounds=1)
+    cfg = replace(cfg, rounds=replace(cfg.rounds, example_cap=0))
+    sim = PrivateSimulator(cfg)
+    users = _mf_users(n)
+    params = RoundParameters(
+        round_id=1, vector_length=N_ITEMS * 4, k=n, t=1, clip_norm=3.0, scale_bits=10, deadlines=(0.0,) * 4
+    )
+    invite = params.invite(0).with_plan(round_plan(sim.strategy, 1))
+    start = np.random.default_rng(2).random((n, 4)) * 0.8
+    got = []
+    for per_device in (False, True):
+        cohort = MFCohort(users, N_ITEMS, 4, max_norm2=5.0)
+        cohort.user_factors[:] = start
+        cohort.trained[:] = True
+        draws = {d: insecure_seeded_rngs(1, 1, d) for d in cohort.device_ids} if per_device else None
+        total = cohort.quantized_sum(
+            sim.model_state,
+            invite,
+            cohort.device_ids,
+            cohort.device_ids[1:],
+            np.random.default_rng(0),
+            insecure_test_noise_stream(0),
+            device_draws=draws,
+        )
+        got.append(total)
+    assert np.count_nonzero(got[1]) > 20
+    assert np.max(np.abs(got[0] - got[1])) <= n
+    assert not np.array_equal(got[0], got[1])  # the coins differ

@@ -207,3 +207,16 @@ async def test_a_server_on_postgresql_runs_and_commits_rounds(
         assert reference.coordinator.model_bytes == coordinator.model_bytes
     finally:
         reference.coordinator.storage.close()
+
+
+def test_devices_are_found_by_their_certified_identity_key(backend: str | None, tmp_path: Path) -> None:
+    # what the revocation list is enforced with (agg_server.enrollment.Enrollment.revoked_devices)
+    keys = [bytes([i]) * 32 for i in range(1, 5)]
+    with Storage(tmp_path / "a", url=backend) as s:
+        ids = [s.add_device(bytes([i]) * 32, "p", 1.0, source="cert:ab", identity_key=k) for i, k in enumerate(keys)]
+        s.add_device(bytes([9]) * 32, "p", 1.0)  # no identity (token or open registration)
+        assert s.devices_with_identity([keys[3], keys[1], bytes(32)]) == [ids[1], ids[3]]
+        assert s.devices_with_identity([]) == []
+        assert s.devices_with_identity(keys * 300) == sorted(ids)  # chunked queries
+        with pytest.raises(ValueError, match="32 bytes"):
+            s.devices_with_identity([b"short"])

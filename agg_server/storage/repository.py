@@ -360,6 +360,22 @@ class Storage:
                     out[int(device_id)] = str(source)
         return out
 
+    def devices_with_identity(self, identity_keys: Sequence[bytes]) -> list[int]:
+        """The registered devices whose certified identity key is one of ``identity_keys`` (ascending)."""
+        keys = sorted({bytes(k) for k in identity_keys})
+        if any(len(k) != 32 for k in keys):
+            raise ValueError("identity keys are 32 bytes")
+        out: list[int] = []
+        with self._guard("devices_with_identity") as conn:
+            for start in range(0, len(keys), 500):
+                chunk = keys[start : start + 500]
+                marks = ",".join("?" * len(chunk))
+                out.extend(
+                    int(r[0])
+                    for r in conn.execute(f"SELECT device_id FROM devices WHERE identity_key IN ({marks})", chunk)
+                )
+        return sorted(out)
+
     def device_for_token(self, token_sha256: bytes) -> int | None:
         """Return the device id registered with this token digest, or None."""
         digest = _check_digest(token_sha256)

@@ -619,8 +619,9 @@ def round_vector() -> dict[str, Any]:
 
 
 def identity_vectors() -> dict[str, Any]:
-    """Protocol 1.3/1.4 identities: an enrollment certificate, the registration proof, a signed key
-    advertisement and a survivor-set signature (Ed25519 is deterministic: fixed keys give fixed bytes)."""
+    """Protocol 1.3/1.4 identities: an enrollment certificate (formats 1 and 2), a revocation list, the
+    registration proof, a signed key advertisement and a survivor-set signature (Ed25519 is deterministic:
+    fixed keys give fixed bytes)."""
     from protocol.enrollment import batch_id
 
     authority = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/authority"))
@@ -652,6 +653,15 @@ def identity_vectors() -> dict[str, Any]:
     )
     for sig, data in ((proof, registration), (keys.signature, advert), (signature.signature, survivor_payload)):
         crypto.verify_signature(device.public_key, sig, data)
+    # certificate format 2 (a validity period) and the authority's revocation list
+    not_before, not_after = 1_790_000_000, 1_790_000_000 + 365 * 86400
+    certificate_v2 = crypto.issue_certificate(
+        authority, device.public_key, batch=batch, serial=tail, not_before=not_before, not_after=not_after
+    )
+    _check(crypto.verify_certificate(certificate_v2, authority.public_key, now=not_before) == device.public_key)
+    revoked = sorted([device.public_key, fixed_bytes("identity/revoked")])
+    crl = crypto.issue_revocation_list(authority, 3, 1_790_086_400, revoked)
+    _check(crypto.verify_revocation_list(crl, authority.public_key).device_keys == frozenset(revoked))
     return {
         "description": "Ed25519 identities (RFC 8032, raw 32-byte keys, 64-byte signatures); keys are "
         "SHA-256('fedrec test vector/' + label) used as Ed25519 seeds",
@@ -663,6 +673,17 @@ def identity_vectors() -> dict[str, Any]:
         "batch_id": batch.hex(),
         "serial_tail": tail.hex(),
         "certificate": certificate.hex(),
+        "certificate_v2": {
+            "not_before": not_before,
+            "not_after": not_after,
+            "hex": certificate_v2.hex(),
+        },
+        "revocation_list": {
+            "number": 3,
+            "issued_at": 1_790_086_400,
+            "device_keys": [k.hex() for k in revoked],
+            "hex": crl.hex(),
+        },
         "registration_payload": registration.hex(),
         "registration_proof": proof.hex(),
         "key_advertisement": {
