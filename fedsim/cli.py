@@ -7,6 +7,7 @@ every `FedRecError`/`ValueError` into one clear line on stderr and exit status 2
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
