@@ -33,7 +33,6 @@ from pathlib import Path
 import numpy as np
 
 from fedsim.datasets import Ratings, TrainTestSplit, load_amazon_book
-from fedsim.evaluation import evaluate_all_items
 from fedsim.private_scale import ScaledSettings, evaluate_private
 
 
@@ -61,66 +60,28 @@ def subsample(data: TrainTestSplit, n: int, seed: int) -> TrainTestSplit:
 
 
 def run_mf(
-    data: TrainTestSplit,
-    epsilon: float,
-    args: argparse.Namespace,
-    *,
-    val_users: int = 4000,
-    test_users: int | None = None,
+    data: TrainTestSplit, epsilon: float, args: argparse.Namespace, *, test_users: int | None = None
 ) -> dict[str, object]:
     """Private MF over every user of ``data`` through the simulator's scale mode
-    (`fedsim.private_mf.run_private_mf_scaled`), scored u·v + α·level with the private popularity level
-    spread over [0, R] and α chosen on a validation item carved from train (the LightFR protocol)."""
-    from fedsim.private_mf import PrivateMFSettings, run_private_mf_scaled
-    from fedsim.private_scale import ALPHAS, carve_validation
+    (`fedsim.private_mf.evaluate_private_mf_scaled`: u·v + α·level, α chosen on a carved validation item)."""
+    from fedsim.private_mf import IMPLICIT_MF, evaluate_private_mf_scaled
 
-    settings = PrivateMFSettings(
+    settings = replace(
+        IMPLICIT_MF,
         epsilon=epsilon,
         rounds=args.mf_rounds,
-        cohort=data.train.n_users,
         clip_norm=args.mf_clip,
-        max_norm2=1.0,
-        factors=32,
-        negatives=1,
-        example_cap=20,
         server_lr=args.mf_server_lr,
         pop_share=args.pop_share,
-        pop_theta=50,
         seed=args.seed,
     )
-    fit, val = carve_validation(data.train, 0)
-    res = run_private_mf_scaled(fit, settings)
-    U, V = res.user_factors, res.item_factors
-    assert res.private_counts is not None
-    level = np.log1p(np.maximum(res.private_counts, 0.0))
-    level = level * (settings.max_norm2 / level.max()) if level.max() > 0 else level
-
-    def scorer(alpha: float) -> object:
-        if math.isinf(alpha):
-            return lambda users: np.broadcast_to(level, (np.asarray(users).size, level.size))
-        return lambda users: U[np.asarray(users)] @ V.T + alpha * level
-
-    vu = np.random.default_rng(0).choice(fit.n_users, min(val_users, fit.n_users), replace=False)
-    chosen: tuple[float, float] | None = None
-    for a in ALPHAS:
-        v = evaluate_all_items(scorer(a), fit, val, k=20, users=vu, seed=0).recall  # type: ignore[arg-type]
-        if chosen is None or v > chosen[1]:
-            chosen = (a, v)
-    assert chosen is not None
-    tu = None
-    if test_users is not None and test_users < data.train.n_users:
-        tu = np.random.default_rng(1).choice(data.train.n_users, test_users, replace=False)
-    r = evaluate_all_items(scorer(chosen[0]), data.train, data.test, k=20, seed=0, users=tu)  # type: ignore[arg-type]
-    alone = evaluate_all_items(scorer(0.0), data.train, data.test, k=20, seed=0, users=tu)  # type: ignore[arg-type]
+    metrics, extra = evaluate_private_mf_scaled(data, settings, eval_seed=0, val_users=4000, test_users=test_users)
     return {
-        "recall@20": r.recall,
-        "ndcg@20": r.ndcg,
-        "mf_alone": alone.recall,
-        "alpha": chosen[0],
-        "val": chosen[1],
-        "epsilon": res.epsilon,
-        "seconds": res.seconds,
-        "round_seconds": res.round_seconds,
+        "recall@20": metrics["model"]["recall@20"],
+        "ndcg@20": metrics["model"]["ndcg@20"],
+        "mf_alone": metrics["mf_alone"]["recall@20"],
+        "alpha": extra["alpha"] if extra["alpha"] != "popularity only" else math.inf,
+        "epsilon": extra["epsilon"],
     }
 
 

@@ -72,6 +72,8 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
 
     if args.dataset in (None, "planted"):
         raise ConfigError("--model mf needs --dataset (a rating log such as ml-100k or synthetic)")
+    if getattr(args, "json", False):
+        raise ConfigError("--json for --model mf is implemented on a published split (amazon-book) only")
     data = _ratings(args, data_dir)
     eval_seed = getattr(args, "eval_seed", 0)  # the split and the test candidates: never the model seed
     exp = prepare(data, n_negatives=args.eval_negatives, seed=eval_seed)

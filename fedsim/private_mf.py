@@ -399,3 +399,81 @@ def run_private_mf_scaled(
     return ScaledMFResult(
         U, V, counts, eps, sim.mu, mu_pop, sim.model_version - 1, time.perf_counter() - start, round_seconds
     )
+
+
+#: MF on an implicit published split (amazon-book) through `run_private_mf_scaled`: chosen on the validation
+#: item at 5,000 amazon-book devices and ε = 8 (docs/dp-accounting.md §8).
+IMPLICIT_MF = PrivateMFSettings(
+    rounds=5, clip_norm=0.5, max_norm2=1.0, factors=32, negatives=1, example_cap=20, server_lr=100.0, pop_theta=50
+)
+
+
+def evaluate_private_mf_scaled(
+    data: Any,
+    settings: PrivateMFSettings,
+    *,
+    eval_seed: int = 0,
+    val_users: int = 4000,
+    test_users: int | None = None,
+    on_round: Callable[[int, float], None] | None = None,
+) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """Private MF on a published split (`fedsim.datasets.TrainTestSplit`) by full ranking, as
+    `fedsim.private_scale.evaluate_private` evaluates LightFR: trained (`run_private_mf_scaled`) on train
+    minus one carved validation item per user, scored u·v + α·level (the private counts on a log scale
+    over [0, R]) with α chosen on that item from a grid holding the level alone (α = inf), then the test
+    split scored once for the chosen α, for u·v alone, for private popularity, popularity and random
+    (random ties).  ``test_users``: a seeded sample of that many users instead of all.
+
+    Returns
+    -------
+    (metrics, extra) : ``metrics`` maps "model", "mf_alone", "private_popularity", "popularity" and
+        "random" to {"recall@20", "ndcg@20"}; ``extra`` holds "epsilon" (the ledger's), "delta",
+        "alpha", "mu", "protocol" and "train_seconds".  Without the channel (``pop_share = 0``) there is no
+        "private_popularity" and α is 0.
+    """
+    from fedsim.evaluation import evaluate_all_items, popularity_scorer, random_scorer
+    from fedsim.private_scale import ALPHAS, carve_validation
+
+    fit, val = carve_validation(data.train, eval_seed)
+    res = run_private_mf_scaled(fit, replace(settings, cohort=fit.n_users), on_round=on_round)
+    U, V = res.user_factors, res.item_factors
+    counts = res.private_counts if res.private_counts is not None else np.zeros(fit.n_items)
+    level = np.log1p(np.maximum(counts, 0.0))
+    level = level * (settings.max_norm2 / level.max()) if level.max() > 0 else level
+
+    def scorer(alpha: float) -> Callable[[np.ndarray], np.ndarray]:
+        if math.isinf(alpha):
+            return lambda users: np.broadcast_to(level, (np.asarray(users).size, level.size))
+        return lambda users: U[np.asarray(users)] @ V.T + alpha * level
+
+    grid = ALPHAS if res.private_counts is not None else (0.0,)
+    vu = np.random.default_rng(eval_seed).choice(fit.n_users, min(val_users, fit.n_users), replace=False)
+    chosen: tuple[float, float] | None = None
+    for a in grid:
+        v = evaluate_all_items(scorer(a), fit, val, k=20, users=vu, seed=eval_seed).recall
+        if chosen is None or v > chosen[1]:
+            chosen = (a, v)
+    assert chosen is not None
+    seen, test = data.train, data.test
+    tu = None
+    if test_users is not None and test_users < seen.n_users:
+        tu = np.random.default_rng(eval_seed + 1).choice(seen.n_users, test_users, replace=False)
+
+    def full(score: Any) -> dict[str, float]:
+        r = evaluate_all_items(score, seen, test, k=20, seed=eval_seed, users=tu)
+        return {"recall@20": r.recall, "ndcg@20": r.ndcg}
+
+    metrics = {"model": full(scorer(chosen[0])), "mf_alone": full(scorer(0.0))}
+    if res.private_counts is not None:
+        metrics["private_popularity"] = full(scorer(math.inf))
+    metrics["popularity"] = full(popularity_scorer(seen))
+    metrics["random"] = full(random_scorer(seen.n_items, eval_seed))
+    extra = {
+        "epsilon": res.epsilon,
+        "delta": settings.delta,
+        "alpha": chosen[0] if math.isfinite(chosen[0]) else "popularity only",
+        "mu": res.mu,
+        "protocol": "full",
+        "train_seconds": res.seconds,
+    }
+    return metrics, extra

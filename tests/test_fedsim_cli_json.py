@@ -123,7 +123,29 @@ def test_eval_refuses_another_split_than_the_run_trained_on(capsys: pytest.Captu
 
 def test_json_is_refused_where_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--model", "felb", "--dataset", "planted", "--json"]) == 2
-    assert "--json applies to --model lightfr only" in capsys.readouterr().err
+    assert "--json applies to --model lightfr or --model mf only" in capsys.readouterr().err
+    assert main(["simulate", "--model", "mf", "--dataset", "synthetic", "--json"]) == 2
+    assert "published split (amazon-book) only" in capsys.readouterr().err
+
+
+def test_private_mf_on_a_published_split_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # MF on a KGAT-style split: every user a device through the sparse MF cohort, private with --epsilon,
+    # full ranking beside u·v alone, private popularity and the baselines.
+    rng = np.random.default_rng(2)
+    folder = tmp_path / "mini-kgat"
+    folder.mkdir()
+    lines = {u: rng.choice(50, 8, replace=False) for u in range(120)}
+    (folder / "train.txt").write_text("".join(f"{u} {' '.join(map(str, it[:6]))}\n" for u, it in lines.items()))
+    (folder / "test.txt").write_text("".join(f"{u} {' '.join(map(str, it[6:]))}\n" for u, it in lines.items()))
+    argv = ["simulate", "--model", "mf", "--dataset", str(folder), "--rounds", "2", "--quiet", "--json"]
+    rec, err = _json_run([*argv, "--epsilon", "4"], capsys)
+    assert (rec["dataset"], rec["protocol"], rec["rounds"]) == (str(folder), "full", 2)
+    assert 3.99 < rec["epsilon"] <= 4.0 and rec["delta"] == 1e-5
+    assert set(rec["metrics"]) == {"model", "mf_alone", "private_popularity", "popularity", "random"}
+    assert all(set(v) == {"recall@20", "ndcg@20"} for v in rec["metrics"].values())
+    assert "MFCohort" in err and "ε spent" in err
+    plain, err = _json_run(argv, capsys)
+    assert "epsilon" not in plain and "no DP noise" in err
 
 
 def test_result_record_validates(tmp_path: Path) -> None:
