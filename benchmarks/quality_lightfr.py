@@ -30,7 +30,20 @@ from fedsim.federation import FederatedLightFR, FederationConfig, run_lightfr, u
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
 
 ROUNDS = 40
-DEFAULT = "all items, w0=auto (0.6·density^(2/3)), learned levels, ρ=0.3"
+# Asymmetric scoring recipes (real-valued user vector as P ±1 bit-planes against the binary item codes;
+# `fedsim.federation.FederationConfig.query_planes`): (P, user ridge weight, damping ρ).
+ASYMMETRIC = [
+    (2, 1.0, 1.0),
+    (2, 1.0, 0.3),
+    (3, 1.0, 1.0),
+    (1, 1.0, 1.0),
+    (2, 10.0, 0.3),
+    (2, 30.0, 0.3),
+    (3, 10.0, 0.5),
+    (2, 10.0, 0.5),
+]
+DEFAULT = "all items, w0=auto (0.6·density^(2/3)), learned levels, mean-field step, ρ=1"
+PREVIOUS = "all items, w0=auto (0.6·density^(2/3)), learned levels, ρ=0.3 (the previous default)"
 
 
 def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig, bool]]:
@@ -43,8 +56,19 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
         replace(fed, unobserved_scale=DENSITY_SCALE),
         False,
     )
+    # The library default (the server's model defaults): the mean-field code step with ρ = 1.
+    default = (auto[0], replace(auto[1], mean_field=True, flip_fraction=1.0), False)
+    asym = {
+        f"asymmetric: user vector as {p} bit-plane{'s' if p > 1 else ''}, ridge {reg:g}, w0=auto, ρ={rho:g}": (
+            auto[0],
+            replace(auto[1], query_planes=p, user_reg=reg, flip_fraction=rho),
+            False,
+        )
+        for p, reg, rho in ASYMMETRIC
+    }
     return {
-        DEFAULT: auto,
+        DEFAULT: default,
+        PREVIOUS: auto,
         "paper objective, 4 sampled negatives, ρ=0.1 (old default)": (sampled, replace(fed, flip_fraction=0.1), False),
         "paper objective, 4 sampled negatives, ρ=0.3": (sampled, fed, False),
         "paper objective, 8 sampled negatives, ρ=0.1": (
@@ -77,6 +101,47 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
             replace(fed, rounds=80),
             False,
         ),
+        **asym,
+        "all items, w0=auto, learned levels, ρ=0.3, mean-field server step": (
+            auto[0],
+            replace(auto[1], mean_field=True),
+            False,
+        ),
+        "all items, w0=auto, learned levels, ρ=1, mean-field server step": (
+            auto[0],
+            replace(auto[1], mean_field=True, flip_fraction=1.0),
+            False,
+        ),
+        "asymmetric: user vector as 2 bit-planes, ridge 30, w0=auto, ρ=0.3, mean-field": (
+            auto[0],
+            replace(auto[1], query_planes=2, user_reg=30.0, mean_field=True),
+            False,
+        ),
+        "asymmetric: user vector as 2 bit-planes, ridge 1, w0=auto, ρ=1, mean-field": (
+            auto[0],
+            replace(auto[1], query_planes=2, user_reg=1.0, mean_field=True, flip_fraction=1.0),
+            False,
+        ),
+        "asymmetric: user vector as 3 bit-planes, ridge 30, w0=auto, ρ=0.5, mean-field": (
+            auto[0],
+            replace(auto[1], query_planes=3, user_reg=30.0, mean_field=True, flip_fraction=0.5),
+            False,
+        ),
+        **{
+            f"asymmetric: user vector as {p} bit-planes, ridge {reg:g}, w0=auto κ={kappa:g}, ρ={rho:g}, mean-field": (
+                replace(auto[0], unobserved_weight=density_weight(0.0, 1, exp.train.n_items, scale=kappa)),
+                replace(
+                    auto[1],
+                    unobserved_scale=kappa,
+                    query_planes=p,
+                    user_reg=reg,
+                    mean_field=True,
+                    flip_fraction=rho,
+                ),
+                False,
+            )
+            for p, reg, kappa, rho in [(2, 1.0, 2.0, 1.0), (3, 1.0, 2.0, 1.0), (2, 30.0, 2.0, 0.3), (2, 1.0, 6.0, 1.0)]
+        },
     }
 
 

@@ -46,7 +46,10 @@ def plain(exp: Experiment, rounds: int, seed: int) -> FederatedLightFR:
         binary_positives=True,
         unobserved_weight=density_weight(0.0, 1, exp.train.n_items),
     )
-    fed = FederationConfig(rounds=rounds, fraction=0.6, seed=seed, flip_fraction=0.3, unobserved_scale=DENSITY_SCALE)
+    # The server's defaults: w0 = auto, the mean-field code step with ρ = 1 (agg_server.config.ModelSection).
+    fed = FederationConfig(
+        rounds=rounds, fraction=0.6, seed=seed, flip_fraction=1.0, unobserved_scale=DENSITY_SCALE, mean_field=True
+    )
     return run_lightfr(user_data(exp.train, cfg), cfg, fed)
 
 

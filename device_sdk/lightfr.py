@@ -460,12 +460,19 @@ def full_upload(
     c = 1.0 + alpha
     wq = c - w0
     rows = _row_of(indptr)
-    s = inner_products(indptr, items, B, D).astype(np.float64)
+    real = np.issubdtype(np.asarray(B).dtype, np.floating)
+    if real:  # real-valued user vectors (asymmetric scoring): s = uᵀd_i in floating point
+        s = np.einsum("ef,ef->e", D[items].astype(np.float64), B[rows])
+    else:
+        s = inner_products(indptr, items, B, D).astype(np.float64)
     Bt = np.ascontiguousarray(B.T)[:, rows]  # (f, nnz) b_uk of every entry
     wl = c * r - wq * beta[items]
-    # Σ wq (s b_k − d_ik)/f − wl b_k  =  Σ (wq s/f − wl) b_k  −  (wq/f) · (entries of i) · d_ik
+    # Σ wq (s b_k − b_k² d_ik)/f − wl b_k  =  Σ (wq s/f − wl) b_k  −  (wq/f) · (Σ b_k² over entries of i) · d_ik
     grad = _scatter_rows(items, wq * s / f - wl, Bt, m)
-    grad -= (wq / f) * np.bincount(items, minlength=m)[:, None] * D
+    if real:
+        grad -= (wq / f) * _scatter_rows(items, np.ones(items.size), Bt * Bt, m) * D
+    else:
+        grad -= (wq / f) * np.bincount(items, minlength=m)[:, None] * D
     keys = np.unique(rows * m + items)
     Bf = B.astype(np.float64)
     return {
@@ -475,3 +482,143 @@ def full_upload(
         "gram": Bf.T @ Bf,
         "code_sum": Bf.sum(axis=0),
     }
+
+
+# -- real-valued user vectors against binary item codes (asymmetric scoring) --------------------
+#
+# With ``query_planes`` P >= 1 the all-items objective keeps the item codes binary but solves the
+# user side exactly: u minimises L_u above with x_ui = uᵀd_i / f + β_i over real u, plus a ridge term
+# reg·‖u‖² / f², i.e. (in units of f²)
+#     (w0 G_D + (c − w0) D_Ωᵀ D_Ω + reg I) u = f (Σ_{i∈Ω} (c t_i − (c − w0) β_i) d_i − w0 Dᵀβ),
+# and is then quantized to u ≈ Δ·q with q odd integers in [−(2^P − 1), 2^P − 1], which is a sum of P
+# ±1 planes q = Σ_p 2^p c_p: qᵀd = Σ_p 2^p (f − 2·Hamming(c_p, d)), XOR + popcount per plane.  The
+# item side keeps the form of `full_upload` with b replaced by the quantized u (b_k² = 1 becomes
+# u_k²), so the server's step (`agg_server.strategy.lightfr.agg_full`) is unchanged.
+
+
+def ridge_users(
+    indptr: NDArray[np.int64],
+    items: NDArray[np.int64],
+    r: NDArray[np.float64],
+    D: NDArray[np.int8],
+    beta: NDArray[np.float64],
+    w0: float,
+    alpha: float,
+    reg: float,
+    *,
+    gram: tuple[NDArray[np.float64], NDArray[np.float64]] | None = None,
+    budget: int = 1 << 22,
+) -> NDArray[np.float64]:
+    """The exact real-valued user vectors of the all-items objective with a ridge term (see the comment
+    above), item codes and biases fixed; (n, f) float64.
+
+    ``gram`` is (G_D, Dᵀβ) of the whole catalogue when ``D``/``beta`` hold only the touched rows (as in
+    `dcd_full`).  Users are solved in chunks of similar rating counts, each chunk one batched
+    ``np.linalg.solve`` over at most ``budget`` padded floats; no Python loop over users or ratings.
+    """
+    D = np.asarray(D)
+    m, f = D.shape
+    n = indptr.size - 1
+    if beta.shape != (m,):
+        raise ValueError(f"item biases must have shape ({m},), got {beta.shape}")
+    if not (reg > 0 and np.isfinite(reg)):
+        raise ValueError(f"user ridge weight must be a finite value > 0, got {reg}")
+    _check_full(w0, alpha)
+    _check_csr(indptr, items, r, m)
+    c = 1.0 + alpha
+    wq = c - w0
+    Df = D.astype(np.float64)
+    if gram is None:
+        G, Dbeta = Df.T @ Df, Df.T @ beta
+    else:
+        G, Dbeta = gram
+        if G.shape != (f, f) or Dbeta.shape != (f,):
+            raise ValueError(f"gram must be ((f, f), (f,)) for f = {f}, got {G.shape}, {Dbeta.shape}")
+    rows = _row_of(indptr)
+    wl = c * r - wq * beta[items]
+    rhs = f * (_scatter_rows(rows, wl, np.ascontiguousarray(Df.T)[:, items], n) - w0 * Dbeta[None, :])
+    base = w0 * G + reg * np.eye(f)
+    deg = np.diff(indptr)
+    order = np.argsort(deg, kind="stable")
+    U = np.zeros((n, f))
+    start = 0
+    while start < n:  # chunks of users of similar length
+        ahead = deg[order[start : start + 4096]]
+        padded = np.maximum(ahead, 1) * np.arange(1, ahead.size + 1) * f
+        size = max(1, int(np.searchsorted(padded, budget, side="right")))
+        who = order[start : start + size]
+        L = int(deg[who].max())
+        A = np.broadcast_to(base, (who.size, f, f)).copy()
+        if L:
+            pos = indptr[who][:, None] + np.arange(L)[None, :]
+            live = np.arange(L)[None, :] < deg[who][:, None]
+            P = Df[items[np.where(live, pos, 0)]] * live[..., None]  # (B, L, f), zero padding
+            A += wq * np.matmul(P.transpose(0, 2, 1), P)
+        U[who] = np.linalg.solve(A, rhs[who][..., None])[..., 0]
+        start += who.size
+    return U
+
+
+def quantize_planes(U: NDArray[np.float64], planes: int) -> tuple[NDArray[np.int16], NDArray[np.float64]]:
+    """Each row u of ``U`` as Δ·q with q odd integers in [−(2^P − 1), 2^P − 1] (P = ``planes``) and a
+    per-row scale Δ > 0: q is the nearest odd multiple of a step for the best of a few candidate steps
+    (least squared error), and Δ the least-squares scale for that q.  Returns (q (n, f) int16, Δ (n,)).
+    `snap_scale` then rounds Δ to what the device's integer score can hold."""
+    if not 1 <= planes <= 8:
+        raise ValueError(f"planes must be in [1, 8], got {planes}")
+    U = np.asarray(U, dtype=np.float64)
+    top = 2**planes - 1
+    rms = np.sqrt(np.mean(U * U, axis=1, keepdims=True))
+    rms = np.where(rms > 0, rms, 1.0)
+    best_q = np.ones(U.shape, dtype=np.int16)
+    best_err = np.full(U.shape[0], np.inf)
+    for factor in (1.0,) if planes == 1 else (0.5, 0.75, 1.0, 1.5, 2.0, 3.0):
+        step = rms * (factor / max(top / 2.0, 1.0))
+        q = np.clip(2.0 * np.floor(U / step / 2.0) + 1.0, -top, top)
+        a = np.sum(U * q, axis=1) / np.sum(q * q, axis=1)
+        err = np.sum((U - a[:, None] * q) ** 2, axis=1)
+        better = err < best_err
+        best_q[better] = q[better].astype(np.int16)
+        best_err[better] = err[better]
+    qf = best_q.astype(np.float64)
+    scale = np.sum(U * qf, axis=1) / np.sum(qf * qf, axis=1)
+    flip = scale < 0  # cannot happen for the nearest odd multiple, kept for safety
+    best_q[flip] = -best_q[flip]
+    return best_q, np.where(np.abs(scale) > 0, np.abs(scale), 1e-300)
+
+
+#: s of the asymmetric integer score S = a_u·qᵀd + 2^s·level (see `snap_scale`).
+LEVEL_SHIFT = 8
+
+
+def snap_scale(scale: NDArray[np.float64], hamming_weight: int) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
+    """The integer user weights a = max(1, round(2^s·B·Δ/2)) and the scales Δ' = 2a/(2^s·B) they stand
+    for (B = ``hamming_weight``, s = `LEVEL_SHIFT`).
+
+    Items are ranked by Δ'·qᵀd/f + β_i with β_i = (level_i − 128)·2/(f·B)
+    (`protocol.families.lightfr.bias_from_levels`); multiplied by 2^(s−1)·f·B that is
+    a·qᵀd + 2^s·level_i − 2^(s+7), so the integer S = a·qᵀd + 2^s·level ranks exactly like the real
+    score of the snapped vector Δ'·q, which is what the device trains and uploads with.
+    """
+    if hamming_weight < 1:
+        raise ValueError(f"hamming weight must be >= 1, got {hamming_weight}")
+    sc = np.asarray(scale, dtype=np.float64)
+    if not np.all(np.isfinite(sc) & (sc > 0)):
+        raise ValueError("user scales must be finite and > 0")
+    a = np.maximum(1, np.rint(sc * (2**LEVEL_SHIFT) * hamming_weight / 2.0)).astype(np.int64)
+    return a, 2.0 * a / (2**LEVEL_SHIFT * hamming_weight)
+
+
+def sign_planes(q: NDArray[np.integer], planes: int) -> NDArray[np.int8]:
+    """The P ±1 planes c_p of odd integers q in [−(2^P − 1), 2^P − 1]: q = Σ_p 2^p c_p; (P, n, f) int8.
+
+    With v = (q + 2^P − 1)/2 in [0, 2^P − 1], c_p = 2·(bit p of v) − 1.
+    """
+    top = 2**planes - 1
+    qi = np.asarray(q, dtype=np.int64)
+    if not 1 <= planes <= 8:
+        raise ValueError(f"planes must be in [1, 8], got {planes}")
+    if np.any(np.abs(qi) > top) or np.any(qi % 2 == 0):
+        raise ValueError(f"q must hold odd integers in [-{top}, {top}]")
+    v = (qi + top) // 2
+    return np.stack([(((v >> p) & 1) * 2 - 1).astype(np.int8) for p in range(planes)])

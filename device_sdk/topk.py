@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-__all__ = ["HammingIndex", "hamming_distances", "topk_hamming"]
+__all__ = ["HammingIndex", "hamming_distances", "plane_scores", "topk_hamming"]
 
 # User-item pairs per scan block: the XOR buffer (8 bytes a pair, 1 MiB) stays within L2.
 _BLOCK_PAIRS = 1 << 17
@@ -51,6 +51,35 @@ def hamming_distances(user_words: NDArray[np.uint64], item_words: NDArray[np.uin
     for j in range(1, w):
         dist += np.bitwise_count(item_words[j] ^ user_words[j])
     return dist
+
+
+def plane_scores(
+    plane_words: NDArray[np.uint64],
+    item_words: NDArray[np.uint64],
+    bits: int,
+    user_weight: int,
+    levels: NDArray[np.uint8] | None = None,
+    level_shift: int = 8,
+) -> NDArray[np.int64]:
+    """The asymmetric integer score of one user against every item: with the user's vector held as P
+    packed ±1 planes c_p (``plane_words`` (P, w), plane p weighing 2^p; see
+    `device_sdk.lightfr.sign_planes`),
+        S_i = a·Σ_p 2^p·(f − 2·Hamming(c_p, d_i)) + 2^s·level_i,
+    a = ``user_weight`` (`device_sdk.lightfr.snap_scale`), s = ``level_shift``; XOR + popcount per plane
+    and word, (m,) int64.  Higher is better."""
+    P, w = plane_words.shape
+    if item_words.shape[0] != w:
+        raise ValueError(f"user planes have {w} words, item codes have {item_words.shape[0]}")
+    if user_weight < 1:
+        raise ValueError(f"user weight must be >= 1, got {user_weight}")
+    acc = np.zeros(item_words.shape[1], dtype=np.int64)
+    for p in range(P):
+        acc += (bits - 2 * hamming_distances(plane_words[p], item_words).astype(np.int64)) << p
+    acc *= user_weight
+    if levels is not None:
+        lv = _check_levels(levels, item_words.shape[1])
+        acc += lv.astype(np.int64) << level_shift
+    return acc
 
 
 class HammingIndex:

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from agg_server.config import MIN_COHORT, ModelSection
+from agg_server.config import MIN_COHORT, default_flip_fraction
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import save_store
 from fedsim.datasets import DATASET_NAMES, LightFRSplit, TrainTestSplit, find_data_dir, load_dataset
@@ -115,8 +115,8 @@ def _weight_or_auto(text: str) -> float | str:
     return "auto" if text.strip().lower() == "auto" else _nonneg_float(text)
 
 
-#: Agg_grad damping ρ: one default for `simulate`, `demo` and the server (its `ModelSection`).
-FLIP_FRACTION = next(f.default for f in dataclasses.fields(ModelSection) if f.name == "flip_fraction")
+#: Agg_grad damping ρ: `simulate` takes the server's default (`agg_server.config.default_flip_fraction`).
+_FLIP_HELP = "default: 1 under the all-items objective with the mean-field step, else 0.3, as the server's"
 
 _DATA_DIR_HELP = (
     "FOLDER holding the named datasets (ml-100k/, filmtrust/, filmtrust-lightfr-split/; default: $FEDREC_DATA, "
@@ -160,6 +160,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="α: observed items weigh 1 + α under the all-items objective (default 0)",
     )
     g.add_argument(
+        "--query-planes",
+        type=_nonneg_int,
+        default=0,
+        help="P >= 1: asymmetric scoring, the user's vector solved exactly against the binary item codes and "
+        "kept as P ±1 bit-planes (all-items objective; items stay f-bit codes); 0 = ±1 user codes (default)",
+    )
+    g.add_argument(
+        "--user-reg",
+        type=_positive_float,
+        default=1.0,
+        help="ridge weight of the user solve with --query-planes (default 1)",
+    )
+    g.add_argument(
         "--targets",
         choices=["binary", "ratings"],
         default="binary",
@@ -191,9 +204,17 @@ def _add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
     g.add_argument(
         "--flip-fraction",
         type=_fraction,
-        default=FLIP_FRACTION,
-        help=f"probability that an item bit Agg_grad wants to flip is flipped (default {FLIP_FRACTION:g}, the "
-        "server's; 1 = the paper's rule)",
+        default=None,
+        help=f"probability that an item bit Agg_grad wants to flip is flipped ({_FLIP_HELP}; 1 = the paper's rule)",
+    )
+    g.add_argument(
+        "--no-mean-field",
+        dest="mean_field",
+        action="store_false",
+        default=None,
+        help="all-items objective: step every item bit from the old codes (Jacobi) instead of the default mean-field "
+        "step, which follows the item's bits already changed (raters' Gram taken as counts_i/n · G_U; the server's "
+        "model.mean_field)",
     )
     g.add_argument(
         "--seed",
@@ -343,8 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--flip-fraction",
         type=_fraction,
-        default=FLIP_FRACTION,
-        help=f"Agg_grad damping ρ (default {FLIP_FRACTION:g}, as simulate and the server's model.flip_fraction)",
+        default=None,
+        help="Agg_grad damping ρ (default 0.3: the demo runs the server's Jacobi step, model.mean_field = false, "
+        "the recipe its figures were measured with)",
     )
     demo.add_argument(
         "--seed",
@@ -667,14 +689,30 @@ def _first_weight(args: argparse.Namespace, n_items: int) -> float:
     return density_weight(0.0, 1, n_items) if w == "auto" else float(w)
 
 
+def _flip_fraction(args: argparse.Namespace) -> float:
+    """--flip-fraction, or the server's default for this objective (`agg_server.config.default_flip_fraction`)."""
+    if args.flip_fraction is not None:
+        return float(args.flip_fraction)
+    full = _unobserved_weight(args) != 0 and args.aggregation == Aggregation.GRAD.value
+    return default_flip_fraction(full, _mean_field(args))
+
+
+def _mean_field(args: argparse.Namespace) -> bool:
+    """The mean-field step is on unless --no-mean-field was given."""
+    return getattr(args, "mean_field", None) is not False
+
+
 def _fed_config(args: argparse.Namespace) -> FederationConfig:
     return FederationConfig(
         rounds=args.rounds,
         fraction=args.fraction,
         seed=args.seed,
         aggregation=Aggregation(args.aggregation),
-        flip_fraction=args.flip_fraction,
+        flip_fraction=_flip_fraction(args),
         unobserved_scale=DENSITY_SCALE if _unobserved_weight(args) == "auto" else 0.0,
+        query_planes=getattr(args, "query_planes", 0),
+        user_reg=getattr(args, "user_reg", 1.0),
+        mean_field=_mean_field(args),
     )
 
 
@@ -688,6 +726,8 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
 
 def _train(args: argparse.Namespace, exp: Experiment, out: TextIO, show_progress: bool) -> FederatedLightFR:
     cfg, fed = _model_config(args, exp), _fed_config(args)
+    if fed.query_planes and getattr(args, "save", None) is not None:
+        raise ValueError("--save stores ±1 user codes; a run with --query-planes keeps bit-plane user vectors")
     data = user_data(exp.train, cfg)
     bar: Any = None
     if show_progress and fed.rounds:
@@ -841,6 +881,9 @@ _APPLIES_TO: dict[str, tuple[str, ...]] = {
             "aggregation",
             "flip_fraction",
             "protocol",
+            "query_planes",
+            "user_reg",
+            "mean_field",
         ),
         ("lightfr",),
     ),
@@ -870,6 +913,9 @@ _NOT_PRIVATE_LIGHTFR = (
     "aggregation",
     "fraction",
     "eval_every",
+    "query_planes",
+    "user_reg",
+    "mean_field",
 )
 
 
@@ -949,7 +995,7 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
         )
         + f", E={args.epochs}; "
         f"T={args.rounds} rounds, p={args.fraction}, Agg_{args.aggregation} "
-        f"(flip fraction {args.flip_fraction}), "
+        f"(flip fraction {_flip_fraction(args):g}{', mean field' if _mean_field(args) else ''}), "
         f"seed {args.seed}\n"
     )
     state = _train(args, exp, out, show_progress=not getattr(args, "quiet", False))
@@ -959,7 +1005,7 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
         evaluated = [r for r in state.history if r.metric is not None]
         plot_training(
             args.plot,
-            f"LightFR f={args.bits} on {exp.name}, Agg_{args.aggregation} ρ={args.flip_fraction}",
+            f"LightFR f={args.bits} on {exp.name}, Agg_{args.aggregation} ρ={_flip_fraction(args):g}",
             [r.round for r in evaluated],
             {
                 "HR@10": [r.metric.hr for r in evaluated if r.metric],

@@ -54,6 +54,14 @@ class FederationConfig:
     flip_fraction : damping ρ of the server's code update (see `agg_server.strategy.lightfr.agg_grad`).
     hamming_weight : B of the integer score (f − Hamming)·B + item level (all-items objective).
     learn_bias : learn item biases (shipped as uint8 levels) under the all-items objective.
+    query_planes : P >= 1 selects asymmetric scoring (all-items objective only): each device solves its
+        user vector exactly against the binary item codes (`device_sdk.lightfr.ridge_users`, ridge
+        weight ``user_reg``), keeps it as P ±1 bit-planes (`quantize_planes`, `snap_scale`) and uploads
+        with it; items stay 64-bit codes and the score stays an integer from XOR + popcount
+        (`device_sdk.topk.plane_scores`).  0 (default): ±1 user codes by DCD.
+    user_reg : ridge weight of the user solve under ``query_planes`` (in units of the f²-scaled loss).
+    refresh_users : under ``query_planes``, re-solve every user's vector against the final model, as a
+        device does locally when it downloads a model (nothing is uploaded).
     unobserved_scale : κ > 0 derives the all-items objective's w0 from the catalogue density, as the
         server does (`agg_server.strategy.lightfr.LightFRServerStrategy`): each round w0 = κ·density^γ
         from the counts slice of the cohort's sum; the devices of round 1 train with the model
@@ -68,6 +76,10 @@ class FederationConfig:
     hamming_weight: int = 2
     learn_bias: bool = True
     unobserved_scale: float = 0.0
+    query_planes: int = 0
+    user_reg: float = 1.0
+    refresh_users: bool = True
+    mean_field: bool = False
 
     def __post_init__(self) -> None:
         if not (np.isfinite(self.unobserved_scale) and self.unobserved_scale >= 0):
@@ -78,6 +90,11 @@ class FederationConfig:
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
         if self.hamming_weight < 1:
             raise ValueError(f"hamming_weight must be >= 1, got {self.hamming_weight}")
+        planes = self.query_planes
+        if isinstance(planes, bool) or not (isinstance(planes, int) and 0 <= planes <= 8):
+            raise ValueError(f"query_planes must be an integer in [0, 8], got {self.query_planes!r}")
+        if not (np.isfinite(self.user_reg) and self.user_reg > 0):
+            raise ValueError(f"user_reg must be a finite value > 0, got {self.user_reg}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,13 +165,20 @@ class FederatedLightFR:
     hamming_weight: int = 1
     #: The w0 of the last round under the all-items objective (density-derived or fixed).
     unobserved_weight: float = 0.0
+    #: With query planes P >= 1: every user's quantized real-valued vector Δ·q (n, f), what it scores with.
+    user_vectors: NDArray[np.float64] | None = None
 
     def scores(self, users: NDArray[np.int64], candidates: NDArray[np.int64]) -> NDArray[np.int32]:
         """The integer score (f − Hamming)·B + level (level 0 without item levels) of each user's
         candidates; ranks exactly like Hamming similarity when there are no levels."""
+        f = self.user_codes.shape[1]
+        if self.user_vectors is not None:
+            x = np.einsum("nf,ncf->nc", self.user_vectors[users], self.item_codes[candidates].astype(np.float64)) / f
+            if self.item_levels is not None:
+                x += bias_from_levels(self.item_levels, self.item_codes.shape[0], f, self.hamming_weight)[candidates]
+            return x
         B = self.user_codes[users].astype(np.int32)
         Dc = self.item_codes[candidates].astype(np.int32)
-        f = self.user_codes.shape[1]
         close = (np.einsum("nf,ncf->nc", B, Dc) + f) // 2  # f − Hamming
         if self.item_levels is None:
             return close.astype(np.int32)
@@ -164,6 +188,11 @@ class FederatedLightFR:
         """The same score as `scores` against every item, (len(users), m) float32 (exact: the values are
         small integers); a full-ranking scorer for `fedsim.evaluation.evaluate_all_items`."""
         f = self.user_codes.shape[1]
+        if self.user_vectors is not None:
+            x = self.user_vectors[users] @ self.item_codes.T.astype(np.float64) / f
+            if self.item_levels is not None:
+                x += bias_from_levels(self.item_levels, self.item_codes.shape[0], f, self.hamming_weight)
+            return x.astype(np.float32)
         close = (self.user_codes[users].astype(np.float32) @ self.item_codes.T.astype(np.float32) + f) / 2
         if self.item_levels is None:
             return close
@@ -194,6 +223,8 @@ def run_lightfr(
         after the last round.
     on_round : called with each round's report (progress display).
     """
+    if federation.query_planes and model.unobserved_weight == 0:
+        raise ValueError("query_planes needs the all-items objective (unobserved_weight > 0)")
     if model.unobserved_weight > 0:
         return run_full(data, model, federation, evaluate=evaluate, eval_every=eval_every, on_round=on_round)
     rng = np.random.default_rng(federation.seed)
@@ -274,13 +305,23 @@ def run_full(
         dev_beta = bias_from_levels(state.item_levels, m, f, wgt)  # what the devices received
         B = state.user_codes[cohort]
         flips = 0
-        for _ in range(model.local_epochs):
-            B, stats = lightfr.dcd_full(
-                local.indptr, local.items, local.targets, B, D, dev_beta, w0, alpha, max_sweeps=model.max_sweeps
+        if federation.query_planes:
+            U = lightfr.ridge_users(
+                local.indptr, local.items, local.targets, D, dev_beta, w0, alpha, federation.user_reg
             )
-            flips += stats.flips
-        parts = lightfr.full_upload(local.indptr, local.items, local.targets, B, D, dev_beta, w0, alpha)
-        state.user_codes[cohort] = B
+            Uq = _quantized(U, federation.query_planes, wgt)
+            parts = lightfr.full_upload(local.indptr, local.items, local.targets, Uq, D, dev_beta, w0, alpha)
+            if state.user_vectors is None:
+                state.user_vectors = np.zeros((n, f))
+            state.user_vectors[cohort] = Uq
+        else:
+            for _ in range(model.local_epochs):
+                B, stats = lightfr.dcd_full(
+                    local.indptr, local.items, local.targets, B, D, dev_beta, w0, alpha, max_sweeps=model.max_sweeps
+                )
+                flips += stats.flips
+            parts = lightfr.full_upload(local.indptr, local.items, local.targets, B, D, dev_beta, w0, alpha)
+            state.user_codes[cohort] = B
         if federation.unobserved_scale > 0:  # the server's w0, from this round's counts (next round's plan)
             w0 = density_weight(
                 float(parts["counts"].sum()), cohort.size, m, scale=federation.unobserved_scale, cap=1.0 + alpha
@@ -296,6 +337,7 @@ def run_full(
             flip_fraction=federation.flip_fraction,
             rng=rng,
             learn_bias=federation.learn_bias,
+            mean_field=federation.mean_field,
         )
         item_flips = int(np.count_nonzero(new_D != D))
         state.item_codes = new_D
@@ -308,4 +350,17 @@ def run_full(
         state.history.append(report)
         if on_round is not None:
             on_round(report)
+    if federation.query_planes and federation.refresh_users:
+        # What a device does when it downloads a model: re-solve its vector against it (local, nothing uploaded).
+        dev_beta = bias_from_levels(state.item_levels, m, f, wgt)
+        U = lightfr.ridge_users(
+            data.indptr, data.items, data.targets, state.item_codes, dev_beta, w0, alpha, federation.user_reg
+        )
+        state.user_vectors = _quantized(U, federation.query_planes, wgt)
     return state
+
+
+def _quantized(U: NDArray[np.float64], planes: int, hamming_weight: int) -> NDArray[np.float64]:
+    """Δ'·q: the P-plane user vectors with their scales snapped to the integer score's grid."""
+    q, scale = lightfr.quantize_planes(U, planes)
+    return lightfr.snap_scale(scale, hamming_weight)[1][:, None] * q

@@ -265,6 +265,9 @@ def run_private_scaled(
                 "negatives": s.negatives,
                 "flip_fraction": s.flip_fraction,
                 "unobserved_weight": s.unobserved_weight,
+                # The Jacobi code step this simulator's figures were measured with (the mean-field step,
+                # the server's default, was chosen on validation without DP).
+                "mean_field": False,
             },
             "rounds": {
                 "cohort_size": n,

@@ -46,6 +46,18 @@ def test_simulate_prints_table_and_baselines(capsys: pytest.CaptureFixture[str],
     assert line.split()[-4:] == line2.split()[-4:]
 
 
+def test_simulate_with_asymmetric_scoring(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    argv = ["simulate", "--dataset", "synthetic", "--rounds", "3", "--quiet", "--query-planes", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "LightFR (Agg_grad)" in out and "popularity" in out
+    # bit-plane user vectors are not ±1 codes: a run file would misstate them, so --save is refused
+    assert main([*argv, "--save", str(tmp_path / "run.fedrec")]) == 2
+    assert "--query-planes" in capsys.readouterr().err
+    assert main([*argv, "--unobserved-weight", "0"]) == 2  # the sampled objective has no exact user solve
+    assert "all-items objective" in capsys.readouterr().err
+
+
 def test_demo_runs_a_real_server_and_fleet(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     argv = ["demo", "--dataset", "synthetic", "--devices", "12", "--cohort", "12", "--rounds", "2"]
     assert main([*argv, "--dropout", "0.1", "--workdir", str(tmp_path)]) == 0
@@ -71,6 +83,7 @@ def test_demo_runs_a_real_server_and_fleet(capsys: pytest.CaptureFixture[str], t
         (["simulate", "--dataset", "synthetic", "--fraction", "1.5"], "must be in (0, 1]"),
         (["simulate", "--dataset", "synthetic", "--bits", "zero"], "expected a whole number"),
         (["simulate", "--dataset", "synthetic", "--lam", "-1"], "finite number >= 0"),
+        (["simulate", "--dataset", "synthetic", "--user-reg", "0"], "> 0"),
     ],
 )
 def test_bad_arguments_name_the_problem(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -263,6 +263,16 @@ def test_server_config_auto_weight_builds_a_density_strategy(tmp_path) -> None:
         config_from_dict({**base, "model": {"n_items": 500, "unobserved_weight": "automatic"}})
     with pytest.raises(ConfigError, match="unobserved_scale"):
         config_from_dict({**base, "model": {"n_items": 500, "unobserved_scale": 0}})
+    # the mean-field step is the default, and with it ρ = 1; without it (or with sampled negatives) ρ = 0.3
+    assert st.mean_field and st.rule.flip_fraction == 1.0
+    jacobi = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "mean_field": False}}))
+    assert not jacobi.mean_field and jacobi.rule.flip_fraction == 0.3
+    sampled = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "unobserved_weight": 0}}))
+    assert sampled.rule.flip_fraction == 0.3
+    given = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "flip_fraction": 0.5}}))
+    assert given.mean_field and given.rule.flip_fraction == 0.5
+    with pytest.raises(ConfigError, match="model.mean_field: must be true or false"):
+        config_from_dict({**base, "model": {"n_items": 500, "mean_field": "yes"}})
 
 
 def test_clip_parts_gives_the_counts_their_share_of_the_clip_norm() -> None:
@@ -322,3 +332,144 @@ def test_popularity_levels_follow_the_released_counts_and_average_over_rounds() 
     assert lv2 is not None and int(lv2.max()) - int(lv2.min()) <= 1
     with pytest.raises(ValueError, match="all-items"):
         LightFRServerStrategy(LightFRStrategy(bits=f), m, unobserved_weight=0.0, popularity_span=1.0)
+
+
+# -- asymmetric scoring: real user vectors (as bit-planes) against binary item codes ---------------
+
+
+def _dense_loss_real(u, D, beta, items, r, w0, alpha, reg) -> float:
+    f = u.size
+    x = D.astype(float) @ u / f + beta
+    obs = np.zeros(D.shape[0], bool)
+    obs[items] = True
+    t = np.zeros(D.shape[0])
+    t[items] = r
+    return float(np.sum((1 + alpha) * (t - x)[obs] ** 2) + w0 * np.sum(x[~obs] ** 2) + reg * (u @ u) / f**2)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ridge_users_is_the_exact_minimiser_and_beats_the_dcd_code(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, m, f = 6, 40, 8
+    indptr, items, r = _batch(rng, n, m, 9)
+    D = random_signs(m, f, rng)
+    beta = rng.normal(0, 0.1, m)
+    w0, alpha, reg = 0.15, 1.5, 0.7
+    U = lightfr.ridge_users(indptr, items, r, D, beta, w0, alpha, reg, budget=64)  # tiny chunks: several solves
+    B, _ = lightfr.dcd_full(indptr, items, r, random_signs(n, f, rng), D, beta, w0, alpha)
+    G = D.astype(float).T @ D
+    for u in range(n):
+        its, ru = items[indptr[u] : indptr[u + 1]], r[indptr[u] : indptr[u + 1]]
+        best = _dense_loss_real(U[u], D, beta, its, ru, w0, alpha, reg)
+        for _ in range(5):  # every nearby vector is worse: a minimiser
+            assert best <= _dense_loss_real(U[u] + rng.normal(0, 0.05, f), D, beta, its, ru, w0, alpha, reg)
+        assert best <= _dense_loss_real(B[u].astype(float), D, beta, its, ru, w0, alpha, reg) + 1e-12
+        # the same solve on the touched rows with the catalogue's Gram (fold-in form)
+        sub = lightfr.ridge_users(
+            np.array([0, its.size]),
+            np.arange(its.size),
+            ru,
+            D[its],
+            beta[its],
+            w0,
+            alpha,
+            reg,
+            gram=(G, D.astype(float).T @ beta),
+        )
+        np.testing.assert_allclose(sub[0], U[u], rtol=1e-9, atol=1e-12)
+
+
+def test_plane_scores_equal_the_float_reference_exactly() -> None:
+    from device_sdk.topk import plane_scores
+    from protocol.codes import pack_signs
+
+    rng = np.random.default_rng(3)
+    m, f, B = 300, 70, 2  # f not a multiple of 64: padding bits must not count
+    D = random_signs(m, f, rng)
+    levels = rng.integers(0, 256, m).astype(np.uint8)
+    words = pack_signs(D)
+    for planes in (1, 2, 3, 4):
+        U = rng.normal(0, 1.0, (4, f))
+        q, scale = lightfr.quantize_planes(U, planes)
+        assert np.all(np.abs(q) <= 2**planes - 1) and np.all(q % 2 == 1)
+        a, snapped = lightfr.snap_scale(scale, B)
+        C = lightfr.sign_planes(q, planes)
+        np.testing.assert_array_equal(sum((2**p) * C[p].astype(np.int64) for p in range(planes)), q)
+        beta = bias_from_levels(levels, m, f, B)
+        for u in range(4):
+            S = plane_scores(pack_signs(C[:, u, :]).T.copy(), words, f, int(a[u]), levels, lightfr.LEVEL_SHIFT)
+            exact = a[u] * (D.astype(np.int64) @ q[u].astype(np.int64)) + (
+                levels.astype(np.int64) << lightfr.LEVEL_SHIFT
+            )
+            np.testing.assert_array_equal(S, exact)
+            # S is an increasing affine map of the real score of the snapped vector: same ranking.
+            real = snapped[u] * (D.astype(float) @ q[u]) / f + beta
+            affine = (S - (LEVEL_CENTER << lightfr.LEVEL_SHIFT)) * 2.0 / (2**lightfr.LEVEL_SHIFT * B * f)
+            np.testing.assert_allclose(affine, real, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="planes must be in"):
+        lightfr.quantize_planes(np.ones((1, f)), 0)
+    with pytest.raises(ValueError, match="odd integers"):
+        lightfr.sign_planes(np.array([[2]]), 2)
+    with pytest.raises(ValueError, match="scales must be finite"):
+        lightfr.snap_scale(np.array([0.0]), B)
+    with pytest.raises(ValueError, match="ridge weight"):
+        lightfr.ridge_users(np.array([0, 1]), np.array([0]), np.ones(1), D, np.zeros(m), 0.1, 0.0, 0.0)
+
+
+def test_real_user_upload_matches_the_item_side_loss() -> None:
+    """With real user vectors the server's sign test for a bit equals the sign of the loss change."""
+    rng = np.random.default_rng(11)
+    n, m, f = 6, 25, 8
+    indptr, items, r = _batch(rng, n, m, 7)
+    D = random_signs(m, f, rng)
+    beta = rng.normal(0, 0.1, m)
+    w0, alpha = 0.2, 2.0
+    U = rng.normal(0, 1.3, (n, f))
+    total = lightfr.full_upload(indptr, items, r, U, D, beta, w0, alpha)
+    np.testing.assert_allclose(total["gram"], U.T @ U)
+    new_D, _ = agg_full(D, beta, total, n, w0, alpha, flip_fraction=1.0, learn_bias=False)
+
+    def item_loss(i: int, d: np.ndarray) -> float:
+        x = U @ d / f + beta[i]
+        loss = 0.0
+        for u in range(n):
+            its = items[indptr[u] : indptr[u + 1]]
+            hit = np.flatnonzero(its == i)
+            loss += (1 + alpha) * (r[indptr[u] + hit[0]] - x[u]) ** 2 if hit.size else w0 * x[u] ** 2
+        return loss
+
+    for i in range(m):
+        d_old = D[i].astype(float)
+        d_new = d_old.copy()
+        d_new[0] = new_D[i, 0]
+        assert item_loss(i, d_new) <= item_loss(i, d_old) + 1e-9
+
+
+def test_mean_field_step_is_exact_coordinate_descent_when_raters_look_alike() -> None:
+    """When every user has the same vector, Σ_{u∈Ω_i} u uᵀ is exactly (counts_i / n)·G_U, so the mean-field
+    server step is exact bit-by-bit descent: no item's loss goes up, whichever bits flip together."""
+    rng = np.random.default_rng(5)
+    n, m, f = 8, 30, 8
+    indptr, items, r = _batch(rng, n, m, 10)
+    D = random_signs(m, f, rng)
+    beta = rng.normal(0, 0.1, m)
+    w0, alpha = 0.05, 1.0
+    U = np.tile(rng.normal(0, 2.0, f), (n, 1))
+    total = lightfr.full_upload(indptr, items, r, U, D, beta, w0, alpha)
+
+    def item_loss(i: int, d: np.ndarray) -> float:
+        x = U @ d / f + beta[i]
+        loss = 0.0
+        for u in range(n):
+            its = items[indptr[u] : indptr[u + 1]]
+            hit = np.flatnonzero(its == i)
+            loss += (1 + alpha) * (r[indptr[u] + hit[0]] - x[u]) ** 2 if hit.size else w0 * x[u] ** 2
+        return loss
+
+    new_D, _ = agg_full(D, beta, total, n, w0, alpha, flip_fraction=1.0, learn_bias=False, mean_field=True)
+    assert np.count_nonzero(new_D != D) > 0
+    for i in range(m):
+        assert item_loss(i, new_D[i].astype(float)) <= item_loss(i, D[i].astype(float)) + 1e-9
+    # the Jacobi step (every bit from the old codes) does overshoot on this data
+    jacobi, _ = agg_full(D, beta, total, n, w0, alpha, flip_fraction=1.0, learn_bias=False)
+    assert any(item_loss(i, jacobi[i].astype(float)) > item_loss(i, D[i].astype(float)) + 1e-9 for i in range(m))

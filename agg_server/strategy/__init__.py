@@ -52,6 +52,7 @@ def build_strategy(config: ServerConfig) -> Strategy:
             hamming_weight=m.hamming_weight,
             counts_share=m.counts_share,
             popularity_span=m.popularity_span,
+            mean_field=m.mean_field,
         )
     # The [mf], [felb] and [fnmf] tables name exactly their strategy's hyper-parameters.
     try:

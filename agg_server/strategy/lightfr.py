@@ -107,6 +107,7 @@ def agg_full(
     flip_fraction: float = 1.0,
     rng: np.random.Generator | None = None,
     learn_bias: bool = True,
+    mean_field: bool = False,
 ) -> tuple[NDArray[np.int8], NDArray[np.float64]]:
     """One server step of the all-items objective (see `device_sdk.lightfr`): new item codes and
     item biases from the cohort's summed upload parts (`protocol.families.lightfr.UploadLayout.split`).
@@ -115,6 +116,10 @@ def agg_full(
     C_ik / f = gradient_ik + w0 (Σ_{k'≠k} (G_U)_{kk'} d_ik') / f + w0 β_i (Σ_u b_u)_k, where the first
     term was taken at the old codes (so, as in `agg_grad`, a bit the rule selects flips with
     probability ``flip_fraction``) and the Gram term follows the item's bits as they change.
+    With ``mean_field`` the observed part of item i's quadratic, Σ_{u∈Ω_i} b_u b_uᵀ (not in the sum), is
+    taken as (counts_i / n)·G_U, so a bit's C_ik also follows the item's bits already changed in this
+    step: exact coordinate descent when the raters of every item look like the cohort, and less of the
+    Jacobi overshoot otherwise (chosen on validation, README).
     Biases: the exact minimiser given the codes the devices trained against,
     β_i = (bias_i − w0 d_iᵀ Σ_u b_u / f) / ((c − w0) counts_i + w0 n), n = ``survivors``.
     """
@@ -136,10 +141,16 @@ def agg_full(
     old = D.astype(np.float64)
     out = old.copy()
     Q = out @ gram
+    Q0 = Q.copy()
     diag = np.diag(gram)
+    # Mean field: the observed part of item i's quadratic, Σ_{u∈Ω_i} u uᵀ, taken as (counts_i / n)·G_U, so the
+    # gradient of bit k follows the item's bits k' already changed in this step (damps the Jacobi overshoot).
+    share = (1.0 + alpha - w0) * np.maximum(parts["counts"], 0.0) / survivors if mean_field else None
     for k in range(f):
         dk = out[:, k]
         C = grad[:, k] + w0 * (Q[:, k] - diag[k] * dk) / f + w0 * beta * bsum[k]
+        if share is not None:
+            C = C + share * (Q[:, k] - Q0[:, k]) / f
         new = np.where(C < 0, 1.0, np.where(C > 0, -1.0, dk))
         if flip_fraction < 1 and rng is not None:
             new = np.where(rng.random(m) < flip_fraction, new, dk)
@@ -258,6 +269,7 @@ class LightFRServerStrategy:
     learn_bias : learn item levels (otherwise every level stays 128, no item term).
     counts_share : the share s of the clip norm the devices give the counts part of their upload
         (`protocol.families.lightfr.clip_parts`; 0 = the whole upload clipped as one).
+    mean_field : the code step's mean-field correction (`agg_full`).
     popularity_span : > 0 sets the item levels from the released counts instead of the learned
         biases (the private popularity channel, for rounds under DP, where the bias sums are noise):
         β_i = span·log(1 + n̂_i) / log(1 + max n̂), n̂ the round's counts (negative noise as 0),
@@ -277,6 +289,7 @@ class LightFRServerStrategy:
     counts_share: float = 0.0
     popularity_span: float = 0.0
     unobserved_scale: float = 0.0
+    mean_field: bool = False
     # The last density-derived w0 (empty until a round has been aggregated); the one mutable part.
     _derived: list[float] = field(default_factory=list, repr=False, compare=False)
 
@@ -403,6 +416,7 @@ class LightFRServerStrategy:
             flip_fraction=self.rule.flip_fraction,
             rng=rng,
             learn_bias=self.learn_bias and self.popularity_span == 0,
+            mean_field=self.mean_field,
         )
         if self.popularity_span > 0:
             fresh = popularity_bias(parts["counts"], self.popularity_span)
