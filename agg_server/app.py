@@ -75,6 +75,7 @@ from protocol.messages import (
     Message,
     PublicKeys,
     RegisterRequest,
+    RevocationListPayload,
     RoundInvite,
     RoundResult,
     UnmaskResponse,
@@ -119,6 +120,8 @@ _STRATEGY: web.AppKey[Strategy | None] = web.AppKey("strategy")
 _EXECUTOR = web.AppKey("finish_executor", ThreadPoolExecutor)
 _FINISHING: web.AppKey[dict[int, asyncio.Task[None]]] = web.AppKey("finishing")
 _SLOTS: web.AppKey[list[RoundCoordinator]] = web.AppKey("slots")
+#: The encoded `RevocationListPayload` of the list in force, under its ETag (encoded once per list).
+_CRL_BODY: web.AppKey[dict[str, bytes]] = web.AppKey("crl_body")
 _KEEPER = web.AppKey("lease_keeper", LeaseKeeper)
 _PROXY = web.AppKey("proxy_session", aiohttp.ClientSession)
 
@@ -470,6 +473,24 @@ async def model(request: web.Request) -> web.StreamResponse:
     return web.Response(body=coordinator.model_bytes, content_type=MSGPACK, headers={"ETag": etag})
 
 
+async def revocations(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/enrollment/revocations`` (protocol 1.5, no login: the list is signed and public): the
+    enrollment authority's revocation list this server enforces, as a `RevocationListPayload` with an
+    ETag (``If-None-Match`` → 304).  Without ``enrollment.revocation_list`` the payload is empty (and
+    has no ETag): the server enforces no list, and a device keeps enforcing the newest it holds."""
+    data, etag = request.app[COORDINATOR].enrollment.signed_revocation_list()
+    if not etag:
+        return _send(RevocationListPayload())
+    if request.headers.get("If-None-Match") == etag:
+        return web.Response(status=304, headers={"ETag": etag})
+    cache = request.app[_CRL_BODY]
+    body = cache.get(etag)
+    if body is None:
+        cache.clear()
+        body = cache[etag] = encode(RevocationListPayload(data=data))
+    return web.Response(body=body, content_type=MSGPACK, headers={"ETag": etag})
+
+
 def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handler(request: web.Request) -> web.StreamResponse:
         device = _device(request)
@@ -694,11 +715,13 @@ def create_app(
     app[CONFIG] = config
     app[_STRATEGY] = strategy
     app[_CLOCK] = clock
+    app[_CRL_BODY] = {}
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/v1/devices", register)
     app.router.add_post("/v1/checkin", check_in)
     app.router.add_get("/v1/model", model)
+    app.router.add_get("/v1/enrollment/revocations", revocations)
     app.router.add_post("/v1/rounds/{round_id}/keys", _phase_handler(PublicKeys))
     app.router.add_post("/v1/rounds/{round_id}/shares", _phase_handler(EncryptedShares))
     app.router.add_post("/v1/rounds/{round_id}/masked", _phase_handler(MaskedInput))

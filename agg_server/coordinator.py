@@ -458,13 +458,25 @@ class RoundCoordinator:
         ------
         AuthError
             Missing or unknown token.
+        EnrollmentRefused
+            (403) The token's device is revoked: its certified key is on the revocation list in force.
         """
         if not token:
             raise AuthError("missing bearer token")
         device = self.storage.device_for_token(token_digest(token))
         if device is None:
             raise AuthError("unknown bearer token")
+        self._refuse_revoked(device, "its bearer token is refused on every route")
         return device
+
+    def _refuse_revoked(self, device_id: int, consequence: str) -> None:
+        if device_id in self.enrollment.revoked_devices():
+            crl = self.enrollment.revocation_list
+            number = f" #{crl.number}" if crl is not None else ""
+            raise EnrollmentRefused(
+                f"revocation check: device {device_id}'s certified key is on the enrollment authority's "
+                f"revocation list{number}; {consequence}"
+            )
 
     @staticmethod
     def check_sender(device_id: int, message: Message) -> None:
@@ -487,13 +499,7 @@ class RoundCoordinator:
         EnrollmentRefused
             The device's certified key is on the enrollment authority's revocation list.
         """
-        if device_id in self.enrollment.revoked_devices():
-            crl = self.enrollment.revocation_list
-            number = f" #{crl.number}" if crl is not None else ""
-            raise EnrollmentRefused(
-                f"device {device_id}: its certified key is on the enrollment authority's revocation list{number}; "
-                "it takes part in no round"
-            )
+        self._refuse_revoked(device_id, "it takes part in no round")
         r = self._round
         if r is not None and device_id in r.session.invited:
             # The invitation is handed out while the round collects keys and the device has sent

@@ -33,7 +33,7 @@ import numpy as np
 from agg_server.config import ServerConfig
 from agg_server.storage import Storage
 from protocol import crypto
-from protocol.enrollment import read_revocation_list
+from protocol.enrollment import load_revocation_list
 from protocol.errors import CryptoError, EnrollmentRefused, RateLimited, RevocationListInvalid
 
 __all__ = ["Enrollment", "Credential", "capped_cohort", "TOKEN_LABEL", "MAX_TOKENS_PER_REQUEST"]
@@ -82,11 +82,13 @@ class Enrollment:
         self._sources: dict[int, str] = {}
         self._crl_path = self.config.revocation_list
         self._crl: crypto.RevocationList | None = None
+        self._crl_bytes = b""
+        self._crl_etag = ""
         self._crl_stamp: tuple[int, int, int] | None = None
         self._revoked_ids: frozenset[int] = frozenset()
         if self._crl_path is not None:
             # At start-up a list that is missing, tampered with or foreign stops the server (fail closed).
-            self._load_crl(read_revocation_list(self._crl_path, self.authority), self._stamp())
+            self._load_crl(*load_revocation_list(self._crl_path, self.authority), self._stamp())
 
     # -- revocation -----------------------------------------------------------------------------------
     def _stamp(self) -> tuple[int, int, int] | None:
@@ -97,8 +99,10 @@ class Enrollment:
             return None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def _load_crl(self, crl: crypto.RevocationList, stamp: tuple[int, int, int] | None) -> None:
+    def _load_crl(self, crl: crypto.RevocationList, data: bytes, stamp: tuple[int, int, int] | None) -> None:
         self._crl = crl
+        self._crl_bytes = data
+        self._crl_etag = f'"crl-{crl.number}-{hashlib.sha256(data).hexdigest()[:32]}"'
         self._crl_stamp = stamp
         self._revoked_ids = frozenset(self.storage.devices_with_identity(sorted(crl.device_keys)))
         log.info(
@@ -120,7 +124,7 @@ class Enrollment:
         try:
             if stamp is None:
                 raise RevocationListInvalid(f"the revocation list {self._crl_path} is gone")
-            crl = read_revocation_list(self._crl_path, self.authority)
+            crl, data = load_revocation_list(self._crl_path, self.authority)
             if self._crl is not None and crl.number < self._crl.number:
                 raise RevocationListInvalid(
                     f"{self._crl_path}: revocation list #{crl.number} is older than #{self._crl.number} in force "
@@ -129,7 +133,13 @@ class Enrollment:
         except RevocationListInvalid as exc:
             log.error("revocation list refused, the list in force stays: %s", exc)
             return
-        self._load_crl(crl, stamp)
+        self._load_crl(crl, data, stamp)
+
+    def signed_revocation_list(self) -> tuple[bytes, str]:
+        """The signed bytes of the list in force and their ETag (re-read if the file changed); ``(b"", "")``
+        without ``enrollment.revocation_list``.  Devices fetch it (protocol 1.5) to enforce it themselves."""
+        self.refresh_revocations()
+        return self._crl_bytes, self._crl_etag
 
     @property
     def revocation_list(self) -> crypto.RevocationList | None:

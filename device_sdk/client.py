@@ -45,16 +45,19 @@ from device_sdk.persistence import (
     MODEL_FILE,
     SYNC_FILE,
     Identity,
+    StoredRevocations,
     Sync,
     fresh_model,
     load_identity,
     load_ledger,
     load_model,
     load_or_create_signing_key,
+    load_revocations,
     load_sync,
     save_identity,
     save_ledger,
     save_model,
+    save_revocations,
     secret_generator,
 )
 from device_sdk.training import local_round
@@ -67,6 +70,7 @@ from protocol.errors import (
     LocalProtocolError,
     PrivacyFloorViolation,
     RemoteProtocolError,
+    RevocationListInvalid,
     RoundError,
     StaleRound,
     StorageError,
@@ -80,6 +84,7 @@ from protocol.messages import (
     ModelPayload,
     RegisterRequest,
     RegisterResponse,
+    RevocationListPayload,
     RoundInvite,
     RoundResult,
     ShareKeysBroadcast,
@@ -131,7 +136,10 @@ class ClientConfig:
         The pinned 32-byte Ed25519 public key of the enrollment authority (protocol 1.3/1.4).  When set,
         the device registers only with a certificate of this authority for its own identity key, signs
         its key advertisements and survivor sets, and refuses any round whose neighbours' keys are not
-        certified by it or that skips the consistency check.
+        certified by it or that skips the consistency check.  Protocol 1.5: before each round it fetches
+        the authority's revocation list from the server (``If-None-Match``: usually a 304), checks it
+        against this key, keeps the newest in the store (``revocations.fedrec``) and refuses a round whose
+        ShareKeys broadcast names a revoked neighbour.
 
     Raises
     ------
@@ -187,8 +195,9 @@ class RoundOutcome:
     retry_after : float or None
         Seconds to wait before checking in again ("waited" only).
     timings : dict of str to float
-        Seconds per step: "register", "checkin", "model", "train", "keys", "shares", "masked",
-        "unmask" (the phase steps include the long-poll wait), and "total".
+        Seconds per step: "register", "checkin", "model", "revocations" (protocol 1.5, pinned authority
+        only), "train", "keys", "shares", "masked", "unmask" (the phase steps include the long-poll wait),
+        and "total".
     bytes_up, bytes_down : int
         Encoded message bytes sent and received during the call, retries included.
     reason : str
@@ -372,6 +381,9 @@ class DeviceClient:
         self._signing_key: SigningKey | None = None
         self._sync = load_sync(config.store_dir)
         self._ledger = load_ledger(config.store_dir)
+        self._revocations: StoredRevocations | None = (
+            load_revocations(config.store_dir, config.authority_key) if config.authority_key is not None else None
+        )
         self._model = self._load_model()
 
     @classmethod
@@ -607,10 +619,13 @@ class DeviceClient:
                 certificate = self._identity.certificate if self._identity is not None else b""
                 if not certificate:
                     raise ConfigError("this device pins an enrollment authority but registered without a certificate")
+                with tally.step("revocations"):
+                    revoked = await self._refresh_revocations(self.config.authority_key, tally)
                 signed = {
                     "identity": self._signing(),
                     "certificate": certificate,
                     "authority_key": self.config.authority_key,
+                    "revoked": revoked,
                 }
             try:
                 session = DeviceSecAggSession(
@@ -780,6 +795,94 @@ class DeviceClient:
     def _load_model(self) -> Any:
         model = load_model(self.config.store_dir, self._n_items, self._lightfr, self._template)
         return self._fresh_model() if model is None else model
+
+    # -- revocation (protocol 1.5) ------------------------------------------------------------------
+
+    @property
+    def revocation_list(self) -> crypto.RevocationList | None:
+        """The newest revocation list of the pinned authority this device holds (None: none seen yet)."""
+        return None if self._revocations is None else self._revocations.revocation_list
+
+    async def refresh_revocations(self) -> crypto.RevocationList | None:
+        """Fetch the server's revocation list now (``GET /v1/enrollment/revocations``), check it against
+        the pinned authority and keep it if it is newer than the one held; `run_round` does this before
+        every round of a device that pins an authority.  Calling it at start-up closes the window before
+        the first round.
+
+        Returns
+        -------
+        RevocationList or None
+            The list this device now enforces (None: it has seen none).
+
+        Raises
+        ------
+        ConfigError
+            The device pins no enrollment authority.
+        RevocationListInvalid
+            A list not signed by the pinned authority, malformed, or older than the one held (rollback).
+        FedRecError
+            The error the server answered with, or `TransportError`.
+        """
+        if self.config.authority_key is None:
+            raise ConfigError("a device checks revocation lists only when it pins an enrollment authority")
+        async with self._lock:
+            return await self._refresh_revocations(self.config.authority_key, _Tally())
+
+    async def _refresh_revocations(self, authority: bytes, tally: _Tally) -> crypto.RevocationList | None:
+        """Fetch the server's revocation list (``If-None-Match`` the one held), check it and keep the newer.
+
+        Raises
+        ------
+        RevocationListInvalid
+            The server's list is not signed by the pinned authority, is malformed, has a lower number than
+            the list this device holds (a rollback), or differs from it under the same number.
+        StorageError
+            The newer list could not be stored.
+        """
+        held = self._revocations
+        response = await self._call(
+            "GET",
+            "/v1/enrollment/revocations",
+            None,
+            tally,
+            timeout=self.config.request_timeout,
+            if_none_match=held.etag if held is not None else None,
+            authorized=False,
+        )
+        if response.status == 304:
+            if held is None:
+                raise RemoteProtocolError("the revocation list route answered 304 to a device that holds none")
+            return held.revocation_list
+        payload = response.message
+        if not isinstance(payload, RevocationListPayload):
+            raise RemoteProtocolError(f"the revocation list route answered with {_name(payload)}")
+        if not payload.data:
+            # The server enforces no list: the device goes on enforcing the newest it has seen.
+            return None if held is None else held.revocation_list
+        try:
+            crl = crypto.verify_revocation_list(payload.data, authority)
+        except RevocationListInvalid as exc:
+            raise RevocationListInvalid(f"the server's revocation list is refused: {exc}") from None
+        if held is not None:
+            old = held.revocation_list
+            if crl.number < old.number:
+                raise RevocationListInvalid(
+                    f"the server's revocation list #{crl.number} is older than #{old.number} this device holds "
+                    "(a rollback): refused"
+                )
+            if crl.number == old.number and payload.data != held.data:
+                raise RevocationListInvalid(
+                    f"the server's revocation list #{crl.number} differs from the list #{old.number} this device "
+                    "holds: refused"
+                )
+            if payload.data == held.data and response.etag == held.etag:
+                return old
+        stored = StoredRevocations(data=payload.data, revocation_list=crl, etag=response.etag)
+        await asyncio.to_thread(save_revocations, self.config.store_dir, stored)
+        self._revocations = stored
+        if held is None or crl.number != held.revocation_list.number:
+            _log.info("revocation list #%d in force on this device (%d keys)", crl.number, len(crl.device_keys))
+        return crl
 
     # -- identity ---------------------------------------------------------------------------------
 

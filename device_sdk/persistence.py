@@ -20,8 +20,8 @@ import numpy as np
 from device_sdk.family import FederatedModel
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import load_store, save_store
-from protocol.crypto import SigningKey
-from protocol.errors import ConfigError, CryptoError, StorageError
+from protocol.crypto import RevocationList, SigningKey, verify_revocation_list
+from protocol.errors import ConfigError, CryptoError, RevocationListInvalid, StorageError
 from protocol.policy import DeviceLedger
 
 __all__ = [
@@ -42,6 +42,10 @@ __all__ = [
     "save_ledger",
     "SIGNING_KEY_FILE",
     "load_or_create_signing_key",
+    "REVOCATIONS_FILE",
+    "StoredRevocations",
+    "load_revocations",
+    "save_revocations",
 ]
 
 MODEL_FILE = "model.fedrec"
@@ -49,6 +53,8 @@ IDENTITY_FILE = "identity.fedrec"
 SYNC_FILE = "sync.fedrec"
 LEDGER_FILE = "privacy.fedrec"
 SIGNING_KEY_FILE = "signing-key.fedrec"
+REVOCATIONS_FILE = "revocations.fedrec"
+_REVOCATIONS_KIND = "revocation-list"
 _SIGNING_KEY_KIND = "signing-key"
 _LEDGER_KIND = "privacy-ledger"
 _IDENTITY_KIND = "identity"
@@ -243,3 +249,42 @@ def load_ledger(store_dir: Path) -> DeviceLedger:
 def save_ledger(store_dir: Path, ledger: DeviceLedger) -> None:
     """Persist the privacy ledger (atomically)."""
     save_store(store_dir / LEDGER_FILE, _LEDGER_KIND, ledger.to_dict())
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRevocations:
+    """The newest revocation list of the pinned enrollment authority this device has seen (protocol 1.5):
+    the signed bytes, the checked list, and the server's ETag for them."""
+
+    data: bytes
+    revocation_list: RevocationList
+    etag: str | None
+
+
+def load_revocations(store_dir: Path, authority_key: bytes) -> StoredRevocations | None:
+    """The stored revocation list, checked against the pinned authority; None when none is stored.
+
+    Raises
+    ------
+    StorageError
+        The file is corrupt (moved aside by the store), malformed, or holds a list the pinned authority
+        did not sign: never silently dropped, which would let a server roll the device back to an
+        older list.
+    """
+    path = store_dir / REVOCATIONS_FILE
+    if not path.exists():
+        return None
+    state = load_store(path, _REVOCATIONS_KIND)
+    data, etag = state.get("list"), state.get("etag")
+    if type(data) is not bytes or not (etag is None or isinstance(etag, str)):
+        raise StorageError(f"{path} holds a malformed revocation list record")
+    try:
+        crl = verify_revocation_list(data, authority_key)
+    except RevocationListInvalid as exc:
+        raise StorageError(f"{path}: {exc} (a list of another authority? re-provision the device)") from exc
+    return StoredRevocations(data=data, revocation_list=crl, etag=etag)
+
+
+def save_revocations(store_dir: Path, stored: StoredRevocations) -> None:
+    """Persist the newest revocation list (atomically: the old record or the new one, never part)."""
+    save_store(store_dir / REVOCATIONS_FILE, _REVOCATIONS_KIND, {"list": stored.data, "etag": stored.etag})

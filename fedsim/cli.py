@@ -627,8 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="add device keys to the authority's signed revocation list (the file enrollment.revocation_list names)",
         description="Writes the next revocation list: the keys of the existing FILE (checked against the authority) "
         "plus the given ones (none: an empty first list), numbered one higher, signed by the authority, "
-        "replacing FILE atomically.  The server "
-        "reloads it when the file changes and refuses revoked devices at registration and in cohort draws.",
+        "replacing FILE atomically.  The server reloads it when the file changes, refuses revoked devices at "
+        "registration, in cohort draws and on every authenticated route, and serves it to devices "
+        "(GET /v1/enrollment/revocations), which enforce it in signed rounds.",
     )
     ca_revoke.add_argument("--key", type=Path, required=True, metavar="FILE", help="the authority key file")
     ca_revoke.add_argument(

@@ -35,6 +35,7 @@ from protocol.messages import (
     Message,
     PublicKeys,
     RegisterRequest,
+    RevocationListPayload,
     RoundInvite,
     RoundResult,
     UnmaskResponse,
@@ -133,6 +134,11 @@ class InMemoryServer:
                 raise RemoteProtocolError(f"expected RegisterRequest, got {type(message).__name__}")
             self.registrations += 1
             return 201, coordinator.register(message.platform, self.now), {}
+        if (method, path) == ("GET", "/v1/enrollment/revocations"):
+            data, etag = coordinator.enrollment.signed_revocation_list()
+            if etag and if_none_match == etag:
+                return 304, None, {"ETag": etag}
+            return 200, RevocationListPayload(data=data), ({"ETag": etag} if etag else {})
         device = coordinator.authenticate(token)
         if (method, path) == ("POST", "/v1/checkin"):
             if not isinstance(message, CheckIn):

@@ -27,6 +27,7 @@ release is calibrated for ``pop_share·ε`` on its own, then the rounds' μ is b
 from __future__ import annotations
 
 import math
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -302,6 +303,7 @@ def run_private_scaled(
     if dp and s.threshold > 0:
         strategy = NoiseAwareLightFR(base, math.sqrt(mu_model) / qm.scale, s.threshold)
     sim = PrivateSimulator(cfg, strategy=strategy, mu=mu_model if dp else None)
+    shutil.rmtree(tmp, ignore_errors=True)  # the configuration needs a data folder; the simulator writes none
     rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
     counts = release_counts(per_user, m, theta_pop, qp, mu_pop, rng)
     if sim.ledger is not None and mu_pop > 0:

@@ -8,7 +8,8 @@
 Type codes: 1–10 are the SecAgg round messages; 11–16 registration, check-in, model download and the
 round result (protocol 1.1); protocol 1.2 appended the model-family fields of `RoundInvite` and
 `ModelPayload.values`; protocol 1.3 appended `RoundInvite.cohort_size`, the signed key advertisements
-and the consistency check (20 ConsistencyRequest, 21 ConsistencySignature); 17–19 reserved; 22+ are free.
+and the consistency check (20 ConsistencyRequest, 21 ConsistencySignature); protocol 1.5 added 22
+RevocationListPayload (the signed revocation list a device fetches); 17–19 reserved; 23+ are free.
 Never reuse a code.
 """
 
@@ -38,6 +39,7 @@ from protocol.messages import (
     PublicKeys,
     RegisterRequest,
     RegisterResponse,
+    RevocationListPayload,
     RoundInvite,
     RoundResult,
     ShareKeysBroadcast,
@@ -58,7 +60,7 @@ __all__ = [
     "MAX_DEPTH",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 4)
+PROTOCOL_VERSION: tuple[int, int] = (1, 5)
 #: Default total size limit for one encoded message (a 10**6-element masked vector is 4 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Far above any legitimate list (neighbourhoods are at most a few thousand), far below what would hurt.
@@ -297,6 +299,7 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("reason", "why", Kind.STR),
             ),
         ),
+        RevocationListPayload.TYPE: (RevocationListPayload, (("data", "crl", Kind.BYTES),)),  # protocol 1.5
     }
 )
 

@@ -25,7 +25,7 @@ from numpy.typing import NDArray
 
 from protocol import crypto
 from protocol.crypto import NoiseStream, SigningKey
-from protocol.errors import CryptoError, LocalProtocolError, RemoteProtocolError, StaleRound
+from protocol.errors import CertificateRevoked, CryptoError, LocalProtocolError, RemoteProtocolError, StaleRound
 from protocol.fixed_secrets import FixedDeviceSecrets
 from protocol.masking import mask_input, pair_mask_keys
 from protocol.messages import (
@@ -96,6 +96,11 @@ class DeviceSecAggSession:
         Protocol 1.3: the pinned public key of the enrollment authority.  When given, the session refuses
         unsigned or wrongly signed neighbour keys (key substitution) and releases no share before it holds
         `protocol.phases.required_signatures` valid survivor signatures on the one set it signed itself.
+    revoked : RevocationList, optional
+        Protocol 1.5: the newest revocation list of the pinned authority the device holds (checked by the
+        caller).  A ShareKeys broadcast with a neighbour whose certified key is on it is refused
+        (`CertificateRevoked`, before any share is made), and a revoked member's survivor signature does
+        not count.
 
     Raises
     ------
@@ -114,6 +119,7 @@ class DeviceSecAggSession:
         identity: SigningKey | None = None,
         certificate: bytes = b"",
         authority_key: bytes | None = None,
+        revoked: crypto.RevocationList | None = None,
     ) -> None:
         if not isinstance(invite, RoundInvite):
             raise TypeError("invite must be a RoundInvite")
@@ -127,6 +133,7 @@ class DeviceSecAggSession:
         self._identity = identity
         self._certificate = certificate
         self._authority = authority_key
+        self._revoked: crypto.RevocationList | frozenset[bytes] = revoked if revoked is not None else frozenset()
         self._gamma = 0.0 if policy is None else policy.adversary_rate
         self._signed_set: tuple[int, ...] | None = None
         #: ε the round charges this device at its policy's δ (0 without a policy or without DP).
@@ -356,7 +363,13 @@ class DeviceSecAggSession:
         for v, c, s, cert, sig in zip(
             msg.neighbour_ids, msg.c_public_keys, msg.s_public_keys, msg.certificates, msg.signatures, strict=True
         ):
-            identity = crypto.verify_certificate(cert, self._authority)
+            try:
+                identity = crypto.verify_certificate(cert, self._authority, revoked=self._revoked)
+            except CertificateRevoked as exc:
+                raise CertificateRevoked(
+                    f"neighbour device {v} in the ShareKeys broadcast of round {self.invite.round_id}: {exc}; "
+                    "this device sits the round out"
+                ) from None
             if identity in seen:
                 raise RemoteProtocolError(f"ShareKeys broadcast uses one certified identity twice (at {v})")
             seen.add(identity)
@@ -409,7 +422,7 @@ class DeviceSecAggSession:
                 continue
             try:
                 identity = (
-                    crypto.verify_certificate(cert, self._authority)
+                    crypto.verify_certificate(cert, self._authority, revoked=self._revoked)
                     if self._authority is not None
                     else self._identities.get(v, b"")
                 )

@@ -33,6 +33,7 @@ __all__ = [
     "BATCH_NAME",
     "DEFAULT_VALID_DAYS",
     "MAX_VALID_DAYS",
+    "load_revocation_list",
     "read_revocation_list",
     "write_revocation_list",
 ]
@@ -188,13 +189,25 @@ def read_revocation_list(path: Path, authority_public_key: bytes) -> crypto.Revo
     RevocationListInvalid
         Unreadable, malformed, or not signed by the authority (the message names which).
     """
+    return load_revocation_list(path, authority_public_key)[0]
+
+
+def load_revocation_list(path: Path, authority_public_key: bytes) -> tuple[crypto.RevocationList, bytes]:
+    """`read_revocation_list`, also returning the signed bytes it checked (one read: what a server relays
+    to devices is exactly the list it enforces).
+
+    Raises
+    ------
+    RevocationListInvalid
+        As `read_revocation_list`.
+    """
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise RevocationListInvalid(f"cannot read the revocation list {path}: {exc}") from exc
     try:
-        return crypto.verify_revocation_list(data, authority_public_key)
+        return crypto.verify_revocation_list(data, authority_public_key), data
     except RevocationListInvalid as exc:
         raise RevocationListInvalid(f"{path}: {exc}") from None
 

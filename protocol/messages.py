@@ -63,6 +63,7 @@ __all__ = [
     "Wait",
     "ModelPayload",
     "RoundResult",
+    "RevocationListPayload",
 ]
 
 KEY_BYTES = 32
@@ -1011,3 +1012,30 @@ class RoundResult(Message):
             _fail("RoundResult", "committed must be a bool")
         _check_id("RoundResult", "model_version", self.model_version)
         _check_text("RoundResult", "reason", self.reason, MAX_TEXT)
+
+
+#: The largest signed revocation list a `RevocationListPayload` carries: 2**20 device keys (``"FRL1"``,
+#: number, issued_at, count, the keys and the signature).
+MAX_REVOCATION_LIST_BYTES = 4 + 8 + 8 + 4 + 32 * (1 << 20) + 64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class RevocationListPayload(Message):
+    """Server → device (protocol 1.5): the enrollment authority's signed revocation list the server
+    enforces (``GET /v1/enrollment/revocations``).
+
+    The server only relays it: a device checks the signature against its pinned authority key and never
+    goes back to a lower list number than the one it holds (`protocol.crypto.verify_revocation_list`).
+
+    Attributes
+    ----------
+    data : bytes
+        The signed list exactly as the authority wrote it (``"FRL1"`` ‖ number ‖ issued_at ‖ count ‖ keys ‖
+        signature, protocol.md §1.3), or empty when the server enforces none.
+    """
+
+    TYPE: ClassVar[int] = 22
+    data: bytes = b""
+
+    def __post_init__(self) -> None:
+        _check_bytes("RevocationListPayload", "data", self.data, max_len=MAX_REVOCATION_LIST_BYTES)

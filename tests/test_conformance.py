@@ -207,7 +207,7 @@ def _replay_round() -> tuple[list[str], ServerSecAggSession]:
 
 
 def test_vectors_cover_every_message_type() -> None:
-    assert sorted(v["type_code"] for v in MESSAGES["messages"]) == [*range(1, 17), 20, 21]
+    assert sorted(v["type_code"] for v in MESSAGES["messages"]) == [*range(1, 17), 20, 21, 22]
     assert MESSAGES["protocol_version"] == list(codec.PROTOCOL_VERSION)
 
 

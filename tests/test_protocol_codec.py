@@ -27,6 +27,7 @@ from protocol.messages import (
     PublicKeys,
     RegisterRequest,
     RegisterResponse,
+    RevocationListPayload,
     RoundInvite,
     RoundResult,
     ShareKeysBroadcast,
@@ -121,7 +122,7 @@ def aligned(draw: st.DrawFn, elements: st.SearchStrategy[bytes]) -> tuple[tuple[
 
 @st.composite
 def messages(draw: st.DrawFn) -> Message:
-    kind = draw(st.integers(0, 15))
+    kind = draw(st.integers(0, 16))
     r, d, sid = draw(ids), draw(ids), draw(key)
     if kind == 0:
         return draw(invites())
@@ -187,6 +188,8 @@ def messages(draw: st.DrawFn) -> Message:
         return ModelPayload(model_version=draw(ids), bits=f, n_items=m, words=words)
     if kind == 15:
         return RoundResult(round_id=r, committed=draw(st.booleans()), model_version=draw(ids), reason=draw(text))
+    if kind == 16:
+        return RevocationListPayload(data=draw(blob))
     return ErrorMessage(
         code=draw(st.sampled_from(["decode_error", "round_closed", "crypto_error"])), message=draw(text)
     )

@@ -862,6 +862,10 @@ async def _raw_request(port: int, head: bytes, body_parts: list[bytes], gap: flo
         pass  # the server closed the connection under a write
     try:
         return await asyncio.wait_for(answer, 10.0), time.perf_counter() - start
+    except ConnectionResetError:
+        # The server answered and closed while a body byte was in flight: its kernel reset the
+        # connection, which can discard the answer before the reader sees it (seen under load).
+        return b"RESET", time.perf_counter() - start
     finally:
         writer.close()
 
@@ -880,7 +884,9 @@ async def test_slow_and_partial_bodies_are_cut_after_the_body_timeout(aiohttp_se
     assert partial.startswith(b"HTTP/1.1 408") and b"body_timeout" in partial, partial[:200]
     assert 0.4 < took < 3.0
     slow, took = await _raw_request(server.port, head, [b"\x00"] * 20, 0.1)  # a byte every 100 ms: 2 s
-    assert slow.startswith(b"HTTP/1.1 408"), slow[:200]
+    # A reset before the last byte was due is the server cutting the body too: a server that waited
+    # for the whole body would answer it (400: not msgpack) after 2 s, not drop the connection.
+    assert slow.startswith(b"HTTP/1.1 408") or (slow == b"RESET" and took < 1.9), (slow[:200], took)
     assert took < 3.5
 
 

@@ -45,6 +45,7 @@ from protocol.messages import (  # noqa: E402
     PublicKeys,
     RegisterRequest,
     RegisterResponse,
+    RevocationListPayload,
     RoundInvite,
     RoundResult,
     ShareKeysBroadcast,
@@ -65,7 +66,7 @@ OUT = Path(__file__).resolve().parent
 PREFIX = b"fedrec test vector/"
 
 # Protocol version that introduced each field (fields not listed: 1.0 for types 1-10, 1.1 for 11-16, 1.3 for
-# the consistency check's types 20-21).
+# the consistency check's types 20-21, 1.5 for type 22, RevocationListPayload).
 _SINCE_1_1 = {
     "RoundInvite": (
         "model_version",
@@ -124,6 +125,8 @@ def fixed_field_element(label: str) -> int:
 
 
 def _since(cls_name: str, type_code: int, field: str) -> str:
+    if type_code == 22:
+        return "1.5"
     if field in _SINCE_1_4.get(cls_name, ()):
         return "1.4"
     if field in _SINCE_1_3.get(cls_name, ()) or type_code in (20, 21):
@@ -172,7 +175,7 @@ def describe(message: Message) -> dict[str, Any]:
 
 
 def message_vectors() -> dict[str, Any]:
-    """One encoding per message type (1-16), plus the LightFR and float64 model payload layouts."""
+    """One encoding per message type (1-16, 20-22), plus the LightFR and float64 model payload layouts."""
     sid = fixed_bytes("session id")
     pk = [crypto.key_pair_from_private_bytes(fixed_bytes(f"msg key {i}")).public_key for i in range(6)]
     share_ct = [fixed_bytes(f"ct {i}") + fixed_bytes(f"ct tail {i}") for i in range(2)]
@@ -261,6 +264,8 @@ def message_vectors() -> dict[str, Any]:
         # protocol 1.3: the consistency check
         ConsistencyRequest(round_id=7, device_id=300, session_id=sid, survivor_set=(100, 300, 700)),
         ConsistencySignature(round_id=7, device_id=300, session_id=sid, signature=bytes(range(64))),
+        # protocol 1.5: the revocation list a device fetches (identity.json's revocation_list vector)
+        RevocationListPayload(data=_revocation_list_bytes()),
     ]
     extra: list[Message] = [
         ModelPayload(model_version=3, model_kind="mf", bits=2, n_items=3, words=b"", values=mf_values.tobytes()),
@@ -289,7 +294,7 @@ def message_vectors() -> dict[str, Any]:
         ),
     ]
     return {
-        "description": "One encoding per message type (type codes 1-16), then extra cases: a float64 model "
+        "description": "One encoding per message type (type codes 1-16, 20-22), then extra cases: a float64 model "
         "payload (MF), an UnmaskResponse without DP (empty dp_excess) and an invite with every appended "
         "field at its default.  Envelope: msgpack map {v: [major, minor], t: type code, b: body}.",
         "protocol_version": list(codec.PROTOCOL_VERSION),
@@ -618,6 +623,15 @@ def round_vector() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------- identity
 
 
+def _revocation_list_bytes() -> bytes:
+    """identity.json's revocation list (#3 of the identity authority, naming the identity device and one
+    other key); messages.json's RevocationListPayload carries the same bytes."""
+    authority = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/authority"))
+    device = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/device"))
+    revoked = sorted([device.public_key, fixed_bytes("identity/revoked")])
+    return crypto.issue_revocation_list(authority, 3, 1_790_086_400, revoked)
+
+
 def identity_vectors() -> dict[str, Any]:
     """Protocol 1.3/1.4 identities: an enrollment certificate (formats 1 and 2), a revocation list, the
     registration proof, a signed key advertisement and a survivor-set signature (Ed25519 is deterministic:
@@ -660,7 +674,7 @@ def identity_vectors() -> dict[str, Any]:
     )
     _check(crypto.verify_certificate(certificate_v2, authority.public_key, now=not_before) == device.public_key)
     revoked = sorted([device.public_key, fixed_bytes("identity/revoked")])
-    crl = crypto.issue_revocation_list(authority, 3, 1_790_086_400, revoked)
+    crl = _revocation_list_bytes()
     _check(crypto.verify_revocation_list(crl, authority.public_key).device_keys == frozenset(revoked))
     return {
         "description": "Ed25519 identities (RFC 8032, raw 32-byte keys, 64-byte signatures); keys are "
