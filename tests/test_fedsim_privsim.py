@@ -477,3 +477,16 @@ def test_scaled_mf_cohort_batched_matches_per_device(tmp_path: Path) -> None:
     assert np.count_nonzero(got[1]) > 20
     assert np.max(np.abs(got[0] - got[1])) <= n
     assert not np.array_equal(got[0], got[1])  # the coins differ
+
+
+def test_scaled_mf_round_noise_has_variance_mu(tmp_path: Path) -> None:
+    # MF devices without ratings upload zeros: the released sum of a scaled MF round is pure noise of variance μ.
+    from fedsim.privsim import MFCohort
+
+    n, m = 200, 5000
+    sim = PrivateSimulator(_config(tmp_path, "mf", n, dp=True, rounds=1, n_items=m))
+    cohort = MFCohort([(np.zeros(0, np.int64), None)] * n, m, 4, max_norm2=5.0)
+    out = sim.run_scaled_round(cohort, sim_seed=3)
+    assert out is not None and out.committed and out.noise_variance == pytest.approx(sim.mu)
+    assert sim.last_release is not None and sim.last_release.size == m * 4
+    assert abs(float(np.var(sim.last_release)) - sim.mu) <= 0.05 * sim.mu
