@@ -8,6 +8,10 @@ Validation: a seeded floor(20 %) of each train user's items (so users with >= 5 
 of train; candidate recipes are trained on the rest and ranked by validation Recall@20.  The test split
 (the dataset's own) is evaluated once per seed with the recipe chosen there.  Ties are random
 (seeded, separate from the model seed).
+
+Measured 2026-11-23 (README, "Mean-field step and asymmetric scoring"), T = 20, seeds 0 1 2: the chosen
+recipe (asymmetric scoring, 2 bit-planes, w0 = 0.01, mean field, ρ = 1) Recall@20 0.1117 ± 0.0006 /
+NDCG@20 0.0565 ± 0.0001; implicit ALS f = 64 0.1418 / 0.0734 (0.79×); popularity 0.0287 / 0.0123.
 """
 
 from __future__ import annotations

@@ -102,6 +102,10 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
             False,
         ),
         **asym,
+        "default (mean-field step, ρ=1), E=2 local epochs": (replace(default[0], local_epochs=2), default[1], False),
+        "default (mean-field step, ρ=1), α=3": (replace(default[0], confidence=3.0), default[1], False),
+        "default (mean-field step, ρ=1), 80 rounds": (default[0], replace(default[1], rounds=80), False),
+        "default (mean-field step, ρ=1), ρ=0.7": (default[0], replace(default[1], flip_fraction=0.7), False),
         "all items, w0=auto, learned levels, ρ=0.3, mean-field server step": (
             auto[0],
             replace(auto[1], mean_field=True),

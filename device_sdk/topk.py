@@ -72,14 +72,21 @@ def plane_scores(
         raise ValueError(f"user planes have {w} words, item codes have {item_words.shape[0]}")
     if user_weight < 1:
         raise ValueError(f"user weight must be >= 1, got {user_weight}")
-    acc = np.zeros(item_words.shape[1], dtype=np.int64)
-    for p in range(P):
-        acc += (bits - 2 * hamming_distances(plane_words[p], item_words).astype(np.int64)) << p
-    acc *= user_weight
+    # Σ_p 2^p (f − 2 H_p) = f (2^P − 1) − 2 Σ_p 2^p H_p; the weighted distance fits the uint16 scan buffer
+    # while f (2^P − 1) < 2^16, so the only wide pass is the final one.
+    wide = np.uint16 if bits * (2**P - 1) < 1 << 16 else np.int64
+    dist = hamming_distances(plane_words[0], item_words).astype(wide, copy=False)
+    for p in range(1, P):
+        dist += hamming_distances(plane_words[p], item_words).astype(wide, copy=False) << wide(p)
+    top = user_weight * bits * (2**P - 1) + (255 << level_shift)
+    out_t = np.int32 if top < 1 << 31 else np.int64
+    acc = dist.astype(out_t)
+    acc *= -2 * user_weight
+    acc += user_weight * bits * (2**P - 1)
     if levels is not None:
         lv = _check_levels(levels, item_words.shape[1])
-        acc += lv.astype(np.int64) << level_shift
-    return acc
+        acc += lv.astype(out_t) << level_shift
+    return acc.astype(np.int64, copy=False)
 
 
 class HammingIndex:
