@@ -413,6 +413,25 @@ async def admin_enrollment_tokens(request: web.Request) -> web.Response:
     return web.json_response({"source": f"token:{doc.get('source')}", "tokens": tokens}, status=201)
 
 
+async def admin_revocation_list(request: web.Request) -> web.Response:
+    """``POST /v1/admin/revocation-list`` (admin token; protocol 1.5): the body is the enrollment
+    authority's signed revocation list (raw bytes, as ``fedrec enroll-ca revoke`` writes it).  Stored in the
+    shared database so that every instance enforces it (each looks every
+    `agg_server.enrollment.DATABASE_POLL` = 1 s), and in force here at once.  → 201 JSON
+    ``{"number": n, "revoked_keys": k, "stored": true}`` (200 and ``"stored": false`` for the list already
+    stored); 400 ``revocation_list_invalid`` for a forged, foreign,
+    malformed or rolled-back list (nothing is stored)."""
+    request.app[dashboard.OPERATOR].check_admin(request.headers.get("Authorization"))
+    data = bytes(await _read_body(request))
+    slots = request.app[_SLOTS]
+    crl, stored = slots[0].enrollment.upload_revocation_list(data, request.app[_CLOCK]())
+    for coordinator in slots[1:]:
+        coordinator.enrollment.refresh_revocations(force_database=True)
+    log.info("revocation list #%d uploaded (%d device keys, stored: %s)", crl.number, len(crl.device_keys), stored)
+    body = {"number": crl.number, "revoked_keys": len(crl.device_keys), "stored": stored}
+    return web.json_response(body, status=201 if stored else 200)
+
+
 async def check_in(request: web.Request) -> web.StreamResponse:
     device = _device(request)
     leader = _leader(request, device)
@@ -731,6 +750,7 @@ def create_app(
     app.router.add_get("/v1/health", health)
     app.router.add_get("/v1/status", status)
     app.router.add_post("/v1/admin/enrollment-tokens", admin_enrollment_tokens)
+    app.router.add_post("/v1/admin/revocation-list", admin_revocation_list)
     # The dashboard (GET /), its JSON, /metrics and the admin quality endpoint; observes the coordinator.
     dashboard.install(app, config=config, clock=clock, coordinator=COORDINATOR, storage=_STORAGE)
     return app

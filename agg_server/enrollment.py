@@ -13,7 +13,9 @@ Invariants:
 - Nothing here touches the network; the caller passes ``now`` for rate limits, and certificates' validity
   periods are checked against the wall clock (``time.time()``, the clock the authority stamped them with).
 - The revocation list in force only moves forward: it is replaced by a list of the authority with a
-  higher (or equal, unchanged) number, never by one that fails to verify or goes back.
+  higher (or equal, unchanged) number, never by one that fails to verify or goes back.  It comes from
+  the file ``enrollment.revocation_list`` or from the shared database (lists an operator uploaded, kept
+  forever, the number only growing), whichever is newer.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 import os
 import re
 import secrets
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +37,7 @@ from agg_server.config import ServerConfig
 from agg_server.storage import Storage
 from protocol import crypto
 from protocol.enrollment import load_revocation_list
-from protocol.errors import CryptoError, EnrollmentRefused, RateLimited, RevocationListInvalid
+from protocol.errors import CryptoError, EnrollmentRefused, RateLimited, RevocationListInvalid, StorageError
 
 __all__ = ["Enrollment", "Credential", "capped_cohort", "TOKEN_LABEL", "MAX_TOKENS_PER_REQUEST"]
 
@@ -42,6 +45,8 @@ __all__ = ["Enrollment", "Credential", "capped_cohort", "TOKEN_LABEL", "MAX_TOKE
 TOKEN_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_TOKENS_PER_REQUEST = 10_000
 OPEN_SOURCE = "open"
+#: Seconds between two looks at the shared database for a newer uploaded revocation list.
+DATABASE_POLL = 1.0
 log = logging.getLogger(__name__)
 
 
@@ -86,9 +91,14 @@ class Enrollment:
         self._crl_etag = ""
         self._crl_stamp: tuple[int, int, int] | None = None
         self._revoked_ids: frozenset[int] = frozenset()
+        self._db_checked = -math.inf
         if self._crl_path is not None:
             # At start-up a list that is missing, tampered with or foreign stops the server (fail closed).
-            self._load_crl(*load_revocation_list(self._crl_path, self.authority), self._stamp())
+            stamp = self._stamp()
+            self._load_crl(*load_revocation_list(self._crl_path, self.authority))
+            self._crl_stamp = stamp
+        if self.authority:
+            self._refresh_from_database(force=True)  # a storage error at start-up stops the server
 
     # -- revocation -----------------------------------------------------------------------------------
     def _stamp(self) -> tuple[int, int, int] | None:
@@ -99,22 +109,28 @@ class Enrollment:
             return None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def _load_crl(self, crl: crypto.RevocationList, data: bytes, stamp: tuple[int, int, int] | None) -> None:
+    def _load_crl(self, crl: crypto.RevocationList, data: bytes, origin: str = "file") -> None:
         self._crl = crl
         self._crl_bytes = data
         self._crl_etag = f'"crl-{crl.number}-{hashlib.sha256(data).hexdigest()[:32]}"'
-        self._crl_stamp = stamp
         self._revoked_ids = frozenset(self.storage.devices_with_identity(sorted(crl.device_keys)))
         log.info(
-            "revocation list #%d in force: %d device keys revoked, %d registered devices excluded",
+            "revocation list #%d (%s) in force: %d device keys revoked, %d registered devices excluded",
             crl.number,
+            origin,
             len(crl.device_keys),
             len(self._revoked_ids),
         )
 
-    def refresh_revocations(self) -> None:
-        """Re-read the revocation list if its file changed; a replacement that does not verify or has a
-        lower number is refused (logged, with the check it failed) and the list in force stays."""
+    def refresh_revocations(self, *, force_database: bool = False) -> None:
+        """Adopt a newer revocation list: the file ``enrollment.revocation_list`` when it changed, and the
+        newest list an operator uploaded to the shared database (checked at most every `DATABASE_POLL`
+        seconds, or now with ``force_database``).  A replacement that does not verify or has a lower
+        number than the list in force is refused (logged, with the check it failed) and the list stays."""
+        self._refresh_file()
+        self._refresh_from_database(force=force_database)
+
+    def _refresh_file(self) -> None:
         if self._crl_path is None:
             return
         stamp = self._stamp()
@@ -133,17 +149,82 @@ class Enrollment:
         except RevocationListInvalid as exc:
             log.error("revocation list refused, the list in force stays: %s", exc)
             return
-        self._load_crl(crl, data, stamp)
+        self._load_crl(crl, data)
+
+    def _refresh_from_database(self, *, force: bool = False) -> None:
+        if not self.authority:
+            return
+        clock = time.monotonic()
+        if not force and clock - self._db_checked < DATABASE_POLL:
+            return
+        self._db_checked = clock
+        try:
+            number = self.storage.newest_revocation_number()
+            if number is None or (self._crl is not None and number <= self._crl.number):
+                return
+            data = self.storage.revocation_list(number)
+        except StorageError as exc:
+            if force:
+                raise
+            log.error("cannot read the uploaded revocation lists, the list in force stays: %s", exc)
+            return
+        if data is None:  # pragma: no cover - the numbers come from the same table
+            return
+        try:
+            crl = crypto.verify_revocation_list(data, self.authority)
+        except RevocationListInvalid as exc:
+            log.error("uploaded revocation list #%d refused, the list in force stays: %s", number, exc)
+            return
+        self._load_crl(crl, data, "database")
+
+    def upload_revocation_list(self, data: bytes, now: float) -> tuple[crypto.RevocationList, bool]:
+        """Store a revocation list an operator uploaded (``POST /v1/admin/revocation-list``) in the shared
+        database, so that every instance enforces it, and enforce it here at once.
+
+        Returns
+        -------
+        (RevocationList, bool)
+            The list, and whether it was stored (False: the same list was stored already).
+
+        Raises
+        ------
+        EnrollmentRefused
+            The server has no enrollment authority.
+        RevocationListInvalid
+            Malformed or not signed by the authority; a lower number than the list in force or the newest
+            stored (a rollback); or a different list under a number already stored.  Nothing is stored.
+        """
+        if not self.authority:
+            raise EnrollmentRefused("this server has no enrollment authority; it takes no revocation list")
+        crl = crypto.verify_revocation_list(bytes(data), self.authority)
+        self.refresh_revocations(force_database=True)
+        if self._crl is not None and crl.number < self._crl.number:
+            raise RevocationListInvalid(
+                f"revocation list #{crl.number} is older than #{self._crl.number} in force (a rollback); nothing stored"
+            )
+        newest = self.storage.store_revocation_list(crl.number, bytes(data), now)
+        stored = newest is None
+        if newest is not None:
+            number, kept = newest
+            if number > crl.number:
+                raise RevocationListInvalid(
+                    f"revocation list #{crl.number} is older than #{number} stored (a rollback); nothing stored"
+                )
+            if kept != data:
+                raise RevocationListInvalid(f"a different revocation list #{number} is stored already; nothing stored")
+        if self._crl is None or crl.number > self._crl.number or self._crl_bytes != data:
+            self._load_crl(crl, bytes(data), "upload")
+        return crl, stored
 
     def signed_revocation_list(self) -> tuple[bytes, str]:
         """The signed bytes of the list in force and their ETag (re-read if the file changed); ``(b"", "")``
-        without ``enrollment.revocation_list``.  Devices fetch it (protocol 1.5) to enforce it themselves."""
+        without one.  Devices fetch it (protocol 1.5) to enforce it themselves."""
         self.refresh_revocations()
         return self._crl_bytes, self._crl_etag
 
     @property
     def revocation_list(self) -> crypto.RevocationList | None:
-        """The revocation list in force (None without ``enrollment.revocation_list``)."""
+        """The revocation list in force (None: neither ``enrollment.revocation_list`` nor an uploaded one)."""
         return self._crl
 
     def revoked_devices(self) -> frozenset[int]:

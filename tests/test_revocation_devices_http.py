@@ -248,3 +248,42 @@ async def test_an_honest_round_under_a_non_empty_list_commits_bit_exact(aiohttp_
     assert digest == hashlib.sha256(total.astype("<u4").tobytes()).digest()
     for c in clients:
         await c.close()
+
+
+@pytest.mark.asyncio
+async def test_an_operator_uploads_a_list_that_devices_fetch_and_a_restart_keeps(
+    aiohttp_client: Any, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    from tests.test_enrollment_http import ADMIN
+
+    ca = EnrollmentAuthority.generate()
+    enrollment = {"authority_key": ca.public_key.hex()}  # no file: the list comes through the admin route
+    app = create_app(_config(tmp_path / "srv", cohort=3, enrollment=enrollment))
+    client = await aiohttp_client(app)
+    first = ca.revoke(None, [bytes([1]) * 32])
+    second = ca.revoke(first, [bytes([2]) * 32])
+    admin = {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/octet-stream"}
+    path = "/v1/admin/revocation-list"
+    resp = await client.post(path, data=second, headers={"Content-Type": "application/octet-stream"})
+    assert resp.status == 401  # the admin token is required
+    resp = await client.post(path, data=second, headers=admin)
+    assert resp.status == 201 and await resp.json() == {"number": 2, "revoked_keys": 2, "stored": True}
+    resp = await client.post(path, data=second, headers=admin)
+    assert resp.status == 200 and (await resp.json())["stored"] is False
+    flipped = bytearray(second)
+    flipped[50] ^= 1
+    for body, why in ((first, "older than #2"), (bytes(flipped), "not signed"), (b"junk", "malformed")):
+        resp = await client.post(path, data=body, headers=admin)
+        msg = decode(await resp.read())
+        assert resp.status == 400 and isinstance(msg, ErrorMessage) and msg.code == "revocation_list_invalid"
+        assert why in msg.message, msg.message
+    status, msg, _ = await _get(client, ROUTE)
+    assert status == 200 and msg.data == second  # devices fetch it
+    # A new server on the same database (no file configured) enforces and serves it from the start.
+    await client.close()
+    restarted = create_app(_config(tmp_path / "srv", cohort=3, enrollment=enrollment))
+    server = await aiohttp_server(restarted)
+    (device,) = _clients(str(server.make_url("")).rstrip("/"), tmp_path / "dev", 1, ca.public_key)
+    crl = await device.refresh_revocations()
+    assert crl is not None and crl.number == 2 and crl.device_keys == {bytes([1]) * 32, bytes([2]) * 32}
+    await device.close()

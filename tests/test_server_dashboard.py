@@ -220,6 +220,7 @@ def test_quality_table_and_migration_from_schema_1(tmp_path: Path) -> None:
     db.execute("DROP TABLE cohort_leases")  # and version 3's additions
     db.execute("DROP TABLE enrollment_tokens")  # and version 4's
     db.execute("DROP INDEX devices_by_identity")
+    db.execute("DROP TABLE revocation_lists")  # and version 5's
     for table, column in (
         ("devices", "source"),
         ("devices", "identity_key"),
@@ -238,7 +239,7 @@ def test_quality_table_and_migration_from_schema_1(tmp_path: Path) -> None:
         assert storage.model_quality() == []
         storage.record_quality(1, "hr@10", "a", 0.5, 5.0)
     db = sqlite3.connect(tmp_path / DATABASE_NAME)
-    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     db.close()
 
 

@@ -220,3 +220,48 @@ def test_devices_are_found_by_their_certified_identity_key(backend: str | None, 
         assert s.devices_with_identity(keys * 300) == sorted(ids)  # chunked queries
         with pytest.raises(ValueError, match="32 bytes"):
             s.devices_with_identity([b"short"])
+
+
+def test_uploaded_revocation_lists_are_shared_by_every_instance_and_only_move_forward(
+    backend: str | None, tmp_path: Path
+) -> None:
+    # protocol 1.5: POST /v1/admin/revocation-list stores the list in the database; every instance on it
+    # (here two `Enrollment`s over two connections) enforces the newest, and nothing goes back.
+    from agg_server.enrollment import Enrollment
+    from protocol.enrollment import EnrollmentAuthority
+    from protocol.errors import RevocationListInvalid
+    from tests.test_enrollment_http import _config
+
+    ca = EnrollmentAuthority.generate()
+    config = _config(tmp_path / "cfg", cohort=3, enrollment={"authority_key": ca.public_key.hex()})
+    first = ca.revoke(None, [bytes([1]) * 32])
+    second = ca.revoke(first, [bytes([2]) * 32])
+    with Storage(tmp_path / "a", url=backend) as s1, Storage(tmp_path / "a", url=backend) as s2:
+        revoked_key = bytes([2]) * 32
+        device = s1.add_device(bytes([7]) * 32, "p", 1.0, source="cert:ab", identity_key=revoked_key)
+        a, b = Enrollment(config, s1), Enrollment(config, s2)
+        assert a.revocation_list is None and b.revocation_list is None
+        assert a.upload_revocation_list(second, 5.0)[1] is True
+        assert a.revocation_list is not None and a.revocation_list.number == 2
+        assert a.revoked_devices() == {device}
+        b.refresh_revocations(force_database=True)  # the other instance, at its next look (≤ 1 s)
+        assert b.revocation_list is not None and b.revocation_list.number == 2 and b.revoked_devices() == {device}
+        assert b.signed_revocation_list()[0] == second
+        # the same list again: accepted, not stored twice; a rollback, a forgery or a different #2: refused
+        assert b.upload_revocation_list(second, 6.0)[1] is False
+        with pytest.raises(RevocationListInvalid, match="older than #2"):
+            b.upload_revocation_list(first, 7.0)
+        flipped = bytearray(second)
+        flipped[50] ^= 1
+        with pytest.raises(RevocationListInvalid, match="not signed"):
+            b.upload_revocation_list(bytes(flipped), 7.0)
+        other_two = ca.revoke(first, [bytes([3]) * 32])
+        with pytest.raises(RevocationListInvalid, match="different revocation list #2"):
+            Enrollment(config, s2).upload_revocation_list(other_two, 7.0)
+        assert s1.newest_revocation_number() == 2 and s1.revocation_list(2) == second
+        assert s1.revocation_list(1) is None
+        # a lower number stored by a racing instance is refused inside the transaction too
+        assert s2.store_revocation_list(1, first, 8.0) == (2, second)
+    with Storage(tmp_path / "a", url=backend) as s3:  # survives a restart
+        restarted = Enrollment(config, s3)
+        assert restarted.revocation_list is not None and restarted.revocation_list.number == 2

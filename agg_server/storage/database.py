@@ -31,7 +31,7 @@ from protocol.errors import StorageError
 
 __all__ = ["SCHEMA_VERSION", "DATABASE_NAME", "Database", "open_database", "redact_url"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Schema version (SQLite: ``PRAGMA user_version``; PostgreSQL: table ``fedrec_schema``)."""
 
 DATABASE_NAME = "fedrec.sqlite3"
@@ -153,8 +153,25 @@ _SCHEMA_V4 = (
     )""",
 )
 
+# Version 5 (protocol 1.5): the enrollment authority's revocation lists an operator uploaded
+# (``POST /v1/admin/revocation-list``), every one kept, so every instance sharing the database enforces
+# the newest; the number only grows (a lower one is refused before it is stored).
+_SCHEMA_V5 = (
+    """CREATE TABLE revocation_lists (
+        number {int} PRIMARY KEY CHECK (number >= 0),
+        data {blob} NOT NULL,
+        stored_at {real} NOT NULL
+    )""",
+)
+
 # Migration step n brings a database from version n - 1 to n.
-_MIGRATIONS: dict[int, tuple[str, ...]] = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3, 4: _SCHEMA_V4}
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: _SCHEMA_V1,
+    2: _SCHEMA_V2,
+    3: _SCHEMA_V3,
+    4: _SCHEMA_V4,
+    5: _SCHEMA_V5,
+}
 
 _PG_MIGRATION_LOCK = 0x66656472  # "fedr": the advisory lock key of schema migrations
 

@@ -360,6 +360,35 @@ class Storage:
                     out[int(device_id)] = str(source)
         return out
 
+    def store_revocation_list(self, number: int, data: bytes, now: float) -> tuple[int, bytes] | None:
+        """Store an (already verified) revocation list numbered ``number`` unless the database holds one
+        with that number or higher; returns None when stored, else the newest stored ``(number, data)``,
+        which the caller compares (one transaction, serialised with the other instances)."""
+        n = _check_id("number", number)
+        at = _check_time("now", now)
+        if type(data) is not bytes or not data:
+            raise ValueError("a revocation list is non-empty bytes")
+        with self._transaction("store_revocation_list") as conn:
+            conn.lock_rounds()
+            row = conn.execute("SELECT number, data FROM revocation_lists ORDER BY number DESC LIMIT 1").fetchone()
+            if row is not None and int(row[0]) >= n:
+                return int(row[0]), bytes(row[1])
+            conn.execute("INSERT INTO revocation_lists (number, data, stored_at) VALUES (?, ?, ?)", (n, data, at))
+        return None
+
+    def newest_revocation_number(self) -> int | None:
+        """The number of the newest stored revocation list (None: none stored)."""
+        with self._guard("newest_revocation_number") as conn:
+            row = conn.execute("SELECT max(number) FROM revocation_lists").fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def revocation_list(self, number: int) -> bytes | None:
+        """The stored revocation list numbered ``number`` (None: not stored)."""
+        n = _check_id("number", number)
+        with self._guard("revocation_list") as conn:
+            row = conn.execute("SELECT data FROM revocation_lists WHERE number = ?", (n,)).fetchone()
+        return None if row is None else bytes(row[0])
+
     def devices_with_identity(self, identity_keys: Sequence[bytes]) -> list[int]:
         """The registered devices whose certified identity key is one of ``identity_keys`` (ascending)."""
         keys = sorted({bytes(k) for k in identity_keys})
