@@ -287,3 +287,75 @@ async def test_an_operator_uploads_a_list_that_devices_fetch_and_a_restart_keeps
     crl = await device.refresh_revocations()
     assert crl is not None and crl.number == 2 and crl.device_keys == {bytes([1]) * 32, bytes([2]) * 32}
     await device.close()
+
+
+# -- the session: survivor signatures of revoked members ---------------------------------------------------------
+
+
+def test_a_revoked_members_survivor_signature_does_not_count() -> None:
+    # Sparse graph (n = 12, k = 5): a device's broadcast names only its neighbours, but the consistency check
+    # counts signatures of every survivor (7 needed: a strict majority of 12).  With the other seven members'
+    # keys on its revocation list, device u has only its 5 neighbourhood signatures left and unmasks nothing.
+
+    from protocol.crypto import insecure_test_noise_stream
+    from protocol.device_session import DeviceSecAggSession
+    from protocol.errors import RemoteProtocolError
+    from protocol.messages import UnmaskRequest
+    from protocol.phases import consistency_deadline
+    from protocol.server_session import RoundParameters, ServerSecAggSession
+    from tests.test_security import _enrolled
+
+    ids = list(range(100, 112))
+    authority, enrolled = _enrolled(ids)
+    params = RoundParameters(
+        round_id=3,
+        vector_length=8,
+        k=5,
+        t=3,
+        clip_norm=1.0,
+        scale_bits=16,
+        deadlines=(1.0, 2.0, 3.0, 4.0),
+        authority_key=authority.public_key,
+    )
+
+    def run(revoked: crypto.RevocationList | None) -> tuple[DeviceSecAggSession, Any, set[int]]:
+        """One round to the unmask request of device ids[0], which holds ``revoked`` from the start."""
+        server = ServerSecAggSession(params, ids, rng=np.random.default_rng(0))  # the same graph every run
+        devices = {
+            u: DeviceSecAggSession(
+                server.outbox(u),  # type: ignore[arg-type]
+                rng=insecure_test_noise_stream(0, u),
+                identity=enrolled[u][0],
+                certificate=enrolled[u][1],
+                authority_key=authority.public_key,
+                revoked=revoked if u == ids[0] else None,
+            )
+            for u in ids
+        }
+        d = params.deadlines
+        for index, name in enumerate(("keys", "shares", "masked", "sign")):
+            for u, dev in devices.items():
+                if index > 0:
+                    dev.receive(server.outbox(u))  # type: ignore[arg-type]
+                if name == "masked":
+                    dev.provide_input(np.zeros(8, dtype=np.uint32))
+                server.receive(u, dev.send())
+            server.advance(consistency_deadline(d) if name == "sign" else d[index])
+        request = server.outbox(ids[0])
+        assert isinstance(request, UnmaskRequest) and len(request.signer_ids) == 12
+        return devices[ids[0]], request, set(devices[ids[0]]._neighbours)
+
+    # Without a list the device unmasks; with the seven members outside its neighbourhood revoked (keys the
+    # ShareKeys check never sees) it holds 5 valid signatures of the 7 required and releases nothing.
+    device, request, neighbours = run(None)
+    device.receive(request)
+    assert isinstance(device.send(), UnmaskResponse)
+    outsiders = [enrolled[v][0].public_key for v in ids if v not in neighbours]
+    assert len(neighbours) == 5 and len(outsiders) == 7
+    revoked = crypto.verify_revocation_list(
+        crypto.issue_revocation_list(authority, 1, 0, outsiders), authority.public_key
+    )
+    device, request, again = run(revoked)
+    assert again == neighbours
+    with pytest.raises(RemoteProtocolError, match="only 5 valid survivor signatures on the signed set, 7 required"):
+        device.receive(request)
