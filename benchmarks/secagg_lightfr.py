@@ -74,6 +74,8 @@ def secure(exp: Experiment, rounds: int, seed: int, clip_norm: float, data_dir: 
                 "clip_norm": clip_norm,
                 "round_interval": 0.0,
             },
+            # Every simulated device registers at start-up from one (open) source: no rate limit applies.
+            "enrollment": {"registration_burst": n + 1},
         },
         base_dir=data_dir,
     )
