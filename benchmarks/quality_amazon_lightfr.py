@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from protocol.families.lightfr import DENSITY_SCALE, density_weight
 
 # Candidate recipes (unobserved weight w0 — "auto" is the library default, w0 = 0.6·density^(2/3) from each
 # round's counts — confidence α, damping ρ); rounds fixed by --rounds.
-GRID = [
+GRID: list[dict[str, Any]] = [
     {"w0": "auto", "alpha": 0.0, "rho": 0.3},
     {"w0": 0.1, "alpha": 0.0, "rho": 0.3},
     {"w0": 0.003, "alpha": 0.0, "rho": 0.3},

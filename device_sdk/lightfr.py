@@ -437,7 +437,7 @@ def full_upload(
     indptr: NDArray[np.int64],
     items: NDArray[np.int64],
     r: NDArray[np.float64],
-    B: NDArray[np.int8],
+    B: NDArray[np.int8] | NDArray[np.float64],
     D: NDArray[np.int8],
     beta: NDArray[np.float64],
     w0: float,
@@ -462,10 +462,10 @@ def full_upload(
     rows = _row_of(indptr)
     real = np.issubdtype(np.asarray(B).dtype, np.floating)
     if real:  # real-valued user vectors (asymmetric scoring): s = uᵀd_i in floating point
-        s = np.einsum("ef,ef->e", D[items].astype(np.float64), B[rows])
+        s = np.einsum("ef,ef->e", D[items].astype(np.float64), np.asarray(B, dtype=np.float64)[rows])
     else:
-        s = inner_products(indptr, items, B, D).astype(np.float64)
-    Bt = np.ascontiguousarray(B.T)[:, rows]  # (f, nnz) b_uk of every entry
+        s = inner_products(indptr, items, np.asarray(B, dtype=np.int8), D).astype(np.float64)
+    Bt: NDArray[Any] = np.ascontiguousarray(B.T)[:, rows]  # (f, nnz) b_uk of every entry
     wl = c * r - wq * beta[items]
     # Σ wq (s b_k − b_k² d_ik)/f − wl b_k  =  Σ (wq s/f − wl) b_k  −  (wq/f) · (Σ b_k² over entries of i) · d_ik
     grad = _scatter_rows(items, wq * s / f - wl, Bt, m)

@@ -22,12 +22,12 @@ from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr
 from device_sdk.family import LocalRatings, LocalResult
-from device_sdk.retrieval import Recommender, as_items
+from device_sdk.retrieval import Recommender, as_items, top_n_scores
 from device_sdk.store import load_store, save_store
-from device_sdk.topk import HammingIndex
+from device_sdk.topk import HammingIndex, plane_scores
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
 from protocol.errors import ModelError, StorageError
-from protocol.families.lightfr import UploadLayout, bias_from_levels, clip_parts
+from protocol.families.lightfr import LEVEL_CENTER, UploadLayout, bias_from_levels, clip_parts
 from protocol.plan import LightFRParams, TrainingPlan
 from protocol.spec import MAX_RANK, Aggregation
 
@@ -61,6 +61,13 @@ class LightFRConfig:
         all-items objective (every unobserved item at target 0 with weight w0, through the item Gram;
         ``negatives`` is then unused; see `device_sdk.lightfr.dcd_full`).
     confidence : α ≥ 0 of the all-items objective: observed items weigh c = 1 + α (w0 ≤ c).
+    query_planes : P in [0, 8].  P >= 1 (all-items objective only) is asymmetric scoring: the device
+        solves its real-valued vector exactly against the item codes (`lightfr.ridge_users`) instead of
+        a ±1 code by DCD, keeps it as P ±1 bit-planes and a weight, uploads the same parts with it, and
+        `recommend` ranks by the integer a·Σ_p 2^p(f − 2·Hamming) + 2^8·level (`device_sdk.topk.plane_scores`).
+        A device setting: the round plan does not carry it (see README, "Mean-field step and asymmetric
+        scoring").  0 (default): ±1 user codes.
+    user_reg : ridge weight (> 0) of that solve.
     """
 
     bits: int = 64
@@ -74,10 +81,17 @@ class LightFRConfig:
     binary_positives: bool = False
     unobserved_weight: float = _PARAMS.unobserved_weight
     confidence: float = _PARAMS.confidence
+    query_planes: int = 0
+    user_reg: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.bits <= MAX_RANK:
             raise ValueError(f"bits must be in [1, {MAX_RANK}], got {self.bits}")
+        planes = self.query_planes
+        if isinstance(planes, bool) or not isinstance(planes, int | np.integer) or not 0 <= planes <= 8:
+            raise ValueError(f"query_planes must be an integer in [0, 8], got {planes!r}")
+        if not (isinstance(self.user_reg, int | float) and np.isfinite(self.user_reg) and self.user_reg > 0):
+            raise ValueError(f"user_reg must be a finite number > 0, got {self.user_reg!r}")
         self.params(Aggregation.GRAD)  # the plan's bounds, as the server's config checks them
         if self.rating_range is not None:
             lo, hi = self.rating_range
@@ -167,6 +181,10 @@ class LightFRModel(Recommender):
     _gram: tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]] | None = field(
         default=None, init=False, repr=False
     )
+    #: Asymmetric scoring (``config.query_planes``): each user's odd integers q (n, f) and weight a (n,),
+    #: a = 0 for a user who has a ±1 code instead.
+    user_q: NDArray[np.int16] = field(init=False, repr=False)
+    user_weight: NDArray[np.int64] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_items <= 0:
@@ -179,6 +197,8 @@ class LightFRModel(Recommender):
         self.user_codes = random_signs(self.n_users, f, self.rng)
         self._user_words = pack_signs(self.user_codes)
         self.user_trained = np.zeros(self.n_users, dtype=bool)
+        self.user_q = np.zeros((self.n_users, f), dtype=np.int16)
+        self.user_weight = np.zeros(self.n_users, dtype=np.int64)
 
     KIND: ClassVar[str] = _KIND
 
@@ -395,6 +415,13 @@ class LightFRModel(Recommender):
         indptr = np.array([0, items.size], dtype=np.int64)
         beta = bias_from_levels(self.item_levels, self.n_items, cfg.bits, self.hamming_weight)
         w0, alpha = cfg.unobserved_weight, cfg.confidence
+        if cfg.query_planes:
+            q, a, vec = self._solve_vector(items, targets)
+            parts = lightfr.full_upload(indptr, items, targets, vec[None, :], self.item_codes, beta, w0, alpha)
+            self._set_vector(userid, q, a)
+            return LocalUpdate(
+                values=parts["gradient"], aggregation=Aggregation.GRAD, n_examples=int(items.size), flips=0, parts=parts
+            )
         flips = 0
         for _ in range(cfg.local_epochs):
             b, stats = lightfr.dcd_full(
@@ -417,6 +444,11 @@ class LightFRModel(Recommender):
         if items.size == 0:
             raise ValueError("fold_in needs at least one rated item")
         targets = cfg.normalize(None if ratings is None else np.asarray(ratings, float), items.size)
+        if cfg.unobserved_weight > 0 and cfg.query_planes:
+            uniq, first = np.unique(items, return_index=True)
+            q, a, _ = self._solve_vector(uniq, targets[first])
+            self._set_vector(userid, q, a)
+            return self.user_codes[userid].copy()
         if cfg.unobserved_weight > 0:
             codes = self._fold_in_full(items, targets)
         else:
@@ -457,6 +489,35 @@ class LightFRModel(Recommender):
         )
         return codes
 
+    def _solve_vector(
+        self, items: NDArray[np.int64], targets: NDArray[np.float64]
+    ) -> tuple[NDArray[np.int16], int, NDArray[np.float64]]:
+        """Asymmetric scoring: the user's exact vector against the item codes (`lightfr.ridge_users`, the
+        catalogue entering through the cached item Gram, so O(|Ω|·f² + f³)), as P planes: (q, a, Δ'·q)."""
+        cfg = self.config
+        if cfg.unobserved_weight <= 0:
+            raise ModelError("query_planes needs the all-items objective (unobserved_weight > 0)")
+        G, Db, beta = self.item_gram()
+        U = lightfr.ridge_users(
+            np.array([0, items.size], dtype=np.int64),
+            np.arange(items.size, dtype=np.int64),
+            targets,
+            self.item_codes[items],
+            beta[items],
+            cfg.unobserved_weight,
+            cfg.confidence,
+            float(cfg.user_reg),
+            gram=(G, Db),
+        )
+        q, scale = lightfr.quantize_planes(U, cfg.query_planes)
+        a, snapped = lightfr.snap_scale(scale, self._weight)
+        return q[0], int(a[0]), snapped[0] * q[0].astype(np.float64)
+
+    def _set_vector(self, userid: int, q: NDArray[np.int16], a: int) -> None:
+        self._set_user(userid, np.where(q > 0, 1, -1).astype(np.int8))  # its sign, for code-only callers
+        self.user_q[userid] = q
+        self.user_weight[userid] = a
+
     def reset_user(self, rng: np.random.Generator, *, userid: int = 0) -> None:
         """Draw a fresh random code for a user (LightFR Algorithm 1: clients start from random codes).
 
@@ -465,6 +526,7 @@ class LightFRModel(Recommender):
         if not 0 <= userid < self.n_users:
             raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
         code = random_signs(1, self.config.bits, rng)[0]
+        self.user_weight[userid] = 0
         self.user_codes[userid] = code
         self._user_words[:, userid] = pack_signs(code[None, :])[:, 0]
 
@@ -479,6 +541,7 @@ class LightFRModel(Recommender):
         self._set_user(userid, c.astype(np.int8))
 
     def _set_user(self, userid: int, code: NDArray[np.int8]) -> None:
+        self.user_weight[userid] = 0  # a ±1 code replaces any bit-plane vector (`_set_vector` sets it after)
         self.user_codes[userid] = code
         self._user_words[:, userid] = pack_signs(code[None, :])[:, 0]
         self.user_trained[userid] = True
@@ -504,6 +567,9 @@ class LightFRModel(Recommender):
         Scores are the integer scores (f − dist)·B + level divided by f·B: without levels, the
         similarity 1 − dist/f in [0, 1] (LightFR eq. 4); each level adds 1/(f·B).
         """
+        planes = np.flatnonzero(self.user_weight[users] > 0)
+        if planes.size:
+            return self._top_n_planes(users, planes, N, exclude, items, rng)
         ids, score = self._hamming_index().search(
             np.ascontiguousarray(self._user_words[:, users].T), N, rng, exclude=exclude, candidates=items
         )
@@ -511,10 +577,47 @@ class LightFRModel(Recommender):
         scores[ids < 0] = -np.inf
         return ids, scores
 
+    def _top_n_planes(
+        self,
+        users: NDArray[np.int64],
+        planes: NDArray[np.int64],
+        N: int,
+        exclude: list[NDArray[np.int64] | None],
+        items: NDArray[np.int64] | None,
+        rng: np.random.Generator,
+    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+        """Top-N for a batch where some users hold bit-plane vectors: their integer plane scores
+        (`device_sdk.topk.plane_scores`, one scan per such user; a device holds one) ranked by
+        `top_n_scores` with random ties, reported as the real score Δ'·qᵀd/f + β; the others by the
+        Hamming scan."""
+        f, B, s = self.config.bits, self._weight, lightfr.LEVEL_SHIFT
+        out_ids = np.full((users.size, N), -1, dtype=np.int64)
+        out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
+        rest = np.setdiff1d(np.arange(users.size), planes)
+        if rest.size:
+            ids, sc = self._top_n(users[rest], N, [exclude[i] for i in rest], items, rng)
+            out_ids[rest], out_scores[rest] = ids, sc
+        P = self.config.query_planes
+        for i in planes:  # users with vectors, each one vectorised scan over the packed item codes
+            u = int(users[i])
+            words = pack_signs(lightfr.sign_planes(self.user_q[u][None, :], P)[:, 0, :]).T.copy()
+            S = plane_scores(words, self._item_words, f, int(self.user_weight[u]), self._levels, s)
+            if self._levels is None:
+                S = S + (LEVEL_CENTER << s)  # no levels: every item at the centre (β = 0)
+            ids, sc = top_n_scores(S[None, :].astype(np.float64), N, exclude=[exclude[i]], items=items, rng=rng)
+            real = (sc - (LEVEL_CENTER << s)) * 2.0 / (2**s * B * f)
+            out_ids[i], out_scores[i] = ids[0], real[0].astype(np.float32)
+        return out_ids, out_scores
+
     def similarity(self, item_ids: ArrayLike, *, userid: int = 0) -> NDArray[np.float64]:
         """sim(b_u, d_i) = 1/2 + b_uᵀd_i/(2f) (LightFR eq. 4) for the given items."""
         ids = as_items(item_ids, self.n_items)
         f = self.config.bits
+        if self.user_weight[userid] > 0:  # a bit-plane vector: 1/2 + Δ'·qᵀd/(2f)
+            delta = 2.0 * self.user_weight[userid] / (2**lightfr.LEVEL_SHIFT * self._weight)
+            return 0.5 + delta * (self.item_codes[ids].astype(np.int64) @ self.user_q[userid].astype(np.int64)) / (
+                2.0 * f
+            )
         dots = self.item_codes[ids].astype(np.int32) @ self.user_codes[userid].astype(np.int32)
         return 0.5 + dots / (2.0 * f)
 
@@ -536,6 +639,8 @@ class LightFRModel(Recommender):
                 "user_trained": np.packbits(self.user_trained).tobytes(),
                 "item_levels": None if self._levels is None else self._levels.tobytes(),
                 "hamming_weight": self._weight,
+                "user_q": self.user_q.astype("<i2").tobytes(),
+                "user_weight": self.user_weight.astype("<i8").tobytes(),
             },
         )
 
@@ -561,6 +666,13 @@ class LightFRModel(Recommender):
             levels = state.get("item_levels")
             model.item_levels = None if levels is None else np.frombuffer(levels, dtype=np.uint8).copy()
             model.hamming_weight = int(state.get("hamming_weight", 1))
+            # Files written before asymmetric scoring hold no vectors.
+            if state.get("user_q") is not None:
+                uq = np.frombuffer(state["user_q"], dtype="<i2").reshape(n_users, f).astype(np.int16)
+                uwt = np.frombuffer(state["user_weight"], dtype="<i8").astype(np.int64)
+                if uwt.shape != (n_users,) or np.any(uwt < 0):
+                    raise ValueError("user_weight must hold one weight >= 0 per user")
+                model.user_q, model.user_weight = uq.copy(), uwt.copy()
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"{path} is a valid store file but its LightFR state is invalid: {exc}") from exc
         return model

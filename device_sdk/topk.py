@@ -74,18 +74,18 @@ def plane_scores(
         raise ValueError(f"user weight must be >= 1, got {user_weight}")
     # Σ_p 2^p (f − 2 H_p) = f (2^P − 1) − 2 Σ_p 2^p H_p; the weighted distance fits the uint16 scan buffer
     # while f (2^P − 1) < 2^16, so the only wide pass is the final one.
-    wide = np.uint16 if bits * (2**P - 1) < 1 << 16 else np.int64
-    dist = hamming_distances(plane_words[0], item_words).astype(wide, copy=False)
+    wide: type[np.integer[Any]] = np.uint16 if bits * (2**P - 1) < 1 << 16 else np.int64
+    dist: NDArray[np.integer[Any]] = hamming_distances(plane_words[0], item_words).astype(wide, copy=False)
     for p in range(1, P):
-        dist += hamming_distances(plane_words[p], item_words).astype(wide, copy=False) << wide(p)
+        dist += np.left_shift(hamming_distances(plane_words[p], item_words).astype(wide, copy=False), wide(p))
     top = user_weight * bits * (2**P - 1) + (255 << level_shift)
-    out_t = np.int32 if top < 1 << 31 else np.int64
-    acc = dist.astype(out_t)
+    out_t: type[np.integer[Any]] = np.int32 if top < 1 << 31 else np.int64
+    acc: NDArray[np.integer[Any]] = dist.astype(out_t)
     acc *= -2 * user_weight
     acc += user_weight * bits * (2**P - 1)
     if levels is not None:
         lv = _check_levels(levels, item_words.shape[1])
-        acc += lv.astype(out_t) << level_shift
+        acc += np.left_shift(lv.astype(out_t), level_shift)
     return acc.astype(np.int64, copy=False)
 
 

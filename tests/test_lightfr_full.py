@@ -473,3 +473,49 @@ def test_mean_field_step_is_exact_coordinate_descent_when_raters_look_alike() ->
     # the Jacobi step (every bit from the old codes) does overshoot on this data
     jacobi, _ = agg_full(D, beta, total, n, w0, alpha, flip_fraction=1.0, learn_bias=False)
     assert any(item_loss(i, jacobi[i].astype(float)) > item_loss(i, D[i].astype(float)) + 1e-9 for i in range(m))
+
+
+def test_device_model_with_query_planes_uploads_and_ranks_like_the_reference(tmp_path) -> None:
+    """A `LightFRModel` with query_planes: its upload is `full_upload` of the snapped vector solved against
+    the whole catalogue, `recommend` ranks by the real score Δ'·qᵀd/f + β, and a save/load keeps it."""
+    from device_sdk.models import LightFRConfig, LightFRModel
+
+    rng = np.random.default_rng(21)
+    m, f, P = 200, 64, 2
+    cfg = LightFRConfig(bits=f, rating_range=None, binary_positives=True, unobserved_weight=0.05, query_planes=P)
+    model = LightFRModel(m, cfg, rng=np.random.default_rng(0))
+    model.set_item_codes(random_signs(m, f, rng), 3)
+    model.item_levels = rng.integers(100, 160, m).astype(np.uint8)
+    model.hamming_weight = 2
+    items = np.sort(rng.choice(m, 12, replace=False)).astype(np.int64)
+    update = model.fit_local(items)
+    # reference: the same solve on the whole catalogue, quantized and snapped the same way
+    beta = bias_from_levels(model.item_levels, m, f, 2)
+    ptr = np.array([0, items.size])
+    U = lightfr.ridge_users(ptr, items, np.ones(items.size), model.item_codes, beta, 0.05, 0.0, 1.0)
+    q, scale = lightfr.quantize_planes(U, P)
+    a, snapped = lightfr.snap_scale(scale, 2)
+    np.testing.assert_array_equal(model.user_q[0], q[0])
+    assert model.user_weight[0] == a[0] and update.flips == 0
+    ref = lightfr.full_upload(ptr, items, np.ones(items.size), snapped[:, None] * q, model.item_codes, beta, 0.05, 0.0)
+    for key, part in ref.items():
+        np.testing.assert_allclose(update.parts[key], part, rtol=1e-9, atol=1e-9)
+    real = snapped[0] * (model.item_codes.astype(float) @ q[0]) / f + beta
+    real[items] = -np.inf
+    ids, scores = model.recommend(items, N=10, filter_already_liked_items=True)
+    np.testing.assert_allclose(scores, np.sort(real)[::-1][:10], rtol=1e-6)
+    assert not np.isin(ids, items).any()
+    np.testing.assert_allclose(model.similarity(ids), 0.5 + (real[ids] - beta[ids]) / 2, rtol=1e-9)
+    model.save(tmp_path / "m.fedrec")
+    again = LightFRModel.load(tmp_path / "m.fedrec")
+    np.testing.assert_array_equal(again.user_q, model.user_q)
+    np.testing.assert_array_equal(again.user_weight, model.user_weight)
+    ids2, _ = again.recommend(items, N=10, filter_already_liked_items=True)
+    assert set(ids2) == set(ids)
+    # a ±1 code replaces the vector
+    again.reset_user(np.random.default_rng(1))
+    assert again.user_weight[0] == 0
+    with pytest.raises(ValueError, match="query_planes must be an integer in"):
+        LightFRConfig(query_planes=9)
+    with pytest.raises(ValueError, match="user_reg must be a finite number > 0"):
+        LightFRConfig(user_reg=0.0)

@@ -38,7 +38,10 @@ def build_strategy(config: ServerConfig) -> Strategy:
     m = config.model
     if m.kind == "lightfr":
         rule = LightFRStrategy(
-            bits=m.bits, lam=m.lam, aggregation=Aggregation(m.aggregation), flip_fraction=m.flip_fraction
+            bits=m.bits,
+            lam=m.lam,
+            aggregation=Aggregation(m.aggregation),
+            flip_fraction=float(m.flip_fraction if m.flip_fraction is not None else 0.3),  # resolved by ModelSection
         )
         return LightFRServerStrategy(
             rule,
