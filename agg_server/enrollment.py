@@ -113,7 +113,7 @@ class Enrollment:
         self._crl = crl
         self._crl_bytes = data
         self._crl_etag = f'"crl-{crl.number}-{hashlib.sha256(data).hexdigest()[:32]}"'
-        self._revoked_ids = frozenset(self.storage.devices_with_identity(sorted(crl.device_keys)))
+        self._revoked_ids = frozenset(self.storage.revoked_devices(crl.device_keys))
         log.info(
             "revocation list #%d (%s) in force: %d device keys revoked, %d registered devices excluded",
             crl.number,

@@ -220,6 +220,11 @@ def test_devices_are_found_by_their_certified_identity_key(backend: str | None, 
         assert s.devices_with_identity(keys * 300) == sorted(ids)  # chunked queries
         with pytest.raises(ValueError, match="32 bytes"):
             s.devices_with_identity([b"short"])
+        # the two plans of `revoked_devices`: key lookups (3 keys, 4 certified devices) and one scan (12 keys)
+        assert s.certified_device_count() == 4
+        assert s.revoked_devices(frozenset({keys[3], keys[1], bytes(32)})) == [ids[1], ids[3]]
+        many = frozenset({keys[1], keys[2], *(bytes([200 + i]) * 32 for i in range(10))})
+        assert s.revoked_devices(many) == [ids[1], ids[2]]
 
 
 def test_uploaded_revocation_lists_are_shared_by_every_instance_and_only_move_forward(
