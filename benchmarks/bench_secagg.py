@@ -17,6 +17,7 @@ import tracemalloc
 import numpy as np
 
 from fedsim.secagg_harness import run_secagg_round
+from protocol import crypto
 from protocol.graph import find_parameters
 from protocol.session import Phase
 
@@ -87,6 +88,13 @@ def _run(
     }
 
 
+class _NoMemo(set[bytes]):
+    """A memo that never hits: every simulated device pays for every verification, as a real one does."""
+
+    def __contains__(self, item: object) -> bool:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[100, 1000])
@@ -108,7 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="time the server and devices by wall clock or by this process's CPU time (for loaded machines)",
     )
+    parser.add_argument(
+        "--shared-verify-memo",
+        action="store_true",
+        help="let the simulated devices share protocol.crypto's per-process memo of verified signatures "
+        "(off by default: a real device runs in its own process and verifies every signature itself)",
+    )
     args = parser.parse_args(argv)
+    if not args.shared_verify_memo:
+        crypto._VERIFIED = _NoMemo()
     for n in args.n:
         p = find_parameters(n, args.omega, args.adversary)
         print(f"finder: n={n} gamma={args.adversary} omega={args.omega} -> k={p.k} t={p.t}", flush=True)
