@@ -431,8 +431,8 @@ def evaluate_private_mf_scaled(
         "alpha", "mu", "protocol" and "train_seconds".  Without the channel (``pop_share = 0``) there is no
         "private_popularity" and α is 0.
     """
-    from fedsim.evaluation import evaluate_all_items, popularity_scorer, random_scorer
-    from fedsim.private_scale import ALPHAS, carve_validation
+    from fedsim.evaluation import popularity_scorer, random_scorer
+    from fedsim.private_scale import ALPHAS, carve_validation, choose_alpha_full_ranking, full_ranking_metrics
 
     fit, val = carve_validation(data.train, eval_seed)
     res = run_private_mf_scaled(fit, replace(settings, cohort=fit.n_users), on_round=on_round)
@@ -447,22 +447,9 @@ def evaluate_private_mf_scaled(
         return lambda users: U[np.asarray(users)] @ V.T + alpha * level
 
     grid = ALPHAS if res.private_counts is not None else (0.0,)
-    vu = np.random.default_rng(eval_seed).choice(fit.n_users, min(val_users, fit.n_users), replace=False)
-    chosen: tuple[float, float] | None = None
-    for a in grid:
-        v = evaluate_all_items(scorer(a), fit, val, k=20, users=vu, seed=eval_seed).recall
-        if chosen is None or v > chosen[1]:
-            chosen = (a, v)
-    assert chosen is not None
-    seen, test = data.train, data.test
-    tu = None
-    if test_users is not None and test_users < seen.n_users:
-        tu = np.random.default_rng(eval_seed + 1).choice(seen.n_users, test_users, replace=False)
-
-    def full(score: Any) -> dict[str, float]:
-        r = evaluate_all_items(score, seen, test, k=20, seed=eval_seed, users=tu)
-        return {"recall@20": r.recall, "ndcg@20": r.ndcg}
-
+    chosen = choose_alpha_full_ranking(scorer, fit, val, grid, val_users=val_users, eval_seed=eval_seed)
+    seen = data.train
+    full = full_ranking_metrics(data, eval_seed=eval_seed, test_users=test_users)
     metrics = {"model": full(scorer(chosen[0])), "mf_alone": full(scorer(0.0))}
     if res.private_counts is not None:
         metrics["private_popularity"] = full(scorer(math.inf))

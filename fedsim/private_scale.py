@@ -30,7 +30,7 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -480,6 +480,50 @@ def plan_privacy(
     return out
 
 
+def choose_alpha_full_ranking(
+    scorer_for: Callable[[float], Any],
+    fit: Any,
+    val: Any,
+    alphas: Sequence[float],
+    *,
+    val_users: int,
+    eval_seed: int,
+    say: Callable[[str], None] = lambda text: None,
+) -> tuple[float, float]:
+    """The item-level weight α with the best validation Recall@20 (full ranking over ``fit``'s items,
+    a seeded sample of ``val_users`` users, random ties), and that Recall; the first of equals wins."""
+    from fedsim.evaluation import evaluate_all_items
+
+    users = np.random.default_rng(eval_seed).choice(fit.n_users, min(val_users, fit.n_users), replace=False)
+    chosen: tuple[float, float] | None = None
+    for a in alphas:
+        v = evaluate_all_items(scorer_for(a), fit, val, k=20, users=users, seed=eval_seed).recall
+        say(f"  validation Recall@20 with item level α={a:g}: {v:.4f}")
+        if chosen is None or v > chosen[1]:
+            chosen = (a, v)
+    if chosen is None:
+        raise ValueError("no α to choose from")
+    return chosen
+
+
+def full_ranking_metrics(data: Any, *, eval_seed: int, test_users: int | None) -> Callable[[Any], dict[str, float]]:
+    """A function scoring one scorer on ``data``'s test split once: Recall@20 and NDCG@20 by full
+    ranking over the items not in each user's train set (random ties), over every test user or a seeded
+    sample of ``test_users`` of them (the same sample for every scorer)."""
+    from fedsim.evaluation import evaluate_all_items
+
+    seen, test = data.train, data.test
+    users = None
+    if test_users is not None and test_users < seen.n_users:
+        users = np.random.default_rng(eval_seed + 1).choice(seen.n_users, test_users, replace=False)
+
+    def full(score: Any) -> dict[str, float]:
+        r = evaluate_all_items(score, seen, test, k=20, seed=eval_seed, users=users)
+        return {"recall@20": r.recall, "ndcg@20": r.ndcg}
+
+    return full
+
+
 def evaluate_private(
     data: Any,
     settings: ScaledSettings,
@@ -504,30 +548,18 @@ def evaluate_private(
         their metric maps; ``extra`` holds "epsilon" (the ledger's), "delta", "alpha" and the μ's.
     """
     from fedsim.datasets import TrainTestSplit
-    from fedsim.evaluation import TieMode, evaluate_all_items, evaluate_candidates, popularity_scorer, random_scorer
+    from fedsim.evaluation import TieMode, evaluate_candidates, popularity_scorer, random_scorer
 
     say = log or (lambda text: None)
     chosen: tuple[float, float] | None = None
     if isinstance(data, TrainTestSplit):
         fit, val = carve_validation(data.train, eval_seed)
         res = run_private_scaled(fit, settings, on_round=on_round)
-        rng = np.random.default_rng(eval_seed)
-        vu = rng.choice(fit.n_users, min(val_users, fit.n_users), replace=False)
-        for a in ALPHAS:
-            v = evaluate_all_items(scorer(res, a), fit, val, k=20, users=vu, seed=eval_seed).recall
-            say(f"  validation Recall@20 with item level α={a:g}: {v:.4f}")
-            if chosen is None or v > chosen[1]:
-                chosen = (a, v)
-        assert chosen is not None
-        seen, test = data.train, data.test
-        tu = None
-        if test_users is not None and test_users < seen.n_users:
-            tu = np.random.default_rng(eval_seed + 1).choice(seen.n_users, test_users, replace=False)
-
-        def full(score: Any) -> dict[str, float]:
-            r = evaluate_all_items(score, seen, test, k=20, seed=eval_seed, users=tu)
-            return {"recall@20": r.recall, "ndcg@20": r.ndcg}
-
+        chosen = choose_alpha_full_ranking(
+            lambda a: scorer(res, a), fit, val, ALPHAS, val_users=val_users, eval_seed=eval_seed, say=say
+        )
+        seen = data.train
+        full = full_ranking_metrics(data, eval_seed=eval_seed, test_users=test_users)
         metrics = {
             "model": full(scorer(res, chosen[0])),
             "private_popularity": full(scorer(res, math.inf)),
