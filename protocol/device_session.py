@@ -166,6 +166,9 @@ class DeviceSecAggSession:
         self._pending: Message | None = None
         self.abort_reason: str | None = None
         self._identities: dict[int, bytes] = {}  # neighbour id -> certified Ed25519 key (protocol 1.3)
+        # Certificates this session verified in the key broadcast (bytes -> certified key): a neighbour's
+        # certificate comes back among the survivors' and is not verified twice in one round.
+        self._certified: dict[bytes, bytes] = {}
 
     # -- public API -----------------------------------------------------------------------------------
 
@@ -378,6 +381,7 @@ class DeviceSecAggSession:
             except CryptoError:
                 raise CryptoError(f"the keys advertised for device {v} are not signed by its certified key") from None
             self._identities[v] = identity
+            self._certified[cert] = identity
 
     def _on_consistency_request(self, msg: ConsistencyRequest) -> ConsistencySignature:
         self._check_addressing(msg)
@@ -421,11 +425,12 @@ class DeviceSecAggSession:
             if v not in members or v in valid:
                 continue
             try:
-                identity = (
-                    crypto.verify_certificate(cert, self._authority, revoked=self._revoked)
-                    if self._authority is not None
-                    else self._identities.get(v, b"")
-                )
+                if self._authority is None:
+                    identity = self._identities.get(v, b"")
+                elif cert in self._certified:
+                    identity = self._certified[cert]  # verified in this round's key broadcast
+                else:
+                    identity = crypto.verify_certificate(cert, self._authority, revoked=self._revoked)
                 if identity in identities or (v in self._identities and self._identities[v] != identity):
                     continue
                 crypto.verify_signature(identity, sig, payload)
