@@ -1087,3 +1087,34 @@ def test_noise_thinning_and_rounding_coins_refuse_numpy_generators_and_default_t
     streams = [_secret_round_rngs(1)[1] for _ in range(2)]  # what a DeviceClient uses without a test hook
     assert all(isinstance(s, NoiseStream) for s in streams)
     assert not np.array_equal(streams[0].uint64(4), streams[1].uint64(4))
+
+
+def test_a_certificate_verified_in_the_key_broadcast_is_not_verified_again_at_the_consistency_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With k = n every survivor is a neighbour: each device verifies each certificate once (in the key
+    # broadcast), and the round stays bit-exact.
+    import sys
+
+    import numpy as np
+
+    from protocol import crypto
+
+    calls: list[bytes] = []
+    real = crypto.verify_certificate
+
+    def counting(certificate: bytes, *args: Any, **kwargs: Any) -> bytes:
+        if sys._getframe(1).f_code.co_filename.endswith("device_session.py"):  # the devices' checks only
+            calls.append(certificate)
+        return real(certificate, *args, **kwargs)
+
+    monkeypatch.setattr(crypto, "verify_certificate", counting)
+    server, devices, inputs, _, _ = _signed_round(n=8, t=4)
+    masked = _drive(server, devices, inputs, {"masked": {100}})
+    expected = np.zeros(16, dtype=np.uint32)
+    for u in masked:
+        expected += inputs[u]
+    assert np.array_equal(server.result().total, expected)
+    # Each device checks its own certificate once when it starts, and the 8 of its key broadcast;
+    # the 7 that reach the consistency check verify none again.
+    assert len(calls) == 8 + 8 * 8
