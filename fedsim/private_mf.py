@@ -381,14 +381,7 @@ def run_private_mf_scaled(
             assert sim.ledger is not None
             sim.ledger.record_round(*charge)
         cohort = MFCohort(users, m, s.factors, max_norm2=s.max_norm2)
-        round_seconds = []
-        for r in range(s.rounds):
-            out = sim.run_scaled_round(cohort, sim_seed=s.seed)
-            if out is None or not out.committed:
-                raise RuntimeError(f"round {r + 1} did not commit: {out}")
-            round_seconds.append(out.seconds)
-            if on_round is not None:
-                on_round(r + 1, out.seconds)
+        round_seconds = sim.run_scaled_rounds(cohort, s.rounds, sim_seed=s.seed, on_round=on_round)
     V = project_rows(np.asarray(sim.model_state, dtype=np.float64), s.max_norm2)  # what the devices download
     # Stage 3 (`MFModel.fine_tune`): every user refits u against the final V on all its ratings.
     owner = np.repeat(np.arange(n), np.diff(idx.indptr))

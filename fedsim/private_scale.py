@@ -309,14 +309,7 @@ def run_private_scaled(
     if sim.ledger is not None and mu_pop > 0:
         sim.ledger.record_round(mu_pop, l1p, l2p)
     cohort = LightFRCohort([(u, None) for u in per_user], m, s.bits)
-    round_seconds = []
-    for r in range(s.rounds):
-        out = sim.run_scaled_round(cohort, sim_seed=s.seed)
-        if out is None or not out.committed:
-            raise RuntimeError(f"round {r + 1} did not commit: {out}")
-        round_seconds.append(out.seconds)
-        if on_round is not None:
-            on_round(r + 1, out.seconds)
+    round_seconds = sim.run_scaled_rounds(cohort, s.rounds, sim_seed=s.seed, on_round=on_round)
     st: Any = base
     D = np.asarray(st.codes(sim.model_state), dtype=np.int8)
     beta = np.zeros(m)

@@ -354,6 +354,32 @@ class PrivateSimulator:
         return self.ledger.spent() if self.ledger is not None else None
 
     # -- scale mode ---------------------------------------------------------------------------------
+    def run_scaled_rounds(
+        self,
+        trainer: LightFRCohort | MFCohort,
+        rounds: int,
+        *,
+        sim_seed: int,
+        on_round: Callable[[int, float], None] | None = None,
+    ) -> list[float]:
+        """``rounds`` rounds of `run_scaled_round`, nobody dropping; each round's seconds.  ``on_round(r,
+        seconds)`` after round r (from 1).
+
+        Raises
+        ------
+        RuntimeError
+            A round did not open or commit.
+        """
+        seconds = []
+        for r in range(rounds):
+            out = self.run_scaled_round(trainer, sim_seed=sim_seed)
+            if out is None or not out.committed:
+                raise RuntimeError(f"round {r + 1} did not commit: {out}")
+            seconds.append(out.seconds)
+            if on_round is not None:
+                on_round(r + 1, out.seconds)
+        return seconds
+
     def run_scaled_round(
         self,
         trainer: LightFRCohort | MFCohort,

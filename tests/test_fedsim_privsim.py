@@ -210,12 +210,43 @@ def test_survivor_sets_refuse_a_graph_shortcut_with_late_dropouts() -> None:
         )
 
 
+def _real_devices_sum(
+    users: list[tuple[np.ndarray, None]],
+    cohort: LightFRCohort,
+    invite: Any,
+    bits: int,
+    install: Callable[[LightFRModel], None],
+) -> np.ndarray:
+    """The sum of what real `LightFRModel` devices upload for ``invite`` (``install`` gives each its
+    model; device j draws from seed j), with the batched ``cohort`` set to the same user codes."""
+    from device_sdk.training import local_round
+
+    m = invite.n_items
+    expected = np.zeros(invite.vector_length, dtype=np.int64)
+    for j, (items, _) in enumerate(users):
+        model = LightFRModel(m, LightFRConfig(bits=bits), rng=np.random.default_rng(1))
+        install(model)
+        model.reset_user(np.random.default_rng(j))
+        model.user_trained[0] = True
+        cohort.codes[j] = model.user_codes[0]
+        ring, _ = local_round(
+            model,
+            invite,
+            LocalRatings.single_user(items),
+            None,
+            np.random.default_rng(j),
+            coins=insecure_test_noise_stream(j),
+        )
+        expected += ring.view(np.int32)
+    cohort.trained[:] = True
+    return expected
+
+
 def test_batched_lightfr_devices_match_real_devices(tmp_path: Path) -> None:
     # Same user codes, no sampling (θ = 0, no negatives): the batched uploads equal the devices'
     # own `local_round` outputs up to the stochastic rounding (< 1 per device and coordinate).
     from dataclasses import replace
 
-    from device_sdk.training import local_round
     from protocol.session import RoundParameters
 
     n, m = 15, 40
@@ -231,23 +262,7 @@ def test_batched_lightfr_devices_match_real_devices(tmp_path: Path) -> None:
         round_id=1, vector_length=m * 16, k=n, t=1, clip_norm=4.0, scale_bits=10, deadlines=(0.0,) * 4
     )
     invite = params.invite(0).with_plan(round_plan(sim.strategy, 1))
-    expected = np.zeros(m * 16, dtype=np.int64)
-    for j, (items, _) in enumerate(users):
-        model = LightFRModel(m, LightFRConfig(bits=16), rng=np.random.default_rng(1))
-        model.set_item_codes(sim.model_state, 1)
-        model.reset_user(np.random.default_rng(j))
-        model.user_trained[0] = True
-        cohort.codes[j] = model.user_codes[0]
-        ring, _ = local_round(
-            model,
-            invite,
-            LocalRatings.single_user(items),
-            None,
-            np.random.default_rng(j),
-            coins=insecure_test_noise_stream(j),
-        )
-        expected += ring.view(np.int32)
-    cohort.trained[:] = True
+    expected = _real_devices_sum(users, cohort, invite, 16, lambda model: model.set_item_codes(sim.model_state, 1))
     coins = insecure_test_noise_stream(0)
     got = cohort.quantized_sum(
         sim.model_state, invite, cohort.device_ids, cohort.device_ids, np.random.default_rng(0), coins
@@ -318,7 +333,6 @@ def test_batched_all_items_devices_match_real_devices(share: float, tmp_path: Pa
     from dataclasses import replace
 
     from agg_server.strategy.base import round_plan
-    from device_sdk.training import local_round
     from protocol.families.lightfr import bias_from_levels
     from protocol.session import RoundParameters
 
@@ -340,23 +354,9 @@ def test_batched_all_items_devices_match_real_devices(share: float, tmp_path: Pa
     )
     invite = params.invite(0).with_plan(round_plan(st, 1))
     assert invite.counts_share == share and invite.unobserved_weight > 0
-    expected = np.zeros(length, dtype=np.int64)
-    for j, (items, _) in enumerate(users):
-        model = LightFRModel(m, LightFRConfig(bits=f), rng=np.random.default_rng(1))
-        model.set_global(payload.words, b"", 1, **payload.lightfr_extras())
-        model.reset_user(np.random.default_rng(j))
-        model.user_trained[0] = True
-        cohort.codes[j] = model.user_codes[0]
-        ring, stats = local_round(
-            model,
-            invite,
-            LocalRatings.single_user(items),
-            None,
-            np.random.default_rng(j),
-            coins=insecure_test_noise_stream(j),
-        )
-        expected += ring.view(np.int32)
-    cohort.trained[:] = True
+    expected = _real_devices_sum(
+        users, cohort, invite, f, lambda model: model.set_global(payload.words, b"", 1, **payload.lightfr_extras())
+    )
     got = cohort.quantized_sum(
         st.codes(sim.model_state),
         invite,
