@@ -64,6 +64,7 @@ from device_sdk.training import local_round
 from device_sdk.transport import LeftRound, Response, Transport, TransportError, raise_for_error
 from protocol import crypto
 from protocol.crypto import NoiseStream, SigningKey, insecure_test_noise_stream
+from protocol.device_session import DeviceSecAggSession
 from protocol.errors import (
     ConfigError,
     FedRecError,
@@ -91,8 +92,8 @@ from protocol.messages import (
     UnmaskRequest,
     Wait,
 )
+from protocol.phases import ACTIVE_PHASES
 from protocol.policy import PrivacyPolicy
-from protocol.session import ACTIVE_PHASES, DeviceSecAggSession
 from protocol.spec import MAX_TEXT
 
 __all__ = [

@@ -5,7 +5,9 @@
   `device_sdk` only the HTTP transport module imports aiohttp.  Checked on the source (every import
   statement, at any depth, so a lazy import inside a function counts too).
 - `import device_sdk` in a fresh interpreter loads no aiohttp, scipy or dp-accounting, and no server or
-  simulation package, and takes at most 0.3 s of CPU time (bytecode cached, as on an installed device).
+  simulation package, and its own modules (over numpy, cryptography and the other third-party modules
+  it needs) take at most 0.2 s of CPU time (bytecode cached, as on an installed device), scaled up on
+  a machine slower than the reference by a calibration workload timed in the same interpreter.
 """
 
 from __future__ import annotations
@@ -73,18 +75,62 @@ def test_the_scan_sees_every_kind_of_import(tmp_path: Path) -> None:
     assert _imports(src) == {"a", "c", "g", "h", "agg_server"}
 
 
+# The third-party modules the SDK needs anyway: imported first, so that what is timed is fedrec's own
+# import cost, not numpy's (numpy alone varies by 0.05 s of CPU between runs on a shared machine).
+_DEPENDENCIES = (
+    "asyncio",
+    "numpy",
+    "msgpack",
+    "bitarray",
+    "cryptography.hazmat.primitives.ciphers.aead",
+    "cryptography.hazmat.primitives.asymmetric.ed25519",
+    "cryptography.hazmat.primitives.asymmetric.x25519",
+    "cryptography.hazmat.primitives.kdf.hkdf",
+)
+
 _PROBE = """
-import json, sys, time
+import importlib, json, sys, time
+
+def calibrate():
+    # A fixed pure-Python workload (class creation, dict building, a loop): what an import costs in
+    # kind, so its time measures how fast this machine runs the interpreter.
+    t = time.process_time()
+    for _ in range(300):
+        class C:
+            a = 1
+            def f(self):
+                return self.a
+        d = {str(i): i for i in range(200)}
+    x = 0
+    for i in range(300000):
+        x += i & 7
+    return time.process_time() - t
+
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+speed = min(calibrate() for _ in range(3))
 t = time.process_time()
 import device_sdk
 cpu = time.process_time() - t
-print(json.dumps({"cpu": cpu, "modules": sorted({m.split(".")[0] for m in sys.modules})}))
+print(json.dumps({"cpu": cpu, "speed": speed, "modules": sorted({m.split(".")[0] for m in sys.modules})}))
 """
+
+# fedrec's own import budget, and the calibration workload's CPU time on the machine it was set on
+# (a 2-core CI-class VM: own import 0.054-0.10 s, calibration 0.016-0.032 s).  A slower machine gets a
+# proportionally larger budget; a faster one does not get a smaller one.
+OWN_IMPORT_BUDGET = 0.2
+CALIBRATION_REFERENCE = 0.017
 
 
 def _probe(env: dict[str, str]) -> dict[str, object]:
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", _PROBE, *_DEPENDENCIES],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     result: dict[str, object] = json.loads(out.stdout)
     return result
@@ -100,5 +146,33 @@ def test_import_device_sdk_is_light(tmp_path: Path) -> None:
     heavy = modules & {"aiohttp", "yarl", "multidict", "scipy", "dp_accounting", "agg_server", "fedsim", "tqdm"}
     assert not heavy, f"import device_sdk loaded {sorted(heavy)}"
     # CPU time, not wall time: the test machine is shared, and the best of three runs is the import's cost.
-    cpu = min(float(_probe(env)["cpu"]) for _ in range(3))  # type: ignore[arg-type]
-    assert cpu <= 0.3, f"import device_sdk took {cpu:.3f} s of CPU (limit 0.3 s)"
+    runs = [_probe(env) for _ in range(3)]
+    cpu = min(float(run["cpu"]) for run in runs)  # type: ignore[arg-type]
+    speed = min(float(run["speed"]) for run in runs)  # type: ignore[arg-type]
+    limit = OWN_IMPORT_BUDGET * max(1.0, speed / CALIBRATION_REFERENCE)
+    assert cpu <= limit, (
+        f"import device_sdk took {cpu:.3f} s of CPU beyond its dependencies (limit {limit:.3f} s; "
+        f"calibration {speed:.4f} s against {CALIBRATION_REFERENCE} s)"
+    )
+
+
+def test_protocol_names_load_on_first_use() -> None:
+    """`protocol` re-exports its public names lazily: each resolves to its submodule's object, every name
+    in `__all__` resolves, and an unknown name is an AttributeError (not an ImportError)."""
+    import protocol
+    from protocol.server_session import ServerSecAggSession
+
+    assert protocol.ServerSecAggSession is ServerSecAggSession
+    for name in protocol.__all__:
+        assert getattr(protocol, name) is not None, name
+    assert set(protocol.__all__) <= set(dir(protocol))
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        _ = protocol.NoSuchThing  # type: ignore[attr-defined]
+
+
+def test_import_device_sdk_leaves_the_server_session_unloaded() -> None:
+    probe = "import device_sdk, sys; print('protocol.server_session' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "False"
