@@ -186,6 +186,11 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
         "default, 60 rounds": (default[0], replace(default[1], rounds=60), False),
         "default, DCD sweep cap 3": (replace(default[0], max_sweeps=3), default[1], False),
         "default, DCD sweep cap 30": (replace(default[0], max_sweeps=30), default[1], False),
+        "default, no learned term, log-popularity levels (16, B = 1) from the counts": (
+            default[0],
+            replace(default[1], learn_bias=False),
+            True,
+        ),
     }
 
 
@@ -220,37 +225,69 @@ def train(exp: Experiment, recipe: tuple, seed: int) -> FederatedLightFR:
     return state
 
 
-def _hr(state: FederatedLightFR, blocks) -> tuple[float, float]:
-    r = evaluate_candidates(state.scores(blocks.users, blocks.items), 10, TieMode.RANDOM)
-    return r.hr, r.ndcg
+def _unseen(scores: np.ndarray, blocks, seen: Ratings) -> np.ndarray:
+    """``scores`` with every candidate the user has in ``seen`` (its training items) put last, as
+    `recommend(filter_already_liked_items=True)` (the SDK's default) leaves them out.  The LightFR
+    authors' blocks draw negatives from every item, so about half of them hold a training item."""
+    keys = np.unique(seen.users * seen.n_items + seen.items)
+    cand = blocks.users[:, None] * seen.n_items + blocks.items
+    out = np.asarray(scores, dtype=np.float64).copy()
+    out[np.isin(cand, keys)] = -np.inf
+    return out
+
+
+def _metrics(scores: np.ndarray, blocks, seen: Ratings) -> tuple[float, float, float, float]:
+    """HR@10, NDCG@10 as the blocks are, then the same with the user's training items filtered."""
+    r = evaluate_candidates(scores, 10, TieMode.RANDOM)
+    u = evaluate_candidates(_unseen(scores, blocks, seen), 10, TieMode.RANDOM)
+    return r.hr, r.ndcg, u.hr, u.ndcg
+
+
+def _hr(state: FederatedLightFR, blocks, seen: Ratings) -> tuple[float, float, float, float]:
+    return _metrics(state.scores(blocks.users, blocks.items), blocks, seen)
+
+
+def _pop(exp: Experiment) -> tuple[float, float, float, float]:
+    return _metrics(np.bincount(exp.train.items, minlength=exp.train.n_items)[exp.val.items], exp.val, exp.train)
 
 
 def _baseline_rows(exp: Experiment, eval_seed: int) -> list[str]:
     b = baselines(exp, TieMode.RANDOM, seed=eval_seed)
     X, Y = implicit_als(exp.train, factors=64, seed=0)
-    als = evaluate_candidates(np.einsum("nf,ncf->nc", X[exp.test.users], Y[exp.test.items]), 10, TieMode.RANDOM)
+    als = _metrics(np.einsum("nf,ncf->nc", X[exp.test.users], Y[exp.test.items]), exp.test, exp.train)
+    pop = _metrics(np.bincount(exp.train.items, minlength=exp.train.n_items)[exp.test.items], exp.test, exp.train)
     return [
-        f"| item popularity | {b['popularity'].hr:.4f} | {b['popularity'].ndcg:.4f} |",
-        f"| implicit ALS f=64, centralised (real-valued) | {als.hr:.4f} | {als.ndcg:.4f} |",
-        f"| random | {b['random'].hr:.4f} | {b['random'].ndcg:.4f} |",
+        f"| item popularity | {pop[0]:.4f} | {pop[1]:.4f} | {pop[2]:.4f} | {pop[3]:.4f} |",
+        f"| implicit ALS f=64, centralised (real-valued) | {als[0]:.4f} | {als[1]:.4f} | {als[2]:.4f} | {als[3]:.4f} |",
+        f"| random | {b['random'].hr:.4f} | {b['random'].ndcg:.4f} | | |",
     ]
 
 
+TEST_HEAD = (
+    "| model | HR@10 | NDCG@10 | HR@10, training items filtered | NDCG@10, training items filtered |\n"
+    "|---|---|---|---|---|"
+)
+
+
 def _seeds_row(label: str, exp: Experiment, recipe, seeds: list[int]) -> str:
-    hr, nd = zip(*(_hr(train(exp, recipe, s), exp.test) for s in seeds), strict=True)
+    m = np.array([_hr(train(exp, recipe, s), exp.test, exp.train) for s in seeds])
+    mean, std = m.mean(axis=0), m.std(axis=0)
     return (
-        f"| {label} | {np.mean(hr):.4f} ± {np.std(hr):.4f} | {np.mean(nd):.4f} ± {np.std(nd):.4f} |"
-        f" (seeds {' '.join(map(str, seeds))})"
+        f"| {label} | "
+        + " | ".join(f"{a:.4f} ± {b:.4f}" for a, b in zip(mean, std, strict=True))
+        + (f" | (seeds {' '.join(map(str, seeds))})")
     )
+
+
+def _carves(exp: Experiment, k: int, eval_seed: int) -> list[Experiment]:
+    """Validation carves drawn like the protocol's own blocks (the LightFR split: negatives from every item)."""
+    return validation_carves(exp, k, seed=eval_seed, exclude_interacted=exp.protocol is not Protocol.LIGHTFR_SPLIT)
 
 
 def _spread(exp: Experiment, recipes, labels: list[str], n: int, eval_seed: int) -> None:
     """How much the validation HR@10 moves with the model seed (fixed blocks) and with the carve."""
-    extra = validation_carves(exp, n, seed=eval_seed)
-    pop = [
-        evaluate_candidates(np.bincount(c.train.items, minlength=c.train.n_items)[c.val.items], 10, TieMode.RANDOM).hr
-        for c in extra
-    ]
+    extra = _carves(exp, n, eval_seed)
+    pop = [_pop(c)[0] for c in extra]
     print(
         f"\nspread of validation HR@10: {n} model seeds on the protocol's own blocks; {n} carves (carve j, "
         "model seed j + 1)\n\n| recipe | own blocks, per seed | mean ± std | carves | mean ± std |"
@@ -259,8 +296,8 @@ def _spread(exp: Experiment, recipes, labels: list[str], n: int, eval_seed: int)
     print(f"| item popularity | | | {' '.join(f'{x:.3f}' for x in pop)} | {np.mean(pop):.4f} ± {np.std(pop):.4f} | |")
     first: tuple[np.ndarray, np.ndarray] | None = None
     for label in labels:
-        own = np.array([_hr(train(exp, recipes[label], s), exp.val)[0] for s in range(n)])
-        car = np.array([_hr(train(c, recipes[label], j + 1), c.val)[0] for j, c in enumerate(extra)])
+        own = np.array([_hr(train(exp, recipes[label], s), exp.val, exp.train)[0] for s in range(n)])
+        car = np.array([_hr(train(c, recipes[label], j + 1), c.val, c.train)[0] for j, c in enumerate(extra)])
         diff = ""
         if first is None:
             first = (own, car)
@@ -301,7 +338,7 @@ def main() -> None:
     if args.holdout:
         for name, protocol in (("filmtrust", Protocol.LOO), ("ml-100k", Protocol.CHRONO)):
             exp = prepare(name, protocol, seed=args.eval_seed)
-            print(f"\n### {exp.describe()}\n\n| model | HR@10 | NDCG@10 |\n|---|---|---|")
+            print(f"\n### {exp.describe()}\n\n{TEST_HEAD}")
             print(_seeds_row(f"LightFR default ({DEFAULT})", exp, _recipes(exp)[DEFAULT], args.seeds), flush=True)
             print("\n".join(_baseline_rows(exp, args.eval_seed)), flush=True)
         return
@@ -311,16 +348,8 @@ def main() -> None:
         print(f"\n### {exp.describe()}; T={ROUNDS}, f=64, p=0.6, E=1")
         chosen = args.recipe
         if args.select or args.spread:
-            carves = validation_carves(exp, args.carves, seed=args.eval_seed)
-            b = evaluate_candidates(
-                np.bincount(exp.train.items, minlength=exp.train.n_items)[exp.val.items], 10, TieMode.RANDOM
-            )
-            pop = [b.hr] + [
-                evaluate_candidates(
-                    np.bincount(c.train.items, minlength=c.train.n_items)[c.val.items], 10, TieMode.RANDOM
-                ).hr
-                for c in carves
-            ]
+            carves = _carves(exp, args.carves, args.eval_seed)
+            pop = np.array([_pop(exp)] + [_pop(c) for c in carves])
             names = list(recipes)
             labels = [names[i] for i in (args.only if args.only is not None else range(len(names)))]
         if args.spread:
@@ -329,23 +358,27 @@ def main() -> None:
             print(
                 f"\nvalidation: the protocol's own blocks (model seed 0) and {args.carves} carves from train "
                 f"(carve j: model seed j + 1); mean ± std over the {1 + args.carves}\n\n"
-                "| recipe | HR@10 | NDCG@10 | HR@10 own blocks | HR@10 per carve | s |\n|---|---|---|---|---|---|"
+                "| recipe | HR@10 | NDCG@10 | HR@10 own blocks | HR@10 per carve | HR@10 / NDCG@10, training items "
+                "filtered | s |\n|---|---|---|---|---|---|---|"
             )
             print(
-                f"| item popularity | {np.mean(pop):.4f} ± {np.std(pop):.4f} | | {b.hr:.4f} |"
-                f" {' '.join(f'{x:.3f}' for x in pop[1:])} | |"
+                f"| item popularity | {pop[:, 0].mean():.4f} ± {pop[:, 0].std():.4f} | {pop[:, 1].mean():.4f} |"
+                f" {pop[0, 0]:.4f} | {' '.join(f'{x:.3f}' for x in pop[1:, 0])} |"
+                f" {pop[:, 2].mean():.4f} / {pop[:, 3].mean():.4f} | |"
             )
             best = -1.0
             for label in labels:
                 recipe = recipes[label]
                 t = time.perf_counter()
-                runs = [_hr(train(exp, recipe, 0), exp.val)] + [
-                    _hr(train(c, recipe, j + 1), c.val) for j, c in enumerate(carves)
-                ]
-                hr, nd = (np.array(x) for x in zip(*runs, strict=True))
+                runs = np.array(
+                    [_hr(train(exp, recipe, 0), exp.val, exp.train)]
+                    + [_hr(train(c, recipe, j + 1), c.val, c.train) for j, c in enumerate(carves)]
+                )
+                hr = runs[:, 0]
                 print(
-                    f"| {label} | {hr.mean():.4f} ± {hr.std():.4f} | {nd.mean():.4f} ± {nd.std():.4f} | {hr[0]:.4f} |"
-                    f" {' '.join(f'{x:.3f}' for x in hr[1:])} | {time.perf_counter() - t:.0f} |",
+                    f"| {label} | {hr.mean():.4f} ± {hr.std():.4f} | {runs[:, 1].mean():.4f} | {hr[0]:.4f} |"
+                    f" {' '.join(f'{x:.3f}' for x in hr[1:])} | {runs[:, 2].mean():.4f} / {runs[:, 3].mean():.4f} |"
+                    f" {time.perf_counter() - t:.0f} |",
                     flush=True,
                 )
                 if hr.mean() > best:
@@ -353,7 +386,7 @@ def main() -> None:
             print(f"\nchosen on validation: {chosen}")
         if args.test:
             chosen = chosen or DEFAULT
-            print("\ntest (reported once)\n\n| model | HR@10 | NDCG@10 |\n|---|---|---|")
+            print(f"\ntest (reported once)\n\n{TEST_HEAD}")
             print(_seeds_row(f"LightFR: {chosen}", exp, recipes[chosen], args.seeds), flush=True)
             if chosen != DEFAULT:
                 print(_seeds_row(f"LightFR default: {DEFAULT}", exp, recipes[DEFAULT], args.seeds), flush=True)

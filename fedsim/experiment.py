@@ -184,7 +184,7 @@ def _prepare_published(data: TrainTestSplit, protocol: Protocol, n_negatives: in
     )
 
 
-def validation_carves(exp: Experiment, k: int, seed: int = 0) -> list[Experiment]:
+def validation_carves(exp: Experiment, k: int, seed: int = 0, *, exclude_interacted: bool = True) -> list[Experiment]:
     """``k`` further validation sets carved from ``exp.train``, for selecting hyper-parameters on more
     than one sample of held-out positives (one block per user is a noisy estimate: with ~1,000 users
     and HR@10 ≈ 0.95 its standard error is ≈ 0.007).
@@ -193,7 +193,10 @@ def validation_carves(exp: Experiment, k: int, seed: int = 0) -> list[Experiment
     rule applied to the training log: the latest by timestamp (every carve then holds out the same
     rating and differs only in its negatives), or a seeded uniformly random one without timestamps
     (seed ``(seed, j)``); it is ranked among ``exp.n_negatives`` negatives sampled, with the same seed,
-    from the items the user has nowhere (train, validation or test positives).  Each returned
+    from the items the user has nowhere (train, validation or test positives), or, with
+    ``exclude_interacted=False``, from every item but the positive: how the LightFR authors' FilmTrust
+    blocks were drawn (1.6 % of their negatives are the user's own training items, about half of their
+    blocks hold at least one), so that a carve ranks like the published blocks.  Each returned
     experiment trains on ``exp.train`` minus its carve and validates on the carve; ``test`` is
     ``exp.test`` unchanged (never read it during selection).
 
@@ -217,15 +220,18 @@ def validation_carves(exp: Experiment, k: int, seed: int = 0) -> list[Experiment
             ]
         )
     )
-    users = keys // max(n_items, 1)
-    indptr = np.zeros(train.n_users + 1, dtype=np.int64)
-    np.cumsum(np.bincount(users, minlength=train.n_users), out=indptr[1:])
-    interacted = (indptr, (keys - users * n_items).astype(np.int64))
     out = []
     for j in range(k):
         rng = np.random.default_rng([seed, j])
         fit, _, held = leave_one_out(train, validation=False, seed=rng)
-        cand = sample_negatives(n_items, held.users, held.items, interacted, exp.n_negatives, rng)
+        cand = sample_negatives(
+            n_items,
+            held.users,
+            held.items,
+            _csr(keys if exclude_interacted else held.users * n_items + held.items, train.n_users, n_items),
+            exp.n_negatives,
+            rng,
+        )
         rule = "latest training rating" if train.timestamps is not None else "random training rating"
         out.append(
             replace(
@@ -236,6 +242,15 @@ def validation_carves(exp: Experiment, k: int, seed: int = 0) -> list[Experiment
             )
         )
     return out
+
+
+def _csr(keys: NDArray[np.int64], n_users: int, n_items: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """(indptr, items) of the user-item pairs ``user * n_items + item`` (sorted, unique)."""
+    keys = np.unique(keys)
+    users = keys // max(n_items, 1)
+    indptr = np.zeros(n_users + 1, dtype=np.int64)
+    np.cumsum(np.bincount(users, minlength=n_users), out=indptr[1:])
+    return indptr, (keys - users * n_items).astype(np.int64)
 
 
 def baselines(exp: Experiment, tie_mode: TieMode = TieMode.RANDOM, seed: int = 0) -> dict[str, EvalResult]:
