@@ -68,6 +68,9 @@ class LightFRConfig:
         A device setting: the round plan does not carry it (see README, "Mean-field step and asymmetric
         scoring").  0 (default): ±1 user codes.
     user_reg : ridge weight (> 0) of that solve.
+    rank_planes : with ``query_planes``, the planes of the vector the device keeps and ranks with
+        (0 = ``query_planes``); its uploads keep ``query_planes`` planes (amazon-book's validation chose
+        uploads with 2 and ranking with 3, README).
     """
 
     bits: int = 64
@@ -83,6 +86,7 @@ class LightFRConfig:
     confidence: float = _PARAMS.confidence
     query_planes: int = 0
     user_reg: float = 1.0
+    rank_planes: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.bits <= MAX_RANK:
@@ -90,6 +94,11 @@ class LightFRConfig:
         planes = self.query_planes
         if isinstance(planes, bool) or not isinstance(planes, int | np.integer) or not 0 <= planes <= 8:
             raise ValueError(f"query_planes must be an integer in [0, 8], got {planes!r}")
+        ranked = self.rank_planes
+        if isinstance(ranked, bool) or not isinstance(ranked, int | np.integer) or not 0 <= ranked <= 8:
+            raise ValueError(f"rank_planes must be an integer in [0, 8], got {ranked!r}")
+        if ranked and not planes:
+            raise ValueError("rank_planes needs query_planes >= 1")
         if not (isinstance(self.user_reg, int | float) and np.isfinite(self.user_reg) and self.user_reg > 0):
             raise ValueError(f"user_reg must be a finite number > 0, got {self.user_reg!r}")
         self.params(Aggregation.GRAD)  # the plan's bounds, as the server's config checks them
@@ -493,7 +502,8 @@ class LightFRModel(Recommender):
         self, items: NDArray[np.int64], targets: NDArray[np.float64]
     ) -> tuple[NDArray[np.int16], int, NDArray[np.float64]]:
         """Asymmetric scoring: the user's exact vector against the item codes (`lightfr.ridge_users`, the
-        catalogue entering through the cached item Gram, so O(|Ω|·f² + f³)), as P planes: (q, a, Δ'·q)."""
+        catalogue entering through the cached item Gram, so O(|Ω|·f² + f³)): (q, a) of it as the rank
+        planes (what the device keeps), and Δ'·q of it as the query planes (what it uploads with)."""
         cfg = self.config
         if cfg.unobserved_weight <= 0:
             raise ModelError("query_planes needs the all-items objective (unobserved_weight > 0)")
@@ -510,8 +520,12 @@ class LightFRModel(Recommender):
             gram=(G, Db),
         )
         q, scale = lightfr.quantize_planes(U, cfg.query_planes)
-        a, snapped = lightfr.snap_scale(scale, self._weight)
-        return q[0], int(a[0]), snapped[0] * q[0].astype(np.float64)
+        snapped = lightfr.snap_scale(scale, self._weight)[1]
+        vec = snapped[0] * q[0].astype(np.float64)
+        if cfg.rank_planes:
+            q, scale = lightfr.quantize_planes(U, cfg.rank_planes)
+        a = lightfr.snap_scale(scale, self._weight)[0]
+        return q[0], int(a[0]), vec
 
     def _set_vector(self, userid: int, q: NDArray[np.int16], a: int) -> None:
         self._set_user(userid, np.where(q > 0, 1, -1).astype(np.int8))  # its sign, for code-only callers
@@ -597,7 +611,7 @@ class LightFRModel(Recommender):
         if rest.size:
             ids, sc = self._top_n(users[rest], N, [exclude[i] for i in rest], items, rng)
             out_ids[rest], out_scores[rest] = ids, sc
-        P = self.config.query_planes
+        P = self.config.rank_planes or self.config.query_planes
         for i in planes:  # users with vectors, each one vectorised scan over the packed item codes
             u = int(users[i])
             words = pack_signs(lightfr.sign_planes(self.user_q[u][None, :], P)[:, 0, :]).T.copy()
