@@ -239,18 +239,25 @@ class LightFRModel(Recommender):
         """(G_D = DᵀD (f, f), Dᵀβ (f,), β (m,)) of the current item codes and the item biases β the
         levels stand for (`protocol.families.lightfr.bias_from_levels`): what the all-items objective
         needs of the catalogue.  Computed once per new model (one pass over the codes, in chunks),
-        then reused by every fold-in."""
+        then reused by every fold-in.
+
+        Each chunk is float32 BLAS products, DᵀD and Dᵀ(level − 128): every sum they form is an integer
+        below 2^24 in magnitude (at most 2^16 rows of ±1, or of ±1 times at most 128), hence exact,
+        and Dᵀβ = 2/(f·B)·Dᵀ(level − 128)."""
         if self._gram is None:
-            f, m = self.config.bits, self.n_items
-            beta = bias_from_levels(self._levels, m, f, self._weight)
+            f, m, lv = self.config.bits, self.n_items, self._levels
+            beta = bias_from_levels(lv, m, f, self._weight)
             G = np.zeros((f, f))
-            Db = np.zeros(f)
-            step = max(1, (1 << 22) // f)  # rows per chunk: a few MiB of float64 at a time
+            Dl = np.zeros(f)
+            step = min(m, 1 << 14)  # rows per chunk (exactness needs <= 2^16): a few MiB at a time
+            buf = np.empty((step, f), np.float32)
             for s in range(0, m, step):  # chunks of the catalogue, each a BLAS product
-                Dc = self.item_codes[s : s + step].astype(np.float64)
-                G += Dc.T @ Dc
-                Db += Dc.T @ beta[s : s + step]
-            self._gram = (G, Db, beta)
+                c = buf[: min(step, m - s)]
+                c[...] = self.item_codes[s : s + step]
+                G += c.T @ c
+                if lv is not None:
+                    Dl += np.subtract(lv[s : s + step], LEVEL_CENTER, dtype=np.float32) @ c
+            self._gram = (G, Dl * (2.0 / (f * self._weight)), beta)
         return self._gram
 
     def _hamming_index(self) -> HammingIndex:
