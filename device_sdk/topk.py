@@ -107,7 +107,25 @@ class HammingIndex:
         If the shapes, the levels or the weight are invalid.
     """
 
-    __slots__ = ("f", "m", "w", "weight", "_words", "_sorted", "_order", "_levels", "_bias", "_top", "_dt", "_local")
+    __slots__ = (
+        "f",
+        "m",
+        "w",
+        "weight",
+        "_words",
+        "_sorted",
+        "_order",
+        "_levels",
+        "_bias",
+        "_top",
+        "_dt",
+        "_local",
+        "_score_table",
+        "_lift",
+    )
+
+    _score_table: NDArray[np.int32] | None  # score of every cost, when the costs are few
+    _lift: NDArray[np.unsignedinteger[Any]] | None  # the item term in whole bits, along the scan
 
     def __init__(
         self,
@@ -133,7 +151,8 @@ class HammingIndex:
             # A constant item term does not change the ranking: scan the codes as they are.
             self._levels = lv
             self._top = 0 if lv is None or lv.size == 0 else int(lv[0])
-            self._sorted, self._order, self._bias = words, None, None
+            self._sorted, self._order, self._bias, self._lift = words, None, None, None
+            self._score_table = self._score_of_cost(np.arange(self.f + 1, dtype=np.int64))
             return
         self._levels = lv
         self._top = int(lv.max())
@@ -143,6 +162,13 @@ class HammingIndex:
         # Costs fit int16 for any practical B (f·B + 255 < 2^15), where numpy sorts by counting.
         cdt = np.int16 if self.f * self.weight + self._top < 2**15 else np.int64
         self._bias = (self._top - lv[order]).astype(cdt)  # ascending along the scan
+        # The item term in whole bits, q = (L − level) // B, so that cost = B·(dist + q) + r with 0 <= r < B:
+        # dist + q <= t is exactly cost <= B·t + B − 1 (see `_scan_one`).
+        qmax = self._top // self.weight
+        ldt = np.uint8 if self.f + qmax < 1 << 8 else np.uint16 if self.f + qmax < 1 << 16 else np.uint32
+        self._lift = (self._bias // self.weight).astype(ldt)
+        nb = self.f * self.weight + self._top + 1
+        self._score_table = self._score_of_cost(np.arange(nb, dtype=np.int64)) if nb <= 1 << 16 else None
 
     def __reduce__(self) -> tuple[type[HammingIndex], tuple[Any, ...]]:
         # Copies (copy.deepcopy of a model, pickling) rebuild the index from its inputs; the
@@ -211,10 +237,10 @@ class HammingIndex:
 
     def _buffers(
         self, cap: int
-    ) -> tuple[NDArray[np.uint64], NDArray[np.integer], NDArray[np.uint8], NDArray[np.bool_]]:
+    ) -> tuple[NDArray[np.uint64], NDArray[np.integer], NDArray[np.uint8], NDArray[np.bool_], NDArray[np.integer]]:
         """Scan buffers of at least ``cap`` pairs (XOR words, distances, per-word popcounts, hit
-        mask), kept per thread and reused across searches: a fresh multi-megabyte buffer would cost
-        its page faults on every call."""
+        mask, distances plus item term in bits), kept per thread and reused across searches: a fresh
+        multi-megabyte buffer would cost its page faults on every call."""
         held = getattr(self._local, "buffers", None)
         if held is None or held[0].size < cap:
             t_size = cap if (self.w > 1 or self._dt != np.uint8) else 0
@@ -223,6 +249,7 @@ class HammingIndex:
                 np.empty(cap, self._dt),
                 np.empty(t_size, np.uint8),
                 np.empty(cap, np.bool_),
+                np.empty(0, np.uint8) if self._lift is None else np.empty(cap, self._lift.dtype),
             )
             self._local.buffers = held
         return held
@@ -268,7 +295,7 @@ class HammingIndex:
         bias = self._bias
         step = max(block_pairs // n, min(_ROW_ITEMS, block_pairs))
         first = min(m, max(min(_FIRST_BLOCK // 2, step), int(kk.max()) * 4))
-        x, d, t, mask = self._buffers(n * max(first, step))
+        x, d, t, mask, _ = self._buffers(n * max(first, step))
         # Bootstrap: each user's threshold from the costs of the first block, by counting.
         d0 = self._distances(users, 0, first, x, d, t)
         if bias is None:
@@ -345,27 +372,37 @@ class HammingIndex:
 
     def _scan_one(self, user: NDArray[np.uint64], kk: int, block: int) -> tuple[NDArray[np.int64], NDArray[np.integer]]:
         """`_scan` for a single user, with scalar thresholds and as few numpy calls as possible: on
-        small catalogues the per-call overhead is what decides the speed."""
+        small catalogues the per-call overhead is what decides the speed.
+
+        The first block (the whole catalogue when it holds at most ``block`` items) is one XOR and one
+        popcount pass; with an item term, one more uint8 pass adds q_i = (L − level_i) // B, so that
+        cost_i = B·(dist_i + q_i) + r_i with 0 <= r_i < B.  With t the kk-th smallest dist + q of the
+        block's head, at least kk items cost at most τ = B·t + B − 1, and dist_i + q_i <= t holds
+        exactly when cost_i <= τ: one comparison selects every candidate of the block."""
         m, B, f, bias, words = self.m, self._B, self.f, self._bias, self._sorted
         nb = f * B + self._top + 1
-        first = min(m, max(min(_FIRST_BLOCK, block), 4 * kk))
-        x, d, t, mask = self._buffers(max(first, block))
+        size = min(m, max(block, 4 * kk))  # the first block holds the bootstrap head
+        first = min(size, max(_FIRST_BLOCK, 4 * kk))  # >= kk, since kk <= m
+        x, d, t, mask, e = self._buffers(max(size, block))
         fast = self.w == 1 and self._dt == np.uint8
         u = user[None, :]
         if fast:
-            np.bitwise_xor(words[0, :first], user[0], out=x[:first])
-            d0 = np.bitwise_count(x[:first], out=d[:first])
+            np.bitwise_xor(words[0, :size], user[0], out=x[:size])
+            dd = np.bitwise_count(x[:size], out=d[:size])
         else:
-            d0 = self._distances(u, 0, first, x, d, t)[0]
-        c0 = d0 if bias is None else d0.astype(bias.dtype) * bias.dtype.type(B) + bias[:first]
-        # The kk-th smallest cost of the first block, by counting (numpy's radix sort of small ints).
-        tau = int(np.sort(c0, kind="stable")[kk - 1]) if kk <= first else nb
-        pos = (c0 <= tau).nonzero()[0]
-        pos_l, cost_l = [pos], [c0[pos]]
-        pending, budget = pos.size, max(8 * kk, 256)
+            dd = self._distances(u, 0, size, x, d, t)[0]
+        lifted = dd if bias is None or self._lift is None else np.add(dd, self._lift[:size], out=e[:size])
+        # The kk-th smallest of the head, by counting (numpy's radix sort of small ints).
+        head = int(np.sort(lifted[:first], kind="stable")[kk - 1])
+        tau = head if bias is None else B * head + B - 1
+        pos = np.less_equal(lifted, head, out=mask[:size]).nonzero()[0]
+        cost = dd[pos] if bias is None else dd[pos].astype(bias.dtype) * bias.dtype.type(B) + bias[pos]
+        pos_l, cost_l = [pos], [cost]
+        pending = sum(p.size for p in pos_l)
+        budget = max(8 * kk, 256)
         xs, ds = x[:block], d[:block]
         lo, lim = -1, (f if tau >= nb else tau)
-        start = first
+        start = size
         while start < m:
             stop = min(start + block, m)
             if bias is not None and int(bias[start]) != lo:
@@ -398,6 +435,10 @@ class HammingIndex:
             start = stop
         pos = pos_l[0] if len(pos_l) == 1 else np.concatenate(pos_l)
         cost = cost_l[0] if len(cost_l) == 1 else np.concatenate(cost_l)
+        if pending > 4 * kk + 64:
+            # Only the candidates at or below the exact kk-th cost go on to the (random-order) selection.
+            keep = (cost <= np.partition(cost, kk - 1)[kk - 1]).nonzero()[0]
+            pos, cost = pos[keep], cost[keep]
         return (pos if self._order is None else self._order[pos]), cost
 
     def _rank_subset(
@@ -438,10 +479,15 @@ class HammingIndex:
         else:
             perm = rng.permutation(ids.size)
             order = perm[np.argsort(cost[perm], kind="stable")[:k]]
+        best = cost[order]
+        table = self._score_table
+        scores = table[best] if table is not None else self._score_of_cost(best.astype(np.int64))
+        if order.size == k:
+            return ids[order][None, :], scores[None, :]
         out_ids = np.full((1, k), -1, np.int64)
         out_scores = np.full((1, k), -1, np.int32)
         out_ids[0, : order.size] = ids[order]
-        out_scores[0, : order.size] = self._score_of_cost(cost[order].astype(np.int64))
+        out_scores[0, : order.size] = scores
         return out_ids, out_scores
 
     def _select(

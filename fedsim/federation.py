@@ -66,6 +66,8 @@ class FederationConfig:
         server does (`agg_server.strategy.lightfr.LightFRServerStrategy`): each round w0 = κ·density^γ
         from the counts slice of the cohort's sum; the devices of round 1 train with the model
         config's ``unobserved_weight``.  0 keeps that w0 fixed.
+    mean_field : the server's mean-field code step (`agg_server.strategy.lightfr.agg_full`).
+    code_sweeps : passes of the server's code step over one round's sums (``agg_full(sweeps=…)``); 1 = one.
     """
 
     rounds: int = 50
@@ -80,8 +82,11 @@ class FederationConfig:
     user_reg: float = 1.0
     refresh_users: bool = True
     mean_field: bool = False
+    code_sweeps: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.code_sweeps, bool) or not (isinstance(self.code_sweeps, int) and self.code_sweeps >= 1):
+            raise ValueError(f"code_sweeps must be an integer >= 1, got {self.code_sweeps!r}")
         if not (np.isfinite(self.unobserved_scale) and self.unobserved_scale >= 0):
             raise ValueError(f"unobserved_scale must be a finite value >= 0, got {self.unobserved_scale}")
         if self.rounds < 0:
@@ -338,6 +343,7 @@ def run_full(
             rng=rng,
             learn_bias=federation.learn_bias,
             mean_field=federation.mean_field,
+            sweeps=federation.code_sweeps,
         )
         item_flips = int(np.count_nonzero(new_D != D))
         state.item_codes = new_D

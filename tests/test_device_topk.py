@@ -171,3 +171,92 @@ def test_index_survives_copies() -> None:
     clone = copy.deepcopy(index)
     after = clone.search(u, 7, np.random.default_rng(1))
     assert np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])
+
+
+def _reference_ranking(ref: np.ndarray, k: int, exclude: np.ndarray | None) -> np.ndarray:
+    """Item ids by score, best first, the lower id first among equal scores (the rng=None rule)."""
+    ok = np.ones(ref.size, bool)
+    if exclude is not None:
+        ok[exclude] = False
+    ids = np.flatnonzero(ok)
+    return ids[np.lexsort((ids, -ref[ids]))][:k]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.sampled_from([1, 3]),
+    f=st.sampled_from([8, 64, 250, 300]),
+    n_levels=st.sampled_from([0, 3, 256]),
+    weight=st.sampled_from([1, 4]),
+    k=st.sampled_from([1, 10, 40]),
+    block=st.sampled_from([16, 100, 1 << 17]),
+    n_excl=st.sampled_from([0, 5]),
+)
+def test_index_without_generator_is_the_reference_ranking(
+    seed: int, n: int, f: int, n_levels: int, weight: int, k: int, block: int, n_excl: int
+) -> None:
+    """rng=None: the ids themselves, not only the scores, equal a sort by (score desc, id asc); the
+    single-user path (first block of up to ``block`` items, head of 2048) and the batched scan alike,
+    including catalogues around the 2048-item head."""
+    rng = np.random.default_rng(seed)
+    m = int(rng.choice([k, 4 * k + 63, 2047, 2048, 2049, 2600]))
+    base = random_signs(3, f, rng)
+    D = base[rng.integers(0, 3, m)]
+    D = np.where(rng.random(D.shape) < 0.08, -D, D).astype(np.int8)
+    U = random_signs(n, f, rng)
+    levels = None if n_levels == 0 else rng.integers(0, n_levels, m).astype(np.uint8)
+    index = HammingIndex(pack_signs(D), f, levels, weight)
+    exclude = [rng.choice(m, min(n_excl, m), replace=False) for _ in range(n)]
+    ids, scores = index.search(pack_signs(U).T.copy(), k, None, exclude=exclude, block_pairs=block)
+    ref = _reference_scores(U, D, levels, weight)
+    for u in range(n):
+        want = _reference_ranking(ref[u], k, exclude[u])
+        assert np.array_equal(ids[u, : want.size], want) and np.all(ids[u, want.size :] == -1)
+        assert np.array_equal(scores[u, : want.size], ref[u, want])
+
+
+@pytest.mark.parametrize("m", [(1 << 17) - 1, 1 << 17, (1 << 17) + 1])
+@pytest.mark.parametrize("n_levels", [0, 16])
+def test_single_user_path_at_the_default_block_boundary(m: int, n_levels: int) -> None:
+    """A catalogue of up to one default block is one pass; one item more takes the blocked loop.
+    Both give the reference ranking (rng=None) and the reference scores (random ties)."""
+    rng = np.random.default_rng(m + n_levels)
+    f = 64
+    base = random_signs(8, f, rng)
+    D = base[rng.integers(0, 8, m)]
+    D = np.where(rng.random(D.shape) < 0.15, -D, D).astype(np.int8)
+    levels = None if n_levels == 0 else rng.integers(0, n_levels, m).astype(np.uint8)
+    index = HammingIndex(pack_signs(D), f, levels, 4)
+    for u in random_signs(3, f, rng):
+        ref = _reference_scores(u[None, :], D, levels, 4)[0]
+        excl = rng.choice(m, 20, replace=False)
+        ids, scores = index.search(pack_user(u), 25, None, exclude=[excl])
+        want = _reference_ranking(ref, 25, excl)
+        assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
+        ids, scores = index.search(pack_user(u), 25, rng, exclude=[excl])
+        assert np.array_equal(scores[0], ref[want]) and np.array_equal(ref[ids[0]], ref[want])
+        assert not np.isin(ids[0], excl).any() and np.unique(ids[0]).size == 25
+
+
+def test_threshold_from_the_head_keeps_a_cheaper_remainder_in_a_later_block() -> None:
+    """With an item term the head's bound is τ = B·t + B − 1, not B·t: items of a later block whose
+    dist + q equals t but whose remainder r is smaller cost less than the head's and must be found."""
+    f, B = 8, 4
+    u = np.ones(f, np.int8)
+
+    def at(dist: int) -> np.ndarray:
+        code = np.ones(f, np.int8)
+        code[:dist] = -1
+        return code
+
+    # Levels 12 (cost term 15 − 12 = 3 = 0·4 + 3) in the first block, 10 (5 = 1·4 + 1) after it.
+    D = np.array([at(3)] * 16 + [at(6)] * 15 + [at(2)])
+    levels = np.array([12] * 16 + [10] * 16, np.uint8)
+    levels[-17] = 15  # the top level, so that L = 15
+    D[-17] = at(8)  # ... on an item far away (cost 32 + 0)
+    index = HammingIndex(pack_signs(D), f, levels, B)
+    ref = _reference_scores(u[None, :], D, levels, B)[0]
+    for block in (16, 1 << 17):
+        ids, scores = index.search(pack_user(u), 1, None, block_pairs=block)
+        assert ids[0].tolist() == [31] and scores[0, 0] == ref.max()

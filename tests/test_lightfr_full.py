@@ -519,3 +519,80 @@ def test_device_model_with_query_planes_uploads_and_ranks_like_the_reference(tmp
         LightFRConfig(query_planes=9)
     with pytest.raises(ValueError, match="user_reg must be a finite number > 0"):
         LightFRConfig(user_reg=0.0)
+
+
+def test_mean_field_sweeps_end_where_no_single_bit_flip_helps() -> None:
+    """Several mean-field passes on one round's sums: with raters that look alike the quadratic model is
+    exact, so every item's loss only goes down and the step stops at codes no single bit flip improves,
+    which one pass does not reach on this data."""
+    rng = np.random.default_rng(8)
+    n, m, f = 8, 40, 12
+    indptr, items, r = _batch(rng, n, m, 12)
+    D = random_signs(m, f, rng)
+    beta = rng.normal(0, 0.1, m)
+    w0, alpha = 0.05, 1.0
+    U = np.tile(rng.normal(0, 2.0, f), (n, 1))  # every user the same vector: Σ_{u∈Ω_i} u uᵀ = (counts_i / n)·G_U
+    total = lightfr.full_upload(indptr, items, r, U, D, beta, w0, alpha)
+
+    def item_loss(i: int, d: np.ndarray) -> float:
+        x = U @ d / f + beta[i]
+        loss = 0.0
+        for u in range(n):
+            its = items[indptr[u] : indptr[u + 1]]
+            hit = np.flatnonzero(its == i)
+            loss += (1 + alpha) * (r[indptr[u] + hit[0]] - x[u]) ** 2 if hit.size else w0 * x[u] ** 2
+        return loss
+
+    def improvable(codes: np.ndarray) -> int:
+        """Items for which one bit flip lowers the loss."""
+        count = 0
+        for i in range(m):
+            d = codes[i].astype(float)
+            here = item_loss(i, d)
+            flips = [d * np.where(np.arange(f) == k, -1.0, 1.0) for k in range(f)]
+            count += any(item_loss(i, e) < here - 1e-9 for e in flips)
+        return count
+
+    kw = {"flip_fraction": 1.0, "learn_bias": False, "mean_field": True}
+    one, _ = agg_full(D, beta, total, n, w0, alpha, **kw)
+    many, _ = agg_full(D, beta, total, n, w0, alpha, sweeps=20, **kw)
+    assert improvable(one) > 0
+    assert improvable(many) == 0
+    for i in range(m):
+        assert item_loss(i, many[i].astype(float)) <= item_loss(i, one[i].astype(float)) + 1e-9
+    # sweeps = 1 is the one-pass step; a bad count is refused
+    np.testing.assert_array_equal(agg_full(D, beta, total, n, w0, alpha, sweeps=1, **kw)[0], one)
+    with pytest.raises(ValueError, match="sweeps must be"):
+        agg_full(D, beta, total, n, w0, alpha, sweeps=0, **kw)
+
+
+def test_server_strategy_runs_the_code_sweeps_it_is_given() -> None:
+    """`LightFRServerStrategy(code_sweeps=…)` steps exactly as `agg_full(sweeps=…)`, and more passes change
+    the step; it and the simulator's `FederationConfig` refuse a count that is not an integer >= 1."""
+    from agg_server.strategy import LightFRServerStrategy, LightFRStrategy
+    from fedsim.federation import FederationConfig
+
+    rng = np.random.default_rng(3)
+    n, m, f = 10, 40, 12
+    indptr, items, _ = _batch(rng, n, m, 9)
+    r = np.ones(items.size)
+    U = rng.normal(0, 2.0, (n, f))
+    steps = {}
+    for sweeps in (1, 6):
+        strategy = LightFRServerStrategy(
+            LightFRStrategy(bits=f, flip_fraction=1.0), m, unobserved_weight=0.05, mean_field=True, code_sweeps=sweeps
+        )
+        state = strategy.initialize(np.random.default_rng(0))
+        beta = np.zeros(m)
+        parts = lightfr.full_upload(indptr, items, r, U, state[:, :f], beta, 0.05, 0.0)
+        total = UploadLayout(m, f, full=True).join(**parts)
+        new_state = strategy.aggregate(state, total, n, np.random.default_rng(0), round_index=0)
+        D, _ = agg_full(state[:, :f], beta, parts, n, 0.05, 0.0, flip_fraction=1.0, mean_field=True, sweeps=sweeps)
+        np.testing.assert_array_equal(new_state[:, :f], D)
+        steps[sweeps] = D
+    assert np.count_nonzero(steps[1] != steps[6]) > 0
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="code_sweeps"):
+            LightFRServerStrategy(LightFRStrategy(bits=f), m, unobserved_weight=0.05, code_sweeps=bad)
+        with pytest.raises(ValueError, match="code_sweeps"):
+            FederationConfig(code_sweeps=bad)
