@@ -737,11 +737,11 @@ class LightFRCohort:
             planes = int(invite.query_planes)
             if planes:
                 U = ridge_users(indptr, items, targets, D, beta, w0, alpha, float(invite.user_reg), gram=gram)
-                q, step = quantize_planes(U, planes)
+                odd, step = quantize_planes(U, planes)
                 _, snapped = snap_scale(step, hamming_weight)
-                Bf = snapped[:, None] * q.astype(np.float64)
+                Bf = snapped[:, None] * odd.astype(np.float64)
                 self.vectors[rows] = Bf
-                self.codes[rows] = np.where(q > 0, 1, -1).astype(np.int8)
+                self.codes[rows] = np.where(odd > 0, 1, -1).astype(np.int8)
                 s_e = np.einsum("ef,ef->e", Df[items], Bf[owner])
             else:
                 B = self.codes[rows]
