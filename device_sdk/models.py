@@ -22,9 +22,9 @@ from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr
 from device_sdk.family import LocalRatings, LocalResult
-from device_sdk.retrieval import Recommender, as_items, top_n_scores
+from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
-from device_sdk.topk import HammingIndex, plane_scores
+from device_sdk.topk import HammingIndex
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
 from protocol.errors import ModelError, StorageError
 from protocol.families.lightfr import LEVEL_CENTER, UploadLayout, bias_from_levels, clip_parts
@@ -589,9 +589,9 @@ class LightFRModel(Recommender):
         rng: np.random.Generator,
     ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
         """Top-N for a batch where some users hold bit-plane vectors: their integer plane scores
-        (`device_sdk.topk.plane_scores`, one scan per such user; a device holds one) ranked by
-        `top_n_scores` with random ties, reported as the real score Δ'·qᵀd/f + β; the others by the
-        Hamming scan."""
+        (`device_sdk.topk.plane_scores`) selected by counting (`HammingIndex.search_planes`, one scan
+        per such user; a device holds one) with random ties, reported as the real score Δ'·qᵀd/f + β;
+        the others by the Hamming scan."""
         f, B, s = self.config.bits, self._weight, lightfr.LEVEL_SHIFT
         out_ids = np.full((users.size, N), -1, dtype=np.int64)
         out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
@@ -604,12 +604,13 @@ class LightFRModel(Recommender):
             # The planes this user's vector was quantized to (a later plan may have changed the setting).
             P = max(1, int(np.abs(self.user_q[u]).max()).bit_length())
             words = pack_signs(lightfr.sign_planes(self.user_q[u][None, :], P)[:, 0, :]).T.copy()
-            S = plane_scores(words, self._item_words, f, int(self.user_weight[u]), self._levels, s)
+            ids, S = self._hamming_index().search_planes(
+                words, int(self.user_weight[u]), N, rng, level_shift=s, exclude=exclude[i], candidates=items
+            )
             if self._levels is None:
                 S = S + (LEVEL_CENTER << s)  # no levels: every item at the centre (β = 0)
-            ids, sc = top_n_scores(S[None, :].astype(np.float64), N, exclude=[exclude[i]], items=items, rng=rng)
-            real = (sc - (LEVEL_CENTER << s)) * 2.0 / (2**s * B * f)
-            out_ids[i], out_scores[i] = ids[0], real[0].astype(np.float32)
+            real = (S - (LEVEL_CENTER << s)) * 2.0 / (2**s * B * f)
+            out_ids[i, : ids.size], out_scores[i, : ids.size] = ids, real.astype(np.float32)
         return out_ids, out_scores
 
     def similarity(self, item_ids: ArrayLike, *, userid: int = 0) -> NDArray[np.float64]:
