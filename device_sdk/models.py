@@ -65,9 +65,9 @@ class LightFRConfig:
         solves its real-valued vector exactly against the item codes (`lightfr.ridge_users`) instead of
         a ±1 code by DCD, keeps it as P ±1 bit-planes and a weight, uploads the same parts with it, and
         `recommend` ranks by the integer a·Σ_p 2^p(f − 2·Hamming) + 2^8·level (`device_sdk.topk.plane_scores`).
-        A device setting: the round plan does not carry it (see README, "Mean-field step and asymmetric
-        scoring").  0 (default): ±1 user codes.
-    user_reg : ridge weight (> 0) of that solve.
+        0 (default): ±1 user codes.  In federated rounds the plan sets it (protocol 1.6,
+        `protocol.plan.LightFRParams.query_planes`; a plan from a 1.5 server means 0).
+    user_reg : ridge weight of that solve, in [1e-6, 1e6] (the plan's bounds; set by the plan too).
     """
 
     bits: int = 64
@@ -108,6 +108,8 @@ class LightFRConfig:
             max_sweeps=self.max_sweeps,
             unobserved_weight=self.unobserved_weight,
             confidence=self.confidence,
+            query_planes=self.query_planes if self.unobserved_weight > 0 else 0,
+            user_reg=self.user_reg,
         )
 
     def normalize(self, ratings: NDArray[np.float64] | None, n: int) -> NDArray[np.float64]:
@@ -604,9 +606,10 @@ class LightFRModel(Recommender):
         if rest.size:
             ids, sc = self._top_n(users[rest], N, [exclude[i] for i in rest], items, rng)
             out_ids[rest], out_scores[rest] = ids, sc
-        P = self.config.query_planes
         for i in planes:  # users with vectors, each one vectorised scan over the packed item codes
             u = int(users[i])
+            # The planes this user's vector was quantized to (a later plan may have changed the setting).
+            P = max(1, int(np.abs(self.user_q[u]).max()).bit_length())
             words = pack_signs(lightfr.sign_planes(self.user_q[u][None, :], P)[:, 0, :]).T.copy()
             ids, S = self._hamming_index().search_planes(
                 words, int(self.user_weight[u]), N, rng, level_shift=s, exclude=exclude[i], candidates=items
@@ -687,8 +690,10 @@ class LightFRModel(Recommender):
 
 
 def apply_plan(model: LightFRModel, plan: TrainingPlan) -> None:
-    """Adopt the round's training plan (λ, negatives, epochs, sweeps, w0, α) after checking it fits
-    the model the device holds."""
+    """Adopt the round's training plan (λ, negatives, epochs, sweeps, w0, α, and since protocol 1.6 the
+    query planes P and ridge weight of asymmetric scoring) after checking it fits the model the device
+    holds.  The plan wins over the device's own setting: P = 0 in the plan (a 1.5 server's) trains and
+    ranks with a ±1 user code."""
     plan.check_fits(_KIND, model.n_items, model.config.bits)
     p = plan.params
     assert isinstance(p, LightFRParams)
@@ -700,4 +705,6 @@ def apply_plan(model: LightFRModel, plan: TrainingPlan) -> None:
         max_sweeps=p.max_sweeps,
         unobserved_weight=p.unobserved_weight,
         confidence=p.confidence,
+        query_planes=p.query_planes,
+        user_reg=p.user_reg,
     )
