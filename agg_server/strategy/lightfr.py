@@ -288,6 +288,9 @@ class LightFRServerStrategy:
         biases (the private popularity channel, for rounds under DP, where the bias sums are noise):
         β_i = span·log(1 + n̂_i) / log(1 + max n̂), n̂ the round's counts (negative noise as 0),
         averaged over the rounds so far (`popularity_bias`).  0 = learned levels.
+    query_planes, user_reg : asymmetric scoring in the devices' plan (protocol 1.6,
+        `protocol.plan.LightFRParams`): each device uploads its real user vector's parts in place of a
+        ±1 code's, in the same layout, so the step here is unchanged.  0 = ±1 user codes.
     """
 
     rule: LightFRStrategy
@@ -305,6 +308,8 @@ class LightFRServerStrategy:
     unobserved_scale: float = 0.0
     mean_field: bool = False
     code_sweeps: int = 1
+    query_planes: int = 0
+    user_reg: float = 1.0
     # The last density-derived w0 (empty until a round has been aggregated); the one mutable part.
     _derived: list[float] = field(default_factory=list, repr=False, compare=False)
 
@@ -356,6 +361,8 @@ class LightFRServerStrategy:
             unobserved_weight=self.current_weight,
             confidence=self.confidence,
             counts_share=self.counts_share,
+            query_planes=self.query_planes,
+            user_reg=self.user_reg,
         )
 
     @property
