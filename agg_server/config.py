@@ -272,6 +272,13 @@ class ModelSection:
         bits already changed in the step, with the raters' Gram taken as (counts_i / survivors)·G_U
         (`agg_server.strategy.lightfr.agg_full`); false = every bit from the old codes (Jacobi).
         Default true (validation, without DP: FilmTrust, ML-100K and amazon-book all gained).
+    query_planes : int
+        LightFR all-items objective, P in [0, 8] (protocol 1.6, sent in every round's plan): P >= 1 asks
+        the devices for asymmetric scoring, a real user vector solved against the item codes and kept
+        as P ±1 bit-planes (README, "Mean-field step and asymmetric scoring"); 0 (default) ±1 user codes.
+        Devices older than protocol 1.6 ignore it and train ±1 codes (docs/protocol.md §2.3).
+    user_reg : float
+        The ridge weight of the devices' user solve under ``query_planes``, in [1e-6, 1e6] (default 1).
     """
 
     kind: str = ModelKind.LIGHTFR.value
@@ -291,6 +298,8 @@ class ModelSection:
     counts_share: float = _LIGHTFR.counts_share
     popularity_span: float = 0.0
     mean_field: bool = True
+    query_planes: int = _LIGHTFR.query_planes
+    user_reg: float = _LIGHTFR.user_reg
 
     def __post_init__(self) -> None:
         # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
@@ -306,7 +315,7 @@ class ModelSection:
             raise _fail("model.unobserved_weight", '"auto" or a number in [0, 1 + confidence]', self.unobserved_weight)
         _set(self, "unobserved_scale", _float("model.unobserved_scale", self.unobserved_scale, lo=0.0, lo_open=True))
         params = self.lightfr_params()
-        names = ("lam", "confidence", "counts_share") + (
+        names = ("lam", "confidence", "counts_share", "user_reg") + (
             () if self.unobserved_weight == "auto" else ("unobserved_weight",)
         )
         for name in names:  # normalised: an int given is stored as a float
@@ -339,6 +348,8 @@ class ModelSection:
                 unobserved_weight=self.first_unobserved_weight,
                 confidence=self.confidence,
                 counts_share=self.counts_share,
+                query_planes=self.query_planes,
+                user_reg=self.user_reg,
             )
         except ValueError as exc:
             raise ConfigError(f"model.{exc}") from None

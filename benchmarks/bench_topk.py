@@ -10,6 +10,12 @@ the sorted top-k distances must agree (ties may pick different items).
     pip install 'fedrec[bench]'
     python benchmarks/bench_topk.py                      # 10^5, 10^6, 10^7 items, f = 64
     python benchmarks/bench_topk.py --sizes 1000000 --repeat 20 --batch 100
+    python benchmarks/bench_topk.py --sizes 100000 1000000 --planes 1 2 3   # asymmetric (bit-plane) top-10
+
+With ``--planes``, it times instead the top-10 of one user held as P bit-planes (asymmetric scoring,
+`device_sdk.topk.plane_scores`) with the item term: the generic path (every item's integer score,
+then `device_sdk.retrieval.top_n_scores`, what `LightFRModel.recommend` used before) against the
+counting selection `HammingIndex.search_planes`; both must return the same scores.
 
 Threads: BLAS, OpenMP and faiss are pinned to one thread before numpy is imported, and times are the
 CPU seconds of the calling thread (`time.thread_time`), so that other processes on a shared machine
@@ -32,7 +38,9 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 from numpy.typing import NDArray  # noqa: E402
 
-from device_sdk.topk import HammingIndex  # noqa: E402
+from device_sdk import lightfr  # noqa: E402
+from device_sdk.retrieval import top_n_scores  # noqa: E402
+from device_sdk.topk import HammingIndex, plane_scores  # noqa: E402
 
 
 def _timed(fns: list[Callable[[], Any]], repeat: int, budget: float, interleave: bool) -> list[float]:
@@ -91,7 +99,11 @@ def main() -> None:
     p.add_argument("--interleave", action="store_true", help="methods take turns (cold caches) instead of back to back")
     p.add_argument("--batch-only", action="store_true")
     p.add_argument("--single-only", action="store_true")
+    p.add_argument("--planes", type=int, nargs="+", default=None, help="time bit-plane (asymmetric) top-k for these P")
     args = p.parse_args()
+    if args.planes:
+        planes_main(args)
+        return
     rng = np.random.default_rng(0)
     f, k = args.bits, args.k
     w = (f + 63) // 64
@@ -133,6 +145,53 @@ def main() -> None:
                 print(
                     f"{m:>9} {n_users:>10} {name:<26} {t * 1e3:>9.3f} {m * n_users / t / 1e9:>9.3f} "
                     f"{seconds[0] / t:>7.2f}x",
+                    flush=True,
+                )
+
+
+def generic_planes(
+    planes: NDArray[np.uint64], words: NDArray[np.uint64], f: int, a: int, levels: NDArray[np.uint8], k: int, rng: Any
+) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """The generic path: every item's plane score, then the vectorised real-valued top-N."""
+    S = plane_scores(planes, words, f, a, levels, lightfr.LEVEL_SHIFT)
+    return top_n_scores(S[None, :].astype(np.float64), k, exclude=[None], items=None, rng=rng)
+
+
+def planes_main(args: argparse.Namespace) -> None:
+    """One user as P bit-planes against the codes and a Zipf item term: generic vs counting top-k."""
+    rng = np.random.default_rng(0)
+    f, k = args.bits, args.k
+    w = (f + 63) // 64
+    print(f"bit-plane top-{k}, f = {f}, item term (B = {args.weight}), one user per call, one core, median of up to ")
+    print(f"{args.repeat} runs; load average {os.getloadavg()}")
+    print(f"{'items':>9} {'P':>2} {'a':>5} {'method':<30} {'CPU ms':>9} {'G items/s':>9} {'speed-up':>8}")
+    for m in args.sizes:
+        words = rng.integers(0, 2**64, size=(w, m), dtype=np.uint64, endpoint=False)
+        if f % 64:
+            words[-1] &= np.uint64((1 << (f % 64)) - 1)
+        levels = zipf_levels(m, args.levels, rng)
+        index = HammingIndex(words, f, levels, args.weight)
+        for P in args.planes:
+            # A user vector as a device would hold it: P planes of odd integers and an integer weight a.
+            q, scale = lightfr.quantize_planes(rng.normal(0.0, 0.1, (1, f)), P)
+            a = int(lightfr.snap_scale(scale, args.weight)[0][0])
+            codes = lightfr.sign_planes(q, P)[:, 0, :]
+            planes = np.zeros((P, w), np.uint64)
+            for j in range(w):
+                bits = (codes[:, j * 64 : (j + 1) * 64] > 0).astype(np.uint64)
+                planes[:, j] = (bits << np.arange(bits.shape[1], dtype=np.uint64)).sum(axis=1, dtype=np.uint64)
+            _, want = generic_planes(planes, words, f, a, levels, k, rng)
+            _, got = index.search_planes(planes, a, k, rng, level_shift=lightfr.LEVEL_SHIFT)
+            if not np.array_equal(want[0].astype(np.int64), got):
+                raise SystemExit("generic and counting plane top-k disagree on the scores")
+            runs: list[tuple[str, Callable[[], Any]]] = [
+                ("plane_scores + top_n_scores", partial(generic_planes, planes, words, f, a, levels, k, rng)),
+                ("search_planes (counting)", partial(index.search_planes, planes, a, k, rng)),
+            ]
+            seconds = _timed([fn for _, fn in runs], args.repeat, args.budget, args.interleave)
+            for (name, _), t in zip(runs, seconds, strict=True):
+                print(
+                    f"{m:>9} {P:>2} {a:>5} {name:<30} {t * 1e3:>9.3f} {m / t / 1e9:>9.3f} {seconds[0] / t:>7.2f}x",
                     flush=True,
                 )
 

@@ -22,9 +22,9 @@ from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr
 from device_sdk.family import LocalRatings, LocalResult
-from device_sdk.retrieval import Recommender, as_items, top_n_scores
+from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
-from device_sdk.topk import HammingIndex, plane_scores
+from device_sdk.topk import HammingIndex
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
 from protocol.errors import ModelError, StorageError
 from protocol.families.lightfr import LEVEL_CENTER, UploadLayout, bias_from_levels, clip_parts
@@ -65,9 +65,12 @@ class LightFRConfig:
         solves its real-valued vector exactly against the item codes (`lightfr.ridge_users`) instead of
         a ±1 code by DCD, keeps it as P ±1 bit-planes and a weight, uploads the same parts with it, and
         `recommend` ranks by the integer a·Σ_p 2^p(f − 2·Hamming) + 2^8·level (`device_sdk.topk.plane_scores`).
-        A device setting: the round plan does not carry it (see README, "Mean-field step and asymmetric
-        scoring").  0 (default): ±1 user codes.
-    user_reg : ridge weight (> 0) of that solve.
+        0 (default): ±1 user codes.  In federated rounds the plan sets it (protocol 1.6,
+        `protocol.plan.LightFRParams.query_planes`; a plan from a 1.5 server means 0).
+    user_reg : ridge weight of that solve, in [1e-6, 1e6] (the plan's bounds; set by the plan too).
+    rank_planes : a device setting (not in the plan): with ``query_planes`` >= 1, the planes of the vector
+        the device keeps and ranks with (0 = ``query_planes``), while its uploads keep ``query_planes``
+        planes; ignored when ``query_planes`` is 0.
     """
 
     bits: int = 64
@@ -83,6 +86,7 @@ class LightFRConfig:
     confidence: float = _PARAMS.confidence
     query_planes: int = 0
     user_reg: float = 1.0
+    rank_planes: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.bits <= MAX_RANK:
@@ -90,6 +94,9 @@ class LightFRConfig:
         planes = self.query_planes
         if isinstance(planes, bool) or not isinstance(planes, int | np.integer) or not 0 <= planes <= 8:
             raise ValueError(f"query_planes must be an integer in [0, 8], got {planes!r}")
+        ranked = self.rank_planes
+        if isinstance(ranked, bool) or not isinstance(ranked, int | np.integer) or not 0 <= ranked <= 8:
+            raise ValueError(f"rank_planes must be an integer in [0, 8], got {ranked!r}")
         if not (isinstance(self.user_reg, int | float) and np.isfinite(self.user_reg) and self.user_reg > 0):
             raise ValueError(f"user_reg must be a finite number > 0, got {self.user_reg!r}")
         self.params(Aggregation.GRAD)  # the plan's bounds, as the server's config checks them
@@ -108,6 +115,8 @@ class LightFRConfig:
             max_sweeps=self.max_sweeps,
             unobserved_weight=self.unobserved_weight,
             confidence=self.confidence,
+            query_planes=self.query_planes if self.unobserved_weight > 0 else 0,
+            user_reg=self.user_reg,
         )
 
     def normalize(self, ratings: NDArray[np.float64] | None, n: int) -> NDArray[np.float64]:
@@ -239,18 +248,25 @@ class LightFRModel(Recommender):
         """(G_D = DᵀD (f, f), Dᵀβ (f,), β (m,)) of the current item codes and the item biases β the
         levels stand for (`protocol.families.lightfr.bias_from_levels`): what the all-items objective
         needs of the catalogue.  Computed once per new model (one pass over the codes, in chunks),
-        then reused by every fold-in."""
+        then reused by every fold-in.
+
+        Each chunk is float32 BLAS products, DᵀD and Dᵀ(level − 128): every sum they form is an integer
+        below 2^24 in magnitude (at most 2^16 rows of ±1, or of ±1 times at most 128), hence exact,
+        and Dᵀβ = 2/(f·B)·Dᵀ(level − 128)."""
         if self._gram is None:
-            f, m = self.config.bits, self.n_items
-            beta = bias_from_levels(self._levels, m, f, self._weight)
+            f, m, lv = self.config.bits, self.n_items, self._levels
+            beta = bias_from_levels(lv, m, f, self._weight)
             G = np.zeros((f, f))
-            Db = np.zeros(f)
-            step = max(1, (1 << 22) // f)  # rows per chunk: a few MiB of float64 at a time
+            Dl = np.zeros(f)
+            step = min(m, 1 << 14)  # rows per chunk (exactness needs <= 2^16): a few MiB at a time
+            buf = np.empty((step, f), np.float32)
             for s in range(0, m, step):  # chunks of the catalogue, each a BLAS product
-                Dc = self.item_codes[s : s + step].astype(np.float64)
-                G += Dc.T @ Dc
-                Db += Dc.T @ beta[s : s + step]
-            self._gram = (G, Db, beta)
+                c = buf[: min(step, m - s)]
+                c[...] = self.item_codes[s : s + step]
+                G += c.T @ c
+                if lv is not None:
+                    Dl += np.subtract(lv[s : s + step], LEVEL_CENTER, dtype=np.float32) @ c
+            self._gram = (G, Dl * (2.0 / (f * self._weight)), beta)
         return self._gram
 
     def _hamming_index(self) -> HammingIndex:
@@ -493,7 +509,8 @@ class LightFRModel(Recommender):
         self, items: NDArray[np.int64], targets: NDArray[np.float64]
     ) -> tuple[NDArray[np.int16], int, NDArray[np.float64]]:
         """Asymmetric scoring: the user's exact vector against the item codes (`lightfr.ridge_users`, the
-        catalogue entering through the cached item Gram, so O(|Ω|·f² + f³)), as P planes: (q, a, Δ'·q)."""
+        catalogue entering through the cached item Gram, so O(|Ω|·f² + f³)): (q, a) of it as the rank
+        planes (what the device keeps), and Δ'·q of it as the query planes (what it uploads with)."""
         cfg = self.config
         if cfg.unobserved_weight <= 0:
             raise ModelError("query_planes needs the all-items objective (unobserved_weight > 0)")
@@ -510,8 +527,12 @@ class LightFRModel(Recommender):
             gram=(G, Db),
         )
         q, scale = lightfr.quantize_planes(U, cfg.query_planes)
-        a, snapped = lightfr.snap_scale(scale, self._weight)
-        return q[0], int(a[0]), snapped[0] * q[0].astype(np.float64)
+        snapped = lightfr.snap_scale(scale, self._weight)[1]
+        vec = snapped[0] * q[0].astype(np.float64)
+        if cfg.rank_planes:
+            q, scale = lightfr.quantize_planes(U, cfg.rank_planes)
+        a = lightfr.snap_scale(scale, self._weight)[0]
+        return q[0], int(a[0]), vec
 
     def _set_vector(self, userid: int, q: NDArray[np.int16], a: int) -> None:
         self._set_user(userid, np.where(q > 0, 1, -1).astype(np.int8))  # its sign, for code-only callers
@@ -587,9 +608,9 @@ class LightFRModel(Recommender):
         rng: np.random.Generator,
     ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
         """Top-N for a batch where some users hold bit-plane vectors: their integer plane scores
-        (`device_sdk.topk.plane_scores`, one scan per such user; a device holds one) ranked by
-        `top_n_scores` with random ties, reported as the real score Δ'·qᵀd/f + β; the others by the
-        Hamming scan."""
+        (`device_sdk.topk.plane_scores`) selected by counting (`HammingIndex.search_planes`, one scan
+        per such user; a device holds one) with random ties, reported as the real score Δ'·qᵀd/f + β;
+        the others by the Hamming scan."""
         f, B, s = self.config.bits, self._weight, lightfr.LEVEL_SHIFT
         out_ids = np.full((users.size, N), -1, dtype=np.int64)
         out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
@@ -597,16 +618,18 @@ class LightFRModel(Recommender):
         if rest.size:
             ids, sc = self._top_n(users[rest], N, [exclude[i] for i in rest], items, rng)
             out_ids[rest], out_scores[rest] = ids, sc
-        P = self.config.query_planes
         for i in planes:  # users with vectors, each one vectorised scan over the packed item codes
             u = int(users[i])
+            # The planes this user's vector was quantized to (a later plan may have changed the setting).
+            P = max(1, int(np.abs(self.user_q[u]).max()).bit_length())
             words = pack_signs(lightfr.sign_planes(self.user_q[u][None, :], P)[:, 0, :]).T.copy()
-            S = plane_scores(words, self._item_words, f, int(self.user_weight[u]), self._levels, s)
+            ids, S = self._hamming_index().search_planes(
+                words, int(self.user_weight[u]), N, rng, level_shift=s, exclude=exclude[i], candidates=items
+            )
             if self._levels is None:
                 S = S + (LEVEL_CENTER << s)  # no levels: every item at the centre (β = 0)
-            ids, sc = top_n_scores(S[None, :].astype(np.float64), N, exclude=[exclude[i]], items=items, rng=rng)
-            real = (sc - (LEVEL_CENTER << s)) * 2.0 / (2**s * B * f)
-            out_ids[i], out_scores[i] = ids[0], real[0].astype(np.float32)
+            real = (S - (LEVEL_CENTER << s)) * 2.0 / (2**s * B * f)
+            out_ids[i, : ids.size], out_scores[i, : ids.size] = ids, real.astype(np.float32)
         return out_ids, out_scores
 
     def similarity(self, item_ids: ArrayLike, *, userid: int = 0) -> NDArray[np.float64]:
@@ -679,8 +702,10 @@ class LightFRModel(Recommender):
 
 
 def apply_plan(model: LightFRModel, plan: TrainingPlan) -> None:
-    """Adopt the round's training plan (λ, negatives, epochs, sweeps, w0, α) after checking it fits
-    the model the device holds."""
+    """Adopt the round's training plan (λ, negatives, epochs, sweeps, w0, α, and since protocol 1.6 the
+    query planes P and ridge weight of asymmetric scoring) after checking it fits the model the device
+    holds.  The plan wins over the device's own setting: P = 0 in the plan (a 1.5 server's) trains and
+    ranks with a ±1 user code."""
     plan.check_fits(_KIND, model.n_items, model.config.bits)
     p = plan.params
     assert isinstance(p, LightFRParams)
@@ -692,4 +717,6 @@ def apply_plan(model: LightFRModel, plan: TrainingPlan) -> None:
         max_sweeps=p.max_sweeps,
         unobserved_weight=p.unobserved_weight,
         confidence=p.confidence,
+        query_planes=p.query_planes,
+        user_reg=p.user_reg,
     )

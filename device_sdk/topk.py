@@ -107,7 +107,25 @@ class HammingIndex:
         If the shapes, the levels or the weight are invalid.
     """
 
-    __slots__ = ("f", "m", "w", "weight", "_words", "_sorted", "_order", "_levels", "_bias", "_top", "_dt", "_local")
+    __slots__ = (
+        "f",
+        "m",
+        "w",
+        "weight",
+        "_words",
+        "_sorted",
+        "_order",
+        "_levels",
+        "_bias",
+        "_top",
+        "_dt",
+        "_local",
+        "_score_table",
+        "_lift",
+    )
+
+    _score_table: NDArray[np.int32] | None  # score of every cost, when the costs are few
+    _lift: NDArray[np.unsignedinteger[Any]] | None  # the item term in whole bits, along the scan
 
     def __init__(
         self,
@@ -133,7 +151,8 @@ class HammingIndex:
             # A constant item term does not change the ranking: scan the codes as they are.
             self._levels = lv
             self._top = 0 if lv is None or lv.size == 0 else int(lv[0])
-            self._sorted, self._order, self._bias = words, None, None
+            self._sorted, self._order, self._bias, self._lift = words, None, None, None
+            self._score_table = self._score_of_cost(np.arange(self.f + 1, dtype=np.int64))
             return
         self._levels = lv
         self._top = int(lv.max())
@@ -143,6 +162,13 @@ class HammingIndex:
         # Costs fit int16 for any practical B (f·B + 255 < 2^15), where numpy sorts by counting.
         cdt = np.int16 if self.f * self.weight + self._top < 2**15 else np.int64
         self._bias = (self._top - lv[order]).astype(cdt)  # ascending along the scan
+        # The item term in whole bits, q = (L − level) // B, so that cost = B·(dist + q) + r with 0 <= r < B:
+        # dist + q <= t is exactly cost <= B·t + B − 1 (see `_scan_one`).
+        qmax = self._top // self.weight
+        ldt = np.uint8 if self.f + qmax < 1 << 8 else np.uint16 if self.f + qmax < 1 << 16 else np.uint32
+        self._lift = (self._bias // self.weight).astype(ldt)
+        nb = self.f * self.weight + self._top + 1
+        self._score_table = self._score_of_cost(np.arange(nb, dtype=np.int64)) if nb <= 1 << 16 else None
 
     def __reduce__(self) -> tuple[type[HammingIndex], tuple[Any, ...]]:
         # Copies (copy.deepcopy of a model, pickling) rebuild the index from its inputs; the
@@ -211,10 +237,10 @@ class HammingIndex:
 
     def _buffers(
         self, cap: int
-    ) -> tuple[NDArray[np.uint64], NDArray[np.integer], NDArray[np.uint8], NDArray[np.bool_]]:
+    ) -> tuple[NDArray[np.uint64], NDArray[np.integer], NDArray[np.uint8], NDArray[np.bool_], NDArray[np.integer]]:
         """Scan buffers of at least ``cap`` pairs (XOR words, distances, per-word popcounts, hit
-        mask), kept per thread and reused across searches: a fresh multi-megabyte buffer would cost
-        its page faults on every call."""
+        mask, distances plus item term in bits), kept per thread and reused across searches: a fresh
+        multi-megabyte buffer would cost its page faults on every call."""
         held = getattr(self._local, "buffers", None)
         if held is None or held[0].size < cap:
             t_size = cap if (self.w > 1 or self._dt != np.uint8) else 0
@@ -223,6 +249,7 @@ class HammingIndex:
                 np.empty(cap, self._dt),
                 np.empty(t_size, np.uint8),
                 np.empty(cap, np.bool_),
+                np.empty(0, np.uint8) if self._lift is None else np.empty(cap, self._lift.dtype),
             )
             self._local.buffers = held
         return held
@@ -268,7 +295,7 @@ class HammingIndex:
         bias = self._bias
         step = max(block_pairs // n, min(_ROW_ITEMS, block_pairs))
         first = min(m, max(min(_FIRST_BLOCK // 2, step), int(kk.max()) * 4))
-        x, d, t, mask = self._buffers(n * max(first, step))
+        x, d, t, mask, _ = self._buffers(n * max(first, step))
         # Bootstrap: each user's threshold from the costs of the first block, by counting.
         d0 = self._distances(users, 0, first, x, d, t)
         if bias is None:
@@ -345,27 +372,37 @@ class HammingIndex:
 
     def _scan_one(self, user: NDArray[np.uint64], kk: int, block: int) -> tuple[NDArray[np.int64], NDArray[np.integer]]:
         """`_scan` for a single user, with scalar thresholds and as few numpy calls as possible: on
-        small catalogues the per-call overhead is what decides the speed."""
+        small catalogues the per-call overhead is what decides the speed.
+
+        The first block (the whole catalogue when it holds at most ``block`` items) is one XOR and one
+        popcount pass; with an item term, one more uint8 pass adds q_i = (L − level_i) // B, so that
+        cost_i = B·(dist_i + q_i) + r_i with 0 <= r_i < B.  With t the kk-th smallest dist + q of the
+        block's head, at least kk items cost at most τ = B·t + B − 1, and dist_i + q_i <= t holds
+        exactly when cost_i <= τ: one comparison selects every candidate of the block."""
         m, B, f, bias, words = self.m, self._B, self.f, self._bias, self._sorted
         nb = f * B + self._top + 1
-        first = min(m, max(min(_FIRST_BLOCK, block), 4 * kk))
-        x, d, t, mask = self._buffers(max(first, block))
+        size = min(m, max(block, 4 * kk))  # the first block holds the bootstrap head
+        first = min(size, max(_FIRST_BLOCK, 4 * kk))  # >= kk, since kk <= m
+        x, d, t, mask, e = self._buffers(max(size, block))
         fast = self.w == 1 and self._dt == np.uint8
         u = user[None, :]
         if fast:
-            np.bitwise_xor(words[0, :first], user[0], out=x[:first])
-            d0 = np.bitwise_count(x[:first], out=d[:first])
+            np.bitwise_xor(words[0, :size], user[0], out=x[:size])
+            dd = np.bitwise_count(x[:size], out=d[:size])
         else:
-            d0 = self._distances(u, 0, first, x, d, t)[0]
-        c0 = d0 if bias is None else d0.astype(bias.dtype) * bias.dtype.type(B) + bias[:first]
-        # The kk-th smallest cost of the first block, by counting (numpy's radix sort of small ints).
-        tau = int(np.sort(c0, kind="stable")[kk - 1]) if kk <= first else nb
-        pos = (c0 <= tau).nonzero()[0]
-        pos_l, cost_l = [pos], [c0[pos]]
-        pending, budget = pos.size, max(8 * kk, 256)
+            dd = self._distances(u, 0, size, x, d, t)[0]
+        lifted = dd if bias is None or self._lift is None else np.add(dd, self._lift[:size], out=e[:size])
+        # The kk-th smallest of the head, by counting (numpy's radix sort of small ints).
+        head = int(np.sort(lifted[:first], kind="stable")[kk - 1])
+        tau = head if bias is None else B * head + B - 1
+        pos = np.less_equal(lifted, head, out=mask[:size]).nonzero()[0]
+        cost = dd[pos] if bias is None else dd[pos].astype(bias.dtype) * bias.dtype.type(B) + bias[pos]
+        pos_l, cost_l = [pos], [cost]
+        pending = sum(p.size for p in pos_l)
+        budget = max(8 * kk, 256)
         xs, ds = x[:block], d[:block]
         lo, lim = -1, (f if tau >= nb else tau)
-        start = first
+        start = size
         while start < m:
             stop = min(start + block, m)
             if bias is not None and int(bias[start]) != lo:
@@ -398,6 +435,199 @@ class HammingIndex:
             start = stop
         pos = pos_l[0] if len(pos_l) == 1 else np.concatenate(pos_l)
         cost = cost_l[0] if len(cost_l) == 1 else np.concatenate(cost_l)
+        if pending > 4 * kk + 64:
+            # Only the candidates at or below the exact kk-th cost go on to the (random-order) selection.
+            keep = (cost <= np.partition(cost, kk - 1)[kk - 1]).nonzero()[0]
+            pos, cost = pos[keep], cost[keep]
+        return (pos if self._order is None else self._order[pos]), cost
+
+    # -- asymmetric (bit-plane) queries -----------------------------------------------------------
+    def search_planes(
+        self,
+        plane_words: NDArray[np.uint64],
+        user_weight: int,
+        k: int,
+        rng: np.random.Generator | None,
+        *,
+        level_shift: int = 8,
+        exclude: ArrayLike | None = None,
+        candidates: ArrayLike | None = None,
+        block: int = _BLOCK_PAIRS,
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """The k best items of one user held as P packed ±1 planes, by the integer plane score of
+        `plane_scores` (S_i = a·Σ_p 2^p·(f − 2·H_p) + 2^s·level_i), ties broken at random.
+
+        The selection is the Hamming scan's, on the weighted distance W_i = Σ_p 2^p·H_p (a small
+        integer, at most f·(2^P − 1)): the cost 2a·W_i + 2^s·(L − level_i) (score = a·f·(2^P − 1) +
+        2^s·L − cost) is written 2a·(W_i + q_i) + r_i with q_i = 2^s·(L − level_i) // 2a and
+        0 <= r_i < 2a, so that a threshold t on the small integer W + q keeps exactly the items of
+        cost <= 2a·t + 2a − 1.  t starts as the kk-th smallest W + q of the first block's head and
+        only falls (counting over the candidates); the exact costs of the few candidates left decide.
+
+        Parameters
+        ----------
+        plane_words : (P, w) uint64, plane p weighing 2^p (`device_sdk.lightfr.sign_planes`, packed).
+        user_weight : a >= 1 (`device_sdk.lightfr.snap_scale`).
+        k : items wanted (>= 0).
+        rng : tie-breaking generator; None breaks ties by the lower item id.
+        level_shift : s, the weight 2^s of one item level.
+        exclude : item ids never returned.
+        candidates : if given, only these item ids are ranked.
+        block : items per scan block.
+
+        Returns
+        -------
+        (ids, scores): up to k item ids best first (fewer when fewer are eligible) and their int64
+        scores S, equal scores in uniformly random order.
+        """
+        planes = np.asarray(plane_words)
+        if planes.dtype != np.uint64 or planes.ndim != 2 or planes.shape[1] != self.w or not 1 <= planes.shape[0] <= 8:
+            raise ValueError(
+                f"user planes must be (P, {self.w}) uint64 words with 1 <= P <= 8, got {planes.dtype} {planes.shape}"
+            )
+        if isinstance(user_weight, bool) or int(user_weight) != user_weight or user_weight < 1:
+            raise ValueError(f"user weight must be an integer >= 1, got {user_weight!r}")
+        if int(level_shift) != level_shift or not 0 <= level_shift <= 16:
+            raise ValueError(f"level shift must be an integer in [0, 16], got {level_shift!r}")
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        a, s, P = int(user_weight), int(level_shift), planes.shape[0]
+        excl = None if exclude is None else _exclusion_keys([np.asarray(exclude, dtype=np.int64)], 1, self.m)
+        if k == 0 or self.m == 0:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        if candidates is not None:
+            cand = np.asarray(candidates, dtype=np.int64)
+            if cand.ndim != 1:
+                raise ValueError("candidates must be a 1-D array of item ids")
+            if cand.size and (cand.min() < 0 or cand.max() >= self.m):
+                raise ValueError(f"candidate item index out of range [0, {self.m})")
+            ids = np.unique(cand)
+            wd = np.zeros(ids.size, np.int64)
+            for p in range(P):
+                for j in range(self.w):
+                    wd += np.bitwise_count(self._words[j, ids] ^ planes[p, j]).astype(np.int64) << p
+            cost = 2 * a * wd
+            if self._bias is not None and self._levels is not None:
+                cost += (self._top - self._levels[ids].astype(np.int64)) << s
+        else:
+            ids, cost = self._scan_planes(planes, a, s, min(k + (0 if excl is None else excl.size), self.m), block)
+        if excl is not None and ids.size:
+            at = np.searchsorted(excl, ids)
+            ok = excl[np.minimum(at, excl.size - 1)] != ids
+            ids, cost = ids[ok], cost[ok]
+        if rng is None:
+            order = np.lexsort((ids, cost))[:k]
+        else:
+            perm = rng.permutation(ids.size)
+            order = perm[np.argsort(cost[perm], kind="stable")[:k]]
+        top = a * self.f * (2**P - 1) + (self._top << s)
+        return ids[order], top - cost[order]
+
+    def _lift_planes(self, a: int, s: int) -> NDArray[np.unsignedinteger[Any]] | None:
+        """q_i = 2^s·(L − level_i) // 2a along the scan (None without an item term), kept per thread
+        for the last (a, s): a device ranks for one user at a time."""
+        bias = self._bias
+        if bias is None:
+            return None
+        held = getattr(self._local, "plane_lift", None)
+        if held is not None and held[0] == (a, s):
+            return held[1]
+        segs = getattr(self._local, "level_runs", None)
+        if segs is None:
+            # Runs of equal cost term along the (level-sorted) scan: at most 256 of them.
+            starts = np.flatnonzero(np.diff(bias, prepend=-1) != 0)
+            segs = (bias[starts].astype(np.int64), np.diff(starts, append=bias.size))
+            self._local.level_runs = segs
+        qv = (segs[0] << s) // (2 * a)
+        top = int(qv[-1]) + self.f * 255
+        ldt = np.uint16 if top < 1 << 16 else np.uint32 if top < 1 << 32 else np.uint64
+        lift = np.repeat(qv.astype(ldt), segs[1])
+        self._local.plane_lift = ((a, s), lift)
+        return lift
+
+    def _plane_distances(
+        self,
+        planes: NDArray[np.uint64],
+        start: int,
+        stop: int,
+        x: NDArray[np.uint64],
+        t: NDArray[np.uint8],
+        out: NDArray[Any],
+    ) -> NDArray[Any]:
+        """W = Σ_p 2^p·Hamming(c_p, d_i) for the items of a block, by Horner's rule from the top plane,
+        into ``out`` (preallocated, wide enough for f·(2^P − 1))."""
+        size = stop - start
+        xs, ts, acc = x[:size], t[:size], out[:size]
+        words = self._sorted
+        for p in range(planes.shape[0] - 1, -1, -1):
+            if p < planes.shape[0] - 1:
+                np.left_shift(acc, 1, out=acc)
+            for j in range(self.w):
+                np.bitwise_xor(words[j, start:stop], planes[p, j], out=xs)
+                if p == planes.shape[0] - 1 and j == 0:
+                    np.bitwise_count(xs, out=acc)
+                else:
+                    np.add(acc, np.bitwise_count(xs, out=ts), out=acc)
+        return acc
+
+    def _scan_planes(
+        self, planes: NDArray[np.uint64], a: int, s: int, kk: int, block: int
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Candidates (item id, exact cost 2a·W + 2^s·(L − level)) holding every item whose cost is at
+        most the kk-th smallest over the catalogue (ties included); see `search_planes`."""
+        m, P, f = self.m, planes.shape[0], self.f
+        block = max(int(block), 1)
+        size = min(m, max(block, 4 * kk))
+        first = min(size, max(_FIRST_BLOCK, 4 * kk))  # >= kk, since kk <= m
+        lift = self._lift_planes(a, s)
+        wmax = f * (2**P - 1) + (0 if lift is None else int(lift[-1]))
+        wdt = np.uint8 if wmax < 1 << 8 else np.uint16 if wmax < 1 << 16 else np.uint32 if wmax < 1 << 32 else np.uint64
+        cap = max(size, block)
+        held = getattr(self._local, "plane_buffers", None)
+        if held is None or held[0].size < cap or held[2].dtype != wdt:
+            held = (np.empty(cap, np.uint64), np.empty(cap, np.uint8), np.empty(cap, wdt), np.empty(cap, np.bool_))
+            self._local.plane_buffers = held
+        x, t, wbuf, mask = held
+        pos_l: list[NDArray[np.int64]] = []
+        val_l: list[NDArray[Any]] = []
+        pending, budget, thr = 0, max(8 * kk, 256), -1
+        start = 0
+        while start < m:
+            stop = size if start == 0 else min(start + block, m)
+            if lift is not None and start and int(lift[start]) > thr:
+                break  # q only grows along the scan and W >= 0: no later item is under the threshold
+            wd = self._plane_distances(planes, start, stop, x, t, wbuf)
+            if lift is not None:
+                np.add(wd, lift[start:stop], out=wd)  # W + q
+            if start == 0:
+                # The kk-th smallest W + q of the head, by counting (numpy's radix sort of small ints).
+                thr = int(np.sort(wd[:first], kind="stable")[kk - 1])
+            hit = np.less_equal(wd, thr, out=mask[: stop - start]).nonzero()[0]
+            if hit.size:
+                val_l.append(wd[hit])
+                pos_l.append(hit + start if start else hit)
+                pending += hit.size
+                if pending > budget:
+                    pos, val = np.concatenate(pos_l), np.concatenate(val_l)
+                    thr = min(thr, int(np.partition(val, kk - 1)[kk - 1]))
+                    keep = (val <= thr).nonzero()[0]
+                    pos_l, val_l = [pos[keep]], [val[keep]]
+                    pending = keep.size
+                    budget = max(budget, 2 * pending)
+            start = stop
+        pos = pos_l[0] if len(pos_l) == 1 else np.concatenate(pos_l)
+        val = (val_l[0] if len(val_l) == 1 else np.concatenate(val_l)).astype(np.int64)
+        if pending > 4 * kk + 64:
+            keep = (val <= np.partition(val, kk - 1)[kk - 1]).nonzero()[0]
+            pos, val = pos[keep], val[keep]
+        bias = self._bias
+        if lift is None or bias is None:
+            cost = 2 * a * val
+        else:
+            cost = 2 * a * (val - lift[pos]) + (bias[pos].astype(np.int64) << s)
+            if cost.size > 4 * kk + 64:
+                keep = (cost <= np.partition(cost, kk - 1)[kk - 1]).nonzero()[0]
+                pos, cost = pos[keep], cost[keep]
         return (pos if self._order is None else self._order[pos]), cost
 
     def _rank_subset(
@@ -438,10 +668,15 @@ class HammingIndex:
         else:
             perm = rng.permutation(ids.size)
             order = perm[np.argsort(cost[perm], kind="stable")[:k]]
+        best = cost[order]
+        table = self._score_table
+        scores = table[best] if table is not None else self._score_of_cost(best.astype(np.int64))
+        if order.size == k:
+            return ids[order][None, :], scores[None, :]
         out_ids = np.full((1, k), -1, np.int64)
         out_scores = np.full((1, k), -1, np.int32)
         out_ids[0, : order.size] = ids[order]
-        out_scores[0, : order.size] = self._score_of_cost(cost[order].astype(np.int64))
+        out_scores[0, : order.size] = scores
         return out_ids, out_scores
 
     def _select(

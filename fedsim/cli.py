@@ -369,6 +369,21 @@ def build_parser() -> argparse.ArgumentParser:
         "the recipe its figures were measured with)",
     )
     demo.add_argument(
+        "--query-planes",
+        type=_nonneg_int,
+        default=0,
+        metavar="P",
+        help="asymmetric scoring through the round plan (protocol 1.6, the server's model.query_planes): each "
+        "device solves a real user vector against the item codes and keeps it as P ±1 bit-planes (0..8; "
+        "default 0: ±1 user codes)",
+    )
+    demo.add_argument(
+        "--user-reg",
+        type=_positive_float,
+        default=1.0,
+        help="ridge weight of the devices' user solve under --query-planes (model.user_reg; default 1)",
+    )
+    demo.add_argument(
         "--seed",
         type=_nonneg_int,
         default=0,
@@ -1314,6 +1329,10 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         raise ConfigError(f"--devices {args.devices}: a secure-aggregation round needs at least {MIN_COHORT} devices")
     if args.cohort is not None and args.cohort < MIN_COHORT:
         raise ConfigError(f"--cohort {args.cohort}: a secure-aggregation round needs at least {MIN_COHORT} devices")
+    try:  # the plan's own bounds (protocol.plan.LightFRParams), before a server is started
+        LightFRParams(query_planes=args.query_planes, user_reg=args.user_reg)
+    except ValueError as exc:
+        raise ConfigError(f"--{str(exc).replace('_', '-', 1)}") from None
     exp, data_dir = _resolve_dataset(args, out)
     if args.devices is not None and args.devices < exp.train.n_users:
         exp = _first_users(exp, args.devices)
@@ -1325,7 +1344,12 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         f"LightFR f={args.bits}; {args.rounds} rounds of up to {min(args.cohort, exp.train.n_users)} devices; "
         f"SecAgg+ (ω=0.33); "
         + (f"distributed DP ε={eps:g} at δ=1e-5 over the run; " if eps else "no DP; ")
-        + f"dropout {args.dropout:.0%} per device and round\n"
+        + f"dropout {args.dropout:.0%} per device and round"
+        + (
+            f"; asymmetric scoring in the round plan: {args.query_planes} bit-planes, ridge {args.user_reg:g}\n"
+            if args.query_planes
+            else "\n"
+        )
     )
     res = run_demo_fleet(
         exp,
@@ -1337,6 +1361,8 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         flip_fraction=args.flip_fraction,
         seed=args.seed,
         out=out,
+        query_planes=args.query_planes,
+        user_reg=args.user_reg,
         workdir=args.workdir,
         show_progress=False if args.quiet else None,
         insecure_seed_noise=args.insecure_seed_dp_noise,

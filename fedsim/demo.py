@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from device_sdk.lightfr import LEVEL_SHIFT
 from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
 from fedsim.experiment import Experiment, baselines
 from fedsim.fleet import PHASE_STEPS, FleetConfig, FleetReport, fetch_status, get_status, rounds_so_far, run_fleet
@@ -37,6 +38,7 @@ from protocol.codes import from_bytes, unpack_signs
 from protocol.crypto import SigningKey, registration_payload
 from protocol.enrollment import EnrollmentAuthority
 from protocol.errors import ConfigError, FedRecError
+from protocol.families.lightfr import LEVEL_CENTER
 from protocol.messages import ModelPayload, RegisterRequest, RegisterResponse
 
 __all__ = [
@@ -155,11 +157,19 @@ def device_data(exp: Experiment, n_devices: int | None = None) -> list[tuple[np.
 
 
 def evaluate_devices(
-    exp: Experiment, clients: list[Any], payload: ModelPayload, seed: int = 0
+    exp: Experiment,
+    clients: list[Any],
+    payload: ModelPayload,
+    seed: int = 0,
+    *,
+    query_planes: int = 0,
+    user_reg: float = 1.0,
 ) -> dict[TieMode, EvalResult]:
     """Every device installs the final model (item codes and, under the all-items objective, item
-    levels), refreshes its code against it (a local DCD, nothing uploaded) and scores its own test
-    block with the score its ``recommend`` ranks by, (f − Hamming)·B + level; the results are averaged.
+    levels), refreshes its code against it (a local DCD, nothing uploaded; with ``query_planes`` P >= 1,
+    the server's asymmetric-scoring plan, its user vector as P bit-planes, solved with ``user_reg``) and
+    scores its own test block with the score its ``recommend`` ranks by, (f − Hamming)·B + level or the
+    planes' integer score; the results are averaged.
 
     The evaluation is a simulation step, so its randomness is seeded: a device never invited to a
     round starts from a code drawn from ``(seed, u)``, and each device's tie-breaking generator (used
@@ -170,6 +180,8 @@ def evaluate_devices(
     scores = []
     for u, client in enumerate(clients):
         model = client.model
+        if model.config.unobserved_weight > 0:  # what the server's plan says (a device never invited saw none)
+            model.config = replace(model.config, query_planes=query_planes, user_reg=user_reg)
         model.rng = np.random.default_rng([seed, 1, u])
         if not model.user_trained[0]:
             model.reset_user(np.random.default_rng([seed, u]))
@@ -186,7 +198,15 @@ def evaluate_devices(
 
 
 def device_scores(model: Any, items: np.ndarray) -> np.ndarray:
-    """The integer score a LightFR device's ``recommend`` ranks ``items`` by: (f − Hamming)·B + level."""
+    """The integer score a LightFR device's ``recommend`` ranks ``items`` by: (f − Hamming)·B + level, or
+    for a user vector held as bit-planes a·qᵀd + 2^8·level (`device_sdk.topk.plane_scores`; no levels:
+    every item at the centre level)."""
+    ids = np.asarray(items)
+    if model.user_weight[0] > 0:
+        dots = model.item_codes[ids].astype(np.int64) @ model.user_q[0].astype(np.int64)
+        levels = model.item_levels
+        lv = np.full(ids.shape, LEVEL_CENTER, np.int64) if levels is None else levels[ids].astype(np.int64)
+        return (int(model.user_weight[0]) * dots + (lv << LEVEL_SHIFT)).astype(np.float64)
     f = model.config.bits
     same = np.rint(model.similarity(items) * f)  # f − Hamming = f·sim, exact
     levels = model.item_levels
@@ -234,6 +254,8 @@ def run_demo_fleet(
     flip_fraction: float | None,
     seed: int,
     out: TextIO,
+    query_planes: int = 0,
+    user_reg: float = 1.0,
     workdir: Path | None = None,
     show_progress: bool | None = None,
     insecure_seed_noise: bool = False,
@@ -260,6 +282,9 @@ def run_demo_fleet(
                 "mean_field": False,
                 "flip_fraction": 0.3 if flip_fraction is None else flip_fraction,
                 **(PRIVATE_MODEL if dp else {}),
+                # Asymmetric scoring in the round plan (protocol 1.6): the devices follow it.
+                "query_planes": query_planes,
+                "user_reg": user_reg,
             },
             "rounds": {
                 "cohort_size": cohort,
@@ -348,7 +373,7 @@ def run_demo_fleet(
             first = "; ".join(f"{k}: {v}" for k, v in list(report.error_examples.items())[:2])
             log.write(f"devices hit errors: {dict(report.errors)} ({first})\n")
         codes = unpack_signs(from_bytes(payload.words, payload.bits, payload.n_items), payload.bits)
-        results = evaluate_devices(exp, clients, payload, seed)
+        results = evaluate_devices(exp, clients, payload, seed, query_planes=query_planes, user_reg=user_reg)
         return {
             "report": report,
             "results": results,

@@ -62,10 +62,14 @@ class FederationConfig:
     user_reg : ridge weight of the user solve under ``query_planes`` (in units of the f²-scaled loss).
     refresh_users : under ``query_planes``, re-solve every user's vector against the final model, as a
         device does locally when it downloads a model (nothing is uploaded).
+    rank_planes : under ``query_planes``, the planes of that refreshed vector, the one the device ranks
+        with (0 = ``query_planes``); the uploads keep ``query_planes`` planes.
     unobserved_scale : κ > 0 derives the all-items objective's w0 from the catalogue density, as the
         server does (`agg_server.strategy.lightfr.LightFRServerStrategy`): each round w0 = κ·density^γ
         from the counts slice of the cohort's sum; the devices of round 1 train with the model
         config's ``unobserved_weight``.  0 keeps that w0 fixed.
+    mean_field : the server's mean-field code step (`agg_server.strategy.lightfr.agg_full`).
+    code_sweeps : passes of the server's code step over one round's sums (``agg_full(sweeps=…)``); 1 = one.
     """
 
     rounds: int = 50
@@ -79,9 +83,13 @@ class FederationConfig:
     query_planes: int = 0
     user_reg: float = 1.0
     refresh_users: bool = True
+    rank_planes: int = 0
     mean_field: bool = False
+    code_sweeps: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.code_sweeps, bool) or not (isinstance(self.code_sweeps, int) and self.code_sweeps >= 1):
+            raise ValueError(f"code_sweeps must be an integer >= 1, got {self.code_sweeps!r}")
         if not (np.isfinite(self.unobserved_scale) and self.unobserved_scale >= 0):
             raise ValueError(f"unobserved_scale must be a finite value >= 0, got {self.unobserved_scale}")
         if self.rounds < 0:
@@ -93,6 +101,11 @@ class FederationConfig:
         planes = self.query_planes
         if isinstance(planes, bool) or not (isinstance(planes, int) and 0 <= planes <= 8):
             raise ValueError(f"query_planes must be an integer in [0, 8], got {self.query_planes!r}")
+        ranked = self.rank_planes
+        if isinstance(ranked, bool) or not (isinstance(ranked, int) and 0 <= ranked <= 8):
+            raise ValueError(f"rank_planes must be an integer in [0, 8], got {self.rank_planes!r}")
+        if ranked and not planes:
+            raise ValueError("rank_planes needs query_planes >= 1")
         if not (np.isfinite(self.user_reg) and self.user_reg > 0):
             raise ValueError(f"user_reg must be a finite value > 0, got {self.user_reg}")
 
@@ -338,6 +351,7 @@ def run_full(
             rng=rng,
             learn_bias=federation.learn_bias,
             mean_field=federation.mean_field,
+            sweeps=federation.code_sweeps,
         )
         item_flips = int(np.count_nonzero(new_D != D))
         state.item_codes = new_D
@@ -356,7 +370,7 @@ def run_full(
         U = lightfr.ridge_users(
             data.indptr, data.items, data.targets, state.item_codes, dev_beta, w0, alpha, federation.user_reg
         )
-        state.user_vectors = _quantized(U, federation.query_planes, wgt)
+        state.user_vectors = _quantized(U, federation.rank_planes or federation.query_planes, wgt)
     return state
 
 

@@ -85,6 +85,10 @@ class ScaledSettings:
     unobserved_weight : w0 of LightFR's objective: > 0 or "auto" (derived from the catalogue's
         density each round, the server's default) the all-items objective (item codes and learned item
         biases, the upload's longer layout), 0 sampled negatives.
+    mean_field : the server's mean-field code step (`model.mean_field`, all-items objective); False (the
+        default here) is the Jacobi step these runs were first measured with.
+    query_planes, user_reg : asymmetric scoring in the round plan (protocol 1.6, all-items objective):
+        each device's user vector solved against the codes, kept as P bit-planes; 0 = ±1 codes.
     """
 
     epsilon: float = 8.0
@@ -101,6 +105,9 @@ class ScaledSettings:
     dropout_rate: float = 0.3
     seed: int = 0
     unobserved_weight: float | str = 0.0
+    mean_field: bool = False
+    query_planes: int = 0
+    user_reg: float = 1.0
 
 
 @dataclass
@@ -120,6 +127,9 @@ class ScaledResult:
     #: The model's own item term in units of (f − Hamming): β·f/2 for the learned biases β of the
     #: all-items objective (what its levels stand for); zeros under sampled negatives.
     item_bias: NDArray[np.float64] | None = None
+    #: Under asymmetric scoring, each user's snapped real vector Δ'·q (n, f), which scores replace the
+    #: ±1 code with; None otherwise.
+    user_vectors: NDArray[np.float64] | None = None
 
 
 def _largest_scale_bits(n: int, clip_norm: float, head: float = 0.9) -> int:
@@ -266,9 +276,11 @@ def run_private_scaled(
                 "negatives": s.negatives,
                 "flip_fraction": s.flip_fraction,
                 "unobserved_weight": s.unobserved_weight,
-                # The Jacobi code step this simulator's figures were measured with (the mean-field step,
-                # the server's default, was chosen on validation without DP).
-                "mean_field": False,
+                # By default the Jacobi code step this simulator's figures were measured with (the
+                # mean-field step, the server's default, was chosen on validation without DP).
+                "mean_field": s.mean_field,
+                "query_planes": s.query_planes,
+                "user_reg": s.user_reg,
             },
             "rounds": {
                 "cohort_size": n,
@@ -318,8 +330,17 @@ def run_private_scaled(
     # Each device refreshes its code against the final item codes (local; nothing uploaded).
     indptr = np.concatenate(([0], np.cumsum([u.size for u in per_user]))).astype(np.int64)
     items = np.concatenate(per_user) if per_user else np.zeros(0, np.int64)
+    vectors: NDArray[np.float64] | None = None
     with one_blas_thread():
-        if st.full:
+        if st.full and s.query_planes:
+            from device_sdk.lightfr import quantize_planes, ridge_users, snap_scale
+
+            U = ridge_users(indptr, items, np.ones(items.size), D, beta, st.current_weight, 0.0, s.user_reg)
+            q, step = quantize_planes(U, s.query_planes)
+            _, snapped = snap_scale(step, st.hamming_weight)
+            vectors = snapped[:, None] * q.astype(np.float64)
+            B = np.where(q > 0, 1, -1).astype(np.int8)
+        elif st.full:
             B, _ = dcd_full(
                 indptr, items, np.ones(items.size), cohort.codes, D, beta, st.current_weight, 0.0, max_sweeps=10
             )
@@ -338,6 +359,7 @@ def run_private_scaled(
         round_seconds=round_seconds,
         settings=replace(s, scale_bits=scale_bits),
         item_bias=beta * s.bits / 2.0,
+        user_vectors=vectors,
     )
 
 
@@ -355,7 +377,7 @@ def scorer(result: ScaledResult, alpha: float) -> Callable[[NDArray[np.int64]], 
     f = result.item_codes.shape[1]
     level = item_levels(result.private_counts, f)
     Dt = result.item_codes.astype(np.float32).T
-    B = result.user_codes.astype(np.float32)
+    B = (result.user_codes if result.user_vectors is None else result.user_vectors).astype(np.float32)
 
     own = _own_term(result)
 
@@ -380,8 +402,11 @@ def candidate_scores(result: ScaledResult, users: NDArray[np.int64], items: NDAr
     level = item_levels(result.private_counts, f)
     if math.isinf(alpha):
         return level[items]
-    B = result.user_codes[users].astype(np.int32)
-    dots = np.einsum("uf,ukf->uk", B, result.item_codes[items].astype(np.int32))
+    if result.user_vectors is None:
+        B = result.user_codes[users].astype(np.int32)
+        dots = np.einsum("uf,ukf->uk", B, result.item_codes[items].astype(np.int32))
+    else:  # asymmetric scoring: the vector's real score u·d in place of b·d
+        dots = np.einsum("uf,ukf->uk", result.user_vectors[users], result.item_codes[items].astype(np.float64))
     return (f + dots) / 2.0 + _own_term(result)[items] + alpha * level[items]
 
 

@@ -433,7 +433,10 @@ class PrivateSimulator:
                 levels = np.frombuffer(extras["item_levels"], dtype=np.uint8) if extras["item_levels"] else None
                 st: Any = self.strategy
                 beta = bias_from_levels(levels, st.n_items, st.rank, int(extras["hamming_weight"]))
-                total = trainer.quantized_sum(st.codes(self.model_state), invite, cohort, sets.u3, sim, coins, beta)
+                weight = int(extras["hamming_weight"])
+                total = trainer.quantized_sum(
+                    st.codes(self.model_state), invite, cohort, sets.u3, sim, coins, beta, hamming_weight=weight
+                )
             else:
                 total = trainer.quantized_sum(self.model_state, invite, cohort, sets.u3, sim, coins)
         timings["devices"] = time.perf_counter() - t0
@@ -561,6 +564,8 @@ class LightFRCohort:
             [self._cfg.normalize(None if r is None else np.asarray(r, float), np.asarray(i).size) for i, r in users]
         )
         self.codes = np.ones((len(users), bits), dtype=np.int8)
+        #: Each device's snapped real vector Δ'·q under asymmetric scoring (protocol 1.6); zeros otherwise.
+        self.vectors = np.zeros((len(users), bits))
         self.trained = np.zeros(len(users), dtype=bool)
         self.batch = int(batch)
 
@@ -573,12 +578,13 @@ class LightFRCohort:
         rng: np.random.Generator,
         coins: NoiseStream,
         beta: NDArray[np.float64] | None = None,
+        hamming_weight: int = 1,
     ) -> NDArray[np.int64]:
         """Train every cohort device for one round; return Σ over ``survivors`` of the quantized
         uploads as signed integers (the invite's upload length).  ``rng`` drives training, ``coins`` the
         stochastic rounding (of the non-zero part of each upload: same law as a device's dense rounding,
-        other words).  Under the all-items objective ``D`` is the (m, f) item codes and ``beta`` the item
-        biases the downloaded levels stand for (`_full_sum`)."""
+        other words).  Under the all-items objective ``D`` is the (m, f) item codes, ``beta`` the item
+        biases the downloaded levels stand for and ``hamming_weight`` the downloaded B (`_full_sum`)."""
         from device_sdk.lightfr import dcd_update, inner_products, sample_negatives
         from protocol.spec import Aggregation
 
@@ -587,7 +593,7 @@ class LightFRCohort:
         if invite.unobserved_weight > 0:
             if beta is None:
                 raise ConfigError("the all-items objective needs the item biases the devices download (beta=)")
-            return self._full_sum(D, beta, invite, cohort, survivors, rng, coins)
+            return self._full_sum(D, beta, invite, cohort, survivors, rng, coins, hamming_weight)
         m, f = self.n_items, self.bits
         qcfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
         lam = float(invite.lam)
@@ -683,6 +689,7 @@ class LightFRCohort:
         survivors: Iterable[int],
         rng: np.random.Generator,
         coins: NoiseStream,
+        hamming_weight: int = 1,
     ) -> NDArray[np.int64]:
         """`quantized_sum` under the all-items objective (``invite.unobserved_weight > 0``).
 
@@ -694,8 +701,14 @@ class LightFRCohort:
         √(1 − s)·C for a counts share s > 0; the whole to C otherwise; each part's norm is known in closed
         form: ‖b bᵀ‖/f = 1, ‖b‖/f = 1/√f) and stochastically rounded.  Batched: the Python loops run over
         batches and bits, never over devices.
+
+        With ``invite.query_planes`` P >= 1 (asymmetric scoring, protocol 1.6) each device instead solves
+        its vector exactly against the codes (`device_sdk.lightfr.ridge_users`, ridge ``invite.user_reg``),
+        snaps it to P bit-planes and an integer weight for B = ``hamming_weight`` (`quantize_planes`,
+        `snap_scale`), keeps it in ``vectors`` and uploads the same parts with the vector u in place of b:
+        rows (w_q s/f − w_l)·u − (w_q/f)·u∘u∘d_i, and u uᵀ/f, u/f, whose norms are ‖u‖²/f and ‖u‖/f.
         """
-        from device_sdk.lightfr import dcd_full, inner_products
+        from device_sdk.lightfr import dcd_full, inner_products, quantize_planes, ridge_users, snap_scale
 
         m, f = self.n_items, self.bits
         layout = UploadLayout(m, f, full=True)
@@ -721,21 +734,35 @@ class LightFRCohort:
         for lo in range(0, rows_all.size, self.batch):
             rows = rows_all[lo : lo + self.batch]
             indptr, items, targets, owner = self._kept(rows, int(invite.example_cap), rng)
-            B = self.codes[rows]
-            for _ in range(int(invite.local_epochs)):
-                B, _ = dcd_full(
-                    indptr, items, targets, B, D, beta, w0, alpha, max_sweeps=int(invite.max_sweeps), gram=gram
-                )
-            self.codes[rows] = B
+            planes = int(invite.query_planes)
+            if planes:
+                U = ridge_users(indptr, items, targets, D, beta, w0, alpha, float(invite.user_reg), gram=gram)
+                odd, step = quantize_planes(U, planes)
+                _, snapped = snap_scale(step, hamming_weight)
+                Bf = snapped[:, None] * odd.astype(np.float64)
+                self.vectors[rows] = Bf
+                self.codes[rows] = np.where(odd > 0, 1, -1).astype(np.int8)
+                s_e = np.einsum("ef,ef->e", Df[items], Bf[owner])
+            else:
+                B = self.codes[rows]
+                for _ in range(int(invite.local_epochs)):
+                    B, _ = dcd_full(
+                        indptr, items, targets, B, D, beta, w0, alpha, max_sweeps=int(invite.max_sweeps), gram=gram
+                    )
+                self.codes[rows] = B
+                s_e = inner_products(indptr, items, B, D).astype(np.float64)
+                Bf = B.astype(np.float64)
             self.trained[rows] = True
-            s_e = inner_products(indptr, items, B, D).astype(np.float64)
             coef = wq * s_e / f - (c * targets - wq * beta[items])
-            Bf = B.astype(np.float64)
-            grad = coef[:, None] * Bf[owner] - (wq / f) * Df[items]
+            if planes:
+                grad = coef[:, None] * Bf[owner] - (wq / f) * Bf[owner] ** 2 * Df[items]
+            else:
+                grad = coef[:, None] * Bf[owner] - (wq / f) * Df[items]
             bias = c * targets - wq * s_e / f
             k = np.bincount(owner, minlength=rows.size).astype(np.float64)
             sq = np.einsum("ij,ij->i", grad, grad) + bias * bias
-            rest2 = np.bincount(owner, weights=sq, minlength=rows.size).astype(np.float64) + (1.0 + 1.0 / f)
+            n2 = np.einsum("ij,ij->i", Bf, Bf)  # ‖b‖² (= f for a ±1 code)
+            rest2 = np.bincount(owner, weights=sq, minlength=rows.size).astype(np.float64) + (n2 * n2 + n2) / f**2
             # (the last term is ‖b bᵀ/f‖² + ‖b/f‖²)
             if share > 0:
                 fc = np.minimum(1.0, math.sqrt(share) * clip / np.sqrt(np.maximum(k, 1.0)))

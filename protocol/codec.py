@@ -60,7 +60,7 @@ __all__ = [
     "MAX_DEPTH",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 5)
+PROTOCOL_VERSION: tuple[int, int] = (1, 6)
 #: Default total size limit for one encoded message (a 10**6-element masked vector is 4 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Far above any legitimate list (neighbourhoods are at most a few thousand), far below what would hurt.
@@ -144,6 +144,9 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("unobserved_weight", "w0", Kind.FLOAT),  # protocol 1.3
                 ("confidence", "cf", Kind.FLOAT),  # protocol 1.3
                 ("counts_share", "cs", Kind.FLOAT),  # protocol 1.3
+                # protocol 1.6: LightFR asymmetric scoring in the plan
+                ("query_planes", "qp", Kind.INT),
+                ("user_reg", "ur", Kind.FLOAT),
             ),
         ),
         PublicKeys.TYPE: (

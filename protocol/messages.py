@@ -31,9 +31,11 @@ from protocol.plan import TrainingPlan
 from protocol.spec import (
     MAX_ITEMS,
     MAX_LOCAL_STEPS,
+    MAX_QUERY_PLANES,
     MAX_RANK,
     MAX_TEXT,
     MAX_VECTOR_LENGTH,
+    USER_REG_RANGE,
     Aggregation,
     Alignment,
     ModelKind,
@@ -237,6 +239,13 @@ class RoundInvite(Message):
         Protocol 1.3, LightFR all-items objective: s in [0, 1).  s > 0 clips the per-item counts part
         of the upload to norm √s·C and the rest to √(1 − s)·C (the private popularity channel's share
         of the clip norm, `protocol.families.lightfr.clip_parts`); 0 clips the whole upload to C.
+    query_planes : int
+        Protocol 1.6, LightFR: P in [0, 8], > 0 only with ``unobserved_weight`` > 0.  P >= 1 asks each
+        device for asymmetric scoring (`protocol.plan.LightFRParams`): a real user vector solved against
+        the item codes, kept as P ±1 bit-planes, uploaded in the same layout in place of the ±1 code.
+        0 (the default, and what a 1.5 server's invite means): ±1 user codes.
+    user_reg : float
+        Protocol 1.6, LightFR: the ridge weight of that solve, in [1e-6, 1e6] (default 1).
     """
 
     TYPE: ClassVar[int] = 1
@@ -283,9 +292,20 @@ class RoundInvite(Message):
     confidence: float = 0.0
     # Appended in protocol 1.3 (LightFR private popularity channel).
     counts_share: float = 0.0
+    # Appended in protocol 1.6 (LightFR asymmetric scoring).
+    query_planes: int = 0
+    user_reg: float = 1.0
 
     def __post_init__(self) -> None:
         n = "RoundInvite"
+        _check_id(n, "query_planes", self.query_planes)
+        if self.query_planes > MAX_QUERY_PLANES:
+            _fail(n, f"query_planes must be in [0, {MAX_QUERY_PLANES}], got {self.query_planes}")
+        if self.query_planes > 0 and self.unobserved_weight == 0:
+            _fail(n, "query_planes needs the all-items objective (unobserved_weight > 0)")
+        _check_float(n, "user_reg", self.user_reg, minimum=USER_REG_RANGE[0])
+        if self.user_reg > USER_REG_RANGE[1]:
+            _fail(n, f"user_reg must be in [{USER_REG_RANGE[0]:g}, {USER_REG_RANGE[1]:g}], got {self.user_reg}")
         _check_float(n, "counts_share", self.counts_share, minimum=0.0)
         if self.counts_share >= 1.0:
             _fail(n, f"counts_share must be < 1, got {self.counts_share}")

@@ -7,7 +7,7 @@ Invariants:
   CLI all build these types, so they cannot disagree on a default or a bound.
 - `TrainingPlan` is a family's parameters plus the model's shape, version and schedule index, and
   the upload's clipping bound.  A `RoundInvite` still carries the plan as flat fields (protocol
-  1.1–1.3 appended them one by one, and the evolution rule of docs/protocol.md keeps them); this
+  1.1–1.3 and 1.6 appended them one by one, and the evolution rule of docs/protocol.md keeps them); this
   module is the one place that maps a plan to those fields (`TrainingPlan.invite_fields`) and
   back (`TrainingPlan.from_invite`).
 - In-process runs (no secure aggregation) use a `TrainingPlan` directly: nothing in it is about
@@ -31,8 +31,10 @@ from protocol.families.lightfr import UploadLayout
 from protocol.spec import (
     MAX_ITEMS,
     MAX_LOCAL_STEPS,
+    MAX_QUERY_PLANES,
     MAX_RANK,
     MAX_VECTOR_LENGTH,
+    USER_REG_RANGE,
     Aggregation,
     Alignment,
     ModelKind,
@@ -148,6 +150,13 @@ class LightFRParams:
     counts_share : s in [0, 1), only with w0 > 0: the device clips the per-item counts of its upload
         to √s·C and the rest to √(1 − s)·C (`protocol.families.lightfr.clip_parts`), the private
         popularity channel's share of the clip norm; 0 clips the upload as one.
+    query_planes : P in [0, 8] (protocol 1.6).  P >= 1, only with w0 > 0, is asymmetric scoring: each
+        device solves a real-valued user vector exactly against the binary item codes (ridge weight
+        ``user_reg``), keeps it as P ±1 bit-planes and a weight, uploads the same parts with it instead
+        of a ±1 code, and ranks items by the planes' integer score (`device_sdk.lightfr.ridge_users`,
+        `quantize_planes`, `device_sdk.topk.plane_scores`).  0 (default): ±1 user codes by DCD.
+    user_reg : the ridge weight of that solve, in [1e-6, 1e6] (protocol 1.6; default 1; used only with
+        ``query_planes`` >= 1).
     """
 
     KIND: ClassVar[ModelKind] = ModelKind.LIGHTFR
@@ -159,6 +168,8 @@ class LightFRParams:
     unobserved_weight: float = 0.1
     confidence: float = 0.0
     counts_share: float = 0.0
+    query_planes: int = 0
+    user_reg: float = 1.0
 
     def __post_init__(self) -> None:
         _set(self, "aggregation", check_choice("aggregation", self.aggregation, Aggregation))
@@ -179,6 +190,11 @@ class LightFRParams:
             raise ValueError(
                 "counts_share: needs the all-items objective (unobserved_weight > 0), whose upload has counts"
             )
+        _set(self, "query_planes", check_int("query_planes", self.query_planes, lo=0, hi=MAX_QUERY_PLANES))
+        if self.query_planes > 0 and self.unobserved_weight == 0:
+            raise ValueError("query_planes: asymmetric scoring needs the all-items objective (unobserved_weight > 0)")
+        lo, hi = USER_REG_RANGE
+        _set(self, "user_reg", check_float("user_reg", self.user_reg, lo=lo, hi=hi))
 
     def upload_length(self, n_items: int, rank: int) -> int:
         return UploadLayout(n_items, rank, full=self.unobserved_weight > 0).length

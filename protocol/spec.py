@@ -11,11 +11,13 @@ __all__ = [
     "Alignment",
     "MAX_ITEMS",
     "MAX_LOCAL_STEPS",
+    "MAX_QUERY_PLANES",
     "MAX_RANK",
     "MAX_TEXT",
     "MAX_VECTOR_LENGTH",
     "ModelKind",
     "StepRule",
+    "USER_REG_RANGE",
 ]
 
 MAX_VECTOR_LENGTH = 1 << 28
@@ -26,6 +28,12 @@ MAX_ITEMS = 1 << 26
 """Largest catalogue a model payload may describe."""
 MAX_LOCAL_STEPS = 1000
 """Largest count of local epochs, DCD sweeps, local steps or pre-training epochs a plan may ask."""
+MAX_QUERY_PLANES = 8
+"""Most bit-planes a LightFR plan may ask a device to keep its user vector as (protocol 1.6): scoring
+costs one XOR + popcount pass over the item codes per plane."""
+USER_REG_RANGE = (1e-6, 1e6)
+"""Bounds of the ridge weight of a LightFR device's user solve (protocol 1.6), inclusive: the solve's
+matrix stays well away from singular and the vector finite whatever item codes a server ships."""
 MAX_TEXT = 4096
 """Longest human-readable reason or detail in a message."""
 

@@ -230,6 +230,16 @@ def test_unknown_keys_of_a_newer_minor_are_ignored() -> None:
     assert {k: getattr(decoded, k) for k in expected} == expected
 
 
+def test_fields_missing_from_an_older_minor_take_their_defaults() -> None:
+    # A 1.5 server's LightFR invite: no query_planes / user_reg keys, so the plan keeps ±1 user codes.
+    case = MESSAGES["accepted_older_minor"]
+    decoded = codec.decode(bytes.fromhex(case["hex"]))
+    expected = dict(case["decodes_to"])
+    assert type(decoded).__name__ == expected.pop("type")
+    assert {k: getattr(decoded, k) for k in expected} == expected
+    assert isinstance(decoded, RoundInvite) and decoded.plan.params.query_planes == 0  # type: ignore[union-attr]
+
+
 def test_payload_layouts() -> None:
     codes_layout = MESSAGES["layouts"]["lightfr_codes"]
     words = codes.pack_signs(np.array(codes_layout["signs"], dtype=np.int8))

@@ -171,3 +171,249 @@ def test_index_survives_copies() -> None:
     clone = copy.deepcopy(index)
     after = clone.search(u, 7, np.random.default_rng(1))
     assert np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])
+
+
+def _reference_ranking(ref: np.ndarray, k: int, exclude: np.ndarray | None) -> np.ndarray:
+    """Item ids by score, best first, the lower id first among equal scores (the rng=None rule)."""
+    ok = np.ones(ref.size, bool)
+    if exclude is not None:
+        ok[exclude] = False
+    ids = np.flatnonzero(ok)
+    return ids[np.lexsort((ids, -ref[ids]))][:k]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.sampled_from([1, 3]),
+    f=st.sampled_from([8, 64, 250, 300]),
+    n_levels=st.sampled_from([0, 3, 256]),
+    weight=st.sampled_from([1, 4]),
+    k=st.sampled_from([1, 10, 40]),
+    block=st.sampled_from([16, 100, 1 << 17]),
+    n_excl=st.sampled_from([0, 5]),
+)
+def test_index_without_generator_is_the_reference_ranking(
+    seed: int, n: int, f: int, n_levels: int, weight: int, k: int, block: int, n_excl: int
+) -> None:
+    """rng=None: the ids themselves, not only the scores, equal a sort by (score desc, id asc); the
+    single-user path (first block of up to ``block`` items, head of 2048) and the batched scan alike,
+    including catalogues around the 2048-item head."""
+    rng = np.random.default_rng(seed)
+    m = int(rng.choice([k, 4 * k + 63, 2047, 2048, 2049, 2600]))
+    base = random_signs(3, f, rng)
+    D = base[rng.integers(0, 3, m)]
+    D = np.where(rng.random(D.shape) < 0.08, -D, D).astype(np.int8)
+    U = random_signs(n, f, rng)
+    levels = None if n_levels == 0 else rng.integers(0, n_levels, m).astype(np.uint8)
+    index = HammingIndex(pack_signs(D), f, levels, weight)
+    exclude = [rng.choice(m, min(n_excl, m), replace=False) for _ in range(n)]
+    ids, scores = index.search(pack_signs(U).T.copy(), k, None, exclude=exclude, block_pairs=block)
+    ref = _reference_scores(U, D, levels, weight)
+    for u in range(n):
+        want = _reference_ranking(ref[u], k, exclude[u])
+        assert np.array_equal(ids[u, : want.size], want) and np.all(ids[u, want.size :] == -1)
+        assert np.array_equal(scores[u, : want.size], ref[u, want])
+
+
+@pytest.mark.parametrize("m", [(1 << 17) - 1, 1 << 17, (1 << 17) + 1])
+@pytest.mark.parametrize("n_levels", [0, 16])
+def test_single_user_path_at_the_default_block_boundary(m: int, n_levels: int) -> None:
+    """A catalogue of up to one default block is one pass; one item more takes the blocked loop.
+    Both give the reference ranking (rng=None) and the reference scores (random ties)."""
+    rng = np.random.default_rng(m + n_levels)
+    f = 64
+    base = random_signs(8, f, rng)
+    D = base[rng.integers(0, 8, m)]
+    D = np.where(rng.random(D.shape) < 0.15, -D, D).astype(np.int8)
+    levels = None if n_levels == 0 else rng.integers(0, n_levels, m).astype(np.uint8)
+    index = HammingIndex(pack_signs(D), f, levels, 4)
+    for u in random_signs(3, f, rng):
+        ref = _reference_scores(u[None, :], D, levels, 4)[0]
+        excl = rng.choice(m, 20, replace=False)
+        ids, scores = index.search(pack_user(u), 25, None, exclude=[excl])
+        want = _reference_ranking(ref, 25, excl)
+        assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
+        ids, scores = index.search(pack_user(u), 25, rng, exclude=[excl])
+        assert np.array_equal(scores[0], ref[want]) and np.array_equal(ref[ids[0]], ref[want])
+        assert not np.isin(ids[0], excl).any() and np.unique(ids[0]).size == 25
+
+
+def test_threshold_from_the_head_keeps_a_cheaper_remainder_in_a_later_block() -> None:
+    """With an item term the head's bound is τ = B·t + B − 1, not B·t: items of a later block whose
+    dist + q equals t but whose remainder r is smaller cost less than the head's and must be found."""
+    f, B = 8, 4
+    u = np.ones(f, np.int8)
+
+    def at(dist: int) -> np.ndarray:
+        code = np.ones(f, np.int8)
+        code[:dist] = -1
+        return code
+
+    # Levels 12 (cost term 15 − 12 = 3 = 0·4 + 3) in the first block, 10 (5 = 1·4 + 1) after it.
+    D = np.array([at(3)] * 16 + [at(6)] * 15 + [at(2)])
+    levels = np.array([12] * 16 + [10] * 16, np.uint8)
+    levels[-17] = 15  # the top level, so that L = 15
+    D[-17] = at(8)  # ... on an item far away (cost 32 + 0)
+    index = HammingIndex(pack_signs(D), f, levels, B)
+    ref = _reference_scores(u[None, :], D, levels, B)[0]
+    for block in (16, 1 << 17):
+        ids, scores = index.search(pack_user(u), 1, None, block_pairs=block)
+        assert ids[0].tolist() == [31] and scores[0, 0] == ref.max()
+
+
+def _plane_case(
+    rng: np.random.Generator, m: int, f: int, P: int, n_levels: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """Item codes with many exact ties, one user's odd integers q in [−(2^P − 1), 2^P − 1] as P packed
+    planes, and levels."""
+    from device_sdk import lightfr
+
+    base = random_signs(3, f, rng)
+    D = base[rng.integers(0, 3, m)]
+    D = np.where(rng.random(D.shape) < 0.05, -D, D).astype(np.int8)
+    top = 2**P - 1
+    q = (2 * rng.integers(0, top + 1, (1, f)) - top).astype(np.int16)
+    planes = pack_signs(lightfr.sign_planes(q, P)[:, 0, :]).T.copy()
+    levels = None if n_levels == 0 else rng.integers(0, n_levels, m).astype(np.uint8)
+    return D, q[0], levels, planes
+
+
+def _plane_reference(D: np.ndarray, q: np.ndarray, a: int, levels: np.ndarray | None, s: int = 8) -> np.ndarray:
+    """S_i = a·qᵀd_i + 2^s·level_i, straight from the ±1 codes."""
+    return a * (D.astype(np.int64) @ q.astype(np.int64)) + (0 if levels is None else levels.astype(np.int64) << s)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    m=st.integers(1, 500),
+    f=st.sampled_from([5, 64, 70, 130]),
+    P=st.integers(1, 4),
+    a=st.sampled_from([1, 3, 64, 1000]),
+    n_levels=st.sampled_from([0, 1, 4, 256]),
+    k=st.integers(0, 30),
+    block=st.sampled_from([1, 16, 100, 1 << 17]),
+    n_excl=st.integers(0, 8),
+)
+def test_plane_search_is_the_reference_ranking(
+    seed: int, m: int, f: int, P: int, a: int, n_levels: int, k: int, block: int, n_excl: int
+) -> None:
+    """The counting top-k on plane scores returns, with rng=None, exactly a sort by (score desc, id
+    asc); with a generator, the same scores (items may differ only among ties)."""
+    from device_sdk.topk import plane_scores
+
+    rng = np.random.default_rng(seed)
+    D, q, levels, planes = _plane_case(rng, m, f, P, n_levels)
+    index = HammingIndex(pack_signs(D), f, levels, int(rng.integers(1, 5)))
+    ref = _plane_reference(D, q, a, levels)
+    assert np.array_equal(plane_scores(planes, pack_signs(D), f, a, levels), ref)
+    excl = rng.choice(m, min(n_excl, m), replace=False)
+    ids, scores = index.search_planes(planes, a, k, None, exclude=excl, block=block)
+    want = _reference_ranking(ref, k, excl)
+    assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])
+    ids, scores = index.search_planes(planes, a, k, rng, exclude=excl, block=block)
+    assert np.array_equal(scores, ref[want]) and np.array_equal(ref[ids], scores)
+    assert np.unique(ids).size == ids.size and not np.isin(ids, excl).any()
+    cand = rng.choice(m, min(m, 9), replace=False)
+    ids, scores = index.search_planes(planes, a, k, None, candidates=cand, exclude=excl)
+    keep = np.setdiff1d(cand, excl)
+    sub = keep[np.lexsort((keep, -ref[keep]))][:k]
+    assert np.array_equal(ids, sub) and np.array_equal(scores, ref[sub])
+
+
+@pytest.mark.parametrize("m", [2047, 2048, 2049, (1 << 17) - 1, 1 << 17, (1 << 17) + 1])
+def test_plane_search_at_the_head_and_block_boundaries(m: int) -> None:
+    rng = np.random.default_rng(m)
+    for P in (1, 2, 3):
+        D, q, levels, planes = _plane_case(rng, m, 64, P, 16)
+        index = HammingIndex(pack_signs(D), 64, levels, 2)
+        for a in (1, 37):
+            ref = _plane_reference(D, q, a, levels)
+            ids, scores = index.search_planes(planes, a, 20, None)
+            want = _reference_ranking(ref, 20, None)
+            assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])
+
+
+def test_plane_search_breaks_ties_uniformly_at_random() -> None:
+    f, m = 16, 12
+    D = np.tile(random_signs(1, f, np.random.default_rng(0)), (m, 1))  # every item ties
+    levels = np.zeros(m, np.uint8)
+    levels[[2, 9]] = 1  # ... except two, one level above
+    index = HammingIndex(pack_signs(D), f, levels, 1)
+    planes = pack_signs(np.stack([D[0], -D[0]])).T.copy()  # q = d_0 − 2·d_0 = −d_0: every item at −a·f
+    rng = np.random.default_rng(3)
+    counts = np.zeros(m)
+    for _ in range(3000):
+        ids, scores = index.search_planes(planes, 5, 3, rng)
+        assert set(ids[:2]) == {2, 9} and scores.tolist() == [-5 * f + 256, -5 * f + 256, -5 * f]
+        counts[ids[2]] += 1
+    others = np.delete(counts, [2, 9])
+    assert counts[[2, 9]].sum() == 0 and others.min() > 220 and others.max() < 380  # ~300 each
+
+
+def test_plane_search_validates_its_inputs() -> None:
+    words = pack_signs(random_signs(5, 64, np.random.default_rng(0)))
+    index = HammingIndex(words, 64)
+    planes = words[:, :2].T.copy()
+    with pytest.raises(ValueError, match="planes"):
+        index.search_planes(np.zeros((2, 2), np.uint64), 1, 3, None)
+    with pytest.raises(ValueError, match="planes"):
+        index.search_planes(np.zeros((9, 1), np.uint64), 1, 3, None)
+    with pytest.raises(ValueError, match="weight"):
+        index.search_planes(planes, 0, 3, None)
+    with pytest.raises(ValueError, match="k must"):
+        index.search_planes(planes, 1, -1, None)
+    with pytest.raises(ValueError, match="out of range"):
+        index.search_planes(planes, 1, 3, None, exclude=np.array([5]))
+    with pytest.raises(ValueError, match="out of range"):
+        index.search_planes(planes, 1, 3, None, candidates=np.array([-1]))
+    ids, scores = index.search_planes(planes, 1, 0, None)
+    assert ids.size == 0 and scores.size == 0
+
+
+def test_plane_search_reaches_a_later_block_whose_lift_equals_the_threshold() -> None:
+    """The scan stops at a block only when its q exceeds the threshold: an item there with W = 0 and
+    q = t costs as much as the head's best (here they tie and its lower id wins)."""
+    f = 128
+    u = random_signs(1, f, np.random.default_rng(1))[0]
+    D = np.array([u] + [-u] * 16)  # item 0: W = 0 at level 0; items 1..16: W = f at level 1
+    levels = np.array([0] + [1] * 16, np.uint8)
+    index = HammingIndex(pack_signs(D), f, levels, 1)
+    planes = pack_user(u)[None, :]  # P = 1, a = 1: cost = 2·W + 256·(1 − level), q = 128·(1 − level)
+    for block in (16, 1 << 17):
+        ids, scores = index.search_planes(planes, 1, 1, None, block=block)
+        assert ids.tolist() == [0] and scores.tolist() == [f]
+
+
+def test_model_recommend_with_planes_and_codes_in_one_batch() -> None:
+    """`LightFRModel.recommend` for a batch holding a bit-plane user (counting plane top-k) and a ±1
+    code user (Hamming scan), restricted to candidate items, without levels: the plane user's scores
+    are the real scores Δ'·qᵀd/f of its reference ranking, padded where too few items are eligible."""
+    from device_sdk import lightfr
+    from device_sdk.models import LightFRConfig, LightFRModel
+
+    rng = np.random.default_rng(8)
+    m, f = 300, 64
+    cfg = LightFRConfig(bits=f, rating_range=None, binary_positives=True, unobserved_weight=0.05, query_planes=3)
+    model = LightFRModel(m, cfg, n_users=2, rng=np.random.default_rng(0))
+    model.set_item_codes(random_signs(m, f, rng), 1)
+    liked = rng.choice(m, 15, replace=False)
+    model.fold_in(liked, userid=0)
+    model.set_user_code(random_signs(1, f, rng)[0], userid=1)
+    assert model.user_weight[0] > 0 and model.user_weight[1] == 0
+    cand = rng.choice(m, 40, replace=False)
+    ids, scores = model.recommend(
+        userid=np.array([0, 1]), N=50, items=cand, filter_items=liked, filter_already_liked_items=False
+    )
+    eligible = np.setdiff1d(cand, liked)
+    delta = 2.0 * model.user_weight[0] / (2**lightfr.LEVEL_SHIFT * model.hamming_weight)
+    real = delta * (model.item_codes.astype(np.int64) @ model.user_q[0].astype(np.int64)) / f
+    n_ok = eligible.size
+    np.testing.assert_allclose(scores[0, :n_ok], np.sort(real[eligible])[::-1], rtol=1e-6)
+    assert set(ids[0, :n_ok]) == set(eligible) and np.all(ids[0, n_ok:] == -1)
+    assert np.all(np.isneginf(scores[0, n_ok:]))
+    hamming = 1 - (f - model.item_codes.astype(np.int64) @ model.user_codes[1].astype(np.int64)) / (2 * f)
+    np.testing.assert_allclose(scores[1, :n_ok], np.sort(hamming[eligible])[::-1], rtol=1e-6)
+    one, one_scores = model.recommend(userid=0, N=5, filter_already_liked_items=False)
+    np.testing.assert_allclose(one_scores, np.sort(real)[::-1][:5], rtol=1e-6)

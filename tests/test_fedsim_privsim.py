@@ -326,10 +326,11 @@ async def test_http_round_with_dp_equals_the_simulator(aiohttp_server: Any, tmp_
     assert sim.simulator.ledger is not None and sim.simulator.ledger.spent() == coord.ledger.spent()
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5])
-def test_batched_all_items_devices_match_real_devices(share: float, tmp_path: Path) -> None:
-    # The all-items objective (w0 > 0) with item levels, clipped as one or with a counts share: the
-    # batched uploads equal the devices' own `local_round` outputs up to the stochastic rounding.
+@pytest.mark.parametrize(("share", "planes"), [(0.0, 0), (0.5, 0), (0.0, 2), (0.5, 3)])
+def test_batched_all_items_devices_match_real_devices(share: float, planes: int, tmp_path: Path) -> None:
+    # The all-items objective (w0 > 0) with item levels, clipped as one or with a counts share, with ±1
+    # codes or (protocol 1.6) bit-plane user vectors: the batched uploads equal the devices' own
+    # `local_round` outputs up to the stochastic rounding.
     from dataclasses import replace
 
     from agg_server.strategy.base import round_plan
@@ -337,7 +338,8 @@ def test_batched_all_items_devices_match_real_devices(share: float, tmp_path: Pa
     from protocol.session import RoundParameters
 
     n, m, f = 15, 40, 16
-    cfg = _config(tmp_path, "lightfr", n, dp=False, rounds=1, n_items=m, model={"counts_share": share})
+    model = {"counts_share": share, "query_planes": planes, "user_reg": 3.0}
+    cfg = _config(tmp_path, "lightfr", n, dp=False, rounds=1, n_items=m, model=model)
     cfg = replace(cfg, rounds=replace(cfg.rounds, example_cap=0))
     sim = PrivateSimulator(cfg)
     rng = np.random.default_rng(4)
@@ -353,7 +355,7 @@ def test_batched_all_items_devices_match_real_devices(share: float, tmp_path: Pa
         round_id=1, vector_length=length, k=n, t=1, clip_norm=1.5, scale_bits=10, deadlines=(0.0,) * 4
     )
     invite = params.invite(0).with_plan(round_plan(st, 1))
-    assert invite.counts_share == share and invite.unobserved_weight > 0
+    assert invite.counts_share == share and invite.unobserved_weight > 0 and invite.query_planes == planes
     expected = _real_devices_sum(
         users, cohort, invite, f, lambda model: model.set_global(payload.words, b"", 1, **payload.lightfr_extras())
     )
@@ -365,7 +367,9 @@ def test_batched_all_items_devices_match_real_devices(share: float, tmp_path: Pa
         np.random.default_rng(0),
         insecure_test_noise_stream(0),
         beta,
+        hamming_weight=payload.hamming_weight,
     )
+    assert bool(np.any(cohort.vectors)) is (planes > 0)
     assert got.shape == expected.shape
     assert np.max(np.abs(got - expected)) <= n
     assert np.count_nonzero(expected) > 100

@@ -475,14 +475,23 @@ def test_mean_field_step_is_exact_coordinate_descent_when_raters_look_alike() ->
     assert any(item_loss(i, jacobi[i].astype(float)) > item_loss(i, D[i].astype(float)) + 1e-9 for i in range(m))
 
 
-def test_device_model_with_query_planes_uploads_and_ranks_like_the_reference(tmp_path) -> None:
+@pytest.mark.parametrize("rank_planes", [0, 3])
+def test_device_model_with_query_planes_uploads_and_ranks_like_the_reference(tmp_path, rank_planes: int) -> None:
     """A `LightFRModel` with query_planes: its upload is `full_upload` of the snapped vector solved against
-    the whole catalogue, `recommend` ranks by the real score Δ'·qᵀd/f + β, and a save/load keeps it."""
+    the whole catalogue, `recommend` ranks by the real score Δ'·qᵀd/f + β, and a save/load keeps it.  With
+    rank_planes the kept (ranking) vector has that many planes and the upload still query_planes."""
     from device_sdk.models import LightFRConfig, LightFRModel
 
     rng = np.random.default_rng(21)
     m, f, P = 200, 64, 2
-    cfg = LightFRConfig(bits=f, rating_range=None, binary_positives=True, unobserved_weight=0.05, query_planes=P)
+    cfg = LightFRConfig(
+        bits=f,
+        rating_range=None,
+        binary_positives=True,
+        unobserved_weight=0.05,
+        query_planes=P,
+        rank_planes=rank_planes,
+    )
     model = LightFRModel(m, cfg, rng=np.random.default_rng(0))
     model.set_item_codes(random_signs(m, f, rng), 3)
     model.item_levels = rng.integers(100, 160, m).astype(np.uint8)
@@ -495,11 +504,15 @@ def test_device_model_with_query_planes_uploads_and_ranks_like_the_reference(tmp
     U = lightfr.ridge_users(ptr, items, np.ones(items.size), model.item_codes, beta, 0.05, 0.0, 1.0)
     q, scale = lightfr.quantize_planes(U, P)
     a, snapped = lightfr.snap_scale(scale, 2)
-    np.testing.assert_array_equal(model.user_q[0], q[0])
-    assert model.user_weight[0] == a[0] and update.flips == 0
     ref = lightfr.full_upload(ptr, items, np.ones(items.size), snapped[:, None] * q, model.item_codes, beta, 0.05, 0.0)
     for key, part in ref.items():
         np.testing.assert_allclose(update.parts[key], part, rtol=1e-9, atol=1e-9)
+    if rank_planes:
+        assert np.abs(model.user_q[0]).max() > 2**P - 1  # more levels than the upload's planes hold
+        q, scale = lightfr.quantize_planes(U, rank_planes)
+        a, snapped = lightfr.snap_scale(scale, 2)
+    np.testing.assert_array_equal(model.user_q[0], q[0])
+    assert model.user_weight[0] == a[0] and update.flips == 0
     real = snapped[0] * (model.item_codes.astype(float) @ q[0]) / f + beta
     real[items] = -np.inf
     ids, scores = model.recommend(items, N=10, filter_already_liked_items=True)
@@ -519,3 +532,82 @@ def test_device_model_with_query_planes_uploads_and_ranks_like_the_reference(tmp
         LightFRConfig(query_planes=9)
     with pytest.raises(ValueError, match="user_reg must be a finite number > 0"):
         LightFRConfig(user_reg=0.0)
+    with pytest.raises(ValueError, match="rank_planes must be an integer in"):
+        LightFRConfig(rank_planes=9)
+
+
+def test_mean_field_sweeps_end_where_no_single_bit_flip_helps() -> None:
+    """Several mean-field passes on one round's sums: with raters that look alike the quadratic model is
+    exact, so every item's loss only goes down and the step stops at codes no single bit flip improves,
+    which one pass does not reach on this data."""
+    rng = np.random.default_rng(8)
+    n, m, f = 8, 40, 12
+    indptr, items, r = _batch(rng, n, m, 12)
+    D = random_signs(m, f, rng)
+    beta = rng.normal(0, 0.1, m)
+    w0, alpha = 0.05, 1.0
+    U = np.tile(rng.normal(0, 2.0, f), (n, 1))  # every user the same vector: Σ_{u∈Ω_i} u uᵀ = (counts_i / n)·G_U
+    total = lightfr.full_upload(indptr, items, r, U, D, beta, w0, alpha)
+
+    def item_loss(i: int, d: np.ndarray) -> float:
+        x = U @ d / f + beta[i]
+        loss = 0.0
+        for u in range(n):
+            its = items[indptr[u] : indptr[u + 1]]
+            hit = np.flatnonzero(its == i)
+            loss += (1 + alpha) * (r[indptr[u] + hit[0]] - x[u]) ** 2 if hit.size else w0 * x[u] ** 2
+        return loss
+
+    def improvable(codes: np.ndarray) -> int:
+        """Items for which one bit flip lowers the loss."""
+        count = 0
+        for i in range(m):
+            d = codes[i].astype(float)
+            here = item_loss(i, d)
+            flips = [d * np.where(np.arange(f) == k, -1.0, 1.0) for k in range(f)]
+            count += any(item_loss(i, e) < here - 1e-9 for e in flips)
+        return count
+
+    kw = {"flip_fraction": 1.0, "learn_bias": False, "mean_field": True}
+    one, _ = agg_full(D, beta, total, n, w0, alpha, **kw)
+    many, _ = agg_full(D, beta, total, n, w0, alpha, sweeps=20, **kw)
+    assert improvable(one) > 0
+    assert improvable(many) == 0
+    for i in range(m):
+        assert item_loss(i, many[i].astype(float)) <= item_loss(i, one[i].astype(float)) + 1e-9
+    # sweeps = 1 is the one-pass step; a bad count is refused
+    np.testing.assert_array_equal(agg_full(D, beta, total, n, w0, alpha, sweeps=1, **kw)[0], one)
+    with pytest.raises(ValueError, match="sweeps must be"):
+        agg_full(D, beta, total, n, w0, alpha, sweeps=0, **kw)
+
+
+def test_server_strategy_runs_the_code_sweeps_it_is_given() -> None:
+    """`LightFRServerStrategy(code_sweeps=…)` steps exactly as `agg_full(sweeps=…)`, and more passes change
+    the step; it and the simulator's `FederationConfig` refuse a count that is not an integer >= 1."""
+    from agg_server.strategy import LightFRServerStrategy, LightFRStrategy
+    from fedsim.federation import FederationConfig
+
+    rng = np.random.default_rng(3)
+    n, m, f = 10, 40, 12
+    indptr, items, _ = _batch(rng, n, m, 9)
+    r = np.ones(items.size)
+    U = rng.normal(0, 2.0, (n, f))
+    steps = {}
+    for sweeps in (1, 6):
+        strategy = LightFRServerStrategy(
+            LightFRStrategy(bits=f, flip_fraction=1.0), m, unobserved_weight=0.05, mean_field=True, code_sweeps=sweeps
+        )
+        state = strategy.initialize(np.random.default_rng(0))
+        beta = np.zeros(m)
+        parts = lightfr.full_upload(indptr, items, r, U, state[:, :f], beta, 0.05, 0.0)
+        total = UploadLayout(m, f, full=True).join(**parts)
+        new_state = strategy.aggregate(state, total, n, np.random.default_rng(0), round_index=0)
+        D, _ = agg_full(state[:, :f], beta, parts, n, 0.05, 0.0, flip_fraction=1.0, mean_field=True, sweeps=sweeps)
+        np.testing.assert_array_equal(new_state[:, :f], D)
+        steps[sweeps] = D
+    assert np.count_nonzero(steps[1] != steps[6]) > 0
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="code_sweeps"):
+            LightFRServerStrategy(LightFRStrategy(bits=f), m, unobserved_weight=0.05, code_sweeps=bad)
+        with pytest.raises(ValueError, match="code_sweeps"):
+            FederationConfig(code_sweeps=bad)

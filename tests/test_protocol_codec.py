@@ -35,7 +35,17 @@ from protocol.messages import (
     UnmaskResponse,
     Wait,
 )
-from protocol.spec import MAX_ITEMS, MAX_LOCAL_STEPS, MAX_RANK, Aggregation, Alignment, ModelKind, StepRule
+from protocol.spec import (
+    MAX_ITEMS,
+    MAX_LOCAL_STEPS,
+    MAX_QUERY_PLANES,
+    MAX_RANK,
+    USER_REG_RANGE,
+    Aggregation,
+    Alignment,
+    ModelKind,
+    StepRule,
+)
 
 from .secagg_helpers import sample_messages
 
@@ -107,6 +117,8 @@ def invite_fields(draw: st.DrawFn) -> dict[str, object]:
         "unobserved_weight": w0,
         "confidence": confidence,
         "counts_share": draw(st.floats(0.0, 1.0, exclude_max=True)) if w0 > 0 else 0.0,
+        "query_planes": draw(st.integers(0, MAX_QUERY_PLANES)) if w0 > 0 else 0,
+        "user_reg": draw(st.floats(*USER_REG_RANGE)),
     }
 
 

@@ -18,6 +18,7 @@ PARAMS = [
         aggregation=Aggregation.PARA, lam=0.2, negatives=3, local_epochs=2, max_sweeps=4, unobserved_weight=0
     ),
     LightFRParams(unobserved_weight=0.5, confidence=1.5, local_epochs=3),
+    LightFRParams(unobserved_weight=0.05, query_planes=3, user_reg=30.0),  # protocol 1.6: asymmetric scoring
     MFParams(max_norm2=4.0, learning_rate=0.05, reg=0.01, pretrain_epochs=7, local_epochs=2, negatives=1),
     FELBParams(local_epochs=5, reg=0.2, reg_growth=1.1, kappa=0.01, proximity=0.5, inertia=0.1, step_rule=StepRule.MU),
     FNMFParams(local_steps=17, proximity=0.3, inertia=0.2, alignment=Alignment.LAP_RHO),
@@ -140,3 +141,92 @@ def test_server_config_devices_and_cli_share_defaults_and_bounds() -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["simulate", "--epochs", "1001"])
     assert parser.parse_args(["simulate", "--epochs", "1000"]).epochs == 1000
+
+
+# -- protocol 1.6: asymmetric scoring in the plan ---------------------------------------------------------
+
+
+def _planes_invite(**fields: object) -> RoundInvite:
+    plan = TrainingPlan(params=LightFRParams(unobserved_weight=0.1, query_planes=2, user_reg=10.0), n_items=5, rank=4)
+    return dataclasses.replace(_invite(plan), **fields)  # type: ignore[arg-type]
+
+
+def _hostile_bytes(**body: object) -> bytes:
+    """A planes invite re-encoded with some body keys replaced (what a hostile server could send)."""
+    import msgpack
+
+    envelope = msgpack.unpackb(encode(_planes_invite()), raw=False)
+    envelope["b"].update(body)
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"qp": 9}, "query_planes"),  # more planes than the device scans
+        ({"qp": 1 << 40}, "query_planes"),
+        ({"qp": -1}, "query_planes"),
+        ({"qp": 2.0}, "qp"),  # a float where an int belongs
+        ({"qp": 2, "w0": 0.0, "L": 20}, "query_planes"),  # planes without the all-items objective
+        ({"ur": 0.0}, "user_reg"),
+        ({"ur": 1e-9}, "user_reg"),  # a near-singular solve
+        ({"ur": 1e7}, "user_reg"),
+        ({"ur": float("nan")}, "user_reg"),
+        ({"ur": float("inf")}, "user_reg"),
+        ({"ur": "1"}, "ur"),
+    ],
+)
+def test_a_device_refuses_hostile_plane_settings_naming_the_field(body: dict[str, object], field: str) -> None:
+    from protocol.errors import DecodeError
+
+    with pytest.raises(DecodeError, match=field):
+        decode(_hostile_bytes(**body))
+
+
+def test_plane_settings_out_of_range_are_refused_by_the_plan_type() -> None:
+    with pytest.raises(ValueError, match=r"^query_planes: must be an integer in \[0, 8\], got 9"):
+        LightFRParams(query_planes=9)
+    with pytest.raises(ValueError, match=r"^query_planes: must be an integer"):
+        LightFRParams(query_planes=True)
+    with pytest.raises(ValueError, match=r"^query_planes: asymmetric scoring needs the all-items objective"):
+        LightFRParams(query_planes=1, unobserved_weight=0.0)
+    with pytest.raises(ValueError, match=r"^user_reg: must be a finite number in \[1e-06, 1000000.0\]"):
+        LightFRParams(query_planes=1, user_reg=0.0)
+    # A plan that leaves the planes out (every 1.5 server's) keeps ±1 user codes.
+    assert LightFRParams().query_planes == 0 and LightFRParams().user_reg == 1.0
+
+
+def test_the_device_follows_the_plans_planes_and_a_15_device_ignores_them() -> None:
+    """A 1.6 device trains what the plan says (a bit-plane vector, the upload in the same layout); a 1.5
+    device (a decoder without the qp/ur keys) reads the same bytes as a plan without planes and trains a
+    ±1 code: its upload has the same length and layout, so the round takes it."""
+    from types import MappingProxyType
+
+    import numpy as np
+
+    from device_sdk.family import LocalRatings
+    from device_sdk.models import LightFRConfig, LightFRModel
+    from protocol import codec
+
+    wire = encode(_planes_invite())
+    plan = decode(wire).plan  # type: ignore[union-attr]
+    assert plan.params.query_planes == 2 and plan.params.user_reg == 10.0
+    kind, fields = codec._SCHEMA[RoundInvite.TYPE]
+    old = tuple(f for f in fields if f[1] not in ("qp", "ur"))  # what a 1.5 decoder knows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(codec, "_SCHEMA", MappingProxyType({**codec._SCHEMA, RoundInvite.TYPE: (kind, old)}))
+        old_plan = decode(wire).plan  # type: ignore[union-attr]
+    assert old_plan.params.query_planes == 0 and old_plan == dataclasses.replace(
+        plan, params=dataclasses.replace(plan.params, query_planes=0, user_reg=1.0)
+    )
+    data = LocalRatings(np.zeros(3, np.int64), np.array([0, 2, 3]), None, 1)
+    uploads = []
+    for p, planes in ((plan, True), (old_plan, False)):
+        model = LightFRModel(5, LightFRConfig(bits=4, rating_range=None), rng=np.random.default_rng(0))
+        model.set_item_codes(np.array([[1, -1, 1, 1]] * 2 + [[-1, 1, 1, -1]] * 3, np.int8), 1)
+        out = model.local_update(p, data, np.random.default_rng(1))
+        assert model.config.query_planes == (2 if planes else 0) and model.config.user_reg == (10.0 if planes else 1.0)
+        assert bool(model.user_weight[0] > 0) is planes  # a bit-plane vector, or a ±1 code
+        uploads.append(out.vector)
+    assert uploads[0].shape == uploads[1].shape == (p.vector_length,)
+    assert not np.array_equal(uploads[0], uploads[1])

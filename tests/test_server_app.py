@@ -277,6 +277,57 @@ async def test_http_run_is_bit_identical_to_the_in_process_reference(aiohttp_ser
         ref.storage.close()
 
 
+@pytest.mark.asyncio
+async def test_http_run_with_asymmetric_scoring_in_the_plan_matches_the_in_process_reference(
+    aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Protocol 1.6: the server's model.query_planes / user_reg reach every device through the round plan;
+    over HTTP the devices train bit-plane vectors and the committed model is bit-identical to the same
+    rounds in-process (same seeds, same drops), and differs from the run without planes."""
+    data = users(16, seed=4)
+    rounds = 2
+
+    def config(where: str, planes: int) -> Any:
+        cfg = small_config(tmp_path / where, cohort=16, timeout=60.0, min_cohort=16)
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, query_planes=planes, user_reg=10.0))
+
+    def schedule(r: int, d: int) -> DropoutAt:
+        return DropoutAt.BEFORE_MASKED if (d + r) % 5 == 0 else DropoutAt.NONE
+
+    app = create_app(config("http", 2))
+    server = await aiohttp_server(app)
+    fleet_cfg = FleetConfig(
+        url=str(server.make_url("")).rstrip("/"),
+        store_root=tmp_path / "devices",
+        n_items=N_ITEMS,
+        bits=BITS,
+        rounds=rounds,
+        seed=11,
+        insecure_reproducible=True,
+        schedule=schedule,
+        announce_drops=True,
+        time_limit=300.0,
+    )
+    report, clients = await run_fleet(fleet_cfg, list(data.values()))
+    http_coord = app[COORDINATOR]
+    assert report.rounds_finished == rounds and not report.errors
+    assert [r["status"] for r in report.server_rounds] == ["committed"] * rounds
+    trained = [c.model for c in clients if c.model.user_trained[0]]
+    assert trained and all(m.config.query_planes == 2 and m.config.user_reg == 10.0 for m in trained)
+    assert all(m.user_weight[0] > 0 for m in trained)  # bit-plane vectors, not ±1 codes
+
+    reference = run_private_lightfr(config("ref", 2), data, rounds=rounds, seed=11, dropout=schedule)
+    codes_only = run_private_lightfr(config("codes", 0), data, rounds=rounds, seed=11, dropout=schedule)
+    try:
+        ref = reference.coordinator
+        assert ref.model_version == http_coord.model_version == 1 + rounds
+        assert ref.model_bytes == http_coord.model_bytes
+        assert codes_only.coordinator.model_bytes != ref.model_bytes
+    finally:
+        reference.coordinator.storage.close()
+        codes_only.coordinator.storage.close()
+
+
 def test_failed_commit_releases_the_round_and_charges_privacy_once(tmp_path: Path) -> None:
     """A storage failure at commit must not retry the commit (and the privacy charge) on every tick."""
     from protocol.errors import StorageError

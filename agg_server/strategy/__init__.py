@@ -56,6 +56,8 @@ def build_strategy(config: ServerConfig) -> Strategy:
             counts_share=m.counts_share,
             popularity_span=m.popularity_span,
             mean_field=m.mean_field,
+            query_planes=m.query_planes,
+            user_reg=m.user_reg,
         )
     # The [mf], [felb] and [fnmf] tables name exactly their strategy's hyper-parameters.
     try:

@@ -108,6 +108,7 @@ def agg_full(
     rng: np.random.Generator | None = None,
     learn_bias: bool = True,
     mean_field: bool = False,
+    sweeps: int = 1,
 ) -> tuple[NDArray[np.int8], NDArray[np.float64]]:
     """One server step of the all-items objective (see `device_sdk.lightfr`): new item codes and
     item biases from the cohort's summed upload parts (`protocol.families.lightfr.UploadLayout.split`).
@@ -120,6 +121,11 @@ def agg_full(
     taken as (counts_i / n)·G_U, so a bit's C_ik also follows the item's bits already changed in this
     step: exact coordinate descent when the raters of every item look like the cohort, and less of the
     Jacobi overshoot otherwise (chosen on validation, README).
+    ``sweeps`` > 1 repeats the pass over the bits on the same summed statistics (no more uploads) until a
+    pass flips nothing: each bit is then tested against the quadratic model of its item's loss around the
+    old codes (the gradient at the old codes, the Gram term, and with ``mean_field`` the raters' part), its
+    own change excluded, so with ``mean_field`` and raters that look like the cohort the step ends at a
+    point no single bit flip improves; 1 = one pass (the default).
     Biases: the exact minimiser given the codes the devices trained against,
     β_i = (bias_i − w0 d_iᵀ Σ_u b_u / f) / ((c − w0) counts_i + w0 n), n = ``survivors``.
     """
@@ -138,6 +144,8 @@ def agg_full(
         raise ValueError(f"flip_fraction must be in (0, 1], got {flip_fraction}")
     if flip_fraction < 1 and rng is None:
         raise ValueError("a generator is needed when flip_fraction < 1")
+    if isinstance(sweeps, bool) or not isinstance(sweeps, int | np.integer) or sweeps < 1:
+        raise ValueError(f"sweeps must be an integer >= 1, got {sweeps!r}")
     old = D.astype(np.float64)
     out = old.copy()
     Q = out @ gram
@@ -146,19 +154,24 @@ def agg_full(
     # Mean field: the observed part of item i's quadratic, Σ_{u∈Ω_i} u uᵀ, taken as (counts_i / n)·G_U, so the
     # gradient of bit k follows the item's bits k' already changed in this step (damps the Jacobi overshoot).
     share = (1.0 + alpha - w0) * np.maximum(parts["counts"], 0.0) / survivors if mean_field else None
-    for k in range(f):
-        dk = out[:, k]
-        C = grad[:, k] + w0 * (Q[:, k] - diag[k] * dk) / f + w0 * beta * bsum[k]
-        if share is not None:
-            C = C + share * (Q[:, k] - Q0[:, k]) / f
-        new = np.where(C < 0, 1.0, np.where(C > 0, -1.0, dk))
-        if flip_fraction < 1 and rng is not None:
-            new = np.where(rng.random(m) < flip_fraction, new, dk)
-        delta = new - dk
-        idx = np.flatnonzero(delta)
-        if idx.size:
-            out[idx, k] = new[idx]
-            Q[idx] += delta[idx, None] * gram[k][None, :]
+    for _ in range(sweeps):
+        flips = 0
+        for k in range(f):
+            dk = out[:, k]
+            C = grad[:, k] + w0 * (Q[:, k] - diag[k] * dk) / f + w0 * beta * bsum[k]
+            if share is not None:  # the raters' part of the bits changed so far, bit k's own change excluded
+                C = C + share * (Q[:, k] - Q0[:, k] - diag[k] * (dk - old[:, k])) / f
+            new = np.where(C < 0, 1.0, np.where(C > 0, -1.0, dk))
+            if flip_fraction < 1 and rng is not None:
+                new = np.where(rng.random(m) < flip_fraction, new, dk)
+            delta = new - dk
+            idx = np.flatnonzero(delta)
+            if idx.size:
+                flips += idx.size
+                out[idx, k] = new[idx]
+                Q[idx] += delta[idx, None] * gram[k][None, :]
+        if flips == 0:
+            break
     if learn_bias:
         wq = 1.0 + alpha - w0
         den = wq * np.maximum(parts["counts"], 0.0) + w0 * survivors
@@ -270,10 +283,14 @@ class LightFRServerStrategy:
     counts_share : the share s of the clip norm the devices give the counts part of their upload
         (`protocol.families.lightfr.clip_parts`; 0 = the whole upload clipped as one).
     mean_field : the code step's mean-field correction (`agg_full`).
+    code_sweeps : passes of the code step over one round's sum (`agg_full` ``sweeps``; 1 = one pass).
     popularity_span : > 0 sets the item levels from the released counts instead of the learned
         biases (the private popularity channel, for rounds under DP, where the bias sums are noise):
         β_i = span·log(1 + n̂_i) / log(1 + max n̂), n̂ the round's counts (negative noise as 0),
         averaged over the rounds so far (`popularity_bias`).  0 = learned levels.
+    query_planes, user_reg : asymmetric scoring in the devices' plan (protocol 1.6,
+        `protocol.plan.LightFRParams`): each device uploads its real user vector's parts in place of a
+        ±1 code's, in the same layout, so the step here is unchanged.  0 = ±1 user codes.
     """
 
     rule: LightFRStrategy
@@ -290,6 +307,9 @@ class LightFRServerStrategy:
     popularity_span: float = 0.0
     unobserved_scale: float = 0.0
     mean_field: bool = False
+    code_sweeps: int = 1
+    query_planes: int = 0
+    user_reg: float = 1.0
     # The last density-derived w0 (empty until a round has been aggregated); the one mutable part.
     _derived: list[float] = field(default_factory=list, repr=False, compare=False)
 
@@ -304,6 +324,8 @@ class LightFRServerStrategy:
             raise ValueError("popularity_span needs the all-items objective (unobserved_weight > 0)")
         if not 1 <= self.hamming_weight <= 255:
             raise ValueError(f"hamming_weight must be in [1, 255], got {self.hamming_weight}")
+        if isinstance(self.code_sweeps, bool) or not (isinstance(self.code_sweeps, int) and self.code_sweeps >= 1):
+            raise ValueError(f"code_sweeps must be an integer >= 1, got {self.code_sweeps!r}")
         self.plan()  # the plan's bounds: `protocol.plan.LightFRParams` checks them
 
     @property
@@ -339,6 +361,8 @@ class LightFRServerStrategy:
             unobserved_weight=self.current_weight,
             confidence=self.confidence,
             counts_share=self.counts_share,
+            query_planes=self.query_planes,
+            user_reg=self.user_reg,
         )
 
     @property
@@ -417,6 +441,7 @@ class LightFRServerStrategy:
             rng=rng,
             learn_bias=self.learn_bias and self.popularity_span == 0,
             mean_field=self.mean_field,
+            sweeps=self.code_sweeps,
         )
         if self.popularity_span > 0:
             fresh = popularity_bias(parts["counts"], self.popularity_span)

@@ -98,7 +98,8 @@ _SINCE_1_2 = {
     "ModelPayload": ("values",),
 }
 _SINCE_1_3 = {
-    "RoundInvite": ("cohort_size",),
+    "RoundInvite": ("cohort_size", "unobserved_weight", "confidence", "counts_share"),
+    "ModelPayload": ("item_levels", "hamming_weight"),
     "PublicKeys": ("certificate", "signature"),
     "ShareKeysBroadcast": ("certificates", "signatures"),
     "MaskedInput": ("bad_share_senders",),
@@ -107,6 +108,7 @@ _SINCE_1_3 = {
 
 
 _SINCE_1_4 = {"RegisterRequest": ("certificate", "proof", "enrollment_token")}
+_SINCE_1_6 = {"RoundInvite": ("query_planes", "user_reg")}
 
 
 def _check(condition: bool) -> None:
@@ -125,6 +127,8 @@ def fixed_field_element(label: str) -> int:
 
 
 def _since(cls_name: str, type_code: int, field: str) -> str:
+    if field in _SINCE_1_6.get(cls_name, ()):
+        return "1.6"
     if type_code == 22:
         return "1.5"
     if field in _SINCE_1_4.get(cls_name, ()):
@@ -279,6 +283,7 @@ def message_vectors() -> dict[str, Any]:
             s_shares=(),
             dp_excess=np.zeros(0, dtype=np.uint32),
         ),
+        _PLANES_INVITE,  # protocol 1.6: a LightFR plan asking for asymmetric scoring
         RoundInvite(  # a 1.0-style invite: every appended field at its default
             round_id=1,
             device_id=2,
@@ -295,7 +300,8 @@ def message_vectors() -> dict[str, Any]:
     ]
     return {
         "description": "One encoding per message type (type codes 1-16, 20-22), then extra cases: a float64 model "
-        "payload (MF), an UnmaskResponse without DP (empty dp_excess) and an invite with every appended "
+        "payload (MF), an UnmaskResponse without DP (empty dp_excess), a LightFR invite whose plan asks for "
+        "asymmetric scoring (protocol 1.6: query_planes, user_reg) and an invite with every appended "
         "field at its default.  Envelope: msgpack map {v: [major, minor], t: type code, b: body}.",
         "protocol_version": list(codec.PROTOCOL_VERSION),
         "messages": [describe(m) for m in messages],
@@ -330,12 +336,52 @@ def message_vectors() -> dict[str, Any]:
                 ).hex(),
             },
         ],
+        "accepted_older_minor": {
+            "why": "a 1.5 server's LightFR invite has no qp/ur keys: they take their defaults (query_planes 0: "
+            "+-1 user codes), the plan a 1.5 server means",
+            "hex": _raw_envelope([1, 5], 1, _older_body(_PLANES_INVITE, ("qp", "ur"))).hex(),
+            "decodes_to": {"type": "RoundInvite", "query_planes": 0, "user_reg": 1.0, "unobserved_weight": 0.25},
+        },
         "accepted_unknown_key": {
             "why": "a newer minor version adds key zz: decoders ignore unknown keys",
             "hex": _raw_envelope([1, 9], 13, {"d": 5, "mv": 2, "zz": "later field"}).hex(),
             "decodes_to": {"type": "CheckIn", "device_id": 5, "model_version": 2},
         },
     }
+
+
+#: A LightFR round (m = 3 items, f = 4 bits, all-items objective: L = m·f + 2m + f² + f = 38) whose plan asks
+#: the devices for asymmetric scoring with 2 bit-planes and ridge weight 30 (protocol 1.6).
+_PLANES_INVITE = RoundInvite(
+    round_id=9,
+    device_id=300,
+    vector_length=38,
+    graph_k=5,
+    graph_t=3,
+    clip_norm=4.0,
+    scale_bits=16,
+    advertise_deadline=2000.0,
+    share_keys_deadline=2030.0,
+    masked_input_deadline=2090.0,
+    unmask_deadline=2120.0,
+    model_version=5,
+    model_kind="lightfr",
+    aggregation="grad",
+    bits=4,
+    n_items=3,
+    cohort_size=40,
+    unobserved_weight=0.25,
+    query_planes=2,
+    user_reg=30.0,
+)
+
+
+def _older_body(message: Message, drop: tuple[str, ...]) -> dict[str, Any]:
+    """``message``'s encoded body without the wire keys ``drop`` (what an older minor version sends)."""
+    import msgpack
+
+    body: dict[str, Any] = msgpack.unpackb(codec.encode(message), raw=False)["b"]
+    return {k: v for k, v in body.items() if k not in drop}
 
 
 def _raw_envelope(version: list[int], type_code: int, body: dict[str, Any]) -> bytes:
