@@ -19,16 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from device_sdk import lightfr
 from device_sdk.models import LightFRConfig
 from fedsim.als import implicit_als
 from fedsim.datasets import Ratings, load_amazon_book
 from fedsim.evaluation import evaluate_all_items, popularity_scorer
-from fedsim.federation import FederatedLightFR, FederationConfig, run_lightfr, user_data
-from protocol.families.lightfr import DENSITY_SCALE, density_weight
+from fedsim.federation import FederatedLightFR, FederationConfig, _quantized, run_lightfr, user_data
+from protocol.families.lightfr import DENSITY_SCALE, bias_from_levels, density_weight
 
 # Candidate recipes (unobserved weight w0 — "auto" is the library default, w0 = 0.6·density^(2/3) from each
 # round's counts — confidence α, damping ρ); rounds fixed by --rounds.
@@ -83,7 +85,8 @@ def carve_validation(train: Ratings, seed: int, share: float = 0.2) -> tuple[Rat
     return _subset(train, ~held, "amazon-book train-minus-val"), _subset(train, held, "amazon-book val")
 
 
-def train_lightfr(train: Ratings, recipe: dict, rounds: int, seed: int) -> FederatedLightFR:
+def configs(train: Ratings, recipe: dict, rounds: int, seed: int) -> tuple[LightFRConfig, FederationConfig]:
+    """The device and federation settings of a recipe."""
     auto = recipe["w0"] == "auto"
     w0 = density_weight(0.0, 1, train.n_items) if auto else recipe["w0"]
     cfg = LightFRConfig(
@@ -91,15 +94,68 @@ def train_lightfr(train: Ratings, recipe: dict, rounds: int, seed: int) -> Feder
     )
     fed = FederationConfig(
         rounds=rounds,
-        fraction=0.6,
+        fraction=recipe.get("fraction", 0.6),
         seed=seed,
         flip_fraction=recipe["rho"],
         unobserved_scale=DENSITY_SCALE if auto else 0.0,
         query_planes=recipe.get("planes", 0),
         user_reg=recipe.get("reg", 1.0),
+        rank_planes=recipe.get("rank_planes", 0),
         mean_field=recipe.get("mean_field", False),
+        code_sweeps=recipe.get("sweeps", 1),
+        hamming_weight=recipe.get("B", 2),
     )
+    return cfg, fed
+
+
+def train_lightfr(train: Ratings, recipe: dict, rounds: int, seed: int) -> FederatedLightFR:
+    cfg, fed = configs(train, recipe, rounds, seed)
     return run_lightfr(user_data(train, cfg), cfg, fed)
+
+
+def validation_curve(
+    fit: Ratings, val: Ratings, recipe: dict, at: list[int], users: np.ndarray, eval_seed: int
+) -> list[dict]:
+    """Train a recipe on ``fit`` for max(at) rounds (model seed 0); after each round in ``at`` the evaluated
+    ``users`` re-solve their vectors against the model as a device does on download (ridge, quantized to
+    the recipe's rank planes; their own training data only) and rank every item (Recall@20 / NDCG@20)."""
+    cfg, fed = configs(fit, recipe, max(at), seed=0)
+    data = user_data(fit, cfg)
+    mine = data.rows(users)
+    rows: list[dict] = []
+    f, start = cfg.bits, time.perf_counter()
+
+    def evaluate(state: FederatedLightFR) -> None:
+        t = len(state.history) + 1
+        if t not in at:
+            return None
+        beta = bias_from_levels(state.item_levels, fit.n_items, f, fed.hamming_weight)
+        if fed.query_planes:
+            U = lightfr.ridge_users(
+                mine.indptr,
+                mine.items,
+                mine.targets,
+                state.item_codes,
+                beta,
+                state.unobserved_weight,
+                cfg.confidence,
+                fed.user_reg,
+            )
+            X = np.zeros((fit.n_users, f + 1), np.float32)
+            X[users, :f] = _quantized(U, fed.rank_planes or fed.query_planes, fed.hamming_weight) / f
+            X[:, f] = 1.0
+            Y = np.c_[state.item_codes, beta].astype(np.float32)
+            res = evaluate_all_items((X, Y), fit, val, seed=eval_seed, users=users)
+        else:
+            res = evaluate_all_items(state.all_scores, fit, val, seed=eval_seed, users=users)
+        row = {"split": "validation", "recipe": recipe, "rounds": t, "recall@20": round(res.recall, 4)}
+        row |= {"ndcg@20": round(res.ndcg, 4), "seconds": round(time.perf_counter() - start)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        return None
+
+    run_lightfr(data, cfg, replace(fed, refresh_users=False), evaluate=evaluate)  # type: ignore[arg-type]
+    return rows
 
 
 def main() -> None:
@@ -111,13 +167,24 @@ def main() -> None:
     p.add_argument("--eval-seed", type=int, default=0, help="tie-breaking seed of the evaluation")
     p.add_argument("--no-als", action="store_true")
     p.add_argument("--grid", type=int, nargs="*", default=None, help="indices of the GRID recipes to try")
+    p.add_argument(
+        "--val-users", type=int, default=0, help="--select on a seeded subsample of this many validation users"
+    )
+    p.add_argument("--at", type=int, nargs="*", default=None, help="with --val-users: rounds to evaluate after")
     args = p.parse_args()
     data = load_amazon_book()
     if args.select:
         fit, val = carve_validation(data.train, seed=0)
         pop = evaluate_all_items(popularity_scorer(fit), fit, val, seed=args.eval_seed)
         print(json.dumps({"split": "validation", "model": "popularity", "recall@20": pop.recall}), flush=True)
-        for recipe in [GRID[i] for i in (args.grid if args.grid is not None else range(len(GRID)))]:
+        grid = [GRID[i] for i in (args.grid if args.grid is not None else range(len(GRID)))]
+        if args.val_users:  # a seeded subsample of the validation users, every round of --at evaluated
+            has = np.flatnonzero(np.bincount(val.users, minlength=fit.n_users))
+            users = np.sort(np.random.default_rng(1).choice(has, size=min(args.val_users, has.size), replace=False))
+            for recipe in grid:
+                validation_curve(fit, val, recipe, args.at or [args.rounds], users, args.eval_seed)
+            return
+        for recipe in grid:
             t = time.perf_counter()
             st = train_lightfr(fit, recipe, args.rounds, seed=0)
             res = evaluate_all_items(st.all_scores, fit, val, seed=args.eval_seed)
