@@ -273,6 +273,12 @@ def test_server_config_auto_weight_builds_a_density_strategy(tmp_path) -> None:
     assert given.mean_field and given.rule.flip_fraction == 0.5
     with pytest.raises(ConfigError, match="model.mean_field: must be true or false"):
         config_from_dict({**base, "model": {"n_items": 500, "mean_field": "yes"}})
+    # the passes of the code step: one by default, as configured otherwise
+    assert st.code_sweeps == 1
+    assert build_strategy(config_from_dict({**base, "model": {"n_items": 500, "code_sweeps": 10}})).code_sweeps == 10
+    for bad in (0, 101, 2.5, True):
+        with pytest.raises(ConfigError, match="model.code_sweeps"):
+            config_from_dict({**base, "model": {"n_items": 500, "code_sweeps": bad}})
 
 
 def test_clip_parts_gives_the_counts_their_share_of_the_clip_norm() -> None:
