@@ -201,6 +201,14 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
             replace(default[1], learn_bias=False),
             True,
         ),
+        **{
+            f"default, {k} passes of the server's code step per round": (
+                default[0],
+                replace(default[1], code_sweeps=k),
+                False,
+            )
+            for k in (3, 10)
+        },
     }
 
 

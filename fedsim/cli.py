@@ -1465,6 +1465,12 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
         from fedsim.plots import check_plot_target
 
         check_plot_target(args.plot)
+    # The operator's own files first: a missing or malformed one is named before the server is contacted.
+    admin_token = _read_secret(args.admin_token_file) if args.admin_token_file else None
+    if args.authority_key is not None:
+        from protocol.enrollment import EnrollmentAuthority
+
+        EnrollmentAuthority.load(args.authority_key)
     url = args.url.rstrip("/")
     model = get_status(url, args.ca_file).get("model") or {}
     if model.get("kind", "lightfr") != "lightfr":
@@ -1512,7 +1518,7 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
                 ca_file=args.ca_file,
                 announce_drops=args.announce_drops,
                 authority_key_file=args.authority_key,
-                admin_token=_read_secret(args.admin_token_file) if args.admin_token_file else None,
+                admin_token=admin_token,
                 credential_sources=args.credential_sources,
                 cohort=args.cohort,
                 seed_training=args.cohort is not None,

@@ -239,6 +239,26 @@ def test_bad_input_is_one_line_and_an_exit_code(tmp_path: Path) -> None:
         assert len(proc.stderr) < 400
 
 
+def test_loadtest_names_a_bad_credential_file_before_contacting_the_server(tmp_path: Path) -> None:
+    junk = tmp_path / "junk"
+    junk.write_text("not a key\n")
+    missing = tmp_path / "missing"
+    # Port 1 refuses connections: each error below must come from the local file, not the network.
+    url = ("--url", "https://127.0.0.1:1", "--devices", "5")
+    cases = [
+        (("--authority-key", str(missing)), f"cannot read the enrollment authority key {missing}"),
+        (("--authority-key", str(junk)), f"{junk} is not a fedrec enrollment authority key file"),
+        (("--admin-token-file", str(missing)), f"cannot read {missing}"),
+        (("--ca-file", str(missing)), f"cannot load CA certificates from {missing}: No such file"),
+        (("--ca-file", str(junk)), f"cannot load CA certificates from {junk}"),
+    ]
+    for argv, message in cases:
+        proc = _fedrec("loadtest", *url, *argv)
+        assert proc.returncode == 2, proc
+        assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr  # no "Unclosed client session"
+        assert proc.stderr.startswith("fedrec loadtest: error: ") and message in proc.stderr, proc.stderr
+
+
 def test_closed_stdout_ends_quietly() -> None:
     cmd = f"{shlex.quote(sys.executable)} -m fedsim.cli simulate --dataset synthetic --rounds 2 --quiet | head -1"
     proc = subprocess.run(
