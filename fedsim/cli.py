@@ -973,6 +973,15 @@ def _where_looked(arg: Path | None, found: Path | None) -> str:
     )
 
 
+def _check_output_file(flag: str, path: Path) -> None:
+    """Refuse, before any work, an output file that cannot be written: a missing folder or a folder
+    in its place."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a folder; name a file")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: folder {path.parent} does not exist")
+
+
 # -- commands --------------------------------------------------------------------------------------
 
 
@@ -984,6 +993,8 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
         if args.model != "lightfr" or args.epsilon > 0:
             raise ConfigError("--plot draws in-process LightFR runs only (not --model mf|felb|fnmf or --epsilon) yet")
         check_plot_target(args.plot)
+    if args.save is not None:
+        _check_output_file("--save", args.save)
     if args.model == "lightfr" and args.epsilon > 0:
         if args.save is not None:
             raise ConfigError("--save is not available for private LightFR runs (--epsilon) yet; drop --save")
@@ -1584,6 +1595,7 @@ def _cmd_recommend(args: argparse.Namespace, out: TextIO) -> int:
 def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
     from fedsim.runs import load_run
 
+    _check_output_file("-o", args.output)
     run = load_run(args.run)
     user = None if args.user is None else run.user_index(str(args.user))
     model, row = run.device_model(user)
