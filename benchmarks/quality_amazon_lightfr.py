@@ -67,6 +67,8 @@ GRID: list[dict[str, Any]] = [
     {"w0": 0.01, "alpha": 0.0, "rho": 1.0, "planes": 2, "reg": 1.0, "mean_field": True, "B": 8},
     {"w0": 0.01, "alpha": 0.0, "rho": 1.0, "planes": 2, "reg": 1.0, "mean_field": True, "sweeps": 10, "fraction": 1.0},
     {"w0": 0.01, "alpha": 0.0, "rho": 1.0, "planes": 2, "reg": 1.0, "mean_field": True, "sweeps": 10, "fraction": 0.4},
+    # the symmetric library default (GRID 10) with 10 code passes
+    {"w0": "auto", "alpha": 0.0, "rho": 1.0, "mean_field": True, "sweeps": 10},
 ]
 # The recipe the test rows run by default: the validation winner (README, "Mean-field step and asymmetric scoring";
 # --select --val-users 20000, T = 20: Recall@20 0.1633 with 10 code passes and 3 rank planes, against 0.1601 with
