@@ -1460,7 +1460,7 @@ def _show_device(exp: Experiment, model: LightFRModel, data_dir: Path | None, ou
     )
     for rank, (i, s) in enumerate(zip(ids, scores, strict=True), start=1):
         mark = "   <- its held-out test item" if int(i) == held else ""
-        out.write(f"  {rank}. {name(int(i))}  (similarity {s:.3f}){mark}\n")
+        out.write(f"  {rank}. {name(int(i))}  (score {s:.3f}){mark}\n")
 
 
 def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
