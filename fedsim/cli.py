@@ -928,8 +928,6 @@ _NOT_PRIVATE_LIGHTFR = (
     "aggregation",
     "fraction",
     "eval_every",
-    "query_planes",
-    "user_reg",
     "mean_field",
 )
 
@@ -1106,7 +1104,13 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
         seed=args.seed,
         # The server's objective unless asked: all items (w0 > 0, learned item levels), or sampled negatives.
         unobserved_weight=_unobserved_weight(args),
+        # Asymmetric scoring in the round plan (protocol 1.6) when asked; not the default under DP (validation,
+        # docs/dp-accounting.md §8: the vector's u uᵀ/f part takes most of the clip norm).
+        query_planes=args.query_planes,
+        user_reg=args.user_reg,
     )
+    if settings.query_planes and settings.unobserved_weight == 0:
+        raise ConfigError("--query-planes needs the all-items objective (drop --unobserved-weight 0)")
     n_users = data.train.n_users
     out.write(
         f"private LightFR on {args.dataset}: {n_users} devices, every one in every round; ε={args.epsilon:g} at "
@@ -1116,6 +1120,11 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
             f"all-items objective (w0={settings.unobserved_weight}, learned item levels), "
             if settings.unobserved_weight != 0
             else f"{settings.negatives} negatives per item, "
+        )
+        + (
+            f"asymmetric scoring ({settings.query_planes} bit-planes, ridge {settings.user_reg:g}), "
+            if settings.query_planes
+            else ""
         )
         + f"flip fraction {settings.flip_fraction:g}, "
         f"noise-aware threshold {args.threshold:g}σ; rounds through the private-round simulator (fedsim.privsim)\n"
