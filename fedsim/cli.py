@@ -928,7 +928,6 @@ _NOT_PRIVATE_LIGHTFR = (
     "aggregation",
     "fraction",
     "eval_every",
-    "mean_field",
 )
 
 
@@ -1108,6 +1107,8 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
         # docs/dp-accounting.md §8: the vector's u uᵀ/f part takes most of the clip norm).
         query_planes=args.query_planes,
         user_reg=args.user_reg,
+        # The mean-field code step unless --no-mean-field (chosen on validation under DP as well).
+        mean_field=_mean_field(args),
     )
     if settings.query_planes and settings.unobserved_weight == 0:
         raise ConfigError("--query-planes needs the all-items objective (drop --unobserved-weight 0)")
@@ -1126,7 +1127,7 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
             if settings.query_planes
             else ""
         )
-        + f"flip fraction {settings.flip_fraction:g}, "
+        + f"flip fraction {settings.flip_fraction:g}{', mean field' if settings.mean_field else ' (Jacobi step)'}, "
         f"noise-aware threshold {args.threshold:g}σ; rounds through the private-round simulator (fedsim.privsim)\n"
     )
 
