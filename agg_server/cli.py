@@ -119,8 +119,12 @@ def lock_data_dir(data_dir: Path) -> IO[str]:
     """
     import fcntl
 
-    data_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(data_dir / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the server's lifetime
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(data_dir / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the server's lifetime
+    except OSError as exc:
+        what = "is not a folder" if data_dir.exists() and not data_dir.is_dir() else "cannot be created or written"
+        raise ConfigError(f"data_dir {data_dir} {what}: {exc.strerror or exc}") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -158,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except OSError as exc:
         print(
-            f"fedrec-server: cannot listen on {config.listen.host}:{config.listen.port}: {exc}",
+            f"fedrec-server: error: cannot listen on {config.listen.host}:{config.listen.port}: {exc}",
             file=sys.stderr,
         )
         return 2

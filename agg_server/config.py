@@ -279,6 +279,10 @@ class ModelSection:
         Devices older than protocol 1.6 ignore it and train ±1 codes (docs/protocol.md §2.3).
     user_reg : float
         The ridge weight of the devices' user solve under ``query_planes``, in [1e-6, 1e6] (default 1).
+    code_sweeps : int
+        LightFR all-items objective, in [1, 100]: passes of the server's code step over each round's sum
+        (`agg_server.strategy.lightfr.agg_full` ``sweeps``; server-only, nothing changes on the wire).
+        1 (default) = one pass; amazon-book's asymmetric recipe validated 10 (README).
     """
 
     kind: str = ModelKind.LIGHTFR.value
@@ -300,6 +304,7 @@ class ModelSection:
     mean_field: bool = True
     query_planes: int = _LIGHTFR.query_planes
     user_reg: float = _LIGHTFR.user_reg
+    code_sweeps: int = 1
 
     def __post_init__(self) -> None:
         # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
@@ -322,6 +327,7 @@ class ModelSection:
             _set(self, name, getattr(params, name))
         if not isinstance(self.mean_field, bool):
             raise _fail("model.mean_field", "true or false", self.mean_field)
+        _int("model.code_sweeps", self.code_sweeps, lo=1, hi=100)
         if self.flip_fraction is None:
             full = self.unobserved_weight != 0 and self.aggregation == "grad"
             _set(self, "flip_fraction", default_flip_fraction(full, self.mean_field))

@@ -9,6 +9,7 @@ call (tracemalloc), on top of the model already in memory.
     python benchmarks/bench_fold_in.py                    # 10^5, 10^6, 10^7 items
     python benchmarks/bench_fold_in.py --sizes 1000000 --rated 200
     python benchmarks/bench_fold_in.py --unobserved-weight 0.1   # the all-items objective (item Gram)
+    python benchmarks/bench_fold_in.py --unobserved-weight 0.1 --query-planes 2   # asymmetric: ridge solve, 2 planes
 """
 
 from __future__ import annotations
@@ -35,12 +36,24 @@ def main() -> None:
         default=0.0,
         help="w0 > 0: the all-items objective (fold-in through the item Gram, built once per model version)",
     )
+    p.add_argument(
+        "--query-planes",
+        type=int,
+        default=0,
+        help="P >= 1 (with --unobserved-weight > 0): asymmetric scoring, the user's exact vector kept as P planes",
+    )
     args = p.parse_args()
+    if args.query_planes and args.unobserved_weight <= 0:
+        p.error("--query-planes needs --unobserved-weight > 0 (the all-items objective)")
     rng = np.random.default_rng(0)
-    print(f"fold_in of a user with {args.rated} rated items, f = {args.bits}; load average {os.getloadavg()}")
+    kind = f", {args.query_planes} query planes" if args.query_planes else ""
+    print(
+        f"fold_in of a user with {args.rated} rated items, f = {args.bits}, w0 = {args.unobserved_weight}{kind}; "
+        f"load average {os.getloadavg()}"
+    )
     print(f"{'items':>10} {'median CPU ms':>13} {'min ms':>8} {'peak MiB':>9}")
     for m in args.sizes:
-        cfg = LightFRConfig(bits=args.bits, unobserved_weight=args.unobserved_weight)
+        cfg = LightFRConfig(bits=args.bits, unobserved_weight=args.unobserved_weight, query_planes=args.query_planes)
         model = LightFRModel(m, cfg, rng=np.random.default_rng(1))
         if args.unobserved_weight > 0:
             t = time.perf_counter()

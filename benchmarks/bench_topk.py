@@ -19,7 +19,8 @@ counting selection `HammingIndex.search_planes`; both must return the same score
 
 Threads: BLAS, OpenMP and faiss are pinned to one thread before numpy is imported, and times are the
 CPU seconds of the calling thread (`time.thread_time`), so that other processes on a shared machine
-are not counted; the load average is printed beside the table.
+are not counted; the methods take turns in short bursts (see `_timed`), so that a load that changes
+during the run weighs on all of them; the load average is printed beside the table.
 """
 
 from __future__ import annotations
@@ -46,20 +47,36 @@ from device_sdk.topk import HammingIndex, plane_scores  # noqa: E402
 def _timed(fns: list[Callable[[], Any]], repeat: int, budget: float, interleave: bool) -> list[float]:
     """Median CPU seconds per call of each function after one warm-up call.
 
-    By default each function runs its repeats back to back (warm caches, the usual protocol);
-    with ``interleave`` they take turns, so every call starts with caches the others have used.
+    By default the functions take turns in bursts of three back-to-back calls (warm caches, the usual
+    protocol), each burst after one untimed call when calls are short (< 50 ms) so that the caches the
+    other functions used are warm again: a load that changes during the run then weighs on every
+    function alike.  With ``interleave`` they take turns call by call, with caches the others have used.
+    Each function stops at ``repeat`` timed calls, or after at least 3 once it has spent ``budget``
+    CPU seconds.
     """
     for fn in fns:
         fn()  # warm-up
     times: list[list[float]] = [[] for _ in fns]
-    order = [list(range(len(fns)))] if interleave else [[i] for i in range(len(fns))]
-    for group in order:
-        t_end = time.thread_time() + budget
-        while len(times[group[0]]) < repeat and (len(times[group[0]]) < 3 or time.thread_time() < t_end):
-            for i in group:
+    spent = [0.0] * len(fns)
+    burst = 1 if interleave else 3
+
+    def wanted(i: int) -> bool:
+        return len(times[i]) < repeat and (len(times[i]) < 3 or spent[i] < budget)
+
+    while any(wanted(i) for i in range(len(fns))):
+        for i, fn in enumerate(fns):
+            if not wanted(i):
+                continue
+            if not interleave and times[i] and times[i][-1] < 0.05:
+                fn()  # caches back after the other functions' turns
+            for _ in range(burst):
                 t = time.thread_time()
-                fns[i]()
-                times[i].append(time.thread_time() - t)
+                fn()
+                dt = time.thread_time() - t
+                times[i].append(dt)
+                spent[i] += dt
+                if not wanted(i):
+                    break
     return [float(np.median(ts)) for ts in times]
 
 

@@ -68,6 +68,9 @@ class LightFRConfig:
         0 (default): ±1 user codes.  In federated rounds the plan sets it (protocol 1.6,
         `protocol.plan.LightFRParams.query_planes`; a plan from a 1.5 server means 0).
     user_reg : ridge weight of that solve, in [1e-6, 1e6] (the plan's bounds; set by the plan too).
+    rank_planes : a device setting (not in the plan): with ``query_planes`` >= 1, the planes of the vector
+        the device keeps and ranks with (0 = ``query_planes``), while its uploads keep ``query_planes``
+        planes; ignored when ``query_planes`` is 0.
     """
 
     bits: int = 64
@@ -83,6 +86,7 @@ class LightFRConfig:
     confidence: float = _PARAMS.confidence
     query_planes: int = 0
     user_reg: float = 1.0
+    rank_planes: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.bits <= MAX_RANK:
@@ -90,6 +94,9 @@ class LightFRConfig:
         planes = self.query_planes
         if isinstance(planes, bool) or not isinstance(planes, int | np.integer) or not 0 <= planes <= 8:
             raise ValueError(f"query_planes must be an integer in [0, 8], got {planes!r}")
+        ranked = self.rank_planes
+        if isinstance(ranked, bool) or not isinstance(ranked, int | np.integer) or not 0 <= ranked <= 8:
+            raise ValueError(f"rank_planes must be an integer in [0, 8], got {ranked!r}")
         if not (isinstance(self.user_reg, int | float) and np.isfinite(self.user_reg) and self.user_reg > 0):
             raise ValueError(f"user_reg must be a finite number > 0, got {self.user_reg!r}")
         self.params(Aggregation.GRAD)  # the plan's bounds, as the server's config checks them
@@ -241,18 +248,25 @@ class LightFRModel(Recommender):
         """(G_D = DᵀD (f, f), Dᵀβ (f,), β (m,)) of the current item codes and the item biases β the
         levels stand for (`protocol.families.lightfr.bias_from_levels`): what the all-items objective
         needs of the catalogue.  Computed once per new model (one pass over the codes, in chunks),
-        then reused by every fold-in."""
+        then reused by every fold-in.
+
+        Each chunk is float32 BLAS products, DᵀD and Dᵀ(level − 128): every sum they form is an integer
+        below 2^24 in magnitude (at most 2^16 rows of ±1, or of ±1 times at most 128), hence exact,
+        and Dᵀβ = 2/(f·B)·Dᵀ(level − 128)."""
         if self._gram is None:
-            f, m = self.config.bits, self.n_items
-            beta = bias_from_levels(self._levels, m, f, self._weight)
+            f, m, lv = self.config.bits, self.n_items, self._levels
+            beta = bias_from_levels(lv, m, f, self._weight)
             G = np.zeros((f, f))
-            Db = np.zeros(f)
-            step = max(1, (1 << 22) // f)  # rows per chunk: a few MiB of float64 at a time
+            Dl = np.zeros(f)
+            step = min(m, 1 << 14)  # rows per chunk (exactness needs <= 2^16): a few MiB at a time
+            buf = np.empty((step, f), np.float32)
             for s in range(0, m, step):  # chunks of the catalogue, each a BLAS product
-                Dc = self.item_codes[s : s + step].astype(np.float64)
-                G += Dc.T @ Dc
-                Db += Dc.T @ beta[s : s + step]
-            self._gram = (G, Db, beta)
+                c = buf[: min(step, m - s)]
+                c[...] = self.item_codes[s : s + step]
+                G += c.T @ c
+                if lv is not None:
+                    Dl += np.subtract(lv[s : s + step], LEVEL_CENTER, dtype=np.float32) @ c
+            self._gram = (G, Dl * (2.0 / (f * self._weight)), beta)
         return self._gram
 
     def _hamming_index(self) -> HammingIndex:
@@ -495,7 +509,8 @@ class LightFRModel(Recommender):
         self, items: NDArray[np.int64], targets: NDArray[np.float64]
     ) -> tuple[NDArray[np.int16], int, NDArray[np.float64]]:
         """Asymmetric scoring: the user's exact vector against the item codes (`lightfr.ridge_users`, the
-        catalogue entering through the cached item Gram, so O(|Ω|·f² + f³)), as P planes: (q, a, Δ'·q)."""
+        catalogue entering through the cached item Gram, so O(|Ω|·f² + f³)): (q, a) of it as the rank
+        planes (what the device keeps), and Δ'·q of it as the query planes (what it uploads with)."""
         cfg = self.config
         if cfg.unobserved_weight <= 0:
             raise ModelError("query_planes needs the all-items objective (unobserved_weight > 0)")
@@ -512,8 +527,12 @@ class LightFRModel(Recommender):
             gram=(G, Db),
         )
         q, scale = lightfr.quantize_planes(U, cfg.query_planes)
-        a, snapped = lightfr.snap_scale(scale, self._weight)
-        return q[0], int(a[0]), snapped[0] * q[0].astype(np.float64)
+        snapped = lightfr.snap_scale(scale, self._weight)[1]
+        vec = snapped[0] * q[0].astype(np.float64)
+        if cfg.rank_planes:
+            q, scale = lightfr.quantize_planes(U, cfg.rank_planes)
+        a = lightfr.snap_scale(scale, self._weight)[0]
+        return q[0], int(a[0]), vec
 
     def _set_vector(self, userid: int, q: NDArray[np.int16], a: int) -> None:
         self._set_user(userid, np.where(q > 0, 1, -1).astype(np.int8))  # its sign, for code-only callers

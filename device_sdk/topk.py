@@ -298,22 +298,27 @@ class HammingIndex:
         x, d, t, mask, _ = self._buffers(n * max(first, step))
         # Bootstrap: each user's threshold from the costs of the first block, by counting.
         d0 = self._distances(users, 0, first, x, d, t)
-        if bias is None:
-            hist = np.bincount(d0[0], minlength=nb)[None, :] if n == 1 else _row_hist(d0, nb)
-            tau = _tau(hist, kk, nb)
-            hits = np.flatnonzero(d0 <= tau[:, None])
+        if bias is None or self._lift is None:
+            tau = _tau(_row_hist(d0, nb), kk, nb)
+            hits = np.flatnonzero(d0 <= np.minimum(tau, f).astype(d0.dtype)[:, None])
             cost0 = d0.ravel()[hits].astype(np.int64)
+            r0, p0 = np.divmod(hits, first)
         else:
-            c0 = d0.astype(np.int64) * B + bias[:first].astype(np.int64)
-            tau = _tau(_row_hist(c0, nb), kk, nb)
-            hits = np.flatnonzero(c0 <= tau[:, None])
-            cost0 = c0.ravel()[hits]
-        r0, p0 = np.divmod(hits, first)
+            # With the item term lifted into whole bits (see `_scan_one`): t_u the kk-th smallest
+            # dist + q of the block, every item there of cost <= τ_u = B·t_u + B − 1 has dist + q <= t_u.
+            lifted = d0 + self._lift[:first]
+            nl = f + int(self._lift[first - 1]) + 1
+            head = _tau(_row_hist(lifted, nl), kk, nl)
+            tau = np.where(head >= nl, nb, B * head + B - 1)
+            hits = np.flatnonzero(lifted <= np.minimum(head, nl - 1).astype(lifted.dtype)[:, None])
+            r0, p0 = np.divmod(hits, first)
+            cost0 = d0.ravel()[hits].astype(np.int64) * B + bias[p0].astype(np.int64)
         rows_l, pos_l, cost_l = [r0], [p0], [cost0]
         pending = hits.size
         budget = max(int(kk.sum()) * 2, 256)
         live = np.arange(n)
         users_live, lim, lim_max, uniform, lo, stale = users, np.zeros(n, np.int64), 0, True, 0, True
+        lim_rows = np.zeros((n, 1), self._dt)
         start = first
         while start < m:
             stop = min(start + step, m)
@@ -330,19 +335,25 @@ class HammingIndex:
                     break  # levels only fall from here on: no user can take any later item
                 users_live = users if live.size == n else users[live]
                 lim = lim_all[live]
-                # One flat comparison against the loosest user's limit (a per-row limit would run
-                # numpy's inner loop once per row); the few hits are then held to their own row's.
+                # Rows of at least _ROW_ITEMS // 4 items are compared with their own user's limit
+                # (numpy runs its inner loop once per row); shorter ones with the loosest user's
+                # in one flat comparison, the few hits then held to their own row's.
                 lim_max = int(lim.max())
                 uniform = bool(lim.min() == lim_max)
+                lim_rows = np.minimum(lim, f).astype(self._dt)[:, None]
             dd = self._distances(users_live, start, stop, x, d, t)
             flat = dd.ravel()
             mk = mask[: flat.size]
-            np.less_equal(flat, lim_max, out=mk)
+            rowwise = not uniform and stop - start >= _ROW_ITEMS // 4
+            if rowwise:
+                np.less_equal(dd, lim_rows, out=mk.reshape(dd.shape))
+            else:
+                np.less_equal(flat, lim_max, out=mk)
             hits = mk.nonzero()[0]
             if hits.size:
                 r_local, c = np.divmod(hits, stop - start)
                 dist = flat[hits]
-                if not uniform:
+                if not (uniform or rowwise):
                     ok = dist <= lim[r_local]
                     r_local, c, dist = r_local[ok], c[ok], dist[ok]
                 pos = c + start
@@ -708,7 +719,12 @@ class HammingIndex:
             out_ids[0, : order.size] = ids[order]
             out_scores[0, : order.size] = self._score_of_cost(cost[order])
             return out_ids, out_scores
-        order = np.lexsort((key, cost, rows))
+        span, kspan = int(cost.max()) + 1, (self.m if rng is None else ids.size)
+        if n * span * kspan < 1 << 62:
+            # The same order as lexsort((key, cost, rows)), from one int64 key: one sort instead of three.
+            order = np.argsort((rows * span + cost) * kspan + key)
+        else:
+            order = np.lexsort((key, cost, rows))
         rows, ids, cost = rows[order], ids[order], cost[order]
         rank = np.arange(rows.size) - np.searchsorted(rows, np.arange(n))[rows]
         sel = rank < k

@@ -970,6 +970,15 @@ def _where_looked(arg: Path | None, found: Path | None) -> str:
     )
 
 
+def _check_output_file(flag: str, path: Path) -> None:
+    """Refuse, before any work, an output file that cannot be written: a missing folder or a folder
+    in its place."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a folder; name a file")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: folder {path.parent} does not exist")
+
+
 # -- commands --------------------------------------------------------------------------------------
 
 
@@ -981,6 +990,8 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
         if args.model != "lightfr" or args.epsilon > 0:
             raise ConfigError("--plot draws in-process LightFR runs only (not --model mf|felb|fnmf or --epsilon) yet")
         check_plot_target(args.plot)
+    if args.save is not None:
+        _check_output_file("--save", args.save)
     if args.model == "lightfr" and args.epsilon > 0:
         if args.save is not None:
             raise ConfigError("--save is not available for private LightFR runs (--epsilon) yet; drop --save")
@@ -1459,7 +1470,7 @@ def _show_device(exp: Experiment, model: LightFRModel, data_dir: Path | None, ou
     )
     for rank, (i, s) in enumerate(zip(ids, scores, strict=True), start=1):
         mark = "   <- its held-out test item" if int(i) == held else ""
-        out.write(f"  {rank}. {name(int(i))}  (similarity {s:.3f}){mark}\n")
+        out.write(f"  {rank}. {name(int(i))}  (score {s:.3f}){mark}\n")
 
 
 def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
@@ -1475,6 +1486,12 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
         from fedsim.plots import check_plot_target
 
         check_plot_target(args.plot)
+    # The operator's own files first: a missing or malformed one is named before the server is contacted.
+    admin_token = _read_secret(args.admin_token_file) if args.admin_token_file else None
+    if args.authority_key is not None:
+        from protocol.enrollment import EnrollmentAuthority
+
+        EnrollmentAuthority.load(args.authority_key)
     url = args.url.rstrip("/")
     model = get_status(url, args.ca_file).get("model") or {}
     if model.get("kind", "lightfr") != "lightfr":
@@ -1522,7 +1539,7 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
                 ca_file=args.ca_file,
                 announce_drops=args.announce_drops,
                 authority_key_file=args.authority_key,
-                admin_token=_read_secret(args.admin_token_file) if args.admin_token_file else None,
+                admin_token=admin_token,
                 credential_sources=args.credential_sources,
                 cohort=args.cohort,
                 seed_training=args.cohort is not None,
@@ -1588,6 +1605,7 @@ def _cmd_recommend(args: argparse.Namespace, out: TextIO) -> int:
 def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
     from fedsim.runs import load_run
 
+    _check_output_file("-o", args.output)
     run = load_run(args.run)
     user = None if args.user is None else run.user_index(str(args.user))
     model, row = run.device_model(user)

@@ -10,7 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from fedsim.evaluation import (
 )
 from fedsim.splits import carve_validation, chronological_split, holdout_rule, leave_one_out
 
-__all__ = ["Protocol", "Candidates", "Experiment", "prepare", "baselines", "item_titles"]
+__all__ = ["Protocol", "Candidates", "Experiment", "prepare", "validation_carves", "baselines", "item_titles"]
 
 
 class Protocol(StrEnum):
@@ -182,6 +182,75 @@ def _prepare_published(data: TrainTestSplit, protocol: Protocol, n_negatives: in
         test_pairs=data.test,
         seen=data.train,
     )
+
+
+def validation_carves(exp: Experiment, k: int, seed: int = 0, *, exclude_interacted: bool = True) -> list[Experiment]:
+    """``k`` further validation sets carved from ``exp.train``, for selecting hyper-parameters on more
+    than one sample of held-out positives (one block per user is a noisy estimate: with ~1,000 users
+    and HR@10 ≈ 0.95 its standard error is ≈ 0.007).
+
+    Carve ``j`` holds out one training rating of every user with at least two, by the protocol's own
+    rule applied to the training log: the latest by timestamp (every carve then holds out the same
+    rating and differs only in its negatives), or a seeded uniformly random one without timestamps
+    (seed ``(seed, j)``); it is ranked among ``exp.n_negatives`` negatives sampled, with the same seed,
+    from the items the user has nowhere (train, validation or test positives), or, with
+    ``exclude_interacted=False``, from every item but the positive: how the LightFR authors' FilmTrust
+    blocks were drawn (1.6 % of their negatives are the user's own training items, about half of their
+    blocks hold at least one), so that a carve ranks like the published blocks.  Each returned
+    experiment trains on ``exp.train`` minus its carve and validates on the carve; ``test`` is
+    ``exp.test`` unchanged (never read it during selection).
+
+    Raises
+    ------
+    ValueError
+        If ``k`` < 0 or the protocol has no per-user blocks (FULL).
+    """
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if exp.protocol is Protocol.FULL:
+        raise ValueError("validation_carves needs per-user candidate blocks (not the full-ranking protocol)")
+    train = exp.train
+    n_items = train.n_items
+    keys = np.unique(
+        np.concatenate(
+            [
+                train.users * n_items + train.items,
+                exp.val.users * n_items + exp.val.items[:, 0],
+                exp.test.users * n_items + exp.test.items[:, 0],
+            ]
+        )
+    )
+    out = []
+    for j in range(k):
+        rng = np.random.default_rng([seed, j])
+        fit, _, held = leave_one_out(train, validation=False, seed=rng)
+        cand = sample_negatives(
+            n_items,
+            held.users,
+            held.items,
+            _csr(keys if exclude_interacted else held.users * n_items + held.items, train.n_users, n_items),
+            exp.n_negatives,
+            rng,
+        )
+        rule = "latest training rating" if train.timestamps is not None else "random training rating"
+        out.append(
+            replace(
+                exp,
+                train=fit,
+                val=Candidates(np.asarray(held.users, dtype=np.int64), cand),
+                holdout=f"validation carve {j} (seed ({seed}, {j})): {rule} of each user with >= 2",
+            )
+        )
+    return out
+
+
+def _csr(keys: NDArray[np.int64], n_users: int, n_items: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """(indptr, items) of the user-item pairs ``user * n_items + item`` (sorted, unique)."""
+    keys = np.unique(keys)
+    users = keys // max(n_items, 1)
+    indptr = np.zeros(n_users + 1, dtype=np.int64)
+    np.cumsum(np.bincount(users, minlength=n_users), out=indptr[1:])
+    return indptr, (keys - users * n_items).astype(np.int64)
 
 
 def baselines(exp: Experiment, tie_mode: TieMode = TieMode.RANDOM, seed: int = 0) -> dict[str, EvalResult]:

@@ -62,6 +62,8 @@ class FederationConfig:
     user_reg : ridge weight of the user solve under ``query_planes`` (in units of the f²-scaled loss).
     refresh_users : under ``query_planes``, re-solve every user's vector against the final model, as a
         device does locally when it downloads a model (nothing is uploaded).
+    rank_planes : under ``query_planes``, the planes of that refreshed vector, the one the device ranks
+        with (0 = ``query_planes``); the uploads keep ``query_planes`` planes.
     unobserved_scale : κ > 0 derives the all-items objective's w0 from the catalogue density, as the
         server does (`agg_server.strategy.lightfr.LightFRServerStrategy`): each round w0 = κ·density^γ
         from the counts slice of the cohort's sum; the devices of round 1 train with the model
@@ -81,6 +83,7 @@ class FederationConfig:
     query_planes: int = 0
     user_reg: float = 1.0
     refresh_users: bool = True
+    rank_planes: int = 0
     mean_field: bool = False
     code_sweeps: int = 1
 
@@ -98,6 +101,11 @@ class FederationConfig:
         planes = self.query_planes
         if isinstance(planes, bool) or not (isinstance(planes, int) and 0 <= planes <= 8):
             raise ValueError(f"query_planes must be an integer in [0, 8], got {self.query_planes!r}")
+        ranked = self.rank_planes
+        if isinstance(ranked, bool) or not (isinstance(ranked, int) and 0 <= ranked <= 8):
+            raise ValueError(f"rank_planes must be an integer in [0, 8], got {self.rank_planes!r}")
+        if ranked and not planes:
+            raise ValueError("rank_planes needs query_planes >= 1")
         if not (np.isfinite(self.user_reg) and self.user_reg > 0):
             raise ValueError(f"user_reg must be a finite value > 0, got {self.user_reg}")
 
@@ -362,7 +370,7 @@ def run_full(
         U = lightfr.ridge_users(
             data.indptr, data.items, data.targets, state.item_codes, dev_beta, w0, alpha, federation.user_reg
         )
-        state.user_vectors = _quantized(U, federation.query_planes, wgt)
+        state.user_vectors = _quantized(U, federation.rank_planes or federation.query_planes, wgt)
     return state
 
 

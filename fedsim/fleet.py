@@ -316,6 +316,17 @@ async def fetch_status(session: Any, url: str, admin_token: str | None = None) -
         return data
 
 
+def _tls_context(ca_file: Path | None) -> ssl.SSLContext | None:
+    """A TLS context trusting ``ca_file`` (None: the system's defaults); an unreadable or non-PEM file
+    is a `FedRecError` naming it."""
+    if ca_file is None:
+        return None
+    try:
+        return ssl.create_default_context(cafile=str(ca_file))
+    except (OSError, ssl.SSLError) as exc:
+        raise FedRecError(f"cannot load CA certificates from {ca_file}: {exc.strerror or exc}") from None
+
+
 def get_status(
     url: str, ca_file: Path | None = None, timeout: float = 10.0, admin_token: str | None = None
 ) -> dict[str, Any]:
@@ -330,7 +341,7 @@ def get_status(
     import urllib.error
     import urllib.request
 
-    context = ssl.create_default_context(cafile=str(ca_file)) if ca_file is not None else None
+    context = _tls_context(ca_file)
     target = f"{url.rstrip('/')}/v1/status"
     try:
         request = urllib.request.Request(target, headers=_operator_headers(admin_token))
@@ -411,13 +422,15 @@ async def _run_fleet(
     report = FleetReport(devices=len(users))
     stop = asyncio.Event()
     start = time.perf_counter()
-    tls = ssl.create_default_context(cafile=str(config.ca_file)) if config.ca_file is not None else None
+    tls = _tls_context(config.ca_file)
     connector = aiohttp.TCPConnector(limit=0, force_close=False, ssl=tls if tls is not None else True)
+    # Read the authority key before opening the session: a missing or malformed file is then an error
+    # with nothing to close.
+    authority = EnrollmentAuthority.load(config.authority_key_file) if config.authority_key_file else None
     session = aiohttp.ClientSession(connector=connector)
     clients: list[DeviceClient] = []
     faults: list[FaultyTransport] = []
     joined: dict[int, int] = {}  # device index -> the round it is taking part in
-    authority = EnrollmentAuthority.load(config.authority_key_file) if config.authority_key_file else None
     try:
         for offset, (items, ratings) in enumerate(users):
             index = first_index + offset

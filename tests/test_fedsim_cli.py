@@ -5,6 +5,7 @@ import json
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -243,6 +244,40 @@ def test_bad_input_is_one_line_and_an_exit_code(tmp_path: Path) -> None:
         assert proc.returncode == 2, proc
         assert proc.stdout == "" and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
         assert len(proc.stderr) < 400
+
+
+def test_loadtest_names_a_bad_credential_file_before_contacting_the_server(tmp_path: Path) -> None:
+    junk = tmp_path / "junk"
+    junk.write_text("not a key\n")
+    missing = tmp_path / "missing"
+    # Port 1 refuses connections: each error below must come from the local file, not the network.
+    url = ("--url", "https://127.0.0.1:1", "--devices", "5")
+    cases = [
+        (("--authority-key", str(missing)), f"cannot read the enrollment authority key {missing}"),
+        (("--authority-key", str(junk)), f"{junk} is not a fedrec enrollment authority key file"),
+        (("--admin-token-file", str(missing)), f"cannot read {missing}"),
+        (("--ca-file", str(missing)), f"cannot load CA certificates from {missing}: No such file"),
+        (("--ca-file", str(junk)), f"cannot load CA certificates from {junk}"),
+    ]
+    for argv, message in cases:
+        proc = _fedrec("loadtest", *url, *argv)
+        assert proc.returncode == 2, proc
+        assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr  # no "Unclosed client session"
+        assert proc.stderr.startswith("fedrec loadtest: error: ") and message in proc.stderr, proc.stderr
+
+
+def test_unwritable_output_files_are_refused_before_the_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-folder" / "run.fedrec"
+    # The whole 50-round default run would come before the write: the refusal must come first (fast).
+    t0 = time.perf_counter()
+    assert main(["simulate", "--dataset", "synthetic", "--save", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"fedrec simulate: error: --save {missing}: folder {missing.parent} does not exist\n"
+    assert main(["simulate", "--model", "mf", "--dataset", "synthetic", "--save", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"fedrec simulate: error: --save {tmp_path}: is a folder; name a file\n"
+    assert time.perf_counter() - t0 < 10
+    assert main(["export", str(tmp_path / "absent.fedrec"), "-o", str(missing)]) == 2
+    assert capsys.readouterr().err == f"fedrec export: error: -o {missing}: folder {missing.parent} does not exist\n"
 
 
 def test_closed_stdout_ends_quietly() -> None:

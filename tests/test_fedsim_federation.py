@@ -133,3 +133,31 @@ def test_density_derived_w0_is_what_the_server_reads_off_the_counts() -> None:
     assert state.unobserved_weight == pytest.approx(density_weight(float(pairs), ud.n_users, data.n_items))
     fixed = run_lightfr(ud, cfg, FederationConfig(rounds=1, fraction=1.0, flip_fraction=0.3))
     assert fixed.unobserved_weight == 0.5
+
+
+def test_rank_planes_set_the_planes_of_the_refreshed_vectors_only() -> None:
+    """With rank_planes the final vectors (what a device ranks with) are the ridge solve against the final
+    model quantized to that many planes; training (the uploads) is the query_planes run's, unchanged."""
+    from fedsim.datasets import synthetic
+    from fedsim.federation import _quantized
+    from protocol.families.lightfr import bias_from_levels
+
+    data = synthetic(n_users=40, n_items=60, ratings_per_user=10, seed=4)
+    cfg = LightFRConfig(bits=16, rating_range=(1.0, 5.0), binary_positives=True, unobserved_weight=0.05)
+    ud = user_data(data, cfg)
+    base = FederationConfig(rounds=3, fraction=0.5, query_planes=2, mean_field=True)
+    two = run_lightfr(ud, cfg, base)
+    three = run_lightfr(
+        ud, cfg, FederationConfig(rounds=3, fraction=0.5, query_planes=2, mean_field=True, rank_planes=3)
+    )
+    np.testing.assert_array_equal(two.item_codes, three.item_codes)
+    np.testing.assert_array_equal(two.item_levels, three.item_levels)
+    beta = bias_from_levels(three.item_levels, data.n_items, 16, base.hamming_weight)
+    U = lightfr.ridge_users(ud.indptr, ud.items, ud.targets, three.item_codes, beta, 0.05, 0.0, base.user_reg)
+    np.testing.assert_array_equal(three.user_vectors, _quantized(U, 3, base.hamming_weight))
+    np.testing.assert_array_equal(two.user_vectors, _quantized(U, 2, base.hamming_weight))
+    assert not np.array_equal(two.user_vectors, three.user_vectors)
+    with pytest.raises(ValueError, match="rank_planes needs query_planes"):
+        FederationConfig(rank_planes=3)
+    with pytest.raises(ValueError, match="rank_planes must be"):
+        FederationConfig(query_planes=2, rank_planes=9)

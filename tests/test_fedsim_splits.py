@@ -194,3 +194,50 @@ def test_ml_100k_splits(shared_data: Path) -> None:
     train, val, test = chronological_split(r)
     assert len(train) + len(val) + len(test) == 100_000
     assert np.unique(test.users).size == 943
+
+
+def test_validation_carves_hold_out_unseen_positives_among_fresh_negatives() -> None:
+    from dataclasses import replace
+
+    from fedsim.experiment import prepare, validation_carves
+
+    timed = synthetic(n_users=120, n_items=300, ratings_per_user=15, seed=3)
+    exp = prepare(replace(timed, timestamps=None), seed=0, n_negatives=20)
+    carves = validation_carves(exp, 3, seed=0)
+    assert [c.val.items.shape[1] for c in carves] == [21, 21, 21]
+    everywhere = set(zip(exp.train.users.tolist(), exp.train.items.tolist(), strict=True))
+    everywhere |= set(zip(exp.val.users.tolist(), exp.val.items[:, 0].tolist(), strict=True))
+    everywhere |= set(zip(exp.test.users.tolist(), exp.test.items[:, 0].tolist(), strict=True))
+    for c in carves:
+        fit = set(zip(c.train.users.tolist(), c.train.items.tolist(), strict=True))
+        held = list(zip(c.val.users.tolist(), c.val.items[:, 0].tolist(), strict=True))
+        assert len(c.train) + len(held) == len(exp.train)
+        assert not fit & set(held)  # the carve's positive is not trained on
+        assert set(held) <= everywhere
+        for u, row in zip(c.val.users.tolist(), c.val.items[:, 1:].tolist(), strict=True):
+            assert not {(u, i) for i in row} & everywhere  # negatives: items the user has nowhere
+        assert c.test is exp.test
+    # Different seeds hold out different ratings (no timestamps: random); the same seed the same ones.
+    assert not np.array_equal(carves[0].val.items[:, 0], carves[1].val.items[:, 0])
+    again = validation_carves(exp, 2, seed=0)
+    assert np.array_equal(again[1].val.items, carves[1].val.items)
+    with pytest.raises(ValueError, match="k must be"):
+        validation_carves(exp, -1)
+    # Drawn like the LightFR authors' blocks: negatives from every item but the positive, so some are
+    # the user's own training items (≈ 15 / 300 of them here).
+    (loose,) = validation_carves(exp, 1, seed=0, exclude_interacted=False)
+    fit = set(zip(loose.train.users.tolist(), loose.train.items.tolist(), strict=True))
+    rows = zip(loose.val.users.tolist(), loose.val.items[:, 1:].tolist(), strict=True)
+    negs = [(u, i) for u, row in rows for i in row]
+    assert 0.02 < np.mean([p in fit for p in negs]) < 0.08
+    assert not (loose.val.items[:, 1:] == loose.val.items[:, :1]).any()
+    # With timestamps every carve holds out each user's latest training rating; only negatives differ.
+    exp_t = prepare(timed, seed=0, n_negatives=20)
+    a, b = validation_carves(exp_t, 2, seed=0)
+    assert np.array_equal(a.val.items[:, 0], b.val.items[:, 0])
+    assert not np.array_equal(a.val.items[:, 1:], b.val.items[:, 1:])
+    ts = exp_t.train.timestamps
+    assert ts is not None
+    for u, i in zip(a.val.users.tolist(), a.val.items[:, 0].tolist(), strict=True):
+        mine = exp_t.train.users == u
+        assert ts[mine & (exp_t.train.items == i)].max() == ts[mine].max()

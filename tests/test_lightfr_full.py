@@ -273,6 +273,12 @@ def test_server_config_auto_weight_builds_a_density_strategy(tmp_path) -> None:
     assert given.mean_field and given.rule.flip_fraction == 0.5
     with pytest.raises(ConfigError, match="model.mean_field: must be true or false"):
         config_from_dict({**base, "model": {"n_items": 500, "mean_field": "yes"}})
+    # the passes of the code step: one by default, as configured otherwise
+    assert st.code_sweeps == 1
+    assert build_strategy(config_from_dict({**base, "model": {"n_items": 500, "code_sweeps": 10}})).code_sweeps == 10
+    for bad in (0, 101, 2.5, True):
+        with pytest.raises(ConfigError, match="model.code_sweeps"):
+            config_from_dict({**base, "model": {"n_items": 500, "code_sweeps": bad}})
 
 
 def test_clip_parts_gives_the_counts_their_share_of_the_clip_norm() -> None:
@@ -475,14 +481,23 @@ def test_mean_field_step_is_exact_coordinate_descent_when_raters_look_alike() ->
     assert any(item_loss(i, jacobi[i].astype(float)) > item_loss(i, D[i].astype(float)) + 1e-9 for i in range(m))
 
 
-def test_device_model_with_query_planes_uploads_and_ranks_like_the_reference(tmp_path) -> None:
+@pytest.mark.parametrize("rank_planes", [0, 3])
+def test_device_model_with_query_planes_uploads_and_ranks_like_the_reference(tmp_path, rank_planes: int) -> None:
     """A `LightFRModel` with query_planes: its upload is `full_upload` of the snapped vector solved against
-    the whole catalogue, `recommend` ranks by the real score Δ'·qᵀd/f + β, and a save/load keeps it."""
+    the whole catalogue, `recommend` ranks by the real score Δ'·qᵀd/f + β, and a save/load keeps it.  With
+    rank_planes the kept (ranking) vector has that many planes and the upload still query_planes."""
     from device_sdk.models import LightFRConfig, LightFRModel
 
     rng = np.random.default_rng(21)
     m, f, P = 200, 64, 2
-    cfg = LightFRConfig(bits=f, rating_range=None, binary_positives=True, unobserved_weight=0.05, query_planes=P)
+    cfg = LightFRConfig(
+        bits=f,
+        rating_range=None,
+        binary_positives=True,
+        unobserved_weight=0.05,
+        query_planes=P,
+        rank_planes=rank_planes,
+    )
     model = LightFRModel(m, cfg, rng=np.random.default_rng(0))
     model.set_item_codes(random_signs(m, f, rng), 3)
     model.item_levels = rng.integers(100, 160, m).astype(np.uint8)
@@ -495,11 +510,15 @@ def test_device_model_with_query_planes_uploads_and_ranks_like_the_reference(tmp
     U = lightfr.ridge_users(ptr, items, np.ones(items.size), model.item_codes, beta, 0.05, 0.0, 1.0)
     q, scale = lightfr.quantize_planes(U, P)
     a, snapped = lightfr.snap_scale(scale, 2)
-    np.testing.assert_array_equal(model.user_q[0], q[0])
-    assert model.user_weight[0] == a[0] and update.flips == 0
     ref = lightfr.full_upload(ptr, items, np.ones(items.size), snapped[:, None] * q, model.item_codes, beta, 0.05, 0.0)
     for key, part in ref.items():
         np.testing.assert_allclose(update.parts[key], part, rtol=1e-9, atol=1e-9)
+    if rank_planes:
+        assert np.abs(model.user_q[0]).max() > 2**P - 1  # more levels than the upload's planes hold
+        q, scale = lightfr.quantize_planes(U, rank_planes)
+        a, snapped = lightfr.snap_scale(scale, 2)
+    np.testing.assert_array_equal(model.user_q[0], q[0])
+    assert model.user_weight[0] == a[0] and update.flips == 0
     real = snapped[0] * (model.item_codes.astype(float) @ q[0]) / f + beta
     real[items] = -np.inf
     ids, scores = model.recommend(items, N=10, filter_already_liked_items=True)
@@ -519,6 +538,8 @@ def test_device_model_with_query_planes_uploads_and_ranks_like_the_reference(tmp
         LightFRConfig(query_planes=9)
     with pytest.raises(ValueError, match="user_reg must be a finite number > 0"):
         LightFRConfig(user_reg=0.0)
+    with pytest.raises(ValueError, match="rank_planes must be an integer in"):
+        LightFRConfig(rank_planes=9)
 
 
 def test_mean_field_sweeps_end_where_no_single_bit_flip_helps() -> None:

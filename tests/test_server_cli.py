@@ -44,3 +44,25 @@ def _check_first(first: subprocess.Popen[str], cmd: list[str], tmp_path: Path) -
     finally:
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=30) == 0
+
+
+def test_a_data_dir_that_cannot_be_a_folder_is_one_line_naming_it(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder\n")
+    for data_dir, message in (
+        (a_file, f"data_dir {a_file} is not a folder: File exists"),
+        (a_file / "sub", f"data_dir {a_file / 'sub'} cannot be created or written: Not a directory"),
+    ):
+        config = tmp_path / "server.toml"
+        write_server_config(
+            config, {"server": {"host": "127.0.0.1", "port": 0, "data_dir": str(data_dir)}, "model": {"n_items": 20}}
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "agg_server", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == f"fedrec-server: error: {message}\n"

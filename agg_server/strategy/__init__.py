@@ -56,6 +56,7 @@ def build_strategy(config: ServerConfig) -> Strategy:
             counts_share=m.counts_share,
             popularity_span=m.popularity_span,
             mean_field=m.mean_field,
+            code_sweeps=m.code_sweeps,
             query_planes=m.query_planes,
             user_reg=m.user_reg,
         )
