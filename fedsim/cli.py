@@ -928,9 +928,6 @@ _NOT_PRIVATE_LIGHTFR = (
     "aggregation",
     "fraction",
     "eval_every",
-    "query_planes",
-    "user_reg",
-    "mean_field",
 )
 
 
@@ -1117,7 +1114,15 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
         seed=args.seed,
         # The server's objective unless asked: all items (w0 > 0, learned item levels), or sampled negatives.
         unobserved_weight=_unobserved_weight(args),
+        # Asymmetric scoring in the round plan (protocol 1.6) when asked; not the default under DP (validation,
+        # docs/dp-accounting.md §8: the vector's u uᵀ/f part takes most of the clip norm).
+        query_planes=args.query_planes,
+        user_reg=args.user_reg,
+        # The mean-field code step unless --no-mean-field (chosen on validation under DP as well).
+        mean_field=_mean_field(args),
     )
+    if settings.query_planes and settings.unobserved_weight == 0:
+        raise ConfigError("--query-planes needs the all-items objective (drop --unobserved-weight 0)")
     n_users = data.train.n_users
     out.write(
         f"private LightFR on {args.dataset}: {n_users} devices, every one in every round; ε={args.epsilon:g} at "
@@ -1128,7 +1133,12 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
             if settings.unobserved_weight != 0
             else f"{settings.negatives} negatives per item, "
         )
-        + f"flip fraction {settings.flip_fraction:g}, "
+        + (
+            f"asymmetric scoring ({settings.query_planes} bit-planes, ridge {settings.user_reg:g}), "
+            if settings.query_planes
+            else ""
+        )
+        + f"flip fraction {settings.flip_fraction:g}{', mean field' if settings.mean_field else ' (Jacobi step)'}, "
         f"noise-aware threshold {args.threshold:g}σ; rounds through the private-round simulator (fedsim.privsim)\n"
     )
 

@@ -85,8 +85,9 @@ class ScaledSettings:
     unobserved_weight : w0 of LightFR's objective: > 0 or "auto" (derived from the catalogue's
         density each round, the server's default) the all-items objective (item codes and learned item
         biases, the upload's longer layout), 0 sampled negatives.
-    mean_field : the server's mean-field code step (`model.mean_field`, all-items objective); False (the
-        default here) is the Jacobi step these runs were first measured with.
+    mean_field : the server's mean-field code step (`model.mean_field`, all-items objective; the default,
+        as on the server: chosen on validation under DP too, docs/dp-accounting.md §8); False is the
+        Jacobi step the earlier figures of that section were measured with.
     query_planes, user_reg : asymmetric scoring in the round plan (protocol 1.6, all-items objective):
         each device's user vector solved against the codes, kept as P bit-planes; 0 = ±1 codes.
     """
@@ -105,7 +106,7 @@ class ScaledSettings:
     dropout_rate: float = 0.3
     seed: int = 0
     unobserved_weight: float | str = 0.0
-    mean_field: bool = False
+    mean_field: bool = True
     query_planes: int = 0
     user_reg: float = 1.0
 
@@ -276,8 +277,6 @@ def run_private_scaled(
                 "negatives": s.negatives,
                 "flip_fraction": s.flip_fraction,
                 "unobserved_weight": s.unobserved_weight,
-                # By default the Jacobi code step this simulator's figures were measured with (the
-                # mean-field step, the server's default, was chosen on validation without DP).
                 "mean_field": s.mean_field,
                 "query_planes": s.query_planes,
                 "user_reg": s.user_reg,

@@ -57,6 +57,12 @@ def test_simulate_with_asymmetric_scoring(capsys: pytest.CaptureFixture[str], tm
     assert "--query-planes" in capsys.readouterr().err
     assert main([*argv, "--unobserved-weight", "0"]) == 2  # the sampled objective has no exact user solve
     assert "all-items objective" in capsys.readouterr().err
+    # Private runs take it too (the simulator's devices follow the plan's query_planes, protocol 1.6).
+    private = ["simulate", "--dataset", "synthetic", "--rounds", "1", "--epsilon", "8", "--query-planes", "2"]
+    assert main(private) == 0
+    assert "asymmetric scoring (2 bit-planes, ridge 1)" in capsys.readouterr().out
+    assert main([*private, "--unobserved-weight", "0"]) == 2
+    assert "all-items objective" in capsys.readouterr().err
 
 
 def test_demo_runs_a_real_server_and_fleet(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -124,3 +124,29 @@ def test_scaled_private_mf_charges_the_ledger_and_keeps_the_clipping_constraint(
     assert plain.private_counts is not None and np.all(plain.private_counts >= 0)
     pred = np.einsum("ij,ij->i", plain.user_factors[data.users], plain.item_factors[data.items])
     assert float(np.sqrt(np.mean((data.ratings - pred) ** 2))) < float(np.sqrt(np.mean(data.ratings**2)))
+
+
+def test_scaled_run_with_query_planes_scores_by_the_users_vectors() -> None:
+    # Asymmetric scoring in the plan (protocol 1.6) under DP: every device ends with a snapped bit-plane
+    # vector, the scores are its real score against the codes, and the ledger is charged as with codes.
+    from device_sdk.lightfr import LEVEL_SHIFT
+
+    data = synthetic(n_users=200, n_items=60, n_clusters=4, ratings_per_user=12, seed=1)
+    st = ScaledSettings(
+        epsilon=8.0, rounds=2, bits=16, pop_share=0.5, example_cap=10, unobserved_weight="auto", query_planes=2
+    )
+    res = run_private_scaled(data, st)
+    assert res.epsilon is not None and 7.9 < res.epsilon <= 8.0
+    assert res.user_vectors is not None and res.user_vectors.shape == (200, 16)
+    # Δ'·q: odd multiples of one step per user, at most 2^P − 1 = 3 steps.
+    steps = np.abs(res.user_vectors).min(axis=1)
+    q = res.user_vectors / steps[:, None]
+    assert np.allclose(q, np.rint(q)) and set(np.unique(np.abs(np.rint(q)))) <= {1.0, 3.0}
+    weight = steps * 2**LEVEL_SHIFT * 2 / 2  # a = 2^s·B·Δ'/2 with the server's default B = 2: an integer
+    assert np.allclose(weight, np.rint(weight)) and weight.min() >= 1
+    users = np.arange(200)
+    items = np.stack([np.random.default_rng(u).permutation(60)[:8] for u in range(200)])
+    s = candidate_scores(res, users, items, 0.0)
+    own = res.item_bias[items] if res.item_bias is not None else 0.0
+    want = (16 + np.einsum("uf,ukf->uk", res.user_vectors, res.item_codes[items].astype(float))) / 2.0 + own
+    assert np.allclose(s, want)
