@@ -953,6 +953,29 @@ def _check_applicable(args: argparse.Namespace) -> None:
         raise ConfigError(f"{_flag(dest)} applies to {only} only; --model {model} does not use it")
     if model == "mf" and not (args.epsilon > 0 or args.secure) and args.clip_norm != defaults.clip_norm:
         raise ConfigError("--clip-norm applies to private MF only (with --epsilon or --secure)")
+    if model == "lightfr":
+        _check_lightfr_objective(args, defaults)
+
+
+def _check_lightfr_objective(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
+    """Refuse LightFR options that the chosen objective would ignore: sampled negatives belong to the
+    paper's objective (w0 = 0), α and asymmetric scoring to the all-items one (w0 > 0)."""
+    full = _unobserved_weight(args) != 0
+    if full:
+        objective = "the all-items objective (the default with --aggregation grad) fits every unobserved item"
+    else:
+        why = "--aggregation para" if args.unobserved_weight is None else "--unobserved-weight 0"
+        objective = f"the sampled-negatives objective ({why}) is in use"
+    if full and args.negatives != defaults.negatives:
+        raise ConfigError(f"--negatives applies with --unobserved-weight 0 only; {objective}")
+    if not full and args.confidence != defaults.confidence:
+        raise ConfigError(
+            f"--confidence applies to the all-items objective (--unobserved-weight > 0) only; {objective}"
+        )
+    if not full and args.query_planes:
+        raise ConfigError(f"--query-planes needs the all-items objective (--unobserved-weight > 0); {objective}")
+    if not args.query_planes and args.user_reg != defaults.user_reg:
+        raise ConfigError("--user-reg applies with --query-planes P >= 1 only (the ridge weight of the user solve)")
 
 
 def _where_looked(arg: Path | None, found: Path | None) -> str:
@@ -1350,6 +1373,8 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         raise ConfigError(f"--devices {args.devices}: a secure-aggregation round needs at least {MIN_COHORT} devices")
     if args.cohort is not None and args.cohort < MIN_COHORT:
         raise ConfigError(f"--cohort {args.cohort}: a secure-aggregation round needs at least {MIN_COHORT} devices")
+    if not args.query_planes and args.user_reg != build_parser().parse_args(["demo"]).user_reg:
+        raise ConfigError("--user-reg applies with --query-planes P >= 1 only (the ridge weight of the user solve)")
     try:  # the plan's own bounds (protocol.plan.LightFRParams), before a server is started
         LightFRParams(query_planes=args.query_planes, user_reg=args.user_reg)
     except ValueError as exc:

@@ -211,12 +211,33 @@ def test_family_misuse_is_one_clear_line(argv: list[str], message: str, capsys: 
         (["--model", "fnmf", "--epsilon", "1"], "--epsilon is not implemented for --model fnmf"),
         (["--model", "mf", "--alignment", "sinkhorn"], "--alignment applies to --model fnmf only"),
         (["--model", "mf", "--clip-norm", "5"], "--clip-norm applies to private MF only"),
+        # Within LightFR: options the chosen objective would drop (sampled negatives vs all items).
+        (["--negatives", "3"], "--negatives applies with --unobserved-weight 0 only; the all-items objective"),
+        (["--epsilon", "8", "--negatives", "2"], "--negatives applies with --unobserved-weight 0 only"),
+        (["--unobserved-weight", "0", "--confidence", "1"], "--confidence applies to the all-items objective"),
+        (["--aggregation", "para", "--query-planes", "2"], "objective (--aggregation para) is in use"),
+        (["--user-reg", "2"], "--user-reg applies with --query-planes P >= 1 only"),
     ],
 )
 def test_inapplicable_flags_are_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--dataset", "synthetic", "--rounds", "1", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fedrec simulate: error: ") and message in err and err.count("\n") == 1
+
+
+def test_lightfr_options_of_the_objective_in_use_still_run(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (
+        ["--unobserved-weight", "0", "--negatives", "3"],
+        ["--aggregation", "para", "--negatives", "2"],
+        ["--confidence", "1"],
+        ["--query-planes", "2", "--user-reg", "2"],
+    ):
+        assert main(["simulate", "--dataset", "synthetic", "--rounds", "1", "--bits", "16", "--quiet", *argv]) == 0
+    capsys.readouterr()
+    assert main(["demo", "--dataset", "synthetic", "--user-reg", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "fedrec demo: error: --user-reg applies with --query-planes P >= 1 only (the ridge weight of the user solve)\n"
+    )
 
 
 def _fedrec(*argv: str, stdin: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
