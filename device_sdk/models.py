@@ -89,8 +89,9 @@ class LightFRConfig:
     rank_planes: int = 0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.bits <= MAX_RANK:
-            raise ValueError(f"bits must be in [1, {MAX_RANK}], got {self.bits}")
+        bits = self.bits
+        if isinstance(bits, bool) or not isinstance(bits, int | np.integer) or not 1 <= bits <= MAX_RANK:
+            raise ValueError(f"bits must be an integer in [1, {MAX_RANK}], got {bits!r}")
         planes = self.query_planes
         if isinstance(planes, bool) or not isinstance(planes, int | np.integer) or not 0 <= planes <= 8:
             raise ValueError(f"query_planes must be an integer in [0, 8], got {planes!r}")
@@ -101,9 +102,18 @@ class LightFRConfig:
             raise ValueError(f"user_reg must be a finite number > 0, got {self.user_reg!r}")
         self.params(Aggregation.GRAD)  # the plan's bounds, as the server's config checks them
         if self.rating_range is not None:
-            lo, hi = self.rating_range
-            if not (np.isfinite(lo) and np.isfinite(hi) and hi > lo):
-                raise ValueError(f"rating_range must be (low, high) with high > low, got {self.rating_range}")
+            bounds = self.rating_range
+            if not (
+                isinstance(bounds, tuple | list)
+                and len(bounds) == 2
+                and all(
+                    isinstance(b, int | float | np.integer | np.floating) and not isinstance(b, bool) for b in bounds
+                )
+                and np.isfinite(bounds[0])
+                and np.isfinite(bounds[1])
+                and bounds[1] > bounds[0]
+            ):
+                raise ValueError(f"rating_range must be (low, high), finite numbers with high > low, got {bounds!r}")
 
     def params(self, aggregation: Aggregation) -> LightFRParams:
         """These training parameters as a `protocol.plan.LightFRParams` (which validates them)."""

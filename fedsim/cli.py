@@ -1354,7 +1354,14 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         LightFRParams(query_planes=args.query_planes, user_reg=args.user_reg)
     except ValueError as exc:
         raise ConfigError(f"--{str(exc).replace('_', '-', 1)}") from None
+    if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
+        raise ConfigError(f"--workdir {args.workdir}: is not a folder")
     exp, data_dir = _resolve_dataset(args, out)
+    if exp.train.n_users < MIN_COHORT:
+        raise ConfigError(
+            f"--dataset {args.dataset}: {exp.train.n_users} user(s) with training ratings; a secure-aggregation "
+            f"round needs at least {MIN_COHORT} devices"
+        )
     if args.devices is not None and args.devices < exp.train.n_users:
         exp = _first_users(exp, args.devices)
     if args.cohort is None:

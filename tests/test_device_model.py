@@ -126,6 +126,13 @@ def test_config_validation_names_the_field() -> None:
         ({"negatives": -1}, "negatives"),
         ({"local_epochs": 0}, "local_epochs"),
         ({"rating_range": (5.0, 1.0)}, "rating_range"),
+        # Wrong types are a ValueError naming the field too (were: accepted, or a bare TypeError).
+        ({"bits": 64.0}, "bits"),
+        ({"bits": "64"}, "bits"),
+        ({"bits": True}, "bits"),
+        ({"rating_range": ("1", "5")}, "rating_range"),
+        ({"rating_range": (1.0,)}, "rating_range"),
+        ({"rating_range": (1.0, float("nan"))}, "rating_range"),
     ]:
         with pytest.raises(ValueError, match=word):
             LightFRConfig(**kwargs)  # type: ignore[arg-type]

@@ -280,6 +280,20 @@ def test_unwritable_output_files_are_refused_before_the_run(capsys: pytest.Captu
     assert capsys.readouterr().err == f"fedrec export: error: -o {missing}: folder {missing.parent} does not exist\n"
 
 
+def test_demo_refuses_a_dataset_too_small_for_a_round_and_a_file_as_workdir(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    tiny = tmp_path / "tiny.csv"
+    tiny.write_text("1,2,5\n")
+    assert main(["demo", "--dataset", str(tiny)]) == 2
+    assert capsys.readouterr().err == (
+        f"fedrec demo: error: --dataset {tiny}: 1 user(s) with training ratings; a secure-aggregation round "
+        "needs at least 3 devices\n"
+    )  # was: the server's own start-up error about rounds.cohort_size
+    assert main(["demo", "--dataset", "synthetic", "--workdir", str(tiny)]) == 2
+    assert capsys.readouterr().err == f"fedrec demo: error: --workdir {tiny}: is not a folder\n"
+
+
 def test_closed_stdout_ends_quietly() -> None:
     cmd = f"{shlex.quote(sys.executable)} -m fedsim.cli simulate --dataset synthetic --rounds 2 --quiet | head -1"
     proc = subprocess.run(
