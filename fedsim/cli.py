@@ -976,6 +976,10 @@ def _check_lightfr_objective(args: argparse.Namespace, defaults: argparse.Namesp
         raise ConfigError(f"--query-planes needs the all-items objective (--unobserved-weight > 0); {objective}")
     if not args.query_planes and args.user_reg != defaults.user_reg:
         raise ConfigError("--user-reg applies with --query-planes P >= 1 only (the ridge weight of the user solve)")
+    try:  # the plan's own bounds (protocol.plan.LightFRParams), as the server and the device SDK check them
+        LightFRParams(query_planes=args.query_planes, user_reg=args.user_reg)
+    except ValueError as exc:
+        raise ConfigError(f"--{str(exc).replace('_', '-', 1)}") from None
 
 
 def _where_looked(arg: Path | None, found: Path | None) -> str:

@@ -217,12 +217,16 @@ def test_family_misuse_is_one_clear_line(argv: list[str], message: str, capsys: 
         (["--unobserved-weight", "0", "--confidence", "1"], "--confidence applies to the all-items objective"),
         (["--aggregation", "para", "--query-planes", "2"], "objective (--aggregation para) is in use"),
         (["--user-reg", "2"], "--user-reg applies with --query-planes P >= 1 only"),
+        # The plan's bounds, as the server and the SDK check them, before the run (no header line first).
+        (["--query-planes", "9"], "--query-planes: must be an integer in [0, 8], got 9"),
+        (["--query-planes", "2", "--user-reg", "1e9"], "--user-reg: must be a finite number in [1e-06, 1000000.0]"),
     ],
 )
 def test_inapplicable_flags_are_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--dataset", "synthetic", "--rounds", "1", *argv]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert err.startswith("fedrec simulate: error: ") and message in err and err.count("\n") == 1
+    assert out == ""  # refused before the run
 
 
 def test_lightfr_options_of_the_objective_in_use_still_run(capsys: pytest.CaptureFixture[str]) -> None:
