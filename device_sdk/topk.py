@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -522,15 +522,7 @@ class HammingIndex:
                 cost += (self._top - self._levels[ids].astype(np.int64)) << s
         else:
             ids, cost = self._scan_planes(planes, a, s, min(k + (0 if excl is None else excl.size), self.m), block)
-        if excl is not None and ids.size:
-            at = np.searchsorted(excl, ids)
-            ok = excl[np.minimum(at, excl.size - 1)] != ids
-            ids, cost = ids[ok], cost[ok]
-        if rng is None:
-            order = np.lexsort((ids, cost))[:k]
-        else:
-            perm = rng.permutation(ids.size)
-            order = perm[np.argsort(cost[perm], kind="stable")[:k]]
+        ids, cost, order = _order_one(ids, cost, k, excl, rng)
         top = a * self.f * (2**P - 1) + (self._top << s)
         return ids[order], top - cost[order]
 
@@ -670,15 +662,7 @@ class HammingIndex:
         rng: np.random.Generator | None,
     ) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
         """`_select` for a single user: a random order, then a stable counting sort by cost."""
-        if excl is not None and ids.size:
-            at = np.searchsorted(excl, ids)
-            ok = excl[np.minimum(at, excl.size - 1)] != ids
-            ids, cost = ids[ok], cost[ok]
-        if rng is None:
-            order = np.lexsort((ids, cost))[:k]
-        else:
-            perm = rng.permutation(ids.size)
-            order = perm[np.argsort(cost[perm], kind="stable")[:k]]
+        ids, cost, order = _order_one(ids, cost, k, excl, rng)
         best = cost[order]
         table = self._score_table
         scores = table[best] if table is not None else self._score_of_cost(best.astype(np.int64))
@@ -757,6 +741,30 @@ def _exclusion_keys(exclude: Sequence[NDArray[np.int64] | None] | None, n: int, 
             raise ValueError(f"excluded item id out of range [0, {m})")
         parts.append(items + row * m)
     return np.unique(np.concatenate(parts)) if parts else None
+
+
+_Cost = TypeVar("_Cost", bound=np.integer)
+
+
+def _order_one(
+    ids: NDArray[np.int64],
+    cost: NDArray[_Cost],
+    k: int,
+    excl: NDArray[np.int64] | None,
+    rng: np.random.Generator | None,
+) -> tuple[NDArray[np.int64], NDArray[_Cost], NDArray[np.intp]]:
+    """One user's candidates without the excluded ids (sorted ``excl``), and the positions of its best
+    ``k`` by cost: ties in a random order from ``rng``, or by lower id when ``rng`` is None."""
+    if excl is not None and ids.size:
+        at = np.searchsorted(excl, ids)
+        ok = excl[np.minimum(at, excl.size - 1)] != ids
+        ids, cost = ids[ok], cost[ok]
+    if rng is None:
+        order = np.lexsort((ids, cost))[:k]
+    else:
+        perm = rng.permutation(ids.size)
+        order = perm[np.argsort(cost[perm], kind="stable")[:k]]
+    return ids, cost, order
 
 
 def _row_hist(cost: NDArray[np.integer], nb: int) -> NDArray[np.int64]:

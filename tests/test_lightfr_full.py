@@ -3,6 +3,8 @@ server's code and bias step, each checked against a dense, literal evaluation of
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,27 @@ def _batch(rng: np.random.Generator, n: int, m: int, per_user: int):
     indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     items = np.concatenate([rng.choice(m, c, replace=False) for c in counts]).astype(np.int64)
     return indptr, items, rng.random(items.size)
+
+
+def _item_loss(
+    U: np.ndarray,
+    beta: np.ndarray,
+    indptr: np.ndarray,
+    items: np.ndarray,
+    r: np.ndarray,
+    w0: float,
+    alpha: float,
+    i: int,
+    d: np.ndarray,
+) -> float:
+    """Item i's part of the all-items loss with code d: (1 + α)(r − x)² for the users who rated it,
+    w0·x² for the rest, x = u·d/f + β_i."""
+    x = U @ d / U.shape[1] + beta[i]
+    loss = 0.0
+    for u in range(len(indptr) - 1):
+        hit = np.flatnonzero(items[indptr[u] : indptr[u + 1]] == i)
+        loss += (1 + alpha) * (r[indptr[u] + hit[0]] - x[u]) ** 2 if hit.size else w0 * x[u] ** 2
+    return float(loss)
 
 
 def _dense_loss(b, D, beta, items, r, w0, alpha) -> float:
@@ -78,17 +101,7 @@ def test_full_upload_is_the_sum_of_device_uploads_and_matches_the_item_side_loss
     # The server's sign test for item i, bit k equals the sign of the loss change of flipping it.
     new_D, _ = agg_full(D, beta, total, n, w0, alpha, flip_fraction=1.0, learn_bias=False)
 
-    def item_loss(i: int, d: np.ndarray) -> float:
-        x = B.astype(float) @ d / f + beta[i]
-        loss = 0.0
-        for u in range(n):
-            its = items[indptr[u] : indptr[u + 1]]
-            hit = np.flatnonzero(its == i)
-            if hit.size:
-                loss += (1 + alpha) * (r[indptr[u] + hit[0]] - x[u]) ** 2
-            else:
-                loss += w0 * x[u] ** 2
-        return loss
+    item_loss = partial(_item_loss, B.astype(float), beta, indptr, items, r, w0, alpha)
 
     for i in np.unique(items)[:5]:
         # Bit 0 is decided first, from the old codes: flipping must not increase the item's loss.
@@ -435,14 +448,7 @@ def test_real_user_upload_matches_the_item_side_loss() -> None:
     np.testing.assert_allclose(total["gram"], U.T @ U)
     new_D, _ = agg_full(D, beta, total, n, w0, alpha, flip_fraction=1.0, learn_bias=False)
 
-    def item_loss(i: int, d: np.ndarray) -> float:
-        x = U @ d / f + beta[i]
-        loss = 0.0
-        for u in range(n):
-            its = items[indptr[u] : indptr[u + 1]]
-            hit = np.flatnonzero(its == i)
-            loss += (1 + alpha) * (r[indptr[u] + hit[0]] - x[u]) ** 2 if hit.size else w0 * x[u] ** 2
-        return loss
+    item_loss = partial(_item_loss, U, beta, indptr, items, r, w0, alpha)
 
     for i in range(m):
         d_old = D[i].astype(float)
@@ -463,14 +469,7 @@ def test_mean_field_step_is_exact_coordinate_descent_when_raters_look_alike() ->
     U = np.tile(rng.normal(0, 2.0, f), (n, 1))
     total = lightfr.full_upload(indptr, items, r, U, D, beta, w0, alpha)
 
-    def item_loss(i: int, d: np.ndarray) -> float:
-        x = U @ d / f + beta[i]
-        loss = 0.0
-        for u in range(n):
-            its = items[indptr[u] : indptr[u + 1]]
-            hit = np.flatnonzero(its == i)
-            loss += (1 + alpha) * (r[indptr[u] + hit[0]] - x[u]) ** 2 if hit.size else w0 * x[u] ** 2
-        return loss
+    item_loss = partial(_item_loss, U, beta, indptr, items, r, w0, alpha)
 
     new_D, _ = agg_full(D, beta, total, n, w0, alpha, flip_fraction=1.0, learn_bias=False, mean_field=True)
     assert np.count_nonzero(new_D != D) > 0
@@ -555,14 +554,7 @@ def test_mean_field_sweeps_end_where_no_single_bit_flip_helps() -> None:
     U = np.tile(rng.normal(0, 2.0, f), (n, 1))  # every user the same vector: Σ_{u∈Ω_i} u uᵀ = (counts_i / n)·G_U
     total = lightfr.full_upload(indptr, items, r, U, D, beta, w0, alpha)
 
-    def item_loss(i: int, d: np.ndarray) -> float:
-        x = U @ d / f + beta[i]
-        loss = 0.0
-        for u in range(n):
-            its = items[indptr[u] : indptr[u + 1]]
-            hit = np.flatnonzero(its == i)
-            loss += (1 + alpha) * (r[indptr[u] + hit[0]] - x[u]) ** 2 if hit.size else w0 * x[u] ** 2
-        return loss
+    item_loss = partial(_item_loss, U, beta, indptr, items, r, w0, alpha)
 
     def improvable(codes: np.ndarray) -> int:
         """Items for which one bit flip lowers the loss."""
