@@ -280,6 +280,26 @@ def test_round_cross_field_rules(rounds: dict[str, Any], key: str, message: str)
     assert str(info.value).startswith(f"{key}: ") and message in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("model", "key", "message"),
+    [
+        ({"unobserved_weight": 0, "code_sweeps": 3}, "model.code_sweeps", "needs the all-items objective"),
+        ({"user_reg": 3.0}, "model.user_reg", "applies with model.query_planes >= 1 only"),
+        ({"unobserved_weight": 0, "query_planes": 2}, "model.query_planes", "needs the all-items objective"),
+    ],
+)
+def test_lightfr_keys_the_objective_would_ignore_are_refused(model: dict[str, Any], key: str, message: str) -> None:
+    data = _minimal()
+    data["model"].update(model)
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data, base_dir=Path("/srv"))
+    assert str(info.value).startswith(f"{key}: ") and message in str(info.value), str(info.value)
+    # The same keys where they act are accepted.
+    data["model"] = {"n_items": 100, "query_planes": 2, "user_reg": 3.0, "code_sweeps": 3}
+    config = config_from_dict(data, base_dir=Path("/srv"))
+    assert (config.model.query_planes, config.model.user_reg, config.model.code_sweeps) == (2, 3.0, 3)
+
+
 def test_graph_override_accepted_when_safe() -> None:
     data = _minimal()
     data["rounds"] = {"k": 21, "t": 3}
