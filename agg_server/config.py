@@ -340,11 +340,11 @@ class ModelSection:
         _set(self, "popularity_span", _float("model.popularity_span", self.popularity_span, lo=0.0))
         if self.popularity_span > 0 and self.unobserved_weight == 0:
             raise ConfigError("model.popularity_span: needs the all-items objective (model.unobserved_weight > 0)")
-        # The protocol 1.6 keys that would otherwise do nothing, named like popularity_span above.
+        # A key that would otherwise do nothing, named like popularity_span above.  (model.user_reg without
+        # query_planes stays accepted: the plan carries it either way, and a config that differs from an
+        # asymmetric one in query_planes alone is a fair comparison.)
         if self.code_sweeps > 1 and self.unobserved_weight == 0:
             raise ConfigError("model.code_sweeps: needs the all-items objective (model.unobserved_weight > 0)")
-        if self.query_planes == 0 and self.user_reg != _LIGHTFR.user_reg:
-            raise ConfigError("model.user_reg: applies with model.query_planes >= 1 only (the devices' user solve)")
 
     def lightfr_params(self) -> LightFRParams:
         """LightFR's training parameters of this table (`protocol.plan.LightFRParams` validates them;

@@ -284,7 +284,6 @@ def test_round_cross_field_rules(rounds: dict[str, Any], key: str, message: str)
     ("model", "key", "message"),
     [
         ({"unobserved_weight": 0, "code_sweeps": 3}, "model.code_sweeps", "needs the all-items objective"),
-        ({"user_reg": 3.0}, "model.user_reg", "applies with model.query_planes >= 1 only"),
         ({"unobserved_weight": 0, "query_planes": 2}, "model.query_planes", "needs the all-items objective"),
     ],
 )
