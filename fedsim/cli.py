@@ -1391,14 +1391,16 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
             f"--dataset {args.dataset}: {exp.train.n_users} user(s) with training ratings; a secure-aggregation "
             f"round needs at least {MIN_COHORT} devices"
         )
+    n_devices = exp.train.n_users
     if args.devices is not None and args.devices < exp.train.n_users:
-        exp = _first_users(exp, args.devices)
+        exp = _first_users(exp, args.devices)  # keeps the id space: train.n_users stays the dataset's
+        n_devices = args.devices
     if args.cohort is None:
-        args.cohort = exp.train.n_users
+        args.cohort = n_devices
     out.write(exp.describe() + "\n")
     eps = args.epsilon or None
     out.write(
-        f"LightFR f={args.bits}; {args.rounds} rounds of up to {min(args.cohort, exp.train.n_users)} devices; "
+        f"LightFR f={args.bits}; {args.rounds} rounds of up to {min(args.cohort, n_devices)} devices; "
         f"SecAgg+ (ω=0.33); "
         + (f"distributed DP ε={eps:g} at δ=1e-5 over the run; " if eps else "no DP; ")
         + f"dropout {args.dropout:.0%} per device and round"
@@ -1435,9 +1437,9 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     if privacy and args.insecure_seed_dp_noise:
         out.write("ε is NOT a privacy guarantee here: --insecure-seed-dp-noise derived the DP noise from the seed\n")
     if privacy and ours.hr < pop.hr:
-        n = exp.train.n_users
         out.write(
-            f"The real server's LightFR model did not beat popularity here: with user-level DP over {n} devices\n"
+            "The real server's LightFR model did not beat popularity here: with user-level DP over "
+            f"{n_devices} devices\n"
             "the noise each code coordinate needs is larger than the per-item signal the sum carries, and its item\n"
             "levels (the private counts of the uploads) did not make up for it. The private-round simulator on the\n"
             "same data and ε, every device in every round, a separate private popularity release feeding the\n"

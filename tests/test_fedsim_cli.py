@@ -66,10 +66,12 @@ def test_simulate_with_asymmetric_scoring(capsys: pytest.CaptureFixture[str], tm
 
 
 def test_demo_runs_a_real_server_and_fleet(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    argv = ["demo", "--dataset", "synthetic", "--devices", "12", "--cohort", "12", "--rounds", "2"]
+    # No --cohort: the cohort is every device the run has (12 of synthetic's 600 users), not the dataset's users.
+    argv = ["demo", "--dataset", "synthetic", "--devices", "12", "--rounds", "2"]
     assert main([*argv, "--dropout", "0.1", "--workdir", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
+    assert "; 2 rounds of up to 12 devices; " in out
     assert "server: listening on http://127.0.0.1:" in err and "server: stopped (exit 0)" in err
     assert "LightFR over the server" in out and "popularity" in out
     assert "ε spent" in out and "verdict: " in out
