@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -1683,6 +1684,13 @@ def _cmd_enroll_ca(args: argparse.Namespace, out: TextIO) -> int:
         out.write("server configuration ([enrollment] table):\n")
         out.write(f'authority_key = "{authority.public_key.hex()}"\n')
         return 0
+    if args.ca_command == "issue":
+        from protocol.enrollment import MAX_VALID_DAYS
+
+        if not (math.isfinite(args.valid_days) and 0 < args.valid_days <= MAX_VALID_DAYS):
+            raise ConfigError(
+                f"--valid-days must be a number of days in (0, {MAX_VALID_DAYS}], got {args.valid_days:g}"
+            )
     authority = EnrollmentAuthority.load(args.key)
     if args.ca_command == "revoke":
         return _revoke(authority, args, out)

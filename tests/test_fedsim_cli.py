@@ -321,6 +321,15 @@ def test_demo_refuses_a_dataset_too_small_for_a_round_and_a_file_as_workdir(
     assert capsys.readouterr().err == f"fedrec demo: error: --workdir {tiny}: is not a folder\n"
 
 
+def test_enroll_ca_names_the_valid_days_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    key = tmp_path / "ca.key"  # never read: the flag is checked first
+    for days in ("0", "-5", "1e9", "nan"):
+        argv = ["enroll-ca", "issue", "--key", str(key), "--device-key", "00" * 32, "--batch", "b1"]
+        assert main([*argv, "--valid-days", days]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("fedrec enroll-ca: error: --valid-days must be a number of days in (0, 3653]"), err
+
+
 def test_closed_stdout_ends_quietly() -> None:
     cmd = f"{shlex.quote(sys.executable)} -m fedsim.cli simulate --dataset synthetic --rounds 2 --quiet | head -1"
     proc = subprocess.run(
