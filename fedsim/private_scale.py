@@ -167,7 +167,7 @@ def split_budget(
 
     lo, hi = math.log(l2m * l2m * 1e-3), math.log(l2m * l2m * 1e6)
     if eps_at(math.exp(hi)) > epsilon:
-        raise ValueError("the popularity share leaves no budget for the rounds; lower pop_share")
+        raise ValueError("the popularity share leaves no budget for the rounds; lower pop_share (--pop-share)")
     for _ in range(80):
         mid = 0.5 * (lo + hi)
         if eps_at(math.exp(mid)) > epsilon:

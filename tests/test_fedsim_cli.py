@@ -93,6 +93,12 @@ def test_demo_runs_a_real_server_and_fleet(capsys: pytest.CaptureFixture[str], t
         (["simulate", "--dataset", "synthetic", "--bits", "zero"], "expected a whole number"),
         (["simulate", "--dataset", "synthetic", "--lam", "-1"], "finite number >= 0"),
         (["simulate", "--dataset", "synthetic", "--user-reg", "0"], "> 0"),
+        (
+            ["simulate", "--dataset", "synthetic", "--epsilon", "8", "--pop-share", "1"],
+            "--pop-share: must be in (0, 1)",
+        ),
+        (["plan-privacy", "--dataset", "synthetic", "--pop-share", "1"], "--pop-share: must be in (0, 1)"),
+        (["plan-privacy", "--dataset", "synthetic", "--rounds", "5", "1001"], "--rounds: must be at most 1000"),
     ],
 )
 def test_bad_arguments_name_the_problem(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
