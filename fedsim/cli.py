@@ -1421,7 +1421,10 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         n_devices = args.devices
     if args.cohort is None:
         args.cohort = n_devices
-    out.write(exp.describe() + "\n")
+    head = exp.describe()
+    if n_devices < exp.train.n_users:  # the id space stays the dataset's; say who takes part
+        head = head.replace(f"{exp.train.n_users} users,", f"the first {n_devices} of {exp.train.n_users} users,", 1)
+    out.write(head + "\n")
     eps = args.epsilon or None
     out.write(
         f"LightFR f={args.bits}; {args.rounds} rounds of up to {min(args.cohort, n_devices)} devices; "

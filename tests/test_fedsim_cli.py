@@ -71,7 +71,7 @@ def test_demo_runs_a_real_server_and_fleet(capsys: pytest.CaptureFixture[str], t
     assert main([*argv, "--dropout", "0.1", "--workdir", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
-    assert "; 2 rounds of up to 12 devices; " in out
+    assert out.startswith("synthetic: the first 12 of 600 users, ") and "; 2 rounds of up to 12 devices; " in out
     assert "server: listening on http://127.0.0.1:" in err and "server: stopped (exit 0)" in err
     assert "LightFR over the server" in out and "popularity" in out
     assert "ε spent" in out and "verdict: " in out
