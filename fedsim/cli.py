@@ -1202,29 +1202,8 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
         out.write(text + "\n")
 
     metrics, extra = evaluate_private(data, settings, eval_seed=args.eval_seed, on_round=on_round, log=log)
-    keys = sorted({k for m in metrics.values() for k in m})
-    rows = [["model", *keys]]
-    for name, values in metrics.items():
-        rows.append([name, *(f"{values[k]:.4f}" for k in keys)])
-    _table(rows, out)
-    out.write(
-        f"ε spent {extra['epsilon']:.3f} at δ={extra['delta']:g} (the ledger's RDP composition of every release); "
-        f"item level α={extra['alpha']} chosen on validation; random ties\n"
-    )
-    seconds = time.perf_counter() - t0
-    out.write(f"done in {seconds:.1f} s\n")
-    if args.json:
-        record = result_record(
-            dataset=str(args.dataset),
-            protocol=str(extra["protocol"]),
-            rounds=rounds,
-            seconds=seconds,
-            metrics=metrics,
-            epsilon=extra["epsilon"],
-            delta=extra["delta"],
-        )
-        write_json(record, sys.stdout)
-    return 0
+    note = f"item level α={extra['alpha']} chosen on validation; random ties"
+    return _report_private(args, out, t0, metrics, extra, rounds, note, private=True)
 
 
 def _simulate_mf_published(args: argparse.Namespace, data: TrainTestSplit, out: TextIO) -> int:
@@ -1272,26 +1251,40 @@ def _simulate_mf_published(args: argparse.Namespace, data: TrainTestSplit, out: 
             out.flush()
 
     metrics, extra = evaluate_private_mf_scaled(data, settings, eval_seed=args.eval_seed, on_round=on_round)
+    note = f"u·v + α·level with α={extra['alpha']} chosen on validation; full ranking, random ties"
+    return _report_private(args, out, t0, metrics, extra, s.rounds, note, private=s.epsilon > 0)
+
+
+def _report_private(
+    args: argparse.Namespace,
+    out: TextIO,
+    t0: float,
+    metrics: dict[str, dict[str, float]],
+    extra: dict[str, Any],
+    rounds: int,
+    note: str,
+    *,
+    private: bool,
+) -> int:
+    """The end of a private-simulator run (LightFR or MF): the metrics table, the ε spent (or "no DP
+    noise") with ``note``, the wall time, and with ``--json`` the result record (ε and δ when private)."""
     keys = sorted({k for m in metrics.values() for k in m})
     rows = [["model", *keys]]
     for name, values in metrics.items():
         rows.append([name, *(f"{values[k]:.4f}" for k in keys)])
     _table(rows, out)
     spent = f"ε spent {extra['epsilon']:.3f} at δ={extra['delta']:g} (the ledger's RDP composition of every release)"
-    out.write(
-        (spent if s.epsilon > 0 else "no DP noise")
-        + f"; u·v + α·level with α={extra['alpha']} chosen on validation; full ranking, random ties\n"
-    )
+    out.write((spent if private else "no DP noise") + f"; {note}\n")
     seconds = time.perf_counter() - t0
     out.write(f"done in {seconds:.1f} s\n")
     if args.json:
         record = result_record(
             dataset=str(args.dataset),
             protocol=str(extra["protocol"]),
-            rounds=s.rounds,
+            rounds=rounds,
             seconds=seconds,
             metrics=metrics,
-            **({"epsilon": extra["epsilon"], "delta": extra["delta"]} if s.epsilon > 0 else {}),
+            **({"epsilon": extra["epsilon"], "delta": extra["delta"]} if private else {}),
         )
         write_json(record, sys.stdout)
     return 0
