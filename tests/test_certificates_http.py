@@ -47,6 +47,15 @@ def _register(cert: bytes, key: crypto.SigningKey) -> RegisterRequest:
     return RegisterRequest(platform="p", certificate=cert, proof=key.sign(crypto.registration_payload(cert)))
 
 
+def _authority_with_a_list(tmp_path: Path) -> tuple[EnrollmentAuthority, Path, dict[str, str]]:
+    """An enrollment authority, its revocation list #1 (empty) in ``tmp_path / "ca.crl"``, and the server's
+    ``enrollment`` config that pins the one and enforces the other."""
+    ca = EnrollmentAuthority.generate()
+    crl_path = tmp_path / "ca.crl"
+    write_revocation_list(crl_path, ca.revoke(None, []))
+    return ca, crl_path, {"authority_key": ca.public_key.hex(), "revocation_list": str(crl_path)}
+
+
 def _refused(status: int, msg: Any, what: str) -> None:
     assert status == 403 and isinstance(msg, ErrorMessage), (status, msg)
     assert isinstance(msg.to_exception(), EnrollmentRefused), msg
@@ -210,10 +219,7 @@ async def test_a_server_will_not_start_on_a_tampered_missing_or_foreign_revocati
 
 @pytest.mark.asyncio
 async def test_a_device_revoked_after_registering_is_never_drawn_again(aiohttp_server: Any, tmp_path: Path) -> None:
-    ca = EnrollmentAuthority.generate()
-    crl_path = tmp_path / "ca.crl"
-    write_revocation_list(crl_path, ca.revoke(None, []))
-    enrollment = {"authority_key": ca.public_key.hex(), "revocation_list": str(crl_path)}
+    ca, crl_path, enrollment = _authority_with_a_list(tmp_path)
     app = create_app(_config(tmp_path / "srv", cohort=4, enrollment=enrollment, min_cohort=3))
     server = await aiohttp_server(app)
     clients = _clients(str(server.make_url("")).rstrip("/"), tmp_path / "dev", 4, ca.public_key)
@@ -244,10 +250,7 @@ async def test_a_device_revoked_after_registering_is_never_drawn_again(aiohttp_s
 
 @pytest.mark.asyncio
 async def test_a_device_revoked_while_waiting_in_the_pool_is_not_drawn(aiohttp_client: Any, tmp_path: Path) -> None:
-    ca = EnrollmentAuthority.generate()
-    crl_path = tmp_path / "ca.crl"
-    write_revocation_list(crl_path, ca.revoke(None, []))
-    enrollment = {"authority_key": ca.public_key.hex(), "revocation_list": str(crl_path)}
+    ca, crl_path, enrollment = _authority_with_a_list(tmp_path)
     app = create_app(_config(tmp_path / "srv", cohort=4, enrollment=enrollment, min_cohort=3), clock=lambda: 1000.0)
     client = await aiohttp_client(app)
     keys = [crypto.SigningKey.generate() for _ in range(4)]

@@ -34,6 +34,7 @@ from protocol.messages import (
 )
 from protocol.noise import to_ring
 from tests.multi_helpers import recording
+from tests.test_certificates_http import _authority_with_a_list
 from tests.test_enrollment_http import _clients, _config, _join, _post
 
 ROUTE = "/v1/enrollment/revocations"
@@ -83,10 +84,7 @@ async def test_the_server_serves_the_list_it_enforces_with_an_etag(aiohttp_clien
 async def test_a_revoked_devices_bearer_token_is_refused_on_every_authenticated_route(
     aiohttp_client: Any, tmp_path: Path
 ) -> None:
-    ca = EnrollmentAuthority.generate()
-    crl_path = tmp_path / "ca.crl"
-    write_revocation_list(crl_path, ca.revoke(None, []))
-    enrollment = {"authority_key": ca.public_key.hex(), "revocation_list": str(crl_path)}
+    ca, crl_path, enrollment = _authority_with_a_list(tmp_path)
     app = create_app(_config(tmp_path / "srv", cohort=3, enrollment=enrollment))
     client = await aiohttp_client(app)
     key, other = crypto.SigningKey.generate(), crypto.SigningKey.generate()
@@ -181,10 +179,7 @@ async def test_devices_refuse_a_revoked_neighbour_before_releasing_anything(
     # A malicious server: it holds the authority's list #2 revoking X, but lets X in (does not enforce it),
     # draws X into the cohort and, once devices hold the list, serves an empty one.  Every device whose
     # broadcast carries X refuses the round with CertificateRevoked naming X, and uploads no share.
-    ca = EnrollmentAuthority.generate()
-    crl_path = tmp_path / "ca.crl"
-    write_revocation_list(crl_path, ca.revoke(None, []))
-    enrollment = {"authority_key": ca.public_key.hex(), "revocation_list": str(crl_path)}
+    ca, crl_path, enrollment = _authority_with_a_list(tmp_path)
     app = create_app(_config(tmp_path / "srv", cohort=5, enrollment=enrollment))
     server = await aiohttp_server(app)
     clients = _clients(str(server.make_url("")).rstrip("/"), tmp_path / "dev", 5, ca.public_key)
@@ -219,10 +214,7 @@ async def test_devices_refuse_a_revoked_neighbour_before_releasing_anything(
 
 @pytest.mark.asyncio
 async def test_an_honest_round_under_a_non_empty_list_commits_bit_exact(aiohttp_server: Any, tmp_path: Path) -> None:
-    ca = EnrollmentAuthority.generate()
-    crl_path = tmp_path / "ca.crl"
-    write_revocation_list(crl_path, ca.revoke(None, []))
-    enrollment = {"authority_key": ca.public_key.hex(), "revocation_list": str(crl_path)}
+    ca, crl_path, enrollment = _authority_with_a_list(tmp_path)
     app = create_app(_config(tmp_path / "srv", cohort=4, enrollment=enrollment))
     server = await aiohttp_server(app)
     clients = _clients(str(server.make_url("")).rstrip("/"), tmp_path / "dev", 5, ca.public_key)
@@ -297,50 +289,20 @@ def test_a_revoked_members_survivor_signature_does_not_count() -> None:
     # counts signatures of every survivor (7 needed: a strict majority of 12).  With the other seven members'
     # keys on its revocation list, device u has only its 5 neighbourhood signatures left and unmasks nothing.
 
-    from protocol.crypto import insecure_test_noise_stream
     from protocol.device_session import DeviceSecAggSession
     from protocol.errors import RemoteProtocolError
     from protocol.messages import UnmaskRequest
-    from protocol.phases import consistency_deadline
-    from protocol.server_session import RoundParameters, ServerSecAggSession
-    from tests.test_security import _enrolled
+    from tests.test_security import _enrolled, _signed_round, _to_unmask
 
     ids = list(range(100, 112))
-    authority, enrolled = _enrolled(ids)
-    params = RoundParameters(
-        round_id=3,
-        vector_length=8,
-        k=5,
-        t=3,
-        clip_norm=1.0,
-        scale_bits=16,
-        deadlines=(1.0, 2.0, 3.0, 4.0),
-        authority_key=authority.public_key,
-    )
+    authority, enrolled = _enrolled(ids)  # one authority and one set of identities for both runs
 
     def run(revoked: crypto.RevocationList | None) -> tuple[DeviceSecAggSession, Any, set[int]]:
         """One round to the unmask request of device ids[0], which holds ``revoked`` from the start."""
-        server = ServerSecAggSession(params, ids, rng=np.random.default_rng(0))  # the same graph every run
-        devices = {
-            u: DeviceSecAggSession(
-                server.outbox(u),  # type: ignore[arg-type]
-                rng=insecure_test_noise_stream(0, u),
-                identity=enrolled[u][0],
-                certificate=enrolled[u][1],
-                authority_key=authority.public_key,
-                revoked=revoked if u == ids[0] else None,
-            )
-            for u in ids
-        }
-        d = params.deadlines
-        for index, name in enumerate(("keys", "shares", "masked", "sign")):
-            for u, dev in devices.items():
-                if index > 0:
-                    dev.receive(server.outbox(u))  # type: ignore[arg-type]
-                if name == "masked":
-                    dev.provide_input(np.zeros(8, dtype=np.uint32))
-                server.receive(u, dev.send())
-            server.advance(consistency_deadline(d) if name == "sign" else d[index])
+        server, devices, inputs, _, _ = _signed_round(  # seed 0: the same graph every run
+            n=12, t=3, k=5, length=8, revoked={ids[0]: revoked}, enrollment=(authority, enrolled)
+        )
+        _to_unmask(server, devices, inputs)
         request = server.outbox(ids[0])
         assert isinstance(request, UnmaskRequest) and len(request.signer_ids) == 12
         return devices[ids[0]], request, set(devices[ids[0]]._neighbours)

@@ -199,7 +199,21 @@ def _enrolled(ids: list[int]) -> tuple[Any, dict[int, tuple[Any, bytes]]]:
     return authority, devices
 
 
-def _signed_round(n: int = 12, t: int = 4, k: int | None = None, *, length: int = 16, seed: int = 0) -> Any:
+def _signed_round(
+    n: int = 12,
+    t: int = 4,
+    k: int | None = None,
+    *,
+    length: int = 16,
+    seed: int = 0,
+    revoked: dict[int, Any] | None = None,
+    enrollment: tuple[Any, dict[int, tuple[Any, bytes]]] | None = None,
+    **params: Any,
+) -> Any:
+    """A signed round of ``n`` enrolled devices (ids 100…): the server session, the device sessions (device
+    u holding ``revoked[u]`` as its revocation list), random inputs, the authority and the enrollments
+    (``enrollment``, an earlier `_enrolled` of the same ids, or new ones).  ``params`` are further
+    `RoundParameters` fields (``dp_mu=…``)."""
     import numpy as np
 
     from protocol.crypto import insecure_test_noise_stream
@@ -207,8 +221,8 @@ def _signed_round(n: int = 12, t: int = 4, k: int | None = None, *, length: int 
     from protocol.server_session import RoundParameters, ServerSecAggSession
 
     ids = list(range(100, 100 + n))
-    authority, enrolled = _enrolled(ids)
-    params = RoundParameters(
+    authority, enrolled = enrollment if enrollment is not None else _enrolled(ids)
+    round_params = RoundParameters(
         round_id=3,
         vector_length=length,
         k=k or n,
@@ -217,8 +231,9 @@ def _signed_round(n: int = 12, t: int = 4, k: int | None = None, *, length: int 
         scale_bits=16,
         deadlines=(1.0, 2.0, 3.0, 4.0),
         authority_key=authority.public_key,
+        **params,
     )
-    server = ServerSecAggSession(params, ids, rng=np.random.default_rng(seed))
+    server = ServerSecAggSession(round_params, ids, rng=np.random.default_rng(seed))
     devices = {
         u: DeviceSecAggSession(
             server.outbox(u),  # type: ignore[arg-type]
@@ -226,12 +241,33 @@ def _signed_round(n: int = 12, t: int = 4, k: int | None = None, *, length: int 
             identity=enrolled[u][0],
             certificate=enrolled[u][1],
             authority_key=authority.public_key,
+            revoked=(revoked or {}).get(u),
         )
         for u in ids
     }
     rng = np.random.default_rng(seed + 1)
     inputs = {u: rng.integers(0, 2**32, size=length, dtype=np.uint32) for u in ids}
     return server, devices, inputs, authority, enrolled
+
+
+def _to_unmask(
+    server: Any, devices: dict[int, Any], inputs: dict[int, Any], gone: frozenset[int] = frozenset()
+) -> None:
+    """Run a signed round through the consistency check, every device but those in ``gone`` (which drop
+    before the masked input) taking part, so that the server's unmask requests are in its outboxes."""
+    from protocol.phases import consistency_deadline
+
+    d = server.params.deadlines
+    for index, name in enumerate(("keys", "shares", "masked", "sign")):
+        for u, dev in devices.items():
+            if index >= 2 and u in gone:
+                continue
+            if index > 0:
+                dev.receive(server.outbox(u))
+            if name == "masked":
+                dev.provide_input(inputs[u])
+            server.receive(u, dev.send())
+        server.advance(consistency_deadline(d) if name == "sign" else d[index])
 
 
 def _drive(server: Any, devices: dict[int, Any], inputs: dict[int, Any], drops: dict[str, set[int]]) -> set[int]:
@@ -377,17 +413,7 @@ def test_overstated_survivor_count_is_refused_against_the_signed_set() -> None:
     from protocol.messages import UnmaskRequest
 
     server, devices, inputs, _, _ = _signed_round(n=12)
-    d = server.params.deadlines
-    from protocol.phases import consistency_deadline
-
-    for index, name in enumerate(("keys", "shares", "masked", "sign")):
-        for u, dev in devices.items():
-            if index > 0:
-                dev.receive(server.outbox(u))
-            if name == "masked":
-                dev.provide_input(inputs[u])
-            server.receive(u, dev.send())
-        server.advance(d[index] if name != "sign" else consistency_deadline(d))
+    _to_unmask(server, devices, inputs)
     for factor in (2, 10, 1000):
         u = 100 + factor % 12
         honest = server.outbox(u)
@@ -516,52 +542,11 @@ async def test_routes_without_a_vector_take_a_few_kilobytes_only(aiohttp_client:
 def test_with_dp_a_survivor_count_above_the_signatures_is_refused_even_below_the_cohort() -> None:
     import dataclasses
 
-    import numpy as np
-
-    from protocol.crypto import insecure_test_noise_stream
-    from protocol.device_session import DeviceSecAggSession
     from protocol.errors import RemoteProtocolError
     from protocol.messages import UnmaskRequest
-    from protocol.phases import consistency_deadline
-    from protocol.server_session import RoundParameters, ServerSecAggSession
 
-    ids = list(range(100, 112))
-    authority, enrolled = _enrolled(ids)
-    params = RoundParameters(
-        round_id=3,
-        vector_length=8,
-        k=12,
-        t=4,
-        clip_norm=1.0,
-        scale_bits=16,
-        dp_mu=50.0,
-        dp_t_min=8,
-        deadlines=(1.0, 2.0, 3.0, 4.0),
-        authority_key=authority.public_key,
-    )
-    server = ServerSecAggSession(params, ids, rng=np.random.default_rng(0))
-    devices = {
-        u: DeviceSecAggSession(
-            server.outbox(u),  # type: ignore[arg-type]
-            rng=insecure_test_noise_stream(0, u),
-            identity=enrolled[u][0],
-            certificate=enrolled[u][1],
-            authority_key=authority.public_key,
-        )
-        for u in ids
-    }
-    gone = {100, 101, 102}  # drop before the masked input: 9 survivors sign
-    d = params.deadlines
-    for index, name in enumerate(("keys", "shares", "masked", "sign")):
-        for u, dev in devices.items():
-            if index >= 2 and u in gone:
-                continue
-            if index > 0:
-                dev.receive(server.outbox(u))
-            if name == "masked":
-                dev.provide_input(np.zeros(8, dtype=np.uint32))
-            server.receive(u, dev.send())
-        server.advance(consistency_deadline(d) if name == "sign" else d[index])
+    server, devices, inputs, _, _ = _signed_round(n=12, t=4, length=8, dp_mu=50.0, dp_t_min=8)
+    _to_unmask(server, devices, inputs, gone=frozenset({100, 101, 102}))  # drop before the masked input: 9 sign
     honest = server.outbox(103)
     assert isinstance(honest, UnmaskRequest) and honest.n_survivors == 9
     with pytest.raises(RemoteProtocolError, match="exceeds the 9 signed survivors"):
