@@ -600,10 +600,12 @@ class DeviceClient:
 
     async def _round(self, tally: _Tally) -> RoundOutcome:
         identity = await self._ensure_identity(tally)
-        if not self._server_model_checked:
-            with tally.step("model"):
-                await self._first_contact(tally)
         try:
+            if not self._server_model_checked:
+                # A RoundError here (503: no instance leads this device's cohort now) ends the call as a
+                # check-in's would; the next call tries again.
+                with tally.step("model"):
+                    await self._first_contact(tally)
             with tally.step("checkin"):
                 checkin = CheckIn(device_id=identity.device_id, model_version=self._held_version() or 0)
                 response = await self._call("POST", "/v1/checkin", checkin, tally, timeout=self.config.request_timeout)
