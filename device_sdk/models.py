@@ -61,7 +61,8 @@ class LightFRConfig:
         all-items objective (every unobserved item at target 0 with weight w0, through the item Gram;
         ``negatives`` is then unused; see `device_sdk.lightfr.dcd_full`).
     confidence : α ≥ 0 of the all-items objective: observed items weigh c = 1 + α (w0 ≤ c).
-    query_planes : P in [0, 8].  P >= 1 (all-items objective only) is asymmetric scoring: the device
+    query_planes : P in [0, 8].  P >= 1 (all-items objective only: refused with ``unobserved_weight = 0``,
+        as the server's config and the round plan refuse it) is asymmetric scoring: the device
         solves its real-valued vector exactly against the item codes (`lightfr.ridge_users`) instead of
         a ±1 code by DCD, keeps it as P ±1 bit-planes and a weight, uploads the same parts with it, and
         `recommend` ranks by the integer a·Σ_p 2^p(f − 2·Hamming) + 2^8·level (`device_sdk.topk.plane_scores`).
@@ -74,7 +75,9 @@ class LightFRConfig:
         still trains and uploads with its ±1 code by DCD, and also solves its real-valued vector against
         the item codes (ridge weight ``rank_ridge``·w0·m) and ranks with it as ``rank_planes`` planes
         (`fit_local`, `fold_in`; the vector depends only on the ratings and the model, so `fold_in`
-        after a download refreshes it); 0 ranks with the ±1 code; ignored without the all-items objective.
+        after a download refreshes it); 0 ranks with the ±1 code; unused without the all-items objective
+        (and accepted then: the plan switches the objective and the planes round by round, `apply_plan`,
+        and this standing preference must survive a round whose plan turns them off).
     rank_ridge : a device setting (not in the plan): the ridge weight of that ranking-time solve in units
         of w0·m (tr(w0·DᵀD)/f, the unobserved term's weight on the catalogue), > 0.
     """
@@ -110,6 +113,13 @@ class LightFRConfig:
         ridge = self.rank_ridge
         if isinstance(ridge, bool) or not (isinstance(ridge, int | float) and np.isfinite(ridge) and 0 < ridge <= 1e6):
             raise ValueError(f"rank_ridge must be a finite number in (0, 1e6], got {ridge!r}")
+        w0 = self.unobserved_weight
+        if planes and isinstance(w0, int | float) and not isinstance(w0, bool) and w0 == 0:
+            # Would train ±1 codes by DCD while asking for planes; the server's config and the plan refuse it too.
+            raise ValueError(
+                f"query_planes: {planes} planes (asymmetric scoring) need the all-items objective, "
+                f"unobserved_weight > 0, got unobserved_weight={w0!r}; set unobserved_weight > 0 or query_planes=0"
+            )
         self.params(Aggregation.GRAD)  # the plan's bounds, as the server's config checks them
         if self.rating_range is not None:
             bounds = self.rating_range
@@ -135,7 +145,7 @@ class LightFRConfig:
             max_sweeps=self.max_sweeps,
             unobserved_weight=self.unobserved_weight,
             confidence=self.confidence,
-            query_planes=self.query_planes if self.unobserved_weight > 0 else 0,
+            query_planes=self.query_planes,
             user_reg=self.user_reg,
         )
 
@@ -716,6 +726,9 @@ class LightFRModel(Recommender):
             raw_cfg = dict(state["config"])
             if raw_cfg.get("rating_range") is not None:
                 raw_cfg["rating_range"] = tuple(raw_cfg["rating_range"])
+            if raw_cfg.get("unobserved_weight") == 0 and raw_cfg.get("query_planes"):
+                # Stored by an SDK that accepted planes with w0 = 0 and trained ±1 codes for them: what P = 0 is.
+                raw_cfg["query_planes"] = 0
             config = LightFRConfig(**raw_cfg)
             n_items, n_users = int(state["n_items"]), int(state["n_users"])
             model = cls(n_items, config, n_users=n_users, rng=rng or np.random.default_rng())

@@ -590,6 +590,45 @@ def test_device_model_trains_symmetric_and_ranks_with_its_ridge_vector(tmp_path)
         LightFRConfig(rank_ridge=0.0)
 
 
+def test_device_config_refuses_planes_without_the_all_items_objective_but_the_plan_path_works(tmp_path) -> None:
+    """LightFRConfig(query_planes > 0, unobserved_weight = 0) trained ±1 codes while asking for planes: now
+    refused, as the server's config and the plan refuse it.  A plan cannot lead a device there (it sets P and
+    w0 together, and a plan with planes and w0 = 0 does not decode, tests/test_protocol_plan.py), the
+    device's rank_planes survives a planes-off plan, and a store written with the old pairing still loads."""
+    from dataclasses import replace
+
+    from device_sdk.models import LightFRConfig, LightFRModel, apply_plan
+    from protocol.plan import LightFRParams, TrainingPlan
+    from protocol.spec import Aggregation
+
+    with pytest.raises(ValueError, match=r"^query_planes: 2 planes .* need the all-items objective") as info:
+        LightFRConfig(query_planes=2, unobserved_weight=0)
+    assert "unobserved_weight=0" in str(info.value) and "query_planes=0" in str(info.value)
+    with pytest.raises(ValueError, match=r"^query_planes: 1 planes"):
+        replace(LightFRConfig(query_planes=0, unobserved_weight=0.0), query_planes=1)
+    assert LightFRConfig(query_planes=2, unobserved_weight=0.05).params(Aggregation.GRAD).query_planes == 2
+
+    m, f = 30, 16
+    model = LightFRModel(m, LightFRConfig(bits=f, unobserved_weight=0.05, query_planes=2, rank_planes=3))
+    sampled = TrainingPlan(params=LightFRParams(unobserved_weight=0.0, negatives=4), n_items=m, rank=f)
+    apply_plan(model, sampled)  # a 1.5 server's sampled-negatives plan: P = 0, w0 = 0
+    assert (model.config.query_planes, model.config.unobserved_weight, model.config.rank_planes) == (0, 0.0, 3)
+    apply_plan(model, TrainingPlan(params=LightFRParams(unobserved_weight=0.1, query_planes=2), n_items=m, rank=f))
+    assert (model.config.query_planes, model.config.rank_planes) == (2, 3)
+    model.fit_local(np.array([1, 4, 9]))
+    trained_q = model.user_q.copy()
+    assert model.user_weight[0] > 0
+
+    # A store written by the SDK that accepted P = 2 with w0 = 0 (its config set past the check here).
+    object.__setattr__(model.config, "unobserved_weight", 0.0)
+    model.save(tmp_path / "old.fedrec")
+    again = LightFRModel.load(tmp_path / "old.fedrec")
+    assert (again.config.query_planes, again.config.unobserved_weight, again.config.rank_planes) == (0, 0.0, 3)
+    np.testing.assert_array_equal(again.user_q, trained_q)  # the vector it holds is kept and ranks as before
+    assert again.user_weight[0] == model.user_weight[0]
+    np.testing.assert_array_equal(again.recommend([1, 4, 9], N=10)[1], model.recommend([1, 4, 9], N=10)[1])
+
+
 def test_mean_field_sweeps_end_where_no_single_bit_flip_helps() -> None:
     """Several mean-field passes on one round's sums: with raters that look alike the quadratic model is
     exact, so every item's loss only goes down and the step stops at codes no single bit flip improves,
