@@ -222,6 +222,20 @@ def is_loopback(host: str) -> bool:
 
 
 _LIGHTFR = LightFRParams()
+#: The keys of [model] that every model family reads; the others are LightFR's.
+_MODEL_KEYS_OF_EVERY_KIND = ("kind", "n_items")
+
+
+def _is_default(value: object, default: object) -> bool:
+    """Whether a configured value is the key's default (an int for a float default counts; a bool never
+    stands for a number, nor a number for a bool)."""
+    if isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    return bool(type(value) is type(default) or (_is_number(value) and _is_number(default))) and value == default
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -232,7 +246,9 @@ class ModelSection:
     ----------
     kind : str
         Model family, a `protocol.spec.ModelKind` value: "lightfr" (default), "mf", "felb" or
-        "fnmf"; the other families take their hyper-parameters from the table of that name.
+        "fnmf"; the other families take their hyper-parameters from the table of that name and read only
+        ``kind`` and ``n_items`` here: with them, every other key of this table (LightFR's) must be left out
+        or at its default, or it is refused, naming the key and the kind.
     n_items : int
         Catalogue size m (required), 1 <= m <= 2**26.
     bits : int
@@ -310,8 +326,19 @@ class ModelSection:
         # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
         _set(self, "kind", _choice("model.kind", self.kind, tuple(k.value for k in ModelKind)))
         _int("model.n_items", self.n_items, lo=1, hi=_MAX_ITEMS)
+        if self.kind != ModelKind.LIGHTFR.value:
+            # Every other key of [model] is LightFR's: another family reads only kind, n_items and its own
+            # table.  A value other than the default would do nothing, so it is refused; an omitted key
+            # (or one left at its default, as in examples/server.toml) is fine.
+            for f in dataclasses.fields(self):
+                if f.name not in _MODEL_KEYS_OF_EVERY_KIND and not _is_default(getattr(self, f.name), f.default):
+                    raise ConfigError(
+                        f'model.{f.name}: a LightFR setting, unused with model.kind = "{self.kind}", which reads '
+                        f"only model.kind, model.n_items and the [{self.kind}] table: delete it "
+                        f"(got {getattr(self, f.name)!r})"
+                    )
         _int("model.bits", self.bits, lo=1, hi=_MAX_BITS)
-        if self.n_items * self.bits > MAX_VECTOR_LENGTH:
+        if self.kind == ModelKind.LIGHTFR.value and self.n_items * self.bits > MAX_VECTOR_LENGTH:
             raise ConfigError(
                 f"model.n_items: n_items * bits = {self.n_items} * {self.bits} = {self.n_items * self.bits} "
                 f"exceeds the largest update vector 2**28 = {MAX_VECTOR_LENGTH}; lower model.bits or n_items"
@@ -558,7 +585,8 @@ class PrivacySection:
     Attributes
     ----------
     enabled : bool
-        Add Skellam noise and keep a privacy ledger.
+        Add Skellam noise and keep a privacy ledger.  While false, the other keys must be left out or at
+        their defaults (nothing reads them; one changed is refused, naming it).
     epsilon : float
         ε > 0: the budget over the whole run.
     delta : float
@@ -577,6 +605,16 @@ class PrivacySection:
         _set(self, "epsilon", _float("privacy.epsilon", self.epsilon, lo=0.0, lo_open=True))
         _set(self, "delta", _float("privacy.delta", self.delta, lo=0.0, hi=1.0, lo_open=True, hi_open=True))
         _int("privacy.planned_rounds", self.planned_rounds, lo=1)
+        if not self.enabled:
+            # Without DP nothing reads these: a budget set here would let an operator believe the rounds are
+            # noised.  Left out or at their defaults (examples/server.toml) they are fine.
+            for f in dataclasses.fields(self):
+                value = getattr(self, f.name)
+                if f.name != "enabled" and not _is_default(value, f.default):
+                    raise ConfigError(
+                        f"privacy.{f.name}: set to {value!r} while privacy.enabled is false, so the rounds run "
+                        "without noise and nothing reads it: set privacy.enabled = true, or delete it"
+                    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -776,7 +814,8 @@ class ServerConfig:
     log : LogSection
     storage : StorageSection
     enrollment : EnrollmentSection
-    mf, felb, fnmf : the model families' hyper-parameters (only ``model.kind``'s is used)
+    mf, felb, fnmf : the model families' hyper-parameters (only ``model.kind``'s is used; another family's
+        table must be absent or at its defaults, or the key changed is refused, naming it and the kind)
     """
 
     data_dir: Path
@@ -796,6 +835,19 @@ class ServerConfig:
         for name, cls in _SECTION_TYPES.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name}: must be a {cls.__name__}, got {getattr(self, name)!r}")
+        for table, cls in (("mf", MFSection), ("felb", FELBSection), ("fnmf", FNMFSection)):
+            if table == self.model.kind:
+                continue
+            # Another family's table does nothing; left at its defaults (examples/server.toml lists them all)
+            # it is fine, a value changed is refused.
+            section, default = getattr(self, table), cls()
+            for f in dataclasses.fields(cls):
+                if not _is_default(getattr(section, f.name), getattr(default, f.name)):
+                    raise ConfigError(
+                        f'{table}.{f.name}: the [{table}] table configures model.kind = "{table}", unused with '
+                        f'model.kind = "{self.model.kind}": delete it or set model.kind = "{table}" '
+                        f"(got {getattr(section, f.name)!r})"
+                    )
         if self.model.kind != "lightfr":
             rank = getattr(self, self.model.kind).rank
             if self.model.n_items * rank > MAX_VECTOR_LENGTH:

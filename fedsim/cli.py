@@ -572,8 +572,19 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--baseline", choices=["popularity", "random"], default=None, help="evaluate a baseline instead")
     ev.add_argument("--dataset", default=None, help="dataset (for --baseline; a run file names its own)")
     ev.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
-    ev.add_argument("--protocol", choices=[p.value for p in Protocol], default=None)
-    ev.add_argument("--eval-negatives", type=_positive_int, default=99)
+    ev.add_argument(
+        "--protocol",
+        choices=[p.value for p in Protocol],
+        default=None,
+        help="with --baseline, as for simulate; a run file evaluates on its own (another one is refused)",
+    )
+    ev.add_argument(
+        "--eval-negatives",
+        type=_positive_int,
+        default=None,
+        help="sampled negatives per test positive, with --baseline (default: 99); a run file uses its own "
+        "(another number is refused)",
+    )
     ev.add_argument(
         "--eval-seed",
         type=int,
@@ -1301,7 +1312,7 @@ def _cmd_eval(args: argparse.Namespace, out: TextIO) -> int:
         exp = prepare(
             args.dataset,
             Protocol(args.protocol) if args.protocol else None,
-            n_negatives=args.eval_negatives,
+            n_negatives=99 if args.eval_negatives is None else args.eval_negatives,
             seed=eval_seed,
             data_dir=_data_dir(args.data_dir),
         )
@@ -1356,6 +1367,17 @@ def _load_run(args: argparse.Namespace) -> tuple[Experiment, FederatedLightFR, i
     data_dir = _data_dir(args.data_dir)
     if dataset == "auto":
         dataset = "ml-100k" if data_dir is not None and (data_dir / "ml-100k").is_dir() else "synthetic"
+    # A run is evaluated as it was trained: another dataset, protocol or candidate count would be ignored.
+    for flag, asked, own in (
+        ("--dataset", args.dataset, dataset),
+        ("--protocol", args.protocol, protocol.value),
+        ("--eval-negatives", args.eval_negatives, n_neg),
+    ):
+        if asked is not None and asked != own:
+            raise ConfigError(
+                f"{flag} {asked}: {args.run} is evaluated on the split and candidates it was trained with "
+                f"({flag} {own}); leave {flag} out, or evaluate a baseline with --baseline"
+            )
     exp = prepare(dataset, protocol, n_negatives=n_neg, seed=run_eval_seed, data_dir=data_dir)
     if (exp.train.n_users, exp.train.n_items) != (n_users, n_items):
         raise FedRecError(

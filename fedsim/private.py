@@ -81,6 +81,7 @@ def run_private_lightfr(
     rating_range: tuple[float, float] | None = (1.0, 5.0),
     binary_positives: bool = True,
     storage: Storage | None = None,
+    after_round: Callable[[PrivateRun], None] | None = None,
 ) -> PrivateRun:
     """Run ``rounds`` private LightFR rounds with one simulated device per entry of ``users``.
 
@@ -92,6 +93,7 @@ def run_private_lightfr(
     seed : seed of the devices' generators (`device_sdk.client.insecure_seeded_rngs`).
     dropout : dropout schedule; None means nobody drops.
     storage : an opened storage (default: one in ``config.data_dir``).
+    after_round : called after every round (as for `run_private`).
     """
     m = config.model
     cfg = LightFRConfig(bits=m.bits, rating_range=rating_range, binary_positives=binary_positives)
@@ -106,6 +108,7 @@ def run_private_lightfr(
         seed=seed,
         dropout=dropout,
         storage=storage,
+        after_round=after_round,
     )
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from agg_server.config import config_from_dict
+from agg_server.config import ServerConfig, config_from_dict
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy
 from fedsim.datasets import Ratings
@@ -57,6 +57,7 @@ __all__ = [
     "split_budget",
     "release_counts",
     "run_private_scaled",
+    "scaled_config",
     "carve_validation",
 ]
 
@@ -90,6 +91,11 @@ class ScaledSettings:
         Jacobi step the earlier figures of that section were measured with.
     query_planes, user_reg : asymmetric scoring in the round plan (protocol 1.6, all-items objective):
         each device's user vector solved against the codes, kept as P bit-planes; 0 = ±1 codes.
+    fraction : share p of the devices in each round's cohort (⌈p·n⌉, drawn by the coordinator's rule;
+        1 = every device every round).
+    code_sweeps : passes of the server's mean-field code step over one round's sums (`model.code_sweeps`).
+    rank_planes : under ``query_planes``, the planes of the vector each device ranks with after the last
+        round (`device_sdk.models.LightFRConfig.rank_planes`; 0 = the plan's ``query_planes``).
     """
 
     epsilon: float = 8.0
@@ -109,6 +115,18 @@ class ScaledSettings:
     mean_field: bool = True
     query_planes: int = 0
     user_reg: float = 1.0
+    fraction: float = 1.0
+    code_sweeps: int = 1
+    rank_planes: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction!r}")
+        planes = self.rank_planes
+        if isinstance(planes, bool) or not (isinstance(planes, int) and 0 <= planes <= 8):
+            raise ValueError(f"rank_planes must be an integer in [0, 8], got {planes!r}")
+        if planes and not self.query_planes:
+            raise ValueError("rank_planes needs query_planes >= 1")
 
 
 @dataclass
@@ -131,6 +149,10 @@ class ScaledResult:
     #: Under asymmetric scoring, each user's snapped real vector Δ'·q (n, f), which scores replace the
     #: ±1 code with; None otherwise.
     user_vectors: NDArray[np.float64] | None = None
+    #: The last round's released sum in quantized units (signed), and the rows of ``train``'s users whose
+    #: uploads it holds: what the server learned in that round, for diagnostics and tests.
+    last_release: NDArray[np.int64] | None = None
+    last_users: NDArray[np.int64] | None = None
 
 
 def _largest_scale_bits(n: int, clip_norm: float, head: float = 0.9) -> int:
@@ -252,6 +274,44 @@ def _per_user(train: Ratings) -> list[NDArray[np.int64]]:
     return [np.asarray(idx.items[idx.indptr[u] : idx.indptr[u + 1]], dtype=np.int64) for u in range(train.n_users)]
 
 
+def scaled_config(n_users: int, n_items: int, settings: ScaledSettings, data_dir: Path) -> ServerConfig:
+    """The server configuration of a scaled run over ``n_users`` devices (``settings.scale_bits`` as given)."""
+    s = settings
+    cohort_size = max(1, math.ceil(s.fraction * n_users))
+    dp = s.epsilon > 0
+    return config_from_dict(
+        {
+            "server": {"data_dir": str(data_dir)},
+            "model": {
+                "n_items": n_items,
+                "bits": s.bits,
+                "negatives": s.negatives,
+                "flip_fraction": s.flip_fraction,
+                "unobserved_weight": s.unobserved_weight,
+                "mean_field": s.mean_field,
+                "query_planes": s.query_planes,
+                "user_reg": s.user_reg,
+                "code_sweeps": s.code_sweeps,
+            },
+            "rounds": {
+                "cohort_size": cohort_size,
+                "min_cohort": cohort_size,
+                "seed": s.seed,
+                "clip_norm": s.clip_norm,
+                "scale_bits": s.scale_bits,
+                "dropout_rate": s.dropout_rate,
+                "example_cap": s.example_cap,
+            },
+            "privacy": (
+                {"enabled": True, "epsilon": s.epsilon, "delta": s.delta, "planned_rounds": max(1, s.rounds)}
+                if dp
+                else {"enabled": False}  # the budget keys are refused without DP (nothing reads them)
+            ),
+        },
+        base_dir=data_dir,
+    )
+
+
 def run_private_scaled(
     train: Ratings,
     settings: ScaledSettings,
@@ -265,40 +325,11 @@ def run_private_scaled(
     s = settings
     n, m = train.n_users, train.n_items
     per_user = _per_user(train)
-    scale_bits = s.scale_bits or _largest_scale_bits(n, s.clip_norm)
+    cohort_size = max(1, math.ceil(s.fraction * n))
+    scale_bits = s.scale_bits or _largest_scale_bits(cohort_size, s.clip_norm)
     dp = s.epsilon > 0
     tmp = tempfile.mkdtemp(prefix="fedrec-privsim-")
-    cfg = config_from_dict(
-        {
-            "server": {"data_dir": tmp},
-            "model": {
-                "n_items": m,
-                "bits": s.bits,
-                "negatives": s.negatives,
-                "flip_fraction": s.flip_fraction,
-                "unobserved_weight": s.unobserved_weight,
-                "mean_field": s.mean_field,
-                "query_planes": s.query_planes,
-                "user_reg": s.user_reg,
-            },
-            "rounds": {
-                "cohort_size": n,
-                "min_cohort": n,
-                "seed": s.seed,
-                "clip_norm": s.clip_norm,
-                "scale_bits": scale_bits,
-                "dropout_rate": s.dropout_rate,
-                "example_cap": s.example_cap,
-            },
-            "privacy": {
-                "enabled": dp,
-                "epsilon": s.epsilon if dp else 8.0,
-                "delta": s.delta,
-                "planned_rounds": max(1, s.rounds),
-            },
-        },
-        base_dir=Path(tmp),
-    )
+    cfg = scaled_config(n, m, replace(s, scale_bits=scale_bits), Path(tmp))
     qm = QuantizationConfig(clip_norm=s.clip_norm, scale_bits=scale_bits)
     base = build_strategy(cfg)
     l2m, l1m = sensitivity(qm, int(base.vector_length))
@@ -335,7 +366,7 @@ def run_private_scaled(
             from device_sdk.lightfr import quantize_planes, ridge_users, snap_scale
 
             U = ridge_users(indptr, items, np.ones(items.size), D, beta, st.current_weight, 0.0, s.user_reg)
-            q, step = quantize_planes(U, s.query_planes)
+            q, step = quantize_planes(U, s.rank_planes or s.query_planes)
             _, snapped = snap_scale(step, st.hamming_weight)
             vectors = snapped[:, None] * q.astype(np.float64)
             B = np.where(q > 0, 1, -1).astype(np.int8)
@@ -359,6 +390,8 @@ def run_private_scaled(
         settings=replace(s, scale_bits=scale_bits),
         item_bias=beta * s.bits / 2.0,
         user_vectors=vectors,
+        last_release=sim.last_release,
+        last_users=np.asarray(sim.last_survivors, dtype=np.int64) - cohort.device_ids[0],  # ids are consecutive
     )
 
 

@@ -224,6 +224,8 @@ class PrivateSimulator:
         self.stopped_reason = ""
         #: The last released sum as signed integers (quantized units), for diagnostics and tests.
         self.last_release: NDArray[np.int64] | None = None
+        #: The device ids whose uploads that sum holds (U3 of the last committed round).
+        self.last_survivors: tuple[int, ...] = ()
 
     # -- the coordinator's generators and plan ------------------------------------------------------
     def _rng(self, round_id: int) -> np.random.Generator:
@@ -346,6 +348,7 @@ class PrivateSimulator:
             var = released_variance(params.dp_mu, params.dp_t_min, s, len(sets.corrected))
             total += sample_skellam(var, self.vector_length, noise).value()
         ring_total = to_ring(total)
+        self.last_survivors = tuple(sorted(sets.u3))
         eps = self._commit(ring_total, s, plan)
         var = released_variance(self.mu, params.dp_t_min, s, len(sets.corrected)) if self.mu else 0.0
         return RoundOutcome(round_id, True, sets, eps, self.model_version, time.perf_counter() - start, var)
@@ -458,6 +461,7 @@ class PrivateSimulator:
                 total += sample_skellam(var, self.vector_length, noise).value()
         timings["noise"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        self.last_survivors = tuple(sorted(sets.u3))
         eps = self._commit(to_ring(total), s, plan)
         timings["aggregate"] = time.perf_counter() - t0
         return RoundOutcome(round_id, True, sets, eps, self.model_version, time.perf_counter() - start, var, timings)

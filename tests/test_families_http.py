@@ -57,9 +57,12 @@ def _config(data_dir: Path, kind: str) -> ServerConfig:
                 "unmask_timeout": timeout,
                 "round_interval": 0.05,
             },
-            "mf": {"rank": 4, "pretrain_epochs": 5},
-            "felb": {"rank": 3, "local_epochs": 3},
-            "fnmf": {"rank": 3, "local_steps": 5},
+            # Only the kind's own table: another family's, changed from its defaults, is refused.
+            kind: {
+                "mf": {"rank": 4, "pretrain_epochs": 5},
+                "felb": {"rank": 3, "local_epochs": 3},
+                "fnmf": {"rank": 3, "local_steps": 5},
+            }[kind],
         },
         base_dir=data_dir,
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -150,3 +152,76 @@ def test_scaled_run_with_query_planes_scores_by_the_users_vectors() -> None:
     own = res.item_bias[items] if res.item_bias is not None else 0.0
     want = (16 + np.einsum("uf,ukf->uk", res.user_vectors, res.item_codes[items].astype(float))) / 2.0 + own
     assert np.allclose(s, want)
+
+
+@pytest.mark.parametrize("clip", [1e4, 2.0])
+def test_scaled_round_without_dp_releases_every_cohort_devices_clipped_quantized_upload(
+    clip: float, tmp_path: Path
+) -> None:
+    # ε = 0 is SecAgg+ without DP: the one thing a round releases is Σ over its cohort (⌈p·n⌉ devices) of each
+    # device's upload under the plan (asymmetric scoring: the ridge vector as 2 planes, w0 = 0.01), clipped to
+    # C and in fixed point with stochastic rounding, so within one unit per device of the clipped exact sum.
+    # With C out of the way that is the plain federation's exact sum (`full_upload`); with C = 2 the clip bites.
+    from agg_server.strategy import build_strategy
+    from device_sdk.lightfr import full_upload, ridge_users
+    from fedsim.federation import _quantized
+    from fedsim.private_scale import scaled_config
+    from protocol.families.lightfr import UploadLayout, bias_from_levels
+    from protocol.quantization import clip_l2
+
+    n, m, f, s_bits = 40, 30, 16, 12
+    data = synthetic(n_users=n, n_items=m, n_clusters=3, ratings_per_user=8, seed=2)
+    st = ScaledSettings(
+        epsilon=0.0,
+        rounds=1,
+        bits=f,
+        clip_norm=clip,
+        scale_bits=s_bits,
+        example_cap=0,
+        pop_share=0.0,
+        unobserved_weight=0.01,
+        query_planes=2,
+        user_reg=1.0,
+        fraction=0.5,
+        code_sweeps=3,
+        rank_planes=3,
+    )
+    res = run_private_scaled(data, st)
+    strategy: Any = build_strategy(scaled_config(n, m, st, tmp_path))
+    assert strategy.code_sweeps == 3 and strategy.current_weight == 0.01
+    state = strategy.initialize(np.random.default_rng(np.random.SeedSequence([st.seed, 0])))  # the round's model
+    D = strategy.codes(state)
+    beta = bias_from_levels(strategy.levels(state), m, f, strategy.hamming_weight)
+    assert res.last_release is not None and res.last_users is not None
+    assert res.last_users.size == 20 and np.unique(res.last_users).size == 20
+    idx = data.by_user()
+    layout = UploadLayout(m, f, full=True)
+    exact, clipped = np.zeros(layout.length), np.zeros(layout.length)
+    for u in res.last_users:
+        items = idx.items[idx.indptr[u] : idx.indptr[u + 1]].astype(np.int64)
+        ptr, ones = np.array([0, items.size]), np.ones(items.size)
+        vec = _quantized(ridge_users(ptr, items, ones, D, beta, 0.01, 0.0, 1.0), 2, strategy.hamming_weight)
+        upload = layout.join(**full_upload(ptr, items, ones, vec, D, beta, 0.01, 0.0))
+        exact += upload
+        clipped += clip_l2(upload, clip)[0]
+    got = res.last_release / 2.0**s_bits
+    assert np.abs(got - clipped).max() <= 20 / 2.0**s_bits  # stochastic rounding: < 1 unit per device
+    assert np.count_nonzero(np.rint(clipped * 2**s_bits)) > 500
+    if clip > 100:
+        assert np.allclose(clipped, exact)
+    else:  # the clip bit: a sum that skipped it would be far off
+        assert np.abs(exact - got).max() > 1000 / 2.0**s_bits
+    # After the round each device ranks with its vector re-solved as rank_planes = 3 planes: odd multiples ≤ 7.
+    assert res.user_vectors is not None
+    q = res.user_vectors / np.abs(res.user_vectors).min(axis=1)[:, None]
+    assert set(np.unique(np.abs(np.rint(q)))) <= {1.0, 3.0, 5.0, 7.0} and np.abs(q).max() > 3.5
+
+
+def test_scaled_settings_refuse_bad_fraction_and_rank_planes() -> None:
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="fraction"):
+            ScaledSettings(fraction=bad)
+    with pytest.raises(ValueError, match="rank_planes needs query_planes"):
+        ScaledSettings(rank_planes=3)
+    with pytest.raises(ValueError, match="rank_planes"):
+        ScaledSettings(query_planes=2, rank_planes=9)

@@ -47,7 +47,8 @@ def _config(
     return config_from_dict(
         {
             "server": {"data_dir": str(data_dir), "port": 0},
-            "model": {"kind": kind, "n_items": n_items, "bits": 16, **extra},
+            # model.bits is LightFR's: another kind refuses it changed from its default.
+            "model": {"kind": kind, "n_items": n_items, **({"bits": 16} if kind == "lightfr" else {}), **extra},
             "rounds": {
                 "cohort_size": n,
                 "min_cohort": n,
@@ -57,10 +58,16 @@ def _config(
                 "dropout_rate": 0.3,
                 "example_cap": 6,
             },
-            "privacy": {"enabled": dp, "epsilon": 4.0, "delta": 1e-5, "planned_rounds": rounds},
-            "mf": {"rank": 4, "pretrain_epochs": 2},
-            "felb": {"rank": 3, "local_epochs": 2},
-            "fnmf": {"rank": 3, "local_steps": 3},
+            "privacy": {"enabled": True, "epsilon": 4.0, "delta": 1e-5, "planned_rounds": rounds} if dp else {},
+            **{
+                table: values
+                for table, values in (
+                    ("mf", {"rank": 4, "pretrain_epochs": 2}),
+                    ("felb", {"rank": 3, "local_epochs": 2}),
+                    ("fnmf", {"rank": 3, "local_steps": 3}),
+                )
+                if table == kind
+            },
         },
         base_dir=data_dir,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -297,6 +298,104 @@ def test_lightfr_keys_the_objective_would_ignore_are_refused(model: dict[str, An
     data["model"] = {"n_items": 100, "query_planes": 2, "user_reg": 3.0, "code_sweeps": 3}
     config = config_from_dict(data, base_dir=Path("/srv"))
     assert (config.model.query_planes, config.model.user_reg, config.model.code_sweeps) == (2, 3.0, 3)
+
+
+_LIGHTFR_ONLY = [f.name for f in dataclasses.fields(ModelSection) if f.name not in ("kind", "n_items")]
+# A value other than each LightFR key's default (all valid for LightFR, so only the kind can refuse them).
+_CHANGED: dict[str, Any] = {
+    "bits": 32,
+    "lam": 0.01,
+    "negatives": 2,
+    "local_epochs": 2,
+    "max_sweeps": 3,
+    "aggregation": "para",
+    "flip_fraction": 0.3,
+    "unobserved_weight": 0.05,
+    "confidence": 1.0,
+    "hamming_weight": 3,
+    "unobserved_scale": 0.5,
+    "counts_share": 0.2,
+    "popularity_span": 1.0,
+    "mean_field": False,
+    "query_planes": 2,
+    "user_reg": 3.0,
+    "code_sweeps": 4,
+}
+
+
+def test_every_lightfr_key_has_a_changed_value_in_the_test() -> None:
+    assert sorted(_CHANGED) == sorted(_LIGHTFR_ONLY)
+
+
+@pytest.mark.parametrize("kind", ["mf", "felb", "fnmf"])
+@pytest.mark.parametrize("key", _LIGHTFR_ONLY)
+def test_lightfr_keys_are_refused_under_another_kind(kind: str, key: str) -> None:
+    data = _minimal()
+    data["model"].update(kind=kind, **{key: _CHANGED[key]})
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data, base_dir=Path("/srv"))
+    text = str(info.value)
+    assert text.startswith(f"model.{key}: a LightFR setting") and f'model.kind = "{kind}"' in text, text
+    assert "model.kind, model.n_items and the [" + kind + "] table" in text and repr(_CHANGED[key]) in text, text
+
+
+def test_lightfr_keys_at_their_defaults_load_under_another_kind() -> None:
+    # examples/server.toml lists every key at its default: switching its kind must load.
+    text = EXAMPLE.read_text(encoding="utf-8").replace('kind = "lightfr"', 'kind = "mf"', 1)
+    config = config_from_dict(tomllib.loads(text), base_dir=EXAMPLE.parent)
+    assert config.model.kind == "mf" and config.mf == MFSection()
+    # An int for a float default is the default; a bool is never a number, nor a number a bool.
+    ok = {"kind": "fnmf", "n_items": 100, "lam": 0, "user_reg": 1, "unobserved_weight": "auto", "mean_field": True}
+    assert config_from_dict({**_minimal(), "model": ok}, base_dir=Path("/srv")).model.kind == "fnmf"
+    for key, value in (("mean_field", 1), ("negatives", True), ("bits", 64.5)):
+        with pytest.raises(ConfigError, match=rf"^model\.{key}: a LightFR setting"):
+            config_from_dict({**_minimal(), "model": {"kind": "mf", "n_items": 100, key: value}}, base_dir=Path("/srv"))
+    # In code as from TOML.
+    with pytest.raises(ConfigError, match=r'^model\.query_planes: a LightFR setting, unused with model\.kind = "felb"'):
+        ModelSection(kind="felb", n_items=10, query_planes=2)
+
+
+@pytest.mark.parametrize(
+    ("kind", "table", "key", "value"),
+    [("lightfr", "mf", "rank", 4), ("mf", "felb", "local_epochs", 3), ("felb", "fnmf", "alignment", "none")],
+)
+def test_another_familys_table_changed_is_refused(kind: str, table: str, key: str, value: object) -> None:
+    data = _minimal()
+    data["model"]["kind"] = kind
+    data[table] = {key: value}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data, base_dir=Path("/srv"))
+    text = str(info.value)
+    assert text.startswith(f'{table}.{key}: the [{table}] table configures model.kind = "{table}"'), text
+    assert f'unused with model.kind = "{kind}"' in text and repr(value) in text, text
+    data["model"]["kind"] = table  # where it acts
+    assert getattr(getattr(config_from_dict(data, base_dir=Path("/srv")), table), key) == value
+
+
+def test_the_vector_length_limit_of_another_kind_is_its_rank_not_model_bits() -> None:
+    # model.bits (64 by default) is LightFR's: 2**23 items of MF rank 32 fill exactly 2**28.
+    data = {**_minimal(), "model": {"kind": "mf", "n_items": 1 << 23}, "mf": {"rank": 32}}
+    assert config_from_dict(data, base_dir=Path("/srv")).model.n_items == 1 << 23
+    data["mf"] = {"rank": 33}
+    with pytest.raises(ConfigError, match=r"^mf\.rank: n_items \* rank = .* exceeds"):
+        config_from_dict(data, base_dir=Path("/srv"))
+
+
+@pytest.mark.parametrize(("key", "value"), [("epsilon", 2.0), ("delta", 1e-6), ("planned_rounds", 50)])
+def test_privacy_keys_without_privacy_enabled_are_refused(key: str, value: object) -> None:
+    # A budget written without enabled = true left the rounds without noise, silently.
+    data = _minimal()
+    data["privacy"] = {key: value}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data, base_dir=Path("/srv"))
+    text = str(info.value)
+    assert text.startswith(f"privacy.{key}: set to {value!r} while privacy.enabled is false"), text
+    assert "set privacy.enabled = true, or delete it" in text
+    data["privacy"]["enabled"] = True
+    assert getattr(config_from_dict(data, base_dir=Path("/srv")).privacy, key) == value
+    # At their defaults (as examples/server.toml lists them) they load without DP.
+    data["privacy"] = {"enabled": False, "epsilon": 8, "delta": 1e-5, "planned_rounds": 10}
+    assert not config_from_dict(data, base_dir=Path("/srv")).privacy.enabled
 
 
 def test_graph_override_accepted_when_safe() -> None:
