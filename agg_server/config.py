@@ -585,7 +585,8 @@ class PrivacySection:
     Attributes
     ----------
     enabled : bool
-        Add Skellam noise and keep a privacy ledger.
+        Add Skellam noise and keep a privacy ledger.  While false, the other keys must be left out or at
+        their defaults (nothing reads them; one changed is refused, naming it).
     epsilon : float
         ε > 0: the budget over the whole run.
     delta : float
@@ -604,6 +605,16 @@ class PrivacySection:
         _set(self, "epsilon", _float("privacy.epsilon", self.epsilon, lo=0.0, lo_open=True))
         _set(self, "delta", _float("privacy.delta", self.delta, lo=0.0, hi=1.0, lo_open=True, hi_open=True))
         _int("privacy.planned_rounds", self.planned_rounds, lo=1)
+        if not self.enabled:
+            # Without DP nothing reads these: a budget set here would let an operator believe the rounds are
+            # noised.  Left out or at their defaults (examples/server.toml) they are fine.
+            for f in dataclasses.fields(self):
+                value = getattr(self, f.name)
+                if f.name != "enabled" and not _is_default(value, f.default):
+                    raise ConfigError(
+                        f"privacy.{f.name}: set to {value!r} while privacy.enabled is false, so the rounds run "
+                        "without noise and nothing reads it: set privacy.enabled = true, or delete it"
+                    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,6 +10,10 @@ call (tracemalloc), on top of the model already in memory.
     python benchmarks/bench_fold_in.py --sizes 1000000 --rated 200
     python benchmarks/bench_fold_in.py --unobserved-weight 0.1   # the all-items objective (item Gram)
     python benchmarks/bench_fold_in.py --unobserved-weight 0.1 --query-planes 2   # asymmetric: ridge solve, 2 planes
+    python benchmarks/bench_fold_in.py --unobserved-weight 0.1 --rank-planes 0    # ±1 code only (no ranking vector)
+
+Under the all-items objective the SDK's default (``rank_planes`` = 3) also solves the ranking vector
+(one f × f ridge solve through the cached Gram) after the DCD fold-in.
 """
 
 from __future__ import annotations
@@ -42,18 +46,29 @@ def main() -> None:
         default=0,
         help="P >= 1 (with --unobserved-weight > 0): asymmetric scoring, the user's exact vector kept as P planes",
     )
+    p.add_argument(
+        "--rank-planes",
+        type=int,
+        default=LightFRConfig().rank_planes,
+        help="planes of the ranking vector solved after a ±1 fold-in (all-items objective; 0 = rank with the code)",
+    )
     args = p.parse_args()
     if args.query_planes and args.unobserved_weight <= 0:
         p.error("--query-planes needs --unobserved-weight > 0 (the all-items objective)")
     rng = np.random.default_rng(0)
-    kind = f", {args.query_planes} query planes" if args.query_planes else ""
+    kind = f", {args.query_planes} query planes" if args.query_planes else f", rank planes {args.rank_planes}"
     print(
         f"fold_in of a user with {args.rated} rated items, f = {args.bits}, w0 = {args.unobserved_weight}{kind}; "
         f"load average {os.getloadavg()}"
     )
     print(f"{'items':>10} {'median CPU ms':>13} {'min ms':>8} {'peak MiB':>9}")
     for m in args.sizes:
-        cfg = LightFRConfig(bits=args.bits, unobserved_weight=args.unobserved_weight, query_planes=args.query_planes)
+        cfg = LightFRConfig(
+            bits=args.bits,
+            unobserved_weight=args.unobserved_weight,
+            query_planes=args.query_planes,
+            rank_planes=args.rank_planes,
+        )
         model = LightFRModel(m, cfg, rng=np.random.default_rng(1))
         if args.unobserved_weight > 0:
             t = time.perf_counter()

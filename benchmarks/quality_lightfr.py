@@ -55,8 +55,12 @@ ASYMMETRIC = [
     (3, 10.0, 0.5),
     (2, 10.0, 0.5),
 ]
-DEFAULT = "all items, w0=auto (0.6·density^(2/3)), learned levels, mean-field step, ρ=1"
-PREVIOUS = "all items, w0=auto (0.6·density^(2/3)), learned levels, ρ=0.3 (the previous default)"
+DEFAULT = (
+    "all items, w0=auto (0.6·density^(2/3)), learned levels, mean-field step, ρ=1, "
+    "ranks with 3 planes of its ridge vector (2·w0·m)"
+)
+PREVIOUS = "all items, w0=auto (0.6·density^(2/3)), learned levels, ρ=0.3 (the default before the mean-field step)"
+CODES = "the filmtrust4 default: mean-field step, ρ=1, ranks with the ±1 code"
 
 
 def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig, bool]]:
@@ -69,8 +73,12 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
         replace(fed, unobserved_scale=DENSITY_SCALE),
         False,
     )
-    # The library default (the server's model defaults): the mean-field code step with ρ = 1.
+    # The server's model defaults: the mean-field code step with ρ = 1; "default, …" recipes below vary it
+    # and rank with the ±1 code (the library default until filmtrust5).
     default = (auto[0], replace(auto[1], mean_field=True, flip_fraction=1.0), False)
+    # The library default: each device ranks with its vector ridge-solved against the final item codes
+    # (ridge 2·w0·m), as 3 planes (`LightFRConfig.rank_planes` / `rank_ridge`, chosen on validation).
+    ranked = (default[0], replace(default[1], rank_planes=3, rank_ridge=2.0), False)
     asym = {
         f"asymmetric: user vector as {p} bit-plane{'s' if p > 1 else ''}, ridge {reg:g}, w0=auto, ρ={rho:g}": (
             auto[0],
@@ -80,7 +88,7 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
         for p, reg, rho in ASYMMETRIC
     }
     return {
-        DEFAULT: default,
+        DEFAULT: ranked,
         PREVIOUS: auto,
         "paper objective, 4 sampled negatives, ρ=0.1 (old default)": (sampled, replace(fed, flip_fraction=0.1), False),
         "paper objective, 4 sampled negatives, ρ=0.3": (sampled, fed, False),
@@ -209,6 +217,27 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
             )
             for k in (3, 10)
         },
+        # filmtrust5: symmetric training, asymmetric ranking (each device ranks with its vector ridge-solved
+        # against the final item codes, ridge κ_r·w0·m, kept as P planes; FederationConfig.rank_planes).
+        **{
+            f"default, ranks with {p} planes of a vector solved against the final codes, ridge {kr:g}·w0·m": (
+                default[0],
+                replace(default[1], rank_planes=p, rank_ridge=kr),
+                False,
+            )
+            for p, kr in ((3, 1.5), (2, 1.5), (3, 1.0), (3, 2.0))
+        },
+        CODES: default,
+        # Ideas on the new default (filmtrust5): participation p, and the item levels' resolution.
+        **{f"new default, p={frac:g}": (ranked[0], replace(ranked[1], fraction=frac), False) for frac in (0.3, 1.0)},
+        **{
+            f"new default, item term weight B={b} (level step 1/(f·B/2))": (
+                ranked[0],
+                replace(ranked[1], hamming_weight=b),
+                False,
+            )
+            for b in (4, 8)
+        },
     }
 
 
@@ -293,7 +322,7 @@ def _seeds_row(label: str, exp: Experiment, recipe, seeds: list[int]) -> str:
     return (
         f"| {label} | "
         + " | ".join(f"{a:.4f} ± {b:.4f}" for a, b in zip(mean, std, strict=True))
-        + (f" | (seeds {' '.join(map(str, seeds))})")
+        + f" | (seeds {' '.join(map(str, seeds))}; HR@10 per seed {' / '.join(f'{x:.4f}' for x in m[:, 0])})"
     )
 
 

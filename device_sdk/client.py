@@ -3,8 +3,11 @@
 #   aiohttp at module level (`DeviceClient.connect` imports `device_sdk.http` lazily).
 # - Store files under ``store_dir`` are written atomically by `device_sdk.store`: the identity once, at
 #   registration; the model right after local training (so an app restart mid-round loses no training
-#   and corrupts nothing) and at commit; the ETag record ("sync") only after the model it describes is
-#   on disk, so it never vouches for item codes that are not stored.
+#   and corrupts nothing), at commit, and at the first contact when the server's model is newer than the
+#   one held; the ETag record ("sync") only after the model it describes is on disk, so it never vouches
+#   for item codes that are not stored.
+# - A model is adopted only after its shape (family, rank, n_items) was checked against this device's; a
+#   server model of another shape leaves every store file as it is.
 # - A corrupt model or ETag record is moved aside by the store and replaced by a fresh one (with a
 #   warning); a file the store could not move aside is never overwritten: the error propagates.
 # - The plaintext update lives only between local training and the SecAgg session; every way out of a
@@ -386,6 +389,8 @@ class DeviceClient:
             load_revocations(config.store_dir, config.authority_key) if config.authority_key is not None else None
         )
         self._model = self._load_model()
+        #: Whether this client has checked the server's model (`_first_contact`, at the first `run_round`).
+        self._server_model_checked = False
 
     @classmethod
     def connect(
@@ -518,6 +523,13 @@ class DeviceClient:
     async def run_round(self) -> RoundOutcome:
         """Check in and, when invited, take part in one round.
 
+        The first call of a client first fetches the server's model (``GET /v1/model``, ``If-None-Match``
+        the stored ETag: a 304 when the device holds the current one) and checks that it is the family,
+        rank and catalogue size this device runs; a mismatch raises `ConfigError` naming both shapes then,
+        instead of at the first invitation, and leaves the stored state untouched.  A model that fits is
+        adopted and stored (the device recommends from the newest model; a round of that version then
+        downloads nothing).
+
         Check in with the model version held; a `Wait` ends the call ("waited").  On a `RoundInvite`:
         download the round's model if it differs from the stored one (``If-None-Match`` with the stored
         ETag), train locally as the invite's plan says, save the model, then drive the SecAgg+ session
@@ -540,7 +552,8 @@ class DeviceClient:
         RemoteProtocolError, CryptoError
             The server broke the protocol (the device leaves the round, telling the server if it can).
         ConfigError
-            The round trains a model this device is not configured for.
+            The server's model, or the round's, is not the family, rank or catalogue size this device is
+            configured for (the message names both).
         StorageError
             The model could not be saved.
         """
@@ -588,6 +601,11 @@ class DeviceClient:
     async def _round(self, tally: _Tally) -> RoundOutcome:
         identity = await self._ensure_identity(tally)
         try:
+            if not self._server_model_checked:
+                # A RoundError here (503: no instance leads this device's cohort now) ends the call as a
+                # check-in's would; the next call tries again.
+                with tally.step("model"):
+                    await self._first_contact(tally)
             with tally.step("checkin"):
                 checkin = CheckIn(device_id=identity.device_id, model_version=self._held_version() or 0)
                 response = await self._call("POST", "/v1/checkin", checkin, tally, timeout=self.config.request_timeout)
@@ -739,12 +757,53 @@ class DeviceClient:
 
     # -- model ------------------------------------------------------------------------------------
 
+    async def _first_contact(self, tally: _Tally) -> None:
+        """The server's model, before the first check-in: its shape checked, adopted when newer."""
+        fetched = await self._fetch_model(tally)
+        if fetched is not None:
+            payload, etag = fetched
+            self._adopt(payload, etag)
+            await asyncio.to_thread(self._save_model)  # off the loop: an atomic write with fsyncs
+            _log.info("adopted the server's model version %d", payload.model_version)
+        self._server_model_checked = True
+
+    async def _fetch_model(self, tally: _Tally) -> tuple[ModelPayload, str | None] | None:
+        """``GET /v1/model`` with the stored ETag: None when the server answers 304 (the model held is its
+        current one), else the payload, whose shape has been checked against this device's, and its ETag."""
+        held = self._held_version()
+        etag = self._sync.etag if held is not None and self._sync is not None else None
+        response = await self._call(
+            "GET", "/v1/model", None, tally, timeout=self.config.request_timeout, if_none_match=etag
+        )
+        if response.status == 304:
+            return None
+        payload = response.message
+        if not isinstance(payload, ModelPayload):
+            raise RemoteProtocolError(f"model download answered with {_name(payload)}")
+        ours = (self._model.KIND, self._model.rank, self._n_items)
+        if (payload.model_kind, payload.bits, payload.n_items) != ours:
+            message = (
+                f"the server's model is {_shape(payload.model_kind, payload.bits, payload.n_items)}; this device "
+                f"runs {_shape(*ours)}: build the DeviceClient for the server's model (nothing was stored)"
+            )
+            _log.error("%s", message)
+            raise ConfigError(message)
+        return payload, response.etag
+
+    def _adopt(self, payload: ModelPayload, etag: str | None) -> None:
+        try:
+            self._model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
+        except ValueError as exc:
+            raise RemoteProtocolError(f"model {payload.model_version}: {exc}") from exc
+        # Persisted after the model itself (`_save_model`), never before.
+        self._sync = Sync(etag=etag, model_version=payload.model_version)
+
     def _check_plan(self, invite: RoundInvite) -> None:
-        kind, rank, m = self._model.KIND, self._model.rank, self._n_items
-        if invite.model_kind != kind or invite.bits != rank or invite.n_items != m:
+        ours = (self._model.KIND, self._model.rank, self._n_items)
+        if (invite.model_kind, invite.bits, invite.n_items) != ours:
             raise ConfigError(
-                f"round {invite.round_id} trains {invite.model_kind!r} with rank {invite.bits}, "
-                f"m={invite.n_items}; this device runs {kind!r} with rank {rank}, m={m}"
+                f"round {invite.round_id} trains {_shape(invite.model_kind, invite.bits, invite.n_items)}; "
+                f"this device runs {_shape(*ours)}"
             )
 
     def _held_version(self) -> int | None:
@@ -758,33 +817,17 @@ class DeviceClient:
         held = self._held_version()
         if held == invite.model_version:
             return
-        etag = self._sync.etag if held is not None and self._sync is not None else None
-        response = await self._call(
-            "GET", "/v1/model", None, tally, timeout=self.config.request_timeout, if_none_match=etag
-        )
-        if response.status == 304:
+        fetched = await self._fetch_model(tally)
+        if fetched is None:
             # The server's current model is the one we hold; it must be the round's.
             raise StaleRound(f"round {invite.round_id} trains model {invite.model_version}, the server serves {held}")
-        payload = response.message
-        if not isinstance(payload, ModelPayload):
-            raise RemoteProtocolError(f"model download answered with {_name(payload)}")
+        payload, etag = fetched
         if payload.model_version != invite.model_version:
             raise StaleRound(
                 f"round {invite.round_id} trains model {invite.model_version}, "
                 f"the server serves {payload.model_version}"
             )
-        kind, rank, m = self._model.KIND, self._model.rank, self._n_items
-        if payload.model_kind != kind or payload.bits != rank or payload.n_items != m:
-            raise ConfigError(
-                f"the server's model is {payload.model_kind!r} with rank {payload.bits}, m={payload.n_items}; "
-                f"this device runs {kind!r} with rank {rank}, m={m}"
-            )
-        try:
-            self._model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
-        except ValueError as exc:
-            raise RemoteProtocolError(f"model {payload.model_version}: {exc}") from exc
-        # Persisted after the model itself (`_save_model`), never before.
-        self._sync = Sync(etag=response.etag, model_version=payload.model_version)
+        self._adopt(payload, etag)
 
     def _save_model(self) -> None:
         save_model(self.config.store_dir, self._model, self._sync)
@@ -967,6 +1010,11 @@ def _forget(session: DeviceSecAggSession | None) -> None:
     # Finish the session locally so it drops its secrets and the plaintext input; nothing is sent.
     if session is not None and session.phase in ACTIVE_PHASES:
         session.abort("left the round")
+
+
+def _shape(kind: str, rank: int, n_items: int) -> str:
+    # What a device must match: LightFR's rank is its code length (DeviceClient's ``bits``).
+    return f"{kind!r} with {'bits' if kind == 'lightfr' else 'rank'} {rank} and n_items {n_items}"
 
 
 def _name(message: Message | None) -> str:

@@ -61,7 +61,8 @@ class LightFRConfig:
         all-items objective (every unobserved item at target 0 with weight w0, through the item Gram;
         ``negatives`` is then unused; see `device_sdk.lightfr.dcd_full`).
     confidence : α ≥ 0 of the all-items objective: observed items weigh c = 1 + α (w0 ≤ c).
-    query_planes : P in [0, 8].  P >= 1 (all-items objective only) is asymmetric scoring: the device
+    query_planes : P in [0, 8].  P >= 1 (all-items objective only: refused with ``unobserved_weight = 0``,
+        as the server's config and the round plan refuse it) is asymmetric scoring: the device
         solves its real-valued vector exactly against the item codes (`lightfr.ridge_users`) instead of
         a ±1 code by DCD, keeps it as P ±1 bit-planes and a weight, uploads the same parts with it, and
         `recommend` ranks by the integer a·Σ_p 2^p(f − 2·Hamming) + 2^8·level (`device_sdk.topk.plane_scores`).
@@ -70,7 +71,15 @@ class LightFRConfig:
     user_reg : ridge weight of that solve, in [1e-6, 1e6] (the plan's bounds; set by the plan too).
     rank_planes : a device setting (not in the plan): with ``query_planes`` >= 1, the planes of the vector
         the device keeps and ranks with (0 = ``query_planes``), while its uploads keep ``query_planes``
-        planes; ignored when ``query_planes`` is 0.
+        planes.  With ``query_planes`` 0 under the all-items objective (symmetric training): the device
+        still trains and uploads with its ±1 code by DCD, and also solves its real-valued vector against
+        the item codes (ridge weight ``rank_ridge``·w0·m) and ranks with it as ``rank_planes`` planes
+        (`fit_local`, `fold_in`; the vector depends only on the ratings and the model, so `fold_in`
+        after a download refreshes it); 0 ranks with the ±1 code; unused without the all-items objective
+        (and accepted then: the plan switches the objective and the planes round by round, `apply_plan`,
+        and this standing preference must survive a round whose plan turns them off).
+    rank_ridge : a device setting (not in the plan): the ridge weight of that ranking-time solve in units
+        of w0·m (tr(w0·DᵀD)/f, the unobserved term's weight on the catalogue), > 0.
     """
 
     bits: int = 64
@@ -86,7 +95,8 @@ class LightFRConfig:
     confidence: float = _PARAMS.confidence
     query_planes: int = 0
     user_reg: float = 1.0
-    rank_planes: int = 0
+    rank_planes: int = 3
+    rank_ridge: float = 2.0
 
     def __post_init__(self) -> None:
         bits = self.bits
@@ -100,6 +110,16 @@ class LightFRConfig:
             raise ValueError(f"rank_planes must be an integer in [0, 8], got {ranked!r}")
         if not (isinstance(self.user_reg, int | float) and np.isfinite(self.user_reg) and self.user_reg > 0):
             raise ValueError(f"user_reg must be a finite number > 0, got {self.user_reg!r}")
+        ridge = self.rank_ridge
+        if isinstance(ridge, bool) or not (isinstance(ridge, int | float) and np.isfinite(ridge) and 0 < ridge <= 1e6):
+            raise ValueError(f"rank_ridge must be a finite number in (0, 1e6], got {ridge!r}")
+        w0 = self.unobserved_weight
+        if planes and isinstance(w0, int | float) and not isinstance(w0, bool) and w0 == 0:
+            # Would train ±1 codes by DCD while asking for planes; the server's config and the plan refuse it too.
+            raise ValueError(
+                f"query_planes: {planes} planes (asymmetric scoring) need the all-items objective, "
+                f"unobserved_weight > 0, got unobserved_weight={w0!r}; set unobserved_weight > 0 or query_planes=0"
+            )
         self.params(Aggregation.GRAD)  # the plan's bounds, as the server's config checks them
         if self.rating_range is not None:
             bounds = self.rating_range
@@ -125,7 +145,7 @@ class LightFRConfig:
             max_sweeps=self.max_sweeps,
             unobserved_weight=self.unobserved_weight,
             confidence=self.confidence,
-            query_planes=self.query_planes if self.unobserved_weight > 0 else 0,
+            query_planes=self.query_planes,
             user_reg=self.user_reg,
         )
 
@@ -456,6 +476,8 @@ class LightFRModel(Recommender):
             flips += stats.flips
         parts = lightfr.full_upload(indptr, items, targets, b, self.item_codes, beta, w0, alpha)
         self._set_user(userid, b[0])
+        if cfg.rank_planes:
+            self._set_ranking_vector(userid, items, targets)
         return LocalUpdate(
             values=parts["gradient"], aggregation=Aggregation.GRAD, n_examples=int(items.size), flips=flips, parts=parts
         )
@@ -481,6 +503,9 @@ class LightFRModel(Recommender):
             indptr, all_items, r = self._user_csr(items, targets, self.rng, cfg.negatives)
             codes, _ = lightfr.fold_in_codes(indptr, all_items, r, self.item_codes, max_sweeps=cfg.max_sweeps)
         self._set_user(userid, codes[0])
+        if cfg.unobserved_weight > 0 and cfg.rank_planes:
+            uniq, first = np.unique(items, return_index=True)
+            self._set_ranking_vector(userid, uniq, targets[first])
         return codes[0].copy()
 
     def _fold_in_full(self, items: NDArray[np.int64], targets: NDArray[np.float64]) -> NDArray[np.int8]:
@@ -515,6 +540,33 @@ class LightFRModel(Recommender):
         )
         return codes
 
+    def _set_ranking_vector(self, userid: int, items: NDArray[np.int64], targets: NDArray[np.float64]) -> None:
+        """Symmetric training, asymmetric ranking (``rank_planes`` without ``query_planes``): keep the
+        user's ±1 code (what it trains and uploads with) and rank with its vector solved against the item
+        codes with ridge ``rank_ridge``·w0·m, as ``rank_planes`` planes.  ``items`` are unique."""
+        cfg = self.config
+        U = self._ridge_vector(items, targets, cfg.rank_ridge * cfg.unobserved_weight * self.n_items)
+        q, scale = lightfr.quantize_planes(U, cfg.rank_planes)
+        self.user_q[userid] = q[0]
+        self.user_weight[userid] = int(lightfr.snap_scale(scale, self._weight)[0][0])
+
+    def _ridge_vector(self, items: NDArray[np.int64], targets: NDArray[np.float64], reg: float) -> NDArray[np.float64]:
+        """The user's exact (1, f) vector against the item codes (`lightfr.ridge_users`), the catalogue
+        entering through the cached item Gram, so O(|Ω|·f² + f³)."""
+        cfg = self.config
+        G, Db, beta = self.item_gram()
+        return lightfr.ridge_users(
+            np.array([0, items.size], dtype=np.int64),
+            np.arange(items.size, dtype=np.int64),
+            targets,
+            self.item_codes[items],
+            beta[items],
+            cfg.unobserved_weight,
+            cfg.confidence,
+            float(reg),
+            gram=(G, Db),
+        )
+
     def _solve_vector(
         self, items: NDArray[np.int64], targets: NDArray[np.float64]
     ) -> tuple[NDArray[np.int16], int, NDArray[np.float64]]:
@@ -524,18 +576,7 @@ class LightFRModel(Recommender):
         cfg = self.config
         if cfg.unobserved_weight <= 0:
             raise ModelError("query_planes needs the all-items objective (unobserved_weight > 0)")
-        G, Db, beta = self.item_gram()
-        U = lightfr.ridge_users(
-            np.array([0, items.size], dtype=np.int64),
-            np.arange(items.size, dtype=np.int64),
-            targets,
-            self.item_codes[items],
-            beta[items],
-            cfg.unobserved_weight,
-            cfg.confidence,
-            float(cfg.user_reg),
-            gram=(G, Db),
-        )
+        U = self._ridge_vector(items, targets, cfg.user_reg)
         q, scale = lightfr.quantize_planes(U, cfg.query_planes)
         snapped = lightfr.snap_scale(scale, self._weight)[1]
         vec = snapped[0] * q[0].astype(np.float64)
@@ -685,6 +726,9 @@ class LightFRModel(Recommender):
             raw_cfg = dict(state["config"])
             if raw_cfg.get("rating_range") is not None:
                 raw_cfg["rating_range"] = tuple(raw_cfg["rating_range"])
+            if raw_cfg.get("unobserved_weight") == 0 and raw_cfg.get("query_planes"):
+                # Stored by an SDK that accepted planes with w0 = 0 and trained ±1 codes for them: what P = 0 is.
+                raw_cfg["query_planes"] = 0
             config = LightFRConfig(**raw_cfg)
             n_items, n_users = int(state["n_items"]), int(state["n_users"])
             model = cls(n_items, config, n_users=n_users, rng=rng or np.random.default_rng())

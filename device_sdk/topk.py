@@ -40,6 +40,15 @@ _BLOCK_PAIRS = 1 << 17
 _ROW_ITEMS = 4096
 # Items in the first block of a scan, from which the running threshold is bootstrapped.
 _FIRST_BLOCK = 2048
+# Single-user scan: items in the first segment (whose candidates set the threshold of the rest), items
+# per later segment (one compare per segment), items per XOR + popcount call.
+_HEAD_SEGMENT = 1 << 17
+_SEGMENT = 1 << 20
+_CHUNK = 1 << 17
+# Values compared eight at a time from this many on (below it the one compare call is cheaper).
+_WORD_COMPARE_MIN = 1 << 13
+_HIGH_BITS = np.uint64(0x8080808080808080)
+_EIGHT = np.arange(8, dtype=np.intp)
 
 
 def hamming_distances(user_words: NDArray[np.uint64], item_words: NDArray[np.uint64]) -> NDArray[np.integer]:
@@ -122,9 +131,13 @@ class HammingIndex:
         "_local",
         "_score_table",
         "_lift",
+        "_vmax",
+        "_rem",
     )
 
     _score_table: NDArray[np.int32] | None  # score of every cost, when the costs are few
+    _rem: NDArray[Any] | None  # cost − B·(dist + q) along the scan, in [0, B)
+    _vmax: int  # the largest dist + q
     _lift: NDArray[np.unsignedinteger[Any]] | None  # the item term in whole bits, along the scan
 
     def __init__(
@@ -153,6 +166,7 @@ class HammingIndex:
             self._top = 0 if lv is None or lv.size == 0 else int(lv[0])
             self._sorted, self._order, self._bias, self._lift = words, None, None, None
             self._score_table = self._score_of_cost(np.arange(self.f + 1, dtype=np.int64))
+            self._vmax, self._rem = self.f, None
             return
         self._levels = lv
         self._top = int(lv.max())
@@ -167,6 +181,8 @@ class HammingIndex:
         qmax = self._top // self.weight
         ldt = np.uint8 if self.f + qmax < 1 << 8 else np.uint16 if self.f + qmax < 1 << 16 else np.uint32
         self._lift = (self._bias // self.weight).astype(ldt)
+        self._vmax = self.f + qmax  # the largest dist + q
+        self._rem = self._bias % self.weight  # r = (L − level) − B·q, in [0, B)
         nb = self.f * self.weight + self._top + 1
         self._score_table = self._score_of_cost(np.arange(nb, dtype=np.int64)) if nb <= 1 << 16 else None
 
@@ -193,7 +209,7 @@ class HammingIndex:
         *,
         exclude: Sequence[NDArray[np.int64] | None] | None = None,
         candidates: NDArray[np.int64] | None = None,
-        block_pairs: int = _BLOCK_PAIRS,
+        block_pairs: int | None = None,
     ) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
         """The k best items of every user by score, ties broken at random.
 
@@ -204,7 +220,8 @@ class HammingIndex:
         rng : tie-breaking generator; None breaks ties by the lower item id.
         exclude : per user, item ids never returned (None: nothing excluded for that user).
         candidates : if given, only these item ids are ranked.
-        block_pairs : user-item pairs per scan block.
+        block_pairs : user-item pairs per scan block (default: 2^17 for a batch, 2^20 for one user,
+            whose scan is cheaper per item and pays its per-block calls more often).
 
         Returns
         -------
@@ -229,10 +246,11 @@ class HammingIndex:
         else:
             extra = [0] * n if exclude is None else [0 if e is None else len(e) for e in exclude]
             if n == 1:
-                one_ids, one_cost = self._scan_one(users[0], min(k + extra[0], self.m), max(int(block_pairs), 1))
+                seg = _SEGMENT if block_pairs is None else max(int(block_pairs), 1)
+                one_ids, one_cost = self._scan_one(users[0], min(k + extra[0], self.m), seg)
                 return self._select_one(one_ids, one_cost, k, excl, rng)
             kk = np.minimum(k + np.asarray(extra, dtype=np.int64), self.m)
-            rows, ids, cost = self._scan(users, kk, max(int(block_pairs), 1))
+            rows, ids, cost = self._scan(users, kk, _BLOCK_PAIRS if block_pairs is None else max(int(block_pairs), 1))
         return self._select(rows, ids, cost, n, k, excl, rng)
 
     def _buffers(
@@ -381,76 +399,158 @@ class HammingIndex:
         ids = pos if self._order is None else self._order[pos]
         return rows, ids, cost
 
-    def _scan_one(self, user: NDArray[np.uint64], kk: int, block: int) -> tuple[NDArray[np.int64], NDArray[np.integer]]:
-        """`_scan` for a single user, with scalar thresholds and as few numpy calls as possible: on
-        small catalogues the per-call overhead is what decides the speed.
+    def _one_buffers(
+        self, cap: int, chunk: int, vdt: type[np.unsignedinteger[Any]]
+    ) -> tuple[
+        NDArray[np.uint64], NDArray[np.uint8], NDArray[Any], NDArray[np.bool_], NDArray[np.uint64], NDArray[np.bool_]
+    ]:
+        """Single-user scan buffers, kept per thread and reused: XOR words and per-word popcounts of
+        one chunk, the values v = dist + q of a segment of ``cap`` items, a hit mask over them, and
+        the word-wise compare's scratch (one uint64 and one flag per 8 values)."""
+        held = getattr(self._local, "one_buffers", None)
+        if held is None or held[2].size < cap or held[0].size < chunk or held[2].dtype != vdt:
+            held = (
+                np.empty(chunk, np.uint64),
+                np.empty(chunk, np.uint8),
+                np.empty(cap, vdt),
+                np.empty(cap, np.bool_),
+                np.empty(cap // 8, np.uint64),
+                np.empty(cap // 8, np.bool_),
+            )
+            self._local.one_buffers = held
+        return held
 
-        The first block (the whole catalogue when it holds at most ``block`` items) is one XOR and one
-        popcount pass; with an item term, one more uint8 pass adds q_i = (L − level_i) // B, so that
-        cost_i = B·(dist_i + q_i) + r_i with 0 <= r_i < B.  With t the kk-th smallest dist + q of the
-        block's head, at least kk items cost at most τ = B·t + B − 1, and dist_i + q_i <= t holds
-        exactly when cost_i <= τ: one comparison selects every candidate of the block."""
-        m, B, f, bias, words = self.m, self._B, self.f, self._bias, self._sorted
-        nb = f * B + self._top + 1
-        size = min(m, max(block, 4 * kk))  # the first block holds the bootstrap head
-        first = min(size, max(_FIRST_BLOCK, 4 * kk))  # >= kk, since kk <= m
-        x, d, t, mask, e = self._buffers(max(size, block))
-        fast = self.w == 1 and self._dt == np.uint8
-        u = user[None, :]
-        if fast:
-            np.bitwise_xor(words[0, :size], user[0], out=x[:size])
-            dd = np.bitwise_count(x[:size], out=d[:size])
-        else:
-            dd = self._distances(u, 0, size, x, d, t)[0]
-        lifted = dd if bias is None or self._lift is None else np.add(dd, self._lift[:size], out=e[:size])
-        # The kk-th smallest of the head, by counting (numpy's radix sort of small ints).
-        head = int(np.sort(lifted[:first], kind="stable")[kk - 1])
-        tau = head if bias is None else B * head + B - 1
-        pos = np.less_equal(lifted, head, out=mask[:size]).nonzero()[0]
-        cost = dd[pos] if bias is None else dd[pos].astype(bias.dtype) * bias.dtype.type(B) + bias[pos]
-        pos_l, cost_l = [pos], [cost]
-        pending = sum(p.size for p in pos_l)
-        budget = max(8 * kk, 256)
-        xs, ds = x[:block], d[:block]
-        lo, lim = -1, (f if tau >= nb else tau)
-        start = size
+    def _fill(
+        self,
+        user: NDArray[np.uint64],
+        start: int,
+        stop: int,
+        chunk: int,
+        x: NDArray[np.uint64],
+        tb: NDArray[np.uint8],
+        out: NDArray[Any],
+    ) -> None:
+        """v_i = dist(b_u, d_i) + q_i for the items [start, stop) of the scan, into ``out``: one XOR and
+        one popcount call per chunk and code word, then one add of the item term in whole bits."""
+        words, w = self._sorted, self.w
+        direct = out.dtype == np.uint8  # popcounts of the first word straight into the values
+        for c in range(start, stop, chunk):
+            e = min(c + chunk, stop)
+            xs, o = x[: e - c], out[c - start : e - start]
+            for j in range(w):
+                np.bitwise_xor(words[j, c:e], user[j], out=xs)
+                if j == 0 and direct:
+                    np.bitwise_count(xs, out=o)
+                elif j == 0:
+                    np.copyto(o, np.bitwise_count(xs, out=tb[: e - c]))
+                else:
+                    np.add(o, np.bitwise_count(xs, out=tb[: e - c]), out=o)
+        if self._lift is not None:
+            np.add(out, self._lift[start:stop], out=out)
+
+    def _scan_one(self, user: NDArray[np.uint64], kk: int, block: int) -> tuple[NDArray[np.int64], NDArray[np.integer]]:
+        """`_scan` for a single user, with scalar thresholds and as few numpy calls as possible.
+
+        The scan works on v_i = dist_i + q_i, q_i = (L − level_i) // B the item term in whole bits
+        (q = 0 without one), so that cost_i = B·v_i + r_i with 0 <= r_i < B: with t the kk-th smallest
+        v of some kk items, v_i <= t holds exactly when cost_i <= B·t + B − 1, which bounds the kk-th
+        smallest cost.  So every item with v <= t is kept, t only falls, and the few candidates left
+        are ranked by their exact costs.
+
+        The first segment (up to _HEAD_SEGMENT items) is one XOR + popcount pass; its threshold is a
+        low rank r of its 2048-item head, with r about 8·kk·2048 / (segment size), so that about 8·kk
+        items pass rather than kk·(segment size)/2048 (when fewer than kk pass, the head's kk-th
+        smallest is taken instead).  The kk-th smallest v of its candidates is the threshold of the
+        rest of the catalogue, scanned in segments of ``block`` items, each compared eight values at a
+        time on the uint64 view when the values are bytes (see `_hits`).  q only grows along the scan
+        (codes sorted by level), so the scan stops at the first item whose q exceeds t."""
+        m, f, lift = self.m, self.f, self._lift
+        vdt: type[np.unsignedinteger[Any]] = np.uint8 if f < 256 else np.uint16
+        if lift is not None:
+            vdt = lift.dtype.type
+        chunk = min(_CHUNK, max(block, 64))
+        first = min(m, max(_FIRST_BLOCK, 4 * kk))  # >= kk, since kk <= m
+        seg0 = min(m, max(first, min(block, _HEAD_SEGMENT)))
+        x, tb, v, mask, wtmp, wflag = self._one_buffers(min(m, max(seg0, block)), chunk, vdt)
+        # The head's rank-r and rank-kk values: the first bounds the hits, the second is always valid.
+        r = min(kk, -(-8 * kk * first // seg0))
+        vs = v[:seg0]
+        self._fill(user, 0, seg0, chunk, x, tb, vs)
+        head = np.sort(vs[:first], kind="stable")  # small ints: numpy's radix sort
+        lo_t, t = int(head[r - 1]), int(head[kk - 1])
+        pos = np.less_equal(vs, lo_t, out=mask[:seg0]).nonzero()[0]
+        if pos.size < kk:
+            pos = np.less_equal(vs, t, out=mask[:seg0]).nonzero()[0]
+        val = vs[pos]
+        start = seg0
+        if start < m and (lift is None or int(lift[start]) <= t):
+            # The kk-th smallest value of the candidates bounds the rest of the catalogue.
+            t = int(np.partition(val, kk - 1)[kk - 1])
+            if pos.size > 2 * kk:
+                keep = (val <= t).nonzero()[0]
+                pos, val = pos[keep], val[keep]
+        pos_l, val_l = [pos], [val]
+        pending, budget = pos.size, max(8 * kk, 256)
         while start < m:
             stop = min(start + block, m)
-            if bias is not None and int(bias[start]) != lo:
-                lo = int(bias[start])
-                lim = f if tau >= nb else (tau - lo) // B
-                if lim < 0:
-                    break  # levels only fall from here on: no later item can make the top kk
-            if fast and stop - start == block:
-                np.bitwise_xor(words[0, start:stop], user[0], out=xs)
-                dd = np.bitwise_count(xs, out=ds)
-            else:
-                dd = self._distances(u, start, stop, x, d, t)[0]
-            mk = mask[: dd.size]
-            hit = np.less_equal(dd, lim, out=mk).nonzero()[0]
+            if lift is not None:
+                if int(lift[start]) > t:
+                    break  # levels only fall from here on: no later item can be kept
+                stop = start + int(lift[start:stop].searchsorted(lift.dtype.type(t), side="right"))
+            vs = v[: stop - start]
+            self._fill(user, start, stop, chunk, x, tb, vs)
+            hit = self._hits(vs, t, mask, wtmp, wflag)
             if hit.size:
-                cost = dd[hit]
+                val_l.append(vs[hit])
                 hit += start
                 pos_l.append(hit)
-                cost_l.append(cost if bias is None else cost.astype(bias.dtype) * bias.dtype.type(B) + bias[hit])
                 pending += hit.size
                 if pending > budget:
-                    pos, cost = np.concatenate(pos_l), np.concatenate(cost_l)
-                    cum = np.cumsum(np.bincount(cost, minlength=nb))
-                    tau = min(tau, int(np.searchsorted(cum, kk)) if cum[-1] >= kk else nb)
-                    keep = (cost <= tau).nonzero()[0]
-                    pos_l, cost_l = [pos[keep]], [cost[keep]]
+                    pos, val = np.concatenate(pos_l), np.concatenate(val_l)
+                    t = int(np.partition(val, kk - 1)[kk - 1])
+                    keep = (val <= t).nonzero()[0]
+                    pos_l, val_l = [pos[keep]], [val[keep]]
                     pending = keep.size
                     budget = max(budget, 2 * pending)
-                    lo, lim = -1, (f if tau >= nb else tau)  # limits from the new threshold
             start = stop
         pos = pos_l[0] if len(pos_l) == 1 else np.concatenate(pos_l)
-        cost = cost_l[0] if len(cost_l) == 1 else np.concatenate(cost_l)
-        if pending > 4 * kk + 64:
-            # Only the candidates at or below the exact kk-th cost go on to the (random-order) selection.
-            keep = (cost <= np.partition(cost, kk - 1)[kk - 1]).nonzero()[0]
-            pos, cost = pos[keep], cost[keep]
+        val = val_l[0] if len(val_l) == 1 else np.concatenate(val_l)
+        if pos.size > 8 * kk + 256:
+            # Only the candidates at or below the exact kk-th value go on to the costs and the selection.
+            keep = (val <= np.partition(val, kk - 1)[kk - 1]).nonzero()[0]
+            pos, val = pos[keep], val[keep]
+        rem = self._rem
+        if rem is None:
+            cost: NDArray[np.integer] = val
+        else:
+            cost = val.astype(rem.dtype) * rem.dtype.type(self.weight) + rem[pos]  # B·v + r
         return (pos if self._order is None else self._order[pos]), cost
+
+    def _hits(
+        self, vs: NDArray[Any], t: int, mask: NDArray[np.bool_], wtmp: NDArray[np.uint64], wflag: NDArray[np.bool_]
+    ) -> NDArray[np.intp]:
+        """Positions of the values <= t.  Byte values at most 128 + t (t <= 127) are compared eight at a
+        time on their uint64 view: each byte plus 127 − t sets its high bit exactly when it exceeds t
+        (and stays below 256, so no carry crosses a byte), so a word whose high bits are not all set
+        holds a hit; only those words' bytes are then compared one by one.  That is three passes over
+        n/8 words and a nonzero over n/8 flags instead of a compare and a nonzero over n values."""
+        n = vs.size
+        n8 = n & ~7
+        if vs.dtype != np.uint8 or n8 < _WORD_COMPARE_MIN or t > 127 or self._vmax > 128 + t:
+            return np.less_equal(vs, t, out=mask[:n]).nonzero()[0]
+        words = vs[:n8].view(np.uint64)
+        y, flag = wtmp[: n8 // 8], wflag[: n8 // 8]
+        np.add(words, np.uint64((127 - t) * 0x0101010101010101), out=y)
+        np.bitwise_and(y, _HIGH_BITS, out=y)
+        at = np.not_equal(y, _HIGH_BITS, out=flag).nonzero()[0]
+        hit = (at[:, None] * 8 + _EIGHT).ravel() if at.size else at
+        if hit.size:
+            hit = hit[vs[hit] <= t]
+        if n8 < n:
+            tail = np.less_equal(vs[n8:], t, out=mask[: n - n8]).nonzero()[0]
+            if tail.size:
+                hit = np.concatenate((hit, tail + n8))
+        return hit
 
     # -- asymmetric (bit-plane) queries -----------------------------------------------------------
     def search_planes(
@@ -799,7 +899,7 @@ def topk_hamming(
     *,
     exclude: NDArray[np.int64] | None = None,
     candidates: NDArray[np.int64] | None = None,
-    block: int = _BLOCK_PAIRS,
+    block: int | None = None,
 ) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
     """The k items closest in Hamming distance to one user, ties broken uniformly at random.
 
@@ -812,7 +912,7 @@ def topk_hamming(
     rng : generator used for tie-breaking only (None: the lower item id wins).
     exclude : item indices never returned (already rated, filtered).
     candidates : if given, only these item indices are ranked.
-    block : items per scan block.
+    block : items per scan block (default: the index's own).
 
     Returns
     -------

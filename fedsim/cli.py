@@ -34,7 +34,7 @@ from fedsim.evaluation import (
 )
 from fedsim.experiment import Experiment, Protocol, baselines, item_titles, prepare
 from fedsim.families import FAMILY_DEFAULT_ROUNDS, simulate_family
-from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, run_lightfr, user_data
+from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, plane_vectors, run_lightfr, user_data
 from fedsim.report import result_record, write_json
 from fedsim.ui import progress, table
 from protocol.enrollment import DEFAULT_VALID_DAYS
@@ -572,8 +572,19 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--baseline", choices=["popularity", "random"], default=None, help="evaluate a baseline instead")
     ev.add_argument("--dataset", default=None, help="dataset (for --baseline; a run file names its own)")
     ev.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=_DATA_DIR_HELP)
-    ev.add_argument("--protocol", choices=[p.value for p in Protocol], default=None)
-    ev.add_argument("--eval-negatives", type=_positive_int, default=99)
+    ev.add_argument(
+        "--protocol",
+        choices=[p.value for p in Protocol],
+        default=None,
+        help="with --baseline, as for simulate; a run file evaluates on its own (another one is refused)",
+    )
+    ev.add_argument(
+        "--eval-negatives",
+        type=_positive_int,
+        default=None,
+        help="sampled negatives per test positive, with --baseline (default: 99); a run file uses its own "
+        "(another number is refused)",
+    )
     ev.add_argument(
         "--eval-seed",
         type=int,
@@ -742,6 +753,10 @@ def _mean_field(args: argparse.Namespace) -> bool:
 
 
 def _fed_config(args: argparse.Namespace) -> FederationConfig:
+    # Symmetric training under the all-items objective ranks as a device does by default: with its vector
+    # ridge-solved against the final item codes, as planes (`LightFRConfig.rank_planes` / `rank_ridge`).
+    device = LightFRConfig()
+    ranked = not getattr(args, "query_planes", 0) and _unobserved_weight(args) != 0
     return FederationConfig(
         rounds=args.rounds,
         fraction=args.fraction,
@@ -751,6 +766,8 @@ def _fed_config(args: argparse.Namespace) -> FederationConfig:
         unobserved_scale=DENSITY_SCALE if _unobserved_weight(args) == "auto" else 0.0,
         query_planes=getattr(args, "query_planes", 0),
         user_reg=getattr(args, "user_reg", 1.0),
+        rank_planes=device.rank_planes if ranked else 0,
+        rank_ridge=device.rank_ridge,
         mean_field=_mean_field(args),
     )
 
@@ -1112,6 +1129,8 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
                     hamming_weight=state.hamming_weight,
                     user_ids=train.user_ids,
                     item_ids=train.item_ids,
+                    user_q=state.user_q,
+                    user_weight=state.user_weight,
                 ),
             },
         )
@@ -1301,7 +1320,7 @@ def _cmd_eval(args: argparse.Namespace, out: TextIO) -> int:
         exp = prepare(
             args.dataset,
             Protocol(args.protocol) if args.protocol else None,
-            n_negatives=args.eval_negatives,
+            n_negatives=99 if args.eval_negatives is None else args.eval_negatives,
             seed=eval_seed,
             data_dir=_data_dir(args.data_dir),
         )
@@ -1341,6 +1360,8 @@ def _load_run(args: argparse.Namespace) -> tuple[Experiment, FederatedLightFR, i
             item_levels=model.item_levels,
             hamming_weight=model.hamming_weight,
         )
+        if np.all(model.user_weight > 0):  # the run saved the vectors its users rank with
+            state.user_vectors = plane_vectors(model.user_q, model.user_weight, model.hamming_weight)
         dataset, protocol = str(state_dict["dataset"]), Protocol(state_dict["protocol"])
         n_neg = int(state_dict["eval_negatives"])
         # runs saved before --eval-seed existed drew their split and candidates from --seed
@@ -1356,6 +1377,17 @@ def _load_run(args: argparse.Namespace) -> tuple[Experiment, FederatedLightFR, i
     data_dir = _data_dir(args.data_dir)
     if dataset == "auto":
         dataset = "ml-100k" if data_dir is not None and (data_dir / "ml-100k").is_dir() else "synthetic"
+    # A run is evaluated as it was trained: another dataset, protocol or candidate count would be ignored.
+    for flag, asked, own in (
+        ("--dataset", args.dataset, dataset),
+        ("--protocol", args.protocol, protocol.value),
+        ("--eval-negatives", args.eval_negatives, n_neg),
+    ):
+        if asked is not None and asked != own:
+            raise ConfigError(
+                f"{flag} {asked}: {args.run} is evaluated on the split and candidates it was trained with "
+                f"({flag} {own}); leave {flag} out, or evaluate a baseline with --baseline"
+            )
     exp = prepare(dataset, protocol, n_negatives=n_neg, seed=run_eval_seed, data_dir=data_dir)
     if (exp.train.n_users, exp.train.n_items) != (n_users, n_items):
         raise FedRecError(

@@ -305,12 +305,11 @@ def run_demo_fleet(
                 "round_interval": 0.5,
                 "seed": seed,
             },
-            "privacy": {
-                "enabled": privacy_epsilon is not None,
-                "epsilon": privacy_epsilon or 8.0,
-                "delta": 1e-5,
-                "planned_rounds": rounds,
-            },
+            "privacy": (
+                {"enabled": True, "epsilon": privacy_epsilon, "delta": 1e-5, "planned_rounds": rounds}
+                if privacy_epsilon is not None
+                else {"enabled": False}  # the budget keys are refused without DP (nothing reads them)
+            ),
             "log": {"format": "text", "level": "warning"},
             "enrollment": {"authority_key": authority.public_key.hex()},
         }

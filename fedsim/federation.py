@@ -38,6 +38,7 @@ __all__ = [
     "run_lightfr",
     "run_full",
     "with_negatives",
+    "plane_vectors",
 ]
 
 
@@ -60,10 +61,16 @@ class FederationConfig:
         with it; items stay 64-bit codes and the score stays an integer from XOR + popcount
         (`device_sdk.topk.plane_scores`).  0 (default): ±1 user codes by DCD.
     user_reg : ridge weight of the user solve under ``query_planes`` (in units of the f²-scaled loss).
-    refresh_users : under ``query_planes``, re-solve every user's vector against the final model, as a
-        device does locally when it downloads a model (nothing is uploaded).
+    refresh_users : under ``query_planes`` (or ``rank_planes``), re-solve every user's vector against the
+        final model, as a device does locally when it downloads a model (nothing is uploaded).
     rank_planes : under ``query_planes``, the planes of that refreshed vector, the one the device ranks
-        with (0 = ``query_planes``); the uploads keep ``query_planes`` planes.
+        with (0 = ``query_planes``); the uploads keep ``query_planes`` planes.  Without ``query_planes``
+        (symmetric training, all-items objective): the devices train and upload with ±1 codes as
+        before, and each ranks with its real-valued vector solved against the final item codes
+        (`device_sdk.lightfr.ridge_users`, ridge ``rank_ridge``·w0·m) kept as ``rank_planes`` planes
+        (`device_sdk.models.LightFRConfig.rank_planes`); 0 ranks with the ±1 code.
+    rank_ridge : the ridge weight of that ranking-time solve in units of w0·m (= tr(w0·DᵀD)/f, the
+        unobserved term's weight), so it follows the catalogue and the derived w0.
     unobserved_scale : κ > 0 derives the all-items objective's w0 from the catalogue density, as the
         server does (`agg_server.strategy.lightfr.LightFRServerStrategy`): each round w0 = κ·density^γ
         from the counts slice of the cohort's sum; the devices of round 1 train with the model
@@ -84,6 +91,7 @@ class FederationConfig:
     user_reg: float = 1.0
     refresh_users: bool = True
     rank_planes: int = 0
+    rank_ridge: float = 2.0
     mean_field: bool = False
     code_sweeps: int = 1
 
@@ -104,10 +112,10 @@ class FederationConfig:
         ranked = self.rank_planes
         if isinstance(ranked, bool) or not (isinstance(ranked, int) and 0 <= ranked <= 8):
             raise ValueError(f"rank_planes must be an integer in [0, 8], got {self.rank_planes!r}")
-        if ranked and not planes:
-            raise ValueError("rank_planes needs query_planes >= 1")
         if not (np.isfinite(self.user_reg) and self.user_reg > 0):
             raise ValueError(f"user_reg must be a finite value > 0, got {self.user_reg}")
+        if not (np.isfinite(self.rank_ridge) and self.rank_ridge > 0):
+            raise ValueError(f"rank_ridge must be a finite value > 0, got {self.rank_ridge}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +188,10 @@ class FederatedLightFR:
     unobserved_weight: float = 0.0
     #: With query planes P >= 1: every user's quantized real-valued vector Δ·q (n, f), what it scores with.
     user_vectors: NDArray[np.float64] | None = None
+    #: The refreshed vectors (what devices rank with after the last round) as a device holds them: odd
+    #: integers q (n, f) and integer weights a (n,) (`device_sdk.models.LightFRModel.user_q` / `user_weight`).
+    user_q: NDArray[np.int16] | None = None
+    user_weight: NDArray[np.int64] | None = None
 
     def scores(self, users: NDArray[np.int64], candidates: NDArray[np.int64]) -> NDArray[np.int32]:
         """The integer score (f − Hamming)·B + level (level 0 without item levels) of each user's
@@ -238,6 +250,8 @@ def run_lightfr(
     """
     if federation.query_planes and model.unobserved_weight == 0:
         raise ValueError("query_planes needs the all-items objective (unobserved_weight > 0)")
+    if federation.rank_planes and model.unobserved_weight == 0:
+        raise ValueError("rank_planes needs the all-items objective (unobserved_weight > 0)")
     if model.unobserved_weight > 0:
         return run_full(data, model, federation, evaluate=evaluate, eval_every=eval_every, on_round=on_round)
     rng = np.random.default_rng(federation.seed)
@@ -364,13 +378,16 @@ def run_full(
         state.history.append(report)
         if on_round is not None:
             on_round(report)
-    if federation.query_planes and federation.refresh_users:
+    if (federation.query_planes or federation.rank_planes) and federation.refresh_users:
         # What a device does when it downloads a model: re-solve its vector against it (local, nothing uploaded).
+        # Symmetric training ranks with a vector of its own ridge weight (rank_ridge·w0·m).
         dev_beta = bias_from_levels(state.item_levels, m, f, wgt)
-        U = lightfr.ridge_users(
-            data.indptr, data.items, data.targets, state.item_codes, dev_beta, w0, alpha, federation.user_reg
-        )
-        state.user_vectors = _quantized(U, federation.rank_planes or federation.query_planes, wgt)
+        reg = federation.user_reg if federation.query_planes else federation.rank_ridge * w0 * m
+        U = lightfr.ridge_users(data.indptr, data.items, data.targets, state.item_codes, dev_beta, w0, alpha, reg)
+        q, scale = lightfr.quantize_planes(U, federation.rank_planes or federation.query_planes)
+        a, snapped = lightfr.snap_scale(scale, wgt)
+        state.user_vectors = snapped[:, None] * q
+        state.user_q, state.user_weight = q, a
     return state
 
 
@@ -378,3 +395,9 @@ def _quantized(U: NDArray[np.float64], planes: int, hamming_weight: int) -> NDAr
     """Δ'·q: the P-plane user vectors with their scales snapped to the integer score's grid."""
     q, scale = lightfr.quantize_planes(U, planes)
     return lightfr.snap_scale(scale, hamming_weight)[1][:, None] * q
+
+
+def plane_vectors(q: NDArray[np.integer], weight: NDArray[np.integer], hamming_weight: int) -> NDArray[np.float64]:
+    """Δ'·q of vectors held as odd integers q (n, f) and integer weights a (n,): Δ' = 2a / (2^s·B)."""
+    delta = 2.0 * np.asarray(weight, dtype=np.float64) / (2**lightfr.LEVEL_SHIFT * hamming_weight)
+    return delta[:, None] * np.asarray(q, dtype=np.float64)

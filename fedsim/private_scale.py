@@ -302,12 +302,11 @@ def scaled_config(n_users: int, n_items: int, settings: ScaledSettings, data_dir
                 "dropout_rate": s.dropout_rate,
                 "example_cap": s.example_cap,
             },
-            "privacy": {
-                "enabled": dp,
-                "epsilon": s.epsilon if dp else 8.0,
-                "delta": s.delta,
-                "planned_rounds": max(1, s.rounds),
-            },
+            "privacy": (
+                {"enabled": True, "epsilon": s.epsilon, "delta": s.delta, "planned_rounds": max(1, s.rounds)}
+                if dp
+                else {"enabled": False}  # the budget keys are refused without DP (nothing reads them)
+            ),
         },
         base_dir=data_dir,
     )

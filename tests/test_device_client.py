@@ -210,6 +210,8 @@ class FakeServer:
             return 200, self.invites[device], {}
         if (method, path) == ("GET", "/v1/model"):
             self.model_requests.append(if_none_match)
+            if "model" in self.fail:
+                raise self.fail["model"]
             if if_none_match == self.etag:
                 return 304, None, {"ETag": self.etag}
             payload = ModelPayload(
@@ -445,7 +447,8 @@ async def test_model_download_uses_the_stored_etag(tmp_path: Path) -> None:
     first_etag = server.etag
     await run_cohort(server, devices)
     assert server.model_requests == [None] * 3
-    assert [c.model_version for c in server.checkins] == [0, 0, 0]
+    # The first contact fetched version 3 before the first check-in; the round of version 3 fetched nothing.
+    assert [c.model_version for c in server.checkins] == [3, 3, 3]
     v4_codes, v4_etag = server.codes.copy(), server.etag
 
     # Round 2 trains the newly committed version 4: each device asks for it with its stored tag.
@@ -466,6 +469,22 @@ async def test_model_download_uses_the_stored_etag(tmp_path: Path) -> None:
     assert server.model_requests[-1] == v4_etag
     assert server.session is not None and devices[0].client.device_id is not None
     assert isinstance(server.session.outbox(devices[0].client.device_id), Abort)  # it told the server
+
+
+@pytest.mark.asyncio
+async def test_a_round_error_at_the_first_model_fetch_ends_the_call_as_a_check_in_error_would(tmp_path: Path) -> None:
+    # The answer of a server none of whose instances leads the device's cohort now (503 round_error, after
+    # the transport's retries): the call ends "aborted" before any check-in, and the next call fetches again.
+    server = FakeServer(k=3, t=2, fail={"model": RoundError("no instance leads cohort 0 now")})
+    device = make_device(server, tmp_path / "d", 0)
+    outcome = await device.client.run_round()
+    assert outcome.status is RoundStatus.ABORTED and outcome.round_id is None
+    assert "no instance leads cohort 0" in outcome.reason and server.checkins == []
+    assert not (tmp_path / "d" / MODEL_FILE).exists()
+    del server.fail["model"]
+    assert (await device.client.run_round()).status is RoundStatus.WAITED
+    assert server.model_requests == [None, None] and len(server.checkins) == 1
+    assert device.client.model.model_version == server.model_version
 
 
 def test_corrupt_model_store_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

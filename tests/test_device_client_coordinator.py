@@ -60,7 +60,7 @@ def _server(
             "server": {"data_dir": str(tmp_path / "server")},
             "model": model,
             "rounds": {"cohort_size": COHORT, "min_cohort": 3, "clip_norm": 4.0, "scale_bits": 12, "seed": 5},
-            "privacy": {"enabled": dp, "epsilon": 50.0, "planned_rounds": 4},
+            "privacy": {"enabled": True, "epsilon": 50.0, "planned_rounds": 4} if dp else {},
         },
         base_dir=tmp_path,
     )

@@ -216,11 +216,12 @@ def test_index_without_generator_is_the_reference_ranking(
         assert np.array_equal(scores[u, : want.size], ref[u, want])
 
 
-@pytest.mark.parametrize("m", [(1 << 17) - 1, 1 << 17, (1 << 17) + 1])
+@pytest.mark.parametrize("m", [(1 << 17) - 1, 1 << 17, (1 << 17) + 1, (1 << 17) + 8192 + 5])
 @pytest.mark.parametrize("n_levels", [0, 16])
 def test_single_user_path_at_the_default_block_boundary(m: int, n_levels: int) -> None:
-    """A catalogue of up to one default block is one pass; one item more takes the blocked loop.
-    Both give the reference ranking (rng=None) and the reference scores (random ties)."""
+    """A catalogue of up to one first segment (2^17 items) is one pass; one item more takes the
+    segment loop, and 8197 more a later segment compared eight values at a time (8192 of them, then
+    a tail of 5).  All give the reference ranking (rng=None) and the reference scores (random ties)."""
     rng = np.random.default_rng(m + n_levels)
     f = 64
     base = random_signs(8, f, rng)
@@ -260,6 +261,160 @@ def test_threshold_from_the_head_keeps_a_cheaper_remainder_in_a_later_block() ->
     for block in (16, 1 << 17):
         ids, scores = index.search(pack_user(u), 1, None, block_pairs=block)
         assert ids[0].tolist() == [31] and scores[0, 0] == ref.max()
+
+
+def _index_buffers(index: HammingIndex, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.empty(n, np.bool_), np.empty(n // 8, np.uint64), np.empty(n // 8, np.bool_)
+
+
+@pytest.mark.parametrize(
+    ("f", "n_levels", "weight", "top"),
+    [(64, 0, 1, 64), (64, 256, 2, 191), (250, 0, 1, 250), (64, 256, 1, 319)],
+)
+def test_word_compare_finds_exactly_the_values_at_or_below_the_threshold(
+    f: int, n_levels: int, weight: int, top: int
+) -> None:
+    """`_hits` on the values v = dist + q of a segment: the positions of v <= t, whatever the length
+    (multiples of 8 and tails), t (0, mid, t = top, t above 127) and the largest value (64 with plain
+    codes; 191 = 64 + 127 when bytes reach past 128 + t for small t; 250 and 319 never by words)."""
+    rng = np.random.default_rng(f + n_levels + weight)
+    m = 9000
+    levels = None if n_levels == 0 else np.arange(m) % n_levels
+    index = HammingIndex(np.zeros(((f + 63) // 64, m), np.uint64), f, levels, weight)
+    assert index._vmax == top
+    vdt = np.uint8 if top < 256 else np.uint16
+    mask, wtmp, wflag = _index_buffers(index, 1 << 14)
+    for n in (8191, 8192, 8193, 8199, 8200, 16000 + 3):
+        for t in sorted({0, 1, 31, 62, 63, 64, 100, 127, 128, 200, top - 1, top}):
+            if t > top:
+                continue
+            v = rng.integers(0, top + 1, n).astype(vdt)
+            v[rng.integers(0, n, 40)] = t  # values at the threshold ...
+            v[rng.integers(0, n, 40)] = min(t + 1, top)  # ... and just above it
+            v[-1] = rng.integers(0, top + 1)
+            got = index._hits(v, t, mask, wtmp, wflag)
+            assert np.array_equal(np.sort(got), np.flatnonzero(v <= t)), (n, t)
+            # Sparse hits, the usual case: most words hold none.
+            v = np.full(n, top, vdt)
+            at = rng.choice(n, 5, replace=False)
+            v[at] = rng.integers(0, t + 1, 5)
+            assert np.array_equal(
+                np.sort(index._hits(v, t, mask, wtmp, wflag)), np.sort(at) if t < top else np.arange(n)
+            )
+
+
+def test_single_user_head_threshold_falls_back_when_too_few_items_pass_its_low_rank() -> None:
+    """With 10^5 items the first segment is compared against the head's 2nd smallest value, not its
+    10th; when fewer than k items reach that, the head's k-th must be used, or the top 10 would come
+    back short.  Items 0 and 1 at distance 0, all others at 30."""
+    m, k = 100_000, 10
+    user = np.uint64(0x0123456789ABCDEF)
+    far = np.uint64((1 << 30) - 1)
+    words = np.full((1, m), user ^ far, np.uint64)
+    words[0, :2] = user
+    dist = np.bitwise_count(words[0] ^ user).astype(np.int64)
+    for levels, weight in ((None, 1), (np.arange(m) % 2, 4)):
+        index = HammingIndex(words, 64, levels, weight)
+        ref = (64 - dist) * weight + (0 if levels is None else levels)
+        ids, scores = index.search(np.array([user]), k, None)
+        want = _reference_ranking(ref, k, None)
+        assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    m=st.integers(1, 3000),
+    f=st.sampled_from([8, 64, 65, 128, 200]),
+    n_levels=st.sampled_from([0, 2, 16, 256]),
+    weight=st.sampled_from([1, 2, 4]),
+    k=st.integers(1, 30),
+    block=st.sampled_from([8, 64, 100, 1024, 1 << 20]),
+    n_excl=st.integers(0, 5),
+    far=st.booleans(),
+    clustered=st.booleans(),
+)
+def test_single_user_segments_on_small_catalogues(
+    seed: int, m: int, f: int, n_levels: int, weight: int, k: int, block: int, n_excl: int, far: bool, clustered: bool
+) -> None:
+    """The single-user scan with its sizes shrunk (head 16 items, 32 items per XOR call, word compare
+    from 8 values), so that small catalogues take every path: the low head rank and its fallback,
+    several segments, the word compare and its tails, the early stop on the item term, values above
+    127 (``far``: a user opposite to the items, f = 200); codes in a few clusters (many ties) or not."""
+    from unittest import mock
+
+    from device_sdk import topk
+
+    rng = np.random.default_rng(seed)
+    if clustered:
+        base = random_signs(3, f, rng)
+        D = base[rng.integers(0, 3, m)]
+        D = np.where(rng.random(D.shape) < 0.08, -D, D).astype(np.int8)
+    else:
+        D = random_signs(m, f, rng)
+    u = -D[0] if far else random_signs(1, f, rng)[0]
+    levels = None if n_levels == 0 else rng.integers(0, n_levels, m).astype(np.uint8)
+    ref = _reference_scores(u[None, :], D, levels, weight)[0]
+    excl = rng.choice(m, min(n_excl, m), replace=False)
+    with (
+        mock.patch.object(topk, "_FIRST_BLOCK", 16),
+        mock.patch.object(topk, "_CHUNK", 32),
+        mock.patch.object(topk, "_WORD_COMPARE_MIN", 8),
+    ):
+        index = HammingIndex(pack_signs(D), f, levels, weight)
+        ids, scores = index.search(pack_user(u), k, None, exclude=[excl], block_pairs=block)
+        want = _reference_ranking(ref, k, excl)
+        assert np.array_equal(ids[0, : want.size], want) and np.all(ids[0, want.size :] == -1)
+        assert np.array_equal(scores[0, : want.size], ref[want])
+        ids, scores = index.search(pack_user(u), k, rng, exclude=[excl], block_pairs=block)
+        assert np.array_equal(scores[0, : want.size], ref[want]) and np.array_equal(ref[ids[0, : want.size]], ref[want])
+
+
+def test_single_user_later_segment_whose_item_term_equals_the_threshold() -> None:
+    """A later segment is cut where q exceeds t, not where it reaches t: an item there with q = t and
+    distance 0 costs B·t + r with a smaller remainder r than the head's best, and is the top item.
+    f = 8, B = 4, L = 15; head (16 items): level 13 (q 0, r 2) at distance 1, cost 6; later: level 11
+    (q 1, r 0) at distance 0, cost 4."""
+    from unittest import mock
+
+    from device_sdk import topk
+
+    f, B = 8, 4
+    u = np.ones(f, np.int8)
+    near, far = u.copy(), -u
+    near[0] = -1  # distance 1
+    D = np.array([far] + [near] * 15 + [far] * 15 + [u])
+    levels = np.array([15] + [13] * 15 + [11] * 16, np.uint8)
+    ref = _reference_scores(u[None, :], D, levels, B)[0]
+    with mock.patch.object(topk, "_FIRST_BLOCK", 16):
+        index = HammingIndex(pack_signs(D), f, levels, B)
+        for block in (16, 17, 1 << 20):
+            ids, scores = index.search(pack_user(u), 1, None, block_pairs=block)
+            assert ids[0].tolist() == [31] and scores[0, 0] == ref.max() == (f - 0) * B + 11
+
+
+def test_single_user_threshold_of_the_rest_is_the_kth_of_the_first_segment() -> None:
+    """After the first segment, the rest of the catalogue is scanned against the kk-th smallest value
+    of its candidates, not a smaller one: here the first segment (1024 items of random codes) holds
+    the whole top k and the 8 items after it are far, so a threshold at the (kk − 1)-th would return
+    fewer than k items."""
+    from unittest import mock
+
+    from device_sdk import topk
+
+    rng = np.random.default_rng(7)
+    f, m = 64, 1024 + 8
+    with mock.patch.object(topk, "_FIRST_BLOCK", 16):
+        for _ in range(20):
+            u = random_signs(1, f, rng)[0]
+            D = random_signs(m, f, rng)
+            D[-8:] = -u
+            ref = _reference_scores(u[None, :], D, None, 1)[0]
+            index = HammingIndex(pack_signs(D), f)
+            for k in (2, 3, 5):
+                ids, scores = index.search(pack_user(u), k, None, block_pairs=1024)
+                want = _reference_ranking(ref, k, None)
+                assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
 
 
 def _plane_case(

@@ -119,6 +119,14 @@ def test_eval_refuses_another_split_than_the_run_trained_on(capsys: pytest.Captu
     assert main(["eval", str(run), "--eval-seed", "4"]) == 2
     assert "trained on the split of evaluation seed 3" in capsys.readouterr().err
     assert main(["eval", str(run), "--eval-seed", "3"]) == 0
+    # Options a run file would ignore are refused, naming the flag and the run's own value.
+    ignored = (("--eval-negatives", "50", "20"), ("--protocol", "chrono", "loo"), ("--dataset", "x", data))
+    for flag, value, own in ignored:
+        capsys.readouterr()
+        assert main(["eval", str(run), flag, value]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} {value}: " in err and f"({flag} {own})" in err, err
+    assert main(["eval", str(run), "--eval-negatives", "20", "--protocol", "loo", "--dataset", data]) == 0
 
 
 def test_json_is_refused_where_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,7 @@ needs the cohort's sum."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -157,7 +158,37 @@ def test_rank_planes_set_the_planes_of_the_refreshed_vectors_only() -> None:
     np.testing.assert_array_equal(three.user_vectors, _quantized(U, 3, base.hamming_weight))
     np.testing.assert_array_equal(two.user_vectors, _quantized(U, 2, base.hamming_weight))
     assert not np.array_equal(two.user_vectors, three.user_vectors)
-    with pytest.raises(ValueError, match="rank_planes needs query_planes"):
-        FederationConfig(rank_planes=3)
     with pytest.raises(ValueError, match="rank_planes must be"):
         FederationConfig(query_planes=2, rank_planes=9)
+
+
+def test_symmetric_training_ranks_with_vectors_of_its_own_ridge() -> None:
+    """rank_planes without query_planes: training (codes, levels, w0) is the symmetric run's, unchanged, and
+    the vectors the devices rank with are the ridge solve (weight rank_ridge·w0·m) against the final model,
+    as rank_planes planes; the scores are theirs, not the codes'."""
+    from fedsim.datasets import synthetic
+    from fedsim.federation import _quantized
+    from protocol.families.lightfr import bias_from_levels
+
+    data = synthetic(n_users=40, n_items=60, ratings_per_user=10, seed=4)
+    cfg = LightFRConfig(bits=16, rating_range=(1.0, 5.0), binary_positives=True, unobserved_weight=0.05)
+    ud = user_data(data, cfg)
+    base = FederationConfig(rounds=3, fraction=0.5, mean_field=True, unobserved_scale=0.6)
+    codes = run_lightfr(ud, cfg, base)
+    ranked = run_lightfr(ud, cfg, replace(base, rank_planes=3, rank_ridge=2.0))
+    assert codes.user_vectors is None
+    np.testing.assert_array_equal(codes.item_codes, ranked.item_codes)
+    np.testing.assert_array_equal(codes.user_codes, ranked.user_codes)
+    np.testing.assert_array_equal(codes.item_levels, ranked.item_levels)
+    w0 = ranked.unobserved_weight
+    beta = bias_from_levels(ranked.item_levels, data.n_items, 16, base.hamming_weight)
+    reg = 2.0 * w0 * data.n_items
+    U = lightfr.ridge_users(ud.indptr, ud.items, ud.targets, ranked.item_codes, beta, w0, 0.0, reg)
+    np.testing.assert_array_equal(ranked.user_vectors, _quantized(U, 3, base.hamming_weight))
+    users = np.arange(5)
+    cand = np.tile(np.arange(data.n_items), (5, 1))
+    assert not np.array_equal(np.argsort(-codes.scores(users, cand)), np.argsort(-ranked.scores(users, cand)))
+    with pytest.raises(ValueError, match="rank_ridge must be"):
+        FederationConfig(rank_planes=3, rank_ridge=0.0)
+    with pytest.raises(ValueError, match="rank_planes needs the all-items objective"):
+        run_lightfr(ud, replace(cfg, unobserved_weight=0.0), FederationConfig(rounds=1, rank_planes=2))

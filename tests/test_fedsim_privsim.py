@@ -58,7 +58,7 @@ def _config(
                 "dropout_rate": 0.3,
                 "example_cap": 6,
             },
-            "privacy": {"enabled": dp, "epsilon": 4.0, "delta": 1e-5, "planned_rounds": rounds},
+            "privacy": {"enabled": True, "epsilon": 4.0, "delta": 1e-5, "planned_rounds": rounds} if dp else {},
             **{
                 table: values
                 for table, values in (

@@ -541,6 +541,94 @@ def test_device_model_with_query_planes_uploads_and_ranks_like_the_reference(tmp
         LightFRConfig(rank_planes=9)
 
 
+def test_device_model_trains_symmetric_and_ranks_with_its_ridge_vector(tmp_path) -> None:
+    """rank_planes without query_planes: the device trains and uploads with its ±1 code exactly as without
+    it, and ranks with its vector solved against the item codes (ridge rank_ridge·w0·m) as rank_planes
+    planes; fold_in (what a device does on download) sets the same vector, and a save/load keeps it."""
+    from device_sdk.models import LightFRConfig, LightFRModel
+
+    rng = np.random.default_rng(22)
+    m, f, w0 = 200, 64, 0.05
+    codes, levels = random_signs(m, f, rng), rng.integers(100, 160, m).astype(np.uint8)
+    items = np.sort(rng.choice(m, 12, replace=False)).astype(np.int64)
+    models = {}
+    for planes in (0, 3):
+        cfg = LightFRConfig(
+            bits=f, rating_range=None, binary_positives=True, unobserved_weight=w0, rank_planes=planes, rank_ridge=2.0
+        )
+        model = LightFRModel(m, cfg, rng=np.random.default_rng(0))
+        model.set_item_codes(codes, 3)
+        model.item_levels, model.hamming_weight = levels, 2
+        models[planes] = (model, model.fit_local(items))
+    (sym, up0), (ranked, up3) = models[0], models[3]
+    for key, part in up0.parts.items():
+        np.testing.assert_array_equal(up3.parts[key], part)
+    np.testing.assert_array_equal(sym.user_codes, ranked.user_codes)
+    assert sym.user_weight[0] == 0 and ranked.user_weight[0] > 0
+    beta = bias_from_levels(levels, m, f, 2)
+    ptr = np.array([0, items.size])
+    U = lightfr.ridge_users(ptr, items, np.ones(items.size), codes, beta, w0, 0.0, 2.0 * w0 * m)
+    q, scale = lightfr.quantize_planes(U, 3)
+    a, snapped = lightfr.snap_scale(scale, 2)
+    np.testing.assert_array_equal(ranked.user_q[0], q[0])
+    assert ranked.user_weight[0] == a[0]
+    real = snapped[0] * (codes.astype(float) @ q[0]) / f + beta
+    real[items] = -np.inf
+    ids, scores = ranked.recommend(items, N=10, filter_already_liked_items=True)
+    np.testing.assert_allclose(scores, np.sort(real)[::-1][:10], rtol=1e-6)
+    ranked.save(tmp_path / "m.fedrec")
+    again = LightFRModel.load(tmp_path / "m.fedrec")
+    assert again.config.rank_ridge == 2.0
+    np.testing.assert_array_equal(again.user_q, ranked.user_q)
+    fresh = LightFRModel(m, ranked.config, rng=np.random.default_rng(5))
+    fresh.set_item_codes(codes, 4)
+    fresh.item_levels, fresh.hamming_weight = levels, 2
+    fresh.fold_in(items[::-1])
+    np.testing.assert_array_equal(fresh.user_q[0], q[0])
+    assert fresh.user_weight[0] == a[0]
+    with pytest.raises(ValueError, match="rank_ridge must be a finite number"):
+        LightFRConfig(rank_ridge=0.0)
+
+
+def test_device_config_refuses_planes_without_the_all_items_objective_but_the_plan_path_works(tmp_path) -> None:
+    """LightFRConfig(query_planes > 0, unobserved_weight = 0) trained ±1 codes while asking for planes: now
+    refused, as the server's config and the plan refuse it.  A plan cannot lead a device there (it sets P and
+    w0 together, and a plan with planes and w0 = 0 does not decode, tests/test_protocol_plan.py), the
+    device's rank_planes survives a planes-off plan, and a store written with the old pairing still loads."""
+    from dataclasses import replace
+
+    from device_sdk.models import LightFRConfig, LightFRModel, apply_plan
+    from protocol.plan import LightFRParams, TrainingPlan
+    from protocol.spec import Aggregation
+
+    with pytest.raises(ValueError, match=r"^query_planes: 2 planes .* need the all-items objective") as info:
+        LightFRConfig(query_planes=2, unobserved_weight=0)
+    assert "unobserved_weight=0" in str(info.value) and "query_planes=0" in str(info.value)
+    with pytest.raises(ValueError, match=r"^query_planes: 1 planes"):
+        replace(LightFRConfig(query_planes=0, unobserved_weight=0.0), query_planes=1)
+    assert LightFRConfig(query_planes=2, unobserved_weight=0.05).params(Aggregation.GRAD).query_planes == 2
+
+    m, f = 30, 16
+    model = LightFRModel(m, LightFRConfig(bits=f, unobserved_weight=0.05, query_planes=2, rank_planes=3))
+    sampled = TrainingPlan(params=LightFRParams(unobserved_weight=0.0, negatives=4), n_items=m, rank=f)
+    apply_plan(model, sampled)  # a 1.5 server's sampled-negatives plan: P = 0, w0 = 0
+    assert (model.config.query_planes, model.config.unobserved_weight, model.config.rank_planes) == (0, 0.0, 3)
+    apply_plan(model, TrainingPlan(params=LightFRParams(unobserved_weight=0.1, query_planes=2), n_items=m, rank=f))
+    assert (model.config.query_planes, model.config.rank_planes) == (2, 3)
+    model.fit_local(np.array([1, 4, 9]))
+    trained_q = model.user_q.copy()
+    assert model.user_weight[0] > 0
+
+    # A store written by the SDK that accepted P = 2 with w0 = 0 (its config set past the check here).
+    object.__setattr__(model.config, "unobserved_weight", 0.0)
+    model.save(tmp_path / "old.fedrec")
+    again = LightFRModel.load(tmp_path / "old.fedrec")
+    assert (again.config.query_planes, again.config.unobserved_weight, again.config.rank_planes) == (0, 0.0, 3)
+    np.testing.assert_array_equal(again.user_q, trained_q)  # the vector it holds is kept and ranks as before
+    assert again.user_weight[0] == model.user_weight[0]
+    np.testing.assert_array_equal(again.recommend([1, 4, 9], N=10)[1], model.recommend([1, 4, 9], N=10)[1])
+
+
 def test_mean_field_sweeps_end_where_no_single_bit_flip_helps() -> None:
     """Several mean-field passes on one round's sums: with raters that look alike the quadratic model is
     exact, so every item's loss only goes down and the step stops at codes no single bit flip improves,

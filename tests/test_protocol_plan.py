@@ -222,7 +222,7 @@ def test_the_device_follows_the_plans_planes_and_a_15_device_ignores_them() -> N
     data = LocalRatings(np.zeros(3, np.int64), np.array([0, 2, 3]), None, 1)
     uploads = []
     for p, planes in ((plan, True), (old_plan, False)):
-        model = LightFRModel(5, LightFRConfig(bits=4, rating_range=None), rng=np.random.default_rng(0))
+        model = LightFRModel(5, LightFRConfig(bits=4, rating_range=None, rank_planes=0), rng=np.random.default_rng(0))
         model.set_item_codes(np.array([[1, -1, 1, 1]] * 2 + [[-1, 1, 1, -1]] * 3, np.int8), 1)
         out = model.local_update(p, data, np.random.default_rng(1))
         assert model.config.query_planes == (2 if planes else 0) and model.config.user_reg == (10.0 if planes else 1.0)

@@ -138,15 +138,25 @@ class RecommenderContract:
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
-class TestLightFR(RecommenderContract):
+class TestLightFRPlanes(RecommenderContract):
+    """The default device model: a ±1 code trained by DCD, ranking with its ridge vector's bit-planes."""
+
+    CONFIG = LightFRConfig(bits=32, rating_range=None)
+
     def make(self, seed: int = 0) -> LightFRModel:
-        model = LightFRModel(M, LightFRConfig(bits=32, rating_range=None), n_users=3, rng=np.random.default_rng(seed))
+        model = LightFRModel(M, self.CONFIG, n_users=3, rng=np.random.default_rng(seed))
         c = random_signs(1, 32, np.random.default_rng(seed))[0]
         model.set_item_codes(np.where((np.arange(M) % 2 == 0)[:, None], c, -c).astype(np.int8), version=1)
         return model
 
     def fold(self, model: LightFRModel, liked: np.ndarray, userid: int) -> None:
         model.fold_in(liked, userid=userid)
+
+
+class TestLightFR(TestLightFRPlanes):
+    """Ranking with the ±1 code itself (rank_planes = 0)."""
+
+    CONFIG = LightFRConfig(bits=32, rating_range=None, rank_planes=0)
 
     def test_item_levels_enter_the_score(self) -> None:
         model = self.ready()

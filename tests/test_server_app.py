@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from agg_server.app import COORDINATOR, create_app
+from device_sdk.client import MODEL_FILE, SYNC_FILE, ClientConfig, DeviceClient, RoundStatus
+from device_sdk.models import LightFRConfig, LightFRModel
 from fedsim.faults import DropoutAt
 from fedsim.fleet import FleetConfig, run_fleet
 from fedsim.private import run_private_lightfr
@@ -21,6 +23,7 @@ from protocol.codec import decode, encode
 from protocol.crypto import generate_key_pair
 from protocol.errors import (
     AuthError,
+    ConfigError,
     DecodeError,
     PayloadTooLarge,
     PermissionDenied,
@@ -39,6 +42,7 @@ from protocol.messages import (
     RoundResult,
     Wait,
 )
+from protocol.policy import PrivacyPolicy
 from tests.server_helpers import BITS, N_ITEMS, small_config, users
 
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -326,6 +330,59 @@ async def test_http_run_with_asymmetric_scoring_in_the_plan_matches_the_in_proce
     finally:
         reference.coordinator.storage.close()
         codes_only.coordinator.storage.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("n_items", "bits"), [(N_ITEMS + 5, BITS), (N_ITEMS, 2 * BITS)])
+async def test_a_device_built_for_another_model_finds_out_at_its_first_contact(
+    aiohttp_server: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture, n_items: int, bits: int
+) -> None:
+    """A device whose catalogue size or code length is not the server's is told so at its first run_round
+    (before it checks in, not when it is first invited, which may be never), in an error naming both shapes,
+    and its store (identity, trained model) is left as it was.  A device that fits adopts the server's model
+    there and then, and a restart that holds it gets a 304."""
+    server = await aiohttp_server(create_app(small_config(tmp_path / "server", cohort=3)))
+    url = str(server.make_url("")).rstrip("/")
+    store = tmp_path / "device"
+    items = np.array([1, 4, 9])
+
+    def connect(n: int, f: int) -> DeviceClient:
+        config = ClientConfig(store_dir=store, privacy=PrivacyPolicy(require_noise=False))
+        return DeviceClient.connect(url, config, items=items, ratings=None, n_items=n, bits=f, retries=0)
+
+    # The device's state: its identity from an earlier registration, and a model it trained (fold_in) and stored.
+    async with connect(n_items, bits) as device:
+        await device.register()
+    trained = LightFRModel(n_items, LightFRConfig(bits=bits, rating_range=None))
+    trained.fold_in(items)
+    trained.save(store / MODEL_FILE)
+    before = {p.name: p.read_bytes() for p in store.iterdir()}
+    async with connect(n_items, bits) as device:
+        with caplog.at_level("ERROR", logger="device_sdk.client"), pytest.raises(ConfigError) as info:
+            # Before this check, it waited for an invitation that never comes (here: TimeoutError).
+            await asyncio.wait_for(device.run(rounds=1), timeout=20.0)
+    ours = f"'lightfr' with bits {bits} and n_items {n_items}"
+    theirs = f"'lightfr' with bits {BITS} and n_items {N_ITEMS}"
+    assert str(info.value).startswith(f"the server's model is {theirs}; this device runs {ours}"), str(info.value)
+    assert str(info.value) in caplog.text
+    assert {p.name: p.read_bytes() for p in store.iterdir()} == before  # nothing stored, nothing lost
+    assert server.app[COORDINATOR].status(0.0)["waiting_devices"] == 0  # it never checked in
+
+    # The same store, built for the server's model: the first contact adopts version 1 and stores it.
+    for p in store.iterdir():
+        if p.name == MODEL_FILE:
+            p.unlink()
+    async with connect(N_ITEMS, BITS) as device:
+        first = await device.run_round()
+        again = await device.run_round()
+        assert device.model.model_version == 1 and (store / SYNC_FILE).is_file()
+    assert first.status is again.status is RoundStatus.WAITED
+    assert "model" in first.timings and "model" not in again.timings  # once per client
+    assert first.bytes_down > N_ITEMS * BITS // 8 > again.bytes_down
+    async with connect(N_ITEMS, BITS) as device:  # a restart that holds the current model: 304
+        restarted = await device.run_round()
+        assert device.model.model_version == 1
+    assert restarted.status is RoundStatus.WAITED and restarted.bytes_down < N_ITEMS * BITS // 8
 
 
 def test_failed_commit_releases_the_round_and_charges_privacy_once(tmp_path: Path) -> None:

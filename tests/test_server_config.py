@@ -381,6 +381,23 @@ def test_the_vector_length_limit_of_another_kind_is_its_rank_not_model_bits() ->
         config_from_dict(data, base_dir=Path("/srv"))
 
 
+@pytest.mark.parametrize(("key", "value"), [("epsilon", 2.0), ("delta", 1e-6), ("planned_rounds", 50)])
+def test_privacy_keys_without_privacy_enabled_are_refused(key: str, value: object) -> None:
+    # A budget written without enabled = true left the rounds without noise, silently.
+    data = _minimal()
+    data["privacy"] = {key: value}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data, base_dir=Path("/srv"))
+    text = str(info.value)
+    assert text.startswith(f"privacy.{key}: set to {value!r} while privacy.enabled is false"), text
+    assert "set privacy.enabled = true, or delete it" in text
+    data["privacy"]["enabled"] = True
+    assert getattr(config_from_dict(data, base_dir=Path("/srv")).privacy, key) == value
+    # At their defaults (as examples/server.toml lists them) they load without DP.
+    data["privacy"] = {"enabled": False, "epsilon": 8, "delta": 1e-5, "planned_rounds": 10}
+    assert not config_from_dict(data, base_dir=Path("/srv")).privacy.enabled
+
+
 def test_graph_override_accepted_when_safe() -> None:
     data = _minimal()
     data["rounds"] = {"k": 21, "t": 3}
