@@ -34,7 +34,7 @@ from fedsim.evaluation import (
 )
 from fedsim.experiment import Experiment, Protocol, baselines, item_titles, prepare
 from fedsim.families import FAMILY_DEFAULT_ROUNDS, simulate_family
-from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, run_lightfr, user_data
+from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, plane_vectors, run_lightfr, user_data
 from fedsim.report import result_record, write_json
 from fedsim.ui import progress, table
 from protocol.enrollment import DEFAULT_VALID_DAYS
@@ -753,6 +753,10 @@ def _mean_field(args: argparse.Namespace) -> bool:
 
 
 def _fed_config(args: argparse.Namespace) -> FederationConfig:
+    # Symmetric training under the all-items objective ranks as a device does by default: with its vector
+    # ridge-solved against the final item codes, as planes (`LightFRConfig.rank_planes` / `rank_ridge`).
+    device = LightFRConfig()
+    ranked = not getattr(args, "query_planes", 0) and _unobserved_weight(args) != 0
     return FederationConfig(
         rounds=args.rounds,
         fraction=args.fraction,
@@ -762,6 +766,8 @@ def _fed_config(args: argparse.Namespace) -> FederationConfig:
         unobserved_scale=DENSITY_SCALE if _unobserved_weight(args) == "auto" else 0.0,
         query_planes=getattr(args, "query_planes", 0),
         user_reg=getattr(args, "user_reg", 1.0),
+        rank_planes=device.rank_planes if ranked else 0,
+        rank_ridge=device.rank_ridge,
         mean_field=_mean_field(args),
     )
 
@@ -1123,6 +1129,8 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
                     hamming_weight=state.hamming_weight,
                     user_ids=train.user_ids,
                     item_ids=train.item_ids,
+                    user_q=state.user_q,
+                    user_weight=state.user_weight,
                 ),
             },
         )
@@ -1352,6 +1360,8 @@ def _load_run(args: argparse.Namespace) -> tuple[Experiment, FederatedLightFR, i
             item_levels=model.item_levels,
             hamming_weight=model.hamming_weight,
         )
+        if np.all(model.user_weight > 0):  # the run saved the vectors its users rank with
+            state.user_vectors = plane_vectors(model.user_q, model.user_weight, model.hamming_weight)
         dataset, protocol = str(state_dict["dataset"]), Protocol(state_dict["protocol"])
         n_neg = int(state_dict["eval_negatives"])
         # runs saved before --eval-seed existed drew their split and candidates from --seed

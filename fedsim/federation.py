@@ -38,6 +38,7 @@ __all__ = [
     "run_lightfr",
     "run_full",
     "with_negatives",
+    "plane_vectors",
 ]
 
 
@@ -187,6 +188,10 @@ class FederatedLightFR:
     unobserved_weight: float = 0.0
     #: With query planes P >= 1: every user's quantized real-valued vector Δ·q (n, f), what it scores with.
     user_vectors: NDArray[np.float64] | None = None
+    #: The refreshed vectors (what devices rank with after the last round) as a device holds them: odd
+    #: integers q (n, f) and integer weights a (n,) (`device_sdk.models.LightFRModel.user_q` / `user_weight`).
+    user_q: NDArray[np.int16] | None = None
+    user_weight: NDArray[np.int64] | None = None
 
     def scores(self, users: NDArray[np.int64], candidates: NDArray[np.int64]) -> NDArray[np.int32]:
         """The integer score (f − Hamming)·B + level (level 0 without item levels) of each user's
@@ -379,7 +384,10 @@ def run_full(
         dev_beta = bias_from_levels(state.item_levels, m, f, wgt)
         reg = federation.user_reg if federation.query_planes else federation.rank_ridge * w0 * m
         U = lightfr.ridge_users(data.indptr, data.items, data.targets, state.item_codes, dev_beta, w0, alpha, reg)
-        state.user_vectors = _quantized(U, federation.rank_planes or federation.query_planes, wgt)
+        q, scale = lightfr.quantize_planes(U, federation.rank_planes or federation.query_planes)
+        a, snapped = lightfr.snap_scale(scale, wgt)
+        state.user_vectors = snapped[:, None] * q
+        state.user_q, state.user_weight = q, a
     return state
 
 
@@ -387,3 +395,9 @@ def _quantized(U: NDArray[np.float64], planes: int, hamming_weight: int) -> NDAr
     """Δ'·q: the P-plane user vectors with their scales snapped to the integer score's grid."""
     q, scale = lightfr.quantize_planes(U, planes)
     return lightfr.snap_scale(scale, hamming_weight)[1][:, None] * q
+
+
+def plane_vectors(q: NDArray[np.integer], weight: NDArray[np.integer], hamming_weight: int) -> NDArray[np.float64]:
+    """Δ'·q of vectors held as odd integers q (n, f) and integer weights a (n,): Δ' = 2a / (2^s·B)."""
+    delta = 2.0 * np.asarray(weight, dtype=np.float64) / (2**lightfr.LEVEL_SHIFT * hamming_weight)
+    return delta[:, None] * np.asarray(q, dtype=np.float64)

@@ -99,9 +99,19 @@ def lightfr_run_fields(
     hamming_weight: int,
     user_ids: NDArray[Any] | None,
     item_ids: NDArray[Any] | None,
+    user_q: NDArray[np.int16] | None = None,
+    user_weight: NDArray[np.int64] | None = None,
 ) -> dict[str, Any]:
-    """The fields a ``lightfr-run`` adds to its dataset description (see `fedrec simulate --save`)."""
+    """The fields a ``lightfr-run`` adds to its dataset description (see `fedrec simulate --save`); with
+    ``user_q`` / ``user_weight`` the vectors every user ranks with (`LightFRConfig.rank_planes`)."""
+    vectors = {}
+    if user_q is not None and user_weight is not None:
+        vectors = {
+            "user_q": np.asarray(user_q, dtype="<i2").tobytes(),
+            "user_weight": np.asarray(user_weight, dtype="<i8").tobytes(),
+        }
     return {
+        **vectors,
         "bits": int(user_codes.shape[1]),
         "n_users": int(user_codes.shape[0]),
         "n_items": int(item_codes.shape[0]),
@@ -224,6 +234,17 @@ class Run:
         if levels is not None:
             model.item_levels = np.frombuffer(levels, dtype=np.uint8).copy()
             model.hamming_weight = int(s.get("hamming_weight", 1))
+        if s.get("user_q") is not None:  # runs saved before ranking vectors hold none: the codes rank
+            q = np.frombuffer(s["user_q"], dtype="<i2")
+            a = np.frombuffer(s.get("user_weight") or b"", dtype="<i8")
+            if q.size != self.n_users * bits or a.shape != (self.n_users,) or np.any(a < 1):
+                raise StorageError(
+                    f"{self.path}: user_q / user_weight must hold {bits} values and one weight >= 1 per user"
+                )
+            q = q.reshape(self.n_users, bits)
+            rows_q, rows_a = (q, a) if user is None else (q[user : user + 1], a[user : user + 1])
+            model.user_q[:] = rows_q
+            model.user_weight[:] = rows_a
         return model
 
     def recommend(self, user: int, n: int, seed: int = 0) -> tuple[NDArray[np.int64], NDArray[np.float32]]:

@@ -45,6 +45,11 @@ def test_simulate_prints_table_and_baselines(capsys: pytest.CaptureFixture[str],
     line = next(ln for ln in out.splitlines() if ln.startswith("LightFR (Agg_grad)"))
     line2 = next(ln for ln in again.splitlines() if ln.startswith("LightFR (saved run)"))
     assert line.split()[-4:] == line2.split()[-4:]
+    # Each user ranks as a device does by default: with its ridge vector's planes, which the run keeps.
+    from fedsim.runs import load_run
+
+    model = load_run(run).device_model(3)[0]
+    assert model.user_weight[0] > 0 and np.abs(model.user_q[0]).max() <= 7
 
 
 def test_simulate_with_asymmetric_scoring(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
