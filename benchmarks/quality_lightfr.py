@@ -322,7 +322,7 @@ def _seeds_row(label: str, exp: Experiment, recipe, seeds: list[int]) -> str:
     return (
         f"| {label} | "
         + " | ".join(f"{a:.4f} ± {b:.4f}" for a, b in zip(mean, std, strict=True))
-        + (f" | (seeds {' '.join(map(str, seeds))})")
+        + f" | (seeds {' '.join(map(str, seeds))}; HR@10 per seed {' / '.join(f'{x:.4f}' for x in m[:, 0])})"
     )
 
 

@@ -26,9 +26,14 @@ round's cohort is ⌈0.6·70,679⌉ = 42,408 devices; each device's upload is bu
 as the device clips it (`protocol.families.lightfr.clip_parts`' rule) and rounded to ``scale_bits`` with
 stochastic rounding by `fedsim.privsim.LightFRCohort` (tests/test_fedsim_privsim.py
 ``test_batched_all_items_devices_match_real_devices``: its sum equals real devices' `local_round` uploads up
-to the rounding coins, with planes 2 and 3 and a clip that bites); the server dequantizes the sum and runs
-the same `LightFRServerStrategy`.  SecAgg+'s masks cancel exactly in the modular sum
-(tests/test_secagg.py, tests/test_fedsim_privsim.py ``test_simulator_is_bit_identical_to_the_coordinator``),
+to the rounding coins, with planes 2 and 3 and a clip that bites; tests/test_fedsim_private_scale.py
+``test_scaled_round_without_dp_releases_every_cohort_devices_clipped_quantized_upload``: an ε = 0 round of
+this path releases the cohort's clipped fixed-point sum); the server dequantizes the sum and runs the same
+`LightFRServerStrategy`.  ``scale_bits`` is the largest the bit budget allows for the cohort (9 at C = 64:
+the server's default 10 would be refused for 42,408 devices).  SecAgg+'s masks cancel exactly in the modular sum
+(tests/test_protocol_session.py ``test_secure_sum_is_bit_exact_for_any_cohort_and_dropouts``;
+tests/test_fedsim_privsim.py ``test_simulator_is_bit_identical_to_the_coordinator``: the simulator's model
+equals the real coordinator's with crypto, bit for bit),
 so this is the arithmetic a real SecAgg+ run applies.  The plain figure of the same recipe is
 `python benchmarks/quality_amazon_lightfr.py --seeds 0 1 2` (README: 0.1151 ± 0.0009).
 """
@@ -53,6 +58,7 @@ from fedsim.federation import _quantized, run_lightfr, user_data
 from fedsim.private import run_private_lightfr
 from fedsim.private_scale import ScaledSettings, run_private_scaled
 from protocol.families.lightfr import bias_from_levels
+from protocol.quantization import DEFAULT_SCALE_BITS
 
 F, B_WEIGHT, W0, REG, PLANES, RANK_PLANES, SWEEPS, FRACTION = 64, 2, 0.01, 1.0, 2, 3, 10, 0.6
 
@@ -182,48 +188,58 @@ def subset_main(args: argparse.Namespace) -> None:
             t = time.perf_counter()
             row = {"model": "plain in-process", "seed": seed, **plain_subset(split, args.rounds, seed)}
             print(json.dumps({**row, "seconds": round(time.perf_counter() - t)}), flush=True)
+        if args.simulated:
+            t = time.perf_counter()
+            row = {"model": "SecAgg+ arithmetic without crypto (the scale path)", "seed": seed}
+            row |= scaled(split, args.rounds, seed, args.clip_norm, DEFAULT_SCALE_BITS)  # the real run's s
+            print(json.dumps({**row, "seconds": round(time.perf_counter() - t)}), flush=True)
+        if args.skip_secure:
+            continue
         t = time.perf_counter()
         row = {"model": "SecAgg+ (no DP), real coordinator and crypto", "seed": seed}
         row |= secure_subset(split, args.rounds, seed, args.clip_norm)
         print(json.dumps({**row, "seconds": round(time.perf_counter() - t)}), flush=True)
 
 
+def scaled(split: TrainTestSplit, rounds: int, seed: int, clip_norm: float, scale_bits: int = 0) -> dict[str, Any]:
+    """The recipe through `run_private_scaled` with ε = 0 (SecAgg+'s clip and quantization, no crypto)."""
+    settings = ScaledSettings(
+        epsilon=0.0,
+        rounds=rounds,
+        bits=F,
+        clip_norm=clip_norm,
+        scale_bits=scale_bits,
+        example_cap=0,
+        pop_share=0.0,
+        seed=seed,
+        unobserved_weight=W0,
+        mean_field=True,
+        query_planes=PLANES,
+        user_reg=REG,
+        fraction=FRACTION,
+        code_sweeps=SWEEPS,
+        rank_planes=RANK_PLANES,
+    )
+    res = run_private_scaled(
+        split.train, settings, on_round=lambda r, sec: print(f"    round {r}: {sec:.0f} s", flush=True)
+    )
+    assert res.user_vectors is not None and res.item_bias is not None
+    X = np.c_[res.user_vectors / F, np.ones(split.train.n_users)].astype(np.float32)
+    Y = np.c_[res.item_codes, res.item_bias * 2.0 / F].astype(np.float32)
+    out: dict[str, Any] = {"clip_norm": clip_norm, "scale_bits": res.settings.scale_bits}
+    out |= _metrics((X, Y), split)
+    out["seconds_per_round"] = round(float(np.mean(res.round_seconds)), 1)
+    return out
+
+
 def scale_main(args: argparse.Namespace) -> None:
     data = load_amazon_book()
     print(json.dumps({"model": "item popularity", **_metrics(popularity_scorer(data.train), data)}), flush=True)
     for seed in args.seeds:
-        settings = ScaledSettings(
-            epsilon=0.0,
-            rounds=args.rounds,
-            bits=F,
-            clip_norm=args.clip_norm,
-            example_cap=0,
-            pop_share=0.0,
-            seed=seed,
-            unobserved_weight=W0,
-            mean_field=True,
-            query_planes=PLANES,
-            user_reg=REG,
-            fraction=FRACTION,
-            code_sweeps=SWEEPS,
-            rank_planes=RANK_PLANES,
-        )
         t = time.perf_counter()
-        res = run_private_scaled(
-            data.train,
-            settings,
-            on_round=lambda r, s: print(f"    round {r}: {s:.0f} s", flush=True) if args.verbose else None,
-        )
-        assert res.user_vectors is not None and res.item_bias is not None
-        X = np.c_[res.user_vectors / F, np.ones(data.train.n_users)].astype(np.float32)
-        Y = np.c_[res.item_codes, res.item_bias * 2.0 / F].astype(np.float32)
         row = {"model": "SecAgg+ arithmetic (clip + quantization, no DP), every device", "seed": seed}
-        row |= {"rounds": args.rounds, "clip_norm": args.clip_norm, "scale_bits": res.settings.scale_bits}
-        row |= _metrics((X, Y), data)
-        row |= {
-            "seconds": round(time.perf_counter() - t),
-            "seconds_per_round": round(float(np.mean(res.round_seconds))),
-        }
+        row |= {"rounds": args.rounds} | scaled(data, args.rounds, seed, args.clip_norm)
+        row["seconds"] = round(time.perf_counter() - t)
         print(json.dumps(row), flush=True)
 
 
@@ -233,8 +249,9 @@ def main() -> None:
     a = sub.add_parser("subset", help="real coordinator + SecAgg+ crypto on a seeded user sample, beside plain")
     a.add_argument("--users", type=int, default=300)
     a.add_argument("--skip-plain", action="store_true")
+    a.add_argument("--skip-secure", action="store_true", help="no real SecAgg+ run")
+    a.add_argument("--simulated", action="store_true", help="also the scale path (no crypto) on the same subset")
     b = sub.add_parser("scale", help="every device, SecAgg+'s clip + quantization without the crypto")
-    b.add_argument("--verbose", action="store_true", help="print each round's seconds")
     for q in (a, b):
         q.add_argument("--seeds", type=int, nargs="+", default=[0])
         q.add_argument("--rounds", type=int, default=20)

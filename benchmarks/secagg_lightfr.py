@@ -79,7 +79,16 @@ def secure(exp: Experiment, rounds: int, seed: int, clip_norm: float, data_dir: 
         },
         base_dir=data_dir,
     )
-    run = run_private_lightfr(config, users, rounds=rounds, seed=seed, rating_range=None, binary_positives=True)
+    last = [time.perf_counter()]
+
+    def tick(run: object) -> None:
+        now = time.perf_counter()
+        print(f"    SecAgg+ round done in {now - last[0]:.0f} s", flush=True)
+        last[0] = now
+
+    run = run_private_lightfr(
+        config, users, rounds=rounds, seed=seed, rating_range=None, binary_positives=True, after_round=tick
+    )
     coord = run.coordinator
     strategy = coord.strategy
     user_codes = np.ones((n, 64), dtype=np.int8)
@@ -87,7 +96,7 @@ def secure(exp: Experiment, rounds: int, seed: int, clip_norm: float, data_dir: 
         user_codes[u] = run.devices[device_id].model.user_codes[0]
     levels = strategy.levels(coord.model_state)  # type: ignore[attr-defined]
     committed = sum(1 for o in run.outcomes if "committed" in o.values())
-    w0 = strategy.plan().unobserved_weight  # type: ignore[attr-defined]
+    w0 = strategy.plan().unobserved_weight  # type: ignore[union-attr]
     print(f"  SecAgg+ rounds committed: {committed} of {len(run.outcomes)}; last w0 {w0:.4g}")
     return FederatedLightFR(
         user_codes=user_codes,
