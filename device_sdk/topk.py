@@ -50,7 +50,9 @@ _WORD_COMPARE_MIN = 1 << 13
 _HIGH_BITS = np.uint64(0x8080808080808080)
 # Plane scans of a batch: user-item pairs per block (the XOR buffer, 8 bytes a pair, stays in L2), and
 # items per user row in a block, at least (numpy's inner loop runs once per row).
-_PLANE_PAIRS = 1 << 15
+_PLANE_PAIRS = 1 << 16
+# Items per block of a single-user plane scan (its per-block calls weigh more than the cache misses).
+_PLANE_ITEMS = 1 << 18
 _PLANE_ROW_ITEMS = 256
 # The score of a padded slot of a batched plane search (no item there), and the largest cost.
 PLANE_PAD = np.iinfo(np.int64).min
@@ -570,17 +572,16 @@ class HammingIndex:
         level_shift: int = 8,
         exclude: ArrayLike | None = None,
         candidates: ArrayLike | None = None,
-        block: int = _BLOCK_PAIRS,
+        block: int = _PLANE_ITEMS,
     ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
         """The k best items of one user held as P packed ±1 planes, by the integer plane score of
         `plane_scores` (S_i = a·Σ_p 2^p·(f − 2·H_p) + 2^s·level_i), ties broken at random.
 
-        The selection is the Hamming scan's, on the weighted distance W_i = Σ_p 2^p·H_p (a small
-        integer, at most f·(2^P − 1)): the cost 2a·W_i + 2^s·(L − level_i) (score = a·f·(2^P − 1) +
-        2^s·L − cost) is written 2a·(W_i + q_i) + r_i with q_i = 2^s·(L − level_i) // 2a and
-        0 <= r_i < 2a, so that a threshold t on the small integer W + q keeps exactly the items of
-        cost <= 2a·t + 2a − 1.  t starts as the kk-th smallest W + q of the first block's head and
-        only falls (counting over the candidates); the exact costs of the few candidates left decide.
+        The scan is `_scan_planes_batch`'s for one row: the cost 2a·W_i + 2^s·(L − level_i) (score =
+        a·f·(2^P − 1) + 2^s·L − cost), W_i = Σ_p 2^p·H_p, is bounded below from the high planes alone,
+        one byte per item, against a threshold that starts at the head's kk-th smallest cost and only
+        falls; the few items that pass get their exact costs, and the selection is `_plane_select`'s
+        (the same as a batch's row).
 
         Parameters
         ----------
@@ -591,7 +592,7 @@ class HammingIndex:
         level_shift : s, the weight 2^s of one item level.
         exclude : item ids never returned.
         candidates : if given, only these item ids are ranked.
-        block : items per scan block.
+        block : items per scan block (the single row's ``block_pairs``).
 
         Returns
         -------
@@ -622,120 +623,14 @@ class HammingIndex:
             if self._bias is not None and self._levels is not None:
                 cost += (self._top - self._levels[ids].astype(np.int64)) << s
         else:
-            ids, cost = self._scan_planes(planes, a, s, min(k + (0 if excl is None else excl.size), self.m), block)
+            kk = np.array([min(k + (0 if excl is None else excl.size), self.m)], np.int64)
+            _, ids, cost = self._scan_planes_batch(planes[None], np.array([a], np.int64), s, kk, max(int(block), 1))
         top = np.array([a * self.f * (2**P - 1) + (self._top << s)], np.int64)
         out_ids, out_scores = _plane_select(
             np.zeros(ids.size, np.int64), ids, cost.astype(np.int64, copy=False), top, 1, k, self.m, excl, rng
         )
         ok = out_ids[0] >= 0
         return out_ids[0, ok], out_scores[0, ok]
-
-    def _lift_planes(self, a: int, s: int) -> NDArray[np.unsignedinteger[Any]] | None:
-        """q_i = 2^s·(L − level_i) // 2a along the scan (None without an item term), kept per thread
-        for the last (a, s): a device ranks for one user at a time."""
-        bias = self._bias
-        if bias is None:
-            return None
-        held = getattr(self._local, "plane_lift", None)
-        if held is not None and held[0] == (a, s):
-            return held[1]
-        segs = getattr(self._local, "level_runs", None)
-        if segs is None:
-            # Runs of equal cost term along the (level-sorted) scan: at most 256 of them.
-            starts = np.flatnonzero(np.diff(bias, prepend=-1) != 0)
-            segs = (bias[starts].astype(np.int64), np.diff(starts, append=bias.size))
-            self._local.level_runs = segs
-        qv = (segs[0] << s) // (2 * a)
-        top = int(qv[-1]) + self.f * 255
-        ldt = np.uint16 if top < 1 << 16 else np.uint32 if top < 1 << 32 else np.uint64
-        lift = np.repeat(qv.astype(ldt), segs[1])
-        self._local.plane_lift = ((a, s), lift)
-        return lift
-
-    def _plane_distances(
-        self,
-        planes: NDArray[np.uint64],
-        start: int,
-        stop: int,
-        x: NDArray[np.uint64],
-        t: NDArray[np.uint8],
-        out: NDArray[Any],
-    ) -> NDArray[Any]:
-        """W = Σ_p 2^p·Hamming(c_p, d_i) for the items of a block, by Horner's rule from the top plane,
-        into ``out`` (preallocated, wide enough for f·(2^P − 1))."""
-        size = stop - start
-        xs, ts, acc = x[:size], t[:size], out[:size]
-        words = self._sorted
-        for p in range(planes.shape[0] - 1, -1, -1):
-            if p < planes.shape[0] - 1:
-                np.left_shift(acc, 1, out=acc)
-            for j in range(self.w):
-                np.bitwise_xor(words[j, start:stop], planes[p, j], out=xs)
-                if p == planes.shape[0] - 1 and j == 0:
-                    np.bitwise_count(xs, out=acc)
-                else:
-                    np.add(acc, np.bitwise_count(xs, out=ts), out=acc)
-        return acc
-
-    def _scan_planes(
-        self, planes: NDArray[np.uint64], a: int, s: int, kk: int, block: int
-    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-        """Candidates (item id, exact cost 2a·W + 2^s·(L − level)) holding every item whose cost is at
-        most the kk-th smallest over the catalogue (ties included); see `search_planes`."""
-        m, P, f = self.m, planes.shape[0], self.f
-        block = max(int(block), 1)
-        size = min(m, max(block, 4 * kk))
-        first = min(size, max(_FIRST_BLOCK, 4 * kk))  # >= kk, since kk <= m
-        lift = self._lift_planes(a, s)
-        wmax = f * (2**P - 1) + (0 if lift is None else int(lift[-1]))
-        wdt = np.uint8 if wmax < 1 << 8 else np.uint16 if wmax < 1 << 16 else np.uint32 if wmax < 1 << 32 else np.uint64
-        cap = max(size, block)
-        held = getattr(self._local, "plane_buffers", None)
-        if held is None or held[0].size < cap or held[2].dtype != wdt:
-            held = (np.empty(cap, np.uint64), np.empty(cap, np.uint8), np.empty(cap, wdt), np.empty(cap, np.bool_))
-            self._local.plane_buffers = held
-        x, t, wbuf, mask = held
-        pos_l: list[NDArray[np.int64]] = []
-        val_l: list[NDArray[Any]] = []
-        pending, budget, thr = 0, max(8 * kk, 256), -1
-        start = 0
-        while start < m:
-            stop = size if start == 0 else min(start + block, m)
-            if lift is not None and start and int(lift[start]) > thr:
-                break  # q only grows along the scan and W >= 0: no later item is under the threshold
-            wd = self._plane_distances(planes, start, stop, x, t, wbuf)
-            if lift is not None:
-                np.add(wd, lift[start:stop], out=wd)  # W + q
-            if start == 0:
-                # The kk-th smallest W + q of the head, by counting (numpy's radix sort of small ints).
-                thr = int(np.sort(wd[:first], kind="stable")[kk - 1])
-            hit = np.less_equal(wd, thr, out=mask[: stop - start]).nonzero()[0]
-            if hit.size:
-                val_l.append(wd[hit])
-                pos_l.append(hit + start if start else hit)
-                pending += hit.size
-                if pending > budget:
-                    pos, val = np.concatenate(pos_l), np.concatenate(val_l)
-                    thr = min(thr, int(np.partition(val, kk - 1)[kk - 1]))
-                    keep = (val <= thr).nonzero()[0]
-                    pos_l, val_l = [pos[keep]], [val[keep]]
-                    pending = keep.size
-                    budget = max(budget, 2 * pending)
-            start = stop
-        pos = pos_l[0] if len(pos_l) == 1 else np.concatenate(pos_l)
-        val = (val_l[0] if len(val_l) == 1 else np.concatenate(val_l)).astype(np.int64)
-        if pending > 4 * kk + 64:
-            keep = (val <= np.partition(val, kk - 1)[kk - 1]).nonzero()[0]
-            pos, val = pos[keep], val[keep]
-        bias = self._bias
-        if lift is None or bias is None:
-            cost = 2 * a * val
-        else:
-            cost = 2 * a * (val - lift[pos]) + (bias[pos].astype(np.int64) << s)
-            if cost.size > 4 * kk + 64:
-                keep = (cost <= np.partition(cost, kk - 1)[kk - 1]).nonzero()[0]
-                pos, cost = pos[keep], cost[keep]
-        return (pos if self._order is None else self._order[pos]), cost
 
     def search_planes_batch(
         self,
@@ -813,22 +708,23 @@ class HammingIndex:
     def _plane_words(
         self,
         planes: NDArray[np.uint64],
+        low: int,
         start: int,
         stop: int,
         x: NDArray[np.uint64],
         t: NDArray[Any],
         out: NDArray[Any],
     ) -> NDArray[Any]:
-        """W = Σ_p 2^p·Hamming(c_up, d_i) (n, stop − start) for every user u of ``planes`` (n, P, w) and
-        the items of a block, by Horner's rule from the top plane, into the flat buffers ``x`` (XOR),
-        ``t`` (popcounts) and ``out`` (W, wide enough for f·(2^P − 1))."""
+        """Σ_{p >= low} 2^(p − low)·Hamming(c_up, d_i), (n, stop − start), for every user u of ``planes``
+        (n, P, w) and the items of a block, by Horner's rule from the top plane, into the flat buffers
+        ``x`` (XOR), ``t`` (popcounts) and ``out`` (wide enough for the sum)."""
         n, P = planes.shape[0], planes.shape[1]
         size = stop - start
         xs, ts, acc = (b[: n * size].reshape(n, size) for b in (x, t, out))
         words = self._sorted
-        for p in range(P - 1, -1, -1):
+        for p in range(P - 1, low - 1, -1):
             if p < P - 1:
-                np.left_shift(acc, 1, out=acc)
+                np.add(acc, acc, out=acc)  # doubling: a shift by a scalar is several times slower in numpy
             for j in range(self.w):
                 np.bitwise_xor(words[j, start:stop], planes[:, p, j : j + 1], out=xs)
                 if p == P - 1 and j == 0:
@@ -837,35 +733,65 @@ class HammingIndex:
                     np.add(acc, np.bitwise_count(xs, out=ts), out=acc)
         return acc
 
+    def _plane_low(
+        self, planes: NDArray[np.uint64], low: int, rows: NDArray[np.intp], pos: NDArray[np.intp]
+    ) -> NDArray[np.int64]:
+        """Σ_{p < low} 2^p·Hamming(c_up, d_i) for the (row, position) pairs of a few hits."""
+        acc = np.zeros(pos.size, np.int64)
+        for p in range(low):
+            for j in range(self.w):
+                h = np.bitwise_count(self._sorted[j, pos] ^ planes[rows, p, j])
+                acc += h.astype(np.int64) << p
+        return acc
+
     def _scan_planes_batch(
         self, planes: NDArray[np.uint64], a: NDArray[np.int64], s: int, kk: NDArray[np.int64], block_pairs: int
     ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
         """Candidates (row, item id, exact cost 2a_u·W + 2^s·(L − level)) holding, per user, every item
         whose cost is at most its kk-th smallest over the catalogue (ties included).
 
-        Each row's threshold τ_u starts as the kk-th smallest cost of the head block and only falls
-        (recomputed from the candidates when they pile up).  With an item term the codes are scanned
-        by level, highest first, so every item of a block starting at cost term lo costs at least
-        2a_u·W + lo: W <= (τ_u − lo) // 2a_u is necessary, checked on the raw W of the block; the few
-        hits then get their exact costs.  The scan stops once no user can take a later item."""
+        Each row's threshold τ_u starts as the kk-th smallest exact cost of the head block and only
+        falls (recomputed from the candidates when they pile up).  The rest is scanned in blocks on
+        the high planes only: W = 2^l·Wh + Wl with Wh = Σ_{p >= l} 2^(p − l)·H_p and Wl >= 0, l the
+        fewest low planes (0 or 1) for Wh to fit one byte (f·(2^(P − l) − 1) < 256; l = 0 and wider
+        when not even that fits).  With an item term the codes are scanned by level, highest first, so
+        every item of a block starting at cost term lo costs at least 2a_u·2^l·Wh + lo: Wh <=
+        ((τ_u − lo) // 2a_u) >> l is necessary, one byte compare per pair; the few hits get their low
+        planes (a gather) and their exact costs.  The scan stops once no user can take a later item."""
         n, P, m, f = planes.shape[0], planes.shape[1], self.m, self.f
-        bias = None if self._bias is None else self._bias.astype(np.int64) << s
+        bias = self._bias  # the cost term is bias << s: only its values at block starts and hits are widened
         wmax = f * (2**P - 1)
-        wdt: type[np.unsignedinteger[Any]] = np.uint8 if wmax < 1 << 8 else np.uint16 if wmax < 1 << 16 else np.uint32
+        hdt: type[np.unsignedinteger[Any]]
+        if wmax < 1 << 8:
+            low, hdt = 0, np.uint8
+        elif f * (2 ** (P - 1) - 1) < 1 << 8:
+            low, hdt = 1, np.uint8
+        else:
+            low, hdt = 0, (np.uint16 if wmax < 1 << 16 else np.uint32)
+        hmax = f * (2 ** (P - low) - 1)
+        wdt: type[np.unsignedinteger[Any]] = np.uint16 if wmax < 1 << 16 else np.uint32
         step = min(m, max(block_pairs // n, _PLANE_ROW_ITEMS))
         first = min(m, max(_FIRST_BLOCK, 4 * int(kk.max())))
         cap = n * max(first, step)
         held = getattr(self._local, "plane_batch_buffers", None)
-        if held is None or held[0].size < cap or held[2].dtype != wdt:
-            held = (np.empty(cap, np.uint64), np.empty(cap, np.uint8), np.empty(cap, wdt), np.empty(cap, np.bool_))
+        if held is None or held[0].size < cap or held[2].dtype != wdt or held[3].dtype != hdt:
+            held = (
+                np.empty(cap, np.uint64),
+                np.empty(cap, np.uint8),
+                np.empty(n * first, wdt),
+                np.empty(cap, hdt),
+                np.empty(cap, np.bool_),
+            )
             self._local.plane_batch_buffers = held
-        x, t, wbuf, mask = held
+        x, t, wbuf, hbuf, mask = held
+        if wbuf.size < n * first:
+            wbuf = np.empty(n * first, wdt)
         a2 = 2 * a
         # Head: every user's threshold, the kk-th smallest exact cost of the first items.
-        w0 = self._plane_words(planes, 0, first, x, t, wbuf)
+        w0 = self._plane_words(planes, 0, 0, first, x, t, wbuf)
         c0 = a2[:, None] * w0
         if bias is not None:
-            c0 += bias[:first]
+            c0 += bias[:first].astype(np.int64) << s
         kmax = int(kk.max())
         head = np.partition(c0, kmax - 1, axis=1)[:, :kmax] if kmax < first else c0
         tau = np.sort(head, axis=1)[np.arange(n), kk - 1]
@@ -873,33 +799,36 @@ class HammingIndex:
         rows_l, pos_l, cost_l = [r0], [p0], [c0[r0, p0]]
         pending, budget = r0.size, max(8 * int(kk.sum()), 256)
         lo, stale, live = -1, True, np.arange(n)
-        lim = np.zeros((n, 1), wdt)
+        lim = np.zeros((n, 1), hdt)
         sub = planes
         start = first
         while start < m:
             stop = min(start + step, m)
-            if bias is not None and int(bias[start]) != lo:
+            if bias is not None and int(bias[start]) << s != lo:
                 stale = True
             if stale:
                 stale = False
-                lo = 0 if bias is None else int(bias[start])
-                lim_all = (tau - lo) // a2  # floor: negative when even W = 0 costs more than τ
+                lo = 0 if bias is None else int(bias[start]) << s
+                lim_all = ((tau - lo) // a2) >> low  # floor: negative when even W = 0 costs more than τ
                 live = np.flatnonzero(lim_all >= 0)
                 if live.size == 0:
                     break  # the cost term only grows from here on: no user can take a later item
                 sub = planes if live.size == n else planes[live]
-                lim = np.minimum(lim_all[live], wmax).astype(wdt)[:, None]
-            wd = self._plane_words(sub, start, stop, x, t, wbuf)
-            mk = mask[: wd.size].reshape(wd.shape)
-            np.less_equal(wd, lim, out=mk)
+                lim = np.minimum(lim_all[live], hmax).astype(hdt)[:, None]
+            wh = self._plane_words(sub, low, start, stop, x, t, hbuf)
+            mk = mask[: wh.size].reshape(wh.shape)
+            np.less_equal(wh, lim, out=mk)
             hits = mk.ravel().nonzero()[0]
             if hits.size:
                 r, c = np.divmod(hits, stop - start)
                 rr = live[r]
                 pos = c + start
-                cost = a2[rr] * wd.ravel()[hits]
+                wd = wh.ravel()[hits].astype(np.int64)
+                if low:
+                    wd = (wd << low) + self._plane_low(planes, low, rr, pos)
+                cost = a2[rr] * wd
                 if bias is not None:
-                    cost += bias[pos]
+                    cost += bias[pos].astype(np.int64) << s
                 ok = cost <= tau[rr]
                 rows_l.append(rr[ok])
                 pos_l.append(pos[ok])
