@@ -50,7 +50,9 @@ _WORD_COMPARE_MIN = 1 << 13
 _HIGH_BITS = np.uint64(0x8080808080808080)
 # Plane scans of a batch: user-item pairs per block (the XOR buffer, 8 bytes a pair, stays in L2), and
 # items per user row in a block, at least (numpy's inner loop runs once per row).
-_PLANE_PAIRS = 1 << 16
+_PLANE_PAIRS = 1 << 17
+# Users per scan of a batched plane search (see `search_planes_batch`).
+_PLANE_GROUP = 16
 # Items per block of a single-user plane scan (its per-block calls weigh more than the cache misses).
 _PLANE_ITEMS = 1 << 18
 _PLANE_ROW_ITEMS = 256
@@ -644,11 +646,12 @@ class HammingIndex:
         candidates: ArrayLike | None = None,
         block_pairs: int = _PLANE_PAIRS,
     ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-        """`search_planes` for n users in one scan: each block of items is XORed and popcounted
-        against every user's P planes at once ((n, items) buffers of about ``block_pairs`` pairs, in
-        cache), each row held to its own threshold.  Row u gives exactly what
-        ``search_planes(plane_words[u], user_weights[u], k, rng, ...)`` gives when called for u = 0, 1,
-        ... in turn with the same generator (same candidates, same tie keys drawn in the same order).
+        """`search_planes` for n users at once: each block of items is XORed and popcounted against
+        the P planes of a group of up to 16 users in one call per plane and word ((users, items)
+        buffers of about ``block_pairs`` pairs, in cache), each row held to its own threshold.  Row u
+        gives exactly what ``search_planes(plane_words[u], user_weights[u], k, rng, ...)`` gives when
+        called for u = 0, 1, ... in turn with the same generator (same candidates, same tie keys drawn
+        in the same order).
 
         Parameters
         ----------
@@ -701,7 +704,14 @@ class HammingIndex:
             if exclude is not None:
                 extra[:] = [0 if e is None else np.asarray(e).size for e in exclude]
             kk = np.minimum(k + extra, self.m)
-            rows, ids, cost = self._scan_planes_batch(planes, a, s, kk, max(int(block_pairs), 1))
+            # Groups of users, each one scan: long rows keep numpy's per-row call cost small (a
+            # broadcast XOR over 16 rows of 8192 items runs ~3x faster per pair than over 100 of 1300).
+            parts = []
+            for g in range(0, n, _PLANE_GROUP):
+                sl = slice(g, g + _PLANE_GROUP)
+                r, i, c = self._scan_planes_batch(planes[sl], a[sl], s, kk[sl], max(int(block_pairs), 1))
+                parts.append((r + g, i, c))
+            rows, ids, cost = (np.concatenate(v) for v in zip(*parts, strict=True))
         top = a * (self.f * (2**P - 1)) + (self._top << s)
         return _plane_select(rows, ids, cost, top, n, k, self.m, excl, rng)
 

@@ -580,7 +580,7 @@ def test_model_recommend_with_planes_and_codes_in_one_batch() -> None:
     m=st.integers(1, 600),
     f=st.sampled_from([5, 64, 130]),
     P=st.integers(1, 4),
-    n=st.integers(1, 7),
+    n=st.integers(1, 20),
     n_levels=st.sampled_from([0, 1, 4, 256]),
     k=st.integers(0, 30),
     block_pairs=st.sampled_from([1, 64, 1000, 1 << 15]),
