@@ -237,7 +237,8 @@ def _plane_loop(index: HammingIndex, planes: NDArray[np.uint64], a: Any, k: int,
 
 
 def plane_batches_main(args: argparse.Namespace) -> None:
-    """n users as P bit-planes per call: one batched scan against a loop of single-user scans."""
+    """n users as P bit-planes per call: one batched scan against a loop of single-user scans, and the
+    Hamming scan of n ±1 codes (the same index, item term included) for scale."""
     rng = np.random.default_rng(0)
     f, k = args.bits, args.k
     print(f"bit-plane top-{k}, f = {f}, item term (B = {args.weight}), one core, median of up to {args.repeat} runs;")
@@ -255,9 +256,11 @@ def plane_batches_main(args: argparse.Namespace) -> None:
                 for u, (one_ids, one_scores) in enumerate(_plane_loop(index, planes, a, k, None)):
                     if not (np.array_equal(ids[u], one_ids) and np.array_equal(scores[u], one_scores)):
                         raise SystemExit("batched and per-user plane top-k disagree")
+                codes = planes[:, -1, :].copy()  # ±1 codes of the same users: the Hamming scan beside them
                 runs: list[tuple[str, Callable[[], Any]]] = [
                     ("search_planes per user", partial(_plane_loop, index, planes, a, k, rng)),
                     ("search_planes_batch", partial(index.search_planes_batch, planes, a, k, rng)),
+                    ("hamming search (±1 codes)", partial(index.search, codes, k, rng)),
                 ]
                 seconds = _timed([fn for _, fn in runs], args.repeat, args.budget, args.interleave)
                 for (name, _), t in zip(runs, seconds, strict=True):

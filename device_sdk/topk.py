@@ -51,6 +51,8 @@ _HIGH_BITS = np.uint64(0x8080808080808080)
 # Plane scans of a batch: user-item pairs per block (the XOR buffer, 8 bytes a pair, stays in L2), and
 # items per user row in a block, at least (numpy's inner loop runs once per row).
 _PLANE_PAIRS = 1 << 17
+# Items of a plane scan's head, whose exact costs set the first thresholds.
+_PLANE_HEAD = 2048
 # Users per scan of a batched plane search (see `search_planes_batch`).
 _PLANE_GROUP = 16
 # Items per block of a single-user plane scan (its per-block calls weigh more than the cache misses).
@@ -781,7 +783,7 @@ class HammingIndex:
         hmax = f * (2 ** (P - low) - 1)
         wdt: type[np.unsignedinteger[Any]] = np.uint16 if wmax < 1 << 16 else np.uint32
         step = min(m, max(block_pairs // n, _PLANE_ROW_ITEMS))
-        first = min(m, max(_FIRST_BLOCK, 4 * int(kk.max())))
+        first = min(m, max(_PLANE_HEAD, 4 * int(kk.max())))
         cap = n * max(first, step)
         held = getattr(self._local, "plane_batch_buffers", None)
         if held is None or held[0].size < cap or held[2].dtype != wdt or held[3].dtype != hdt:
