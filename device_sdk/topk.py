@@ -53,6 +53,9 @@ _HIGH_BITS = np.uint64(0x8080808080808080)
 _PLANE_PAIRS = 1 << 17
 # Items of a plane scan's head, whose exact costs set the first thresholds.
 _PLANE_HEAD = 2048
+# Catalogues from which one user's plane search takes the high-plane byte bound when it saves a popcount
+# (below, the single-user scan's fewer fixed costs win: 10^5 items, P = 3, 0.34 vs 0.46 ms; 10^6, 4.5 vs 3.5).
+_PLANE_BOUND_MIN = 1 << 19
 # Users per scan of a batched plane search (see `search_planes_batch`).
 _PLANE_GROUP = 16
 # Items per block of a single-user plane scan (its per-block calls weigh more than the cache misses).
@@ -581,11 +584,14 @@ class HammingIndex:
         """The k best items of one user held as P packed ±1 planes, by the integer plane score of
         `plane_scores` (S_i = a·Σ_p 2^p·(f − 2·H_p) + 2^s·level_i), ties broken at random.
 
-        The scan is `_scan_planes_batch`'s for one row: the cost 2a·W_i + 2^s·(L − level_i) (score =
-        a·f·(2^P − 1) + 2^s·L − cost), W_i = Σ_p 2^p·H_p, is bounded below from the high planes alone,
-        one byte per item, against a threshold that starts at the head's kk-th smallest cost and only
-        falls; the few items that pass get their exact costs, and the selection is `_plane_select`'s
-        (the same as a batch's row).
+        The selection counts on the weighted distance W_i = Σ_p 2^p·H_p (a small integer, at most
+        f·(2^P − 1)): the cost 2a·W_i + 2^s·(L − level_i) (score = a·f·(2^P − 1) + 2^s·L − cost) is
+        written 2a·(W_i + q_i) + r_i with q_i = 2^s·(L − level_i) // 2a and 0 <= r_i < 2a, so that a
+        threshold t on W + q keeps exactly the items of cost <= 2a·t + 2a − 1; t starts as the kk-th
+        smallest W + q of the head and only falls.  From 2^19 items on, when the planes but the lowest
+        fit a byte (P = 3 at f = 64), the scan is instead `_scan_planes_batch`'s for one row (a byte
+        bound from the high planes, one popcount fewer per item).  Either way the candidates go to
+        `_plane_select`, so the result is a batch row's.
 
         Parameters
         ----------
@@ -627,14 +633,128 @@ class HammingIndex:
             if self._bias is not None and self._levels is not None:
                 cost += (self._top - self._levels[ids].astype(np.int64)) << s
         else:
-            kk = np.array([min(k + (0 if excl is None else excl.size), self.m)], np.int64)
-            _, ids, cost = self._scan_planes_batch(planes[None], np.array([a], np.int64), s, kk, max(int(block), 1))
+            kk = min(k + (0 if excl is None else excl.size), self.m)
+            if self.m >= _PLANE_BOUND_MIN and self.f * (2**P - 1) >= 1 << 8 and self.f * (2 ** (P - 1) - 1) < 1 << 8:
+                # The high planes' byte bound saves a popcount per item (P = 3 at f = 64): the batch's scan.
+                one = np.array([kk], np.int64)
+                _, ids, cost = self._scan_planes_batch(
+                    planes[None], np.array([a], np.int64), s, one, max(int(block), 1)
+                )
+            else:
+                ids, cost = self._scan_planes(planes, a, s, kk, min(max(int(block), 1), _BLOCK_PAIRS))
         top = np.array([a * self.f * (2**P - 1) + (self._top << s)], np.int64)
         out_ids, out_scores = _plane_select(
             np.zeros(ids.size, np.int64), ids, cost.astype(np.int64, copy=False), top, 1, k, self.m, excl, rng
         )
         ok = out_ids[0] >= 0
         return out_ids[0, ok], out_scores[0, ok]
+
+    def _lift_planes(self, a: int, s: int) -> NDArray[np.unsignedinteger[Any]] | None:
+        """q_i = 2^s·(L − level_i) // 2a along the scan (None without an item term), kept per thread
+        for the last (a, s): a device ranks for one user at a time."""
+        bias = self._bias
+        if bias is None:
+            return None
+        held = getattr(self._local, "plane_lift", None)
+        if held is not None and held[0] == (a, s):
+            return held[1]
+        segs = getattr(self._local, "level_runs", None)
+        if segs is None:
+            # Runs of equal cost term along the (level-sorted) scan: at most 256 of them.
+            starts = np.flatnonzero(np.diff(bias, prepend=-1) != 0)
+            segs = (bias[starts].astype(np.int64), np.diff(starts, append=bias.size))
+            self._local.level_runs = segs
+        qv = (segs[0] << s) // (2 * a)
+        top = int(qv[-1]) + self.f * 255
+        ldt = np.uint16 if top < 1 << 16 else np.uint32 if top < 1 << 32 else np.uint64
+        lift = np.repeat(qv.astype(ldt), segs[1])
+        self._local.plane_lift = ((a, s), lift)
+        return lift
+
+    def _plane_distances(
+        self,
+        planes: NDArray[np.uint64],
+        start: int,
+        stop: int,
+        x: NDArray[np.uint64],
+        t: NDArray[np.uint8],
+        out: NDArray[Any],
+    ) -> NDArray[Any]:
+        """W = Σ_p 2^p·Hamming(c_p, d_i) for the items of a block, by Horner's rule from the top plane,
+        into ``out`` (preallocated, wide enough for f·(2^P − 1))."""
+        size = stop - start
+        xs, ts, acc = x[:size], t[:size], out[:size]
+        words = self._sorted
+        for p in range(planes.shape[0] - 1, -1, -1):
+            if p < planes.shape[0] - 1:
+                np.left_shift(acc, 1, out=acc)
+            for j in range(self.w):
+                np.bitwise_xor(words[j, start:stop], planes[p, j], out=xs)
+                if p == planes.shape[0] - 1 and j == 0:
+                    np.bitwise_count(xs, out=acc)
+                else:
+                    np.add(acc, np.bitwise_count(xs, out=ts), out=acc)
+        return acc
+
+    def _scan_planes(
+        self, planes: NDArray[np.uint64], a: int, s: int, kk: int, block: int
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Candidates (item id, exact cost 2a·W + 2^s·(L − level)) holding every item whose cost is at
+        most the kk-th smallest over the catalogue (ties included); see `search_planes`."""
+        m, P, f = self.m, planes.shape[0], self.f
+        block = max(int(block), 1)
+        size = min(m, max(block, 4 * kk))
+        first = min(size, max(_FIRST_BLOCK, 4 * kk))  # >= kk, since kk <= m
+        lift = self._lift_planes(a, s)
+        wmax = f * (2**P - 1) + (0 if lift is None else int(lift[-1]))
+        wdt = np.uint8 if wmax < 1 << 8 else np.uint16 if wmax < 1 << 16 else np.uint32 if wmax < 1 << 32 else np.uint64
+        cap = max(size, block)
+        held = getattr(self._local, "plane_buffers", None)
+        if held is None or held[0].size < cap or held[2].dtype != wdt:
+            held = (np.empty(cap, np.uint64), np.empty(cap, np.uint8), np.empty(cap, wdt), np.empty(cap, np.bool_))
+            self._local.plane_buffers = held
+        x, t, wbuf, mask = held
+        pos_l: list[NDArray[np.int64]] = []
+        val_l: list[NDArray[Any]] = []
+        pending, budget, thr = 0, max(8 * kk, 256), -1
+        start = 0
+        while start < m:
+            stop = size if start == 0 else min(start + block, m)
+            if lift is not None and start and int(lift[start]) > thr:
+                break  # q only grows along the scan and W >= 0: no later item is under the threshold
+            wd = self._plane_distances(planes, start, stop, x, t, wbuf)
+            if lift is not None:
+                np.add(wd, lift[start:stop], out=wd)  # W + q
+            if start == 0:
+                # The kk-th smallest W + q of the head, by counting (numpy's radix sort of small ints).
+                thr = int(np.sort(wd[:first], kind="stable")[kk - 1])
+            hit = np.less_equal(wd, thr, out=mask[: stop - start]).nonzero()[0]
+            if hit.size:
+                val_l.append(wd[hit])
+                pos_l.append(hit + start if start else hit)
+                pending += hit.size
+                if pending > budget:
+                    pos, val = np.concatenate(pos_l), np.concatenate(val_l)
+                    thr = min(thr, int(np.partition(val, kk - 1)[kk - 1]))
+                    keep = (val <= thr).nonzero()[0]
+                    pos_l, val_l = [pos[keep]], [val[keep]]
+                    pending = keep.size
+                    budget = max(budget, 2 * pending)
+            start = stop
+        pos = pos_l[0] if len(pos_l) == 1 else np.concatenate(pos_l)
+        val = (val_l[0] if len(val_l) == 1 else np.concatenate(val_l)).astype(np.int64)
+        if pending > 4 * kk + 64:
+            keep = (val <= np.partition(val, kk - 1)[kk - 1]).nonzero()[0]
+            pos, val = pos[keep], val[keep]
+        bias = self._bias
+        if lift is None or bias is None:
+            cost = 2 * a * val
+        else:
+            cost = 2 * a * (val - lift[pos]) + (bias[pos].astype(np.int64) << s)
+            if cost.size > 4 * kk + 64:
+                keep = (cost <= np.partition(cost, kk - 1)[kk - 1]).nonzero()[0]
+                pos, cost = pos[keep], cost[keep]
+        return (pos if self._order is None else self._order[pos]), cost
 
     def search_planes_batch(
         self,

@@ -683,3 +683,19 @@ def test_model_batch_recommend_is_the_per_user_recommend() -> None:
     for row, u in enumerate(same):
         one_ids, one_scores = model.recommend(liked[u], N=15, userid=int(u), rng=gen)
         assert np.array_equal(ids[row], one_ids) and np.array_equal(scores[row], one_scores)
+
+
+def test_plane_search_with_the_byte_bound_is_the_reference_ranking() -> None:
+    """From 2^19 items, P = 3 at f = 64 scans with the high planes' byte bound: still exactly the
+    reference ranking, with exclusions, a few levels and a second block."""
+    rng = np.random.default_rng(19)
+    m = (1 << 19) + 777
+    D, q, levels, planes = _plane_case(rng, m, 64, 3, 6)
+    index = HammingIndex(pack_signs(D), 64, levels, 2)
+    for a in (1, 9):
+        ref = _plane_reference(D, q, a, levels)
+        excl = rng.choice(m, 30, replace=False)
+        for block in (1 << 16, 1 << 18):
+            ids, scores = index.search_planes(planes, a, 25, None, exclude=excl, block=block)
+            want = _reference_ranking(ref, 25, excl)
+            assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])
