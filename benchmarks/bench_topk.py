@@ -11,11 +11,14 @@ the sorted top-k distances must agree (ties may pick different items).
     python benchmarks/bench_topk.py                      # 10^5, 10^6, 10^7 items, f = 64
     python benchmarks/bench_topk.py --sizes 1000000 --repeat 20 --batch 100
     python benchmarks/bench_topk.py --sizes 100000 1000000 --planes 1 2 3   # asymmetric (bit-plane) top-10
+    python benchmarks/bench_topk.py --sizes 100000 1000000 --planes 3 2 --plane-batches 1 10 100
 
 With ``--planes``, it times instead the top-10 of one user held as P bit-planes (asymmetric scoring,
 `device_sdk.topk.plane_scores`) with the item term: the generic path (every item's integer score,
 then `device_sdk.retrieval.top_n_scores`, what `LightFRModel.recommend` used before) against the
-counting selection `HammingIndex.search_planes`; both must return the same scores.
+counting selection `HammingIndex.search_planes`; both must return the same scores.  With
+``--plane-batches`` too, n such users per call: `HammingIndex.search_planes_batch` against a loop of
+`search_planes` (they must return the same items and scores), beside the Hamming scan of n ±1 codes.
 
 Threads: BLAS, OpenMP and faiss are pinned to one thread before numpy is imported, and times are the
 CPU seconds of the calling thread (`time.thread_time`), so that other processes on a shared machine
