@@ -11,11 +11,14 @@ the sorted top-k distances must agree (ties may pick different items).
     python benchmarks/bench_topk.py                      # 10^5, 10^6, 10^7 items, f = 64
     python benchmarks/bench_topk.py --sizes 1000000 --repeat 20 --batch 100
     python benchmarks/bench_topk.py --sizes 100000 1000000 --planes 1 2 3   # asymmetric (bit-plane) top-10
+    python benchmarks/bench_topk.py --sizes 100000 1000000 --planes 3 2 --plane-batches 1 10 100
 
 With ``--planes``, it times instead the top-10 of one user held as P bit-planes (asymmetric scoring,
 `device_sdk.topk.plane_scores`) with the item term: the generic path (every item's integer score,
 then `device_sdk.retrieval.top_n_scores`, what `LightFRModel.recommend` used before) against the
-counting selection `HammingIndex.search_planes`; both must return the same scores.
+counting selection `HammingIndex.search_planes`; both must return the same scores.  With
+``--plane-batches`` too, n such users per call: `HammingIndex.search_planes_batch` against a loop of
+`search_planes` (they must return the same items and scores), beside the Hamming scan of n ±1 codes.
 
 Threads: BLAS, OpenMP and faiss are pinned to one thread before numpy is imported, and times are the
 CPU seconds of the calling thread (`time.thread_time`), so that other processes on a shared machine
@@ -40,6 +43,7 @@ import numpy as np  # noqa: E402
 from numpy.typing import NDArray  # noqa: E402
 
 from device_sdk import lightfr  # noqa: E402
+from device_sdk.codes import pack_signs  # noqa: E402
 from device_sdk.retrieval import top_n_scores  # noqa: E402
 from device_sdk.topk import HammingIndex, plane_scores  # noqa: E402
 
@@ -117,7 +121,17 @@ def main() -> None:
     p.add_argument("--batch-only", action="store_true")
     p.add_argument("--single-only", action="store_true")
     p.add_argument("--planes", type=int, nargs="+", default=None, help="time bit-plane (asymmetric) top-k for these P")
+    p.add_argument(
+        "--plane-batches",
+        type=int,
+        nargs="+",
+        default=None,
+        help="with --planes: time search_planes_batch against a loop of search_planes for these users per call",
+    )
     args = p.parse_args()
+    if args.planes and args.plane_batches:
+        plane_batches_main(args)
+        return
     if args.planes:
         planes_main(args)
         return
@@ -211,6 +225,53 @@ def planes_main(args: argparse.Namespace) -> None:
                     f"{m:>9} {P:>2} {a:>5} {name:<30} {t * 1e3:>9.3f} {m / t / 1e9:>9.3f} {seconds[0] / t:>7.2f}x",
                     flush=True,
                 )
+
+
+def _user_planes(rng: np.random.Generator, n: int, f: int, P: int, weight: int) -> tuple[NDArray[np.uint64], Any]:
+    """n user vectors as a device holds them: (n, P, w) packed planes and their integer weights a."""
+    q, scale = lightfr.quantize_planes(rng.normal(0.0, 0.1, (n, f)), P)
+    a = lightfr.snap_scale(scale, weight)[0].astype(np.int64)
+    signs = np.swapaxes(lightfr.sign_planes(q, P), 0, 1).reshape(-1, f)
+    return np.ascontiguousarray(pack_signs(signs).T).reshape(n, P, -1), a
+
+
+def _plane_loop(index: HammingIndex, planes: NDArray[np.uint64], a: Any, k: int, rng: Any) -> list[Any]:
+    return [index.search_planes(planes[u], int(a[u]), k, rng) for u in range(planes.shape[0])]
+
+
+def plane_batches_main(args: argparse.Namespace) -> None:
+    """n users as P bit-planes per call: one batched scan against a loop of single-user scans, and the
+    Hamming scan of n ±1 codes (the same index, item term included) for scale."""
+    rng = np.random.default_rng(0)
+    f, k = args.bits, args.k
+    print(f"bit-plane top-{k}, f = {f}, item term (B = {args.weight}), one core, median of up to {args.repeat} runs;")
+    print(f"load average {os.getloadavg()}")
+    print(f"{'items':>9} {'P':>2} {'users':>5} {'method':<26} {'CPU ms':>9} {'G pairs/s':>9} {'speed-up':>8}")
+    for m in args.sizes:
+        words = rng.integers(0, 2**64, size=((f + 63) // 64, m), dtype=np.uint64, endpoint=False)
+        if f % 64:
+            words[-1] &= np.uint64((1 << (f % 64)) - 1)
+        index = HammingIndex(words, f, zipf_levels(m, args.levels, rng), args.weight)
+        for P in args.planes:
+            for n in args.plane_batches:
+                planes, a = _user_planes(rng, n, f, P, args.weight)
+                ids, scores = index.search_planes_batch(planes, a, k, None)
+                for u, (one_ids, one_scores) in enumerate(_plane_loop(index, planes, a, k, None)):
+                    if not (np.array_equal(ids[u], one_ids) and np.array_equal(scores[u], one_scores)):
+                        raise SystemExit("batched and per-user plane top-k disagree")
+                codes = planes[:, -1, :].copy()  # ±1 codes of the same users: the Hamming scan beside them
+                runs: list[tuple[str, Callable[[], Any]]] = [
+                    ("search_planes per user", partial(_plane_loop, index, planes, a, k, rng)),
+                    ("search_planes_batch", partial(index.search_planes_batch, planes, a, k, rng)),
+                    ("hamming search (±1 codes)", partial(index.search, codes, k, rng)),
+                ]
+                seconds = _timed([fn for _, fn in runs], args.repeat, args.budget, args.interleave)
+                for (name, _), t in zip(runs, seconds, strict=True):
+                    print(
+                        f"{m:>9} {P:>2} {n:>5} {name:<26} {t * 1e3:>9.3f} {m * n / t / 1e9:>9.3f} "
+                        f"{seconds[0] / t:>7.2f}x",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -238,6 +238,8 @@ def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig
             )
             for b in (4, 8)
         },
+        # planes5: the ranking vector kept as 2 planes instead of 3 (the plane scan is cheaper), all else the default.
+        "new default, ranks with 2 planes (ridge 2·w0·m)": (ranked[0], replace(ranked[1], rank_planes=2), False),
     }
 
 

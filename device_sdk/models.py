@@ -659,8 +659,8 @@ class LightFRModel(Recommender):
         rng: np.random.Generator,
     ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
         """Top-N for a batch where some users hold bit-plane vectors: their integer plane scores
-        (`device_sdk.topk.plane_scores`) selected by counting (`HammingIndex.search_planes`, one scan
-        per such user; a device holds one) with random ties, reported as the real score Δ'·qᵀd/f + β;
+        (`device_sdk.topk.plane_scores`) selected by counting (`HammingIndex.search_planes_batch`, one
+        scan for all such users of one plane count) with random ties, reported as the real score Δ'·qᵀd/f + β;
         the others by the Hamming scan."""
         f, B, s = self.config.bits, self._weight, lightfr.LEVEL_SHIFT
         out_ids = np.full((users.size, N), -1, dtype=np.int64)
@@ -669,18 +669,28 @@ class LightFRModel(Recommender):
         if rest.size:
             ids, sc = self._top_n(users[rest], N, [exclude[i] for i in rest], items, rng)
             out_ids[rest], out_scores[rest] = ids, sc
-        for i in planes:  # users with vectors, each one vectorised scan over the packed item codes
-            u = int(users[i])
-            # The planes this user's vector was quantized to (a later plan may have changed the setting).
-            P = max(1, int(np.abs(self.user_q[u]).max()).bit_length())
-            words = pack_signs(lightfr.sign_planes(self.user_q[u][None, :], P)[:, 0, :]).T.copy()
-            ids, S = self._hamming_index().search_planes(
-                words, int(self.user_weight[u]), N, rng, level_shift=s, exclude=exclude[i], candidates=items
+        # The planes each user's vector was quantized to (a later plan may have changed the setting);
+        # users sharing a P are ranked in one batched scan over the packed item codes.
+        top = np.abs(self.user_q[users[planes]].astype(np.int64)).max(axis=1)
+        P_of = np.maximum(1, (top[:, None] >= 1 << np.arange(9)).sum(axis=1))  # the bit length of the top
+        for P in np.unique(P_of).tolist():
+            grp = planes[P_of == P]
+            signs = np.swapaxes(lightfr.sign_planes(self.user_q[users[grp]], P), 0, 1).reshape(-1, f)
+            words = np.ascontiguousarray(pack_signs(signs).T).reshape(grp.size, P, -1)
+            ids, S = self._hamming_index().search_planes_batch(
+                words,
+                self.user_weight[users[grp]],
+                N,
+                rng,
+                level_shift=s,
+                exclude=[exclude[i] for i in grp],
+                candidates=items,
             )
+            S = np.where(ids >= 0, S, LEVEL_CENTER << s)  # padded slots: -inf below
             if self._levels is None:
                 S = S + (LEVEL_CENTER << s)  # no levels: every item at the centre (β = 0)
-            real = (S - (LEVEL_CENTER << s)) * 2.0 / (2**s * B * f)
-            out_ids[i, : ids.size], out_scores[i, : ids.size] = ids, real.astype(np.float32)
+            real = np.where(ids >= 0, (S - (LEVEL_CENTER << s)) * 2.0 / (2**s * B * f), -np.inf)
+            out_ids[grp], out_scores[grp] = ids, real.astype(np.float32)
         return out_ids, out_scores
 
     def similarity(self, item_ids: ArrayLike, *, userid: int = 0) -> NDArray[np.float64]:

@@ -191,6 +191,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="ridge weight of the user solve with --query-planes (default 1)",
     )
     g.add_argument(
+        "--rank-planes",
+        type=_nonneg_int,
+        default=None,
+        metavar="P",
+        help="symmetric training (±1 codes) under the all-items objective: each user ranks with its vector "
+        "ridge-solved against the final item codes, kept as P bit-planes, as the device SDK's default "
+        "(LightFRConfig.rank_planes); 0 ranks with the ±1 codes; default 3, and 0 with --epsilon (under DP "
+        "the planes did not help on validation, docs/dp-accounting.md §8)",
+    )
+    g.add_argument(
+        "--rank-ridge",
+        type=_positive_float,
+        default=None,
+        help="ridge weight of that ranking-time solve in units of w0·m (LightFRConfig.rank_ridge; default 2)",
+    )
+    g.add_argument(
         "--targets",
         choices=["binary", "ratings"],
         default="binary",
@@ -755,7 +771,6 @@ def _mean_field(args: argparse.Namespace) -> bool:
 def _fed_config(args: argparse.Namespace) -> FederationConfig:
     # Symmetric training under the all-items objective ranks as a device does by default: with its vector
     # ridge-solved against the final item codes, as planes (`LightFRConfig.rank_planes` / `rank_ridge`).
-    device = LightFRConfig()
     ranked = not getattr(args, "query_planes", 0) and _unobserved_weight(args) != 0
     return FederationConfig(
         rounds=args.rounds,
@@ -766,10 +781,22 @@ def _fed_config(args: argparse.Namespace) -> FederationConfig:
         unobserved_scale=DENSITY_SCALE if _unobserved_weight(args) == "auto" else 0.0,
         query_planes=getattr(args, "query_planes", 0),
         user_reg=getattr(args, "user_reg", 1.0),
-        rank_planes=device.rank_planes if ranked else 0,
-        rank_ridge=device.rank_ridge,
+        rank_planes=_rank_planes(args) if ranked else 0,
+        rank_ridge=_rank_ridge(args),
         mean_field=_mean_field(args),
     )
+
+
+def _rank_planes(args: argparse.Namespace) -> int:
+    """--rank-planes, or the device SDK's default (`LightFRConfig.rank_planes`)."""
+    planes = getattr(args, "rank_planes", None)
+    return LightFRConfig().rank_planes if planes is None else int(planes)
+
+
+def _rank_ridge(args: argparse.Namespace) -> float:
+    """--rank-ridge, or the device SDK's default (`LightFRConfig.rank_ridge`)."""
+    ridge = getattr(args, "rank_ridge", None)
+    return LightFRConfig().rank_ridge if ridge is None else float(ridge)
 
 
 def _score(state: FederatedLightFR, blocks: Any, tie_mode: TieMode) -> EvalResult:
@@ -939,6 +966,8 @@ _APPLIES_TO: dict[str, tuple[str, ...]] = {
             "protocol",
             "query_planes",
             "user_reg",
+            "rank_planes",
+            "rank_ridge",
             "mean_field",
         ),
         ("lightfr",),
@@ -1017,6 +1046,15 @@ def _check_lightfr_objective(args: argparse.Namespace, defaults: argparse.Namesp
         raise ConfigError(f"--query-planes needs the all-items objective (--unobserved-weight > 0); {objective}")
     if not args.query_planes and args.user_reg != defaults.user_reg:
         raise ConfigError("--user-reg applies with --query-planes P >= 1 only (the ridge weight of the user solve)")
+    asked = [_flag(d) for d in ("rank_planes", "rank_ridge") if getattr(args, d, None) is not None]
+    if asked and (not full or args.query_planes):
+        why = "--query-planes ranks with the plan's vector" if full else objective
+        verb = "apply" if len(asked) > 1 else "applies"
+        raise ConfigError(f"{' and '.join(asked)} {verb} to symmetric training under the all-items objective; {why}")
+    if args.rank_planes is not None and args.rank_planes > 8:
+        raise ConfigError(f"--rank-planes must be in [0, 8], got {args.rank_planes}")
+    if args.rank_ridge is not None and not (math.isfinite(args.rank_ridge) and args.rank_ridge <= 1e6):
+        raise ConfigError(f"--rank-ridge must be a finite number in (0, 1e6], got {args.rank_ridge}")
     try:  # the plan's own bounds (protocol.plan.LightFRParams), as the server and the device SDK check them
         LightFRParams(query_planes=args.query_planes, user_reg=args.user_reg)
     except ValueError as exc:
@@ -1190,6 +1228,11 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
         user_reg=args.user_reg,
         # The mean-field code step unless --no-mean-field (chosen on validation under DP as well).
         mean_field=_mean_field(args),
+        # Devices rank with their ±1 codes under DP unless --rank-planes P (the SDK's default, 3 planes of the
+        # ridge vector, was chosen without DP; under DP it ties here and loses on the real server's devices:
+        # docs/dp-accounting.md §8, fedsim.demo.DP_RANK_PLANES).
+        rank_planes=(args.rank_planes or 0) if _unobserved_weight(args) != 0 and not args.query_planes else 0,
+        rank_ridge=_rank_ridge(args),
     )
     if settings.query_planes and settings.unobserved_weight == 0:
         raise ConfigError("--query-planes needs the all-items objective (drop --unobserved-weight 0)")
@@ -1206,7 +1249,11 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
         + (
             f"asymmetric scoring ({settings.query_planes} bit-planes, ridge {settings.user_reg:g}), "
             if settings.query_planes
-            else ""
+            else (
+                f"ranking with the ridge vector ({settings.rank_planes} planes, ridge {settings.rank_ridge:g}·w0·m), "
+                if settings.rank_planes
+                else "ranking with ±1 codes, "
+            )
         )
         + f"flip fraction {settings.flip_fraction:g}{', mean field' if settings.mean_field else ' (Jacobi step)'}, "
         f"noise-aware threshold {args.threshold:g}σ; rounds through the private-round simulator (fedsim.privsim)\n"
@@ -1454,7 +1501,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     out.write(
         f"LightFR f={args.bits}; {args.rounds} rounds of up to {min(args.cohort, n_devices)} devices; "
         f"SecAgg+ (ω=0.33); "
-        + (f"distributed DP ε={eps:g} at δ=1e-5 over the run; " if eps else "no DP; ")
+        + (f"distributed DP ε={eps:g} at δ=1e-5 over the run, devices rank with their ±1 codes; " if eps else "no DP; ")
         + f"dropout {args.dropout:.0%} per device and round"
         + (
             f"; asymmetric scoring in the round plan: {args.query_planes} bit-planes, ridge {args.user_reg:g}\n"

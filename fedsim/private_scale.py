@@ -59,6 +59,7 @@ __all__ = [
     "run_private_scaled",
     "scaled_config",
     "carve_validation",
+    "ranking_vectors",
 ]
 
 #: The α grid of the item level (∞ = private popularity alone, 0 = the codes alone).
@@ -94,8 +95,13 @@ class ScaledSettings:
     fraction : share p of the devices in each round's cohort (⌈p·n⌉, drawn by the coordinator's rule;
         1 = every device every round).
     code_sweeps : passes of the server's mean-field code step over one round's sums (`model.code_sweeps`).
-    rank_planes : under ``query_planes``, the planes of the vector each device ranks with after the last
-        round (`device_sdk.models.LightFRConfig.rank_planes`; 0 = the plan's ``query_planes``).
+    rank_planes : the planes of the vector each device ranks with after the last round
+        (`device_sdk.models.LightFRConfig.rank_planes`). Under ``query_planes``: the plan's vector (0 = the
+        plan's ``query_planes``). Without (symmetric training, all-items objective): the device keeps its
+        ±1 code for training and ranks with its vector solved against the final item codes and levels with
+        ridge ``rank_ridge``·w0·m (w0 the last round's value), held as ``rank_planes`` planes, as the SDK's
+        default device does; 0 ranks with the ±1 code.
+    rank_ridge : that ranking-time ridge in units of w0·m (`LightFRConfig.rank_ridge`), > 0.
     """
 
     epsilon: float = 8.0
@@ -118,6 +124,7 @@ class ScaledSettings:
     fraction: float = 1.0
     code_sweeps: int = 1
     rank_planes: int = 0
+    rank_ridge: float = 2.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
@@ -125,8 +132,11 @@ class ScaledSettings:
         planes = self.rank_planes
         if isinstance(planes, bool) or not (isinstance(planes, int) and 0 <= planes <= 8):
             raise ValueError(f"rank_planes must be an integer in [0, 8], got {planes!r}")
-        if planes and not self.query_planes:
-            raise ValueError("rank_planes needs query_planes >= 1")
+        if planes and self.unobserved_weight == 0:
+            raise ValueError("rank_planes needs the all-items objective (unobserved_weight > 0 or 'auto')")
+        ridge = self.rank_ridge
+        if isinstance(ridge, bool) or not (isinstance(ridge, int | float) and math.isfinite(ridge) and ridge > 0):
+            raise ValueError(f"rank_ridge must be a finite number > 0, got {ridge!r}")
 
 
 @dataclass
@@ -153,6 +163,12 @@ class ScaledResult:
     #: uploads it holds: what the server learned in that round, for diagnostics and tests.
     last_release: NDArray[np.int64] | None = None
     last_users: NDArray[np.int64] | None = None
+    #: w0 of the last round (the derived value under "auto"; 0 under sampled negatives).
+    unobserved_weight: float = 0.0
+    #: The hamming weight B of the model's integer score (what the snapped plane scales are on).
+    hamming_weight: int = 1
+    #: The final model's item levels (all-items objective; what a device downloads with the codes), else None.
+    item_levels: NDArray[np.uint8] | None = None
 
 
 def _largest_scale_bits(n: int, clip_norm: float, head: float = 0.9) -> int:
@@ -355,8 +371,10 @@ def run_private_scaled(
     st: Any = base
     D = np.asarray(st.codes(sim.model_state), dtype=np.int8)
     beta = np.zeros(m)
+    levels = None
     if st.full:
-        beta = bias_from_levels(st.levels(sim.model_state), m, s.bits, st.hamming_weight)
+        levels = np.asarray(st.levels(sim.model_state), dtype=np.uint8)
+        beta = bias_from_levels(levels, m, s.bits, st.hamming_weight)
     # Each device refreshes its code against the final item codes (local; nothing uploaded).
     indptr = np.concatenate(([0], np.cumsum([u.size for u in per_user]))).astype(np.int64)
     items = np.concatenate(per_user) if per_user else np.zeros(0, np.int64)
@@ -374,6 +392,10 @@ def run_private_scaled(
             B, _ = dcd_full(
                 indptr, items, np.ones(items.size), cohort.codes, D, beta, st.current_weight, 0.0, max_sweeps=10
             )
+            if s.rank_planes:
+                vectors = ranking_vectors(
+                    indptr, items, D, beta, float(st.current_weight), s.rank_planes, s.rank_ridge, st.hamming_weight
+                )
         else:
             B, _ = dcd_update(indptr, items, np.ones(items.size), cohort.codes, D, 0.0, max_sweeps=10)
     eps = sim.ledger.spent() if sim.ledger is not None else None
@@ -392,7 +414,33 @@ def run_private_scaled(
         user_vectors=vectors,
         last_release=sim.last_release,
         last_users=np.asarray(sim.last_survivors, dtype=np.int64) - cohort.device_ids[0],  # ids are consecutive
+        unobserved_weight=float(st.current_weight) if st.full else 0.0,
+        hamming_weight=int(st.hamming_weight),
+        item_levels=levels,
     )
+
+
+def ranking_vectors(
+    indptr: NDArray[np.int64],
+    items: NDArray[np.int64],
+    D: NDArray[np.int8],
+    beta: NDArray[np.float64],
+    w0: float,
+    planes: int,
+    ridge: float,
+    hamming_weight: int,
+) -> NDArray[np.float64]:
+    """Δ'·q of every user's ranking vector as the SDK's default device holds it after a download
+    (`LightFRConfig.rank_planes` / `rank_ridge`): the exact vector against the item codes and biases
+    (`device_sdk.lightfr.ridge_users`, implicit targets 1, ridge ``ridge``·w0·m), kept as ``planes``
+    planes with its scale snapped to the integer score's grid; (n, f)."""
+    from device_sdk.lightfr import quantize_planes, ridge_users, snap_scale
+
+    m = D.shape[0]
+    U = ridge_users(indptr, items, np.ones(items.size), D, beta, w0, 0.0, ridge * w0 * m)
+    q, step = quantize_planes(U, planes)
+    _, snapped = snap_scale(step, hamming_weight)
+    return snapped[:, None] * q.astype(np.float64)
 
 
 def item_levels(counts: NDArray[np.float64], bits: int) -> NDArray[np.float64]:

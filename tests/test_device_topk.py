@@ -572,3 +572,130 @@ def test_model_recommend_with_planes_and_codes_in_one_batch() -> None:
     np.testing.assert_allclose(scores[1, :n_ok], np.sort(hamming[eligible])[::-1], rtol=1e-6)
     one, one_scores = model.recommend(userid=0, N=5, filter_already_liked_items=False)
     np.testing.assert_allclose(one_scores, np.sort(real)[::-1][:5], rtol=1e-6)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    m=st.integers(1, 600),
+    f=st.sampled_from([5, 64, 130]),
+    P=st.integers(1, 4),
+    n=st.integers(1, 20),
+    n_levels=st.sampled_from([0, 1, 4, 256]),
+    k=st.integers(0, 30),
+    block_pairs=st.sampled_from([1, 64, 1000, 1 << 15]),
+    n_excl=st.integers(0, 8),
+    with_cand=st.booleans(),
+)
+def test_batched_plane_search_is_the_per_user_search(
+    seed: int, m: int, f: int, P: int, n: int, n_levels: int, k: int, block_pairs: int, n_excl: int, with_cand: bool
+) -> None:
+    """One batched scan for n plane users returns, row by row, exactly what `search_planes` returns
+    for each user in turn: the same items and scores with rng=None (the reference ranking), and the
+    same items, ties included, with a generator seeded alike."""
+    from device_sdk import lightfr
+    from device_sdk.topk import PLANE_PAD
+
+    rng = np.random.default_rng(seed)
+    D = random_signs(3, f, rng)[rng.integers(0, 3, m)]
+    D = np.where(rng.random(D.shape) < 0.05, -D, D).astype(np.int8)
+    levels = None if n_levels == 0 else rng.integers(0, n_levels, m).astype(np.uint8)
+    index = HammingIndex(pack_signs(D), f, levels, int(rng.integers(1, 5)))
+    top = 2**P - 1
+    q = (2 * rng.integers(0, top + 1, (n, f)) - top).astype(np.int16)
+    planes = np.ascontiguousarray(pack_signs(np.swapaxes(lightfr.sign_planes(q, P), 0, 1).reshape(-1, f)).T)
+    planes = planes.reshape(n, P, -1)
+    a = rng.choice([1, 3, 64, 1000], n)
+    excl = [None if u % 3 == 2 else rng.choice(m, min(n_excl, m), replace=False) for u in range(n)]
+    cand = rng.choice(m, min(m, 40), replace=False) if with_cand else None
+    for tie_seed in (None, seed):
+        gen = None if tie_seed is None else np.random.default_rng(tie_seed)
+        ids, scores = index.search_planes_batch(
+            planes, a, k, gen, exclude=excl, candidates=cand, block_pairs=block_pairs
+        )
+        assert ids.shape == scores.shape == (n, k)
+        gen = None if tie_seed is None else np.random.default_rng(tie_seed)
+        for u in range(n):
+            one_ids, one_scores = index.search_planes(planes[u], int(a[u]), k, gen, exclude=excl[u], candidates=cand)
+            got = ids[u] >= 0
+            assert np.array_equal(ids[u, got], one_ids) and np.array_equal(scores[u, got], one_scores)
+            assert np.all(scores[u, ~got] == PLANE_PAD) and not got[one_ids.size :].any()
+            if tie_seed is None:
+                ref = _plane_reference(D, q[u], int(a[u]), levels)
+                pool = np.arange(m) if cand is None else cand
+                want = _reference_ranking_in(ref, k, excl[u], pool)
+                assert np.array_equal(one_ids, want) and np.array_equal(one_scores, ref[want])
+
+
+def _reference_ranking_in(ref: np.ndarray, k: int, excl: np.ndarray | None, pool: np.ndarray) -> np.ndarray:
+    keep = pool if excl is None else np.setdiff1d(pool, excl)
+    return keep[np.lexsort((keep, -ref[keep]))][:k]
+
+
+def test_batched_plane_search_validates_its_inputs() -> None:
+    words = pack_signs(random_signs(5, 64, np.random.default_rng(0)))
+    index = HammingIndex(words, 64)
+    planes = words.T[None, :2].copy()  # (1, 2, 1)
+    with pytest.raises(ValueError, match="planes"):
+        index.search_planes_batch(planes[0], [1], 3, None)
+    with pytest.raises(ValueError, match="weights"):
+        index.search_planes_batch(planes, [0], 3, None)
+    with pytest.raises(ValueError, match="weights"):
+        index.search_planes_batch(planes, [1, 2], 3, None)
+    with pytest.raises(ValueError, match="exclude"):
+        index.search_planes_batch(planes, [1], 3, None, exclude=[None, None])
+    with pytest.raises(ValueError, match="out of range"):
+        index.search_planes_batch(planes, [1], 3, None, exclude=[np.array([5])])
+    with pytest.raises(ValueError, match="level shift"):
+        index.search_planes_batch(planes, [1], 3, None, level_shift=17)
+
+
+def test_model_batch_recommend_is_the_per_user_recommend() -> None:
+    """`LightFRModel.recommend(userid=array)` for plane users of two plane counts (3 and 2) and a ±1
+    code user, with levels and per-user filters: row for row what one call per user gives with a
+    generator seeded alike (the batch ranks each plane count in one scan)."""
+    from device_sdk.models import LightFRConfig, LightFRModel
+
+    rng = np.random.default_rng(11)
+    m, f, n = 3000, 64, 6
+    model = LightFRModel(m, LightFRConfig(bits=f, rating_range=None), n_users=n, rng=np.random.default_rng(0))
+    base = random_signs(4, f, rng)[rng.integers(0, 4, m)]  # many exact ties
+    model.set_item_codes(np.where(rng.random(base.shape) < 0.1, -base, base).astype(np.int8), 1)
+    model.item_levels, model.hamming_weight = rng.integers(100, 110, m).astype(np.uint8), 2
+    liked = [rng.choice(m, 20, replace=False) for _ in range(n)]
+    for u in range(n):
+        model.fold_in(liked[u], userid=u)
+    model.user_q[4] = np.clip(model.user_q[4], -3, 3) | 1  # a vector of 2 planes
+    model.set_user_code(random_signs(1, f, rng)[0], userid=5)  # a ±1 code
+    assert (model.user_weight[:5] > 0).all() and model.user_weight[5] == 0
+    users = np.array([3, 0, 5, 4, 1, 2])
+    ids, scores = model.recommend([liked[u] for u in users], N=15, userid=users, rng=np.random.default_rng(5))
+    for row, u in enumerate(users):
+        one_ids, one_scores = model.recommend(liked[u], N=15, userid=int(u), rng=np.random.default_rng(row))
+        assert np.array_equal(scores[row], one_scores)  # the same scores; items may differ among ties
+        assert not np.isin(ids[row], liked[u]).any() and np.unique(ids[row]).size == 15
+        sure = scores[row] > scores[row, -1]
+        assert set(ids[row, sure]) == set(one_ids[sure])
+    # Plane users of one plane count: one scan, the same tie draws as one call per user in turn.
+    same = np.array([2, 0, 3, 1])
+    ids, scores = model.recommend([liked[u] for u in same], N=15, userid=same, rng=np.random.default_rng(7))
+    gen = np.random.default_rng(7)
+    for row, u in enumerate(same):
+        one_ids, one_scores = model.recommend(liked[u], N=15, userid=int(u), rng=gen)
+        assert np.array_equal(ids[row], one_ids) and np.array_equal(scores[row], one_scores)
+
+
+def test_plane_search_with_the_byte_bound_is_the_reference_ranking() -> None:
+    """From 2^19 items, P = 3 at f = 64 scans with the high planes' byte bound: still exactly the
+    reference ranking, with exclusions, a few levels and a second block."""
+    rng = np.random.default_rng(19)
+    m = (1 << 19) + 777
+    D, q, levels, planes = _plane_case(rng, m, 64, 3, 6)
+    index = HammingIndex(pack_signs(D), 64, levels, 2)
+    for a in (1, 9):
+        ref = _plane_reference(D, q, a, levels)
+        excl = rng.choice(m, 30, replace=False)
+        for block in (1 << 16, 1 << 18):
+            ids, scores = index.search_planes(planes, a, 25, None, exclude=excl, block=block)
+            want = _reference_ranking(ref, 25, excl)
+            assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -70,13 +71,31 @@ def test_simulate_with_asymmetric_scoring(capsys: pytest.CaptureFixture[str], tm
     assert "all-items objective" in capsys.readouterr().err
 
 
-def test_demo_runs_a_real_server_and_fleet(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_demo_runs_a_real_server_and_fleet(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fedsim.demo
+
+    evaluated: list[Any] = []
+    real_evaluate = fedsim.demo.evaluate_devices
+
+    def watch(exp: Any, clients: list[Any], *args: Any, **kwargs: Any) -> Any:
+        result = real_evaluate(exp, clients, *args, **kwargs)  # the demo's own evaluation, only observed
+        evaluated.extend(c.model for c in clients)
+        return result
+
+    monkeypatch.setattr(fedsim.demo, "evaluate_devices", watch)
     # No --cohort: the cohort is every device the run has (12 of synthetic's 600 users), not the dataset's users.
     argv = ["demo", "--dataset", "synthetic", "--devices", "12", "--rounds", "2"]
     assert main([*argv, "--dropout", "0.1", "--workdir", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
     assert out.startswith("synthetic: the first 12 of 600 users, ") and "; 2 rounds of up to 12 devices; " in out
+    # Under DP (the demo's default ε = 8) the devices rank with their ±1 codes (fedsim.demo.DP_RANK_PLANES):
+    # the all-items objective's devices would otherwise hold a 3-plane ranking vector (the SDK's default).
+    assert "devices rank with their ±1 codes" in out
+    assert len(evaluated) == 12 and all(m.config.unobserved_weight > 0 for m in evaluated)
+    assert all(m.config.rank_planes == 0 and m.user_weight[0] == 0 for m in evaluated)
     assert "server: listening on http://127.0.0.1:" in err and "server: stopped (exit 0)" in err
     assert "LightFR over the server" in out and "popularity" in out
     assert "ε spent" in out and "verdict: " in out
@@ -230,6 +249,9 @@ def test_family_misuse_is_one_clear_line(argv: list[str], message: str, capsys: 
         (["--unobserved-weight", "0", "--confidence", "1"], "--confidence applies to the all-items objective"),
         (["--aggregation", "para", "--query-planes", "2"], "objective (--aggregation para) is in use"),
         (["--user-reg", "2"], "--user-reg applies with --query-planes P >= 1 only"),
+        (["--query-planes", "2", "--rank-planes", "3"], "--query-planes ranks with the plan's vector"),
+        (["--unobserved-weight", "0", "--rank-ridge", "1"], "--rank-ridge applies to symmetric training"),
+        (["--rank-planes", "9"], "--rank-planes must be in [0, 8], got 9"),
         # The plan's bounds, as the server and the SDK check them, before the run (no header line first).
         (["--query-planes", "9"], "--query-planes: must be an integer in [0, 8], got 9"),
         (["--query-planes", "2", "--user-reg", "1e9"], "--user-reg: must be a finite number in [1e-06, 1000000.0]"),
@@ -399,6 +421,12 @@ def test_simulate_private_lightfr_reports_the_ledgers_epsilon(capsys: pytest.Cap
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 3.99 < record["epsilon"] <= 4.0 and record["delta"] == 1e-5
     assert set(record["metrics"]) == {"model", "private_popularity", "popularity", "random"}
+    # Under DP the simulator ranks with ±1 codes (fedsim.demo.DP_RANK_PLANES) unless --rank-planes P.
+    assert "ranking with ±1 codes" in out
+    assert main([*argv, "--rank-planes", "3"]) == 0
+    assert "ranking with the ridge vector (3 planes, ridge 2·w0·m)" in capsys.readouterr().out
+    assert main([*argv, "--rank-planes", "2", "--rank-ridge", "0.5"]) == 0
+    assert "ranking with the ridge vector (2 planes, ridge 0.5·w0·m)" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # two demo runs: about 35 s on 2 cores

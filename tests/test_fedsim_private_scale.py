@@ -221,7 +221,41 @@ def test_scaled_settings_refuse_bad_fraction_and_rank_planes() -> None:
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="fraction"):
             ScaledSettings(fraction=bad)
-    with pytest.raises(ValueError, match="rank_planes needs query_planes"):
-        ScaledSettings(rank_planes=3)
+    with pytest.raises(ValueError, match="rank_planes needs the all-items objective"):
+        ScaledSettings(rank_planes=3, unobserved_weight=0.0)
+    for ridge in (0.0, -1.0, math.inf, math.nan, True):
+        with pytest.raises(ValueError, match="rank_ridge"):
+            ScaledSettings(rank_planes=3, unobserved_weight="auto", rank_ridge=ridge)
     with pytest.raises(ValueError, match="rank_planes"):
         ScaledSettings(query_planes=2, rank_planes=9)
+
+
+def test_symmetric_scaled_run_ranks_like_the_default_device_when_asked() -> None:
+    # rank_planes without query_planes: training and uploads stay ±1 codes (the same model as without it),
+    # and every user ranks with what a real LightFRModel (rank_planes = 3, rank_ridge = 2) holds after
+    # installing the final codes and levels: its ridge vector (2·w0·m, w0 the run's) as 3 planes.
+    from device_sdk.models import LightFRConfig, LightFRModel
+    from fedsim.federation import plane_vectors
+
+    data = synthetic(n_users=60, n_items=40, n_clusters=3, ratings_per_user=8, seed=3)
+    st = ScaledSettings(epsilon=0.0, rounds=2, bits=16, pop_share=0.0, example_cap=0, unobserved_weight="auto")
+    codes = run_private_scaled(data, st)
+    res = run_private_scaled(data, replace(st, rank_planes=3, rank_ridge=2.0))
+    assert codes.user_vectors is None and res.user_vectors is not None
+    np.testing.assert_array_equal(res.item_codes, codes.item_codes)
+    np.testing.assert_array_equal(res.user_codes, codes.user_codes)
+    assert res.item_levels is not None and res.unobserved_weight > 0
+    idx = data.by_user()
+    for u in (0, 17, 59):
+        cfg = LightFRConfig(
+            bits=16, rating_range=None, binary_positives=True, unobserved_weight=res.unobserved_weight, rank_planes=3
+        )
+        device = LightFRModel(40, cfg, rng=np.random.default_rng(0))
+        device.set_item_codes(res.item_codes, 1)
+        device.item_levels, device.hamming_weight = res.item_levels, res.hamming_weight
+        device.fold_in(idx.items[idx.indptr[u] : idx.indptr[u + 1]])
+        want = plane_vectors(device.user_q[:1], device.user_weight[:1], res.hamming_weight)[0]
+        np.testing.assert_allclose(res.user_vectors[u], want, rtol=1e-12)
+    users = np.arange(60)
+    items = np.stack([np.random.default_rng(u).permutation(40)[:8] for u in range(60)])
+    assert not np.allclose(candidate_scores(res, users, items, 0.0), candidate_scores(codes, users, items, 0.0))
