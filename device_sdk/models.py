@@ -224,6 +224,11 @@ class LightFRModel(Recommender):
     #: a = 0 for a user who has a ±1 code instead.
     user_q: NDArray[np.int16] = field(init=False, repr=False)
     user_weight: NDArray[np.int64] = field(init=False, repr=False)
+    #: Whether the last round this device trained in added DP noise (`RoundInvite.dp_mu` > 0; set by
+    #: `device_sdk.training.local_round`, kept in the store).  Symmetric training then ranks with the ±1
+    #: code whatever ``config.rank_planes`` says: against noised item codes and levels the ranking vector
+    #: fell to a third of popularity's HR@10 on real devices (docs/dp-accounting.md §8).
+    private_rounds: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_items <= 0:
@@ -476,7 +481,7 @@ class LightFRModel(Recommender):
             flips += stats.flips
         parts = lightfr.full_upload(indptr, items, targets, b, self.item_codes, beta, w0, alpha)
         self._set_user(userid, b[0])
-        if cfg.rank_planes:
+        if self._ranks_with_vector():
             self._set_ranking_vector(userid, items, targets)
         return LocalUpdate(
             values=parts["gradient"], aggregation=Aggregation.GRAD, n_examples=int(items.size), flips=flips, parts=parts
@@ -503,7 +508,7 @@ class LightFRModel(Recommender):
             indptr, all_items, r = self._user_csr(items, targets, self.rng, cfg.negatives)
             codes, _ = lightfr.fold_in_codes(indptr, all_items, r, self.item_codes, max_sweeps=cfg.max_sweeps)
         self._set_user(userid, codes[0])
-        if cfg.unobserved_weight > 0 and cfg.rank_planes:
+        if cfg.unobserved_weight > 0 and self._ranks_with_vector():
             uniq, first = np.unique(items, return_index=True)
             self._set_ranking_vector(userid, uniq, targets[first])
         return codes[0].copy()
@@ -539,6 +544,10 @@ class LightFRModel(Recommender):
             gram=(G, Db),
         )
         return codes
+
+    def _ranks_with_vector(self) -> bool:
+        """Symmetric training ranks with the ridge vector (``rank_planes``), unless DP noise trained the model."""
+        return bool(self.config.rank_planes) and not self.private_rounds
 
     def _set_ranking_vector(self, userid: int, items: NDArray[np.int64], targets: NDArray[np.float64]) -> None:
         """Symmetric training, asymmetric ranking (``rank_planes`` without ``query_planes``): keep the
@@ -725,6 +734,7 @@ class LightFRModel(Recommender):
                 "hamming_weight": self._weight,
                 "user_q": self.user_q.astype("<i2").tobytes(),
                 "user_weight": self.user_weight.astype("<i8").tobytes(),
+                "private_rounds": self.private_rounds,
             },
         )
 
@@ -760,6 +770,10 @@ class LightFRModel(Recommender):
                 if uwt.shape != (n_users,) or np.any(uwt < 0):
                     raise ValueError("user_weight must hold one weight >= 0 per user")
                 model.user_q, model.user_weight = uq.copy(), uwt.copy()
+            private = state.get("private_rounds", False)  # files written before the rule hold none
+            if not isinstance(private, bool):
+                raise ValueError(f"private_rounds must be a boolean, got {private!r}")
+            model.private_rounds = private
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"{path} is a valid store file but its LightFR state is invalid: {exc}") from exc
         return model

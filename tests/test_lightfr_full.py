@@ -697,3 +697,58 @@ def test_server_strategy_runs_the_code_sweeps_it_is_given() -> None:
             LightFRServerStrategy(LightFRStrategy(bits=f), m, unobserved_weight=0.05, code_sweeps=bad)
         with pytest.raises(ValueError, match="code_sweeps"):
             FederationConfig(code_sweeps=bad)
+
+
+def test_a_private_round_makes_the_device_rank_with_its_code(tmp_path) -> None:
+    """A round with DP noise (dp_mu > 0) makes a device that trains ±1 codes rank with its code, not its
+    ridge vector (against noised codes and levels the vector fell to a third of popularity's HR@10 on real
+    devices, docs/dp-accounting.md §8); fold_in then keeps the code, the store keeps the rule, and a round
+    without noise brings the vector back."""
+    from dataclasses import replace
+
+    from device_sdk.models import LightFRConfig, LightFRModel
+    from device_sdk.training import local_round
+    from protocol.crypto import insecure_test_noise_stream
+    from protocol.messages import RoundInvite
+    from protocol.plan import LightFRParams, TrainingPlan
+
+    rng = np.random.default_rng(23)
+    m, f, w0 = 120, 64, 0.05
+    items = np.sort(rng.choice(m, 10, replace=False)).astype(np.int64)
+    plan = TrainingPlan(params=LightFRParams(unobserved_weight=w0), n_items=m, rank=f)
+    bare = RoundInvite(
+        round_id=1,
+        device_id=7,
+        vector_length=plan.vector_length,
+        graph_k=3,
+        graph_t=2,
+        clip_norm=1e3,
+        scale_bits=12,
+        advertise_deadline=1.0,
+        share_keys_deadline=2.0,
+        masked_input_deadline=3.0,
+        unmask_deadline=4.0,
+    ).with_plan(plan)
+    model = LightFRModel(m, LightFRConfig(bits=f, rating_range=None, binary_positives=True), rng=rng)
+    model.set_item_codes(random_signs(m, f, rng), 1)
+    assert model.config.rank_planes == 3  # the SDK default: rank with the ridge vector
+
+    def train(dp_mu: float) -> None:
+        invite = replace(bare, dp_mu=dp_mu, dp_t_min=2 if dp_mu else 0)
+        local_round(model, invite, items, None, np.random.default_rng(1), coins=insecure_test_noise_stream(1))
+
+    train(0.0)
+    assert not model.private_rounds and model.user_weight[0] > 0
+    train(50.0)
+    assert model.private_rounds and model.user_weight[0] == 0
+    _, scores = model.recommend(items, N=5)  # similarity of the ±1 code: 1/2 + bᵀd/(2f), on the 1/(2f) grid
+    np.testing.assert_allclose(scores * 2 * f, np.round(scores * 2 * f), atol=1e-3)
+    model.fold_in(items)
+    assert model.user_weight[0] == 0
+    model.save(tmp_path / "m.fedrec")
+    again = LightFRModel.load(tmp_path / "m.fedrec")
+    assert again.private_rounds and again.user_weight[0] == 0
+    again.fold_in(items)
+    assert again.user_weight[0] == 0
+    train(0.0)
+    assert not model.private_rounds and model.user_weight[0] > 0
