@@ -4,6 +4,7 @@
     python benchmarks/quality_lightfr.py --spread 8 --only 0 1    # how much one validation figure moves
     python benchmarks/quality_lightfr.py --test --seeds 0 1 2     # the validation winner on test, 3 model seeds
     python benchmarks/quality_lightfr.py --holdout --seeds 0 1 2  # the default model on splits never tuned on
+    python benchmarks/quality_lightfr.py --select --only 0 59 --rounds 3  # planes vs ±1 code after 3 rounds
 
 Protocols: FilmTrust — the LightFR authors' split (1 positive + 49 negatives per user, their
 validation blocks for selection); MovieLens-100K — per-user chronological leave-one-out, 99 sampled
@@ -63,11 +64,12 @@ PREVIOUS = "all items, w0=auto (0.6·density^(2/3)), learned levels, ρ=0.3 (the
 CODES = "the filmtrust4 default: mean-field step, ρ=1, ranks with the ±1 code"
 
 
-def _recipes(exp: Experiment) -> dict[str, tuple[LightFRConfig, FederationConfig, bool]]:
-    """name -> (device config, federation, popularity levels instead of learned ones)."""
+def _recipes(exp: Experiment, rounds: int = ROUNDS) -> dict[str, tuple[LightFRConfig, FederationConfig, bool]]:
+    """name -> (device config, federation, popularity levels instead of learned ones); ``rounds`` is T
+    for every recipe that does not name its own."""
     full = LightFRConfig(bits=64, rating_range=exp.rating_range, binary_positives=True, unobserved_weight=0.1)
     sampled = replace(full, unobserved_weight=0.0, negatives=4)
-    fed = FederationConfig(rounds=ROUNDS, fraction=0.6, flip_fraction=0.3)
+    fed = FederationConfig(rounds=rounds, fraction=0.6, flip_fraction=0.3)
     auto = (
         replace(full, unobserved_weight=density_weight(0.0, 1, exp.train.n_items)),
         replace(fed, unobserved_scale=DENSITY_SCALE),
@@ -383,7 +385,15 @@ def main() -> None:
         help="N: the spread of the validation figure of the --only recipes: N model seeds on the protocol's "
         "own blocks, and N carves; paired differences against the first recipe",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help="T, the federated rounds of every recipe that does not name its own (default %(default)s)",
+    )
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.holdout:
         for name, protocol in (("filmtrust", Protocol.LOO), ("ml-100k", Protocol.CHRONO)):
             exp = prepare(name, protocol, seed=args.eval_seed)
@@ -393,8 +403,8 @@ def main() -> None:
         return
     for name in args.datasets:
         exp = prepare(name, seed=args.eval_seed)
-        recipes = _recipes(exp)
-        print(f"\n### {exp.describe()}; T={ROUNDS}, f=64, p=0.6, E=1")
+        recipes = _recipes(exp, args.rounds)
+        print(f"\n### {exp.describe()}; T={args.rounds}, f=64, p=0.6, E=1")
         chosen = args.recipe
         if args.select or args.spread:
             carves = _carves(exp, args.carves, args.eval_seed)
@@ -408,14 +418,15 @@ def main() -> None:
                 f"\nvalidation: the protocol's own blocks (model seed 0) and {args.carves} carves from train "
                 f"(carve j: model seed j + 1); mean ± std over the {1 + args.carves}\n\n"
                 "| recipe | HR@10 | NDCG@10 | HR@10 own blocks | HR@10 per carve | HR@10 / NDCG@10, training items "
-                "filtered | s |\n|---|---|---|---|---|---|---|"
+                "filtered | HR@10 paired diff vs first | s |\n"
+                "|---|---|---|---|---|---|---|---|"
             )
             print(
                 f"| item popularity | {pop[:, 0].mean():.4f} ± {pop[:, 0].std():.4f} | {pop[:, 1].mean():.4f} |"
                 f" {pop[0, 0]:.4f} | {' '.join(f'{x:.3f}' for x in pop[1:, 0])} |"
-                f" {pop[:, 2].mean():.4f} / {pop[:, 3].mean():.4f} | |"
+                f" {pop[:, 2].mean():.4f} / {pop[:, 3].mean():.4f} | | |"
             )
-            best = -1.0
+            best, first = -1.0, None
             for label in labels:
                 recipe = recipes[label]
                 t = time.perf_counter()
@@ -424,10 +435,14 @@ def main() -> None:
                     + [_hr(train(c, recipe, j + 1), c.val, c.train) for j, c in enumerate(carves)]
                 )
                 hr = runs[:, 0]
+                if first is None:
+                    first, diff = hr, ""
+                else:
+                    diff = f"{(hr - first).mean():+.4f} ± {(hr - first).std():.4f}"
                 print(
                     f"| {label} | {hr.mean():.4f} ± {hr.std():.4f} | {runs[:, 1].mean():.4f} | {hr[0]:.4f} |"
                     f" {' '.join(f'{x:.3f}' for x in hr[1:])} | {runs[:, 2].mean():.4f} / {runs[:, 3].mean():.4f} |"
-                    f" {time.perf_counter() - t:.0f} |",
+                    f" {diff} | {time.perf_counter() - t:.0f} |",
                     flush=True,
                 )
                 if hr.mean() > best:
