@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -45,9 +46,10 @@ _FIRST_BLOCK = 2048
 _HEAD_SEGMENT = 1 << 17
 _SEGMENT = 1 << 20
 _CHUNK = 1 << 17
-# Values compared eight at a time from this many on (below it the one compare call is cheaper).
-_WORD_COMPARE_MIN = 1 << 13
-_HIGH_BITS = np.uint64(0x8080808080808080)
+# Values compared through the minima of _GROUPS interleaved groups from this many on (below it the one
+# compare call is cheaper).
+_GROUPED_COMPARE_MIN = 1 << 13
+_GROUPS = 32
 # Plane scans of a batch: user-item pairs per block (the XOR buffer, 8 bytes a pair, stays in L2), and
 # items per user row in a block, at least (numpy's inner loop runs once per row).
 _PLANE_PAIRS = 1 << 17
@@ -64,7 +66,6 @@ _PLANE_ROW_ITEMS = 256
 # The score of a padded slot of a batched plane search (no item there), and the largest cost.
 PLANE_PAD = np.iinfo(np.int64).min
 _COST_MAX = np.iinfo(np.int64).max
-_EIGHT = np.arange(8, dtype=np.intp)
 
 
 def hamming_distances(user_words: NDArray[np.uint64], item_words: NDArray[np.uint64]) -> NDArray[np.integer]:
@@ -147,6 +148,7 @@ class HammingIndex:
         "_local",
         "_score_table",
         "_lift",
+        "_lift_runs",
         "_vmax",
         "_rem",
     )
@@ -155,6 +157,7 @@ class HammingIndex:
     _rem: NDArray[Any] | None  # cost − B·(dist + q) along the scan, in [0, B)
     _vmax: int  # the largest dist + q
     _lift: NDArray[np.unsignedinteger[Any]] | None  # the item term in whole bits, along the scan
+    _lift_runs: tuple[list[int], list[int]]  # where each run of equal q starts along the scan, and its q
 
     def __init__(
         self,
@@ -181,6 +184,7 @@ class HammingIndex:
             self._levels = lv
             self._top = 0 if lv is None or lv.size == 0 else int(lv[0])
             self._sorted, self._order, self._bias, self._lift = words, None, None, None
+            self._lift_runs = ([], [])
             self._score_table = self._score_of_cost(np.arange(self.f + 1, dtype=np.int64))
             self._vmax, self._rem = self.f, None
             return
@@ -197,6 +201,8 @@ class HammingIndex:
         qmax = self._top // self.weight
         ldt = np.uint8 if self.f + qmax < 1 << 8 else np.uint16 if self.f + qmax < 1 << 16 else np.uint32
         self._lift = (self._bias // self.weight).astype(ldt)
+        run_at = np.flatnonzero(np.diff(self._lift, prepend=self._lift[:1] + 1) != 0)  # at most 256 runs
+        self._lift_runs = (run_at.tolist(), self._lift[run_at].astype(np.int64).tolist())
         self._vmax = self.f + qmax  # the largest dist + q
         self._rem = self._bias % self.weight  # r = (L − level) − B·q, in [0, B)
         nb = self.f * self.weight + self._top + 1
@@ -422,16 +428,17 @@ class HammingIndex:
     ]:
         """Single-user scan buffers, kept per thread and reused: XOR words and per-word popcounts of
         one chunk, the values v = dist + q of a segment of ``cap`` items, a hit mask over them, and
-        the word-wise compare's scratch (one uint64 and one flag per 8 values)."""
+        the grouped compare's scratch (one uint64 and one flag per group column)."""
         held = getattr(self._local, "one_buffers", None)
-        if held is None or held[2].size < cap or held[0].size < chunk or held[2].dtype != vdt:
+        groups = cap // _GROUPS + 1
+        if held is None or held[2].size < cap or held[0].size < chunk or held[2].dtype != vdt or held[5].size < groups:
             held = (
                 np.empty(chunk, np.uint64),
                 np.empty(chunk, np.uint8),
                 np.empty(cap, vdt),
                 np.empty(cap, np.bool_),
-                np.empty(cap // 8, np.uint64),
-                np.empty(cap // 8, np.bool_),
+                np.empty(groups, np.uint64),
+                np.empty(groups, np.bool_),
             )
             self._local.one_buffers = held
         return held
@@ -445,9 +452,11 @@ class HammingIndex:
         x: NDArray[np.uint64],
         tb: NDArray[np.uint8],
         out: NDArray[Any],
+        lift: bool = True,
     ) -> None:
         """v_i = dist(b_u, d_i) + q_i for the items [start, stop) of the scan, into ``out``: one XOR and
-        one popcount call per chunk and code word, then one add of the item term in whole bits."""
+        one popcount call per chunk and code word, then one add of the item term in whole bits (left
+        out when ``lift`` is false: ``out`` then holds the distances)."""
         words, w = self._sorted, self.w
         direct = out.dtype == np.uint8  # popcounts of the first word straight into the values
         for c in range(start, stop, chunk):
@@ -461,7 +470,7 @@ class HammingIndex:
                     np.copyto(o, np.bitwise_count(xs, out=tb[: e - c]))
                 else:
                     np.add(o, np.bitwise_count(xs, out=tb[: e - c]), out=o)
-        if self._lift is not None:
+        if lift and self._lift is not None:
             np.add(out, self._lift[start:stop], out=out)
 
     def _scan_one(self, user: NDArray[np.uint64], kk: int, block: int) -> tuple[NDArray[np.int64], NDArray[np.integer]]:
@@ -477,8 +486,9 @@ class HammingIndex:
         low rank r of its 2048-item head, with r about 8·kk·2048 / (segment size), so that about 8·kk
         items pass rather than kk·(segment size)/2048 (when fewer than kk pass, the head's kk-th
         smallest is taken instead).  The kk-th smallest v of its candidates is the threshold of the
-        rest of the catalogue, scanned in segments of ``block`` items, each compared eight values at a
-        time on the uint64 view when the values are bytes (see `_hits`).  q only grows along the scan
+        rest of the catalogue, scanned in segments of ``block`` items, each compared through the
+        minima of interleaved groups (see `_hits`); with an item term the values are not formed there:
+        each run of equal q has its distances compared with t − q.  q only grows along the scan
         (codes sorted by level), so the scan stops at the first item whose q exceeds t."""
         m, f, lift = self.m, self.f, self._lift
         vdt: type[np.unsignedinteger[Any]] = np.uint8 if f < 256 else np.uint16
@@ -514,20 +524,40 @@ class HammingIndex:
                     break  # levels only fall from here on: no later item can be kept
                 stop = start + int(lift[start:stop].searchsorted(lift.dtype.type(t), side="right"))
             vs = v[: stop - start]
-            self._fill(user, start, stop, chunk, x, tb, vs)
-            hit = self._hits(vs, t, mask, wtmp, wflag)
-            if hit.size:
-                val_l.append(vs[hit])
-                hit += start
-                pos_l.append(hit)
-                pending += hit.size
-                if pending > budget:
-                    pos, val = np.concatenate(pos_l), np.concatenate(val_l)
-                    t = int(np.partition(val, kk - 1)[kk - 1])
-                    keep = (val <= t).nonzero()[0]
-                    pos_l, val_l = [pos[keep]], [val[keep]]
-                    pending = keep.size
-                    budget = max(budget, 2 * pending)
+            if lift is None:
+                self._fill(user, start, stop, chunk, x, tb, vs)
+                hit = self._hits(vs, t, mask, wtmp, wflag)
+                if hit.size:
+                    val_l.append(vs[hit])
+                    hit += start
+                    pos_l.append(hit)
+                    pending += hit.size
+            else:
+                # The distances alone, each run of equal q compared with t − q: no pass adding q.
+                self._fill(user, start, stop, chunk, x, tb, vs, lift=False)
+                run_at, run_q = self._lift_runs
+                i = bisect.bisect_right(run_at, start) - 1
+                a = start
+                while a < stop:
+                    b = stop if i + 1 >= len(run_at) else min(run_at[i + 1], stop)
+                    q = run_q[i]
+                    hit = self._hits(vs[a - start : b - start], t - q, mask, wtmp, wflag)
+                    if hit.size:
+                        hit += a - start
+                        val = vs[hit]
+                        val += vdt(q)
+                        val_l.append(val)
+                        hit += start
+                        pos_l.append(hit)
+                        pending += hit.size
+                    a, i = b, i + 1
+            if pending > budget:
+                pos, val = np.concatenate(pos_l), np.concatenate(val_l)
+                t = int(np.partition(val, kk - 1)[kk - 1])
+                keep = (val <= t).nonzero()[0]
+                pos_l, val_l = [pos[keep]], [val[keep]]
+                pending = keep.size
+                budget = max(budget, 2 * pending)
             start = stop
         pos = pos_l[0] if len(pos_l) == 1 else np.concatenate(pos_l)
         val = val_l[0] if len(val_l) == 1 else np.concatenate(val_l)
@@ -543,29 +573,36 @@ class HammingIndex:
         return (pos if self._order is None else self._order[pos]), cost
 
     def _hits(
-        self, vs: NDArray[Any], t: int, mask: NDArray[np.bool_], wtmp: NDArray[np.uint64], wflag: NDArray[np.bool_]
+        self,
+        vs: NDArray[Any],
+        t: int,
+        mask: NDArray[np.bool_],
+        wtmp: NDArray[np.uint64],
+        wflag: NDArray[np.bool_],
     ) -> NDArray[np.intp]:
-        """Positions of the values <= t.  Byte values at most 128 + t (t <= 127) are compared eight at a
-        time on their uint64 view: each byte plus 127 − t sets its high bit exactly when it exceeds t
-        (and stays below 256, so no carry crosses a byte), so a word whose high bits are not all set
-        holds a hit; only those words' bytes are then compared one by one.  That is three passes over
-        n/8 words and a nonzero over n/8 flags instead of a compare and a nonzero over n values."""
-        n = vs.size
-        n8 = n & ~7
-        if vs.dtype != np.uint8 or n8 < _WORD_COMPARE_MIN or t > 127 or self._vmax > 128 + t:
+        """Positions of the values <= t, ascending.  From _GROUPED_COMPARE_MIN values on, the segment is
+        read as _GROUPS rows of c = n // _GROUPS values and reduced to the minimum of each column (one
+        vectorised pass, c values out); only the few columns whose minimum is <= t are then looked at,
+        value by value in each row.  That is one pass over the values and a compare and a nonzero over
+        n / _GROUPS minima, instead of a compare and a nonzero over n values.  ``wtmp`` holds the
+        minima (at least n / _GROUPS values), ``wflag`` their flags."""
+        n, R = vs.size, _GROUPS
+        c = n // R
+        if n < _GROUPED_COMPARE_MIN or c == 0:
             return np.less_equal(vs, t, out=mask[:n]).nonzero()[0]
-        words = vs[:n8].view(np.uint64)
-        y, flag = wtmp[: n8 // 8], wflag[: n8 // 8]
-        np.add(words, np.uint64((127 - t) * 0x0101010101010101), out=y)
-        np.bitwise_and(y, _HIGH_BITS, out=y)
-        at = np.not_equal(y, _HIGH_BITS, out=flag).nonzero()[0]
-        hit = (at[:, None] * 8 + _EIGHT).ravel() if at.size else at
-        if hit.size:
-            hit = hit[vs[hit] <= t]
-        if n8 < n:
-            tail = np.less_equal(vs[n8:], t, out=mask[: n - n8]).nonzero()[0]
+        mins = np.minimum.reduce(vs[: c * R].reshape(R, c), axis=0, out=wtmp.view(vs.dtype)[:c])
+        cols = np.less_equal(mins, t, out=wflag[:c]).nonzero()[0]
+        if cols.size * R > n // 4:
+            return np.less_equal(vs, t, out=mask[:n]).nonzero()[0]  # hits everywhere: compare them all
+        hit = cols
+        if cols.size:
+            # Row j holds items j·c .. j·c + c − 1: row by row, then column by column, that is ascending.
+            cand = (cols + np.arange(0, c * R, c)[:, None]).ravel()
+            hit = cand[vs[cand] <= t]
+        if c * R < n:
+            tail = np.less_equal(vs[c * R :], t, out=mask[: n - c * R]).nonzero()[0]
             if tail.size:
-                hit = np.concatenate((hit, tail + n8))
+                hit = np.concatenate((hit, tail + c * R))
         return hit
 
     # -- asymmetric (bit-plane) queries -----------------------------------------------------------

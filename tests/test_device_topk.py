@@ -263,6 +263,34 @@ def test_threshold_from_the_head_keeps_a_cheaper_remainder_in_a_later_block() ->
         assert ids[0].tolist() == [31] and scores[0, 0] == ref.max()
 
 
+def test_single_user_later_segments_compare_each_level_run_with_its_own_threshold() -> None:
+    """After the first segment, the item term is not added: each run of equal q = (L − level) // B
+    within a segment has its distances compared with t − q.  Segments of 9000 items here cross several
+    runs of 2000–7000 items (q = 0..4), with near items planted in every run and on run and segment
+    boundaries; the result must be the reference ranking, for several k and both tie rules."""
+    rng = np.random.default_rng(7)
+    f, B, m = 64, 3, 40_000
+    sizes = [3000, 7000, 2000, 6500, 9000, 5000, 7500]  # one run per level, sorted by level
+    levels = np.repeat(np.array([14, 12, 9, 7, 4, 2, 0], np.uint8), sizes)
+    D = random_signs(m, f, rng)
+    u = random_signs(1, f, rng)[0]
+    edges = np.cumsum(sizes)
+    for at in [*edges[:-1] - 1, *edges[:-1], 9000, 9001, 17999, 18000, 27000, m - 1, *rng.choice(m, 30)]:
+        D[at] = u
+        D[at, rng.choice(f, rng.integers(0, 9), replace=False)] *= -1  # 0..8 bits away
+    perm = rng.permutation(m)  # the index sorts by level itself
+    D, levels = D[perm], levels[perm]
+    index = HammingIndex(pack_signs(D), f, levels, B)
+    ref = _reference_scores(u[None, :], D, levels, B)[0]
+    for k in (1, 10, 50):
+        want = _reference_ranking(ref, k, None)
+        ids, scores = index.search(pack_user(u), k, None, block_pairs=9000)
+        assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
+        ids, scores = index.search(pack_user(u), k, rng, block_pairs=9000)
+        assert np.array_equal(np.sort(scores[0]), np.sort(ref[want]))
+        assert np.array_equal(ref[ids[0]], scores[0])
+
+
 def _index_buffers(index: HammingIndex, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.empty(n, np.bool_), np.empty(n // 8, np.uint64), np.empty(n // 8, np.bool_)
 
@@ -271,7 +299,7 @@ def _index_buffers(index: HammingIndex, n: int) -> tuple[np.ndarray, np.ndarray,
     ("f", "n_levels", "weight", "top"),
     [(64, 0, 1, 64), (64, 256, 2, 191), (250, 0, 1, 250), (64, 256, 1, 319)],
 )
-def test_word_compare_finds_exactly_the_values_at_or_below_the_threshold(
+def test_grouped_compare_finds_exactly_the_values_at_or_below_the_threshold(
     f: int, n_levels: int, weight: int, top: int
 ) -> None:
     """`_hits` on the values v = dist + q of a segment: the positions of v <= t, whatever the length
@@ -359,7 +387,8 @@ def test_single_user_segments_on_small_catalogues(
     with (
         mock.patch.object(topk, "_FIRST_BLOCK", 16),
         mock.patch.object(topk, "_CHUNK", 32),
-        mock.patch.object(topk, "_WORD_COMPARE_MIN", 8),
+        mock.patch.object(topk, "_GROUPED_COMPARE_MIN", 8),
+        mock.patch.object(topk, "_GROUPS", 4),
     ):
         index = HammingIndex(pack_signs(D), f, levels, weight)
         ids, scores = index.search(pack_user(u), k, None, exclude=[excl], block_pairs=block)
