@@ -508,7 +508,7 @@ class LightFRModel(Recommender):
             indptr, all_items, r = self._user_csr(items, targets, self.rng, cfg.negatives)
             codes, _ = lightfr.fold_in_codes(indptr, all_items, r, self.item_codes, max_sweeps=cfg.max_sweeps)
         self._set_user(userid, codes[0])
-        if cfg.unobserved_weight > 0 and self._ranks_with_vector():
+        if self._ranks_with_vector():
             uniq, first = np.unique(items, return_index=True)
             self._set_ranking_vector(userid, uniq, targets[first])
         return codes[0].copy()
@@ -546,8 +546,10 @@ class LightFRModel(Recommender):
         return codes
 
     def _ranks_with_vector(self) -> bool:
-        """Symmetric training ranks with the ridge vector (``rank_planes``), unless DP noise trained the model."""
-        return bool(self.config.rank_planes) and not self.private_rounds
+        """Symmetric training under the all-items objective ranks with the ridge vector (``rank_planes``),
+        unless DP noise trained the model."""
+        cfg = self.config
+        return bool(cfg.rank_planes) and cfg.unobserved_weight > 0 and not self.private_rounds
 
     def _set_ranking_vector(self, userid: int, items: NDArray[np.int64], targets: NDArray[np.float64]) -> None:
         """Symmetric training, asymmetric ranking (``rank_planes`` without ``query_planes``): keep the

@@ -39,6 +39,7 @@ __all__ = [
     "run_full",
     "with_negatives",
     "plane_vectors",
+    "refreshed_vectors",
 ]
 
 
@@ -383,11 +384,18 @@ def run_full(
         # Symmetric training ranks with a vector of its own ridge weight (rank_ridge·w0·m).
         dev_beta = bias_from_levels(state.item_levels, m, f, wgt)
         reg = federation.user_reg if federation.query_planes else federation.rank_ridge * w0 * m
-        U = lightfr.ridge_users(data.indptr, data.items, data.targets, state.item_codes, dev_beta, w0, alpha, reg)
-        q, scale = lightfr.quantize_planes(U, federation.rank_planes or federation.query_planes)
-        a, snapped = lightfr.snap_scale(scale, wgt)
-        state.user_vectors = snapped[:, None] * q
-        state.user_q, state.user_weight = q, a
+        state.user_q, state.user_weight, state.user_vectors = refreshed_vectors(
+            data.indptr,
+            data.items,
+            data.targets,
+            state.item_codes,
+            dev_beta,
+            w0,
+            alpha,
+            reg,
+            federation.rank_planes or federation.query_planes,
+            wgt,
+        )
     return state
 
 
@@ -395,6 +403,28 @@ def _quantized(U: NDArray[np.float64], planes: int, hamming_weight: int) -> NDAr
     """Δ'·q: the P-plane user vectors with their scales snapped to the integer score's grid."""
     q, scale = lightfr.quantize_planes(U, planes)
     return lightfr.snap_scale(scale, hamming_weight)[1][:, None] * q
+
+
+def refreshed_vectors(
+    indptr: NDArray[np.int64],
+    items: NDArray[np.int64],
+    targets: NDArray[np.float64],
+    D: NDArray[np.int8],
+    beta: NDArray[np.float64],
+    w0: float,
+    alpha: float,
+    reg: float,
+    planes: int,
+    hamming_weight: int,
+) -> tuple[NDArray[np.int16], NDArray[np.int64], NDArray[np.float64]]:
+    """What every device ranks with after a download: its exact vector against the item codes and biases
+    (`device_sdk.lightfr.ridge_users`, ridge ``reg``), kept as ``planes`` planes with the scale snapped to
+    the integer score's grid, as `device_sdk.models.LightFRModel` holds it: (odd integers q (n, f),
+    integer weights a (n,), Δ'·q (n, f))."""
+    U = lightfr.ridge_users(indptr, items, targets, D, beta, w0, alpha, reg)
+    q, scale = lightfr.quantize_planes(U, planes)
+    a, snapped = lightfr.snap_scale(scale, hamming_weight)
+    return q, a, snapped[:, None] * q.astype(np.float64)
 
 
 def plane_vectors(q: NDArray[np.integer], weight: NDArray[np.integer], hamming_weight: int) -> NDArray[np.float64]:

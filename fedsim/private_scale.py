@@ -59,7 +59,6 @@ __all__ = [
     "run_private_scaled",
     "scaled_config",
     "carve_validation",
-    "ranking_vectors",
 ]
 
 #: The α grid of the item level (∞ = private popularity alone, 0 = the codes alone).
@@ -336,6 +335,7 @@ def run_private_scaled(
 ) -> ScaledResult:
     """Run the popularity release and T private LightFR rounds over every user of ``train``."""
     from device_sdk.lightfr import dcd_full, dcd_update
+    from fedsim.federation import refreshed_vectors
 
     start = time.perf_counter()
     s = settings
@@ -378,23 +378,22 @@ def run_private_scaled(
     # Each device refreshes its code against the final item codes (local; nothing uploaded).
     indptr = np.concatenate(([0], np.cumsum([u.size for u in per_user]))).astype(np.int64)
     items = np.concatenate(per_user) if per_user else np.zeros(0, np.int64)
+    ones, w0 = np.ones(items.size), float(st.current_weight)
     vectors: NDArray[np.float64] | None = None
     with one_blas_thread():
         if st.full and s.query_planes:
-            from device_sdk.lightfr import quantize_planes, ridge_users, snap_scale
-
-            U = ridge_users(indptr, items, np.ones(items.size), D, beta, st.current_weight, 0.0, s.user_reg)
-            q, step = quantize_planes(U, s.rank_planes or s.query_planes)
-            _, snapped = snap_scale(step, st.hamming_weight)
-            vectors = snapped[:, None] * q.astype(np.float64)
+            q, _, vectors = refreshed_vectors(
+                indptr, items, ones, D, beta, w0, 0.0, s.user_reg, s.rank_planes or s.query_planes, st.hamming_weight
+            )
             B = np.where(q > 0, 1, -1).astype(np.int8)
         elif st.full:
             B, _ = dcd_full(
                 indptr, items, np.ones(items.size), cohort.codes, D, beta, st.current_weight, 0.0, max_sweeps=10
             )
             if s.rank_planes:
-                vectors = ranking_vectors(
-                    indptr, items, D, beta, float(st.current_weight), s.rank_planes, s.rank_ridge, st.hamming_weight
+                # The SDK's default device: its vector with ridge rank_ridge·w0·m (LightFRConfig.rank_ridge).
+                _, _, vectors = refreshed_vectors(
+                    indptr, items, ones, D, beta, w0, 0.0, s.rank_ridge * w0 * m, s.rank_planes, st.hamming_weight
                 )
         else:
             B, _ = dcd_update(indptr, items, np.ones(items.size), cohort.codes, D, 0.0, max_sweeps=10)
@@ -418,29 +417,6 @@ def run_private_scaled(
         hamming_weight=int(st.hamming_weight),
         item_levels=levels,
     )
-
-
-def ranking_vectors(
-    indptr: NDArray[np.int64],
-    items: NDArray[np.int64],
-    D: NDArray[np.int8],
-    beta: NDArray[np.float64],
-    w0: float,
-    planes: int,
-    ridge: float,
-    hamming_weight: int,
-) -> NDArray[np.float64]:
-    """Δ'·q of every user's ranking vector as the SDK's default device holds it after a download
-    (`LightFRConfig.rank_planes` / `rank_ridge`): the exact vector against the item codes and biases
-    (`device_sdk.lightfr.ridge_users`, implicit targets 1, ridge ``ridge``·w0·m), kept as ``planes``
-    planes with its scale snapped to the integer score's grid; (n, f)."""
-    from device_sdk.lightfr import quantize_planes, ridge_users, snap_scale
-
-    m = D.shape[0]
-    U = ridge_users(indptr, items, np.ones(items.size), D, beta, w0, 0.0, ridge * w0 * m)
-    q, step = quantize_planes(U, planes)
-    _, snapped = snap_scale(step, hamming_weight)
-    return snapped[:, None] * q.astype(np.float64)
 
 
 def item_levels(counts: NDArray[np.float64], bits: int) -> NDArray[np.float64]:
