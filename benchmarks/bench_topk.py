@@ -34,6 +34,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from functools import partial  # noqa: E402
@@ -84,6 +85,35 @@ def _timed(fns: list[Callable[[], Any]], repeat: int, budget: float, interleave:
     return [float(np.median(ts)) for ts in times]
 
 
+def _rotating(search: Callable[..., Any], queries: Any, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+    """A call of search(queries[i : i + 1], *args, **kwargs) for i = 0, 1, ..., n − 1, 0, ... in turn."""
+    turn = itertools.count()
+
+    def call() -> Any:
+        i = next(turn) % len(queries)
+        return search(queries[i : i + 1], *args, **kwargs)
+
+    return call
+
+
+def clustered_codes(
+    m: int, n: int, f: int, rank: int, noise: float, rng: np.random.Generator
+) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
+    """(w, m) item and (n, w) user codes, the signs of z·Wᵀ + noise·√rank·e for one shared W (f, rank)
+    and z, e standard normal per item and user: bits correlated along a few directions, so that codes
+    crowd in clusters and a user's nearest items are nearer than in random codes."""
+    W = rng.standard_normal((f, rank))
+    out = []
+    for count in (m, n):
+        bits = np.empty((count, f), np.int8)
+        for s in range(0, count, 1 << 16):  # in chunks: a few MiB of floats at a time
+            e = min(count, s + (1 << 16))
+            x = rng.standard_normal((e - s, rank)) @ W.T + noise * np.sqrt(rank) * rng.standard_normal((e - s, f))
+            bits[s:e] = np.where(x > 0, 1, -1)
+        out.append(pack_signs(bits))
+    return out[0], np.ascontiguousarray(out[1].T)
+
+
 def float_topk(V: NDArray[np.float32], U: NDArray[np.float32], k: int) -> NDArray[np.int64]:
     """Top-k of U @ Vᵀ per user (argpartition + sort of the k), users in chunks of 8."""
     out = np.empty((U.shape[0], k), np.int64)
@@ -118,6 +148,21 @@ def main() -> None:
     p.add_argument("--weight", type=int, default=4)
     p.add_argument("--block-pairs", type=int, default=None, help="HammingIndex.search block size (default: its own)")
     p.add_argument("--interleave", action="store_true", help="methods take turns (cold caches) instead of back to back")
+    p.add_argument(
+        "--codes",
+        choices=["random", "clustered"],
+        default="random",
+        help="item and user codes: uniform random bits, or signs of a low-rank Gaussian model (correlated bits "
+        "in clusters, like trained codes; see --rank and --noise)",
+    )
+    p.add_argument("--rank", type=int, default=8, help="--codes clustered: rank of the Gaussian model")
+    p.add_argument("--noise", type=float, default=0.5, help="--codes clustered: noise beside the low-rank part")
+    p.add_argument(
+        "--rotate-users",
+        action="store_true",
+        help="one-user calls take the next of the --batch users each time (all methods alike), so that no call "
+        "finds the previous call's data in cache; by default every call ranks the same user",
+    )
     p.add_argument("--batch-only", action="store_true")
     p.add_argument("--single-only", action="store_true")
     p.add_argument("--planes", type=int, nargs="+", default=None, help="time bit-plane (asymmetric) top-k for these P")
@@ -141,12 +186,15 @@ def main() -> None:
     mode = " (interleaved)" if args.interleave else ""
     print(f"top-{k}, f = {f}, one core, median of up to {args.repeat} runs{mode}; load average {os.getloadavg()}")
     print(f"{'items':>9} {'users/call':>10} {'method':<26} {'CPU ms':>9} {'G items/s':>9} {'vs faiss':>8}")
+    print(f"codes: {args.codes}" + (f" (rank {args.rank}, noise {args.noise})" if args.codes == "clustered" else ""))
     for m in args.sizes:
-        words = rng.integers(0, 2**64, size=(w, m), dtype=np.uint64, endpoint=False)
+        if args.codes == "clustered":
+            words, users = clustered_codes(m, args.batch, f, args.rank, args.noise, rng)
+        else:
+            words = rng.integers(0, 2**64, size=(w, m), dtype=np.uint64, endpoint=False)
+            users = rng.integers(0, 2**64, size=(args.batch, w), dtype=np.uint64, endpoint=False)
         if f % 64:
             words[-1] &= np.uint64((1 << (f % 64)) - 1)
-        users = rng.integers(0, 2**64, size=(args.batch, w), dtype=np.uint64, endpoint=False)
-        if f % 64:
             users[:, -1] &= np.uint64((1 << (f % 64)) - 1)
         levels = zipf_levels(m, args.levels, rng)
         plain = HammingIndex(words, f)
@@ -171,6 +219,13 @@ def main() -> None:
                 (f"fedrec + item term (B={args.weight})", partial(termed.search, uu, k, rng, **blk)),
                 ("float32 d=32 inner prod", partial(float_topk, V, UU, k)),
             ]
+            if n_users == 1 and args.rotate_users:
+                runs = [
+                    ("faiss IndexBinaryFlat", _rotating(index.search, q, k)),
+                    ("fedrec hamming", _rotating(plain.search, users, k, rng, **blk)),
+                    (f"fedrec + item term (B={args.weight})", _rotating(termed.search, users, k, rng, **blk)),
+                    ("float32 d=32 inner prod", _rotating(partial(float_topk, V), U, k)),
+                ]
             seconds = _timed([fn for _, fn in runs], args.repeat, args.budget, args.interleave)
             for (name, _), t in zip(runs, seconds, strict=True):
                 print(

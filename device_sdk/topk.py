@@ -16,6 +16,10 @@ Invariants:
   highest first: a block's items then all have level ≤ the level of its first item, so
   dist ≤ (τ − (L − level_first)) // B is a necessary condition checked on the raw distances, and the
   scan stops once no user can take any item of the remaining (lower-level) blocks.
+- One user's search of a large f = 64 catalogue does not scan: it probes multi-index hashing tables
+  (`_SubstringTables`, built on the first such search) for the buckets that must hold every item at
+  or below a threshold, and falls back to the scan when the bucket counts say that would cost too
+  much (dense buckets of clustered codes).  The candidates are the same set the scan would keep.
 - Excluded items (already rated, filtered) are removed only at the end; the threshold counts
   k + |excluded| items per user, which is still an upper bound on the k-th eligible cost.
 - Ties at the k-th score are broken uniformly at random with the caller's generator (or by the lower
@@ -25,6 +29,8 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import functools
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -63,6 +69,23 @@ _PLANE_GROUP = 16
 # Items per block of a single-user plane scan (its per-block calls weigh more than the cache misses).
 _PLANE_ITEMS = 1 << 18
 _PLANE_ROW_ITEMS = 256
+# One user's exact multi-index (substring) search, f = 64 only (see `_SubstringTables`): catalogues from
+# _MIH_MIN items (below, the linear scan is as fast), at most _MIH_GROUPS level groups with their own
+# tables (groups under _MIH_GROUP_MIN items are scanned), a first probe at radius _MIH_FIRST_RADIUS in
+# every substring, the first threshold tried is where the first probe's estimate reaches _MIH_MARGIN·kk
+# items, and the linear scan is taken once the candidates (with repeats) would exceed _MIH_FALLBACK·m.
+_MIH_MIN = 1 << 18
+_MIH_GROUPS = 4
+_MIH_GROUP_MIN = 1 << 16
+_MIH_FIRST_RADIUS = 2
+_MIH_MARGIN = 0.5
+_MIH_FALLBACK = 0.125
+_MIH_ROUNDS = 4
+_SUB_BITS = 16  # 4 substrings of 16 bits
+_SUB_N = 1 << _SUB_BITS
+# Every 16-bit mask, by popcount; the masks of popcount < r are _MASKS[: _MASK_AT[r]].
+_MASKS = np.argsort(np.bitwise_count(np.arange(_SUB_N, dtype=np.uint16)), kind="stable").astype(np.int32)
+_MASK_AT = np.concatenate(([0], np.cumsum(np.bincount(np.bitwise_count(np.arange(_SUB_N, dtype=np.uint16)))))).tolist()
 # The score of a padded slot of a batched plane search (no item there), and the largest cost.
 PLANE_PAD = np.iinfo(np.int64).min
 _COST_MAX = np.iinfo(np.int64).max
@@ -151,6 +174,8 @@ class HammingIndex:
         "_lift_runs",
         "_vmax",
         "_rem",
+        "_mih",
+        "_mih_lock",
     )
 
     _score_table: NDArray[np.int32] | None  # score of every cost, when the costs are few
@@ -158,6 +183,7 @@ class HammingIndex:
     _vmax: int  # the largest dist + q
     _lift: NDArray[np.unsignedinteger[Any]] | None  # the item term in whole bits, along the scan
     _lift_runs: tuple[list[int], list[int]]  # where each run of equal q starts along the scan, and its q
+    _mih: _SubstringTables | None  # built on the first single-user search that takes it
 
     def __init__(
         self,
@@ -178,6 +204,7 @@ class HammingIndex:
         self._words = words
         self._dt: type[np.unsignedinteger] = np.uint8 if f < 256 else np.uint16
         self._local = threading.local()
+        self._mih, self._mih_lock = None, threading.Lock()
         lv = None if levels is None else _check_levels(levels, self.m)
         if lv is None or (lv.size and lv.min() == lv.max()):
             # A constant item term does not change the ranking: scan the codes as they are.
@@ -269,7 +296,9 @@ class HammingIndex:
             extra = [0] * n if exclude is None else [0 if e is None else len(e) for e in exclude]
             if n == 1:
                 seg = _SEGMENT if block_pairs is None else max(int(block_pairs), 1)
-                one_ids, one_cost = self._scan_one(users[0], min(k + extra[0], self.m), seg)
+                kk1 = min(k + extra[0], self.m)
+                found = self._substring_one(users[0], kk1) if self._substring_ok() else None
+                one_ids, one_cost = found if found is not None else self._scan_one(users[0], kk1, seg)
                 return self._select_one(one_ids, one_cost, k, excl, rng)
             kk = np.minimum(k + np.asarray(extra, dtype=np.int64), self.m)
             rows, ids, cost = self._scan(users, kk, _BLOCK_PAIRS if block_pairs is None else max(int(block_pairs), 1))
@@ -561,6 +590,13 @@ class HammingIndex:
             start = stop
         pos = pos_l[0] if len(pos_l) == 1 else np.concatenate(pos_l)
         val = val_l[0] if len(val_l) == 1 else np.concatenate(val_l)
+        return self._costs_one(pos, val, kk)
+
+    def _costs_one(
+        self, pos: NDArray[Any], val: NDArray[Any], kk: int
+    ) -> tuple[NDArray[np.int64], NDArray[np.integer]]:
+        """Item ids and costs of one user's candidates, given by scan position and value v = dist + q
+        (distinct items, holding every item whose v is at most the kk-th smallest)."""
         if pos.size > 8 * kk + 256:
             # Only the candidates at or below the exact kk-th value go on to the costs and the selection.
             keep = (val <= np.partition(val, kk - 1)[kk - 1]).nonzero()[0]
@@ -570,7 +606,142 @@ class HammingIndex:
             cost: NDArray[np.integer] = val
         else:
             cost = val.astype(rem.dtype) * rem.dtype.type(self.weight) + rem[pos]  # B·v + r
-        return (pos if self._order is None else self._order[pos]), cost
+        return (pos.astype(np.int64, copy=False) if self._order is None else self._order[pos]), cost
+
+    def _substring_ok(self) -> bool:
+        """Whether one user's search takes the substring tables: f = 64 and a large catalogue."""
+        return self.f == 64 and self.m >= _MIH_MIN and 4 * self.m < 1 << 31
+
+    def _substring_tables(self) -> _SubstringTables:
+        if self._mih is None:
+            with self._mih_lock:
+                if self._mih is None:
+                    self._mih = _SubstringTables(self._sorted[0], self._lift, self._lift_runs)
+        return self._mih
+
+    def _substring_buffers(self, cap: int) -> tuple[NDArray[np.int64], NDArray[np.uint64], NDArray[np.uint8]]:
+        """The substring search's buffers (entry indices, codes, distances of up to ``cap`` finds),
+        kept per thread: fresh ones would cost their page faults on every search."""
+        held = getattr(self._local, "mih_buffers", None)
+        if held is None or held[0].size < cap:
+            held = (np.empty(cap, np.int64), np.empty(cap, np.uint64), np.empty(cap, np.uint8))
+            self._local.mih_buffers = held
+        return held
+
+    def _substring_one(self, user: NDArray[np.uint64], kk: int) -> tuple[NDArray[np.int64], NDArray[np.integer]] | None:
+        """`_scan_one` by multi-index hashing (see `_SubstringTables`), or None when the probes would
+        cost more than a fraction of the linear scan (the caller then scans).
+
+        It looks for the smallest T such that at least kk distinct items of v = dist + q <= T were
+        found while the buckets probed guarantee that every item with v <= T was: the kk-th smallest v
+        of the catalogue is then <= T and every item at or below it is a candidate.  Round 1 probes
+        every table at radius _MIH_FIRST_RADIUS; its finds, each weighted by the inverse of how often an
+        item at its distance is found (`_found_weights`), estimate how many items the catalogue holds
+        at each v, and the first T tried is where that estimate reaches _MIH_MARGIN·kk.  T then grows
+        by one a round, for at most _MIH_ROUNDS rounds; the items found with v above the last T it may
+        reach are dropped as they are found.  Small level groups are scanned."""
+        tb = self._substring_tables()
+        buffers = self._substring_buffers(int(_MIH_FALLBACK * self.m) + 1)
+        word = user[0]
+        quarters = [(int(word) >> (_SUB_BITS * j)) & (_SUB_N - 1) for j in range(4)]
+        vmax, budget, lift = self._vmax, int(_MIH_FALLBACK * self.m), self._lift
+        ng, r1 = len(tb.group_q), _MIH_FIRST_RADIUS
+        if ng == 0:
+            return None  # every level group is small: the scan is the search
+        est = np.zeros(vmax + 66)  # estimated items per value v (found ones weighted, scanned ones exact)
+        # The scanned (small) level groups: every item's exact value.
+        scanned = []
+        for a, b in tb.linear:
+            v = np.bitwise_count(self._sorted[0, a:b] ^ word)
+            if lift is not None:
+                v = v + lift[a:b]
+            est[: vmax + 1] += np.bincount(v, minlength=vmax + 1)
+            scanned.append((a, v))
+        first, count = tb.probe(quarters, list(range(4 * ng)), [0] * (4 * ng), [r1 + 1] * (4 * ng))
+        spent = int(count.sum())
+        if spent > budget:
+            return None
+        ends = np.cumsum(count.reshape(ng, -1).sum(axis=1)).tolist()  # the groups' ends in the finds
+        idx, dist = tb.expand(word, first, count, spent, buffers)
+        weights = _found_weights(r1)
+        for g, q in enumerate(tb.group_q):
+            lo, hi = (0 if g == 0 else ends[g - 1]), ends[g]
+            est[q : q + 65] += np.bincount(dist[lo:hi], weights=weights[dist[lo:hi]], minlength=65)
+        reach = np.flatnonzero(np.cumsum(est) >= _MIH_MARGIN * kk)
+        T = min(vmax, int(reach[0]) if reach.size else vmax)
+        cap = T + _MIH_ROUNDS - 1  # the largest T tried: no value above it is kept
+        pos_l: list[NDArray[Any]] = []
+        val_l: list[NDArray[Any]] = []
+        for a, v in scanned:
+            keep = np.flatnonzero(v <= cap)
+            pos_l.append(keep + a)
+            val_l.append(v[keep])
+        self._substring_finds(tb, idx, dist, ends, cap, pos_l, val_l)
+        radius = [r1] * (4 * ng)
+        for _ in range(_MIH_ROUNDS):
+            # The radii that find every item of v <= T: group g needs dist <= T − q_g, so radii r_j with
+            # Σ (r_j + 1) = T − q_g + 1 (-1: that substring is not probed).
+            want = []
+            for q in tb.group_q:
+                e = max(T - q + 1, 0)
+                want += [min(e // 4 - 1 + (j < e % 4), _SUB_BITS) for j in range(4)]
+            grow = [t for t in range(4 * ng) if want[t] > radius[t]]
+            if grow:
+                first, count = tb.probe(quarters, grow, [radius[t] + 1 for t in grow], [want[t] + 1 for t in grow])
+                n = int(count.sum())
+                spent += n
+                if spent > budget:
+                    return None
+                if n:
+                    per = np.bincount(
+                        np.repeat(
+                            np.asarray(grow) // 4, [_MASK_AT[want[t] + 1] - _MASK_AT[radius[t] + 1] for t in grow]
+                        ),
+                        weights=count,
+                        minlength=ng,
+                    )
+                    idx, dist = tb.expand(word, first, count, n, buffers)
+                    self._substring_finds(tb, idx, dist, np.cumsum(per).astype(np.int64).tolist(), cap, pos_l, val_l)
+                for t in grow:
+                    radius[t] = want[t]
+            pos = np.concatenate(pos_l)
+            val = np.concatenate(val_l)
+            pos_l, val_l = [pos], [val]
+            sel = np.flatnonzero(val <= T)
+            if sel.size >= kk:
+                ids, at = np.unique(pos[sel], return_index=True)  # an item found in several tables counts once
+                if ids.size >= kk:
+                    return self._costs_one(ids, val[sel[at]], kk)
+            T += 1
+        return None
+
+    def _substring_finds(
+        self,
+        tb: _SubstringTables,
+        idx: NDArray[np.int64],
+        dist: NDArray[np.uint8],
+        ends: list[int],
+        cap: int,
+        pos_l: list[NDArray[Any]],
+        val_l: list[NDArray[Any]],
+    ) -> None:
+        """Append the scan positions and exact values v <= ``cap`` of the finds (table entries ``idx``
+        at distances ``dist``, group by group: group g's end at ``ends[g]``) to the lists."""
+        lo = 0
+        for g, q in enumerate(tb.group_q):
+            hi = ends[g]
+            if hi > lo and cap >= q:
+                hit = np.flatnonzero(dist[lo:hi] <= min(cap - q, self.f))  # v >= dist + q_g: a first cut
+                if hit.size:
+                    pos = tb.pos.take(idx[lo + hit])
+                    val = dist[lo + hit]
+                    if self._lift is not None:
+                        val = val + self._lift[pos]
+                        ok = np.flatnonzero(val <= cap)
+                        pos, val = pos[ok], val[ok]
+                    pos_l.append(pos)
+                    val_l.append(val)
+            lo = hi
 
     def _hits(
         self,
@@ -1284,3 +1455,125 @@ def topk_hamming(
     )
     ok = ids[0] >= 0
     return ids[0, ok], (f - scores[0, ok]).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=8)
+def _found_weights(radius: int) -> NDArray[np.float64]:
+    """Per distance d (0..64), 1 / E[number of the 4 substrings of an item at distance d that lie
+    within ``radius`` of the query's]: the d differing bits fall on the 64 positions uniformly (the
+    model of random codes), so each substring holds a hypergeometric share of them.  Weighting each
+    probed occurrence by it estimates how many items of each distance the catalogue holds (0 where
+    no such item can be found)."""
+    out = np.zeros(65)
+    for d in range(65):
+        p = sum(math.comb(16, x) * math.comb(48, d - x) for x in range(0, min(radius, d) + 1) if d - x <= 48)
+        mult = 4 * p / math.comb(64, d)
+        out[d] = 1.0 / mult if mult > 0 else 0.0
+    return out
+
+
+class _SubstringTables:
+    """Multi-index hashing tables of a HammingIndex's codes (f = 64, Norouzi et al.'s substring search).
+
+    The 64-bit code is cut into 4 substrings of 16 bits.  By pigeonhole, an item within Hamming
+    distance D of the query has, for any radii r_0..r_3 with Σ (r_j + 1) = D + 1, some substring j
+    within r_j of the query's substring j.  So probing every bucket within r_j of the query in table j
+    finds every item within D.
+
+    The scan order (codes sorted by level) is cut into at most _MIH_GROUPS level groups, each starting
+    where one of the largest runs of equal q = (L − level) // B starts.  An item of group g has
+    v = dist + q >= dist + q_g (q_g the q of the group's first item), so v <= T needs dist <= T − q_g:
+    each group is probed with its own radii.  Groups under _MIH_GROUP_MIN items are scanned instead.
+
+    For each table (group g, substring j) the group's items are held sorted by that substring's value
+    (stable, so by scan position within a bucket): their codes (8 bytes) and scan positions (4), 12
+    bytes an item and table, 48 an item in all, plus 4 × 65537 int32 offsets per group.
+    Built once per index, on its first single-user search (the index is immutable)."""
+
+    __slots__ = ("off", "codes", "pos", "group_q", "linear", "nbytes")
+
+    def __init__(
+        self,
+        words: NDArray[np.uint64],
+        lift: NDArray[np.unsignedinteger[Any]] | None,
+        runs: tuple[list[int], list[int]],
+    ) -> None:
+        m = words.size
+        if lift is None:
+            bounds = [0]
+        else:
+            run_at = runs[0]
+            sizes = np.diff(np.asarray(run_at + [m], dtype=np.int64))
+            big = np.argsort(-sizes, kind="stable")[:_MIH_GROUPS]
+            bounds = sorted({0, *(run_at[i] for i in big.tolist())})
+        spans = list(zip(bounds, [*bounds[1:], m], strict=True))
+        groups = [(a, b) for a, b in spans if b - a >= _MIH_GROUP_MIN]
+        self.linear: list[tuple[int, int]] = []
+        for a, b in spans:
+            if b - a >= _MIH_GROUP_MIN:
+                continue
+            if self.linear and self.linear[-1][1] == a:
+                a = self.linear.pop()[0]  # adjacent scanned groups: one range
+            self.linear.append((a, b))
+        self.group_q = [0 if lift is None else int(lift[a]) for a, _ in groups]
+        total = 4 * sum(b - a for a, b in groups)
+        self.off = np.empty((4 * len(groups), _SUB_N + 1), np.int32)
+        self.codes = np.empty(total, np.uint64)
+        self.pos = np.empty(total, np.uint32)
+        base = 0
+        for g, (a, b) in enumerate(groups):
+            seg = words[a:b]
+            for j in range(4):
+                key = ((seg >> np.uint64(_SUB_BITS * j)) & np.uint64(_SUB_N - 1)).astype(np.uint16)
+                perm = np.argsort(key, kind="stable")  # 16-bit keys: numpy's radix sort
+                row = self.off[4 * g + j]
+                row[0] = 0
+                np.cumsum(np.bincount(key, minlength=_SUB_N), out=row[1:])
+                row += base
+                n = b - a
+                self.codes[base : base + n] = seg[perm]
+                self.pos[base : base + n] = perm + a
+                base += n
+        self.nbytes = self.off.nbytes + self.codes.nbytes + self.pos.nbytes
+
+    def probe(
+        self, quarters: list[int], tables: list[int], lo: list[int], hi: list[int]
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """(first entry, entries) of every bucket of table t within popcount [lo, hi) of the query's
+        substring, for each listed table t in turn."""
+        flat = np.concatenate(
+            [
+                (_MASKS[_MASK_AT[a] : _MASK_AT[b]] ^ quarters[t % 4]) + t * (_SUB_N + 1)
+                for t, a, b in zip(tables, lo, hi, strict=True)
+            ]
+        )
+        off = self.off.ravel()
+        first = off[flat].astype(np.int64)
+        return first, off[flat + 1] - first
+
+    def expand(
+        self,
+        word: np.uint64,
+        first: NDArray[np.int64],
+        count: NDArray[np.int64],
+        total: int,
+        buffers: tuple[NDArray[np.int64], NDArray[np.uint64], NDArray[np.uint8]],
+    ) -> tuple[NDArray[np.int64], NDArray[np.uint8]]:
+        """The entries of the given buckets (``total`` of them, repeats across tables included), in
+        bucket order: their entry indices and their distances to the query, written into the first
+        ``total`` slots of ``buffers`` (entry indices, codes, distances) and returned as views."""
+        nz = count.nonzero()[0]
+        if nz.size < count.size:
+            first, count = first[nz], count[nz]
+        ib, cb, db = buffers
+        idx, codes, dist = ib[:total], cb[:total], db[:total]
+        # The entry indices as a running sum of steps: +1 within a bucket, a jump to each bucket's first.
+        idx.fill(1)
+        step = first.copy()
+        step[1:] -= first[:-1] + count[:-1] - 1
+        idx[np.cumsum(count) - count] = step
+        np.cumsum(idx, out=idx)
+        np.take(self.codes, idx, out=codes, mode="clip")  # in range by construction: no check
+        np.bitwise_xor(codes, word, out=codes)
+        np.bitwise_count(codes, out=dist)
+        return idx, dist

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -728,3 +730,222 @@ def test_plane_search_with_the_byte_bound_is_the_reference_ranking() -> None:
             ids, scores = index.search_planes(planes, a, 25, None, exclude=excl, block=block)
             want = _reference_ranking(ref, 25, excl)
             assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])
+
+
+def _substring_sizes(**sizes: float) -> Any:
+    """The substring (multi-index) search's sizes patched down, so that small catalogues take it."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    from device_sdk import topk
+
+    stack = ExitStack()
+    for name, value in {"_MIH_MIN": 1, "_MIH_GROUP_MIN": 16, **sizes}.items():
+        stack.enter_context(mock.patch.object(topk, name, value))
+    return stack
+
+
+def _clustered_codes(rng: np.random.Generator, m: int, n_centres: int, flip: float) -> np.ndarray:
+    base = random_signs(n_centres, 64, rng)
+    D = base[rng.integers(0, n_centres, m)]
+    return np.where(rng.random(D.shape) < flip, -D, D).astype(np.int8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    m=st.integers(1, 2500),
+    n_levels=st.sampled_from([0, 2, 16, 256]),
+    weight=st.sampled_from([1, 2, 4]),
+    k=st.integers(1, 40),
+    n_excl=st.integers(0, 6),
+    shape=st.sampled_from(["random", "clustered", "tight", "far"]),
+    radius=st.sampled_from([0, 1, 2]),
+    margin=st.sampled_from([0.01, 0.5, 3.0]),
+    rounds=st.sampled_from([2, 80, 80, 80]),
+    fallback=st.sampled_from([0.3, 8.0, 8.0, 8.0]),
+    group_min=st.sampled_from([1, 16, 400]),
+)
+def test_substring_search_is_the_reference_ranking(
+    seed: int,
+    m: int,
+    n_levels: int,
+    weight: int,
+    k: int,
+    n_excl: int,
+    shape: str,
+    radius: int,
+    margin: float,
+    rounds: int,
+    fallback: float,
+    group_min: int,
+) -> None:
+    """One user's multi-index search (f = 64) with its sizes patched down: every catalogue size from
+    one item, random codes, clustered ones (many exact ties, repeats across the 4 substrings, dense
+    buckets that take the fallback), a user far from every item, levels (level groups scanned or
+    indexed), exclusions, k above what is left; a first radius of 0-2, a first threshold far too low
+    (``margin`` 0.01: T grows round by round) or high, and rounds and a fallback budget that end the
+    search early.  Ranking (rng=None) and scores (random ties) are the reference's."""
+    rng = np.random.default_rng(seed)
+    if shape == "random":
+        D = random_signs(m, 64, rng)
+    else:
+        D = _clustered_codes(rng, m, 3, 0.02 if shape == "tight" else 0.1)
+    u = -D[0] if shape == "far" else random_signs(1, 64, rng)[0] if shape == "random" else D[-1]
+    levels = None if n_levels == 0 else rng.integers(0, n_levels, m).astype(np.uint8)
+    ref = _reference_scores(u[None, :], D, levels, weight)[0]
+    excl = rng.choice(m, min(n_excl, m), replace=False)
+    with _substring_sizes(
+        _MIH_FIRST_RADIUS=radius,
+        _MIH_MARGIN=margin,
+        _MIH_ROUNDS=rounds,
+        _MIH_FALLBACK=fallback,
+        _MIH_GROUP_MIN=group_min,
+    ):
+        index = HammingIndex(pack_signs(D), 64, levels, weight)
+        found = index._substring_one(pack_user(u), min(k + excl.size, m))
+        if found is not None:
+            ids, cost = found
+            assert np.unique(ids).size == ids.size  # an item found in several substrings counts once
+            kth = np.sort(ref[np.setdiff1d(np.arange(m), [])])[::-1][min(k + excl.size, m) - 1]
+            assert set(np.flatnonzero(ref >= kth)) <= set(ids.tolist())
+        ids, scores = index.search(pack_user(u), k, None, exclude=[excl])
+        want = _reference_ranking(ref, k, excl)
+        assert np.array_equal(ids[0, : want.size], want) and np.all(ids[0, want.size :] == -1)
+        assert np.array_equal(scores[0, : want.size], ref[want])
+        ids, scores = index.search(pack_user(u), k, rng, exclude=[excl])
+        assert np.array_equal(scores[0, : want.size], ref[want]) and np.array_equal(ref[ids[0, : want.size]], ref[want])
+        assert np.unique(ids[0, : want.size]).size == want.size and not np.isin(ids[0], excl).any()
+
+
+def _count_rounds(index: HammingIndex, user: np.ndarray, kk: int) -> tuple[Any, int]:
+    """The substring search's answer and how many times it gathered finds (round 1 is one)."""
+    from unittest import mock
+
+    from device_sdk import topk
+
+    real = topk._SubstringTables.expand
+    calls = []
+
+    def counted(self: Any, *args: Any) -> Any:
+        calls.append(args[3])
+        return real(self, *args)
+
+    with mock.patch.object(topk._SubstringTables, "expand", counted):
+        out = index._substring_one(user, kk)
+    return out, len(calls)
+
+
+def test_substring_search_grows_its_threshold_round_by_round() -> None:
+    """A first threshold far too low (the estimate asked for 0.01 items): T grows by one a round until
+    kk distinct items are found under a complete probe; the answer is the linear scan's, and it stops
+    (the linear scan is taken) when the rounds run out."""
+    rng = np.random.default_rng(5)
+    m = 4000
+    D = random_signs(m, 64, rng)
+    levels = rng.integers(0, 16, m).astype(np.uint8)
+    for lv in (None, levels):
+        ref_index = HammingIndex(pack_signs(D), 64, lv, 4)
+        with _substring_sizes(_MIH_MARGIN=0.01, _MIH_FIRST_RADIUS=2, _MIH_ROUNDS=80, _MIH_FALLBACK=8.0):
+            index = HammingIndex(pack_signs(D), 64, lv, 4)
+            for u in random_signs(3, 64, rng):
+                ref = _reference_scores(u[None, :], D, lv, 4)[0]
+                found, rounds = _count_rounds(index, pack_user(u), 12)
+                assert found is not None and rounds >= 3  # round 1, then T grew at least twice
+                ids, scores = index.search(pack_user(u), 12, None)
+                want = _reference_ranking(ref, 12, None)
+                assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
+                assert np.array_equal(ref_index.search(pack_user(u), 12, None)[0], ids)
+        with _substring_sizes(_MIH_MARGIN=0.01, _MIH_FIRST_RADIUS=2, _MIH_ROUNDS=2, _MIH_FALLBACK=8.0):
+            index = HammingIndex(pack_signs(D), 64, lv, 4)
+            u = random_signs(1, 64, rng)[0]
+            assert _count_rounds(index, pack_user(u), 12)[0] is None
+            ref = _reference_scores(u[None, :], D, lv, 4)[0]
+            want = _reference_ranking(ref, 12, None)
+            assert np.array_equal(index.search(pack_user(u), 12, None)[0][0], want)
+
+
+def test_substring_search_falls_back_to_the_scan_on_dense_buckets() -> None:
+    """Codes in two tight clusters and a user inside one: the probes would find most of the catalogue,
+    so the search gives up before gathering (the bucket counts say so) and the linear scan answers."""
+    rng = np.random.default_rng(9)
+    m = 5000
+    D = _clustered_codes(rng, m, 2, 0.01)
+    levels = rng.integers(0, 4, m).astype(np.uint8)
+    with _substring_sizes(_MIH_GROUP_MIN=64):
+        index = HammingIndex(pack_signs(D), 64, levels, 2)
+        for inside, u in ((True, D[0]), (True, D[1]), (False, -D[2])):
+            ref = _reference_scores(u[None, :], D, levels, 2)[0]
+            found, rounds = _count_rounds(index, pack_user(u), 10)
+            # Inside a cluster nothing is gathered (the first probe's counts are enough to give up); the
+            # user opposite to both clusters gathers the few first finds, then the needed radius is too large.
+            assert found is None and rounds == (0 if inside else 1)
+            ids, scores = index.search(pack_user(u), 10, None)
+            want = _reference_ranking(ref, 10, None)
+            assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
+    with _substring_sizes(_MIH_GROUP_MIN=64, _MIH_FALLBACK=8.0, _MIH_ROUNDS=80):
+        # Without the budget, the same searches answer, and exactly: it was the budget that gave up.
+        index = HammingIndex(pack_signs(D), 64, levels, 2)
+        for u in (D[0], D[1], -D[2]):
+            ref = _reference_scores(u[None, :], D, levels, 2)[0]
+            ids, cost = index._substring_one(pack_user(u), 10)
+            assert np.sort(ref[ids])[::-1][9] == np.sort(ref)[::-1][9]
+
+
+@pytest.mark.parametrize("lv", [None, 3])
+def test_substring_search_at_the_pigeonhole_bound_and_substring_edges(lv: int | None) -> None:
+    """Items at distance d from the user, their d flipped bits spread as evenly as the pigeonhole
+    allows over the 4 substrings and placed on the substrings' edges (bits 0, 15, 16, 31, 32, 47, 48,
+    63 first): each substring then differs in about d/4 bits, the largest radius that still finds
+    them.  The nearest items must all be found, with the rest of the catalogue random and far."""
+    rng = np.random.default_rng(21)
+    m = 3000
+    u = random_signs(1, 64, rng)[0]
+    D = random_signs(m, 64, rng)
+    edges = [0, 15, 16, 31, 32, 47, 48, 63, 1, 14, 17, 30, 33, 46, 49, 62, 2, 13, 18, 29, 34, 45, 50, 61]
+    near = {}
+    for i, d in enumerate(range(4, 24)):
+        item = 5 + 37 * i
+        D[item] = u
+        D[item, edges[:d]] *= -1
+        near[item] = d
+    levels = None if lv is None else rng.integers(0, 16, m).astype(np.uint8)
+    for k in (1, 5, 10, 20):
+        ref = _reference_scores(u[None, :], D, levels, 4)[0]
+        want = _reference_ranking(ref, k, None)
+        for radius, margin in ((0, 0.01), (2, 0.5), (1, 3.0)):
+            with _substring_sizes(_MIH_FIRST_RADIUS=radius, _MIH_MARGIN=margin, _MIH_ROUNDS=80, _MIH_FALLBACK=8.0):
+                index = HammingIndex(pack_signs(D), 64, levels, 4)
+                assert index._substring_one(pack_user(u), k) is not None
+                ids, scores = index.search(pack_user(u), k, None)
+                assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
+    assert all(hamming_distances_reference(u, D[i : i + 1])[0] == d for i, d in near.items())
+
+
+def test_substring_search_breaks_ties_uniformly_at_random() -> None:
+    """Exact ties through the substring search: 30 items at the user's code, found 4 times each (once
+    per substring), and the rest far; k = 3 of the 30 tied (and, with the item term, 6 tied of 12 at
+    the top level).  Over 3000 draws each tied item is chosen about equally often (the draw is over the
+    distinct tied items, each once), and no other item ever is."""
+    rng = np.random.default_rng(3)
+    m = 2000
+    u = random_signs(1, 64, rng)[0]
+    D = random_signs(m, 64, rng)
+    tied = rng.choice(m, 30, replace=False)
+    D[tied] = u
+    levels = np.zeros(m, np.uint8)
+    levels[tied[:12]] = 9
+    for lv, k, pool in ((None, 3, tied), (levels, 6, tied[:12])):
+        with _substring_sizes():
+            index = HammingIndex(pack_signs(D), 64, lv, 4)
+            assert index._substring_one(pack_user(u), k) is not None
+            counts = np.zeros(m)
+            draw = np.random.default_rng(11)
+            for _ in range(3000):
+                ids, _ = index.search(pack_user(u), k, draw)
+                counts[ids[0]] += 1
+        expect = 3000 * k / pool.size
+        assert counts.sum() == 3000 * k and set(np.flatnonzero(counts)) == set(pool.tolist())
+        # Binomial(3000, k/|pool|) counts: 4.5 sigma either side.
+        sigma = np.sqrt(3000 * (k / pool.size) * (1 - k / pool.size))
+        assert np.all(np.abs(counts[pool] - expect) < 4.5 * sigma)
