@@ -75,12 +75,13 @@ _PLANE_ROW_ITEMS = 256
 # every substring, the first threshold tried is where the first probe's estimate reaches _MIH_MARGIN·kk
 # items, and the linear scan is taken once the candidates (with repeats) would exceed _MIH_FALLBACK·m.
 _MIH_MIN = 1 << 18
-_MIH_GROUPS = 4
+_MIH_GROUPS = 3
 _MIH_GROUP_MIN = 1 << 16
 _MIH_FIRST_RADIUS = 2
 _MIH_MARGIN = 0.5
 _MIH_FALLBACK = 0.125
 _MIH_ROUNDS = 4
+_MIH_REACH = 4  # how far above its last step T may jump in its last round (see `_substring_one`)
 _SUB_BITS = 16  # 4 substrings of 16 bits
 _SUB_N = 1 << _SUB_BITS
 # Every 16-bit mask, by popcount; the masks of popcount < r are _MASKS[: _MASK_AT[r]].
@@ -629,8 +630,8 @@ class HammingIndex:
         return held
 
     def _substring_one(self, user: NDArray[np.uint64], kk: int) -> tuple[NDArray[np.int64], NDArray[np.integer]] | None:
-        """`_scan_one` by multi-index hashing (see `_SubstringTables`), or None when the probes would
-        cost more than a fraction of the linear scan (the caller then scans).
+        """`_scan_one` by multi-index hashing (see `_SubstringTables`), or None when it gives up for the
+        linear scan (the caller then scans).
 
         It looks for the smallest T such that at least kk distinct items of v = dist + q <= T were
         found while the buckets probed guarantee that every item with v <= T was: the kk-th smallest v
@@ -638,72 +639,97 @@ class HammingIndex:
         every table at radius _MIH_FIRST_RADIUS; its finds, each weighted by the inverse of how often an
         item at its distance is found (`_found_weights`), estimate how many items the catalogue holds
         at each v, and the first T tried is where that estimate reaches _MIH_MARGIN·kk.  T then grows
-        by one a round, for at most _MIH_ROUNDS rounds; the items found with v above the last T it may
-        reach are dropped as they are found.  Small level groups are scanned."""
+        by one a round, for at most _MIH_ROUNDS rounds (then None); before the last one it jumps to the
+        kk-th smallest value of the distinct items found so far, when there are kk of them (that value
+        bounds the catalogue's kk-th, so the last round's check holds).  The items found with v above
+        the last T it may reach (cap) are dropped as they are found.  Small level groups are scanned, and so is a
+        group whose probes (their bucket counts say so before any gathering) would find more than
+        _MIH_FALLBACK of its items; when that group holds half the catalogue or more, None."""
         tb = self._substring_tables()
-        buffers = self._substring_buffers(int(_MIH_FALLBACK * self.m) + 1)
-        word = user[0]
-        quarters = [(int(word) >> (_SUB_BITS * j)) & (_SUB_N - 1) for j in range(4)]
-        vmax, budget, lift = self._vmax, int(_MIH_FALLBACK * self.m), self._lift
-        ng, r1 = len(tb.group_q), _MIH_FIRST_RADIUS
+        ng = len(tb.group_q)
         if ng == 0:
             return None  # every level group is small: the scan is the search
+        word = user[0]
+        quarters = [(int(word) >> (_SUB_BITS * j)) & (_SUB_N - 1) for j in range(4)]
+        vmax, r1 = self._vmax, _MIH_FIRST_RADIUS
+        limit = [int(_MIH_FALLBACK * (b - a)) for a, b in tb.spans]  # finds a group may gather
+        buffers = self._substring_buffers(max(limit) + 1)
         est = np.zeros(vmax + 66)  # estimated items per value v (found ones weighted, scanned ones exact)
-        # The scanned (small) level groups: every item's exact value.
-        scanned = []
+        scanned: list[tuple[int, NDArray[Any]]] = []
+        occ = np.zeros(vmax + 66, np.int64)  # round 1's finds by a bound on v, each occurrence counted
         for a, b in tb.linear:
-            v = np.bitwise_count(self._sorted[0, a:b] ^ word)
-            if lift is not None:
-                v = v + lift[a:b]
-            est[: vmax + 1] += np.bincount(v, minlength=vmax + 1)
+            v = self._range_values(word, a, b)
+            c = np.bincount(v, minlength=vmax + 1)
+            est[: vmax + 1] += c
+            occ[: vmax + 1] += c
             scanned.append((a, v))
-        first, count = tb.probe(quarters, list(range(4 * ng)), [0] * (4 * ng), [r1 + 1] * (4 * ng))
-        spent = int(count.sum())
-        if spent > budget:
-            return None
-        ends = np.cumsum(count.reshape(ng, -1).sum(axis=1)).tolist()  # the groups' ends in the finds
-        idx, dist = tb.expand(word, first, count, spent, buffers)
+        radius = [-1] * (4 * ng)
+        spent = [0] * ng
+        live = list(range(ng))  # the groups still probed (the others are scanned)
+        first_finds = []
         weights = _found_weights(r1)
-        for g, q in enumerate(tb.group_q):
-            lo, hi = (0 if g == 0 else ends[g - 1]), ends[g]
-            est[q : q + 65] += np.bincount(dist[lo:hi], weights=weights[dist[lo:hi]], minlength=65)
+        for g in range(ng):
+            tables = [4 * g + j for j in range(4)]
+            first, count = tb.probe(quarters, tables, [0] * 4, [r1 + 1] * 4)
+            n = int(count.sum())
+            if n > limit[g]:
+                if not self._scan_group(tb, g, word, live, scanned):
+                    return None
+                c = np.bincount(scanned[-1][1], minlength=vmax + 1)
+                est[: vmax + 1] += c
+                occ[: vmax + 1] += c
+                continue
+            spent[g] = n
+            for t in tables:
+                radius[t] = r1
+            if n:
+                idx, dist = tb.expand(word, first, count, n, buffers)
+                q = tb.group_q[g]
+                est[q : q + 65] += np.bincount(dist, weights=weights[dist], minlength=65)
+                # v <= dist + (the group's largest q): a bound on each find's value without reading its q.
+                occ[tb.group_top[g] : tb.group_top[g] + 65] += np.bincount(dist, minlength=65)
+                first_finds.append((g, idx.copy(), dist.copy()))
+        # An item occurs at most 4 times among the finds, so at least kk distinct items have a value at or
+        # below the (4·kk)-th occurrence's bound: it bounds the catalogue's kk-th value.
+        bound = np.flatnonzero(np.cumsum(occ) >= 4 * kk)
         reach = np.flatnonzero(np.cumsum(est) >= _MIH_MARGIN * kk)
         T = min(vmax, int(reach[0]) if reach.size else vmax)
-        cap = T + _MIH_ROUNDS - 1  # the largest T tried: no value above it is kept
+        # The largest T tried: no value above it is kept.
+        cap = int(bound[0]) if bound.size else T + _MIH_ROUNDS + _MIH_REACH
+        T = min(T, cap)
         pos_l: list[NDArray[Any]] = []
         val_l: list[NDArray[Any]] = []
-        for a, v in scanned:
-            keep = np.flatnonzero(v <= cap)
-            pos_l.append(keep + a)
-            val_l.append(v[keep])
-        self._substring_finds(tb, idx, dist, ends, cap, pos_l, val_l)
-        radius = [r1] * (4 * ng)
-        for _ in range(_MIH_ROUNDS):
+        for g, idx, dist in first_finds:
+            if g in live:
+                self._substring_finds(tb, g, idx, dist, cap, pos_l, val_l)
+        for turn in range(_MIH_ROUNDS):
             # The radii that find every item of v <= T: group g needs dist <= T − q_g, so radii r_j with
             # Σ (r_j + 1) = T − q_g + 1 (-1: that substring is not probed).
-            want = []
-            for q in tb.group_q:
-                e = max(T - q + 1, 0)
-                want += [min(e // 4 - 1 + (j < e % 4), _SUB_BITS) for j in range(4)]
-            grow = [t for t in range(4 * ng) if want[t] > radius[t]]
-            if grow:
-                first, count = tb.probe(quarters, grow, [radius[t] + 1 for t in grow], [want[t] + 1 for t in grow])
+            for g in list(live):
+                e = max(T - tb.group_q[g] + 1, 0)
+                grow = [(4 * g + j, min(e // 4 - 1 + (j < e % 4), _SUB_BITS)) for j in range(4)]
+                grow = [(t, r) for t, r in grow if r > radius[t]]
+                if not grow:
+                    continue
+                first, count = tb.probe(
+                    quarters, [t for t, _ in grow], [radius[t] + 1 for t, _ in grow], [r + 1 for _, r in grow]
+                )
                 n = int(count.sum())
-                spent += n
-                if spent > budget:
-                    return None
+                if spent[g] + n > limit[g]:
+                    if not self._scan_group(tb, g, word, live, scanned):
+                        return None
+                    continue
+                spent[g] += n
+                for t, r in grow:
+                    radius[t] = r
                 if n:
-                    per = np.bincount(
-                        np.repeat(
-                            np.asarray(grow) // 4, [_MASK_AT[want[t] + 1] - _MASK_AT[radius[t] + 1] for t in grow]
-                        ),
-                        weights=count,
-                        minlength=ng,
-                    )
                     idx, dist = tb.expand(word, first, count, n, buffers)
-                    self._substring_finds(tb, idx, dist, np.cumsum(per).astype(np.int64).tolist(), cap, pos_l, val_l)
-                for t in grow:
-                    radius[t] = want[t]
+                    self._substring_finds(tb, g, idx, dist, cap, pos_l, val_l)
+            for a, v in scanned:
+                keep = np.flatnonzero(v <= cap)
+                pos_l.append(keep + a)
+                val_l.append(v[keep])
+            scanned = []
             pos = np.concatenate(pos_l)
             val = np.concatenate(val_l)
             pos_l, val_l = [pos], [val]
@@ -713,35 +739,56 @@ class HammingIndex:
                 if ids.size >= kk:
                     return self._costs_one(ids, val[sel[at]], kk)
             T += 1
+            if turn == _MIH_ROUNDS - 2:
+                # The last round: T jumps to the kk-th smallest value of the distinct items found (all at
+                # most cap), which bounds the catalogue's kk-th, so that round's check holds.
+                ids, at = np.unique(pos, return_index=True)
+                if ids.size >= kk:
+                    T = max(T, int(np.partition(val[at], kk - 1)[kk - 1]))
         return None
+
+    def _range_values(self, word: np.uint64, a: int, b: int) -> NDArray[Any]:
+        """v = dist + q of the scan positions [a, b)."""
+        v = np.bitwise_count(self._sorted[0, a:b] ^ word)
+        return v if self._lift is None else v + self._lift[a:b]
+
+    def _scan_group(
+        self, tb: _SubstringTables, g: int, word: np.uint64, live: list[int], scanned: list[tuple[int, NDArray[Any]]]
+    ) -> bool:
+        """Scan level group g instead of probing it (False: it holds half the catalogue or more, so the
+        whole linear scan, with its cheaper selection, should answer)."""
+        a, b = tb.spans[g]
+        if 2 * (b - a) >= self.m:
+            return False
+        live.remove(g)
+        scanned.append((a, self._range_values(word, a, b)))
+        return True
 
     def _substring_finds(
         self,
         tb: _SubstringTables,
+        g: int,
         idx: NDArray[np.int64],
         dist: NDArray[np.uint8],
-        ends: list[int],
         cap: int,
         pos_l: list[NDArray[Any]],
         val_l: list[NDArray[Any]],
     ) -> None:
-        """Append the scan positions and exact values v <= ``cap`` of the finds (table entries ``idx``
-        at distances ``dist``, group by group: group g's end at ``ends[g]``) to the lists."""
-        lo = 0
-        for g, q in enumerate(tb.group_q):
-            hi = ends[g]
-            if hi > lo and cap >= q:
-                hit = np.flatnonzero(dist[lo:hi] <= min(cap - q, self.f))  # v >= dist + q_g: a first cut
-                if hit.size:
-                    pos = tb.pos.take(idx[lo + hit])
-                    val = dist[lo + hit]
-                    if self._lift is not None:
-                        val = val + self._lift[pos]
-                        ok = np.flatnonzero(val <= cap)
-                        pos, val = pos[ok], val[ok]
-                    pos_l.append(pos)
-                    val_l.append(val)
-            lo = hi
+        """Append the scan positions and exact values v <= ``cap`` of group g's finds (table entries
+        ``idx`` at distances ``dist``) to the lists."""
+        q = tb.group_q[g]
+        if cap < q:
+            return
+        hit = np.flatnonzero(dist <= min(cap - q, self.f))  # v >= dist + q_g: a first cut
+        if hit.size:
+            pos = tb.pos.take(idx[hit])
+            val = dist[hit]
+            if self._lift is not None:
+                val = val + self._lift[pos]
+                ok = np.flatnonzero(val <= cap)
+                pos, val = pos[ok], val[ok]
+            pos_l.append(pos)
+            val_l.append(val)
 
     def _hits(
         self,
@@ -1490,7 +1537,7 @@ class _SubstringTables:
     bytes an item and table, 48 an item in all, plus 4 × 65537 int32 offsets per group.
     Built once per index, on its first single-user search (the index is immutable)."""
 
-    __slots__ = ("off", "codes", "pos", "group_q", "linear", "nbytes")
+    __slots__ = ("off", "codes", "pos", "group_q", "group_top", "spans", "linear", "nbytes")
 
     def __init__(
         self,
@@ -1504,8 +1551,9 @@ class _SubstringTables:
         else:
             run_at = runs[0]
             sizes = np.diff(np.asarray(run_at + [m], dtype=np.int64))
-            big = np.argsort(-sizes, kind="stable")[:_MIH_GROUPS]
-            bounds = sorted({0, *(run_at[i] for i in big.tolist())})
+            big = np.argsort(-sizes, kind="stable")[:_MIH_GROUPS].tolist()
+            # The largest runs are groups of their own: each of their items probed with its own q.
+            bounds = sorted({0, *(run_at[i] for i in big), *(run_at[i] + int(sizes[i]) for i in big)} - {m})
         spans = list(zip(bounds, [*bounds[1:], m], strict=True))
         groups = [(a, b) for a, b in spans if b - a >= _MIH_GROUP_MIN]
         self.linear: list[tuple[int, int]] = []
@@ -1516,6 +1564,8 @@ class _SubstringTables:
                 a = self.linear.pop()[0]  # adjacent scanned groups: one range
             self.linear.append((a, b))
         self.group_q = [0 if lift is None else int(lift[a]) for a, _ in groups]
+        self.group_top = [0 if lift is None else int(lift[b - 1]) for _, b in groups]
+        self.spans = groups
         total = 4 * sum(b - a for a, b in groups)
         self.off = np.empty((4 * len(groups), _SUB_N + 1), np.int32)
         self.codes = np.empty(total, np.uint64)
