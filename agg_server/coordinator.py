@@ -291,13 +291,14 @@ class RoundCoordinator:
                 )
             assert isinstance(msg, ModelPayload)
             levels = (msg.item_levels,) if msg.item_levels else ()  # LightFR's item term (protocol 1.3)
-            self._set_model(version, st.from_wire(msg.words, msg.values, *levels), payload)
+            # The DP flag travels in the stored payload (protocol 1.7), so it is back with the model.
+            self._set_model(version, st.from_wire(msg.words, msg.values, *levels), payload, msg.dp_trained)
             self._resume_strategy(version)
             log.info("resumed from model version %d", version)
             return
         rng = self._rng(0)
         state = st.initialize(rng)
-        payload = self._payload(1, state)
+        payload = self._payload(1, state, dp_trained=False)
         try:
             self.storage.commit_model(1, None, payload, now, base_version=None)
         except StorageError:
@@ -306,12 +307,14 @@ class RoundCoordinator:
             if head is None:
                 raise
             payload = self.storage.load_model(head)
-            self._set_model(head, self._decode_model(head, payload), payload)
+            state, dp_trained = self._decode_model(head, payload)
+            self._set_model(head, state, payload, dp_trained)
             return
-        self._set_model(1, state, payload)
+        self._set_model(1, state, payload, False)
         log.info("initialised %s model version 1 (rank %d, m=%d)", st.kind, st.rank, st.n_items)
 
-    def _decode_model(self, version: int, payload: bytes) -> NDArray[Any]:
+    def _decode_model(self, version: int, payload: bytes) -> tuple[NDArray[Any], bool]:
+        """The state in ``payload`` (stored model ``version``) and its DP flag (`ModelPayload.dp_trained`)."""
         st = self.strategy
         msg = decode(payload, max_size=len(payload) + 1)
         if not isinstance(msg, ModelPayload) or (msg.model_kind, msg.bits, msg.n_items) != (
@@ -321,7 +324,7 @@ class RoundCoordinator:
         ):
             raise ConfigError(f"model version {version} in the database is not a {st.kind!r} model of this shape")
         levels = (msg.item_levels,) if msg.item_levels else ()
-        return st.from_wire(msg.words, msg.values, *levels)
+        return st.from_wire(msg.words, msg.values, *levels), msg.dp_trained
 
     def _refresh_model(self) -> None:
         """Follow the head (another cohort may have committed): the next round trains the newest model."""
@@ -329,7 +332,8 @@ class RoundCoordinator:
         if head is None or head == self.model_version:
             return
         payload = self.storage.load_model(head)
-        self._set_model(head, self._decode_model(head, payload), payload)
+        state, dp_trained = self._decode_model(head, payload)
+        self._set_model(head, state, payload, dp_trained)
         self._resume_strategy(head)
         log.info("model version %d (committed by another cohort) is the head now", head)
 
@@ -383,12 +387,26 @@ class RoundCoordinator:
         """The cohort this coordinator leads (None without a lease)."""
         return None if self.fence is None else self.fence[0]
 
-    def _payload(self, version: int, state: NDArray[Any]) -> bytes:
+    def _payload(self, version: int, state: NDArray[Any], *, dp_trained: bool) -> bytes:
+        """Model ``version`` as served and stored: the strategy's wire fields (LightFR's include the w0 and
+        α its next plan carries, protocol 1.7) and ``dp_trained``, whether any round that led to it added
+        DP noise."""
         st = self.strategy
         wire = {"words": b"", "values": b"", **st.to_wire(state)}
-        return encode(ModelPayload(model_version=version, model_kind=st.kind, bits=st.rank, n_items=st.n_items, **wire))
+        return encode(
+            ModelPayload(
+                model_version=version,
+                model_kind=st.kind,
+                bits=st.rank,
+                n_items=st.n_items,
+                dp_trained=dp_trained,
+                **wire,
+            )
+        )
 
-    def _set_model(self, version: int, state: NDArray[Any], payload: bytes) -> None:
+    def _set_model(self, version: int, state: NDArray[Any], payload: bytes, dp_trained: bool) -> None:
+        #: Sticky: set when a round with DP noise committed this model or one it was trained from.
+        self.model_dp_trained = dp_trained
         self.model_version = version
         self.model_state = state
         self.model_bytes = payload
@@ -935,7 +953,7 @@ class RoundCoordinator:
             digest = hashlib.sha256(np.asarray(result.total, dtype="<u4").tobytes()).digest()
             total = dequantize_sum(result.total, self.quantization)
             state = self.strategy.aggregate(self.model_state, total, survivors, r.rng, round_index=r.plan.round_index)
-            payload = self._payload(self.model_version + 1, state)
+            payload = self._payload(self.model_version + 1, state, dp_trained=self.model_dp_trained or r.mu > 0)
         except Exception as exc:
             return _Prepared(unmasked=True, error=exc)
         return _Prepared(
@@ -974,12 +992,13 @@ class RoundCoordinator:
                 if rebased <= _REBASES and prepared.total is not None:
                     try:
                         head_bytes = self.storage.load_model(moved.head)
-                        head_state = self._decode_model(moved.head, head_bytes)
+                        head_state, head_dp = self._decode_model(moved.head, head_bytes)
                         state = self.strategy.aggregate(
                             head_state, prepared.total, survivors, r.rng, round_index=r.plan.round_index
                         )
-                        base, payload = moved.head, self._payload(moved.head + 1, state)
-                        self._set_model(moved.head, head_state, head_bytes)
+                        payload = self._payload(moved.head + 1, state, dp_trained=head_dp or r.mu > 0)
+                        base = moved.head
+                        self._set_model(moved.head, head_state, head_bytes, head_dp)
                         continue
                     except Exception as exc:
                         error = exc
@@ -1006,7 +1025,7 @@ class RoundCoordinator:
             log.info("round %d: sum applied to model version %d (rebased %d times)", r.round_id, base, rebased)
         version = base + 1
         change = self.strategy.describe(self.model_state, state)
-        self._set_model(version, state, payload)
+        self._set_model(version, state, payload, self.model_dp_trained or r.mu > 0)
         log.info(
             "round %d committed model version %d: %d survivors, %s%s",
             r.round_id,

@@ -229,6 +229,12 @@ class LightFRModel(Recommender):
     #: code whatever ``config.rank_planes`` says: against noised item codes and levels the ranking vector
     #: fell to a third of popularity's HR@10 on real devices (docs/dp-accounting.md §8).
     private_rounds: bool = field(default=False, init=False, repr=False)
+    #: Whether the server said DP noise trained the global model held (`ModelPayload.dp_trained`, protocol
+    #: 1.7, set by `set_global`, kept in the store): the same rule as ``private_rounds``, for a device that
+    #: only downloads.  Trusting the server here costs no privacy: ranking is local, so a false flag can only
+    #: make the device rank with its ±1 code (a lie that it is private) or with its planes (a lie that it is
+    #: not), a quality question, never a leak.
+    private_model: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_items <= 0:
@@ -317,18 +323,55 @@ class LightFRModel(Recommender):
 
     # -- the global model -------------------------------------------------------------------------
     def set_global(
-        self, words: bytes, values: bytes, version: int, *, item_levels: bytes = b"", hamming_weight: int = 1
+        self,
+        words: bytes,
+        values: bytes,
+        version: int,
+        *,
+        item_levels: bytes = b"",
+        hamming_weight: int = 1,
+        unobserved_weight: float = 0.0,
+        confidence: float = 0.0,
+        dp_trained: bool = False,
     ) -> None:
         """Adopt a `ModelPayload`'s packed item codes (and item levels, protocol 1.3) as global model
-        ``version``."""
+        ``version``.
+
+        Protocol 1.7: ``unobserved_weight`` > 0 is the w0 (with its α ``confidence``) the server's model goes
+        with, the one its next plan carries; the device takes it, as it takes a plan's (`apply_plan`), so
+        it ranks (ridge ``rank_ridge``·w0·m) and folds in with the server's w0, not the first round's floor.
+        0 (a 1.6 server, or the sampled-negatives objective) keeps the device's own.  A w0 outside
+        [0, 1 + α] or not a finite number is refused (ValueError) before anything changes.
+        ``dp_trained`` sets ``private_model``: a DP-trained model ranks with the ±1 code.
+        """
         if values:
             raise ValueError("a LightFR model takes packed item codes, not float values")
         if item_levels and len(item_levels) != self.n_items:
             raise ValueError(f"item_levels has {len(item_levels)} bytes for {self.n_items} items")
+        if type(dp_trained) is not bool:
+            raise ValueError(f"dp_trained must be a bool, got {dp_trained!r}")
+        config = self.config
+        if unobserved_weight != 0 or confidence != 0:
+            for name, value in (("unobserved_weight", unobserved_weight), ("confidence", confidence)):
+                if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                    raise ValueError(f"the server's {name} must be a finite number, got {value!r}")
+            if not (unobserved_weight > 0 and 0 <= confidence and unobserved_weight <= 1.0 + confidence):
+                raise ValueError(
+                    f"the server's unobserved_weight must be in (0, 1 + confidence] with confidence >= 0, got "
+                    f"w0={unobserved_weight!r}, confidence={confidence!r}"
+                )
+            # The plan's bounds (LightFRConfig → LightFRParams) check it once more.
+            config = replace(config, unobserved_weight=float(unobserved_weight), confidence=float(confidence))
         levels = np.frombuffer(item_levels, dtype=np.uint8).copy() if item_levels else None
         self.set_item_codes(from_bytes(words, self.config.bits, self.n_items), version)
         self.item_levels = levels
         self.hamming_weight = hamming_weight
+        self.config = config
+        self.private_model = dp_trained
+        if dp_trained and not config.query_planes:
+            # Ranking vectors solved before (symmetric training keeps them for ranking only) give way to the
+            # ±1 codes at once, not at the next fit_local or fold_in.
+            self.user_weight[:] = 0
 
     def local_update(self, plan: TrainingPlan, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
         """One round of local training as ``plan`` says; the upload is the item gradient
@@ -547,9 +590,11 @@ class LightFRModel(Recommender):
 
     def _ranks_with_vector(self) -> bool:
         """Symmetric training under the all-items objective ranks with the ridge vector (``rank_planes``),
-        unless DP noise trained the model."""
+        unless DP noise trained the model: this device's last round added noise (``private_rounds``) or
+        the server says so of the model held (``private_model``)."""
         cfg = self.config
-        return bool(cfg.rank_planes) and cfg.unobserved_weight > 0 and not self.private_rounds
+        private = self.private_rounds or self.private_model
+        return bool(cfg.rank_planes) and cfg.unobserved_weight > 0 and not private
 
     def _set_ranking_vector(self, userid: int, items: NDArray[np.int64], targets: NDArray[np.float64]) -> None:
         """Symmetric training, asymmetric ranking (``rank_planes`` without ``query_planes``): keep the
@@ -737,6 +782,7 @@ class LightFRModel(Recommender):
                 "user_q": self.user_q.astype("<i2").tobytes(),
                 "user_weight": self.user_weight.astype("<i8").tobytes(),
                 "private_rounds": self.private_rounds,
+                "private_model": self.private_model,
             },
         )
 
@@ -776,6 +822,10 @@ class LightFRModel(Recommender):
             if not isinstance(private, bool):
                 raise ValueError(f"private_rounds must be a boolean, got {private!r}")
             model.private_rounds = private
+            held = state.get("private_model", False)  # files written before protocol 1.7 hold none
+            if not isinstance(held, bool):
+                raise ValueError(f"private_model must be a boolean, got {held!r}")
+            model.private_model = held
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"{path} is a valid store file but its LightFR state is invalid: {exc}") from exc
         return model

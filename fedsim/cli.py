@@ -1230,7 +1230,7 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
         mean_field=_mean_field(args),
         # Devices rank with their ±1 codes under DP unless --rank-planes P (the SDK's default, 3 planes of the
         # ridge vector, was chosen without DP; under DP it ties here and loses on the real server's devices:
-        # docs/dp-accounting.md §8, fedsim.demo.DP_RANK_PLANES).
+        # docs/dp-accounting.md §8; real devices learn it from the model download, ModelPayload.dp_trained).
         rank_planes=(args.rank_planes or 0) if _unobserved_weight(args) != 0 and not args.query_planes else 0,
         rank_ridge=_rank_ridge(args),
     )

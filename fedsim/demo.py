@@ -58,12 +58,6 @@ __all__ = [
 #: item levels come from them on a log scale spanning the widest bias the uint8 levels hold at B = 1.
 PRIVATE_MODEL: dict[str, Any] = {"counts_share": 0.5, "popularity_span": 4.0, "hamming_weight": 1}
 
-#: How a device ranks after private rounds (`LightFRConfig.rank_planes`): 0, its ±1 code. The SDK's default
-#: (3 planes of the ridge vector, chosen without DP) lost on this demo's validation blocks under DP: ML-100K,
-#: ε = 8, HR@10 0.156 against 0.442 with the ±1 code from the same trained model (popularity 0.438;
-#: docs/dp-accounting.md §8, "Ranking with the ridge vector under DP").
-DP_RANK_PLANES = 0
-
 
 def write_server_config(path: Path, settings: dict[str, dict[str, Any]]) -> None:
     """Write a server TOML file from nested {table: {key: value}} (strings, numbers, booleans)."""
@@ -183,7 +177,9 @@ def evaluate_devices(
     by its later ``recommend``) is ``(seed, 1, u)``.
 
     ``rank_planes`` sets each device's `LightFRConfig.rank_planes` before it refreshes (0: rank with the ±1
-    code, as `DP_RANK_PLANES` says a device in private rounds should); None keeps the devices' own setting.
+    code); None keeps the devices' own setting.  Under DP a device needs no setting: the model it installs
+    says DP noise trained it (`ModelPayload.dp_trained`, protocol 1.7), so it ranks with its ±1 code
+    (`LightFRModel.private_model`), and with the w0 the server derived (`ModelPayload.unobserved_weight`).
     """
     idx = exp.train.by_user()
     blocks = {int(u): c for u, c in zip(exp.test.users, exp.test.items, strict=True)}
@@ -384,11 +380,9 @@ def run_demo_fleet(
             first = "; ".join(f"{k}: {v}" for k, v in list(report.error_examples.items())[:2])
             log.write(f"devices hit errors: {dict(report.errors)} ({first})\n")
         codes = unpack_signs(from_bytes(payload.words, payload.bits, payload.n_items), payload.bits)
-        # Under DP the devices rank with their ±1 codes (DP_RANK_PLANES), as the simulated figure beside does.
-        ranked = DP_RANK_PLANES if dp and not query_planes else None
-        results = evaluate_devices(
-            exp, clients, payload, seed, query_planes=query_planes, user_reg=user_reg, rank_planes=ranked
-        )
+        # Under DP the devices rank with their ±1 codes, as the simulated figure beside does: the download says
+        # DP noise trained the model (ModelPayload.dp_trained), and the SDK's rule does the rest.
+        results = evaluate_devices(exp, clients, payload, seed, query_planes=query_planes, user_reg=user_reg)
         return {
             "report": report,
             "results": results,

@@ -220,6 +220,8 @@ class PrivateSimulator:
         check_bit_budget(n, self.quantization, self.vector_length, n * self.mu / t_min)
         self.model_state = self.strategy.initialize(self._rng(0))
         self.model_version = 1
+        #: Whether a committed round added DP noise (`ModelPayload.dp_trained`, sticky as the server keeps it).
+        self.dp_trained = False
         self.next_round_id = 1
         self.stopped_reason = ""
         #: The last released sum as signed integers (quantized units), for diagnostics and tests.
@@ -241,7 +243,14 @@ class PrivateSimulator:
         st = self.strategy
         wire = {"words": b"", "values": b"", **st.to_wire(self.model_state)}
         raw = encode(
-            ModelPayload(model_version=self.model_version, model_kind=st.kind, bits=st.rank, n_items=st.n_items, **wire)
+            ModelPayload(
+                model_version=self.model_version,
+                model_kind=st.kind,
+                bits=st.rank,
+                n_items=st.n_items,
+                dp_trained=self.dp_trained,
+                **wire,
+            )
         )
         msg = decode(raw, max_size=len(raw) + 1)
         assert isinstance(msg, ModelPayload)
@@ -292,6 +301,7 @@ class PrivateSimulator:
             self.model_state, total, survivors, self._round_rng, round_index=plan.round_index
         )
         self.model_version += 1
+        self.dp_trained = self.dp_trained or self.mu > 0
         return epsilon
 
     # -- exact mode ---------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ Type codes: 1–10 are the SecAgg round messages; 11–16 registration, check-in
 round result (protocol 1.1); protocol 1.2 appended the model-family fields of `RoundInvite` and
 `ModelPayload.values`; protocol 1.3 appended `RoundInvite.cohort_size`, the signed key advertisements
 and the consistency check (20 ConsistencyRequest, 21 ConsistencySignature); protocol 1.5 added 22
-RevocationListPayload (the signed revocation list a device fetches); 17–19 reserved; 23+ are free.
+RevocationListPayload (the signed revocation list a device fetches); protocol 1.6 appended asymmetric
+scoring to `RoundInvite`; protocol 1.7 appended `ModelPayload`'s w0, α and DP flag; 17–19 reserved; 23+
+are free.
 Never reuse a code.
 """
 
@@ -60,7 +62,7 @@ __all__ = [
     "MAX_DEPTH",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 6)
+PROTOCOL_VERSION: tuple[int, int] = (1, 7)
 #: Default total size limit for one encoded message (a 10**6-element masked vector is 4 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Far above any legitimate list (neighbourhoods are at most a few thousand), far below what would hurt.
@@ -291,6 +293,9 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("values", "val", Kind.BYTES),  # protocol 1.2
                 ("item_levels", "lv", Kind.BYTES),  # protocol 1.3
                 ("hamming_weight", "hw", Kind.INT),  # protocol 1.3
+                ("unobserved_weight", "w0", Kind.FLOAT),  # protocol 1.7
+                ("confidence", "al", Kind.FLOAT),  # protocol 1.7
+                ("dp_trained", "dp", Kind.BOOL),  # protocol 1.7
             ),
         ),
         RoundResult.TYPE: (

@@ -961,6 +961,21 @@ class ModelPayload(Message):
         A device scores item i as (bits − Hamming)·hamming_weight + level_i.
     hamming_weight : int
         Protocol 1.3, LightFR: B in [1, 255] of that integer score.
+    unobserved_weight : float
+        Protocol 1.7, LightFR all-items objective: the w0 this model goes with, the one the server's next
+        round plan carries (under the server's ``unobserved_weight = "auto"`` the w0 it derived from the
+        density of the round that produced this model; round 1's is the density rule's floor).  A device
+        ranks and folds in with it (`device_sdk.models.LightFRModel.set_global`).  In [0, 1 + confidence];
+        > 0 only for a LightFR model with ``item_levels``.  0 (the default, and what a 1.6 server's
+        payload means): not stated, the device keeps the w0 of the last plan it saw.
+    confidence : float
+        Protocol 1.7, LightFR: the α >= 0 that goes with ``unobserved_weight`` (observed items weigh
+        1 + α); 0 when w0 is not stated.
+    dp_trained : bool
+        Protocol 1.7: True when any round that produced this model version (this one or an earlier
+        one) added DP noise; the server keeps it with the model, so it is sticky.  A LightFR device
+        holding such a model ranks with its ±1 code (`LightFRModel.private_model`).  False (the default,
+        and what a 1.6 server's payload means): not stated.
     """
 
     TYPE: ClassVar[int] = 15
@@ -973,9 +988,25 @@ class ModelPayload(Message):
     # Appended in protocol 1.3 (LightFR item term).
     item_levels: bytes = b""
     hamming_weight: int = 1
+    # Appended in protocol 1.7 (the w0 a model goes with, and whether DP noise trained it).
+    unobserved_weight: float = 0.0
+    confidence: float = 0.0
+    dp_trained: bool = False
 
     def __post_init__(self) -> None:
         n = "ModelPayload"
+        _check_float(n, "confidence", self.confidence, minimum=0.0)
+        _check_float(n, "unobserved_weight", self.unobserved_weight, minimum=0.0)
+        if self.unobserved_weight > 1.0 + self.confidence:
+            _fail(
+                n,
+                f"unobserved_weight must be <= 1 + confidence = {1.0 + self.confidence!r}, "
+                f"got {self.unobserved_weight!r}",
+            )
+        if self.confidence > 0 and self.unobserved_weight == 0:
+            _fail(n, "confidence goes with a stated unobserved_weight (> 0)")
+        if type(self.dp_trained) is not bool:
+            _fail(n, f"dp_trained must be a bool, got {self.dp_trained!r}")
         _check_id(n, "model_version", self.model_version)
         _check_text(n, "model_kind", self.model_kind, 32)
         _check_id(n, "bits", self.bits)
@@ -996,13 +1027,21 @@ class ModelPayload(Message):
             if self.model_kind != "lightfr":
                 _fail(n, "item_levels are for LightFR models only")
             _check_bytes(n, "item_levels", self.item_levels, self.n_items, max_len=1 << 27)
+        if self.unobserved_weight > 0 and not (self.model_kind == "lightfr" and self.item_levels):
+            _fail(n, "unobserved_weight > 0 is for LightFR models of the all-items objective (with item_levels)")
 
     def lightfr_extras(self) -> dict[str, Any]:
         """Keyword arguments a LightFR device model's ``set_global`` takes beyond words and values
-        (the item term, protocol 1.3); empty for the other families."""
+        (the item term, protocol 1.3; the w0, α and DP flag, protocol 1.7); empty for the other families."""
         if self.model_kind != "lightfr":
             return {}
-        return {"item_levels": self.item_levels, "hamming_weight": self.hamming_weight}
+        return {
+            "item_levels": self.item_levels,
+            "hamming_weight": self.hamming_weight,
+            "unobserved_weight": self.unobserved_weight,
+            "confidence": self.confidence,
+            "dp_trained": self.dp_trained,
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -240,6 +240,15 @@ def test_fields_missing_from_an_older_minor_take_their_defaults() -> None:
     assert isinstance(decoded, RoundInvite) and decoded.plan.params.query_planes == 0  # type: ignore[union-attr]
 
 
+def test_a_model_payload_of_an_older_minor_takes_the_defaults() -> None:
+    # A 1.6 server's model: no w0 / al / dp keys, so the device keeps its own w0 and no DP flag is stated.
+    case = MESSAGES["accepted_older_model"]
+    decoded = codec.decode(bytes.fromhex(case["hex"]))
+    expected = dict(case["decodes_to"])
+    assert type(decoded).__name__ == expected.pop("type")
+    assert {k: getattr(decoded, k) for k in expected} == expected
+
+
 def test_payload_layouts() -> None:
     codes_layout = MESSAGES["layouts"]["lightfr_codes"]
     words = codes.pack_signs(np.array(codes_layout["signs"], dtype=np.int8))

@@ -91,11 +91,13 @@ def test_demo_runs_a_real_server_and_fleet(
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
     assert out.startswith("synthetic: the first 12 of 600 users, ") and "; 2 rounds of up to 12 devices; " in out
-    # Under DP (the demo's default ε = 8) the devices rank with their ±1 codes (fedsim.demo.DP_RANK_PLANES):
-    # the all-items objective's devices would otherwise hold a 3-plane ranking vector (the SDK's default).
+    # Under DP (the demo's default ε = 8) the devices rank with their ±1 codes: the model download says DP noise
+    # trained it (ModelPayload.dp_trained, protocol 1.7), so with the SDK's own setting (3 rank planes) each
+    # device, invited or not, holds no ranking vector; and each takes the w0 the server derived after round 2.
     assert "devices rank with their ±1 codes" in out
     assert len(evaluated) == 12 and all(m.config.unobserved_weight > 0 for m in evaluated)
-    assert all(m.config.rank_planes == 0 and m.user_weight[0] == 0 for m in evaluated)
+    assert all(m.private_model and m.config.rank_planes == 3 and m.user_weight[0] == 0 for m in evaluated)
+    assert len({m.config.unobserved_weight for m in evaluated}) == 1
     assert "server: listening on http://127.0.0.1:" in err and "server: stopped (exit 0)" in err
     assert "LightFR over the server" in out and "popularity" in out
     assert "ε spent" in out and "verdict: " in out
@@ -421,7 +423,7 @@ def test_simulate_private_lightfr_reports_the_ledgers_epsilon(capsys: pytest.Cap
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 3.99 < record["epsilon"] <= 4.0 and record["delta"] == 1e-5
     assert set(record["metrics"]) == {"model", "private_popularity", "popularity", "random"}
-    # Under DP the simulator ranks with ±1 codes (fedsim.demo.DP_RANK_PLANES) unless --rank-planes P.
+    # Under DP the simulator ranks with ±1 codes unless --rank-planes P (docs/dp-accounting.md §8).
     assert "ranking with ±1 codes" in out
     assert main([*argv, "--rank-planes", "3"]) == 0
     assert "ranking with the ridge vector (3 planes, ridge 2·w0·m)" in capsys.readouterr().out

@@ -752,3 +752,64 @@ def test_a_private_round_makes_the_device_rank_with_its_code(tmp_path) -> None:
     assert again.user_weight[0] == 0
     train(0.0)
     assert not model.private_rounds and model.user_weight[0] > 0
+
+
+def test_set_global_takes_the_servers_w0_and_dp_flag_and_refuses_hostile_values(tmp_path) -> None:
+    """Protocol 1.7 on the device: a stated w0 (with its α) replaces the device's, as a plan's would, and
+    drives the ranking ridge rank_ridge·w0·m; 0 keeps the device's own.  A w0 outside (0, 1 + α], a
+    non-finite one, a bool, or a DP flag that is not a bool is refused before anything changes.  The DP flag
+    (sticky on the server) makes the device rank with its ±1 code; a false flag from a lying server can
+    only choose between the code and the planes of a vector that never leaves the device."""
+    import re
+
+    from device_sdk.models import LightFRConfig, LightFRModel
+    from protocol.codes import pack_signs, to_bytes
+
+    rng = np.random.default_rng(29)
+    m, f = 90, 64
+    items = np.sort(rng.choice(m, 8, replace=False)).astype(np.int64)
+    words = to_bytes(pack_signs(random_signs(m, f, rng)))
+    levels = rng.integers(100, 160, m).astype(np.uint8).tobytes()
+    model = LightFRModel(m, LightFRConfig(bits=f, rating_range=None, unobserved_weight=0.1), rng=rng)
+    model.set_global(words, b"", 2, item_levels=levels, hamming_weight=2)  # a 1.6 server: nothing stated
+    assert model.config.unobserved_weight == 0.1 and not model.private_model
+    for w0, alpha, why in (
+        (float("nan"), 0.0, "must be a finite number"),
+        (float("inf"), 0.0, "must be a finite number"),
+        (0.01, float("nan"), "must be a finite number"),
+        (True, 0.0, "must be a finite number"),
+        ("0.1", 0.0, "must be a finite number"),
+        (-0.01, 0.0, "unobserved_weight must be in (0, 1 + confidence]"),
+        (1.01, 0.0, "unobserved_weight must be in (0, 1 + confidence]"),
+        (2.6, 1.5, "unobserved_weight must be in (0, 1 + confidence]"),
+        (0.0, 0.5, "unobserved_weight must be in (0, 1 + confidence]"),
+        (0.5, -0.1, "unobserved_weight must be in (0, 1 + confidence]"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            model.set_global(words, b"", 3, item_levels=levels, unobserved_weight=w0, confidence=alpha)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dp_trained must be a bool"):
+        model.set_global(words, b"", 3, item_levels=levels, dp_trained=1)  # type: ignore[arg-type]
+    assert model.model_version == 2 and model.config.unobserved_weight == 0.1  # nothing changed
+
+    model.set_global(words, b"", 3, item_levels=levels, hamming_weight=2, unobserved_weight=0.9, confidence=0.5)
+    assert (model.config.unobserved_weight, model.config.confidence) == (0.9, 0.5)
+    model.fold_in(items)
+    planes = (model.user_q[0].copy(), int(model.user_weight[0]))
+    assert planes[1] > 0
+    ref = LightFRModel(m, LightFRConfig(bits=f, rating_range=None, unobserved_weight=0.9, confidence=0.5))
+    ref.set_global(words, b"", 3, item_levels=levels, hamming_weight=2)
+    ref.fold_in(items)
+    assert np.array_equal(ref.user_q[0], planes[0]) and int(ref.user_weight[0]) == planes[1]
+
+    # A DP-trained model: the vector gives way to the ±1 code at once, and fold_in solves none; stored.
+    model.set_global(words, b"", 4, item_levels=levels, hamming_weight=2, unobserved_weight=0.9, dp_trained=True)
+    assert model.private_model and model.user_weight[0] == 0
+    model.fold_in(items)
+    assert model.user_weight[0] == 0
+    model.save(tmp_path / "m.fedrec")
+    again = LightFRModel.load(tmp_path / "m.fedrec")
+    assert again.private_model and again.config.unobserved_weight == 0.9
+    # A later model without the flag brings the planes back at the next fold_in.
+    again.set_global(words, b"", 5, item_levels=levels, hamming_weight=2, unobserved_weight=0.9, confidence=0.5)
+    again.fold_in(items)
+    assert not again.private_model and np.array_equal(again.user_q[0], planes[0])

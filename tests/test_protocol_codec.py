@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 
 import msgpack
 import numpy as np
@@ -197,7 +198,21 @@ def messages(draw: st.DrawFn) -> Message:
     if kind == 14:
         f, m = draw(st.integers(1, 200)), draw(st.integers(1, 20))
         words = draw(st.binary(min_size=8 * ((f + 63) // 64) * m, max_size=8 * ((f + 63) // 64) * m))
-        return ModelPayload(model_version=draw(ids), bits=f, n_items=m, words=words)
+        if not draw(st.booleans()):
+            return ModelPayload(model_version=draw(ids), bits=f, n_items=m, words=words, dp_trained=draw(st.booleans()))
+        # Protocol 1.7: an all-items model (levels) with the w0 and α it goes with.
+        alpha = draw(st.floats(0.0, 40.0))
+        return ModelPayload(
+            model_version=draw(ids),
+            bits=f,
+            n_items=m,
+            words=words,
+            item_levels=draw(st.binary(min_size=m, max_size=m)),
+            hamming_weight=draw(st.integers(1, 255)),
+            unobserved_weight=draw(st.floats(0.0, 1.0 + alpha).filter(lambda w: 0.0 < w <= 1.0 + alpha)),
+            confidence=alpha,
+            dp_trained=draw(st.booleans()),
+        )
     if kind == 15:
         return RoundResult(round_id=r, committed=draw(st.booleans()), model_version=draw(ids), reason=draw(text))
     if kind == 16:
@@ -466,3 +481,78 @@ def test_long_byte_strings_and_extension_types_out_of_place_are_refused(body: di
     big = msgpack.packb({"v": [1, 4], "t": 6, "b": {"pad": b"\x00" * (1 << 16), "x": msgpack.ExtType(1, b"\0\0\0\0")}})
     with pytest.raises(DecodeError, match="extension type"):
         decode(big)
+
+
+def _w0_payload(**fields: object) -> dict[str, object]:
+    """The keyword arguments of a protocol 1.7 LightFR model (3 items, f = 4, levels), overridden by ``fields``."""
+    base: dict[str, object] = {
+        "model_version": 4,
+        "bits": 4,
+        "n_items": 3,
+        "words": bytes(24),
+        "item_levels": bytes([128, 130, 126]),
+        "hamming_weight": 2,
+        "unobserved_weight": 0.032,
+        "confidence": 0.5,
+        "dp_trained": True,
+    }
+    base.update(fields)
+    return base
+
+
+def test_model_payload_carries_w0_alpha_and_the_dp_flag() -> None:
+    """Protocol 1.7: the w0 a model goes with, its α and the sticky DP flag travel as 'w0', 'al', 'dp'
+    and come back exactly; a device's `set_global` receives them through `lightfr_extras`."""
+    sent = ModelPayload(**_w0_payload())  # type: ignore[arg-type]
+    body = msgpack.unpackb(encode(sent), raw=False)["b"]
+    assert (body["w0"], body["al"], body["dp"]) == (0.032, 0.5, True)
+    back = decode(encode(sent))
+    assert back == sent and isinstance(back, ModelPayload)
+    extras = back.lightfr_extras()
+    assert (extras["unobserved_weight"], extras["confidence"], extras["dp_trained"]) == (0.032, 0.5, True)
+    # An integer on the wire is accepted for the float fields (it is exact), as for every float field.
+    body["w0"], body["al"] = 1, 0
+    assert decode(_env(15, body)).unobserved_weight == 1.0  # type: ignore[union-attr]
+
+
+def test_a_model_payload_of_protocol_1_6_decodes_with_the_new_fields_at_their_defaults() -> None:
+    body = msgpack.unpackb(encode(ModelPayload(**_w0_payload())), raw=False)["b"]  # type: ignore[arg-type]
+    for key in ("w0", "al", "dp"):
+        del body[key]
+    old = decode(_env(15, body, v=[1, 6]))
+    assert isinstance(old, ModelPayload)
+    assert (old.unobserved_weight, old.confidence, old.dp_trained) == (0.0, 0.0, False)
+    assert old.item_levels == bytes([128, 130, 126]) and old.hamming_weight == 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"unobserved_weight": float("nan")}, "unobserved_weight must be a finite float"),
+        ({"unobserved_weight": float("inf")}, "unobserved_weight must be a finite float"),
+        ({"unobserved_weight": -0.01}, "unobserved_weight must be >= 0.0"),
+        ({"unobserved_weight": 1.5001}, "unobserved_weight must be <= 1 + confidence = 1.5"),
+        ({"unobserved_weight": 1.2, "confidence": 0.0}, "unobserved_weight must be <= 1 + confidence = 1.0"),
+        ({"confidence": float("nan")}, "confidence must be a finite float"),
+        ({"confidence": -1.0}, "confidence must be >= 0.0"),
+        ({"unobserved_weight": 0.0}, "confidence goes with a stated unobserved_weight"),
+        ({"item_levels": b""}, "unobserved_weight > 0 is for LightFR models of the all-items objective"),
+        ({"dp_trained": 1}, "dp_trained must be a bool, got 1"),
+        ({"dp_trained": "yes"}, "dp_trained must be a bool"),
+        ({"unobserved_weight": "0.1"}, "unobserved_weight must be a finite float"),
+        ({"unobserved_weight": True}, "unobserved_weight must be a finite float"),
+    ],
+)
+def test_hostile_w0_and_dp_flag_are_refused_by_name(fields: dict[str, object], why: str) -> None:
+    """Built in code: a ValueError naming the field; sent by a peer: a DecodeError naming it."""
+    with pytest.raises(ValueError, match=re.escape(why)):
+        ModelPayload(**_w0_payload(**fields))  # type: ignore[arg-type]
+    body = msgpack.unpackb(encode(ModelPayload(**_w0_payload())), raw=False)["b"]  # type: ignore[arg-type]
+    wire = {"unobserved_weight": "w0", "confidence": "al", "dp_trained": "dp", "item_levels": "lv"}
+    for name, value in fields.items():
+        body[wire[name]] = value
+    with pytest.raises(DecodeError) as info:
+        decode(_env(15, body))
+    # A wrong wire type is named by its key; a wrong value by the field's name.
+    key = wire[next(iter(fields))]
+    assert why in str(info.value) or f"field {key!r}" in str(info.value), str(info.value)

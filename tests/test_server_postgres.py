@@ -270,3 +270,56 @@ def test_uploaded_revocation_lists_are_shared_by_every_instance_and_only_move_fo
     with Storage(tmp_path / "a", url=backend) as s3:  # survives a restart
         restarted = Enrollment(config, s3)
         assert restarted.revocation_list is not None and restarted.revocation_list.number == 2
+
+
+@pytest.mark.postgres
+@pytest.mark.asyncio
+async def test_the_dp_flag_of_the_model_survives_a_restart_on_postgresql(
+    pg_server: str, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """Protocol 1.7's sticky `ModelPayload.dp_trained` is part of the stored checkpoint: a server restarted
+    on the same PostgreSQL database serves it again, and so does a second instance that follows the head."""
+    import dataclasses
+
+    from agg_server.app import COORDINATOR, create_app
+    from agg_server.config import StorageSection
+    from agg_server.coordinator import RoundCoordinator
+    from agg_server.storage import Storage
+    from fedsim.fleet import FleetConfig, run_fleet
+    from protocol.codec import decode
+    from protocol.messages import ModelPayload
+    from tests.server_helpers import BITS, N_ITEMS, small_config, users
+
+    url = database_url(pg_server, f"t{next(_names)}")
+
+    def config(dp: bool) -> Any:
+        cfg = small_config(tmp_path / "srv", cohort=5, min_cohort=5, timeout=20.0)
+        cfg = dataclasses.replace(cfg, storage=StorageSection(url=url))
+        if not dp:
+            return cfg
+        return dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, enabled=True, epsilon=50.0))
+
+    app = create_app(config(True))
+    server = await aiohttp_server(app)
+    fleet = FleetConfig(
+        url=str(server.make_url("")).rstrip("/"),
+        store_root=tmp_path / "devices",
+        n_items=N_ITEMS,
+        bits=BITS,
+        rounds=1,
+        seed=3,
+        time_limit=120.0,
+    )
+    report, _ = await run_fleet(fleet, list(users(5, seed=4).values()))
+    assert report.rounds_finished == 1 and not report.errors
+    assert app[COORDINATOR].model_version == 2 and app[COORDINATOR].model_dp_trained
+    await server.close()
+
+    cfg = config(False)
+    again = RoundCoordinator(cfg, Storage(cfg.data_dir, url=url), now=0.0)
+    try:
+        served = decode(again.model_bytes)
+        assert again.model_version == 2 and again.model_dp_trained
+        assert isinstance(served, ModelPayload) and served.dp_trained and served.unobserved_weight > 0
+    finally:
+        again.storage.close()

@@ -450,11 +450,16 @@ class LightFRServerStrategy:
         return np.concatenate([D, (lv.astype(np.int16) - LEVEL_CENTER).astype(np.int8)[:, None]], axis=1)
 
     def to_wire(self, state: NDArray[np.int8]) -> dict[str, object]:
+        """The `ModelPayload` fields of ``state``; under the all-items objective also the w0 and α the next
+        round's plan carries (protocol 1.7): called right after `aggregate`, that is the w0 this round
+        derived under "auto", so a device that only downloads ranks and folds in with it."""
         wire: dict[str, object] = {"words": to_bytes(pack_signs(self.codes(state)))}
         levels = self.levels(state)
         if levels is not None:
             wire["item_levels"] = levels.tobytes()
             wire["hamming_weight"] = self.hamming_weight
+            wire["unobserved_weight"] = self.current_weight
+            wire["confidence"] = float(self.confidence)
         return wire
 
     def from_wire(self, words: bytes, values: bytes, item_levels: bytes = b"") -> NDArray[np.int8]:

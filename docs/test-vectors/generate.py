@@ -284,6 +284,7 @@ def message_vectors() -> dict[str, Any]:
             dp_excess=np.zeros(0, dtype=np.uint32),
         ),
         _PLANES_INVITE,  # protocol 1.6: a LightFR plan asking for asymmetric scoring
+        _W0_MODEL,  # protocol 1.7: a LightFR model with the w0 and α it goes with, trained with DP noise
         RoundInvite(  # a 1.0-style invite: every appended field at its default
             round_id=1,
             device_id=2,
@@ -342,6 +343,18 @@ def message_vectors() -> dict[str, Any]:
             "hex": _raw_envelope([1, 5], 1, _older_body(_PLANES_INVITE, ("qp", "ur"))).hex(),
             "decodes_to": {"type": "RoundInvite", "query_planes": 0, "user_reg": 1.0, "unobserved_weight": 0.25},
         },
+        "accepted_older_model": {
+            "why": "a 1.6 server's LightFR model has no w0/al/dp keys: they take their defaults (w0 0: not "
+            "stated, the device keeps its own; dp_trained false)",
+            "hex": _raw_envelope([1, 6], 15, _older_body(_W0_MODEL, ("w0", "al", "dp"))).hex(),
+            "decodes_to": {
+                "type": "ModelPayload",
+                "unobserved_weight": 0.0,
+                "confidence": 0.0,
+                "dp_trained": False,
+                "hamming_weight": 2,
+            },
+        },
         "accepted_unknown_key": {
             "why": "a newer minor version adds key zz: decoders ignore unknown keys",
             "hex": _raw_envelope([1, 9], 13, {"d": 5, "mv": 2, "zz": "later field"}).hex(),
@@ -373,6 +386,22 @@ _PLANES_INVITE = RoundInvite(
     unobserved_weight=0.25,
     query_planes=2,
     user_reg=30.0,
+)
+
+
+#: A LightFR model of the all-items objective (m = 3 items, f = 4 bits, levels, B = 2) that goes with w0 = 0.03125
+#: and α = 0.5, from a run whose rounds added DP noise (protocol 1.7).
+_W0_MODEL = ModelPayload(
+    model_version=4,
+    model_kind="lightfr",
+    bits=4,
+    n_items=3,
+    words=bytes(range(8)) * 3,
+    item_levels=bytes([128, 131, 120]),
+    hamming_weight=2,
+    unobserved_weight=0.03125,
+    confidence=0.5,
+    dp_trained=True,
 )
 
 
