@@ -70,11 +70,14 @@ _PLANE_GROUP = 16
 _PLANE_ITEMS = 1 << 18
 _PLANE_ROW_ITEMS = 256
 # One user's exact multi-index (substring) search, f = 64 only (see `_SubstringTables`): catalogues from
-# _MIH_MIN items (below, the linear scan is as fast), at most _MIH_GROUPS level groups with their own
-# tables (groups under _MIH_GROUP_MIN items are scanned), a first probe at radius _MIH_FIRST_RADIUS in
-# every substring, the first threshold tried is where the first probe's estimate reaches _MIH_MARGIN·kk
-# items, and the linear scan is taken once the candidates (with repeats) would exceed _MIH_FALLBACK·m.
-_MIH_MIN = 1 << 18
+# _MIH_MIN items (below, the linear scan is as fast or faster; random codes, a new user each call, in one
+# process: 2^19 items 0.48 vs 0.48 ms, with the item term 0.91 vs 0.84; 786432 items 0.60 vs 0.76 and
+# 0.69 vs 0.84), at most 1 + 2·_MIH_GROUPS level groups with their own tables (groups under
+# _MIH_GROUP_MIN items are scanned), a first probe at radius _MIH_FIRST_RADIUS in every substring, the
+# first threshold tried is where the first probe's estimate reaches _MIH_MARGIN·kk items, a group is
+# scanned once its finds (with repeats) would exceed _MIH_FALLBACK of its items, and the linear scan
+# answers after _MIH_ROUNDS rounds without an answer.
+_MIH_MIN = 3 << 18
 _MIH_GROUPS = 3
 _MIH_GROUP_MIN = 1 << 16
 _MIH_FIRST_RADIUS = 2
@@ -302,7 +305,11 @@ class HammingIndex:
                 one_ids, one_cost = found if found is not None else self._scan_one(users[0], kk1, seg)
                 return self._select_one(one_ids, one_cost, k, excl, rng)
             kk = np.minimum(k + np.asarray(extra, dtype=np.int64), self.m)
-            rows, ids, cost = self._scan(users, kk, _BLOCK_PAIRS if block_pairs is None else max(int(block_pairs), 1))
+            pairs = _BLOCK_PAIRS if block_pairs is None else max(int(block_pairs), 1)
+            if self._substring_ok():
+                rows, ids, cost = self._substring_batch(users, kk, pairs)
+            else:
+                rows, ids, cost = self._scan(users, kk, pairs)
         return self._select(rows, ids, cost, n, k, excl, rng)
 
     def _buffers(
@@ -619,6 +626,29 @@ class HammingIndex:
                 if self._mih is None:
                     self._mih = _SubstringTables(self._sorted[0], self._lift, self._lift_runs)
         return self._mih
+
+    def _substring_batch(
+        self, users: NDArray[np.uint64], kk: NDArray[np.int64], block_pairs: int
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+        """`_scan`'s candidates (row, item id, cost) by one substring search per user; the users it
+        gives up on are scanned together.  (10^6 random items, 100 users: 50-56 ms against 78-85 ms for
+        the batched scan.)"""
+        rows_l, ids_l, cost_l, rest = [], [], [], []
+        for i in range(users.shape[0]):
+            found = self._substring_one(users[i], int(kk[i]))
+            if found is None:
+                rest.append(i)
+                continue
+            ids_l.append(found[0])
+            cost_l.append(found[1].astype(np.int64))
+            rows_l.append(np.full(found[0].size, i, np.int64))
+        if rest:
+            back = np.asarray(rest, dtype=np.int64)
+            r_rows, r_ids, r_cost = self._scan(users[back], kk[back], block_pairs)
+            rows_l.append(back[r_rows])
+            ids_l.append(r_ids)
+            cost_l.append(r_cost)
+        return np.concatenate(rows_l), np.concatenate(ids_l), np.concatenate(cost_l)
 
     def _substring_buffers(self, cap: int) -> tuple[NDArray[np.int64], NDArray[np.uint64], NDArray[np.uint8]]:
         """The substring search's buffers (entry indices, codes, distances of up to ``cap`` finds),
@@ -1623,6 +1653,9 @@ class _SubstringTables:
         step[1:] -= first[:-1] + count[:-1] - 1
         idx[np.cumsum(count) - count] = step
         np.cumsum(idx, out=idx)
+        # Each bucket's lines read first by a gather of one entry a line (independent loads, which the
+        # core overlaps), then the gather of every entry finds them in cache.
+        self.codes.take(np.concatenate((first, first + np.minimum(count - 1, 8))), mode="clip")
         np.take(self.codes, idx, out=codes, mode="clip")  # in range by construction: no check
         np.bitwise_xor(codes, word, out=codes)
         np.bitwise_count(codes, out=dist)

@@ -973,3 +973,37 @@ def test_substring_search_scans_a_dense_level_group_and_probes_the_rest() -> Non
     levels = np.concatenate((np.full(3000, 3), np.zeros(3000))).astype(np.uint8)
     with _substring_sizes(_MIH_GROUP_MIN=64):
         assert HammingIndex(pack_signs(D), 64, levels, 2)._substring_one(pack_user(D[0]), 10) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    m=st.integers(1, 3000),
+    n=st.integers(1, 7),
+    n_levels=st.sampled_from([0, 4, 256]),
+    k=st.integers(1, 30),
+    n_excl=st.integers(0, 5),
+)
+def test_substring_batch_is_the_reference_ranking(
+    seed: int, m: int, n: int, n_levels: int, k: int, n_excl: int
+) -> None:
+    """A batch of users through one substring search each (sizes patched down), some of them in a
+    tight cluster (their searches give up and are scanned together): each row is the reference."""
+    rng = np.random.default_rng(seed)
+    D = np.concatenate((_clustered_codes(rng, m // 2, 1, 0.01), random_signs(m - m // 2, 64, rng)))
+    U = np.where(rng.random(n)[:, None] < 0.5, D[rng.integers(0, m, n)], random_signs(n, 64, rng)).astype(np.int8)
+    levels = None if n_levels == 0 else rng.integers(0, n_levels, m).astype(np.uint8)
+    ref = _reference_scores(U, D, levels, 2)
+    excl = [rng.choice(m, min(n_excl, m), replace=False) for _ in range(n)]
+    with _substring_sizes(_MIH_ROUNDS=80, _MIH_FALLBACK=0.5):
+        index = HammingIndex(pack_signs(D), 64, levels, 2)
+        ids, scores = index.search(pack_signs(U).T.copy(), k, None, exclude=excl)
+        for i in range(n):
+            want = _reference_ranking(ref[i], k, excl[i])
+            assert np.array_equal(ids[i, : want.size], want) and np.all(ids[i, want.size :] == -1)
+            assert np.array_equal(scores[i, : want.size], ref[i, want])
+        ids, scores = index.search(pack_signs(U).T.copy(), k, rng, exclude=excl)
+        for i in range(n):
+            want = _reference_ranking(ref[i], k, excl[i])
+            assert np.array_equal(scores[i, : want.size], ref[i, want])
+            assert np.unique(ids[i, : want.size]).size == want.size and not np.isin(ids[i], excl[i]).any()
