@@ -71,8 +71,8 @@ _PLANE_ITEMS = 1 << 18
 _PLANE_ROW_ITEMS = 256
 # One user's exact multi-index (substring) search, f = 64 only (see `_SubstringTables`): catalogues from
 # _MIH_MIN items (below, the linear scan is as fast or faster; random codes, a new user each call, in one
-# process: 2^19 items 0.48 vs 0.48 ms, with the item term 0.91 vs 0.84; 786432 items 0.60 vs 0.76 and
-# 0.69 vs 0.84), at most 1 + 2·_MIH_GROUPS level groups with their own tables (groups under
+# process: 2^19 items 0.39-0.44 vs 0.39 ms, with the item term 0.48 vs 0.42; 786432 items 0.52-0.55 vs
+# 0.63 and 0.63 vs 0.70), at most 1 + 2·_MIH_GROUPS level groups with their own tables (groups under
 # _MIH_GROUP_MIN items are scanned), a first probe at radius _MIH_FIRST_RADIUS in every substring, the
 # first threshold tried is where the first probe's estimate reaches _MIH_MARGIN·kk items, a group is
 # scanned once its finds (with repeats) would exceed _MIH_FALLBACK of its items, and the linear scan
@@ -80,8 +80,8 @@ _PLANE_ROW_ITEMS = 256
 _MIH_MIN = 3 << 18
 _MIH_GROUPS = 3
 _MIH_GROUP_MIN = 1 << 16
-_MIH_FIRST_RADIUS = 2
-_MIH_MARGIN = 0.5
+_MIH_FIRST_RADIUS = 1
+_MIH_MARGIN = 1.0
 _MIH_FALLBACK = 0.125
 _MIH_ROUNDS = 4
 _MIH_REACH = 4  # how far above its last step T may jump in its last round (see `_substring_one`)

@@ -894,23 +894,33 @@ def test_substring_search_falls_back_to_the_scan_on_dense_buckets() -> None:
 
 @pytest.mark.parametrize("lv", [None, 3])
 def test_substring_search_at_the_pigeonhole_bound_and_substring_edges(lv: int | None) -> None:
-    """Items at distance d from the user, their d flipped bits spread as evenly as the pigeonhole
-    allows over the 4 substrings and placed on the substrings' edges (bits 0, 15, 16, 31, 32, 47, 48,
-    63 first): each substring then differs in about d/4 bits, the largest radius that still finds
-    them.  The nearest items must all be found, with the rest of the catalogue random and far."""
+    """Items at distance d from the user, their d flipped bits dealt round-robin over the 4 substrings
+    from the substrings' edges (bits 0, 16, 32, 48, 15, 31, 47, 63, 1, 17, ...): each substring then
+    differs in about d/4 bits, the largest radius that still finds them.  For d = 4, 8, 12, 16 such an
+    item ties (same distance and level) with a twin of a higher id whose flips all sit in the lowest
+    substrings, which a smaller probe finds: a search whose probes stopped one short of the pigeonhole
+    bound would count the twin and miss the spread item, which the lower id must win.  The nearest items
+    must all be found, with the rest of the catalogue random and far."""
     rng = np.random.default_rng(21)
     m = 3000
     u = random_signs(1, 64, rng)[0]
     D = random_signs(m, 64, rng)
-    edges = [0, 15, 16, 31, 32, 47, 48, 63, 1, 14, 17, 30, 33, 46, 49, 62, 2, 13, 18, 29, 34, 45, 50, 61]
+    levels = None if lv is None else rng.integers(0, 16, m).astype(np.uint8)
+    edges = [16 * s + (r // 2 if r % 2 == 0 else 15 - r // 2) for r in range(16) for s in range(4)]
     near = {}
     for i, d in enumerate(range(4, 24)):
         item = 5 + 37 * i
         D[item] = u
         D[item, edges[:d]] *= -1
         near[item] = d
-    levels = None if lv is None else rng.integers(0, 16, m).astype(np.uint8)
-    for k in (1, 5, 10, 20):
+        if d % 4 == 0 and d <= 16:
+            twin = item + 1000
+            D[twin] = u
+            D[twin, :d] *= -1
+            near[twin] = d
+            if levels is not None:
+                levels[twin] = levels[item]
+    for k in (1, 2, 5, 10, 20):
         ref = _reference_scores(u[None, :], D, levels, 4)[0]
         want = _reference_ranking(ref, k, None)
         for radius, margin in ((0, 0.01), (2, 0.5), (1, 3.0)):
