@@ -291,9 +291,18 @@ class RoundCoordinator:
                 )
             assert isinstance(msg, ModelPayload)
             levels = (msg.item_levels,) if msg.item_levels else ()  # LightFR's item term (protocol 1.3)
-            # The DP flag travels in the stored payload (protocol 1.7), so it is back with the model.
-            self._set_model(version, st.from_wire(msg.words, msg.values, *levels), payload, msg.dp_trained)
+            state = st.from_wire(msg.words, msg.values, *levels)
             self._resume_strategy(version)
+            # The DP flag travels in the stored payload (protocol 1.7), so it is back with the model.  A
+            # checkpoint written before 1.7 holds none: a ledger that charged rounds says DP noise trained it.
+            dp_trained = msg.dp_trained or (version > 1 and self._ledger_charged())
+            # Served as this server would write it: the same bytes for a checkpoint of this configuration; a
+            # pre-1.7 checkpoint, or one whose w0 the configuration no longer gives, gets the 1.7 fields now
+            # rather than at the next commit.  The stored file is left as it is.
+            served = self._payload(version, state, dp_trained=dp_trained)
+            if served != payload:
+                log.info("model version %d is served with this configuration's w0 and DP flag", version)
+            self._set_model(version, state, served, dp_trained)
             log.info("resumed from model version %d", version)
             return
         rng = self._rng(0)
@@ -312,6 +321,11 @@ class RoundCoordinator:
             return
         self._set_model(1, state, payload, False)
         log.info("initialised %s model version 1 (rank %d, m=%d)", st.kind, st.rank, st.n_items)
+
+    def _ledger_charged(self) -> bool:
+        """Whether the stored privacy ledger charged any round (DP noise was released in this data_dir)."""
+        ledger = self.storage.load_ledger()
+        return bool(ledger and ledger.get("rounds"))
 
     def _decode_model(self, version: int, payload: bytes) -> tuple[NDArray[Any], bool]:
         """The state in ``payload`` (stored model ``version``) and its DP flag (`ModelPayload.dp_trained`)."""

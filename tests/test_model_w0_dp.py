@@ -202,3 +202,58 @@ async def test_a_server_restart_keeps_the_dp_flag_and_it_stays_set(aiohttp_serve
     served = decode(app[COORDINATOR].model_bytes)
     assert isinstance(served, ModelPayload) and served.model_version == 2 and not served.dp_trained
     await server.close()
+
+
+def test_a_restart_serves_the_17_fields_for_an_older_or_reconfigured_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint written by a 1.6 server holds neither w0 nor the DP flag: restarted as 1.7 on it, the
+    server serves them at once (the flag from the privacy ledger that charged its rounds), not only after its
+    next commit; a restart whose configuration fixes another w0 serves that one.  The stored file is kept."""
+    import msgpack
+
+    from agg_server.coordinator import RoundCoordinator
+    from agg_server.storage import Storage
+    from fedsim.private import run_private_lightfr
+
+    cfg = _config(tmp_path / "server", dp=True)
+    run = run_private_lightfr(cfg, users(COHORT, seed=2), rounds=1, seed=1)
+    coordinator = run.coordinator
+    assert coordinator.model_version == 2 and coordinator.model_dp_trained
+    # What a 1.6 server would have stored as version 3: the same model without the 1.7 keys.
+    envelope = msgpack.unpackb(coordinator.model_bytes, raw=False)
+    envelope["v"], envelope["b"]["mv"] = [1, 6], 3
+    for key in ("w0", "al", "dp"):
+        del envelope["b"][key]
+    old = msgpack.packb(envelope, use_bin_type=True)
+    old_payload = decode(old)
+    assert isinstance(old_payload, ModelPayload) and not old_payload.dp_trained and old_payload.unobserved_weight == 0
+    coordinator.storage.commit_model(3, None, old, 10.0, base_version=2)
+    coordinator.storage.close()
+
+    restarted = RoundCoordinator(cfg, Storage(cfg.data_dir), now=20.0)
+    try:
+        served = decode(restarted.model_bytes)
+        assert isinstance(served, ModelPayload) and served.model_version == 3
+        assert served.dp_trained and restarted.model_dp_trained
+        assert served.unobserved_weight == restarted.strategy.plan().unobserved_weight > 0  # type: ignore[union-attr]
+        assert served.words == old_payload.words and served.item_levels == old_payload.item_levels
+        assert restarted.storage.load_model(3) == old  # the stored checkpoint is untouched
+    finally:
+        restarted.storage.close()
+
+    plain = _config(tmp_path / "plain", dp=False)
+    run = run_private_lightfr(plain, users(COHORT, seed=2), rounds=1, seed=1)
+    derived = decode(run.coordinator.model_bytes)
+    assert isinstance(derived, ModelPayload) and derived.unobserved_weight != 0.05 and not derived.dp_trained
+    run.coordinator.storage.close()
+    fixed = dataclasses.replace(plain, model=dataclasses.replace(plain.model, unobserved_weight=0.05))
+    again = RoundCoordinator(fixed, Storage(fixed.data_dir), now=20.0)
+    try:
+        served = decode(again.model_bytes)
+        assert isinstance(served, ModelPayload) and served.unobserved_weight == 0.05 and not served.dp_trained
+    finally:
+        again.storage.close()
+    same = RoundCoordinator(plain, Storage(plain.data_dir), now=30.0)  # unchanged configuration: the same bytes
+    try:
+        assert same.model_bytes == run.coordinator.model_bytes
+    finally:
+        same.storage.close()
