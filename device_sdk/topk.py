@@ -31,8 +31,9 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import statistics
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -84,6 +85,10 @@ _MIH_FIRST_RADIUS = 1
 _MIH_MARGIN = 1.0
 _MIH_FALLBACK = 0.125
 _MIH_ROUNDS = 4
+_PLANE_MIH_SAMPLE = 2048  # the plane substring search's even sample of the catalogue (its first T, a bound)
+_PLANE_MIH_MARGIN = 1.0  # its first T: where the fit puts the catalogue's (margin·kk)-th value
+_PLANE_MIH_STEP = 0.25  # T's first growth step, in the sample's standard deviations
+_BYTE_VALUES = np.arange(256, dtype=np.uint64)
 _MIH_REACH = 4  # how far above its last step T may jump in its last round (see `_substring_one`)
 _SUB_BITS = 16  # 4 substrings of 16 bits
 _SUB_N = 1 << _SUB_BITS
@@ -686,6 +691,10 @@ class HammingIndex:
             return None  # every level group is small: the scan is the search
         word = user[0]
         vmax, r1, lift = self._vmax, _MIH_FIRST_RADIUS, self._lift
+
+        def values(a: int, b: int) -> NDArray[Any]:
+            return self._range_values(word, a, b)
+
         top, stop = vmax, self.m  # a bound on the kk-th value, and where the scan would stop at it
         if lift is not None:
             # The kk-th value of the scan's first items bounds the catalogue's; the codes are sorted by q,
@@ -723,7 +732,7 @@ class HammingIndex:
             first, count = tb.probe(quarters, tables, [0] * 4, [r1 + 1] * 4)
             n = int(count.sum())
             if n > limit[g]:
-                if not self._scan_group(tb, g, word, live, scanned, stop):
+                if not self._scan_group(tb, g, values, live, scanned, stop):
                     return None
                 c = np.bincount(scanned[-1][1], minlength=vmax + 1)
                 est[: vmax + 1] += c
@@ -751,13 +760,12 @@ class HammingIndex:
         val_l: list[NDArray[Any]] = []
         for g, idx, dist in first_finds:
             if g in live:
-                self._substring_finds(tb, g, idx, dist, cap, pos_l, val_l)
+                self._substring_finds(tb, tb.group_q[g], lift, idx, dist, cap, pos_l, val_l)
         for turn in range(_MIH_ROUNDS):
             # The radii that find every item of v <= T: group g needs dist <= T − q_g, so radii r_j with
             # Σ (r_j + 1) = T − q_g + 1 (-1: that substring is not probed).
             for g in list(live):
-                e = max(T - tb.group_q[g] + 1, 0)
-                grow = [(4 * g + j, min(e // 4 - 1 + (j < e % 4), _SUB_BITS)) for j in range(4)]
+                grow = [(4 * g + j, r) for j, r in enumerate(_radii(T - tb.group_q[g] + 1, _SUB_BITS))]
                 grow = [(t, r) for t, r in grow if r > radius[t]]
                 if not grow:
                     continue
@@ -766,7 +774,7 @@ class HammingIndex:
                 )
                 n = int(count.sum())
                 if spent[g] + n > limit[g]:
-                    if not self._scan_group(tb, g, word, live, scanned, stop):
+                    if not self._scan_group(tb, g, values, live, scanned, stop):
                         return None
                     continue
                 spent[g] += n
@@ -774,7 +782,7 @@ class HammingIndex:
                     radius[t] = r
                 if n:
                     idx, dist = tb.expand(word, first, count, n, buffers)
-                    self._substring_finds(tb, g, idx, dist, cap, pos_l, val_l)
+                    self._substring_finds(tb, tb.group_q[g], lift, idx, dist, cap, pos_l, val_l)
             for a, v in scanned:
                 keep = np.flatnonzero(v <= cap)
                 pos_l.append(keep + a)
@@ -806,7 +814,7 @@ class HammingIndex:
         self,
         tb: _SubstringTables,
         g: int,
-        word: np.uint64,
+        values: Callable[[int, int], NDArray[Any]],
         live: list[int],
         scanned: list[tuple[int, NDArray[Any]]],
         stop: int,
@@ -818,30 +826,30 @@ class HammingIndex:
         if 2 * (b - a) >= self.m:
             return False
         live.remove(g)
-        scanned.append((a, self._range_values(word, a, b)))
+        scanned.append((a, values(a, b)))
         return True
 
     def _substring_finds(
         self,
         tb: _SubstringTables,
-        g: int,
+        q: int,
+        lift: NDArray[Any] | None,
         idx: NDArray[np.int64],
-        dist: NDArray[np.uint8],
+        dist: NDArray[Any],
         cap: int,
         pos_l: list[NDArray[Any]],
         val_l: list[NDArray[Any]],
     ) -> None:
-        """Append the scan positions and exact values v <= ``cap`` of group g's finds (table entries
-        ``idx`` at distances ``dist``) to the lists."""
-        q = tb.group_q[g]
+        """Append the scan positions and exact values v = dist + lift <= ``cap`` of a group's finds
+        (table entries ``idx`` at distances ``dist``; q the group's smallest lift) to the lists."""
         if cap < q:
             return
-        hit = np.flatnonzero(dist <= min(cap - q, self.f))  # v >= dist + q_g: a first cut
+        hit = np.flatnonzero(dist <= cap - q)  # v >= dist + q: a first cut
         if hit.size:
             pos = tb.pos.take(idx[hit])
             val = dist[hit]
-            if self._lift is not None:
-                val = val + self._lift[pos]
+            if lift is not None:
+                val = val + lift[pos]
                 ok = np.flatnonzero(val <= cap)
                 pos, val = pos[ok], val[ok]
             pos_l.append(pos)
@@ -946,7 +954,10 @@ class HammingIndex:
                 cost += (self._top - self._levels[ids].astype(np.int64)) << s
         else:
             kk = min(k + (0 if excl is None else excl.size), self.m)
-            if self.m >= _PLANE_BOUND_MIN and self.f * (2**P - 1) >= 1 << 8 and self.f * (2 ** (P - 1) - 1) < 1 << 8:
+            found = self._substring_planes(planes, a, s, kk) if self._substring_ok() else None
+            if found is not None:
+                ids, cost = found
+            elif self.m >= _PLANE_BOUND_MIN and self.f * (2**P - 1) >= 1 << 8 and self.f * (2 ** (P - 1) - 1) < 1 << 8:
                 # The high planes' byte bound saves a popcount per item (P = 3 at f = 64): the batch's scan.
                 one = np.array([kk], np.int64)
                 _, ids, cost = self._scan_planes_batch(
@@ -1055,7 +1066,14 @@ class HammingIndex:
             start = stop
         pos = pos_l[0] if len(pos_l) == 1 else np.concatenate(pos_l)
         val = (val_l[0] if len(val_l) == 1 else np.concatenate(val_l)).astype(np.int64)
-        if pending > 4 * kk + 64:
+        return self._plane_costs(pos, val, a, s, kk, lift)
+
+    def _plane_costs(
+        self, pos: NDArray[Any], val: NDArray[np.int64], a: int, s: int, kk: int, lift: NDArray[Any] | None
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Item ids and exact costs of one plane user's candidates, given by scan position and value
+        v = W + q (distinct items, holding every item whose v is at most the kk-th smallest)."""
+        if val.size > 4 * kk + 64:
             keep = (val <= np.partition(val, kk - 1)[kk - 1]).nonzero()[0]
             pos, val = pos[keep], val[keep]
         bias = self._bias
@@ -1066,7 +1084,133 @@ class HammingIndex:
             if cost.size > 4 * kk + 64:
                 keep = (cost <= np.partition(cost, kk - 1)[kk - 1]).nonzero()[0]
                 pos, cost = pos[keep], cost[keep]
-        return (pos if self._order is None else self._order[pos]), cost
+        return (pos.astype(np.int64, copy=False) if self._order is None else self._order[pos]), cost
+
+    def _substring_planes(
+        self, planes: NDArray[np.uint64], a: int, s: int, kk: int
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]] | None:
+        """`_scan_planes` by the substring tables (f = 64; see `_SubstringTables`), or None when it gives
+        up for the scan.
+
+        W = Σ_p 2^p·Hamming(c, d_p) is the sum over the 4 substrings of W_j(x) = Σ_p 2^p·popcount(x XOR
+        d_pj), x the item's substring j, so an item of v = W + q <= T in a group of smallest q q_g has,
+        for radii with Σ (r_j + 1) = T − q_g + 1, some substring j with W_j(x) <= r_j: the pigeonhole of
+        `_substring_one`, Hamming being P = 1.  Per query, W_j of all 2^16 values x comes from two
+        256-entry byte tables; the values up to the largest radius that can be needed are sorted by it,
+        so a band r_old < W_j <= r_new of buckets is a slice.  The kk-th value of the scan's first items
+        and of an even sample of the catalogue bounds everything (cap); the first T is where a normal fit
+        to the sample puts the catalogue's _PLANE_MIH_MARGIN·kk-th value.  Each round probes every live
+        group up to T and stops once >= kk distinct items of v <= T are found; otherwise T jumps to the
+        kk-th value of the distinct items found (when there are kk; at most cap), or else grows by a
+        step that doubles.  Dense groups are scanned, as in `_substring_one`, and the search gives up
+        after _MIH_ROUNDS rounds.  Exactness rests only on the probes' guarantee and the distinct count."""
+        tb = self._substring_tables()
+        ng = len(tb.group_q)
+        if ng == 0:
+            return None
+        P, m = planes.shape[0], self.m
+        pw = planes[:, 0]
+        words = self._sorted[0]
+        lift = self._lift_planes(a, s)
+        rmax = _SUB_BITS * (2**P - 1)  # the largest W_j
+
+        def weigh(codes: NDArray[np.uint64]) -> NDArray[np.uint16]:
+            acc = np.bitwise_count(codes ^ pw[P - 1]).astype(np.uint16)
+            for p in range(P - 2, -1, -1):
+                np.add(acc, acc, out=acc)
+                np.add(acc, np.bitwise_count(codes ^ pw[p]), out=acc)
+            return acc
+
+        def values(lo: int, hi: int) -> NDArray[Any]:
+            w = weigh(words[lo:hi])
+            return w if lift is None else w + lift[lo:hi]
+
+        head = min(m, max(_FIRST_BLOCK, 4 * kk))
+        top = int(np.partition(values(0, head), kk - 1)[kk - 1])
+        sample = np.arange(0, m, max(m // _PLANE_MIH_SAMPLE, 1))
+        sv = weigh(words[sample]).astype(np.int64) + (0 if lift is None else lift[sample])
+        if sv.size >= kk:
+            top = min(top, int(np.partition(sv, kk - 1)[kk - 1]))
+        stop = m if lift is None else int(lift.searchsorted(lift.dtype.type(top), side="right"))
+        if stop < _MIH_MIN:
+            return None
+        gq = [0 if lift is None else int(lift[g0]) for g0, _ in tb.spans]
+        sv = sv[sample < stop]
+        mu, sd = float(sv.mean()), float(sv.std())
+        z = statistics.NormalDist().inv_cdf(min(_PLANE_MIH_MARGIN * kk / stop, 0.5))
+        T = min(max(int(mu + sd * z), 0), top)
+        step = max(int(sd * _PLANE_MIH_STEP), 1)
+        # Per table j, the bucket values x with W_j(x) <= the largest radius any group may need, by W_j.
+        rtop = max(0, max(_radii(top - q + 1, rmax)[0] for q in gq))
+        shifts = np.arange(0, 64, 8, dtype=np.uint64)
+        pbytes = (pw[:, None] >> shifts) & np.uint64(255)  # (P, 8)
+        bt = np.zeros((8, 256), np.uint16)
+        for p in range(P):
+            bt += np.bitwise_count(_BYTE_VALUES[None, :] ^ pbytes[p][:, None]).astype(np.uint16) << p
+        bands = []
+        for j in range(4):
+            wj = np.add.outer(bt[2 * j + 1], bt[2 * j]).ravel()  # x = high byte·256 + low byte
+            xs = np.flatnonzero(wj <= rtop)
+            order = np.argsort(wj[xs], kind="stable")
+            xs = xs[order]
+            # le[r + 1] = how many of them have W_j <= r (r >= -1)
+            le = np.searchsorted(wj[xs], np.arange(-1, rtop + 1), side="right")
+            bands.append((xs, le))
+        limit = [int(_MIH_FALLBACK * (b - a0)) for a0, b in tb.spans]
+        ib, cb, _ = self._substring_buffers(max(limit) + 1)
+        scanned: list[tuple[int, NDArray[Any]]] = []
+        for a0, b in tb.linear:
+            if a0 < stop:
+                scanned.append((a0, values(a0, min(b, stop))))
+        radius = [-1] * (4 * ng)
+        spent = [0] * ng
+        live = [g for g in range(ng) if gq[g] <= top]  # no item of the others can be wanted
+        pos_l: list[NDArray[Any]] = []
+        val_l: list[NDArray[Any]] = []
+        for _turn in range(_MIH_ROUNDS):
+            for g in list(live):
+                grow = [(4 * g + j, r) for j, r in enumerate(_radii(T - gq[g] + 1, rmax)) if r > radius[4 * g + j]]
+                if not grow:
+                    continue
+                buckets = []
+                for t, r in grow:
+                    xs, le = bands[t % 4]
+                    buckets.append(xs[le[radius[t] + 1] : le[r + 1]])
+                first, count = tb.probe_buckets([t for t, _ in grow], buckets)
+                n = int(count.sum())
+                if spent[g] + n > limit[g]:
+                    if not self._scan_group(tb, g, values, live, scanned, stop):
+                        return None
+                    continue
+                spent[g] += n
+                for t, r in grow:
+                    radius[t] = r
+                if n:
+                    idx, codes = tb.gather(first, count, n, ib, cb)
+                    self._substring_finds(tb, gq[g], lift, idx, weigh(codes), top, pos_l, val_l)
+            for a0, v in scanned:
+                keep = np.flatnonzero(v <= top)
+                pos_l.append(keep + a0)
+                val_l.append(v[keep])
+            scanned = []
+            if not pos_l:
+                pos_l, val_l = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
+            pos = np.concatenate(pos_l)
+            val = np.concatenate(val_l).astype(np.int64, copy=False)
+            pos_l, val_l = [pos], [val]
+            sel = np.flatnonzero(val <= T)
+            if sel.size >= kk:
+                ids, at = np.unique(pos[sel], return_index=True)  # an item found in several tables counts once
+                if ids.size >= kk:
+                    return self._plane_costs(ids, val[sel[at]], a, s, kk, lift)
+            ids, at = np.unique(pos, return_index=True)
+            if ids.size >= kk:
+                # The kk-th value of the distinct items found bounds the catalogue's: one more round.
+                T = max(T + 1, int(np.partition(val[at], kk - 1)[kk - 1]))
+            else:
+                T, step = T + step, 2 * step
+            T = min(T, top)
+        return None
 
     def search_planes_batch(
         self,
@@ -1561,6 +1705,14 @@ def topk_hamming(
     return ids[0, ok], (f - scores[0, ok]).astype(np.int32)
 
 
+def _radii(e: int, rmax: int) -> list[int]:
+    """Radii r_0..r_3 with Σ (r_j + 1) = e (pigeonhole: an item within e − 1 of the query, the distance
+    a sum over the 4 substrings, is within r_j in some substring j), each at most rmax (the largest
+    substring distance; -1: that substring need not be probed)."""
+    e = max(e, 0)
+    return [min(e // 4 - 1 + (j < e % 4), rmax) for j in range(4)]
+
+
 @functools.lru_cache(maxsize=8)
 def _found_weights(radius: int) -> NDArray[np.float64]:
     """Per distance d (0..64), 1 / E[number of the 4 substrings of an item at distance d that lie
@@ -1649,12 +1801,16 @@ class _SubstringTables:
     ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
         """(first entry, entries) of every bucket of table t within popcount [lo, hi) of the query's
         substring, for each listed table t in turn."""
-        flat = np.concatenate(
-            [
-                (_MASKS[_MASK_AT[a] : _MASK_AT[b]] ^ quarters[t % 4]) + t * (_SUB_N + 1)
-                for t, a, b in zip(tables, lo, hi, strict=True)
-            ]
+        return self.probe_buckets(
+            tables,
+            [_MASKS[_MASK_AT[a] : _MASK_AT[b]] ^ quarters[t % 4] for t, a, b in zip(tables, lo, hi, strict=True)],
         )
+
+    def probe_buckets(
+        self, tables: list[int], buckets: list[NDArray[Any]]
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """(first entry, entries) of the given buckets (substring values) of each listed table in turn."""
+        flat = np.concatenate([b + t * (_SUB_N + 1) for t, b in zip(tables, buckets, strict=True)])
         off = self.off.ravel()
         first = off[flat].astype(np.int64)
         return first, off[flat + 1] - first
@@ -1670,11 +1826,25 @@ class _SubstringTables:
         """The entries of the given buckets (``total`` of them, repeats across tables included), in
         bucket order: their entry indices and their distances to the query, written into the first
         ``total`` slots of ``buffers`` (entry indices, codes, distances) and returned as views."""
+        idx, codes = self.gather(first, count, total, buffers[0], buffers[1])
+        np.bitwise_xor(codes, word, out=codes)
+        dist = np.bitwise_count(codes, out=buffers[2][:total])
+        return idx, dist
+
+    def gather(
+        self,
+        first: NDArray[np.int64],
+        count: NDArray[np.int64],
+        total: int,
+        ib: NDArray[np.int64],
+        cb: NDArray[np.uint64],
+    ) -> tuple[NDArray[np.int64], NDArray[np.uint64]]:
+        """The entries of the given buckets (``total`` of them), in bucket order: their entry indices and
+        codes, written into the first ``total`` slots of ``ib`` and ``cb`` and returned as views."""
         nz = count.nonzero()[0]
         if nz.size < count.size:
             first, count = first[nz], count[nz]
-        ib, cb, db = buffers
-        idx, codes, dist = ib[:total], cb[:total], db[:total]
+        idx, codes = ib[:total], cb[:total]
         # The entry indices as a running sum of steps: +1 within a bucket, a jump to each bucket's first.
         idx.fill(1)
         step = first.copy()
@@ -1685,6 +1855,4 @@ class _SubstringTables:
         # core overlaps), then the gather of every entry finds them in cache.
         self.codes.take(np.concatenate((first, first + np.minimum(count - 1, 8))), mode="clip")
         np.take(self.codes, idx, out=codes, mode="clip")  # in range by construction: no check
-        np.bitwise_xor(codes, word, out=codes)
-        np.bitwise_count(codes, out=dist)
-        return idx, dist
+        return idx, codes
