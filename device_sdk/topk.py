@@ -1140,22 +1140,7 @@ class HammingIndex:
         z = statistics.NormalDist().inv_cdf(min(_PLANE_MIH_MARGIN * kk / stop, 0.5))
         T = min(max(int(mu + sd * z), 0), top)
         step = max(int(sd * _PLANE_MIH_STEP), 1)
-        # Per table j, the bucket values x with W_j(x) <= the largest radius any group may need, by W_j.
-        rtop = max(0, max(_radii(top - q + 1, rmax)[0] for q in gq))
-        shifts = np.arange(0, 64, 8, dtype=np.uint64)
-        pbytes = (pw[:, None] >> shifts) & np.uint64(255)  # (P, 8)
-        bt = np.zeros((8, 256), np.uint16)
-        for p in range(P):
-            bt += np.bitwise_count(_BYTE_VALUES[None, :] ^ pbytes[p][:, None]).astype(np.uint16) << p
-        bands = []
-        for j in range(4):
-            wj = np.add.outer(bt[2 * j + 1], bt[2 * j]).ravel()  # x = high byte·256 + low byte
-            xs = np.flatnonzero(wj <= rtop)
-            order = np.argsort(wj[xs], kind="stable")
-            xs = xs[order]
-            # le[r + 1] = how many of them have W_j <= r (r >= -1)
-            le = np.searchsorted(wj[xs], np.arange(-1, rtop + 1), side="right")
-            bands.append((xs, le))
+        bands = _ByteBands(pw)
         limit = [int(_MIH_FALLBACK * (b - a0)) for a0, b in tb.spans]
         ib, cb, _ = self._substring_buffers(max(limit) + 1)
         scanned: list[tuple[int, NDArray[Any]]] = []
@@ -1172,10 +1157,7 @@ class HammingIndex:
                 grow = [(4 * g + j, r) for j, r in enumerate(_radii(T - gq[g] + 1, rmax)) if r > radius[4 * g + j]]
                 if not grow:
                     continue
-                buckets = []
-                for t, r in grow:
-                    xs, le = bands[t % 4]
-                    buckets.append(xs[le[radius[t] + 1] : le[r + 1]])
+                buckets = [bands.band(t % 4, radius[t], r) for t, r in grow]
                 first, count = tb.probe_buckets([t for t, _ in grow], buckets)
                 n = int(count.sum())
                 if spent[g] + n > limit[g]:
@@ -1203,10 +1185,15 @@ class HammingIndex:
                 ids, at = np.unique(pos[sel], return_index=True)  # an item found in several tables counts once
                 if ids.size >= kk:
                     return self._plane_costs(ids, val[sel[at]], a, s, kk, lift)
-            ids, at = np.unique(pos, return_index=True)
-            if ids.size >= kk:
-                # The kk-th value of the distinct items found bounds the catalogue's: one more round.
-                T = max(T + 1, int(np.partition(val[at], kk - 1)[kk - 1]))
+            if val.size >= 4 * kk:
+                # An item is found at most 4 times, so the 4kk smallest finds hold >= kk distinct items:
+                # the kk-th value among them bounds the catalogue's kk-th, and the next round ends there.
+                low = np.flatnonzero(val <= np.partition(val, 4 * kk - 1)[4 * kk - 1])
+                ids, at = np.unique(pos[low], return_index=True)
+                top = int(np.partition(val[low[at]], kk - 1)[kk - 1])  # finds above it are never needed
+                keep = np.flatnonzero(val <= top)
+                pos_l, val_l = [pos[keep]], [val[keep]]
+                T = max(T + 1, top)
             else:
                 T, step = T + step, 2 * step
             T = min(T, top)
@@ -1703,6 +1690,42 @@ def topk_hamming(
     )
     ok = ids[0] >= 0
     return ids[0, ok], (f - scores[0, ok]).astype(np.int32)
+
+
+class _ByteBands:
+    """One plane user's substring weights W_j(x) = Σ_p 2^p·popcount(x XOR d_pj) over the 2^16 values x
+    of each substring j, held as two 256-entry byte tables (W_j(x) = lo_j[x & 255] + hi_j[x >> 8]) with
+    lo_j sorted: the values x of a band r0 < W_j(x) <= r1 are, per high byte, one slice of the sorted
+    low bytes."""
+
+    __slots__ = ("lx", "lv", "hi")
+
+    def __init__(self, pw: NDArray[np.uint64]) -> None:
+        pbytes = (pw[:, None] >> np.arange(0, 64, 8, dtype=np.uint64)) & np.uint64(255)  # (P, 8)
+        bt = np.zeros((8, 256), np.int64)
+        for p in range(pw.size):
+            bt += np.bitwise_count(_BYTE_VALUES[None, :] ^ pbytes[p][:, None]).astype(np.int64) << p
+        lo = bt[0::2]
+        self.hi = bt[1::2]
+        self.lx = np.argsort(lo, axis=1, kind="stable")
+        self.lv = np.take_along_axis(lo, self.lx, axis=1)
+
+    def band(self, j: int, r0: int, r1: int) -> NDArray[np.int64]:
+        """The values x of substring j with r0 < W_j(x) <= r1 (in no particular order)."""
+        lv = self.lv[j]
+        s = np.searchsorted(lv, r0 - self.hi[j], side="right")
+        c = np.searchsorted(lv, r1 - self.hi[j], side="right") - s
+        nz = c.nonzero()[0]
+        if nz.size == 0:
+            return np.empty(0, np.int64)
+        s, c = s[nz], c[nz]
+        # The sorted low bytes' indices as a running sum of steps, as in `_SubstringTables.gather`.
+        idx = np.ones(int(c.sum()), np.int64)
+        step = s.copy()
+        step[1:] -= s[:-1] + c[:-1] - 1
+        idx[np.cumsum(c) - c] = step
+        np.cumsum(idx, out=idx)
+        return np.repeat(nz << 8, c) + self.lx[j][idx]
 
 
 def _radii(e: int, rmax: int) -> list[int]:

@@ -1049,3 +1049,190 @@ def test_substring_search_leaves_a_strong_item_term_to_the_scan() -> None:
                     ids, scores = index.search(pack_user(u), k, None)
                     want = _reference_ranking(ref, k, None)
                     assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
+
+
+def _plane_user(rng: np.random.Generator, D: np.ndarray, P: int, shape: str) -> tuple[np.ndarray, np.ndarray]:
+    """One plane user's odd integers q (64 of them, |q| <= 2^P − 1) and packed planes: random, or whose
+    top plane is an item's code (near: many items close in W), or its opposite (far)."""
+    from device_sdk import lightfr
+
+    top = 2**P - 1
+    q = 2 * rng.integers(0, top + 1, 64) - top
+    if shape != "random":
+        sign = D[-1].astype(np.int64) * (1 if shape == "near" else -1)
+        q = np.abs(q) * sign
+    q = q.astype(np.int16)[None, :]
+    return q[0], pack_signs(lightfr.sign_planes(q, P)[:, 0, :]).T.copy()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    m=st.integers(1, 2500),
+    P=st.integers(1, 4),
+    a=st.sampled_from([1, 3, 64]),
+    s=st.sampled_from([0, 3, 8]),
+    n_levels=st.sampled_from([0, 2, 16, 256]),
+    weight=st.sampled_from([1, 2, 4]),
+    k=st.integers(1, 40),
+    n_excl=st.integers(0, 6),
+    codes=st.sampled_from(["random", "clustered", "tight"]),
+    shape=st.sampled_from(["random", "near", "far"]),
+    margin=st.sampled_from([1e-4, 1.0, 4.0, 1e3]),
+    rounds=st.sampled_from([2, 80, 80, 80]),
+    fallback=st.sampled_from([0.3, 8.0, 8.0, 8.0]),
+    group_min=st.sampled_from([1, 16, 400]),
+)
+def test_substring_plane_search_is_the_reference_ranking(
+    seed: int,
+    m: int,
+    P: int,
+    a: int,
+    s: int,
+    n_levels: int,
+    weight: int,
+    k: int,
+    n_excl: int,
+    codes: str,
+    shape: str,
+    margin: float,
+    rounds: int,
+    fallback: float,
+    group_min: int,
+) -> None:
+    """One plane user's substring search (f = 64) with its sizes patched down: P = 1..4, the user's
+    scale a and level shift s, random and clustered codes (ties, repeats across substrings, dense
+    buckets that take the fallback), a user near or far from the items, levels (level groups scanned or
+    probed), exclusions; a first threshold far too low (T grows) or high, and rounds and a fallback
+    budget that end the search early.  Its candidates hold every item at or below the kk-th cost, and
+    the ranking (rng=None) and scores (random ties) are the reference's."""
+    rng = np.random.default_rng(seed)
+    flip = 0.02 if codes == "tight" else 0.1
+    D = random_signs(m, 64, rng) if codes == "random" else _clustered_codes(rng, m, 3, flip)
+    q, planes = _plane_user(rng, D, P, shape)
+    levels = None if n_levels == 0 else rng.integers(0, n_levels, m).astype(np.uint8)
+    ref = _plane_reference(D, q, a, levels, s)
+    excl = rng.choice(m, min(n_excl, m), replace=False)
+    kk = min(k + excl.size, m)
+    with _substring_sizes(
+        _PLANE_MIH_MARGIN=margin, _MIH_ROUNDS=rounds, _MIH_FALLBACK=fallback, _MIH_GROUP_MIN=group_min
+    ):
+        index = HammingIndex(pack_signs(D), 64, levels, weight)
+        found = index._substring_planes(planes, a, s, kk)
+        if found is not None:
+            ids, cost = found
+            assert np.unique(ids).size == ids.size
+            kth = np.sort(ref)[::-1][kk - 1]
+            assert set(np.flatnonzero(ref >= kth)) <= set(ids.tolist())
+            top = a * 64 * (2**P - 1) + (0 if levels is None else int(levels.max()) << s)
+            assert np.array_equal(top - cost, ref[ids])
+        ids, scores = index.search_planes(planes, a, k, None, level_shift=s, exclude=excl)
+        want = _reference_ranking(ref, k, excl)
+        assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])
+        ids, scores = index.search_planes(planes, a, k, rng, level_shift=s, exclude=excl)
+        assert np.array_equal(scores, ref[want]) and np.array_equal(ref[ids], scores)
+        assert np.unique(ids).size == ids.size and not np.isin(ids, excl).any()
+
+
+def test_substring_plane_search_at_the_pigeonhole_edge() -> None:
+    """Items whose W is exactly the kk-th value, their weight spread evenly or piled into one substring
+    (each substring in turn), among far items: every probe order and a threshold grown from far below
+    (one step at a time) must find them all; the search answers itself (no scan)."""
+    from device_sdk import lightfr
+
+    rng = np.random.default_rng(5)
+    m = 3000
+    for P in (1, 2, 3, 4):
+        q = (2 * rng.integers(0, 2**P, 64) - (2**P - 1)).astype(np.int16)
+        planes = pack_signs(lightfr.sign_planes(q[None, :], P)[:, 0, :]).T.copy()
+        best = np.where(q > 0, 1, -1).astype(np.int8)  # W = Σ over bits of the planes disagreeing with it
+        D = np.tile(-best, (m, 1))  # far items
+        D[: m // 2] = np.where(rng.random((m // 2, 64)) < 0.45, -best, best)
+        for j in range(5):
+            tied = np.arange(m - 40, m)
+            D[tied] = best
+            # flip 3 bits: in substring j (j < 4), or one in each of 3 substrings (j = 4)
+            cols = [16 * j + 1, 16 * j + 5, 16 * j + 9] if j < 4 else [2, 18, 34]
+            D[np.ix_(tied, cols)] *= -1
+            ref = _plane_reference(D, q, 7, None)
+            for k in (5, 40, 41):
+                with _substring_sizes(_PLANE_MIH_MARGIN=1e-6, _MIH_ROUNDS=400, _MIH_FALLBACK=8.0, _PLANE_MIH_STEP=0.0):
+                    index = HammingIndex(pack_signs(D), 64)
+                    found = index._substring_planes(planes, 7, 8, k)
+                    assert found is not None
+                    kth = np.sort(ref)[::-1][k - 1]
+                    assert set(np.flatnonzero(ref >= kth)) <= set(found[0].tolist())
+                    ids, scores = index.search_planes(planes, 7, k, None)
+                    want = _reference_ranking(ref, k, None)
+                    assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])
+
+
+def test_substring_plane_search_breaks_ties_uniformly_at_random() -> None:
+    """Exact ties through the plane substring search: 30 items at the user's best code (each found in
+    every substring) and the rest random; k = 3 of the 30.  Over 3000 draws each tied item is chosen
+    about equally often and no other item ever is."""
+    from device_sdk import lightfr
+
+    rng = np.random.default_rng(3)
+    m = 2000
+    q = (2 * rng.integers(0, 8, 64) - 7).astype(np.int16)
+    planes = pack_signs(lightfr.sign_planes(q[None, :], 3)[:, 0, :]).T.copy()
+    D = random_signs(m, 64, rng)
+    tied = rng.choice(m, 30, replace=False)
+    D[tied] = np.where(q > 0, 1, -1)
+    k = 3
+    with _substring_sizes():
+        index = HammingIndex(pack_signs(D), 64)
+        assert index._substring_planes(planes, 2, 8, k) is not None
+        counts = np.zeros(m)
+        draw = np.random.default_rng(11)
+        for _ in range(3000):
+            ids, _ = index.search_planes(planes, 2, k, draw)
+            counts[ids] += 1
+    expect = 3000 * k / tied.size
+    assert counts.sum() == 3000 * k and set(np.flatnonzero(counts)) == set(tied.tolist())
+    sigma = np.sqrt(3000 * (k / tied.size) * (1 - k / tied.size))
+    assert np.all(np.abs(counts[tied] - expect) < 4.5 * sigma)
+
+
+def test_substring_plane_search_falls_back_on_dense_buckets() -> None:
+    """A catalogue of one tight cluster: the probes would find most items, so the search gives up (None)
+    and the scan answers exactly; with a level group of its own dense and the rest spread, the dense
+    group is scanned and the rest probed, still exact."""
+    from device_sdk import lightfr
+
+    rng = np.random.default_rng(8)
+    m = 4000
+    D = _clustered_codes(rng, m, 1, 0.02)
+    q = (2 * rng.integers(0, 8, 64) - 7).astype(np.int16)
+    planes = pack_signs(lightfr.sign_planes(q[None, :], 3)[:, 0, :]).T.copy()
+    ref = _plane_reference(D, q, 3, None)
+    with _substring_sizes(_MIH_GROUP_MIN=64):
+        index = HammingIndex(pack_signs(D), 64)
+        assert index._substring_planes(planes, 3, 8, 10) is None
+        ids, scores = index.search_planes(planes, 3, 10, None)
+        want = _reference_ranking(ref, 10, None)
+        assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])
+    D[: 2 * m // 3] = random_signs(2 * m // 3, 64, rng)
+    best = np.where(q > 0, 1, -1).astype(np.int8)
+    D[2 * m // 3 :] = np.where(rng.random((m - 2 * m // 3, 64)) < 0.05, -best, best)  # a cluster near the user
+    levels = np.zeros(m, np.uint8)
+    levels[2 * m // 3 :] = 1  # the tight cluster, a third of the catalogue: a level group of its own
+    ref = _plane_reference(D, q, 3, levels, 0)
+    with _substring_sizes(_MIH_GROUP_MIN=64, _MIH_FALLBACK=0.5, _MIH_ROUNDS=80):
+        from unittest import mock
+
+        index = HammingIndex(pack_signs(D), 64, levels)
+        real, scans = HammingIndex._scan_group, []
+
+        def counted(self: Any, tb: Any, g: int, *args: Any) -> Any:
+            scans.append(tb.spans[g])
+            return real(self, tb, g, *args)
+
+        with mock.patch.object(HammingIndex, "_scan_group", counted):
+            found = index._substring_planes(planes, 3, 0, 10)
+        assert found is not None and scans == [(0, m - 2 * m // 3)]  # the scan order puts the top level first
+        assert set(np.flatnonzero(ref >= np.sort(ref)[::-1][9])) <= set(found[0].tolist())
+        ids, scores = index.search_planes(planes, 3, 10, None, level_shift=0)
+        want = _reference_ranking(ref, 10, None)
+        assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])
