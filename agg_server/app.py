@@ -511,9 +511,11 @@ async def revocations(request: web.Request) -> web.StreamResponse:
         return web.Response(status=304, headers={"ETag": etag})
     cache = request.app[_CRL_BODY]
     body = cache.get(etag)
-    if body is None:
+    if body is None:  # encoded once per list, in the worker thread (32 MB for 10^6 keys)
+        payload = RevocationListPayload(data=data)
+        body = await asyncio.get_running_loop().run_in_executor(request.app[_CRL_EXECUTOR], encode, payload)
         cache.clear()
-        body = cache[etag] = encode(RevocationListPayload(data=data))
+        cache[etag] = body
     return web.Response(body=body, content_type=MSGPACK, headers={"ETag": etag})
 
 

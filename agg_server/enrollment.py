@@ -143,8 +143,13 @@ class Enrollment:
         crl = crypto.verify_revocation_list(data, self.authority)
         return crl, self._etag(crl, data)
 
-    def _load_crl(self, crl: crypto.RevocationList, data: bytes, origin: str = "file", etag: str = "") -> None:
+    def _load_crl(
+        self, crl: crypto.RevocationList, data: bytes, origin: str = "file", etag: str = ""
+    ) -> list[crypto.RevocationList | None]:
+        """Put ``crl`` in force; returns a one-element list holding the list it replaced, for the caller to
+        empty where freeing 10^6 keys does not hold up the loop."""
         revoked = frozenset(self.storage.revoked_devices(crl.device_keys))  # storage: on the caller's thread
+        retired = [self._crl]
         # the swap: no await and no exception between these assignments
         self._crl, self._crl_bytes, self._crl_etag = crl, data, etag or self._etag(crl, data)
         self._revoked_ids = revoked
@@ -155,8 +160,11 @@ class Enrollment:
             len(crl.device_keys),
             len(self._revoked_ids),
         )
+        return retired
 
-    def _adopt(self, crl: crypto.RevocationList, data: bytes, etag: str, origin: str, where: str) -> None:
+    def _adopt(
+        self, crl: crypto.RevocationList, data: bytes, etag: str, origin: str, where: str
+    ) -> list[crypto.RevocationList | None]:
         """Put ``crl`` in force unless it goes back (the forward-only rule; logged, the list stays)."""
         if self._crl is not None and crl.number < self._crl.number:
             log.error(
@@ -166,8 +174,8 @@ class Enrollment:
                 crl.number,
                 self._crl.number,
             )
-            return
-        self._load_crl(crl, data, origin, etag)
+            return []
+        return self._load_crl(crl, data, origin, etag)
 
     def refresh_revocations(self, *, force_database: bool = False) -> None:
         """Adopt a newer revocation list, synchronously: the file ``enrollment.revocation_list`` when it
@@ -220,7 +228,8 @@ class Enrollment:
                 except RevocationListInvalid as exc:
                     log.error("revocation list refused, the list in force stays: %s", exc)
                 else:
-                    self._adopt(crl, data, etag, "file", str(self._crl_path))
+                    retired = self._adopt(crl, data, etag, "file", str(self._crl_path))
+                    await loop.run_in_executor(executor, retired.clear)  # the old list is freed there
         blob = self._database_candidate(force_database)  # two short queries on the loop (storage's thread)
         if blob is not None:
             try:
@@ -228,7 +237,8 @@ class Enrollment:
             except RevocationListInvalid as exc:
                 log.error("uploaded revocation list refused, the list in force stays: %s", exc)
                 return
-            self._adopt(crl, blob, etag, "database", "the database")
+            retired = self._adopt(crl, blob, etag, "database", "the database")
+            await loop.run_in_executor(executor, retired.clear)
 
     def _database_candidate(self, force: bool) -> bytes | None:
         """The newest uploaded list when it is newer than the list in force (None: none, or not time to

@@ -3,8 +3,8 @@
 A real server runs in a child process (loopback HTTP, 1,000 certified devices on SQLite, the list in
 ``enrollment.revocation_list``).  The parent keeps one ``GET /v1/health`` in flight at a time and records
 each answer's latency.  It replaces the list file by list #k+1 of n other keys and asks
-``GET /v1/enrollment/revocations`` with ``If-None-Match`` every 20 ms until the served ETag shows the new list.  Printed per
-swap: the time from the file write to the new list being served ("adopted after"), and the slowest
+``GET /v1/enrollment/revocations`` with ``If-None-Match`` every 20 ms until the served ETag shows the new
+list.  Printed per swap: the time from the file write to the new list being served ("adopted after"), and the slowest
 health answer in that window against the slowest in an equally long quiet window before it ("stall").
 Best of ``--repeat`` swaps for the adoption time, worst for the stall.
 
@@ -58,7 +58,7 @@ async def _swap(url: str, ca: EnrollmentAuthority, path: Path, n: int) -> tuple[
         before = await etag()
         number = crypto.verify_revocation_list(path.read_bytes(), ca.public_key).number + 1
         data = crypto.issue_revocation_list(ca.key, number, int(time.time()), sorted(os.urandom(32) for _ in range(n)))
-        stop, samples = asyncio.Event(), []
+        stop, samples = asyncio.Event(), list[tuple[float, float]]()
         probe = asyncio.create_task(_probe(url, stop, samples))
         await asyncio.sleep(1.0)  # the quiet window
         quiet_end = time.perf_counter()
