@@ -5,7 +5,9 @@
 #   registration; the model right after local training (so an app restart mid-round loses no training
 #   and corrupts nothing), at commit, and at the first contact when the server's model is newer than the
 #   one held; the ETag record ("sync") only after the model it describes is on disk, so it never vouches
-#   for item codes that are not stored.
+#   for item codes that are not stored.  A LightFR model's ranking vectors are re-solved against a model
+#   when it is adopted (`LightFRModel.refresh_ranking`) and live in the same file as its item codes, so no
+#   store file pairs the codes of one version with vectors solved against another.
 # - A model is adopted only after its shape (family, rank, n_items) was checked against this device's; a
 #   server model of another shape leaves every store file as it is.
 # - A corrupt model or ETag record is moved aside by the store and replaced by a fresh one (with a
@@ -42,7 +44,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import FederatedModel, LocalRatings
-from device_sdk.models import LightFRConfig
+from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.persistence import (
     IDENTITY_FILE,
     MODEL_FILE,
@@ -528,7 +530,8 @@ class DeviceClient:
         rank and catalogue size this device runs; a mismatch raises `ConfigError` naming both shapes then,
         instead of at the first invitation, and leaves the stored state untouched.  A model that fits is
         adopted and stored (the device recommends from the newest model; a round of that version then
-        downloads nothing).
+        downloads nothing).  A LightFR device that ranks with a vector (``rank_planes``) re-solves it for
+        its own ratings against every model it adopts, once, and stores it with that model.
 
         Check in with the model version held; a `Wait` ends the call ("waited").  On a `RoundInvite`:
         download the round's model if it differs from the stored one (``If-None-Match`` with the stored
@@ -795,6 +798,11 @@ class DeviceClient:
             self._model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
         except ValueError as exc:
             raise RemoteProtocolError(f"model {payload.model_version}: {exc}") from exc
+        if isinstance(self._model, LightFRModel):
+            # Once per adopted version: the ranking vectors solved against the previous item codes are
+            # re-solved against these, in memory, so the next `_save_model` writes codes and vectors in one
+            # atomic store file (a crash before it leaves the old model with its old vectors).
+            self._model.refresh_ranking(self._data)
         # Persisted after the model itself (`_save_model`), never before.
         self._sync = Sync(etag=etag, model_version=payload.model_version)
 

@@ -596,23 +596,72 @@ class LightFRModel(Recommender):
         private = self.private_rounds or self.private_model
         return bool(cfg.rank_planes) and cfg.unobserved_weight > 0 and not private
 
+    def refresh_ranking(self, data: LocalRatings) -> int:
+        """Re-solve the ranking vectors (``rank_planes``, symmetric training) of ``data``'s trained users
+        against the item codes, levels and w0 held now: what a device that holds its ratings does once on
+        adopting a new global model (`device_sdk.client.DeviceClient`), since a vector solved against the
+        previous codes ranks the new ones with a stale vector until the next `fit_local` or `fold_in`.
+
+        Only the vectors change (the ±1 codes the device trains with are kept); users without a rating or
+        never trained keep what they hold.  Nothing to do (returns 0) when the device ranks with its ±1 codes
+        (``rank_planes`` 0, the sampled-negatives objective, a DP-trained model) or trains with its vector
+        (``query_planes``).  One batched ridge solve for all users, O(Σ|Ω_u|·f + n·f³) once the item Gram of
+        the model is cached (one pass over the catalogue per model, shared with `fold_in`).  Returns how
+        many vectors were solved.
+
+        Raises ValueError when ``data`` does not fit the model (users or items out of range)."""
+        if not self._ranks_with_vector() or self.config.query_planes:
+            return 0
+        if data.n_users != self.n_users:
+            raise ValueError(f"the ratings are for {data.n_users} local users, the model holds {self.n_users}")
+        data.check_items(self.n_items)
+        targets = self.config.normalize(data.ratings, data.items.size)
+        # Each (user, item) once, with its first rating (as `fold_in` and `fit_local` take it), users in order.
+        _, first = np.unique(data.users * np.int64(self.n_items) + data.items, return_index=True)
+        keep = first[self.user_trained[data.users[first]]]
+        if keep.size == 0:
+            return 0
+        users, counts = np.unique(data.users[keep], return_counts=True)
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._set_ranking_vectors(users, indptr, data.items[keep], targets[keep])
+        return int(users.size)
+
     def _set_ranking_vector(self, userid: int, items: NDArray[np.int64], targets: NDArray[np.float64]) -> None:
         """Symmetric training, asymmetric ranking (``rank_planes`` without ``query_planes``): keep the
         user's ±1 code (what it trains and uploads with) and rank with its vector solved against the item
         codes with ridge ``rank_ridge``·w0·m, as ``rank_planes`` planes.  ``items`` are unique."""
-        cfg = self.config
-        U = self._ridge_vector(items, targets, cfg.rank_ridge * cfg.unobserved_weight * self.n_items)
-        q, scale = lightfr.quantize_planes(U, cfg.rank_planes)
-        self.user_q[userid] = q[0]
-        self.user_weight[userid] = int(lightfr.snap_scale(scale, self._weight)[0][0])
+        self._set_ranking_vectors(np.array([userid]), np.array([0, items.size], dtype=np.int64), items, targets)
 
-    def _ridge_vector(self, items: NDArray[np.int64], targets: NDArray[np.float64], reg: float) -> NDArray[np.float64]:
-        """The user's exact (1, f) vector against the item codes (`lightfr.ridge_users`), the catalogue
-        entering through the cached item Gram, so O(|Ω|·f² + f³)."""
+    def _set_ranking_vectors(
+        self,
+        users: NDArray[np.int64],
+        indptr: NDArray[np.int64],
+        items: NDArray[np.int64],
+        targets: NDArray[np.float64],
+    ) -> None:
+        """`_set_ranking_vector` for several users at once: row k of the CSR (``indptr``, ``items``,
+        ``targets``, items unique within a row) is user ``users[k]``'s."""
+        cfg = self.config
+        U = self._ridge_vector(items, targets, cfg.rank_ridge * cfg.unobserved_weight * self.n_items, indptr=indptr)
+        q, scale = lightfr.quantize_planes(U, cfg.rank_planes)
+        self.user_q[users] = q
+        self.user_weight[users] = lightfr.snap_scale(scale, self._weight)[0]
+
+    def _ridge_vector(
+        self,
+        items: NDArray[np.int64],
+        targets: NDArray[np.float64],
+        reg: float,
+        *,
+        indptr: NDArray[np.int64] | None = None,
+    ) -> NDArray[np.float64]:
+        """The users' exact (n, f) vectors against the item codes (`lightfr.ridge_users`), the catalogue
+        entering through the cached item Gram, so O(|Ω|·f² + f³) a user.  One user (n = 1) unless
+        ``indptr`` splits ``items`` into rows."""
         cfg = self.config
         G, Db, beta = self.item_gram()
         return lightfr.ridge_users(
-            np.array([0, items.size], dtype=np.int64),
+            np.array([0, items.size], dtype=np.int64) if indptr is None else indptr,
             np.arange(items.size, dtype=np.int64),
             targets,
             self.item_codes[items],

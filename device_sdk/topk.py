@@ -680,15 +680,27 @@ class HammingIndex:
         if ng == 0:
             return None  # every level group is small: the scan is the search
         word = user[0]
+        vmax, r1, lift = self._vmax, _MIH_FIRST_RADIUS, self._lift
+        top, stop = vmax, self.m  # a bound on the kk-th value, and where the scan would stop at it
+        if lift is not None:
+            # The kk-th value of the scan's first items bounds the catalogue's; the codes are sorted by q,
+            # so no item past `stop` (q > top) can be wanted.  When the scan would stop early there, it
+            # is the cheaper search (a strong item term: the top-level items win).
+            hv = self._range_values(word, 0, min(self.m, max(_FIRST_BLOCK, 4 * kk)))
+            top = int(np.partition(hv, kk - 1)[kk - 1])
+            stop = int(lift.searchsorted(lift.dtype.type(top), side="right"))
+            if stop < _MIH_MIN:
+                return None
         quarters = [(int(word) >> (_SUB_BITS * j)) & (_SUB_N - 1) for j in range(4)]
-        vmax, r1 = self._vmax, _MIH_FIRST_RADIUS
         limit = [int(_MIH_FALLBACK * (b - a)) for a, b in tb.spans]  # finds a group may gather
         buffers = self._substring_buffers(max(limit) + 1)
         est = np.zeros(vmax + 66)  # estimated items per value v (found ones weighted, scanned ones exact)
         scanned: list[tuple[int, NDArray[Any]]] = []
         occ = np.zeros(vmax + 66, np.int64)  # round 1's finds by a bound on v, each occurrence counted
         for a, b in tb.linear:
-            v = self._range_values(word, a, b)
+            if a >= stop:
+                continue
+            v = self._range_values(word, a, min(b, stop))
             c = np.bincount(v, minlength=vmax + 1)
             est[: vmax + 1] += c
             occ[: vmax + 1] += c
@@ -699,11 +711,14 @@ class HammingIndex:
         first_finds = []
         weights = _found_weights(r1)
         for g in range(ng):
+            if tb.group_q[g] > top:
+                live.remove(g)  # no item of it can be wanted
+                continue
             tables = [4 * g + j for j in range(4)]
             first, count = tb.probe(quarters, tables, [0] * 4, [r1 + 1] * 4)
             n = int(count.sum())
             if n > limit[g]:
-                if not self._scan_group(tb, g, word, live, scanned):
+                if not self._scan_group(tb, g, word, live, scanned, stop):
                     return None
                 c = np.bincount(scanned[-1][1], minlength=vmax + 1)
                 est[: vmax + 1] += c
@@ -725,7 +740,7 @@ class HammingIndex:
         reach = np.flatnonzero(np.cumsum(est) >= _MIH_MARGIN * kk)
         T = min(vmax, int(reach[0]) if reach.size else vmax)
         # The largest T tried: no value above it is kept.
-        cap = int(bound[0]) if bound.size else T + _MIH_ROUNDS + _MIH_REACH
+        cap = min(int(bound[0]) if bound.size else T + _MIH_ROUNDS + _MIH_REACH, top)
         T = min(T, cap)
         pos_l: list[NDArray[Any]] = []
         val_l: list[NDArray[Any]] = []
@@ -746,7 +761,7 @@ class HammingIndex:
                 )
                 n = int(count.sum())
                 if spent[g] + n > limit[g]:
-                    if not self._scan_group(tb, g, word, live, scanned):
+                    if not self._scan_group(tb, g, word, live, scanned, stop):
                         return None
                     continue
                 spent[g] += n
@@ -783,11 +798,18 @@ class HammingIndex:
         return v if self._lift is None else v + self._lift[a:b]
 
     def _scan_group(
-        self, tb: _SubstringTables, g: int, word: np.uint64, live: list[int], scanned: list[tuple[int, NDArray[Any]]]
+        self,
+        tb: _SubstringTables,
+        g: int,
+        word: np.uint64,
+        live: list[int],
+        scanned: list[tuple[int, NDArray[Any]]],
+        stop: int,
     ) -> bool:
-        """Scan level group g instead of probing it (False: it holds half the catalogue or more, so the
-        whole linear scan, with its cheaper selection, should answer)."""
+        """Scan level group g (up to scan position ``stop``) instead of probing it (False: that is half
+        the catalogue or more, so the whole linear scan, with its cheaper selection, should answer)."""
         a, b = tb.spans[g]
+        b = min(b, stop)
         if 2 * (b - a) >= self.m:
             return False
         live.remove(g)

@@ -871,7 +871,7 @@ def test_substring_search_falls_back_to_the_scan_on_dense_buckets() -> None:
     rng = np.random.default_rng(9)
     m = 5000
     D = _clustered_codes(rng, m, 2, 0.01)
-    levels = rng.integers(0, 4, m).astype(np.uint8)
+    levels = None  # no item term: nothing bounds the scan early (see the level-group tests for levels)
     with _substring_sizes(_MIH_GROUP_MIN=64):
         index = HammingIndex(pack_signs(D), 64, levels, 2)
         for inside, u in ((True, D[0]), (True, D[1]), (False, -D[2])):
@@ -1017,3 +1017,35 @@ def test_substring_batch_is_the_reference_ranking(
             want = _reference_ranking(ref[i], k, excl[i])
             assert np.array_equal(scores[i, : want.size], ref[i, want])
             assert np.unique(ids[i, : want.size]).size == want.size and not np.isin(ids[i], excl[i]).any()
+
+
+def test_substring_search_leaves_a_strong_item_term_to_the_scan() -> None:
+    """With a strong item term the top-level items win and the scan, reading the codes by level, stops
+    after them: when the kk-th value of the first items bounds the search within fewer than _MIH_MIN
+    items, the substring search gives up at once; with a smaller _MIH_MIN it answers, probing only the
+    level groups that can hold a wanted item and scanning only up to that bound.  Exact either way, also
+    with ties at the bound's level (items at the user's code on the boundary level)."""
+    rng = np.random.default_rng(17)
+    m = 6000
+    D = random_signs(m, 64, rng)
+    u = random_signs(1, 64, rng)[0]
+    levels = np.repeat(np.arange(12, 0, -1), m // 12).astype(np.uint8)  # runs of 500 items per level
+    rng.shuffle(levels)
+    for at in (np.flatnonzero(levels == 9)[:3], np.flatnonzero(levels == 8)[:3]):
+        D[at] = u  # ties at the user's code one and two levels below the top
+    for minimum, answers in ((4000, False), (600, True)):
+        for weight in (1, 4, 16):
+            ref = _reference_scores(u[None, :], D, levels, weight)[0]
+            with _substring_sizes(_MIH_MIN=minimum, _MIH_GROUP_MIN=300, _MIH_ROUNDS=80, _MIH_FALLBACK=8.0):
+                index = HammingIndex(pack_signs(D), 64, levels, weight)
+                for k in (1, 3, 6, 10):
+                    found = index._substring_one(pack_user(u), k)
+                    if answers:
+                        assert found is not None
+                    elif weight == 4 and k <= 3:
+                        # The best k are tied at v = 0 (level 9, q = 0): the scan stops after the 2000
+                        # items of levels 12..9, fewer than _MIH_MIN.
+                        assert found is None
+                    ids, scores = index.search(pack_user(u), k, None)
+                    want = _reference_ranking(ref, k, None)
+                    assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
