@@ -672,9 +672,14 @@ class HammingIndex:
         by one a round, for at most _MIH_ROUNDS rounds (then None); before the last one it jumps to the
         kk-th smallest value of the distinct items found so far, when there are kk of them (that value
         bounds the catalogue's kk-th, so the last round's check holds).  The items found with v above
-        the last T it may reach (cap) are dropped as they are found.  Small level groups are scanned, and so is a
-        group whose probes (their bucket counts say so before any gathering) would find more than
-        _MIH_FALLBACK of its items; when that group holds half the catalogue or more, None."""
+        the last T it may reach (cap: at most the value of the (4·kk)-th find, an item being found at most
+        4 times) are dropped as they are found.  Small level groups are scanned, and so is a group whose
+        probes (their bucket counts say so before any gathering) would find more than _MIH_FALLBACK of
+        its items; when that group holds half the catalogue or more, None.  With an item term, the kk-th
+        value of the first 2048 items bounds everything: groups whose q exceeds it are not probed,
+        scans stop where q exceeds it, and when that leaves fewer than _MIH_MIN items, None (the scan,
+        which stops there too, is cheaper).  Exactness rests only on the probes' guarantee and the
+        distinct count, never on the estimate or the bounds (they decide when to give up)."""
         tb = self._substring_tables()
         ng = len(tb.group_q)
         if ng == 0:
@@ -1579,8 +1584,9 @@ class _SubstringTables:
     within r_j of the query's substring j.  So probing every bucket within r_j of the query in table j
     finds every item within D.
 
-    The scan order (codes sorted by level) is cut into at most _MIH_GROUPS level groups, each starting
-    where one of the largest runs of equal q = (L − level) // B starts.  An item of group g has
+    The scan order (codes sorted by level) is cut into level groups at the start and the end of each of
+    the _MIH_GROUPS largest runs of equal q = (L − level) // B (so those runs are groups of their own,
+    probed with their exact q; at most 1 + 2·_MIH_GROUPS groups).  An item of group g has
     v = dist + q >= dist + q_g (q_g the q of the group's first item), so v <= T needs dist <= T − q_g:
     each group is probed with its own radii.  Groups under _MIH_GROUP_MIN items are scanned instead.
 
