@@ -74,8 +74,9 @@ class LightFRConfig:
         planes.  With ``query_planes`` 0 under the all-items objective (symmetric training): the device
         still trains and uploads with its ±1 code by DCD, and also solves its real-valued vector against
         the item codes (ridge weight ``rank_ridge``·w0·m) and ranks with it as ``rank_planes`` planes
-        (`fit_local`, `fold_in`; the vector depends only on the ratings and the model, so `fold_in`
-        after a download refreshes it); 0 ranks with the ±1 code; unused without the all-items objective
+        (`fit_local`, `fold_in`; the vector depends only on the ratings and the model, so
+        `refresh_ranking` (which `DeviceClient` runs on adopting a model) or `fold_in` after a download
+        refreshes it); 0 ranks with the ±1 code; unused without the all-items objective
         (and accepted then: the plan switches the objective and the planes round by round, `apply_plan`,
         and this standing preference must survive a round whose plan turns them off).
     rank_ridge : a device setting (not in the plan): the ridge weight of that ranking-time solve in units
