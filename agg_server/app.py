@@ -18,6 +18,9 @@ Invariants:
 - A long-poll whose connection closes before its answer tells the coordinator, which drops that device
   after ``rounds.disconnect_grace`` seconds (the server runs with ``handler_cancellation``, so a closed
   connection cancels its handler; without it a waiter notices within `_PRESENCE_CHECK` seconds).
+- The enrollment authority's revocation list is kept current by a background task
+  (`_revocation_refresher`, every `agg_server.enrollment.REFRESH_PERIOD` s) that reads and verifies a new
+  list in a worker thread; requests only read the list in force (no filesystem I/O, no signature check).
 - The instance runs ``storage.cohorts_per_instance`` coordinators, one per cohort lease it holds
   (`agg_server.cluster`); a device's requests go to the coordinator of its cohort, or are forwarded to
   the instance that leads it.  ``app[COORDINATOR]`` is the first one (the dashboard's).
@@ -45,6 +48,7 @@ from agg_server import dashboard
 from agg_server.cluster import FORWARDED_HEADER, LeaseKeeper
 from agg_server.config import ServerConfig
 from agg_server.coordinator import FinishJob, RoundCoordinator
+from agg_server.enrollment import REFRESH_PERIOD
 from agg_server.logs import current_request_id
 from agg_server.storage import Storage
 from agg_server.strategy.base import Strategy
@@ -123,6 +127,8 @@ _SLOTS: web.AppKey[list[RoundCoordinator]] = web.AppKey("slots")
 #: The encoded `RevocationListPayload` of the list in force, under its ETag (encoded once per list).
 _CRL_BODY: web.AppKey[dict[str, bytes]] = web.AppKey("crl_body")
 _KEEPER = web.AppKey("lease_keeper", LeaseKeeper)
+#: One worker thread that reads and verifies revocation lists (`_revocation_refresher`, uploads).
+_CRL_EXECUTOR = web.AppKey("crl_executor", ThreadPoolExecutor)
 _PROXY = web.AppKey("proxy_session", aiohttp.ClientSession)
 
 
@@ -424,9 +430,10 @@ async def admin_revocation_list(request: web.Request) -> web.Response:
     request.app[dashboard.OPERATOR].check_admin(request.headers.get("Authorization"))
     data = bytes(await _read_body(request))
     slots = request.app[_SLOTS]
-    crl, stored = slots[0].enrollment.upload_revocation_list(data, request.app[_CLOCK]())
+    executor = request.app[_CRL_EXECUTOR]  # the signature checks run off the loop; this request awaits them
+    crl, stored = await slots[0].enrollment.upload_revocation_list_async(data, request.app[_CLOCK](), executor)
     for coordinator in slots[1:]:
-        coordinator.enrollment.refresh_revocations(force_database=True)
+        await coordinator.enrollment.refresh(executor, force_database=True)
     log.info("revocation list #%d uploaded (%d device keys, stored: %s)", crl.number, len(crl.device_keys), stored)
     body = {"number": crl.number, "revoked_keys": len(crl.device_keys), "stored": stored}
     return web.json_response(body, status=201 if stored else 200)
@@ -504,9 +511,11 @@ async def revocations(request: web.Request) -> web.StreamResponse:
         return web.Response(status=304, headers={"ETag": etag})
     cache = request.app[_CRL_BODY]
     body = cache.get(etag)
-    if body is None:
+    if body is None:  # encoded once per list, in the worker thread (32 MB for 10^6 keys)
+        payload = RevocationListPayload(data=data)
+        body = await asyncio.get_running_loop().run_in_executor(request.app[_CRL_EXECUTOR], encode, payload)
         cache.clear()
-        body = cache[etag] = encode(RevocationListPayload(data=data))
+        cache[etag] = body
     return web.Response(body=body, content_type=MSGPACK, headers={"ETag": etag})
 
 
@@ -615,6 +624,19 @@ async def _ticker(app: web.Application) -> None:
         await asyncio.sleep(TICK_SECONDS)
 
 
+async def _revocation_refresher(app: web.Application) -> None:
+    """Every `REFRESH_PERIOD` seconds, each coordinator's `Enrollment.refresh`: a changed list file or a
+    newer uploaded list is read and verified in the worker thread and then swapped in, while requests keep
+    enforcing the list in force (they do no refresh and no filesystem I/O themselves)."""
+    while True:
+        await asyncio.sleep(REFRESH_PERIOD)
+        for coordinator in app[_SLOTS]:
+            try:
+                await coordinator.enrollment.refresh(app[_CRL_EXECUTOR], force_database=True)
+            except Exception:  # a storage error: logged, the list in force stays, the next pass tries again
+                log.exception("revocation list refresh failed; the list in force stays")
+
+
 async def _finish(app: web.Application, coordinator: RoundCoordinator, job: FinishJob) -> None:
     """Run a round's finishing job in the worker thread, then commit it on the loop."""
     clock = app[_CLOCK]
@@ -661,6 +683,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     slots = config.storage.cohorts_per_instance
     executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="fedrec-finish")
     app[_EXECUTOR] = executor
+    crl_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrec-crl")
+    app[_CRL_EXECUTOR] = crl_executor
     app[_FINISHING] = {}
     try:
         coordinators = [
@@ -678,17 +702,26 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         app[_KEEPER] = keeper
         app[_CHANGES] = _Changes()
         app[_PROXY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        for c in coordinators:
+            c.enrollment.in_background = True
         task = asyncio.create_task(_ticker(app), name="fedrec-round-ticker")
+        refresher = None
+        if config.enrollment.authority_public_key:
+            refresher = asyncio.create_task(_revocation_refresher(app), name="fedrec-revocation-refresher")
     except BaseException:
         executor.shutdown(wait=False)
+        crl_executor.shutdown(wait=False)
         storage.close()
         raise
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for t in (task, refresher):
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+        crl_executor.shutdown(wait=True)
         await _wait_finishing(app)
         executor.shutdown(wait=True)
         _shutdown_rounds(app)

@@ -15,11 +15,14 @@ Invariants:
 - The revocation list in force only moves forward: it is replaced by a list of the authority with a
   higher (or equal, unchanged) number, never by one that fails to verify or goes back.  It comes from
   the file ``enrollment.revocation_list`` or from the shared database (lists an operator uploaded, kept
-  forever, the number only growing), whichever is newer.
+  forever, the number only growing), whichever is newer.  In the server a new list is read and verified
+  off the event loop (`Enrollment.refresh`, in a worker thread, one refresh at a time) and swapped in on
+  the loop; requests meanwhile enforce the list in force and never look at the file themselves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import math
@@ -29,6 +32,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +51,9 @@ MAX_TOKENS_PER_REQUEST = 10_000
 OPEN_SOURCE = "open"
 #: Seconds between two looks at the shared database for a newer uploaded revocation list.
 DATABASE_POLL = 1.0
+#: Seconds between two runs of the server's background refresher (`Enrollment.refresh`): the list file is
+#: looked at (``os.stat``) this often, never by a request.
+REFRESH_PERIOD = 1.0
 log = logging.getLogger(__name__)
 
 
@@ -92,15 +99,27 @@ class Enrollment:
         self._crl_stamp: tuple[int, int, int] | None = None
         self._revoked_ids: frozenset[int] = frozenset()
         self._db_checked = -math.inf
+        #: Set by the server, whose background task calls `refresh`: the request path does not refresh.
+        self.in_background = False
+        self._refreshing = asyncio.Lock()  # serializes `refresh` and `upload_revocation_list_async`
         if self._crl_path is not None:
             # At start-up a list that is missing, tampered with or foreign stops the server (fail closed).
             stamp = self._stamp()
-            self._load_crl(*load_revocation_list(self._crl_path, self.authority))
+            crl, data, etag = self._read_file()
+            self._load_crl(crl, data, "file", etag)
             self._crl_stamp = stamp
         if self.authority:
-            self._refresh_from_database(force=True)  # a storage error at start-up stops the server
+            self._refresh_database(force=True)  # a storage error at start-up stops the server
 
     # -- revocation -----------------------------------------------------------------------------------
+    # Two ways to keep the list current.  In the server (`agg_server.app`) a background task owned by the
+    # app calls `refresh` every `REFRESH_PERIOD` seconds (``in_background`` is set): the file's stat, its
+    # read and the signature check over the whole list run in a worker thread, and the request path
+    # (`check`, `revoked_devices`, `signed_revocation_list`) does no refresh and no filesystem I/O: it
+    # keeps enforcing the list in force, also while a refresh is in flight, until the refresh swaps the
+    # new list in on the loop in one step (no await between the forward-only check and the swap).
+    # Without a refresher (in-process simulations, tests of this class) the request path refreshes
+    # itself synchronously, as `refresh_revocations` says.
     def _stamp(self) -> tuple[int, int, int] | None:
         assert self._crl_path is not None
         try:
@@ -109,11 +128,31 @@ class Enrollment:
             return None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def _load_crl(self, crl: crypto.RevocationList, data: bytes, origin: str = "file") -> None:
-        self._crl = crl
-        self._crl_bytes = data
-        self._crl_etag = f'"crl-{crl.number}-{hashlib.sha256(data).hexdigest()[:32]}"'
-        self._revoked_ids = frozenset(self.storage.revoked_devices(crl.device_keys))
+    @staticmethod
+    def _etag(crl: crypto.RevocationList, data: bytes) -> str:
+        return f'"crl-{crl.number}-{hashlib.sha256(data).hexdigest()[:32]}"'
+
+    def _read_file(self) -> tuple[crypto.RevocationList, bytes, str]:
+        """Read and verify the list file (thread-safe: no storage, no state)."""
+        assert self._crl_path is not None
+        crl, data = load_revocation_list(self._crl_path, self.authority)
+        return crl, data, self._etag(crl, data)
+
+    def _verify_bytes(self, data: bytes) -> tuple[crypto.RevocationList, str]:
+        """Verify an uploaded or stored list (thread-safe: no storage, no state)."""
+        crl = crypto.verify_revocation_list(data, self.authority)
+        return crl, self._etag(crl, data)
+
+    def _load_crl(
+        self, crl: crypto.RevocationList, data: bytes, origin: str = "file", etag: str = ""
+    ) -> list[crypto.RevocationList | None]:
+        """Put ``crl`` in force; returns a one-element list holding the list it replaced, for the caller to
+        empty where freeing 10^6 keys does not hold up the loop."""
+        revoked = frozenset(self.storage.revoked_devices(crl.device_keys))  # storage: on the caller's thread
+        retired = [self._crl]
+        # the swap: no await and no exception between these assignments
+        self._crl, self._crl_bytes, self._crl_etag = crl, data, etag or self._etag(crl, data)
+        self._revoked_ids = revoked
         log.info(
             "revocation list #%d (%s) in force: %d device keys revoked, %d registered devices excluded",
             crl.number,
@@ -121,61 +160,110 @@ class Enrollment:
             len(crl.device_keys),
             len(self._revoked_ids),
         )
+        return retired
+
+    def _adopt(
+        self, crl: crypto.RevocationList, data: bytes, etag: str, origin: str, where: str
+    ) -> list[crypto.RevocationList | None]:
+        """Put ``crl`` in force unless it goes back (the forward-only rule; logged, the list stays)."""
+        if self._crl is not None and crl.number < self._crl.number:
+            log.error(
+                "revocation list refused, the list in force stays: %s: revocation list #%d is older than #%d in "
+                "force (a rollback)",
+                where,
+                crl.number,
+                self._crl.number,
+            )
+            return []
+        return self._load_crl(crl, data, origin, etag)
 
     def refresh_revocations(self, *, force_database: bool = False) -> None:
-        """Adopt a newer revocation list: the file ``enrollment.revocation_list`` when it changed, and the
-        newest list an operator uploaded to the shared database (checked at most every `DATABASE_POLL`
-        seconds, or now with ``force_database``).  A replacement that does not verify or has a lower
-        number than the list in force is refused (logged, with the check it failed) and the list stays."""
-        self._refresh_file()
-        self._refresh_from_database(force=force_database)
+        """Adopt a newer revocation list, synchronously: the file ``enrollment.revocation_list`` when it
+        changed, and the newest list an operator uploaded to the shared database (checked at most every
+        `DATABASE_POLL` seconds, or now with ``force_database``).  A replacement that does not verify or has
+        a lower number than the list in force is refused (logged, with the check it failed) and the list
+        stays.  The server does this off its event loop instead (`refresh`)."""
+        if self._crl_path is not None:
+            stamp = self._stamp()
+            if stamp != self._crl_stamp:
+                self._crl_stamp = stamp
+                try:
+                    if stamp is None:
+                        raise RevocationListInvalid(f"the revocation list {self._crl_path} is gone")
+                    crl, data, etag = self._read_file()
+                except RevocationListInvalid as exc:
+                    log.error("revocation list refused, the list in force stays: %s", exc)
+                else:
+                    self._adopt(crl, data, etag, "file", str(self._crl_path))
+        self._refresh_database(force_database)
 
-    def _refresh_file(self) -> None:
-        if self._crl_path is None:
-            return
-        stamp = self._stamp()
-        if stamp == self._crl_stamp:
-            return
-        self._crl_stamp = stamp
-        try:
-            if stamp is None:
-                raise RevocationListInvalid(f"the revocation list {self._crl_path} is gone")
-            crl, data = load_revocation_list(self._crl_path, self.authority)
-            if self._crl is not None and crl.number < self._crl.number:
-                raise RevocationListInvalid(
-                    f"{self._crl_path}: revocation list #{crl.number} is older than #{self._crl.number} in force "
-                    "(a rollback)"
-                )
-        except RevocationListInvalid as exc:
-            log.error("revocation list refused, the list in force stays: %s", exc)
-            return
-        self._load_crl(crl, data)
+    def _refresh_database(self, force: bool) -> None:
+        data = self._database_candidate(force)
+        if data is not None:
+            try:
+                crl, etag = self._verify_bytes(data)
+            except RevocationListInvalid as exc:
+                log.error("uploaded revocation list refused, the list in force stays: %s", exc)
+                return
+            self._adopt(crl, data, etag, "database", "the database")
 
-    def _refresh_from_database(self, *, force: bool = False) -> None:
+    async def refresh(self, executor: Executor | None = None, *, force_database: bool = False) -> None:
+        """`refresh_revocations` with the file's stat, its read and every signature check in ``executor``
+        (None: the loop's default), so that the event loop keeps answering while a list of 10^6 keys is
+        checked.  Refreshes are serialized (one at a time per instance), and the forward-only rule is
+        checked again on the loop at the swap."""
+        async with self._refreshing:
+            await self._refresh_locked(executor, force_database)
+
+    async def _refresh_locked(self, executor: Executor | None, force_database: bool) -> None:
+        loop = asyncio.get_running_loop()
+        if self._crl_path is not None:
+            stamp = await loop.run_in_executor(executor, self._stamp)
+            if stamp != self._crl_stamp:
+                self._crl_stamp = stamp
+                try:
+                    if stamp is None:
+                        raise RevocationListInvalid(f"the revocation list {self._crl_path} is gone")
+                    crl, data, etag = await loop.run_in_executor(executor, self._read_file)
+                except RevocationListInvalid as exc:
+                    log.error("revocation list refused, the list in force stays: %s", exc)
+                else:
+                    retired = self._adopt(crl, data, etag, "file", str(self._crl_path))
+                    await loop.run_in_executor(executor, retired.clear)  # the old list is freed there
+        blob = self._database_candidate(force_database)  # two short queries on the loop (storage's thread)
+        if blob is not None:
+            try:
+                crl, etag = await loop.run_in_executor(executor, self._verify_bytes, blob)
+            except RevocationListInvalid as exc:
+                log.error("uploaded revocation list refused, the list in force stays: %s", exc)
+                return
+            retired = self._adopt(crl, blob, etag, "database", "the database")
+            await loop.run_in_executor(executor, retired.clear)
+
+    def _database_candidate(self, force: bool) -> bytes | None:
+        """The newest uploaded list when it is newer than the list in force (None: none, or not time to
+        look: at most every `DATABASE_POLL` seconds unless ``force``).
+
+        Raises
+        ------
+        StorageError
+            With ``force`` only (start-up, an upload, the server's refresher); otherwise logged."""
         if not self.authority:
-            return
+            return None
         clock = time.monotonic()
         if not force and clock - self._db_checked < DATABASE_POLL:
-            return
+            return None
         self._db_checked = clock
         try:
             number = self.storage.newest_revocation_number()
             if number is None or (self._crl is not None and number <= self._crl.number):
-                return
-            data = self.storage.revocation_list(number)
+                return None
+            return self.storage.revocation_list(number)
         except StorageError as exc:
             if force:
                 raise
             log.error("cannot read the uploaded revocation lists, the list in force stays: %s", exc)
-            return
-        if data is None:  # pragma: no cover - the numbers come from the same table
-            return
-        try:
-            crl = crypto.verify_revocation_list(data, self.authority)
-        except RevocationListInvalid as exc:
-            log.error("uploaded revocation list #%d refused, the list in force stays: %s", number, exc)
-            return
-        self._load_crl(crl, data, "database")
+            return None
 
     def upload_revocation_list(self, data: bytes, now: float) -> tuple[crypto.RevocationList, bool]:
         """Store a revocation list an operator uploaded (``POST /v1/admin/revocation-list``) in the shared
@@ -196,13 +284,31 @@ class Enrollment:
         """
         if not self.authority:
             raise EnrollmentRefused("this server has no enrollment authority; it takes no revocation list")
-        crl = crypto.verify_revocation_list(bytes(data), self.authority)
+        crl, etag = self._verify_bytes(bytes(data))
         self.refresh_revocations(force_database=True)
+        return self._store_upload(crl, bytes(data), etag, now)
+
+    async def upload_revocation_list_async(
+        self, data: bytes, now: float, executor: Executor | None = None
+    ) -> tuple[crypto.RevocationList, bool]:
+        """`upload_revocation_list` with the signature checks in ``executor``, serialized with `refresh`;
+        the list is in force here when it returns."""
+        if not self.authority:
+            raise EnrollmentRefused("this server has no enrollment authority; it takes no revocation list")
+        data = bytes(data)
+        crl, etag = await asyncio.get_running_loop().run_in_executor(executor, self._verify_bytes, data)
+        async with self._refreshing:
+            await self._refresh_locked(executor, True)
+            return self._store_upload(crl, data, etag, now)
+
+    def _store_upload(
+        self, crl: crypto.RevocationList, data: bytes, etag: str, now: float
+    ) -> tuple[crypto.RevocationList, bool]:
         if self._crl is not None and crl.number < self._crl.number:
             raise RevocationListInvalid(
                 f"revocation list #{crl.number} is older than #{self._crl.number} in force (a rollback); nothing stored"
             )
-        newest = self.storage.store_revocation_list(crl.number, bytes(data), now)
+        newest = self.storage.store_revocation_list(crl.number, data, now)
         stored = newest is None
         if newest is not None:
             number, kept = newest
@@ -213,13 +319,17 @@ class Enrollment:
             if kept != data:
                 raise RevocationListInvalid(f"a different revocation list #{number} is stored already; nothing stored")
         if self._crl is None or crl.number > self._crl.number or self._crl_bytes != data:
-            self._load_crl(crl, bytes(data), "upload")
+            self._load_crl(crl, data, "upload", etag)
         return crl, stored
 
+    def _refresh_on_request(self) -> None:
+        if not self.in_background:
+            self.refresh_revocations()
+
     def signed_revocation_list(self) -> tuple[bytes, str]:
-        """The signed bytes of the list in force and their ETag (re-read if the file changed); ``(b"", "")``
-        without one.  Devices fetch it (protocol 1.5) to enforce it themselves."""
-        self.refresh_revocations()
+        """The signed bytes of the list in force and their ETag; ``(b"", "")`` without one.  Devices fetch
+        it (protocol 1.5) to enforce it themselves."""
+        self._refresh_on_request()
         return self._crl_bytes, self._crl_etag
 
     @property
@@ -228,8 +338,8 @@ class Enrollment:
         return self._crl
 
     def revoked_devices(self) -> frozenset[int]:
-        """Registered devices whose certified key the list in force revokes (re-read if the file changed)."""
-        self.refresh_revocations()
+        """Registered devices whose certified key the list in force revokes."""
+        self._refresh_on_request()
         return self._revoked_ids
 
     # -- credentials --------------------------------------------------------------------------------
@@ -247,7 +357,7 @@ class Enrollment:
         if certificate:
             if not self.authority:
                 raise EnrollmentRefused("this server has no enrollment authority; it does not take certificates")
-            self.refresh_revocations()
+            self._refresh_on_request()
             revoked: crypto.RevocationList | frozenset[bytes] = self._crl if self._crl is not None else frozenset()
             try:
                 identity = crypto.verify_certificate(certificate, self.authority, revoked=revoked)

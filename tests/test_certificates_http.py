@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from agg_server.app import COORDINATOR, create_app
+from agg_server.enrollment import REFRESH_PERIOD
 from device_sdk.client import RoundOutcome, RoundStatus
 from protocol import crypto
 from protocol.enrollment import EnrollmentAuthority, read_revocation_list, write_revocation_list
@@ -54,6 +55,20 @@ def _authority_with_a_list(tmp_path: Path) -> tuple[EnrollmentAuthority, Path, d
     crl_path = tmp_path / "ca.crl"
     write_revocation_list(crl_path, ca.revoke(None, []))
     return ca, crl_path, {"authority_key": ca.public_key.hex(), "revocation_list": str(crl_path)}
+
+
+async def _until(condition: Any, what: str, timeout: float = 5 * REFRESH_PERIOD) -> float:
+    """Wait for the server's background revocation refresher (it runs every `REFRESH_PERIOD` s); the
+    seconds it took."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+def _in_force(app: Any, number: int) -> Any:
+    return lambda: app[COORDINATOR].enrollment.revocation_list.number == number
 
 
 def _refused(status: int, msg: Any, what: str) -> None:
@@ -158,8 +173,9 @@ async def test_registration_refuses_expired_not_yet_valid_and_revoked_certificat
     _refused(status, msg, "revocation list #1 names device key")
     status, msg, _ = await _post(client, "/v1/devices", _register(ca.issue(keys[3].public_key), keys[3]))
     assert status == 201 and isinstance(msg, RegisterResponse)
-    # the operator revokes keys[4]: the server re-reads the changed file at the next registration
+    # the operator revokes keys[4]: the server's refresher re-reads the changed file within its period
     write_revocation_list(crl_path, ca.revoke(crl_path.read_bytes(), [keys[4].public_key]))
+    await _until(_in_force(app, 2), "list #2 in force")
     status, msg, _ = await _post(client, "/v1/devices", _register(ca.issue(keys[4].public_key), keys[4]))
     _refused(status, msg, "revocation list #2 names device key")
     # a tampered replacement (keys[2] taken off the list) is refused by name and list #2 stays in force
@@ -167,6 +183,7 @@ async def test_registration_refuses_expired_not_yet_valid_and_revoked_certificat
     tampered = crypto.issue_revocation_list(EnrollmentAuthority.generate().key, 3, int(now), [keys[4].public_key])
     with caplog.at_level(logging.ERROR, logger="agg_server.enrollment"):
         write_revocation_list(crl_path, tampered)
+        await _until(lambda: "revocation list refused" in caplog.text, "the tampered list refused")
         status, msg, _ = await _post(client, "/v1/devices", _register(revoked, keys[2]))
     _refused(status, msg, "revocation list #2 names device key")
     assert "revocation list refused" in caplog.text and "not signed by the enrollment authority" in caplog.text
@@ -175,11 +192,15 @@ async def test_registration_refuses_expired_not_yet_valid_and_revoked_certificat
     with caplog.at_level(logging.ERROR, logger="agg_server.enrollment"):
         write_revocation_list(crl_path, ca.revoke(None, [keys[2].public_key]))
         os.utime(crl_path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+        await _until(lambda: "revocation list refused" in caplog.text, "the rollback refused")
         status, msg, _ = await _post(client, "/v1/devices", _register(ca.issue(keys[4].public_key), keys[4]))
     _refused(status, msg, "revocation list #2 names device key")
     assert "older than #2 in force (a rollback)" in caplog.text
     assert app[COORDINATOR].enrollment.revocation_list.number == 2
     write_revocation_list(crl_path, good)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="agg_server.enrollment"):
+        await _until(lambda: "revocation list #2 (file) in force" in caplog.text, "list #2 read again")
     status, msg, _ = await _post(client, "/v1/devices", _register(ca.issue(keys[5].public_key), keys[5]))
     assert status == 201
     assert app[COORDINATOR].storage.device_count() == 2
@@ -227,6 +248,7 @@ async def test_a_device_revoked_after_registering_is_never_drawn_again(aiohttp_s
         await c.register(certificate=ca.issue(c.identity_public_key, "b"))
     gone = clients[3]
     write_revocation_list(crl_path, ca.revoke(crl_path.read_bytes(), [gone.identity_public_key]))
+    await _until(_in_force(app, 2), "list #2 in force")
 
     async def revoked_device() -> list[str]:
         refusals = []
@@ -251,7 +273,8 @@ async def test_a_device_revoked_after_registering_is_never_drawn_again(aiohttp_s
 @pytest.mark.asyncio
 async def test_a_device_revoked_while_waiting_in_the_pool_is_not_drawn(aiohttp_client: Any, tmp_path: Path) -> None:
     ca, crl_path, enrollment = _authority_with_a_list(tmp_path)
-    app = create_app(_config(tmp_path / "srv", cohort=4, enrollment=enrollment, min_cohort=3), clock=lambda: 1000.0)
+    # a cohort of 5: the four in the pool wait for a full one (the ticker opens nothing at the frozen clock)
+    app = create_app(_config(tmp_path / "srv", cohort=5, enrollment=enrollment, min_cohort=3), clock=lambda: 1000.0)
     client = await aiohttp_client(app)
     keys = [crypto.SigningKey.generate() for _ in range(4)]
     ids = []
@@ -263,6 +286,7 @@ async def test_a_device_revoked_while_waiting_in_the_pool_is_not_drawn(aiohttp_c
     for d in ids:
         coord.check_in(d, 1000.0)  # all four wait in the pool
     write_revocation_list(crl_path, ca.revoke(crl_path.read_bytes(), [keys[0].public_key]))
+    await _until(_in_force(app, 2), "list #2 in force")
     coord.tick(1001.5)  # past the pool's short wait for a full cohort, before it forgets quiet devices
     r = coord.open_round
     assert r is not None and set(r.cohort) == set(ids[1:]), r.cohort

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from protocol.messages import (
 )
 from protocol.noise import to_ring
 from tests.multi_helpers import recording
-from tests.test_certificates_http import _authority_with_a_list
+from tests.test_certificates_http import _authority_with_a_list, _in_force, _until
 from tests.test_enrollment_http import _clients, _config, _join, _post
 
 ROUTE = "/v1/enrollment/revocations"
@@ -51,7 +52,9 @@ async def _get(client: Any, path: str, **headers: str) -> tuple[int, Any, Any]:
 
 
 @pytest.mark.asyncio
-async def test_the_server_serves_the_list_it_enforces_with_an_etag(aiohttp_client: Any, tmp_path: Path) -> None:
+async def test_the_server_serves_the_list_it_enforces_with_an_etag(
+    aiohttp_client: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ca = EnrollmentAuthority.generate()
     # Without a list: an empty payload and no ETag (the server enforces none).
     bare = await aiohttp_client(create_app(_config(tmp_path / "a", cohort=3, enrollment={})))
@@ -62,7 +65,8 @@ async def test_the_server_serves_the_list_it_enforces_with_an_etag(aiohttp_clien
     first = ca.revoke(None, [bytes([7]) * 32])
     write_revocation_list(crl_path, first)
     enrollment = {"authority_key": ca.public_key.hex(), "revocation_list": str(crl_path)}
-    client = await aiohttp_client(create_app(_config(tmp_path / "b", cohort=3, enrollment=enrollment)))
+    app = create_app(_config(tmp_path / "b", cohort=3, enrollment=enrollment))
+    client = await aiohttp_client(app)
     status, msg, headers = await _get(client, ROUTE)
     assert status == 200 and isinstance(msg, RevocationListPayload) and msg.data == first
     etag = headers["ETag"]
@@ -72,10 +76,13 @@ async def test_the_server_serves_the_list_it_enforces_with_an_etag(aiohttp_clien
     # A new list on disk: a new body and ETag; the old ETag no longer matches.
     second = ca.revoke(first, [bytes([8]) * 32])
     write_revocation_list(crl_path, second)
+    await _until(_in_force(app, 2), "list #2 in force")  # the server's refresher reads it
     status, msg, headers = await _get(client, ROUTE, **{"If-None-Match": etag})
     assert status == 200 and msg.data == second and headers["ETag"].startswith('"crl-2-')
     # A rollback on disk is refused by the server: it keeps serving (and enforcing) #2.
-    write_revocation_list(crl_path, first)
+    with caplog.at_level(logging.ERROR, logger="agg_server.enrollment"):
+        write_revocation_list(crl_path, first)
+        await _until(lambda: "a rollback" in caplog.text, "the rollback refused")
     status, msg, _ = await _get(client, ROUTE)
     assert msg.data == second
 
@@ -100,6 +107,7 @@ async def test_a_revoked_devices_bearer_token_is_refused_on_every_authenticated_
     resp = await client.get("/v1/model", headers={**MSGPACK, **auth})
     assert resp.status == 200  # before revocation the token downloads the model
     write_revocation_list(crl_path, ca.revoke(crl_path.read_bytes(), [key.public_key]))
+    await _until(_in_force(app, 2), "list #2 in force")
     calls = [
         ("GET", "/v1/model", None),
         ("POST", "/v1/checkin", CheckIn(device_id=device)),
@@ -187,6 +195,7 @@ async def test_devices_refuse_a_revoked_neighbour_before_releasing_anything(
         await c.register(certificate=ca.issue(c.identity_public_key, "b"))
     x = clients[0]
     write_revocation_list(crl_path, ca.revoke(crl_path.read_bytes(), [x.identity_public_key]))
+    await _until(_in_force(app, 2), "list #2 in force")
     coordinator = app[COORDINATOR]
     for c in clients[1:]:
         assert (await c.refresh_revocations()).number == 2  # type: ignore[union-attr]
@@ -223,6 +232,7 @@ async def test_an_honest_round_under_a_non_empty_list_commits_bit_exact(aiohttp_
     gone = clients[4]
     # Revokes a registered device and a key never seen: the other four run a round under list #2.
     write_revocation_list(crl_path, ca.revoke(crl_path.read_bytes(), [gone.identity_public_key, bytes([9]) * 32]))
+    await _until(_in_force(app, 2), "list #2 in force")
     with recording() as record:
         results = await asyncio.gather(*(_join(c) for c in clients[:4]))
     assert all(r.status is RoundStatus.COMMITTED for r in results), results
