@@ -295,38 +295,74 @@ def _plane_loop(index: HammingIndex, planes: NDArray[np.uint64], a: Any, k: int,
 
 
 def plane_batches_main(args: argparse.Namespace) -> None:
-    """n users as P bit-planes per call: one batched scan against a loop of single-user scans, and the
-    Hamming scan of n ±1 codes (the same index, item term included) for scale."""
+    """n users as P bit-planes per call: a loop of single-user searches (the substring tables where they
+    apply, f = 64 and >= 786,432 items), the same loop on an index without tables (the scan), one
+    batched call, and the Hamming search and faiss IndexBinaryFlat for n ±1 codes (the users' top
+    planes) for scale.  With --rotate-users, one-user calls take the next of --batch users each time."""
+    import faiss
+
     rng = np.random.default_rng(0)
     f, k = args.bits, args.k
     print(f"bit-plane top-{k}, f = {f}, item term (B = {args.weight}), one core, median of up to {args.repeat} runs;")
-    print(f"load average {os.getloadavg()}")
-    print(f"{'items':>9} {'P':>2} {'users':>5} {'method':<26} {'CPU ms':>9} {'G pairs/s':>9} {'speed-up':>8}")
+    print(f"load average {os.getloadavg()}" + ("; one-user calls rotate users" if args.rotate_users else ""))
+    print(f"{'items':>9} {'P':>2} {'users':>5} {'method':<30} {'CPU ms':>9} {'G pairs/s':>9} {'vs faiss':>8}")
     for m in args.sizes:
         words = rng.integers(0, 2**64, size=((f + 63) // 64, m), dtype=np.uint64, endpoint=False)
         if f % 64:
             words[-1] &= np.uint64((1 << (f % 64)) - 1)
-        index = HammingIndex(words, f, zipf_levels(m, args.levels, rng), args.weight)
+        levels = zipf_levels(m, args.levels, rng)
+        index = HammingIndex(words, f, levels, args.weight)
+        scan = HammingIndex(words, f, levels, args.weight, substring_index=False)
+        flat = faiss.IndexBinaryFlat(f)
+        flat.add(np.ascontiguousarray(words.T).view(np.uint8).reshape(m, -1)[:, : (f + 7) // 8])
         for P in args.planes:
             for n in args.plane_batches:
-                planes, a = _user_planes(rng, n, f, P, args.weight)
+                pool = max(n, args.batch) if n == 1 and args.rotate_users else n
+                planes, a = _user_planes(rng, pool, f, P, args.weight)
                 ids, scores = index.search_planes_batch(planes, a, k, None)
                 for u, (one_ids, one_scores) in enumerate(_plane_loop(index, planes, a, k, None)):
                     if not (np.array_equal(ids[u], one_ids) and np.array_equal(scores[u], one_scores)):
                         raise SystemExit("batched and per-user plane top-k disagree")
-                codes = planes[:, -1, :].copy()  # ±1 codes of the same users: the Hamming scan beside them
+                for u, (one_ids, one_scores) in enumerate(_plane_loop(scan, planes, a, k, None)):
+                    if not (np.array_equal(ids[u], one_ids) and np.array_equal(scores[u], one_scores)):
+                        raise SystemExit("the plane search with and without substring tables disagree")
+                codes = planes[:, -1, :].copy()  # ±1 codes of the same users: the Hamming search beside them
+                q = np.ascontiguousarray(codes).view(np.uint8).reshape(pool, -1)[:, : (f + 7) // 8]
                 runs: list[tuple[str, Callable[[], Any]]] = [
+                    ("faiss IndexBinaryFlat (±1)", partial(flat.search, q, k)),
                     ("search_planes per user", partial(_plane_loop, index, planes, a, k, rng)),
+                    ("search_planes, no tables", partial(_plane_loop, scan, planes, a, k, rng)),
                     ("search_planes_batch", partial(index.search_planes_batch, planes, a, k, rng)),
                     ("hamming search (±1 codes)", partial(index.search, codes, k, rng)),
                 ]
+                if pool > n:
+                    runs = [
+                        ("faiss IndexBinaryFlat (±1)", _rotating(flat.search, q, k)),
+                        ("search_planes per user", _rotating_planes(partial(_plane_loop, index), planes, a, k, rng)),
+                        ("search_planes, no tables", _rotating_planes(partial(_plane_loop, scan), planes, a, k, rng)),
+                        ("search_planes_batch", _rotating_planes(index.search_planes_batch, planes, a, k, rng)),
+                        ("hamming search (±1 codes)", _rotating(index.search, codes, k, rng)),
+                    ]
                 seconds = _timed([fn for _, fn in runs], args.repeat, args.budget, args.interleave)
                 for (name, _), t in zip(runs, seconds, strict=True):
                     print(
-                        f"{m:>9} {P:>2} {n:>5} {name:<26} {t * 1e3:>9.3f} {m * n / t / 1e9:>9.3f} "
+                        f"{m:>9} {P:>2} {n:>5} {name:<30} {t * 1e3:>9.3f} {m * n / t / 1e9:>9.3f} "
                         f"{seconds[0] / t:>7.2f}x",
                         flush=True,
                     )
+
+
+def _rotating_planes(
+    search: Callable[..., Any], planes: NDArray[np.uint64], a: Any, k: int, rng: Any
+) -> Callable[[], Any]:
+    """`_rotating` for plane users: user i's planes and weight a_i, i = 0, 1, ..., n − 1, 0, ... in turn."""
+    turn = itertools.count()
+
+    def call() -> Any:
+        i = next(turn) % len(planes)
+        return search(planes[i : i + 1], a[i : i + 1], k, rng)
+
+    return call
 
 
 if __name__ == "__main__":
