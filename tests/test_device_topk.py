@@ -1287,3 +1287,43 @@ def test_topk_hamming_builds_no_substring_tables(monkeypatch: pytest.MonkeyPatch
         ids, dist = topk_hamming(pack_user(u), pack_signs(D), 64, 10, None)
     ref = hamming_distances_reference(u, D)
     assert np.array_equal(dist, np.sort(ref)[:10])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    m=st.integers(1, 2500),
+    n=st.integers(1, 20),
+    P=st.integers(1, 4),
+    n_levels=st.sampled_from([0, 16]),
+    k=st.integers(1, 30),
+    rounds=st.sampled_from([1, 80]),
+)
+def test_substring_plane_batch_is_the_per_user_search(
+    seed: int, m: int, n: int, P: int, n_levels: int, k: int, rounds: int
+) -> None:
+    """search_planes_batch with the substring tables (sizes patched down): one substring search per
+    user, the users it gives up on (``rounds`` 1 makes many give up) scanned together; every row is
+    the reference's and exactly what search_planes gives for that user in turn with the same generator."""
+    from device_sdk import lightfr
+
+    rng = np.random.default_rng(seed)
+    D = _clustered_codes(rng, m, 3, 0.1) if seed % 2 else random_signs(m, 64, rng)
+    top = 2**P - 1
+    q = (2 * rng.integers(0, top + 1, (n, 64)) - top).astype(np.int16)
+    planes = np.ascontiguousarray(pack_signs(np.swapaxes(lightfr.sign_planes(q, P), 0, 1).reshape(-1, 64)).T)
+    planes = planes.reshape(n, P, 1)
+    a = rng.integers(1, 40, n)
+    levels = None if n_levels == 0 else rng.integers(0, n_levels, m).astype(np.uint8)
+    excl = [rng.choice(m, min(3, m), replace=False) if u % 2 else None for u in range(n)]
+    with _substring_sizes(_MIH_ROUNDS=rounds, _MIH_FALLBACK=0.5):
+        index = HammingIndex(pack_signs(D), 64, levels, 2)
+        ids, scores = index.search_planes_batch(planes, a, k, np.random.default_rng(4), exclude=excl)
+        draw = np.random.default_rng(4)
+        for u in range(n):
+            one_ids, one_scores = index.search_planes(planes[u], int(a[u]), k, draw, exclude=excl[u])
+            assert np.array_equal(ids[u, : one_ids.size], one_ids) and np.all(ids[u, one_ids.size :] == -1)
+            assert np.array_equal(scores[u, : one_ids.size], one_scores)
+            ref = _plane_reference(D, q[u], int(a[u]), levels)
+            want = _reference_ranking(ref, k, excl[u])
+            assert np.array_equal(one_scores, ref[want])
