@@ -1198,11 +1198,14 @@ class HammingIndex:
                 ids, at = np.unique(pos[sel], return_index=True)  # an item found in several tables counts once
                 if ids.size >= kk:
                     return self._plane_costs(ids, val[sel[at]], a, s, kk, lift)
+            ids = np.empty(0, np.int64)
             if val.size >= 4 * kk:
-                # An item is found at most 4 times, so the 4kk smallest finds hold >= kk distinct items:
-                # the kk-th value among them bounds the catalogue's kk-th, and the next round ends there.
+                # An item is probed at most 4 times (once more if its group was then scanned), so the 4kk
+                # smallest finds mostly hold >= kk distinct items: the kk-th value among them bounds the
+                # catalogue's kk-th, and the next round ends there.
                 low = np.flatnonzero(val <= np.partition(val, 4 * kk - 1)[4 * kk - 1])
                 ids, at = np.unique(pos[low], return_index=True)
+            if ids.size >= kk:
                 top = int(np.partition(val[low[at]], kk - 1)[kk - 1])  # finds above it are never needed
                 keep = np.flatnonzero(val <= top)
                 pos_l, val_l = [pos[keep]], [val[keep]]
