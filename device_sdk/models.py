@@ -74,12 +74,18 @@ class LightFRConfig:
         planes.  With ``query_planes`` 0 under the all-items objective (symmetric training): the device
         still trains and uploads with its ±1 code by DCD, and also solves its real-valued vector against
         the item codes (ridge weight ``rank_ridge``·w0·m) and ranks with it as ``rank_planes`` planes
-        (`fit_local`, `fold_in`; the vector depends only on the ratings and the model, so `fold_in`
-        after a download refreshes it); 0 ranks with the ±1 code; unused without the all-items objective
+        (`fit_local`, `fold_in`; the vector depends only on the ratings and the model, so
+        `refresh_ranking` (which `DeviceClient` runs on adopting a model) or `fold_in` after a download
+        refreshes it); 0 ranks with the ±1 code; unused without the all-items objective
         (and accepted then: the plan switches the objective and the planes round by round, `apply_plan`,
         and this standing preference must survive a round whose plan turns them off).
     rank_ridge : a device setting (not in the plan): the ridge weight of that ranking-time solve in units
         of w0·m (tr(w0·DᵀD)/f, the unobserved term's weight on the catalogue), > 0.
+    substring_index : a device setting (not in the plan): let `recommend` for one user search a
+        catalogue of 786,432 items or more (f = 64) through exact multi-index hashing tables
+        (`device_sdk.topk.HammingIndex`), built on the first such call: about 48 bytes an item (480 MB
+        at 10^7 items) beside the 8 of the codes, and a few times faster than the scan.  False keeps
+        the linear scan and no extra memory; the recommendations are the same either way.
     """
 
     bits: int = 64
@@ -97,6 +103,7 @@ class LightFRConfig:
     user_reg: float = 1.0
     rank_planes: int = 3
     rank_ridge: float = 2.0
+    substring_index: bool = True
 
     def __post_init__(self) -> None:
         bits = self.bits
@@ -113,6 +120,8 @@ class LightFRConfig:
         ridge = self.rank_ridge
         if isinstance(ridge, bool) or not (isinstance(ridge, int | float) and np.isfinite(ridge) and 0 < ridge <= 1e6):
             raise ValueError(f"rank_ridge must be a finite number in (0, 1e6], got {ridge!r}")
+        if not isinstance(self.substring_index, bool):
+            raise ValueError(f"substring_index must be a bool, got {self.substring_index!r}")
         w0 = self.unobserved_weight
         if planes and isinstance(w0, int | float) and not isinstance(w0, bool) and w0 == 0:
             # Would train ±1 codes by DCD while asking for planes; the server's config and the plan refuse it too.
@@ -313,7 +322,13 @@ class LightFRModel(Recommender):
     def _hamming_index(self) -> HammingIndex:
         """The retrieval index of the current item codes and levels, built once per change."""
         if self._index is None:
-            self._index = HammingIndex(self._item_words, self.config.bits, self._levels, self._weight)
+            self._index = HammingIndex(
+                self._item_words,
+                self.config.bits,
+                self._levels,
+                self._weight,
+                substring_index=self.config.substring_index,
+            )
         return self._index
 
     @property

@@ -153,6 +153,11 @@ class HammingIndex:
     f : code length in bits.
     levels : (m,) uint8 item levels (the item term), or None for none.
     weight : B >= 1, the weight of one bit of Hamming similarity against one level.
+    substring_index : allow the exact multi-index (substring) search of one user (f = 64, catalogues
+        of at least 786,432 items; see `_SubstringTables`).  Its tables are built on the first such
+        search and hold about 48 bytes an item (480 MB at 10^7 items) beside the 8 of the codes; False
+        keeps every search a linear scan and the index at the size of its codes.  Results are the same
+        either way.
 
     Raises
     ------
@@ -180,6 +185,7 @@ class HammingIndex:
         "_rem",
         "_mih",
         "_mih_lock",
+        "_mih_allowed",
     )
 
     _score_table: NDArray[np.int32] | None  # score of every cost, when the costs are few
@@ -195,6 +201,7 @@ class HammingIndex:
         f: int,
         levels: ArrayLike | None = None,
         weight: int = 1,
+        substring_index: bool = True,
     ) -> None:
         words = np.asarray(item_words)
         if words.dtype != np.uint64 or words.ndim != 2:
@@ -203,6 +210,9 @@ class HammingIndex:
             raise ValueError(f"{words.shape[0]} words per item do not hold codes of f = {f} bits")
         if int(weight) != weight or weight < 1:
             raise ValueError(f"hamming weight must be an integer >= 1, got {weight}")
+        if not isinstance(substring_index, bool | np.bool_):
+            raise ValueError(f"substring_index must be a bool, got {substring_index!r}")
+        self._mih_allowed = bool(substring_index)
         self.f, self.w, self.m = int(f), words.shape[0], words.shape[1]
         self.weight = int(weight)
         self._words = words
@@ -242,7 +252,7 @@ class HammingIndex:
     def __reduce__(self) -> tuple[type[HammingIndex], tuple[Any, ...]]:
         # Copies (copy.deepcopy of a model, pickling) rebuild the index from its inputs; the
         # per-thread scan buffers are a cache and are never copied.
-        return (HammingIndex, (self._words, self.f, self._levels, self.weight))
+        return (HammingIndex, (self._words, self.f, self._levels, self.weight, self._mih_allowed))
 
     @property
     def _B(self) -> int:
@@ -617,8 +627,8 @@ class HammingIndex:
         return (pos.astype(np.int64, copy=False) if self._order is None else self._order[pos]), cost
 
     def _substring_ok(self) -> bool:
-        """Whether one user's search takes the substring tables: f = 64 and a large catalogue."""
-        return self.f == 64 and self.m >= _MIH_MIN and 4 * self.m < 1 << 31
+        """Whether one user's search takes the substring tables: allowed, f = 64 and a large catalogue."""
+        return self._mih_allowed and self.f == 64 and self.m >= _MIH_MIN and 4 * self.m < 1 << 31
 
     def _substring_tables(self) -> _SubstringTables:
         if self._mih is None:
@@ -1548,7 +1558,8 @@ def topk_hamming(
     w = item_words.shape[0]
     if np.shape(user_words) != (w,):
         raise ValueError(f"user code has {np.shape(user_words)} words, item codes have {w}")
-    index = HammingIndex(item_words, f)
+    # One search of an index built for it: the substring tables would cost more than the scan they save.
+    index = HammingIndex(item_words, f, substring_index=False)
     ids, scores = index.search(
         np.asarray(user_words)[None, :],
         k,

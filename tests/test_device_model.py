@@ -284,3 +284,18 @@ def test_fold_in_all_items_objective_uses_the_cached_gram_and_matches_the_full_k
     model.fold_in(items[:5])
     model.set_item_codes(-D, version=4)
     assert model._gram is None
+
+
+def test_substring_index_setting_is_validated_kept_and_reaches_the_index(tmp_path: Path) -> None:
+    """`LightFRConfig.substring_index` is a device setting: a non-bool is refused, the store keeps it,
+    and the model's retrieval index takes it (False: no substring tables, only the scan)."""
+    with pytest.raises(ValueError, match="substring_index must be a bool"):
+        LightFRConfig(substring_index=1)  # type: ignore[arg-type]
+    model = LightFRModel(30, LightFRConfig(bits=64, substring_index=False), n_users=2, rng=np.random.default_rng(0))
+    model.set_item_codes(random_signs(30, 64, np.random.default_rng(1)), 1)
+    assert model._hamming_index()._mih_allowed is False
+    path = tmp_path / "model.fedrec"
+    model.save(path)
+    back = LightFRModel.load(path)
+    assert back.config.substring_index is False and back._hamming_index()._mih_allowed is False
+    assert LightFRModel(30, LightFRConfig(bits=64), rng=np.random.default_rng(0))._hamming_index()._mih_allowed

@@ -1049,3 +1049,48 @@ def test_substring_search_leaves_a_strong_item_term_to_the_scan() -> None:
                     ids, scores = index.search(pack_user(u), k, None)
                     want = _reference_ranking(ref, k, None)
                     assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
+
+
+def test_substring_index_off_keeps_the_scan_and_no_tables() -> None:
+    """``substring_index=False`` (the device setting `LightFRConfig.substring_index`) never builds the
+    tables, whatever the catalogue's size, and ranks exactly as the index that builds them; copies
+    keep the setting; a non-bool is refused."""
+    import copy
+
+    rng = np.random.default_rng(11)
+    m = 3000
+    D = random_signs(m, 64, rng)
+    levels = rng.integers(0, 16, m).astype(np.uint8)
+    with _substring_sizes(_MIH_FALLBACK=8.0, _MIH_ROUNDS=80):
+        on = HammingIndex(pack_signs(D), 64, levels, 4)
+        off = HammingIndex(pack_signs(D), 64, levels, 4, substring_index=False)
+        for u in random_signs(4, 64, rng):
+            a = on.search(pack_user(u), 10, np.random.default_rng(3))
+            b = off.search(pack_user(u), 10, np.random.default_rng(3))
+            ref = _reference_scores(u[None, :], D, levels, 4)[0]
+            assert np.array_equal(np.sort(a[1][0]), np.sort(b[1][0]))
+            assert np.array_equal(np.sort(b[1][0])[::-1], np.sort(ref)[::-1][:10])
+        assert on._mih is not None and off._mih is None
+        clone = copy.deepcopy(off)
+        clone.search(pack_user(random_signs(1, 64, rng)[0]), 10, None)
+        assert clone._mih is None
+    with pytest.raises(ValueError, match="substring_index must be a bool"):
+        HammingIndex(pack_signs(D), 64, substring_index="yes")  # type: ignore[arg-type]
+
+
+def test_topk_hamming_builds_no_substring_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-shot `topk_hamming` builds an index for one search: building the substring tables there
+    would cost ~100x the scan they save (0.13 s against ~1 ms at 10^6 items), so it never does."""
+    from device_sdk import topk
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("topk_hamming built substring tables")
+
+    monkeypatch.setattr(topk, "_SubstringTables", refuse)
+    rng = np.random.default_rng(12)
+    D = random_signs(2000, 64, rng)
+    u = random_signs(1, 64, rng)[0]
+    with _substring_sizes():
+        ids, dist = topk_hamming(pack_user(u), pack_signs(D), 64, 10, None)
+    ref = hamming_distances_reference(u, D)
+    assert np.array_equal(dist, np.sort(ref)[:10])
