@@ -135,12 +135,12 @@ class Enrollment:
     def _read_file(self) -> tuple[crypto.RevocationList, bytes, str]:
         """Read and verify the list file (thread-safe: no storage, no state)."""
         assert self._crl_path is not None
-        crl, data = load_revocation_list(self._crl_path, self.authority)
+        crl, data = load_revocation_list(self._crl_path, self.authority, interruptible=True)
         return crl, data, self._etag(crl, data)
 
     def _verify_bytes(self, data: bytes) -> tuple[crypto.RevocationList, str]:
         """Verify an uploaded or stored list (thread-safe: no storage, no state)."""
-        crl = crypto.verify_revocation_list(data, self.authority)
+        crl = crypto.verify_revocation_list(data, self.authority, interruptible=True)
         return crl, self._etag(crl, data)
 
     def _load_crl(

@@ -192,9 +192,11 @@ def read_revocation_list(path: Path, authority_public_key: bytes) -> crypto.Revo
     return load_revocation_list(path, authority_public_key)[0]
 
 
-def load_revocation_list(path: Path, authority_public_key: bytes) -> tuple[crypto.RevocationList, bytes]:
+def load_revocation_list(
+    path: Path, authority_public_key: bytes, *, interruptible: bool = False
+) -> tuple[crypto.RevocationList, bytes]:
     """`read_revocation_list`, also returning the signed bytes it checked (one read: what a server relays
-    to devices is exactly the list it enforces).
+    to devices is exactly the list it enforces).  ``interruptible`` as `protocol.crypto.verify_revocation_list`.
 
     Raises
     ------
@@ -207,7 +209,7 @@ def load_revocation_list(path: Path, authority_public_key: bytes) -> tuple[crypt
     except OSError as exc:
         raise RevocationListInvalid(f"cannot read the revocation list {path}: {exc}") from exc
     try:
-        return crypto.verify_revocation_list(data, authority_public_key), data
+        return crypto.verify_revocation_list(data, authority_public_key, interruptible=interruptible), data
     except RevocationListInvalid as exc:
         raise RevocationListInvalid(f"{path}: {exc}") from None
 

@@ -36,16 +36,22 @@ def _big_list(ca: EnrollmentAuthority, number: int, n: int, also: list[bytes]) -
 async def test_a_list_of_100000_keys_is_swapped_in_while_requests_keep_being_answered(
     aiohttp_client: Any, tmp_path: Path
 ) -> None:
-    """Three swaps of a 10^5-key list.  A probe keeps one ``GET /v1/health`` in flight and a poller asks for
+    """Four swaps of a 10^5-key list.  A probe keeps one ``GET /v1/health`` in flight and a poller asks for
     the list with ``If-None-Match`` every 10 ms (on a server that adopted on the request path, that poll is
     what adopts).  Checking such a list takes t_verify on this machine (measured here); a server that
     adopts on its event loop stalls every request for at least that long at every swap, so its smallest
-    per-swap stall is >= t_verify.  Off the loop the stall is the worker thread's share of the GIL."""
+    per-swap stall is >= t_verify.  Off the loop the stall is the worker thread's share of the GIL.  On a
+    loaded machine one swap in three or so stalls longer (the scheduler, not the loop), hence the smallest
+    of four swaps, against 0.8·t_verify."""
     ca, crl_path, enrollment = _authority_with_a_list(tmp_path)
     app = create_app(_config(tmp_path / "srv", cohort=3, enrollment=enrollment))
     client = await aiohttp_client(app)
-    lists = [_big_list(ca, 2 + i, 100_000, []) for i in range(3)]
+    lists = [_big_list(ca, 2 + i, 100_000, []) for i in range(4)]
     t_verify = min(_timed(lambda d=d: crypto.verify_revocation_list(d, ca.public_key)) for d in lists)
+    # the server's interruptible check (the key set built from a generator) reads the same list
+    assert crypto.verify_revocation_list(lists[0], ca.public_key, interruptible=True) == crypto.verify_revocation_list(
+        lists[0], ca.public_key
+    )
     stalls, adopted = [], []
     for i, data in enumerate(lists):
         etag = (await client.get(ROUTE)).headers["ETag"]
@@ -77,7 +83,7 @@ async def test_a_list_of_100000_keys_is_swapped_in_while_requests_keep_being_ans
     )
     print(figures)
     assert t_verify > 0.010, f"the list is too cheap to check on this machine for the test to mean anything: {figures}"
-    assert min(stalls) < 0.5 * t_verify, f"requests waited for the list check: {figures}"
+    assert min(stalls) < 0.8 * t_verify, f"requests waited for the list check: {figures}"
 
 
 def _number(enrollment: Any) -> int:
@@ -154,9 +160,9 @@ class _Gate:
         self.held, self.calls = held, 0
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def __call__(self, path: Path, authority: bytes) -> Any:
+    def __call__(self, path: Path, authority: bytes, **options: Any) -> Any:
         self.calls += 1
-        result = self.real(path, authority)  # read and checked: held as if the check took that long
+        result = self.real(path, authority, **options)  # read and checked: held as if the check took that long
         if self.calls <= self.held:
             self.entered.set()
             assert self.release.wait(30), "never released"
