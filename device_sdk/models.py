@@ -82,7 +82,8 @@ class LightFRConfig:
     rank_ridge : a device setting (not in the plan): the ridge weight of that ranking-time solve in units
         of w0·m (tr(w0·DᵀD)/f, the unobserved term's weight on the catalogue), > 0.
     substring_index : a device setting (not in the plan): let `recommend` for one user search a
-        catalogue of 786,432 items or more (f = 64) through exact multi-index hashing tables
+        catalogue of 786,432 items or more (262,144 for a plane user; f = 64) through exact
+        multi-index hashing tables
         (`device_sdk.topk.HammingIndex`), built on the first such call: about 48 bytes an item (480 MB
         at 10^7 items) beside the 8 of the codes, and a few times faster than the scan.  False keeps
         the linear scan and no extra memory; the recommendations are the same either way.

@@ -85,6 +85,11 @@ _MIH_FIRST_RADIUS = 1
 _MIH_MARGIN = 1.0
 _MIH_FALLBACK = 0.125
 _MIH_ROUNDS = 4
+# One plane user's search takes the substring tables from 2^18 items: the plane scan costs about 2x the
+# Hamming one, so they pay earlier (2^18 random items, k = 10, 60 users: 0.46-0.71 ms against 0.72-1.18 ms
+# for the scan; 1.5x10^5: 0.66 against 0.69; 10^5: 0.42 against 0.30).  A batch of plane users takes
+# them from _MIH_MIN, where it was measured.
+_PLANE_MIH_MIN = 1 << 18
 _PLANE_MIH_SAMPLE = 2048  # the plane substring search's even sample of the catalogue (its first T, a bound)
 _PLANE_MIH_MARGIN = 1.0  # its first T: where the fit puts the catalogue's (margin·kk)-th value
 _PLANE_MIH_STEP = 0.25  # T's first growth step, in the sample's standard deviations
@@ -159,10 +164,10 @@ class HammingIndex:
     levels : (m,) uint8 item levels (the item term), or None for none.
     weight : B >= 1, the weight of one bit of Hamming similarity against one level.
     substring_index : allow the exact multi-index (substring) search of one user (f = 64, catalogues
-        of at least 786,432 items; see `_SubstringTables`).  Its tables are built on the first such
-        search and hold about 48 bytes an item (480 MB at 10^7 items) beside the 8 of the codes; False
-        keeps every search a linear scan and the index at the size of its codes.  Results are the same
-        either way.
+        of at least 786,432 items, 262,144 for a plane user; see `_SubstringTables`).  Its tables are
+        built on the first such search and hold about 48 bytes an item (480 MB at 10^7 items) beside the
+        8 of the codes; False keeps every search a linear scan and the index at the size of its codes.
+        Results are the same either way.
 
     Raises
     ------
@@ -631,9 +636,11 @@ class HammingIndex:
             cost = val.astype(rem.dtype) * rem.dtype.type(self.weight) + rem[pos]  # B·v + r
         return (pos.astype(np.int64, copy=False) if self._order is None else self._order[pos]), cost
 
-    def _substring_ok(self) -> bool:
-        """Whether one user's search takes the substring tables: allowed, f = 64 and a large catalogue."""
-        return self._mih_allowed and self.f == 64 and self.m >= _MIH_MIN and 4 * self.m < 1 << 31
+    def _substring_ok(self, minimum: int | None = None) -> bool:
+        """Whether one user's search takes the substring tables: allowed, f = 64 and a catalogue of at
+        least ``minimum`` items (default _MIH_MIN)."""
+        least = _MIH_MIN if minimum is None else minimum
+        return self._mih_allowed and self.f == 64 and self.m >= least and 4 * self.m < 1 << 31
 
     def _substring_tables(self) -> _SubstringTables:
         if self._mih is None:
@@ -964,7 +971,7 @@ class HammingIndex:
                 cost += (self._top - self._levels[ids].astype(np.int64)) << s
         else:
             kk = min(k + (0 if excl is None else excl.size), self.m)
-            found = self._substring_planes(planes, a, s, kk) if self._substring_ok() else None
+            found = self._substring_planes(planes, a, s, kk) if self._substring_ok(_PLANE_MIH_MIN) else None
             if found is not None:
                 ids, cost = found
             elif self.m >= _PLANE_BOUND_MIN and self.f * (2**P - 1) >= 1 << 8 and self.f * (2 ** (P - 1) - 1) < 1 << 8:
@@ -1145,7 +1152,7 @@ class HammingIndex:
         if sv.size >= kk:
             top = min(top, int(np.partition(sv, kk - 1)[kk - 1]))
         stop = m if lift is None else lift.stop(top)
-        if stop < _MIH_MIN:
+        if stop < _PLANE_MIH_MIN:
             return None
         gq = [0 if lift is None else int(lift[g0 : g0 + 1][0]) for g0, _ in tb.spans]
         sv = sv[sample < stop]

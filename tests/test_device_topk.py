@@ -740,7 +740,7 @@ def _substring_sizes(**sizes: float) -> Any:
     from device_sdk import topk
 
     stack = ExitStack()
-    for name, value in {"_MIH_MIN": 1, "_MIH_GROUP_MIN": 16, **sizes}.items():
+    for name, value in {"_MIH_MIN": 1, "_PLANE_MIH_MIN": 1, "_MIH_GROUP_MIN": 16, **sizes}.items():
         stack.enter_context(mock.patch.object(topk, name, value))
     return stack
 
