@@ -1174,7 +1174,8 @@ class HammingIndex:
         val_l: list[NDArray[Any]] = []
         for _turn in range(_MIH_ROUNDS):
             for g in list(live):
-                grow = [(4 * g + j, r) for j, r in enumerate(_radii(T - gq[g] + 1, rmax)) if r > radius[4 * g + j]]
+                radii = bands.radii(T - gq[g] + 1, rmax)
+                grow = [(4 * g + j, r) for j, r in enumerate(radii) if r > radius[4 * g + j]]
                 if not grow:
                     continue
                 buckets = [bands.band(t % 4, radius[t], r) for t, r in grow]
@@ -1753,7 +1754,7 @@ class _ByteBands:
     lo_j sorted: the values x of a band r0 < W_j(x) <= r1 are, per high byte, one slice of the sorted
     low bytes."""
 
-    __slots__ = ("lx", "lv", "hi")
+    __slots__ = ("lx", "lv", "hi", "spread")
 
     def __init__(self, pw: NDArray[np.uint64]) -> None:
         pbytes = (pw[:, None] >> np.arange(0, 64, 8, dtype=np.uint64)) & np.uint64(255)  # (P, 8)
@@ -1762,8 +1763,32 @@ class _ByteBands:
             bt += np.bitwise_count(_BYTE_VALUES[None, :] ^ pbytes[p][:, None]).astype(np.int64) << p
         lo = bt[0::2]
         self.hi = bt[1::2]
+        # W_j's standard deviation over uniform x (its mean is rmax / 2 for every j).
+        self.spread = np.sqrt(lo.var(axis=1) + self.hi.var(axis=1)).tolist()
         self.lx = np.argsort(lo, axis=1, kind="stable")
         self.lv = np.take_along_axis(lo, self.lx, axis=1)
+
+    def radii(self, e: int, rmax: int) -> list[int]:
+        """Radii with Σ (r_j + 1) = e before clamping to [-1, rmax] (the pigeonhole holds for any such
+        split; clamping only widens a probe or makes it find everything), each table's radius the same
+        number of its standard deviations below the mean, so that each finds about the same share of
+        random items."""
+        spread = self.spread
+        total = sum(spread)
+        if e <= 0:
+            return [-1] * 4
+        if total == 0:
+            return _radii(e, rmax)
+        mu = rmax / 2
+        z = (4 * (mu + 1) - e) / total
+        real = [mu - z * sd for sd in spread]
+        base = [math.floor(x) for x in real]
+        left = e - sum(b + 1 for b in base)  # 0..3: Σ (real_j + 1) = e
+        if not 0 <= left <= 4:
+            return _radii(e, rmax)  # rounding gone wrong (never seen): the even split
+        for j in sorted(range(4), key=lambda j: base[j] - real[j])[:left]:
+            base[j] += 1
+        return [min(max(b, -1), rmax) for b in base]
 
     def band(self, j: int, r0: int, r1: int) -> NDArray[np.int64]:
         """The values x of substring j with r0 < W_j(x) <= r1 (in no particular order)."""
