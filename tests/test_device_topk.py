@@ -1327,3 +1327,29 @@ def test_substring_plane_batch_is_the_per_user_search(
             ref = _plane_reference(D, q[u], int(a[u]), levels)
             want = _reference_ranking(ref, k, excl[u])
             assert np.array_equal(one_scores, ref[want])
+
+
+def test_substring_plane_search_finds_the_farthest_items() -> None:
+    """k = m with items at the largest W (every substring at its largest weight): T reaches its top and
+    every radius its largest value, so a probe clamped one short of a whole table misses them."""
+    from device_sdk import lightfr
+
+    rng = np.random.default_rng(9)
+    m = 300
+    for P in (1, 2, 3, 4):
+        q = (2 * rng.integers(0, 2**P, 64) - (2**P - 1)).astype(np.int16)
+        planes = pack_signs(lightfr.sign_planes(q[None, :], P)[:, 0, :]).T.copy()
+        worst = np.where(q > 0, -1, 1).astype(np.int8)
+        D = np.where(rng.random((m, 64)) < 0.05, -worst, worst).astype(np.int8)
+        D[:7] = worst
+        ref = _plane_reference(D, q, 3, None)
+        with _substring_sizes(_MIH_ROUNDS=400, _MIH_FALLBACK=8.0):
+            index = HammingIndex(pack_signs(D), 64)
+            for k in (m, m - 3):
+                found = index._substring_planes(planes, 3, 8, k)
+                assert found is not None
+                kth = np.sort(ref)[::-1][k - 1]
+                assert set(np.flatnonzero(ref >= kth)) <= set(found[0].tolist())
+                ids, scores = index.search_planes(planes, 3, k, None)
+                want = _reference_ranking(ref, k, None)
+                assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])
