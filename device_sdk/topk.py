@@ -1785,7 +1785,7 @@ class _ByteBands:
         base = [math.floor(x) for x in real]
         left = e - sum(b + 1 for b in base)  # 0..3: Σ (real_j + 1) = e
         if not 0 <= left <= 4:
-            return _radii(e, rmax)  # rounding gone wrong (never seen): the even split
+            return _radii(e, rmax)  # a rounding slip: the even split
         for j in sorted(range(4), key=lambda j: base[j] - real[j])[:left]:
             base[j] += 1
         return [min(max(b, -1), rmax) for b in base]
