@@ -778,6 +778,10 @@ class HammingIndex:
         for g, idx, dist in first_finds:
             if g in live:
                 self._substring_finds(tb, tb.group_q[g], lift, idx, dist, cap, pos_l, val_l)
+
+        def fetch(first: NDArray[np.int64], count: NDArray[np.int64], n: int) -> tuple[NDArray[Any], NDArray[Any]]:
+            return tb.expand(word, first, count, n, buffers)
+
         for turn in range(_MIH_ROUNDS):
             # The radii that find every item of v <= T: group g needs dist <= T − q_g, so radii r_j with
             # Σ (r_j + 1) = T − q_g + 1 (-1: that substring is not probed).
@@ -786,20 +790,12 @@ class HammingIndex:
                 grow = [(t, r) for t, r in grow if r > radius[t]]
                 if not grow:
                     continue
-                first, count = tb.probe(
+                found = tb.probe(
                     quarters, [t for t, _ in grow], [radius[t] + 1 for t, _ in grow], [r + 1 for _, r in grow]
                 )
-                n = int(count.sum())
-                if spent[g] + n > limit[g]:
-                    if not self._scan_group(tb, g, values, live, scanned, stop):
-                        return None
-                    continue
-                spent[g] += n
-                for t, r in grow:
-                    radius[t] = r
-                if n:
-                    idx, dist = tb.expand(word, first, count, n, buffers)
-                    self._substring_finds(tb, tb.group_q[g], lift, idx, dist, cap, pos_l, val_l)
+                state = (radius, spent, limit, live, scanned, stop, values)  # `scanned` is new each round
+                if not self._probe_group(tb, g, grow, found, fetch, tb.group_q[g], lift, cap, state, pos_l, val_l):
+                    return None
             for a, v in scanned:
                 keep = np.flatnonzero(v <= cap)
                 pos_l.append(keep + a)
@@ -821,6 +817,38 @@ class HammingIndex:
                 if ids.size >= kk:
                     T = max(T, int(np.partition(val[at], kk - 1)[kk - 1]))
         return None
+
+    def _probe_group(
+        self,
+        tb: _SubstringTables,
+        g: int,
+        grow: list[tuple[int, int]],
+        found: tuple[NDArray[np.int64], NDArray[np.int64]],
+        fetch: Callable[[NDArray[np.int64], NDArray[np.int64], int], tuple[NDArray[Any], NDArray[Any]]],
+        q: int,
+        lift: NDArray[Any] | _PlaneLift | None,
+        cap: int,
+        state: tuple[list[int], list[int], list[int], list[int], list[Any], int, Callable[[int, int], NDArray[Any]]],
+        pos_l: list[NDArray[Any]],
+        val_l: list[NDArray[Any]],
+    ) -> bool:
+        """Group g's tables probed out to the radii ``grow`` ((table, radius) pairs), whose new buckets
+        are ``found`` (first entries, entries): their finds (``fetch(first, count, n)``: entry indices
+        and distances) of value <= ``cap`` go to the lists; past the group's budget the group is scanned
+        instead (False: the whole search should give up).  ``state`` is the search's (radius per table,
+        finds spent and allowed per group, live groups, scanned ranges, stop, range values)."""
+        radius, spent, limit, live, scanned, stop, values = state
+        first, count = found
+        n = int(count.sum())
+        if spent[g] + n > limit[g]:
+            return self._scan_group(tb, g, values, live, scanned, stop)
+        spent[g] += n
+        for t, r in grow:
+            radius[t] = r
+        if n:
+            idx, dist = fetch(first, count, n)
+            self._substring_finds(tb, q, lift, idx, dist, cap, pos_l, val_l)
+        return True
 
     def _range_values(self, word: np.uint64, a: int, b: int) -> NDArray[Any]:
         """v = dist + q of the scan positions [a, b)."""
@@ -1172,25 +1200,21 @@ class HammingIndex:
         live = [g for g in range(ng) if gq[g] <= top]  # no item of the others can be wanted
         pos_l: list[NDArray[Any]] = []
         val_l: list[NDArray[Any]] = []
+
+        def fetch(first: NDArray[np.int64], count: NDArray[np.int64], n: int) -> tuple[NDArray[Any], NDArray[Any]]:
+            idx, codes = tb.gather(first, count, n, ib, cb)
+            return idx, weigh(codes)
+
         for _turn in range(_MIH_ROUNDS):
             for g in list(live):
                 radii = bands.radii(T - gq[g] + 1, rmax)
                 grow = [(4 * g + j, r) for j, r in enumerate(radii) if r > radius[4 * g + j]]
                 if not grow:
                     continue
-                buckets = [bands.band(t % 4, radius[t], r) for t, r in grow]
-                first, count = tb.probe_buckets([t for t, _ in grow], buckets)
-                n = int(count.sum())
-                if spent[g] + n > limit[g]:
-                    if not self._scan_group(tb, g, values, live, scanned, stop):
-                        return None
-                    continue
-                spent[g] += n
-                for t, r in grow:
-                    radius[t] = r
-                if n:
-                    idx, codes = tb.gather(first, count, n, ib, cb)
-                    self._substring_finds(tb, gq[g], lift, idx, weigh(codes), top, pos_l, val_l)
+                found = tb.probe_buckets([t for t, _ in grow], [bands.band(t % 4, radius[t], r) for t, r in grow])
+                state = (radius, spent, limit, live, scanned, stop, values)
+                if not self._probe_group(tb, g, grow, found, fetch, gq[g], lift, top, state, pos_l, val_l):
+                    return None
             for a0, v in scanned:
                 keep = np.flatnonzero(v <= top)
                 pos_l.append(keep + a0)
