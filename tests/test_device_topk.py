@@ -1353,3 +1353,55 @@ def test_substring_plane_search_finds_the_farthest_items() -> None:
                 ids, scores = index.search_planes(planes, 3, k, None)
                 want = _reference_ranking(ref, k, None)
                 assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])
+
+
+def test_substring_searches_scan_a_group_that_falls_back_in_a_later_round() -> None:
+    """Three level groups of a third each and a first threshold far too low: T grows round by round
+    until a group's finds pass its budget, in a later round, and that group is scanned from then on.
+    Both substring searches (Hamming and planes) must then still return the reference ranking."""
+    from unittest import mock
+
+    from device_sdk import lightfr, topk
+
+    rng = np.random.default_rng(21)
+    m = 3000
+    D = random_signs(m, 64, rng)
+    levels = (np.arange(m) % 3).astype(np.uint8)
+    u = random_signs(1, 64, rng)[0]
+    q = (2 * rng.integers(0, 8, 64) - 7).astype(np.int16)
+    planes = pack_signs(lightfr.sign_planes(q[None, :], 3)[:, 0, :]).T.copy()
+    real_scan, real_gather = HammingIndex._scan_group, topk._SubstringTables.gather
+    turns: list[int] = []  # per group scanned, how many gathers came before it
+    calls: list[int] = []
+
+    def counted(self: Any, *args: Any) -> Any:
+        turns.append(len(calls))
+        return real_scan(self, *args)
+
+    def gathered(self: Any, *args: Any) -> Any:
+        calls.append(1)
+        return real_gather(self, *args)
+
+    with (
+        _substring_sizes(
+            _MIH_MARGIN=0.01, _PLANE_MIH_MARGIN=1e-6, _MIH_ROUNDS=400, _MIH_FALLBACK=0.06, _MIH_GROUP_MIN=64
+        ),
+        mock.patch.object(HammingIndex, "_scan_group", counted),
+        mock.patch.object(topk._SubstringTables, "gather", gathered),
+    ):
+        index = HammingIndex(pack_signs(D), 64, levels, 1)
+        for k in (5, 30):
+            turns.clear()
+            calls.clear()
+            ids, scores = index.search(pack_user(u), k, None)
+            ref = _reference_scores(u[None, :], D, levels, 1)[0]
+            want = _reference_ranking(ref, k, None)
+            assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
+            assert turns and max(turns) > 0  # a group fell back after probes had been gathered
+            turns.clear()
+            calls.clear()
+            ids, scores = index.search_planes(planes, 2, k, None, level_shift=0)
+            ref = _plane_reference(D, q, 2, levels, 0)
+            want = _reference_ranking(ref, k, None)
+            assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])
+            assert turns and max(turns) > 0
