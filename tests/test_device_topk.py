@@ -1365,10 +1365,13 @@ def test_substring_searches_scan_a_group_that_falls_back_in_a_later_round() -> N
 
     rng = np.random.default_rng(21)
     m = 3000
-    D = random_signs(m, 64, rng)
-    levels = (np.arange(m) % 3).astype(np.uint8)
     u = random_signs(1, 64, rng)[0]
-    q = (2 * rng.integers(0, 8, 64) - 7).astype(np.int16)
+    D = random_signs(m, 64, rng)
+    # The top level's third: a loose cluster around the user (35% of bits flipped), where the winners are:
+    # its first probes find few, a later round's finds pass the budget.
+    D[:1000] = np.where(rng.random((1000, 64)) < 0.35, -u, u)
+    levels = np.repeat(np.array([2, 1, 0], np.uint8), 1000)
+    q = (u * (2 * rng.integers(0, 4, 64) + 1)).astype(np.int16)  # the user's best code is u
     planes = pack_signs(lightfr.sign_planes(q[None, :], 3)[:, 0, :]).T.copy()
     real_scan, real_gather = HammingIndex._scan_group, topk._SubstringTables.gather
     turns: list[int] = []  # per group scanned, how many gathers came before it
