@@ -1387,7 +1387,7 @@ def test_substring_searches_scan_a_group_that_falls_back_in_a_later_round() -> N
 
     with (
         _substring_sizes(
-            _MIH_MARGIN=0.01, _PLANE_MIH_MARGIN=1e-6, _MIH_ROUNDS=400, _MIH_FALLBACK=0.06, _MIH_GROUP_MIN=64
+            _MIH_MARGIN=0.01, _PLANE_MIH_MARGIN=1e-6, _MIH_ROUNDS=400, _MIH_FALLBACK=0.15, _MIH_GROUP_MIN=64
         ),
         mock.patch.object(HammingIndex, "_scan_group", counted),
         mock.patch.object(topk._SubstringTables, "gather", gathered),
