@@ -796,19 +796,11 @@ class HammingIndex:
                 state = (radius, spent, limit, live, scanned, stop, values)  # `scanned` is new each round
                 if not self._probe_group(tb, g, grow, found, fetch, tb.group_q[g], lift, cap, state, pos_l, val_l):
                     return None
-            for a, v in scanned:
-                keep = np.flatnonzero(v <= cap)
-                pos_l.append(keep + a)
-                val_l.append(v[keep])
+            pos, val, hit = _round_end(pos_l, val_l, scanned, cap, T, kk)
             scanned = []
-            pos = np.concatenate(pos_l)
-            val = np.concatenate(val_l)
             pos_l, val_l = [pos], [val]
-            sel = np.flatnonzero(val <= T)
-            if sel.size >= kk:
-                ids, at = np.unique(pos[sel], return_index=True)  # an item found in several tables counts once
-                if ids.size >= kk:
-                    return self._costs_one(ids, val[sel[at]], kk)
+            if hit is not None:
+                return self._costs_one(*hit, kk)
             T += 1
             if turn == _MIH_ROUNDS - 2:
                 # The last round: T jumps to the kk-th smallest value of the distinct items found (all at
@@ -1215,21 +1207,11 @@ class HammingIndex:
                 state = (radius, spent, limit, live, scanned, stop, values)
                 if not self._probe_group(tb, g, grow, found, fetch, gq[g], lift, top, state, pos_l, val_l):
                     return None
-            for a0, v in scanned:
-                keep = np.flatnonzero(v <= top)
-                pos_l.append(keep + a0)
-                val_l.append(v[keep])
+            pos, val, hit = _round_end(pos_l, val_l, scanned, top, T, kk, np.int64)
             scanned = []
-            if not pos_l:
-                pos_l, val_l = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
-            pos = np.concatenate(pos_l)
-            val = np.concatenate(val_l).astype(np.int64, copy=False)
             pos_l, val_l = [pos], [val]
-            sel = np.flatnonzero(val <= T)
-            if sel.size >= kk:
-                ids, at = np.unique(pos[sel], return_index=True)  # an item found in several tables counts once
-                if ids.size >= kk:
-                    return self._plane_costs(ids, val[sel[at]], a, s, kk, lift)
+            if hit is not None:
+                return self._plane_costs(*hit, a, s, kk, lift)
             ids = np.empty(0, np.int64)
             if val.size >= 4 * kk:
                 # An item is probed at most 4 times (once more if its group was then scanned), so the 4kk
@@ -1838,6 +1820,36 @@ def _radii(e: int, rmax: int) -> list[int]:
     substring distance; -1: that substring need not be probed)."""
     e = max(e, 0)
     return [min(e // 4 - 1 + (j < e % 4), rmax) for j in range(4)]
+
+
+def _round_end(
+    pos_l: list[NDArray[Any]],
+    val_l: list[NDArray[Any]],
+    scanned: list[tuple[int, NDArray[Any]]],
+    cap: int,
+    T: int,
+    kk: int,
+    dtype: type[np.integer] | None = None,
+) -> tuple[NDArray[Any], NDArray[Any], tuple[NDArray[np.int64], NDArray[Any]] | None]:
+    """The end of a substring search's round: the finds so far (scan positions, values), with the
+    values <= ``cap`` of the groups scanned this round added, and — when at least kk distinct items
+    have a value <= T — those items and their values (an item found in several tables counts once)."""
+    for a, v in scanned:
+        keep = np.flatnonzero(v <= cap)
+        pos_l.append(keep + a)
+        val_l.append(v[keep])
+    if not pos_l:
+        pos_l, val_l = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
+    pos = np.concatenate(pos_l)
+    val = np.concatenate(val_l)
+    if dtype is not None:
+        val = val.astype(dtype, copy=False)
+    sel = np.flatnonzero(val <= T)
+    if sel.size >= kk:
+        ids, at = np.unique(pos[sel], return_index=True)
+        if ids.size >= kk:
+            return pos, val, (ids, val[sel[at]])
+    return pos, val, None
 
 
 @functools.lru_cache(maxsize=8)
