@@ -184,28 +184,41 @@ class Enrollment:
         a lower number than the list in force is refused (logged, with the check it failed) and the list
         stays.  The server does this off its event loop instead (`refresh`)."""
         if self._crl_path is not None:
-            stamp = self._stamp()
-            if stamp != self._crl_stamp:
-                self._crl_stamp = stamp
-                try:
-                    if stamp is None:
-                        raise RevocationListInvalid(f"the revocation list {self._crl_path} is gone")
-                    crl, data, etag = self._read_file()
-                except RevocationListInvalid as exc:
-                    log.error("revocation list refused, the list in force stays: %s", exc)
-                else:
-                    self._adopt(crl, data, etag, "file", str(self._crl_path))
+            found = self._file_candidate()
+            if found is not None:
+                self._adopt(*found, "file", str(self._crl_path))
         self._refresh_database(force_database)
 
     def _refresh_database(self, force: bool) -> None:
-        data = self._database_candidate(force)
-        if data is not None:
-            try:
-                crl, etag = self._verify_bytes(data)
-            except RevocationListInvalid as exc:
-                log.error("uploaded revocation list refused, the list in force stays: %s", exc)
-                return
-            self._adopt(crl, data, etag, "database", "the database")
+        blob = self._database_candidate(force)
+        checked = None if blob is None else self._checked_upload(blob)
+        if blob is not None and checked is not None:
+            self._adopt(checked[0], blob, checked[1], "database", "the database")
+
+    def _file_candidate(self) -> tuple[crypto.RevocationList, bytes, str] | None:
+        """The list file, read and verified, when it changed since it was last looked at (None: unchanged,
+        or refused: logged).  Thread-safe: besides the file it touches only its stamp, which one refresh at
+        a time writes (the server's worker thread; the request path without one)."""
+        assert self._crl_path is not None
+        stamp = self._stamp()
+        if stamp == self._crl_stamp:
+            return None
+        self._crl_stamp = stamp
+        try:
+            if stamp is None:
+                raise RevocationListInvalid(f"the revocation list {self._crl_path} is gone")
+            return self._read_file()
+        except RevocationListInvalid as exc:
+            log.error("revocation list refused, the list in force stays: %s", exc)
+            return None
+
+    def _checked_upload(self, data: bytes) -> tuple[crypto.RevocationList, str] | None:
+        """An uploaded list's bytes verified (None: refused, logged).  Thread-safe."""
+        try:
+            return self._verify_bytes(data)
+        except RevocationListInvalid as exc:
+            log.error("uploaded revocation list refused, the list in force stays: %s", exc)
+            return None
 
     async def refresh(self, executor: Executor | None = None, *, force_database: bool = False) -> None:
         """`refresh_revocations` with the file's stat, its read and every signature check in ``executor``
@@ -218,27 +231,16 @@ class Enrollment:
     async def _refresh_locked(self, executor: Executor | None, force_database: bool) -> None:
         loop = asyncio.get_running_loop()
         if self._crl_path is not None:
-            stamp = await loop.run_in_executor(executor, self._stamp)
-            if stamp != self._crl_stamp:
-                self._crl_stamp = stamp
-                try:
-                    if stamp is None:
-                        raise RevocationListInvalid(f"the revocation list {self._crl_path} is gone")
-                    crl, data, etag = await loop.run_in_executor(executor, self._read_file)
-                except RevocationListInvalid as exc:
-                    log.error("revocation list refused, the list in force stays: %s", exc)
-                else:
-                    retired = self._adopt(crl, data, etag, "file", str(self._crl_path))
-                    await loop.run_in_executor(executor, retired.clear)  # the old list is freed there
+            found = await loop.run_in_executor(executor, self._file_candidate)
+            if found is not None:
+                retired = self._adopt(*found, "file", str(self._crl_path))
+                await loop.run_in_executor(executor, retired.clear)  # the old list is freed there
         blob = self._database_candidate(force_database)  # two short queries on the loop (storage's thread)
         if blob is not None:
-            try:
-                crl, etag = await loop.run_in_executor(executor, self._verify_bytes, blob)
-            except RevocationListInvalid as exc:
-                log.error("uploaded revocation list refused, the list in force stays: %s", exc)
-                return
-            retired = self._adopt(crl, blob, etag, "database", "the database")
-            await loop.run_in_executor(executor, retired.clear)
+            checked = await loop.run_in_executor(executor, self._checked_upload, blob)
+            if checked is not None:
+                retired = self._adopt(checked[0], blob, checked[1], "database", "the database")
+                await loop.run_in_executor(executor, retired.clear)
 
     def _database_candidate(self, force: bool) -> bytes | None:
         """The newest uploaded list when it is newer than the list in force (None: none, or not time to
