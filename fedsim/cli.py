@@ -21,8 +21,9 @@ import numpy as np
 from agg_server.config import MIN_COHORT, default_flip_fraction
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import save_store
-from fedsim.datasets import DATASET_NAMES, LightFRSplit, TrainTestSplit, find_data_dir, load_dataset
-from fedsim.evaluation import (
+from fedsim.data.datasets import DATASET_NAMES, LightFRSplit, TrainTestSplit, find_data_dir, load_dataset
+from fedsim.evaluation.experiment import Experiment, Protocol, baselines, item_titles, prepare
+from fedsim.evaluation.ranking import (
     EvalResult,
     RankingResult,
     Scorer,
@@ -32,10 +33,16 @@ from fedsim.evaluation import (
     popularity_scorer,
     random_scorer,
 )
-from fedsim.experiment import Experiment, Protocol, baselines, item_titles, prepare
-from fedsim.families import FAMILY_DEFAULT_ROUNDS, simulate_family
-from fedsim.federation import FederatedLightFR, FederationConfig, RoundReport, plane_vectors, run_lightfr, user_data
-from fedsim.report import result_record, write_json
+from fedsim.evaluation.report import result_record, write_json
+from fedsim.federation.families import FAMILY_DEFAULT_ROUNDS, simulate_family
+from fedsim.federation.lightfr import (
+    FederatedLightFR,
+    FederationConfig,
+    RoundReport,
+    plane_vectors,
+    run_lightfr,
+    user_data,
+)
 from fedsim.ui import progress, table
 from protocol.enrollment import DEFAULT_VALID_DAYS
 from protocol.errors import ConfigError, FedRecError
@@ -988,7 +995,8 @@ _APPLIES_TO: dict[str, tuple[str, ...]] = {
 }
 
 
-# In-process LightFR options that the private-round simulator (`fedsim.private_scale.ScaledSettings`) does not take.
+# In-process LightFR options that the private-round simulator (`fedsim.private.scaled_lightfr.ScaledSettings`)
+# does not take.
 _NOT_PRIVATE_LIGHTFR = (
     "lam",
     "sweeps",
@@ -1146,7 +1154,7 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
     label = f"LightFR (Agg_{args.aggregation})"
     metrics = _evaluate_and_report(exp, state, label, args.eval_seed, out)
     if getattr(args, "save", None) is not None:
-        from fedsim.runs import LIGHTFR_RUN, TrainItems, lightfr_run_fields
+        from fedsim.federation.runs import LIGHTFR_RUN, TrainItems, lightfr_run_fields
 
         train = exp.train
         save_store(
@@ -1185,8 +1193,8 @@ def _cmd_simulate(args: argparse.Namespace, out: TextIO) -> int:
 
 def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
     """``simulate --epsilon E`` for LightFR: the popularity release and private rounds of every device
-    through the private-round simulator (`fedsim.private_scale`), evaluated beside the baselines."""
-    from fedsim.private_scale import ScaledSettings, evaluate_private
+    through the private-round simulator (`fedsim.private.scaled_lightfr`), evaluated beside the baselines."""
+    from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private
 
     if args.dataset is None:
         raise ValueError("--dataset is required (a dataset name, a ratings file, or synthetic)")
@@ -1256,7 +1264,8 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
             )
         )
         + f"flip fraction {settings.flip_fraction:g}{', mean field' if settings.mean_field else ' (Jacobi step)'}, "
-        f"noise-aware threshold {args.threshold:g}σ; rounds through the private-round simulator (fedsim.privsim)\n"
+        f"noise-aware threshold {args.threshold:g}σ; rounds through the private-round simulator "
+        "(fedsim.private.simulator)\n"
     )
 
     def on_round(r: int, seconds: float) -> None:
@@ -1274,10 +1283,10 @@ def _simulate_private_lightfr(args: argparse.Namespace, out: TextIO) -> int:
 
 def _simulate_mf_published(args: argparse.Namespace, data: TrainTestSplit, out: TextIO) -> int:
     """``simulate --model mf`` on a published split (amazon-book): every user a device in every round through
-    the simulator's sparse MF cohort (`fedsim.private_mf.evaluate_private_mf_scaled`), private with
+    the simulator's sparse MF cohort (`fedsim.private.mf.evaluate_private_mf_scaled`), private with
     ``--epsilon`` (the private popularity channel taking half of it), full ranking beside the baselines.
-    Options left at their defaults take `fedsim.private_mf.IMPLICIT_MF`'s (chosen on validation)."""
-    from fedsim.private_mf import IMPLICIT_MF, evaluate_private_mf_scaled
+    Options left at their defaults take `fedsim.private.mf.IMPLICIT_MF`'s (chosen on validation)."""
+    from fedsim.private.mf import IMPLICIT_MF, evaluate_private_mf_scaled
 
     t0 = time.perf_counter()
     defaults = build_parser().parse_args(["simulate"])
@@ -1308,7 +1317,7 @@ def _simulate_mf_published(args: argparse.Namespace, data: TrainTestSplit, out: 
         + (f"ε={s.epsilon:g} at δ=1e-5 " if s.epsilon > 0 else "no DP noise, ")
         + f"over a private popularity release ({s.pop_share:g} of ε, θ={s.pop_theta}) and T={s.rounds} rounds, "
         f"f={s.factors}, R={s.max_norm2:g}, θ={s.example_cap} with {s.negatives} negative each, C={s.clip_norm:g}, "
-        f"server step {s.server_lr:g}; rounds through the private-round simulator (fedsim.privsim.MFCohort)\n"
+        f"server step {s.server_lr:g}; rounds through the private-round simulator (fedsim.private.simulator.MFCohort)\n"
     )
 
     def on_round(r: int, seconds: float) -> None:
@@ -1389,7 +1398,7 @@ def _cmd_eval(args: argparse.Namespace, out: TextIO) -> int:
 
 def _load_run(args: argparse.Namespace) -> tuple[Experiment, FederatedLightFR, int, int | None]:
     """A saved LightFR run and the experiment it was trained on (same split, same evaluation seed)."""
-    from fedsim.runs import load_run
+    from fedsim.federation.runs import load_run
 
     run = load_run(args.run)
     if run.family != "lightfr":
@@ -1465,7 +1474,7 @@ def _cmd_data(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
-    from fedsim.demo import run_demo_fleet, simulated_beside, verdict
+    from fedsim.fleets.demo import run_demo_fleet, simulated_beside, verdict
 
     if not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
@@ -1542,7 +1551,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
             "the noise each code coordinate needs is larger than the per-item signal the sum carries, and its item\n"
             "levels (the private counts of the uploads) did not make up for it. The private-round simulator on the\n"
             "same data and ε, every device in every round, a separate private popularity release feeding the\n"
-            "item level (fedsim.private_scale):\n"
+            "item level (fedsim.private.scaled_lightfr):\n"
         )
         metrics, extra = simulated_beside(exp, float(args.epsilon), args.seed)
         sim_hr = metrics["model"]["hr@10"]
@@ -1578,7 +1587,7 @@ def _cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
 def _first_users(exp: Experiment, n: int) -> Experiment:
     from dataclasses import replace
 
-    from fedsim.experiment import Candidates
+    from fedsim.evaluation.experiment import Candidates
 
     keep = np.asarray(exp.train.users) < n
     train = exp.train.subset(keep)
@@ -1613,9 +1622,9 @@ def _show_device(exp: Experiment, model: LightFRModel, data_dir: Path | None, ou
 def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
     import tempfile
 
-    from fedsim.datasets import synthetic
-    from fedsim.demo import RoundProgress, format_loadtest, loadtest_record, run_loadtest
-    from fedsim.fleet import FleetConfig, get_status
+    from fedsim.data.datasets import synthetic
+    from fedsim.fleets.demo import RoundProgress, format_loadtest, loadtest_record, run_loadtest
+    from fedsim.fleets.local import FleetConfig, get_status
 
     if not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
@@ -1696,7 +1705,7 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
         bar.close()
     format_loadtest(report, out)
     if args.plot is not None:
-        from fedsim.fleet import PHASE_STEPS
+        from fedsim.fleets.local import PHASE_STEPS
         from fedsim.plots import plot_loadtest
 
         title = f"{args.devices} devices, dropout {args.dropout:.0%}, {report.rounds_finished} rounds ({url})"
@@ -1716,7 +1725,7 @@ def _cmd_loadtest(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_recommend(args: argparse.Namespace, out: TextIO) -> int:
-    from fedsim.runs import load_run
+    from fedsim.federation.runs import load_run
 
     run = load_run(args.run)
     user = run.user_index(str(args.user))
@@ -1740,7 +1749,7 @@ def _cmd_recommend(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
-    from fedsim.runs import load_run
+    from fedsim.federation.runs import load_run
 
     _check_output_file("-o", args.output)
     run = load_run(args.run)
@@ -1848,7 +1857,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_plan_privacy(args: argparse.Namespace, out: TextIO) -> int:
-    from fedsim.private_scale import plan_privacy
+    from fedsim.private.scaled_lightfr import plan_privacy
 
     data: Any = load_dataset(args.dataset, _data_dir(args.data_dir))
     train = data.train if isinstance(data, TrainTestSplit | LightFRSplit) else data
@@ -1898,7 +1907,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    # --json: the last line of stdout is the result object (fedsim.report); everything else to stderr
+    # --json: the last line of stdout is the result object (fedsim.evaluation.report); everything else to stderr
     out = sys.stderr if getattr(args, "json", False) else sys.stdout
     try:
         code = _run(args, out)

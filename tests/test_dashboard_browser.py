@@ -35,7 +35,7 @@ from yarl import URL
 
 from agg_server.app import COORDINATOR, create_app
 from agg_server.config import config_from_dict
-from fedsim.fleet import FleetConfig, run_fleet
+from fedsim.fleets.local import FleetConfig, run_fleet
 from fedsim.quality import report_quality
 from protocol.codec import decode, encode
 from protocol.messages import CheckIn, RegisterRequest

@@ -20,7 +20,7 @@ import pytest
 from agg_server.app import create_app
 from agg_server.dashboard import ERROR_RING, STATIC_FILES, parse_quality_report
 from agg_server.storage import DATABASE_NAME, SCHEMA_VERSION, Storage
-from fedsim.fleet import FleetConfig, run_fleet
+from fedsim.fleets.local import FleetConfig, run_fleet
 from fedsim.quality import report_quality
 from protocol.codec import decode
 from protocol.errors import AuthError, DecodeError, PermissionDenied, RemoteProtocolError

@@ -23,8 +23,8 @@ from agg_server.strategy import LightFRStrategy
 from agg_server.strategy.lightfr import agg_full
 from device_sdk import lightfr
 from device_sdk.models import LightFRConfig
-from fedsim.datasets import Ratings
-from fedsim.evaluation import EvalResult
+from fedsim.data.datasets import Ratings
+from fedsim.evaluation.ranking import EvalResult
 from protocol.codes import random_signs
 from protocol.families.lightfr import bias_from_levels, density_weight, levels_from_bias
 from protocol.spec import Aggregation
@@ -212,7 +212,7 @@ class FederatedLightFR:
 
     def all_scores(self, users: NDArray[np.int64]) -> NDArray[np.float32]:
         """The same score as `scores` against every item, (len(users), m) float32 (exact: the values are
-        small integers); a full-ranking scorer for `fedsim.evaluation.evaluate_all_items`."""
+        small integers); a full-ranking scorer for `fedsim.evaluation.ranking.evaluate_all_items`."""
         f = self.user_codes.shape[1]
         if self.user_vectors is not None:
             x = self.user_vectors[users] @ self.item_codes.T.astype(np.float64) / f

@@ -28,7 +28,7 @@ from device_sdk.client import insecure_seeded_rngs
 from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.training import local_round
-from fedsim.faults import DropoutAt
+from fedsim.fleets.faults import DropoutAt
 from protocol.codec import decode, encode
 from protocol.crypto import INSECURE_NOISE_NOTICE
 from protocol.messages import Message, ModelPayload, RoundInvite, RoundResult
