@@ -1,6 +1,8 @@
-"""Private federated training in-process (every model family): the real `RoundCoordinator` (storage, cohort selection,
-SecAgg+ session, DP, strategy, commit) driven by simulated devices that run the real device code
-(`device_sdk.training.local_round` + `DeviceSecAggSession`), with no sockets and a simulated clock.
+"""Private rounds in-process through the real `RoundCoordinator` and the real device code, any model family.
+
+The coordinator (storage, cohort selection, SecAgg+ session, DP, strategy, commit) is driven by simulated
+devices that run the real device code (`device_sdk.training.local_round` + `DeviceSecAggSession`), with no
+sockets and a simulated clock.
 
 Invariants:
 - A device does exactly what `device_sdk.client.DeviceClient` does over HTTP, in the same order and

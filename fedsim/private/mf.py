@@ -1,6 +1,9 @@
-"""Private federated MF in-process: one simulated device per user, every round through the real
-`RoundCoordinator` (SecAgg+ with dropouts, distributed Skellam DP calibrated for per-user privacy,
-the privacy ledger, `MFStrategy`), then stage-3 fine-tuning on each device and evaluation.
+"""Private federated MF in-process: real-coordinator runs and, at scale, private-round simulator runs.
+
+`run_private_mf`: one simulated device per user, every round through the real `RoundCoordinator`
+(SecAgg+ with dropouts, distributed Skellam DP calibrated for per-user privacy, the privacy ledger,
+`MFStrategy`), then stage-3 fine-tuning on each device and evaluation.  `run_private_mf_scaled`: every
+device of a large dataset through the simulator's `MFCohort`, with a private popularity release.
 
 Invariants:
 - The devices run exactly `device_sdk.mf.MFModel` through `device_sdk.training.local_round` (clip,

@@ -1,5 +1,6 @@
-"""Private LightFR at the scale of a whole dataset, through the private-round simulator, with the
-budget spent where it buys signal.
+"""Private LightFR over a whole dataset through the private-round simulator, and planning its budget.
+
+The budget is spent where it buys signal; `plan_privacy` predicts each choice's signal-to-noise first.
 
 One run (`run_private_scaled`):
 
