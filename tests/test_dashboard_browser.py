@@ -36,10 +36,10 @@ from yarl import URL
 from agg_server.app import COORDINATOR, create_app
 from agg_server.config import config_from_dict
 from fedsim.fleets.local import FleetConfig, run_fleet
-from fedsim.quality import report_quality
 from protocol.codec import decode, encode
 from protocol.messages import CheckIn, RegisterRequest
 from tests.server_helpers import BITS, N_ITEMS, small_config, users
+from tests.support.quality import report_quality
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = (

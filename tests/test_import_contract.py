@@ -2,7 +2,8 @@
 
 - `device_sdk` and `agg_server` never import each other; `protocol` imports no other fedrec package and
   never aiohttp; nothing but `fedsim` (and tests, examples, benchmarks) imports `fedsim`; inside
-  `device_sdk` only the HTTP transport module imports aiohttp.  Checked on the source (every import
+  `device_sdk` only the HTTP transport module imports aiohttp; no package imports `tests` (the test and
+  benchmark harnesses of `tests/support`).  Checked on the source (every import
   statement, at any depth, so a lazy import inside a function counts too).
 - `import device_sdk` in a fresh interpreter loads no aiohttp, scipy or dp-accounting, and no server or
   simulation package, and its own modules (over numpy, cryptography and the other third-party modules
@@ -25,10 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "device_sdk", "agg_server", "fedsim")
 
 # package -> top-level modules it must never import (anywhere in its source).
+# No installed package imports the test suite (its harnesses live in tests/support, not in the wheel).
 FORBIDDEN = {
-    "protocol": {"device_sdk", "agg_server", "fedsim", "aiohttp", "yarl", "scipy"},
-    "device_sdk": {"agg_server", "fedsim", "scipy", "dp_accounting", "tqdm"},
-    "agg_server": {"device_sdk", "fedsim"},
+    "protocol": {"device_sdk", "agg_server", "fedsim", "aiohttp", "yarl", "scipy", "tests"},
+    "device_sdk": {"agg_server", "fedsim", "scipy", "dp_accounting", "tqdm", "tests"},
+    "agg_server": {"device_sdk", "fedsim", "tests"},
+    "fedsim": {"tests"},
 }
 # The one module of device_sdk that may import aiohttp (loaded lazily by DeviceClient.connect).
 AIOHTTP_OK = {"device_sdk/http.py"}

@@ -495,8 +495,8 @@ def test_unsigned_keys_and_low_order_points_are_refused_by_the_server_and_the_ro
 def test_signed_harness_rounds_are_bit_exact_with_a_drop_in_every_phase(dp: bool) -> None:
     import numpy as np
 
-    from fedsim.secagg_harness import run_secagg_round
     from protocol.phases import Phase
+    from tests.support.secagg_harness import run_secagg_round
 
     rng = np.random.default_rng(5)
     inputs = [rng.integers(0, 2**32, size=64, dtype=np.uint32) for _ in range(30)]

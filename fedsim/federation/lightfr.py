@@ -5,7 +5,7 @@ Invariants:
 - Each device's work is exactly `device_sdk`'s kernels on that device's own ratings (the kernels are
   per-user; a cohort is a batch of independent users), and the server sees only the cohort **sum**
   of uploads, passed to the `agg_server` strategy — the same split of work as over HTTP, without
-  secure aggregation (which `fedsim.secagg_harness` and the server add).
+  secure aggregation (which `tests.support.secagg_harness` and the server add).
 - All randomness (initial codes, cohorts, negative sampling) comes from one seeded generator, so a
   run is reproducible from its seed.
 """
