@@ -12,13 +12,14 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from fedsim.cli import data, demo, enroll_ca, evaluate, export, loadtest, plan_privacy, recommend, simulate
+from agg_server import authority
+from fedsim.cli import data, demo, evaluate, export, loadtest, plan_privacy, recommend, simulate
 from protocol.errors import FedRecError
 
 __all__ = ["main", "build_parser"]
 
-# In the order `fedrec --help` lists them.
-_COMMANDS = (demo, loadtest, simulate, evaluate, plan_privacy, recommend, export, enroll_ca, data)
+# In the order `fedrec --help` lists them; ``enroll-ca`` is the operator's tool of `agg_server.authority`.
+_COMMANDS = (demo, loadtest, simulate, evaluate, plan_privacy, recommend, export, authority, data)
 
 
 def build_parser() -> argparse.ArgumentParser:

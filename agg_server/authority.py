@@ -1,4 +1,11 @@
-"""``fedrec enroll-ca``: the operator's enrollment authority: create it, certify devices, revoke them."""
+"""The operator's enrollment authority tool (``fedrec enroll-ca``): create it, certify devices, revoke them.
+
+It runs on the operator's machine: the authority key file it creates and signs with never goes to the
+aggregation server, whose configuration holds only the public key (``enrollment.authority_key``).  It
+lives beside the server's command line as operator tooling; the server itself never imports it.  The
+``fedrec`` command line adds it as its ``enroll-ca`` sub-command and turns its `ConfigError` into one line
+on stderr and exit status 2.
+"""
 
 from __future__ import annotations
 
