@@ -1,4 +1,4 @@
-"""SecAgg+ in-process benchmark (DESIGN.md §9): server unmask time, device crypto time, upload, memory.
+"""SecAgg+ in-process benchmark (docs/design.md §9): server unmask time, device crypto time, upload, memory.
 
 Example::
 

@@ -18,7 +18,7 @@
 #   from ``secrets`` every round); the stochastic-rounding coins are the noise stream's first words (read
 #   in the training thread before the session draws its noise); key material is generated inside
 #   `protocol` only.
-"""`DeviceClient`: one device taking part in federated rounds over a `Transport` (DESIGN.md §4, §7).
+"""`DeviceClient`: one device taking part in federated rounds over a `Transport` (docs/design.md §4, §7).
 
 Why one module of ~800 lines: it is one class, the round driver, whose steps (check-in, model sync,
 training, the four SecAgg+ phases, leaving) share the client's lock, store and tally; about half of it

@@ -2,7 +2,7 @@
 
 A private round releases exactly one thing to the server: the modular sum, over the survivors U3, of
 each device's clipped, quantized update plus the Skellam noise it still carries after the survivor
-correction (DESIGN.md §4–5).  The masks cancel by construction, so running SecAgg+'s crypto for tens of
+correction (docs/design.md §4–5).  The masks cancel by construction, so running SecAgg+'s crypto for tens of
 thousands of simulated devices buys nothing for the model: this module computes that released value
 without it, and then does what `agg_server.coordinator.RoundCoordinator` does with it (privacy
 ledger, dequantization, the family's `Strategy.aggregate`, the next model version).

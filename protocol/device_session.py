@@ -14,7 +14,7 @@
 #   noise and thinning coins from the generator the caller passes, through `protocol.noise`.  The one
 #   exception is `FixedDeviceSecrets` (protocol.fixed_secrets), an explicit keyword-only injection for
 #   known-answer test vectors.
-"""The device side of one SecAgg+ round (DESIGN.md §4–5; Bonawitz et al. 2017; Bell et al. 2020)."""
+"""The device side of one SecAgg+ round (docs/design.md §4–5; Bonawitz et al. 2017; Bell et al. 2020)."""
 
 from __future__ import annotations
 
@@ -255,7 +255,7 @@ class DeviceSecAggSession:
         Raises
         ------
         RemoteProtocolError
-            The message is not legal in this phase, or fails one of the device's checks (DESIGN.md §4).
+            The message is not legal in this phase, or fails one of the device's checks (docs/design.md §4).
         StaleRound
             The message belongs to another round or session (replay).
         CryptoError
@@ -573,7 +573,7 @@ class DeviceSecAggSession:
             raise LocalProtocolError("no session id")
         value = self._input
         if inv.dp_mu > 0.0:
-            # Skellam(mu / t_min): enough noise even if only t_min devices survive (DESIGN.md §5).
+            # Skellam(mu / t_min): enough noise even if only t_min devices survive (docs/design.md §5).
             draw = device_noise(inv.dp_mu, inv.dp_t_min, inv.vector_length, self._rng)
             self._noise = StoredSkellam.of(draw)
             value = value + to_ring(draw.value())

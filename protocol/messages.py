@@ -4,7 +4,7 @@
 # neighbourhood, keys not distinct) are protocol rules: the receiving session checks them and raises
 # `RemoteProtocolError`, which keeps those malicious-server defences testable on their own.
 # Arrays are stored as read-only, C-contiguous copies, so a message cannot change after it was built.
-"""SecAgg+ round messages (DESIGN.md section 4).
+"""SecAgg+ round messages (docs/design.md §4).
 
 Device ids are non-negative integers below 2**63; round ids likewise.  Byte strings are raw: X25519 public
 keys are 32 bytes, the session id is a 32-byte SHA-256 digest.  Ring vectors are 1-D ``np.uint32`` arrays

@@ -1,4 +1,4 @@
-"""Integer Skellam noise in the ring Z_{2^32} and the corrected two-round DP scheme (DESIGN.md §5).
+"""Integer Skellam noise in the ring Z_{2^32} and the corrected two-round DP scheme (docs/design.md §5).
 
 Invariants of this module:
 
@@ -14,7 +14,7 @@ Invariants of this module:
   or I/O.  A device keys its stream from `secrets` (`NoiseStream.from_os`), so the server cannot predict its
   noise; simulations key it from a seed only through `protocol.crypto.insecure_test_noise_stream`.
 
-The scheme (DESIGN.md §5, correcting section 6 of the FMF privacy paper): each device of a cohort of
+The scheme (docs/design.md §5, correcting section 6 of the FMF privacy paper): each device of a cohort of
 ``n`` adds Skellam(mu / t_min), with t_min = ceil((1 - omega) * n), so that any surviving set of at least
 t_min devices carries aggregate variance >= mu.  When the server announces s survivors, each survivor
 splits its draw by binomial thinning with keep fraction t_min / s: it keeps Skellam(mu / s) and reveals
@@ -170,7 +170,7 @@ def thin(draw: SkellamDraw, keep_fraction: float, rng: NoiseStream) -> tuple[Ske
     Each Poisson count N ~ Poisson(lam) is thinned as K | N ~ Binomial(N, p).  By the Poisson
     thinning theorem K ~ Poisson(p * lam) and N - K ~ Poisson((1 - p) * lam) and the two are
     independent; applying it to both halves gives kept ~ Skellam(p * v), excess ~ Skellam((1 - p) * v),
-    independent.  Independence is what lets the excess travel in the clear (DESIGN.md §5).
+    independent.  Independence is what lets the excess travel in the clear (docs/design.md §5).
 
     Parameters
     ----------
@@ -279,7 +279,7 @@ def minimum_survivors(n: int, dropout_rate: float) -> int:
 
 
 def device_variance(mu: float, n: int, dropout_rate: float) -> float:
-    """Return the per-device Skellam variance mu / t_min (DESIGN.md §5).
+    """Return the per-device Skellam variance mu / t_min (docs/design.md §5).
 
     Parameters
     ----------
@@ -344,7 +344,7 @@ def correction_keep_fraction(n: int, dropout_rate: float, survivors: int) -> flo
 
 def device_noise(mu: float, t_min: int, length: int, rng: NoiseStream) -> SkellamDraw:
     """The noise one device adds to its masked input: Skellam(mu / t_min) on each of ``length``
-    coordinates (DESIGN.md §5).  The device session and the private-round simulator
+    coordinates (docs/design.md §5).  The device session and the private-round simulator
     (`fedsim.privsim`) both draw it here, so they follow one sampler.
 
     Raises

@@ -1,4 +1,4 @@
-"""Fixed-point encoding of device updates into the ring Z_{2^32} (DESIGN.md §4, notes §9 pitfalls 4-6).
+"""Fixed-point encoding of device updates into the ring Z_{2^32} (docs/design.md §4, with its quantization pitfalls).
 
 Invariants of this module:
 

@@ -12,7 +12,7 @@
 #   is never asked for them, and its masks are not corrected for it (`_mask_peers`).
 # - No clock, no sockets, no global RNG: deadlines are compared with the `now` the caller passes; the
 #   graph placement uses the caller's generator.
-"""The server side of one SecAgg+ round (DESIGN.md §4–5; Bonawitz et al. 2017; Bell et al. 2020)."""
+"""The server side of one SecAgg+ round (docs/design.md §4–5; Bonawitz et al. 2017; Bell et al. 2020)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Skellam noise, binomial thinning and the corrected two-round DP scheme (DESIGN.md §5)."""
+"""Skellam noise, binomial thinning and the corrected two-round DP scheme (docs/design.md §5)."""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ class LightFRStrategy:
     Attributes
     ----------
     bits : code length f.
-    lam : balance weight λ (see DESIGN.md section 2 for why the default is 0, not the paper's 0.6).
+    lam : balance weight λ (see docs/design.md §2.2 for why the default is 0, not the paper's 0.6).
     aggregation : `Aggregation.GRAD` (default) or `Aggregation.PARA`.
     flip_fraction : damping ρ of Agg_grad (see `agg_grad`); 1 is the paper's rule.
     """
