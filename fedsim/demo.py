@@ -286,7 +286,7 @@ def run_demo_fleet(
             "model": {
                 "n_items": m,
                 "bits": bits,
-                # The recipe the demo's README figures were measured with: the Jacobi step, ρ = 0.3 unless asked.
+                # The recipe the demo's figures were measured with: the Jacobi step, ρ = 0.3 unless asked.
                 "mean_field": False,
                 "flip_fraction": 0.3 if flip_fraction is None else flip_fraction,
                 **(PRIVATE_MODEL if dp else {}),

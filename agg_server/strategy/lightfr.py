@@ -120,7 +120,7 @@ def agg_full(
     With ``mean_field`` the observed part of item i's quadratic, Σ_{u∈Ω_i} b_u b_uᵀ (not in the sum), is
     taken as (counts_i / n)·G_U, so a bit's C_ik also follows the item's bits already changed in this
     step: exact coordinate descent when the raters of every item look like the cohort, and less of the
-    Jacobi overshoot otherwise (chosen on validation, README).
+    Jacobi overshoot otherwise (chosen on validation, docs/results/2026-11-quality.md).
     ``sweeps`` > 1 repeats the pass over the bits on the same summed statistics (no more uploads) until a
     pass flips nothing: each bit is then tested against the quadratic model of its item's loss around the
     old codes (the gradient at the old codes, the Gram term, and with ``mean_field`` the raters' part), its

@@ -39,7 +39,7 @@ __all__ = [
 LEVEL_CENTER = 128
 
 #: κ and γ of the density rule w0 = κ · density^γ (`density_weight`), chosen on the validation
-#: splits of ML-100K, FilmTrust and amazon-book together (README, "LightFR in fedrec").
+#: splits of ML-100K, FilmTrust and amazon-book together (docs/results/2026-11-quality.md).
 DENSITY_SCALE = 0.6
 DENSITY_POWER = 2.0 / 3.0
 
