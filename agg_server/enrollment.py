@@ -1,5 +1,6 @@
 """Who may register a device (protocol 1.4, issue 15 items 1 and 4): enrollment credentials, their
-sources, the per-source registration rate, and the per-source share of a round's cohort.
+sources, the per-source registration rate, and the per-source share of a round's cohort; registering a
+device and authenticating its bearer token.
 
 Invariants:
 - A registration carries at most one credential: a certificate of the configured enrollment authority
@@ -9,7 +10,8 @@ Invariants:
   ``token:<label>`` (the label the operator issued the tokens under), or ``open``.  The rate limit and the
   cohort cap count per source.
 - A certified identity key registers once, a token is consumed once (both in the same database
-  transaction as the new device); tokens are stored as SHA-256 only.
+  transaction as the new device); enrollment and bearer tokens are stored as SHA-256 only (`token_digest`).
+- A device whose certified key the revocation list in force revokes is refused on every route.
 - Nothing here touches the network; the caller passes ``now`` for rate limits, and certificates' validity
   periods are checked against the wall clock (``time.time()``, the clock the authority stamped them with).
 - The revocation list in force only moves forward: it is replaced by a list of the authority with a
@@ -41,9 +43,17 @@ from agg_server.config import ServerConfig
 from agg_server.storage import Storage
 from protocol import crypto
 from protocol.enrollment import load_revocation_list
-from protocol.errors import CryptoError, EnrollmentRefused, RateLimited, RevocationListInvalid, StorageError
+from protocol.errors import (
+    AuthError,
+    CryptoError,
+    EnrollmentRefused,
+    RateLimited,
+    RevocationListInvalid,
+    StorageError,
+)
+from protocol.messages import RegisterResponse
 
-__all__ = ["Enrollment", "Credential", "capped_cohort", "TOKEN_LABEL", "MAX_TOKENS_PER_REQUEST"]
+__all__ = ["Enrollment", "Credential", "capped_cohort", "token_digest", "TOKEN_LABEL", "MAX_TOKENS_PER_REQUEST"]
 
 #: What an operator may call a batch of enrollment tokens.
 TOKEN_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -55,6 +65,11 @@ DATABASE_POLL = 1.0
 #: looked at (``os.stat``) this often, never by a request.
 REFRESH_PERIOD = 1.0
 log = logging.getLogger(__name__)
+
+
+def token_digest(token: str) -> bytes:
+    """SHA-256 of a bearer or enrollment token: the only form in which the server stores it."""
+    return hashlib.sha256(token.encode("utf-8")).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,7 +388,7 @@ class Enrollment:
                 raise EnrollmentRefused(
                     "this server enrolls devices by certificate (signed rounds); enrollment tokens are not accepted"
                 )
-            digest = hashlib.sha256(token.encode("utf-8")).digest()
+            digest = token_digest(token)
             known = self.storage.enrollment_token_source(digest)
             if known is None:
                 raise EnrollmentRefused("unknown enrollment token")
@@ -416,6 +431,72 @@ class Enrollment:
     def remember(self, device_id: int, source: str) -> None:
         self._sources[device_id] = source
 
+    # -- devices --------------------------------------------------------------------------------------
+    def register(
+        self,
+        platform: str,
+        now: float,
+        *,
+        certificate: bytes = b"",
+        proof: bytes = b"",
+        enrollment_token: str = "",
+        peer: str = "",
+    ) -> RegisterResponse:
+        """Create a device identity; the token is returned once and stored only as its SHA-256.
+
+        The registration's enrollment credential is checked first, then the credential source's rate
+        (``peer`` keys the rate of open registrations); the certificate's identity key or the one-time
+        token is consumed with the new device in one transaction.
+
+        Raises
+        ------
+        EnrollmentRefused
+            Missing, forged, foreign or reused credential (`check`).
+        RateLimited
+            The credential source registers faster than ``enrollment.registrations_per_second``.
+        """
+        credential = self.check(certificate=certificate, proof=proof, token=enrollment_token, peer=peer)
+        self.admit(credential, now)
+        token = secrets.token_urlsafe(32)
+        device_id = self.storage.add_device(
+            token_digest(token),
+            platform,
+            now,
+            source=credential.source,
+            identity_key=credential.identity_key,
+            enrollment_token_sha256=credential.token_sha256,
+        )
+        self.remember(device_id, credential.source)
+        return RegisterResponse(device_id=device_id, token=token)
+
+    def authenticate(self, token: str | None) -> int:
+        """The device a bearer token belongs to.
+
+        Raises
+        ------
+        AuthError
+            Missing or unknown token.
+        EnrollmentRefused
+            (403) The token's device is revoked: its certified key is on the revocation list in force.
+        """
+        if not token:
+            raise AuthError("missing bearer token")
+        device = self.storage.device_for_token(token_digest(token))
+        if device is None:
+            raise AuthError("unknown bearer token")
+        self.refuse_revoked(device, "its bearer token is refused on every route")
+        return device
+
+    def refuse_revoked(self, device_id: int, consequence: str) -> None:
+        """Raise `EnrollmentRefused` (saying ``consequence``) if the list in force revokes ``device_id``."""
+        if device_id in self.revoked_devices():
+            crl = self.revocation_list
+            number = f" #{crl.number}" if crl is not None else ""
+            raise EnrollmentRefused(
+                f"revocation check: device {device_id}'s certified key is on the enrollment authority's "
+                f"revocation list{number}; {consequence}"
+            )
+
     # -- operator tokens ------------------------------------------------------------------------------
     def issue_tokens(self, count: int, label: str, now: float) -> list[str]:
         """Create ``count`` one-time enrollment tokens under source ``token:<label>``; only their SHA-256
@@ -435,9 +516,7 @@ class Enrollment:
         if not isinstance(label, str) or TOKEN_LABEL.fullmatch(label) is None:
             raise ValueError(f"source must be 1-64 characters of [A-Za-z0-9._-], got {label!r}")
         tokens = [secrets.token_urlsafe(32) for _ in range(count)]
-        self.storage.add_enrollment_tokens(
-            [hashlib.sha256(t.encode("utf-8")).digest() for t in tokens], f"token:{label}", now
-        )
+        self.storage.add_enrollment_tokens([token_digest(t) for t in tokens], f"token:{label}", now)
         return tokens
 
     # -- cohorts --------------------------------------------------------------------------------------

@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from agg_server.cohort import round_shape
 from agg_server.config import ServerConfig
-from agg_server.coordinator import round_shape
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
 from device_sdk.client import insecure_seeded_rngs
