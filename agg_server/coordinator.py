@@ -13,6 +13,8 @@ Invariants:
   quantized updates plus their DP noise; the strategy turns that sum into the new item codes.
 - Every committed model is on disk (checkpoint + database row) before any device is told "committed"
   (`agg_server.commit`).
+- Which upload belongs to which phase is `protocol.phases.SERVER_EXPECTS`; the phase order is
+  `protocol.phases.ACTIVE_PHASES`: nothing here restates the phase table.
 - The privacy ledger reserves a round's ε in the transaction that opens it (`Storage.start_round`), so
   rounds of several cohorts on several instances can never overspend; the round is marked revealed
   before its UNMASK phase is announced, and a round that ends without committing gives its reservation
@@ -62,34 +64,22 @@ from protocol.errors import (
 )
 from protocol.messages import (
     Abort,
-    ConsistencySignature,
-    EncryptedShares,
     MaskedInput,
     Message,
-    PublicKeys,
     RegisterResponse,
     RoundInvite,
     RoundResult,
-    UnmaskResponse,
     Wait,
 )
 from protocol.noise import minimum_survivors
+from protocol.phases import ACTIVE_PHASES, SERVER_EXPECTS, TERMINAL_PHASES, Phase
 from protocol.plan import TrainingPlan
 from protocol.quantization import QuantizationConfig, check_bit_budget
-from protocol.session import ACTIVE_PHASES, Phase, RoundParameters, ServerSecAggSession
+from protocol.session import RoundParameters, ServerSecAggSession
 
-__all__ = ["RoundCoordinator", "PHASE_OF_MESSAGE"]
+__all__ = ["RoundCoordinator"]
 
 log = logging.getLogger("agg_server.coordinator")
-
-#: The phase in which each device upload is legal (and after which its long-poll is answered).
-PHASE_OF_MESSAGE: dict[type[Message], Phase] = {
-    PublicKeys: Phase.ADVERTISE_KEYS,
-    EncryptedShares: Phase.SHARE_KEYS,
-    MaskedInput: Phase.MASKED_INPUT,
-    ConsistencySignature: Phase.UNMASK,  # protocol 1.3: the first sub-step of UNMASK
-    UnmaskResponse: Phase.UNMASK,
-}
 
 _KEEP_FINISHED = 64  # outcomes of recent rounds kept for late long-polls
 CHECKIN_RATE = 400.0  # target check-ins per second from waiting devices
@@ -564,7 +554,7 @@ class RoundCoordinator:
         """
         self.check_sender(device_id, message)
         r = self._current(round_id)
-        phase = PHASE_OF_MESSAGE.get(type(message))
+        phase = SERVER_EXPECTS.get(type(message))
         if isinstance(message, Abort):
             phase = r.session.phase
         elif phase is None:
@@ -655,7 +645,7 @@ class RoundCoordinator:
             r.finishing = True
             self._job = FinishJob(round_id=r.round_id, _run=lambda: self.global_model.prepare_finishing(r))
             log.info("round %d: UNMASK closed, finishing", r.round_id)
-        elif phase in (Phase.DONE, Phase.ABORTED, Phase.ERROR):
+        elif phase in TERMINAL_PHASES:
             self._finish(r, now)
 
     # -- finishing a round off the caller's loop --------------------------------------------------------
