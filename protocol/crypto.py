@@ -32,7 +32,6 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 
-from protocol.codec import PROTOCOL_VERSION
 from protocol.errors import (
     CertificateExpired,
     CertificateNotYetValid,
@@ -40,6 +39,7 @@ from protocol.errors import (
     CryptoError,
     RevocationListInvalid,
 )
+from protocol.spec import PROTOCOL_VERSION
 
 __all__ = [
     "KEY_BYTES",

@@ -34,6 +34,7 @@ from protocol.errors import DecodeError, LocalProtocolError, VersionMismatch
 from protocol.messages import Message, RoundInvite
 from protocol.quantization import QuantizationConfig, dequantize_sum, quantize
 from protocol.session import DeviceSecAggSession, FixedDeviceSecrets, Phase, RoundParameters, ServerSecAggSession
+from protocol.spec import PROTOCOL_VERSION
 
 VECTORS = Path(__file__).resolve().parents[1] / "docs" / "test-vectors"
 _PHASE_OF_STEP = {
@@ -208,7 +209,7 @@ def _replay_round() -> tuple[list[str], ServerSecAggSession]:
 
 def test_vectors_cover_every_message_type() -> None:
     assert sorted(v["type_code"] for v in MESSAGES["messages"]) == [*range(1, 17), 20, 21, 22]
-    assert MESSAGES["protocol_version"] == list(codec.PROTOCOL_VERSION)
+    assert MESSAGES["protocol_version"] == list(PROTOCOL_VERSION)
 
 
 @pytest.mark.parametrize("vector", MESSAGES["messages"] + MESSAGES["extra"], ids=lambda v: v["type"])

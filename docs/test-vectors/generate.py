@@ -61,6 +61,7 @@ from protocol.session import (  # noqa: E402
     RoundParameters,
     ServerSecAggSession,
 )
+from protocol.spec import PROTOCOL_VERSION  # noqa: E402
 
 OUT = Path(__file__).resolve().parent
 PREFIX = b"fedrec test vector/"
@@ -304,7 +305,7 @@ def message_vectors() -> dict[str, Any]:
         "payload (MF), an UnmaskResponse without DP (empty dp_excess), a LightFR invite whose plan asks for "
         "asymmetric scoring (protocol 1.6: query_planes, user_reg) and an invite with every appended "
         "field at its default.  Envelope: msgpack map {v: [major, minor], t: type code, b: body}.",
-        "protocol_version": list(codec.PROTOCOL_VERSION),
+        "protocol_version": list(PROTOCOL_VERSION),
         "messages": [describe(m) for m in messages],
         "extra": [describe(m) for m in extra],
         "layouts": {
@@ -465,7 +466,7 @@ def crypto_vectors() -> dict[str, Any]:
         info = b"".join(
             (
                 len(label).to_bytes(4, "big") + label,
-                codec.PROTOCOL_VERSION[0].to_bytes(2, "big") + (0).to_bytes(2, "big"),
+                PROTOCOL_VERSION[0].to_bytes(2, "big") + (0).to_bytes(2, "big"),
                 len(sid).to_bytes(4, "big") + sid,
                 len(parties).to_bytes(4, "big"),
                 *(p.to_bytes(8, "big") for p in parties),
@@ -487,7 +488,7 @@ def crypto_vectors() -> dict[str, Any]:
     return {
         "description": "Known answers for every cryptographic step of one round.  Integers in *_int fields are "
         "decimal; bytes are hex.",
-        "protocol_version": list(codec.PROTOCOL_VERSION),
+        "protocol_version": list(PROTOCOL_VERSION),
         "x25519": {
             "a_private": a.private_bytes().hex(),
             "a_public": a.public_key.hex(),
@@ -562,7 +563,7 @@ def _session_preimage(round_id: int, keys: dict[int, tuple[bytes, bytes]]) -> by
     label = b"fedrec/secagg/session"
     parts = [
         len(label).to_bytes(4, "big") + label,
-        codec.PROTOCOL_VERSION[0].to_bytes(2, "big") + (0).to_bytes(2, "big"),
+        PROTOCOL_VERSION[0].to_bytes(2, "big") + (0).to_bytes(2, "big"),
         round_id.to_bytes(8, "big"),
         len(keys).to_bytes(4, "big"),
     ]
@@ -667,7 +668,7 @@ def round_vector() -> dict[str, Any]:
         "and then drops, so it is in U2 but not U3: the survivors release its s-key shares and the server "
         "removes the pairwise masks of 10, 20 and 30 with 40.  The server closes MASKED_INPUT at its deadline "
         "(advance(now=300.0)).  Messages are listed in the order the reference replay produces them.",
-        "protocol_version": list(codec.PROTOCOL_VERSION),
+        "protocol_version": list(PROTOCOL_VERSION),
         "round_id": 7,
         "device_ids": list(ROUND_DEVICES),
         "graph_k": k,
