@@ -68,7 +68,7 @@ from device_sdk.persistence import (
 from device_sdk.training import local_round
 from device_sdk.transport import LeftRound, Response, Transport, TransportError, raise_for_error
 from protocol import crypto
-from protocol.crypto import NoiseStream, SigningKey, insecure_test_noise_stream
+from protocol.crypto import SigningKey
 from protocol.device_session import DeviceSecAggSession
 from protocol.errors import (
     ConfigError,
@@ -99,6 +99,7 @@ from protocol.messages import (
 )
 from protocol.phases import ACTIVE_PHASES
 from protocol.policy import PrivacyPolicy
+from protocol.samplers import NoiseStream, insecure_test_noise_stream
 from protocol.spec import MAX_TEXT
 
 __all__ = [
@@ -224,7 +225,7 @@ def insecure_seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.r
     """TEST HOOK: reproducible per-round generators of one device, ``(training_rng, noise_stream)``.
 
     The noise stream (DP noise, thinning and stochastic-rounding coins) is
-    `protocol.crypto.insecure_test_noise_stream(seed, round_id, device_id)`: anyone who knows the seed
+    `protocol.samplers.insecure_test_noise_stream(seed, round_id, device_id)`: anyone who knows the seed
     predicts every device's noise and rounding, so the ε of a run that uses this hook is NOT a
     privacy guarantee (callers that report ε must say so).  The in-process simulator and devices driven
     over HTTP both use exactly this function so that they produce bit-identical updates and noise.  Pass

@@ -18,13 +18,13 @@ from numpy.typing import NDArray
 
 from protocol import crypto
 from protocol.codec import decode, encode
-from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import FedRecError
 from protocol.graph import GraphParams, find_parameters
 from protocol.messages import Abort, ConsistencySignature, Message, UnmaskResponse
 from protocol.noise import minimum_survivors, to_ring
 from protocol.phases import consistency_deadline
 from protocol.quantization import QuantizationConfig, quantize
+from protocol.samplers import NoiseStream, insecure_test_noise_stream
 from protocol.session import (
     ACTIVE_PHASES,
     DeviceSecAggSession,

@@ -1,10 +1,11 @@
-# Invariants: the only module in fedrec that touches cryptographic primitives, and it only wraps the
-# `cryptography` package.  Every derived key comes from HKDF-SHA256 with an `info` that names its purpose,
-# the protocol version, the session id and the parties, so no key serves two purposes, two sessions or two
-# pairs.  AES-GCM nonces are 12 random bytes prepended to the ciphertext, so a key may encrypt many
-# messages without nonce reuse.  The mask PRG uses a zero CTR nonce, which is safe only because each PRG
-# key is derived for exactly one (session, pair or device, purpose) and expands exactly one vector.
-# Failures of the primitives (bad tags, bad key bytes, low-order points) leave as `CryptoError`.
+# Invariants: with `protocol.samplers.NoiseStream` (the DP noise's keystream), the only module in fedrec that
+# touches cryptographic primitives, and it only wraps the `cryptography` package.  Every derived key comes
+# from HKDF-SHA256 with an `info` that names its purpose, the protocol version, the session id and the
+# parties, so no key serves two purposes, two sessions or two pairs.  AES-GCM nonces are 12 random bytes
+# prepended to the ciphertext, so a key may encrypt many messages without nonce reuse.  The mask PRG uses a
+# zero CTR nonce, which is safe only because each PRG key is derived for exactly one (session, pair or
+# device, purpose) and expands exactly one vector.  Failures of the primitives (bad tags, bad key bytes,
+# low-order points) leave as `CryptoError`.
 """Cryptographic helpers for SecAgg+ (Bonawitz et al. 2017 §4; Bell et al. 2020 §3).
 
 X25519 for key agreement, HKDF-SHA256 for key derivation, AES-256-GCM for the Shamir-share channel and
@@ -14,9 +15,7 @@ an AES-256-CTR keystream, read as little-endian uint32, as the mask PRG.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
-import secrets
 import struct
 import time
 from collections.abc import Mapping, Sequence
@@ -64,9 +63,6 @@ __all__ = [
     "random_seed",
     "prg_uint32",
     "MaskPrg",
-    "NoiseStream",
-    "insecure_test_noise_stream",
-    "INSECURE_NOISE_NOTICE",
     "SIGNATURE_BYTES",
     "CERTIFICATE_BYTES",
     "BATCH_BYTES",
@@ -420,103 +416,6 @@ class MaskPrg:
         """
         _ctr_encryptor(key).update_into(self._zeros, self._scratch)
         return self._view
-
-
-_LABEL_INSECURE_NOISE = b"fedrec/INSECURE-test-only/noise-stream"
-
-#: What every run that keys DP noise from a public seed prints (one text, so it can be grepped for).
-INSECURE_NOISE_NOTICE = (
-    "WARNING: this run seeds the devices' DP noise from a public seed (a test hook): anyone who knows the "
-    "seed can predict and remove the noise, so any ε it reports is NOT a privacy guarantee."
-)
-_log = logging.getLogger(__name__)
-
-
-class NoiseStream:
-    """The randomness of the DP noise and of the thinning coins: a ChaCha20 keystream (RFC 8439 cipher, as
-    implemented by `cryptography`), read as little-endian words.
-
-    Whoever does not know the 32-byte key cannot predict a word of the stream, so the server cannot
-    predict a device's noise from anything it sees (round id, device id, earlier excesses).  The samplers
-    of `protocol.noise` are pure functions of the words they read, so two parties holding the same key
-    (a simulation and a device driven over HTTP, both given one test seed) draw bit-identical noise.
-
-    Parameters
-    ----------
-    key : bytes
-        32 secret bytes.  Production code uses `NoiseStream.from_os`; known-answer tests and simulations
-        use `insecure_test_noise_stream`, whose name says what it is.
-
-    Raises
-    ------
-    CryptoError
-        The key is not 32 bytes.
-    """
-
-    __slots__ = ("_encryptor", "words_read")
-
-    def __init__(self, key: bytes) -> None:
-        if type(key) is not bytes or len(key) != KEY_BYTES:
-            raise CryptoError(f"a noise-stream key is {KEY_BYTES} bytes")
-        # ChaCha20 with a zero 16-byte (counter ‖ nonce) block: each key expands exactly one stream.
-        self._encryptor = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
-        self.words_read = 0
-
-    @classmethod
-    def from_os(cls) -> NoiseStream:
-        """A stream keyed with 32 bytes from `secrets` (the only constructor a real device uses)."""
-        return cls(secrets.token_bytes(KEY_BYTES))
-
-    def uint64(self, count: int) -> NDArray[np.uint64]:
-        """The next ``count`` 64-bit words of the keystream.
-
-        Raises
-        ------
-        ValueError
-            ``count < 0``.
-        """
-        if count < 0:
-            raise ValueError(f"count must be >= 0, got {count}")
-        self.words_read += count
-        return np.frombuffer(self._encryptor.update(bytes(8 * count)), dtype="<u8").astype(np.uint64)
-
-    def uniform(self, count: int) -> NDArray[np.float64]:
-        """The next ``count`` uniforms in the open interval (0, 1): (top 53 bits of a word + 1/2) / 2**53."""
-        words = self.uint64(count) >> np.uint64(11)
-        return (words.astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
-
-
-def insecure_test_noise_stream(seed: int, *context: int) -> NoiseStream:
-    """TEST HOOK: a noise stream derived from a public seed.  Its noise is predictable by anyone who knows
-    the seed, so any ε reported for a run that uses it is NOT a privacy guarantee.
-
-    Simulations use it to make runs reproducible and to draw bit-identical noise in two places (the
-    in-process simulator and devices driven over HTTP); a production device never calls it.
-
-    Parameters
-    ----------
-    seed : int
-        The run's public seed (>= 0).
-    *context : int
-        Further non-negative integers separating streams (round id, device id, ...).
-
-    Returns
-    -------
-    NoiseStream
-        Keyed with SHA-256(label ‖ seed ‖ context).
-
-    Raises
-    ------
-    ValueError
-        A negative or non-integer argument.
-    """
-    parts = (seed, *context)
-    for value in parts:
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= int(value) < 2**64:
-            raise ValueError(f"test noise seeds are integers in [0, 2**64), got {value!r}")
-    _log.debug("INSECURE test noise stream for seed %d: ε of this run is not a privacy guarantee", seed)
-    key = hashlib.sha256(_LABEL_INSECURE_NOISE + b"".join(struct.pack(">Q", int(v)) for v in parts)).digest()
-    return NoiseStream(key)
 
 
 # -- long-term identities (Ed25519) and enrollment certificates ------------------------------------------

@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from protocol import crypto
-from protocol.crypto import NoiseStream, SigningKey
+from protocol.crypto import SigningKey
 from protocol.errors import CertificateRevoked, CryptoError, LocalProtocolError, RemoteProtocolError, StaleRound
 from protocol.fixed_secrets import FixedDeviceSecrets
 from protocol.masking import mask_input, pair_mask_keys
@@ -57,6 +57,7 @@ from protocol.phases import (
     required_signatures,
 )
 from protocol.policy import DeviceLedger, PrivacyPolicy, check_invite
+from protocol.samplers import NoiseStream
 from protocol.shamir import SHARE_BYTES, Share, split
 
 __all__ = ["DeviceSecAggSession", "SHARE_PLAINTEXT_BYTES", "ID_BYTES"]
@@ -80,7 +81,7 @@ class DeviceSecAggSession:
         The round's parameters, addressed to this device.
     rng : NoiseStream, optional
         Source of the DP noise and thinning coins.  Default: a fresh stream keyed from ``secrets``, which
-        is what a device must use; simulations pass `protocol.crypto.insecure_test_noise_stream`.
+        is what a device must use; simulations pass `protocol.samplers.insecure_test_noise_stream`.
     fixed_secrets : FixedDeviceSecrets, optional
         Known-answer vectors and tests only: use these keys, seed, Shamir coefficients and nonces instead
         of the OS CSPRNG.  Leave None (the default) everywhere else.
@@ -140,7 +141,7 @@ class DeviceSecAggSession:
         self.round_epsilon = 0.0 if policy is None else check_invite(invite, policy, ledger)
         self.invite = invite
         if rng is not None and not isinstance(rng, NoiseStream):
-            raise TypeError(f"rng must be a protocol.crypto.NoiseStream, got {type(rng).__name__}")
+            raise TypeError(f"rng must be a protocol.samplers.NoiseStream, got {type(rng).__name__}")
         self._rng = rng if rng is not None else NoiseStream.from_os()
         self._fixed = fixed_secrets
         self._phase = Phase.ADVERTISE_KEYS

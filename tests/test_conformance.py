@@ -29,10 +29,10 @@ import pytest
 
 import protocol.messages as messages_module
 from protocol import codec, codes, crypto, shamir
-from protocol.crypto import insecure_test_noise_stream
 from protocol.errors import DecodeError, LocalProtocolError, VersionMismatch
 from protocol.messages import Message, RoundInvite
 from protocol.quantization import QuantizationConfig, dequantize_sum, quantize
+from protocol.samplers import insecure_test_noise_stream
 from protocol.session import DeviceSecAggSession, FixedDeviceSecrets, Phase, RoundParameters, ServerSecAggSession
 from protocol.spec import PROTOCOL_VERSION
 

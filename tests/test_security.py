@@ -216,8 +216,8 @@ def _signed_round(
     `RoundParameters` fields (``dp_mu=…``)."""
     import numpy as np
 
-    from protocol.crypto import insecure_test_noise_stream
     from protocol.device_session import DeviceSecAggSession
+    from protocol.samplers import insecure_test_noise_stream
     from protocol.server_session import RoundParameters, ServerSecAggSession
 
     ids = list(range(100, 100 + n))
@@ -625,9 +625,9 @@ def test_garbage_share_ciphertexts_exclude_their_sender_and_the_round_stays_bit_
     # even though its masked input arrived first.
     import numpy as np
 
-    from protocol.crypto import insecure_test_noise_stream
     from protocol.device_session import DeviceSecAggSession
     from protocol.phases import Phase
+    from protocol.samplers import insecure_test_noise_stream
     from protocol.server_session import RoundParameters, ServerSecAggSession
 
     bad = 100
@@ -682,8 +682,8 @@ def test_a_report_after_the_reported_input_was_added_excludes_the_reporter_and_t
     if not signed:
         import dataclasses
 
-        from protocol.crypto import insecure_test_noise_stream
         from protocol.device_session import DeviceSecAggSession
+        from protocol.samplers import insecure_test_noise_stream
         from protocol.server_session import ServerSecAggSession
 
         params = dataclasses.replace(server.params, authority_key=b"")
@@ -707,8 +707,8 @@ def _reporter_at_unmask(bad: int, reporter: int) -> tuple[Any, list[int]]:
     session after its masked input (it reported ``bad``) and the ids."""
     import numpy as np
 
-    from protocol.crypto import insecure_test_noise_stream
     from protocol.device_session import DeviceSecAggSession
+    from protocol.samplers import insecure_test_noise_stream
     from protocol.server_session import RoundParameters, ServerSecAggSession
 
     ids = list(range(100, 106))
@@ -1056,9 +1056,9 @@ def test_noise_thinning_and_rounding_coins_refuse_numpy_generators_and_default_t
 
     from device_sdk.client import _secret_round_rngs
     from fedsim.fleet import FleetConfig
-    from protocol.crypto import NoiseStream
     from protocol.noise import correct_noise, device_noise
     from protocol.quantization import QuantizationConfig, quantize
+    from protocol.samplers import NoiseStream
 
     numpy_rng = np.random.default_rng(0)
     with pytest.raises(TypeError, match="NoiseStream"):

@@ -54,6 +54,7 @@ from protocol.messages import (  # noqa: E402
     Wait,
 )
 from protocol.quantization import QuantizationConfig, dequantize_sum, quantize  # noqa: E402
+from protocol.samplers import insecure_test_noise_stream  # noqa: E402
 from protocol.session import (  # noqa: E402
     DeviceSecAggSession,
     FixedDeviceSecrets,
@@ -458,8 +459,8 @@ def crypto_vectors() -> dict[str, Any]:
 
     x = np.array([0.3, -1.7, 2.25, 0.0, -0.001, 1.0 / 3.0, 5.0, -4.5], dtype=np.float64)
     qcfg = QuantizationConfig(clip_norm=4.0, scale_bits=8)
-    q, stats = quantize(x, qcfg, crypto.insecure_test_noise_stream(20260101))
-    uniforms = crypto.insecure_test_noise_stream(20260101).uniform(x.size)
+    q, stats = quantize(x, qcfg, insecure_test_noise_stream(20260101))
+    uniforms = insecure_test_noise_stream(20260101).uniform(x.size)
     clipped = x * (qcfg.clip_norm / float(np.linalg.norm(x)))
 
     def hkdf_entry(label: bytes, ikm: bytes, parties: tuple[int, ...], out: bytes) -> dict[str, Any]:
@@ -630,7 +631,7 @@ def round_vector() -> dict[str, Any]:
         if u not in devices:
             if not isinstance(message, RoundInvite):
                 raise RuntimeError(f"device {u} was not invited")
-            noise = crypto.insecure_test_noise_stream(u)
+            noise = insecure_test_noise_stream(u)
             devices[u] = DeviceSecAggSession(message, rng=noise, fixed_secrets=secrets_by_device[u])
             devices[u].provide_input(np.array(ROUND_INPUTS[u], dtype=np.int64).astype(np.uint32))
         else:
