@@ -23,7 +23,8 @@ __all__ = [
 
 PROTOCOL_VERSION: tuple[int, int] = (1, 7)
 """(major, minor): what the codec writes in every envelope (`protocol.codec.is_compatible` decides who can
-talk) and whose major version `protocol.crypto` binds into every derived key and signed round payload."""
+talk) and whose major version `protocol.crypto` binds into every derived key and `protocol.identity` into
+every signed round payload."""
 
 MAX_VECTOR_LENGTH = 1 << 28
 """Largest update vector L (uint32 ring elements, 1 GiB masked)."""

@@ -31,6 +31,19 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from protocol import codec, codes, crypto, shamir  # noqa: E402
+from protocol.identity import (  # noqa: E402
+    BATCH_BYTES,
+    SigningKey,
+    certificate_batch,
+    issue_certificate,
+    issue_revocation_list,
+    key_advertisement_payload,
+    registration_payload,
+    survivor_set_payload,
+    verify_certificate,
+    verify_revocation_list,
+    verify_signature,
+)
 from protocol.messages import (  # noqa: E402
     Abort,
     CheckIn,
@@ -703,10 +716,10 @@ def round_vector() -> dict[str, Any]:
 def _revocation_list_bytes() -> bytes:
     """identity.json's revocation list (#3 of the identity authority, naming the identity device and one
     other key); messages.json's RevocationListPayload carries the same bytes."""
-    authority = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/authority"))
-    device = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/device"))
+    authority = SigningKey.from_private_bytes(fixed_bytes("identity/authority"))
+    device = SigningKey.from_private_bytes(fixed_bytes("identity/device"))
     revoked = sorted([device.public_key, fixed_bytes("identity/revoked")])
-    return crypto.issue_revocation_list(authority, 3, 1_790_086_400, revoked)
+    return issue_revocation_list(authority, 3, 1_790_086_400, revoked)
 
 
 def identity_vectors() -> dict[str, Any]:
@@ -715,21 +728,21 @@ def identity_vectors() -> dict[str, Any]:
     fixed keys give fixed bytes)."""
     from protocol.enrollment import batch_id
 
-    authority = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/authority"))
-    device = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/device"))
+    authority = SigningKey.from_private_bytes(fixed_bytes("identity/authority"))
+    device = SigningKey.from_private_bytes(fixed_bytes("identity/device"))
     batch = batch_id("batch-a")
-    tail = fixed_bytes("identity/serial", crypto.BATCH_BYTES)
-    certificate = crypto.issue_certificate(authority, device.public_key, batch=batch, serial=tail)
-    _check(crypto.verify_certificate(certificate, authority.public_key) == device.public_key)
-    _check(crypto.certificate_batch(certificate) == batch)
-    registration = crypto.registration_payload(certificate)
+    tail = fixed_bytes("identity/serial", BATCH_BYTES)
+    certificate = issue_certificate(authority, device.public_key, batch=batch, serial=tail)
+    _check(verify_certificate(certificate, authority.public_key) == device.public_key)
+    _check(certificate_batch(certificate) == batch)
+    registration = registration_payload(certificate)
     proof = device.sign(registration)
     c_key = crypto.key_pair_from_private_bytes(fixed_bytes("identity/c")).public_key
     s_key = crypto.key_pair_from_private_bytes(fixed_bytes("identity/s")).public_key
-    advert = crypto.key_advertisement_payload(7, 42, c_key, s_key)
+    advert = key_advertisement_payload(7, 42, c_key, s_key)
     session = fixed_bytes("identity/session")
     survivors = [3, 42, 99]
-    survivor_payload = crypto.survivor_set_payload(7, session, survivors)
+    survivor_payload = survivor_set_payload(7, session, survivors)
     register = RegisterRequest(platform="vector", certificate=certificate, proof=proof)
     keys = PublicKeys(
         round_id=7,
@@ -743,16 +756,16 @@ def identity_vectors() -> dict[str, Any]:
         round_id=7, device_id=42, session_id=session, signature=device.sign(survivor_payload)
     )
     for sig, data in ((proof, registration), (keys.signature, advert), (signature.signature, survivor_payload)):
-        crypto.verify_signature(device.public_key, sig, data)
+        verify_signature(device.public_key, sig, data)
     # certificate format 2 (a validity period) and the authority's revocation list
     not_before, not_after = 1_790_000_000, 1_790_000_000 + 365 * 86400
-    certificate_v2 = crypto.issue_certificate(
+    certificate_v2 = issue_certificate(
         authority, device.public_key, batch=batch, serial=tail, not_before=not_before, not_after=not_after
     )
-    _check(crypto.verify_certificate(certificate_v2, authority.public_key, now=not_before) == device.public_key)
+    _check(verify_certificate(certificate_v2, authority.public_key, now=not_before) == device.public_key)
     revoked = sorted([device.public_key, fixed_bytes("identity/revoked")])
     crl = _revocation_list_bytes()
-    _check(crypto.verify_revocation_list(crl, authority.public_key).device_keys == frozenset(revoked))
+    _check(verify_revocation_list(crl, authority.public_key).device_keys == frozenset(revoked))
     return {
         "description": "Ed25519 identities (RFC 8032, raw 32-byte keys, 64-byte signatures); keys are "
         "SHA-256('fedrec test vector/' + label) used as Ed25519 seeds",
