@@ -56,7 +56,6 @@ from fedsim.faults import DropoutAt
 from fedsim.threads import one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
-from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import ConfigError, NotEnoughParticipants
 from protocol.families.lightfr import UploadLayout, bias_from_levels
 from protocol.graph import harary_graph
@@ -79,6 +78,7 @@ from protocol.quantization import (
     sensitivity,
     stochastic_round,
 )
+from protocol.samplers import NoiseStream, insecure_test_noise_stream
 from protocol.session import RoundParameters
 
 __all__ = [
