@@ -9,10 +9,10 @@ Invariants of this module:
   fresh binomial coins, and by the Poisson thinning theorem they are independent.
 * Every rate is turned into an exact fraction from its shortest decimal form before it meets ``n``,
   so ``0.3 * 100`` is 30 and not 30.000000000000004.
-* All randomness comes from the `protocol.crypto.NoiseStream` passed in (a ChaCha20 keystream; numpy
+* All randomness comes from the `protocol.samplers.NoiseStream` passed in (a ChaCha20 keystream; numpy
   generators are refused), through the pure samplers of `protocol.samplers`; nothing here touches a clock
   or I/O.  A device keys its stream from `secrets` (`NoiseStream.from_os`), so the server cannot predict its
-  noise; simulations key it from a seed only through `protocol.crypto.insecure_test_noise_stream`.
+  noise; simulations key it from a seed only through `protocol.samplers.insecure_test_noise_stream`.
 
 The scheme (docs/design.md §5, correcting section 6 of the FMF privacy paper): each device of a cohort of
 ``n`` adds Skellam(mu / t_min), with t_min = ceil((1 - omega) * n), so that any surviving set of at least
@@ -34,9 +34,8 @@ from fractions import Fraction
 import numpy as np
 from numpy.typing import NDArray
 
-from protocol.crypto import NoiseStream
 from protocol.errors import ConfigError, NotEnoughParticipants
-from protocol.samplers import binomial, poisson
+from protocol.samplers import NoiseStream, binomial, poisson
 
 __all__ = [
     "SkellamDraw",
