@@ -330,7 +330,7 @@ def test_loadtest_names_a_bad_credential_file_before_contacting_the_server(tmp_p
 def test_unwritable_output_files_are_refused_before_the_run(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fedsim.cli as cli
+    import fedsim.cli.simulate as simulate
 
     missing = tmp_path / "no-such-folder" / "run.fedrec"
     # The whole 50-round default run would come before the write: the refusal must come first, before
@@ -344,8 +344,8 @@ def test_unwritable_output_files_are_refused_before_the_run(
 
         return record
 
-    for name in ("_resolve_dataset", "_train", "simulate_family", "load_dataset"):
-        monkeypatch.setattr(cli, name, step(name))
+    for name in ("resolve_dataset", "_train", "simulate_family", "load_dataset"):
+        monkeypatch.setattr(simulate, name, step(name))
     assert main(["simulate", "--dataset", "synthetic", "--save", str(missing)]) == 2
     err = capsys.readouterr().err
     assert err == f"fedrec simulate: error: --save {missing}: folder {missing.parent} does not exist\n"
