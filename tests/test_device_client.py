@@ -37,10 +37,9 @@ from device_sdk.client import (
 )
 from device_sdk.models import LightFRModel
 from device_sdk.transport import Response
-from fedsim.faults import DropoutAt, FaultyTransport
+from fedsim.fleets.faults import DropoutAt, FaultyTransport
 from protocol.codec import decode, encode
 from protocol.codes import pack_signs, random_signs, to_bytes
-from protocol.crypto import NoiseStream
 from protocol.errors import (
     AuthError,
     FedRecError,
@@ -67,6 +66,7 @@ from protocol.messages import (
 )
 from protocol.noise import to_ring
 from protocol.policy import PrivacyPolicy
+from protocol.samplers import NoiseStream
 from protocol.session import ACTIVE_PHASES, DeviceSecAggSession, Phase, RoundParameters, ServerSecAggSession
 
 N_ITEMS = 24
@@ -316,7 +316,7 @@ class Device:
     client: DeviceClient
     items: NDArray[np.int64]
     ratings: NDArray[np.float64]
-    #: where the device leaves its next round (fault injection by `fedsim.faults.FaultyTransport`)
+    #: where the device leaves its next round (fault injection by `fedsim.fleets.faults.FaultyTransport`)
     leaves: list[DropoutAt] = field(default_factory=lambda: [DropoutAt.NONE])
 
 

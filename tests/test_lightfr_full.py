@@ -671,7 +671,7 @@ def test_server_strategy_runs_the_code_sweeps_it_is_given() -> None:
     """`LightFRServerStrategy(code_sweeps=…)` steps exactly as `agg_full(sweeps=…)`, and more passes change
     the step; it and the simulator's `FederationConfig` refuse a count that is not an integer >= 1."""
     from agg_server.strategy import LightFRServerStrategy, LightFRStrategy
-    from fedsim.federation import FederationConfig
+    from fedsim.federation.lightfr import FederationConfig
 
     rng = np.random.default_rng(3)
     n, m, f = 10, 40, 12
@@ -708,9 +708,9 @@ def test_a_private_round_makes_the_device_rank_with_its_code(tmp_path) -> None:
 
     from device_sdk.models import LightFRConfig, LightFRModel
     from device_sdk.training import local_round
-    from protocol.crypto import insecure_test_noise_stream
     from protocol.messages import RoundInvite
     from protocol.plan import LightFRParams, TrainingPlan
+    from protocol.samplers import insecure_test_noise_stream
 
     rng = np.random.default_rng(23)
     m, f, w0 = 120, 64, 0.05

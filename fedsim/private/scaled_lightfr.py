@@ -1,0 +1,676 @@
+"""Private LightFR over a whole dataset through the private-round simulator, and planning its budget.
+
+The budget is spent where it buys signal; `plan_privacy` predicts each choice's signal-to-noise first.
+
+One run (`run_private_scaled`):
+
+1. **Private popularity** (one release, charged to the ledger first): every device adds a 1 for
+   each of at most θ of its items (clipped to L2 norm √θ, quantized and noised like any upload).
+   The server learns noisy per-item counts; they are the private popularity baseline and the item
+   level of the model's score.
+2. **T LightFR rounds** of every device (`fedsim.private.simulator.PrivateSimulator.run_scaled_round`), each
+   charged in full (no amplification: the server picks the cohort).  Optional noise-aware
+   aggregation (`NoiseAwareLightFR`): a summed gradient coordinate moves its bit only when it
+   exceeds ``threshold`` standard deviations of the released noise; otherwise the bit keeps its
+   value instead of following the sign of noise.
+3. Each device refreshes its user code against the final item codes (a local DCD; nothing is
+   uploaded), and ranks items by ``(f − Hamming) + α·level`` where level is the private count on a
+   log scale spread over [0, f]; α is chosen on a validation split carved from train (one train item
+   per user with at least two), from a grid that contains pure private popularity (α = ∞), so the
+   chosen scorer is never worse than private popularity on validation.
+
+The ε reported is the ledger's: the popularity release and every round composed (RDP) and converted
+once (`protocol.accounting`).  The split between the channels is ``pop_share``: the popularity
+release is calibrated for ``pop_share·ε`` on its own, then the rounds' μ is bisected so the composed
+ε meets the target.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from agg_server.config import ServerConfig, config_from_dict
+from agg_server.strategy import build_strategy
+from agg_server.strategy.base import Strategy
+from fedsim.data.datasets import Ratings
+from fedsim.private.simulator import LightFRCohort, PrivateSimulator, one_blas_thread
+from protocol.accounting import calibrate_mu, composed_rdp, epsilon_from_rdp
+from protocol.codes import pack_signs
+from protocol.families.lightfr import bias_from_levels
+from protocol.noise import released_variance, sample_skellam
+from protocol.quantization import QuantizationConfig, clip_l2, sensitivity, stochastic_round
+from protocol.samplers import insecure_test_noise_stream
+
+__all__ = [
+    "ScaledSettings",
+    "ScaledResult",
+    "NoiseAwareLightFR",
+    "split_budget",
+    "release_counts",
+    "run_private_scaled",
+    "scaled_config",
+    "carve_validation",
+]
+
+#: The α grid of the item level (∞ = private popularity alone, 0 = the codes alone).
+ALPHAS: tuple[float, ...] = (0.0, 0.25, 1.0, 4.0, 16.0, math.inf)
+
+
+@dataclass(frozen=True, slots=True)
+class ScaledSettings:
+    """One scaled private LightFR run.
+
+    Attributes
+    ----------
+    epsilon : user-level ε over the whole run at ``delta`` (0 = no DP noise).
+    delta : δ.
+    rounds : LightFR rounds T.
+    bits : code length f.
+    clip_norm, scale_bits : C and s of the LightFR uploads.
+    example_cap : θ items per device per round (and in the popularity release).
+    negatives : sampled unobserved items per kept item (0 = none: fewer coordinates per device).
+    flip_fraction : Agg_grad damping ρ.
+    threshold : noise-aware aggregation, in standard deviations of the released noise (0 = off).
+    pop_share : fraction of ε given to the popularity release when calibrating (0 = no channel).
+    dropout_rate : ω tolerated by SecAgg+ and the DP correction (t_min = ⌈(1 − ω)·n⌉).
+    seed : seeds the server generators and the simulation.
+    unobserved_weight : w0 of LightFR's objective: > 0 or "auto" (derived from the catalogue's
+        density each round, the server's default) the all-items objective (item codes and learned item
+        biases, the upload's longer layout), 0 sampled negatives.
+    mean_field : the server's mean-field code step (`model.mean_field`, all-items objective; the default,
+        as on the server: chosen on validation under DP too, docs/dp-accounting.md §8); False is the
+        Jacobi step the earlier figures of that section were measured with.
+    query_planes, user_reg : asymmetric scoring in the round plan (protocol 1.6, all-items objective):
+        each device's user vector solved against the codes, kept as P bit-planes; 0 = ±1 codes.
+    fraction : share p of the devices in each round's cohort (⌈p·n⌉, drawn by the coordinator's rule;
+        1 = every device every round).
+    code_sweeps : passes of the server's mean-field code step over one round's sums (`model.code_sweeps`).
+    rank_planes : the planes of the vector each device ranks with after the last round
+        (`device_sdk.models.LightFRConfig.rank_planes`). Under ``query_planes``: the plan's vector (0 = the
+        plan's ``query_planes``). Without (symmetric training, all-items objective): the device keeps its
+        ±1 code for training and ranks with its vector solved against the final item codes and levels with
+        ridge ``rank_ridge``·w0·m (w0 the last round's value), held as ``rank_planes`` planes, as the SDK's
+        default device does; 0 ranks with the ±1 code.
+    rank_ridge : that ranking-time ridge in units of w0·m (`LightFRConfig.rank_ridge`), > 0.
+    """
+
+    epsilon: float = 8.0
+    delta: float = 1e-5
+    rounds: int = 3
+    bits: int = 64
+    clip_norm: float = 4.0
+    scale_bits: int = 0  # 0 = the largest that fits the bit budget
+    example_cap: int = 20
+    negatives: int = 0
+    flip_fraction: float = 1.0
+    threshold: float = 0.0
+    pop_share: float = 0.1
+    dropout_rate: float = 0.3
+    seed: int = 0
+    unobserved_weight: float | str = 0.0
+    mean_field: bool = True
+    query_planes: int = 0
+    user_reg: float = 1.0
+    fraction: float = 1.0
+    code_sweeps: int = 1
+    rank_planes: int = 0
+    rank_ridge: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction!r}")
+        planes = self.rank_planes
+        if isinstance(planes, bool) or not (isinstance(planes, int) and 0 <= planes <= 8):
+            raise ValueError(f"rank_planes must be an integer in [0, 8], got {planes!r}")
+        if planes and self.unobserved_weight == 0:
+            raise ValueError("rank_planes needs the all-items objective (unobserved_weight > 0 or 'auto')")
+        ridge = self.rank_ridge
+        if isinstance(ridge, bool) or not (isinstance(ridge, int | float) and math.isfinite(ridge) and ridge > 0):
+            raise ValueError(f"rank_ridge must be a finite number > 0, got {ridge!r}")
+
+
+@dataclass
+class ScaledResult:
+    """Codes, private levels and the ledger's ε of one run."""
+
+    item_codes: NDArray[np.int8]
+    user_codes: NDArray[np.int8]
+    private_counts: NDArray[np.float64]
+    epsilon: float | None
+    delta: float
+    mu_model: float
+    mu_pop: float
+    seconds: float
+    round_seconds: list[float] = field(default_factory=list)
+    settings: ScaledSettings = field(default_factory=ScaledSettings)
+    #: The model's own item term in units of (f − Hamming): β·f/2 for the learned biases β of the
+    #: all-items objective (what its levels stand for); zeros under sampled negatives.
+    item_bias: NDArray[np.float64] | None = None
+    #: Under asymmetric scoring, each user's snapped real vector Δ'·q (n, f), which scores replace the
+    #: ±1 code with; None otherwise.
+    user_vectors: NDArray[np.float64] | None = None
+    #: The last round's released sum in quantized units (signed), and the rows of ``train``'s users whose
+    #: uploads it holds: what the server learned in that round, for diagnostics and tests.
+    last_release: NDArray[np.int64] | None = None
+    last_users: NDArray[np.int64] | None = None
+    #: w0 of the last round (the derived value under "auto"; 0 under sampled negatives).
+    unobserved_weight: float = 0.0
+    #: The hamming weight B of the model's integer score (what the snapped plane scales are on).
+    hamming_weight: int = 1
+    #: The final model's item levels (all-items objective; what a device downloads with the codes), else None.
+    item_levels: NDArray[np.uint8] | None = None
+
+
+def _largest_scale_bits(n: int, clip_norm: float, head: float = 0.9) -> int:
+    """The largest s with n·⌈2^s·C⌉ below ``head``·2^31 (room left for the noise head-room)."""
+    s = 0
+    while s < 30 and n * math.ceil(2 ** (s + 1) * clip_norm) < head * 2**31:
+        s += 1
+    return s
+
+
+def split_budget(
+    epsilon: float,
+    delta: float,
+    rounds: int,
+    model_sens: tuple[float, float],
+    pop_sens: tuple[float, float] | None,
+    pop_share: float,
+) -> tuple[float, float]:
+    """(μ of each model round, μ of the popularity release) meeting ``epsilon`` composed.
+
+    The popularity release gets μ calibrated for ``pop_share·ε`` alone; the rounds' μ is then the
+    smallest (bisected on log μ) for which the composed RDP of the release plus ``rounds`` rounds
+    converts to at most ε.  Sensitivities are (Δ1, Δ2).
+    """
+    l1m, l2m = model_sens
+    if pop_sens is None or pop_share <= 0:
+        return calibrate_mu(epsilon, delta, rounds, l1m, l2m), 0.0
+    l1p, l2p = pop_sens
+    mu_pop = calibrate_mu(pop_share * epsilon, delta, 1, l1p, l2p)
+
+    def eps_at(mu: float) -> float:
+        curve = composed_rdp([(mu_pop, l1p, l2p), *[(mu, l1m, l2m)] * rounds])
+        return epsilon_from_rdp(curve, delta)
+
+    lo, hi = math.log(l2m * l2m * 1e-3), math.log(l2m * l2m * 1e6)
+    if eps_at(math.exp(hi)) > epsilon:
+        raise ValueError("the popularity share leaves no budget for the rounds; lower pop_share (--pop-share)")
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        if eps_at(math.exp(mid)) > epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp(hi), mu_pop
+
+
+def release_counts(
+    users: list[NDArray[np.int64]],
+    n_items: int,
+    theta: int,
+    quantization: QuantizationConfig,
+    mu: float,
+    rng: np.random.Generator,
+) -> NDArray[np.float64]:
+    """The private popularity release: Σ_u clip(1[u's items]) + Skellam(μ), dequantized.
+
+    Each device's indicator of all its items is clipped to L2 norm C = √θ (`clip_l2`: a device with
+    k > θ items adds √(θ/k) to each, one with k ≤ θ adds 1) and rounded with `stochastic_round` like
+    any upload.  Clipping the whole indicator, rather than keeping θ items at random, has the same
+    sensitivity and no sampling noise: on ML-100K's validation blocks, private popularity at ε = 1
+    (θ = 20) ranks 0.439 by HR@10 this way and 0.378 with θ random items.  ``mu = 0``: no noise.
+    ``theta`` is used only through ``quantization.clip_norm`` (= √θ, checked).
+    """
+    if not math.isclose(quantization.clip_norm, math.sqrt(theta)):
+        raise ValueError(f"the popularity release clips to √θ = {math.sqrt(theta):g}, got {quantization.clip_norm:g}")
+    scale = quantization.scale
+    # a simulation: the rounding coins come from a seeded stream, so ε is not a guarantee here
+    coins = insecure_test_noise_stream(int(rng.integers(2**63)))
+    sizes = np.array([u.size for u in users], dtype=np.int64)
+    items = np.concatenate(users) if users else np.zeros(0, np.int64)
+    # Every entry of a device's clipped all-ones vector is the same: clip it once per distinct length.
+    lengths, which = np.unique(sizes, return_inverse=True)
+    entry = np.array([clip_l2(np.ones(k), quantization.clip_norm)[0][0] if k else 0.0 for k in lengths])
+    values = np.repeat(entry[which], sizes) * scale
+    total = np.bincount(items, weights=stochastic_round(values, coins), minlength=n_items).astype(np.int64)
+    if mu > 0:
+        noise = insecure_test_noise_stream(int(rng.integers(2**63)))  # a simulation: ε is not a guarantee here
+        total += sample_skellam(released_variance(mu, 1, 1, 1), n_items, noise).value()
+    return total.astype(np.float64) / scale
+
+
+@dataclass(frozen=True, slots=True)
+class NoiseAwareLightFR:
+    """A LightFR strategy that moves a bit only on evidence: summed gradient coordinates smaller
+    than ``threshold``·σ (σ = √μ / 2^s, the released noise's standard deviation in float units)
+    are set to 0 before the base strategy's Agg_grad, which keeps a bit whose d* is 0."""
+
+    base: Any
+    sigma: float
+    threshold: float
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+    def aggregate(
+        self, state: NDArray[np.int8], total: NDArray[np.float64], survivors: int, rng: np.random.Generator, **kw: Any
+    ) -> NDArray[np.int8]:
+        cut = self.threshold * self.sigma
+        kept = np.where(np.abs(total) > cut, total, 0.0)
+        return self.base.aggregate(state, kept, survivors, rng, **kw)
+
+
+def carve_validation(train: Ratings, seed: int) -> tuple[Ratings, Ratings]:
+    """(fit, validation): one random train item of every user with at least two moves to validation."""
+    rng = np.random.default_rng(seed)
+    order = np.lexsort((rng.random(len(train)), train.users))
+    users = train.users[order]
+    first = np.ones(users.size, dtype=bool)
+    first[1:] = users[1:] != users[:-1]
+    counts = np.bincount(train.users, minlength=train.n_users)
+    held = first & (counts[users] >= 2)
+    pick = order[held]
+    rest = np.setdiff1d(np.arange(len(train)), pick)
+    return train.subset(rest), train.subset(np.sort(pick))
+
+
+def _per_user(train: Ratings) -> list[NDArray[np.int64]]:
+    idx = train.by_user()
+    return [np.asarray(idx.items[idx.indptr[u] : idx.indptr[u + 1]], dtype=np.int64) for u in range(train.n_users)]
+
+
+def scaled_config(n_users: int, n_items: int, settings: ScaledSettings, data_dir: Path) -> ServerConfig:
+    """The server configuration of a scaled run over ``n_users`` devices (``settings.scale_bits`` as given)."""
+    s = settings
+    cohort_size = max(1, math.ceil(s.fraction * n_users))
+    dp = s.epsilon > 0
+    return config_from_dict(
+        {
+            "server": {"data_dir": str(data_dir)},
+            "model": {
+                "n_items": n_items,
+                "bits": s.bits,
+                "negatives": s.negatives,
+                "flip_fraction": s.flip_fraction,
+                "unobserved_weight": s.unobserved_weight,
+                "mean_field": s.mean_field,
+                "query_planes": s.query_planes,
+                "user_reg": s.user_reg,
+                "code_sweeps": s.code_sweeps,
+            },
+            "rounds": {
+                "cohort_size": cohort_size,
+                "min_cohort": cohort_size,
+                "seed": s.seed,
+                "clip_norm": s.clip_norm,
+                "scale_bits": s.scale_bits,
+                "dropout_rate": s.dropout_rate,
+                "example_cap": s.example_cap,
+            },
+            "privacy": (
+                {"enabled": True, "epsilon": s.epsilon, "delta": s.delta, "planned_rounds": max(1, s.rounds)}
+                if dp
+                else {"enabled": False}  # the budget keys are refused without DP (nothing reads them)
+            ),
+        },
+        base_dir=data_dir,
+    )
+
+
+def run_private_scaled(
+    train: Ratings,
+    settings: ScaledSettings,
+    *,
+    on_round: Callable[[int, float], None] | None = None,
+) -> ScaledResult:
+    """Run the popularity release and T private LightFR rounds over every user of ``train``."""
+    from device_sdk.lightfr import dcd_full, dcd_update
+    from fedsim.federation.lightfr import refreshed_vectors
+
+    start = time.perf_counter()
+    s = settings
+    n, m = train.n_users, train.n_items
+    per_user = _per_user(train)
+    cohort_size = max(1, math.ceil(s.fraction * n))
+    scale_bits = s.scale_bits or _largest_scale_bits(cohort_size, s.clip_norm)
+    dp = s.epsilon > 0
+    tmp = tempfile.mkdtemp(prefix="fedrec-privsim-")
+    cfg = scaled_config(n, m, replace(s, scale_bits=scale_bits), Path(tmp))
+    qm = QuantizationConfig(clip_norm=s.clip_norm, scale_bits=scale_bits)
+    base = build_strategy(cfg)
+    l2m, l1m = sensitivity(qm, int(base.vector_length))
+    theta_pop = s.example_cap or int(max(u.size for u in per_user))
+    qp = QuantizationConfig(clip_norm=math.sqrt(theta_pop), scale_bits=_largest_scale_bits(n, math.sqrt(theta_pop)))
+    l2p, l1p = sensitivity(qp, m)
+    mu_model = mu_pop = 0.0
+    if dp:
+        mu_model, mu_pop = split_budget(
+            s.epsilon, s.delta, max(1, s.rounds), (l1m, l2m), (l1p, l2p), s.pop_share if s.pop_share > 0 else 0.0
+        )
+    strategy: Strategy = base
+    if dp and s.threshold > 0:
+        strategy = NoiseAwareLightFR(base, math.sqrt(mu_model) / qm.scale, s.threshold)
+    sim = PrivateSimulator(cfg, strategy=strategy, mu=mu_model if dp else None)
+    shutil.rmtree(tmp, ignore_errors=True)  # the configuration needs a data folder; the simulator writes none
+    rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
+    counts = release_counts(per_user, m, theta_pop, qp, mu_pop, rng)
+    if sim.ledger is not None and mu_pop > 0:
+        sim.ledger.record_round(mu_pop, l1p, l2p)
+    cohort = LightFRCohort([(u, None) for u in per_user], m, s.bits)
+    round_seconds = sim.run_scaled_rounds(cohort, s.rounds, sim_seed=s.seed, on_round=on_round)
+    st: Any = base
+    D = np.asarray(st.codes(sim.model_state), dtype=np.int8)
+    beta = np.zeros(m)
+    levels = None
+    if st.full:
+        levels = np.asarray(st.levels(sim.model_state), dtype=np.uint8)
+        beta = bias_from_levels(levels, m, s.bits, st.hamming_weight)
+    # Each device refreshes its code against the final item codes (local; nothing uploaded).
+    indptr = np.concatenate(([0], np.cumsum([u.size for u in per_user]))).astype(np.int64)
+    items = np.concatenate(per_user) if per_user else np.zeros(0, np.int64)
+    ones, w0 = np.ones(items.size), float(st.current_weight)
+    vectors: NDArray[np.float64] | None = None
+    with one_blas_thread():
+        if st.full and s.query_planes:
+            q, _, vectors = refreshed_vectors(
+                indptr, items, ones, D, beta, w0, 0.0, s.user_reg, s.rank_planes or s.query_planes, st.hamming_weight
+            )
+            B = np.where(q > 0, 1, -1).astype(np.int8)
+        elif st.full:
+            B, _ = dcd_full(
+                indptr, items, np.ones(items.size), cohort.codes, D, beta, st.current_weight, 0.0, max_sweeps=10
+            )
+            if s.rank_planes:
+                # The SDK's default device: its vector with ridge rank_ridge·w0·m (LightFRConfig.rank_ridge).
+                _, _, vectors = refreshed_vectors(
+                    indptr, items, ones, D, beta, w0, 0.0, s.rank_ridge * w0 * m, s.rank_planes, st.hamming_weight
+                )
+        else:
+            B, _ = dcd_update(indptr, items, np.ones(items.size), cohort.codes, D, 0.0, max_sweeps=10)
+    eps = sim.ledger.spent() if sim.ledger is not None else None
+    return ScaledResult(
+        item_codes=D,
+        user_codes=B,
+        private_counts=counts,
+        epsilon=eps,
+        delta=s.delta,
+        mu_model=mu_model,
+        mu_pop=mu_pop,
+        seconds=time.perf_counter() - start,
+        round_seconds=round_seconds,
+        settings=replace(s, scale_bits=scale_bits),
+        item_bias=beta * s.bits / 2.0,
+        user_vectors=vectors,
+        last_release=sim.last_release,
+        last_users=np.asarray(sim.last_survivors, dtype=np.int64) - cohort.device_ids[0],  # ids are consecutive
+        unobserved_weight=float(st.current_weight) if st.full else 0.0,
+        hamming_weight=int(st.hamming_weight),
+        item_levels=levels,
+    )
+
+
+def item_levels(counts: NDArray[np.float64], bits: int) -> NDArray[np.float64]:
+    """Private counts on a log scale spread over [0, f] (negative noisy counts count as 0)."""
+    lv = np.log1p(np.maximum(counts, 0.0))
+    top = float(lv.max()) if lv.size else 0.0
+    return lv * (bits / top) if top > 0 else lv
+
+
+def scorer(result: ScaledResult, alpha: float) -> Callable[[NDArray[np.int64]], NDArray[np.float64]]:
+    """``(f − Hamming(b_u, d_i)) + own_i + α·level_i`` for a batch of users, own_i the model's item
+    bias β_i·f/2 (all-items objective; 0 otherwise) and level_i the private popularity (α = ∞: the
+    level alone)."""
+    f = result.item_codes.shape[1]
+    level = item_levels(result.private_counts, f)
+    Dt = result.item_codes.astype(np.float32).T
+    B = (result.user_codes if result.user_vectors is None else result.user_vectors).astype(np.float32)
+
+    own = _own_term(result)
+
+    def score(users: NDArray[np.int64]) -> NDArray[np.float64]:
+        if math.isinf(alpha):
+            return np.broadcast_to(level, (np.asarray(users).size, level.size)).astype(np.float64)
+        # f − Hamming = (f + b·d)/2, exact in float32 for f ≤ 2^23.
+        sim = (f + B[np.asarray(users)] @ Dt) / 2.0
+        return sim.astype(np.float64) + own + alpha * level
+
+    return score
+
+
+def packed(result: ScaledResult) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
+    """(user words, item words) for `fedsim.evaluation.ranking.hamming_scorer`."""
+    return pack_signs(result.user_codes), pack_signs(result.item_codes)
+
+
+def candidate_scores(result: ScaledResult, users: NDArray[np.int64], items: NDArray[np.int64], alpha: float) -> Any:
+    """Scores of candidate blocks (``items[j]`` ranked for ``users[j]``), as `scorer` scores them."""
+    f = result.item_codes.shape[1]
+    level = item_levels(result.private_counts, f)
+    if math.isinf(alpha):
+        return level[items]
+    if result.user_vectors is None:
+        B = result.user_codes[users].astype(np.int32)
+        dots = np.einsum("uf,ukf->uk", B, result.item_codes[items].astype(np.int32))
+    else:  # asymmetric scoring: the vector's real score u·d in place of b·d
+        dots = np.einsum("uf,ukf->uk", result.user_vectors[users], result.item_codes[items].astype(np.float64))
+    return (f + dots) / 2.0 + _own_term(result)[items] + alpha * level[items]
+
+
+def _own_term(result: ScaledResult) -> NDArray[np.float64]:
+    """The model's own item term (its learned biases, in units of f − Hamming), zeros if none."""
+    m = result.item_codes.shape[0]
+    return np.zeros(m) if result.item_bias is None else result.item_bias
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRow:
+    """The planner's prediction for one (rounds, clip) choice.
+
+    Attributes
+    ----------
+    rounds, clip_norm : the choice.
+    scale_bits : the fixed-point scale that fits the bit budget.
+    sigma : standard deviation of the released noise per coordinate and round, in float units.
+    median_snr : per-coordinate signal-to-noise of the median item (by number of users).
+    covered : share of the training interactions on items whose predicted SNR is at least 2.
+    pop_noise : standard deviation of the private popularity counts (in users).
+    pop_top_gap : the 100th largest true count divided by ``pop_noise`` (how well the head is ranked).
+    """
+
+    rounds: int
+    clip_norm: float
+    scale_bits: int
+    sigma: float
+    median_snr: float
+    covered: float
+    pop_noise: float
+    pop_top_gap: float
+
+
+def plan_privacy(
+    train: Ratings,
+    *,
+    epsilon: float,
+    delta: float = 1e-5,
+    bits: int = 64,
+    example_cap: int = 50,
+    negatives: int = 0,
+    pop_share: float = 0.1,
+    rounds: tuple[int, ...] = (1, 2, 3, 5, 10),
+    clips: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0),
+) -> list[PlanRow]:
+    """Predict, before spending anything, the per-coordinate signal-to-noise of each choice.
+
+    The model: a device with k kept items uploads (1 + negatives)·k rows of f gradient coordinates of
+    magnitude about 1/2, so its norm is about ½·√((1 + negatives)·k·f) and clipping to C scales it by
+    c = min(1, C / norm).  An item rated by n_i devices whose gradients agree sums to about ½·c·n_i per
+    coordinate; the released noise has standard deviation σ = √μ / 2^s, with μ from `split_budget`
+    (the accountant's own numbers).  The popularity release adds noise of σ_pop users per item.
+    Every figure uses only the public shape of the data a planner would know (users per item).
+    """
+    n, m = train.n_users, train.n_items
+    per_user = np.bincount(train.users, minlength=n)
+    kept = np.minimum(per_user, example_cap) if example_cap else per_user
+    users_per_item = np.bincount(train.items, minlength=m).astype(np.float64)
+    theta_pop = example_cap or int(per_user.max())
+    qp = QuantizationConfig(clip_norm=math.sqrt(theta_pop), scale_bits=_largest_scale_bits(n, math.sqrt(theta_pop)))
+    l2p, l1p = sensitivity(qp, m)
+    out = []
+    for clip in clips:
+        s_bits = _largest_scale_bits(n, clip)
+        qm = QuantizationConfig(clip_norm=clip, scale_bits=s_bits)
+        l2m, l1m = sensitivity(qm, m * bits)
+        norm = 0.5 * np.sqrt((1 + negatives) * np.maximum(kept, 1) * bits)
+        c = float(np.mean(np.minimum(1.0, clip / norm)))
+        for r in rounds:
+            mu, mu_pop = split_budget(epsilon, delta, r, (l1m, l2m), (l1p, l2p), pop_share)
+            sigma = math.sqrt(mu) / qm.scale
+            snr = 0.5 * c * users_per_item / sigma
+            covered = float(users_per_item[snr >= 2].sum() / max(users_per_item.sum(), 1))
+            pop_noise = math.sqrt(mu_pop) / qp.scale if mu_pop else 0.0
+            head = float(np.sort(users_per_item)[::-1][min(99, m - 1)])
+            out.append(
+                PlanRow(
+                    rounds=r,
+                    clip_norm=clip,
+                    scale_bits=s_bits,
+                    sigma=sigma,
+                    median_snr=float(np.median(snr)),
+                    covered=covered,
+                    pop_noise=pop_noise,
+                    pop_top_gap=head / pop_noise if pop_noise else math.inf,
+                )
+            )
+    return out
+
+
+def choose_alpha_full_ranking(
+    scorer_for: Callable[[float], Any],
+    fit: Any,
+    val: Any,
+    alphas: Sequence[float],
+    *,
+    val_users: int,
+    eval_seed: int,
+    say: Callable[[str], None] = lambda text: None,
+) -> tuple[float, float]:
+    """The item-level weight α with the best validation Recall@20 (full ranking over ``fit``'s items,
+    a seeded sample of ``val_users`` users, random ties), and that Recall; the first of equals wins."""
+    from fedsim.evaluation.ranking import evaluate_all_items
+
+    users = np.random.default_rng(eval_seed).choice(fit.n_users, min(val_users, fit.n_users), replace=False)
+    chosen: tuple[float, float] | None = None
+    for a in alphas:
+        v = evaluate_all_items(scorer_for(a), fit, val, k=20, users=users, seed=eval_seed).recall
+        say(f"  validation Recall@20 with item level α={a:g}: {v:.4f}")
+        if chosen is None or v > chosen[1]:
+            chosen = (a, v)
+    if chosen is None:
+        raise ValueError("no α to choose from")
+    return chosen
+
+
+def full_ranking_metrics(data: Any, *, eval_seed: int, test_users: int | None) -> Callable[[Any], dict[str, float]]:
+    """A function scoring one scorer on ``data``'s test split once: Recall@20 and NDCG@20 by full
+    ranking over the items not in each user's train set (random ties), over every test user or a seeded
+    sample of ``test_users`` of them (the same sample for every scorer)."""
+    from fedsim.evaluation.ranking import evaluate_all_items
+
+    seen, test = data.train, data.test
+    users = None
+    if test_users is not None and test_users < seen.n_users:
+        users = np.random.default_rng(eval_seed + 1).choice(seen.n_users, test_users, replace=False)
+
+    def full(score: Any) -> dict[str, float]:
+        r = evaluate_all_items(score, seen, test, k=20, seed=eval_seed, users=users)
+        return {"recall@20": r.recall, "ndcg@20": r.ndcg}
+
+    return full
+
+
+def evaluate_private(
+    data: Any,
+    settings: ScaledSettings,
+    *,
+    eval_seed: int = 0,
+    val_users: int = 8000,
+    test_users: int | None = None,
+    on_round: Callable[[int, float], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """Train privately on ``data`` (a `fedsim.evaluation.experiment.Experiment` with candidate blocks, or a
+    `fedsim.data.datasets.TrainTestSplit` evaluated by full ranking) and evaluate on its test split.
+
+    α of the item level is chosen on validation (candidate blocks carved from train, or one carved
+    train item per user); the test split is scored once for the chosen α, for private popularity
+    (α = ∞), and for the non-private popularity and random baselines (random ties everywhere).
+    ``test_users`` evaluates a seeded sample of that many users instead of all (full ranking only).
+
+    Returns
+    -------
+    (metrics, extra) : ``metrics`` maps "model", "private_popularity", "popularity", "random" to
+        their metric maps; ``extra`` holds "epsilon" (the ledger's), "delta", "alpha" and the μ's.
+    """
+    from fedsim.data.datasets import TrainTestSplit
+    from fedsim.evaluation.ranking import TieMode, evaluate_candidates, popularity_scorer, random_scorer
+
+    say = log or (lambda text: None)
+    chosen: tuple[float, float] | None = None
+    if isinstance(data, TrainTestSplit):
+        fit, val = carve_validation(data.train, eval_seed)
+        res = run_private_scaled(fit, settings, on_round=on_round)
+        chosen = choose_alpha_full_ranking(
+            lambda a: scorer(res, a), fit, val, ALPHAS, val_users=val_users, eval_seed=eval_seed, say=say
+        )
+        seen = data.train
+        full = full_ranking_metrics(data, eval_seed=eval_seed, test_users=test_users)
+        metrics = {
+            "model": full(scorer(res, chosen[0])),
+            "private_popularity": full(scorer(res, math.inf)),
+            "popularity": full(popularity_scorer(seen)),
+            "random": full(random_scorer(seen.n_items, eval_seed)),
+        }
+        protocol = "full"
+    else:
+        exp = data
+        res = run_private_scaled(exp.train, settings, on_round=on_round)
+        for a in ALPHAS:
+            v = evaluate_candidates(candidate_scores(res, exp.val.users, exp.val.items, a), 10, TieMode.RANDOM).hr
+            say(f"  validation HR@10 with item level α={a:g}: {v:.4f}")
+            if chosen is None or v > chosen[1]:
+                chosen = (a, v)
+        assert chosen is not None
+
+        def blocks(scores: Any) -> dict[str, float]:
+            r = evaluate_candidates(np.asarray(scores, dtype=np.float64), 10, TieMode.RANDOM)
+            return {"hr@10": r.hr, "ndcg@10": r.ndcg}
+
+        pop = np.bincount(exp.train.items, minlength=exp.train.n_items).astype(np.float64)
+        metrics = {
+            "model": blocks(candidate_scores(res, exp.test.users, exp.test.items, chosen[0])),
+            "private_popularity": blocks(candidate_scores(res, exp.test.users, exp.test.items, math.inf)),
+            "popularity": blocks(pop[exp.test.items]),
+            "random": blocks(np.random.default_rng(eval_seed).random(exp.test.items.shape)),
+        }
+        protocol = exp.protocol.value
+    extra = {
+        "epsilon": res.epsilon if res.epsilon is not None else math.inf,
+        "delta": res.delta,
+        "alpha": chosen[0] if math.isfinite(chosen[0]) else "popularity only",
+        "mu_model": res.mu_model,
+        "mu_popularity": res.mu_pop,
+        "protocol": protocol,
+        "train_seconds": res.seconds,
+    }
+    return metrics, extra
