@@ -27,7 +27,7 @@ from protocol.plan import FamilyParams, TrainingPlan
 float_state_to_bytes = float_matrix_to_bytes
 float_state_from_bytes = float_matrix_from_bytes
 
-__all__ = ["Strategy", "float_state_from_bytes", "float_state_to_bytes", "round_plan"]
+__all__ = ["Strategy", "check_aggregate_inputs", "float_state_from_bytes", "float_state_to_bytes", "round_plan"]
 
 
 @runtime_checkable
@@ -101,6 +101,46 @@ class Strategy(Protocol):
     def describe(self, old: NDArray[Any], new: NDArray[Any]) -> str:
         """One log phrase on what the round changed (e.g. "212 bits flipped")."""
         ...
+
+
+def check_aggregate_inputs(
+    state: NDArray[Any],
+    total: NDArray[np.float64],
+    survivors: int,
+    *,
+    shape: tuple[int, int],
+    vector_length: int,
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """The checks a float family's `Strategy.aggregate` makes before its step, in one place.
+
+    Parameters
+    ----------
+    state : the current global model; must have ``shape``.
+    total : the survivors' summed uploads; must be a vector of ``vector_length`` finite values.
+    survivors : how many uploads the sum holds; must be >= 1.
+    shape : the family's state shape.
+    vector_length : the family's upload length.
+
+    Returns
+    -------
+    (state, total) as float64 arrays.
+
+    Raises
+    ------
+    ValueError
+        One of the conditions fails.
+    """
+    state = np.asarray(state, dtype=np.float64)
+    if state.shape != shape:
+        raise ValueError(f"state has shape {state.shape}, expected {shape}")
+    total = np.asarray(total, dtype=np.float64)
+    if total.shape != (vector_length,):
+        raise ValueError(f"aggregate must be a vector of {vector_length} elements, got shape {total.shape}")
+    if not np.all(np.isfinite(total)):
+        raise ValueError("aggregate contains non-finite values")
+    if survivors < 1:
+        raise ValueError(f"survivors must be >= 1, got {survivors}")
+    return state, total
 
 
 def round_plan(

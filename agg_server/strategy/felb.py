@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
+from agg_server.strategy.base import check_aggregate_inputs, float_state_from_bytes, float_state_to_bytes
 from protocol.families.felb import prox_elb, schedule
 from protocol.plan import FELBParams
 from protocol.spec import MAX_RANK, ModelKind, StepRule
@@ -144,12 +144,7 @@ class FELBStrategy:
         round_index: int,
     ) -> NDArray[np.float64]:
         """V̂ ← clamp01(prox^r_{s·κ, s·λ_r}(V̂ + S/C)) (``rng`` is unused: the step is deterministic)."""
-        V = np.asarray(state, dtype=np.float64)
-        if V.shape != self.shape:
-            raise ValueError(f"state has shape {V.shape}, expected {self.shape}")
-        s = _sum_of(total, survivors)
-        if s.size != self.vector_length:
-            raise ValueError(f"aggregate has {s.size} entries, expected {self.vector_length}")
+        V, s = check_aggregate_inputs(state, total, survivors, shape=self.shape, vector_length=self.vector_length)
         if round_index < 0:
             raise ValueError(f"round_index must be >= 0, got {round_index}")
         mean = V + s.reshape(self.shape) / survivors

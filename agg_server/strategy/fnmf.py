@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
+from agg_server.strategy.base import check_aggregate_inputs, float_state_from_bytes, float_state_to_bytes
 from protocol.families.fnmf import lap_align, split_upload, upload_length
 from protocol.plan import FNMFParams
 from protocol.spec import MAX_RANK, Alignment, ModelKind
@@ -142,14 +142,7 @@ class FNMFStrategy:
         ``rng`` and ``round_index`` are unused: the rule is deterministic and has no schedule.
         """
         k, m = self.rank, self.n_items
-        v_bar = np.asarray(state, dtype=np.float64)
-        if v_bar.shape != (k, m):
-            raise ValueError(f"state has shape {v_bar.shape}, expected {(k, m)}")
-        total = np.asarray(total, dtype=np.float64)
-        if total.shape != (self.vector_length,) or not np.all(np.isfinite(total)):
-            raise ValueError(f"aggregate must be {self.vector_length} finite values, got shape {total.shape}")
-        if survivors < 1:
-            raise ValueError(f"survivors must be >= 1, got {survivors}")
+        v_bar, total = check_aggregate_inputs(state, total, survivors, shape=(k, m), vector_length=self.vector_length)
         S, summed_counts = split_upload(total, k, m, self.alignment)
         if summed_counts is not None:
             counts = np.rint(summed_counts)

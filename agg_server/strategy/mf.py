@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
+from agg_server.strategy.base import check_aggregate_inputs, float_state_from_bytes, float_state_to_bytes
 from protocol.families.mf import project_rows
 from protocol.plan import MFParams
 from protocol.spec import MAX_RANK, ModelKind
@@ -103,16 +103,9 @@ class MFStrategy:
     ) -> NDArray[np.float64]:
         """V ← Π(V − γ/|survivors| · Σ uploads) (FMF paper section 6.1; ``rng`` and ``round_index``
         are unused: the step is deterministic and constant)."""
-        V = np.asarray(state, dtype=np.float64)
-        if V.shape != (self.n_items, self.rank):
-            raise ValueError(f"state has shape {V.shape}, expected {(self.n_items, self.rank)}")
-        g = np.asarray(total, dtype=np.float64)
-        if g.size != self.vector_length:
-            raise ValueError(f"aggregate has {g.size} elements, expected {self.vector_length}")
-        if not np.all(np.isfinite(g)):
-            raise ValueError("aggregate contains non-finite values")
-        if survivors < 1:
-            raise ValueError(f"survivors must be >= 1, got {survivors}")
+        V, g = check_aggregate_inputs(
+            state, total, survivors, shape=(self.n_items, self.rank), vector_length=self.vector_length
+        )
         return project_rows(V - (self.server_lr / survivors) * g.reshape(V.shape), self.max_norm2)
 
     def to_wire(self, state: NDArray[Any]) -> dict[str, bytes]:
