@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from agg_server.strategy.base import check_aggregate_inputs, float_state_from_bytes, float_state_to_bytes
+from agg_server.strategy.base import FloatStrategy, float_state_from_bytes
 from protocol.families.mf import project_rows
 from protocol.plan import MFParams
 from protocol.spec import MAX_RANK, ModelKind
@@ -30,7 +30,7 @@ __all__ = ["MFStrategy"]
 
 
 @dataclass(frozen=True, slots=True)
-class MFStrategy:
+class MFStrategy(FloatStrategy):
     """The MF server strategy: initial item matrix, the plan devices train with, one projected step
     per round.
 
@@ -73,6 +73,11 @@ class MFStrategy:
             raise ValueError(f"kind must be {ModelKind.MF.value!r}, got {self.kind!r}")
 
     @property
+    def shape(self) -> tuple[int, int]:
+        """V is (n_items, f)."""
+        return (self.n_items, self.rank)
+
+    @property
     def vector_length(self) -> int:
         """One upload: the dense (n_items·f,) V-gradient."""
         return self.n_items * self.rank
@@ -92,25 +97,12 @@ class MFStrategy:
             negatives=self.negatives,
         )
 
-    def aggregate(
-        self,
-        state: NDArray[Any],
-        total: NDArray[np.float64],
-        survivors: int,
-        rng: np.random.Generator,
-        *,
-        round_index: int,
+    def step(
+        self, state: NDArray[np.float64], total: NDArray[np.float64], survivors: int, round_index: int
     ) -> NDArray[np.float64]:
-        """V ← Π(V − γ/|survivors| · Σ uploads) (FMF paper section 6.1; ``rng`` and ``round_index``
-        are unused: the step is deterministic and constant)."""
-        V, g = check_aggregate_inputs(
-            state, total, survivors, shape=(self.n_items, self.rank), vector_length=self.vector_length
-        )
-        return project_rows(V - (self.server_lr / survivors) * g.reshape(V.shape), self.max_norm2)
-
-    def to_wire(self, state: NDArray[Any]) -> dict[str, bytes]:
-        """``{"values": float64 little-endian bytes of V}``."""
-        return {"values": float_state_to_bytes(np.asarray(state, dtype=np.float64))}
+        """V ← Π(V − γ/|survivors| · Σ uploads) (FMF paper section 6.1; ``round_index`` is unused: the
+        step is constant)."""
+        return project_rows(state - (self.server_lr / survivors) * total.reshape(state.shape), self.max_norm2)
 
     def from_wire(self, words: bytes, values: bytes) -> NDArray[np.float64]:
         """Inverse of `to_wire`; raises ValueError on packed words, a wrong length or non-finite values."""
