@@ -460,6 +460,10 @@ def test_strategy_aggregate_hand_computed() -> None:
         s.aggregate(V, total, 0, rng, round_index=0)
     with pytest.raises(ValueError, match="elements"):
         s.aggregate(V, total[:3], 1, rng, round_index=0)
+    with pytest.raises(ValueError, match="elements"):  # the contract's sum is a (vector_length,) vector
+        s.aggregate(V, total.reshape(2, 2), 1, rng, round_index=0)
+    with pytest.raises(ValueError, match="non-finite"):
+        s.aggregate(V, np.array([0.0, np.nan, 0.0, 0.0]), 1, rng, round_index=0)
 
 
 # -- federation on planted data ----------------------------------------------------------------------
