@@ -18,7 +18,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from agg_server.config import MIN_COHORT, default_flip_fraction
+from agg_server.config import MIN_COHORT
+from agg_server.strategy.lightfr import default_flip_fraction
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import save_store
 from fedsim.datasets import DATASET_NAMES, LightFRSplit, TrainTestSplit, find_data_dir, load_dataset
@@ -133,7 +134,7 @@ def _weight_or_auto(text: str) -> float | str:
     return "auto" if text.strip().lower() == "auto" else _nonneg_float(text)
 
 
-#: Agg_grad damping ρ: `simulate` takes the server's default (`agg_server.config.default_flip_fraction`).
+#: Agg_grad damping ρ: `simulate` takes the server's default (`agg_server.strategy.lightfr.default_flip_fraction`).
 _FLIP_HELP = "default: 1 under the all-items objective with the mean-field step, else 0.3, as the server's"
 
 _DATA_DIR_HELP = (
@@ -756,7 +757,7 @@ def _first_weight(args: argparse.Namespace, n_items: int) -> float:
 
 
 def _flip_fraction(args: argparse.Namespace) -> float:
-    """--flip-fraction, or the server's default for this objective (`agg_server.config.default_flip_fraction`)."""
+    """--flip-fraction, or the server's default for this objective (`strategy.lightfr.default_flip_fraction`)."""
     if args.flip_fraction is not None:
         return float(args.flip_fraction)
     full = _unobserved_weight(args) != 0 and args.aggregation == Aggregation.GRAD.value

@@ -258,7 +258,8 @@ def test_batched_lightfr_devices_match_real_devices(tmp_path: Path) -> None:
 
     n, m = 15, 40
     cfg = _config(tmp_path, "lightfr", n, dp=False, rounds=1, n_items=m, sampled=True)
-    cfg = replace(cfg, model=replace(cfg.model, negatives=0), rounds=replace(cfg.rounds, example_cap=0))
+    lightfr = replace(cfg.lightfr, params=replace(cfg.lightfr.params, negatives=0))
+    cfg = replace(cfg, lightfr=lightfr, rounds=replace(cfg.rounds, example_cap=0))
     sim = PrivateSimulator(cfg)
     rng = np.random.default_rng(4)
     users = [(np.sort(rng.choice(m, size=int(rng.integers(1, 12)), replace=False)), None) for _ in range(n)]

@@ -104,7 +104,7 @@ def test_in_process_plans_clip_nothing() -> None:
 
 
 def test_server_config_devices_and_cli_share_defaults_and_bounds() -> None:
-    from agg_server.config import FELBSection, FNMFSection, MFSection, ModelSection
+    from agg_server.config import FELBSection, FNMFSection, LightFRSection, MFSection
     from device_sdk.fnmf import FNMFConfig
     from device_sdk.mf import MFConfig
     from device_sdk.models import LightFRConfig
@@ -121,7 +121,8 @@ def test_server_config_devices_and_cli_share_defaults_and_bounds() -> None:
     from protocol.families.lightfr import density_weight
 
     first = dataclasses.replace(LightFRParams(), unobserved_weight=density_weight(0.0, 1, 3))
-    assert ModelSection(n_items=3).lightfr_params() == first
+    assert LightFRSection.from_table({}, 3).params == first
+    assert LightFRSection().params == LightFRParams()  # built in code: the plan's defaults, w0 fixed
     assert LightFRConfig().params(Aggregation.GRAD) == LightFRParams()
     assert MFConfig().params() == MFParams()
     fnmf = FNMFConfig()
@@ -129,8 +130,8 @@ def test_server_config_devices_and_cli_share_defaults_and_bounds() -> None:
     # local_epochs: the same bound everywhere.
     with pytest.raises(ConfigError, match=r"^mf\.local_epochs: must be an integer in \[1, 1000\]"):
         MFSection(local_epochs=1001)
-    with pytest.raises(ConfigError, match=r"^model\.local_epochs: must be an integer in \[1, 1000\]"):
-        ModelSection(n_items=3, local_epochs=0)
+    with pytest.raises(ConfigError, match=r"^lightfr\.local_epochs: must be an integer in \[1, 1000\]"):
+        LightFRSection.from_table({"local_epochs": 0}, 3)
     with pytest.raises(ValueError, match=r"^local_epochs: must be an integer in \[1, 1000\]"):
         LightFRConfig(local_epochs=1001)
     with pytest.raises(ValueError, match=r"^local_steps"):
