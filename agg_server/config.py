@@ -428,7 +428,7 @@ class RoundSection:
         _set(self, "clip_norm", _float("rounds.clip_norm", self.clip_norm, lo=0.0, lo_open=True))
         _int("rounds.scale_bits", self.scale_bits, lo=0, hi=MAX_SCALE_BITS)
         try:
-            QuantizationConfig(clip_norm=self.clip_norm, scale_bits=self.scale_bits)
+            self.quantization()
         except ConfigError as exc:
             raise ConfigError(f"rounds.scale_bits: {exc}") from None
         _int("rounds.example_cap", self.example_cap, lo=0)
@@ -440,6 +440,11 @@ class RoundSection:
         if self.seed is not None:
             # numpy's SeedSequence refuses negative entropy.
             _int("rounds.seed", self.seed, lo=0)
+
+    def quantization(self) -> QuantizationConfig:
+        """How the rounds' uploads become ring elements (``clip_norm``, ``scale_bits``); every invite of
+        these rounds carries the same (`protocol.messages.RoundInvite.quantization`)."""
+        return QuantizationConfig(clip_norm=self.clip_norm, scale_bits=self.scale_bits)
 
     def _check_graph(self) -> None:
         if (self.k is None) != (self.t is None):

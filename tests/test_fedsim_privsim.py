@@ -363,7 +363,8 @@ def test_batched_all_items_devices_match_real_devices(share: float, planes: int,
         round_id=1, vector_length=length, k=n, t=1, clip_norm=1.5, scale_bits=10, deadlines=(0.0,) * 4
     )
     invite = params.invite(0).with_plan(round_plan(st, 1))
-    assert invite.counts_share == share and invite.unobserved_weight > 0 and invite.query_planes == planes
+    p = invite.params
+    assert p.counts_share == share and p.unobserved_weight > 0 and p.query_planes == planes
     expected = _real_devices_sum(
         users, cohort, invite, f, lambda model: model.set_global(payload.words, b"", 1, **payload.lightfr_extras())
     )

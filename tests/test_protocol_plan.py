@@ -10,7 +10,7 @@ import pytest
 
 from protocol.codec import decode, encode
 from protocol.messages import RoundInvite
-from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams, TrainingPlan, params_type
+from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams, TrainingPlan, params_from_wire, params_type
 from protocol.spec import Aggregation, Alignment, ModelKind, StepRule
 
 PARAMS = [
@@ -82,12 +82,15 @@ def test_invites_without_a_valid_plan_are_refused() -> None:
     with pytest.raises(ValueError, match="no training plan"):
         _ = dataclasses.replace(invite, bits=0, n_items=0).plan  # a 1.0 invite
     with pytest.raises(ValueError, match="unknown model family"):
-        _ = dataclasses.replace(invite, model_kind="tensor").plan
+        _ = dataclasses.replace(invite, model_kind="tensor", params=None).plan  # what a decoder makes of it
+    with pytest.raises(ValueError, match="params are 'mf' parameters, model_kind is 'felb'"):
+        dataclasses.replace(invite, model_kind="felb")
     with pytest.raises(ValueError, match="^step_rule: must be one of"):
-        _ = dataclasses.replace(invite, model_kind="felb", step_rule="").plan  # "" is valid on the wire only
-    assert dataclasses.replace(invite, model_kind="felb", step_rule="mu").plan.kind is ModelKind.FELB
+        params_from_wire("felb", {"sr": ""})  # "" (the key's absent value) is no FELB step rule
+    felb = dataclasses.replace(invite, model_kind="felb", params=FELBParams(step_rule=StepRule.MU))
+    assert felb.plan.kind is ModelKind.FELB
     with pytest.raises(ValueError, match="vector_length"):
-        _ = dataclasses.replace(invite, model_kind="felb", step_rule="mu", vector_length=11).plan
+        _ = dataclasses.replace(felb, vector_length=11).plan
     with pytest.raises(ValueError, match="vector_length"):
         invite.with_plan(TrainingPlan(params=MFParams(), n_items=6, rank=2))
     with pytest.raises(ValueError, match="lightfr"):
@@ -201,22 +204,20 @@ def test_the_device_follows_the_plans_planes_and_a_15_device_ignores_them() -> N
     """A 1.6 device trains what the plan says (a bit-plane vector, the upload in the same layout); a 1.5
     device (a decoder without the qp/ur keys) reads the same bytes as a plan without planes and trains a
     ±1 code: its upload has the same length and layout, so the round takes it."""
-    from types import MappingProxyType
-
+    import msgpack
     import numpy as np
 
     from device_sdk.family import LocalRatings
     from device_sdk.models import LightFRConfig, LightFRModel
-    from protocol import codec
 
     wire = encode(_planes_invite())
     plan = decode(wire).plan  # type: ignore[union-attr]
     assert plan.params.query_planes == 2 and plan.params.user_reg == 10.0
-    kind, fields = codec._SCHEMA[RoundInvite.TYPE]
-    old = tuple(f for f in fields if f[1] not in ("qp", "ur"))  # what a 1.5 decoder knows
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(codec, "_SCHEMA", MappingProxyType({**codec._SCHEMA, RoundInvite.TYPE: (kind, old)}))
-        old_plan = decode(wire).plan  # type: ignore[union-attr]
+    # A 1.5 decoder ignores the qp and ur keys it does not know: it reads the body without them.
+    envelope = msgpack.unpackb(wire, raw=False)
+    assert {"qp", "ur"} <= set(envelope["b"])
+    envelope["b"] = {k: v for k, v in envelope["b"].items() if k not in ("qp", "ur")}
+    old_plan = decode(msgpack.packb(envelope, use_bin_type=True)).plan  # type: ignore[union-attr]
     assert old_plan.params.query_planes == 0 and old_plan == dataclasses.replace(
         plan, params=dataclasses.replace(plan.params, query_planes=0, user_reg=1.0)
     )
