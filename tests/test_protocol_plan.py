@@ -232,3 +232,55 @@ def test_the_device_follows_the_plans_planes_and_a_15_device_ignores_them() -> N
         uploads.append(out.vector)
     assert uploads[0].shape == uploads[1].shape == (p.vector_length,)
     assert not np.array_equal(uploads[0], uploads[1])
+
+
+# -- one contract: a new LightFR hyper-parameter is declared once -----------------------------------------
+
+
+def test_a_new_lightfr_parameter_flows_from_the_config_table_to_the_devices_plan(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """A parameter added to `LightFRParams` (here by a subclass registered in its place) is a key of the
+    server's [lightfr] table, reaches the strategy's plan, travels in the invite under the key it declares,
+    and is in the plan the device decodes; an invite without the key (an older server's) means ``absent``.
+    Nothing but the parameter type knows of it."""
+    import msgpack
+
+    from agg_server.config import config_from_dict, lightfr_keys
+    from agg_server.strategy import build_strategy
+    from agg_server.strategy.base import round_plan
+    from protocol import plan as plan_module
+    from protocol.plan import param_field
+    from protocol.session import RoundParameters
+
+    fake = dataclasses.make_dataclass(
+        "LightFRParams",
+        [("fake_knob", float, param_field(0.5, "fk", absent=0.0))],
+        bases=(LightFRParams,),
+        frozen=True,
+        slots=True,
+        kw_only=True,
+    )
+    monkeypatch.setitem(plan_module._PARAMS, ModelKind.LIGHTFR, fake)
+    assert "fake_knob" in lightfr_keys()
+    table = {"server": {"data_dir": str(tmp_path)}, "model": {"n_items": 20}, "lightfr": {"bits": 8, "fake_knob": 0.75}}
+    config = config_from_dict(table, base_dir=tmp_path)
+    assert isinstance(config.lightfr.params, fake) and config.lightfr.params.fake_knob == 0.75  # type: ignore[attr-defined]
+    strategy = build_strategy(config)
+    plan = round_plan(strategy, 1)
+    assert plan.params.fake_knob == 0.75  # type: ignore[union-attr]
+    assert plan.record()["fake_knob"] == 0.75  # the stored round record names it too
+    params = RoundParameters(
+        round_id=1, vector_length=plan.vector_length, k=3, t=2, clip_norm=1.0, scale_bits=8, deadlines=(0.0,) * 4
+    )
+    wire = encode(params.invite(7).with_plan(plan))
+    envelope = msgpack.unpackb(wire, raw=False)
+    assert envelope["b"]["fk"] == 0.75 and list(envelope["b"])[-1] == "fk"  # appended after protocol 1.7's keys
+    device_plan = decode(wire).plan  # type: ignore[union-attr]
+    assert device_plan.params == plan.params and device_plan.params.fake_knob == 0.75  # type: ignore[union-attr]
+    del envelope["b"]["fk"]
+    older = decode(msgpack.packb(envelope, use_bin_type=True)).plan  # type: ignore[union-attr]
+    assert older.params.fake_knob == 0.0  # type: ignore[union-attr]
+    # Left out of the table, it is the parameter type's default.
+    table["lightfr"] = {"bits": 8}
+    assert build_strategy(config_from_dict(table, base_dir=tmp_path)).plan().fake_knob == 0.5  # type: ignore[attr-defined]
