@@ -346,12 +346,12 @@ class LightFRSection:
         server = {name: table[name] for name in _LIGHTFR_SERVER_KEYS if name in table}
         server["unobserved_scale"] = scale if auto else 0.0
         try:
-            params = ptype(**plan)
+            params: LightFRParams = ptype(**plan)  # type: ignore[assignment]  # LightFR's type, or a subclass
             server_params = LightFRServerParams(**server)
             server_params.check_plan(params)
         except ValueError as exc:
             raise failed(exc) from None
-        return cls(params=params, server=server_params)  # type: ignore[arg-type]
+        return cls(params=params, server=server_params)
 
 
 #: The smallest cohort a secure-aggregation round accepts (``rounds.cohort_size`` and ``min_cohort``).
