@@ -46,8 +46,9 @@ from aiohttp import web
 
 from agg_server import dashboard
 from agg_server.cluster import FORWARDED_HEADER, LeaseKeeper
+from agg_server.commit import FinishJob
 from agg_server.config import ServerConfig
-from agg_server.coordinator import FinishJob, RoundCoordinator
+from agg_server.coordinator import RoundCoordinator
 from agg_server.enrollment import REFRESH_PERIOD
 from agg_server.logs import current_request_id
 from agg_server.storage import Storage

@@ -1,6 +1,8 @@
-"""`RoundCoordinator`: registration, check-in, cohort selection, the SecAgg+ round, aggregation and
-commit — without aiohttp, time or global randomness (``now`` is passed in; HTTP handlers and the
-in-process simulator drive the very same object).
+"""`RoundCoordinator`: the round lifecycle — check-in, cohort selection, the SecAgg+ round's phases,
+finishing and releasing it — without aiohttp, time or global randomness (``now`` is passed in; HTTP
+handlers and the in-process simulator drive the very same object).  It delegates registration and
+authentication to `agg_server.enrollment.Enrollment`, the model and the commit path to
+`agg_server.commit.GlobalModel`, and the privacy ledger to `agg_server.ledger.PrivacyAccount`.
 
 Invariants:
 - At most one round is open.  A round's devices were sampled from the devices that checked in
@@ -9,7 +11,10 @@ Invariants:
   `ServerSecAggSession`; fewer than t survivors abort the round with nothing revealed.
 - The only thing the coordinator learns from devices' updates is the secure sum of the survivors'
   quantized updates plus their DP noise; the strategy turns that sum into the new item codes.
-- Every committed model is on disk (checkpoint + database row) before any device is told "committed".
+- Every committed model is on disk (checkpoint + database row) before any device is told "committed"
+  (`agg_server.commit`).
+- Which upload belongs to which phase is `protocol.phases.SERVER_EXPECTS`; the phase order is
+  `protocol.phases.ACTIVE_PHASES`: nothing here restates the phase table.
 - The privacy ledger reserves a round's ε in the transaction that opens it (`Storage.start_round`), so
   rounds of several cohorts on several instances can never overspend; the round is marked revealed
   before its UNMASK phase is announced, and a round that ends without committing gives its reservation
@@ -17,7 +22,7 @@ Invariants:
 - Several cohorts (docs/operations.md): with ``leased=True`` the coordinator opens rounds only while it
   holds a cohort lease (`take_lease`), writes every round row with its fencing token, and commits with a
   compare-and-set on the model version: a sum computed against version v whose commit finds a newer
-  head h is applied to h (rebased) and committed as h + 1.
+  head h is applied to h (rebased) and committed as h + 1 (`agg_server.commit.GlobalModel.commit`).
 - All server-side randomness of round r (cohort, graph, damping) comes from one generator seeded by
   ``SeedSequence([seed, r])`` when the operator set a seed (reproducible simulations), else from
   `secrets`.
@@ -26,12 +31,8 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import itertools
 import logging
-import math
-import resource
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,17 +41,18 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from agg_server.cohort import round_shape
+from agg_server.commit import FinishJob, GlobalModel, Prepared
 from agg_server.config import ServerConfig
-from agg_server.enrollment import Enrollment, capped_cohort
-from agg_server.storage import HeadMoved, LeaseLost, Storage
+from agg_server.enrollment import Enrollment
+from agg_server.ledger import PrivacyAccount
+from agg_server.status import open_round_status, process_stats, recent_rounds
+from agg_server.storage import LeaseLost, Storage
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
-from protocol.accounting import PrivacyLedger, calibrate_mu
-from protocol.codec import decode, encode
+from protocol.accounting import PrivacyLedger
 from protocol.errors import (
-    AuthError,
     ConfigError,
-    EnrollmentRefused,
     FedRecError,
     LocalProtocolError,
     PermissionDenied,
@@ -60,83 +62,27 @@ from protocol.errors import (
     StaleRound,
     StorageError,
 )
-from protocol.graph import find_parameters, validate_parameters
 from protocol.messages import (
     Abort,
-    ConsistencySignature,
-    EncryptedShares,
     MaskedInput,
     Message,
-    ModelPayload,
-    PublicKeys,
     RegisterResponse,
     RoundInvite,
     RoundResult,
-    UnmaskResponse,
     Wait,
 )
 from protocol.noise import minimum_survivors
+from protocol.phases import ACTIVE_PHASES, SERVER_EXPECTS, TERMINAL_PHASES, Phase
 from protocol.plan import TrainingPlan
-from protocol.quantization import check_bit_budget, dequantize_sum, sensitivity
-from protocol.session import ACTIVE_PHASES, Phase, RoundParameters, ServerSecAggSession
+from protocol.quantization import check_bit_budget
+from protocol.session import RoundParameters, ServerSecAggSession
 
-__all__ = ["RoundCoordinator", "PHASE_OF_MESSAGE", "token_digest"]
+__all__ = ["RoundCoordinator"]
 
 log = logging.getLogger("agg_server.coordinator")
 
-#: The phase in which each device upload is legal (and after which its long-poll is answered).
-PHASE_OF_MESSAGE: dict[type[Message], Phase] = {
-    PublicKeys: Phase.ADVERTISE_KEYS,
-    EncryptedShares: Phase.SHARE_KEYS,
-    MaskedInput: Phase.MASKED_INPUT,
-    ConsistencySignature: Phase.UNMASK,  # protocol 1.3: the first sub-step of UNMASK
-    UnmaskResponse: Phase.UNMASK,
-}
-
 _KEEP_FINISHED = 64  # outcomes of recent rounds kept for late long-polls
-_REBASES = 16  # commit attempts of one round when other cohorts keep committing first
 CHECKIN_RATE = 400.0  # target check-ins per second from waiting devices
-
-
-def round_shape(
-    cfg: Any,
-    fresh: list[int],
-    rng: np.random.Generator,
-    *,
-    dp: bool,
-    sources: dict[int, str] | None = None,
-    max_source_share: float = 1.0,
-) -> tuple[tuple[int, ...], int, int, int] | None:
-    """A round's cohort (drawn from ``fresh`` with the round generator), graph degree k, threshold t and
-    DP survivor floor t_min, by the `[rounds]` config ``cfg``; None when the operator fixed (k, t) and fewer
-    devices than the full cohort are available (those values were validated for that cohort only), or
-    when the per-source cap leaves fewer than ``cfg.min_cohort`` devices.
-    The one rule for the coordinator and the private-round simulator (`fedsim.privsim`).
-
-    With ``max_source_share`` < 1, no credential source (``sources[device]``) fills more than that share
-    of the cohort (`agg_server.enrollment.capped_cohort`)."""
-    n = min(cfg.cohort_size, len(fresh))
-    if max_source_share < 1.0 and sources is not None:
-        cohort = capped_cohort(fresh, n, sources, max_source_share, rng)
-        n = len(cohort)
-        if n < cfg.min_cohort:
-            return None
-    else:
-        cohort = tuple(sorted(int(d) for d in rng.choice(np.array(fresh), size=n, replace=False)))
-    if cfg.k is not None and cfg.t is not None:
-        if n < cfg.cohort_size:
-            return None
-        k, t = cfg.k, cfg.t
-        validate_parameters(n, k, t, cfg.dropout_rate, cfg.adversary_rate)
-    else:
-        gp = find_parameters(n, cfg.dropout_rate, cfg.adversary_rate)
-        k, t = gp.k, gp.t
-    return cohort, k, t, minimum_survivors(n, cfg.dropout_rate) if dp else 0
-
-
-def token_digest(token: str) -> bytes:
-    """SHA-256 of a bearer token: the only form in which the server stores it."""
-    return hashlib.sha256(token.encode("utf-8")).digest()
 
 
 @dataclass
@@ -159,34 +105,6 @@ class _OpenRound:
     polling: dict[int, int] = field(default_factory=dict)  # device -> open long-polls
     gone: dict[int, float] = field(default_factory=dict)  # device -> when its long-poll broke unanswered
     finishing: bool = False  # UNMASK closed; the mask removal and commit run off the event loop
-
-
-@dataclass
-class FinishJob:
-    """The CPU-heavy end of a round, runnable in another thread: remove the masks, aggregate, encode.
-
-    `run` touches only the round's session (which refuses every other change while it finishes),
-    the round's generator and the current model state, which no one changes meanwhile (one round at a
-    time).  Hand the job back with `RoundCoordinator.complete_finish` on the coordinator's own thread.
-    """
-
-    round_id: int
-    _run: Callable[[], _Prepared]
-    prepared: _Prepared | None = None
-
-    def run(self) -> None:
-        self.prepared = self._run()
-
-
-@dataclass
-class _Prepared:
-    unmasked: bool  # the sum was revealed (the privacy ledger must be charged whatever happens next)
-    survivors: int = 0
-    state: Any = None
-    payload: bytes = b""
-    error: BaseException | None = None
-    total: Any = None  # the dequantized sum (a rebase applies it to a newer head)
-    sum_sha256: bytes | None = None  # SHA-256 of the unmasked ring sum, little-endian uint32
 
 
 class RoundCoordinator:
@@ -234,32 +152,16 @@ class RoundCoordinator:
         self.abandoned = [] if leased else storage.abandon_open_rounds(now)
         for rid in self.abandoned:
             log.warning("round %d was open when the server stopped; abandoned (its devices will check in again)", rid)
-        self._load_or_create_model(now)
+        #: The model trained and served, and the path that commits a round into it.
+        self.global_model = GlobalModel(config, storage, self.strategy, self.quantization, now=now, rng=self._rng)
         self.enrollment = Enrollment(config, storage)
         if self.enrollment.open:
             log.warning(
                 "open registration: any client may register any number of devices (Sybils); set "
                 "enrollment.authority_key or issue enrollment tokens for anything but local development"
             )
-        self.ledger: PrivacyLedger | None = None
-        self.mu = 0.0
-        self.l2, self.l1 = sensitivity(self.quantization, self.vector_length)
-        if config.privacy.enabled:
-            saved = storage.load_ledger()
-            self.ledger = (
-                PrivacyLedger.from_dict(saved)
-                if saved is not None
-                else PrivacyLedger(epsilon_budget=config.privacy.epsilon, delta=config.privacy.delta)
-            )
-            if (self.ledger.epsilon_budget, self.ledger.delta) != (config.privacy.epsilon, config.privacy.delta):
-                raise ConfigError(
-                    f"privacy.epsilon/delta ({config.privacy.epsilon:g}, {config.privacy.delta:g}) differ from the "
-                    f"ledger in {config.data_dir} ({self.ledger.epsilon_budget:g}, {self.ledger.delta:g}); a budget "
-                    "cannot change during a run (start a new data_dir for a new run)"
-                )
-            self.mu = calibrate_mu(
-                config.privacy.epsilon, config.privacy.delta, config.privacy.planned_rounds, self.l1, self.l2
-            )
+        #: The privacy ledger, the noise μ per round and the sensitivities it charges with.
+        self.privacy = PrivacyAccount(config, storage, self.quantization, self.vector_length)
         self._check_bit_budget()
         self._pool: dict[int, float] = {}  # waiting device -> last check-in
         self._pool_since: dict[int, float] = {}  # waiting device -> first check-in of this wait
@@ -275,96 +177,56 @@ class RoundCoordinator:
         #: logged and otherwise ignored: observers never break a round.
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
-    # -- model --------------------------------------------------------------------------------------
-    def _load_or_create_model(self, now: float) -> None:
-        st = self.strategy
-        loaded = self.storage.load_latest_model()
-        if loaded is not None:
-            version, payload = loaded
-            msg = decode(payload, max_size=len(payload) + 1)
-            held = (msg.model_kind, msg.bits, msg.n_items) if isinstance(msg, ModelPayload) else ("?", "?", "?")
-            if held != (st.kind, st.rank, st.n_items):
-                raise ConfigError(
-                    f"the checkpoint in {self.config.data_dir} is a {held[0]!r} model with rank {held[1]}, "
-                    f"m={held[2]}; the configuration says {st.kind!r}, rank {st.rank}, m={st.n_items} "
-                    "(start a new data_dir for a different model)"
-                )
-            assert isinstance(msg, ModelPayload)
-            levels = (msg.item_levels,) if msg.item_levels else ()  # LightFR's item term (protocol 1.3)
-            state = st.from_wire(msg.words, msg.values, *levels)
-            self._resume_strategy(version)
-            # The DP flag travels in the stored payload (protocol 1.7), so it is back with the model.  A
-            # checkpoint written before 1.7 holds none: a ledger that charged rounds says DP noise trained it.
-            dp_trained = msg.dp_trained or (version > 1 and self._ledger_charged())
-            # Served as this server would write it: the same bytes for a checkpoint of this configuration; a
-            # pre-1.7 checkpoint, or one whose w0 the configuration no longer gives, gets the 1.7 fields now
-            # rather than at the next commit.  The stored file is left as it is.
-            served = self._payload(version, state, dp_trained=dp_trained)
-            if served != payload:
-                log.info("model version %d is served with this configuration's w0 and DP flag", version)
-            self._set_model(version, state, served, dp_trained)
-            log.info("resumed from model version %d", version)
-            return
-        rng = self._rng(0)
-        state = st.initialize(rng)
-        payload = self._payload(1, state, dp_trained=False)
-        try:
-            self.storage.commit_model(1, None, payload, now, base_version=None)
-        except StorageError:
-            # Another instance on the same database initialised it first: use theirs.
-            head = self.storage.head_version()
-            if head is None:
-                raise
-            payload = self.storage.load_model(head)
-            state, dp_trained = self._decode_model(head, payload)
-            self._set_model(head, state, payload, dp_trained)
-            return
-        self._set_model(1, state, payload, False)
-        log.info("initialised %s model version 1 (rank %d, m=%d)", st.kind, st.rank, st.n_items)
+    # -- model and privacy ledger (`agg_server.commit`, `agg_server.ledger`) ----------------------------
+    @property
+    def model_version(self) -> int:
+        """The newest model's version (trained by the next round, served by GET /v1/model)."""
+        return self.global_model.version
 
-    def _ledger_charged(self) -> bool:
-        """Whether the stored privacy ledger charged any round (DP noise was released in this data_dir)."""
-        ledger = self.storage.load_ledger()
-        return bool(ledger and ledger.get("rounds"))
+    @property
+    def model_state(self) -> NDArray[Any]:
+        """The newest model's state (the strategy's array)."""
+        return self.global_model.state
 
-    def _decode_model(self, version: int, payload: bytes) -> tuple[NDArray[Any], bool]:
-        """The state in ``payload`` (stored model ``version``) and its DP flag (`ModelPayload.dp_trained`)."""
-        st = self.strategy
-        msg = decode(payload, max_size=len(payload) + 1)
-        if not isinstance(msg, ModelPayload) or (msg.model_kind, msg.bits, msg.n_items) != (
-            st.kind,
-            st.rank,
-            st.n_items,
-        ):
-            raise ConfigError(f"model version {version} in the database is not a {st.kind!r} model of this shape")
-        levels = (msg.item_levels,) if msg.item_levels else ()
-        return st.from_wire(msg.words, msg.values, *levels), msg.dp_trained
+    @property
+    def model_bytes(self) -> bytes:
+        """The newest model as served: an encoded `ModelPayload`."""
+        return self.global_model.payload
 
-    def _refresh_model(self) -> None:
-        """Follow the head (another cohort may have committed): the next round trains the newest model."""
-        head = self.storage.head_version()
-        if head is None or head == self.model_version:
-            return
-        payload = self.storage.load_model(head)
-        state, dp_trained = self._decode_model(head, payload)
-        self._set_model(head, state, payload, dp_trained)
-        self._resume_strategy(head)
-        log.info("model version %d (committed by another cohort) is the head now", head)
+    @property
+    def model_sha256(self) -> str:
+        """SHA-256 (hex) of `model_bytes`."""
+        return self.global_model.sha256
 
-    def _resume_strategy(self, version: int) -> None:
-        """Give the strategy back what it stored with ``version`` (e.g. LightFR's density-derived w0),
-        so the first round after a restart, or after another instance's commit, plans as the
-        uninterrupted server would have.  Strategies without `restore_state` keep nothing."""
-        restore = getattr(self.strategy, "restore_state", None)
-        if callable(restore):
-            restore(self.storage.strategy_state(version))
+    @property
+    def model_etag(self) -> str:
+        """The HTTP ETag of `model_bytes`."""
+        return self.global_model.etag
 
-    def _refresh_ledger(self) -> None:
-        if self.ledger is None:
-            return
-        saved = self.storage.load_ledger()
-        if saved is not None:
-            self.ledger = PrivacyLedger.from_dict(saved)
+    @property
+    def model_dp_trained(self) -> bool:
+        """Sticky: set when a round with DP noise committed this model or one it was trained from."""
+        return self.global_model.dp_trained
+
+    @property
+    def ledger(self) -> PrivacyLedger | None:
+        """The privacy ledger as last read from storage (None without ``privacy.enabled``)."""
+        return self.privacy.ledger
+
+    @property
+    def mu(self) -> float:
+        """The Gaussian noise variance μ every round adds (0 without DP)."""
+        return self.privacy.mu
+
+    @property
+    def l1(self) -> float:
+        """L1 sensitivity of one device's quantized update."""
+        return self.privacy.l1
+
+    @property
+    def l2(self) -> float:
+        """L2 sensitivity of one device's quantized update."""
+        return self.privacy.l2
 
     # -- cohort leases ----------------------------------------------------------------------------
     def take_lease(self, cohort: int, token: int, abandoned: list[int]) -> None:
@@ -401,32 +263,6 @@ class RoundCoordinator:
         """The cohort this coordinator leads (None without a lease)."""
         return None if self.fence is None else self.fence[0]
 
-    def _payload(self, version: int, state: NDArray[Any], *, dp_trained: bool) -> bytes:
-        """Model ``version`` as served and stored: the strategy's wire fields (LightFR's include the w0 and
-        α its next plan carries, protocol 1.7) and ``dp_trained``, whether any round that led to it added
-        DP noise."""
-        st = self.strategy
-        wire = {"words": b"", "values": b"", **st.to_wire(state)}
-        return encode(
-            ModelPayload(
-                model_version=version,
-                model_kind=st.kind,
-                bits=st.rank,
-                n_items=st.n_items,
-                dp_trained=dp_trained,
-                **wire,
-            )
-        )
-
-    def _set_model(self, version: int, state: NDArray[Any], payload: bytes, dp_trained: bool) -> None:
-        #: Sticky: set when a round with DP noise committed this model or one it was trained from.
-        self.model_dp_trained = dp_trained
-        self.model_version = version
-        self.model_state = state
-        self.model_bytes = payload
-        self.model_sha256 = hashlib.sha256(payload).hexdigest()
-        self.model_etag = f'"{version}-{self.model_sha256[:16]}"'
-
     @property
     def item_codes(self) -> NDArray[Any]:
         """The global model (LightFR: the (m, f) ±1 item codes); kept for LightFR callers."""
@@ -456,59 +292,16 @@ class RoundCoordinator:
         enrollment_token: str = "",
         peer: str = "",
     ) -> RegisterResponse:
-        """Create a device identity; the token is returned once and stored only as its SHA-256.
-
-        The registration's enrollment credential is checked first, then the credential source's rate
-        (``peer`` keys the rate of open registrations); the certificate's identity key or the one-time
-        token is consumed with the new device in one transaction.
-
-        Raises
-        ------
-        EnrollmentRefused
-            Missing, forged, foreign or reused credential (`agg_server.enrollment.Enrollment.check`).
-        RateLimited
-            The credential source registers faster than ``enrollment.registrations_per_second``.
-        """
-        credential = self.enrollment.check(certificate=certificate, proof=proof, token=enrollment_token, peer=peer)
-        self.enrollment.admit(credential, now)
-        token = secrets.token_urlsafe(32)
-        device_id = self.storage.add_device(
-            token_digest(token),
-            platform,
-            now,
-            source=credential.source,
-            identity_key=credential.identity_key,
-            enrollment_token_sha256=credential.token_sha256,
+        """Create a device identity: `agg_server.enrollment.Enrollment.register` (which raises
+        `EnrollmentRefused` or `RateLimited`)."""
+        return self.enrollment.register(
+            platform, now, certificate=certificate, proof=proof, enrollment_token=enrollment_token, peer=peer
         )
-        self.enrollment.remember(device_id, credential.source)
-        return RegisterResponse(device_id=device_id, token=token)
 
     def authenticate(self, token: str | None) -> int:
-        """The device a bearer token belongs to.
-
-        Raises
-        ------
-        AuthError
-            Missing or unknown token.
-        EnrollmentRefused
-            (403) The token's device is revoked: its certified key is on the revocation list in force.
-        """
-        if not token:
-            raise AuthError("missing bearer token")
-        device = self.storage.device_for_token(token_digest(token))
-        if device is None:
-            raise AuthError("unknown bearer token")
-        self._refuse_revoked(device, "its bearer token is refused on every route")
-        return device
-
-    def _refuse_revoked(self, device_id: int, consequence: str) -> None:
-        if device_id in self.enrollment.revoked_devices():
-            crl = self.enrollment.revocation_list
-            number = f" #{crl.number}" if crl is not None else ""
-            raise EnrollmentRefused(
-                f"revocation check: device {device_id}'s certified key is on the enrollment authority's "
-                f"revocation list{number}; {consequence}"
-            )
+        """The device a bearer token belongs to: `agg_server.enrollment.Enrollment.authenticate` (which
+        raises `AuthError`, or `EnrollmentRefused` for a revoked device)."""
+        return self.enrollment.authenticate(token)
 
     @staticmethod
     def check_sender(device_id: int, message: Message) -> None:
@@ -531,7 +324,7 @@ class RoundCoordinator:
         EnrollmentRefused
             The device's certified key is on the enrollment authority's revocation list.
         """
-        self._refuse_revoked(device_id, "it takes part in no round")
+        self.enrollment.refuse_revoked(device_id, "it takes part in no round")
         r = self._round
         if r is not None and device_id in r.session.invited:
             # The invitation is handed out while the round collects keys and the device has sent
@@ -566,6 +359,30 @@ class RoundCoordinator:
         if cfg.max_rounds and self._rounds_run >= cfg.max_rounds:
             self.stopped_reason = f"max_rounds={cfg.max_rounds} reached"
             return
+        fresh = self._ready_pool(now)
+        if fresh is None:
+            return
+        if self.leased:
+            self.global_model.refresh()
+        self.privacy.refresh()
+        try:
+            self.privacy.check_round()
+        except PrivacyBudgetExceeded as exc:
+            self._budget_refused(exc, now)
+            return
+        round_id = self.storage.next_round_id()
+        rng = self._rng(round_id)
+        share = self.config.enrollment.max_source_share
+        sources = self.enrollment.sources(fresh) if share < 1.0 else None
+        shape = round_shape(cfg, fresh, rng, dp=bool(self.mu), sources=sources, max_source_share=share)
+        if shape is None:
+            return  # the operator's (k, t) were validated for the full cohort only: wait for it
+        self._open(now, round_id, rng, *shape)
+
+    def _ready_pool(self, now: float) -> list[int] | None:
+        """The waiting devices a cohort is drawn from, or None while too few wait; devices gone quiet or
+        revoked leave the pool first."""
+        cfg = self.config.rounds
         ttl = 10 * self.retry_after
         for d in [d for d, t in self._pool.items() if now - t > ttl]:  # gone quiet: forget them
             del self._pool[d]
@@ -576,27 +393,17 @@ class RoundCoordinator:
             self._pool_since.pop(d, None)
         fresh = sorted(self._pool)
         if len(fresh) < cfg.min_cohort:
-            return
+            return None
         oldest = min(self._pool_since[d] for d in fresh)
         if len(fresh) < cfg.cohort_size and now - oldest < 5 * self.retry_after:
-            return  # give the pool a moment to fill
-        if self.leased:
-            self._refresh_model()
-        self._refresh_ledger()
-        if self.ledger is not None:
-            try:
-                self.ledger.check_round(self.mu, self.l1, self.l2)
-            except PrivacyBudgetExceeded as exc:
-                self._budget_refused(exc, now)
-                return
-        round_id = self.storage.next_round_id()
-        rng = self._rng(round_id)
-        share = self.config.enrollment.max_source_share
-        sources = self.enrollment.sources(fresh) if share < 1.0 else None
-        shape = round_shape(cfg, fresh, rng, dp=bool(self.mu), sources=sources, max_source_share=share)
-        if shape is None:
-            return  # the operator's (k, t) were validated for the full cohort only: wait for it
-        cohort, k, t, t_min = shape
+            return None  # give the pool a moment to fill
+        return fresh
+
+    def _open(
+        self, now: float, round_id: int, rng: np.random.Generator, cohort: tuple[int, ...], k: int, t: int, t_min: int
+    ) -> None:
+        """Record round ``round_id`` of ``cohort`` (reserving its ε) and start its SecAgg+ session."""
+        cfg = self.config.rounds
         timeouts = (
             cfg.advertise_timeout,
             cfg.share_keys_timeout,
@@ -621,20 +428,8 @@ class RoundCoordinator:
         plan = round_plan(
             self.strategy, self.model_version, example_cap=cfg.example_cap, clip_norm=self.quantization.clip_norm
         )
-        reserved: list[PrivacyLedger] = []
-
-        def reserve(stored: dict[str, Any] | None) -> dict[str, Any]:
-            # Inside start_round's transaction, under the rounds lock: the ledger every instance shares.
-            assert self.ledger is not None
-            ledger = (
-                PrivacyLedger.from_dict(stored)
-                if stored is not None
-                else PrivacyLedger(epsilon_budget=self.ledger.epsilon_budget, delta=self.ledger.delta)
-            )
-            ledger.record_round(self.mu, self.l1, self.l2, round_id=round_id)
-            reserved.append(ledger)
-            return ledger.to_dict()
-
+        # Called inside start_round's transaction, under the rounds lock: the ledger every instance shares.
+        reservation = self.privacy.reservation(round_id)
         try:
             self.storage.start_round(
                 round_id,
@@ -643,7 +438,7 @@ class RoundCoordinator:
                 {"k": k, "t": t, "mu": self.mu, "t_min": t_min, "deadlines": list(deadlines), **plan.record()},
                 now,
                 fence=self.fence,
-                reserve=reserve if self.ledger is not None else None,
+                reserve=reservation,
             )
         except PrivacyBudgetExceeded as exc:
             self._budget_refused(exc, now)
@@ -656,8 +451,7 @@ class RoundCoordinator:
             log.warning("round %d could not be opened: %s", round_id, exc)
             self._next_open = now + max(0.2, cfg.round_interval)
             return
-        if reserved:
-            self.ledger = reserved[-1]
+        self.privacy.adopt(reservation)
         for d in cohort:
             self._pool.pop(d, None)
             self._pool_since.pop(d, None)
@@ -760,7 +554,7 @@ class RoundCoordinator:
         """
         self.check_sender(device_id, message)
         r = self._current(round_id)
-        phase = PHASE_OF_MESSAGE.get(type(message))
+        phase = SERVER_EXPECTS.get(type(message))
         if isinstance(message, Abort):
             phase = r.session.phase
         elif phase is None:
@@ -849,9 +643,9 @@ class RoundCoordinator:
                     r.revealed = True
         if r.session.finishing:
             r.finishing = True
-            self._job = FinishJob(round_id=r.round_id, _run=lambda: self._prepare(r))
+            self._job = FinishJob(round_id=r.round_id, _run=lambda: self.global_model.prepare_finishing(r))
             log.info("round %d: UNMASK closed, finishing", r.round_id)
-        elif phase in (Phase.DONE, Phase.ABORTED, Phase.ERROR):
+        elif phase in TERMINAL_PHASES:
             self._finish(r, now)
 
     # -- finishing a round off the caller's loop --------------------------------------------------------
@@ -860,22 +654,12 @@ class RoundCoordinator:
         job, self._job = self._job, None
         return job
 
-    def _prepare(self, r: _OpenRound) -> _Prepared:
-        """Unmask, aggregate and encode (thread-safe as `FinishJob` explains)."""
-        try:
-            r.session.finish()
-        except Exception as exc:
-            return _Prepared(unmasked=False, error=exc)
-        if r.session.phase is not Phase.DONE:
-            return _Prepared(unmasked=False)
-        return self._prepare_done(r)
-
     def complete_finish(self, job: FinishJob, now: float) -> None:
         """Commit (or abort) the round whose `FinishJob` ran: charge the ledger, store the model."""
         r = self._round
         if r is None or r.round_id != job.round_id or not r.finishing:
             raise LocalProtocolError(f"round {job.round_id} is not finishing")
-        prepared = job.prepared if job.prepared is not None else _Prepared(unmasked=False, error=None)
+        prepared = job.prepared if job.prepared is not None else Prepared(unmasked=False, error=None)
         if prepared.error is not None:
             log.error("round %d could not be finished: %s", r.round_id, prepared.error, exc_info=prepared.error)
         if r.session.phase is not r.phase:
@@ -916,7 +700,7 @@ class RoundCoordinator:
             except Exception:
                 log.exception("round-event listener %r failed on %s", listener, event)
 
-    def _finish(self, r: _OpenRound, now: float, prepared: _Prepared | None = None) -> None:
+    def _finish(self, r: _OpenRound, now: float, prepared: Prepared | None = None) -> None:
         # Whatever fails below, the round is released exactly once: a failed commit must neither be
         # retried on the next tick (it would charge the privacy ledger again) nor wedge the server.
         session = r.session
@@ -926,7 +710,7 @@ class RoundCoordinator:
             if prepared is not None and prepared.unmasked:
                 outcome = self._commit(r, now, prepared)
             elif prepared is None and session.phase is Phase.DONE:
-                outcome = self._commit(r, now, self._prepare_done(r))
+                outcome = self._commit(r, now, self.global_model.prepare(r))
             else:
                 log.warning("round %d aborted: %s", r.round_id, reason)
                 self.storage.finish_round(r.round_id, "aborted", reason=reason, now=now, fence=self.fence)
@@ -935,7 +719,7 @@ class RoundCoordinator:
         finally:
             self._finished[r.round_id] = outcome
             with contextlib.suppress(Exception):
-                self._refresh_ledger()  # a reservation may have been given back
+                self.privacy.refresh()  # a reservation may have been given back
             self._emit_finished(
                 r, now, "committed" if outcome.committed else "aborted", outcome.model_version, outcome.reason
             )
@@ -952,103 +736,17 @@ class RoundCoordinator:
                 "outcome": outcome,
                 "seconds": now - r.started,
                 "survivors": len(r.alive),
-                "epsilon_spent": self.ledger.spent() if self.ledger is not None else None,
+                "epsilon_spent": self.privacy.spent(),
                 "model_version": version,
                 "reason": reason,
             },
         )
 
-    def _prepare_done(self, r: _OpenRound) -> _Prepared:
-        # Aggregate the unmasked sum onto the round's base model (in the finishing thread, or inline in
-        # the caller's call without defer_finish).
-        try:
-            result = r.session.result()
-            survivors = len(result.survivors)
-            digest = hashlib.sha256(np.asarray(result.total, dtype="<u4").tobytes()).digest()
-            total = dequantize_sum(result.total, self.quantization)
-            state = self.strategy.aggregate(self.model_state, total, survivors, r.rng, round_index=r.plan.round_index)
-            payload = self._payload(self.model_version + 1, state, dp_trained=self.model_dp_trained or r.mu > 0)
-        except Exception as exc:
-            return _Prepared(unmasked=True, error=exc)
-        return _Prepared(
-            unmasked=True, survivors=survivors, state=state, payload=payload, total=total, sum_sha256=digest
-        )
-
-    def _commit(self, r: _OpenRound, now: float, prepared: _Prepared) -> RoundResult:
+    def _commit(self, r: _OpenRound, now: float, prepared: Prepared) -> RoundResult:
         # The round's ε was reserved when it opened and it is marked revealed: the ledger stays charged
         # whatever happens below.
-        self._refresh_ledger()
-        epsilon = self.ledger.spent() if self.ledger is not None else None
-        if prepared.error is not None:
-            log.error("round %d: aggregation failed after unmasking: %s", r.round_id, prepared.error)
-            self.storage.finish_round(
-                r.round_id, "aborted", reason=f"aggregation failed: {prepared.error}", now=now, fence=self.fence
-            )
-            return RoundResult(
-                round_id=r.round_id, committed=False, model_version=self.model_version, reason="aggregation failed"
-            )
-        survivors, state, payload = prepared.survivors, prepared.state, prepared.payload
-        base, rebased = self.model_version, 0
-        update: dict[str, Any] = {"survivors": survivors, "epsilon_spent": epsilon, "sum_sha256": prepared.sum_sha256}
-        carry = getattr(self.strategy, "carry_state", None)
-        if callable(carry):
-            update["strategy_state"] = carry()
-        while True:
-            try:
-                self.storage.commit_model(
-                    base + 1, r.round_id, payload, now, round_update=update, fence=self.fence, base_version=base
-                )
-                break
-            except HeadMoved as moved:
-                # Another cohort committed first: apply this round's sum to the newest head and try again.
-                rebased += 1
-                error: Exception | None = None
-                if rebased <= _REBASES and prepared.total is not None:
-                    try:
-                        head_bytes = self.storage.load_model(moved.head)
-                        head_state, head_dp = self._decode_model(moved.head, head_bytes)
-                        state = self.strategy.aggregate(
-                            head_state, prepared.total, survivors, r.rng, round_index=r.plan.round_index
-                        )
-                        payload = self._payload(moved.head + 1, state, dp_trained=head_dp or r.mu > 0)
-                        base = moved.head
-                        self._set_model(moved.head, head_state, head_bytes, head_dp)
-                        continue
-                    except Exception as exc:
-                        error = exc
-                reason = f"commit failed after {rebased} rebases: {error or moved}"
-                log.error("round %d: %s", r.round_id, reason)
-                self.storage.finish_round(r.round_id, "aborted", reason=reason, now=now, fence=self.fence)
-                return RoundResult(
-                    round_id=r.round_id, committed=False, model_version=self.model_version, reason=reason
-                )
-            except LeaseLost as exc:
-                log.error("round %d: not committed, the cohort's lease is lost: %s", r.round_id, exc)
-                return RoundResult(
-                    round_id=r.round_id, committed=False, model_version=self.model_version, reason=str(exc)
-                )
-            except StorageError as exc:
-                log.error("round %d: could not commit model version %d: %s", r.round_id, base + 1, exc)
-                self.storage.finish_round(
-                    r.round_id, "aborted", reason=f"commit failed: {exc}", now=now, fence=self.fence
-                )
-                return RoundResult(
-                    round_id=r.round_id, committed=False, model_version=self.model_version, reason=str(exc)
-                )
-        if rebased:
-            log.info("round %d: sum applied to model version %d (rebased %d times)", r.round_id, base, rebased)
-        version = base + 1
-        change = self.strategy.describe(self.model_state, state)
-        self._set_model(version, state, payload, self.model_dp_trained or r.mu > 0)
-        log.info(
-            "round %d committed model version %d: %d survivors, %s%s",
-            r.round_id,
-            version,
-            survivors,
-            change,
-            f", epsilon spent {epsilon:.4g}" if epsilon is not None else "",
-        )
-        return RoundResult(round_id=r.round_id, committed=True, model_version=version)
+        self.privacy.refresh()
+        return self.global_model.commit(r, now, prepared, epsilon=self.privacy.spent(), fence=self.fence)
 
     def shutdown(self, now: float) -> None:
         """Close an open round as abandoned (graceful stop): nothing is revealed, devices retry."""
@@ -1078,26 +776,8 @@ class RoundCoordinator:
     def status(self, now: float) -> dict[str, Any]:
         """A JSON-able snapshot for `/v1/status` and the dashboard."""
         r = self._round
-        current = None
-        if r is not None:
-            current = {
-                "round_id": r.round_id,
-                "phase": "finishing" if r.finishing else r.session.phase.value,
-                "cohort": len(r.cohort),
-                "alive": len(r.alive),
-                "awaiting": len(r.session.expected()) if r.session.phase in ACTIVE_PHASES and not r.finishing else 0,
-                "seconds": round(now - r.started, 3),
-                "dropouts": {p.value: len(v) for p, v in r.session.dropouts.items()},
-            }
-        privacy = None
-        if self.ledger is not None:
-            privacy = {
-                "epsilon_spent": self.ledger.spent(),
-                "epsilon_budget": self.ledger.epsilon_budget,
-                "delta": self.ledger.delta,
-                "mu": self.mu,
-                "rounds_charged": len(self.ledger.rounds),
-            }
+        current = None if r is None else open_round_status(r, now)
+        privacy = self.privacy.status()
         return {
             "model": {
                 "version": self.model_version,
@@ -1110,26 +790,9 @@ class RoundCoordinator:
             "waiting_devices": len(self._pool),
             "registered_devices": self.storage.device_count(),
             "rounds": self.storage.round_counts(),
-            "recent_rounds": [
-                {**rec, "phases": _records(self.storage.phase_stats(rec["round_id"]))}
-                for rec in _records(self.storage.recent_rounds(10))
-            ],
-            "process": _process_stats(),
+            "recent_rounds": recent_rounds(self.storage, 10),
+            "process": process_stats(),
             "privacy": privacy,
             "stopped": self.stopped_reason or None,
             "abandoned_at_start": list(self.abandoned),
         }
-
-
-def _process_stats() -> dict[str, float]:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    # ru_maxrss is in kilobytes on Linux.
-    return {"cpu_seconds": usage.ru_utime + usage.ru_stime, "max_rss_mb": usage.ru_maxrss / 1024.0}
-
-
-def _records(records: Any) -> list[dict[str, Any]]:
-    out = []
-    for rec in records:
-        d = dataclasses.asdict(rec) if dataclasses.is_dataclass(rec) and not isinstance(rec, type) else dict(rec)
-        out.append({k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in d.items()})
-    return out

@@ -1,5 +1,6 @@
 """Who may register a device (protocol 1.4, issue 15 items 1 and 4): enrollment credentials, their
-sources, the per-source registration rate, and the per-source share of a round's cohort.
+sources, the per-source registration rate, and the per-source share of a round's cohort; registering a
+device and authenticating its bearer token.
 
 Invariants:
 - A registration carries at most one credential: a certificate of the configured enrollment authority
@@ -9,7 +10,8 @@ Invariants:
   ``token:<label>`` (the label the operator issued the tokens under), or ``open``.  The rate limit and the
   cohort cap count per source.
 - A certified identity key registers once, a token is consumed once (both in the same database
-  transaction as the new device); tokens are stored as SHA-256 only.
+  transaction as the new device); enrollment and bearer tokens are stored as SHA-256 only (`token_digest`).
+- A device whose certified key the revocation list in force revokes is refused on every route.
 - Nothing here touches the network; the caller passes ``now`` for rate limits, and certificates' validity
   periods are checked against the wall clock (``time.time()``, the clock the authority stamped them with).
 - The revocation list in force only moves forward: it is replaced by a list of the authority with a
@@ -39,11 +41,26 @@ import numpy as np
 
 from agg_server.config import ServerConfig
 from agg_server.storage import Storage
-from protocol import crypto
 from protocol.enrollment import load_revocation_list
-from protocol.errors import CryptoError, EnrollmentRefused, RateLimited, RevocationListInvalid, StorageError
+from protocol.errors import (
+    AuthError,
+    CryptoError,
+    EnrollmentRefused,
+    RateLimited,
+    RevocationListInvalid,
+    StorageError,
+)
+from protocol.identity import (
+    RevocationList,
+    certificate_batch,
+    registration_payload,
+    verify_certificate,
+    verify_revocation_list,
+    verify_signature,
+)
+from protocol.messages import RegisterResponse
 
-__all__ = ["Enrollment", "Credential", "capped_cohort", "TOKEN_LABEL", "MAX_TOKENS_PER_REQUEST"]
+__all__ = ["Enrollment", "Credential", "capped_cohort", "token_digest", "TOKEN_LABEL", "MAX_TOKENS_PER_REQUEST"]
 
 #: What an operator may call a batch of enrollment tokens.
 TOKEN_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -55,6 +72,11 @@ DATABASE_POLL = 1.0
 #: looked at (``os.stat``) this often, never by a request.
 REFRESH_PERIOD = 1.0
 log = logging.getLogger(__name__)
+
+
+def token_digest(token: str) -> bytes:
+    """SHA-256 of a bearer or enrollment token: the only form in which the server stores it."""
+    return hashlib.sha256(token.encode("utf-8")).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +115,7 @@ class Enrollment:
         self._buckets: dict[str, _Bucket] = {}
         self._sources: dict[int, str] = {}
         self._crl_path = self.config.revocation_list
-        self._crl: crypto.RevocationList | None = None
+        self._crl: RevocationList | None = None
         self._crl_bytes = b""
         self._crl_etag = ""
         self._crl_stamp: tuple[int, int, int] | None = None
@@ -129,23 +151,23 @@ class Enrollment:
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
     @staticmethod
-    def _etag(crl: crypto.RevocationList, data: bytes) -> str:
+    def _etag(crl: RevocationList, data: bytes) -> str:
         return f'"crl-{crl.number}-{hashlib.sha256(data).hexdigest()[:32]}"'
 
-    def _read_file(self) -> tuple[crypto.RevocationList, bytes, str]:
+    def _read_file(self) -> tuple[RevocationList, bytes, str]:
         """Read and verify the list file (thread-safe: no storage, no state)."""
         assert self._crl_path is not None
         crl, data = load_revocation_list(self._crl_path, self.authority, interruptible=True)
         return crl, data, self._etag(crl, data)
 
-    def _verify_bytes(self, data: bytes) -> tuple[crypto.RevocationList, str]:
+    def _verify_bytes(self, data: bytes) -> tuple[RevocationList, str]:
         """Verify an uploaded or stored list (thread-safe: no storage, no state)."""
-        crl = crypto.verify_revocation_list(data, self.authority, interruptible=True)
+        crl = verify_revocation_list(data, self.authority, interruptible=True)
         return crl, self._etag(crl, data)
 
     def _load_crl(
-        self, crl: crypto.RevocationList, data: bytes, origin: str = "file", etag: str = ""
-    ) -> list[crypto.RevocationList | None]:
+        self, crl: RevocationList, data: bytes, origin: str = "file", etag: str = ""
+    ) -> list[RevocationList | None]:
         """Put ``crl`` in force; returns a one-element list holding the list it replaced, for the caller to
         empty where freeing 10^6 keys does not hold up the loop."""
         revoked = frozenset(self.storage.revoked_devices(crl.device_keys))  # storage: on the caller's thread
@@ -163,8 +185,8 @@ class Enrollment:
         return retired
 
     def _adopt(
-        self, crl: crypto.RevocationList, data: bytes, etag: str, origin: str, where: str
-    ) -> list[crypto.RevocationList | None]:
+        self, crl: RevocationList, data: bytes, etag: str, origin: str, where: str
+    ) -> list[RevocationList | None]:
         """Put ``crl`` in force unless it goes back (the forward-only rule; logged, the list stays)."""
         if self._crl is not None and crl.number < self._crl.number:
             log.error(
@@ -195,7 +217,7 @@ class Enrollment:
         if blob is not None and checked is not None:
             self._adopt(checked[0], blob, checked[1], "database", "the database")
 
-    def _file_candidate(self) -> tuple[crypto.RevocationList, bytes, str] | None:
+    def _file_candidate(self) -> tuple[RevocationList, bytes, str] | None:
         """The list file, read and verified, when it changed since it was last looked at (None: unchanged,
         or refused: logged).  Thread-safe: besides the file it touches only its stamp, which one refresh at
         a time writes (the server's worker thread; the request path without one)."""
@@ -212,7 +234,7 @@ class Enrollment:
             log.error("revocation list refused, the list in force stays: %s", exc)
             return None
 
-    def _checked_upload(self, data: bytes) -> tuple[crypto.RevocationList, str] | None:
+    def _checked_upload(self, data: bytes) -> tuple[RevocationList, str] | None:
         """An uploaded list's bytes verified (None: refused, logged).  Thread-safe."""
         try:
             return self._verify_bytes(data)
@@ -267,7 +289,7 @@ class Enrollment:
             log.error("cannot read the uploaded revocation lists, the list in force stays: %s", exc)
             return None
 
-    def upload_revocation_list(self, data: bytes, now: float) -> tuple[crypto.RevocationList, bool]:
+    def upload_revocation_list(self, data: bytes, now: float) -> tuple[RevocationList, bool]:
         """Store a revocation list an operator uploaded (``POST /v1/admin/revocation-list``) in the shared
         database, so that every instance enforces it, and enforce it here at once.
 
@@ -292,7 +314,7 @@ class Enrollment:
 
     async def upload_revocation_list_async(
         self, data: bytes, now: float, executor: Executor | None = None
-    ) -> tuple[crypto.RevocationList, bool]:
+    ) -> tuple[RevocationList, bool]:
         """`upload_revocation_list` with the signature checks in ``executor``, serialized with `refresh`;
         the list is in force here when it returns."""
         if not self.authority:
@@ -304,8 +326,8 @@ class Enrollment:
             return self._store_upload(crl, data, etag, now)
 
     def _store_upload(
-        self, crl: crypto.RevocationList, data: bytes, etag: str, now: float
-    ) -> tuple[crypto.RevocationList, bool]:
+        self, crl: RevocationList, data: bytes, etag: str, now: float
+    ) -> tuple[RevocationList, bool]:
         if self._crl is not None and crl.number < self._crl.number:
             raise RevocationListInvalid(
                 f"revocation list #{crl.number} is older than #{self._crl.number} in force (a rollback); nothing stored"
@@ -335,7 +357,7 @@ class Enrollment:
         return self._crl_bytes, self._crl_etag
 
     @property
-    def revocation_list(self) -> crypto.RevocationList | None:
+    def revocation_list(self) -> RevocationList | None:
         """The revocation list in force (None: neither ``enrollment.revocation_list`` nor an uploaded one)."""
         return self._crl
 
@@ -360,20 +382,20 @@ class Enrollment:
             if not self.authority:
                 raise EnrollmentRefused("this server has no enrollment authority; it does not take certificates")
             self._refresh_on_request()
-            revoked: crypto.RevocationList | frozenset[bytes] = self._crl if self._crl is not None else frozenset()
+            revoked: RevocationList | frozenset[bytes] = self._crl if self._crl is not None else frozenset()
             try:
-                identity = crypto.verify_certificate(certificate, self.authority, revoked=revoked)
-                crypto.verify_signature(identity, proof, crypto.registration_payload(certificate))
+                identity = verify_certificate(certificate, self.authority, revoked=revoked)
+                verify_signature(identity, proof, registration_payload(certificate))
             except CryptoError as exc:
                 raise EnrollmentRefused(f"certificate refused: {exc}") from None
-            source = "cert:" + crypto.certificate_batch(certificate).hex()
+            source = "cert:" + certificate_batch(certificate).hex()
             return Credential(source=source, identity_key=identity, rate_key=source)
         if token:
             if self.authority:
                 raise EnrollmentRefused(
                     "this server enrolls devices by certificate (signed rounds); enrollment tokens are not accepted"
                 )
-            digest = hashlib.sha256(token.encode("utf-8")).digest()
+            digest = token_digest(token)
             known = self.storage.enrollment_token_source(digest)
             if known is None:
                 raise EnrollmentRefused("unknown enrollment token")
@@ -416,6 +438,72 @@ class Enrollment:
     def remember(self, device_id: int, source: str) -> None:
         self._sources[device_id] = source
 
+    # -- devices --------------------------------------------------------------------------------------
+    def register(
+        self,
+        platform: str,
+        now: float,
+        *,
+        certificate: bytes = b"",
+        proof: bytes = b"",
+        enrollment_token: str = "",
+        peer: str = "",
+    ) -> RegisterResponse:
+        """Create a device identity; the token is returned once and stored only as its SHA-256.
+
+        The registration's enrollment credential is checked first, then the credential source's rate
+        (``peer`` keys the rate of open registrations); the certificate's identity key or the one-time
+        token is consumed with the new device in one transaction.
+
+        Raises
+        ------
+        EnrollmentRefused
+            Missing, forged, foreign or reused credential (`check`).
+        RateLimited
+            The credential source registers faster than ``enrollment.registrations_per_second``.
+        """
+        credential = self.check(certificate=certificate, proof=proof, token=enrollment_token, peer=peer)
+        self.admit(credential, now)
+        token = secrets.token_urlsafe(32)
+        device_id = self.storage.add_device(
+            token_digest(token),
+            platform,
+            now,
+            source=credential.source,
+            identity_key=credential.identity_key,
+            enrollment_token_sha256=credential.token_sha256,
+        )
+        self.remember(device_id, credential.source)
+        return RegisterResponse(device_id=device_id, token=token)
+
+    def authenticate(self, token: str | None) -> int:
+        """The device a bearer token belongs to.
+
+        Raises
+        ------
+        AuthError
+            Missing or unknown token.
+        EnrollmentRefused
+            (403) The token's device is revoked: its certified key is on the revocation list in force.
+        """
+        if not token:
+            raise AuthError("missing bearer token")
+        device = self.storage.device_for_token(token_digest(token))
+        if device is None:
+            raise AuthError("unknown bearer token")
+        self.refuse_revoked(device, "its bearer token is refused on every route")
+        return device
+
+    def refuse_revoked(self, device_id: int, consequence: str) -> None:
+        """Raise `EnrollmentRefused` (saying ``consequence``) if the list in force revokes ``device_id``."""
+        if device_id in self.revoked_devices():
+            crl = self.revocation_list
+            number = f" #{crl.number}" if crl is not None else ""
+            raise EnrollmentRefused(
+                f"revocation check: device {device_id}'s certified key is on the enrollment authority's "
+                f"revocation list{number}; {consequence}"
+            )
+
     # -- operator tokens ------------------------------------------------------------------------------
     def issue_tokens(self, count: int, label: str, now: float) -> list[str]:
         """Create ``count`` one-time enrollment tokens under source ``token:<label>``; only their SHA-256
@@ -435,9 +523,7 @@ class Enrollment:
         if not isinstance(label, str) or TOKEN_LABEL.fullmatch(label) is None:
             raise ValueError(f"source must be 1-64 characters of [A-Za-z0-9._-], got {label!r}")
         tokens = [secrets.token_urlsafe(32) for _ in range(count)]
-        self.storage.add_enrollment_tokens(
-            [hashlib.sha256(t.encode("utf-8")).digest() for t in tokens], f"token:{label}", now
-        )
+        self.storage.add_enrollment_tokens([token_digest(t) for t in tokens], f"token:{label}", now)
         return tokens
 
     # -- cohorts --------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@
 #   from ``secrets`` every round); the stochastic-rounding coins are the noise stream's first words (read
 #   in the training thread before the session draws its noise); key material is generated inside
 #   `protocol` only.
-"""`DeviceClient`: one device taking part in federated rounds over a `Transport` (DESIGN.md §4, §7).
+"""`DeviceClient`: one device taking part in federated rounds over a `Transport` (docs/design.md §4, §7).
 
 Why one module of ~800 lines: it is one class, the round driver, whose steps (check-in, model sync,
 training, the four SecAgg+ phases, leaving) share the client's lock, store and tally; about half of it
@@ -67,8 +67,6 @@ from device_sdk.persistence import (
 )
 from device_sdk.training import local_round
 from device_sdk.transport import LeftRound, Response, Transport, TransportError, raise_for_error
-from protocol import crypto
-from protocol.crypto import NoiseStream, SigningKey, insecure_test_noise_stream
 from protocol.device_session import DeviceSecAggSession
 from protocol.errors import (
     ConfigError,
@@ -80,6 +78,13 @@ from protocol.errors import (
     RoundError,
     StaleRound,
     StorageError,
+)
+from protocol.identity import (
+    RevocationList,
+    SigningKey,
+    registration_payload,
+    verify_certificate,
+    verify_revocation_list,
 )
 from protocol.messages import (
     Abort,
@@ -99,6 +104,7 @@ from protocol.messages import (
 )
 from protocol.phases import ACTIVE_PHASES
 from protocol.policy import PrivacyPolicy
+from protocol.samplers import NoiseStream, insecure_test_noise_stream
 from protocol.spec import MAX_TEXT
 
 __all__ = [
@@ -224,7 +230,7 @@ def insecure_seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.r
     """TEST HOOK: reproducible per-round generators of one device, ``(training_rng, noise_stream)``.
 
     The noise stream (DP noise, thinning and stochastic-rounding coins) is
-    `protocol.crypto.insecure_test_noise_stream(seed, round_id, device_id)`: anyone who knows the seed
+    `protocol.samplers.insecure_test_noise_stream(seed, round_id, device_id)`: anyone who knows the seed
     predicts every device's noise and rounding, so the ε of a run that uses this hook is NOT a
     privacy guarantee (callers that report ε must say so).  The in-process simulator and devices driven
     over HTTP both use exactly this function so that they produce bit-identical updates and noise.  Pass
@@ -853,11 +859,11 @@ class DeviceClient:
     # -- revocation (protocol 1.5) ------------------------------------------------------------------
 
     @property
-    def revocation_list(self) -> crypto.RevocationList | None:
+    def revocation_list(self) -> RevocationList | None:
         """The newest revocation list of the pinned authority this device holds (None: none seen yet)."""
         return None if self._revocations is None else self._revocations.revocation_list
 
-    async def refresh_revocations(self) -> crypto.RevocationList | None:
+    async def refresh_revocations(self) -> RevocationList | None:
         """Fetch the server's revocation list now (``GET /v1/enrollment/revocations``), check it against
         the pinned authority and keep it if it is newer than the one held; `run_round` does this before
         every round of a device that pins an authority.  Calling it at start-up closes the window before
@@ -882,7 +888,7 @@ class DeviceClient:
         async with self._lock:
             return await self._refresh_revocations(self.config.authority_key, _Tally())
 
-    async def _refresh_revocations(self, authority: bytes, tally: _Tally) -> crypto.RevocationList | None:
+    async def _refresh_revocations(self, authority: bytes, tally: _Tally) -> RevocationList | None:
         """Fetch the server's revocation list (``If-None-Match`` the one held), check it and keep the newer.
 
         Raises
@@ -915,7 +921,7 @@ class DeviceClient:
             return None if held is None else held.revocation_list
         try:
             # Off the loop: a list of 10^6 keys takes ~0.6 s to check (10^5: ~36 ms).
-            crl = await asyncio.to_thread(crypto.verify_revocation_list, payload.data, authority)
+            crl = await asyncio.to_thread(verify_revocation_list, payload.data, authority)
         except RevocationListInvalid as exc:
             raise RevocationListInvalid(f"the server's revocation list is refused: {exc}") from None
         if held is not None:
@@ -952,9 +958,9 @@ class DeviceClient:
         request = RegisterRequest(platform=self.config.platform, enrollment_token=enrollment_token)
         if certificate:
             key = self._signing()
-            if authority is not None and crypto.verify_certificate(certificate, authority) != key.public_key:
+            if authority is not None and verify_certificate(certificate, authority) != key.public_key:
                 raise ConfigError("the certificate does not certify this device's identity key")
-            proof = key.sign(crypto.registration_payload(certificate))
+            proof = key.sign(registration_payload(certificate))
             request = RegisterRequest(platform=self.config.platform, certificate=certificate, proof=proof)
         with tally.step("register"):
             response = await self._call(

@@ -2,7 +2,7 @@
 
 A private round releases exactly one thing to the server: the modular sum, over the survivors U3, of
 each device's clipped, quantized update plus the Skellam noise it still carries after the survivor
-correction (DESIGN.md §4–5).  The masks cancel by construction, so running SecAgg+'s crypto for tens of
+correction (docs/design.md §4–5).  The masks cancel by construction, so running SecAgg+'s crypto for tens of
 thousands of simulated devices buys nothing for the model: this module computes that released value
 without it, and then does what `agg_server.coordinator.RoundCoordinator` does with it (privacy
 ledger, dequantization, the family's `Strategy.aggregate`, the next model version).
@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from agg_server.cohort import round_shape
 from agg_server.config import ServerConfig
-from agg_server.coordinator import round_shape
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
 from device_sdk.client import insecure_seeded_rngs
@@ -56,7 +56,6 @@ from fedsim.faults import DropoutAt
 from fedsim.threads import one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
-from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import ConfigError, NotEnoughParticipants
 from protocol.families.lightfr import UploadLayout, bias_from_levels
 from protocol.graph import harary_graph
@@ -78,6 +77,7 @@ from protocol.quantization import (
     sensitivity,
     stochastic_round,
 )
+from protocol.samplers import NoiseStream, insecure_test_noise_stream
 from protocol.session import RoundParameters
 
 __all__ = [

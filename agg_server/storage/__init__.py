@@ -4,7 +4,12 @@
   instances), the one schema and its migrations;
 * `agg_server.storage.checkpoints` — the model checkpoint files (written with `protocol.atomic`, the
   helper the device store shares);
-* `agg_server.storage.repository` — `Storage`, every query the server makes;
+* `agg_server.storage.repository` — `Storage`, the facade over every query the server makes, one base
+  class per table family: `agg_server.storage.devices` (devices, enrollment tokens),
+  `agg_server.storage.revocation` (revocation lists), `agg_server.storage.rounds` (rounds, cohort
+  leases, participation), `agg_server.storage.ledger` (the privacy ledger) and
+  `agg_server.storage.models` (checkpoints, strategy state, quality), over `agg_server.storage.base`
+  (the connection plumbing and argument checks they share);
 * `agg_server.storage.records` — the row types it returns.
 
 ``from agg_server.storage import Storage`` (and the names below) is the public import.

@@ -123,7 +123,7 @@ def agg_full(
     With ``mean_field`` the observed part of item i's quadratic, Σ_{u∈Ω_i} b_u b_uᵀ (not in the sum), is
     taken as (counts_i / n)·G_U, so a bit's C_ik also follows the item's bits already changed in this
     step: exact coordinate descent when the raters of every item look like the cohort, and less of the
-    Jacobi overshoot otherwise (chosen on validation, README).
+    Jacobi overshoot otherwise (chosen on validation, docs/results/2026-11-quality.md).
     ``sweeps`` > 1 repeats the pass over the bits on the same summed statistics (no more uploads) until a
     pass flips nothing: each bit is then tested against the quadratic model of its item's loss around the
     old codes (the gradient at the old codes, the Gram term, and with ``mean_field`` the raters' part), its
@@ -224,7 +224,7 @@ class LightFRStrategy:
     Attributes
     ----------
     bits : code length f.
-    lam : balance weight λ (see DESIGN.md section 2 for why the default is 0, not the paper's 0.6).
+    lam : balance weight λ (see docs/design.md §2.2 for why the default is 0, not the paper's 0.6).
     aggregation : `Aggregation.GRAD` (default) or `Aggregation.PARA`.
     flip_fraction : damping ρ of Agg_grad (see `agg_grad`); 1 is the paper's rule.
     """
@@ -259,7 +259,8 @@ class LightFRStrategy:
 
 def default_flip_fraction(all_items: bool, mean_field: bool) -> float:
     """The Agg_grad damping ρ used when none is configured: 1 for the all-items objective with the
-    mean-field step (its validation winner), 0.3 otherwise (the Jacobi step oscillates at 1)."""
+    mean-field step (its validation winner), 0.3 otherwise (the Jacobi step oscillates at 1); both chosen
+    on validation, docs/results/2026-11-quality.md."""
     return 1.0 if all_items and mean_field else 0.3
 
 
@@ -287,7 +288,8 @@ class LightFRServerParams:
         biases (the private popularity channel, for rounds under DP, where the bias sums are noise):
         β_i = span·log(1 + n̂_i) / log(1 + max n̂), n̂ the round's counts (negative noise as 0),
         averaged over the rounds so far (`popularity_bias`).  0 = learned levels.
-    mean_field : the code step's mean-field correction (`agg_full`; chosen on validation, README).
+    mean_field : the code step's mean-field correction (`agg_full`; chosen on validation,
+        docs/results/2026-11-quality.md).
     code_sweeps : passes in [1, 100] of the code step over one round's sum (`agg_full` ``sweeps``).
     """
 
