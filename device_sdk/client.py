@@ -23,7 +23,7 @@
 Why one module of ~800 lines: it is one class, the round driver, whose steps (check-in, model sync,
 training, the four SecAgg+ phases, leaving) share the client's lock, store and tally; about half of it
 is docstrings.  What could leave has left: store files (`device_sdk.persistence`), the transport and its
-retry policy (`device_sdk.transport`, `device_sdk.http`), fault injection (`fedsim.faults`).
+retry policy (`device_sdk.transport`, `device_sdk.http`), fault injection (`fedsim.fleets.faults`).
 """
 
 from __future__ import annotations
@@ -546,7 +546,7 @@ class DeviceClient:
         round; `RoundError`s from the server (round closed, stale round, not enough participants)
         become an "aborted" outcome with the reason.  A transport that raises
         `device_sdk.transport.LeftRound` takes the device out of the round ("dropped"; how load tests
-        inject dropouts: `fedsim.faults.FaultyTransport`).
+        inject dropouts: `fedsim.fleets.faults.FaultyTransport`).
 
         Returns
         -------
