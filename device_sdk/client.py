@@ -35,8 +35,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -57,7 +56,7 @@ from device_sdk.persistence import (
     load_sync,
     secret_generator,
 )
-from device_sdk.transport import Transport
+from device_sdk.transport import AsyncClosing, Transport
 from protocol import crypto
 from protocol.crypto import NoiseStream, SigningKey, insecure_test_noise_stream
 from protocol.errors import ConfigError, StorageError
@@ -68,6 +67,7 @@ __all__ = [
     "IDENTITY_FILE",
     "SYNC_FILE",
     "ClientConfig",
+    "ClientOptions",
     "RoundStatus",
     "RoundOutcome",
     "DeviceClient",
@@ -172,7 +172,22 @@ def _secret_round_rngs(round_id: int) -> tuple[np.random.Generator, NoiseStream]
     return secret_generator(), NoiseStream.from_os()
 
 
-class DeviceClient(RoundParticipation):
+class ClientOptions(TypedDict, total=False):
+    """The keyword arguments of `DeviceClient` after its transport and config (documented there), which
+    `DeviceClient.connect` passes on as they are; the defaults are `DeviceClient`'s."""
+
+    items: Required[ArrayLike]
+    ratings: Required[ArrayLike | None]
+    n_items: Required[int]
+    bits: int
+    rating_range: tuple[float, float] | None
+    binary_positives: bool
+    rng_for_round: RoundRngs | None
+    model: FederatedModel | None
+    data: LocalRatings | None
+
+
+class DeviceClient(RoundParticipation, AsyncClosing):
     """One device: registers once, checks in, trains locally and takes part in SecAgg+ rounds.
 
     On construction the client loads ``store_dir/model.fedrec`` when present.  A corrupt model file is
@@ -280,16 +295,8 @@ class DeviceClient(RoundParticipation):
         base_url: str,
         config: ClientConfig,
         *,
-        items: ArrayLike,
-        ratings: ArrayLike | None,
-        n_items: int,
-        bits: int = 64,
-        rating_range: tuple[float, float] | None = (1.0, 5.0),
-        binary_positives: bool = True,
-        rng_for_round: RoundRngs | None = None,
         retries: int = 5,
-        model: FederatedModel | None = None,
-        data: LocalRatings | None = None,
+        **options: Unpack[ClientOptions],
     ) -> DeviceClient:
         """A client over `device_sdk.http.HttpTransport` (imported here, so aiohttp loads only now).
 
@@ -297,8 +304,8 @@ class DeviceClient(RoundParticipation):
         ----------
         base_url : str
             Server root, e.g. ``http://127.0.0.1:8080``.
-        config, items, ratings, n_items, bits, rating_range, binary_positives, rng_for_round, model, data
-            As for `DeviceClient`.
+        config, **options
+            As for `DeviceClient` (``items``, ``ratings`` and ``n_items`` required; `ClientOptions`).
         retries : int
             Retries of the HTTP transport.
 
@@ -312,29 +319,10 @@ class DeviceClient(RoundParticipation):
         client = cls(
             HttpTransport(base_url, retries=retries),
             config,
-            items=items,
-            ratings=ratings,
-            n_items=n_items,
-            bits=bits,
-            rating_range=rating_range,
-            binary_positives=binary_positives,
-            rng_for_round=rng_for_round,
-            model=model,
-            data=data,
+            **options,
         )
         client._owns_transport = True
         return client
-
-    async def __aenter__(self) -> DeviceClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Close the transport if this client created it (`connect`); otherwise it stays the caller's."""
