@@ -264,7 +264,7 @@ class ModelSection:
     flip_fraction : float
         Damping ρ in (0, 1] of Agg_grad: the probability a bit that wants to flip does.  Unset, it is
         1 under the all-items objective with the mean-field step (the default) and 0.3 otherwise
-        (`default_flip_fraction`; both chosen on validation, README).
+        (`default_flip_fraction`; both chosen on validation, docs/results/2026-11-quality.md).
     unobserved_weight : float or "auto"
         LightFR w0 in [0, 1 + confidence]: > 0 trains against every unobserved item (the all-items
         objective) and learns item levels; 0 uses ``negatives`` sampled ones.  "auto" (the default)
@@ -291,14 +291,14 @@ class ModelSection:
     query_planes : int
         LightFR all-items objective, P in [0, 8] (protocol 1.6, sent in every round's plan): P >= 1 asks
         the devices for asymmetric scoring, a real user vector solved against the item codes and kept
-        as P ±1 bit-planes (README, "Mean-field step and asymmetric scoring"); 0 (default) ±1 user codes.
+        as P ±1 bit-planes (docs/results/2026-11-quality.md); 0 (default) ±1 user codes.
         Devices older than protocol 1.6 ignore it and train ±1 codes (docs/protocol.md §2.3).
     user_reg : float
         The ridge weight of the devices' user solve under ``query_planes``, in [1e-6, 1e6] (default 1).
     code_sweeps : int
         LightFR all-items objective, in [1, 100]: passes of the server's code step over each round's sum
         (`agg_server.strategy.lightfr.agg_full` ``sweeps``; server-only, nothing changes on the wire).
-        1 (default) = one pass; amazon-book's asymmetric recipe validated 10 (README).
+        1 (default) = one pass; amazon-book's asymmetric recipe validated 10 (docs/results/2026-11-quality.md).
     """
 
     kind: str = ModelKind.LIGHTFR.value

@@ -41,7 +41,6 @@ import numpy as np
 
 from agg_server.config import ServerConfig
 from agg_server.storage import Storage
-from protocol import crypto
 from protocol.enrollment import load_revocation_list
 from protocol.errors import (
     AuthError,
@@ -50,6 +49,14 @@ from protocol.errors import (
     RateLimited,
     RevocationListInvalid,
     StorageError,
+)
+from protocol.identity import (
+    RevocationList,
+    certificate_batch,
+    registration_payload,
+    verify_certificate,
+    verify_revocation_list,
+    verify_signature,
 )
 from protocol.messages import RegisterResponse
 
@@ -108,7 +115,7 @@ class Enrollment:
         self._buckets: dict[str, _Bucket] = {}
         self._sources: dict[int, str] = {}
         self._crl_path = self.config.revocation_list
-        self._crl: crypto.RevocationList | None = None
+        self._crl: RevocationList | None = None
         self._crl_bytes = b""
         self._crl_etag = ""
         self._crl_stamp: tuple[int, int, int] | None = None
@@ -144,23 +151,23 @@ class Enrollment:
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
     @staticmethod
-    def _etag(crl: crypto.RevocationList, data: bytes) -> str:
+    def _etag(crl: RevocationList, data: bytes) -> str:
         return f'"crl-{crl.number}-{hashlib.sha256(data).hexdigest()[:32]}"'
 
-    def _read_file(self) -> tuple[crypto.RevocationList, bytes, str]:
+    def _read_file(self) -> tuple[RevocationList, bytes, str]:
         """Read and verify the list file (thread-safe: no storage, no state)."""
         assert self._crl_path is not None
         crl, data = load_revocation_list(self._crl_path, self.authority, interruptible=True)
         return crl, data, self._etag(crl, data)
 
-    def _verify_bytes(self, data: bytes) -> tuple[crypto.RevocationList, str]:
+    def _verify_bytes(self, data: bytes) -> tuple[RevocationList, str]:
         """Verify an uploaded or stored list (thread-safe: no storage, no state)."""
-        crl = crypto.verify_revocation_list(data, self.authority, interruptible=True)
+        crl = verify_revocation_list(data, self.authority, interruptible=True)
         return crl, self._etag(crl, data)
 
     def _load_crl(
-        self, crl: crypto.RevocationList, data: bytes, origin: str = "file", etag: str = ""
-    ) -> list[crypto.RevocationList | None]:
+        self, crl: RevocationList, data: bytes, origin: str = "file", etag: str = ""
+    ) -> list[RevocationList | None]:
         """Put ``crl`` in force; returns a one-element list holding the list it replaced, for the caller to
         empty where freeing 10^6 keys does not hold up the loop."""
         revoked = frozenset(self.storage.revoked_devices(crl.device_keys))  # storage: on the caller's thread
@@ -178,8 +185,8 @@ class Enrollment:
         return retired
 
     def _adopt(
-        self, crl: crypto.RevocationList, data: bytes, etag: str, origin: str, where: str
-    ) -> list[crypto.RevocationList | None]:
+        self, crl: RevocationList, data: bytes, etag: str, origin: str, where: str
+    ) -> list[RevocationList | None]:
         """Put ``crl`` in force unless it goes back (the forward-only rule; logged, the list stays)."""
         if self._crl is not None and crl.number < self._crl.number:
             log.error(
@@ -210,7 +217,7 @@ class Enrollment:
         if blob is not None and checked is not None:
             self._adopt(checked[0], blob, checked[1], "database", "the database")
 
-    def _file_candidate(self) -> tuple[crypto.RevocationList, bytes, str] | None:
+    def _file_candidate(self) -> tuple[RevocationList, bytes, str] | None:
         """The list file, read and verified, when it changed since it was last looked at (None: unchanged,
         or refused: logged).  Thread-safe: besides the file it touches only its stamp, which one refresh at
         a time writes (the server's worker thread; the request path without one)."""
@@ -227,7 +234,7 @@ class Enrollment:
             log.error("revocation list refused, the list in force stays: %s", exc)
             return None
 
-    def _checked_upload(self, data: bytes) -> tuple[crypto.RevocationList, str] | None:
+    def _checked_upload(self, data: bytes) -> tuple[RevocationList, str] | None:
         """An uploaded list's bytes verified (None: refused, logged).  Thread-safe."""
         try:
             return self._verify_bytes(data)
@@ -282,7 +289,7 @@ class Enrollment:
             log.error("cannot read the uploaded revocation lists, the list in force stays: %s", exc)
             return None
 
-    def upload_revocation_list(self, data: bytes, now: float) -> tuple[crypto.RevocationList, bool]:
+    def upload_revocation_list(self, data: bytes, now: float) -> tuple[RevocationList, bool]:
         """Store a revocation list an operator uploaded (``POST /v1/admin/revocation-list``) in the shared
         database, so that every instance enforces it, and enforce it here at once.
 
@@ -307,7 +314,7 @@ class Enrollment:
 
     async def upload_revocation_list_async(
         self, data: bytes, now: float, executor: Executor | None = None
-    ) -> tuple[crypto.RevocationList, bool]:
+    ) -> tuple[RevocationList, bool]:
         """`upload_revocation_list` with the signature checks in ``executor``, serialized with `refresh`;
         the list is in force here when it returns."""
         if not self.authority:
@@ -319,8 +326,8 @@ class Enrollment:
             return self._store_upload(crl, data, etag, now)
 
     def _store_upload(
-        self, crl: crypto.RevocationList, data: bytes, etag: str, now: float
-    ) -> tuple[crypto.RevocationList, bool]:
+        self, crl: RevocationList, data: bytes, etag: str, now: float
+    ) -> tuple[RevocationList, bool]:
         if self._crl is not None and crl.number < self._crl.number:
             raise RevocationListInvalid(
                 f"revocation list #{crl.number} is older than #{self._crl.number} in force (a rollback); nothing stored"
@@ -350,7 +357,7 @@ class Enrollment:
         return self._crl_bytes, self._crl_etag
 
     @property
-    def revocation_list(self) -> crypto.RevocationList | None:
+    def revocation_list(self) -> RevocationList | None:
         """The revocation list in force (None: neither ``enrollment.revocation_list`` nor an uploaded one)."""
         return self._crl
 
@@ -375,13 +382,13 @@ class Enrollment:
             if not self.authority:
                 raise EnrollmentRefused("this server has no enrollment authority; it does not take certificates")
             self._refresh_on_request()
-            revoked: crypto.RevocationList | frozenset[bytes] = self._crl if self._crl is not None else frozenset()
+            revoked: RevocationList | frozenset[bytes] = self._crl if self._crl is not None else frozenset()
             try:
-                identity = crypto.verify_certificate(certificate, self.authority, revoked=revoked)
-                crypto.verify_signature(identity, proof, crypto.registration_payload(certificate))
+                identity = verify_certificate(certificate, self.authority, revoked=revoked)
+                verify_signature(identity, proof, registration_payload(certificate))
             except CryptoError as exc:
                 raise EnrollmentRefused(f"certificate refused: {exc}") from None
-            source = "cert:" + crypto.certificate_batch(certificate).hex()
+            source = "cert:" + certificate_batch(certificate).hex()
             return Credential(source=source, identity_key=identity, rate_key=source)
         if token:
             if self.authority:

@@ -9,7 +9,7 @@ Centralised, not federated: implicit ALS f = 64 (regularization 0.1, α = 100, 1
 (a) sign(ALS users) · sign(ALS items) (symmetric Hamming); (b) real user vectors re-solved by iALS against
 D = sign(ALS items); (c) those vectors as 1–4 ±1 planes (per-user scale); (d) alternating: item codes by
 exact bit-wise descent against the real users, users re-solved (ALT iterations, ridge DREG).
-Measured 2026-11-23 (README, "Asymmetric scoring"): ALS 0.2018; (a) 0.1072; (b) 0.147; (c) 1/2/3/4 planes
+Measured 2026-11-23 (docs/results/2026-11-quality.md): ALS 0.2018; (a) 0.1072; (b) 0.147; (c) 1/2/3/4 planes
 0.120 / 0.140 / 0.146 / 0.146; (d) best after 2 alternations:
 real 0.1751, 1/2/3 planes 0.149 / 0.169 / 0.173 (after 4: 0.1732, 0.153 / 0.168 / 0.171).
 """

@@ -17,8 +17,8 @@ from pathlib import Path
 from agg_server.config import config_from_dict
 from agg_server.coordinator import RoundCoordinator
 from agg_server.storage import Storage
-from protocol import crypto
 from protocol.enrollment import EnrollmentAuthority
+from protocol.identity import SigningKey, registration_payload
 
 
 def _coordinator(root: Path, enrollment: dict[str, object]) -> RoundCoordinator:
@@ -57,10 +57,10 @@ def main() -> None:
         coord.storage.close()
 
         coord = _coordinator(root / "cert", {"authority_key": ca.public_key.hex()})
-        keys = [crypto.SigningKey.generate() for _ in range(n)]
+        keys = [SigningKey.generate() for _ in range(n)]
         certs = [ca.issue(k.public_key, "bench") for k in keys]
         start = time.perf_counter()
-        proofs = [k.sign(crypto.registration_payload(c)) for k, c in zip(keys, certs, strict=True)]
+        proofs = [k.sign(registration_payload(c)) for k, c in zip(keys, certs, strict=True)]
         device_s = (time.perf_counter() - start) / n
         start = time.perf_counter()
         for cert, proof in zip(certs, proofs, strict=True):

@@ -26,8 +26,8 @@ from agg_server.enrollment import Enrollment
 from agg_server.storage import Storage
 from device_sdk.http import HttpTransport
 from device_sdk.persistence import StoredRevocations, load_revocations, save_revocations
-from protocol import crypto
 from protocol.enrollment import EnrollmentAuthority, write_revocation_list
+from protocol.identity import verify_revocation_list
 
 ROUTE = "/v1/enrollment/revocations"
 
@@ -84,8 +84,8 @@ def _one(ca: EnrollmentAuthority, n: int, repeat: int, devices: int) -> str:
     data = ca.revoke(None, keys)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        check = _best(repeat, lambda: crypto.verify_revocation_list(data, ca.public_key))
-        crl = crypto.verify_revocation_list(data, ca.public_key)
+        check = _best(repeat, lambda: verify_revocation_list(data, ca.public_key))
+        crl = verify_revocation_list(data, ca.public_key)
         stored = StoredRevocations(data=data, revocation_list=crl, etag='"e"')
         (root / "dev").mkdir()
         store = _best(repeat, lambda: save_revocations(root / "dev", stored))

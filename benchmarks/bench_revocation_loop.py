@@ -28,8 +28,8 @@ from aiohttp import web
 from agg_server.app import create_app
 from agg_server.config import config_from_dict
 from agg_server.storage import Storage
-from protocol import crypto
 from protocol.enrollment import EnrollmentAuthority, write_revocation_list
+from protocol.identity import issue_revocation_list, verify_revocation_list
 
 
 def _serve(config: dict[str, object], root: str, port: int) -> None:
@@ -56,8 +56,8 @@ async def _swap(url: str, ca: EnrollmentAuthority, path: Path, n: int) -> tuple[
                 return r.headers.get("ETag", "")
 
         before = await etag()
-        number = crypto.verify_revocation_list(path.read_bytes(), ca.public_key).number + 1
-        data = crypto.issue_revocation_list(ca.key, number, int(time.time()), sorted(os.urandom(32) for _ in range(n)))
+        number = verify_revocation_list(path.read_bytes(), ca.public_key).number + 1
+        data = issue_revocation_list(ca.key, number, int(time.time()), sorted(os.urandom(32) for _ in range(n)))
         stop, samples = asyncio.Event(), list[tuple[float, float]]()
         probe = asyncio.create_task(_probe(url, stop, samples))
         await asyncio.sleep(1.0)  # the quiet window

@@ -1,4 +1,4 @@
-"""SecAgg+ in-process benchmark (DESIGN.md §9): server unmask time, device crypto time, upload, memory.
+"""SecAgg+ in-process benchmark (docs/design.md §9): server unmask time, device crypto time, upload, memory.
 
 Example::
 
@@ -17,7 +17,7 @@ import tracemalloc
 import numpy as np
 
 from fedsim.secagg_harness import run_secagg_round
-from protocol import crypto
+from protocol import identity
 from protocol.graph import find_parameters
 from protocol.session import Phase
 
@@ -119,12 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--shared-verify-memo",
         action="store_true",
-        help="let the simulated devices share protocol.crypto's per-process memo of verified signatures "
+        help="let the simulated devices share protocol.identity's per-process memo of verified signatures "
         "(off by default: a real device runs in its own process and verifies every signature itself)",
     )
     args = parser.parse_args(argv)
     if not args.shared_verify_memo:
-        crypto._VERIFIED = _NoMemo()
+        identity._VERIFIED = _NoMemo()
     for n in args.n:
         p = find_parameters(n, args.omega, args.adversary)
         print(f"finder: n={n} gamma={args.adversary} omega={args.omega} -> k={p.k} t={p.t}", flush=True)

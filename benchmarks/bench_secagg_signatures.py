@@ -18,6 +18,14 @@ import time
 
 from protocol import crypto
 from protocol.graph import find_parameters
+from protocol.identity import (
+    SigningKey,
+    issue_certificate,
+    key_advertisement_payload,
+    survivor_set_payload,
+    verify_certificate,
+    verify_signature,
+)
 from protocol.messages import RoundInvite
 from protocol.phases import required_signatures
 
@@ -32,38 +40,38 @@ def main(argv: list[str] | None = None) -> int:
     n = args.n
     survivors = n - int(round(args.drop * n))
     graph = find_parameters(n, args.omega, args.adversary)
-    authority = crypto.SigningKey.generate()
-    keys = [crypto.SigningKey.generate() for _ in range(n)]
-    certs = [crypto.issue_certificate(authority, key.public_key) for key in keys]
+    authority = SigningKey.generate()
+    keys = [SigningKey.generate() for _ in range(n)]
+    certs = [issue_certificate(authority, key.public_key) for key in keys]
     pairs = [(crypto.generate_key_pair().public_key, crypto.generate_key_pair().public_key) for _ in range(n)]
-    payloads = [crypto.key_advertisement_payload(1, i, c, s) for i, (c, s) in enumerate(pairs)]
+    payloads = [key_advertisement_payload(1, i, c, s) for i, (c, s) in enumerate(pairs)]
     adverts = [keys[i].sign(payloads[i]) for i in range(n)]
     session = b"\x07" * 32
     u3 = list(range(survivors))
-    set_signatures = [keys[i].sign(crypto.survivor_set_payload(1, session, u3)) for i in u3]
+    set_signatures = [keys[i].sign(survivor_set_payload(1, session, u3)) for i in u3]
     probe = crypto.generate_key_pair()
 
     start = time.process_time()
     for i in range(n):
         for point in pairs[i]:
             crypto.x25519(probe.private_key, point)
-        identity = crypto.verify_certificate(certs[i], authority.public_key)
-        crypto.verify_signature(identity, adverts[i], payloads[i])
-    payload = crypto.survivor_set_payload(1, session, u3)
+        identity = verify_certificate(certs[i], authority.public_key)
+        verify_signature(identity, adverts[i], payloads[i])
+    payload = survivor_set_payload(1, session, u3)
     for i in u3:
-        crypto.verify_signature(keys[i].public_key, set_signatures[i], payload)
+        verify_signature(keys[i].public_key, set_signatures[i], payload)
     server = time.process_time() - start
 
     start = time.process_time()
     keys[0].sign(payloads[0])
     for i in range(min(graph.k, n)):
-        identity = crypto.verify_certificate(certs[i], authority.public_key)
-        crypto.verify_signature(identity, adverts[i], payloads[i])
-    payload = crypto.survivor_set_payload(1, session, u3)
+        identity = verify_certificate(certs[i], authority.public_key)
+        verify_signature(identity, adverts[i], payloads[i])
+    payload = survivor_set_payload(1, session, u3)
     keys[0].sign(payload)
     for i in u3:
-        identity = crypto.verify_certificate(certs[i], authority.public_key)
-        crypto.verify_signature(identity, set_signatures[i], payload)
+        identity = verify_certificate(certs[i], authority.public_key)
+        verify_signature(identity, set_signatures[i], payload)
     device = time.process_time() - start
 
     invite = RoundInvite(

@@ -12,10 +12,10 @@ of train; candidate recipes are trained on the rest and ranked by validation Rec
     python benchmarks/quality_amazon_lightfr.py --select --val-users 20000 --grid 17 --at 10 20
         # one recipe on a seeded 20,000-user validation subsample, evaluated after rounds 10 and 20
 
-Measured 2026-11-23 (README, "Mean-field step and asymmetric scoring"), T = 20, seeds 0 1 2: the recipe
+Measured 2026-11-23 (docs/results/2026-11-quality.md), T = 20, seeds 0 1 2: the recipe
 of that day (asymmetric scoring, 2 bit-planes, w0 = 0.01, mean field, ρ = 1) Recall@20 0.1117 ± 0.0006 /
 NDCG@20 0.0565 ± 0.0001; implicit ALS f = 64 0.1418 / 0.0734 (0.79×); popularity 0.0287 / 0.0123.
-Measured 2026-11-24 (README, "Several code passes per round"), CHOSEN (10 code passes per round, uploads
+Measured 2026-11-24 (docs/results/2026-11-quality.md), CHOSEN (10 code passes per round, uploads
 with 2 planes, ranking with 3), T = 20, seeds 0 1 2: Recall@20 0.1151 ± 0.0009 / NDCG@20 0.0584 ± 0.0003
 (sample std); ALS 0.1418 / 0.0734 in the same run (0.81×); popularity 0.0287 / 0.0123 (4.0×).
 """
@@ -70,7 +70,7 @@ GRID: list[dict[str, Any]] = [
     # the symmetric library default (GRID 10) with 10 code passes
     {"w0": "auto", "alpha": 0.0, "rho": 1.0, "mean_field": True, "sweeps": 10},
 ]
-# The recipe the test rows run by default: the validation winner (README, "Mean-field step and asymmetric scoring";
+# The recipe the test rows run by default: the validation winner (docs/results/2026-11-quality.md;
 # --select --val-users 20000, T = 20: Recall@20 0.1633 with 10 code passes and 3 rank planes, against 0.1601 with
 # 2 rank planes, 0.1598 with one pass and 3 rank planes, 0.1565 for the previous recipe; T = 30 gave 0.1634).
 CHOSEN = {

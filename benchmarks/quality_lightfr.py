@@ -169,7 +169,7 @@ def _recipes(exp: Experiment, rounds: int = ROUNDS) -> dict[str, tuple[LightFRCo
             )
             for p, reg, kappa, rho in [(2, 1.0, 2.0, 1.0), (3, 1.0, 2.0, 1.0), (2, 30.0, 2.0, 0.3), (2, 1.0, 6.0, 1.0)]
         },
-        # Ideas on the mean-field default (filmtrust4; README "Selection over several validation carves").
+        # Ideas on the mean-field default (docs/results/2026-11-quality.md, "Choosing on several validation carves").
         **{
             f"default, item term weight B={b} (level step 1/(f·B/2))": (
                 default[0],

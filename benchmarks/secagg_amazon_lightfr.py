@@ -35,7 +35,7 @@ the server's default 10 would be refused for 42,408 devices).  SecAgg+'s masks c
 tests/test_fedsim_privsim.py ``test_simulator_is_bit_identical_to_the_coordinator``: the simulator's model
 equals the real coordinator's with crypto, bit for bit),
 so this is the arithmetic a real SecAgg+ run applies.  The plain figure of the same recipe is
-`python benchmarks/quality_amazon_lightfr.py --seeds 0 1 2` (README: 0.1151 ± 0.0009).
+`python benchmarks/quality_amazon_lightfr.py --seeds 0 1 2` (docs/results/2026-11-quality.md: 0.1151 ± 0.0009).
 """
 
 from __future__ import annotations

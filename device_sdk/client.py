@@ -18,7 +18,7 @@
 #   from ``secrets`` every round); the stochastic-rounding coins are the noise stream's first words (read
 #   in the training thread before the session draws its noise); key material is generated inside
 #   `protocol` only.
-"""`DeviceClient`: one device taking part in federated rounds over a `Transport` (DESIGN.md §4, §7).
+"""`DeviceClient`: one device taking part in federated rounds over a `Transport` (docs/design.md §4, §7).
 
 This module holds the client's public surface (its settings, its outcome, its constructor and the calls an
 app makes); the steps behind them live in mixins over one shared state (`device_sdk.client_core`): the
@@ -57,10 +57,10 @@ from device_sdk.persistence import (
     secret_generator,
 )
 from device_sdk.transport import AsyncClosing, Transport
-from protocol import crypto
-from protocol.crypto import NoiseStream, SigningKey, insecure_test_noise_stream
 from protocol.errors import ConfigError, StorageError
+from protocol.identity import RevocationList, SigningKey
 from protocol.policy import PrivacyPolicy
+from protocol.samplers import NoiseStream, insecure_test_noise_stream
 
 __all__ = [
     "MODEL_FILE",
@@ -134,7 +134,7 @@ def insecure_seeded_rngs(seed: int, round_id: int, device_id: int) -> tuple[np.r
     """TEST HOOK: reproducible per-round generators of one device, ``(training_rng, noise_stream)``.
 
     The noise stream (DP noise, thinning and stochastic-rounding coins) is
-    `protocol.crypto.insecure_test_noise_stream(seed, round_id, device_id)`: anyone who knows the seed
+    `protocol.samplers.insecure_test_noise_stream(seed, round_id, device_id)`: anyone who knows the seed
     predicts every device's noise and rounding, so the ε of a run that uses this hook is NOT a
     privacy guarantee (callers that report ε must say so).  The in-process simulator and devices driven
     over HTTP both use exactly this function so that they produce bit-identical updates and noise.  Pass
@@ -470,11 +470,11 @@ class DeviceClient(RoundParticipation, AsyncClosing):
         return self._ledger.epsilon(self.config.privacy.delta)
 
     @property
-    def revocation_list(self) -> crypto.RevocationList | None:
+    def revocation_list(self) -> RevocationList | None:
         """The newest revocation list of the pinned authority this device holds (None: none seen yet)."""
         return None if self._revocations is None else self._revocations.revocation_list
 
-    async def refresh_revocations(self) -> crypto.RevocationList | None:
+    async def refresh_revocations(self) -> RevocationList | None:
         """Fetch the server's revocation list now (``GET /v1/enrollment/revocations``), check it against
         the pinned authority and keep it if it is newer than the one held; `run_round` does this before
         every round of a device that pins an authority.  Calling it at start-up closes the window before

@@ -20,10 +20,11 @@ from device_sdk.models import LightFRConfig
 from device_sdk.outcome import RoundOutcome, RoundStatus, Tally
 from device_sdk.persistence import Identity, StoredRevocations, Sync
 from device_sdk.transport import Response, Transport, raise_for_error
-from protocol.crypto import NoiseStream, SigningKey
 from protocol.errors import LocalProtocolError
+from protocol.identity import SigningKey
 from protocol.messages import Message
 from protocol.policy import DeviceLedger
+from protocol.samplers import NoiseStream
 
 if TYPE_CHECKING:
     from device_sdk.client import ClientConfig

@@ -1,5 +1,5 @@
 """Registration, the device's identity key and the enrollment authority's revocation lists: the part of
-`DeviceClient` that deals with the enrollment authority (protocol 1.3–1.5, DESIGN.md §7)."""
+`DeviceClient` that deals with the enrollment authority (protocol 1.3–1.5, docs/design.md §7)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,14 @@ from device_sdk.persistence import (
     save_identity,
     save_revocations,
 )
-from protocol import crypto
-from protocol.crypto import SigningKey
 from protocol.errors import ConfigError, RemoteProtocolError, RevocationListInvalid
+from protocol.identity import (
+    RevocationList,
+    SigningKey,
+    registration_payload,
+    verify_certificate,
+    verify_revocation_list,
+)
 from protocol.messages import RegisterRequest, RegisterResponse, RevocationListPayload
 
 __all__ = ["EnrollmentMixin"]
@@ -63,9 +68,9 @@ class EnrollmentMixin(ClientCore):
         request = RegisterRequest(platform=self.config.platform, enrollment_token=enrollment_token)
         if certificate:
             key = self._signing()
-            if authority is not None and crypto.verify_certificate(certificate, authority) != key.public_key:
+            if authority is not None and verify_certificate(certificate, authority) != key.public_key:
                 raise ConfigError("the certificate does not certify this device's identity key")
-            proof = key.sign(crypto.registration_payload(certificate))
+            proof = key.sign(registration_payload(certificate))
             request = RegisterRequest(platform=self.config.platform, certificate=certificate, proof=proof)
         with tally.step("register"):
             response = await self._call(
@@ -80,7 +85,7 @@ class EnrollmentMixin(ClientCore):
         _log.info("registered as device %d", identity.device_id)
         return identity
 
-    async def _refresh_revocations(self, authority: bytes, tally: Tally) -> crypto.RevocationList | None:
+    async def _refresh_revocations(self, authority: bytes, tally: Tally) -> RevocationList | None:
         """Fetch the server's revocation list (``If-None-Match`` the one held), check it and keep the newer.
 
         Raises
@@ -113,7 +118,7 @@ class EnrollmentMixin(ClientCore):
             return None if held is None else held.revocation_list
         try:
             # Off the loop: a list of 10^6 keys takes ~0.6 s to check (10^5: ~36 ms).
-            crl = await asyncio.to_thread(crypto.verify_revocation_list, payload.data, authority)
+            crl = await asyncio.to_thread(verify_revocation_list, payload.data, authority)
         except RevocationListInvalid as exc:
             raise RevocationListInvalid(f"the server's revocation list is refused: {exc}") from None
         if held is not None:

@@ -228,7 +228,7 @@ class MFConfig:
 
     Attributes
     ----------
-    factors : f, columns of U and V (DESIGN §3: 32).
+    factors : f, columns of U and V (docs/design.md §3.1: 32).
     max_norm2 : R, the clipping bound and the top of the rating scale (5 for MovieLens).
     learning_rate : step η of the projected gradient steps on u.
     reg : L2 weight λ on u.

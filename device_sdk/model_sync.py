@@ -1,5 +1,5 @@
 """Downloading the server's model, checking its shape and adopting it: the model part of `DeviceClient`
-(DESIGN.md §4; the store invariants are in `device_sdk.client`)."""
+(docs/design.md §4; the store invariants are in `device_sdk.client`)."""
 
 from __future__ import annotations
 

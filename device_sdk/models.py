@@ -46,7 +46,7 @@ class LightFRConfig:
     bits : code length f (64 by default, as in the paper).
     lam : balance weight λ.  The paper uses 0.6, but at f = 64 the balance term (≥ 2λ per bit)
         then outweighs the data term (≈ |Ω_u|/f) for almost every user, so DCD flips nothing and codes
-        stay random; 0 (the authors' reference code) learns.  See DESIGN.md section 2.
+        stay random; 0 (the authors' reference code) learns.  See docs/design.md §2.2.
     negatives : sampled unobserved items per observed rating, fitted as rating 0 (implicit feedback,
         resampled every local epoch); 0 fits the observed ratings only (the paper's explicit setting).
     local_epochs : local epochs E per round.

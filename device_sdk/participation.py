@@ -1,4 +1,4 @@
-"""Taking part in one round: check-in, training, the SecAgg+ phases and every way out of a round (DESIGN.md
+"""Taking part in one round: check-in, training, the SecAgg+ phases and every way out of a round (docs/design.md
 §4, §7).  The round-driving part of `DeviceClient`; its invariants are stated in `device_sdk.client`."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from device_sdk.outcome import RoundOutcome, RoundStatus, Tally
 from device_sdk.persistence import save_ledger
 from device_sdk.training import local_round
 from device_sdk.transport import LeftRound, TransportError
-from protocol.crypto import NoiseStream
 from protocol.device_session import DeviceSecAggSession
 from protocol.errors import (
     FedRecError,
@@ -39,6 +38,7 @@ from protocol.messages import (
     Wait,
 )
 from protocol.phases import ACTIVE_PHASES
+from protocol.samplers import NoiseStream
 from protocol.spec import MAX_TEXT
 
 __all__ = ["RoundParticipation"]

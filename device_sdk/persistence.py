@@ -20,8 +20,8 @@ import numpy as np
 from device_sdk.family import FederatedModel
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import load_store, save_store
-from protocol.crypto import RevocationList, SigningKey, verify_revocation_list
 from protocol.errors import ConfigError, CryptoError, RevocationListInvalid, StorageError
+from protocol.identity import RevocationList, SigningKey, verify_revocation_list
 from protocol.policy import DeviceLedger
 
 __all__ = [

@@ -6,7 +6,7 @@ Invariants:
 - The ratings used never leave this function except inside the returned update, which is clipped,
   quantized and then only ever sent masked.
 - Every random choice of training (which θ ratings, negatives) comes from the training generator passed
-  in; the stochastic-rounding coins come from the device's noise stream (`protocol.crypto.NoiseStream`,
+  in; the stochastic-rounding coins come from the device's noise stream (`protocol.samplers.NoiseStream`,
   a ChaCha20 keystream the server cannot predict), read before the session draws its DP noise from the
   same stream.  A device with the same generator and stream produces the same vector: the in-process
   simulator and a device talking HTTP agree bit for bit.
@@ -23,9 +23,9 @@ from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.models import LightFRModel, apply_plan
-from protocol.crypto import NoiseStream
 from protocol.messages import RoundInvite
 from protocol.quantization import QuantizationConfig, QuantizationStats, quantize
+from protocol.samplers import NoiseStream
 
 __all__ = ["LocalRoundStats", "local_round", "apply_plan"]
 

@@ -3,7 +3,7 @@
 `AnnealedAggGrad` is LightFR's Agg_grad (eq. 14–16) with a damping schedule: each item bit that the
 sign test wants to flip is flipped with probability ρ_r = max(ρ_min, ρ_0 · decay^r) in round r.  Early
 rounds move many bits (fast progress from random codes); later rounds move few (the simultaneous
-update stops overshooting, which is why fedrec damps Agg_grad at all — see README).  Like every
+update stops overshooting, which is why fedrec damps Agg_grad at all — see docs/design.md §2.3).  Like every
 strategy it is pure numpy and sees only the secure **sum** of the survivors' uploads and their count.
 
 The example
@@ -105,7 +105,7 @@ class AnnealedAggGrad:
 
     def plan(self) -> LightFRParams:
         # Devices upload item gradients (eq. 12) of the sampled-negatives objective (w0 = 0, so the
-        # upload is the (m, f) gradient alone); λ = 0 (see README for why not the paper's 0.6).
+        # upload is the (m, f) gradient alone); λ = 0 (see docs/design.md §2.2 for why not the paper's 0.6).
         return LightFRParams(
             aggregation=Aggregation.GRAD,
             lam=0.0,

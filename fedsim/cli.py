@@ -1808,8 +1808,8 @@ def _hex_key(flag: str, text: str) -> bytes:
 
 
 def _revoke(authority: Any, args: argparse.Namespace, out: TextIO) -> int:
-    from protocol import crypto
     from protocol.enrollment import read_revocation_list, write_revocation_list
+    from protocol.identity import read_certificate, verify_revocation_list
 
     keys = [_hex_key("--device-key", k) for k in args.device_key]
     for text in args.certificate:
@@ -1818,7 +1818,7 @@ def _revoke(authority: Any, args: argparse.Namespace, out: TextIO) -> int:
         except ValueError:
             raise ConfigError(f"--certificate must be hex, got {text[:20]!r}...") from None
         # revoking an expired certificate's key is fine: only the signature matters here
-        keys.append(crypto.read_certificate(cert, authority.public_key, check_period=False).subject)
+        keys.append(read_certificate(cert, authority.public_key, check_period=False).subject)
     if not keys and args.crl.exists():
         raise ConfigError("enroll-ca revoke: name at least one --device-key or --certificate to add")
     previous = None
@@ -1827,7 +1827,7 @@ def _revoke(authority: Any, args: argparse.Namespace, out: TextIO) -> int:
         previous = args.crl.read_bytes()
     data = authority.revoke(previous, keys)
     write_revocation_list(args.crl, data)
-    crl = crypto.verify_revocation_list(data, authority.public_key)
+    crl = verify_revocation_list(data, authority.public_key)
     out.write(f"revocation list #{crl.number} written to {args.crl}: {len(crl.device_keys)} device keys revoked\n")
     return 0
 

@@ -35,10 +35,10 @@ from fedsim.experiment import Experiment, baselines
 from fedsim.fleet import PHASE_STEPS, FleetConfig, FleetReport, fetch_status, get_status, rounds_so_far, run_fleet
 from protocol.codec import decode, encode
 from protocol.codes import from_bytes, unpack_signs
-from protocol.crypto import SigningKey, registration_payload
 from protocol.enrollment import EnrollmentAuthority
 from protocol.errors import ConfigError, FedRecError
 from protocol.families.lightfr import LEVEL_CENTER
+from protocol.identity import SigningKey, registration_payload
 from protocol.messages import ModelPayload, RegisterRequest, RegisterResponse
 
 __all__ = [
@@ -286,7 +286,7 @@ def run_demo_fleet(
             "model": {
                 "n_items": m,
                 "bits": bits,
-                # The recipe the demo's README figures were measured with: the Jacobi step, ρ = 0.3 unless asked.
+                # The recipe the demo's figures were measured with: the Jacobi step, ρ = 0.3 unless asked.
                 "mean_field": False,
                 "flip_fraction": 0.3 if flip_fraction is None else flip_fraction,
                 **(PRIVATE_MODEL if dp else {}),

@@ -32,10 +32,10 @@ from numpy.typing import NDArray
 from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
 from fedsim.faults import DropoutAt, FaultyTransport
 from fedsim.threads import one_blas_thread
-from protocol.crypto import INSECURE_NOISE_NOTICE, NoiseStream
 from protocol.enrollment import EnrollmentAuthority
 from protocol.errors import FedRecError
 from protocol.policy import PrivacyPolicy
+from protocol.samplers import INSECURE_NOISE_NOTICE, NoiseStream
 
 __all__ = ["FleetConfig", "FleetReport", "run_fleet", "fetch_status", "get_status", "rounds_so_far", "PHASE_STEPS"]
 

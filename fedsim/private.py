@@ -30,8 +30,8 @@ from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.training import local_round
 from fedsim.faults import DropoutAt
 from protocol.codec import decode, encode
-from protocol.crypto import INSECURE_NOISE_NOTICE
 from protocol.messages import Message, ModelPayload, RoundInvite, RoundResult
+from protocol.samplers import INSECURE_NOISE_NOTICE
 from protocol.session import DeviceSecAggSession, Phase
 
 __all__ = ["SimulatedDevice", "PrivateRun", "run_private", "run_private_lightfr"]

@@ -45,10 +45,10 @@ from fedsim.datasets import Ratings
 from fedsim.privsim import LightFRCohort, PrivateSimulator, one_blas_thread
 from protocol.accounting import calibrate_mu, composed_rdp, epsilon_from_rdp
 from protocol.codes import pack_signs
-from protocol.crypto import insecure_test_noise_stream
 from protocol.families.lightfr import bias_from_levels
 from protocol.noise import released_variance, sample_skellam
 from protocol.quantization import QuantizationConfig, clip_l2, sensitivity, stochastic_round
+from protocol.samplers import insecure_test_noise_stream
 
 __all__ = [
     "ScaledSettings",

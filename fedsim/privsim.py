@@ -2,7 +2,7 @@
 
 A private round releases exactly one thing to the server: the modular sum, over the survivors U3, of
 each device's clipped, quantized update plus the Skellam noise it still carries after the survivor
-correction (DESIGN.md §4–5).  The masks cancel by construction, so running SecAgg+'s crypto for tens of
+correction (docs/design.md §4–5).  The masks cancel by construction, so running SecAgg+'s crypto for tens of
 thousands of simulated devices buys nothing for the model: this module computes that released value
 without it, and then does what `agg_server.coordinator.RoundCoordinator` does with it (privacy
 ledger, dequantization, the family's `Strategy.aggregate`, the next model version).
@@ -56,7 +56,6 @@ from fedsim.faults import DropoutAt
 from fedsim.threads import one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
-from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import ConfigError, NotEnoughParticipants
 from protocol.families.lightfr import UploadLayout, bias_from_levels
 from protocol.graph import harary_graph
@@ -79,6 +78,7 @@ from protocol.quantization import (
     sensitivity,
     stochastic_round,
 )
+from protocol.samplers import NoiseStream, insecure_test_noise_stream
 from protocol.session import RoundParameters
 
 __all__ = [

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from protocol import crypto
 from protocol.codec import decode, encode
-from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import FedRecError
 from protocol.graph import GraphParams, find_parameters
+from protocol.identity import SigningKey, issue_certificate
 from protocol.messages import Abort, ConsistencySignature, Message, UnmaskResponse
 from protocol.noise import minimum_survivors, to_ring
 from protocol.phases import consistency_deadline
 from protocol.quantization import QuantizationConfig, quantize
+from protocol.samplers import NoiseStream, insecure_test_noise_stream
 from protocol.session import (
     ACTIVE_PHASES,
     DeviceSecAggSession,
@@ -165,12 +165,12 @@ def run_secagg_round(
             raise ValueError("give both k and t, or neither")
         graph = GraphParams(k=k, t=t)
     dp_t_min = minimum_survivors(n, dropout_rate) if dp_mu > 0 else 0
-    authority = crypto.SigningKey.generate() if signed else None
-    enrolled: dict[int, tuple[crypto.SigningKey, bytes]] = {}
+    authority = SigningKey.generate() if signed else None
+    enrolled: dict[int, tuple[SigningKey, bytes]] = {}
     if authority is not None:
         for u in ids:
-            key = crypto.SigningKey.generate()
-            enrolled[u] = (key, crypto.issue_certificate(authority, key.public_key))
+            key = SigningKey.generate()
+            enrolled[u] = (key, issue_certificate(authority, key.public_key))
     schedule = {p: set(dropouts.get(p, ())) if dropouts else set() for p in ACTIVE_PHASES}
     length = int(get_input(0).shape[0])
     clip, scale = (quantization.clip_norm, quantization.scale_bits) if quantization else (1.0, 16)

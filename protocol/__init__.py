@@ -15,7 +15,7 @@ from protocol.errors import *  # noqa: F403
 from protocol.errors import __all__ as _errors_all
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
-    from protocol.codec import PROTOCOL_VERSION, check_version, decode, encode, is_compatible
+    from protocol.codec import check_version, decode, encode, is_compatible
     from protocol.messages import (
         Abort,
         EncryptedShares,
@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
         SecAggResult,
         ServerSecAggSession,
     )
-    from protocol.spec import Aggregation, ModelKind
+    from protocol.spec import PROTOCOL_VERSION, Aggregation, ModelKind
 
 __all__ = [
     *_errors_all,
@@ -79,7 +79,7 @@ __all__ = [
 
 # name -> the submodule that defines it, for the lazy loader below.
 _LAZY = {
-    "PROTOCOL_VERSION": "codec",
+    "PROTOCOL_VERSION": "spec",
     "check_version": "codec",
     "decode": "codec",
     "encode": "codec",

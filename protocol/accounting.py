@@ -205,7 +205,7 @@ def calibrate_mu(epsilon: float, delta: float, rounds: int, l1: float, l2: float
 
 
 def default_delta(registered_devices: int) -> float:
-    """Return delta = min(1e-5, 1/N) for N registered devices (DESIGN.md §5).
+    """Return delta = min(1e-5, 1/N) for N registered devices (docs/design.md §5).
 
     Parameters
     ----------

@@ -49,9 +49,9 @@ from protocol.messages import (
     UnmaskResponse,
     Wait,
 )
+from protocol.spec import PROTOCOL_VERSION
 
 __all__ = [
-    "PROTOCOL_VERSION",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "is_compatible",
     "check_version",
@@ -62,7 +62,6 @@ __all__ = [
     "MAX_DEPTH",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 7)
 #: Default total size limit for one encoded message (a 10**6-element masked vector is 4 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Far above any legitimate list (neighbourhoods are at most a few thousand), far below what would hurt.

@@ -6,7 +6,7 @@ Invariants:
   code lives in word ``k // 64`` at bit position ``k % 64`` (least significant first).  +1 is bit 1,
   -1 is bit 0.  Padding bits above f are always 0, so XOR + popcount never counts them.
 - Item codes are stored **word-major**: shape ``(w, m)``.  A Hamming scan then streams one
-  contiguous row of m words per code word (see DESIGN.md section 2).
+  contiguous row of m words per code word (see docs/design.md §2.1).
 - The wire/bytes form is the little-endian bytes of the (w, m) array, row after row.
 """
 

@@ -14,7 +14,7 @@
 #   noise and thinning coins from the generator the caller passes, through `protocol.noise`.  The one
 #   exception is `FixedDeviceSecrets` (protocol.fixed_secrets), an explicit keyword-only injection for
 #   known-answer test vectors.
-"""The device side of one SecAgg+ round (DESIGN.md §4–5; Bonawitz et al. 2017; Bell et al. 2020)."""
+"""The device side of one SecAgg+ round (docs/design.md §4–5; Bonawitz et al. 2017; Bell et al. 2020)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,16 @@ import numpy as np
 from numpy.typing import NDArray
 
 from protocol import crypto
-from protocol.crypto import NoiseStream, SigningKey
 from protocol.errors import CertificateRevoked, CryptoError, LocalProtocolError, RemoteProtocolError, StaleRound
 from protocol.fixed_secrets import FixedDeviceSecrets
+from protocol.identity import (
+    RevocationList,
+    SigningKey,
+    key_advertisement_payload,
+    survivor_set_payload,
+    verify_certificate,
+    verify_signature,
+)
 from protocol.masking import mask_input, pair_mask_keys
 from protocol.messages import (
     Abort,
@@ -57,6 +64,7 @@ from protocol.phases import (
     required_signatures,
 )
 from protocol.policy import DeviceLedger, PrivacyPolicy, check_invite
+from protocol.samplers import NoiseStream
 from protocol.shamir import SHARE_BYTES, Share, split
 
 __all__ = ["DeviceSecAggSession", "SHARE_PLAINTEXT_BYTES", "ID_BYTES"]
@@ -80,7 +88,7 @@ class DeviceSecAggSession:
         The round's parameters, addressed to this device.
     rng : NoiseStream, optional
         Source of the DP noise and thinning coins.  Default: a fresh stream keyed from ``secrets``, which
-        is what a device must use; simulations pass `protocol.crypto.insecure_test_noise_stream`.
+        is what a device must use; simulations pass `protocol.samplers.insecure_test_noise_stream`.
     fixed_secrets : FixedDeviceSecrets, optional
         Known-answer vectors and tests only: use these keys, seed, Shamir coefficients and nonces instead
         of the OS CSPRNG.  Leave None (the default) everywhere else.
@@ -119,7 +127,7 @@ class DeviceSecAggSession:
         identity: SigningKey | None = None,
         certificate: bytes = b"",
         authority_key: bytes | None = None,
-        revoked: crypto.RevocationList | None = None,
+        revoked: RevocationList | None = None,
     ) -> None:
         if not isinstance(invite, RoundInvite):
             raise TypeError("invite must be a RoundInvite")
@@ -128,19 +136,19 @@ class DeviceSecAggSession:
         if authority_key is not None and (identity is None or not certificate):
             raise TypeError("a session that pins an enrollment authority needs the device's identity and certificate")
         if identity is not None and authority_key is not None:
-            if crypto.verify_certificate(certificate, authority_key) != identity.public_key:
+            if verify_certificate(certificate, authority_key) != identity.public_key:
                 raise CryptoError("the device's certificate does not certify its identity key")
         self._identity = identity
         self._certificate = certificate
         self._authority = authority_key
-        self._revoked: crypto.RevocationList | frozenset[bytes] = revoked if revoked is not None else frozenset()
+        self._revoked: RevocationList | frozenset[bytes] = revoked if revoked is not None else frozenset()
         self._gamma = 0.0 if policy is None else policy.adversary_rate
         self._signed_set: tuple[int, ...] | None = None
         #: ε the round charges this device at its policy's δ (0 without a policy or without DP).
         self.round_epsilon = 0.0 if policy is None else check_invite(invite, policy, ledger)
         self.invite = invite
         if rng is not None and not isinstance(rng, NoiseStream):
-            raise TypeError(f"rng must be a protocol.crypto.NoiseStream, got {type(rng).__name__}")
+            raise TypeError(f"rng must be a protocol.samplers.NoiseStream, got {type(rng).__name__}")
         self._rng = rng if rng is not None else NoiseStream.from_os()
         self._fixed = fixed_secrets
         self._phase = Phase.ADVERTISE_KEYS
@@ -255,7 +263,7 @@ class DeviceSecAggSession:
         Raises
         ------
         RemoteProtocolError
-            The message is not legal in this phase, or fails one of the device's checks (DESIGN.md §4).
+            The message is not legal in this phase, or fails one of the device's checks (docs/design.md §4).
         StaleRound
             The message belongs to another round or session (replay).
         CryptoError
@@ -345,7 +353,7 @@ class DeviceSecAggSession:
         rid, me, c, s = self.invite.round_id, self.device_id, self._c.public_key, self._s.public_key
         if self._identity is None:
             return PublicKeys(round_id=rid, device_id=me, c_public_key=c, s_public_key=s)
-        signature = self._identity.sign(crypto.key_advertisement_payload(rid, me, c, s))
+        signature = self._identity.sign(key_advertisement_payload(rid, me, c, s))
         return PublicKeys(
             round_id=rid,
             device_id=me,
@@ -367,7 +375,7 @@ class DeviceSecAggSession:
             msg.neighbour_ids, msg.c_public_keys, msg.s_public_keys, msg.certificates, msg.signatures, strict=True
         ):
             try:
-                identity = crypto.verify_certificate(cert, self._authority, revoked=self._revoked)
+                identity = verify_certificate(cert, self._authority, revoked=self._revoked)
             except CertificateRevoked as exc:
                 raise CertificateRevoked(
                     f"neighbour device {v} in the ShareKeys broadcast of round {self.invite.round_id}: {exc}; "
@@ -377,7 +385,7 @@ class DeviceSecAggSession:
                 raise RemoteProtocolError(f"ShareKeys broadcast uses one certified identity twice (at {v})")
             seen.add(identity)
             try:
-                crypto.verify_signature(identity, sig, crypto.key_advertisement_payload(self.invite.round_id, v, c, s))
+                verify_signature(identity, sig, key_advertisement_payload(self.invite.round_id, v, c, s))
             except CryptoError:
                 raise CryptoError(f"the keys advertised for device {v} are not signed by its certified key") from None
             self._identities[v] = identity
@@ -396,7 +404,7 @@ class DeviceSecAggSession:
             raise RemoteProtocolError("the survivor set omits this device, which sent its masked input")
         session = self._session or b""
         self._signed_set = members
-        signature = self._identity.sign(crypto.survivor_set_payload(self.invite.round_id, session, members))
+        signature = self._identity.sign(survivor_set_payload(self.invite.round_id, session, members))
         return ConsistencySignature(
             round_id=self.invite.round_id, device_id=self.device_id, session_id=session, signature=signature
         )
@@ -412,7 +420,7 @@ class DeviceSecAggSession:
         if msg.survivor_set != self._signed_set:
             raise RemoteProtocolError("UnmaskRequest rests on a different survivor set than the one this device signed")
         members = set(self._signed_set)
-        payload = crypto.survivor_set_payload(self.invite.round_id, self._session or b"", self._signed_set)
+        payload = survivor_set_payload(self.invite.round_id, self._session or b"", self._signed_set)
         valid: set[int] = set()
         identities: set[bytes] = set()
         need = required_signatures(self.invite, self._gamma)
@@ -430,10 +438,10 @@ class DeviceSecAggSession:
                 elif cert in self._certified:
                     identity = self._certified[cert]  # verified in this round's key broadcast
                 else:
-                    identity = crypto.verify_certificate(cert, self._authority, revoked=self._revoked)
+                    identity = verify_certificate(cert, self._authority, revoked=self._revoked)
                 if identity in identities or (v in self._identities and self._identities[v] != identity):
                     continue
-                crypto.verify_signature(identity, sig, payload)
+                verify_signature(identity, sig, payload)
             except CryptoError:
                 continue
             valid.add(v)
@@ -573,7 +581,7 @@ class DeviceSecAggSession:
             raise LocalProtocolError("no session id")
         value = self._input
         if inv.dp_mu > 0.0:
-            # Skellam(mu / t_min): enough noise even if only t_min devices survive (DESIGN.md §5).
+            # Skellam(mu / t_min): enough noise even if only t_min devices survive (docs/design.md §5).
             draw = device_noise(inv.dp_mu, inv.dp_t_min, inv.vector_length, self._rng)
             self._noise = StoredSkellam.of(draw)
             value = value + to_ring(draw.value())

@@ -23,9 +23,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from protocol import crypto
 from protocol.atomic import write_atomic
 from protocol.errors import ConfigError, CryptoError, RevocationListInvalid
+from protocol.identity import (
+    BATCH_BYTES,
+    RevocationList,
+    SigningKey,
+    issue_certificate,
+    issue_revocation_list,
+    verify_revocation_list,
+)
 
 __all__ = [
     "EnrollmentAuthority",
@@ -58,7 +65,7 @@ def batch_id(name: str) -> bytes:
     """
     if not isinstance(name, str) or BATCH_NAME.fullmatch(name) is None:
         raise ConfigError(f"a certificate batch name is 1-64 characters of [A-Za-z0-9._-], got {name!r}")
-    return hashlib.sha256(b"fedrec/enrollment/batch/" + name.encode("ascii")).digest()[: crypto.BATCH_BYTES]
+    return hashlib.sha256(b"fedrec/enrollment/batch/" + name.encode("ascii")).digest()[: BATCH_BYTES]
 
 
 class EnrollmentAuthority:
@@ -70,13 +77,13 @@ class EnrollmentAuthority:
         The authority's Ed25519 key.
     """
 
-    def __init__(self, key: crypto.SigningKey) -> None:
+    def __init__(self, key: SigningKey) -> None:
         self.key = key
 
     @classmethod
     def generate(cls) -> EnrollmentAuthority:
         """A new authority with a key from the OS CSPRNG."""
-        return cls(crypto.SigningKey.generate())
+        return cls(SigningKey.generate())
 
     @property
     def public_key(self) -> bytes:
@@ -111,7 +118,7 @@ class EnrollmentAuthority:
         if isinstance(start, bool) or not isinstance(start, int | float) or not 0 <= start < 1 << 40:
             raise ConfigError(f"not_before must be Unix seconds, got {not_before!r}")
         first = math.floor(start)
-        return crypto.issue_certificate(
+        return issue_certificate(
             self.key,
             device_public_key,
             batch=batch_id(batch),
@@ -130,11 +137,11 @@ class EnrollmentAuthority:
         CryptoError
             A device key that is not 32 bytes.
         """
-        old = crypto.verify_revocation_list(previous, self.public_key) if previous is not None else None
+        old = verify_revocation_list(previous, self.public_key) if previous is not None else None
         keys = set(old.device_keys) if old is not None else set()
         keys.update(device_keys)
         number = old.number + 1 if old is not None else 1
-        return crypto.issue_revocation_list(
+        return issue_revocation_list(
             self.key, number, math.floor(time.time() if now is None else now), sorted(keys)
         )
 
@@ -176,12 +183,12 @@ class EnrollmentAuthority:
         if len(lines) != 2 or lines[0] != _KEY_FILE_HEADER:
             raise ConfigError(f"{path} is not a fedrec enrollment authority key file")
         try:
-            return cls(crypto.SigningKey.from_private_bytes(bytes.fromhex(lines[1])))
+            return cls(SigningKey.from_private_bytes(bytes.fromhex(lines[1])))
         except (ValueError, CryptoError) as exc:
             raise ConfigError(f"{path} holds a malformed enrollment authority key: {exc}") from exc
 
 
-def read_revocation_list(path: Path, authority_public_key: bytes) -> crypto.RevocationList:
+def read_revocation_list(path: Path, authority_public_key: bytes) -> RevocationList:
     """Read and check a revocation list file (`write_revocation_list`).
 
     Raises
@@ -194,9 +201,9 @@ def read_revocation_list(path: Path, authority_public_key: bytes) -> crypto.Revo
 
 def load_revocation_list(
     path: Path, authority_public_key: bytes, *, interruptible: bool = False
-) -> tuple[crypto.RevocationList, bytes]:
+) -> tuple[RevocationList, bytes]:
     """`read_revocation_list`, also returning the signed bytes it checked (one read: what a server relays
-    to devices is exactly the list it enforces).  ``interruptible`` as `protocol.crypto.verify_revocation_list`.
+    to devices is exactly the list it enforces).  ``interruptible`` as `protocol.identity.verify_revocation_list`.
 
     Raises
     ------
@@ -209,7 +216,7 @@ def load_revocation_list(
     except OSError as exc:
         raise RevocationListInvalid(f"cannot read the revocation list {path}: {exc}") from exc
     try:
-        return crypto.verify_revocation_list(data, authority_public_key, interruptible=interruptible), data
+        return verify_revocation_list(data, authority_public_key, interruptible=interruptible), data
     except RevocationListInvalid as exc:
         raise RevocationListInvalid(f"{path}: {exc}") from None
 

@@ -4,7 +4,7 @@
 # neighbourhood, keys not distinct) are protocol rules: the receiving session checks them and raises
 # `RemoteProtocolError`, which keeps those malicious-server defences testable on their own.
 # Arrays are stored as read-only, C-contiguous copies, so a message cannot change after it was built.
-"""SecAgg+ round messages (DESIGN.md section 4).
+"""SecAgg+ round messages (docs/design.md §4).
 
 Device ids are non-negative integers below 2**63; round ids likewise.  Byte strings are raw: X25519 public
 keys are 32 bytes, the session id is a 32-byte SHA-256 digest.  Ring vectors are 1-D ``np.uint32`` arrays
@@ -406,10 +406,10 @@ class PublicKeys(Message):
     s_public_key : bytes
         32 raw bytes; key agreement for the pairwise masks. Must differ from ``c_public_key``.
     certificate : bytes
-        Protocol 1.3: the device's enrollment certificate (`protocol.crypto.issue_certificate`), or empty.
+        Protocol 1.3: the device's enrollment certificate (`protocol.identity.issue_certificate`), or empty.
     signature : bytes
         Protocol 1.3: the device's Ed25519 signature of
-        `protocol.crypto.key_advertisement_payload` (round, device id, both keys), or empty.
+        `protocol.identity.key_advertisement_payload` (round, device id, both keys), or empty.
     """
 
     TYPE: ClassVar[int] = 2
@@ -612,7 +612,7 @@ class UnmaskRequest(Message):
     survivor_set : tuple of int
         Protocol 1.3: the whole signed set U3 (sorted), empty without the consistency check.
     signer_ids, signer_certificates, signatures : tuples
-        Protocol 1.3: survivors' Ed25519 signatures of `protocol.crypto.survivor_set_payload` over
+        Protocol 1.3: survivors' Ed25519 signatures of `protocol.identity.survivor_set_payload` over
         ``survivor_set``, with their enrollment certificates, aligned.
     """
 
@@ -683,7 +683,7 @@ class ConsistencySignature(Message):
     session_id : bytes
         32-byte session id.
     signature : bytes
-        64 bytes over `protocol.crypto.survivor_set_payload(round_id, session_id, survivor_set)`.
+        64 bytes over `protocol.identity.survivor_set_payload(round_id, session_id, survivor_set)`.
     """
 
     TYPE: ClassVar[int] = 21
@@ -847,10 +847,10 @@ class RegisterRequest(Message):
     platform : str
         Free-form description of the device software (at most 128 characters), for operators.
     certificate : bytes
-        Protocol 1.4: the device's enrollment certificate (`protocol.crypto.issue_certificate`), or empty.
+        Protocol 1.4: the device's enrollment certificate (`protocol.identity.issue_certificate`), or empty.
     proof : bytes
         Protocol 1.4: with a certificate, the device's Ed25519 signature of
-        `protocol.crypto.registration_payload` (proof that it holds the certified key), else empty.
+        `protocol.identity.registration_payload` (proof that it holds the certified key), else empty.
     enrollment_token : str
         Protocol 1.4: an operator-issued one-time enrollment token (test fleets), or empty.
     """
@@ -1084,7 +1084,7 @@ class RevocationListPayload(Message):
     enforces (``GET /v1/enrollment/revocations``).
 
     The server only relays it: a device checks the signature against its pinned authority key and never
-    goes back to a lower list number than the one it holds (`protocol.crypto.verify_revocation_list`).
+    goes back to a lower list number than the one it holds (`protocol.identity.verify_revocation_list`).
 
     Attributes
     ----------

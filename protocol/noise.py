@@ -1,4 +1,4 @@
-"""Integer Skellam noise in the ring Z_{2^32} and the corrected two-round DP scheme (DESIGN.md §5).
+"""Integer Skellam noise in the ring Z_{2^32} and the corrected two-round DP scheme (docs/design.md §5).
 
 Invariants of this module:
 
@@ -9,12 +9,12 @@ Invariants of this module:
   fresh binomial coins, and by the Poisson thinning theorem they are independent.
 * Every rate is turned into an exact fraction from its shortest decimal form before it meets ``n``,
   so ``0.3 * 100`` is 30 and not 30.000000000000004.
-* All randomness comes from the `protocol.crypto.NoiseStream` passed in (a ChaCha20 keystream; numpy
+* All randomness comes from the `protocol.samplers.NoiseStream` passed in (a ChaCha20 keystream; numpy
   generators are refused), through the pure samplers of `protocol.samplers`; nothing here touches a clock
   or I/O.  A device keys its stream from `secrets` (`NoiseStream.from_os`), so the server cannot predict its
-  noise; simulations key it from a seed only through `protocol.crypto.insecure_test_noise_stream`.
+  noise; simulations key it from a seed only through `protocol.samplers.insecure_test_noise_stream`.
 
-The scheme (DESIGN.md §5, correcting section 6 of the FMF privacy paper): each device of a cohort of
+The scheme (docs/design.md §5, correcting section 6 of the FMF privacy paper): each device of a cohort of
 ``n`` adds Skellam(mu / t_min), with t_min = ceil((1 - omega) * n), so that any surviving set of at least
 t_min devices carries aggregate variance >= mu.  When the server announces s survivors, each survivor
 splits its draw by binomial thinning with keep fraction t_min / s: it keeps Skellam(mu / s) and reveals
@@ -34,9 +34,8 @@ from fractions import Fraction
 import numpy as np
 from numpy.typing import NDArray
 
-from protocol.crypto import NoiseStream
 from protocol.errors import ConfigError, NotEnoughParticipants
-from protocol.samplers import binomial, poisson
+from protocol.samplers import NoiseStream, binomial, poisson
 
 __all__ = [
     "SkellamDraw",
@@ -170,7 +169,7 @@ def thin(draw: SkellamDraw, keep_fraction: float, rng: NoiseStream) -> tuple[Ske
     Each Poisson count N ~ Poisson(lam) is thinned as K | N ~ Binomial(N, p).  By the Poisson
     thinning theorem K ~ Poisson(p * lam) and N - K ~ Poisson((1 - p) * lam) and the two are
     independent; applying it to both halves gives kept ~ Skellam(p * v), excess ~ Skellam((1 - p) * v),
-    independent.  Independence is what lets the excess travel in the clear (DESIGN.md §5).
+    independent.  Independence is what lets the excess travel in the clear (docs/design.md §5).
 
     Parameters
     ----------
@@ -279,7 +278,7 @@ def minimum_survivors(n: int, dropout_rate: float) -> int:
 
 
 def device_variance(mu: float, n: int, dropout_rate: float) -> float:
-    """Return the per-device Skellam variance mu / t_min (DESIGN.md §5).
+    """Return the per-device Skellam variance mu / t_min (docs/design.md §5).
 
     Parameters
     ----------
@@ -344,7 +343,7 @@ def correction_keep_fraction(n: int, dropout_rate: float, survivors: int) -> flo
 
 def device_noise(mu: float, t_min: int, length: int, rng: NoiseStream) -> SkellamDraw:
     """The noise one device adds to its masked input: Skellam(mu / t_min) on each of ``length``
-    coordinates (DESIGN.md §5).  The device session and the private-round simulator
+    coordinates (docs/design.md §5).  The device session and the private-round simulator
     (`fedsim.privsim`) both draw it here, so they follow one sampler.
 
     Raises

@@ -8,7 +8,7 @@
 #   `phase_deadline` (which deadline closes which phase), `check_neighbourhood` (device: t <= |N(u)| <= k),
 #   `check_survivor_quorum` (device: enough surviving neighbours, n_survivors consistent and >= t_min).
 # - Pure: no clock, no I/O, no randomness.
-"""SecAgg+ phases, the transition table and every quorum/deadline/threshold rule (DESIGN.md §4–5)."""
+"""SecAgg+ phases, the transition table and every quorum/deadline/threshold rule (docs/design.md §4–5)."""
 
 from __future__ import annotations
 

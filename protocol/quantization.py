@@ -1,4 +1,4 @@
-"""Fixed-point encoding of device updates into the ring Z_{2^32} (DESIGN.md §4, notes §9 pitfalls 4-6).
+"""Fixed-point encoding of device updates into the ring Z_{2^32} (docs/design.md §4, with its quantization pitfalls).
 
 Invariants of this module:
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from protocol.crypto import NoiseStream
 from protocol.errors import ConfigError
+from protocol.samplers import NoiseStream
 
 __all__ = [
     "DEFAULT_SCALE_BITS",
@@ -171,7 +171,7 @@ def quantize(
     cfg : QuantizationConfig
         Clip norm and scale.
     coins : NoiseStream
-        Source of the rounding coins: the device's ChaCha20 keystream (`protocol.crypto.NoiseStream`),
+        Source of the rounding coins: the device's ChaCha20 keystream (`protocol.samplers.NoiseStream`),
         which the server cannot predict; a numpy generator is refused.
 
     Returns
@@ -220,7 +220,7 @@ def stochastic_round(scaled: NDArray[np.float64], coins: NoiseStream) -> NDArray
     """
     if not isinstance(coins, NoiseStream):
         raise TypeError(
-            f"stochastic rounding needs a protocol.crypto.NoiseStream (a cryptographic keystream), got "
+            f"stochastic rounding needs a protocol.samplers.NoiseStream (a cryptographic keystream), got "
             f"{type(coins).__name__}"
         )
     low = np.floor(scaled)

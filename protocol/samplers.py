@@ -1,5 +1,8 @@
 # Invariants:
-# - Pure functions of the words they read from the `NoiseStream` passed in: no global state, no numpy
+# - `NoiseStream` is the only randomness of the DP noise: a ChaCha20 keystream whose key expands exactly one
+#   stream; a device keys it from `secrets`, a simulation only through `insecure_test_noise_stream`, whose
+#   name says what it is.  A bad key leaves as `CryptoError`.
+# - The samplers are pure functions of the words they read from the stream passed in: no global state, no numpy
 #   generator, no clock.  Two callers holding streams with the same key and making the same calls get
 #   bit-identical results (the device session and the private-round simulator rely on this).
 # - Exact samplers: inversion for small means, and the transformed-rejection methods of Hörmann (PTRS for
@@ -7,7 +10,8 @@
 #   (a table below 256, Stirling's series with three correction terms, error < 1e-16 relative, above).
 # - The order in which words are consumed is part of the contract: changing it changes every seeded
 #   simulation, so it is fixed here and covered by a known-answer test.
-"""Poisson and binomial samplers over a cryptographic keystream (the DP noise and thinning coins).
+"""The DP noise's keystream (`NoiseStream`, ChaCha20) and the Poisson and binomial samplers over it (the DP
+noise and thinning coins).
 
 Word consumption, per call: inversion draws one uniform per coordinate (one block of ``size``);
 rejection draws, per pass, two uniforms (u, then v) for every coordinate still pending, as two
@@ -17,14 +21,124 @@ order.  `protocol.noise.thin` samples the positive half, then the negative half.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
+import secrets
+import struct
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from numpy.typing import NDArray
 
-from protocol.crypto import NoiseStream
+from protocol.errors import CryptoError
 
-__all__ = ["log_factorial", "poisson", "binomial"]
+__all__ = [
+    "NoiseStream",
+    "insecure_test_noise_stream",
+    "INSECURE_NOISE_NOTICE",
+    "log_factorial",
+    "poisson",
+    "binomial",
+]
+
+_KEY_BYTES = 32  # a ChaCha20 key
+_LABEL_INSECURE_NOISE = b"fedrec/INSECURE-test-only/noise-stream"
+
+#: What every run that keys DP noise from a public seed prints (one text, so it can be grepped for).
+INSECURE_NOISE_NOTICE = (
+    "WARNING: this run seeds the devices' DP noise from a public seed (a test hook): anyone who knows the "
+    "seed can predict and remove the noise, so any ε it reports is NOT a privacy guarantee."
+)
+_log = logging.getLogger(__name__)
+
+
+class NoiseStream:
+    """The randomness of the DP noise and of the thinning coins: a ChaCha20 keystream (RFC 8439 cipher, as
+    implemented by `cryptography`), read as little-endian words.
+
+    Whoever does not know the 32-byte key cannot predict a word of the stream, so the server cannot
+    predict a device's noise from anything it sees (round id, device id, earlier excesses).  The samplers
+    of `protocol.noise` are pure functions of the words they read, so two parties holding the same key
+    (a simulation and a device driven over HTTP, both given one test seed) draw bit-identical noise.
+
+    Parameters
+    ----------
+    key : bytes
+        32 secret bytes.  Production code uses `NoiseStream.from_os`; known-answer tests and simulations
+        use `insecure_test_noise_stream`, whose name says what it is.
+
+    Raises
+    ------
+    CryptoError
+        The key is not 32 bytes.
+    """
+
+    __slots__ = ("_encryptor", "words_read")
+
+    def __init__(self, key: bytes) -> None:
+        if type(key) is not bytes or len(key) != _KEY_BYTES:
+            raise CryptoError(f"a noise-stream key is {_KEY_BYTES} bytes")
+        # ChaCha20 with a zero 16-byte (counter ‖ nonce) block: each key expands exactly one stream.
+        self._encryptor = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+        self.words_read = 0
+
+    @classmethod
+    def from_os(cls) -> NoiseStream:
+        """A stream keyed with 32 bytes from `secrets` (the only constructor a real device uses)."""
+        return cls(secrets.token_bytes(_KEY_BYTES))
+
+    def uint64(self, count: int) -> NDArray[np.uint64]:
+        """The next ``count`` 64-bit words of the keystream.
+
+        Raises
+        ------
+        ValueError
+            ``count < 0``.
+        """
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        self.words_read += count
+        return np.frombuffer(self._encryptor.update(bytes(8 * count)), dtype="<u8").astype(np.uint64)
+
+    def uniform(self, count: int) -> NDArray[np.float64]:
+        """The next ``count`` uniforms in the open interval (0, 1): (top 53 bits of a word + 1/2) / 2**53."""
+        words = self.uint64(count) >> np.uint64(11)
+        return (words.astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+
+
+def insecure_test_noise_stream(seed: int, *context: int) -> NoiseStream:
+    """TEST HOOK: a noise stream derived from a public seed.  Its noise is predictable by anyone who knows
+    the seed, so any ε reported for a run that uses it is NOT a privacy guarantee.
+
+    Simulations use it to make runs reproducible and to draw bit-identical noise in two places (the
+    in-process simulator and devices driven over HTTP); a production device never calls it.
+
+    Parameters
+    ----------
+    seed : int
+        The run's public seed (>= 0).
+    *context : int
+        Further non-negative integers separating streams (round id, device id, ...).
+
+    Returns
+    -------
+    NoiseStream
+        Keyed with SHA-256(label ‖ seed ‖ context).
+
+    Raises
+    ------
+    ValueError
+        A negative or non-integer argument.
+    """
+    parts = (seed, *context)
+    for value in parts:
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= int(value) < 2**64:
+            raise ValueError(f"test noise seeds are integers in [0, 2**64), got {value!r}")
+    _log.debug("INSECURE test noise stream for seed %d: ε of this run is not a privacy guarantee", seed)
+    key = hashlib.sha256(_LABEL_INSECURE_NOISE + b"".join(struct.pack(">Q", int(v)) for v in parts)).digest()
+    return NoiseStream(key)
+
 
 _TABLE_SIZE = 256
 _LOG_FACTORIAL_TABLE = np.array([math.lgamma(k + 1.0) for k in range(_TABLE_SIZE)], dtype=np.float64)
@@ -36,7 +150,7 @@ _INVERSION_MAX_MEAN = 10.0
 def _check_stream(stream: NoiseStream) -> None:
     if not isinstance(stream, NoiseStream):
         raise TypeError(
-            f"DP noise needs a protocol.crypto.NoiseStream (a cryptographic keystream), got {type(stream).__name__}"
+            f"DP noise needs a protocol.samplers.NoiseStream (a cryptographic keystream), got {type(stream).__name__}"
         )
 
 

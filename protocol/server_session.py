@@ -12,7 +12,7 @@
 #   is never asked for them, and its masks are not corrected for it (`_mask_peers`).
 # - No clock, no sockets, no global RNG: deadlines are compared with the `now` the caller passes; the
 #   graph placement uses the caller's generator.
-"""The server side of one SecAgg+ round (DESIGN.md §4–5; Bonawitz et al. 2017; Bell et al. 2020)."""
+"""The server side of one SecAgg+ round (docs/design.md §4–5; Bonawitz et al. 2017; Bell et al. 2020)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from protocol.errors import (
     StaleRound,
 )
 from protocol.graph import harary_graph
+from protocol.identity import key_advertisement_payload, survivor_set_payload, verify_certificate, verify_signature
 from protocol.masking import MaskedSumAccumulator, pair_mask_keys
 from protocol.messages import (
     Abort,
@@ -551,7 +552,7 @@ class ServerSecAggSession:
                 raise RoundClosed("the consistency check is closed")
             if message.session_id != self._session:
                 raise StaleRound("session id mismatch: the message belongs to another session")
-            crypto.verify_signature(self._certs[u][2], message.signature, self._set_payload)
+            verify_signature(self._certs[u][2], message.signature, self._set_payload)
             self._set_signatures[u] = message.signature
             return
         if isinstance(message, PublicKeys):
@@ -682,11 +683,11 @@ class ServerSecAggSession:
             return
         if not message.certificate or not message.signature:
             raise RemoteProtocolError(f"device {u} advertised unsigned keys; this round requires enrolled devices")
-        identity = crypto.verify_certificate(message.certificate, authority)
+        identity = verify_certificate(message.certificate, authority)
         if self._identities.get(identity, u) != u:
             raise RemoteProtocolError(f"device {u} presents a certified identity another device already used")
-        payload = crypto.key_advertisement_payload(message.round_id, u, message.c_public_key, message.s_public_key)
-        crypto.verify_signature(identity, message.signature, payload)
+        payload = key_advertisement_payload(message.round_id, u, message.c_public_key, message.s_public_key)
+        verify_signature(identity, message.signature, payload)
         self._certs[u] = (message.certificate, message.signature, identity)
         self._identities[identity] = u
 
@@ -702,7 +703,7 @@ class ServerSecAggSession:
         self._digests.clear()
         self._signing = bool(self.params.authority_key)
         if self._signing:
-            self._set_payload = crypto.survivor_set_payload(self.params.round_id, self._session, sorted(u3))
+            self._set_payload = survivor_set_payload(self.params.round_id, self._session, sorted(u3))
         self._phase = Phase.UNMASK
 
     def _close_consistency(self) -> None:

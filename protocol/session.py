@@ -1,4 +1,4 @@
-"""SecAgg+ device and server state machines (DESIGN.md §4–5; Bonawitz et al. 2017; Bell et al. 2020).
+"""SecAgg+ device and server state machines (docs/design.md §4–5; Bonawitz et al. 2017; Bell et al. 2020).
 
 The public home of the session API; the code lives in four modules:
 

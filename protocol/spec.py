@@ -1,6 +1,6 @@
-"""Model vocabulary and wire limits both sides agree on: which model family a round trains, how the
-LightFR uploads are combined, FELB's step rule, FNMF's alignment, and the largest sizes a message may
-carry.  String values are stable wire/config names; never rename one."""
+"""The protocol version, and the model vocabulary and wire limits both sides agree on: which model family a
+round trains, how the LightFR uploads are combined, FELB's step rule, FNMF's alignment, and the largest sizes
+a message may carry.  String values are stable wire/config names; never rename one."""
 
 from __future__ import annotations
 
@@ -16,9 +16,15 @@ __all__ = [
     "MAX_TEXT",
     "MAX_VECTOR_LENGTH",
     "ModelKind",
+    "PROTOCOL_VERSION",
     "StepRule",
     "USER_REG_RANGE",
 ]
+
+PROTOCOL_VERSION: tuple[int, int] = (1, 7)
+"""(major, minor): what the codec writes in every envelope (`protocol.codec.is_compatible` decides who can
+talk) and whose major version `protocol.crypto` binds into every derived key and `protocol.identity` into
+every signed round payload."""
 
 MAX_VECTOR_LENGTH = 1 << 28
 """Largest update vector L (uint32 ring elements, 1 GiB masked)."""

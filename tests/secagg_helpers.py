@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol.crypto import insecure_test_noise_stream
 from protocol.messages import (
     Abort,
     CheckIn,
@@ -24,6 +23,7 @@ from protocol.messages import (
     UnmaskResponse,
     Wait,
 )
+from protocol.samplers import insecure_test_noise_stream
 from protocol.session import DeviceSecAggSession, Phase, RoundParameters, ServerSecAggSession
 
 SID = b"\x11" * 32

@@ -20,7 +20,6 @@ import pytest
 from agg_server.app import COORDINATOR, create_app
 from agg_server.enrollment import REFRESH_PERIOD
 from device_sdk.client import RoundOutcome, RoundStatus
-from protocol import crypto
 from protocol.enrollment import EnrollmentAuthority, read_revocation_list, write_revocation_list
 from protocol.errors import (
     CertificateExpired,
@@ -31,21 +30,34 @@ from protocol.errors import (
     EnrollmentRefused,
     RevocationListInvalid,
 )
+from protocol.identity import (
+    CERTIFICATE_BYTES,
+    CERTIFICATE_CLOCK_SKEW,
+    CERTIFICATE_V2_BYTES,
+    SIGNATURE_BYTES,
+    SigningKey,
+    issue_certificate,
+    issue_revocation_list,
+    read_certificate,
+    registration_payload,
+    verify_certificate,
+    verify_revocation_list,
+)
 from protocol.messages import ErrorMessage, RegisterRequest, RegisterResponse, ShareKeysBroadcast
 from protocol.phases import Phase
 from tests.test_enrollment_http import _clients, _config, _join, _post
 
 DAY = 86400
-SIG = crypto.SIGNATURE_BYTES
+SIG = SIGNATURE_BYTES
 
 
 def _cert(ca: EnrollmentAuthority, key: bytes, start: float, end: float) -> bytes:
     """A certificate of ``ca`` for ``key`` valid over [start, end] (any period, also past or future)."""
-    return crypto.issue_certificate(ca.key, key, not_before=int(start), not_after=int(end))
+    return issue_certificate(ca.key, key, not_before=int(start), not_after=int(end))
 
 
-def _register(cert: bytes, key: crypto.SigningKey) -> RegisterRequest:
-    return RegisterRequest(platform="p", certificate=cert, proof=key.sign(crypto.registration_payload(cert)))
+def _register(cert: bytes, key: SigningKey) -> RegisterRequest:
+    return RegisterRequest(platform="p", certificate=cert, proof=key.sign(registration_payload(cert)))
 
 
 def _authority_with_a_list(tmp_path: Path) -> tuple[EnrollmentAuthority, Path, dict[str, str]]:
@@ -82,39 +94,39 @@ def _refused(status: int, msg: Any, what: str) -> None:
 
 def test_certificates_carry_a_validity_period_and_format_1_stays_readable() -> None:
     ca = EnrollmentAuthority.generate()
-    key = crypto.SigningKey.generate().public_key
+    key = SigningKey.generate().public_key
     now = time.time()
     cert = ca.issue(key, "b", valid_days=30)
-    assert len(cert) == crypto.CERTIFICATE_V2_BYTES and cert.startswith(b"FRC2")
-    parsed = crypto.read_certificate(cert, ca.public_key)
+    assert len(cert) == CERTIFICATE_V2_BYTES and cert.startswith(b"FRC2")
+    parsed = read_certificate(cert, ca.public_key)
     assert parsed.subject == key and parsed.not_after is not None and parsed.not_before is not None
     assert abs(parsed.not_before - now) < 5 and parsed.not_after - parsed.not_before == 30 * DAY
     # the clock check, with the allowed skew on both ends
-    skew = crypto.CERTIFICATE_CLOCK_SKEW
-    assert crypto.verify_certificate(cert, ca.public_key, now=parsed.not_before - skew + 1) == key
+    skew = CERTIFICATE_CLOCK_SKEW
+    assert verify_certificate(cert, ca.public_key, now=parsed.not_before - skew + 1) == key
     with pytest.raises(CertificateNotYetValid, match="not yet valid"):
-        crypto.verify_certificate(cert, ca.public_key, now=parsed.not_before - skew - 1)
-    assert crypto.verify_certificate(cert, ca.public_key, now=parsed.not_after + skew - 1) == key
+        verify_certificate(cert, ca.public_key, now=parsed.not_before - skew - 1)
+    assert verify_certificate(cert, ca.public_key, now=parsed.not_after + skew - 1) == key
     with pytest.raises(CertificateExpired, match="expired"):
-        crypto.verify_certificate(cert, ca.public_key, now=parsed.not_after + skew + 1)
+        verify_certificate(cert, ca.public_key, now=parsed.not_after + skew + 1)
     with pytest.raises(CertificateRevoked, match="revoked"):
-        crypto.verify_certificate(cert, ca.public_key, revoked=frozenset({key}))
+        verify_certificate(cert, ca.public_key, revoked=frozenset({key}))
     # a forged period is a forgery, not an expiry: the signature is checked first
     tampered = bytearray(cert)
     tampered[-SIG - 1] ^= 1
     with pytest.raises(CryptoError, match="not signed by the pinned authority"):
-        crypto.verify_certificate(bytes(tampered), ca.public_key)
+        verify_certificate(bytes(tampered), ca.public_key)
     # protocol-1.4 (format 1) certificates still verify: no period, only revocation ends them
-    old = crypto.issue_certificate(ca.key, key)
-    assert len(old) == crypto.CERTIFICATE_BYTES
-    assert crypto.read_certificate(old, ca.public_key, now=1e12).not_after is None
+    old = issue_certificate(ca.key, key)
+    assert len(old) == CERTIFICATE_BYTES
+    assert read_certificate(old, ca.public_key, now=1e12).not_after is None
     with pytest.raises(CertificateRevoked):
-        crypto.verify_certificate(old, ca.public_key, revoked=frozenset({key}))
+        verify_certificate(old, ca.public_key, revoked=frozenset({key}))
     for bad in (0, -1, 4000, float("nan"), True):
         with pytest.raises(ConfigError, match="valid_days"):
             ca.issue(key, valid_days=bad)
     with pytest.raises(CryptoError, match="not_after"):
-        crypto.issue_certificate(ca.key, key, not_before=10, not_after=10)
+        issue_certificate(ca.key, key, not_before=10, not_after=10)
 
 
 def test_revocation_lists_are_signed_numbered_and_cumulative(tmp_path: Path) -> None:
@@ -122,7 +134,7 @@ def test_revocation_lists_are_signed_numbered_and_cumulative(tmp_path: Path) -> 
     a, b = bytes([1]) * 32, bytes([2]) * 32
     first = ca.revoke(None, [a])
     second = ca.revoke(first, [b])
-    crl = crypto.verify_revocation_list(second, ca.public_key)
+    crl = verify_revocation_list(second, ca.public_key)
     assert crl.number == 2 and crl.device_keys == {a, b}
     path = tmp_path / "ca.crl"
     write_revocation_list(path, second)
@@ -140,7 +152,7 @@ def test_revocation_lists_are_signed_numbered_and_cumulative(tmp_path: Path) -> 
     }
     for data, why in cases.items():
         with pytest.raises(RevocationListInvalid, match=why):
-            crypto.verify_revocation_list(data, ca.public_key)
+            verify_revocation_list(data, ca.public_key)
     with pytest.raises(RevocationListInvalid, match="not signed"):
         ca.revoke(bytes(flipped), [b])  # the authority never builds on a list it did not sign
 
@@ -153,7 +165,7 @@ async def test_registration_refuses_expired_not_yet_valid_and_revoked_certificat
     aiohttp_client: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     ca = EnrollmentAuthority.generate()
-    keys = [crypto.SigningKey.generate() for _ in range(6)]
+    keys = [SigningKey.generate() for _ in range(6)]
     crl_path = tmp_path / "ca.crl"
     write_revocation_list(crl_path, ca.revoke(None, [keys[2].public_key]))
     cfg = _config(
@@ -180,7 +192,7 @@ async def test_registration_refuses_expired_not_yet_valid_and_revoked_certificat
     _refused(status, msg, "revocation list #2 names device key")
     # a tampered replacement (keys[2] taken off the list) is refused by name and list #2 stays in force
     good = crl_path.read_bytes()
-    tampered = crypto.issue_revocation_list(EnrollmentAuthority.generate().key, 3, int(now), [keys[4].public_key])
+    tampered = issue_revocation_list(EnrollmentAuthority.generate().key, 3, int(now), [keys[4].public_key])
     with caplog.at_level(logging.ERROR, logger="agg_server.enrollment"):
         write_revocation_list(crl_path, tampered)
         await _until(lambda: "revocation list refused" in caplog.text, "the tampered list refused")
@@ -276,7 +288,7 @@ async def test_a_device_revoked_while_waiting_in_the_pool_is_not_drawn(aiohttp_c
     # a cohort of 5: the four in the pool wait for a full one (the ticker opens nothing at the frozen clock)
     app = create_app(_config(tmp_path / "srv", cohort=5, enrollment=enrollment, min_cohort=3), clock=lambda: 1000.0)
     client = await aiohttp_client(app)
-    keys = [crypto.SigningKey.generate() for _ in range(4)]
+    keys = [SigningKey.generate() for _ in range(4)]
     ids = []
     for key in keys:
         status, msg, _ = await _post(client, "/v1/devices", _register(ca.issue(key.public_key), key))
@@ -345,17 +357,17 @@ def test_the_cli_issues_certificates_with_a_period_and_revokes_them(
     key_file, crl = tmp_path / "ca.key", tmp_path / "ca.crl"
     assert cli_main(["enroll-ca", "init", "--key", str(key_file)]) == 0
     ca = EnrollmentAuthority.load(key_file)
-    device = crypto.SigningKey.generate().public_key
+    device = SigningKey.generate().public_key
     capsys.readouterr()
     args = ["enroll-ca", "issue", "--key", str(key_file), "--device-key", device.hex(), "--valid-days", "2"]
     assert cli_main(args) == 0
-    parsed = crypto.read_certificate(bytes.fromhex(capsys.readouterr().out.strip()), ca.public_key)
+    parsed = read_certificate(bytes.fromhex(capsys.readouterr().out.strip()), ca.public_key)
     assert parsed.not_before is not None and parsed.not_after is not None
     assert parsed.not_after - parsed.not_before == 2 * DAY
     assert cli_main([*args[:-1], "0"]) == 2 and "--valid-days must be" in capsys.readouterr().err
     args = ["enroll-ca", "revoke", "--key", str(key_file), "--crl", str(crl), "--device-key", device.hex()]
     assert cli_main(args) == 0 and "revocation list #1" in capsys.readouterr().out
-    other = crypto.SigningKey.generate().public_key
+    other = SigningKey.generate().public_key
     expired = _cert(ca, other, 0, 10)  # an expired certificate can still be revoked
     args = ["enroll-ca", "revoke", "--key", str(key_file), "--crl", str(crl), "--certificate", expired.hex()]
     assert cli_main(args) == 0 and "revocation list #2" in capsys.readouterr().out
@@ -378,7 +390,7 @@ def test_the_server_excludes_a_key_advertisement_under_a_certificate_outside_its
     honest = devices[bad].send()
     now = time.time()
     window = (now - 10 * DAY, now - DAY) if period == "expired" else (now + DAY, now + 10 * DAY)
-    stale = crypto.issue_certificate(
+    stale = issue_certificate(
         authority, enrolled[bad][0].public_key, not_before=int(window[0]), not_after=int(window[1])
     )
     assert isinstance(honest, PublicKeys)

@@ -29,11 +29,24 @@ import pytest
 
 import protocol.messages as messages_module
 from protocol import codec, codes, crypto, shamir
-from protocol.crypto import insecure_test_noise_stream
 from protocol.errors import DecodeError, LocalProtocolError, VersionMismatch
+from protocol.identity import (
+    SigningKey,
+    issue_certificate,
+    issue_revocation_list,
+    key_advertisement_payload,
+    read_certificate,
+    registration_payload,
+    survivor_set_payload,
+    verify_certificate,
+    verify_revocation_list,
+    verify_signature,
+)
 from protocol.messages import Message, RoundInvite
 from protocol.quantization import QuantizationConfig, dequantize_sum, quantize
+from protocol.samplers import insecure_test_noise_stream
 from protocol.session import DeviceSecAggSession, FixedDeviceSecrets, Phase, RoundParameters, ServerSecAggSession
+from protocol.spec import PROTOCOL_VERSION
 
 VECTORS = Path(__file__).resolve().parents[1] / "docs" / "test-vectors"
 _PHASE_OF_STEP = {
@@ -208,7 +221,7 @@ def _replay_round() -> tuple[list[str], ServerSecAggSession]:
 
 def test_vectors_cover_every_message_type() -> None:
     assert sorted(v["type_code"] for v in MESSAGES["messages"]) == [*range(1, 17), 20, 21, 22]
-    assert MESSAGES["protocol_version"] == list(codec.PROTOCOL_VERSION)
+    assert MESSAGES["protocol_version"] == list(PROTOCOL_VERSION)
 
 
 @pytest.mark.parametrize("vector", MESSAGES["messages"] + MESSAGES["extra"], ids=lambda v: v["type"])
@@ -511,23 +524,23 @@ def test_identity_vectors_reproduce_byte_for_byte() -> None:
     def seed(label: str) -> bytes:
         return hashlib.sha256(b"fedrec test vector/" + label.encode()).digest()
 
-    authority = crypto.SigningKey.from_private_bytes(seed(vec["authority_seed_label"]))
-    device = crypto.SigningKey.from_private_bytes(seed(vec["device_seed_label"]))
+    authority = SigningKey.from_private_bytes(seed(vec["authority_seed_label"]))
+    device = SigningKey.from_private_bytes(seed(vec["device_seed_label"]))
     assert authority.public_key.hex() == vec["authority_public_key"]
     assert device.public_key.hex() == vec["device_public_key"]
     assert batch_id(vec["batch_name"]).hex() == vec["batch_id"]
-    cert = crypto.issue_certificate(
+    cert = issue_certificate(
         authority,
         device.public_key,
         batch=bytes.fromhex(vec["batch_id"]),
         serial=bytes.fromhex(vec["serial_tail"]),
     )
     assert cert.hex() == vec["certificate"]
-    assert crypto.verify_certificate(cert, authority.public_key) == device.public_key
-    assert crypto.registration_payload(cert).hex() == vec["registration_payload"]
-    assert device.sign(crypto.registration_payload(cert)).hex() == vec["registration_proof"]
+    assert verify_certificate(cert, authority.public_key) == device.public_key
+    assert registration_payload(cert).hex() == vec["registration_payload"]
+    assert device.sign(registration_payload(cert)).hex() == vec["registration_proof"]
     v2 = vec["certificate_v2"]
-    cert2 = crypto.issue_certificate(
+    cert2 = issue_certificate(
         authority,
         device.public_key,
         batch=bytes.fromhex(vec["batch_id"]),
@@ -536,24 +549,24 @@ def test_identity_vectors_reproduce_byte_for_byte() -> None:
         not_after=v2["not_after"],
     )
     assert cert2.hex() == v2["hex"]
-    parsed = crypto.read_certificate(cert2, authority.public_key, now=v2["not_before"])
+    parsed = read_certificate(cert2, authority.public_key, now=v2["not_before"])
     assert parsed.subject == device.public_key
     assert (parsed.not_before, parsed.not_after) == (v2["not_before"], v2["not_after"])
     crl = vec["revocation_list"]
     keys = [bytes.fromhex(k) for k in crl["device_keys"]]
-    data = crypto.issue_revocation_list(authority, crl["number"], crl["issued_at"], keys)
+    data = issue_revocation_list(authority, crl["number"], crl["issued_at"], keys)
     assert data.hex() == crl["hex"]
-    checked = crypto.verify_revocation_list(data, authority.public_key)
+    checked = verify_revocation_list(data, authority.public_key)
     assert (checked.number, checked.issued_at, checked.device_keys) == (crl["number"], crl["issued_at"], set(keys))
     ka = vec["key_advertisement"]
-    payload = crypto.key_advertisement_payload(
+    payload = key_advertisement_payload(
         ka["round_id"], ka["device_id"], bytes.fromhex(ka["c_public_key"]), bytes.fromhex(ka["s_public_key"])
     )
     assert payload.hex() == ka["payload"] and device.sign(payload).hex() == ka["signature"]
     ss = vec["survivor_set"]
-    payload = crypto.survivor_set_payload(ss["round_id"], bytes.fromhex(ss["session_id"]), ss["survivors"])
+    payload = survivor_set_payload(ss["round_id"], bytes.fromhex(ss["session_id"]), ss["survivors"])
     assert payload.hex() == ss["payload"] and device.sign(payload).hex() == ss["signature"]
-    crypto.verify_signature(device.public_key, bytes.fromhex(ss["signature"]), payload)
+    verify_signature(device.public_key, bytes.fromhex(ss["signature"]), payload)
     for vector in vec["messages"].values():
         message = _build(vector)
         assert codec.encode(message).hex() == vector["hex"]

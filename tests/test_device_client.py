@@ -40,7 +40,6 @@ from device_sdk.transport import Response
 from fedsim.faults import DropoutAt, FaultyTransport
 from protocol.codec import decode, encode
 from protocol.codes import pack_signs, random_signs, to_bytes
-from protocol.crypto import NoiseStream
 from protocol.errors import (
     AuthError,
     FedRecError,
@@ -67,6 +66,7 @@ from protocol.messages import (
 )
 from protocol.noise import to_ring
 from protocol.policy import PrivacyPolicy
+from protocol.samplers import NoiseStream
 from protocol.session import ACTIVE_PHASES, DeviceSecAggSession, Phase, RoundParameters, ServerSecAggSession
 
 N_ITEMS = 24

@@ -110,7 +110,7 @@ def relative_links(text: str) -> list[str]:
 
 
 def _markdown_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    return [*sorted(ROOT.glob("*.md")), *sorted(DOCS.rglob("*.md"))]
 
 
 @pytest.mark.parametrize("page", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))

@@ -26,6 +26,7 @@ from protocol import crypto
 from protocol.codec import decode, encode
 from protocol.enrollment import EnrollmentAuthority, batch_id
 from protocol.errors import ConfigError, CryptoError, EnrollmentRefused, RateLimited, RemoteProtocolError
+from protocol.identity import SigningKey, registration_payload
 from protocol.messages import (
     ConsistencyRequest,
     ConsistencySignature,
@@ -114,9 +115,9 @@ async def test_certificate_registration_refuses_missing_forged_reused_and_unprov
     ca = EnrollmentAuthority.generate()
     app = create_app(_config(tmp_path, cohort=3, enrollment={"authority_key": ca.public_key.hex()}))
     client = await aiohttp_client(app)
-    device = crypto.SigningKey.generate()
+    device = SigningKey.generate()
     cert = ca.issue(device.public_key, "batch-a")
-    proof = device.sign(crypto.registration_payload(cert))
+    proof = device.sign(registration_payload(cert))
 
     def refused(status: int, msg: Any, what: str) -> None:
         assert status == 403 and isinstance(msg, ErrorMessage), (status, msg)
@@ -130,12 +131,12 @@ async def test_certificate_registration_refuses_missing_forged_reused_and_unprov
     status, msg, _ = await _post(
         client,
         "/v1/devices",
-        RegisterRequest(certificate=forged, proof=device.sign(crypto.registration_payload(forged))),
+        RegisterRequest(certificate=forged, proof=device.sign(registration_payload(forged))),
     )
     refused(status, msg, "not signed by the pinned authority")
-    thief = crypto.SigningKey.generate()  # someone who saw the certificate in a key broadcast
+    thief = SigningKey.generate()  # someone who saw the certificate in a key broadcast
     status, msg, _ = await _post(
-        client, "/v1/devices", RegisterRequest(certificate=cert, proof=thief.sign(crypto.registration_payload(cert)))
+        client, "/v1/devices", RegisterRequest(certificate=cert, proof=thief.sign(registration_payload(cert)))
     )
     refused(status, msg, "certificate refused")
     status, msg, _ = await _post(client, "/v1/devices", RegisterRequest(enrollment_token="x" * 43))
@@ -189,10 +190,10 @@ async def test_one_time_tokens_are_issued_by_the_admin_route_and_used_once(aioht
     status, msg, _ = await _post(client, "/v1/devices", RegisterRequest(enrollment_token="y" * 43))
     assert status == 403 and "unknown enrollment token" in msg.message
     ca = EnrollmentAuthority.generate()
-    key = crypto.SigningKey.generate()
+    key = SigningKey.generate()
     cert = ca.issue(key.public_key)
     status, msg, _ = await _post(
-        client, "/v1/devices", RegisterRequest(certificate=cert, proof=key.sign(crypto.registration_payload(cert)))
+        client, "/v1/devices", RegisterRequest(certificate=cert, proof=key.sign(registration_payload(cert)))
     )
     assert status == 403 and "no enrollment authority" in msg.message
     sdk = _clients(str(client.make_url("")).rstrip("/"), tmp_path / "sdk", 1, None)

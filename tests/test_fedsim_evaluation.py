@@ -284,7 +284,7 @@ def test_baselines() -> None:
 @pytest.mark.data
 class TestKnownAnswersRealData:
     def test_popularity_on_lightfr_filmtrust_split(self, shared_data: Path) -> None:
-        """DESIGN.md section 8: item popularity reaches HR@10 0.924 / NDCG@10 0.771 with random ties."""
+        """docs/design.md §8: item popularity reaches HR@10 0.924 / NDCG@10 0.771 with random ties."""
         sp = load_lightfr_split(shared_data / "filmtrust-lightfr-split")
         scores = popularity_scores(sp.train)[sp.test.candidates]
         runs = [evaluate_candidates(scores, k=10, rng=np.random.default_rng(s)) for s in range(5)]

@@ -19,8 +19,8 @@ from fedsim.faults import DropoutAt
 from fedsim.planted import planted_binary, planted_nonnegative
 from fedsim.private import run_private
 from fedsim.privsim import LightFRCohort, PrivateSimulator, _noise_check, run_simulated, survivor_sets
-from protocol.crypto import insecure_test_noise_stream
 from protocol.noise import minimum_survivors
+from protocol.samplers import insecure_test_noise_stream
 
 N_ITEMS = 20
 SEED = 13

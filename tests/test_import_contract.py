@@ -1,4 +1,4 @@
-"""The layering of DESIGN §1, enforced.
+"""The layering of docs/design.md §1, enforced.
 
 - `device_sdk` and `agg_server` never import each other; `protocol` imports no other fedrec package and
   never aiohttp; nothing but `fedsim` (and tests, examples, benchmarks) imports `fedsim`; inside
@@ -60,7 +60,7 @@ def test_package_imports_only_what_its_layer_allows(package: str) -> None:
             bad.add("aiohttp")
         if bad:
             broken.append(f"{rel} imports {sorted(bad)}")
-    assert not broken, "layering broken (DESIGN §1):\n" + "\n".join(broken)
+    assert not broken, "layering broken (docs/design.md §1):\n" + "\n".join(broken)
 
 
 def test_the_scan_sees_every_kind_of_import(tmp_path: Path) -> None:

@@ -708,9 +708,9 @@ def test_a_private_round_makes_the_device_rank_with_its_code(tmp_path) -> None:
 
     from device_sdk.models import LightFRConfig, LightFRModel
     from device_sdk.training import local_round
-    from protocol.crypto import insecure_test_noise_stream
     from protocol.messages import RoundInvite
     from protocol.plan import LightFRParams, TrainingPlan
+    from protocol.samplers import insecure_test_noise_stream
 
     rng = np.random.default_rng(23)
     m, f, w0 = 120, 64, 0.05

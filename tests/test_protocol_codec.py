@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol import messages as messages_module
-from protocol.codec import _SCHEMA, PROTOCOL_VERSION, check_version, decode, encode, is_compatible
+from protocol.codec import _SCHEMA, check_version, decode, encode, is_compatible
 from protocol.errors import DecodeError, PayloadTooLarge, VersionMismatch
 from protocol.families.lightfr import UploadLayout
 from protocol.messages import (
@@ -41,6 +41,7 @@ from protocol.spec import (
     MAX_LOCAL_STEPS,
     MAX_QUERY_PLANES,
     MAX_RANK,
+    PROTOCOL_VERSION,
     USER_REG_RANGE,
     Aggregation,
     Alignment,

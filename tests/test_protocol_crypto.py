@@ -1,4 +1,5 @@
-"""Known-answer and property tests for `protocol.crypto`, all through the module's wrappers."""
+"""Known-answer and property tests for `protocol.crypto` (and `protocol.identity`'s memo of verified
+signatures), all through the modules' wrappers."""
 
 from __future__ import annotations
 
@@ -217,14 +218,14 @@ def test_prg_is_deterministic_uniform_and_matches_scratch_expander() -> None:
 
 
 def test_a_remembered_verification_answers_only_for_the_exact_same_bytes() -> None:
-    from protocol import crypto as c
+    from protocol.identity import SigningKey, verify_signature
 
-    key = c.SigningKey.generate()
+    key = SigningKey.generate()
     data = b"survivor set" * 100
     sig = key.sign(data)
-    c.verify_signature(key.public_key, sig, data)
-    c.verify_signature(key.public_key, sig, data)  # remembered: the same answer
-    other = c.SigningKey.generate()
+    verify_signature(key.public_key, sig, data)
+    verify_signature(key.public_key, sig, data)  # remembered: the same answer
+    other = SigningKey.generate()
     flipped = bytes([sig[0] ^ 1]) + sig[1:]
     for pk, s, d in (
         (key.public_key, sig, data + b"!"),
@@ -232,6 +233,6 @@ def test_a_remembered_verification_answers_only_for_the_exact_same_bytes() -> No
         (other.public_key, sig, data),
     ):
         with pytest.raises(CryptoError):
-            c.verify_signature(pk, s, d)
+            verify_signature(pk, s, d)
         with pytest.raises(CryptoError):  # a failure is never remembered as a success either way
-            c.verify_signature(pk, s, d)
+            verify_signature(pk, s, d)

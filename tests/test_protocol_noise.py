@@ -1,4 +1,4 @@
-"""Skellam noise, binomial thinning and the corrected two-round DP scheme (DESIGN.md §5)."""
+"""Skellam noise, binomial thinning and the corrected two-round DP scheme (docs/design.md §5)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import ConfigError, NotEnoughParticipants
 from protocol.noise import (
     SkellamDraw,
@@ -19,6 +18,7 @@ from protocol.noise import (
     thin,
     to_ring,
 )
+from protocol.samplers import NoiseStream, insecure_test_noise_stream
 
 N, OMEGA, MU = 100, 0.3, 400.0
 TRIALS = 20_000  # relative std. error of a variance estimate ~ sqrt(2 / TRIALS) = 1%

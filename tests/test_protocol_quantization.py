@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.errors import ConfigError
 from protocol.quantization import (
     QuantizationConfig,
@@ -18,6 +17,7 @@ from protocol.quantization import (
     sensitivity,
     stochastic_round,
 )
+from protocol.samplers import NoiseStream, insecure_test_noise_stream
 
 
 def test_config_validation() -> None:

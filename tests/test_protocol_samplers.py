@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from protocol.crypto import NoiseStream, insecure_test_noise_stream
 from protocol.device_session import DeviceSecAggSession
 from protocol.errors import CryptoError
 from protocol.noise import sample_skellam, thin
-from protocol.samplers import binomial, log_factorial, poisson
+from protocol.samplers import NoiseStream, binomial, insecure_test_noise_stream, log_factorial, poisson
 
 from .secagg_helpers import sample_messages
 

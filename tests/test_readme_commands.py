@@ -1,4 +1,6 @@
-"""The README's server and load-test commands, run literally, work together.
+"""The README's commands and its SDK example, run literally, work.
+
+The SDK example (the first ```python block) runs as written in a temporary folder.
 
 The server is started with the README's own line (``fedrec-server --config examples/server.toml``) plus
 two overrides a test needs (a temporary ``--data-dir`` and ``--port 0``); the load test is the README's
@@ -30,6 +32,25 @@ def _readme_line(prefix: str) -> list[str]:
             if line.startswith(prefix):
                 return shlex.split(line, comments=True)
     raise AssertionError(f"no README command starts with {prefix!r}")
+
+
+def _readme_python(starts_with: str) -> str:
+    """The first ```python block of the README whose first line starts with ``starts_with``."""
+    for block in re.findall(r"```python\n(.*?)```", README, flags=re.S):
+        if block.startswith(starts_with):
+            return block
+    raise AssertionError(f"no README python block starts with {starts_with!r}")
+
+
+def test_readme_sdk_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The README's embedding example, run as written (its model file lands in tmp_path).
+    code = _readme_python("import numpy as np")
+    monkeypatch.chdir(tmp_path)
+    scope: dict[str, object] = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    ids = scope["ids"]
+    assert getattr(ids, "shape", None) == (10,)
+    assert (tmp_path / "model.fedrec").is_file()
 
 
 def _scale(argv: list[str], option: str, value: str) -> list[str]:

@@ -20,10 +20,16 @@ import pytest
 from agg_server.app import COORDINATOR, create_app
 from device_sdk.client import RoundOutcome, RoundStatus
 from device_sdk.persistence import REVOCATIONS_FILE, load_revocations
-from protocol import crypto
 from protocol.codec import decode, encode
 from protocol.enrollment import EnrollmentAuthority, write_revocation_list
 from protocol.errors import CertificateRevoked, EnrollmentRefused, RevocationListInvalid, StorageError
+from protocol.identity import (
+    RevocationList,
+    SigningKey,
+    issue_revocation_list,
+    registration_payload,
+    verify_revocation_list,
+)
 from protocol.messages import (
     CheckIn,
     EncryptedShares,
@@ -94,11 +100,11 @@ async def test_a_revoked_devices_bearer_token_is_refused_on_every_authenticated_
     ca, crl_path, enrollment = _authority_with_a_list(tmp_path)
     app = create_app(_config(tmp_path / "srv", cohort=3, enrollment=enrollment))
     client = await aiohttp_client(app)
-    key, other = crypto.SigningKey.generate(), crypto.SigningKey.generate()
+    key, other = SigningKey.generate(), SigningKey.generate()
     tokens = {}
     for k in (key, other):
         cert = ca.issue(k.public_key)
-        register = RegisterRequest(platform="p", certificate=cert, proof=k.sign(crypto.registration_payload(cert)))
+        register = RegisterRequest(platform="p", certificate=cert, proof=k.sign(registration_payload(cert)))
         status, msg, _ = await _post(client, "/v1/devices", register)
         assert status == 201
         tokens[k.public_key] = (msg.device_id, msg.token)
@@ -307,7 +313,7 @@ def test_a_revoked_members_survivor_signature_does_not_count() -> None:
     ids = list(range(100, 112))
     authority, enrolled = _enrolled(ids)  # one authority and one set of identities for both runs
 
-    def run(revoked: crypto.RevocationList | None) -> tuple[DeviceSecAggSession, Any, set[int]]:
+    def run(revoked: RevocationList | None) -> tuple[DeviceSecAggSession, Any, set[int]]:
         """One round to the unmask request of device ids[0], which holds ``revoked`` from the start."""
         server, devices, inputs, _, _ = _signed_round(  # seed 0: the same graph every run
             n=12, t=3, k=5, length=8, revoked={ids[0]: revoked}, enrollment=(authority, enrolled)
@@ -324,8 +330,8 @@ def test_a_revoked_members_survivor_signature_does_not_count() -> None:
     assert isinstance(device.send(), UnmaskResponse)
     outsiders = [enrolled[v][0].public_key for v in ids if v not in neighbours]
     assert len(neighbours) == 5 and len(outsiders) == 7
-    revoked = crypto.verify_revocation_list(
-        crypto.issue_revocation_list(authority, 1, 0, outsiders), authority.public_key
+    revoked = verify_revocation_list(
+        issue_revocation_list(authority, 1, 0, outsiders), authority.public_key
     )
     device, request, again = run(revoked)
     assert again == neighbours

@@ -19,8 +19,8 @@ import pytest
 import agg_server.enrollment as enrollment_module
 from agg_server.app import COORDINATOR, create_app
 from agg_server.enrollment import REFRESH_PERIOD
-from protocol import crypto
 from protocol.enrollment import EnrollmentAuthority, write_revocation_list
+from protocol.identity import RevocationList, SigningKey, issue_revocation_list, verify_revocation_list
 from tests.test_certificates_http import _authority_with_a_list, _in_force, _refused, _register, _until
 from tests.test_enrollment_http import _config, _post
 
@@ -29,7 +29,7 @@ ROUTE = "/v1/enrollment/revocations"
 
 def _big_list(ca: EnrollmentAuthority, number: int, n: int, also: list[bytes]) -> bytes:
     keys = sorted({os.urandom(32) for _ in range(n - len(also))} | set(also))
-    return crypto.issue_revocation_list(ca.key, number, int(time.time()), keys)
+    return issue_revocation_list(ca.key, number, int(time.time()), keys)
 
 
 @pytest.mark.asyncio
@@ -47,9 +47,9 @@ async def test_a_list_of_100000_keys_is_swapped_in_while_requests_keep_being_ans
     app = create_app(_config(tmp_path / "srv", cohort=3, enrollment=enrollment))
     client = await aiohttp_client(app)
     lists = [_big_list(ca, 2 + i, 100_000, []) for i in range(4)]
-    t_verify = min(_timed(lambda d=d: crypto.verify_revocation_list(d, ca.public_key)) for d in lists)
+    t_verify = min(_timed(lambda d=d: verify_revocation_list(d, ca.public_key)) for d in lists)
     # the server's interruptible check (the key set built from a generator) reads the same list
-    assert crypto.verify_revocation_list(lists[0], ca.public_key, interruptible=True) == crypto.verify_revocation_list(
+    assert verify_revocation_list(lists[0], ca.public_key, interruptible=True) == verify_revocation_list(
         lists[0], ca.public_key
     )
     stalls, adopted = [], []
@@ -105,7 +105,7 @@ async def test_the_refresher_adopts_a_new_file_within_its_period_and_requests_ne
     ca, crl_path, enrollment = _authority_with_a_list(tmp_path)
     app = create_app(_config(tmp_path / "srv", cohort=3, enrollment=enrollment))
     client = await aiohttp_client(app)
-    key = crypto.SigningKey.generate()
+    key = SigningKey.generate()
     status, msg, _ = await _post(client, "/v1/devices", _register(ca.issue(key.public_key), key))
     assert status == 201
     auth = {"Authorization": f"Bearer {msg.token}", "Accept": "application/msgpack"}
@@ -179,7 +179,7 @@ async def test_while_a_refresh_is_in_flight_requests_enforce_the_list_in_force_t
     aiohttp_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ca, crl_path, enrollment = _authority_with_a_list(tmp_path)
-    keys = [crypto.SigningKey.generate() for _ in range(4)]
+    keys = [SigningKey.generate() for _ in range(4)]
     write_revocation_list(crl_path, ca.revoke(crl_path.read_bytes(), [keys[0].public_key]))  # #2
     app = create_app(_config(tmp_path / "srv", cohort=3, enrollment=enrollment))
     client = await aiohttp_client(app)
@@ -217,7 +217,7 @@ async def test_concurrent_refreshes_are_serialized_and_never_go_back(
     history: list[int] = []
     real_load = state._load_crl
 
-    def recording_load(crl: crypto.RevocationList, *args: Any) -> Any:
+    def recording_load(crl: RevocationList, *args: Any) -> Any:
         history.append(crl.number)
         return real_load(crl, *args)
 

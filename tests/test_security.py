@@ -189,13 +189,13 @@ def test_an_overstated_survivor_count_is_refused() -> None:
 
 
 def _enrolled(ids: list[int]) -> tuple[Any, dict[int, tuple[Any, bytes]]]:
-    from protocol import crypto
+    from protocol.identity import SigningKey, issue_certificate
 
-    authority = crypto.SigningKey.generate()
+    authority = SigningKey.generate()
     devices = {}
     for u in ids:
-        key = crypto.SigningKey.generate()
-        devices[u] = (key, crypto.issue_certificate(authority, key.public_key))
+        key = SigningKey.generate()
+        devices[u] = (key, issue_certificate(authority, key.public_key))
     return authority, devices
 
 
@@ -216,8 +216,8 @@ def _signed_round(
     `RoundParameters` fields (``dp_mu=…``)."""
     import numpy as np
 
-    from protocol.crypto import insecure_test_noise_stream
     from protocol.device_session import DeviceSecAggSession
+    from protocol.samplers import insecure_test_noise_stream
     from protocol.server_session import RoundParameters, ServerSecAggSession
 
     ids = list(range(100, 100 + n))
@@ -431,6 +431,7 @@ def test_substituted_keys_are_refused() -> None:
 
     from protocol import crypto
     from protocol.errors import CryptoError
+    from protocol.identity import SigningKey, issue_certificate, key_advertisement_payload
 
     server, devices, inputs, authority, enrolled = _signed_round(n=6, t=3)
     for u, dev in devices.items():
@@ -447,12 +448,12 @@ def test_substituted_keys_are_refused() -> None:
     with pytest.raises(CryptoError, match="not signed by its certified key"):
         devices[101].receive(swapped)
     # ... and a certificate the server made itself does not pass either
-    rogue = crypto.SigningKey.generate()
-    rogue_id = crypto.SigningKey.generate()
+    rogue = SigningKey.generate()
+    rogue_id = SigningKey.generate()
     certs = list(victim_view.certificates)
     sigs = list(victim_view.signatures)
-    certs[x] = crypto.issue_certificate(rogue, rogue_id.public_key)
-    sigs[x] = rogue_id.sign(crypto.key_advertisement_payload(3, 100, c[x], s[x]))
+    certs[x] = issue_certificate(rogue, rogue_id.public_key)
+    sigs[x] = rogue_id.sign(key_advertisement_payload(3, 100, c[x], s[x]))
     other_view = server.outbox(102)
     assert other_view.neighbour_ids == victim_view.neighbour_ids  # complete graph: the same list
     forged = dataclasses.replace(
@@ -465,8 +466,8 @@ def test_substituted_keys_are_refused() -> None:
 def test_unsigned_keys_and_low_order_points_are_refused_by_the_server_and_the_round_goes_on() -> None:
     import numpy as np
 
-    from protocol import crypto
     from protocol.errors import CryptoError, RemoteProtocolError
+    from protocol.identity import CERTIFICATE_BYTES
     from protocol.messages import PublicKeys
 
     server, devices, inputs, authority, enrolled = _signed_round(n=8, t=3)
@@ -488,7 +489,7 @@ def test_unsigned_keys_and_low_order_points_are_refused_by_the_server_and_the_ro
     for u in masked:
         expected += inputs[u]
     assert np.array_equal(server.result().total, expected)
-    assert crypto.CERTIFICATE_BYTES == 4 + 32 + 16 + 64
+    assert CERTIFICATE_BYTES == 4 + 32 + 16 + 64
 
 
 @pytest.mark.parametrize("dp", [False, True])
@@ -625,9 +626,9 @@ def test_garbage_share_ciphertexts_exclude_their_sender_and_the_round_stays_bit_
     # even though its masked input arrived first.
     import numpy as np
 
-    from protocol.crypto import insecure_test_noise_stream
     from protocol.device_session import DeviceSecAggSession
     from protocol.phases import Phase
+    from protocol.samplers import insecure_test_noise_stream
     from protocol.server_session import RoundParameters, ServerSecAggSession
 
     bad = 100
@@ -682,8 +683,8 @@ def test_a_report_after_the_reported_input_was_added_excludes_the_reporter_and_t
     if not signed:
         import dataclasses
 
-        from protocol.crypto import insecure_test_noise_stream
         from protocol.device_session import DeviceSecAggSession
+        from protocol.samplers import insecure_test_noise_stream
         from protocol.server_session import ServerSecAggSession
 
         params = dataclasses.replace(server.params, authority_key=b"")
@@ -707,8 +708,8 @@ def _reporter_at_unmask(bad: int, reporter: int) -> tuple[Any, list[int]]:
     session after its masked input (it reported ``bad``) and the ids."""
     import numpy as np
 
-    from protocol.crypto import insecure_test_noise_stream
     from protocol.device_session import DeviceSecAggSession
+    from protocol.samplers import insecure_test_noise_stream
     from protocol.server_session import RoundParameters, ServerSecAggSession
 
     ids = list(range(100, 106))
@@ -1056,9 +1057,9 @@ def test_noise_thinning_and_rounding_coins_refuse_numpy_generators_and_default_t
 
     from device_sdk.client import _secret_round_rngs
     from fedsim.fleet import FleetConfig
-    from protocol.crypto import NoiseStream
     from protocol.noise import correct_noise, device_noise
     from protocol.quantization import QuantizationConfig, quantize
+    from protocol.samplers import NoiseStream
 
     numpy_rng = np.random.default_rng(0)
     with pytest.raises(TypeError, match="NoiseStream"):
@@ -1083,17 +1084,18 @@ def test_a_certificate_verified_in_the_key_broadcast_is_not_verified_again_at_th
 
     import numpy as np
 
-    from protocol import crypto
+    from protocol import device_session
+    from protocol.identity import verify_certificate
 
     calls: list[bytes] = []
-    real = crypto.verify_certificate
+    real = verify_certificate
 
     def counting(certificate: bytes, *args: Any, **kwargs: Any) -> bytes:
         if sys._getframe(1).f_code.co_filename.endswith("device_session.py"):  # the devices' checks only
             calls.append(certificate)
         return real(certificate, *args, **kwargs)
 
-    monkeypatch.setattr(crypto, "verify_certificate", counting)
+    monkeypatch.setattr(device_session, "verify_certificate", counting)
     server, devices, inputs, _, _ = _signed_round(n=8, t=4)
     masked = _drive(server, devices, inputs, {"masked": {100}})
     expected = np.zeros(16, dtype=np.uint32)

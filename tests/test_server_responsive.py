@@ -232,9 +232,9 @@ def test_a_lost_invitation_is_handed_out_again_until_the_device_sends_its_keys(t
     leaves the round."""
     from agg_server.coordinator import RoundCoordinator
     from agg_server.storage import Storage
-    from protocol.crypto import insecure_test_noise_stream
     from protocol.device_session import DeviceSecAggSession
     from protocol.messages import RoundInvite
+    from protocol.samplers import insecure_test_noise_stream
 
     cfg = small_config(tmp_path / "srv", cohort=3, min_cohort=3, timeout=30.0)
     with Storage(cfg.data_dir) as storage:

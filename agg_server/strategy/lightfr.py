@@ -120,7 +120,7 @@ def agg_full(
     With ``mean_field`` the observed part of item i's quadratic, Σ_{u∈Ω_i} b_u b_uᵀ (not in the sum), is
     taken as (counts_i / n)·G_U, so a bit's C_ik also follows the item's bits already changed in this
     step: exact coordinate descent when the raters of every item look like the cohort, and less of the
-    Jacobi overshoot otherwise (chosen on validation, README).
+    Jacobi overshoot otherwise (chosen on validation, docs/results/2026-11-quality.md).
     ``sweeps`` > 1 repeats the pass over the bits on the same summed statistics (no more uploads) until a
     pass flips nothing: each bit is then tested against the quadratic model of its item's loss around the
     old codes (the gradient at the old codes, the Gram term, and with ``mean_field`` the raters' part), its
@@ -221,7 +221,7 @@ class LightFRStrategy:
     Attributes
     ----------
     bits : code length f.
-    lam : balance weight λ (see DESIGN.md section 2 for why the default is 0, not the paper's 0.6).
+    lam : balance weight λ (see docs/design.md §2.2 for why the default is 0, not the paper's 0.6).
     aggregation : `Aggregation.GRAD` (default) or `Aggregation.PARA`.
     flip_fraction : damping ρ of Agg_grad (see `agg_grad`); 1 is the paper's rule.
     """

@@ -1,5 +1,5 @@
 """Server side of real-valued MF with embedding clipping (FMF paper, LFL-SGDMF section 6 and
-HFL-SGDMF section 5; DESIGN.md §3), pure numpy.
+HFL-SGDMF section 5; docs/design.md §3.1), pure numpy.
 
 Each device uploads the sum of the V-gradients of at most θ of its ratings per user (see
 `device_sdk.mf`); secure aggregation reveals only their noisy sum over the survivors, and the server

@@ -31,6 +31,19 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from protocol import codec, codes, crypto, shamir  # noqa: E402
+from protocol.identity import (  # noqa: E402
+    BATCH_BYTES,
+    SigningKey,
+    certificate_batch,
+    issue_certificate,
+    issue_revocation_list,
+    key_advertisement_payload,
+    registration_payload,
+    survivor_set_payload,
+    verify_certificate,
+    verify_revocation_list,
+    verify_signature,
+)
 from protocol.messages import (  # noqa: E402
     Abort,
     CheckIn,
@@ -54,6 +67,7 @@ from protocol.messages import (  # noqa: E402
     Wait,
 )
 from protocol.quantization import QuantizationConfig, dequantize_sum, quantize  # noqa: E402
+from protocol.samplers import insecure_test_noise_stream  # noqa: E402
 from protocol.session import (  # noqa: E402
     DeviceSecAggSession,
     FixedDeviceSecrets,
@@ -61,6 +75,7 @@ from protocol.session import (  # noqa: E402
     RoundParameters,
     ServerSecAggSession,
 )
+from protocol.spec import PROTOCOL_VERSION  # noqa: E402
 
 OUT = Path(__file__).resolve().parent
 PREFIX = b"fedrec test vector/"
@@ -304,7 +319,7 @@ def message_vectors() -> dict[str, Any]:
         "payload (MF), an UnmaskResponse without DP (empty dp_excess), a LightFR invite whose plan asks for "
         "asymmetric scoring (protocol 1.6: query_planes, user_reg) and an invite with every appended "
         "field at its default.  Envelope: msgpack map {v: [major, minor], t: type code, b: body}.",
-        "protocol_version": list(codec.PROTOCOL_VERSION),
+        "protocol_version": list(PROTOCOL_VERSION),
         "messages": [describe(m) for m in messages],
         "extra": [describe(m) for m in extra],
         "layouts": {
@@ -457,15 +472,15 @@ def crypto_vectors() -> dict[str, Any]:
 
     x = np.array([0.3, -1.7, 2.25, 0.0, -0.001, 1.0 / 3.0, 5.0, -4.5], dtype=np.float64)
     qcfg = QuantizationConfig(clip_norm=4.0, scale_bits=8)
-    q, stats = quantize(x, qcfg, crypto.insecure_test_noise_stream(20260101))
-    uniforms = crypto.insecure_test_noise_stream(20260101).uniform(x.size)
+    q, stats = quantize(x, qcfg, insecure_test_noise_stream(20260101))
+    uniforms = insecure_test_noise_stream(20260101).uniform(x.size)
     clipped = x * (qcfg.clip_norm / float(np.linalg.norm(x)))
 
     def hkdf_entry(label: bytes, ikm: bytes, parties: tuple[int, ...], out: bytes) -> dict[str, Any]:
         info = b"".join(
             (
                 len(label).to_bytes(4, "big") + label,
-                codec.PROTOCOL_VERSION[0].to_bytes(2, "big") + (0).to_bytes(2, "big"),
+                PROTOCOL_VERSION[0].to_bytes(2, "big") + (0).to_bytes(2, "big"),
                 len(sid).to_bytes(4, "big") + sid,
                 len(parties).to_bytes(4, "big"),
                 *(p.to_bytes(8, "big") for p in parties),
@@ -487,7 +502,7 @@ def crypto_vectors() -> dict[str, Any]:
     return {
         "description": "Known answers for every cryptographic step of one round.  Integers in *_int fields are "
         "decimal; bytes are hex.",
-        "protocol_version": list(codec.PROTOCOL_VERSION),
+        "protocol_version": list(PROTOCOL_VERSION),
         "x25519": {
             "a_private": a.private_bytes().hex(),
             "a_public": a.public_key.hex(),
@@ -562,7 +577,7 @@ def _session_preimage(round_id: int, keys: dict[int, tuple[bytes, bytes]]) -> by
     label = b"fedrec/secagg/session"
     parts = [
         len(label).to_bytes(4, "big") + label,
-        codec.PROTOCOL_VERSION[0].to_bytes(2, "big") + (0).to_bytes(2, "big"),
+        PROTOCOL_VERSION[0].to_bytes(2, "big") + (0).to_bytes(2, "big"),
         round_id.to_bytes(8, "big"),
         len(keys).to_bytes(4, "big"),
     ]
@@ -629,7 +644,7 @@ def round_vector() -> dict[str, Any]:
         if u not in devices:
             if not isinstance(message, RoundInvite):
                 raise RuntimeError(f"device {u} was not invited")
-            noise = crypto.insecure_test_noise_stream(u)
+            noise = insecure_test_noise_stream(u)
             devices[u] = DeviceSecAggSession(message, rng=noise, fixed_secrets=secrets_by_device[u])
             devices[u].provide_input(np.array(ROUND_INPUTS[u], dtype=np.int64).astype(np.uint32))
         else:
@@ -667,7 +682,7 @@ def round_vector() -> dict[str, Any]:
         "and then drops, so it is in U2 but not U3: the survivors release its s-key shares and the server "
         "removes the pairwise masks of 10, 20 and 30 with 40.  The server closes MASKED_INPUT at its deadline "
         "(advance(now=300.0)).  Messages are listed in the order the reference replay produces them.",
-        "protocol_version": list(codec.PROTOCOL_VERSION),
+        "protocol_version": list(PROTOCOL_VERSION),
         "round_id": 7,
         "device_ids": list(ROUND_DEVICES),
         "graph_k": k,
@@ -701,10 +716,10 @@ def round_vector() -> dict[str, Any]:
 def _revocation_list_bytes() -> bytes:
     """identity.json's revocation list (#3 of the identity authority, naming the identity device and one
     other key); messages.json's RevocationListPayload carries the same bytes."""
-    authority = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/authority"))
-    device = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/device"))
+    authority = SigningKey.from_private_bytes(fixed_bytes("identity/authority"))
+    device = SigningKey.from_private_bytes(fixed_bytes("identity/device"))
     revoked = sorted([device.public_key, fixed_bytes("identity/revoked")])
-    return crypto.issue_revocation_list(authority, 3, 1_790_086_400, revoked)
+    return issue_revocation_list(authority, 3, 1_790_086_400, revoked)
 
 
 def identity_vectors() -> dict[str, Any]:
@@ -713,21 +728,21 @@ def identity_vectors() -> dict[str, Any]:
     fixed keys give fixed bytes)."""
     from protocol.enrollment import batch_id
 
-    authority = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/authority"))
-    device = crypto.SigningKey.from_private_bytes(fixed_bytes("identity/device"))
+    authority = SigningKey.from_private_bytes(fixed_bytes("identity/authority"))
+    device = SigningKey.from_private_bytes(fixed_bytes("identity/device"))
     batch = batch_id("batch-a")
-    tail = fixed_bytes("identity/serial", crypto.BATCH_BYTES)
-    certificate = crypto.issue_certificate(authority, device.public_key, batch=batch, serial=tail)
-    _check(crypto.verify_certificate(certificate, authority.public_key) == device.public_key)
-    _check(crypto.certificate_batch(certificate) == batch)
-    registration = crypto.registration_payload(certificate)
+    tail = fixed_bytes("identity/serial", BATCH_BYTES)
+    certificate = issue_certificate(authority, device.public_key, batch=batch, serial=tail)
+    _check(verify_certificate(certificate, authority.public_key) == device.public_key)
+    _check(certificate_batch(certificate) == batch)
+    registration = registration_payload(certificate)
     proof = device.sign(registration)
     c_key = crypto.key_pair_from_private_bytes(fixed_bytes("identity/c")).public_key
     s_key = crypto.key_pair_from_private_bytes(fixed_bytes("identity/s")).public_key
-    advert = crypto.key_advertisement_payload(7, 42, c_key, s_key)
+    advert = key_advertisement_payload(7, 42, c_key, s_key)
     session = fixed_bytes("identity/session")
     survivors = [3, 42, 99]
-    survivor_payload = crypto.survivor_set_payload(7, session, survivors)
+    survivor_payload = survivor_set_payload(7, session, survivors)
     register = RegisterRequest(platform="vector", certificate=certificate, proof=proof)
     keys = PublicKeys(
         round_id=7,
@@ -741,16 +756,16 @@ def identity_vectors() -> dict[str, Any]:
         round_id=7, device_id=42, session_id=session, signature=device.sign(survivor_payload)
     )
     for sig, data in ((proof, registration), (keys.signature, advert), (signature.signature, survivor_payload)):
-        crypto.verify_signature(device.public_key, sig, data)
+        verify_signature(device.public_key, sig, data)
     # certificate format 2 (a validity period) and the authority's revocation list
     not_before, not_after = 1_790_000_000, 1_790_000_000 + 365 * 86400
-    certificate_v2 = crypto.issue_certificate(
+    certificate_v2 = issue_certificate(
         authority, device.public_key, batch=batch, serial=tail, not_before=not_before, not_after=not_after
     )
-    _check(crypto.verify_certificate(certificate_v2, authority.public_key, now=not_before) == device.public_key)
+    _check(verify_certificate(certificate_v2, authority.public_key, now=not_before) == device.public_key)
     revoked = sorted([device.public_key, fixed_bytes("identity/revoked")])
     crl = _revocation_list_bytes()
-    _check(crypto.verify_revocation_list(crl, authority.public_key).device_keys == frozenset(revoked))
+    _check(verify_revocation_list(crl, authority.public_key).device_keys == frozenset(revoked))
     return {
         "description": "Ed25519 identities (RFC 8032, raw 32-byte keys, 64-byte signatures); keys are "
         "SHA-256('fedrec test vector/' + label) used as Ed25519 seeds",

@@ -1,6 +1,6 @@
 """Model-family logic that the device and the server must compute identically, once.
 
-`device_sdk` and `agg_server` never import each other (DESIGN §1), so what both sides of a family
+`device_sdk` and `agg_server` never import each other (docs/design.md §1), so what both sides of a family
 compute — a projection, a proximal map and its schedule, the alignment of component matrices, the
 layout of an upload — lives here, under `protocol`, and both import it.  The vocabularies
 (`protocol.spec.Alignment`, `protocol.spec.StepRule`) and the wire limits (`protocol.spec`) sit beside

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from protocol.quantization import clip_l2
+
 __all__ = [
     "UploadLayout",
     "LEVEL_CENTER",
@@ -39,7 +41,7 @@ __all__ = [
 LEVEL_CENTER = 128
 
 #: κ and γ of the density rule w0 = κ · density^γ (`density_weight`), chosen on the validation
-#: splits of ML-100K, FilmTrust and amazon-book together (README, "LightFR in fedrec").
+#: splits of ML-100K, FilmTrust and amazon-book together (docs/results/2026-11-quality.md).
 DENSITY_SCALE = 0.6
 DENSITY_POWER = 2.0 / 3.0
 
@@ -195,8 +197,6 @@ def clip_parts(
     a round's sensitivity is the one the accountant charges; ``share`` is the fraction of the clip
     norm's square given to the private popularity channel.  ``share == 0`` returns a copy.
     """
-    from protocol.quantization import clip_l2  # here: protocol.quantization imports the codec, which imports this
-
     if not 0.0 <= share < 1.0:
         raise ValueError(f"counts share must be in [0, 1), got {share}")
     v = np.array(vector, dtype=np.float64)
