@@ -1,6 +1,6 @@
 """A round's shape: which of the waiting devices form its cohort and which SecAgg+ graph (k, t) and DP
 survivor floor t_min it runs with — the one rule for the coordinator (`agg_server.coordinator`) and the
-private-round simulator (`fedsim.privsim`).
+private-round simulator (`fedsim.private.simulator`).
 
 Invariants:
 - The cohort is drawn with the round's own generator only, so a seeded run draws the same cohort on
@@ -34,7 +34,7 @@ def round_shape(
     DP survivor floor t_min, by the `[rounds]` config ``cfg``; None when the operator fixed (k, t) and fewer
     devices than the full cohort are available (those values were validated for that cohort only), or
     when the per-source cap leaves fewer than ``cfg.min_cohort`` devices.
-    The one rule for the coordinator and the private-round simulator (`fedsim.privsim`).
+    The one rule for the coordinator and the private-round simulator (`fedsim.private.simulator`).
 
     With ``max_source_share`` < 1, no credential source (``sources[device]``) fills more than that share
     of the cohort (`agg_server.enrollment.capped_cohort`)."""

@@ -25,9 +25,9 @@ import scipy.sparse as sp
 
 sys.path.insert(0, ".")
 from benchmarks.quality_amazon_lightfr import carve_validation
-from fedsim.als import _half_step, implicit_als
-from fedsim.datasets import load_amazon_book
-from fedsim.evaluation import evaluate_all_items, popularity_scorer
+from fedsim.data.datasets import load_amazon_book
+from fedsim.evaluation.als import _half_step, implicit_als
+from fedsim.evaluation.ranking import evaluate_all_items, popularity_scorer
 
 t0 = time.time()
 data = load_amazon_book()

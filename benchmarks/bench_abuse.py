@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsim.datasets import synthetic
-from fedsim.demo import ServerProcess, run_loadtest, write_server_config
-from fedsim.fleet import FleetConfig
+from fedsim.data.datasets import synthetic
+from fedsim.fleets.demo import ServerProcess, run_loadtest, write_server_config
+from fedsim.fleets.local import FleetConfig
 
 _PROBE = r"""
 import sys, time, urllib.request

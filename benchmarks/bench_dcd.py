@@ -3,7 +3,7 @@ local update.
 
     python benchmarks/bench_dcd.py
 
-Data: `fedsim.datasets.synthetic` sized like MovieLens-1M (6,040 users × 3,706 items, ≈ 1M ratings),
+Data: `fedsim.data.datasets.synthetic` sized like MovieLens-1M (6,040 users × 3,706 items, ≈ 1M ratings),
 f = 64.  "observed" fits the ratings only; "implicit" adds 4 sampled negatives per rating (≈ 5M
 entries).  The first sweep includes the set-up (inner products, the constant rating term); later
 sweeps are reported separately.  The device figure is `LightFRModel.fit_local` for one user with 166
@@ -19,8 +19,8 @@ import numpy as np
 
 from device_sdk import lightfr
 from device_sdk.models import LightFRConfig, LightFRModel
-from fedsim.datasets import synthetic
-from fedsim.federation import user_data, with_negatives
+from fedsim.data.datasets import synthetic
+from fedsim.federation.lightfr import user_data, with_negatives
 from protocol.codes import random_signs
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_eval.py
 
-Times `fedsim.evaluation.evaluate_all_items` (Recall@20 / NDCG@20, seeded random ties) for item
+Times `fedsim.evaluation.ranking.evaluate_all_items` (Recall@20 / NDCG@20, seeded random ties) for item
 popularity, float32 factors (f = 64), 64-bit codes ranked by Hamming distance (int16 scores, many
 ties) and random scores.  The factors and codes are random: this measures speed, not quality
 (benchmarks/quality_amazon.py measures quality).
@@ -18,8 +18,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from fedsim.datasets import load_amazon_book  # noqa: E402
-from fedsim.evaluation import (  # noqa: E402
+from fedsim.data.datasets import load_amazon_book  # noqa: E402
+from fedsim.evaluation.ranking import (  # noqa: E402
     Scorer,
     evaluate_all_items,
     hamming_scorer,

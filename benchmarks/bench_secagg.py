@@ -13,13 +13,16 @@ import resource
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 
-from fedsim.secagg_harness import run_secagg_round
-from protocol import identity
-from protocol.graph import find_parameters
-from protocol.session import Phase
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness lives in the test suite
+
+from protocol import identity  # noqa: E402
+from protocol.graph import find_parameters  # noqa: E402
+from protocol.session import Phase  # noqa: E402
+from tests.support.secagg_harness import run_secagg_round  # noqa: E402
 
 
 def _run(

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from device_sdk import topk  # noqa: E402
 from device_sdk.codes import pack_signs  # noqa: E402
 from device_sdk.topk import HammingIndex  # noqa: E402
-from fedsim.datasets import load_amazon_book  # noqa: E402
+from fedsim.data.datasets import load_amazon_book  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality_amazon_lightfr import GRID, train_lightfr  # noqa: E402

@@ -3,7 +3,7 @@ wall time of each, and whether both committed the same rounds and the same final
 
 For each back-end a fresh ``python -m agg_server`` starts on loopback with an ML-100K-shaped model
 (1,682 items x 64 bits by default), ``rounds.cohort_size = --cohort`` and a fixed ``rounds.seed``, without
-DP; the fleet (`fedsim.demo.run_loadtest`, real `DeviceClient`s over HTTP) picks each round's cohort from
+DP; the fleet (`fedsim.fleets.demo.run_loadtest`, real `DeviceClient`s over HTTP) picks each round's cohort from
 its seed (``FleetConfig.cohort``) and derives its devices' generators and noise streams from it (the
 ``insecure_reproducible`` test hook), with announced drops.  The Ray back-end starts a local Ray for the
 run unless ``RAY_ADDRESS`` names a cluster; its start-up is inside its wall time.
@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from fedsim.datasets import synthetic
-from fedsim.demo import ServerProcess, loadtest_record, run_loadtest, write_server_config
-from fedsim.fleet import FleetConfig
+from fedsim.data.datasets import synthetic
+from fedsim.fleets.demo import ServerProcess, loadtest_record, run_loadtest, write_server_config
+from fedsim.fleets.local import FleetConfig
 
 
 def _run(args: argparse.Namespace, backend: str, users: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:

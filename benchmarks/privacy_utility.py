@@ -9,11 +9,11 @@ of the subsample is one device and takes part in every round (no amplification i
 δ = 1e-5 from the ledger (docs/dp-accounting.md §6–7).  Recall@20 / NDCG@20 rank every item not in the
 user's train set, random ties, over the subsample's users with a test item.
 
-- LightFR: `fedsim.private_scale` (private popularity release with ``--pop-share`` of ε, T rounds through
+- LightFR: `fedsim.private.scaled_lightfr` (private popularity release with ``--pop-share`` of ε, T rounds through
   the private-round simulator, noise-aware aggregation, item level α chosen on a validation item carved
   from each user's train); the α = ∞ scorer is private popularity, the floor line.
-- MF: `fedsim.private_mf.run_private_mf_scaled` (every device's `MFModel.local_update` batched by
-  `fedsim.privsim.MFCohort`: only the rows of its kept and negative items are built, clipped and rounded,
+- MF: `fedsim.private.mf.run_private_mf_scaled` (every device's `MFModel.local_update` batched by
+  `fedsim.private.simulator.MFCohort`: only the rows of its kept and negative items are built, clipped and rounded,
   and summed sparsely; the released noise drawn in one piece), the same private popularity channel,
   u·v + α·level ranked with α chosen on the carved validation item; at the sizes in ``--mf-sizes``.
   f = 32, R = 1, θ = 20 with one negative each, C, γ and T from ``--mf-clip``, ``--mf-server-lr``,
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsim.datasets import Ratings, TrainTestSplit, load_amazon_book
-from fedsim.private_scale import ScaledSettings, evaluate_private
+from fedsim.data.datasets import Ratings, TrainTestSplit, load_amazon_book
+from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private
 
 
 def subsample(data: TrainTestSplit, n: int, seed: int) -> TrainTestSplit:
@@ -63,8 +63,8 @@ def run_mf(
     data: TrainTestSplit, epsilon: float, args: argparse.Namespace, *, test_users: int | None = None
 ) -> dict[str, object]:
     """Private MF over every user of ``data`` through the simulator's scale mode
-    (`fedsim.private_mf.evaluate_private_mf_scaled`: u·v + α·level, α chosen on a carved validation item)."""
-    from fedsim.private_mf import IMPLICIT_MF, evaluate_private_mf_scaled
+    (`fedsim.private.mf.evaluate_private_mf_scaled`: u·v + α·level, α chosen on a carved validation item)."""
+    from fedsim.private.mf import IMPLICIT_MF, evaluate_private_mf_scaled
 
     settings = replace(
         IMPLICIT_MF,

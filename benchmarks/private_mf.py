@@ -22,12 +22,12 @@ import time
 
 import numpy as np
 
-from fedsim.datasets import Ratings, load_dataset
-from fedsim.evaluation import TieMode
-from fedsim.experiment import baselines, prepare
-from fedsim.mf import centralized_mf, evaluate_mf
-from fedsim.private_mf import PrivateMFSettings, run_private_mf
-from fedsim.splits import leave_one_out
+from fedsim.data.datasets import Ratings, load_dataset
+from fedsim.data.splits import leave_one_out
+from fedsim.evaluation.experiment import baselines, prepare
+from fedsim.evaluation.ranking import TieMode
+from fedsim.federation.mf import centralized_mf, evaluate_mf
+from fedsim.private.mf import PrivateMFSettings, run_private_mf
 
 
 def main() -> None:

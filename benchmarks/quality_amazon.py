@@ -40,8 +40,9 @@ import numpy as np  # noqa: E402
 import scipy.sparse as sp  # noqa: E402
 from numpy.typing import NDArray  # noqa: E402
 
-from fedsim.datasets import Ratings, load_amazon_book  # noqa: E402
-from fedsim.evaluation import (  # noqa: E402
+from fedsim.data.datasets import Ratings, load_amazon_book  # noqa: E402
+from fedsim.data.splits import carve_validation  # noqa: E402
+from fedsim.evaluation.ranking import (  # noqa: E402
     Scorer,
     evaluate_all_items,
     evaluate_sampled,
@@ -50,7 +51,6 @@ from fedsim.evaluation import (  # noqa: E402
     random_scorer,
     sample_test_blocks,
 )
-from fedsim.splits import carve_validation  # noqa: E402
 from protocol.codes import pack_signs  # noqa: E402
 
 FACTORS = 64

@@ -32,10 +32,10 @@ import numpy as np
 
 from device_sdk import lightfr
 from device_sdk.models import LightFRConfig
-from fedsim.als import implicit_als
-from fedsim.datasets import Ratings, load_amazon_book
-from fedsim.evaluation import evaluate_all_items, popularity_scorer
-from fedsim.federation import FederatedLightFR, FederationConfig, _quantized, run_lightfr, user_data
+from fedsim.data.datasets import Ratings, load_amazon_book
+from fedsim.evaluation.als import implicit_als
+from fedsim.evaluation.ranking import evaluate_all_items, popularity_scorer
+from fedsim.federation.lightfr import FederatedLightFR, FederationConfig, _quantized, run_lightfr, user_data
 from protocol.families.lightfr import DENSITY_SCALE, bias_from_levels, density_weight
 
 # Candidate recipes (unobserved weight w0 — "auto" is the library default, w0 = 0.6·density^(2/3) from each

@@ -14,7 +14,7 @@ ML-100K: rating ≥ 4 → 1, users split in index order over C clients; F1 and �
 all-zero model, with the server prox unscaled (s = 1, the default) and scaled by s = 1/C (the exact
 minimizer of the paper's eq. 10): on sparse data the unscaled prox, whose λ_r grows every round,
 can shrink V̂ to all zeros before the Lipschitz steps (small on a wide matrix) move it.
-Everything runs in process through `fedsim.felb.run_felb` (device code `FELBModel.local_update`,
+Everything runs in process through `fedsim.federation.felb.run_felb` (device code `FELBModel.local_update`,
 server `FELBStrategy.aggregate` on the plain sum).
 """
 
@@ -26,9 +26,9 @@ import time
 import numpy as np
 
 from agg_server.strategy.felb import FELBStrategy
-from fedsim.datasets import find_data_dir
-from fedsim.felb import FELBMetrics, evaluate_felb, load_ml100k_binary, run_felb
-from fedsim.planted import planted_binary
+from fedsim.data.datasets import find_data_dir
+from fedsim.data.planted import planted_binary
+from fedsim.federation.felb import FELBMetrics, evaluate_felb, load_ml100k_binary, run_felb
 
 RULES = (("FELB", "lipschitz"), ("FELB^MU", "mu"))
 

@@ -3,7 +3,7 @@
     python benchmarks/quality_fnmf.py                        # T ∈ {10, 100}, 3 seeds, 10 rounds
     python benchmarks/quality_fnmf.py --steps 100 --seeds 1 --rounds 4
 
-Data: `fedsim.planted.planted_nonnegative` (10 clients × 100 rows, m = 100, k = 5, truncated Gaussian
+Data: `fedsim.data.planted.planted_nonnegative` (10 clients × 100 rows, m = 100, k = 5, truncated Gaussian
 noise 0.1), every client starting from its own random V (the paper's setting).  Rows: FEDAVG (local
 projected gradient, plain mean), FEDPROX (pull towards the unaligned V̄; with the exact step-scaled
 prox and with the paper's printed unscaled one), FNMF over sums with client-side LAP, LAP_ρ and
@@ -24,8 +24,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from fedsim.fnmf import FNMFRunConfig, Method, run_fnmf, sigma_rmsd
-from fedsim.planted import planted_nonnegative
+from fedsim.data.planted import planted_nonnegative
+from fedsim.federation.fnmf import FNMFRunConfig, Method, run_fnmf, sigma_rmsd
 
 ROWS: list[tuple[str, FNMFRunConfig]] = [
     ("FEDAVG", FNMFRunConfig(method=Method.FEDAVG)),

@@ -17,7 +17,7 @@ model seeds.  f = 64 bits, federated in-process, p = 0.6, E = 1.
 
 One validation block per user is noisy (FilmTrust: model-seed std 0.005, carve std 0.008 at HR@10
 ≈ 0.95), so ``--select`` averages the protocol's own blocks (model seed 0) with ``--carves`` further
-held-out sets carved from train (`fedsim.experiment.validation_carves`, model seed j + 1 on carve j),
+held-out sets carved from train (`fedsim.evaluation.experiment.validation_carves`, model seed j + 1 on carve j),
 every recipe on the same carves and seeds.  The LightFR authors drew their negatives from every item,
 so about half of their blocks hold one of the user's own training items as a "negative"; the carves
 of that split are drawn the same way, and every table also prints HR/NDCG with the user's training
@@ -35,17 +35,17 @@ from dataclasses import replace
 import numpy as np
 
 from device_sdk.models import LightFRConfig
-from fedsim.als import implicit_als
-from fedsim.datasets import Ratings
-from fedsim.evaluation import TieMode, evaluate_candidates
-from fedsim.experiment import Experiment, Protocol, baselines, prepare, validation_carves
-from fedsim.federation import FederatedLightFR, FederationConfig, run_lightfr, user_data
+from fedsim.data.datasets import Ratings
+from fedsim.evaluation.als import implicit_als
+from fedsim.evaluation.experiment import Experiment, Protocol, baselines, prepare, validation_carves
+from fedsim.evaluation.ranking import TieMode, evaluate_candidates
+from fedsim.federation.lightfr import FederatedLightFR, FederationConfig, run_lightfr, user_data
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
 
 ROUNDS = 40
 CARVES = 4  # validation carves from train beside the protocol's own blocks (see --spread for why)
 # Asymmetric scoring recipes (real-valued user vector as P ±1 bit-planes against the binary item codes;
-# `fedsim.federation.FederationConfig.query_planes`): (P, user ridge weight, damping ρ).
+# `fedsim.federation.lightfr.FederationConfig.query_planes`): (P, user ridge weight, damping ρ).
 ASYMMETRIC = [
     (2, 1.0, 1.0),
     (2, 1.0, 0.3),

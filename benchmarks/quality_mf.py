@@ -5,13 +5,13 @@
     python benchmarks/quality_mf.py --theta 20 --server-lr 1.0   # trimmed to θ = 20 ratings per round
 
 Protocol: per-user chronological leave-one-out (latest rating → test, second latest → validation,
-the rest train; `fedsim.experiment.prepare`), each held-out item ranked among 99 sampled negatives
+the rest train; `fedsim.evaluation.experiment.prepare`), each held-out item ranked among 99 sampled negatives
 (seed 1 for test), HR@10 / NDCG@10 with random tie-breaking (exact expectation over tie orders), and
 the RMSE of the predicted rating u·v on the held-out ratings (raw 1–5 scale, R = 5).
 
 Rows: centralized MF (non-private reference: the same loss and clipping, mini-batch projected SGD
 over all training ratings), federated MF in-process without SecAgg or noise (one device per user,
-LFL-SGDMF stages 1–3, `fedsim.mf.run_federated_mf`), each fitted on the ratings only and with one
+LFL-SGDMF stages 1–3, `fedsim.federation.mf.run_federated_mf`), each fitted on the ratings only and with one
 sampled unobserved item per rating fitted as 0 ("+1 neg"), then item popularity, random scores and
 the global-mean rating.  Hyper-parameters were chosen on the validation blocks, never on test; the
 validation figures are printed beside the test ones.
@@ -25,11 +25,11 @@ import time
 import numpy as np
 
 from agg_server.strategy.mf import MFStrategy
-from fedsim.datasets import Ratings, load_dataset
-from fedsim.evaluation import TieMode
-from fedsim.experiment import baselines, prepare
-from fedsim.mf import MFEvaluation, MFSchedule, centralized_mf, evaluate_mf, run_federated_mf
-from fedsim.splits import leave_one_out
+from fedsim.data.datasets import Ratings, load_dataset
+from fedsim.data.splits import leave_one_out
+from fedsim.evaluation.experiment import baselines, prepare
+from fedsim.evaluation.ranking import TieMode
+from fedsim.federation.mf import MFEvaluation, MFSchedule, centralized_mf, evaluate_mf, run_federated_mf
 
 FACTORS = 32
 R = 5.0

@@ -12,19 +12,20 @@ whatever the model seed), beside item popularity.
 ``subset`` (a real SecAgg+ run): a seeded sample of ``--users`` amazon-book users (sample seed 0); the
 catalogue is the items those users rated in train (renumbered), and their test pairs on those items are
 the test set (test pairs on other items cannot be recommended by either run and are left out).  Two runs
-on that subset: `fedsim.private.run_private_lightfr` — the real `RoundCoordinator` (cohort draw, SecAgg+
-session with real X25519 / AES-GCM / Shamir / mask PRG, dequantization, `LightFRServerStrategy` with the
-recipe, commit), one real `LightFRModel` device per user (`device_sdk.training.local_round`: the plan's
-planes and ridge, clip to ``rounds.clip_norm``, fixed-point quantization with stochastic rounding,
-masking), every message through the msgpack codec, nobody dropping, DP off — and the plain in-process
-federation (`fedsim.federation.run_lightfr`, exact sums) with the same recipe and model seed.  After the last
-round every user re-solves its vector against the final codes and levels and keeps it as 3 planes (what a
-device with ``LightFRConfig(rank_planes=3)`` does on download), for both runs alike.
+on that subset: `fedsim.private.coordinator_rounds.run_private_lightfr` — the real `RoundCoordinator`
+(cohort draw, SecAgg+ session with real X25519 / AES-GCM / Shamir / mask PRG, dequantization,
+`LightFRServerStrategy` with the recipe, commit), one real `LightFRModel` device per user
+(`device_sdk.training.local_round`: the plan's planes and ridge, clip to ``rounds.clip_norm``,
+fixed-point quantization with stochastic rounding, masking), every message through the msgpack codec,
+nobody dropping, DP off — and the plain in-process federation (`fedsim.federation.lightfr.run_lightfr`,
+exact sums) with the same recipe and model seed.  After the last round every user re-solves its vector
+against the final codes and levels and keeps it as 3 planes (what a device with
+``LightFRConfig(rank_planes=3)`` does on download), for both runs alike.
 
-``scale`` (every amazon-book device, no crypto): `fedsim.private_scale.run_private_scaled` with ε = 0.  Each
+``scale`` (every amazon-book device, no crypto): `fedsim.private.scaled_lightfr.run_private_scaled` with ε = 0.  Each
 round's cohort is ⌈0.6·70,679⌉ = 42,408 devices; each device's upload is built, clipped to ``--clip-norm``
 as the device clips it (`protocol.families.lightfr.clip_parts`' rule) and rounded to ``scale_bits`` with
-stochastic rounding by `fedsim.privsim.LightFRCohort` (tests/test_fedsim_privsim.py
+stochastic rounding by `fedsim.private.simulator.LightFRCohort` (tests/test_fedsim_privsim.py
 ``test_batched_all_items_devices_match_real_devices``: its sum equals real devices' `local_round` uploads up
 to the rounding coins, with planes 2 and 3 and a clip that bites; tests/test_fedsim_private_scale.py
 ``test_scaled_round_without_dp_releases_every_cohort_devices_clipped_quantized_upload``: an ε = 0 round of
@@ -52,11 +53,11 @@ import numpy as np
 
 from agg_server.config import config_from_dict
 from device_sdk import lightfr
-from fedsim.datasets import Ratings, TrainTestSplit, load_amazon_book
-from fedsim.evaluation import evaluate_all_items, popularity_scorer
-from fedsim.federation import _quantized, run_lightfr, user_data
-from fedsim.private import run_private_lightfr
-from fedsim.private_scale import ScaledSettings, run_private_scaled
+from fedsim.data.datasets import Ratings, TrainTestSplit, load_amazon_book
+from fedsim.evaluation.ranking import evaluate_all_items, popularity_scorer
+from fedsim.federation.lightfr import _quantized, run_lightfr, user_data
+from fedsim.private.coordinator_rounds import run_private_lightfr
+from fedsim.private.scaled_lightfr import ScaledSettings, run_private_scaled
 from protocol.families.lightfr import bias_from_levels
 from protocol.quantization import DEFAULT_SCALE_BITS
 

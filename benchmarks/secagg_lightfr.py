@@ -3,11 +3,11 @@
     python benchmarks/secagg_lightfr.py --seeds 0                 # ML-100K, the default recipe, T = 40
     python benchmarks/secagg_lightfr.py --seeds 0 --clip-norm 1e6  # clipping out of the way
 
-The SecAgg+ run is `fedsim.private.run_private_lightfr`: the real `RoundCoordinator` (cohort draw,
+The SecAgg+ run is `fedsim.private.coordinator_rounds.run_private_lightfr`: the real `RoundCoordinator` (cohort draw,
 SecAgg+ session with real X25519 / AES-GCM / Shamir / mask PRG, dequantization, the LightFR strategy,
 commit) and one real `LightFRModel` device per user (`device_sdk.training.local_round`: clip to
 ``rounds.clip_norm``, fixed-point quantization with stochastic rounding, masking), every message through
-the msgpack codec, nobody dropping.  Privacy (DP) is off.  The plain run is `fedsim.federation.run_lightfr`,
+the msgpack codec, nobody dropping.  Privacy (DP) is off.  The plain run is `fedsim.federation.lightfr.run_lightfr`,
 the in-process federation whose sums are exact.  Both use the library default (all items, w0 derived
 from the density of each round's counts, learned item levels, ρ = 0.3), f = 64, p = 0.6 (the SecAgg+
 cohort is ⌈0.6·n⌉ of the n devices each round), T rounds, E = 1.  Quality: ML-100K leave-one-out
@@ -27,10 +27,10 @@ import numpy as np
 
 from agg_server.config import config_from_dict
 from device_sdk.models import LightFRConfig
-from fedsim.evaluation import TieMode, evaluate_candidates
-from fedsim.experiment import Experiment, prepare
-from fedsim.federation import FederatedLightFR, FederationConfig, run_lightfr, user_data
-from fedsim.private import run_private_lightfr
+from fedsim.evaluation.experiment import Experiment, prepare
+from fedsim.evaluation.ranking import TieMode, evaluate_candidates
+from fedsim.federation.lightfr import FederatedLightFR, FederationConfig, run_lightfr, user_data
+from fedsim.private.coordinator_rounds import run_private_lightfr
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
 
 

@@ -25,7 +25,7 @@ app makes); the steps behind them live in mixins over one shared state (`device_
 round driver with the four SecAgg+ phases (`device_sdk.participation`), the model download and adoption
 (`device_sdk.model_sync`), registration and revocation lists (`device_sdk.enrollment`).  Elsewhere: store
 files (`device_sdk.persistence`), the transport and its retry policy (`device_sdk.transport`,
-`device_sdk.http`), fault injection (`fedsim.faults`).  Every part logs as ``device_sdk.client``.
+`device_sdk.http`), fault injection (`fedsim.fleets.faults`).  Every part logs as ``device_sdk.client``.
 """
 
 from __future__ import annotations
@@ -403,7 +403,7 @@ class DeviceClient(RoundParticipation, AsyncClosing):
         round; `RoundError`s from the server (round closed, stale round, not enough participants)
         become an "aborted" outcome with the reason.  A transport that raises
         `device_sdk.transport.LeftRound` takes the device out of the round ("dropped"; how load tests
-        inject dropouts: `fedsim.faults.FaultyTransport`).
+        inject dropouts: `fedsim.fleets.faults.FaultyTransport`).
 
         Returns
         -------

@@ -40,7 +40,7 @@ class LeftRound(Exception):  # noqa: N818 - a signal, not an error: the device l
     (the app was closed, the OS cut the connection).  `DeviceClient.run_round` then ends "dropped" with
     this reason and sends nothing more for the round; the transport has said whatever it wanted to the
     server (an `Abort`, or nothing: a vanished phone says nothing).  Load tests inject their dropouts
-    this way (`fedsim.faults.FaultyTransport`).
+    this way (`fedsim.fleets.faults.FaultyTransport`).
 
     Attributes
     ----------

@@ -218,12 +218,12 @@ def _anchor(heading: str) -> str:
 
 
 def _json_section() -> list[str]:
-    """The ``--json`` result schema, from the docstring of `fedsim.report` (its one home)."""
+    """The ``--json`` result schema, from the docstring of `fedsim.evaluation.report` (its one home)."""
     import inspect
 
-    import fedsim.report
+    import fedsim.evaluation.report
 
-    doc = inspect.cleandoc(fedsim.report.__doc__ or "")
+    doc = inspect.cleandoc(fedsim.evaluation.report.__doc__ or "")
     return ["## `--json` output", "", *doc.splitlines(), ""]
 
 

@@ -8,7 +8,7 @@ strategy it is pure numpy and sees only the secure **sum** of the survivors' upl
 
 The example
 1. checks that the class keeps the contract (`isinstance(s, Strategy)`, wire round trip);
-2. runs four private rounds in-process with `fedsim.private.run_private`: the real
+2. runs four private rounds in-process with `fedsim.private.coordinator_rounds.run_private`: the real
    `RoundCoordinator` (SecAgg+ session, storage, commit) with ``strategy=AnnealedAggGrad(...)`` and 30
    simulated devices running the real device code — no sockets;
 3. checks that every committed model came from this strategy (one call per round, in order, with the
@@ -47,7 +47,7 @@ from agg_server.strategy.base import Strategy
 from device_sdk import LightFRConfig, LightFRModel, from_bytes, pack_signs, random_signs, to_bytes, unpack_signs
 from device_sdk.family import LocalRatings
 from fedsim import synthetic
-from fedsim.private import run_private
+from fedsim.private.coordinator_rounds import run_private
 from protocol.codec import decode
 from protocol.messages import ModelPayload
 from protocol.plan import LightFRParams

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedsim.datasets import (
+from fedsim.data.datasets import (
     CandidateBlocks,
     LightFRSplit,
     Ratings,
@@ -17,7 +17,9 @@ from fedsim.datasets import (
     load_movielens,
     synthetic,
 )
-from fedsim.evaluation import (
+from fedsim.data.splits import Split, chronological_split, leave_one_out
+from fedsim.evaluation.experiment import Candidates, Experiment, Protocol, baselines, prepare
+from fedsim.evaluation.ranking import (
     EvalResult,
     RankingResult,
     TieMode,
@@ -36,8 +38,7 @@ from fedsim.evaluation import (
     sample_negatives,
     sample_test_blocks,
 )
-from fedsim.experiment import Candidates, Experiment, Protocol, baselines, prepare
-from fedsim.federation import (
+from fedsim.federation.lightfr import (
     FederatedLightFR,
     FederationConfig,
     RoundReport,
@@ -45,7 +46,6 @@ from fedsim.federation import (
     run_lightfr,
     user_data,
 )
-from fedsim.splits import Split, chronological_split, leave_one_out
 
 __all__ = [
     "Ratings",

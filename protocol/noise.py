@@ -344,7 +344,7 @@ def correction_keep_fraction(n: int, dropout_rate: float, survivors: int) -> flo
 def device_noise(mu: float, t_min: int, length: int, rng: NoiseStream) -> SkellamDraw:
     """The noise one device adds to its masked input: Skellam(mu / t_min) on each of ``length``
     coordinates (docs/design.md §5).  The device session and the private-round simulator
-    (`fedsim.privsim`) both draw it here, so they follow one sampler.
+    (`fedsim.private.simulator`) both draw it here, so they follow one sampler.
 
     Raises
     ------

@@ -202,7 +202,7 @@ def stochastic_round(scaled: NDArray[np.float64], coins: NoiseStream) -> NDArray
 
     An element that is already an integer (a zero coordinate in particular) comes out unchanged
     whatever its coin, which is why a sparse update can be rounded on its non-zero part alone
-    (`fedsim.privsim` at scale) with the same law as the dense vector a device rounds.
+    (`fedsim.private.simulator` at scale) with the same law as the dense vector a device rounds.
 
     Parameters
     ----------

@@ -13,7 +13,7 @@ from typing import NoReturn
 
 import pytest
 
-from fedsim.datasets import find_data_dir
+from fedsim.data.datasets import find_data_dir
 
 _EXPECTED = (
     "ml-100k/u.data",

@@ -18,7 +18,7 @@ from agg_server.config import ServerConfig
 from device_sdk.client import MODEL_FILE, ClientConfig, DeviceClient, RoundStatus
 from device_sdk.family import LocalRatings
 from device_sdk.models import LightFRConfig, LightFRModel
-from fedsim.fleet import FleetConfig, run_fleet
+from fedsim.fleets.local import FleetConfig, run_fleet
 from protocol.codec import decode
 from protocol.errors import StorageError
 from protocol.messages import ModelPayload

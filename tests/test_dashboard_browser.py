@@ -35,11 +35,11 @@ from yarl import URL
 
 from agg_server.app import COORDINATOR, create_app
 from agg_server.config import config_from_dict
-from fedsim.fleet import FleetConfig, run_fleet
-from fedsim.quality import report_quality
+from fedsim.fleets.local import FleetConfig, run_fleet
 from protocol.codec import decode, encode
 from protocol.messages import CheckIn, RegisterRequest
 from tests.server_helpers import BITS, N_ITEMS, small_config, users
+from tests.support.quality import report_quality
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = (

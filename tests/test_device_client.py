@@ -37,7 +37,7 @@ from device_sdk.client import (
 )
 from device_sdk.models import LightFRModel
 from device_sdk.transport import Response
-from fedsim.faults import DropoutAt, FaultyTransport
+from fedsim.fleets.faults import DropoutAt, FaultyTransport
 from protocol.codec import decode, encode
 from protocol.codes import pack_signs, random_signs, to_bytes
 from protocol.errors import (
@@ -316,7 +316,7 @@ class Device:
     client: DeviceClient
     items: NDArray[np.int64]
     ratings: NDArray[np.float64]
-    #: where the device leaves its next round (fault injection by `fedsim.faults.FaultyTransport`)
+    #: where the device leaves its next round (fault injection by `fedsim.fleets.faults.FaultyTransport`)
     leaves: list[DropoutAt] = field(default_factory=lambda: [DropoutAt.NONE])
 
 

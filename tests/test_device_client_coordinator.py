@@ -1,7 +1,7 @@
 """DeviceClient against the real `RoundCoordinator` (its SecAgg+ session, strategy, storage and privacy
-ledger) through `fedsim.memory.InMemoryTransport`: no sockets, no fake server, a virtual clock.
+ledger) through `tests.support.memory.InMemoryTransport`: no sockets, no fake server, a virtual clock.
 
-Dropouts are injected the way load tests inject them (`fedsim.faults.FaultyTransport`); a phase that
+Dropouts are injected the way load tests inject them (`fedsim.fleets.faults.FaultyTransport`); a phase that
 waits only for devices whose `run_round` returned closes at once (its deadline on the virtual clock).
 """
 
@@ -23,13 +23,13 @@ from agg_server.storage import Storage
 from agg_server.strategy import build_strategy
 from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
 from device_sdk.training import local_round
-from fedsim.faults import DropoutAt, FaultyTransport
-from fedsim.memory import InMemoryServer
+from fedsim.fleets.faults import DropoutAt, FaultyTransport
 from protocol.errors import AuthError
 from protocol.families.lightfr import density_weight
 from protocol.policy import PrivacyPolicy
 from protocol.quantization import dequantize_sum
 from protocol.session import ACTIVE_PHASES
+from tests.support.memory import InMemoryServer
 from tests.test_device_client import BITS, N_ITEMS, SEED, RecordingSession, _data, expected_sum
 from tests.test_device_client import recording as recording  # noqa: F401  (fixture)
 

@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestServer
 from device_sdk.client import ClientConfig, DeviceClient, RoundStatus, insecure_seeded_rngs
 from device_sdk.http import HttpTransport
 from device_sdk.transport import MSGPACK_CONTENT_TYPE, TransportError, raise_for_error
-from fedsim.faults import DropoutAt, FaultyTransport
+from fedsim.fleets.faults import DropoutAt, FaultyTransport
 from protocol.codec import decode, encode
 from protocol.errors import (
     AuthError,

@@ -12,7 +12,7 @@ import scipy.sparse as sp
 
 import device_sdk.store as store
 from device_sdk.models import LightFRConfig, LightFRModel
-from fedsim.federation import FederationConfig, UserData, run_lightfr
+from fedsim.federation.lightfr import FederationConfig, UserData, run_lightfr
 from protocol.codes import random_signs
 from protocol.errors import ModelError, StorageError
 from protocol.spec import Aggregation

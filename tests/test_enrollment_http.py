@@ -20,8 +20,8 @@ from agg_server.app import COORDINATOR, create_app
 from agg_server.config import config_from_dict
 from agg_server.enrollment import capped_cohort
 from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus
-from fedsim.faults import DropoutAt
-from fedsim.fleet import FleetConfig, run_fleet
+from fedsim.fleets.faults import DropoutAt
+from fedsim.fleets.local import FleetConfig, run_fleet
 from protocol import crypto
 from protocol.codec import decode, encode
 from protocol.enrollment import EnrollmentAuthority, batch_id
@@ -389,7 +389,7 @@ async def test_signed_http_rounds_with_dropouts_at_every_phase_are_bit_exact(
     assert coordinator.model_bytes == plain_app[COORDINATOR].model_bytes
     assert coordinator.model_version == 3
     # ... and the in-process reference (no HTTP, no signatures) agrees with both
-    from fedsim.private import run_private_lightfr
+    from fedsim.private.coordinator_rounds import run_private_lightfr
 
     ref_cfg = _config(tmp_path / "ref", cohort=14, enrollment={})
     reference = run_private_lightfr(ref_cfg, users(14, seed=3), rounds=2, seed=11, dropout=_drops(False))

@@ -1,5 +1,5 @@
 """Every model family runs a private round over HTTP through the real server and real device clients,
-and ends bit-identical to the same round driven in-process (`fedsim.private.run_private`).
+and ends bit-identical to the same round driven in-process (`fedsim.private.coordinator_rounds.run_private`).
 
 One device of the cohort drops (announced) before its masked input, so the SecAgg+ recovery path is part
 of the round; the sum the strategy sees is the survivors' only.  Silent drops that wait a deadline out
@@ -26,9 +26,9 @@ from device_sdk.felb import FELBConfig, FELBModel
 from device_sdk.fnmf import FNMFConfig, FNMFModel
 from device_sdk.http import HttpTransport
 from device_sdk.mf import MFConfig, MFModel
-from fedsim.faults import DropoutAt, FaultyTransport
-from fedsim.planted import planted_binary, planted_nonnegative
-from fedsim.private import run_private
+from fedsim.data.planted import planted_binary, planted_nonnegative
+from fedsim.fleets.faults import DropoutAt, FaultyTransport
+from fedsim.private.coordinator_rounds import run_private
 from protocol.policy import PrivacyPolicy
 
 N_ITEMS = 24

@@ -1,14 +1,14 @@
-"""fedsim.als: the batched normal-equation solve against a per-row reference, and a sanity check."""
+"""fedsim.evaluation.als: the batched normal-equation solve against a per-row reference, and a sanity check."""
 
 from __future__ import annotations
 
 import numpy as np
 import scipy.sparse as sp
 
-from fedsim.als import _half_step, implicit_als
-from fedsim.datasets import synthetic
-from fedsim.evaluation import evaluate_all_items, popularity_scorer
-from fedsim.splits import carve_validation
+from fedsim.data.datasets import synthetic
+from fedsim.data.splits import carve_validation
+from fedsim.evaluation.als import _half_step, implicit_als
+from fedsim.evaluation.ranking import evaluate_all_items, popularity_scorer
 
 
 def test_half_step_matches_per_row_reference() -> None:

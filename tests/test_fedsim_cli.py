@@ -47,7 +47,7 @@ def test_simulate_prints_table_and_baselines(capsys: pytest.CaptureFixture[str],
     line2 = next(ln for ln in again.splitlines() if ln.startswith("LightFR (saved run)"))
     assert line.split()[-4:] == line2.split()[-4:]
     # Each user ranks as a device does by default: with its ridge vector's planes, which the run keeps.
-    from fedsim.runs import load_run
+    from fedsim.federation.runs import load_run
 
     model = load_run(run).device_model(3)[0]
     assert model.user_weight[0] > 0 and np.abs(model.user_q[0]).max() <= 7
@@ -74,17 +74,17 @@ def test_simulate_with_asymmetric_scoring(capsys: pytest.CaptureFixture[str], tm
 def test_demo_runs_a_real_server_and_fleet(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fedsim.demo
+    import fedsim.fleets.demo
 
     evaluated: list[Any] = []
-    real_evaluate = fedsim.demo.evaluate_devices
+    real_evaluate = fedsim.fleets.demo.evaluate_devices
 
     def watch(exp: Any, clients: list[Any], *args: Any, **kwargs: Any) -> Any:
         result = real_evaluate(exp, clients, *args, **kwargs)  # the demo's own evaluation, only observed
         evaluated.extend(c.model for c in clients)
         return result
 
-    monkeypatch.setattr(fedsim.demo, "evaluate_devices", watch)
+    monkeypatch.setattr(fedsim.fleets.demo, "evaluate_devices", watch)
     # No --cohort: the cohort is every device the run has (12 of synthetic's 600 users), not the dataset's users.
     argv = ["demo", "--dataset", "synthetic", "--devices", "12", "--rounds", "2"]
     assert main([*argv, "--dropout", "0.1", "--workdir", str(tmp_path)]) == 0
@@ -384,8 +384,8 @@ def test_version_and_data_listing(capsys: pytest.CaptureFixture[str], tmp_path: 
 
 
 def test_loadtest_failure_is_one_line_naming_the_cause() -> None:
-    from fedsim.demo import describe_outcomes
-    from fedsim.fleet import FleetReport
+    from fedsim.fleets.demo import describe_outcomes
+    from fedsim.fleets.local import FleetReport
 
     rep = FleetReport(devices=60)
     rep.server_rounds = [{"round_id": 4, "status": "committed"}, {"round_id": 5, "status": "aborted", "reason": "x"}]
@@ -470,7 +470,7 @@ def test_saved_runs_recommend_and_export_to_sdk_models(
     family: str, argv: list[str], loader: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import device_sdk
-    from fedsim.runs import load_run
+    from fedsim.federation.runs import load_run
 
     run_file, model_file = tmp_path / "run.fedrec", tmp_path / "model.fedrec"
     assert main(["simulate", *argv, "--quiet", "--save", str(run_file)]) == 0
@@ -509,7 +509,7 @@ def test_plan_privacy_prints_one_row_per_choice(capsys: pytest.CaptureFixture[st
 def test_plots_are_written_and_bad_targets_refused_before_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fedsim.plots import plot_loadtest
+    from fedsim.cli.plots import plot_loadtest
 
     png = tmp_path / "quality.png"
     argv = ["simulate", "--dataset", "synthetic", "--rounds", "4", "--eval-every", "2", "--quiet"]

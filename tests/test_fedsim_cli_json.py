@@ -1,4 +1,4 @@
-"""``--json`` on ``fedrec simulate`` / ``fedrec eval`` (fedsim.report), and the evaluation seed kept
+"""``--json`` on ``fedrec simulate`` / ``fedrec eval`` (fedsim.evaluation.report), and the evaluation seed kept
 apart from the model seed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedsim.cli import main
-from fedsim.report import METRIC_KEYS, result_record, write_json
+from fedsim.evaluation.report import METRIC_KEYS, result_record, write_json
 from fedsim.ui import parse_table
 
 

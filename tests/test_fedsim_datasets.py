@@ -1,4 +1,4 @@
-"""Tests of fedsim.datasets: the Ratings container, loaders (clean and malformed input), synthetic data."""
+"""Tests of fedsim.data.datasets: the Ratings container, loaders (clean and malformed input), synthetic data."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedsim.datasets import (
+from fedsim.data.datasets import (
     LightFRSplit,
     Ratings,
     TrainTestSplit,

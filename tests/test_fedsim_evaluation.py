@@ -1,4 +1,4 @@
-"""Tests of fedsim.evaluation: tie-aware ranks, HR/NDCG, negative sampling, full ranking, baselines."""
+"""Tests of fedsim.evaluation.ranking: tie-aware ranks, HR/NDCG, negative sampling, full ranking, baselines."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from fedsim.datasets import Ratings, load_amazon_book, load_lightfr_split, load_movielens
-from fedsim.evaluation import (
+from fedsim.data.datasets import Ratings, load_amazon_book, load_lightfr_split, load_movielens
+from fedsim.data.splits import leave_one_out
+from fedsim.evaluation.ranking import (
     EvalResult,
     TieMode,
     evaluate_all_items,
@@ -30,7 +31,6 @@ from fedsim.evaluation import (
     sample_negatives,
     sample_test_blocks,
 )
-from fedsim.splits import leave_one_out
 from protocol.codes import pack_signs
 
 LOG2_3 = float(np.log2(3.0))

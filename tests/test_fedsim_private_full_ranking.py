@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from fedsim.datasets import Ratings, TrainTestSplit, synthetic
-from fedsim.private_mf import IMPLICIT_MF, evaluate_private_mf_scaled
-from fedsim.private_scale import ALPHAS, ScaledSettings, evaluate_private, full_ranking_metrics
+from fedsim.data.datasets import Ratings, TrainTestSplit, synthetic
+from fedsim.private.mf import IMPLICIT_MF, evaluate_private_mf_scaled
+from fedsim.private.scaled_lightfr import ALPHAS, ScaledSettings, evaluate_private, full_ranking_metrics
 
 
 def _split() -> TrainTestSplit:

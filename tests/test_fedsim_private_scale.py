@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from agg_server.strategy.lightfr import LightFRServerStrategy, LightFRStrategy
-from fedsim.datasets import synthetic
-from fedsim.private_scale import (
+from fedsim.data.datasets import synthetic
+from fedsim.private.scaled_lightfr import (
     ALPHAS,
     NoiseAwareLightFR,
     ScaledSettings,
@@ -83,10 +83,10 @@ def test_scaled_run_charges_the_ledger_and_learns_popularity() -> None:
 def test_private_mf_popularity_channel_is_charged_and_chosen_on_validation() -> None:
     # MF with the private popularity channel: the ledger holds the release and every round within ε,
     # and the weight of the level comes from validation (a grid that includes the level alone).
-    from fedsim.datasets import synthetic
-    from fedsim.experiment import prepare
-    from fedsim.private_mf import PrivateMFSettings, run_private_mf
-    from fedsim.splits import leave_one_out
+    from fedsim.data.datasets import synthetic
+    from fedsim.data.splits import leave_one_out
+    from fedsim.evaluation.experiment import prepare
+    from fedsim.private.mf import PrivateMFSettings, run_private_mf
 
     data = synthetic(n_users=60, n_items=50, ratings_per_user=12, seed=1)
     exp = prepare(data, n_negatives=20, seed=0)
@@ -106,7 +106,7 @@ def test_private_mf_popularity_channel_is_charged_and_chosen_on_validation() -> 
 def test_scaled_private_mf_charges_the_ledger_and_keeps_the_clipping_constraint() -> None:
     # Every device in one cohort through the sparse MF cohort: ε composed with the popularity release,
     # the factors inside Π's set, and the private counts following true popularity.
-    from fedsim.private_mf import PrivateMFSettings, run_private_mf_scaled
+    from fedsim.private.mf import PrivateMFSettings, run_private_mf_scaled
 
     data = synthetic(n_users=300, n_items=80, n_clusters=4, ratings_per_user=15, seed=0)
     s = PrivateMFSettings(
@@ -164,8 +164,8 @@ def test_scaled_round_without_dp_releases_every_cohort_devices_clipped_quantized
     # With C out of the way that is the plain federation's exact sum (`full_upload`); with C = 2 the clip bites.
     from agg_server.strategy import build_strategy
     from device_sdk.lightfr import full_upload, ridge_users
-    from fedsim.federation import _quantized
-    from fedsim.private_scale import scaled_config
+    from fedsim.federation.lightfr import _quantized
+    from fedsim.private.scaled_lightfr import scaled_config
     from protocol.families.lightfr import UploadLayout, bias_from_levels
     from protocol.quantization import clip_l2
 
@@ -235,7 +235,7 @@ def test_symmetric_scaled_run_ranks_like_the_default_device_when_asked() -> None
     # and every user ranks with what a real LightFRModel (rank_planes = 3, rank_ridge = 2) holds after
     # installing the final codes and levels: its ridge vector (2·w0·m, w0 the run's) as 3 planes.
     from device_sdk.models import LightFRConfig, LightFRModel
-    from fedsim.federation import plane_vectors
+    from fedsim.federation.lightfr import plane_vectors
 
     data = synthetic(n_users=60, n_items=40, n_clusters=3, ratings_per_user=8, seed=3)
     st = ScaledSettings(epsilon=0.0, rounds=2, bits=16, pop_share=0.0, example_cap=0, unobserved_weight="auto")

@@ -1,4 +1,4 @@
-"""Tests of fedsim.splits: per-user chronological and leave-one-out splits."""
+"""Tests of fedsim.data.splits: per-user chronological and leave-one-out splits."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedsim.datasets import Ratings, load_movielens, synthetic
-from fedsim.splits import Split, carve_validation, chronological_split, leave_one_out, split_counts
+from fedsim.data.datasets import Ratings, load_movielens, synthetic
+from fedsim.data.splits import Split, carve_validation, chronological_split, leave_one_out, split_counts
 
 
 def _log(users: list[int], ts: list[int] | None, n_items: int = 50) -> Ratings:
@@ -199,7 +199,7 @@ def test_ml_100k_splits(shared_data: Path) -> None:
 def test_validation_carves_hold_out_unseen_positives_among_fresh_negatives() -> None:
     from dataclasses import replace
 
-    from fedsim.experiment import prepare, validation_carves
+    from fedsim.evaluation.experiment import prepare, validation_carves
 
     timed = synthetic(n_users=120, n_items=300, ratings_per_user=15, seed=3)
     exp = prepare(replace(timed, timestamps=None), seed=0, n_negatives=20)

@@ -16,8 +16,8 @@ from device_sdk import felb
 from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.felb import FELBConfig, FELBModel
 from device_sdk.store import save_store
-from fedsim.felb import binary_ratings, evaluate_felb, f1_score, factor_f1, felb_plan, run_felb, sigma_rmsd
-from fedsim.planted import planted_binary
+from fedsim.data.planted import planted_binary
+from fedsim.federation.felb import binary_ratings, evaluate_felb, f1_score, factor_f1, felb_plan, run_felb, sigma_rmsd
 from protocol.errors import ModelError, StorageError
 from tests.felb_reference import iteration_reference, local_reference, prox_scalar
 

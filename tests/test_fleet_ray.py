@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedsim.datasets import synthetic
-from fedsim.demo import ServerProcess, loadtest_record, run_loadtest, write_server_config
-from fedsim.fleet import FleetConfig
+from fedsim.data.datasets import synthetic
+from fedsim.fleets.demo import ServerProcess, loadtest_record, run_loadtest, write_server_config
+from fedsim.fleets.local import FleetConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
 

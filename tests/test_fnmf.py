@@ -34,7 +34,8 @@ from device_sdk.fnmf import (
     upload_length,
     upload_vector,
 )
-from fedsim.fnmf import (
+from fedsim.data.planted import planted_nonnegative
+from fedsim.federation.fnmf import (
     FNMFRunConfig,
     Method,
     matched_cosine,
@@ -43,7 +44,6 @@ from fedsim.fnmf import (
     secure_fixed_point,
     sigma_rmsd,
 )
-from fedsim.planted import planted_nonnegative
 from protocol.errors import ModelError, StorageError
 from protocol.messages import RoundInvite
 from tests import fnmf_reference as ref

@@ -2,8 +2,10 @@
 
 - `device_sdk` and `agg_server` never import each other; `protocol` imports no other fedrec package and
   never aiohttp; nothing but `fedsim` (and tests, examples, benchmarks) imports `fedsim`; inside
-  `device_sdk` only the HTTP transport module imports aiohttp.  Checked on the source (every import
-  statement, at any depth, so a lazy import inside a function counts too).
+  `device_sdk` only the HTTP transport module imports aiohttp; no package imports `tests` (the test and
+  benchmark harnesses of `tests/support`); no server module imports the operator's `agg_server.authority`.
+  Checked on the source (every import statement, at any depth, so a lazy import inside a function counts
+  too).
 - `import device_sdk` in a fresh interpreter loads no aiohttp, scipy or dp-accounting, and no server or
   simulation package, and its own modules (over numpy, cryptography and the other third-party modules
   it needs) take at most 0.2 s of CPU time (bytecode cached, as on an installed device), scaled up on
@@ -25,10 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "device_sdk", "agg_server", "fedsim")
 
 # package -> top-level modules it must never import (anywhere in its source).
+# No installed package imports the test suite (its harnesses live in tests/support, not in the wheel).
 FORBIDDEN = {
-    "protocol": {"device_sdk", "agg_server", "fedsim", "aiohttp", "yarl", "scipy"},
-    "device_sdk": {"agg_server", "fedsim", "scipy", "dp_accounting", "tqdm"},
-    "agg_server": {"device_sdk", "fedsim"},
+    "protocol": {"device_sdk", "agg_server", "fedsim", "aiohttp", "yarl", "scipy", "tests"},
+    "device_sdk": {"agg_server", "fedsim", "scipy", "dp_accounting", "tqdm", "tests"},
+    "agg_server": {"device_sdk", "fedsim", "tests"},
+    "fedsim": {"tests"},
 }
 # The one module of device_sdk that may import aiohttp (loaded lazily by DeviceClient.connect).
 AIOHTTP_OK = {"device_sdk/http.py"}
@@ -61,6 +65,23 @@ def test_package_imports_only_what_its_layer_allows(package: str) -> None:
         if bad:
             broken.append(f"{rel} imports {sorted(bad)}")
     assert not broken, "layering broken (docs/design.md §1):\n" + "\n".join(broken)
+
+
+def test_the_server_never_imports_the_operators_authority_tool() -> None:
+    """`agg_server.authority` signs with the operator's key; no module of the server loads it."""
+    broken = []
+    for path in _sources("agg_server"):
+        if path.name == "authority.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            if "agg_server.authority" in names:
+                broken.append(path.relative_to(ROOT).as_posix())
+    assert not broken, f"the server imports the authority tool: {broken}"
 
 
 def test_the_scan_sees_every_kind_of_import(tmp_path: Path) -> None:

@@ -671,7 +671,7 @@ def test_server_strategy_runs_the_code_sweeps_it_is_given() -> None:
     """`LightFRServerStrategy(code_sweeps=…)` steps exactly as `agg_full(sweeps=…)`, and more passes change
     the step; it and the simulator's `FederationConfig` refuse a count that is not an integer >= 1."""
     from agg_server.strategy import LightFRServerStrategy, LightFRStrategy
-    from fedsim.federation import FederationConfig
+    from fedsim.federation.lightfr import FederationConfig
 
     rng = np.random.default_rng(3)
     n, m, f = 10, 40, 12

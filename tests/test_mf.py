@@ -20,8 +20,8 @@ from device_sdk import mf
 from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.mf import MFConfig, MFModel
 from device_sdk.store import save_store
-from fedsim.datasets import Ratings
-from fedsim.mf import (
+from fedsim.data.datasets import Ratings
+from fedsim.federation.mf import (
     MFSchedule,
     centralized_mf,
     evaluate_mf,

@@ -15,7 +15,7 @@ from agg_server.app import COORDINATOR, create_app
 from agg_server.config import ServerConfig
 from device_sdk.client import MODEL_FILE, ClientConfig, DeviceClient, RoundStatus
 from device_sdk.models import LightFRConfig, LightFRModel
-from fedsim.fleet import FleetConfig, run_fleet
+from fedsim.fleets.local import FleetConfig, run_fleet
 from protocol.codec import decode, encode
 from protocol.messages import ModelPayload, RegisterRequest, RegisterResponse
 from protocol.policy import PrivacyPolicy
@@ -212,7 +212,7 @@ def test_a_restart_serves_the_17_fields_for_an_older_or_reconfigured_checkpoint(
 
     from agg_server.coordinator import RoundCoordinator
     from agg_server.storage import Storage
-    from fedsim.private import run_private_lightfr
+    from fedsim.private.coordinator_rounds import run_private_lightfr
 
     cfg = _config(tmp_path / "server", dp=True)
     run = run_private_lightfr(cfg, users(COHORT, seed=2), rounds=1, seed=1)

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedsim.secagg_harness import run_secagg_round
 from protocol.errors import (
     LocalProtocolError,
     NotEnoughParticipants,
@@ -21,6 +20,7 @@ from protocol.messages import Abort, ErrorMessage, MaskedInput, UnmaskRequest
 from protocol.noise import to_ring
 from protocol.quantization import QuantizationConfig
 from protocol.session import ACTIVE_PHASES, TRANSITIONS, Direction, Phase, Role
+from tests.support.secagg_harness import run_secagg_round
 
 from .secagg_helpers import Round, sample_messages
 

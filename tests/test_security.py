@@ -496,8 +496,8 @@ def test_unsigned_keys_and_low_order_points_are_refused_by_the_server_and_the_ro
 def test_signed_harness_rounds_are_bit_exact_with_a_drop_in_every_phase(dp: bool) -> None:
     import numpy as np
 
-    from fedsim.secagg_harness import run_secagg_round
     from protocol.phases import Phase
+    from tests.support.secagg_harness import run_secagg_round
 
     rng = np.random.default_rng(5)
     inputs = [rng.integers(0, 2**32, size=64, dtype=np.uint32) for _ in range(30)]
@@ -770,8 +770,8 @@ async def test_a_device_sending_garbage_shares_over_http_is_excluded_and_the_rou
     import numpy as np
 
     from agg_server.app import COORDINATOR
-    from fedsim.faults import DropoutAt
-    from fedsim.fleet import FleetConfig, run_fleet
+    from fedsim.fleets.faults import DropoutAt
+    from fedsim.fleets.local import FleetConfig, run_fleet
     from protocol.device_session import DeviceSecAggSession
     from protocol.messages import EncryptedShares, MaskedInputRequest, RoundInvite, RoundResult, ShareKeysBroadcast
     from tests.server_helpers import BITS, N_ITEMS, users
@@ -1049,14 +1049,14 @@ async def test_health_stays_fast_with_300_partial_bodies_and_a_64_mib_upload_in_
 def test_noise_thinning_and_rounding_coins_refuse_numpy_generators_and_default_to_secret_streams(
     tmp_path: Path,
 ) -> None:
-    # Issue 15 rows "fedrec demo and fedsim.fleet: devices' generators default to seed 0" and "DP noise and
+    # Issue 15 rows "fedrec demo and fedsim.fleets.local: devices' generators default to seed 0" and "DP noise and
     # thinning coins drawn from PCG64": every randomness that enters the released sum (noise, thinning
     # coins, and now the stochastic-rounding coins) comes from a ChaCha20 stream keyed from `secrets`
     # unless a loudly named test hook is used.
     import numpy as np
 
     from device_sdk.client import _secret_round_rngs
-    from fedsim.fleet import FleetConfig
+    from fedsim.fleets.local import FleetConfig
     from protocol.noise import correct_noise, device_noise
     from protocol.quantization import QuantizationConfig, quantize
     from protocol.samplers import NoiseStream

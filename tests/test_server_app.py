@@ -16,9 +16,9 @@ import pytest
 from agg_server.app import COORDINATOR, create_app
 from device_sdk.client import MODEL_FILE, SYNC_FILE, ClientConfig, DeviceClient, RoundStatus
 from device_sdk.models import LightFRConfig, LightFRModel
-from fedsim.faults import DropoutAt
-from fedsim.fleet import FleetConfig, run_fleet
-from fedsim.private import run_private_lightfr
+from fedsim.fleets.faults import DropoutAt
+from fedsim.fleets.local import FleetConfig, run_fleet
+from fedsim.private.coordinator_rounds import run_private_lightfr
 from protocol.codec import decode, encode
 from protocol.crypto import generate_key_pair
 from protocol.errors import (
@@ -401,7 +401,7 @@ def test_failed_commit_releases_the_round_and_charges_privacy_once(tmp_path: Pat
         raise StorageError("disk full (simulated)")
 
     coord.storage.commit_model = broken  # type: ignore[method-assign]
-    from fedsim.private import _one_round
+    from fedsim.private.coordinator_rounds import _one_round
 
     clock = [5_000.0]
     for d in run.devices:

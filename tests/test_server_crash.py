@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from fedsim.fleet import FleetConfig, fetch_status, run_fleet
+from fedsim.fleets.local import FleetConfig, fetch_status, run_fleet
 from tests.server_helpers import BITS, N_ITEMS, users
 
 

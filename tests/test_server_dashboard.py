@@ -20,12 +20,12 @@ import pytest
 from agg_server.app import create_app
 from agg_server.dashboard import ERROR_RING, STATIC_FILES, parse_quality_report
 from agg_server.storage import DATABASE_NAME, SCHEMA_VERSION, Storage
-from fedsim.fleet import FleetConfig, run_fleet
-from fedsim.quality import report_quality
+from fedsim.fleets.local import FleetConfig, run_fleet
 from protocol.codec import decode
 from protocol.errors import AuthError, DecodeError, PermissionDenied, RemoteProtocolError
 from protocol.messages import ErrorMessage
 from tests.server_helpers import BITS, N_ITEMS, small_config, users
+from tests.support.quality import report_quality
 
 TOKEN = "operator-admin-token"
 STATIC = Path(__file__).resolve().parents[1] / "agg_server" / "static"

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agg_server.app import COORDINATOR, create_app
 from agg_server.metrics import PHASES, Metrics
-from fedsim.faults import DropoutAt
-from fedsim.fleet import FleetConfig, run_fleet
+from fedsim.fleets.faults import DropoutAt
+from fedsim.fleets.local import FleetConfig, run_fleet
 from tests.server_helpers import BITS, N_ITEMS, small_config, users
 
 _STATUS = {

@@ -176,8 +176,8 @@ async def test_a_server_on_postgresql_runs_and_commits_rounds(
 
     from agg_server.app import COORDINATOR, create_app
     from agg_server.config import StorageSection
-    from fedsim.fleet import FleetConfig, run_fleet
-    from fedsim.private import run_private_lightfr
+    from fedsim.fleets.local import FleetConfig, run_fleet
+    from fedsim.private.coordinator_rounds import run_private_lightfr
     from tests.server_helpers import BITS, N_ITEMS, small_config, users
 
     url = database_url(pg_server, f"t{next(_names)}")
@@ -285,7 +285,7 @@ async def test_the_dp_flag_of_the_model_survives_a_restart_on_postgresql(
     from agg_server.config import StorageSection
     from agg_server.coordinator import RoundCoordinator
     from agg_server.storage import Storage
-    from fedsim.fleet import FleetConfig, run_fleet
+    from fedsim.fleets.local import FleetConfig, run_fleet
     from protocol.codec import decode
     from protocol.messages import ModelPayload
     from tests.server_helpers import BITS, N_ITEMS, small_config, users

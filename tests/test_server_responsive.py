@@ -1,7 +1,7 @@
 """A responsive single instance: targeted long-poll wake-ups, the round's end off the event loop, and
 phases that close as soon as every device still there has answered (issue 12, part 1).
 
-Real aiohttp servers on loopback and real devices (`fedsim.fleet`); deadlines are long on purpose where
+Real aiohttp servers on loopback and real devices (`fedsim.fleets.local`); deadlines are long on purpose where
 a test shows that a phase closed *before* its deadline.
 """
 
@@ -19,8 +19,8 @@ import pytest
 from agg_server import app as app_module
 from agg_server.app import COORDINATOR, create_app
 from agg_server.strategy import build_strategy
-from fedsim.faults import DropoutAt
-from fedsim.fleet import FleetConfig, run_fleet
+from fedsim.fleets.faults import DropoutAt
+from fedsim.fleets.local import FleetConfig, run_fleet
 from protocol import crypto
 from protocol.codec import encode
 from protocol.crypto import generate_key_pair

@@ -25,7 +25,7 @@ from cryptography.x509.oid import NameOID
 from device_sdk.client import ClientConfig, DeviceClient, RoundStatus
 from device_sdk.http import HttpTransport
 from device_sdk.transport import TransportError
-from fedsim.fleet import fetch_status
+from fedsim.fleets.local import fetch_status
 from protocol.messages import CheckIn, RegisterRequest, RegisterResponse, Wait
 from protocol.policy import PrivacyPolicy
 from tests.server_helpers import BITS, N_ITEMS, users

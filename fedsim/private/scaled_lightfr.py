@@ -1,5 +1,6 @@
-"""Private LightFR at the scale of a whole dataset, through the private-round simulator, with the
-budget spent where it buys signal.
+"""Private LightFR over a whole dataset through the private-round simulator, and planning its budget.
+
+The budget is spent where it buys signal; `plan_privacy` predicts each choice's signal-to-noise first.
 
 One run (`run_private_scaled`):
 
@@ -7,7 +8,7 @@ One run (`run_private_scaled`):
    each of at most θ of its items (clipped to L2 norm √θ, quantized and noised like any upload).
    The server learns noisy per-item counts; they are the private popularity baseline and the item
    level of the model's score.
-2. **T LightFR rounds** of every device (`fedsim.privsim.PrivateSimulator.run_scaled_round`), each
+2. **T LightFR rounds** of every device (`fedsim.private.simulator.PrivateSimulator.run_scaled_round`), each
    charged in full (no amplification: the server picks the cohort).  Optional noise-aware
    aggregation (`NoiseAwareLightFR`): a summed gradient coordinate moves its bit only when it
    exceeds ``threshold`` standard deviations of the released noise; otherwise the bit keeps its
@@ -41,8 +42,8 @@ from numpy.typing import NDArray
 from agg_server.config import ServerConfig, config_from_dict
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy
-from fedsim.datasets import Ratings
-from fedsim.privsim import LightFRCohort, PrivateSimulator, one_blas_thread
+from fedsim.data.datasets import Ratings
+from fedsim.private.simulator import LightFRCohort, PrivateSimulator, one_blas_thread
 from protocol.accounting import calibrate_mu, composed_rdp, epsilon_from_rdp
 from protocol.codes import pack_signs
 from protocol.families.lightfr import bias_from_levels
@@ -335,7 +336,7 @@ def run_private_scaled(
 ) -> ScaledResult:
     """Run the popularity release and T private LightFR rounds over every user of ``train``."""
     from device_sdk.lightfr import dcd_full, dcd_update
-    from fedsim.federation import refreshed_vectors
+    from fedsim.federation.lightfr import refreshed_vectors
 
     start = time.perf_counter()
     s = settings
@@ -448,7 +449,7 @@ def scorer(result: ScaledResult, alpha: float) -> Callable[[NDArray[np.int64]], 
 
 
 def packed(result: ScaledResult) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
-    """(user words, item words) for `fedsim.evaluation.hamming_scorer`."""
+    """(user words, item words) for `fedsim.evaluation.ranking.hamming_scorer`."""
     return pack_signs(result.user_codes), pack_signs(result.item_codes)
 
 
@@ -566,7 +567,7 @@ def choose_alpha_full_ranking(
 ) -> tuple[float, float]:
     """The item-level weight α with the best validation Recall@20 (full ranking over ``fit``'s items,
     a seeded sample of ``val_users`` users, random ties), and that Recall; the first of equals wins."""
-    from fedsim.evaluation import evaluate_all_items
+    from fedsim.evaluation.ranking import evaluate_all_items
 
     users = np.random.default_rng(eval_seed).choice(fit.n_users, min(val_users, fit.n_users), replace=False)
     chosen: tuple[float, float] | None = None
@@ -584,7 +585,7 @@ def full_ranking_metrics(data: Any, *, eval_seed: int, test_users: int | None) -
     """A function scoring one scorer on ``data``'s test split once: Recall@20 and NDCG@20 by full
     ranking over the items not in each user's train set (random ties), over every test user or a seeded
     sample of ``test_users`` of them (the same sample for every scorer)."""
-    from fedsim.evaluation import evaluate_all_items
+    from fedsim.evaluation.ranking import evaluate_all_items
 
     seen, test = data.train, data.test
     users = None
@@ -608,8 +609,8 @@ def evaluate_private(
     on_round: Callable[[int, float], None] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
-    """Train privately on ``data`` (a `fedsim.experiment.Experiment` with candidate blocks, or a
-    `fedsim.datasets.TrainTestSplit` evaluated by full ranking) and evaluate on its test split.
+    """Train privately on ``data`` (a `fedsim.evaluation.experiment.Experiment` with candidate blocks, or a
+    `fedsim.data.datasets.TrainTestSplit` evaluated by full ranking) and evaluate on its test split.
 
     α of the item level is chosen on validation (candidate blocks carved from train, or one carved
     train item per user); the test split is scored once for the chosen α, for private popularity
@@ -621,8 +622,8 @@ def evaluate_private(
     (metrics, extra) : ``metrics`` maps "model", "private_popularity", "popularity", "random" to
         their metric maps; ``extra`` holds "epsilon" (the ledger's), "delta", "alpha" and the μ's.
     """
-    from fedsim.datasets import TrainTestSplit
-    from fedsim.evaluation import TieMode, evaluate_candidates, popularity_scorer, random_scorer
+    from fedsim.data.datasets import TrainTestSplit
+    from fedsim.evaluation.ranking import TieMode, evaluate_candidates, popularity_scorer, random_scorer
 
     say = log or (lambda text: None)
     chosen: tuple[float, float] | None = None

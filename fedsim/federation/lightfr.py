@@ -5,7 +5,7 @@ Invariants:
 - Each device's work is exactly `device_sdk`'s kernels on that device's own ratings (the kernels are
   per-user; a cohort is a batch of independent users), and the server sees only the cohort **sum**
   of uploads, passed to the `agg_server` strategy — the same split of work as over HTTP, without
-  secure aggregation (which `fedsim.secagg_harness` and the server add).
+  secure aggregation (which `tests.support.secagg_harness` and the server add).
 - All randomness (initial codes, cohorts, negative sampling) comes from one seeded generator, so a
   run is reproducible from its seed.
 """
@@ -23,8 +23,8 @@ from agg_server.strategy import LightFRStrategy
 from agg_server.strategy.lightfr import agg_full
 from device_sdk import lightfr
 from device_sdk.models import LightFRConfig
-from fedsim.datasets import Ratings
-from fedsim.evaluation import EvalResult
+from fedsim.data.datasets import Ratings
+from fedsim.evaluation.ranking import EvalResult
 from protocol.codes import random_signs
 from protocol.families.lightfr import bias_from_levels, density_weight, levels_from_bias
 from protocol.spec import Aggregation
@@ -212,7 +212,7 @@ class FederatedLightFR:
 
     def all_scores(self, users: NDArray[np.int64]) -> NDArray[np.float32]:
         """The same score as `scores` against every item, (len(users), m) float32 (exact: the values are
-        small integers); a full-ranking scorer for `fedsim.evaluation.evaluate_all_items`."""
+        small integers); a full-ranking scorer for `fedsim.evaluation.ranking.evaluate_all_items`."""
         f = self.user_codes.shape[1]
         if self.user_vectors is not None:
             x = self.user_vectors[users] @ self.item_codes.T.astype(np.float64) / f

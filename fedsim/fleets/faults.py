@@ -3,8 +3,8 @@
 `FaultyTransport` wraps a device's real `device_sdk.transport.Transport`; the device code is unchanged.
 When the schedule says a device leaves a round before a phase, the wrapper does not send that phase's
 message and raises `device_sdk.transport.LeftRound`, which `DeviceClient.run_round` reports as
-"dropped".  The in-process simulators (`fedsim.private`, `fedsim.privsim`) take the same `DropoutAt`
-schedule and apply it to their devices directly.
+"dropped".  The in-process simulators (`fedsim.private.coordinator_rounds`, `fedsim.private.simulator`) take
+the same `DropoutAt` schedule and apply it to their devices directly.
 
 Invariants:
 - The schedule is asked once per round, when the check-in answers with the invitation, and its answer

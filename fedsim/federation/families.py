@@ -26,11 +26,11 @@ from typing import TextIO
 
 import numpy as np
 
-from fedsim.datasets import Ratings, load_dataset
-from fedsim.evaluation import TieMode
-from fedsim.experiment import baselines, prepare
-from fedsim.planted import planted_binary, planted_nonnegative
-from fedsim.splits import leave_one_out
+from fedsim.data.datasets import Ratings, load_dataset
+from fedsim.data.planted import planted_binary, planted_nonnegative
+from fedsim.data.splits import leave_one_out
+from fedsim.evaluation.experiment import baselines, prepare
+from fedsim.evaluation.ranking import TieMode
 from fedsim.ui import table
 from protocol.errors import ConfigError
 from protocol.plan import FELBParams, FNMFParams
@@ -66,9 +66,9 @@ def simulate_family(args: argparse.Namespace, data_dir: Path | None, out: TextIO
 
 def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     from agg_server.strategy.mf import MFStrategy
-    from fedsim.mf import MFSchedule, evaluate_mf, run_federated_mf
-    from fedsim.private import PrivateRun
-    from fedsim.private_mf import PrivateMFSettings, run_private_mf
+    from fedsim.federation.mf import MFSchedule, evaluate_mf, run_federated_mf
+    from fedsim.private.coordinator_rounds import PrivateRun
+    from fedsim.private.mf import PrivateMFSettings, run_private_mf
 
     if args.dataset in (None, "planted"):
         raise ConfigError("--model mf needs --dataset (a rating log such as ml-100k or synthetic)")
@@ -151,8 +151,8 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
         ev = evaluate_mf(state.user_factors, state.item_factors, test, exp.test)
         if getattr(args, "save", None) is not None:
             from device_sdk.mf import MFModel
-            from fedsim.mf import device_config
-            from fedsim.runs import TrainItems, save_family_run
+            from fedsim.federation.mf import device_config
+            from fedsim.federation.runs import TrainItems, save_family_run
 
             model = MFModel(train.n_items, device_config(strategy, schedule), n_users=train.n_users)
             model.item_factors = np.array(state.item_factors, dtype=np.float64)
@@ -187,7 +187,7 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
 
 def _felb(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     from agg_server.strategy.felb import FELBStrategy
-    from fedsim.felb import evaluate_felb, run_felb
+    from fedsim.federation.felb import evaluate_felb, run_felb
 
     rng = np.random.default_rng(args.seed)
     signal = planted_v = None
@@ -225,7 +225,7 @@ def _felb(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     run = run_felb(blocks, strategy, rounds=args.rounds, rng=rng, noise_sigma=args.noise_sigma)
     m = evaluate_felb(run, blocks, signal=signal, planted_v=planted_v)
     if getattr(args, "save", None) is not None:
-        from fedsim.runs import TrainItems, save_family_run
+        from fedsim.federation.runs import TrainItems, save_family_run
 
         stacked = np.vstack(blocks)
         users, items = np.nonzero(stacked)  # a row's 1s are its "rated" items: never recommended again
@@ -248,8 +248,8 @@ def _felb(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
 
 
 def _fnmf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
-    from fedsim.fnmf import FNMFRunConfig, Method, run_fnmf
-    from fedsim.fnmf import sigma_rmsd as fnmf_sigma_rmsd
+    from fedsim.federation.fnmf import FNMFRunConfig, Method, run_fnmf
+    from fedsim.federation.fnmf import sigma_rmsd as fnmf_sigma_rmsd
 
     if args.dataset not in (None, "planted"):
         raise ConfigError("--model fnmf runs on the planted non-negative recipe (--dataset planted)")
@@ -282,7 +282,7 @@ def _fnmf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     run = run_fnmf(clients, rank, cfg, rng, truth=planted.v)
     floor = fnmf_sigma_rmsd(clients, list(np.split(planted.signal, clients_n)))
     if getattr(args, "save", None) is not None:
-        from fedsim.runs import TrainItems, save_family_run
+        from fedsim.federation.runs import TrainItems, save_family_run
 
         n_rows = sum(c.shape[0] for c in clients)
         empty = np.zeros(0, dtype=np.int64)  # dense non-negative rows: no item counts as already rated

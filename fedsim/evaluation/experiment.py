@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from fedsim.datasets import LightFRSplit, Ratings, TrainTestSplit, load_dataset
-from fedsim.evaluation import (
+from fedsim.data.datasets import LightFRSplit, Ratings, TrainTestSplit, load_dataset
+from fedsim.data.splits import carve_validation, chronological_split, holdout_rule, leave_one_out
+from fedsim.evaluation.ranking import (
     EvalResult,
     TieMode,
     evaluate_candidates,
@@ -27,7 +28,6 @@ from fedsim.evaluation import (
     sample_negatives,
     sample_test_blocks,
 )
-from fedsim.splits import carve_validation, chronological_split, holdout_rule, leave_one_out
 
 __all__ = ["Protocol", "Candidates", "Experiment", "prepare", "validation_carves", "baselines", "item_titles"]
 
@@ -113,7 +113,7 @@ def prepare(
 
     Parameters
     ----------
-    dataset : a dataset name or path (see `fedsim.datasets.load_dataset`) or loaded data.
+    dataset : a dataset name or path (see `fedsim.data.datasets.load_dataset`) or loaded data.
     protocol : LOO by default; the LightFR split always uses its own blocks.
     n_negatives : sampled negatives per held-out positive (49 or 99 are the usual choices).
     seed : the evaluation seed: which ratings a log without timestamps holds out, the validation

@@ -1,5 +1,5 @@
 """The Ray back-end of ``fedrec loadtest --backend ray``: the fleet's shards run as Ray actors, each hosting
-its share of the devices as asyncio tasks (`fedsim.fleet.run_fleet`, the same code as the local back-end's
+its share of the devices as asyncio tasks (`fedsim.fleets.local.run_fleet`, the same code as the local back-end's
 worker processes).
 
 Invariants:
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsim.fleet import FleetConfig, run_fleet
+from fedsim.fleets.local import FleetConfig, run_fleet
 from protocol.errors import ConfigError
 
 __all__ = ["run_ray_fleet", "FleetShard"]

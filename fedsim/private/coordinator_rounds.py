@@ -1,6 +1,8 @@
-"""Private federated training in-process (every model family): the real `RoundCoordinator` (storage, cohort selection,
-SecAgg+ session, DP, strategy, commit) driven by simulated devices that run the real device code
-(`device_sdk.training.local_round` + `DeviceSecAggSession`), with no sockets and a simulated clock.
+"""Private rounds in-process through the real `RoundCoordinator` and the real device code, any model family.
+
+The coordinator (storage, cohort selection, SecAgg+ session, DP, strategy, commit) is driven by simulated
+devices that run the real device code (`device_sdk.training.local_round` + `DeviceSecAggSession`), with no
+sockets and a simulated clock.
 
 Invariants:
 - A device does exactly what `device_sdk.client.DeviceClient` does over HTTP, in the same order and
@@ -28,7 +30,7 @@ from device_sdk.client import insecure_seeded_rngs
 from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.training import local_round
-from fedsim.faults import DropoutAt
+from fedsim.fleets.faults import DropoutAt
 from protocol.codec import decode, encode
 from protocol.messages import Message, ModelPayload, RoundInvite, RoundResult
 from protocol.samplers import INSECURE_NOISE_NOTICE

@@ -1,7 +1,7 @@
 """The machine-readable result of a `fedrec` command (`--json`): one JSON object, written as the
 last line of stdout; with `--json` every other line of the command goes to stderr.
 
-Schema (`fedrec simulate` and `fedrec eval`; other commands reuse `fedsim.report.result_record` and
+Schema (`fedrec simulate` and `fedrec eval`; other commands reuse `fedsim.evaluation.report.result_record` and
 `write_json`, and may add keys, never rename these):
 
     {"dataset": str, "protocol": str, "rounds": int | null, "seconds": float,

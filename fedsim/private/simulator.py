@@ -14,7 +14,7 @@ Two modes, one set of rules:
   `device_sdk.client.insecure_seeded_rngs`, and draws and corrects its noise with `protocol.noise.device_noise`
   / `protocol.noise.correct_noise`, the functions the device session calls.  With the coordinator's
   ``rounds.seed`` and the same dropout schedule, the final model is bit-identical to
-  `fedsim.private.run_private` (real coordinator, real crypto) — `tests/test_fedsim_privsim.py`.
+  `fedsim.private.coordinator_rounds.run_private` (real coordinator, real crypto) — `tests/test_fedsim_privsim.py`.
 * **scale** (`PrivateSimulator.run_scaled_round`, every device of amazon-book in one round): a
   family's batched trainer (`LightFRCohort`) computes each device's sparse update (only its rated
   items — and sampled negatives — are non-zero), clips it with `protocol.quantization.clip_l2` and
@@ -52,7 +52,7 @@ from agg_server.strategy.base import Strategy, round_plan
 from device_sdk.client import insecure_seeded_rngs
 from device_sdk.family import LocalRatings
 from device_sdk.training import local_round
-from fedsim.faults import DropoutAt
+from fedsim.fleets.faults import DropoutAt
 from fedsim.threads import one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
@@ -191,7 +191,7 @@ class PrivateSimulator:
     strategy : the server strategy (default: the configuration's).
     mu : the aggregate noise variance of every round (default: calibrated for the configuration's
         ε over ``privacy.planned_rounds``, as the coordinator does); a caller that charges other
-        releases to the same ledger (`fedsim.private_scale`) passes the μ its split asks for.
+        releases to the same ledger (`fedsim.private.scaled_lightfr`) passes the μ its split asks for.
     """
 
     def __init__(self, config: ServerConfig, *, strategy: Strategy | None = None, mu: float | None = None) -> None:
@@ -488,7 +488,7 @@ class SimulatedRun:
 
     @property
     def coordinator(self) -> PrivateSimulator:
-        """The simulator, where `fedsim.private.PrivateRun` has the coordinator (``model_version``,
+        """The simulator, where `fedsim.private.coordinator_rounds.PrivateRun` has the coordinator (``model_version``,
         ``model_state``, ``ledger``, ``mu``), so progress callbacks work with either run."""
         return self.simulator
 
@@ -507,13 +507,13 @@ def run_simulated(
     mu: float | None = None,
     prior_charges: Sequence[tuple[float, float, float]] = (),
 ) -> SimulatedRun:
-    """`fedsim.private.run_private` without the crypto: the same devices (ids in the mapping's order,
+    """`fedsim.private.coordinator_rounds.run_private` without the crypto: the same devices (ids in the mapping's order,
     from 1), the same seeds and dropout schedule, and the same final model, bit for bit.
 
     ``mu`` and ``prior_charges`` are for runs that spend part of the budget on other releases (a
-    private popularity release, `fedsim.private_mf`): the rounds' noise variance, and (μ, Δ1, Δ2) of
+    private popularity release, `fedsim.private.mf`): the rounds' noise variance, and (μ, Δ1, Δ2) of
     each earlier release, recorded in the ledger before the first round."""
-    from fedsim.private import SimulatedDevice
+    from fedsim.private.coordinator_rounds import SimulatedDevice
 
     sim = PrivateSimulator(config, strategy=strategy, mu=mu)
     for charge in prior_charges:

@@ -1,13 +1,16 @@
-"""Private federated MF in-process: one simulated device per user, every round through the real
-`RoundCoordinator` (SecAgg+ with dropouts, distributed Skellam DP calibrated for per-user privacy,
-the privacy ledger, `MFStrategy`), then stage-3 fine-tuning on each device and evaluation.
+"""Private federated MF in-process: real-coordinator runs and, at scale, private-round simulator runs.
+
+`run_private_mf`: one simulated device per user, every round through the real `RoundCoordinator`
+(SecAgg+ with dropouts, distributed Skellam DP calibrated for per-user privacy, the privacy ledger,
+`MFStrategy`), then stage-3 fine-tuning on each device and evaluation.  `run_private_mf_scaled`: every
+device of a large dataset through the simulator's `MFCohort`, with a private popularity release.
 
 Invariants:
 - The devices run exactly `device_sdk.mf.MFModel` through `device_sdk.training.local_round` (clip,
   quantize) and `DeviceSecAggSession`; the server learns only the noisy secure sum
-  (`fedsim.private.run_private`).
+  (`fedsim.private.coordinator_rounds.run_private`).
 - The per-user ε reported is the ledger's: the coordinator charges every round for every device
-  (no amplification by sampling is claimed); the per-rating ε comes from `fedsim.mf.mf_epsilons`
+  (no amplification by sampling is claimed); the per-rating ε comes from `fedsim.federation.mf.mf_epsilons`
   with the same noise.
 - ``epsilon = 0`` means no DP noise (SecAgg only), the ε = ∞ row.
 """
@@ -28,12 +31,12 @@ from agg_server.config import ServerConfig, config_from_dict
 from agg_server.storage import Storage
 from device_sdk.family import LocalRatings
 from device_sdk.mf import MFConfig, MFModel
-from fedsim.datasets import Ratings
-from fedsim.experiment import Candidates
-from fedsim.faults import DropoutAt
-from fedsim.mf import MFEvaluation, evaluate_mf, mf_epsilons
-from fedsim.private import PrivateRun, run_private
-from fedsim.privsim import run_simulated
+from fedsim.data.datasets import Ratings
+from fedsim.evaluation.experiment import Candidates
+from fedsim.federation.mf import MFEvaluation, evaluate_mf, mf_epsilons
+from fedsim.fleets.faults import DropoutAt
+from fedsim.private.coordinator_rounds import PrivateRun, run_private
+from fedsim.private.simulator import run_simulated
 
 __all__ = ["PrivateMFSettings", "PrivateMFResult", "run_private_mf"]
 
@@ -58,12 +61,12 @@ class PrivateMFSettings:
     factors, max_norm2, server_lr, learning_rate, pretrain_epochs, fine_tune_epochs : the model.
     negatives : unobserved items per kept rating fitted as 0.
     seed : seeds the server, the devices and the dropout schedule.
-    simulator : run the rounds through `fedsim.privsim` (the released sums computed directly, exact
+    simulator : run the rounds through `fedsim.private.simulator` (the released sums computed directly, exact
         in distribution, the survivors' noise drawn in one piece; no crypto) instead of the real coordinator
         with SecAgg+.
     pop_share, pop_theta : with DP (simulator only), the private popularity channel: a release of every
-        device's items clipped to √θ (`fedsim.private_scale.release_counts`) calibrated for ``pop_share``·ε,
-        the rounds' μ bisected so the ledger's composed ε meets ε (`fedsim.private_scale.split_budget`);
+        device's items clipped to √θ (`fedsim.private.scaled_lightfr.release_counts`) calibrated for ``pop_share``·ε,
+        the rounds' μ bisected so the ledger's composed ε meets ε (`fedsim.private.scaled_lightfr.split_budget`);
         its log counts, spread over [0, R], are added to u·v with a weight α chosen on validation from a
         grid that includes popularity alone.  ``pop_share = 0``: no channel.
     """
@@ -302,7 +305,7 @@ def _popularity_release(
     train: Ratings, s: PrivateMFSettings, cfg: ServerConfig
 ) -> tuple[np.ndarray, float, list[tuple[float, float, float]]]:
     """(private counts, μ of every round, [(μ, Δ1, Δ2) of the popularity release]) for ``s``'s ε."""
-    from fedsim.private_scale import _largest_scale_bits, _per_user, release_counts, split_budget
+    from fedsim.private.scaled_lightfr import _largest_scale_bits, _per_user, release_counts, split_budget
     from protocol.quantization import QuantizationConfig, sensitivity
 
     n, m = train.n_users, train.n_items
@@ -339,7 +342,7 @@ def run_private_mf_scaled(
     on_round: Callable[[int, float], None] | None = None,
 ) -> ScaledMFResult:
     """Private MF over every user of ``train`` in one cohort, through the simulator's scale mode
-    (`fedsim.privsim.MFCohort`: the devices' sparse uploads summed directly, the released noise drawn in
+    (`fedsim.private.simulator.MFCohort`: the devices' sparse uploads summed directly, the released noise drawn in
     one piece; exact in distribution, no dropouts), with the private popularity channel of
     `run_private_mf` (``pop_share`` of ε; without DP the same release without noise), then stage-3
     fine-tuning of every user vector against the final V (on the device; nothing uploaded).
@@ -348,8 +351,8 @@ def run_private_mf_scaled(
     the accountant's figure for the noise it draws, not a guarantee against whoever knows the seed.
     """
     from device_sdk.mf import fit_users
-    from fedsim.private_scale import _largest_scale_bits, _per_user, release_counts
-    from fedsim.privsim import MFCohort, PrivateSimulator
+    from fedsim.private.scaled_lightfr import _largest_scale_bits, _per_user, release_counts
+    from fedsim.private.simulator import MFCohort, PrivateSimulator
     from protocol.families.mf import project_rows
     from protocol.quantization import QuantizationConfig
 
@@ -410,8 +413,8 @@ def evaluate_private_mf_scaled(
     test_users: int | None = None,
     on_round: Callable[[int, float], None] | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
-    """Private MF on a published split (`fedsim.datasets.TrainTestSplit`) by full ranking, as
-    `fedsim.private_scale.evaluate_private` evaluates LightFR: trained (`run_private_mf_scaled`) on train
+    """Private MF on a published split (`fedsim.data.datasets.TrainTestSplit`) by full ranking, as
+    `fedsim.private.scaled_lightfr.evaluate_private` evaluates LightFR: trained (`run_private_mf_scaled`) on train
     minus one carved validation item per user, scored u·v + α·level (the private counts on a log scale
     over [0, R]) with α chosen on that item from a grid holding the level alone (α = inf), then the test
     split scored once for the chosen α, for u·v alone, for private popularity, popularity and random
@@ -424,8 +427,8 @@ def evaluate_private_mf_scaled(
         "alpha", "mu", "protocol" and "train_seconds".  Without the channel (``pop_share = 0``) there is no
         "private_popularity" and α is 0.
     """
-    from fedsim.evaluation import popularity_scorer, random_scorer
-    from fedsim.private_scale import ALPHAS, carve_validation, choose_alpha_full_ranking, full_ranking_metrics
+    from fedsim.evaluation.ranking import popularity_scorer, random_scorer
+    from fedsim.private.scaled_lightfr import ALPHAS, carve_validation, choose_alpha_full_ranking, full_ranking_metrics
 
     fit, val = carve_validation(data.train, eval_seed)
     res = run_private_mf_scaled(fit, replace(settings, cohort=fit.n_users), on_round=on_round)

@@ -30,7 +30,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
-from fedsim.faults import DropoutAt, FaultyTransport
+from fedsim.fleets.faults import DropoutAt, FaultyTransport
 from fedsim.threads import one_blas_thread
 from protocol.enrollment import EnrollmentAuthority
 from protocol.errors import FedRecError
@@ -170,7 +170,7 @@ class FleetReport:
     cpu_start: float | None = None
     #: (seconds since the fleet started, step, latency seconds) of every phase a device finished.
     latency_series: list[tuple[float, str, float]] = field(default_factory=list)
-    #: (unix time, seconds, ok, body) of each ``GET /v1/health`` probe (`fedsim.demo.HealthProbe`).
+    #: (unix time, seconds, ok, body) of each ``GET /v1/health`` probe (`fedsim.fleets.demo.HealthProbe`).
     health: list[tuple[float, float, bool, str]] = field(default_factory=list)
     #: The server's ``/v1/status`` once the fleet stopped (model digest, ledger, process figures).
     final_status: dict[str, Any] | None = None

@@ -30,9 +30,17 @@ from typing import Any, TextIO
 import numpy as np
 
 from device_sdk.lightfr import LEVEL_SHIFT
-from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
-from fedsim.experiment import Experiment, baselines
-from fedsim.fleet import PHASE_STEPS, FleetConfig, FleetReport, fetch_status, get_status, rounds_so_far, run_fleet
+from fedsim.evaluation.experiment import Experiment, baselines
+from fedsim.evaluation.ranking import EvalResult, TieMode, evaluate_candidates
+from fedsim.fleets.local import (
+    PHASE_STEPS,
+    FleetConfig,
+    FleetReport,
+    fetch_status,
+    get_status,
+    rounds_so_far,
+    run_fleet,
+)
 from protocol.codec import decode, encode
 from protocol.codes import from_bytes, unpack_signs
 from protocol.enrollment import EnrollmentAuthority
@@ -233,9 +241,9 @@ def verdict(label: str, model_hr: float, popularity_hr: float, epsilon: float | 
 
 def simulated_beside(exp: Experiment, epsilon: float, seed: int) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """The same data and ε through the private-round simulator with the budget spent where it buys
-    signal (`fedsim.private_scale`: a private popularity release feeding the item level, noise-aware
+    signal (`fedsim.private.scaled_lightfr`: a private popularity release feeding the item level, noise-aware
     aggregation, every device in every round), evaluated on the same test blocks."""
-    from fedsim.private_scale import ScaledSettings, evaluate_private
+    from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private
 
     settings = ScaledSettings(epsilon=epsilon, rounds=3, pop_share=0.5, example_cap=20, threshold=0.0, seed=seed)
     return evaluate_private(exp, settings, eval_seed=0)
@@ -431,7 +439,7 @@ def run_loadtest(
     worker_nice: int = 0,
 ) -> FleetReport:
     """Run the fleet, split over ``workers`` shards: worker processes (``backend="local"``, the default;
-    one in-process fleet when ``workers`` is 1) or Ray actors (``backend="ray"``, `fedsim.ray_fleet`).
+    one in-process fleet when ``workers`` is 1) or Ray actors (``backend="ray"``, `fedsim.fleets.ray_fleet`).
     Every shard watches the server and stops after the requested rounds; ``progress`` follows the rounds.
 
     The shards count the same rounds as the fleet's (``FleetConfig.rounds_before``) and, when the fleet
@@ -464,7 +472,7 @@ def run_loadtest(
 
     with HealthProbe(config.url, enabled=probe_health) as probe:
         if backend == "ray":
-            from fedsim.ray_fleet import run_ray_fleet
+            from fedsim.fleets.ray_fleet import run_ray_fleet
 
             dicts = run_ray_fleet(config, shards, keep_store=keep_store, on_wait=watch, nice=worker_nice)
         elif len(shards) <= 1:
@@ -660,7 +668,7 @@ def _health(report: FleetReport) -> dict[str, Any] | None:
 
 
 def loadtest_record(report: FleetReport, wanted: int, failure: str | None, **extra: Any) -> dict[str, Any]:
-    """``fedrec loadtest --json``: the report as one JSON-able object (schema in `fedsim.report`)."""
+    """``fedrec loadtest --json``: the report as one JSON-able object (schema in `fedsim.evaluation.report`)."""
     latency = {
         step: {
             "n": len(v),

@@ -31,9 +31,9 @@ from agg_server.strategy.base import round_plan
 from agg_server.strategy.mf import MFStrategy
 from device_sdk.family import LocalRatings
 from device_sdk.mf import MFConfig, MFModel, example_rmse, initial_factors, project_rows, sample_negatives
-from fedsim.datasets import Ratings
-from fedsim.evaluation import EvalResult, TieMode, evaluate_candidates
-from fedsim.experiment import Candidates
+from fedsim.data.datasets import Ratings
+from fedsim.evaluation.experiment import Candidates
+from fedsim.evaluation.ranking import EvalResult, TieMode, evaluate_candidates
 from protocol.accounting import compute_epsilon
 
 __all__ = [
@@ -308,7 +308,7 @@ def evaluate_mf(
     term_only: bool = False,
 ) -> MFEvaluation:
     """Test RMSE of u·v on ``held_out`` ratings and the ranking metrics of the candidate blocks
-    (positive in column 0; RANDOM ties are averaged exactly, see `fedsim.evaluation`).  The blocks
+    (positive in column 0; RANDOM ties are averaged exactly, see `fedsim.evaluation.ranking`).  The blocks
     are ranked by u·v + ``item_term[i]`` when given (a private popularity level), or by the term
     alone with ``term_only``; the RMSE is always that of u·v."""
     U, V = np.asarray(user_factors, np.float64), np.asarray(item_factors, np.float64)

@@ -1,0 +1,89 @@
+"""The ``fedrec`` command line: one module per sub-command, each adding its own parser and running it.
+
+This is the edge of the program: it reads the environment, parses and validates arguments, and turns
+every `FedRecError`/`ValueError` into one clear line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+from agg_server import authority
+from fedsim.cli import data, demo, evaluate, export, loadtest, plan_privacy, recommend, simulate
+from protocol.errors import FedRecError
+
+__all__ = ["main", "build_parser"]
+
+# In the order `fedrec --help` lists them; ``enroll-ca`` is the operator's tool of `agg_server.authority`.
+_COMMANDS = (demo, loadtest, simulate, evaluate, plan_privacy, recommend, export, authority, data)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fedrec`` argument parser (also used to generate the CLI reference)."""
+    parser = argparse.ArgumentParser(
+        prog="fedrec",
+        description="fedrec: on-device federated recommendation (LightFR binary codes).",
+    )
+    parser.add_argument("--version", action="version", version=f"fedrec {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in _COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def _run(args: argparse.Namespace, out: TextIO) -> int:
+    handlers = {command.NAME: command.run for command in _COMMANDS}
+    return handlers[args.command](args, out)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fedrec")
+    except PackageNotFoundError:  # running from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``fedrec``; returns the exit status.
+
+    Expected failures (bad input, a missing or malformed file, a server that refuses) print one line
+    ``fedrec COMMAND: error: ...`` on stderr and exit 2; an interrupt exits 130; a closed stdout (``| head``)
+    ends the command quietly with status 141, as a killed-by-SIGPIPE tool would.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # --json: the last line of stdout is the result object (fedsim.evaluation.report); everything else to stderr
+    out = sys.stderr if getattr(args, "json", False) else sys.stdout
+    try:
+        code = _run(args, out)
+        out.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        return code
+    except (FedRecError, ValueError, OSError) as exc:
+        if isinstance(exc, BrokenPipeError):
+            return _broken_pipe()
+        msg = " ".join(str(exc).split()) if not isinstance(exc, FedRecError) else str(exc)
+        if isinstance(exc, OSError) and not isinstance(exc, FedRecError):
+            where = f"{exc.filename}: " if exc.filename else ""
+            msg = f"{where}{exc.strerror or exc}"
+        print(f"fedrec {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fedrec {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _broken_pipe() -> int:
+    # The reader went away (``fedrec ... | head -1``): stop writing, and keep Python from reporting the
+    # failed flush of stdout at exit.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141

@@ -1,0 +1,144 @@
+"""``fedrec eval``: re-score a saved LightFR run on the split it was trained on, or score a baseline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from fedsim.cli.args import DATA_DIR_HELP, JSON_HELP, positive_int, resolve_data_dir
+from fedsim.cli.results import evaluate_and_report
+from fedsim.evaluation.experiment import Experiment, Protocol, prepare
+from fedsim.evaluation.report import result_record, write_json
+from fedsim.federation.lightfr import FederatedLightFR, plane_vectors
+from protocol.errors import ConfigError, FedRecError
+
+__all__ = ["NAME", "register", "run"]
+
+NAME = "eval"
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``fedrec eval`` and its options to ``sub``."""
+    ev = sub.add_parser(
+        "eval",
+        help="evaluate a saved run or a baseline",
+        description="Evaluate a run saved by 'fedrec simulate --save' on its test blocks, or a baseline "
+        "(popularity, random) on a dataset.",
+    )
+    ev.add_argument("run", nargs="?", type=Path, help="a run file written by 'fedrec simulate --save'")
+    ev.add_argument("--baseline", choices=["popularity", "random"], default=None, help="evaluate a baseline instead")
+    ev.add_argument("--dataset", default=None, help="dataset (for --baseline; a run file names its own)")
+    ev.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=DATA_DIR_HELP)
+    ev.add_argument(
+        "--protocol",
+        choices=[p.value for p in Protocol],
+        default=None,
+        help="with --baseline, as for simulate; a run file evaluates on its own (another one is refused)",
+    )
+    ev.add_argument(
+        "--eval-negatives",
+        type=positive_int,
+        default=None,
+        help="sampled negatives per test positive, with --baseline (default: 99); a run file uses its own "
+        "(another number is refused)",
+    )
+    ev.add_argument(
+        "--eval-seed",
+        type=int,
+        default=None,
+        help="seed of the evaluation (default: the run file's, else 0); see simulate --eval-seed",
+    )
+    ev.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    """Run ``fedrec eval``; returns the exit status."""
+    if (args.run is None) == (args.baseline is None):
+        raise ValueError("give either a run file or --baseline")
+    t0 = time.perf_counter()
+    if args.baseline is not None:
+        if args.dataset is None:
+            raise ValueError("--baseline needs --dataset")
+        eval_seed = 0 if args.eval_seed is None else args.eval_seed
+        exp = prepare(
+            args.dataset,
+            Protocol(args.protocol) if args.protocol else None,
+            n_negatives=99 if args.eval_negatives is None else args.eval_negatives,
+            seed=eval_seed,
+            data_dir=resolve_data_dir(args.data_dir),
+        )
+        out.write(exp.describe() + "\n")
+        metrics = evaluate_and_report(exp, None, "", eval_seed, out, only=args.baseline)
+        rounds: int | None = 0
+    else:
+        exp, state, eval_seed, rounds = _load_run(args)
+        out.write(exp.describe() + "\n")
+        metrics = evaluate_and_report(exp, state, "LightFR (saved run)", eval_seed, out)
+    if args.json:
+        seconds = time.perf_counter() - t0
+        record = result_record(
+            dataset=exp.name, protocol=exp.protocol.value, rounds=rounds, seconds=seconds, metrics=metrics
+        )
+        write_json(record, sys.stdout)
+    return 0
+
+
+def _load_run(args: argparse.Namespace) -> tuple[Experiment, FederatedLightFR, int, int | None]:
+    """A saved LightFR run and the experiment it was trained on (same split, same evaluation seed)."""
+    from fedsim.federation.runs import load_run
+
+    run = load_run(args.run)
+    if run.family != "lightfr":
+        raise ConfigError(
+            f"{args.run} is a {run.family} run: 'fedrec eval' re-scores LightFR runs ('fedrec simulate' printed "
+            f"the {run.family} figures); 'fedrec recommend {args.run} --user ID' uses it"
+        )
+    model = run.device_model(None)[0]
+    state_dict = run.state
+    try:
+        n_users, n_items = run.n_users, run.n_items
+        state = FederatedLightFR(
+            user_codes=model.user_codes.copy(),
+            item_codes=model.item_codes.copy(),
+            item_levels=model.item_levels,
+            hamming_weight=model.hamming_weight,
+        )
+        if np.all(model.user_weight > 0):  # the run saved the vectors its users rank with
+            state.user_vectors = plane_vectors(model.user_q, model.user_weight, model.hamming_weight)
+        dataset, protocol = str(state_dict["dataset"]), Protocol(state_dict["protocol"])
+        n_neg = int(state_dict["eval_negatives"])
+        # runs saved before --eval-seed existed drew their split and candidates from --seed
+        run_eval_seed = int(state_dict.get("eval_seed", state_dict["seed"]))
+        rounds = int(state_dict["rounds"]) if "rounds" in state_dict else None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FedRecError(f"{args.run}: not a valid run file ({exc})") from exc
+    if args.eval_seed is not None and args.eval_seed != run_eval_seed:
+        raise ConfigError(
+            f"{args.run} was trained on the split of evaluation seed {run_eval_seed}; --eval-seed {args.eval_seed} "
+            "would draw another split, whose test ratings the model may have trained on"
+        )
+    data_dir = resolve_data_dir(args.data_dir)
+    if dataset == "auto":
+        dataset = "ml-100k" if data_dir is not None and (data_dir / "ml-100k").is_dir() else "synthetic"
+    # A run is evaluated as it was trained: another dataset, protocol or candidate count would be ignored.
+    for flag, asked, own in (
+        ("--dataset", args.dataset, dataset),
+        ("--protocol", args.protocol, protocol.value),
+        ("--eval-negatives", args.eval_negatives, n_neg),
+    ):
+        if asked is not None and asked != own:
+            raise ConfigError(
+                f"{flag} {asked}: {args.run} is evaluated on the split and candidates it was trained with "
+                f"({flag} {own}); leave {flag} out, or evaluate a baseline with --baseline"
+            )
+    exp = prepare(dataset, protocol, n_negatives=n_neg, seed=run_eval_seed, data_dir=data_dir)
+    if (exp.train.n_users, exp.train.n_items) != (n_users, n_items):
+        raise FedRecError(
+            f"{args.run} was trained on {n_users}×{n_items}, the dataset is {exp.train.n_users}×{exp.train.n_items}"
+        )
+    return exp, state, run_eval_seed, rounds
