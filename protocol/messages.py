@@ -20,13 +20,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 
 from protocol.errors import FedRecError, error_class_for_code
 from protocol.plan import FamilyParams, FELBParams, FNMFParams, LightFRParams, MFParams, TrainingPlan, params_from_wire
+from protocol.quantization import QuantizationConfig
 from protocol.spec import (
     MAX_ITEMS,
     MAX_RANK,
@@ -34,9 +35,6 @@ from protocol.spec import (
     MAX_VECTOR_LENGTH,
     ModelKind,
 )
-
-if TYPE_CHECKING:
-    from protocol.quantization import QuantizationConfig
 
 __all__ = [
     "KEY_BYTES",
@@ -299,9 +297,6 @@ class RoundInvite(Message):
     def quantization(self) -> QuantizationConfig:
         """How this round's uploads become ring elements (``clip_norm``, ``scale_bits``): the one place a
         device, a simulator or a policy check builds it from an invite."""
-        # Here: protocol.quantization imports protocol.crypto, which imports the codec, which imports this.
-        from protocol.quantization import QuantizationConfig
-
         return QuantizationConfig(clip_norm=self.clip_norm, scale_bits=self.scale_bits)
 
     @property
