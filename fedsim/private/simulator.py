@@ -49,6 +49,7 @@ from agg_server.cohort import round_shape
 from agg_server.config import ServerConfig
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
+from device_sdk import batched
 from device_sdk.client import insecure_seeded_rngs
 from device_sdk.family import LocalRatings
 from device_sdk.training import local_round
@@ -599,7 +600,6 @@ class LightFRCohort:
         stochastic rounding (of the non-zero part of each upload: same law as a device's dense rounding,
         other words).  Under the all-items objective ``D`` is the (m, f) item codes, ``beta`` the item
         biases the downloaded levels stand for and ``hamming_weight`` the downloaded B (`_full_sum`)."""
-        from device_sdk.lightfr import dcd_update, inner_products, sample_negatives
         from protocol.spec import Aggregation
 
         if Aggregation(invite.aggregation) is not Aggregation.GRAD:
@@ -608,91 +608,57 @@ class LightFRCohort:
             if beta is None:
                 raise ConfigError("the all-items objective needs the item biases the devices download (beta=)")
             return self._full_sum(D, beta, invite, cohort, survivors, rng, coins, hamming_weight)
-        m, f = self.n_items, self.bits
         qcfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
-        lam = float(invite.lam)
-        negatives = int(invite.negatives)
-        cap = int(invite.example_cap)
-        epochs = int(invite.local_epochs)
-        sweeps = int(invite.max_sweeps)
-        alive = {self._index[d] for d in survivors}
-        rows_all = np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
-        total = np.zeros(m * f, dtype=np.int64)
-        fresh = rows_all[~self.trained[rows_all]]
-        if fresh.size:  # a device's first round starts from a random code
-            self.codes[fresh] = np.where(rng.random((fresh.size, f)) < 0.5, -1, 1).astype(np.int8)
+        alive, rows_all = self._alive(cohort, survivors)
+        total = np.zeros(self.n_items * self.bits, dtype=np.int64)
+        self._start_codes(rows_all, rng)
         for lo in range(0, rows_all.size, self.batch):
             rows = rows_all[lo : lo + self.batch]
-            counts = self.indptr[rows + 1] - self.indptr[rows]
-            take = np.concatenate([np.arange(self.indptr[r], self.indptr[r + 1]) for r in rows])
-            items, targets = self.items[take], self.targets[take]
-            indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-            if cap:
-                # θ ratings per device, uniformly without replacement (random keys, smallest θ kept).
-                owner = np.repeat(np.arange(rows.size), counts)
-                order = np.lexsort((rng.random(items.size), owner))
-                rank = np.arange(items.size) - np.repeat(indptr[:-1], counts)
-                keep = np.sort(order[rank < cap])
-                items, targets, owner = items[keep], targets[keep], owner[keep]
-                counts = np.bincount(owner, minlength=rows.size)
-                indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-            B = self.codes[rows]
-            grad_items: NDArray[np.int64] | None = None
-            acc: NDArray[np.float64] | None = None
-            for _ in range(epochs):
-                if negatives:
-                    neg_ptr, neg = sample_negatives(indptr, items, m, negatives, rng)
-                    ei, er, eo = _merge_csr(indptr, items, targets, neg_ptr, neg)
-                else:
-                    ei, er, eo = items, targets, indptr
-                B, _ = dcd_update(eo, ei, er, B, D, lam, max_sweeps=sweeps)
-                g_items, g_rows, g_vals = _entry_gradients(eo, ei, er, B, D, inner_products)
-                if acc is None:
-                    grad_items, grad_rows, acc = g_items, g_rows, g_vals
-                else:  # later epochs: stack and merge below (the device averages epochs)
-                    grad_items = np.concatenate([grad_items, g_items])
-                    grad_rows = np.concatenate([grad_rows, g_rows])
-                    acc = np.concatenate([acc, g_vals])
-            self.codes[rows] = B
-            self.trained[rows] = True
-            assert grad_items is not None and acc is not None
-            keys, inv = np.unique(grad_rows * m + grad_items, return_inverse=True)
-            vals = np.zeros((keys.size, f))
-            np.add.at(vals, inv, acc)
-            vals /= epochs
-            urow, uitem = keys // m, keys % m
-            bounds = np.searchsorted(urow, np.arange(rows.size + 1))
-            for j in range(rows.size):
-                if int(rows[j]) not in alive:
-                    continue
-                a, b = bounds[j], bounds[j + 1]
-                if a == b:
-                    continue
-                clipped, _ = clip_l2(vals[a:b], qcfg.clip_norm)
-                q = stochastic_round(clipped * qcfg.scale, coins)
-                idx = (uitem[a:b, None] * f + np.arange(f)).ravel()
-                _scatter_add(total, idx, q.ravel())
+            owner, item, vals = self._gradients(rows, D, invite, rng)
+            batched.add_rounded_rows(total, owner, item, vals, alive[rows], qcfg, coins)
         return total
 
-    def _kept(
-        self, rows: NDArray[np.int64], cap: int, rng: np.random.Generator
-    ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64], NDArray[np.int64]]:
-        """(indptr, items, targets, owner) of a batch after the θ cap: θ ratings per device, uniformly
-        without replacement (random keys, smallest θ kept), then each item once (the device's unique)."""
+    def _alive(
+        self, cohort: Iterable[int], survivors: Iterable[int]
+    ) -> tuple[NDArray[np.bool_], NDArray[np.int64]]:
+        """(whether each held device survives, the cohort's rows sorted)."""
+        alive = np.zeros(len(self.device_ids), dtype=bool)
+        alive[[self._index[d] for d in survivors]] = True
+        return alive, np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
+
+    def _start_codes(self, rows: NDArray[np.int64], rng: np.random.Generator) -> None:
+        fresh = rows[~self.trained[rows]]
+        if fresh.size:  # a device's first round starts from a random code
+            self.codes[fresh] = np.where(rng.random((fresh.size, self.bits)) < 0.5, -1, 1).astype(np.int8)
+
+    def _rows(self, rows: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64]]:
+        """(indptr, items, targets) of the devices ``rows``."""
         counts = self.indptr[rows + 1] - self.indptr[rows]
         take = np.concatenate([np.arange(self.indptr[r], self.indptr[r + 1]) for r in rows])
-        items, targets = self.items[take], self.targets[take]
-        owner = np.repeat(np.arange(rows.size), counts)
-        if cap:
-            indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-            order = np.lexsort((rng.random(items.size), owner))
-            rank = np.arange(items.size) - np.repeat(indptr[:-1], counts)
-            keep = np.sort(order[rank < cap])
-            items, targets, owner = items[keep], targets[keep], owner[keep]
-        _, first = np.unique(owner * self.n_items + items, return_index=True)  # sorted by (device, item)
-        items, targets, owner = items[first], targets[first], owner[first]
-        counts = np.bincount(owner, minlength=rows.size)
-        return np.concatenate(([0], np.cumsum(counts))).astype(np.int64), items, targets, owner
+        return batched.csr_indptr(counts), self.items[take], self.targets[take]
+
+    def _gradients(
+        self, rows: NDArray[np.int64], D: NDArray[np.int8], invite: RoundInvite, rng: np.random.Generator
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64]]:
+        """One batch of devices' local rounds (θ cap, then per epoch negatives, DCD and the eq. 12 rows);
+        their codes are kept and their sparse uploads returned (`device_sdk.batched.device_item_sums`)."""
+        from device_sdk.lightfr import dcd_update, sample_negatives
+
+        m, epochs = self.n_items, int(invite.local_epochs)
+        indptr, items, targets, _ = batched.cap_examples(*self._rows(rows), int(invite.example_cap), rng)
+        B = self.codes[rows]
+        parts: list[tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64]]] = []
+        for _ in range(epochs):
+            eo, ei, er = indptr, items, targets
+            if invite.negatives:
+                neg_ptr, neg = sample_negatives(indptr, items, m, int(invite.negatives), rng)
+                eo, ei, er = batched.merge_negatives(indptr, items, targets, neg_ptr, neg)
+            B, _ = dcd_update(eo, ei, er, B, D, float(invite.lam), max_sweeps=int(invite.max_sweeps))
+            parts.append(batched.entry_gradients(eo, ei, er, B, D))
+        self.codes[rows] = B
+        self.trained[rows] = True
+        g_items, g_owner, g_rows = (np.concatenate(x) for x in zip(*parts, strict=True))
+        return batched.device_item_sums(g_owner, g_items, g_rows, m, epochs)
 
     def _full_sum(
         self,
@@ -722,131 +688,63 @@ class LightFRCohort:
         `snap_scale`), keeps it in ``vectors`` and uploads the same parts with the vector u in place of b:
         rows (w_q s/f − w_l)·u − (w_q/f)·u∘u∘d_i, and u uᵀ/f, u/f, whose norms are ‖u‖²/f and ‖u‖/f.
         """
-        from device_sdk.lightfr import dcd_full, inner_products, quantize_planes, ridge_users, snap_scale
-
         m, f = self.n_items, self.bits
-        layout = UploadLayout(m, f, full=True)
-        scale = float(2**invite.scale_bits)
-        clip = float(invite.clip_norm)
-        share = float(invite.counts_share)
         w0, alpha = float(invite.unobserved_weight), float(invite.confidence)
-        c = 1.0 + alpha
-        wq = c - w0
         Df = D.astype(np.float64)
         gram = (Df.T @ Df, Df.T @ beta)  # G_D and Dᵀβ, once per model version (as a device caches them)
-        alive = np.zeros(len(self.device_ids), dtype=bool)
-        alive[[self._index[d] for d in survivors]] = True
-        rows_all = np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
-        fresh = rows_all[~self.trained[rows_all]]
-        if fresh.size:  # a device's first round starts from a random code
-            self.codes[fresh] = np.where(rng.random((fresh.size, f)) < 0.5, -1, 1).astype(np.int8)
-        grad_t = np.zeros(m * f)
-        bias_t = np.zeros(m)
-        count_t = np.zeros(m)
-        gram_t = np.zeros((f, f))
-        code_t = np.zeros(f)
+        alive, rows_all = self._alive(cohort, survivors)
+        self._start_codes(rows_all, rng)
+        parts = {"gradient": np.zeros(m * f), "bias": np.zeros(m), "counts": np.zeros(m)}
+        parts |= {"gram": np.zeros((f, f)), "code_sum": np.zeros(f)}
         for lo in range(0, rows_all.size, self.batch):
             rows = rows_all[lo : lo + self.batch]
-            indptr, items, targets, owner = self._kept(rows, int(invite.example_cap), rng)
-            planes = int(invite.query_planes)
-            if planes:
-                U = ridge_users(indptr, items, targets, D, beta, w0, alpha, float(invite.user_reg), gram=gram)
-                odd, step = quantize_planes(U, planes)
-                _, snapped = snap_scale(step, hamming_weight)
-                Bf = snapped[:, None] * odd.astype(np.float64)
-                self.vectors[rows] = Bf
-                self.codes[rows] = np.where(odd > 0, 1, -1).astype(np.int8)
-                s_e = np.einsum("ef,ef->e", Df[items], Bf[owner])
-            else:
-                B = self.codes[rows]
-                for _ in range(int(invite.local_epochs)):
-                    B, _ = dcd_full(
-                        indptr, items, targets, B, D, beta, w0, alpha, max_sweeps=int(invite.max_sweeps), gram=gram
-                    )
-                self.codes[rows] = B
-                s_e = inner_products(indptr, items, B, D).astype(np.float64)
-                Bf = B.astype(np.float64)
+            indptr, items, targets, owner = batched.cap_examples(*self._rows(rows), int(invite.example_cap), rng)
+            indptr, items, targets, owner = batched.unique_examples(items, targets, owner, rows.size, m)
+            Bf, s_e = self._train_full(rows, indptr, items, targets, D, beta, gram, invite, hamming_weight)
             self.trained[rows] = True
-            coef = wq * s_e / f - (c * targets - wq * beta[items])
-            if planes:
-                grad = coef[:, None] * Bf[owner] - (wq / f) * Bf[owner] ** 2 * Df[items]
-            else:
-                grad = coef[:, None] * Bf[owner] - (wq / f) * Df[items]
-            bias = c * targets - wq * s_e / f
-            k = np.bincount(owner, minlength=rows.size).astype(np.float64)
-            sq = np.einsum("ij,ij->i", grad, grad) + bias * bias
-            n2 = np.einsum("ij,ij->i", Bf, Bf)  # ‖b‖² (= f for a ±1 code)
-            rest2 = np.bincount(owner, weights=sq, minlength=rows.size).astype(np.float64) + (n2 * n2 + n2) / f**2
-            # (the last term is ‖b bᵀ/f‖² + ‖b/f‖²)
-            if share > 0:
-                fc = np.minimum(1.0, math.sqrt(share) * clip / np.sqrt(np.maximum(k, 1.0)))
-                fr = np.minimum(1.0, math.sqrt(1.0 - share) * clip / np.sqrt(rest2))
-            else:
-                fc = fr = np.minimum(1.0, clip / np.sqrt(rest2 + k))
-            up = alive[rows]
-            sel = up[owner]
-            e_items, e_own = items[sel], owner[sel]
-            q = stochastic_round(grad[sel] * (fr[e_own] * scale)[:, None], coins)
-            idx = (e_items[:, None] * f + np.arange(f)).ravel()
-            grad_t += np.bincount(idx, weights=q.ravel().astype(np.float64), minlength=m * f)
-            bias_t += np.bincount(e_items, weights=stochastic_round(bias[sel] * fr[e_own] * scale, coins), minlength=m)
-            count_t += np.bincount(e_items, weights=stochastic_round(fc[e_own] * scale, coins), minlength=m)
-            live = np.flatnonzero(up)
-            for g in range(0, live.size, 512):  # b bᵀ/f of 512 devices at a time (512·f² values)
-                j = live[g : g + 512]
-                outer = Bf[j, :, None] * Bf[j, None, :] * (fr[j] * scale / f)[:, None, None]
-                gram_t += stochastic_round(outer, coins).sum(axis=0)
-            code_t += stochastic_round(Bf[live] * (fr[live] * scale / f)[:, None], coins).sum(axis=0)
-        parts = (grad_t, bias_t, count_t, gram_t.ravel(), code_t)
-        total = np.rint(np.concatenate(parts)).astype(np.int64)
-        assert total.size == layout.length
+            real = bool(invite.query_planes)
+            grad, bias = batched.full_entry_terms(items, owner, targets, Bf, Df, s_e, beta, w0, alpha, real=real)
+            factors = batched.full_clip_factors(owner, grad, bias, Bf, float(invite.clip_norm), invite.counts_share)
+            scale = float(2**invite.scale_bits)
+            batched.add_rounded_full_parts(parts, items, owner, grad, bias, Bf, factors, alive[rows], scale, coins)
+        # The rounded parts in the layout's order (already per 1/f: not `UploadLayout.join`, which scales).
+        total = np.rint(np.concatenate([p.ravel() for p in parts.values()])).astype(np.int64)
+        assert total.size == UploadLayout(m, f, full=True).length
         return total
 
+    def _train_full(
+        self,
+        rows: NDArray[np.int64],
+        indptr: NDArray[np.int64],
+        items: NDArray[np.int64],
+        targets: NDArray[np.float64],
+        D: NDArray[np.int8],
+        beta: NDArray[np.float64],
+        gram: tuple[NDArray[np.float64], NDArray[np.float64]],
+        invite: RoundInvite,
+        hamming_weight: int,
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """One batch of devices' training under the all-items objective (`dcd_full` epochs, or under query
+        planes the snapped ridge vector); their codes (and vectors) are kept.  Returns (their b or u
+        (batch, f) float, s = bᵀd_i per kept entry)."""
+        from device_sdk.lightfr import dcd_full, inner_products, quantize_planes, ridge_users, snap_scale
 
-def _scatter_add(total: NDArray[np.int64], idx: NDArray[np.int64], values: NDArray[np.int64]) -> None:
-    # Indices of one device are distinct (one row per (device, item)), so fancy += is exact.
-    total[idx] += values
-
-
-def _merge_csr(
-    indptr: NDArray[np.int64],
-    items: NDArray[np.int64],
-    targets: NDArray[np.float64],
-    neg_ptr: NDArray[np.int64],
-    neg: NDArray[np.int64],
-) -> tuple[NDArray[np.int64], NDArray[np.float64], NDArray[np.int64]]:
-    """Each user's positives followed by its negatives (r = 0), as one CSR batch (the device's
-    `_user_csr` order)."""
-    n = indptr.size - 1
-    counts = np.diff(indptr) + np.diff(neg_ptr)
-    out_ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-    pos_owner = np.repeat(np.arange(n), np.diff(indptr))
-    neg_owner = np.repeat(np.arange(n), np.diff(neg_ptr))
-    pos_slot = out_ptr[pos_owner] + (np.arange(items.size) - indptr[pos_owner])
-    neg_slot = out_ptr[neg_owner] + np.diff(indptr)[neg_owner] + (np.arange(neg.size) - neg_ptr[neg_owner])
-    all_items = np.empty(out_ptr[-1], dtype=np.int64)
-    all_r = np.zeros(out_ptr[-1])
-    all_items[pos_slot], all_items[neg_slot] = items, neg
-    all_r[pos_slot] = targets
-    return all_items, all_r, out_ptr
-
-
-def _entry_gradients(
-    indptr: NDArray[np.int64],
-    items: NDArray[np.int64],
-    r: NDArray[np.float64],
-    B: NDArray[np.int8],
-    D: NDArray[np.int8],
-    inner_products: Callable[..., NDArray[np.int32]],
-) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64]]:
-    """Per CSR entry e of user u and item i: the eq. 12 row Δd^u_i = (r − 1/2 − s/(2f))·b_u + d_i/(2f)
-    (the terms `device_sdk.lightfr.item_gradient_sum` adds up), returned as (items, users, rows)."""
-    f = B.shape[1]
-    s = inner_products(indptr, items, B, D)
-    resid = r - 0.5 - s / (2.0 * f)
-    owner = np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
-    rows = resid[:, None] * B[owner].astype(np.float64) + D[items].astype(np.float64) / (2.0 * f)
-    return items, owner, rows
+        w0, alpha = float(invite.unobserved_weight), float(invite.confidence)
+        planes = int(invite.query_planes)
+        if planes:
+            U = ridge_users(indptr, items, targets, D, beta, w0, alpha, float(invite.user_reg), gram=gram)
+            odd, step = quantize_planes(U, planes)
+            _, snapped = snap_scale(step, hamming_weight)
+            Bf = snapped[:, None] * odd.astype(np.float64)
+            self.vectors[rows] = Bf
+            self.codes[rows] = np.where(odd > 0, 1, -1).astype(np.int8)
+            owner = np.repeat(np.arange(rows.size), np.diff(indptr))
+            return Bf, np.einsum("ef,ef->e", D[items].astype(np.float64), Bf[owner])
+        B = self.codes[rows]
+        for _ in range(int(invite.local_epochs)):
+            B, _ = dcd_full(indptr, items, targets, B, D, beta, w0, alpha, max_sweeps=int(invite.max_sweeps), gram=gram)
+        self.codes[rows] = B
+        return B.astype(np.float64), inner_products(indptr, items, B, D).astype(np.float64)
 
 
 def _noise_check(mu: float, n: int, dropout_rate: float, survivors: int, corrected: int, length: int) -> float:
