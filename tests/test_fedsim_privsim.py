@@ -400,7 +400,7 @@ def test_scaled_mf_round_is_bit_identical_to_the_coordinator(
 ) -> None:
     # The sparse MF cohort with each device's own seeded generator and stream (the test hook) against the
     # real coordinator with SecAgg+ and the devices' dense uploads: same model, same user vectors, same ε.
-    from fedsim.private import simulator
+    from device_sdk import batched
     from fedsim.private.simulator import MFCohort
 
     clipped: list[bool] = []
@@ -410,8 +410,8 @@ def test_scaled_mf_round_is_bit_identical_to_the_coordinator(
         clipped.append(out[1])
         return out
 
-    real_clip = simulator.clip_l2
-    monkeypatch.setattr(simulator, "clip_l2", clip_l2)
+    real_clip = batched.clip_l2
+    monkeypatch.setattr(batched, "clip_l2", clip_l2)
 
     n, rounds = 12, 2
     users = _mf_users(n)

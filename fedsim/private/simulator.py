@@ -70,14 +70,12 @@ from protocol.noise import (
     to_ring,
 )
 from protocol.phases import prune_unmaskable, require_quorum
-from protocol.plan import TrainingPlan
+from protocol.plan import MFParams, TrainingPlan
 from protocol.quantization import (
     QuantizationConfig,
     check_bit_budget,
-    clip_l2,
     dequantize_sum,
     sensitivity,
-    stochastic_round,
 )
 from protocol.samplers import NoiseStream, insecure_test_noise_stream
 from protocol.session import RoundParameters
@@ -864,9 +862,7 @@ class MFCohort:
         ``survivors`` of their quantized uploads as signed integers (length m·f).  ``rng`` and ``coins``
         are the cohort's generator and coin stream; ``device_draws`` replaces both by each device's own
         (see the class)."""
-        from device_sdk.mf import fit_users, initial_factors, sample_negatives, trim_per_user
         from protocol.families.mf import project_rows
-        from protocol.plan import MFParams
 
         p = invite.plan.params
         if not isinstance(p, MFParams):
@@ -879,99 +875,100 @@ class MFCohort:
             raise ConfigError(f"the round expects {invite.vector_length} values, an MF upload has {m * f}")
         Vd = project_rows(np.asarray(V, dtype=np.float64).reshape(m, f), R)  # as the device's set_global
         qcfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
-        lr, reg, neg, cap = float(p.learning_rate), float(p.reg), int(p.negatives), int(invite.example_cap)
         alive = np.zeros(len(self.device_ids), dtype=bool)
         alive[[self._index[d] for d in survivors]] = True
         rows_all = np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
-        total = np.zeros(m * f)
-        cols = np.arange(f, dtype=np.int64)
+        total = np.zeros(m * f, dtype=np.int64)
         for lo in range(0, rows_all.size, self.batch):
             rows = rows_all[lo : lo + self.batch]
-            counts = self.indptr[rows + 1] - self.indptr[rows]
-            owner = np.repeat(np.arange(rows.size), counts)
-            first = np.cumsum(counts) - counts
-            take = np.arange(owner.size) - first[owner] + self.indptr[rows][owner]
-            items, r = self.items[take], self.targets[take]
-            U = self.user_factors[rows]
-            # Stage 1 for devices seen for the first time (with ratings): a fresh small u, then pre-training.
-            new = np.flatnonzero(~self.trained[rows] & (counts > 0))
-            if new.size:
-                if device_draws is None:
-                    U[new] = initial_factors(new.size, f, R, self.init_scale, rng)
-                else:
-                    for jn in new.tolist():
-                        U[jn] = initial_factors(1, f, R, self.init_scale, self._gen(device_draws, rows[jn]))[0]
-                is_new = np.zeros(rows.size, dtype=bool)
-                is_new[new] = True
-                sel = is_new[owner]
-                U = fit_users(U, Vd, owner[sel], items[sel], r[sel], lr, reg, R, int(p.pretrain_epochs))
-                self.trained[rows[new]] = True
-            U = fit_users(U, Vd, owner, items, r, lr, reg, R, int(p.local_epochs))
-            self.user_factors[rows] = U
-            # θ ratings per device (trimming keys are drawn for every rating, as the device draws them).
-            if device_draws is None:
-                keep = trim_per_user(owner, cap, rng)
-            else:
-                keep = np.concatenate(
-                    [np.zeros(0, np.int64)]
-                    + [
-                        trim_per_user(np.zeros(int(counts[j]), np.int64), cap, self._gen(device_draws, rows[j]))
-                        + first[j]
-                        for j in range(rows.size)
-                    ]
-                )
-            ku, ki, kr = owner[keep], items[keep], r[keep]
-            if neg > 0 and ku.size:
-                if device_draws is None:
-                    nu, ni = sample_negatives(np.repeat(ku, neg), owner, items, m, rng)
-                else:  # a device with kept ratings draws its negatives after its trimming keys
-                    parts = []
-                    kc = np.bincount(ku, minlength=rows.size)
-                    for jk in np.flatnonzero(kc).tolist():
-                        g = self._gen(device_draws, rows[jk])
-                        own = items[first[jk] : first[jk] + counts[jk]]
-                        _, nj = sample_negatives(
-                            np.zeros(int(kc[jk]) * neg, np.int64), np.zeros(own.size, np.int64), own, m, g
-                        )
-                        parts.append((np.full(nj.size, jk), nj))
-                    nu = np.concatenate([a for a, _ in parts]).astype(np.int64)
-                    ni = np.concatenate([b for _, b in parts]).astype(np.int64)
-                # Each device's negatives after its kept ratings (the device's example order).
-                ku, ki, kr = np.r_[ku, nu], np.r_[ki, ni], np.r_[kr, np.zeros(nu.size)]
-                order = np.argsort(ku, kind="stable")
-                ku, ki, kr = ku[order], ki[order], kr[order]
+            U, examples = self._train(rows, Vd, p, int(invite.example_cap), rng, device_draws)
             # The V-gradient rows, summed per (device, item) in example order (`item_gradient_sum`).
-            w = -2.0 * (kr - np.einsum("ij,ij->i", U[ku], Vd[ki]))
-            keys, inv = np.unique(ku * m + ki, return_inverse=True)
-            inv = inv.ravel()
-            vals = np.empty((keys.size, f))
-            g_rows = w[:, None] * U[ku]
-            for k in range(f):  # loop over the small rank only
-                vals[:, k] = np.bincount(inv, weights=g_rows[:, k], minlength=keys.size)
-            downer, ditem = keys // m, keys % m
-            bounds = np.searchsorted(downer, np.arange(rows.size + 1))
-            scaled_parts: list[NDArray[np.float64]] = []
-            idx_parts: list[NDArray[np.int64]] = []
-            words = np.zeros(0)
-            for j in range(rows.size):
-                a, b = int(bounds[j]), int(bounds[j + 1])
-                up = alive[rows[j]]
-                if device_draws is not None:  # every cohort device reads its m·f coin words (its quantize)
-                    stream = device_draws[self.device_ids[int(rows[j])]][1]
-                    words = stream.uniform(m * f)
-                if not up or a == b:
-                    continue
-                clipped, _ = clip_l2(vals[a:b], qcfg.clip_norm)
-                v = clipped * qcfg.scale
-                idx = (ditem[a:b, None] * f + cols).ravel()
-                if device_draws is not None:
-                    low = np.floor(v).ravel()
-                    q = low.astype(np.int64) + (words[idx] < v.ravel() - low).astype(np.int64)
-                    total += np.bincount(idx, weights=q.astype(np.float64), minlength=m * f)
-                else:
-                    scaled_parts.append(v.ravel())
-                    idx_parts.append(idx)
-            if scaled_parts:
-                q = stochastic_round(np.concatenate(scaled_parts), coins)
-                total += np.bincount(np.concatenate(idx_parts), weights=q.astype(np.float64), minlength=m * f)
-        return np.rint(total).astype(np.int64)
+            owner, item, vals = batched.mf_gradient_rows(*examples, U, Vd)
+            streams = None if device_draws is None else [device_draws[self.device_ids[int(r)]][1] for r in rows]
+            batched.add_rounded_rows(total, owner, item, vals, alive[rows], qcfg, coins, streams=streams)
+        return total
+
+    def _train(
+        self,
+        rows: NDArray[np.int64],
+        Vd: NDArray[np.float64],
+        p: MFParams,
+        cap: int,
+        rng: np.random.Generator,
+        device_draws: DeviceDraws | None,
+    ) -> tuple[NDArray[np.float64], tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64]]]:
+        """One batch of devices' `MFModel.local_update` up to the upload: their new user vectors (kept), and
+        their examples (owner, item, rating) in each device's order (kept ratings, then negatives at 0)."""
+        from device_sdk.mf import fit_users, initial_factors, trim_per_user
+
+        f, R = self.factors, self.max_norm2
+        lr, reg, neg = float(p.learning_rate), float(p.reg), int(p.negatives)
+        counts = self.indptr[rows + 1] - self.indptr[rows]
+        owner = np.repeat(np.arange(rows.size), counts)
+        first = np.cumsum(counts) - counts
+        take = np.arange(owner.size) - first[owner] + self.indptr[rows][owner]
+        items, r = self.items[take], self.targets[take]
+        U = self.user_factors[rows]
+        # Stage 1 for devices seen for the first time (with ratings): a fresh small u, then pre-training.
+        new = np.flatnonzero(~self.trained[rows] & (counts > 0))
+        if new.size:
+            if device_draws is None:
+                U[new] = initial_factors(new.size, f, R, self.init_scale, rng)
+            else:
+                for jn in new.tolist():
+                    U[jn] = initial_factors(1, f, R, self.init_scale, self._gen(device_draws, rows[jn]))[0]
+            is_new = np.zeros(rows.size, dtype=bool)
+            is_new[new] = True
+            sel = is_new[owner]
+            U = fit_users(U, Vd, owner[sel], items[sel], r[sel], lr, reg, R, int(p.pretrain_epochs))
+            self.trained[rows[new]] = True
+        U = fit_users(U, Vd, owner, items, r, lr, reg, R, int(p.local_epochs))
+        self.user_factors[rows] = U
+        # θ ratings per device (trimming keys are drawn for every rating, as the device draws them).
+        if device_draws is None:
+            keep = trim_per_user(owner, cap, rng)
+        else:
+            keep = np.concatenate(
+                [np.zeros(0, np.int64)]
+                + [
+                    trim_per_user(np.zeros(int(counts[j]), np.int64), cap, self._gen(device_draws, rows[j])) + first[j]
+                    for j in range(rows.size)
+                ]
+            )
+        ku, ki, kr = owner[keep], items[keep], r[keep]
+        if neg > 0 and ku.size:
+            nu, ni = self._negatives(rows, ku, owner, items, counts, first, neg, rng, device_draws)
+            # Each device's negatives after its kept ratings (the device's example order).
+            ku, ki, kr = np.r_[ku, nu], np.r_[ki, ni], np.r_[kr, np.zeros(nu.size)]
+            order = np.argsort(ku, kind="stable")
+            ku, ki, kr = ku[order], ki[order], kr[order]
+        return U, (ku, ki, kr)
+
+    def _negatives(
+        self,
+        rows: NDArray[np.int64],
+        ku: NDArray[np.int64],
+        owner: NDArray[np.int64],
+        items: NDArray[np.int64],
+        counts: NDArray[np.int64],
+        first: NDArray[np.int64],
+        neg: int,
+        rng: np.random.Generator,
+        device_draws: DeviceDraws | None,
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """``neg`` negatives per kept rating: (owner, item)."""
+        from device_sdk.mf import sample_negatives
+
+        m = self.n_items
+        if device_draws is None:
+            return sample_negatives(np.repeat(ku, neg), owner, items, m, rng)
+        parts = []  # a device with kept ratings draws its negatives after its trimming keys
+        kc = np.bincount(ku, minlength=rows.size)
+        for jk in np.flatnonzero(kc).tolist():
+            g = self._gen(device_draws, rows[jk])
+            own = items[first[jk] : first[jk] + counts[jk]]
+            _, nj = sample_negatives(np.zeros(int(kc[jk]) * neg, np.int64), np.zeros(own.size, np.int64), own, m, g)
+            parts.append((np.full(nj.size, jk), nj))
+        nu = np.concatenate([a for a, _ in parts]).astype(np.int64)
+        ni = np.concatenate([b for _, b in parts]).astype(np.int64)
+        return nu, ni
