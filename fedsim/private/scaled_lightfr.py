@@ -335,8 +335,8 @@ def run_private_scaled(
     on_round: Callable[[int, float], None] | None = None,
 ) -> ScaledResult:
     """Run the popularity release and T private LightFR rounds over every user of ``train``."""
+    from device_sdk.batched import refreshed_vectors
     from device_sdk.lightfr import dcd_full, dcd_update
-    from fedsim.federation.lightfr import refreshed_vectors
 
     start = time.perf_counter()
     s = settings
