@@ -25,7 +25,7 @@ against the final codes and levels and keeps it as 3 planes (what a device with
 ``scale`` (every amazon-book device, no crypto): `fedsim.private.scaled_lightfr.run_private_scaled` with ε = 0.  Each
 round's cohort is ⌈0.6·70,679⌉ = 42,408 devices; each device's upload is built, clipped to ``--clip-norm``
 as the device clips it (`protocol.families.lightfr.clip_parts`' rule) and rounded to ``scale_bits`` with
-stochastic rounding by `fedsim.private.simulator.LightFRCohort` (tests/test_fedsim_privsim.py
+stochastic rounding by `fedsim.private.cohorts.LightFRCohort` (tests/test_fedsim_privsim.py
 ``test_batched_all_items_devices_match_real_devices``: its sum equals real devices' `local_round` uploads up
 to the rounding coins, with planes 2 and 3 and a clip that bites; tests/test_fedsim_private_scale.py
 ``test_scaled_round_without_dp_releases_every_cohort_devices_clipped_quantized_upload``: an ε = 0 round of
