@@ -23,8 +23,7 @@ from device_sdk import batched
 from protocol.errors import ConfigError
 from protocol.families.lightfr import UploadLayout
 from protocol.messages import RoundInvite
-from protocol.plan import MFParams
-from protocol.quantization import QuantizationConfig
+from protocol.plan import LightFRParams, MFParams
 from protocol.samplers import NoiseStream
 
 __all__ = ["DeviceDraws", "LightFRCohort", "MFCohort"]
@@ -145,7 +144,7 @@ class MFCohort:
         if int(invite.vector_length) != m * f:
             raise ConfigError(f"the round expects {invite.vector_length} values, an MF upload has {m * f}")
         Vd = project_rows(np.asarray(V, dtype=np.float64).reshape(m, f), R)  # as the device's set_global
-        qcfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
+        qcfg = invite.quantization()
         alive = np.zeros(len(self.device_ids), dtype=bool)
         alive[[self._index[d] for d in survivors]] = True
         rows_all = np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
@@ -312,13 +311,14 @@ class LightFRCohort:
         biases the downloaded levels stand for and ``hamming_weight`` the downloaded B (`_full_sum`)."""
         from protocol.spec import Aggregation
 
-        if Aggregation(invite.aggregation) is not Aggregation.GRAD:
+        p = _lightfr_params(invite)
+        if p.aggregation is not Aggregation.GRAD:
             raise ConfigError("the scaled LightFR simulation runs Agg_grad uploads only")
-        if invite.unobserved_weight > 0:
+        if p.unobserved_weight > 0:
             if beta is None:
                 raise ConfigError("the all-items objective needs the item biases the devices download (beta=)")
             return self._full_sum(D, beta, invite, cohort, survivors, rng, coins, hamming_weight)
-        qcfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
+        qcfg = invite.quantization()
         alive, rows_all = self._alive(cohort, survivors)
         total = np.zeros(self.n_items * self.bits, dtype=np.int64)
         self._start_codes(rows_all, rng)
@@ -354,16 +354,17 @@ class LightFRCohort:
         their codes are kept and their sparse uploads returned (`device_sdk.batched.device_item_sums`)."""
         from device_sdk.lightfr import dcd_update, sample_negatives
 
-        m, epochs = self.n_items, int(invite.local_epochs)
+        p = _lightfr_params(invite)
+        m, epochs = self.n_items, int(p.local_epochs)
         indptr, items, targets, _ = batched.cap_examples(*self._rows(rows), int(invite.example_cap), rng)
         B = self.codes[rows]
         parts: list[tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64]]] = []
         for _ in range(epochs):
             eo, ei, er = indptr, items, targets
-            if invite.negatives:
-                neg_ptr, neg = sample_negatives(indptr, items, m, int(invite.negatives), rng)
+            if p.negatives:
+                neg_ptr, neg = sample_negatives(indptr, items, m, int(p.negatives), rng)
                 eo, ei, er = batched.merge_negatives(indptr, items, targets, neg_ptr, neg)
-            B, _ = dcd_update(eo, ei, er, B, D, float(invite.lam), max_sweeps=int(invite.max_sweeps))
+            B, _ = dcd_update(eo, ei, er, B, D, float(p.lam), max_sweeps=int(p.max_sweeps))
             parts.append(batched.entry_gradients(eo, ei, er, B, D))
         self.codes[rows] = B
         self.trained[rows] = True
@@ -381,7 +382,7 @@ class LightFRCohort:
         coins: NoiseStream,
         hamming_weight: int = 1,
     ) -> NDArray[np.int64]:
-        """`quantized_sum` under the all-items objective (``invite.unobserved_weight > 0``).
+        """`quantized_sum` under the all-items objective (``invite.params.unobserved_weight > 0``).
 
         Per device, as `device_sdk.models.LightFRModel` does: the θ cap, ``local_epochs`` of
         `device_sdk.lightfr.dcd_full` against the codes and biases, then the parts of
@@ -392,14 +393,15 @@ class LightFRCohort:
         form: ‖b bᵀ‖/f = 1, ‖b‖/f = 1/√f) and stochastically rounded.  Batched: the Python loops run over
         batches and bits, never over devices.
 
-        With ``invite.query_planes`` P >= 1 (asymmetric scoring, protocol 1.6) each device instead solves
-        its vector exactly against the codes (`device_sdk.lightfr.ridge_users`, ridge ``invite.user_reg``),
+        With ``invite.params.query_planes`` P >= 1 (asymmetric scoring, protocol 1.6) each device instead solves
+        its vector exactly against the codes (`device_sdk.lightfr.ridge_users`, ridge ``invite.params.user_reg``),
         snaps it to P bit-planes and an integer weight for B = ``hamming_weight`` (`quantize_planes`,
         `snap_scale`), keeps it in ``vectors`` and uploads the same parts with the vector u in place of b:
         rows (w_q s/f − w_l)·u − (w_q/f)·u∘u∘d_i, and u uᵀ/f, u/f, whose norms are ‖u‖²/f and ‖u‖/f.
         """
         m, f = self.n_items, self.bits
-        w0, alpha = float(invite.unobserved_weight), float(invite.confidence)
+        p = _lightfr_params(invite)
+        w0, alpha = float(p.unobserved_weight), float(p.confidence)
         Df = D.astype(np.float64)
         gram = (Df.T @ Df, Df.T @ beta)  # G_D and Dᵀβ, once per model version (as a device caches them)
         alive, rows_all = self._alive(cohort, survivors)
@@ -412,9 +414,9 @@ class LightFRCohort:
             indptr, items, targets, owner = batched.unique_examples(items, targets, owner, rows.size, m)
             Bf, s_e = self._train_full(rows, indptr, items, targets, D, beta, gram, invite, hamming_weight)
             self.trained[rows] = True
-            real = bool(invite.query_planes)
+            real = bool(p.query_planes)
             grad, bias = batched.full_entry_terms(items, owner, targets, Bf, Df, s_e, beta, w0, alpha, real=real)
-            factors = batched.full_clip_factors(owner, grad, bias, Bf, float(invite.clip_norm), invite.counts_share)
+            factors = batched.full_clip_factors(owner, grad, bias, Bf, float(invite.clip_norm), float(p.counts_share))
             scale = float(2**invite.scale_bits)
             batched.add_rounded_full_parts(parts, items, owner, grad, bias, Bf, factors, alive[rows], scale, coins)
         # The rounded parts in the layout's order (already per 1/f: not `UploadLayout.join`, which scales).
@@ -439,10 +441,11 @@ class LightFRCohort:
         (batch, f) float, s = bᵀd_i per kept entry)."""
         from device_sdk.lightfr import dcd_full, inner_products, quantize_planes, ridge_users, snap_scale
 
-        w0, alpha = float(invite.unobserved_weight), float(invite.confidence)
-        planes = int(invite.query_planes)
+        p = _lightfr_params(invite)
+        w0, alpha = float(p.unobserved_weight), float(p.confidence)
+        planes = int(p.query_planes)
         if planes:
-            U = ridge_users(indptr, items, targets, D, beta, w0, alpha, float(invite.user_reg), gram=gram)
+            U = ridge_users(indptr, items, targets, D, beta, w0, alpha, float(p.user_reg), gram=gram)
             odd, step = quantize_planes(U, planes)
             _, snapped = snap_scale(step, hamming_weight)
             Bf = snapped[:, None] * odd.astype(np.float64)
@@ -451,7 +454,14 @@ class LightFRCohort:
             owner = np.repeat(np.arange(rows.size), np.diff(indptr))
             return Bf, np.einsum("ef,ef->e", D[items].astype(np.float64), Bf[owner])
         B = self.codes[rows]
-        for _ in range(int(invite.local_epochs)):
-            B, _ = dcd_full(indptr, items, targets, B, D, beta, w0, alpha, max_sweeps=int(invite.max_sweeps), gram=gram)
+        for _ in range(int(p.local_epochs)):
+            B, _ = dcd_full(indptr, items, targets, B, D, beta, w0, alpha, max_sweeps=int(p.max_sweeps), gram=gram)
         self.codes[rows] = B
         return B.astype(np.float64), inner_products(indptr, items, B, D).astype(np.float64)
+
+
+def _lightfr_params(invite: RoundInvite) -> LightFRParams:
+    """The LightFR training parameters an invite of the scaled LightFR simulation carries."""
+    if not isinstance(invite.params, LightFRParams):
+        raise ConfigError(f"the scaled LightFR simulation needs a LightFR plan, got {invite.params!r}")
+    return invite.params

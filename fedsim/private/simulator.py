@@ -72,7 +72,6 @@ from protocol.noise import (
 from protocol.phases import prune_unmaskable, require_quorum
 from protocol.plan import TrainingPlan
 from protocol.quantization import (
-    QuantizationConfig,
     check_bit_budget,
     dequantize_sum,
     sensitivity,
@@ -198,7 +197,7 @@ class PrivateSimulator:
             raise ConfigError(
                 f"the strategy is for n_items={self.strategy.n_items}, model.n_items is {config.model.n_items}"
             )
-        self.quantization = QuantizationConfig(clip_norm=config.rounds.clip_norm, scale_bits=config.rounds.scale_bits)
+        self.quantization = config.rounds.quantization()
         self.vector_length = int(self.strategy.vector_length)
         self.l2, self.l1 = sensitivity(self.quantization, self.vector_length)
         self.ledger: PrivacyLedger | None = None
