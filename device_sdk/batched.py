@@ -1,6 +1,6 @@
 """The batched form of the per-device LightFR and MF kernels, for simulation: what many devices compute
-in one round, each on its own ratings, written once for a whole cohort (`fedsim.private.simulator`'s
-cohorts and `fedsim.federation.lightfr` call these; a real device runs the per-device path of
+in one round, each on its own ratings, written once for a whole cohort (the simulator's cohorts,
+`fedsim.private.cohorts`, and `fedsim.federation.lightfr` call these; a real device runs the per-device path of
 `device_sdk.models.LightFRModel.fit_local` / `device_sdk.mf.MFModel.local_update` and
 `device_sdk.training.local_round`).
 

@@ -328,9 +328,7 @@ class LightFRCohort:
             batched.add_rounded_rows(total, owner, item, vals, alive[rows], qcfg, coins)
         return total
 
-    def _alive(
-        self, cohort: Iterable[int], survivors: Iterable[int]
-    ) -> tuple[NDArray[np.bool_], NDArray[np.int64]]:
+    def _alive(self, cohort: Iterable[int], survivors: Iterable[int]) -> tuple[NDArray[np.bool_], NDArray[np.int64]]:
         """(whether each held device survives, the cohort's rows sorted)."""
         alive = np.zeros(len(self.device_ids), dtype=bool)
         alive[[self._index[d] for d in survivors]] = True
