@@ -139,8 +139,8 @@ def test_density_derived_w0_is_what_the_server_reads_off_the_counts() -> None:
 def test_rank_planes_set_the_planes_of_the_refreshed_vectors_only() -> None:
     """With rank_planes the final vectors (what a device ranks with) are the ridge solve against the final
     model quantized to that many planes; training (the uploads) is the query_planes run's, unchanged."""
+    from device_sdk.batched import snapped_vectors as _quantized
     from fedsim.data.datasets import synthetic
-    from fedsim.federation.lightfr import _quantized
     from protocol.families.lightfr import bias_from_levels
 
     data = synthetic(n_users=40, n_items=60, ratings_per_user=10, seed=4)
@@ -166,8 +166,8 @@ def test_symmetric_training_ranks_with_vectors_of_its_own_ridge() -> None:
     """rank_planes without query_planes: training (codes, levels, w0) is the symmetric run's, unchanged, and
     the vectors the devices rank with are the ridge solve (weight rank_ridge·w0·m) against the final model,
     as rank_planes planes; the scores are theirs, not the codes'."""
+    from device_sdk.batched import snapped_vectors as _quantized
     from fedsim.data.datasets import synthetic
-    from fedsim.federation.lightfr import _quantized
     from protocol.families.lightfr import bias_from_levels
 
     data = synthetic(n_users=40, n_items=60, ratings_per_user=10, seed=4)

@@ -342,7 +342,7 @@ def run_private_mf_scaled(
     on_round: Callable[[int, float], None] | None = None,
 ) -> ScaledMFResult:
     """Private MF over every user of ``train`` in one cohort, through the simulator's scale mode
-    (`fedsim.private.simulator.MFCohort`: the devices' sparse uploads summed directly, the released noise drawn in
+    (`fedsim.private.cohorts.MFCohort`: the devices' sparse uploads summed directly, the released noise drawn in
     one piece; exact in distribution, no dropouts), with the private popularity channel of
     `run_private_mf` (``pop_share`` of ε; without DP the same release without noise), then stage-3
     fine-tuning of every user vector against the final V (on the device; nothing uploaded).
@@ -351,8 +351,9 @@ def run_private_mf_scaled(
     the accountant's figure for the noise it draws, not a guarantee against whoever knows the seed.
     """
     from device_sdk.mf import fit_users
+    from fedsim.private.cohorts import MFCohort
     from fedsim.private.scaled_lightfr import _largest_scale_bits, _per_user, release_counts
-    from fedsim.private.simulator import MFCohort, PrivateSimulator
+    from fedsim.private.simulator import PrivateSimulator
     from protocol.families.mf import project_rows
     from protocol.quantization import QuantizationConfig
 

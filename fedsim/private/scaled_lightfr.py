@@ -43,7 +43,8 @@ from agg_server.config import ServerConfig, config_from_dict
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy
 from fedsim.data.datasets import Ratings
-from fedsim.private.simulator import LightFRCohort, PrivateSimulator, one_blas_thread
+from fedsim.private.cohorts import LightFRCohort
+from fedsim.private.simulator import PrivateSimulator, one_blas_thread
 from protocol.accounting import calibrate_mu, composed_rdp, epsilon_from_rdp
 from protocol.codes import pack_signs
 from protocol.families.lightfr import bias_from_levels
@@ -335,8 +336,8 @@ def run_private_scaled(
     on_round: Callable[[int, float], None] | None = None,
 ) -> ScaledResult:
     """Run the popularity release and T private LightFR rounds over every user of ``train``."""
+    from device_sdk.batched import refreshed_vectors
     from device_sdk.lightfr import dcd_full, dcd_update
-    from fedsim.federation.lightfr import refreshed_vectors
 
     start = time.perf_counter()
     s = settings
