@@ -29,19 +29,36 @@ from tests.test_model_w0_dp import _fetch as fetch_model
 COHORT = 5
 
 
-def _config(where: Path, *, dp: bool) -> ServerConfig:
-    cfg = small_config(where, cohort=COHORT, timeout=30.0, min_cohort=COHORT)
+def _config(where: Path, *, dp: bool, rounds: int) -> ServerConfig:
+    """A server that runs exactly the ``rounds`` rounds the test's fleets take part in: a fleet's devices check
+    in again the moment their round commits, so when the fleet stops the server's pool may still hold the whole
+    cohort, and without the cap it would open one more round from those check-ins (inviting the lone device that
+    checks in next, or training a version the test does not expect)."""
+    cfg = small_config(where, cohort=COHORT, timeout=30.0, min_cohort=COHORT, max_rounds=rounds)
     if dp:
         cfg = dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, enabled=True, epsilon=50.0))
     return cfg
 
 
-async def _round(url: str, store_root: Path) -> None:
-    """One committed round of the COHORT devices (the same stores each call: they train on what they hold)."""
-    fleet = FleetConfig(url=url, store_root=store_root, n_items=N_ITEMS, bits=BITS, rounds=1, seed=3, time_limit=120.0)
+async def _round(url: str, store_root: Path, *, before: int = 0) -> None:
+    """One committed round of the COHORT devices, round ``before + 1`` (the same stores each call: they train on
+    what they hold).  The fleet counts that round as its own even when it opened before the fleet's monitor first
+    read the server's status: the previous fleet's devices checked in again as their round committed, and those
+    check-ins alone may open the round (the same devices then join it); counted as a stranger's, the fleet would
+    run one round more."""
+    fleet = FleetConfig(
+        url=url,
+        store_root=store_root,
+        n_items=N_ITEMS,
+        bits=BITS,
+        rounds=1,
+        seed=3,
+        time_limit=120.0,
+        rounds_before=before,
+    )
     report, _ = await run_fleet(fleet, list(users(COHORT, seed=2).values()))
     assert report.rounds_finished == 1 and not report.errors
-    assert [r["status"] for r in report.server_rounds] == ["committed"]
+    assert [(r["round_id"], r["status"]) for r in report.server_rounds] == [(before + 1, "committed")]
 
 
 def _client(url: str, store: Path, items: np.ndarray, ratings: np.ndarray) -> DeviceClient:
@@ -58,12 +75,12 @@ def _ranking(model: LightFRModel, items: np.ndarray) -> list[int]:
 async def test_a_download_re_solves_the_ranking_vector_against_the_new_model(
     aiohttp_server: Any, tmp_path: Path
 ) -> None:
-    app = create_app(_config(tmp_path / "server", dp=False))
+    app = create_app(_config(tmp_path / "server", dp=False, rounds=2))
     server = await aiohttp_server(app)
     url = str(server.make_url("")).rstrip("/")
     devices = tmp_path / "devices"
     await _round(url, devices)  # round 1: every device trains against version 1 and ranks with its vector
-    await _round(url, devices)  # round 2 trains version 2; the server now serves version 3
+    await _round(url, devices, before=1)  # round 2 trains version 2; the server now serves version 3
     served = decode(app[COORDINATOR].model_bytes)
     assert isinstance(served, ModelPayload) and served.model_version == 3 and not served.dp_trained
     items, ratings = users(COHORT, seed=2)[0]
@@ -82,7 +99,7 @@ async def test_a_download_re_solves_the_ranking_vector_against_the_new_model(
 
     async with _client(url, store, items, ratings) as device:
         outcome = await device.run_round()
-        assert outcome.status is RoundStatus.WAITED  # not invited (no cohort): a download only
+        assert outcome.status is RoundStatus.WAITED  # not invited (the server runs no third round): a download only
         model = device.model
         assert isinstance(model, LightFRModel) and model.model_version == 3
         assert model.config.unobserved_weight == served.unobserved_weight
@@ -116,7 +133,7 @@ async def test_a_failed_save_keeps_the_old_model_with_its_old_vector(
 ) -> None:
     """The vector is stored in the model's own file: a save that fails part-way (disk full) leaves version 1
     with the vector solved against version 1, never version 1's codes with a vector of version 2."""
-    app = create_app(_config(tmp_path / "server", dp=False))
+    app = create_app(_config(tmp_path / "server", dp=False, rounds=1))
     server = await aiohttp_server(app)
     url = str(server.make_url("")).rstrip("/")
     devices = tmp_path / "devices"
@@ -156,7 +173,7 @@ async def test_a_failed_save_keeps_the_old_model_with_its_old_vector(
 async def test_a_dp_trained_download_leaves_no_vector(aiohttp_server: Any, tmp_path: Path) -> None:
     """A device holding a vector solved against version 1 adopts a DP-trained version 2: no vector is
     solved (it ranks with its ±1 code), in memory and in its store."""
-    app = create_app(_config(tmp_path / "server", dp=True))
+    app = create_app(_config(tmp_path / "server", dp=True, rounds=1))
     server = await aiohttp_server(app)
     url = str(server.make_url("")).rstrip("/")
     items, ratings = users(COHORT + 1, seed=9)[COHORT]
