@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 
 __all__ = [
     "TieMode",

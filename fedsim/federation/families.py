@@ -26,8 +26,9 @@ from typing import TextIO
 
 import numpy as np
 
-from fedsim.data.datasets import Ratings, load_dataset
+from fedsim.data.datasets import load_dataset
 from fedsim.data.planted import planted_binary, planted_nonnegative
+from fedsim.data.ratings import Ratings
 from fedsim.data.splits import leave_one_out
 from fedsim.evaluation.experiment import baselines, prepare
 from fedsim.evaluation.ranking import TieMode

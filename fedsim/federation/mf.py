@@ -31,7 +31,7 @@ from agg_server.strategy.base import round_plan
 from agg_server.strategy.mf import MFStrategy
 from device_sdk.family import LocalRatings
 from device_sdk.mf import MFConfig, MFModel, example_rmse, initial_factors, project_rows, sample_negatives
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 from fedsim.evaluation.experiment import Candidates
 from fedsim.evaluation.ranking import EvalResult, TieMode, evaluate_candidates
 from protocol.accounting import compute_epsilon

@@ -31,7 +31,7 @@ from agg_server.config import ServerConfig, config_from_dict
 from agg_server.storage import Storage
 from device_sdk.family import LocalRatings
 from device_sdk.mf import MFConfig, MFModel
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 from fedsim.evaluation.experiment import Candidates
 from fedsim.federation.mf import MFEvaluation, evaluate_mf, mf_epsilons
 from fedsim.fleets.faults import DropoutAt
@@ -413,7 +413,7 @@ def evaluate_private_mf_scaled(
     test_users: int | None = None,
     on_round: Callable[[int, float], None] | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
-    """Private MF on a published split (`fedsim.data.datasets.TrainTestSplit`) by full ranking, as
+    """Private MF on a published split (`fedsim.data.kgat.TrainTestSplit`) by full ranking, as
     `fedsim.private.scaled_lightfr.evaluate_private` evaluates LightFR: trained (`run_private_mf_scaled`) on train
     minus one carved validation item per user, scored u·v + α·level (the private counts on a log scale
     over [0, R]) with α chosen on that item from a grid holding the level alone (α = inf), then the test
