@@ -1,3 +1,6 @@
+# One module over 800 lines on purpose: the sampled and the all-items protocols share TieMode, the CSR
+# membership helpers and the Scorer type, and the CLI imports both from here (the all-items section, under
+# its own banner and invariants below, is the seam to split along if it grows).
 # Invariants of this module:
 # - Higher score = better.  Ranks are 0-based: rank r means r candidates are placed above the positive.
 # - A positive's rank = (#candidates scoring strictly higher) + tie offset, where the tie offset is 0
