@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from fedsim.data.ratings import FloatArray, IntArray, Ratings
 
@@ -95,7 +97,7 @@ def synthetic(
 
 
 def _cluster_log_weights(
-    item_cluster: IntArray, popularity: FloatArray, n_clusters: int, in_cluster_share: float
+    item_cluster: IntArray, popularity: npt.NDArray[np.floating[Any]], n_clusters: int, in_cluster_share: float
 ) -> FloatArray:
     """Per-cluster log sampling weights over items, shape (clusters, items), normalised so that a
     cluster's own items carry `in_cluster_share` of the mass."""
