@@ -30,9 +30,9 @@ from unittest import mock  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from device_sdk import topk  # noqa: E402
 from device_sdk.codes import pack_signs  # noqa: E402
-from device_sdk.topk import HammingIndex  # noqa: E402
+from device_sdk.topk import HammingIndex, scan, select, substring  # noqa: E402
+from device_sdk.topk import index as topk_index  # noqa: E402
 from fedsim.data.datasets import load_amazon_book  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,7 +61,7 @@ def main() -> None:
     lv = state.item_levels
     span = None if lv is None else (int(lv.min()), int(lv.max()))
     print(f"{m} items, f = 64, levels {span}, B = {state.hamming_weight}")
-    real = topk._SubstringTables.expand
+    real = substring._SubstringTables.expand
     read: list[int] = []  # entries each gather of a search read
 
     def counted(self: Any, *a: Any) -> Any:
@@ -70,22 +70,27 @@ def main() -> None:
 
     for name, levels in (("no item term", None), ("item term", lv)):
         for excluded, k in ((False, 10), (True, 20)):
-            with mock.patch.object(topk, "_MIH_MIN", 1), mock.patch.object(topk, "_MIH_GROUP_MIN", args.group_min):
+            with (
+                mock.patch.object(topk_index, "_MIH_MIN", 1),
+                mock.patch.object(substring, "_MIH_MIN", 1),
+                mock.patch.object(substring, "_MIH_GROUP_MIN", args.group_min),
+            ):
                 index = HammingIndex(words, 64, levels, state.hamming_weight)
                 fraction, gave_up, t_sub, t_scan = [], 0, [], []
                 for u in sample:
                     excl = rated[indptr[u] : indptr[u + 1]] if excluded else None
                     kk = min(k + (0 if excl is None else excl.size), m)
                     read.clear()
-                    with mock.patch.object(topk._SubstringTables, "expand", counted):
-                        gave_up += index._substring_one(users[u], kk) is None
+                    with mock.patch.object(substring._SubstringTables, "expand", counted):
+                        gave_up += substring._substring_one(index, users[u], kk) is None
                     fraction.append(sum(read) / m)
                     ex = None if excl is None else [excl]
                     t0 = time.thread_time()
                     _, got = index.search(users[u], k, rng, exclude=ex)
                     t1 = time.thread_time()
-                    ids, cost = index._scan_one(users[u], kk, topk._SEGMENT)
-                    _, want = index._select_one(ids, cost, k, None if excl is None else np.unique(excl), rng)
+                    ids, cost = scan._scan_one(index, users[u], kk, scan._SEGMENT)
+                    keys = None if excl is None else np.unique(excl)
+                    _, want = select._select_one(ids, cost, k, keys, rng, index._score_table, index._score_of_cost)
                     t2 = time.thread_time()
                     if not np.array_equal(got, want):
                         raise SystemExit("substring search and linear scan disagree on the scores")

@@ -8,6 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from device_sdk.topk import HammingIndex, hamming_distances, topk_hamming
+from device_sdk.topk import planes as topk_planes
+from device_sdk.topk import scan as topk_scan
+from device_sdk.topk import substring as topk_substring
 from protocol.codes import pack_signs, pack_user, random_signs
 from tests.lightfr_reference import hamming_distances_reference
 
@@ -322,14 +325,14 @@ def test_grouped_compare_finds_exactly_the_values_at_or_below_the_threshold(
             v[rng.integers(0, n, 40)] = t  # values at the threshold ...
             v[rng.integers(0, n, 40)] = min(t + 1, top)  # ... and just above it
             v[-1] = rng.integers(0, top + 1)
-            got = index._hits(v, t, mask, wtmp, wflag)
+            got = topk_scan._hits(v, t, mask, wtmp, wflag)
             assert np.array_equal(np.sort(got), np.flatnonzero(v <= t)), (n, t)
             # Sparse hits, the usual case: most words hold none.
             v = np.full(n, top, vdt)
             at = rng.choice(n, 5, replace=False)
             v[at] = rng.integers(0, t + 1, 5)
             assert np.array_equal(
-                np.sort(index._hits(v, t, mask, wtmp, wflag)), np.sort(at) if t < top else np.arange(n)
+                np.sort(topk_scan._hits(v, t, mask, wtmp, wflag)), np.sort(at) if t < top else np.arange(n)
             )
 
 
@@ -371,9 +374,6 @@ def test_single_user_segments_on_small_catalogues(
     from 8 values), so that small catalogues take every path: the low head rank and its fallback,
     several segments, the word compare and its tails, the early stop on the item term, values above
     127 (``far``: a user opposite to the items, f = 200); codes in a few clusters (many ties) or not."""
-    from unittest import mock
-
-    from device_sdk import topk
 
     rng = np.random.default_rng(seed)
     if clustered:
@@ -386,12 +386,7 @@ def test_single_user_segments_on_small_catalogues(
     levels = None if n_levels == 0 else rng.integers(0, n_levels, m).astype(np.uint8)
     ref = _reference_scores(u[None, :], D, levels, weight)[0]
     excl = rng.choice(m, min(n_excl, m), replace=False)
-    with (
-        mock.patch.object(topk, "_FIRST_BLOCK", 16),
-        mock.patch.object(topk, "_CHUNK", 32),
-        mock.patch.object(topk, "_GROUPED_COMPARE_MIN", 8),
-        mock.patch.object(topk, "_GROUPS", 4),
-    ):
+    with _patch_topk(_FIRST_BLOCK=16, _CHUNK=32, _GROUPED_COMPARE_MIN=8, _GROUPS=4):
         index = HammingIndex(pack_signs(D), f, levels, weight)
         ids, scores = index.search(pack_user(u), k, None, exclude=[excl], block_pairs=block)
         want = _reference_ranking(ref, k, excl)
@@ -406,9 +401,6 @@ def test_single_user_later_segment_whose_item_term_equals_the_threshold() -> Non
     distance 0 costs B·t + r with a smaller remainder r than the head's best, and is the top item.
     f = 8, B = 4, L = 15; head (16 items): level 13 (q 0, r 2) at distance 1, cost 6; later: level 11
     (q 1, r 0) at distance 0, cost 4."""
-    from unittest import mock
-
-    from device_sdk import topk
 
     f, B = 8, 4
     u = np.ones(f, np.int8)
@@ -417,7 +409,7 @@ def test_single_user_later_segment_whose_item_term_equals_the_threshold() -> Non
     D = np.array([far] + [near] * 15 + [far] * 15 + [u])
     levels = np.array([15] + [13] * 15 + [11] * 16, np.uint8)
     ref = _reference_scores(u[None, :], D, levels, B)[0]
-    with mock.patch.object(topk, "_FIRST_BLOCK", 16):
+    with _patch_topk(_FIRST_BLOCK=16):
         index = HammingIndex(pack_signs(D), f, levels, B)
         for block in (16, 17, 1 << 20):
             ids, scores = index.search(pack_user(u), 1, None, block_pairs=block)
@@ -429,13 +421,10 @@ def test_single_user_threshold_of_the_rest_is_the_kth_of_the_first_segment() -> 
     of its candidates, not a smaller one: here the first segment (1024 items of random codes) holds
     the whole top k and the 8 items after it are far, so a threshold at the (kk − 1)-th would return
     fewer than k items."""
-    from unittest import mock
-
-    from device_sdk import topk
 
     rng = np.random.default_rng(7)
     f, m = 64, 1024 + 8
-    with mock.patch.object(topk, "_FIRST_BLOCK", 16):
+    with _patch_topk(_FIRST_BLOCK=16):
         for _ in range(20):
             u = random_signs(1, f, rng)[0]
             D = random_signs(m, f, rng)
@@ -734,14 +723,23 @@ def test_plane_search_with_the_byte_bound_is_the_reference_ranking() -> None:
 
 def _substring_sizes(**sizes: float) -> Any:
     """The substring (multi-index) search's sizes patched down, so that small catalogues take it."""
+    return _patch_topk(**{"_MIH_MIN": 1, "_PLANE_MIH_MIN": 1, "_MIH_GROUP_MIN": 16, **sizes})
+
+
+def _patch_topk(**values: Any) -> Any:
+    """The top-k package's module constants patched to ``values`` (a context manager), in each of its
+    modules that holds the name: a constant shared by several modules is imported into each."""
     from contextlib import ExitStack
     from unittest import mock
 
-    from device_sdk import topk
+    from device_sdk.topk import index, select
 
     stack = ExitStack()
-    for name, value in {"_MIH_MIN": 1, "_PLANE_MIH_MIN": 1, "_MIH_GROUP_MIN": 16, **sizes}.items():
-        stack.enter_context(mock.patch.object(topk, name, value))
+    for name, value in values.items():
+        held = [mod for mod in (index, topk_scan, topk_substring, topk_planes, select) if hasattr(mod, name)]
+        assert held, f"no topk module holds {name}"
+        for mod in held:
+            stack.enter_context(mock.patch.object(mod, name, value))
     return stack
 
 
@@ -803,7 +801,7 @@ def test_substring_search_is_the_reference_ranking(
         _MIH_GROUP_MIN=group_min,
     ):
         index = HammingIndex(pack_signs(D), 64, levels, weight)
-        found = index._substring_one(pack_user(u), min(k + excl.size, m))
+        found = topk_substring._substring_one(index, pack_user(u), min(k + excl.size, m))
         if found is not None:
             ids, cost = found
             assert np.unique(ids).size == ids.size  # an item found in several substrings counts once
@@ -822,17 +820,15 @@ def _count_rounds(index: HammingIndex, user: np.ndarray, kk: int) -> tuple[Any, 
     """The substring search's answer and how many times it gathered finds (round 1 is one)."""
     from unittest import mock
 
-    from device_sdk import topk
-
-    real = topk._SubstringTables.expand
+    real = topk_substring._SubstringTables.expand
     calls = []
 
     def counted(self: Any, *args: Any) -> Any:
         calls.append(args[3])
         return real(self, *args)
 
-    with mock.patch.object(topk._SubstringTables, "expand", counted):
-        out = index._substring_one(user, kk)
+    with mock.patch.object(topk_substring._SubstringTables, "expand", counted):
+        out = topk_substring._substring_one(index, user, kk)
     return out, len(calls)
 
 
@@ -888,7 +884,7 @@ def test_substring_search_falls_back_to_the_scan_on_dense_buckets() -> None:
         index = HammingIndex(pack_signs(D), 64, levels, 2)
         for u in (D[0], D[1], -D[2]):
             ref = _reference_scores(u[None, :], D, levels, 2)[0]
-            ids, cost = index._substring_one(pack_user(u), 10)
+            ids, cost = topk_substring._substring_one(index, pack_user(u), 10)
             assert np.sort(ref[ids])[::-1][9] == np.sort(ref)[::-1][9]
 
 
@@ -926,7 +922,7 @@ def test_substring_search_at_the_pigeonhole_bound_and_substring_edges(lv: int | 
         for radius, margin in ((0, 0.01), (2, 0.5), (1, 3.0)):
             with _substring_sizes(_MIH_FIRST_RADIUS=radius, _MIH_MARGIN=margin, _MIH_ROUNDS=80, _MIH_FALLBACK=8.0):
                 index = HammingIndex(pack_signs(D), 64, levels, 4)
-                assert index._substring_one(pack_user(u), k) is not None
+                assert topk_substring._substring_one(index, pack_user(u), k) is not None
                 ids, scores = index.search(pack_user(u), k, None)
                 assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
     assert all(hamming_distances_reference(u, D[i : i + 1])[0] == d for i, d in near.items())
@@ -948,7 +944,7 @@ def test_substring_search_breaks_ties_uniformly_at_random() -> None:
     for lv, k, pool in ((None, 3, tied), (levels, 6, tied[:12])):
         with _substring_sizes():
             index = HammingIndex(pack_signs(D), 64, lv, 4)
-            assert index._substring_one(pack_user(u), k) is not None
+            assert topk_substring._substring_one(index, pack_user(u), k) is not None
             counts = np.zeros(m)
             draw = np.random.default_rng(11)
             for _ in range(3000):
@@ -976,13 +972,13 @@ def test_substring_search_scans_a_dense_level_group_and_probes_the_rest() -> Non
         want = _reference_ranking(ref, 10, None)
         with _substring_sizes(_MIH_GROUP_MIN=64, _MIH_FALLBACK=0.7):
             index = HammingIndex(pack_signs(D), 64, levels, 2)
-            assert index._substring_one(pack_user(u), 10) is not None
+            assert topk_substring._substring_one(index, pack_user(u), 10) is not None
             ids, scores = index.search(pack_user(u), 10, None)
             assert np.array_equal(ids[0], want) and np.array_equal(scores[0], ref[want])
     D = np.concatenate((_clustered_codes(rng, 3000, 1, 0.01), random_signs(3000, 64, rng)))
     levels = np.concatenate((np.full(3000, 3), np.zeros(3000))).astype(np.uint8)
     with _substring_sizes(_MIH_GROUP_MIN=64):
-        assert HammingIndex(pack_signs(D), 64, levels, 2)._substring_one(pack_user(D[0]), 10) is None
+        assert topk_substring._substring_one(HammingIndex(pack_signs(D), 64, levels, 2), pack_user(D[0]), 10) is None
 
 
 @settings(max_examples=40, deadline=None)
@@ -1039,7 +1035,7 @@ def test_substring_search_leaves_a_strong_item_term_to_the_scan() -> None:
             with _substring_sizes(_MIH_MIN=minimum, _MIH_GROUP_MIN=300, _MIH_ROUNDS=80, _MIH_FALLBACK=8.0):
                 index = HammingIndex(pack_signs(D), 64, levels, weight)
                 for k in (1, 3, 6, 10):
-                    found = index._substring_one(pack_user(u), k)
+                    found = topk_substring._substring_one(index, pack_user(u), k)
                     if answers:
                         assert found is not None
                     elif weight == 4 and k <= 3:
@@ -1118,7 +1114,7 @@ def test_substring_plane_search_is_the_reference_ranking(
         _PLANE_MIH_MARGIN=margin, _MIH_ROUNDS=rounds, _MIH_FALLBACK=fallback, _MIH_GROUP_MIN=group_min
     ):
         index = HammingIndex(pack_signs(D), 64, levels, weight)
-        found = index._substring_planes(planes, a, s, kk)
+        found = topk_planes._substring_planes(index, planes, a, s, kk)
         if found is not None:
             ids, cost = found
             assert np.unique(ids).size == ids.size
@@ -1158,7 +1154,7 @@ def test_substring_plane_search_at_the_pigeonhole_edge() -> None:
             for k in (5, 40, 41):
                 with _substring_sizes(_PLANE_MIH_MARGIN=1e-6, _MIH_ROUNDS=400, _MIH_FALLBACK=8.0, _PLANE_MIH_STEP=0.0):
                     index = HammingIndex(pack_signs(D), 64)
-                    found = index._substring_planes(planes, 7, 8, k)
+                    found = topk_planes._substring_planes(index, planes, 7, 8, k)
                     assert found is not None
                     kth = np.sort(ref)[::-1][k - 1]
                     assert set(np.flatnonzero(ref >= kth)) <= set(found[0].tolist())
@@ -1183,7 +1179,7 @@ def test_substring_plane_search_breaks_ties_uniformly_at_random() -> None:
     k = 3
     with _substring_sizes():
         index = HammingIndex(pack_signs(D), 64)
-        assert index._substring_planes(planes, 2, 8, k) is not None
+        assert topk_planes._substring_planes(index, planes, 2, 8, k) is not None
         counts = np.zeros(m)
         draw = np.random.default_rng(11)
         for _ in range(3000):
@@ -1209,7 +1205,7 @@ def test_substring_plane_search_falls_back_on_dense_buckets() -> None:
     ref = _plane_reference(D, q, 3, None)
     with _substring_sizes(_MIH_GROUP_MIN=64):
         index = HammingIndex(pack_signs(D), 64)
-        assert index._substring_planes(planes, 3, 8, 10) is None
+        assert topk_planes._substring_planes(index, planes, 3, 8, 10) is None
         ids, scores = index.search_planes(planes, 3, 10, None)
         want = _reference_ranking(ref, 10, None)
         assert np.array_equal(ids, want) and np.array_equal(scores, ref[want])
@@ -1223,14 +1219,14 @@ def test_substring_plane_search_falls_back_on_dense_buckets() -> None:
         from unittest import mock
 
         index = HammingIndex(pack_signs(D), 64, levels)
-        real, scans = HammingIndex._scan_group, []
+        real, scans = topk_substring._scan_group, []
 
-        def counted(self: Any, tb: Any, g: int, *args: Any) -> Any:
+        def counted(tb: Any, g: int, *args: Any) -> Any:
             scans.append(tb.spans[g])
-            return real(self, tb, g, *args)
+            return real(tb, g, *args)
 
-        with mock.patch.object(HammingIndex, "_scan_group", counted):
-            found = index._substring_planes(planes, 3, 0, 10)
+        with mock.patch.object(topk_substring, "_scan_group", counted):
+            found = topk_planes._substring_planes(index, planes, 3, 0, 10)
         assert found is not None and scans == [(0, m - 2 * m // 3)]  # the scan order puts the top level first
         assert set(np.flatnonzero(ref >= np.sort(ref)[::-1][9])) <= set(found[0].tolist())
         ids, scores = index.search_planes(planes, 3, 10, None, level_shift=0)
@@ -1274,12 +1270,12 @@ def test_substring_index_off_keeps_the_scan_and_no_tables() -> None:
 def test_topk_hamming_builds_no_substring_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-shot `topk_hamming` builds an index for one search: building the substring tables there
     would cost ~100x the scan they save (0.13 s against ~1 ms at 10^6 items), so it never does."""
-    from device_sdk import topk
+    from device_sdk.topk import index as topk_index
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("topk_hamming built substring tables")
 
-    monkeypatch.setattr(topk, "_SubstringTables", refuse)
+    monkeypatch.setattr(topk_index, "_SubstringTables", refuse)
     rng = np.random.default_rng(12)
     D = random_signs(2000, 64, rng)
     u = random_signs(1, 64, rng)[0]
@@ -1346,7 +1342,7 @@ def test_substring_plane_search_finds_the_farthest_items() -> None:
         with _substring_sizes(_MIH_ROUNDS=400, _MIH_FALLBACK=8.0):
             index = HammingIndex(pack_signs(D), 64)
             for k in (m, m - 3):
-                found = index._substring_planes(planes, 3, 8, k)
+                found = topk_planes._substring_planes(index, planes, 3, 8, k)
                 assert found is not None
                 kth = np.sort(ref)[::-1][k - 1]
                 assert set(np.flatnonzero(ref >= kth)) <= set(found[0].tolist())
@@ -1361,7 +1357,7 @@ def test_substring_searches_scan_a_group_that_falls_back_in_a_later_round() -> N
     Both substring searches (Hamming and planes) must then still return the reference ranking."""
     from unittest import mock
 
-    from device_sdk import lightfr, topk
+    from device_sdk import lightfr
 
     rng = np.random.default_rng(21)
     m = 3000
@@ -1373,13 +1369,13 @@ def test_substring_searches_scan_a_group_that_falls_back_in_a_later_round() -> N
     levels = np.repeat(np.array([2, 1, 0], np.uint8), 1000)
     q = (u * (2 * rng.integers(0, 4, 64) + 1)).astype(np.int16)  # the user's best code is u
     planes = pack_signs(lightfr.sign_planes(q[None, :], 3)[:, 0, :]).T.copy()
-    real_scan, real_gather = HammingIndex._scan_group, topk._SubstringTables.gather
+    real_scan, real_gather = topk_substring._scan_group, topk_substring._SubstringTables.gather
     turns: list[int] = []  # per group scanned, how many gathers came before it
     calls: list[int] = []
 
-    def counted(self: Any, *args: Any) -> Any:
+    def counted(*args: Any) -> Any:
         turns.append(len(calls))
-        return real_scan(self, *args)
+        return real_scan(*args)
 
     def gathered(self: Any, *args: Any) -> Any:
         calls.append(1)
@@ -1389,8 +1385,8 @@ def test_substring_searches_scan_a_group_that_falls_back_in_a_later_round() -> N
         _substring_sizes(
             _MIH_MARGIN=0.01, _PLANE_MIH_MARGIN=1e-6, _MIH_ROUNDS=400, _MIH_FALLBACK=0.15, _MIH_GROUP_MIN=64
         ),
-        mock.patch.object(HammingIndex, "_scan_group", counted),
-        mock.patch.object(topk._SubstringTables, "gather", gathered),
+        mock.patch.object(topk_substring, "_scan_group", counted),
+        mock.patch.object(topk_substring._SubstringTables, "gather", gathered),
     ):
         index = HammingIndex(pack_signs(D), 64, levels, 1)
         for k in (5, 30):
