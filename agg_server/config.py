@@ -14,7 +14,8 @@ Invariants of this module:
 
 Why one module of ~850 lines: one table, one dataclass, each with its checks and the docstring an
 operator reads; the families' training parameters are not here but in `protocol.plan` (the [mf], [felb]
-and [fnmf] sections subclass them).
+and [fnmf] sections subclass them; the [lightfr] section holds them beside the server's own,
+`agg_server.strategy.lightfr.LightFRServerParams`).
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from agg_server.strategy.lightfr import LightFRServerParams
 from protocol.errors import ConfigError
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
 from protocol.graph import find_parameters, validate_parameters
-from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams, check_float, check_int
+from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams, check_float, check_int, params_type
 from protocol.quantization import DEFAULT_SCALE_BITS, MAX_SCALE_BITS, QuantizationConfig
 from protocol.spec import (
     MAX_ITEMS,
@@ -47,6 +50,7 @@ __all__ = [
     "MIN_COHORT",
     "ListenConfig",
     "ModelSection",
+    "LightFRSection",
     "RoundSection",
     "PrivacySection",
     "LogSection",
@@ -80,12 +84,6 @@ _MAX_LOCAL_STEPS = MAX_LOCAL_STEPS
 
 # -- field checks -------------------------------------------------------------------------------------
 # Each returns the normalised value or raises ConfigError("<key>: must be <what>, got <value>").
-
-
-def default_flip_fraction(all_items: bool, mean_field: bool) -> float:
-    """The Agg_grad damping ρ used when none is configured: 1 for the all-items objective with the
-    mean-field step (its validation winner), 0.3 otherwise (the Jacobi step oscillates at 1)."""
-    return 1.0 if all_items and mean_field else 0.3
 
 
 def _fail(key: str, what: str, value: object) -> ConfigError:
@@ -221,9 +219,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-_LIGHTFR = LightFRParams()
-#: The keys of [model] that every model family reads; the others are LightFR's.
-_MODEL_KEYS_OF_EVERY_KIND = ("kind", "n_items")
+#: The keys of [model]: the model family and the catalogue size.  LightFR's settings have their own table,
+#: [lightfr]; older files give them in [model], which is still read (`config_from_dict`).
+_MODEL_KEYS = ("kind", "n_items")
 
 
 def _is_default(value: object, default: object) -> bool:
@@ -240,165 +238,120 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSection:
-    """The global model and each device's local training plan (TOML table ``[model]``).
+    """The global model (TOML table ``[model]``).
 
     Attributes
     ----------
     kind : str
         Model family, a `protocol.spec.ModelKind` value: "lightfr" (default), "mf", "felb" or
-        "fnmf"; the other families take their hyper-parameters from the table of that name and read only
-        ``kind`` and ``n_items`` here: with them, every other key of this table (LightFR's) must be left out
-        or at its default, or it is refused, naming the key and the kind.
+        "fnmf"; each takes its hyper-parameters from the table of that name (``[lightfr]``, ``[mf]``, ...).
+        LightFR's keys may also be given here, as older files do (`config_from_dict` moves them to
+        ``[lightfr]``; a key given in both is refused).
     n_items : int
         Catalogue size m (required), 1 <= m <= 2**26.
-    bits : int
-        Code length f in [1, 4096]; ``n_items * bits`` must not exceed 2**28.
-    lam : float
-        LightFR balance weight λ >= 0 for the local DCD.
-    negatives : int
-        Sampled unobserved items per rating (>= 0), fitted as 0.
-    local_epochs, max_sweeps : int
-        Local epochs E and the DCD sweep cap, each in [1, 1000].
-    aggregation : str
-        "grad" (Agg_grad, the default) or "para" (Agg_para), a `protocol.spec.Aggregation` value.
-    flip_fraction : float
-        Damping ρ in (0, 1] of Agg_grad: the probability a bit that wants to flip does.  Unset, it is
-        1 under the all-items objective with the mean-field step (the default) and 0.3 otherwise
-        (`default_flip_fraction`; both chosen on validation, docs/results/2026-11-quality.md).
-    unobserved_weight : float or "auto"
-        LightFR w0 in [0, 1 + confidence]: > 0 trains against every unobserved item (the all-items
-        objective) and learns item levels; 0 uses ``negatives`` sampled ones.  "auto" (the default)
-        is the all-items objective with w0 derived each round from the catalogue's density,
-        w0 = unobserved_scale · density^(2/3), density = the round's summed counts / (survivors · m)
-        (`protocol.families.lightfr.density_weight`; chosen on validation across three datasets).
-    unobserved_scale : float
-        κ > 0 of that rule (default 0.6); used only with ``unobserved_weight = "auto"``.
-    confidence : float
-        LightFR α >= 0: observed items weigh 1 + α under the all-items objective.
-    hamming_weight : int
-        B in [1, 255] of the devices' integer score (f − Hamming)·B + item level.
-    counts_share : float
-        LightFR all-items objective, s in [0, 1): the share of the clip norm the devices give the
-        per-item counts of their upload (the private popularity channel); 0 clips the upload as one.
-    popularity_span : float
-        LightFR all-items objective, >= 0: > 0 sets the item levels from the released counts on a log
-        scale spanning this bias range, instead of learning them (meant for DP rounds); 0 = learned.
-    mean_field : bool
-        LightFR all-items objective: the server's code step lets each bit's gradient follow the item's
-        bits already changed in the step, with the raters' Gram taken as (counts_i / survivors)·G_U
-        (`agg_server.strategy.lightfr.agg_full`); false = every bit from the old codes (Jacobi).
-        Default true (validation, without DP: FilmTrust, ML-100K and amazon-book all gained).
-    query_planes : int
-        LightFR all-items objective, P in [0, 8] (protocol 1.6, sent in every round's plan): P >= 1 asks
-        the devices for asymmetric scoring, a real user vector solved against the item codes and kept
-        as P ±1 bit-planes (docs/results/2026-11-quality.md); 0 (default) ±1 user codes.
-        Devices older than protocol 1.6 ignore it and train ±1 codes (docs/protocol.md §2.3).
-    user_reg : float
-        The ridge weight of the devices' user solve under ``query_planes``, in [1e-6, 1e6] (default 1).
-    code_sweeps : int
-        LightFR all-items objective, in [1, 100]: passes of the server's code step over each round's sum
-        (`agg_server.strategy.lightfr.agg_full` ``sweeps``; server-only, nothing changes on the wire).
-        1 (default) = one pass; amazon-book's asymmetric recipe validated 10 (docs/results/2026-11-quality.md).
     """
 
     kind: str = ModelKind.LIGHTFR.value
     n_items: int
-    bits: int = 64
-    # LightFR's training parameters: defaults and bounds are `protocol.plan.LightFRParams`'.
-    lam: float = _LIGHTFR.lam
-    negatives: int = _LIGHTFR.negatives
-    local_epochs: int = _LIGHTFR.local_epochs
-    max_sweeps: int = _LIGHTFR.max_sweeps
-    aggregation: str = _LIGHTFR.aggregation.value
-    flip_fraction: float | None = None
-    unobserved_weight: float | str = "auto"
-    confidence: float = _LIGHTFR.confidence
-    hamming_weight: int = 2
-    unobserved_scale: float = DENSITY_SCALE
-    counts_share: float = _LIGHTFR.counts_share
-    popularity_span: float = 0.0
-    mean_field: bool = True
-    query_planes: int = _LIGHTFR.query_planes
-    user_reg: float = _LIGHTFR.user_reg
-    code_sweeps: int = 1
 
     def __post_init__(self) -> None:
         # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
         _set(self, "kind", _choice("model.kind", self.kind, tuple(k.value for k in ModelKind)))
         _int("model.n_items", self.n_items, lo=1, hi=_MAX_ITEMS)
-        if self.kind != ModelKind.LIGHTFR.value:
-            # Every other key of [model] is LightFR's: another family reads only kind, n_items and its own
-            # table.  A value other than the default would do nothing, so it is refused; an omitted key
-            # (or one left at its default, as in examples/server.toml) is fine.
-            for f in dataclasses.fields(self):
-                if f.name not in _MODEL_KEYS_OF_EVERY_KIND and not _is_default(getattr(self, f.name), f.default):
-                    raise ConfigError(
-                        f'model.{f.name}: a LightFR setting, unused with model.kind = "{self.kind}", which reads '
-                        f"only model.kind, model.n_items and the [{self.kind}] table: delete it "
-                        f"(got {getattr(self, f.name)!r})"
-                    )
-        _int("model.bits", self.bits, lo=1, hi=_MAX_BITS)
-        if self.kind == ModelKind.LIGHTFR.value and self.n_items * self.bits > MAX_VECTOR_LENGTH:
-            raise ConfigError(
-                f"model.n_items: n_items * bits = {self.n_items} * {self.bits} = {self.n_items * self.bits} "
-                f"exceeds the largest update vector 2**28 = {MAX_VECTOR_LENGTH}; lower model.bits or n_items"
-            )
-        if isinstance(self.unobserved_weight, str) and self.unobserved_weight != "auto":
-            raise _fail("model.unobserved_weight", '"auto" or a number in [0, 1 + confidence]', self.unobserved_weight)
-        _set(self, "unobserved_scale", _float("model.unobserved_scale", self.unobserved_scale, lo=0.0, lo_open=True))
-        params = self.lightfr_params()
-        names = ("lam", "confidence", "counts_share", "user_reg") + (
-            () if self.unobserved_weight == "auto" else ("unobserved_weight",)
-        )
-        for name in names:  # normalised: an int given is stored as a float
-            _set(self, name, getattr(params, name))
-        if not isinstance(self.mean_field, bool):
-            raise _fail("model.mean_field", "true or false", self.mean_field)
-        _int("model.code_sweeps", self.code_sweeps, lo=1, hi=100)
-        if self.flip_fraction is None:
-            full = self.unobserved_weight != 0 and self.aggregation == "grad"
-            _set(self, "flip_fraction", default_flip_fraction(full, self.mean_field))
-        _set(
-            self,
-            "flip_fraction",
-            _float("model.flip_fraction", self.flip_fraction, lo=0.0, hi=1.0, lo_open=True),
-        )
-        _int("model.hamming_weight", self.hamming_weight, lo=1, hi=255)
-        _set(self, "popularity_span", _float("model.popularity_span", self.popularity_span, lo=0.0))
-        if self.popularity_span > 0 and self.unobserved_weight == 0:
-            raise ConfigError("model.popularity_span: needs the all-items objective (model.unobserved_weight > 0)")
-        # A key that would otherwise do nothing, named like popularity_span above.  (model.user_reg without
-        # query_planes stays accepted: the plan carries it either way, and a config that differs from an
-        # asymmetric one in query_planes alone is a fair comparison.)
-        if self.code_sweeps > 1 and self.unobserved_weight == 0:
-            raise ConfigError("model.code_sweeps: needs the all-items objective (model.unobserved_weight > 0)")
 
-    def lightfr_params(self) -> LightFRParams:
-        """LightFR's training parameters of this table (`protocol.plan.LightFRParams` validates them;
-        an error names the ``model.`` key)."""
+
+#: The [lightfr] keys that configure `LightFRServerParams` (``learn_bias`` is not an operator setting).
+_LIGHTFR_SERVER_KEYS = tuple(f.name for f in dataclasses.fields(LightFRServerParams) if f.name != "learn_bias")
+#: Where the [lightfr] table's defaults differ from the types it builds: w0 is "auto" (derived from the
+#: catalogue's density each round), with κ the density rule's (`protocol.families.lightfr.DENSITY_SCALE`).
+_LIGHTFR_TABLE_DEFAULTS: dict[str, object] = {"unobserved_weight": "auto", "unobserved_scale": DENSITY_SCALE}
+
+
+def lightfr_keys() -> list[str]:
+    """The keys of the [lightfr] table: `protocol.plan.LightFRParams`' fields, then the server's own."""
+    return [f.name for f in dataclasses.fields(params_type(ModelKind.LIGHTFR))] + list(_LIGHTFR_SERVER_KEYS)
+
+
+def lightfr_default(key: str) -> object:
+    """The value a [lightfr] key has when it is left out."""
+    if key in _LIGHTFR_TABLE_DEFAULTS:
+        return _LIGHTFR_TABLE_DEFAULTS[key]
+    for cls in (params_type(ModelKind.LIGHTFR), LightFRServerParams):
+        for f in dataclasses.fields(cls):
+            if f.name == key:
+                return f.default.value if isinstance(f.default, Enum) else f.default
+    raise KeyError(key)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LightFRSection:
+    """LightFR (TOML table ``[lightfr]``, used when ``model.kind = "lightfr"``): the devices' training
+    parameters, `protocol.plan.LightFRParams` (their keys, defaults and bounds), and what only the server
+    uses, `agg_server.strategy.lightfr.LightFRServerParams`.  The table's keys are those two types'
+    attributes, read by `from_table`; the server's strategy is built from ``params`` and ``server``.
+
+    Two keys differ from the types they build:
+
+    unobserved_weight : float or "auto"
+        A number in [0, 1 + confidence] fixes w0 (0 = sampled negatives).  "auto" (the default) is the
+        all-items objective with w0 derived each round from the catalogue's density,
+        w0 = unobserved_scale · density^(2/3), density = the round's summed counts / (survivors · m)
+        (`protocol.families.lightfr.density_weight`; chosen on validation across three datasets): the first
+        round's plan carries the rule at its floor (one positive per device).
+    unobserved_scale : float
+        κ > 0 of that rule (default 0.6); used only with ``unobserved_weight = "auto"``.
+
+    The others, as in those types: ``aggregation``, ``lam``, ``negatives``, ``local_epochs``, ``max_sweeps``,
+    ``confidence``, ``counts_share``, ``query_planes``, ``user_reg`` (sent in every round's plan), and
+    ``bits``, ``flip_fraction``, ``hamming_weight``, ``popularity_span``, ``mean_field``, ``code_sweeps``
+    (server-only).  Built in code, ``LightFRSection()`` is the two types' defaults (w0 fixed at the plan's).
+    """
+
+    params: LightFRParams = field(default_factory=LightFRParams)
+    server: LightFRServerParams = field(default_factory=LightFRServerParams)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, params_type(ModelKind.LIGHTFR)):
+            raise _fail("lightfr", "LightFR's training parameters (protocol.plan.LightFRParams)", self.params)
+        if not isinstance(self.server, LightFRServerParams):
+            raise _fail("lightfr", "LightFR's server parameters (LightFRServerParams)", self.server)
         try:
-            return LightFRParams(
-                aggregation=self.aggregation,  # type: ignore[arg-type]
-                lam=self.lam,
-                negatives=self.negatives,
-                local_epochs=self.local_epochs,
-                max_sweeps=self.max_sweeps,
-                unobserved_weight=self.first_unobserved_weight,
-                confidence=self.confidence,
-                counts_share=self.counts_share,
-                query_planes=self.query_planes,
-                user_reg=self.user_reg,
-            )
+            self.server.check_plan(self.params)
         except ValueError as exc:
-            raise ConfigError(f"model.{exc}") from None
+            raise ConfigError(f"lightfr.{exc}") from None
 
-    @property
-    def first_unobserved_weight(self) -> float:
-        """The w0 of the first round: the number configured, or under "auto" the density rule at its floor
-        (one positive per device); the server derives it from every round's counts from then on."""
-        if self.unobserved_weight == "auto":
-            return density_weight(0.0, 1, self.n_items, scale=self.unobserved_scale, cap=1.0)
-        return float(self.unobserved_weight)
+    @classmethod
+    def from_table(
+        cls, table: Mapping[str, Any], n_items: int, *, origin: Mapping[str, str] | None = None
+    ) -> LightFRSection:
+        """The section of a [lightfr] table (keys as `lightfr_keys`; absent ones at `lightfr_default`) for
+        a catalogue of ``n_items``.  ``origin`` names the table each key came from ("model" for the older
+        place), so that an error names the key as the operator wrote it (``model.lam: must be ...``)."""
+        where = dict(origin or {})
+
+        def key(name: str) -> str:
+            return f"{where.get(name, 'lightfr')}.{name}"
+
+        def failed(exc: ValueError) -> ConfigError:  # the types' messages start with the attribute's name
+            return ConfigError(f"{where.get(str(exc).split(':', 1)[0], 'lightfr')}.{exc}")
+
+        w0 = table.get("unobserved_weight", _LIGHTFR_TABLE_DEFAULTS["unobserved_weight"])
+        if isinstance(w0, str) and w0 != "auto":
+            raise _fail(key("unobserved_weight"), '"auto" or a number in [0, 1 + confidence]', w0)
+        scale = _float(key("unobserved_scale"), table.get("unobserved_scale", DENSITY_SCALE), lo=0.0, lo_open=True)
+        auto = isinstance(w0, str)
+        ptype = params_type(ModelKind.LIGHTFR)
+        plan = {f.name: table[f.name] for f in dataclasses.fields(ptype) if f.name in table}
+        plan["unobserved_weight"] = density_weight(0.0, 1, n_items, scale=scale, cap=1.0) if auto else w0
+        server = {name: table[name] for name in _LIGHTFR_SERVER_KEYS if name in table}
+        server["unobserved_scale"] = scale if auto else 0.0
+        try:
+            params: LightFRParams = ptype(**plan)  # type: ignore[assignment]  # LightFR's type, or a subclass
+            server_params = LightFRServerParams(**server)
+            server_params.check_plan(params)
+        except ValueError as exc:
+            raise failed(exc) from None
+        return cls(params=params, server=server_params)
 
 
 #: The smallest cohort a secure-aggregation round accepts (``rounds.cohort_size`` and ``min_cohort``).
@@ -475,7 +428,7 @@ class RoundSection:
         _set(self, "clip_norm", _float("rounds.clip_norm", self.clip_norm, lo=0.0, lo_open=True))
         _int("rounds.scale_bits", self.scale_bits, lo=0, hi=MAX_SCALE_BITS)
         try:
-            QuantizationConfig(clip_norm=self.clip_norm, scale_bits=self.scale_bits)
+            self.quantization()
         except ConfigError as exc:
             raise ConfigError(f"rounds.scale_bits: {exc}") from None
         _int("rounds.example_cap", self.example_cap, lo=0)
@@ -487,6 +440,11 @@ class RoundSection:
         if self.seed is not None:
             # numpy's SeedSequence refuses negative entropy.
             _int("rounds.seed", self.seed, lo=0)
+
+    def quantization(self) -> QuantizationConfig:
+        """How the rounds' uploads become ring elements (``clip_norm``, ``scale_bits``); every invite of
+        these rounds carries the same (`protocol.messages.RoundInvite.quantization`)."""
+        return QuantizationConfig(clip_norm=self.clip_norm, scale_bits=self.scale_bits)
 
     def _check_graph(self) -> None:
         if (self.k is None) != (self.t is None):
@@ -814,8 +772,8 @@ class ServerConfig:
     log : LogSection
     storage : StorageSection
     enrollment : EnrollmentSection
-    mf, felb, fnmf : the model families' hyper-parameters (only ``model.kind``'s is used; another family's
-        table must be absent or at its defaults, or the key changed is refused, naming it and the kind)
+    lightfr, mf, felb, fnmf : the model families' hyper-parameters (only ``model.kind``'s is used; another
+        family's table must be absent or at its defaults, or the key changed is refused, naming it and the kind)
     """
 
     data_dir: Path
@@ -826,6 +784,7 @@ class ServerConfig:
     log: LogSection = field(default_factory=LogSection)
     storage: StorageSection = field(default_factory=StorageSection)
     enrollment: EnrollmentSection = field(default_factory=EnrollmentSection)
+    lightfr: LightFRSection = field(default_factory=LightFRSection)
     mf: MFSection = field(default_factory=MFSection)
     felb: FELBSection = field(default_factory=FELBSection)
     fnmf: FNMFSection = field(default_factory=FNMFSection)
@@ -843,18 +802,33 @@ class ServerConfig:
             section, default = getattr(self, table), cls()
             for f in dataclasses.fields(cls):
                 if not _is_default(getattr(section, f.name), getattr(default, f.name)):
-                    raise ConfigError(
-                        f'{table}.{f.name}: the [{table}] table configures model.kind = "{table}", unused with '
-                        f'model.kind = "{self.model.kind}": delete it or set model.kind = "{table}" '
-                        f"(got {getattr(section, f.name)!r})"
-                    )
-        if self.model.kind != "lightfr":
+                    raise _unused_table(table, f.name, self.model.kind, getattr(section, f.name))
+        if self.model.kind != ModelKind.LIGHTFR.value:
+            if self.lightfr != LightFRSection():  # built in code; a TOML file's keys are checked one by one
+                raise ConfigError(
+                    f'lightfr: the [lightfr] table configures model.kind = "lightfr", unused with '
+                    f'model.kind = "{self.model.kind}": leave it out or set model.kind = "lightfr"'
+                )
             rank = getattr(self, self.model.kind).rank
             if self.model.n_items * rank > MAX_VECTOR_LENGTH:
                 raise ConfigError(
                     f"{self.model.kind}.rank: n_items * rank = {self.model.n_items * rank} exceeds the largest "
                     f"update vector 2**28; lower {self.model.kind}.rank or model.n_items"
                 )
+            return
+        n_items, bits = self.model.n_items, self.lightfr.server.bits
+        if n_items * bits > MAX_VECTOR_LENGTH:
+            raise ConfigError(
+                f"model.n_items: n_items * bits = {n_items} * {bits} = {n_items * bits} "
+                f"exceeds the largest update vector 2**28 = {MAX_VECTOR_LENGTH}; lower lightfr.bits or model.n_items"
+            )
+
+
+def _unused_table(table: str, key: str, kind: str, value: object) -> ConfigError:
+    return ConfigError(
+        f'{table}.{key}: the [{table}] table configures model.kind = "{table}", unused with '
+        f'model.kind = "{kind}": delete it or set model.kind = "{table}" (got {value!r})'
+    )
 
 
 _SECTION_TYPES: dict[str, type] = {
@@ -865,6 +839,7 @@ _SECTION_TYPES: dict[str, type] = {
     "log": LogSection,
     "storage": StorageSection,
     "enrollment": EnrollmentSection,
+    "lightfr": LightFRSection,
     "mf": MFSection,
     "felb": FELBSection,
     "fnmf": FNMFSection,
@@ -879,6 +854,7 @@ _TABLES: dict[str, tuple[str, type]] = {
     "log": ("log", LogSection),
     "storage": ("storage", StorageSection),
     "enrollment": ("enrollment", EnrollmentSection),
+    "lightfr": ("lightfr", LightFRSection),
     "mf": ("mf", MFSection),
     "felb": ("felb", FELBSection),
     "fnmf": ("fnmf", FNMFSection),
@@ -899,7 +875,11 @@ _REQUIRED = (("server", "data_dir"), ("model", "n_items"))
 
 
 def _table_keys(table: str) -> list[str]:
+    if table == "lightfr":
+        return lightfr_keys()
     names = [f.name for f in dataclasses.fields(_TABLES[table][1])]
+    if table == "model":
+        return [*names, *lightfr_keys()]  # LightFR's keys in their older place
     return ["data_dir", *names] if table == "server" else names
 
 
@@ -958,8 +938,39 @@ def config_from_dict(data: Mapping[str, Any], *, base_dir: Path) -> ServerConfig
             # An absolute path stays as it is: base_dir / "/abs" == "/abs".
             values[table][key] = Path(base_dir) / path
     data_dir = values["server"].pop("data_dir")
-    sections = {attr: cls(**values[table]) for table, (attr, cls) in _TABLES.items()}
+    lightfr, origin = _lightfr_table(values)
+    sections = {attr: cls(**values[table]) for table, (attr, cls) in _TABLES.items() if table != "lightfr"}
+    model = sections["model"]
+    if model.kind == ModelKind.LIGHTFR.value:
+        sections["lightfr"] = LightFRSection.from_table(lightfr, model.n_items, origin=origin)
+    else:
+        # Nothing reads LightFR's settings under another kind: one changed from its default is refused.
+        for key, value in lightfr.items():
+            if _is_default(value, lightfr_default(key)):
+                continue
+            if origin.get(key) == "model":
+                raise ConfigError(
+                    f'model.{key}: a LightFR setting, unused with model.kind = "{model.kind}", which reads '
+                    f"only model.kind, model.n_items and the [{model.kind}] table: delete it (got {value!r})"
+                )
+            raise _unused_table("lightfr", key, model.kind, value)
     return ServerConfig(data_dir=data_dir, **sections)
+
+
+def _lightfr_table(values: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The [lightfr] table with the LightFR keys an older file gives in [model] moved into it (taken out of
+    ``values["model"]``), and the table each key came from; a key given in both is refused."""
+    table = dict(values["lightfr"])
+    origin = dict.fromkeys(table, "lightfr")
+    for key in [k for k in values["model"] if k not in _MODEL_KEYS]:
+        value = values["model"].pop(key)
+        if key in table:
+            raise ConfigError(
+                f"model.{key}: also given as lightfr.{key}; LightFR's settings belong in the [lightfr] table "
+                f"([model] keeps them for older files): give it once, in [lightfr]"
+            )
+        table[key], origin[key] = value, "model"
+    return table, origin
 
 
 def load_config(path: Path) -> ServerConfig:

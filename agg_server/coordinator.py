@@ -74,7 +74,7 @@ from protocol.messages import (
 from protocol.noise import minimum_survivors
 from protocol.phases import ACTIVE_PHASES, SERVER_EXPECTS, TERMINAL_PHASES, Phase
 from protocol.plan import TrainingPlan
-from protocol.quantization import QuantizationConfig, check_bit_budget
+from protocol.quantization import check_bit_budget
 from protocol.session import RoundParameters, ServerSecAggSession
 
 __all__ = ["RoundCoordinator"]
@@ -146,7 +146,7 @@ class RoundCoordinator:
             raise ConfigError(
                 f"the strategy is for n_items={self.strategy.n_items}, model.n_items is {config.model.n_items}"
             )
-        self.quantization = QuantizationConfig(clip_norm=config.rounds.clip_norm, scale_bits=config.rounds.scale_bits)
+        self.quantization = config.rounds.quantization()
         self.vector_length = int(self.strategy.vector_length)
         self._seed = config.rounds.seed
         self.abandoned = [] if leased else storage.abandon_open_rounds(now)
@@ -435,7 +435,7 @@ class RoundCoordinator:
                 round_id,
                 self.model_version,
                 cohort,
-                {"k": k, "t": t, "mu": self.mu, "t_min": t_min, "deadlines": list(deadlines), **plan.invite_fields()},
+                {"k": k, "t": t, "mu": self.mu, "t_min": t_min, "deadlines": list(deadlines), **plan.record()},
                 now,
                 fence=self.fence,
                 reserve=reservation,

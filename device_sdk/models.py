@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -100,8 +100,8 @@ class LightFRConfig:
     binary_positives: bool = False
     unobserved_weight: float = _PARAMS.unobserved_weight
     confidence: float = _PARAMS.confidence
-    query_planes: int = 0
-    user_reg: float = 1.0
+    query_planes: int = _PARAMS.query_planes
+    user_reg: float = _PARAMS.user_reg
     rank_planes: int = 3
     rank_ridge: float = 2.0
     substring_index: bool = True
@@ -146,18 +146,9 @@ class LightFRConfig:
                 raise ValueError(f"rating_range must be (low, high), finite numbers with high > low, got {bounds!r}")
 
     def params(self, aggregation: Aggregation) -> LightFRParams:
-        """These training parameters as a `protocol.plan.LightFRParams` (which validates them)."""
-        return LightFRParams(
-            aggregation=aggregation,
-            lam=self.lam,
-            negatives=self.negatives,
-            local_epochs=self.local_epochs,
-            max_sweeps=self.max_sweeps,
-            unobserved_weight=self.unobserved_weight,
-            confidence=self.confidence,
-            query_planes=self.query_planes,
-            user_reg=self.user_reg,
-        )
+        """These training parameters as a `protocol.plan.LightFRParams` (which validates them; a parameter
+        this configuration does not hold is the plan's default)."""
+        return LightFRParams(aggregation=aggregation, **{name: getattr(self, name) for name in _PLAN_NAMES})
 
     def normalize(self, ratings: NDArray[np.float64] | None, n: int) -> NDArray[np.float64]:
         """Targets in [0, 1] for ``n`` observed ratings (all 1 when ``ratings`` is None)."""
@@ -172,6 +163,10 @@ class LightFRConfig:
             return r
         lo, hi = self.rating_range
         return (r - lo) / (hi - lo)
+
+
+#: The plan's parameters a device's configuration holds: a round's plan replaces them (`apply_plan`).
+_PLAN_NAMES = tuple(f.name for f in fields(LightFRConfig) if f.name in {g.name for g in fields(LightFRParams)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -904,14 +899,4 @@ def apply_plan(model: LightFRModel, plan: TrainingPlan) -> None:
     plan.check_fits(_KIND, model.n_items, model.config.bits)
     p = plan.params
     assert isinstance(p, LightFRParams)
-    model.config = replace(
-        model.config,
-        lam=p.lam,
-        negatives=p.negatives,
-        local_epochs=p.local_epochs,
-        max_sweeps=p.max_sweeps,
-        unobserved_weight=p.unobserved_weight,
-        confidence=p.confidence,
-        query_planes=p.query_planes,
-        user_reg=p.user_reg,
-    )
+    model.config = replace(model.config, **{name: getattr(p, name) for name in _PLAN_NAMES})

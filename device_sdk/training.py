@@ -24,7 +24,7 @@ from numpy.typing import ArrayLike, NDArray
 from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.models import LightFRModel, apply_plan
 from protocol.messages import RoundInvite
-from protocol.quantization import QuantizationConfig, QuantizationStats, quantize
+from protocol.quantization import QuantizationStats, quantize
 from protocol.samplers import NoiseStream
 
 __all__ = ["LocalRoundStats", "local_round", "apply_plan"]
@@ -79,7 +79,6 @@ def local_round(
     x = np.asarray(result.vector, dtype=np.float64).ravel()
     if x.size != invite.vector_length:
         raise ValueError(f"update has {x.size} elements, the round expects {invite.vector_length}")
-    cfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
-    ring, qstats = quantize(x, cfg, coins)
+    ring, qstats = quantize(x, invite.quantization(), coins)
     flips = int(result.info.get("flips", 0))
     return ring, LocalRoundStats(examples=result.examples, flips=flips, quantization=qstats)

@@ -62,7 +62,8 @@ def write_config(root: Path) -> Path:
     """`examples/server.toml` with the overrides of a small loopback run, written under ``root``."""
     settings: dict[str, dict[str, Any]] = tomllib.loads(EXAMPLE_CONFIG.read_text())
     settings["server"].update(host="127.0.0.1", port=0, data_dir=str(root / "server-data"))
-    settings["model"].update(n_items=N_ITEMS, bits=BITS)
+    settings["model"].update(n_items=N_ITEMS)
+    settings["lightfr"].update(bits=BITS)
     settings["rounds"].update(
         cohort_size=N_DEVICES,
         min_cohort=3,

@@ -49,6 +49,7 @@ from protocol.messages import (
     UnmaskResponse,
     Wait,
 )
+from protocol.plan import known_wire_params, params_from_wire, params_to_wire
 from protocol.spec import PROTOCOL_VERSION
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "check_version",
     "encode",
     "decode",
+    "body_fields",
     "check_shape",
     "MAX_OBJECTS",
     "MAX_DEPTH",
@@ -98,8 +100,10 @@ class Kind(Enum):
 
 _U32_WIRE_DTYPE = "<u4"
 
-# type code -> (message class, ((field name, wire key, kind), ...)).  Wire keys are short and stable.
-_SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] = MappingProxyType(
+# Wire keys are short and stable.
+# type code -> (message class, entries): an entry is (field name, wire key, kind), or for `RoundInvite` a bare
+# wire key: one of the family parameters that ``RoundInvite.params`` holds (`_plan_entries`).
+_SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind] | str, ...]]] = MappingProxyType(
     {
         RoundInvite.TYPE: (
             RoundInvite,
@@ -117,37 +121,39 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
                 ("share_keys_deadline", "d1", Kind.FLOAT),
                 ("masked_input_deadline", "d2", Kind.FLOAT),
                 ("unmask_deadline", "d3", Kind.FLOAT),
-                # protocol 1.1: the training plan
+                # protocol 1.1: the training plan.  A bare string is a family parameter's key, at the place
+                # it was appended; the parameter's type declares it (`protocol.plan.param_field`), and keys
+                # declared there that are not listed here follow at the end (`_invite_layout`).
                 ("model_version", "mv", Kind.INT),
                 ("model_kind", "mk", Kind.STR),
-                ("aggregation", "ag", Kind.STR),
+                "ag",
                 ("bits", "f", Kind.INT),
                 ("n_items", "m", Kind.INT),
-                ("lam", "lam", Kind.FLOAT),
-                ("negatives", "neg", Kind.INT),
-                ("local_epochs", "E", Kind.INT),
-                ("max_sweeps", "sw", Kind.INT),
+                "lam",
+                "neg",
+                "E",
+                "sw",
                 ("example_cap", "th", Kind.INT),
                 # protocol 1.2: model families
-                ("learning_rate", "lr", Kind.FLOAT),
-                ("reg", "rg", Kind.FLOAT),
-                ("reg_growth", "rgg", Kind.FLOAT),
-                ("kappa", "ka", Kind.FLOAT),
-                ("proximity", "px", Kind.FLOAT),
-                ("inertia", "bt", Kind.FLOAT),
-                ("max_norm2", "R", Kind.FLOAT),
-                ("pretrain_epochs", "pe", Kind.INT),
-                ("step_rule", "sr", Kind.STR),
-                ("alignment", "al", Kind.STR),
+                "lr",
+                "rg",
+                "rgg",
+                "ka",
+                "px",
+                "bt",
+                "R",
+                "pe",
+                "sr",
+                "al",
                 ("round_index", "ri", Kind.INT),
                 # protocol 1.3: the device-side privacy floor
                 ("cohort_size", "nc", Kind.INT),
-                ("unobserved_weight", "w0", Kind.FLOAT),  # protocol 1.3
-                ("confidence", "cf", Kind.FLOAT),  # protocol 1.3
-                ("counts_share", "cs", Kind.FLOAT),  # protocol 1.3
+                "w0",  # protocol 1.3
+                "cf",  # protocol 1.3
+                "cs",  # protocol 1.3
                 # protocol 1.6: LightFR asymmetric scoring in the plan
-                ("query_planes", "qp", Kind.INT),
-                ("user_reg", "ur", Kind.FLOAT),
+                "qp",
+                "ur",
             ),
         ),
         PublicKeys.TYPE: (
@@ -311,6 +317,39 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind], ...]]] =
 )
 
 
+def _entries(listed: tuple[tuple[str, str, Kind] | str, ...]) -> tuple[tuple[str, str, Kind] | str, ...]:
+    """A message's entries: those listed, then, for the invite, every family parameter key the parameter
+    types declare that the list does not name yet (a parameter added after protocol 1.7 needs no entry)."""
+    if not any(isinstance(item, str) for item in listed):
+        return listed
+    named = {item for item in listed if isinstance(item, str)}
+    return listed + tuple(key for key in known_wire_params() if key not in named)
+
+
+def _param_kind(key: str) -> Kind:
+    """How a family parameter's key travels: the type of its ``absent`` value (`protocol.plan.param_field`)."""
+    absent = known_wire_params()[key].absent
+    if isinstance(absent, bool):
+        return Kind.BOOL
+    return Kind.INT if isinstance(absent, int) else Kind.FLOAT if isinstance(absent, float) else Kind.STR
+
+
+def _plan_values(invite: RoundInvite) -> dict[str, Any]:
+    return {} if invite.params is None else params_to_wire(invite.params)
+
+
+def _check_plan_keys() -> None:
+    """Every bare key in the schema is a declared family parameter (run once, at import)."""
+    known = known_wire_params()
+    for _, entries in _SCHEMA.values():
+        for item in entries:
+            if isinstance(item, str) and item not in known:
+                raise RuntimeError(f"codec schema names {item!r}, which no family parameter declares")
+
+
+_check_plan_keys()
+
+
 def is_compatible(version: tuple[int, int]) -> bool:
     """Decide whether a peer speaking ``version`` can be understood (the one place this is decided).
 
@@ -378,13 +417,38 @@ def encode(message: Message) -> bytes:
     if entry is None or entry[0] is not type(message):
         raise TypeError(f"no codec entry for {type(message).__name__}")
     body = {
-        key: _encode_value(kind, getattr(message, name))
-        for name, key, kind in entry[1]
-        if (message.TYPE, key) not in _OMITTED_WHEN_EMPTY or getattr(message, name)
+        key: _encode_value(kind, value)
+        for _, key, kind, value in body_fields(message)
+        if (message.TYPE, key) not in _OMITTED_WHEN_EMPTY or value
     }
     envelope = {"v": list(PROTOCOL_VERSION), "t": message.TYPE, "b": body}
     packed: bytes = msgpack.packb(envelope, use_bin_type=True)
     return packed
+
+
+def body_fields(message: Message) -> list[tuple[str, str, Kind, Any]]:
+    """``(name, wire key, kind, value)`` of every body field of ``message``, in wire order.  A `RoundInvite`'s
+    family parameters are named as their parameter type names them, with the invite's value, or for a key
+    that its family does not use the value an invite without the key means.
+
+    Raises
+    ------
+    TypeError
+        ``message`` is not a registered message type.
+    """
+    entry = _SCHEMA.get(getattr(type(message), "TYPE", -1))
+    if entry is None or entry[0] is not type(message):
+        raise TypeError(f"no codec entry for {type(message).__name__}")
+    plan = _plan_values(message) if isinstance(message, RoundInvite) else {}
+    out: list[tuple[str, str, Kind, Any]] = []
+    for item in _entries(entry[1]):
+        if isinstance(item, str):  # a family parameter
+            param = known_wire_params()[item]
+            out.append((param.name, item, _param_kind(item), plan.get(item, param.absent)))
+        else:
+            name, key, kind = item
+            out.append((name, key, kind, getattr(message, name)))
+    return out
 
 
 def _want(ok: bool, what: str) -> None:
@@ -631,11 +695,19 @@ def decode(
             if f.default is not dataclasses.MISSING
         }
         kwargs: dict[str, Any] = {}
-        for name, key, kind in fields:
+        plan: dict[str, Any] = {}
+        for item in _entries(fields):
+            if isinstance(item, str):
+                if item in body:
+                    plan[item] = _decode_value(_param_kind(item), body[item], item)
+                continue
+            name, key, kind = item
             if key in body:
                 kwargs[name] = _decode_value(kind, body[key], key)
             elif name not in defaults:
                 raise DecodeError(f"{cls.__name__}: missing field {key!r}")
+        if cls is RoundInvite:
+            kwargs["params"] = params_from_wire(kwargs.get("model_kind", "lightfr"), plan)
         return cls(**kwargs)
     except (DecodeError, VersionMismatch):
         raise

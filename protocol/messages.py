@@ -26,20 +26,14 @@ import numpy as np
 from numpy.typing import NDArray
 
 from protocol.errors import FedRecError, error_class_for_code
-from protocol.families.lightfr import UploadLayout
-from protocol.plan import TrainingPlan
+from protocol.plan import FamilyParams, FELBParams, FNMFParams, LightFRParams, MFParams, TrainingPlan, params_from_wire
+from protocol.quantization import QuantizationConfig
 from protocol.spec import (
     MAX_ITEMS,
-    MAX_LOCAL_STEPS,
-    MAX_QUERY_PLANES,
     MAX_RANK,
     MAX_TEXT,
     MAX_VECTOR_LENGTH,
-    USER_REG_RANGE,
-    Aggregation,
-    Alignment,
     ModelKind,
-    StepRule,
 )
 
 __all__ = [
@@ -190,62 +184,25 @@ class RoundInvite(Message):
         Version of the global model this round trains (download it from the model endpoint).
     model_kind : str
         Model family (`protocol.spec.ModelKind` value), "lightfr" by default.
-    aggregation : str
-        LightFR upload kind (`protocol.spec.Aggregation` value): "grad" or "para".
     bits, n_items : int
-        Code length f and catalogue size m; the update has ``vector_length == n_items * bits``.
-    lam : float
-        LightFR balance weight λ for the local DCD.
-    negatives : int
-        Sampled unobserved items per rating, fitted as 0.
-    local_epochs, max_sweeps : int
-        Local epochs E and the DCD sweep cap.
+        Code length f (a family's rank) and catalogue size m; 0 in a 1.0 invite, which carries no plan.
     example_cap : int
         θ: at most this many of the device's ratings are used this round (0 = all); bounds each
         device's contribution for differential privacy.
-    learning_rate : float
-        Local step size (MF: SGD step for the user vectors), >= 0.
-    reg : float
-        L2 weight (MF: on user vectors; FELB: the base λ of the ELB regularizer), >= 0.
-    reg_growth : float
-        FELB schedule: the round uses λ_r = reg · reg_growth**round_index (>= 1).
-    kappa : float
-        FELB L1 weight κ of the ELB regularizer, >= 0.
-    proximity : float
-        γ, the pull of the local item matrix towards the broadcast one (FELB, FNMF), >= 0.
-    inertia : float
-        iPALM inertia β in [0, 1).
-    max_norm2 : float
-        MF embedding clipping bound R: rows are non-negative with squared norm <= R (0 = unused).
-    pretrain_epochs : int
-        MF stage 1: epochs fitting a new user's vector with the item matrix fixed (0..1000).
-    step_rule : str
-        FELB step sizes: "lipschitz" (1/L) or "mu" (multiplicative-update steps); "" elsewhere.
-    alignment : str
-        FNMF client-side alignment: "none", "lap", "lap_rho" or "sinkhorn"; "" elsewhere.
     round_index : int
         0 for the round that trains model version 1, then 1, 2, ... (drives schedules).
     cohort_size : int
         Protocol 1.3: the number of devices invited to the round (n), which the device's privacy floor
         (`protocol.policy`) checks k, t and t_min against; 0 = not stated (a 1.2 server), which a device
         with a privacy floor refuses.
-    unobserved_weight : float
-        Protocol 1.3, LightFR: w0 >= 0.  0 is the sampled-negatives objective (upload: the item
-        gradients, ``n_items * bits``); w0 > 0 the all-items objective, whose upload appends item
-        bias terms, counts, the code's Gram and the code (`protocol.families.lightfr.UploadLayout`).
-    confidence : float
-        Protocol 1.3, LightFR: α >= 0, observed items weigh 1 + α in the all-items objective.
-    counts_share : float
-        Protocol 1.3, LightFR all-items objective: s in [0, 1).  s > 0 clips the per-item counts part
-        of the upload to norm √s·C and the rest to √(1 − s)·C (the private popularity channel's share
-        of the clip norm, `protocol.families.lightfr.clip_parts`); 0 clips the whole upload to C.
-    query_planes : int
-        Protocol 1.6, LightFR: P in [0, 8], > 0 only with ``unobserved_weight`` > 0.  P >= 1 asks each
-        device for asymmetric scoring (`protocol.plan.LightFRParams`): a real user vector solved against
-        the item codes, kept as P ±1 bit-planes, uploaded in the same layout in place of the ±1 code.
-        0 (the default, and what a 1.5 server's invite means): ±1 user codes.
-    user_reg : float
-        Protocol 1.6, LightFR: the ridge weight of that solve, in [1e-6, 1e6] (default 1).
+    params : FamilyParams or None
+        The family's training parameters (`protocol.plan.LightFRParams`, `MFParams`, `FELBParams` or
+        `FNMFParams`, whose type must be ``model_kind``'s and which validated them), None for a family
+        this build does not know.  On the wire each parameter is one body key of this message (protocol
+        1.1–1.3 and 1.6 appended them), declared beside the parameter (`protocol.plan.param_field`); a key
+        an older peer leaves out means that field's ``absent`` value.  Built without parameters, an invite
+        takes those ``absent`` values where they are valid parameters of its family (a 1.0 invite's), and
+        otherwise keeps None and encodes every key at its ``absent`` value.
     """
 
     TYPE: ClassVar[int] = 1
@@ -265,84 +222,39 @@ class RoundInvite(Message):
     # Appended in protocol 1.1 (training plan); every field has a default, as the evolution rule asks.
     model_version: int = 0
     model_kind: str = "lightfr"
-    aggregation: str = "grad"
     bits: int = 0
     n_items: int = 0
-    lam: float = 0.0
-    negatives: int = 0
-    local_epochs: int = 1
-    max_sweeps: int = 10
     example_cap: int = 0
-    # Appended in protocol 1.2 (model families MF, FELB, FNMF); defaults keep 1.1 peers valid.
-    learning_rate: float = 0.0
-    reg: float = 0.0
-    reg_growth: float = 1.0
-    kappa: float = 0.0
-    proximity: float = 0.0
-    inertia: float = 0.0
-    max_norm2: float = 0.0
-    pretrain_epochs: int = 0
-    step_rule: str = ""
-    alignment: str = ""
+    # Appended in protocol 1.2.
     round_index: int = 0
     # Appended in protocol 1.3 (device-side privacy floor).
     cohort_size: int = 0
-    # Appended in protocol 1.3 (LightFR all-items objective).
-    unobserved_weight: float = 0.0
-    confidence: float = 0.0
-    # Appended in protocol 1.3 (LightFR private popularity channel).
-    counts_share: float = 0.0
-    # Appended in protocol 1.6 (LightFR asymmetric scoring).
-    query_planes: int = 0
-    user_reg: float = 1.0
+    # The family's parameters (protocol 1.1-1.3 and 1.6 appended their keys; `protocol.plan.param_field`).
+    params: FamilyParams | None = None
 
     def __post_init__(self) -> None:
         n = "RoundInvite"
-        _check_id(n, "query_planes", self.query_planes)
-        if self.query_planes > MAX_QUERY_PLANES:
-            _fail(n, f"query_planes must be in [0, {MAX_QUERY_PLANES}], got {self.query_planes}")
-        if self.query_planes > 0 and self.unobserved_weight == 0:
-            _fail(n, "query_planes needs the all-items objective (unobserved_weight > 0)")
-        _check_float(n, "user_reg", self.user_reg, minimum=USER_REG_RANGE[0])
-        if self.user_reg > USER_REG_RANGE[1]:
-            _fail(n, f"user_reg must be in [{USER_REG_RANGE[0]:g}, {USER_REG_RANGE[1]:g}], got {self.user_reg}")
-        _check_float(n, "counts_share", self.counts_share, minimum=0.0)
-        if self.counts_share >= 1.0:
-            _fail(n, f"counts_share must be < 1, got {self.counts_share}")
-        if self.counts_share > 0 and self.unobserved_weight == 0:
-            _fail(n, "counts_share needs the all-items objective (unobserved_weight > 0), whose upload has counts")
+        if self.params is None:
+            # Built without parameters: what a decoder reads from such an invite's bytes, the family's
+            # parameters at their ``absent`` values, where those are valid (a 1.0 invite, LightFR's).
+            try:
+                object.__setattr__(self, "params", params_from_wire(self.model_kind, {}))
+            except ValueError:
+                pass
+        if self.params is not None:
+            if not isinstance(self.params, LightFRParams | MFParams | FELBParams | FNMFParams):
+                _fail(n, f"params must be a family's training parameters (protocol.plan), got {self.params!r}")
+            if self.params.KIND != self.model_kind:
+                _fail(n, f"params are {self.params.KIND.value!r} parameters, model_kind is {self.model_kind!r}")
         _check_id(n, "cohort_size", self.cohort_size)
-        _check_float(n, "unobserved_weight", self.unobserved_weight, minimum=0.0)
-        _check_float(n, "confidence", self.confidence, minimum=0.0)
-        if self.unobserved_weight > 1.0 + self.confidence:
-            _fail(n, f"unobserved_weight must be <= 1 + confidence, got {self.unobserved_weight}")
-        for name in ("learning_rate", "reg", "kappa", "proximity", "inertia", "max_norm2"):
-            _check_float(n, name, getattr(self, name), minimum=0.0)
-        _check_float(n, "reg_growth", self.reg_growth, minimum=1.0)
-        if self.inertia >= 1.0:
-            _fail(n, f"inertia must be < 1, got {self.inertia}")
-        _check_id(n, "pretrain_epochs", self.pretrain_epochs)
-        if self.pretrain_epochs > MAX_LOCAL_STEPS:
-            _fail(n, f"pretrain_epochs must be <= {MAX_LOCAL_STEPS}, got {self.pretrain_epochs}")
         _check_id(n, "round_index", self.round_index)
-        if self.step_rule != "" and self.step_rule not in tuple(StepRule):
-            _fail(n, f"step_rule must be '' or one of {[r.value for r in StepRule]}, got {self.step_rule!r}")
-        if self.alignment != "" and self.alignment not in tuple(Alignment):
-            _fail(n, f"alignment must be '' or one of {[a.value for a in Alignment]}, got {self.alignment!r}")
-        for name in ("model_version", "bits", "n_items", "negatives", "example_cap"):
+        for name in ("model_version", "bits", "n_items", "example_cap"):
             _check_id(n, name, getattr(self, name))
-        for name in ("local_epochs", "max_sweeps"):
-            _check_id(n, name, getattr(self, name))
-            if not 1 <= getattr(self, name) <= MAX_LOCAL_STEPS:
-                _fail(n, f"{name} must be in [1, {MAX_LOCAL_STEPS}], got {getattr(self, name)}")
         _check_text(n, "model_kind", self.model_kind, 32)
-        if self.aggregation not in tuple(Aggregation):
-            _fail(n, f"aggregation must be one of {[a.value for a in Aggregation]}, got {self.aggregation!r}")
-        _check_float(n, "lam", self.lam, minimum=0.0)
         if self.bits and self.n_items:
             size = self.bits * self.n_items
-            if self.model_kind == ModelKind.LIGHTFR:
-                want = UploadLayout(self.n_items, self.bits, full=self.unobserved_weight > 0).length
+            if self.model_kind == ModelKind.LIGHTFR and self.params is not None:
+                want = self.params.upload_length(self.n_items, self.bits)
                 if want != self.vector_length:
                     _fail(n, f"vector_length {self.vector_length} != {want}, the LightFR upload for this plan")
             if size > self.vector_length:
@@ -371,16 +283,21 @@ class RoundInvite(Message):
 
     @property
     def plan(self) -> TrainingPlan:
-        """The typed training plan these flat fields carry (`protocol.plan.TrainingPlan.from_invite`:
-        the family's parameter type validates it); ValueError if it is not a valid plan."""
+        """The typed training plan this invite carries (`protocol.plan.TrainingPlan.from_invite`); ValueError
+        if it carries none, or not a valid one."""
         return TrainingPlan.from_invite(self)
 
     def with_plan(self, plan: TrainingPlan) -> RoundInvite:
-        """This invite carrying ``plan`` (its flat fields, `TrainingPlan.invite_fields`); ValueError if
-        the plan's upload is not ``vector_length`` entries."""
+        """This invite carrying ``plan`` (`TrainingPlan.invite_fields`); ValueError if the plan's upload is
+        not ``vector_length`` entries."""
         if plan.vector_length != self.vector_length:
             _fail("RoundInvite", f"vector_length {self.vector_length} != {plan.vector_length}, the plan's upload")
         return dataclasses.replace(self, **plan.invite_fields())
+
+    def quantization(self) -> QuantizationConfig:
+        """How this round's uploads become ring elements (``clip_norm``, ``scale_bits``): the one place a
+        device, a simulator or a policy check builds it from an invite."""
+        return QuantizationConfig(clip_norm=self.clip_norm, scale_bits=self.scale_bits)
 
     @property
     def deadlines(self) -> tuple[float, float, float, float]:

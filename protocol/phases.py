@@ -1,7 +1,9 @@
 # Invariants (h11's `_state.py` rule: everything that changes a session's phase lives here):
 # - `TRANSITIONS` lists every legal (role, phase, direction, message type) and the phase it leads to; the
 #   device session (`protocol.device_session`) and the server session (`protocol.server_session`) both
-#   consult it in `send` and `receive` before doing anything else.
+#   consult it in `send` and `receive` before doing anything else.  `CLOSE_TRANSITIONS` is the server's second
+#   table: the phase an active phase leads to when it closes on quorum or deadline (h11's state-triggered
+#   transitions), so no session restates the phase order.
 # - Every quorum, deadline and threshold rule of a round is a function here, called by both sides where
 #   both need it: `require_quorum` (server: a phase closes with at least t, and t_min with DP),
 #   `prune_unmaskable` (server: a device whose neighbourhood kept fewer than t sharers cannot be unmasked),
@@ -40,6 +42,7 @@ __all__ = [
     "Role",
     "Direction",
     "TRANSITIONS",
+    "CLOSE_TRANSITIONS",
     "DEVICE_REPLY",
     "SERVER_BROADCAST",
     "SERVER_EXPECTS",
@@ -126,6 +129,17 @@ def _build_transitions() -> Mapping[tuple[Role, Phase, Direction, type[Message]]
 
 #: Every legal (role, phase, direction, message type) → the phase after it.
 TRANSITIONS: Mapping[tuple[Role, Phase, Direction, type[Message]], Phase] = _build_transitions()
+
+#: Server: the phase after an active phase closes (on quorum or deadline, `advance`, not on a message).  UNMASK
+#: leads to DONE once the masks are off (with protocol 1.3 its consistency sub-step closes first, in place).
+CLOSE_TRANSITIONS: Mapping[Phase, Phase] = MappingProxyType(
+    {
+        Phase.ADVERTISE_KEYS: Phase.SHARE_KEYS,
+        Phase.SHARE_KEYS: Phase.MASKED_INPUT,
+        Phase.MASKED_INPUT: Phase.UNMASK,
+        Phase.UNMASK: Phase.DONE,
+    }
+)
 
 # The message each device phase sends, and each server phase broadcasts.
 DEVICE_REPLY: Mapping[Phase, type[Message]] = MappingProxyType(

@@ -6,10 +6,11 @@ Invariants:
   hyper-parameters.  The server's configuration tables, the strategies, the device models and the
   CLI all build these types, so they cannot disagree on a default or a bound.
 - `TrainingPlan` is a family's parameters plus the model's shape, version and schedule index, and
-  the upload's clipping bound.  A `RoundInvite` still carries the plan as flat fields (protocol
-  1.1–1.3 and 1.6 appended them one by one, and the evolution rule of docs/protocol.md keeps them); this
-  module is the one place that maps a plan to those fields (`TrainingPlan.invite_fields`) and
-  back (`TrainingPlan.from_invite`).
+  the upload's clipping bound.  A `RoundInvite` carries the parameters as one object (``params``); on the
+  wire each parameter is one body key, declared beside its default (`param_field`: the key and what an
+  invite without it means), so the codec derives the invite's plan keys from these types (`wire_params`)
+  and a new parameter touches neither `protocol.messages` nor `protocol.codec`.  Protocol 1.1–1.3 and 1.6
+  appended the keys one by one, and the evolution rule of docs/protocol.md keeps them.
 - In-process runs (no secure aggregation) use a `TrainingPlan` directly: nothing in it is about
   SecAgg, and ``clip_norm`` defaults to infinity (nothing clipped).
 - Every error is a `ValueError` whose message starts with the parameter's name
@@ -20,9 +21,10 @@ Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from enum import StrEnum
-from typing import Any, ClassVar, Protocol, TypeVar
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -48,10 +50,16 @@ __all__ = [
     "LightFRParams",
     "MFParams",
     "TrainingPlan",
+    "WireParam",
     "check_choice",
     "check_float",
     "check_int",
+    "known_wire_params",
+    "param_field",
+    "params_from_wire",
+    "params_to_wire",
     "params_type",
+    "wire_params",
 ]
 
 
@@ -131,6 +139,68 @@ def _nonneg(obj: object, name: str, *, positive: bool = False, below_one: bool =
     _set(obj, name, check_float(name, getattr(obj, name), lo=0.0, lo_open=positive, hi=hi, hi_open=below_one))
 
 
+# -- how a parameter travels ------------------------------------------------------------------------------
+
+_SAME: Any = object()
+
+
+def param_field(default: Any, key: str, *, absent: Any = _SAME) -> Any:
+    """A family parameter's dataclass field: its ``default``, and how it travels in a `RoundInvite`.
+
+    ``key`` is its short body key (stable: never renamed, retyped or reused; a key may be shared by
+    families whose parameters mean the same, with the same type); ``absent`` is what an invite without the
+    key means, the value a peer of the protocol before the key implied (the default when not given).  The
+    codec derives the invite's plan keys from these fields (`wire_params`): a new parameter declared here
+    travels without a change to `protocol.messages` or `protocol.codec`.
+    """
+    plain = default if absent is _SAME else absent
+    return field(default=default, metadata={"wire": key, "absent": plain.value if isinstance(plain, Enum) else plain})
+
+
+class WireParam(NamedTuple):
+    """One family parameter as it travels (`param_field`)."""
+
+    name: str
+    key: str
+    absent: int | float | str
+
+
+def wire_params(ptype: type[FamilyParams]) -> tuple[WireParam, ...]:
+    """The parameters of ``ptype`` that travel in an invite, in declaration order."""
+    return tuple(
+        WireParam(f.name, f.metadata["wire"], f.metadata["absent"]) for f in fields(ptype) if "wire" in f.metadata
+    )
+
+
+def params_to_wire(params: FamilyParams) -> dict[str, int | float | str]:
+    """``params`` by body key, as plain int, float and str values."""
+    out: dict[str, int | float | str] = {}
+    for w in wire_params(type(params)):
+        value = getattr(params, w.name)
+        out[w.key] = value.value if isinstance(value, Enum) else value
+    return out
+
+
+def params_from_wire(kind: str, body: Mapping[str, Any]) -> FamilyParams | None:
+    """The parameters of family ``kind`` from invite body values by key (a missing key is its ``absent``
+    value); None for a family this build does not know.  ValueError (naming the parameter) if they are
+    not valid parameters of the family."""
+    try:
+        ptype = params_type(kind)
+    except ValueError:
+        return None
+    return ptype(**{w.name: body.get(w.key, w.absent) for w in wire_params(ptype)})
+
+
+def known_wire_params() -> dict[str, WireParam]:
+    """Every body key a known family's parameters use (the first declaration of a shared key)."""
+    out: dict[str, WireParam] = {}
+    for ptype in _PARAMS.values():
+        for w in wire_params(ptype):
+            out.setdefault(w.key, w)
+    return out
+
+
 # -- the four families' parameters ------------------------------------------------------------------------
 
 
@@ -160,16 +230,16 @@ class LightFRParams:
     """
 
     KIND: ClassVar[ModelKind] = ModelKind.LIGHTFR
-    aggregation: Aggregation = Aggregation.GRAD
-    lam: float = 0.0
-    negatives: int = 4
-    local_epochs: int = 1
-    max_sweeps: int = 10
-    unobserved_weight: float = 0.1
-    confidence: float = 0.0
-    counts_share: float = 0.0
-    query_planes: int = 0
-    user_reg: float = 1.0
+    aggregation: Aggregation = param_field(Aggregation.GRAD, "ag", absent="grad")
+    lam: float = param_field(0.0, "lam")
+    negatives: int = param_field(4, "neg", absent=0)
+    local_epochs: int = param_field(1, "E")
+    max_sweeps: int = param_field(10, "sw")
+    unobserved_weight: float = param_field(0.1, "w0", absent=0.0)
+    confidence: float = param_field(0.0, "cf")
+    counts_share: float = param_field(0.0, "cs")
+    query_planes: int = param_field(0, "qp")
+    user_reg: float = param_field(1.0, "ur")
 
     def __post_init__(self) -> None:
         _set(self, "aggregation", check_choice("aggregation", self.aggregation, Aggregation))
@@ -216,12 +286,12 @@ class MFParams:
     """
 
     KIND: ClassVar[ModelKind] = ModelKind.MF
-    max_norm2: float = 5.0
-    learning_rate: float = 0.1
-    reg: float = 0.0
-    pretrain_epochs: int = 50
-    local_epochs: int = 1
-    negatives: int = 0
+    max_norm2: float = param_field(5.0, "R", absent=0.0)
+    learning_rate: float = param_field(0.1, "lr", absent=0.0)
+    reg: float = param_field(0.0, "rg")
+    pretrain_epochs: int = param_field(50, "pe", absent=0)
+    local_epochs: int = param_field(1, "E")
+    negatives: int = param_field(0, "neg")
 
     def __post_init__(self) -> None:
         _nonneg(self, "max_norm2", positive=True)
@@ -251,13 +321,13 @@ class FELBParams:
     """
 
     KIND: ClassVar[ModelKind] = ModelKind.FELB
-    local_epochs: int = 10
-    reg: float = 0.1
-    reg_growth: float = 1.05
-    kappa: float = 1e-3
-    proximity: float = 1.0
-    inertia: float = 1e-3
-    step_rule: StepRule = StepRule.LIPSCHITZ
+    local_epochs: int = param_field(10, "E", absent=1)
+    reg: float = param_field(0.1, "rg", absent=0.0)
+    reg_growth: float = param_field(1.05, "rgg", absent=1.0)
+    kappa: float = param_field(1e-3, "ka", absent=0.0)
+    proximity: float = param_field(1.0, "px", absent=0.0)
+    inertia: float = param_field(1e-3, "bt", absent=0.0)
+    step_rule: StepRule = param_field(StepRule.LIPSCHITZ, "sr", absent="")
 
     def __post_init__(self) -> None:
         _epochs(self, "local_epochs")
@@ -285,10 +355,10 @@ class FNMFParams:
     """
 
     KIND: ClassVar[ModelKind] = ModelKind.FNMF
-    local_steps: int = 100
-    proximity: float = 1.0
-    inertia: float = 0.0
-    alignment: Alignment = Alignment.LAP
+    local_steps: int = param_field(100, "E", absent=1)
+    proximity: float = param_field(1.0, "px", absent=0.0)
+    inertia: float = param_field(0.0, "bt")
+    alignment: Alignment = param_field(Alignment.LAP, "al", absent="")
 
     def __post_init__(self) -> None:
         _epochs(self, "local_steps")
@@ -310,8 +380,9 @@ _PARAMS: dict[ModelKind, type[FamilyParams]] = {
     ModelKind.FNMF: FNMFParams,
 }
 
-# Attribute of a parameter type -> its `RoundInvite` field, where the two names differ.
-_WIRE_NAME = {"local_steps": "local_epochs"}
+# Attribute of a parameter type -> its name in the stored round record (`TrainingPlan.record`), where the two
+# differ.
+_RECORD_NAME = {"local_steps": "local_epochs"}
 
 
 def params_type(kind: str) -> type[FamilyParams]:
@@ -341,6 +412,8 @@ class _InviteFields(Protocol):
     def vector_length(self) -> int: ...
     @property
     def clip_norm(self) -> float: ...
+    @property
+    def params(self) -> FamilyParams | None: ...
 
 
 # -- the plan -------------------------------------------------------------------------------------------
@@ -405,35 +478,46 @@ class TrainingPlan:
             )
 
     def invite_fields(self) -> dict[str, Any]:
-        """The flat `RoundInvite` fields of this plan (plain str, int and float values; ``clip_norm``
-        and ``vector_length`` are the SecAgg parameters' and not included)."""
-        out: dict[str, Any] = {
+        """The `RoundInvite` fields of this plan: its shape, version and schedule index, and ``params``
+        (``clip_norm`` and ``vector_length`` are the SecAgg parameters' and not included)."""
+        return {
             "model_kind": self.kind.value,
             "bits": self.rank,
             "n_items": self.n_items,
             "model_version": self.model_version,
             "round_index": self.round_index,
             "example_cap": self.example_cap,
+            "params": self.params,
         }
+
+    def record(self) -> dict[str, Any]:
+        """This plan as one flat JSON-able record (plain str, int and float values), as the server stores
+        it with a round: `invite_fields` with the parameters by name in place of ``params`` (FNMF's
+        ``local_steps`` as ``local_epochs``)."""
+        out = self.invite_fields()
+        del out["params"]
         for f in fields(self.params):
             value = getattr(self.params, f.name)
-            out[_WIRE_NAME.get(f.name, f.name)] = value.value if isinstance(value, StrEnum) else value
+            out[_RECORD_NAME.get(f.name, f.name)] = value.value if isinstance(value, Enum) else value
         return out
 
     @classmethod
     def from_invite(cls, invite: _InviteFields) -> TrainingPlan:
-        """The plan a `RoundInvite` carries, validated by the family's parameter type.
+        """The plan a `RoundInvite` carries (its parameters were validated by the family's type when the
+        invite was built or decoded).
 
         Raises
         ------
         ValueError
             The invite names no plan (a 1.0 invite: ``bits`` or ``n_items`` is 0), an unknown family,
-            a parameter out of the family's range, or a ``vector_length`` that is not this plan's upload.
+            or a ``vector_length`` that is not this plan's upload.
         """
         if not invite.bits or not invite.n_items:
             raise ValueError("the invite carries no training plan (bits and n_items must be >= 1)")
-        ptype = params_type(invite.model_kind)
-        params = ptype(**{f.name: getattr(invite, _WIRE_NAME.get(f.name, f.name)) for f in fields(ptype)})
+        params_type(invite.model_kind)  # an unknown family: ValueError naming it
+        params = invite.params
+        if params is None:
+            raise ValueError(f"the invite carries no {invite.model_kind} training parameters")
         plan = cls(
             params=params,
             n_items=invite.n_items,

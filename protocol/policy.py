@@ -33,7 +33,7 @@ from numpy.typing import NDArray
 from protocol.errors import ConfigError, PrivacyFloorViolation
 from protocol.graph import validate_parameters
 from protocol.messages import RoundInvite
-from protocol.quantization import QuantizationConfig, sensitivity
+from protocol.quantization import sensitivity
 from protocol.rdp import ORDERS, rdp_to_epsilon, skellam_rdp
 
 __all__ = ["PrivacyPolicy", "DeviceLedger", "check_invite", "round_rdp"]
@@ -105,9 +105,7 @@ def round_rdp(invite: RoundInvite) -> NDArray[np.float64]:
     ConfigError
         The invite carries no noise (dp_mu = 0).
     """
-    l2, l1 = sensitivity(
-        QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits), invite.vector_length
-    )
+    l2, l1 = sensitivity(invite.quantization(), invite.vector_length)
     return skellam_rdp(invite.dp_mu, l1, l2)
 
 
@@ -161,9 +159,7 @@ def check_invite(invite: RoundInvite, policy: PrivacyPolicy, ledger: DeviceLedge
         raise PrivacyFloorViolation(
             f"survivor threshold t_min={invite.dp_t_min} must be in [t={t}, cohort {n}]: each device adds mu / t_min"
         )
-    l2, _ = sensitivity(
-        QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits), invite.vector_length
-    )
+    l2, _ = sensitivity(invite.quantization(), invite.vector_length)
     z = math.sqrt(invite.dp_mu) / l2
     if not z >= policy.min_noise_multiplier:
         raise PrivacyFloorViolation(

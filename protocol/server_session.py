@@ -1,4 +1,4 @@
-# Invariants (the transition table and the quorum/deadline/threshold rules live in `protocol.phases`):
+# Invariants (the transition tables and the quorum/deadline/threshold rules live in `protocol.phases`):
 # - A misbehaving device is isolated (it is excluded from the round and the error is raised to the
 #   caller); the server session itself moves to ERROR only when its own processing fails.  It never asks
 #   for s-shares of devices that dropped before sharing keys: "dropped" is exactly U2 ∖ U3 (pitfall 2).
@@ -56,6 +56,7 @@ from protocol.messages import (
 )
 from protocol.phases import (
     ACTIVE_PHASES,
+    CLOSE_TRANSITIONS,
     SERVER_EXPECTS,
     TRANSITIONS,
     Direction,
@@ -661,7 +662,7 @@ class ServerSecAggSession:
         keys = {u: self._keys[u] for u in u1}
         self._session = crypto.session_id(self.params.round_id, keys)
         self._graph = harary_graph(sorted(u1), self.params.k, self._rng)
-        self._phase = Phase.SHARE_KEYS
+        self._phase = CLOSE_TRANSITIONS[self._phase]
 
     def _close_share_keys(self) -> None:
         u2 = prune_unmaskable(set(self._sent_shares) - self._failed - self._left, self._graph, self.params.t)
@@ -671,7 +672,7 @@ class ServerSecAggSession:
         self._acc = MaskedSumAccumulator(self.params.vector_length)
         self._unsettled = {v: sum(1 for w in self._graph[v] if w != v and w in u2) for v in u2}
         self._digests.clear()
-        self._phase = Phase.MASKED_INPUT
+        self._phase = CLOSE_TRANSITIONS[self._phase]
 
     def _check_public_keys(self, u: int, message: PublicKeys) -> None:
         # Item 5 of issue 15: a low-order or malformed X25519 point is refused before it is broadcast, so
@@ -704,7 +705,7 @@ class ServerSecAggSession:
         self._signing = bool(self.params.authority_key)
         if self._signing:
             self._set_payload = survivor_set_payload(self.params.round_id, self._session, sorted(u3))
-        self._phase = Phase.UNMASK
+        self._phase = CLOSE_TRANSITIONS[self._phase]
 
     def _close_consistency(self) -> None:
         p = self.params
@@ -765,7 +766,7 @@ class ServerSecAggSession:
         )
         self._b_shares.clear()
         self._s_shares.clear()
-        self._phase = Phase.DONE
+        self._phase = CLOSE_TRANSITIONS[self._phase]
 
     def _broadcast(self, u: int) -> Message:
         rid, session = self.params.round_id, self._session

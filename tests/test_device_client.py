@@ -65,6 +65,7 @@ from protocol.messages import (
     Wait,
 )
 from protocol.noise import to_ring
+from protocol.plan import LightFRParams
 from protocol.policy import PrivacyPolicy
 from protocol.samplers import NoiseStream
 from protocol.session import ACTIVE_PHASES, DeviceSecAggSession, Phase, RoundParameters, ServerSecAggSession
@@ -146,8 +147,7 @@ class FakeServer:
                 model_version=self.model_version,
                 bits=BITS,
                 n_items=N_ITEMS,
-                negatives=2,
-                max_sweeps=5,
+                params=LightFRParams(negatives=2, max_sweeps=5, unobserved_weight=0.0),
             )
             for u in ids
         }

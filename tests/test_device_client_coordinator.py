@@ -221,7 +221,7 @@ async def test_the_derived_w0_survives_a_server_restart(tmp_path: Path) -> None:
     derived = strategy.plan().unobserved_weight
     ((total, survivors),) = strategy.sums
     counts = strategy.layout.split(total)["counts"]
-    assert derived == density_weight(float(counts.sum()), survivors, N_ITEMS, scale=strategy.unobserved_scale)
+    assert derived == density_weight(float(counts.sum()), survivors, N_ITEMS, scale=strategy.server.unobserved_scale)
     assert derived != floor  # 7 positives per device is above the one-per-device floor
     assert server.coordinator.storage.strategy_state(2) == {"unobserved_weight": derived}
 

@@ -162,9 +162,11 @@ def test_every_subcommand_has_help() -> None:
 def test_readme_demo_on_movielens(capsys: pytest.CaptureFixture[str], shared_data: Path) -> None:
     """The README's main command with its defaults (several minutes; opt-in with `pytest -m slow`)."""
     assert main(["demo", "--data-dir", str(shared_data)]) == 0
-    out = capsys.readouterr().out
-    assert "dataset: ml-100k" in out and "server: stopped (exit 0)" in out
-    assert out.count("\n") > 20 and "privacy: ε spent" in out
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
+    # Results on stdout; where and when (the server's start and stop) on stderr.
+    assert "dataset: ml-100k" in out and "server: stopped (exit 0)" in err
+    assert out.count("\n") > 20 and "verdict: private model over the real server" in out and "ε spent 8.000" in out
 
 
 def _table_row(out: str, label: str) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agg_server.strategy.lightfr import LightFRServerStrategy, LightFRStrategy
+from agg_server.strategy.lightfr import LightFRServerParams, LightFRServerStrategy
 from fedsim.data.synthetic import synthetic
 from fedsim.private.scaled_lightfr import (
     ALPHAS,
@@ -22,6 +22,7 @@ from fedsim.private.scaled_lightfr import (
     split_budget,
 )
 from protocol.accounting import composed_rdp, epsilon_from_rdp
+from protocol.plan import LightFRParams
 from protocol.quantization import QuantizationConfig, sensitivity
 
 
@@ -54,7 +55,9 @@ def test_release_counts_are_exact_without_noise_and_clipped() -> None:
 
 
 def test_noise_aware_aggregation_keeps_bits_below_the_threshold() -> None:
-    base = LightFRServerStrategy(LightFRStrategy(bits=8), n_items=4)
+    base = LightFRServerStrategy(
+        n_items=4, params=LightFRParams(unobserved_weight=0.0), server=LightFRServerParams(bits=8, flip_fraction=1.0)
+    )
     D = np.ones((4, 8), dtype=np.int8)
     total = np.full(32, -1.0)
     total[:8] = -10.0  # item 0: strong evidence against every bit
@@ -188,7 +191,7 @@ def test_scaled_round_without_dp_releases_every_cohort_devices_clipped_quantized
     )
     res = run_private_scaled(data, st)
     strategy: Any = build_strategy(scaled_config(n, m, st, tmp_path))
-    assert strategy.code_sweeps == 3 and strategy.current_weight == 0.01
+    assert strategy.server.code_sweeps == 3 and strategy.current_weight == 0.01
     state = strategy.initialize(np.random.default_rng(np.random.SeedSequence([st.seed, 0])))  # the round's model
     D = strategy.codes(state)
     beta = bias_from_levels(strategy.levels(state), m, f, strategy.hamming_weight)

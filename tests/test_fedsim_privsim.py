@@ -258,7 +258,8 @@ def test_batched_lightfr_devices_match_real_devices(tmp_path: Path) -> None:
 
     n, m = 15, 40
     cfg = _config(tmp_path, "lightfr", n, dp=False, rounds=1, n_items=m, sampled=True)
-    cfg = replace(cfg, model=replace(cfg.model, negatives=0), rounds=replace(cfg.rounds, example_cap=0))
+    lightfr = replace(cfg.lightfr, params=replace(cfg.lightfr.params, negatives=0))
+    cfg = replace(cfg, lightfr=lightfr, rounds=replace(cfg.rounds, example_cap=0))
     sim = PrivateSimulator(cfg)
     rng = np.random.default_rng(4)
     users = [(np.sort(rng.choice(m, size=int(rng.integers(1, 12)), replace=False)), None) for _ in range(n)]
@@ -362,7 +363,8 @@ def test_batched_all_items_devices_match_real_devices(share: float, planes: int,
         round_id=1, vector_length=length, k=n, t=1, clip_norm=1.5, scale_bits=10, deadlines=(0.0,) * 4
     )
     invite = params.invite(0).with_plan(round_plan(st, 1))
-    assert invite.counts_share == share and invite.unobserved_weight > 0 and invite.query_planes == planes
+    p = invite.params
+    assert p.counts_share == share and p.unobserved_weight > 0 and p.query_planes == planes
     expected = _real_devices_sum(
         users, cohort, invite, f, lambda model: model.set_global(payload.words, b"", 1, **payload.lightfr_extras())
     )

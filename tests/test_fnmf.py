@@ -245,7 +245,7 @@ def test_strategy_contract_and_aggregation_rules() -> None:
     with pytest.raises(ValueError):
         fedavg.aggregate(v, np.zeros(11), 1, rng, round_index=0)
     invite = _invite(FNMFStrategy(rank=3, n_items=4, local_steps=7))
-    assert (invite.local_epochs, invite.alignment, invite.bits) == (7, "lap", 3)
+    assert (invite.params.local_steps, invite.params.alignment, invite.bits) == (7, "lap", 3)
     assert "ΔV̄" in s.describe(v, v + 1)
     with pytest.raises(ValueError):
         FNMFStrategy(rank=3, n_items=4, alignment="kmeans")

@@ -8,10 +8,11 @@ from functools import partial
 import numpy as np
 import pytest
 
-from agg_server.strategy.lightfr import agg_full
+from agg_server.strategy.lightfr import LightFRServerParams, LightFRServerStrategy, agg_full
 from device_sdk import lightfr
 from protocol.codes import random_signs
 from protocol.families.lightfr import LEVEL_CENTER, UploadLayout, bias_from_levels, levels_from_bias
+from protocol.plan import LightFRParams
 
 
 def _batch(rng: np.random.Generator, n: int, m: int, per_user: int):
@@ -170,7 +171,6 @@ def test_full_kernels_reject_bad_input() -> None:
 def test_devices_through_the_wire_match_the_in_process_cohort() -> None:
     """LightFRModel devices fed the server's ModelPayload and RoundInvite upload vectors whose sum,
     aggregated by the server strategy, is exactly the in-process batched step (codes and levels)."""
-    from agg_server.strategy import LightFRServerStrategy, LightFRStrategy
     from agg_server.strategy.base import round_plan
     from device_sdk.family import LocalRatings
     from device_sdk.models import LightFRConfig, LightFRModel
@@ -182,7 +182,9 @@ def test_devices_through_the_wire_match_the_in_process_cohort() -> None:
     indptr, items, _ = _batch(rng, n, m, 6)
     r = np.ones(items.size)
     strategy = LightFRServerStrategy(
-        LightFRStrategy(bits=f, flip_fraction=1.0), m, unobserved_weight=0.2, confidence=1.0, hamming_weight=2
+        n_items=m,
+        params=LightFRParams(unobserved_weight=0.2, confidence=1.0),
+        server=LightFRServerParams(bits=f, flip_fraction=1.0, mean_field=False, hamming_weight=2),
     )
     state = strategy.initialize(rng)
     state[:, -1] = rng.integers(-20, 20, m).astype(np.int8)  # some item levels
@@ -230,7 +232,6 @@ def test_density_weight_rule_and_its_clips() -> None:
 def test_server_derives_w0_from_the_counts_of_each_sum() -> None:
     """With unobserved_scale > 0 the strategy steps with κ·density^γ of the round's own counts and
     sends that w0 in the next plan; the step equals agg_full called with it."""
-    from agg_server.strategy import LightFRServerStrategy, LightFRStrategy
     from protocol.families.lightfr import density_weight
 
     rng = np.random.default_rng(5)
@@ -238,7 +239,9 @@ def test_server_derives_w0_from_the_counts_of_each_sum() -> None:
     indptr, items, _ = _batch(rng, n, m, 8)
     r = np.ones(items.size)
     strategy = LightFRServerStrategy(
-        LightFRStrategy(bits=f, flip_fraction=1.0), m, unobserved_weight=0.05, unobserved_scale=0.6
+        n_items=m,
+        params=LightFRParams(unobserved_weight=0.05),
+        server=LightFRServerParams(bits=f, flip_fraction=1.0, mean_field=False, unobserved_scale=0.6),
     )
     assert strategy.plan().unobserved_weight == 0.05  # round 1: the provisional value
     state = strategy.initialize(rng)
@@ -253,9 +256,11 @@ def test_server_derives_w0_from_the_counts_of_each_sum() -> None:
     np.testing.assert_array_equal(new_state[:, :f], D)
     np.testing.assert_array_equal(strategy.levels(new_state), levels_from_bias(new_beta, f, 2))
     with pytest.raises(ValueError, match="unobserved_scale"):
-        LightFRServerStrategy(LightFRStrategy(bits=f), m, unobserved_weight=0.1, unobserved_scale=-1.0)
-    with pytest.raises(ValueError, match="round 1"):
-        LightFRServerStrategy(LightFRStrategy(bits=f), m, unobserved_weight=0.0, unobserved_scale=0.6)
+        LightFRServerParams(bits=f, unobserved_scale=-1.0)
+    with pytest.raises(ValueError, match="unobserved_scale: needs the all-items objective"):
+        LightFRServerStrategy(
+            n_items=m, params=LightFRParams(unobserved_weight=0.0), server=LightFRServerParams(unobserved_scale=0.6)
+        )
 
 
 def test_server_config_auto_weight_builds_a_density_strategy(tmp_path) -> None:
@@ -269,26 +274,29 @@ def test_server_config_auto_weight_builds_a_density_strategy(tmp_path) -> None:
     config_from_dict = partial(from_dict, base_dir=tmp_path)
     base = {"server": {"data_dir": str(tmp_path)}}
     st = build_strategy(config_from_dict({**base, "model": {"n_items": 500}}))
-    assert st.unobserved_scale == 0.6 and st.plan().unobserved_weight == density_weight(0.0, 1, 500)
+    assert st.server.unobserved_scale == 0.6 and st.plan().unobserved_weight == density_weight(0.0, 1, 500)
     fixed = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "unobserved_weight": 0.1}}))
-    assert fixed.unobserved_scale == 0.0 and fixed.plan().unobserved_weight == 0.1
+    assert fixed.server.unobserved_scale == 0.0 and fixed.plan().unobserved_weight == 0.1
     with pytest.raises(ConfigError, match='"auto" or a number'):
         config_from_dict({**base, "model": {"n_items": 500, "unobserved_weight": "automatic"}})
     with pytest.raises(ConfigError, match="unobserved_scale"):
         config_from_dict({**base, "model": {"n_items": 500, "unobserved_scale": 0}})
     # the mean-field step is the default, and with it ρ = 1; without it (or with sampled negatives) ρ = 0.3
-    assert st.mean_field and st.rule.flip_fraction == 1.0
+    assert st.server.mean_field and st.rule.flip_fraction == 1.0
     jacobi = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "mean_field": False}}))
-    assert not jacobi.mean_field and jacobi.rule.flip_fraction == 0.3
+    assert not jacobi.server.mean_field and jacobi.rule.flip_fraction == 0.3
     sampled = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "unobserved_weight": 0}}))
     assert sampled.rule.flip_fraction == 0.3
     given = build_strategy(config_from_dict({**base, "model": {"n_items": 500, "flip_fraction": 0.5}}))
-    assert given.mean_field and given.rule.flip_fraction == 0.5
+    assert given.server.mean_field and given.rule.flip_fraction == 0.5
     with pytest.raises(ConfigError, match="model.mean_field: must be true or false"):
         config_from_dict({**base, "model": {"n_items": 500, "mean_field": "yes"}})
     # the passes of the code step: one by default, as configured otherwise
-    assert st.code_sweeps == 1
-    assert build_strategy(config_from_dict({**base, "model": {"n_items": 500, "code_sweeps": 10}})).code_sweeps == 10
+    assert st.server.code_sweeps == 1
+    assert (
+        build_strategy(config_from_dict({**base, "model": {"n_items": 500, "code_sweeps": 10}})).server.code_sweeps
+        == 10
+    )
     for bad in (0, 101, 2.5, True):
         with pytest.raises(ConfigError, match="model.code_sweeps"):
             config_from_dict({**base, "model": {"n_items": 500, "code_sweeps": bad}})
@@ -320,14 +328,16 @@ def test_clip_parts_gives_the_counts_their_share_of_the_clip_norm() -> None:
 
 
 def test_popularity_levels_follow_the_released_counts_and_average_over_rounds() -> None:
-    from agg_server.strategy.lightfr import LightFRServerStrategy, LightFRStrategy, popularity_bias
+    from agg_server.strategy.lightfr import popularity_bias
 
     beta = popularity_bias(np.array([-3.0, 0.0, 1.0, 10.0, 100.0]), 2.0)
     assert beta[0] == beta[1] == 0.0 and np.all(np.diff(beta[1:]) > 0) and beta[-1] == pytest.approx(2.0)
     assert np.array_equal(popularity_bias(np.array([-1.0, 0.0]), 2.0), np.zeros(2))
     m, f = 6, 8
     st = LightFRServerStrategy(
-        LightFRStrategy(bits=f), m, unobserved_weight=0.1, hamming_weight=1, counts_share=0.5, popularity_span=2.0
+        n_items=m,
+        params=LightFRParams(unobserved_weight=0.1, counts_share=0.5),
+        server=LightFRServerParams(bits=f, flip_fraction=1.0, mean_field=False, hamming_weight=1, popularity_span=2.0),
     )
     assert st.plan().counts_share == 0.5
     layout = st.layout
@@ -350,7 +360,9 @@ def test_popularity_levels_follow_the_released_counts_and_average_over_rounds() 
     lv2 = st.levels(second)
     assert lv2 is not None and int(lv2.max()) - int(lv2.min()) <= 1
     with pytest.raises(ValueError, match="all-items"):
-        LightFRServerStrategy(LightFRStrategy(bits=f), m, unobserved_weight=0.0, popularity_span=1.0)
+        LightFRServerStrategy(
+            n_items=m, params=LightFRParams(unobserved_weight=0.0), server=LightFRServerParams(popularity_span=1.0)
+        )
 
 
 # -- asymmetric scoring: real user vectors (as bit-planes) against binary item codes ---------------
@@ -670,7 +682,6 @@ def test_mean_field_sweeps_end_where_no_single_bit_flip_helps() -> None:
 def test_server_strategy_runs_the_code_sweeps_it_is_given() -> None:
     """`LightFRServerStrategy(code_sweeps=…)` steps exactly as `agg_full(sweeps=…)`, and more passes change
     the step; it and the simulator's `FederationConfig` refuse a count that is not an integer >= 1."""
-    from agg_server.strategy import LightFRServerStrategy, LightFRStrategy
     from fedsim.federation.lightfr import FederationConfig
 
     rng = np.random.default_rng(3)
@@ -681,7 +692,9 @@ def test_server_strategy_runs_the_code_sweeps_it_is_given() -> None:
     steps = {}
     for sweeps in (1, 6):
         strategy = LightFRServerStrategy(
-            LightFRStrategy(bits=f, flip_fraction=1.0), m, unobserved_weight=0.05, mean_field=True, code_sweeps=sweeps
+            n_items=m,
+            params=LightFRParams(unobserved_weight=0.05),
+            server=LightFRServerParams(bits=f, flip_fraction=1.0, mean_field=True, code_sweeps=sweeps),
         )
         state = strategy.initialize(np.random.default_rng(0))
         beta = np.zeros(m)
@@ -694,7 +707,7 @@ def test_server_strategy_runs_the_code_sweeps_it_is_given() -> None:
     assert np.count_nonzero(steps[1] != steps[6]) > 0
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="code_sweeps"):
-            LightFRServerStrategy(LightFRStrategy(bits=f), m, unobserved_weight=0.05, code_sweeps=bad)
+            LightFRServerParams(bits=f, code_sweeps=bad)
         with pytest.raises(ValueError, match="code_sweeps"):
             FederationConfig(code_sweeps=bad)
 

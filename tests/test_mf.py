@@ -32,6 +32,7 @@ from fedsim.federation.mf import (
 from protocol.accounting import compute_epsilon
 from protocol.errors import ModelError, StorageError
 from protocol.messages import RoundInvite
+from protocol.plan import LightFRParams, MFParams
 from tests.mf_reference import (
     aggregate_reference,
     item_gradient_reference,
@@ -54,7 +55,7 @@ def _examples(rng: np.random.Generator, n: int, m: int, per_user: int):
     return users, items, r
 
 
-def _invite(m: int, f: int, **plan) -> RoundInvite:
+def _invite(m: int, f: int, example_cap: int = 0, **plan) -> RoundInvite:
     base = {"learning_rate": 0.1, "reg": 0.0, "max_norm2": R, "pretrain_epochs": 5, "local_epochs": 1}
     base.update(plan)
     return RoundInvite(
@@ -72,7 +73,8 @@ def _invite(m: int, f: int, **plan) -> RoundInvite:
         model_kind="mf",
         bits=f,
         n_items=m,
-        **base,
+        example_cap=example_cap,
+        params=MFParams(**base),
     )
 
 
@@ -247,7 +249,7 @@ def test_local_update_with_negatives_and_refusals() -> None:
         model.local_update(_invite(m, f).plan, LocalRatings.single_user([1], [6.0]), np.random.default_rng(0))
     with pytest.raises(ValueError, match="lightfr"):
         model.local_update(
-            dataclasses.replace(_invite(m, f), model_kind="lightfr").plan,
+            dataclasses.replace(_invite(m, f), model_kind="lightfr", params=LightFRParams(unobserved_weight=0.0)).plan,
             LocalRatings.single_user([1], [3.0]),
             np.random.default_rng(0),
         )
@@ -435,9 +437,9 @@ def test_strategy_contract_wire_and_plan() -> None:
         s.from_wire(b"\x00", wire["values"])
     names = ("learning_rate", "reg", "max_norm2", "pretrain_epochs", "local_epochs", "negatives")
     assert {f.name for f in dataclasses.fields(s.plan())} == set(names)
-    wire = round_plan(s, 1).invite_fields()
-    inv = _invite(7, 3, **{k: wire[k] for k in names})  # every key is a RoundInvite field with a valid value
-    assert inv.max_norm2 == 5.0 and inv.learning_rate == s.learning_rate and inv.plan.params == s.plan()
+    record = round_plan(s, 1).record()
+    inv = _invite(7, 3, **{k: record[k] for k in names})  # every name is an MFParams field with a valid value
+    assert inv.params == s.plan() and inv.plan.params == s.plan()
     assert "mean |ΔV|" in s.describe(V, V)
 
 
@@ -460,6 +462,10 @@ def test_strategy_aggregate_hand_computed() -> None:
         s.aggregate(V, total, 0, rng, round_index=0)
     with pytest.raises(ValueError, match="elements"):
         s.aggregate(V, total[:3], 1, rng, round_index=0)
+    with pytest.raises(ValueError, match="elements"):  # the contract's sum is a (vector_length,) vector
+        s.aggregate(V, total.reshape(2, 2), 1, rng, round_index=0)
+    with pytest.raises(ValueError, match="non-finite"):
+        s.aggregate(V, np.array([0.0, np.nan, 0.0, 0.0]), 1, rng, round_index=0)
 
 
 # -- federation on planted data ----------------------------------------------------------------------

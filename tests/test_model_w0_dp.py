@@ -245,7 +245,15 @@ def test_a_restart_serves_the_17_fields_for_an_older_or_reconfigured_checkpoint(
     derived = decode(run.coordinator.model_bytes)
     assert isinstance(derived, ModelPayload) and derived.unobserved_weight != 0.05 and not derived.dp_trained
     run.coordinator.storage.close()
-    fixed = dataclasses.replace(plain, model=dataclasses.replace(plain.model, unobserved_weight=0.05))
+    lightfr = plain.lightfr
+    fixed = dataclasses.replace(
+        plain,
+        lightfr=dataclasses.replace(
+            lightfr,
+            params=dataclasses.replace(lightfr.params, unobserved_weight=0.05),
+            server=dataclasses.replace(lightfr.server, unobserved_scale=0.0),
+        ),
+    )
     again = RoundCoordinator(fixed, Storage(fixed.data_dir), now=20.0)
     try:
         served = decode(again.model_bytes)

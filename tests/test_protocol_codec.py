@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from protocol import messages as messages_module
 from protocol.codec import _SCHEMA, check_version, decode, encode, is_compatible
 from protocol.errors import DecodeError, PayloadTooLarge, VersionMismatch
-from protocol.families.lightfr import UploadLayout
 from protocol.messages import (
     Abort,
     CheckIn,
@@ -35,6 +34,15 @@ from protocol.messages import (
     UnmaskRequest,
     UnmaskResponse,
     Wait,
+)
+from protocol.plan import (
+    FamilyParams,
+    FELBParams,
+    FNMFParams,
+    LightFRParams,
+    MFParams,
+    known_wire_params,
+    wire_params,
 )
 from protocol.spec import (
     MAX_ITEMS,
@@ -61,25 +69,71 @@ finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 
 
 @st.composite
+def family_params(draw: st.DrawFn, kind: ModelKind) -> FamilyParams:
+    """Valid training parameters of family ``kind``, every parameter drawn."""
+    non_negative = st.floats(0.0, 1e6)
+    epochs = st.integers(1, MAX_LOCAL_STEPS)
+    if kind == ModelKind.LIGHTFR:
+        confidence = draw(st.floats(0.0, 100.0))
+        w0 = draw(st.sampled_from([0.0, draw(st.floats(0.0, 1.0 + confidence))]))
+        return LightFRParams(
+            aggregation=Aggregation.GRAD if w0 > 0 else draw(st.sampled_from(list(Aggregation))),
+            lam=draw(non_negative),
+            negatives=draw(st.integers(0, 100)),
+            local_epochs=draw(epochs),
+            max_sweeps=draw(epochs),
+            unobserved_weight=w0,
+            confidence=confidence,
+            counts_share=draw(st.floats(0.0, 1.0, exclude_max=True)) if w0 > 0 else 0.0,
+            query_planes=draw(st.integers(0, MAX_QUERY_PLANES)) if w0 > 0 else 0,
+            user_reg=draw(st.floats(*USER_REG_RANGE)),
+        )
+    if kind == ModelKind.MF:
+        return MFParams(
+            max_norm2=draw(st.floats(1e-6, 1e6)),
+            learning_rate=draw(non_negative),
+            reg=draw(non_negative),
+            pretrain_epochs=draw(st.integers(0, MAX_LOCAL_STEPS)),
+            local_epochs=draw(epochs),
+            negatives=draw(st.integers(0, 100)),
+        )
+    inertia = draw(st.floats(0.0, 1.0, exclude_max=True))
+    if kind == ModelKind.FELB:
+        return FELBParams(
+            local_epochs=draw(epochs),
+            reg=draw(non_negative),
+            reg_growth=draw(st.floats(1.0, 10.0)),
+            kappa=draw(non_negative),
+            proximity=draw(non_negative),
+            inertia=inertia,
+            step_rule=draw(st.sampled_from(list(StepRule))),
+        )
+    return FNMFParams(
+        local_steps=draw(epochs),
+        proximity=draw(non_negative),
+        inertia=inertia,
+        alignment=draw(st.sampled_from(list(Alignment))),
+    )
+
+
+@st.composite
 def invite_fields(draw: st.DrawFn) -> dict[str, object]:
     """Keyword arguments of a valid `RoundInvite` that draw every field (a test checks none is left out)."""
     k = draw(st.integers(1, 1000))
     deadlines = sorted(draw(st.lists(finite, min_size=4, max_size=4)))
     mu = draw(st.floats(0.0, 1e9))
     kind = draw(st.sampled_from(list(ModelKind)))
+    params = draw(family_params(kind))
     vector_length = draw(st.integers(1, 2**28))
     bits = draw(st.integers(0, MAX_RANK))
-    confidence = draw(st.floats(0.0, 100.0))
-    w0 = draw(st.sampled_from([0.0, draw(st.floats(0.0, 1.0 + confidence))]))
     if bits and draw(st.booleans()):
         # A plan naming the catalogue: LightFR's update is exactly its upload layout (n_items × bits,
         # plus 2·n_items + bits² + bits under the all-items objective), the others' at least n_items × bits.
         n_items = draw(st.integers(1, max(1, min(MAX_ITEMS, (2**28) // bits - 2 * bits - 2))))
-        lightfr = UploadLayout(n_items, bits, full=w0 > 0).length
+        lightfr = params.upload_length(n_items, bits)
         vector_length = lightfr if kind == ModelKind.LIGHTFR else draw(st.integers(n_items * bits, 2**28))
     else:
         n_items = 0 if bits else draw(st.integers(0, MAX_ITEMS))
-    non_negative = st.floats(0.0, 1e6)
     return {
         "round_id": draw(ids),
         "device_id": draw(ids),
@@ -96,31 +150,12 @@ def invite_fields(draw: st.DrawFn) -> dict[str, object]:
         "unmask_deadline": deadlines[3],
         "model_version": draw(ids),
         "model_kind": kind.value,
-        "aggregation": draw(st.sampled_from([a.value for a in Aggregation])),
         "bits": bits,
         "n_items": n_items,
-        "lam": draw(non_negative),
-        "negatives": draw(st.integers(0, 100)),
-        "local_epochs": draw(st.integers(1, MAX_LOCAL_STEPS)),
-        "max_sweeps": draw(st.integers(1, MAX_LOCAL_STEPS)),
         "example_cap": draw(st.integers(0, 10**6)),
-        "learning_rate": draw(non_negative),
-        "reg": draw(non_negative),
-        "reg_growth": draw(st.floats(1.0, 10.0)),
-        "kappa": draw(non_negative),
-        "proximity": draw(non_negative),
-        "inertia": draw(st.floats(0.0, 1.0, exclude_max=True)),
-        "max_norm2": draw(non_negative),
-        "pretrain_epochs": draw(st.integers(0, MAX_LOCAL_STEPS)),
-        "step_rule": draw(st.sampled_from(["", *(r.value for r in StepRule)])),
-        "alignment": draw(st.sampled_from(["", *(a.value for a in Alignment)])),
         "round_index": draw(st.integers(0, 10**6)),
         "cohort_size": draw(st.integers(0, 10**6)),
-        "unobserved_weight": w0,
-        "confidence": confidence,
-        "counts_share": draw(st.floats(0.0, 1.0, exclude_max=True)) if w0 > 0 else 0.0,
-        "query_planes": draw(st.integers(0, MAX_QUERY_PLANES)) if w0 > 0 else 0,
-        "user_reg": draw(st.floats(*USER_REG_RANGE)),
+        "params": params,
     }
 
 
@@ -246,10 +281,26 @@ def test_the_codec_schema_names_every_field_of_every_message() -> None:
     assert {cls for cls, _ in _SCHEMA.values()} == classes
     for code, (cls, fields) in _SCHEMA.items():
         assert cls.TYPE == code
-        names = [name for name, _, _ in fields]
-        keys = [key for _, key, _ in fields]
-        assert sorted(names) == sorted(f.name for f in dataclasses.fields(cls)), cls.__name__
+        named = [item for item in fields if not isinstance(item, str)]
+        names = [name for name, _, _ in named]
+        keys = [key for _, key, _ in named] + [item for item in fields if isinstance(item, str)]
+        want = sorted(f.name for f in dataclasses.fields(cls))
+        if cls is RoundInvite:  # ``params`` travels as its parameters' keys (the bare strings)
+            want.remove("params")
+        assert sorted(names) == want, cls.__name__
         assert len(set(names)) == len(names) and len(set(keys)) == len(keys), cls.__name__
+
+
+def test_the_invites_plan_keys_are_the_parameter_types_keys() -> None:
+    """The keys the schema lists for the invite's parameters are exactly those the four parameter types
+    declare (`protocol.plan.param_field`); a key two families share means the same type and absence."""
+    listed = {item for item in _SCHEMA[RoundInvite.TYPE][1] if isinstance(item, str)}
+    declared: dict[str, tuple[type, object]] = {}
+    for ptype in (LightFRParams, MFParams, FELBParams, FNMFParams):
+        for w in wire_params(ptype):
+            kind = (type(w.absent), w.absent)
+            assert declared.setdefault(w.key, kind) == kind, (ptype.__name__, w)
+    assert listed == set(declared) == set(known_wire_params())
 
 
 def test_every_type_round_trips_and_has_a_distinct_code() -> None:

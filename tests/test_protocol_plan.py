@@ -10,7 +10,7 @@ import pytest
 
 from protocol.codec import decode, encode
 from protocol.messages import RoundInvite
-from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams, TrainingPlan, params_type
+from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams, TrainingPlan, params_from_wire, params_type
 from protocol.spec import Aggregation, Alignment, ModelKind, StepRule
 
 PARAMS = [
@@ -82,12 +82,15 @@ def test_invites_without_a_valid_plan_are_refused() -> None:
     with pytest.raises(ValueError, match="no training plan"):
         _ = dataclasses.replace(invite, bits=0, n_items=0).plan  # a 1.0 invite
     with pytest.raises(ValueError, match="unknown model family"):
-        _ = dataclasses.replace(invite, model_kind="tensor").plan
+        _ = dataclasses.replace(invite, model_kind="tensor", params=None).plan  # what a decoder makes of it
+    with pytest.raises(ValueError, match="params are 'mf' parameters, model_kind is 'felb'"):
+        dataclasses.replace(invite, model_kind="felb")
     with pytest.raises(ValueError, match="^step_rule: must be one of"):
-        _ = dataclasses.replace(invite, model_kind="felb", step_rule="").plan  # "" is valid on the wire only
-    assert dataclasses.replace(invite, model_kind="felb", step_rule="mu").plan.kind is ModelKind.FELB
+        params_from_wire("felb", {"sr": ""})  # "" (the key's absent value) is no FELB step rule
+    felb = dataclasses.replace(invite, model_kind="felb", params=FELBParams(step_rule=StepRule.MU))
+    assert felb.plan.kind is ModelKind.FELB
     with pytest.raises(ValueError, match="vector_length"):
-        _ = dataclasses.replace(invite, model_kind="felb", step_rule="mu", vector_length=11).plan
+        _ = dataclasses.replace(felb, vector_length=11).plan
     with pytest.raises(ValueError, match="vector_length"):
         invite.with_plan(TrainingPlan(params=MFParams(), n_items=6, rank=2))
     with pytest.raises(ValueError, match="lightfr"):
@@ -104,7 +107,7 @@ def test_in_process_plans_clip_nothing() -> None:
 
 
 def test_server_config_devices_and_cli_share_defaults_and_bounds() -> None:
-    from agg_server.config import FELBSection, FNMFSection, MFSection, ModelSection
+    from agg_server.config import FELBSection, FNMFSection, LightFRSection, MFSection
     from device_sdk.fnmf import FNMFConfig
     from device_sdk.mf import MFConfig
     from device_sdk.models import LightFRConfig
@@ -121,7 +124,8 @@ def test_server_config_devices_and_cli_share_defaults_and_bounds() -> None:
     from protocol.families.lightfr import density_weight
 
     first = dataclasses.replace(LightFRParams(), unobserved_weight=density_weight(0.0, 1, 3))
-    assert ModelSection(n_items=3).lightfr_params() == first
+    assert LightFRSection.from_table({}, 3).params == first
+    assert LightFRSection().params == LightFRParams()  # built in code: the plan's defaults, w0 fixed
     assert LightFRConfig().params(Aggregation.GRAD) == LightFRParams()
     assert MFConfig().params() == MFParams()
     fnmf = FNMFConfig()
@@ -129,8 +133,8 @@ def test_server_config_devices_and_cli_share_defaults_and_bounds() -> None:
     # local_epochs: the same bound everywhere.
     with pytest.raises(ConfigError, match=r"^mf\.local_epochs: must be an integer in \[1, 1000\]"):
         MFSection(local_epochs=1001)
-    with pytest.raises(ConfigError, match=r"^model\.local_epochs: must be an integer in \[1, 1000\]"):
-        ModelSection(n_items=3, local_epochs=0)
+    with pytest.raises(ConfigError, match=r"^lightfr\.local_epochs: must be an integer in \[1, 1000\]"):
+        LightFRSection.from_table({"local_epochs": 0}, 3)
     with pytest.raises(ValueError, match=r"^local_epochs: must be an integer in \[1, 1000\]"):
         LightFRConfig(local_epochs=1001)
     with pytest.raises(ValueError, match=r"^local_steps"):
@@ -200,22 +204,20 @@ def test_the_device_follows_the_plans_planes_and_a_15_device_ignores_them() -> N
     """A 1.6 device trains what the plan says (a bit-plane vector, the upload in the same layout); a 1.5
     device (a decoder without the qp/ur keys) reads the same bytes as a plan without planes and trains a
     ±1 code: its upload has the same length and layout, so the round takes it."""
-    from types import MappingProxyType
-
+    import msgpack
     import numpy as np
 
     from device_sdk.family import LocalRatings
     from device_sdk.models import LightFRConfig, LightFRModel
-    from protocol import codec
 
     wire = encode(_planes_invite())
     plan = decode(wire).plan  # type: ignore[union-attr]
     assert plan.params.query_planes == 2 and plan.params.user_reg == 10.0
-    kind, fields = codec._SCHEMA[RoundInvite.TYPE]
-    old = tuple(f for f in fields if f[1] not in ("qp", "ur"))  # what a 1.5 decoder knows
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(codec, "_SCHEMA", MappingProxyType({**codec._SCHEMA, RoundInvite.TYPE: (kind, old)}))
-        old_plan = decode(wire).plan  # type: ignore[union-attr]
+    # A 1.5 decoder ignores the qp and ur keys it does not know: it reads the body without them.
+    envelope = msgpack.unpackb(wire, raw=False)
+    assert {"qp", "ur"} <= set(envelope["b"])
+    envelope["b"] = {k: v for k, v in envelope["b"].items() if k not in ("qp", "ur")}
+    old_plan = decode(msgpack.packb(envelope, use_bin_type=True)).plan  # type: ignore[union-attr]
     assert old_plan.params.query_planes == 0 and old_plan == dataclasses.replace(
         plan, params=dataclasses.replace(plan.params, query_planes=0, user_reg=1.0)
     )
@@ -230,3 +232,55 @@ def test_the_device_follows_the_plans_planes_and_a_15_device_ignores_them() -> N
         uploads.append(out.vector)
     assert uploads[0].shape == uploads[1].shape == (p.vector_length,)
     assert not np.array_equal(uploads[0], uploads[1])
+
+
+# -- one contract: a new LightFR hyper-parameter is declared once -----------------------------------------
+
+
+def test_a_new_lightfr_parameter_flows_from_the_config_table_to_the_devices_plan(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """A parameter added to `LightFRParams` (here by a subclass registered in its place) is a key of the
+    server's [lightfr] table, reaches the strategy's plan, travels in the invite under the key it declares,
+    and is in the plan the device decodes; an invite without the key (an older server's) means ``absent``.
+    Nothing but the parameter type knows of it."""
+    import msgpack
+
+    from agg_server.config import config_from_dict, lightfr_keys
+    from agg_server.strategy import build_strategy
+    from agg_server.strategy.base import round_plan
+    from protocol import plan as plan_module
+    from protocol.plan import param_field
+    from protocol.session import RoundParameters
+
+    fake = dataclasses.make_dataclass(
+        "LightFRParams",
+        [("fake_knob", float, param_field(0.5, "fk", absent=0.0))],
+        bases=(LightFRParams,),
+        frozen=True,
+        slots=True,
+        kw_only=True,
+    )
+    monkeypatch.setitem(plan_module._PARAMS, ModelKind.LIGHTFR, fake)
+    assert "fake_knob" in lightfr_keys()
+    table = {"server": {"data_dir": str(tmp_path)}, "model": {"n_items": 20}, "lightfr": {"bits": 8, "fake_knob": 0.75}}
+    config = config_from_dict(table, base_dir=tmp_path)
+    assert isinstance(config.lightfr.params, fake) and config.lightfr.params.fake_knob == 0.75  # type: ignore[attr-defined]
+    strategy = build_strategy(config)
+    plan = round_plan(strategy, 1)
+    assert plan.params.fake_knob == 0.75  # type: ignore[union-attr]
+    assert plan.record()["fake_knob"] == 0.75  # the stored round record names it too
+    params = RoundParameters(
+        round_id=1, vector_length=plan.vector_length, k=3, t=2, clip_norm=1.0, scale_bits=8, deadlines=(0.0,) * 4
+    )
+    wire = encode(params.invite(7).with_plan(plan))
+    envelope = msgpack.unpackb(wire, raw=False)
+    assert envelope["b"]["fk"] == 0.75 and list(envelope["b"])[-1] == "fk"  # appended after protocol 1.7's keys
+    device_plan = decode(wire).plan  # type: ignore[union-attr]
+    assert device_plan.params == plan.params and device_plan.params.fake_knob == 0.75  # type: ignore[union-attr]
+    del envelope["b"]["fk"]
+    older = decode(msgpack.packb(envelope, use_bin_type=True)).plan  # type: ignore[union-attr]
+    assert older.params.fake_knob == 0.0  # type: ignore[union-attr]
+    # Left out of the table, it is the parameter type's default.
+    table["lightfr"] = {"bits": 8}
+    assert build_strategy(config_from_dict(table, base_dir=tmp_path)).plan().fake_knob == 0.5  # type: ignore[attr-defined]

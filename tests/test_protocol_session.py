@@ -490,6 +490,18 @@ def test_server_deadlines_close_phases_and_abort_below_t() -> None:
 # -- the rules module (protocol.phases) -------------------------------------------------------------------
 
 
+def test_server_phases_close_along_the_close_table() -> None:
+    from protocol.phases import CLOSE_TRANSITIONS
+
+    assert tuple(CLOSE_TRANSITIONS) == ACTIVE_PHASES
+    rnd = Round(n=4, t=2)
+    for phase in ACTIVE_PHASES:
+        assert rnd.server.phase is phase
+        rnd.step(phase)
+        assert rnd.server.phase is CLOSE_TRANSITIONS[phase]
+    assert rnd.server.phase is Phase.DONE
+
+
 def test_prune_unmaskable_repeats_to_a_fixed_point() -> None:
     from protocol.phases import prune_unmaskable
 

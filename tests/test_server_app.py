@@ -293,7 +293,8 @@ async def test_http_run_with_asymmetric_scoring_in_the_plan_matches_the_in_proce
 
     def config(where: str, planes: int) -> Any:
         cfg = small_config(tmp_path / where, cohort=16, timeout=60.0, min_cohort=16)
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, query_planes=planes, user_reg=10.0))
+        params = dataclasses.replace(cfg.lightfr.params, query_planes=planes, user_reg=10.0)
+        return dataclasses.replace(cfg, lightfr=dataclasses.replace(cfg.lightfr, params=params))
 
     def schedule(r: int, d: int) -> DropoutAt:
         return DropoutAt.BEFORE_MASKED if (d + r) % 5 == 0 else DropoutAt.NONE

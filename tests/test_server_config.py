@@ -15,6 +15,7 @@ from agg_server.config import (
     EnrollmentSection,
     FELBSection,
     FNMFSection,
+    LightFRSection,
     ListenConfig,
     LogSection,
     MFSection,
@@ -24,9 +25,11 @@ from agg_server.config import (
     ServerConfig,
     StorageSection,
     config_from_dict,
+    lightfr_keys,
     load_config,
 )
 from protocol.errors import ConfigError
+from protocol.plan import LightFRParams
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "server.toml"
 
@@ -67,6 +70,7 @@ def test_example_lists_every_key() -> None:
     tables = {
         "server": ["data_dir", *[f.name for f in dataclasses.fields(ListenConfig)]],
         "model": [f.name for f in dataclasses.fields(ModelSection)],
+        "lightfr": lightfr_keys(),
         "rounds": [f.name for f in dataclasses.fields(RoundSection)],
         "privacy": [f.name for f in dataclasses.fields(PrivacySection)],
         "log": [f.name for f in dataclasses.fields(LogSection)],
@@ -88,7 +92,7 @@ def test_example_lists_every_key() -> None:
 def test_defaults_match_the_brief() -> None:
     config = config_from_dict(_minimal(), base_dir=Path("/srv"))
     assert config.listen == ListenConfig(host="127.0.0.1", port=8080, max_body_bytes=64 << 20)
-    assert (config.model.kind, config.model.bits, config.model.aggregation) == ("lightfr", 64, "grad")
+    assert (config.model.kind, config.lightfr.server.bits, config.lightfr.params.aggregation) == ("lightfr", 64, "grad")
     assert config.rounds.cohort_size == 50 and config.rounds.seed is None and config.rounds.k is None
     assert config.rounds.masked_input_timeout == 120.0
     assert config.privacy == PrivacySection(enabled=False, epsilon=8.0, delta=1e-5, planned_rounds=10)
@@ -297,10 +301,11 @@ def test_lightfr_keys_the_objective_would_ignore_are_refused(model: dict[str, An
     # The same keys where they act are accepted.
     data["model"] = {"n_items": 100, "query_planes": 2, "user_reg": 3.0, "code_sweeps": 3}
     config = config_from_dict(data, base_dir=Path("/srv"))
-    assert (config.model.query_planes, config.model.user_reg, config.model.code_sweeps) == (2, 3.0, 3)
+    lightfr = config.lightfr
+    assert (lightfr.params.query_planes, lightfr.params.user_reg, lightfr.server.code_sweeps) == (2, 3.0, 3)
 
 
-_LIGHTFR_ONLY = [f.name for f in dataclasses.fields(ModelSection) if f.name not in ("kind", "n_items")]
+_LIGHTFR_ONLY = lightfr_keys()
 # A value other than each LightFR key's default (all valid for LightFR, so only the kind can refuse them).
 _CHANGED: dict[str, Any] = {
     "bits": 32,
@@ -351,8 +356,9 @@ def test_lightfr_keys_at_their_defaults_load_under_another_kind() -> None:
         with pytest.raises(ConfigError, match=rf"^model\.{key}: a LightFR setting"):
             config_from_dict({**_minimal(), "model": {"kind": "mf", "n_items": 100, key: value}}, base_dir=Path("/srv"))
     # In code as from TOML.
-    with pytest.raises(ConfigError, match=r'^model\.query_planes: a LightFR setting, unused with model\.kind = "felb"'):
-        ModelSection(kind="felb", n_items=10, query_planes=2)
+    section = LightFRSection(params=LightFRParams(query_planes=2))
+    with pytest.raises(ConfigError, match=r'^lightfr: the \[lightfr\] table configures model\.kind = "lightfr"'):
+        ServerConfig(data_dir=Path("d"), model=ModelSection(kind="felb", n_items=10), lightfr=section)
 
 
 @pytest.mark.parametrize(
@@ -457,3 +463,61 @@ def test_storage_url_names_its_scheme(tmp_path: Path) -> None:
     assert "secret" not in str(info.value)
     with pytest.raises(ConfigError, match=r"^rounds\.disconnect_grace"):
         config_from_dict({**base, "rounds": {"disconnect_grace": -1}}, base_dir=tmp_path)
+
+
+# -- the [lightfr] table -------------------------------------------------------------------------------
+
+
+def test_lightfr_table_and_the_older_model_keys_build_the_same_config() -> None:
+    keys = {"bits": 32, "lam": 0.01, "query_planes": 2, "code_sweeps": 3, "unobserved_weight": 0.05}
+    new = config_from_dict({**_minimal(), "lightfr": keys}, base_dir=Path("/srv"))
+    data = _minimal()
+    data["model"].update(keys)
+    assert config_from_dict(data, base_dir=Path("/srv")) == new
+    assert new.lightfr.params == LightFRParams(lam=0.01, query_planes=2, unobserved_weight=0.05)
+    assert (new.lightfr.server.bits, new.lightfr.server.code_sweeps, new.lightfr.server.unobserved_scale) == (32, 3, 0)
+    # Split between the tables, as an operator moving keys one by one would have it.
+    data = _minimal()
+    data["model"].update(bits=32, lam=0.01)
+    data["lightfr"] = {"query_planes": 2, "code_sweeps": 3, "unobserved_weight": 0.05}
+    assert config_from_dict(data, base_dir=Path("/srv")) == new
+
+
+def test_a_lightfr_key_in_both_tables_is_refused() -> None:
+    data = _minimal()
+    data["model"]["lam"] = 0.01
+    data["lightfr"] = {"lam": 0.01}
+    with pytest.raises(ConfigError, match=r"^model\.lam: also given as lightfr\.lam; .* give it once, in \[lightfr\]"):
+        config_from_dict(data, base_dir=Path("/srv"))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("local_epochs", 0, "must be an integer in [1, 1000], got 0"),
+        ("hamming_weight", 0, "must be an integer in [1, 255], got 0"),
+        ("unobserved_weight", "often", '"auto" or a number'),
+        ("unobserved_scale", 0, "must be a finite number > 0"),
+        ("aggregation", "sum", "must be one of 'grad', 'para'"),
+        ("mean_field", 1, "must be true or false"),
+    ],
+)
+def test_lightfr_errors_name_the_table_the_key_was_given_in(key: str, value: object, message: str) -> None:
+    for table in ("lightfr", "model"):
+        data = _minimal()
+        data.setdefault(table, {})[key] = value
+        with pytest.raises(ConfigError) as info:
+            config_from_dict(data, base_dir=Path("/srv"))
+        assert str(info.value).startswith(f"{table}.{key}: ") and message in str(info.value), str(info.value)
+
+
+def test_lightfr_table_is_refused_under_another_kind() -> None:
+    data = _minimal()
+    data["model"]["kind"] = "mf"
+    data["lightfr"] = {"query_planes": 2}
+    with pytest.raises(
+        ConfigError, match=r'^lightfr\.query_planes: the \[lightfr\] table configures model\.kind = "lig'
+    ):
+        config_from_dict(data, base_dir=Path("/srv"))
+    data["lightfr"] = {"query_planes": 0, "unobserved_weight": "auto", "aggregation": "grad"}  # defaults: fine
+    assert config_from_dict(data, base_dir=Path("/srv")).lightfr == LightFRSection()

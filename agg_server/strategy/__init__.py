@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from agg_server.strategy.base import Strategy
 from agg_server.strategy.lightfr import (
     Aggregation,
+    LightFRServerParams,
     LightFRServerStrategy,
     LightFRStrategy,
     agg_grad,
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Aggregation",
+    "LightFRServerParams",
     "LightFRServerStrategy",
     "LightFRStrategy",
     "Strategy",
@@ -34,41 +36,20 @@ __all__ = [
 
 
 def build_strategy(config: ServerConfig) -> Strategy:
-    """The strategy ``config.model.kind`` names, with the configured hyper-parameters."""
+    """The strategy ``config.model.kind`` names, built from that family's table (``[lightfr]``, ``[mf]``,
+    ``[felb]`` or ``[fnmf]``), whose attributes are exactly the strategy's keyword arguments."""
     m = config.model
-    if m.kind == "lightfr":
-        rule = LightFRStrategy(
-            bits=m.bits,
-            lam=m.lam,
-            aggregation=Aggregation(m.aggregation),
-            flip_fraction=float(m.flip_fraction if m.flip_fraction is not None else 0.3),  # resolved by ModelSection
-        )
-        return LightFRServerStrategy(
-            rule,
-            m.n_items,
-            negatives=m.negatives,
-            local_epochs=m.local_epochs,
-            max_sweeps=m.max_sweeps,
-            unobserved_weight=m.first_unobserved_weight,
-            unobserved_scale=m.unobserved_scale if m.unobserved_weight == "auto" else 0.0,
-            confidence=m.confidence,
-            hamming_weight=m.hamming_weight,
-            counts_share=m.counts_share,
-            popularity_span=m.popularity_span,
-            mean_field=m.mean_field,
-            code_sweeps=m.code_sweeps,
-            query_planes=m.query_planes,
-            user_reg=m.user_reg,
-        )
-    # The [mf], [felb] and [fnmf] tables name exactly their strategy's hyper-parameters.
+    table = getattr(config, m.kind)
     try:
-        return _family(m.kind)(n_items=m.n_items, **dataclasses.asdict(getattr(config, m.kind)))
+        return _family(m.kind)(n_items=m.n_items, **{f.name: getattr(table, f.name) for f in dataclasses.fields(table)})
     except ValueError as exc:
         raise ConfigError(f"[{m.kind}] {exc}") from exc
 
 
 def _family(kind: str) -> Callable[..., Strategy]:
     # Imported here: the family modules import `agg_server.strategy.base`, i.e. this package.
+    if kind == "lightfr":
+        return LightFRServerStrategy
     if kind == "mf":
         from agg_server.strategy.mf import MFStrategy
 

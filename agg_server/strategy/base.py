@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -27,7 +28,14 @@ from protocol.plan import FamilyParams, TrainingPlan
 float_state_to_bytes = float_matrix_to_bytes
 float_state_from_bytes = float_matrix_from_bytes
 
-__all__ = ["Strategy", "float_state_from_bytes", "float_state_to_bytes", "round_plan"]
+__all__ = [
+    "FloatStrategy",
+    "Strategy",
+    "check_aggregate_inputs",
+    "float_state_from_bytes",
+    "float_state_to_bytes",
+    "round_plan",
+]
 
 
 @runtime_checkable
@@ -101,6 +109,91 @@ class Strategy(Protocol):
     def describe(self, old: NDArray[Any], new: NDArray[Any]) -> str:
         """One log phrase on what the round changed (e.g. "212 bits flipped")."""
         ...
+
+
+def check_aggregate_inputs(
+    state: NDArray[Any],
+    total: NDArray[np.float64],
+    survivors: int,
+    *,
+    shape: tuple[int, int],
+    vector_length: int,
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """The checks a float family's `Strategy.aggregate` makes before its step, in one place.
+
+    Parameters
+    ----------
+    state : the current global model; must have ``shape``.
+    total : the survivors' summed uploads; must be a vector of ``vector_length`` finite values.
+    survivors : how many uploads the sum holds; must be >= 1.
+    shape : the family's state shape.
+    vector_length : the family's upload length.
+
+    Returns
+    -------
+    (state, total) as float64 arrays.
+
+    Raises
+    ------
+    ValueError
+        One of the conditions fails.
+    """
+    state = np.asarray(state, dtype=np.float64)
+    if state.shape != shape:
+        raise ValueError(f"state has shape {state.shape}, expected {shape}")
+    total = np.asarray(total, dtype=np.float64)
+    if total.shape != (vector_length,):
+        raise ValueError(f"aggregate must be a vector of {vector_length} elements, got shape {total.shape}")
+    if not np.all(np.isfinite(total)):
+        raise ValueError("aggregate contains non-finite values")
+    if survivors < 1:
+        raise ValueError(f"survivors must be >= 1, got {survivors}")
+    return state, total
+
+
+class FloatStrategy(ABC):
+    """What the float-valued families (MF, FELB, FNMF) share of `Strategy`: `aggregate` checks its inputs
+    once (`check_aggregate_inputs`) and hands them to the family's `step`; the state travels as float64
+    little-endian values (`to_wire`).  A family sets `shape` and `vector_length` and writes `step` (and its
+    own `from_wire`, which checks the family's invariants on a download).
+    """
+
+    __slots__ = ()
+
+    @property
+    @abstractmethod
+    def shape(self) -> tuple[int, int]:
+        """The state's shape."""
+
+    @property
+    @abstractmethod
+    def vector_length(self) -> int:
+        """Number of elements of one device upload."""
+
+    @abstractmethod
+    def step(
+        self, state: NDArray[np.float64], total: NDArray[np.float64], survivors: int, round_index: int
+    ) -> NDArray[np.float64]:
+        """The family's update from checked inputs: ``state`` of `shape`, ``total`` a finite
+        (`vector_length`,) sum of ``survivors`` >= 1 uploads."""
+
+    def aggregate(
+        self,
+        state: NDArray[Any],
+        total: NDArray[np.float64],
+        survivors: int,
+        rng: np.random.Generator,
+        *,
+        round_index: int,
+    ) -> NDArray[np.float64]:
+        """`Strategy.aggregate`: the checks, then `step` (``rng`` is unused: every float family's step is
+        deterministic)."""
+        V, g = check_aggregate_inputs(state, total, survivors, shape=self.shape, vector_length=self.vector_length)
+        return self.step(V, g, survivors, round_index)
+
+    def to_wire(self, state: NDArray[Any]) -> dict[str, bytes]:
+        """``{"values": float64 little-endian bytes of the state, C order}``."""
+        return {"values": float_state_to_bytes(np.asarray(state, dtype=np.float64))}
 
 
 def round_plan(

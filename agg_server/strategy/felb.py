@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
+from agg_server.strategy.base import FloatStrategy, float_state_from_bytes
 from protocol.families.felb import prox_elb, schedule
 from protocol.plan import FELBParams
 from protocol.spec import MAX_RANK, ModelKind, StepRule
@@ -67,7 +67,7 @@ def logical_or(total: ArrayLike, survivors: int) -> NDArray[np.uint8]:
 
 
 @dataclass(frozen=True, slots=True)
-class FELBStrategy:
+class FELBStrategy(FloatStrategy):
     """The FELB strategy: a (k, m) global component matrix in [0, 1] and the devices' plan.
 
     Attributes
@@ -134,30 +134,15 @@ class FELBStrategy:
         """λ_r for round ``round_index``."""
         return schedule(self.reg, self.reg_growth, round_index)
 
-    def aggregate(
-        self,
-        state: NDArray[Any],
-        total: NDArray[np.float64],
-        survivors: int,
-        rng: np.random.Generator,
-        *,
-        round_index: int,
+    def step(
+        self, state: NDArray[np.float64], total: NDArray[np.float64], survivors: int, round_index: int
     ) -> NDArray[np.float64]:
-        """V̂ ← clamp01(prox^r_{s·κ, s·λ_r}(V̂ + S/C)) (``rng`` is unused: the step is deterministic)."""
-        V = np.asarray(state, dtype=np.float64)
-        if V.shape != self.shape:
-            raise ValueError(f"state has shape {V.shape}, expected {self.shape}")
-        s = _sum_of(total, survivors)
-        if s.size != self.vector_length:
-            raise ValueError(f"aggregate has {s.size} entries, expected {self.vector_length}")
+        """V̂ ← clamp01(prox^r_{s·κ, s·λ_r}(V̂ + S/C))."""
         if round_index < 0:
             raise ValueError(f"round_index must be >= 0, got {round_index}")
-        mean = V + s.reshape(self.shape) / survivors
+        mean = state + total.reshape(self.shape) / survivors
         sc = self.server_scale
         return prox_elb(mean, sc * self.kappa, sc * self.reg_at(round_index))
-
-    def to_wire(self, state: NDArray[Any]) -> dict[str, bytes]:
-        return {"values": float_state_to_bytes(np.asarray(state, dtype=np.float64))}
 
     def from_wire(self, words: bytes, values: bytes) -> NDArray[np.float64]:
         if words:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
+from agg_server.strategy.base import FloatStrategy, float_state_from_bytes
 from protocol.families.fnmf import lap_align, split_upload, upload_length
 from protocol.plan import FNMFParams
 from protocol.spec import MAX_RANK, Alignment, ModelKind
@@ -83,7 +83,7 @@ def trusted_barycenter(
 
 
 @dataclass(slots=True)
-class FNMFStrategy:
+class FNMFStrategy(FloatStrategy):
     """The secure FNMF strategy (anchored one-round variant; "none" is FedAvg / FedProx).
 
     Attributes
@@ -110,6 +110,11 @@ class FNMFStrategy:
         self.plan()  # the plan's bounds: `protocol.plan.FNMFParams` checks them
 
     @property
+    def shape(self) -> tuple[int, int]:
+        """V̄ is (k, m)."""
+        return (self.rank, self.n_items)
+
+    @property
     def vector_length(self) -> int:
         """k·m, plus k match counts for "lap_rho"."""
         return upload_length(self.rank, self.n_items, self.alignment)
@@ -127,29 +132,14 @@ class FNMFStrategy:
             alignment=Alignment(self.alignment),
         )
 
-    def aggregate(
-        self,
-        state: NDArray[Any],
-        total: NDArray[np.float64],
-        survivors: int,
-        rng: np.random.Generator,
-        *,
-        round_index: int,
-    ) -> Array:
+    def step(self, state: Array, total: Array, survivors: int, round_index: int) -> Array:
         """V̄ ← max(0, V̄ + S/c); "lap_rho": V̄_l ← max(0, V̄_l + S_l/n_l) where n_l ≥ 1, else unchanged.
 
         The counts n_l arrive summed (and possibly DP-noised), so they are rounded to integers first.
-        ``rng`` and ``round_index`` are unused: the rule is deterministic and has no schedule.
+        ``round_index`` is unused: the rule has no schedule.
         """
         k, m = self.rank, self.n_items
-        v_bar = np.asarray(state, dtype=np.float64)
-        if v_bar.shape != (k, m):
-            raise ValueError(f"state has shape {v_bar.shape}, expected {(k, m)}")
-        total = np.asarray(total, dtype=np.float64)
-        if total.shape != (self.vector_length,) or not np.all(np.isfinite(total)):
-            raise ValueError(f"aggregate must be {self.vector_length} finite values, got shape {total.shape}")
-        if survivors < 1:
-            raise ValueError(f"survivors must be >= 1, got {survivors}")
+        v_bar = state
         S, summed_counts = split_upload(total, k, m, self.alignment)
         if summed_counts is not None:
             counts = np.rint(summed_counts)
@@ -158,10 +148,6 @@ class FNMFStrategy:
             step[ok] = S[ok] / counts[ok, None]
             return np.maximum(0.0, v_bar + step)
         return np.maximum(0.0, v_bar + S / survivors)
-
-    def to_wire(self, state: NDArray[Any]) -> dict[str, bytes]:
-        """``{"values": V̄ as little-endian float64, C order}``."""
-        return {"values": float_state_to_bytes(np.asarray(state, dtype=np.float64))}
 
     def from_wire(self, words: bytes, values: bytes) -> Array:
         """Inverse of `to_wire`; refuses packed words, a wrong length or a negative entry."""

@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,13 +26,15 @@ from protocol.families.lightfr import (
     density_weight,
     levels_from_bias,
 )
-from protocol.plan import LightFRParams
-from protocol.spec import Aggregation
+from protocol.plan import LightFRParams, check_float, check_int
+from protocol.spec import MAX_RANK, Aggregation
 
 __all__ = [
     "Aggregation",
     "LightFRStrategy",
+    "LightFRServerParams",
     "LightFRServerStrategy",
+    "default_flip_fraction",
     "agg_grad",
     "agg_para",
     "agg_full",
@@ -254,92 +257,134 @@ class LightFRStrategy:
         return agg_para(D, update_sum)
 
 
-@dataclass(frozen=True, slots=True)
+def default_flip_fraction(all_items: bool, mean_field: bool) -> float:
+    """The Agg_grad damping ρ used when none is configured: 1 for the all-items objective with the
+    mean-field step (its validation winner), 0.3 otherwise (the Jacobi step oscillates at 1); both chosen
+    on validation, docs/results/2026-11-quality.md."""
+    return 1.0 if all_items and mean_field else 0.3
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LightFRServerParams:
+    """What only the server uses of LightFR's settings: nothing here is in a device's training plan
+    (that is `protocol.plan.LightFRParams`).  The one home of these defaults and bounds: the server's
+    ``[lightfr]`` table (`agg_server.config.LightFRSection`) builds this type, and every error is a
+    ValueError whose message starts with the attribute's name, so the table can prefix its key.
+
+    Attributes
+    ----------
+    bits : code length f in [1, 4096] (the model's shape; the plan carries it as its rank).
+    flip_fraction : damping ρ in (0, 1] of the code step (see `agg_grad`; 1 is the paper's rule); None
+        (the default) is `default_flip_fraction` for the objective the plan trains.
+    unobserved_scale : κ >= 0.  κ > 0 derives w0 from the catalogue's density (the server configuration's
+        "auto"): each round the server sets w0 = κ · density^γ (`protocol.families.lightfr.density_weight`)
+        from the counts slice of that round's sum, steps with it, and sends it in the next round's plan;
+        the plan's ``unobserved_weight`` is then only what the devices of the first round train with, and
+        the coordinator stores the derived value with each committed model (`carry_state`,
+        `restore_state`), so a restarted server plans with it.  0 (default): w0 stays the plan's.
+    hamming_weight : B in [1, 255] of the devices' integer score (f − Hamming)·B + level.
+    learn_bias : learn item levels (otherwise every level stays 128, no item term).
+    popularity_span : >= 0; > 0 sets the item levels from the released counts instead of the learned
+        biases (the private popularity channel, for rounds under DP, where the bias sums are noise):
+        β_i = span·log(1 + n̂_i) / log(1 + max n̂), n̂ the round's counts (negative noise as 0),
+        averaged over the rounds so far (`popularity_bias`).  0 = learned levels.
+    mean_field : the code step's mean-field correction (`agg_full`; chosen on validation,
+        docs/results/2026-11-quality.md).
+    code_sweeps : passes in [1, 100] of the code step over one round's sum (`agg_full` ``sweeps``).
+    """
+
+    bits: int = 64
+    flip_fraction: float | None = None
+    unobserved_scale: float = 0.0
+    hamming_weight: int = 2
+    learn_bias: bool = True
+    popularity_span: float = 0.0
+    mean_field: bool = True
+    code_sweeps: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bits", check_int("bits", self.bits, lo=1, hi=MAX_RANK))
+        if self.flip_fraction is not None:
+            ff = check_float("flip_fraction", self.flip_fraction, lo=0.0, hi=1.0, lo_open=True)
+            object.__setattr__(self, "flip_fraction", ff)
+        object.__setattr__(self, "unobserved_scale", check_float("unobserved_scale", self.unobserved_scale, lo=0.0))
+        object.__setattr__(self, "hamming_weight", check_int("hamming_weight", self.hamming_weight, lo=1, hi=255))
+        for name in ("learn_bias", "mean_field"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        object.__setattr__(self, "popularity_span", check_float("popularity_span", self.popularity_span, lo=0.0))
+        object.__setattr__(self, "code_sweeps", check_int("code_sweeps", self.code_sweeps, lo=1, hi=100))
+
+    def check_plan(self, params: LightFRParams) -> None:
+        """Raise ValueError (naming the setting) if a server setting needs the all-items objective and
+        ``params`` trains the sampled-negatives one."""
+        if params.unobserved_weight > 0:
+            return
+        for name, off in (("unobserved_scale", 0.0), ("popularity_span", 0.0), ("code_sweeps", 1)):
+            if getattr(self, name) != off:
+                raise ValueError(f"{name}: needs the all-items objective (unobserved_weight > 0)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LightFRServerStrategy:
     """`LightFRStrategy` behind the `agg_server.strategy.base.Strategy` contract the coordinator
     speaks: the model is the (m, f) ±1 item-code matrix, packed on the wire; devices upload item
     gradients (Agg_grad) or the change D^u − D of their local codes (Agg_para, the server adds
     s·D back).
 
-    With ``unobserved_weight > 0`` (the all-items objective) the devices upload the parts of
+    With ``params.unobserved_weight > 0`` (the all-items objective) the devices upload the parts of
     `protocol.families.lightfr.UploadLayout`, the server steps codes and item biases with `agg_full`
     and the state is an (m, f + 1) int8 matrix: the codes, then each item's level − 128 (levels ship
     as `ModelPayload.item_levels`, with ``hamming_weight``).
 
     Attributes
     ----------
-    rule : the aggregation rule and its hyper-parameters.
     n_items : catalogue size m.
-    negatives, local_epochs, max_sweeps : the devices' local training plan.
-    unobserved_weight, confidence : w0 and α of the all-items objective (w0 = 0: sampled negatives).
-    unobserved_scale : κ > 0 derives w0 from the catalogue's density instead (the default of the
-        server's configuration): each round the server sets w0 = κ · density^γ
-        (`protocol.families.lightfr.density_weight`) from the counts slice of that round's sum, steps
-        with it, and sends it in the next round's plan.  ``unobserved_weight`` is then only what the
-        devices of the first round train with; the coordinator stores the derived value with each
-        committed model (`carry_state`, `restore_state`), so a restarted server plans with it.
-    hamming_weight : B of the devices' integer score (f − Hamming)·B + level.
-    learn_bias : learn item levels (otherwise every level stays 128, no item term).
-    counts_share : the share s of the clip norm the devices give the counts part of their upload
-        (`protocol.families.lightfr.clip_parts`; 0 = the whole upload clipped as one).
-    mean_field : the code step's mean-field correction (`agg_full`).
-    code_sweeps : passes of the code step over one round's sum (`agg_full` ``sweeps``; 1 = one pass).
-    popularity_span : > 0 sets the item levels from the released counts instead of the learned
-        biases (the private popularity channel, for rounds under DP, where the bias sums are noise):
-        β_i = span·log(1 + n̂_i) / log(1 + max n̂), n̂ the round's counts (negative noise as 0),
-        averaged over the rounds so far (`popularity_bias`).  0 = learned levels.
-    query_planes, user_reg : asymmetric scoring in the devices' plan (protocol 1.6,
-        `protocol.plan.LightFRParams`): each device uploads its real user vector's parts in place of a
-        ±1 code's, in the same layout, so the step here is unchanged.  0 = ±1 user codes.
+    params : the devices' training plan (`protocol.plan.LightFRParams`, sent in every invite; under a
+        density-derived w0 its ``unobserved_weight`` is the first round's).
+    server : what only the server uses (`LightFRServerParams`).
     """
 
-    rule: LightFRStrategy
     n_items: int
-    negatives: int = 4
-    local_epochs: int = 1
-    max_sweeps: int = 10
+    params: LightFRParams = field(default_factory=LightFRParams)
+    server: LightFRServerParams = field(default_factory=LightFRServerParams)
     kind: str = "lightfr"
-    unobserved_weight: float = 0.0
-    confidence: float = 0.0
-    hamming_weight: int = 2
-    learn_bias: bool = True
-    counts_share: float = 0.0
-    popularity_span: float = 0.0
-    unobserved_scale: float = 0.0
-    mean_field: bool = False
-    code_sweeps: int = 1
-    query_planes: int = 0
-    user_reg: float = 1.0
     # The last density-derived w0 (empty until a round has been aggregated); the one mutable part.
     _derived: list[float] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not (np.isfinite(self.unobserved_scale) and self.unobserved_scale >= 0):
-            raise ValueError(f"unobserved_scale must be a finite value >= 0, got {self.unobserved_scale}")
-        if self.unobserved_scale > 0 and not self.unobserved_weight > 0:
-            raise ValueError("a density-derived w0 (unobserved_scale > 0) needs unobserved_weight > 0 for round 1")
-        if not (np.isfinite(self.popularity_span) and self.popularity_span >= 0):
-            raise ValueError(f"popularity_span must be a finite value >= 0, got {self.popularity_span}")
-        if self.popularity_span > 0 and self.unobserved_weight == 0:
-            raise ValueError("popularity_span needs the all-items objective (unobserved_weight > 0)")
-        if not 1 <= self.hamming_weight <= 255:
-            raise ValueError(f"hamming_weight must be in [1, 255], got {self.hamming_weight}")
-        if isinstance(self.code_sweeps, bool) or not (isinstance(self.code_sweeps, int) and self.code_sweeps >= 1):
-            raise ValueError(f"code_sweeps must be an integer >= 1, got {self.code_sweeps!r}")
-        self.plan()  # the plan's bounds: `protocol.plan.LightFRParams` checks them
+        if not isinstance(self.params, LightFRParams):
+            raise ValueError(f"params: must be a LightFRParams, got {self.params!r}")
+        if not isinstance(self.server, LightFRServerParams):
+            raise ValueError(f"server: must be a LightFRServerParams, got {self.server!r}")
+        self.server.check_plan(self.params)
+
+    @property
+    def rule(self) -> LightFRStrategy:
+        """The aggregation rule and its hyper-parameters (ρ resolved for the objective)."""
+        s, p = self.server, self.params
+        rho = s.flip_fraction
+        if rho is None:
+            rho = default_flip_fraction(self.full and p.aggregation is Aggregation.GRAD, s.mean_field)
+        return LightFRStrategy(bits=s.bits, lam=p.lam, aggregation=p.aggregation, flip_fraction=rho)
+
+    @property
+    def hamming_weight(self) -> int:
+        """B of the devices' integer score (shipped with every all-items model)."""
+        return self.server.hamming_weight
 
     @property
     def full(self) -> bool:
         """True under the all-items objective."""
-        return self.unobserved_weight > 0
+        return self.params.unobserved_weight > 0
 
     @property
     def layout(self) -> UploadLayout:
-        return UploadLayout(self.n_items, self.rule.bits, full=self.full)
+        return UploadLayout(self.n_items, self.server.bits, full=self.full)
 
     @property
     def rank(self) -> int:
-        return self.rule.bits
+        return self.server.bits
 
     @property
     def vector_length(self) -> int:
@@ -352,50 +397,42 @@ class LightFRServerStrategy:
         return np.concatenate([codes, np.zeros((self.n_items, 1), np.int8)], axis=1)
 
     def plan(self) -> LightFRParams:
-        return LightFRParams(
-            aggregation=self.rule.aggregation,
-            lam=self.rule.lam,
-            negatives=self.negatives,
-            local_epochs=self.local_epochs,
-            max_sweeps=self.max_sweeps,
-            unobserved_weight=self.current_weight,
-            confidence=self.confidence,
-            counts_share=self.counts_share,
-            query_planes=self.query_planes,
-            user_reg=self.user_reg,
-        )
+        """The devices' training parameters for the next round: ``params`` with the w0 in force."""
+        if self.current_weight == self.params.unobserved_weight:
+            return self.params
+        return dataclasses.replace(self.params, unobserved_weight=self.current_weight)
 
     @property
     def current_weight(self) -> float:
         """The w0 the next round's devices train with."""
-        return self._derived[-1] if self._derived else float(self.unobserved_weight)
+        return self._derived[-1] if self._derived else float(self.params.unobserved_weight)
 
     def carry_state(self) -> dict[str, float]:
         """What the coordinator stores with a committed model and gives back to `restore_state` after a
         restart: the density-derived w0 (empty when w0 is fixed or no round has been aggregated)."""
-        if self.unobserved_scale > 0 and self._derived:
+        if self.server.unobserved_scale > 0 and self._derived:
             return {"unobserved_weight": self._derived[-1]}
         return {}
 
     def restore_state(self, stored: dict[str, object]) -> None:
         """Take back a `carry_state` mapping.  A fixed w0 (``unobserved_scale == 0``) ignores it; a value
         outside (0, 1 + α] or not a number is refused with a ValueError naming it."""
-        if self.unobserved_scale == 0 or "unobserved_weight" not in stored:
+        if self.server.unobserved_scale == 0 or "unobserved_weight" not in stored:
             return
         w0 = stored["unobserved_weight"]
-        if isinstance(w0, bool) or not isinstance(w0, int | float) or not (0 < w0 <= 1.0 + self.confidence):
+        if isinstance(w0, bool) or not isinstance(w0, int | float) or not (0 < w0 <= 1.0 + self.params.confidence):
             raise ValueError(f"stored unobserved_weight must be a number in (0, 1 + confidence], got {w0!r}")
         self._derived[:] = [float(w0)]
 
     def codes(self, state: NDArray[np.int8]) -> NDArray[np.int8]:
         """The (m, f) item codes of a state."""
-        return state[:, : self.rule.bits]
+        return state[:, : self.server.bits]
 
     def levels(self, state: NDArray[np.int8]) -> NDArray[np.uint8] | None:
         """The (m,) uint8 item levels of a state (None without the all-items objective)."""
         if not self.full:
             return None
-        return (state[:, self.rule.bits].astype(np.int16) + LEVEL_CENTER).astype(np.uint8)
+        return (state[:, self.server.bits].astype(np.int16) + LEVEL_CENTER).astype(np.uint8)
 
     def aggregate(
         self,
@@ -421,13 +458,17 @@ class LightFRServerStrategy:
         rng: np.random.Generator,
         round_index: int,
     ) -> NDArray[np.int8]:
-        f, m = self.rule.bits, self.n_items
+        f, m = self.server.bits, self.n_items
         parts = self.layout.split(np.asarray(total, dtype=np.float64))
         beta = bias_from_levels(self.levels(state), m, f, self.hamming_weight)  # what the devices used
         w0 = self.current_weight
-        if self.unobserved_scale > 0:
+        if self.server.unobserved_scale > 0:
             w0 = density_weight(
-                float(parts["counts"].sum()), survivors, m, scale=self.unobserved_scale, cap=1.0 + self.confidence
+                float(parts["counts"].sum()),
+                survivors,
+                m,
+                scale=self.server.unobserved_scale,
+                cap=1.0 + self.params.confidence,
             )
             self._derived[:] = [w0]
         D, beta = agg_full(
@@ -436,15 +477,15 @@ class LightFRServerStrategy:
             parts,
             survivors,
             w0,
-            self.confidence,
+            self.params.confidence,
             flip_fraction=self.rule.flip_fraction,
             rng=rng,
-            learn_bias=self.learn_bias and self.popularity_span == 0,
-            mean_field=self.mean_field,
-            sweeps=self.code_sweeps,
+            learn_bias=self.server.learn_bias and self.server.popularity_span == 0,
+            mean_field=self.server.mean_field,
+            sweeps=self.server.code_sweeps,
         )
-        if self.popularity_span > 0:
-            fresh = popularity_bias(parts["counts"], self.popularity_span)
+        if self.server.popularity_span > 0:
+            fresh = popularity_bias(parts["counts"], self.server.popularity_span)
             beta = (round_index * beta + fresh) / (round_index + 1)
         lv = levels_from_bias(beta, f, self.hamming_weight)
         return np.concatenate([D, (lv.astype(np.int16) - LEVEL_CENTER).astype(np.int8)[:, None]], axis=1)
@@ -459,13 +500,13 @@ class LightFRServerStrategy:
             wire["item_levels"] = levels.tobytes()
             wire["hamming_weight"] = self.hamming_weight
             wire["unobserved_weight"] = self.current_weight
-            wire["confidence"] = float(self.confidence)
+            wire["confidence"] = float(self.params.confidence)
         return wire
 
     def from_wire(self, words: bytes, values: bytes, item_levels: bytes = b"") -> NDArray[np.int8]:
         if values:
             raise ValueError("LightFR models carry packed codes, not float values")
-        f, m = self.rule.bits, self.n_items
+        f, m = self.server.bits, self.n_items
         codes = unpack_signs(from_bytes(words, f, m), f)
         if not self.full:
             return codes

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from agg_server.strategy.base import float_state_from_bytes, float_state_to_bytes
+from agg_server.strategy.base import FloatStrategy, float_state_from_bytes
 from protocol.families.mf import project_rows
 from protocol.plan import MFParams
 from protocol.spec import MAX_RANK, ModelKind
@@ -30,7 +30,7 @@ __all__ = ["MFStrategy"]
 
 
 @dataclass(frozen=True, slots=True)
-class MFStrategy:
+class MFStrategy(FloatStrategy):
     """The MF server strategy: initial item matrix, the plan devices train with, one projected step
     per round.
 
@@ -73,6 +73,11 @@ class MFStrategy:
             raise ValueError(f"kind must be {ModelKind.MF.value!r}, got {self.kind!r}")
 
     @property
+    def shape(self) -> tuple[int, int]:
+        """V is (n_items, f)."""
+        return (self.n_items, self.rank)
+
+    @property
     def vector_length(self) -> int:
         """One upload: the dense (n_items·f,) V-gradient."""
         return self.n_items * self.rank
@@ -92,32 +97,12 @@ class MFStrategy:
             negatives=self.negatives,
         )
 
-    def aggregate(
-        self,
-        state: NDArray[Any],
-        total: NDArray[np.float64],
-        survivors: int,
-        rng: np.random.Generator,
-        *,
-        round_index: int,
+    def step(
+        self, state: NDArray[np.float64], total: NDArray[np.float64], survivors: int, round_index: int
     ) -> NDArray[np.float64]:
-        """V ← Π(V − γ/|survivors| · Σ uploads) (FMF paper section 6.1; ``rng`` and ``round_index``
-        are unused: the step is deterministic and constant)."""
-        V = np.asarray(state, dtype=np.float64)
-        if V.shape != (self.n_items, self.rank):
-            raise ValueError(f"state has shape {V.shape}, expected {(self.n_items, self.rank)}")
-        g = np.asarray(total, dtype=np.float64)
-        if g.size != self.vector_length:
-            raise ValueError(f"aggregate has {g.size} elements, expected {self.vector_length}")
-        if not np.all(np.isfinite(g)):
-            raise ValueError("aggregate contains non-finite values")
-        if survivors < 1:
-            raise ValueError(f"survivors must be >= 1, got {survivors}")
-        return project_rows(V - (self.server_lr / survivors) * g.reshape(V.shape), self.max_norm2)
-
-    def to_wire(self, state: NDArray[Any]) -> dict[str, bytes]:
-        """``{"values": float64 little-endian bytes of V}``."""
-        return {"values": float_state_to_bytes(np.asarray(state, dtype=np.float64))}
+        """V ← Π(V − γ/|survivors| · Σ uploads) (FMF paper section 6.1; ``round_index`` is unused: the
+        step is constant)."""
+        return project_rows(state - (self.server_lr / survivors) * total.reshape(state.shape), self.max_norm2)
 
     def from_wire(self, words: bytes, values: bytes) -> NDArray[np.float64]:
         """Inverse of `to_wire`; raises ValueError on packed words, a wrong length or non-finite values."""

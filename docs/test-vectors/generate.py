@@ -6,7 +6,7 @@
 #   for JSON numbers as decimal strings (*_int); floats in Python's shortest round-trip form.
 # - The script checks its own output against the session results (`_check`), so it refuses to write vectors
 #   of a broken round.
-# - Only the public API of `protocol` is used, plus the codec table to list wire keys; the conformance test
+# - Only the public API of `protocol` is used (`codec.body_fields` lists the wire keys); the conformance test
 #   (tests/test_conformance.py) checks the committed output without importing this script.
 """Generate the fedrec protocol test vectors (docs/test-vectors/*.json).
 
@@ -66,6 +66,7 @@ from protocol.messages import (  # noqa: E402
     UnmaskResponse,
     Wait,
 )
+from protocol.plan import LightFRParams, MFParams  # noqa: E402
 from protocol.quantization import QuantizationConfig, dequantize_sum, quantize  # noqa: E402
 from protocol.samplers import insecure_test_noise_stream  # noqa: E402
 from protocol.session import (  # noqa: E402
@@ -172,7 +173,6 @@ def _json_value(kind: codec.Kind, value: Any) -> Any:
 def describe(message: Message) -> dict[str, Any]:
     """Type code, fields (name, wire key, kind, version, value) and the encoded hex of one message."""
     cls = type(message)
-    _, fields = codec._SCHEMA[cls.TYPE]
     return {
         "type": cls.__name__,
         "type_code": cls.TYPE,
@@ -182,9 +182,9 @@ def describe(message: Message) -> dict[str, Any]:
                 "key": key,
                 "kind": kind.value,
                 "since": _since(cls.__name__, cls.TYPE, name),
-                "value": _json_value(kind, getattr(message, name)),
+                "value": _json_value(kind, value),
             }
-            for name, key, kind in fields
+            for name, key, kind, value in codec.body_fields(message)
         ],
         "hex": codec.encode(message).hex(),
     }
@@ -214,25 +214,12 @@ def message_vectors() -> dict[str, Any]:
         unmask_deadline=1120.25,
         model_version=3,
         model_kind="mf",
-        aggregation="grad",
         bits=4,
         n_items=2,
-        lam=0.0,
-        negatives=0,
-        local_epochs=2,
-        max_sweeps=10,
         example_cap=200,
-        learning_rate=0.125,
-        reg=0.0625,
-        reg_growth=1.0,
-        kappa=0.0,
-        proximity=0.0,
-        inertia=0.0,
-        max_norm2=4.0,
-        pretrain_epochs=5,
-        step_rule="",
-        alignment="",
         round_index=2,
+        # The keys of the other families' parameters travel at their ``absent`` values.
+        params=MFParams(max_norm2=4.0, learning_rate=0.125, reg=0.0625, pretrain_epochs=5, local_epochs=2, negatives=0),
     )
     signs = np.array([[1, -1, 1, 1, -1], [-1, -1, 1, -1, 1], [1, 1, 1, 1, 1]], dtype=np.int8)  # m=3, f=5
     words = codes.pack_signs(signs)
@@ -394,13 +381,10 @@ _PLANES_INVITE = RoundInvite(
     unmask_deadline=2120.0,
     model_version=5,
     model_kind="lightfr",
-    aggregation="grad",
     bits=4,
     n_items=3,
     cohort_size=40,
-    unobserved_weight=0.25,
-    query_planes=2,
-    user_reg=30.0,
+    params=LightFRParams(negatives=0, unobserved_weight=0.25, query_planes=2, user_reg=30.0),
 )
 
 

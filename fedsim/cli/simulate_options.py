@@ -3,7 +3,7 @@ the LightFR configuration they make.
 
 Invariants: an option given for a model that would ignore it is an error naming the option and the
 model (`check_applicable`); an option left out takes the server's or the device SDK's default, written
-once where it belongs (`agg_server.config.default_flip_fraction`, `LightFRConfig`, `protocol.plan`).
+once where it belongs (`agg_server.strategy.lightfr.default_flip_fraction`, `LightFRConfig`, `protocol.plan`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import math
 from pathlib import Path
 
-from agg_server.config import default_flip_fraction
+from agg_server.strategy.lightfr import default_flip_fraction
 from device_sdk.models import LightFRConfig
 from fedsim.cli.args import (
     DATA_DIR_HELP,
@@ -54,7 +54,7 @@ __all__ = [
 _LIGHTFR = LightFRParams()  # the training defaults the CLI shows are the plan's
 
 
-#: Agg_grad damping ρ: `simulate` takes the server's default (`agg_server.config.default_flip_fraction`).
+#: Agg_grad damping ρ: `simulate` takes the server's default (`agg_server.strategy.lightfr.default_flip_fraction`).
 _FLIP_HELP = "default: 1 under the all-items objective with the mean-field step, else 0.3, as the server's"
 
 
@@ -304,7 +304,7 @@ def _first_weight(args: argparse.Namespace, n_items: int) -> float:
 
 
 def flip_fraction(args: argparse.Namespace) -> float:
-    """--flip-fraction, or the server's default for this objective (`agg_server.config.default_flip_fraction`)."""
+    """--flip-fraction, or the server's default for this objective (`strategy.lightfr.default_flip_fraction`)."""
     if args.flip_fraction is not None:
         return float(args.flip_fraction)
     full = unobserved_weight(args) != 0 and args.aggregation == Aggregation.GRAD.value

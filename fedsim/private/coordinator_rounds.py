@@ -98,7 +98,7 @@ def run_private_lightfr(
     after_round : called after every round (as for `run_private`).
     """
     m = config.model
-    cfg = LightFRConfig(bits=m.bits, rating_range=rating_range, binary_positives=binary_positives)
+    cfg = LightFRConfig(bits=config.lightfr.server.bits, rating_range=rating_range, binary_positives=binary_positives)
     data = {index: LocalRatings.single_user(items, ratings) for index, (items, ratings) in users.items()}
     return run_private(
         config,

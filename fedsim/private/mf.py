@@ -398,7 +398,7 @@ def _popularity_release(
     from protocol.quantization import QuantizationConfig, sensitivity
 
     n, m = train.n_users, train.n_items
-    qm = QuantizationConfig(clip_norm=cfg.rounds.clip_norm, scale_bits=cfg.rounds.scale_bits)
+    qm = cfg.rounds.quantization()
     l2m, l1m = sensitivity(qm, m * s.factors)
     theta = s.pop_theta
     qp = QuantizationConfig(clip_norm=math.sqrt(theta), scale_bits=_largest_scale_bits(n, math.sqrt(theta)))

@@ -347,7 +347,7 @@ def run_private_scaled(
     dp = s.epsilon > 0
     tmp = tempfile.mkdtemp(prefix="fedrec-privsim-")
     cfg = scaled_config(n, m, replace(s, scale_bits=scale_bits), Path(tmp))
-    qm = QuantizationConfig(clip_norm=s.clip_norm, scale_bits=scale_bits)
+    qm = cfg.rounds.quantization()
     base = build_strategy(cfg)
     l2m, l1m = sensitivity(qm, int(base.vector_length))
     theta_pop = s.example_cap or int(max(u.size for u in per_user))

@@ -69,9 +69,8 @@ from protocol.noise import (
     to_ring,
 )
 from protocol.phases import prune_unmaskable, require_quorum
-from protocol.plan import TrainingPlan
+from protocol.plan import LightFRParams, TrainingPlan
 from protocol.quantization import (
-    QuantizationConfig,
     check_bit_budget,
     clip_l2,
     dequantize_sum,
@@ -201,7 +200,7 @@ class PrivateSimulator:
             raise ConfigError(
                 f"the strategy is for n_items={self.strategy.n_items}, model.n_items is {config.model.n_items}"
             )
-        self.quantization = QuantizationConfig(clip_norm=config.rounds.clip_norm, scale_bits=config.rounds.scale_bits)
+        self.quantization = config.rounds.quantization()
         self.vector_length = int(self.strategy.vector_length)
         self.l2, self.l1 = sensitivity(self.quantization, self.vector_length)
         self.ledger: PrivacyLedger | None = None
@@ -602,19 +601,20 @@ class LightFRCohort:
         from device_sdk.lightfr import dcd_update, inner_products, sample_negatives
         from protocol.spec import Aggregation
 
-        if Aggregation(invite.aggregation) is not Aggregation.GRAD:
+        p = _lightfr_params(invite)
+        if p.aggregation is not Aggregation.GRAD:
             raise ConfigError("the scaled LightFR simulation runs Agg_grad uploads only")
-        if invite.unobserved_weight > 0:
+        if p.unobserved_weight > 0:
             if beta is None:
                 raise ConfigError("the all-items objective needs the item biases the devices download (beta=)")
             return self._full_sum(D, beta, invite, cohort, survivors, rng, coins, hamming_weight)
         m, f = self.n_items, self.bits
-        qcfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
-        lam = float(invite.lam)
-        negatives = int(invite.negatives)
+        qcfg = invite.quantization()
+        lam = float(p.lam)
+        negatives = int(p.negatives)
         cap = int(invite.example_cap)
-        epochs = int(invite.local_epochs)
-        sweeps = int(invite.max_sweeps)
+        epochs = int(p.local_epochs)
+        sweeps = int(p.max_sweeps)
         alive = {self._index[d] for d in survivors}
         rows_all = np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
         total = np.zeros(m * f, dtype=np.int64)
@@ -705,7 +705,7 @@ class LightFRCohort:
         coins: NoiseStream,
         hamming_weight: int = 1,
     ) -> NDArray[np.int64]:
-        """`quantized_sum` under the all-items objective (``invite.unobserved_weight > 0``).
+        """`quantized_sum` under the all-items objective (``invite.params.unobserved_weight > 0``).
 
         Per device, as `device_sdk.models.LightFRModel` does: the θ cap, ``local_epochs`` of
         `device_sdk.lightfr.dcd_full` against the codes and biases, then the parts of
@@ -716,8 +716,8 @@ class LightFRCohort:
         form: ‖b bᵀ‖/f = 1, ‖b‖/f = 1/√f) and stochastically rounded.  Batched: the Python loops run over
         batches and bits, never over devices.
 
-        With ``invite.query_planes`` P >= 1 (asymmetric scoring, protocol 1.6) each device instead solves
-        its vector exactly against the codes (`device_sdk.lightfr.ridge_users`, ridge ``invite.user_reg``),
+        With ``invite.params.query_planes`` P >= 1 (asymmetric scoring, protocol 1.6) each device instead solves
+        its vector exactly against the codes (`device_sdk.lightfr.ridge_users`, ridge ``invite.params.user_reg``),
         snaps it to P bit-planes and an integer weight for B = ``hamming_weight`` (`quantize_planes`,
         `snap_scale`), keeps it in ``vectors`` and uploads the same parts with the vector u in place of b:
         rows (w_q s/f − w_l)·u − (w_q/f)·u∘u∘d_i, and u uᵀ/f, u/f, whose norms are ‖u‖²/f and ‖u‖/f.
@@ -728,8 +728,9 @@ class LightFRCohort:
         layout = UploadLayout(m, f, full=True)
         scale = float(2**invite.scale_bits)
         clip = float(invite.clip_norm)
-        share = float(invite.counts_share)
-        w0, alpha = float(invite.unobserved_weight), float(invite.confidence)
+        p = _lightfr_params(invite)
+        share = float(p.counts_share)
+        w0, alpha = float(p.unobserved_weight), float(p.confidence)
         c = 1.0 + alpha
         wq = c - w0
         Df = D.astype(np.float64)
@@ -748,9 +749,9 @@ class LightFRCohort:
         for lo in range(0, rows_all.size, self.batch):
             rows = rows_all[lo : lo + self.batch]
             indptr, items, targets, owner = self._kept(rows, int(invite.example_cap), rng)
-            planes = int(invite.query_planes)
+            planes = int(p.query_planes)
             if planes:
-                U = ridge_users(indptr, items, targets, D, beta, w0, alpha, float(invite.user_reg), gram=gram)
+                U = ridge_users(indptr, items, targets, D, beta, w0, alpha, float(p.user_reg), gram=gram)
                 odd, step = quantize_planes(U, planes)
                 _, snapped = snap_scale(step, hamming_weight)
                 Bf = snapped[:, None] * odd.astype(np.float64)
@@ -759,9 +760,9 @@ class LightFRCohort:
                 s_e = np.einsum("ef,ef->e", Df[items], Bf[owner])
             else:
                 B = self.codes[rows]
-                for _ in range(int(invite.local_epochs)):
+                for _ in range(int(p.local_epochs)):
                     B, _ = dcd_full(
-                        indptr, items, targets, B, D, beta, w0, alpha, max_sweeps=int(invite.max_sweeps), gram=gram
+                        indptr, items, targets, B, D, beta, w0, alpha, max_sweeps=int(p.max_sweeps), gram=gram
                     )
                 self.codes[rows] = B
                 s_e = inner_products(indptr, items, B, D).astype(np.float64)
@@ -980,7 +981,7 @@ class MFCohort:
         if int(invite.vector_length) != m * f:
             raise ConfigError(f"the round expects {invite.vector_length} values, an MF upload has {m * f}")
         Vd = project_rows(np.asarray(V, dtype=np.float64).reshape(m, f), R)  # as the device's set_global
-        qcfg = QuantizationConfig(clip_norm=invite.clip_norm, scale_bits=invite.scale_bits)
+        qcfg = invite.quantization()
         lr, reg, neg, cap = float(p.learning_rate), float(p.reg), int(p.negatives), int(invite.example_cap)
         alive = np.zeros(len(self.device_ids), dtype=bool)
         alive[[self._index[d] for d in survivors]] = True
@@ -1077,3 +1078,10 @@ class MFCohort:
                 q = stochastic_round(np.concatenate(scaled_parts), coins)
                 total += np.bincount(np.concatenate(idx_parts), weights=q.astype(np.float64), minlength=m * f)
         return np.rint(total).astype(np.int64)
+
+
+def _lightfr_params(invite: RoundInvite) -> LightFRParams:
+    """The LightFR training parameters an invite of the scaled LightFR simulation carries."""
+    if not isinstance(invite.params, LightFRParams):
+        raise ConfigError(f"the scaled LightFR simulation needs a LightFR plan, got {invite.params!r}")
+    return invite.params
