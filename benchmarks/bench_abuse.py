@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsim.data.datasets import synthetic
+from fedsim.data.synthetic import synthetic
 from fedsim.fleets.demo import ServerProcess, run_loadtest, write_server_config
 from fedsim.fleets.local import FleetConfig
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsim.data.datasets import synthetic
+from fedsim.data.synthetic import synthetic
 from fedsim.fleets.demo import ServerProcess, loadtest_record, run_loadtest, write_server_config
 from fedsim.fleets.local import FleetConfig
 

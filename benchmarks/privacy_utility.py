@@ -13,7 +13,7 @@ user's train set, random ties, over the subsample's users with a test item.
   the private-round simulator, noise-aware aggregation, item level α chosen on a validation item carved
   from each user's train); the α = ∞ scorer is private popularity, the floor line.
 - MF: `fedsim.private.mf.run_private_mf_scaled` (every device's `MFModel.local_update` batched by
-  `fedsim.private.simulator.MFCohort`: only the rows of its kept and negative items are built, clipped and rounded,
+  `fedsim.private.cohorts.MFCohort`: only the rows of its kept and negative items are built, clipped and rounded,
   and summed sparsely; the released noise drawn in one piece), the same private popularity channel,
   u·v + α·level ranked with α chosen on the carved validation item; at the sizes in ``--mf-sizes``.
   f = 32, R = 1, θ = 20 with one negative each, C, γ and T from ``--mf-clip``, ``--mf-server-lr``,
@@ -32,7 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsim.data.datasets import Ratings, TrainTestSplit, load_amazon_book
+from fedsim.data.datasets import load_amazon_book
+from fedsim.data.kgat import TrainTestSplit
+from fedsim.data.ratings import Ratings
 from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private
 
 

@@ -31,11 +31,13 @@ from typing import Any
 import numpy as np
 
 from device_sdk import lightfr
+from device_sdk.batched import snapped_vectors
 from device_sdk.models import LightFRConfig
-from fedsim.data.datasets import Ratings, load_amazon_book
+from fedsim.data.datasets import load_amazon_book
+from fedsim.data.ratings import Ratings
 from fedsim.evaluation.als import implicit_als
 from fedsim.evaluation.ranking import evaluate_all_items, popularity_scorer
-from fedsim.federation.lightfr import FederatedLightFR, FederationConfig, _quantized, run_lightfr, user_data
+from fedsim.federation.lightfr import FederatedLightFR, FederationConfig, run_lightfr, user_data
 from protocol.families.lightfr import DENSITY_SCALE, bias_from_levels, density_weight
 
 # Candidate recipes (unobserved weight w0 — "auto" is the library default, w0 = 0.6·density^(2/3) from each
@@ -170,7 +172,7 @@ def validation_curve(
                 fed.user_reg,
             )
             X = np.zeros((fit.n_users, f + 1), np.float32)
-            X[users, :f] = _quantized(U, fed.rank_planes or fed.query_planes, fed.hamming_weight) / f
+            X[users, :f] = snapped_vectors(U, fed.rank_planes or fed.query_planes, fed.hamming_weight) / f
             X[:, f] = 1.0
             Y = np.c_[state.item_codes, beta].astype(np.float32)
             res = evaluate_all_items((X, Y), fit, val, seed=eval_seed, users=users)

@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import quality_lightfr as q  # noqa: E402
 
+from device_sdk.batched import refreshed_vectors  # noqa: E402
 from fedsim.evaluation.experiment import prepare  # noqa: E402
-from fedsim.federation.lightfr import FederatedLightFR, bias_from_levels, refreshed_vectors, run_lightfr, user_data  # noqa: E402
+from fedsim.federation.lightfr import FederatedLightFR, bias_from_levels, run_lightfr, user_data  # noqa: E402
 
 
 def figure(exp, rounds: int, seed: int) -> tuple[float, float, float, float]:

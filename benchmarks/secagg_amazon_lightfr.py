@@ -25,7 +25,7 @@ against the final codes and levels and keeps it as 3 planes (what a device with
 ``scale`` (every amazon-book device, no crypto): `fedsim.private.scaled_lightfr.run_private_scaled` with ε = 0.  Each
 round's cohort is ⌈0.6·70,679⌉ = 42,408 devices; each device's upload is built, clipped to ``--clip-norm``
 as the device clips it (`protocol.families.lightfr.clip_parts`' rule) and rounded to ``scale_bits`` with
-stochastic rounding by `fedsim.private.simulator.LightFRCohort` (tests/test_fedsim_privsim.py
+stochastic rounding by `fedsim.private.cohorts.LightFRCohort` (tests/test_fedsim_privsim.py
 ``test_batched_all_items_devices_match_real_devices``: its sum equals real devices' `local_round` uploads up
 to the rounding coins, with planes 2 and 3 and a clip that bites; tests/test_fedsim_private_scale.py
 ``test_scaled_round_without_dp_releases_every_cohort_devices_clipped_quantized_upload``: an ε = 0 round of
@@ -53,9 +53,12 @@ import numpy as np
 
 from agg_server.config import config_from_dict
 from device_sdk import lightfr
-from fedsim.data.datasets import Ratings, TrainTestSplit, load_amazon_book
+from device_sdk.batched import snapped_vectors
+from fedsim.data.datasets import load_amazon_book
+from fedsim.data.kgat import TrainTestSplit
+from fedsim.data.ratings import Ratings
 from fedsim.evaluation.ranking import evaluate_all_items, popularity_scorer
-from fedsim.federation.lightfr import _quantized, run_lightfr, user_data
+from fedsim.federation.lightfr import run_lightfr, user_data
 from fedsim.private.coordinator_rounds import run_private_lightfr
 from fedsim.private.scaled_lightfr import ScaledSettings, run_private_scaled
 from protocol.families.lightfr import bias_from_levels
@@ -102,7 +105,7 @@ def _ranked(train: Ratings, D: np.ndarray, levels: np.ndarray | None) -> tuple[n
     beta = bias_from_levels(levels, m, F, B_WEIGHT)
     idx = train.by_user()
     U = lightfr.ridge_users(idx.indptr, idx.items.astype(np.int64), np.ones(idx.items.size), D, beta, W0, 0.0, REG)
-    X = np.c_[_quantized(U, RANK_PLANES, B_WEIGHT) / F, np.ones(train.n_users)].astype(np.float32)
+    X = np.c_[snapped_vectors(U, RANK_PLANES, B_WEIGHT) / F, np.ones(train.n_users)].astype(np.float32)
     Y = np.c_[D, beta].astype(np.float32)
     return X, Y
 

@@ -13,17 +13,8 @@ from device_sdk.client import (
     RoundStatus,
     insecure_seeded_rngs,
 )
-from device_sdk.codes import (
-    from_bitarray,
-    from_bytes,
-    pack_signs,
-    pack_user,
-    random_signs,
-    to_bitarray,
-    to_bytes,
-    unpack_signs,
-    words_for,
-)
+from device_sdk.codes import *  # noqa: F403
+from device_sdk.codes import __all__ as _codes_all
 from device_sdk.family import FederatedModel, LocalRatings, LocalResult
 from device_sdk.felb import FELBConfig, FELBModel
 from device_sdk.fnmf import FNMFConfig, FNMFModel
@@ -66,14 +57,6 @@ __all__ = [
     "hamming_distances",
     "save_store",
     "load_store",
-    "pack_signs",
-    "unpack_signs",
-    "pack_user",
-    "to_bitarray",
-    "from_bitarray",
-    "to_bytes",
-    "from_bytes",
-    "random_signs",
-    "words_for",
+    *_codes_all,
     *_errors_all,
 ]

@@ -15,12 +15,11 @@ import random
 import secrets
 import ssl as ssl_module
 from collections.abc import Awaitable, Callable, Mapping
-from types import TracebackType
 
 import aiohttp
 from yarl import URL
 
-from device_sdk.transport import MSGPACK_CONTENT_TYPE, Response, TransportError
+from device_sdk.transport import MSGPACK_CONTENT_TYPE, AsyncClosing, Response, TransportError
 from protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
 from protocol.errors import ConfigError, LocalProtocolError, PayloadTooLarge, RemoteProtocolError
 from protocol.messages import Message
@@ -35,7 +34,7 @@ _log = logging.getLogger(__name__)
 Sleep = Callable[[float], Awaitable[None]]
 
 
-class HttpTransport:
+class HttpTransport(AsyncClosing):
     """Talk to the aggregation server over HTTP with msgpack bodies.
 
     Parameters
@@ -114,17 +113,6 @@ class HttpTransport:
         self._session = session
         self._owns_session = session is None
         self._closed = False
-
-    async def __aenter__(self) -> HttpTransport:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Close the session if this transport created it (idempotent)."""

@@ -99,6 +99,22 @@ def inner_products(
     return (f - 2 * ham).astype(np.int32)
 
 
+def _codes_of_batch(
+    indptr: NDArray[np.int64], B: NDArray[np.int8], D: NDArray[np.int8]
+) -> tuple[NDArray[np.int8], NDArray[np.int8], int, int, int]:
+    """``B`` (n, f) and ``D`` (m, f) as arrays, checked against each other and the batch's ``indptr``;
+    returns them with n, f and m."""
+    B = np.asarray(B)
+    D = np.asarray(D)
+    n, f = B.shape
+    m, f2 = D.shape
+    if f != f2:
+        raise ValueError(f"user codes have {f} bits but item codes have {f2}")
+    if indptr.size != n + 1:
+        raise ValueError(f"indptr has {indptr.size} entries for {n} users")
+    return B, D, n, f, m
+
+
 def dcd_update(
     indptr: NDArray[np.int64],
     items: NDArray[np.int64],
@@ -123,14 +139,7 @@ def dcd_update(
     -------
     (new B, DCDStats)
     """
-    B = np.asarray(B)
-    D = np.asarray(D)
-    n, f = B.shape
-    m, f2 = D.shape
-    if f != f2:
-        raise ValueError(f"user codes have {f} bits but item codes have {f2}")
-    if indptr.size != n + 1:
-        raise ValueError(f"indptr has {indptr.size} entries for {n} users")
+    B, D, n, f, m = _codes_of_batch(indptr, B, D)
     if lam < 0 or not np.isfinite(lam):
         raise ValueError(f"lam must be a finite value >= 0, got {lam}")
     if max_sweeps < 1:
@@ -369,14 +378,7 @@ def dcd_full(
     and ``beta`` may then hold only the rows of the items in ``items`` (indexed by ``items``), so a
     call costs O(f·|Ω_u| + f²) and never reads the rest of the catalogue (cold-start fold-in).
     """
-    B = np.asarray(B)
-    D = np.asarray(D)
-    n, f = B.shape
-    m, f2 = D.shape
-    if f != f2:
-        raise ValueError(f"user codes have {f} bits but item codes have {f2}")
-    if indptr.size != n + 1:
-        raise ValueError(f"indptr has {indptr.size} entries for {n} users")
+    B, D, n, f, m = _codes_of_batch(indptr, B, D)
     if beta.shape != (m,):
         raise ValueError(f"item biases must have shape ({m},), got {beta.shape}")
     if max_sweeps < 1:

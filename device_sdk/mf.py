@@ -47,7 +47,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import LocalRatings, LocalResult
-from device_sdk.retrieval import Recommender, as_items
+from device_sdk.retrieval import Recommender, as_items, check_userid, fold_in_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
@@ -449,11 +449,7 @@ class MFModel(Recommender):
         """A new user's vector from its ratings against the current V, offline and without a server
         round (stage 1 from a fresh vector: ``pretrain_epochs`` steps).  Returns a copy of u."""
         cfg = self.config
-        items = as_items(user_items, self.n_items)
-        if not 0 <= userid < self.n_users:
-            raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
-        if items.size == 0:
-            raise ValueError("fold_in needs at least one rated item")
+        items = fold_in_items(user_items, self.n_items, userid, self.n_users)
         r = _targets(None if ratings is None else np.asarray(ratings, dtype=np.float64), items.size, cfg.max_norm2)
         u0 = initial_factors(1, cfg.factors, cfg.max_norm2, cfg.init_scale, self.rng)
         zeros = np.zeros(items.size, dtype=np.int64)
@@ -466,8 +462,7 @@ class MFModel(Recommender):
 
     # -- prediction and retrieval -----------------------------------------------------------------
     def _check_user(self, userid: int) -> None:
-        if not 0 <= userid < self.n_users:
-            raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
+        check_userid(userid, self.n_users)
         if not self.user_trained[userid]:
             raise ModelError("this user has no trained vector yet: call local_update, fine_tune or fold_in first")
 

@@ -22,7 +22,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr
 from device_sdk.family import LocalRatings, LocalResult
-from device_sdk.retrieval import Recommender, as_items
+from device_sdk.retrieval import Recommender, as_items, check_userid, fold_in_items
 from device_sdk.store import load_store, save_store
 from device_sdk.topk import HammingIndex
 from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
@@ -483,8 +483,7 @@ class LightFRModel(Recommender):
         rng = rng or self.rng
         cfg = self.config
         items = as_items(user_items, self.n_items)
-        if not 0 <= userid < self.n_users:
-            raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
+        check_userid(userid, self.n_users)
         targets = cfg.normalize(None if ratings is None else np.asarray(ratings, float), items.size)
         b = self.user_codes[userid : userid + 1]
         if cfg.unobserved_weight > 0:
@@ -545,11 +544,7 @@ class LightFRModel(Recommender):
         """Cold-start code for a new user from its ratings against the current item codes, offline
         and without a server round (LightFR eq. 18–19: DCD without the balance term)."""
         cfg = self.config
-        items = as_items(user_items, self.n_items)
-        if not 0 <= userid < self.n_users:
-            raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
-        if items.size == 0:
-            raise ValueError("fold_in needs at least one rated item")
+        items = fold_in_items(user_items, self.n_items, userid, self.n_users)
         targets = cfg.normalize(None if ratings is None else np.asarray(ratings, float), items.size)
         if cfg.unobserved_weight > 0 and cfg.query_planes:
             uniq, first = np.unique(items, return_index=True)
@@ -711,8 +706,7 @@ class LightFRModel(Recommender):
 
         The code stays marked as untrained until `fit_local` or `fold_in` runs.
         """
-        if not 0 <= userid < self.n_users:
-            raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
+        check_userid(userid, self.n_users)
         code = random_signs(1, self.config.bits, rng)[0]
         self.user_weight[userid] = 0
         self.user_codes[userid] = code
@@ -721,8 +715,7 @@ class LightFRModel(Recommender):
     def set_user_code(self, code: ArrayLike, *, userid: int = 0) -> None:
         """Adopt a user code learnt elsewhere (e.g. exported from a simulated run); the user counts as
         trained.  ``code`` is (f,) of ±1."""
-        if not 0 <= userid < self.n_users:
-            raise ValueError(f"userid {userid} out of range [0, {self.n_users})")
+        check_userid(userid, self.n_users)
         c = np.asarray(code)
         if c.shape != (self.config.bits,) or not np.all(np.abs(c) == 1):
             raise ValueError(f"a user code is {self.config.bits} values of ±1, got shape {c.shape}")

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-__all__ = ["Recommender", "as_items", "liked_per_user", "top_n_scores"]
+__all__ = ["Recommender", "as_items", "check_userid", "fold_in_items", "liked_per_user", "top_n_scores"]
 
 # Score rows materialised at once by the float path: users are taken in chunks of this many pairs.
 _CHUNK_PAIRS = 1 << 22
@@ -52,6 +52,21 @@ def as_items(user_items: ArrayLike, n_items: int) -> NDArray[np.int64]:
         items = arr.astype(np.int64).ravel()
     if items.size and (items.min() < 0 or items.max() >= n_items):
         raise ValueError(f"item id out of range [0, {n_items})")
+    return items
+
+
+def check_userid(userid: int, n_users: int) -> None:
+    """Raise ValueError unless ``userid`` names one of the ``n_users`` user rows a model holds."""
+    if not 0 <= userid < n_users:
+        raise ValueError(f"userid {userid} out of range [0, {n_users})")
+
+
+def fold_in_items(user_items: ArrayLike, n_items: int, userid: int, n_users: int) -> NDArray[np.int64]:
+    """The items of a ``fold_in`` call (see `as_items`), checked: a held ``userid`` and at least one item."""
+    items = as_items(user_items, n_items)
+    check_userid(userid, n_users)
+    if items.size == 0:
+        raise ValueError("fold_in needs at least one rated item")
     return items
 
 

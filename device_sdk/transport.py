@@ -7,12 +7,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from types import TracebackType
+from typing import Protocol, Self
 
 from protocol.errors import RemoteProtocolError
 from protocol.messages import ErrorMessage, Message
 
-__all__ = ["MSGPACK_CONTENT_TYPE", "LeftRound", "Response", "Transport", "TransportError", "raise_for_error"]
+__all__ = [
+    "MSGPACK_CONTENT_TYPE",
+    "AsyncClosing",
+    "LeftRound",
+    "Response",
+    "Transport",
+    "TransportError",
+    "raise_for_error",
+]
 
 #: Content type of every request and response body of the `/v1` API (docs/http-api.md).
 MSGPACK_CONTENT_TYPE = "application/msgpack"
@@ -122,6 +131,26 @@ class Transport(Protocol):
     async def close(self) -> None:
         """Release connections; the transport must not be used afterwards."""
         ...
+
+
+class AsyncClosing:
+    """What the SDK's closable objects (`device_sdk.http.HttpTransport`, `device_sdk.client.DeviceClient`)
+    share: ``async with x:`` returns ``x`` and awaits ``x.close()`` on the way out, whatever happened."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Release what the object holds; every subclass says what that is."""
+        raise NotImplementedError
 
 
 def raise_for_error(response: Response) -> Response:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-import device_sdk.client as client_module
+import device_sdk.participation as participation_module
 from protocol.device_session import DeviceSecAggSession
 from protocol.messages import UnmaskResponse
 from protocol.noise import to_ring
@@ -65,14 +65,14 @@ def _recording_session(record: Record) -> type[DeviceSecAggSession]:
 
 @contextlib.contextmanager
 def recording() -> Iterator[Record]:
-    """Record every device session created by `device_sdk.client` in this process."""
+    """Record every device session created by `device_sdk.participation` (the client's round driver) in this process."""
     record: Record = {}
-    original = client_module.DeviceSecAggSession
-    client_module.DeviceSecAggSession = _recording_session(record)  # type: ignore[misc]
+    original = participation_module.DeviceSecAggSession
+    participation_module.DeviceSecAggSession = _recording_session(record)  # type: ignore[misc]
     try:
         yield record
     finally:
-        client_module.DeviceSecAggSession = original  # type: ignore[misc]
+        participation_module.DeviceSecAggSession = original  # type: ignore[misc]
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-import device_sdk.client as client_module
+import device_sdk.participation as participation_module
 from device_sdk.client import (
     MODEL_FILE,
     ClientConfig,
@@ -368,7 +368,7 @@ class RecordingSession(DeviceSecAggSession):
 def recording(monkeypatch: pytest.MonkeyPatch) -> list[RecordingSession]:
     created: list[RecordingSession] = []
     monkeypatch.setattr(RecordingSession, "created", created)
-    monkeypatch.setattr(client_module, "DeviceSecAggSession", RecordingSession)
+    monkeypatch.setattr(participation_module, "DeviceSecAggSession", RecordingSession)
     return created
 
 

@@ -266,7 +266,7 @@ async def test_timeout_is_retried(aiohttp_server: ServerFactory) -> None:
         calls += 1
         if calls == 1:
             try:
-                await asyncio.wait_for(release.wait(), timeout=1.0)
+                await asyncio.wait_for(release.wait(), timeout=30.0)  # held until the test is done with it
             except TimeoutError:
                 pass
         return packed(WAIT)
@@ -274,7 +274,9 @@ async def test_timeout_is_retried(aiohttp_server: ServerFactory) -> None:
     server = await serve(aiohttp_server, {("POST", "/v1/checkin"): slow})
     sleeps = Sleeps()
     async with HttpTransport(url_of(server), sleep=sleeps) as transport:
-        response = await transport.request("POST", "/v1/checkin", CHECKIN, timeout=0.05)
+        # 0.5 s per attempt: the held first one times out; the second, answered at once, needs a few ms
+        # (at 50 ms, a loaded machine could time it out too and make a third attempt)
+        response = await transport.request("POST", "/v1/checkin", CHECKIN, timeout=0.5)
     release.set()
     assert response.message == WAIT and calls == 2 and len(sleeps.delays) == 1
 

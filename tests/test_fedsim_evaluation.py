@@ -10,7 +10,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from fedsim.data.datasets import Ratings, load_amazon_book, load_lightfr_split, load_movielens
+from fedsim.data.datasets import load_amazon_book
+from fedsim.data.loaders import load_lightfr_split, load_movielens
+from fedsim.data.ratings import Ratings
 from fedsim.data.splits import leave_one_out
 from fedsim.evaluation.ranking import (
     EvalResult,
@@ -193,9 +195,11 @@ class TestSampleNegatives:
     def test_fast_at_ml_1m_scale(self) -> None:
         indptr, indices = _random_csr(6_040, 3_706, 165, seed=3)
         users = np.arange(6_040)
-        start = time.perf_counter()
+        start = time.process_time()  # CPU time: a loaded machine does not lengthen it
         cand = sample_negatives(3_706, users, indices[indptr[:-1]], (indptr, indices), 99, seed=0)
-        assert time.perf_counter() - start < 2.0
+        # 0.09-0.13 s of CPU, idle or beside two CPU burners; numpy 2's hash-based np.unique in place of
+        # the sort-based one takes 0.77-0.88 s (and 2-8 s of wall time on a loaded machine)
+        assert time.process_time() - start < 0.5
         assert cand.shape == (6_040, 100)
 
     def test_interaction_csr(self) -> None:

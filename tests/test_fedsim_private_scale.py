@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from agg_server.strategy.lightfr import LightFRServerParams, LightFRServerStrategy
-from fedsim.data.datasets import synthetic
+from fedsim.data.synthetic import synthetic
 from fedsim.private.scaled_lightfr import (
     ALPHAS,
     NoiseAwareLightFR,
@@ -86,8 +86,8 @@ def test_scaled_run_charges_the_ledger_and_learns_popularity() -> None:
 def test_private_mf_popularity_channel_is_charged_and_chosen_on_validation() -> None:
     # MF with the private popularity channel: the ledger holds the release and every round within ε,
     # and the weight of the level comes from validation (a grid that includes the level alone).
-    from fedsim.data.datasets import synthetic
     from fedsim.data.splits import leave_one_out
+    from fedsim.data.synthetic import synthetic
     from fedsim.evaluation.experiment import prepare
     from fedsim.private.mf import PrivateMFSettings, run_private_mf
 
@@ -166,8 +166,8 @@ def test_scaled_round_without_dp_releases_every_cohort_devices_clipped_quantized
     # C and in fixed point with stochastic rounding, so within one unit per device of the clipped exact sum.
     # With C out of the way that is the plain federation's exact sum (`full_upload`); with C = 2 the clip bites.
     from agg_server.strategy import build_strategy
+    from device_sdk.batched import snapped_vectors as _quantized
     from device_sdk.lightfr import full_upload, ridge_users
-    from fedsim.federation.lightfr import _quantized
     from fedsim.private.scaled_lightfr import scaled_config
     from protocol.families.lightfr import UploadLayout, bias_from_levels
     from protocol.quantization import clip_l2
@@ -237,8 +237,8 @@ def test_symmetric_scaled_run_ranks_like_the_default_device_when_asked() -> None
     # rank_planes without query_planes: training and uploads stay ±1 codes (the same model as without it),
     # and every user ranks with what a real LightFRModel (rank_planes = 3, rank_ridge = 2) holds after
     # installing the final codes and levels: its ridge vector (2·w0·m, w0 the run's) as 3 planes.
+    from device_sdk.batched import plane_vectors
     from device_sdk.models import LightFRConfig, LightFRModel
-    from fedsim.federation.lightfr import plane_vectors
 
     data = synthetic(n_users=60, n_items=40, n_clusters=3, ratings_per_user=8, seed=3)
     st = ScaledSettings(epsilon=0.0, rounds=2, bits=16, pop_share=0.0, example_cap=0, unobserved_weight="auto")

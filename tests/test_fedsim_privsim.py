@@ -17,8 +17,9 @@ from device_sdk.mf import MFConfig, MFModel
 from device_sdk.models import LightFRConfig, LightFRModel
 from fedsim.data.planted import planted_binary, planted_nonnegative
 from fedsim.fleets.faults import DropoutAt
+from fedsim.private.cohorts import LightFRCohort
 from fedsim.private.coordinator_rounds import run_private
-from fedsim.private.simulator import LightFRCohort, PrivateSimulator, _noise_check, run_simulated, survivor_sets
+from fedsim.private.simulator import PrivateSimulator, _noise_check, run_simulated, survivor_sets
 from protocol.noise import minimum_survivors
 from protocol.samplers import insecure_test_noise_stream
 
@@ -402,8 +403,8 @@ def test_scaled_mf_round_is_bit_identical_to_the_coordinator(
 ) -> None:
     # The sparse MF cohort with each device's own seeded generator and stream (the test hook) against the
     # real coordinator with SecAgg+ and the devices' dense uploads: same model, same user vectors, same ε.
-    from fedsim.private import simulator
-    from fedsim.private.simulator import MFCohort
+    from device_sdk import batched
+    from fedsim.private.cohorts import MFCohort
 
     clipped: list[bool] = []
 
@@ -412,8 +413,8 @@ def test_scaled_mf_round_is_bit_identical_to_the_coordinator(
         clipped.append(out[1])
         return out
 
-    real_clip = simulator.clip_l2
-    monkeypatch.setattr(simulator, "clip_l2", clip_l2)
+    real_clip = batched.clip_l2
+    monkeypatch.setattr(batched, "clip_l2", clip_l2)
 
     n, rounds = 12, 2
     users = _mf_users(n)
@@ -458,7 +459,7 @@ def test_scaled_mf_cohort_batched_matches_per_device(tmp_path: Path) -> None:
 
     from agg_server.strategy.base import round_plan
     from device_sdk.client import insecure_seeded_rngs
-    from fedsim.private.simulator import MFCohort
+    from fedsim.private.cohorts import MFCohort
     from protocol.session import RoundParameters
 
     n = 15
@@ -494,7 +495,7 @@ def test_scaled_mf_cohort_batched_matches_per_device(tmp_path: Path) -> None:
 
 def test_scaled_mf_round_noise_has_variance_mu(tmp_path: Path) -> None:
     # MF devices without ratings upload zeros: the released sum of a scaled MF round is pure noise of variance μ.
-    from fedsim.private.simulator import MFCohort
+    from fedsim.private.cohorts import MFCohort
 
     n, m = 200, 5000
     sim = PrivateSimulator(_config(tmp_path, "mf", n, dp=True, rounds=1, n_items=m))

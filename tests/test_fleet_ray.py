@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedsim.data.datasets import synthetic
+from fedsim.data.synthetic import synthetic
 from fedsim.fleets.demo import ServerProcess, loadtest_record, run_loadtest, write_server_config
 from fedsim.fleets.local import FleetConfig
 

@@ -9,11 +9,12 @@ from typing import TextIO
 
 import numpy as np
 
+from device_sdk.batched import plane_vectors
 from fedsim.cli.args import Command, add_dataset, add_json, add_run_file, positive_int, resolve_data_dir
 from fedsim.cli.results import evaluate_and_report
 from fedsim.evaluation.experiment import Experiment, Protocol, prepare
 from fedsim.evaluation.report import result_record, write_json
-from fedsim.federation.lightfr import FederatedLightFR, plane_vectors
+from fedsim.federation.lightfr import FederatedLightFR
 from protocol.errors import ConfigError, FedRecError
 
 __all__ = ["COMMAND"]

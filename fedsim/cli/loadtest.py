@@ -141,7 +141,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``fedrec loadtest``; returns the exit status."""
     import tempfile
 
-    from fedsim.data.datasets import synthetic
+    from fedsim.data.synthetic import synthetic
     from fedsim.fleets.demo import RoundProgress, format_loadtest, loadtest_record, run_loadtest
     from fedsim.fleets.local import FleetConfig
 

@@ -147,7 +147,7 @@ def simulate_mf_published(
         + (f"ε={s.epsilon:g} at δ=1e-5 " if s.epsilon > 0 else "no DP noise, ")
         + f"over a private popularity release ({s.pop_share:g} of ε, θ={s.pop_theta}) and T={s.rounds} rounds, "
         f"f={s.factors}, R={s.max_norm2:g}, θ={s.example_cap} with {s.negatives} negative each, C={s.clip_norm:g}, "
-        f"server step {s.server_lr:g}; rounds through the private-round simulator (fedsim.private.simulator.MFCohort)\n"
+        f"server step {s.server_lr:g}; rounds through the private-round simulator (fedsim.private.cohorts.MFCohort)\n"
     )
 
     def on_round(r: int, seconds: float) -> None:

@@ -21,9 +21,9 @@ from numpy.typing import NDArray
 
 from agg_server.strategy import LightFRStrategy
 from agg_server.strategy.lightfr import agg_full
-from device_sdk import lightfr
+from device_sdk import batched, lightfr
 from device_sdk.models import LightFRConfig
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 from fedsim.evaluation.ranking import EvalResult
 from protocol.codes import random_signs
 from protocol.families.lightfr import bias_from_levels, density_weight, levels_from_bias
@@ -38,8 +38,6 @@ __all__ = [
     "run_lightfr",
     "run_full",
     "with_negatives",
-    "plane_vectors",
-    "refreshed_vectors",
 ]
 
 
@@ -153,13 +151,7 @@ def with_negatives(data: UserData, per_positive: int, rng: np.random.Generator) 
     if per_positive == 0:
         return data
     neg_ptr, neg = lightfr.sample_negatives(data.indptr, data.items, data.n_items, per_positive, rng)
-    n = data.n_users
-    rows = np.concatenate([np.repeat(np.arange(n), np.diff(data.indptr)), np.repeat(np.arange(n), np.diff(neg_ptr))])
-    order = np.argsort(rows, kind="stable")
-    items = np.concatenate([data.items, neg])[order]
-    targets = np.concatenate([data.targets, np.zeros(neg.size)])[order]
-    counts = np.bincount(rows, minlength=n)
-    indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    indptr, items, targets = batched.merge_negatives(data.indptr, data.items, data.targets, neg_ptr, neg)
     return UserData(indptr, items, targets, data.n_items)
 
 
@@ -337,7 +329,7 @@ def run_full(
             U = lightfr.ridge_users(
                 local.indptr, local.items, local.targets, D, dev_beta, w0, alpha, federation.user_reg
             )
-            Uq = _quantized(U, federation.query_planes, wgt)
+            Uq = batched.snapped_vectors(U, federation.query_planes, wgt)
             parts = lightfr.full_upload(local.indptr, local.items, local.targets, Uq, D, dev_beta, w0, alpha)
             if state.user_vectors is None:
                 state.user_vectors = np.zeros((n, f))
@@ -384,7 +376,7 @@ def run_full(
         # Symmetric training ranks with a vector of its own ridge weight (rank_ridge·w0·m).
         dev_beta = bias_from_levels(state.item_levels, m, f, wgt)
         reg = federation.user_reg if federation.query_planes else federation.rank_ridge * w0 * m
-        state.user_q, state.user_weight, state.user_vectors = refreshed_vectors(
+        state.user_q, state.user_weight, state.user_vectors = batched.refreshed_vectors(
             data.indptr,
             data.items,
             data.targets,
@@ -397,37 +389,3 @@ def run_full(
             wgt,
         )
     return state
-
-
-def _quantized(U: NDArray[np.float64], planes: int, hamming_weight: int) -> NDArray[np.float64]:
-    """Δ'·q: the P-plane user vectors with their scales snapped to the integer score's grid."""
-    q, scale = lightfr.quantize_planes(U, planes)
-    return lightfr.snap_scale(scale, hamming_weight)[1][:, None] * q
-
-
-def refreshed_vectors(
-    indptr: NDArray[np.int64],
-    items: NDArray[np.int64],
-    targets: NDArray[np.float64],
-    D: NDArray[np.int8],
-    beta: NDArray[np.float64],
-    w0: float,
-    alpha: float,
-    reg: float,
-    planes: int,
-    hamming_weight: int,
-) -> tuple[NDArray[np.int16], NDArray[np.int64], NDArray[np.float64]]:
-    """What every device ranks with after a download: its exact vector against the item codes and biases
-    (`device_sdk.lightfr.ridge_users`, ridge ``reg``), kept as ``planes`` planes with the scale snapped to
-    the integer score's grid, as `device_sdk.models.LightFRModel` holds it: (odd integers q (n, f),
-    integer weights a (n,), Δ'·q (n, f))."""
-    U = lightfr.ridge_users(indptr, items, targets, D, beta, w0, alpha, reg)
-    q, scale = lightfr.quantize_planes(U, planes)
-    a, snapped = lightfr.snap_scale(scale, hamming_weight)
-    return q, a, snapped[:, None] * q.astype(np.float64)
-
-
-def plane_vectors(q: NDArray[np.integer], weight: NDArray[np.integer], hamming_weight: int) -> NDArray[np.float64]:
-    """Δ'·q of vectors held as odd integers q (n, f) and integer weights a (n,): Δ' = 2a / (2^s·B)."""
-    delta = 2.0 * np.asarray(weight, dtype=np.float64) / (2**lightfr.LEVEL_SHIFT * hamming_weight)
-    return delta[:, None] * np.asarray(q, dtype=np.float64)

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from device_sdk.client import DeviceClient
 from device_sdk.lightfr import LEVEL_SHIFT
 from fedsim.evaluation.experiment import Experiment, baselines
 from fedsim.evaluation.ranking import EvalResult, TieMode, evaluate_candidates
@@ -278,57 +279,22 @@ def run_demo_fleet(
 ) -> dict[str, Any]:
     """Start a server, run a device per user for ``rounds`` rounds, evaluate, stop the server."""
     n_users = int(np.max(exp.train.users)) + 1 if len(exp.train) else 0
-    m = exp.train.n_items
     cohort = min(cohort, n_users)
-    dp = privacy_epsilon is not None
     with _workdir(workdir) as root:
-        # The demo plays the operator: it creates an enrollment authority (its key stays outside the
-        # server's folder), gives the server only the public key, and certifies each device's identity key
-        # before the device registers; every round then runs signed, with the consistency check.
-        authority_file = root / "enrollment-authority.key"
-        if not authority_file.exists():
-            EnrollmentAuthority.generate().save(authority_file)
-        authority = EnrollmentAuthority.load(authority_file)
-        settings: dict[str, dict[str, Any]] = {
-            "server": {"host": "127.0.0.1", "port": 0, "data_dir": str(root / "server-data")},
-            "model": {
-                "n_items": m,
-                "bits": bits,
-                # The recipe the demo's figures were measured with: the Jacobi step, ρ = 0.3 unless asked.
-                "mean_field": False,
-                "flip_fraction": 0.3 if flip_fraction is None else flip_fraction,
-                **(PRIVATE_MODEL if dp else {}),
-                # Asymmetric scoring in the round plan (protocol 1.6): the devices follow it.
-                "query_planes": query_planes,
-                "user_reg": user_reg,
-            },
-            "rounds": {
-                "cohort_size": cohort,
-                # The fleet sends exactly the seeded cohort (FleetConfig.cohort): wait for all of it.
-                "min_cohort": cohort,
-                "max_rounds": rounds,
-                "dropout_rate": 0.33,
-                "clip_norm": 8.0,
-                "scale_bits": 12,
-                "example_cap": 0,
-                # Devices that drop announce it and the fleet sends only the cohort, so a phase closes as
-                # soon as every device answered: the deadlines are only a safety net, generous enough for
-                # 300 devices training in one process on a busy 2-core machine.
-                "advertise_timeout": 300.0,
-                "share_keys_timeout": 300.0,
-                "masked_input_timeout": 300.0,
-                "unmask_timeout": 300.0,
-                "round_interval": 0.5,
-                "seed": seed,
-            },
-            "privacy": (
-                {"enabled": True, "epsilon": privacy_epsilon, "delta": 1e-5, "planned_rounds": rounds}
-                if privacy_epsilon is not None
-                else {"enabled": False}  # the budget keys are refused without DP (nothing reads them)
-            ),
-            "log": {"format": "text", "level": "warning"},
-            "enrollment": {"authority_key": authority.public_key.hex()},
-        }
+        authority_file, authority = _demo_authority(root)
+        settings = _server_settings(
+            root,
+            authority,
+            n_items=exp.train.n_items,
+            bits=bits,
+            rounds=rounds,
+            cohort=cohort,
+            privacy_epsilon=privacy_epsilon,
+            flip_fraction=flip_fraction,
+            seed=seed,
+            query_planes=query_planes,
+            user_reg=user_reg,
+        )
         config_path = root / "server.toml"
         write_server_config(config_path, settings)
         # Where and when (paths, port, seconds) goes to stderr; stdout is the run's result, the same in
@@ -339,49 +305,20 @@ def run_demo_fleet(
         with ServerProcess(config_path, root / "server.log") as server:
             log.write(f"server: listening on {server.url}; {n_users} devices registering\n")
             log.flush()
-            header = (
-                f"{'round':>5} {'cohort':>6} {'survivors':>9}  dropped per phase (keys/shares/masked/unmask)  "
-                f"{'ε spent':>8}\n"
-            )
-            out.write(header)
-
-            def on_round(rec: dict[str, Any]) -> None:
-                drops = "/".join(str(p["dropped"]) for p in rec.get("phases", []))
-                eps = (rec.get("privacy") or {}).get("epsilon_spent")
-                eps_text = f"{eps:8.3f}" if isinstance(eps, float) else "       -"
-                state = "" if rec.get("status") == "committed" else f"  ({rec.get('status')}: {rec.get('reason')})"
-                bar.write(
-                    out,
-                    f"{rec['round_id']:>5} {rec.get('cohort_size', 0):>6} {rec.get('survivors') or 0:>9}  "
-                    f"{drops:<46} {eps_text}{state}\n",
-                )
-
-            fleet_cfg = FleetConfig(
-                url=server.url,
-                store_root=root / "devices",
-                n_items=m,
+            out.write(_ROUND_HEADER)
+            fleet_cfg = _fleet_config(
+                server.url,
+                root,
+                exp,
                 bits=bits,
                 rounds=rounds,
                 dropout=dropout,
                 seed=seed,
-                rating_range=exp.rating_range,
-                time_limit=1800.0,
-                # Devices that drop say so (like an app closed cleanly), so phases close at quorum.
-                announce_drops=True,
-                # The fleet picks each round's cohort from the seed and the devices train from it, so
-                # runs with one seed match; the DP noise is keyed from the OS unless the test hook says.
                 cohort=cohort,
-                seed_training=True,
-                insecure_reproducible=insecure_seed_noise,
-                authority_key_file=authority_file,
+                insecure_seed_noise=insecure_seed_noise,
+                authority_file=authority_file,
             )
-            bar = RoundProgress(rounds, "demo", enabled=show_progress)
-            try:
-                report, clients = asyncio.run(
-                    run_fleet(fleet_cfg, device_data(exp, n_users), on_round=on_round, on_status=bar.on_status)
-                )
-            finally:
-                bar.close()
+            report, clients = _drive_fleet(fleet_cfg, device_data(exp, n_users), out, show_progress)
             payload, status = asyncio.run(_final_model(server.url, authority))
         log.write(f"server: stopped (exit {server.proc.returncode if server.proc else '?'})\n")
         if report.errors:  # e.g. timeouts on an overloaded machine: the run is then not the seed's alone
@@ -400,6 +337,137 @@ def run_demo_fleet(
             "item_codes": codes,
             "seconds": time.perf_counter() - t0,
         }
+
+
+def _demo_authority(root: Path) -> tuple[Path, EnrollmentAuthority]:
+    """The demo plays the operator: it creates an enrollment authority (its key stays outside the
+    server's folder), gives the server only the public key, and certifies each device's identity key
+    before the device registers; every round then runs signed, with the consistency check."""
+    authority_file = root / "enrollment-authority.key"
+    if not authority_file.exists():
+        EnrollmentAuthority.generate().save(authority_file)
+    return authority_file, EnrollmentAuthority.load(authority_file)
+
+
+def _server_settings(
+    root: Path,
+    authority: EnrollmentAuthority,
+    *,
+    n_items: int,
+    bits: int,
+    rounds: int,
+    cohort: int,
+    privacy_epsilon: float | None,
+    flip_fraction: float | None,
+    seed: int,
+    query_planes: int,
+    user_reg: float,
+) -> dict[str, dict[str, Any]]:
+    """The demo server's configuration (written to ``server.toml``)."""
+    return {
+        "server": {"host": "127.0.0.1", "port": 0, "data_dir": str(root / "server-data")},
+        "model": {
+            "n_items": n_items,
+            "bits": bits,
+            # The recipe the demo's figures were measured with: the Jacobi step, ρ = 0.3 unless asked.
+            "mean_field": False,
+            "flip_fraction": 0.3 if flip_fraction is None else flip_fraction,
+            **(PRIVATE_MODEL if privacy_epsilon is not None else {}),
+            # Asymmetric scoring in the round plan (protocol 1.6): the devices follow it.
+            "query_planes": query_planes,
+            "user_reg": user_reg,
+        },
+        "rounds": {
+            "cohort_size": cohort,
+            # The fleet sends exactly the seeded cohort (FleetConfig.cohort): wait for all of it.
+            "min_cohort": cohort,
+            "max_rounds": rounds,
+            "dropout_rate": 0.33,
+            "clip_norm": 8.0,
+            "scale_bits": 12,
+            "example_cap": 0,
+            # Devices that drop announce it and the fleet sends only the cohort, so a phase closes as
+            # soon as every device answered: the deadlines are only a safety net, generous enough for
+            # 300 devices training in one process on a busy 2-core machine.
+            "advertise_timeout": 300.0,
+            "share_keys_timeout": 300.0,
+            "masked_input_timeout": 300.0,
+            "unmask_timeout": 300.0,
+            "round_interval": 0.5,
+            "seed": seed,
+        },
+        "privacy": (
+            {"enabled": True, "epsilon": privacy_epsilon, "delta": 1e-5, "planned_rounds": rounds}
+            if privacy_epsilon is not None
+            else {"enabled": False}  # the budget keys are refused without DP (nothing reads them)
+        ),
+        "log": {"format": "text", "level": "warning"},
+        "enrollment": {"authority_key": authority.public_key.hex()},
+    }
+
+
+def _drive_fleet(
+    fleet_cfg: FleetConfig, users: list[tuple[np.ndarray, np.ndarray]], out: TextIO, show_progress: bool | None
+) -> tuple[FleetReport, list[DeviceClient]]:
+    """Run the fleet to its last round, printing a table row per round (with a progress bar on a terminal)."""
+    bar = RoundProgress(fleet_cfg.rounds, "demo", enabled=show_progress)
+    try:
+        return asyncio.run(
+            run_fleet(fleet_cfg, users, on_round=lambda rec: bar.write(out, _round_line(rec)), on_status=bar.on_status)
+        )
+    finally:
+        bar.close()
+
+
+def _fleet_config(
+    url: str,
+    root: Path,
+    exp: Experiment,
+    *,
+    bits: int,
+    rounds: int,
+    dropout: float,
+    seed: int,
+    cohort: int,
+    insecure_seed_noise: bool,
+    authority_file: Path,
+) -> FleetConfig:
+    return FleetConfig(
+        url=url,
+        store_root=root / "devices",
+        n_items=exp.train.n_items,
+        bits=bits,
+        rounds=rounds,
+        dropout=dropout,
+        seed=seed,
+        rating_range=exp.rating_range,
+        time_limit=1800.0,
+        # Devices that drop say so (like an app closed cleanly), so phases close at quorum.
+        announce_drops=True,
+        # The fleet picks each round's cohort from the seed and the devices train from it, so
+        # runs with one seed match; the DP noise is keyed from the OS unless the test hook says.
+        cohort=cohort,
+        seed_training=True,
+        insecure_reproducible=insecure_seed_noise,
+        authority_key_file=authority_file,
+    )
+
+
+_ROUND_HEADER = (
+    f"{'round':>5} {'cohort':>6} {'survivors':>9}  dropped per phase (keys/shares/masked/unmask)  {'ε spent':>8}\n"
+)
+
+
+def _round_line(rec: dict[str, Any]) -> str:
+    """One row of the demo's per-round table, from the server's round record."""
+    drops = "/".join(str(p["dropped"]) for p in rec.get("phases", []))
+    eps = (rec.get("privacy") or {}).get("epsilon_spent")
+    eps_text = f"{eps:8.3f}" if isinstance(eps, float) else "       -"
+    state = "" if rec.get("status") == "committed" else f"  ({rec.get('status')}: {rec.get('reason')})"
+    return (
+        f"{rec['round_id']:>5} {rec.get('cohort_size', 0):>6} {rec.get('survivors') or 0:>9}  "
+        f"{drops:<46} {eps_text}{state}\n"
+    )
 
 
 async def _final_model(url: str, authority: EnrollmentAuthority) -> tuple[ModelPayload, dict[str, Any]]:

@@ -16,9 +16,10 @@ Two modes, one set of rules:
   ``rounds.seed`` and the same dropout schedule, the final model is bit-identical to
   `fedsim.private.coordinator_rounds.run_private` (real coordinator, real crypto) — `tests/test_fedsim_privsim.py`.
 * **scale** (`PrivateSimulator.run_scaled_round`, every device of amazon-book in one round): a
-  family's batched trainer (`LightFRCohort`) computes each device's sparse update (only its rated
-  items — and sampled negatives — are non-zero), clips it with `protocol.quantization.clip_l2` and
-  rounds it with `protocol.quantization.stochastic_round`; the survivors' noise is drawn in one piece
+  family's cohort (`fedsim.private.cohorts.LightFRCohort`, `MFCohort`) computes each device's sparse
+  update (only its rated items — and sampled negatives — are non-zero), clips it with
+  `protocol.quantization.clip_l2` and rounds it with `protocol.quantization.stochastic_round`, through the
+  batched form of the device kernels (`device_sdk.batched`); the survivors' noise is drawn in one piece
   as Skellam of `protocol.noise.released_variance` (Skellam laws add), which is the released noise's
   exact law.  Exact in distribution, not bit for bit: the draws come from a simulation generator.
 
@@ -36,9 +37,8 @@ only through ``seed=`` of the runs (the devices' `insecure_seeded_rngs`, the tes
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,13 +53,14 @@ from device_sdk.client import insecure_seeded_rngs
 from device_sdk.family import LocalRatings
 from device_sdk.training import local_round
 from fedsim.fleets.faults import DropoutAt
+from fedsim.private.cohorts import DeviceDraws, LightFRCohort, MFCohort
 from fedsim.threads import one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.codec import decode, encode
 from protocol.errors import ConfigError, NotEnoughParticipants
-from protocol.families.lightfr import UploadLayout, bias_from_levels
+from protocol.families.lightfr import bias_from_levels
 from protocol.graph import harary_graph
-from protocol.messages import ModelPayload, RoundInvite
+from protocol.messages import ModelPayload
 from protocol.noise import (
     correct_noise,
     device_noise,
@@ -69,13 +70,11 @@ from protocol.noise import (
     to_ring,
 )
 from protocol.phases import prune_unmaskable, require_quorum
-from protocol.plan import LightFRParams, TrainingPlan
+from protocol.plan import TrainingPlan
 from protocol.quantization import (
     check_bit_budget,
-    clip_l2,
     dequantize_sum,
     sensitivity,
-    stochastic_round,
 )
 from protocol.samplers import NoiseStream, insecure_test_noise_stream
 from protocol.session import RoundParameters
@@ -85,8 +84,6 @@ __all__ = [
     "Survivors",
     "survivor_sets",
     "PrivateSimulator",
-    "LightFRCohort",
-    "MFCohort",
     "one_blas_thread",
     "SimulatedRun",
     "run_simulated",
@@ -533,323 +530,6 @@ def run_simulated(
     return run
 
 
-class LightFRCohort:
-    """Every LightFR device of a dataset at once, for `PrivateSimulator.run_scaled_round`.
-
-    Holds each device's private user code b_u (``codes``, (n, f) ±1) and its ratings, and runs one
-    round of every device's local work in batches with the device's own kernels
-    (`device_sdk.lightfr.sample_negatives`, `dcd_update`, `inner_products`): θ ratings kept at
-    random, negatives sampled, DCD sweeps, then the eq. 12 item gradient of the kept and sampled
-    items only — the upload's non-zero part.  Each device's part is clipped with
-    `protocol.quantization.clip_l2` and rounded with `protocol.quantization.stochastic_round`.
-
-    Parameters
-    ----------
-    users : for each device (one user), its rated item ids and raw ratings (or None).
-    n_items, bits : model shape.
-    rating_range : raw rating range, None for implicit feedback.
-    batch : devices per vectorised batch (memory: batch × entries × f floats).
-    """
-
-    def __init__(
-        self,
-        users: Sequence[tuple[NDArray[np.int64], NDArray[np.float64] | None]],
-        n_items: int,
-        bits: int,
-        *,
-        rating_range: tuple[float, float] | None = None,
-        binary_positives: bool = True,
-        batch: int = 4096,
-        first_id: int = 1,
-    ) -> None:
-        from device_sdk.models import LightFRConfig
-
-        self.n_items, self.bits = int(n_items), int(bits)
-        self.device_ids = list(range(first_id, first_id + len(users)))
-        self._index = {d: i for i, d in enumerate(self.device_ids)}
-        self._cfg = LightFRConfig(bits=bits, rating_range=rating_range, binary_positives=binary_positives)
-        lengths = np.array([np.asarray(u[0]).size for u in users], dtype=np.int64)
-        self.indptr = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-        self.items = (
-            np.concatenate([np.asarray(u[0], dtype=np.int64) for u in users]) if users else np.zeros(0, np.int64)
-        )
-        self.targets = np.concatenate(
-            [self._cfg.normalize(None if r is None else np.asarray(r, float), np.asarray(i).size) for i, r in users]
-        )
-        self.codes = np.ones((len(users), bits), dtype=np.int8)
-        #: Each device's snapped real vector Δ'·q under asymmetric scoring (protocol 1.6); zeros otherwise.
-        self.vectors = np.zeros((len(users), bits))
-        self.trained = np.zeros(len(users), dtype=bool)
-        self.batch = int(batch)
-
-    def quantized_sum(
-        self,
-        D: NDArray[np.int8],
-        invite: RoundInvite,
-        cohort: Iterable[int],
-        survivors: Iterable[int],
-        rng: np.random.Generator,
-        coins: NoiseStream,
-        beta: NDArray[np.float64] | None = None,
-        hamming_weight: int = 1,
-    ) -> NDArray[np.int64]:
-        """Train every cohort device for one round; return Σ over ``survivors`` of the quantized
-        uploads as signed integers (the invite's upload length).  ``rng`` drives training, ``coins`` the
-        stochastic rounding (of the non-zero part of each upload: same law as a device's dense rounding,
-        other words).  Under the all-items objective ``D`` is the (m, f) item codes, ``beta`` the item
-        biases the downloaded levels stand for and ``hamming_weight`` the downloaded B (`_full_sum`)."""
-        from device_sdk.lightfr import dcd_update, inner_products, sample_negatives
-        from protocol.spec import Aggregation
-
-        p = _lightfr_params(invite)
-        if p.aggregation is not Aggregation.GRAD:
-            raise ConfigError("the scaled LightFR simulation runs Agg_grad uploads only")
-        if p.unobserved_weight > 0:
-            if beta is None:
-                raise ConfigError("the all-items objective needs the item biases the devices download (beta=)")
-            return self._full_sum(D, beta, invite, cohort, survivors, rng, coins, hamming_weight)
-        m, f = self.n_items, self.bits
-        qcfg = invite.quantization()
-        lam = float(p.lam)
-        negatives = int(p.negatives)
-        cap = int(invite.example_cap)
-        epochs = int(p.local_epochs)
-        sweeps = int(p.max_sweeps)
-        alive = {self._index[d] for d in survivors}
-        rows_all = np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
-        total = np.zeros(m * f, dtype=np.int64)
-        fresh = rows_all[~self.trained[rows_all]]
-        if fresh.size:  # a device's first round starts from a random code
-            self.codes[fresh] = np.where(rng.random((fresh.size, f)) < 0.5, -1, 1).astype(np.int8)
-        for lo in range(0, rows_all.size, self.batch):
-            rows = rows_all[lo : lo + self.batch]
-            counts = self.indptr[rows + 1] - self.indptr[rows]
-            take = np.concatenate([np.arange(self.indptr[r], self.indptr[r + 1]) for r in rows])
-            items, targets = self.items[take], self.targets[take]
-            indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-            if cap:
-                # θ ratings per device, uniformly without replacement (random keys, smallest θ kept).
-                owner = np.repeat(np.arange(rows.size), counts)
-                order = np.lexsort((rng.random(items.size), owner))
-                rank = np.arange(items.size) - np.repeat(indptr[:-1], counts)
-                keep = np.sort(order[rank < cap])
-                items, targets, owner = items[keep], targets[keep], owner[keep]
-                counts = np.bincount(owner, minlength=rows.size)
-                indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-            B = self.codes[rows]
-            grad_items: NDArray[np.int64] | None = None
-            acc: NDArray[np.float64] | None = None
-            for _ in range(epochs):
-                if negatives:
-                    neg_ptr, neg = sample_negatives(indptr, items, m, negatives, rng)
-                    ei, er, eo = _merge_csr(indptr, items, targets, neg_ptr, neg)
-                else:
-                    ei, er, eo = items, targets, indptr
-                B, _ = dcd_update(eo, ei, er, B, D, lam, max_sweeps=sweeps)
-                g_items, g_rows, g_vals = _entry_gradients(eo, ei, er, B, D, inner_products)
-                if acc is None:
-                    grad_items, grad_rows, acc = g_items, g_rows, g_vals
-                else:  # later epochs: stack and merge below (the device averages epochs)
-                    grad_items = np.concatenate([grad_items, g_items])
-                    grad_rows = np.concatenate([grad_rows, g_rows])
-                    acc = np.concatenate([acc, g_vals])
-            self.codes[rows] = B
-            self.trained[rows] = True
-            assert grad_items is not None and acc is not None
-            keys, inv = np.unique(grad_rows * m + grad_items, return_inverse=True)
-            vals = np.zeros((keys.size, f))
-            np.add.at(vals, inv, acc)
-            vals /= epochs
-            urow, uitem = keys // m, keys % m
-            bounds = np.searchsorted(urow, np.arange(rows.size + 1))
-            for j in range(rows.size):
-                if int(rows[j]) not in alive:
-                    continue
-                a, b = bounds[j], bounds[j + 1]
-                if a == b:
-                    continue
-                clipped, _ = clip_l2(vals[a:b], qcfg.clip_norm)
-                q = stochastic_round(clipped * qcfg.scale, coins)
-                idx = (uitem[a:b, None] * f + np.arange(f)).ravel()
-                _scatter_add(total, idx, q.ravel())
-        return total
-
-    def _kept(
-        self, rows: NDArray[np.int64], cap: int, rng: np.random.Generator
-    ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64], NDArray[np.int64]]:
-        """(indptr, items, targets, owner) of a batch after the θ cap: θ ratings per device, uniformly
-        without replacement (random keys, smallest θ kept), then each item once (the device's unique)."""
-        counts = self.indptr[rows + 1] - self.indptr[rows]
-        take = np.concatenate([np.arange(self.indptr[r], self.indptr[r + 1]) for r in rows])
-        items, targets = self.items[take], self.targets[take]
-        owner = np.repeat(np.arange(rows.size), counts)
-        if cap:
-            indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-            order = np.lexsort((rng.random(items.size), owner))
-            rank = np.arange(items.size) - np.repeat(indptr[:-1], counts)
-            keep = np.sort(order[rank < cap])
-            items, targets, owner = items[keep], targets[keep], owner[keep]
-        _, first = np.unique(owner * self.n_items + items, return_index=True)  # sorted by (device, item)
-        items, targets, owner = items[first], targets[first], owner[first]
-        counts = np.bincount(owner, minlength=rows.size)
-        return np.concatenate(([0], np.cumsum(counts))).astype(np.int64), items, targets, owner
-
-    def _full_sum(
-        self,
-        D: NDArray[np.int8],
-        beta: NDArray[np.float64],
-        invite: RoundInvite,
-        cohort: Iterable[int],
-        survivors: Iterable[int],
-        rng: np.random.Generator,
-        coins: NoiseStream,
-        hamming_weight: int = 1,
-    ) -> NDArray[np.int64]:
-        """`quantized_sum` under the all-items objective (``invite.params.unobserved_weight > 0``).
-
-        Per device, as `device_sdk.models.LightFRModel` does: the θ cap, ``local_epochs`` of
-        `device_sdk.lightfr.dcd_full` against the codes and biases, then the parts of
-        `device_sdk.lightfr.full_upload` one device at a time — a row (w_q s/f − w_l)·b − (w_q/f)·d_i and
-        a bias term c·t − w_q s/f per kept item, a count of 1 per kept item, b bᵀ/f and b/f — clipped as
-        `protocol.families.lightfr.clip_parts` clips them (the counts to √s·C and the rest to
-        √(1 − s)·C for a counts share s > 0; the whole to C otherwise; each part's norm is known in closed
-        form: ‖b bᵀ‖/f = 1, ‖b‖/f = 1/√f) and stochastically rounded.  Batched: the Python loops run over
-        batches and bits, never over devices.
-
-        With ``invite.params.query_planes`` P >= 1 (asymmetric scoring, protocol 1.6) each device instead solves
-        its vector exactly against the codes (`device_sdk.lightfr.ridge_users`, ridge ``invite.params.user_reg``),
-        snaps it to P bit-planes and an integer weight for B = ``hamming_weight`` (`quantize_planes`,
-        `snap_scale`), keeps it in ``vectors`` and uploads the same parts with the vector u in place of b:
-        rows (w_q s/f − w_l)·u − (w_q/f)·u∘u∘d_i, and u uᵀ/f, u/f, whose norms are ‖u‖²/f and ‖u‖/f.
-        """
-        from device_sdk.lightfr import dcd_full, inner_products, quantize_planes, ridge_users, snap_scale
-
-        m, f = self.n_items, self.bits
-        layout = UploadLayout(m, f, full=True)
-        scale = float(2**invite.scale_bits)
-        clip = float(invite.clip_norm)
-        p = _lightfr_params(invite)
-        share = float(p.counts_share)
-        w0, alpha = float(p.unobserved_weight), float(p.confidence)
-        c = 1.0 + alpha
-        wq = c - w0
-        Df = D.astype(np.float64)
-        gram = (Df.T @ Df, Df.T @ beta)  # G_D and Dᵀβ, once per model version (as a device caches them)
-        alive = np.zeros(len(self.device_ids), dtype=bool)
-        alive[[self._index[d] for d in survivors]] = True
-        rows_all = np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
-        fresh = rows_all[~self.trained[rows_all]]
-        if fresh.size:  # a device's first round starts from a random code
-            self.codes[fresh] = np.where(rng.random((fresh.size, f)) < 0.5, -1, 1).astype(np.int8)
-        grad_t = np.zeros(m * f)
-        bias_t = np.zeros(m)
-        count_t = np.zeros(m)
-        gram_t = np.zeros((f, f))
-        code_t = np.zeros(f)
-        for lo in range(0, rows_all.size, self.batch):
-            rows = rows_all[lo : lo + self.batch]
-            indptr, items, targets, owner = self._kept(rows, int(invite.example_cap), rng)
-            planes = int(p.query_planes)
-            if planes:
-                U = ridge_users(indptr, items, targets, D, beta, w0, alpha, float(p.user_reg), gram=gram)
-                odd, step = quantize_planes(U, planes)
-                _, snapped = snap_scale(step, hamming_weight)
-                Bf = snapped[:, None] * odd.astype(np.float64)
-                self.vectors[rows] = Bf
-                self.codes[rows] = np.where(odd > 0, 1, -1).astype(np.int8)
-                s_e = np.einsum("ef,ef->e", Df[items], Bf[owner])
-            else:
-                B = self.codes[rows]
-                for _ in range(int(p.local_epochs)):
-                    B, _ = dcd_full(
-                        indptr, items, targets, B, D, beta, w0, alpha, max_sweeps=int(p.max_sweeps), gram=gram
-                    )
-                self.codes[rows] = B
-                s_e = inner_products(indptr, items, B, D).astype(np.float64)
-                Bf = B.astype(np.float64)
-            self.trained[rows] = True
-            coef = wq * s_e / f - (c * targets - wq * beta[items])
-            if planes:
-                grad = coef[:, None] * Bf[owner] - (wq / f) * Bf[owner] ** 2 * Df[items]
-            else:
-                grad = coef[:, None] * Bf[owner] - (wq / f) * Df[items]
-            bias = c * targets - wq * s_e / f
-            k = np.bincount(owner, minlength=rows.size).astype(np.float64)
-            sq = np.einsum("ij,ij->i", grad, grad) + bias * bias
-            n2 = np.einsum("ij,ij->i", Bf, Bf)  # ‖b‖² (= f for a ±1 code)
-            rest2 = np.bincount(owner, weights=sq, minlength=rows.size).astype(np.float64) + (n2 * n2 + n2) / f**2
-            # (the last term is ‖b bᵀ/f‖² + ‖b/f‖²)
-            if share > 0:
-                fc = np.minimum(1.0, math.sqrt(share) * clip / np.sqrt(np.maximum(k, 1.0)))
-                fr = np.minimum(1.0, math.sqrt(1.0 - share) * clip / np.sqrt(rest2))
-            else:
-                fc = fr = np.minimum(1.0, clip / np.sqrt(rest2 + k))
-            up = alive[rows]
-            sel = up[owner]
-            e_items, e_own = items[sel], owner[sel]
-            q = stochastic_round(grad[sel] * (fr[e_own] * scale)[:, None], coins)
-            idx = (e_items[:, None] * f + np.arange(f)).ravel()
-            grad_t += np.bincount(idx, weights=q.ravel().astype(np.float64), minlength=m * f)
-            bias_t += np.bincount(e_items, weights=stochastic_round(bias[sel] * fr[e_own] * scale, coins), minlength=m)
-            count_t += np.bincount(e_items, weights=stochastic_round(fc[e_own] * scale, coins), minlength=m)
-            live = np.flatnonzero(up)
-            for g in range(0, live.size, 512):  # b bᵀ/f of 512 devices at a time (512·f² values)
-                j = live[g : g + 512]
-                outer = Bf[j, :, None] * Bf[j, None, :] * (fr[j] * scale / f)[:, None, None]
-                gram_t += stochastic_round(outer, coins).sum(axis=0)
-            code_t += stochastic_round(Bf[live] * (fr[live] * scale / f)[:, None], coins).sum(axis=0)
-        parts = (grad_t, bias_t, count_t, gram_t.ravel(), code_t)
-        total = np.rint(np.concatenate(parts)).astype(np.int64)
-        assert total.size == layout.length
-        return total
-
-
-def _scatter_add(total: NDArray[np.int64], idx: NDArray[np.int64], values: NDArray[np.int64]) -> None:
-    # Indices of one device are distinct (one row per (device, item)), so fancy += is exact.
-    total[idx] += values
-
-
-def _merge_csr(
-    indptr: NDArray[np.int64],
-    items: NDArray[np.int64],
-    targets: NDArray[np.float64],
-    neg_ptr: NDArray[np.int64],
-    neg: NDArray[np.int64],
-) -> tuple[NDArray[np.int64], NDArray[np.float64], NDArray[np.int64]]:
-    """Each user's positives followed by its negatives (r = 0), as one CSR batch (the device's
-    `_user_csr` order)."""
-    n = indptr.size - 1
-    counts = np.diff(indptr) + np.diff(neg_ptr)
-    out_ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-    pos_owner = np.repeat(np.arange(n), np.diff(indptr))
-    neg_owner = np.repeat(np.arange(n), np.diff(neg_ptr))
-    pos_slot = out_ptr[pos_owner] + (np.arange(items.size) - indptr[pos_owner])
-    neg_slot = out_ptr[neg_owner] + np.diff(indptr)[neg_owner] + (np.arange(neg.size) - neg_ptr[neg_owner])
-    all_items = np.empty(out_ptr[-1], dtype=np.int64)
-    all_r = np.zeros(out_ptr[-1])
-    all_items[pos_slot], all_items[neg_slot] = items, neg
-    all_r[pos_slot] = targets
-    return all_items, all_r, out_ptr
-
-
-def _entry_gradients(
-    indptr: NDArray[np.int64],
-    items: NDArray[np.int64],
-    r: NDArray[np.float64],
-    B: NDArray[np.int8],
-    D: NDArray[np.int8],
-    inner_products: Callable[..., NDArray[np.int32]],
-) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64]]:
-    """Per CSR entry e of user u and item i: the eq. 12 row Δd^u_i = (r − 1/2 − s/(2f))·b_u + d_i/(2f)
-    (the terms `device_sdk.lightfr.item_gradient_sum` adds up), returned as (items, users, rows)."""
-    f = B.shape[1]
-    s = inner_products(indptr, items, B, D)
-    resid = r - 0.5 - s / (2.0 * f)
-    owner = np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
-    rows = resid[:, None] * B[owner].astype(np.float64) + D[items].astype(np.float64) / (2.0 * f)
-    return items, owner, rows
-
-
 def _noise_check(mu: float, n: int, dropout_rate: float, survivors: int, corrected: int, length: int) -> float:
     """Empirical variance of the released noise of one round drawn device by device with the
     device's functions, as the simulator's exact mode draws it (used by tests/test_fedsim_privsim.py)."""
@@ -862,226 +542,3 @@ def _noise_check(mu: float, n: int, dropout_rate: float, survivors: int, correct
             draw, _ = correct_noise(draw, t_min, survivors, rng)
         total += draw.value()
     return float(np.var(total))
-
-
-#: A device's training generator and noise stream (`device_sdk.client.insecure_seeded_rngs`).
-DeviceDraws = Mapping[int, tuple[np.random.Generator, NoiseStream]]
-
-
-class MFCohort:
-    """Every MF device of a dataset at once, for `PrivateSimulator.run_scaled_round`.
-
-    Holds each device's private user vector u (``user_factors``) and its ratings, and runs one round of
-    every device's `device_sdk.mf.MFModel.local_update` in batches with the device's own kernels
-    (`fit_users`, `initial_factors`, `trim_per_user`, `sample_negatives`): stage 1 for a device seen for
-    the first time, ``local_epochs`` steps on u against the downloaded V (projected with Π, as
-    `MFModel.set_global` does), θ ratings kept, negatives drawn, then the V-gradient of the kept
-    examples.  A device's dense (m·f,) upload is non-zero only on the rows of its kept and negative
-    items, so only those rows are built: each device's rows are clipped with
-    `protocol.quantization.clip_l2` and rounded with the formula of `stochastic_round`, and the
-    survivors' rounded rows are summed sparsely.  The zero coordinates a device also uploads round to
-    0 whatever their coins, so the sum is the one the devices' dense uploads give.
-
-    Two sources of randomness:
-
-    * one training generator and one coin stream for the whole cohort (the scale mode): the same
-      law as the devices' draws, other words;
-    * ``device_draws`` (``{device_id: (training generator, noise stream)}``, the test hook
-      `insecure_seeded_rngs` of every device): each device draws exactly what its `local_update`
-      draws, and its coins are words ``item·f + j`` of its stream, which is left after the m·f coin
-      words of a device's `quantize`, where the device's DP noise starts.  The sum is then the devices'
-      `local_round` sum bit for bit, up to one floating-point difference: a device's norm is summed over
-      its non-zero coordinates rather than over the dense vector, which can move the clip factor by an
-      ulp, and a rounded value changes only if a coin falls within that ulp of its threshold.
-
-    Parameters
-    ----------
-    users : for each device (one user), its rated item ids and raw ratings (None: implicit, fitted as 1).
-    n_items, factors : model shape (m, f).
-    max_norm2 : R of the embedding clipping (must equal the round plan's).
-    init_scale : a new user vector is Π(init_scale · Uniform[0, 1)) (`MFConfig.init_scale`).
-    batch : devices per vectorised batch.
-    """
-
-    def __init__(
-        self,
-        users: Sequence[tuple[NDArray[np.int64], NDArray[np.float64] | None]],
-        n_items: int,
-        factors: int,
-        *,
-        max_norm2: float = 5.0,
-        init_scale: float = 0.1,
-        batch: int = 8192,
-        first_id: int = 1,
-    ) -> None:
-        if n_items <= 0 or factors <= 0:
-            raise ConfigError(f"need n_items > 0 and factors > 0, got {n_items}, {factors}")
-        if not (math.isfinite(max_norm2) and max_norm2 > 0):
-            raise ConfigError(f"max_norm2 must be finite and > 0, got {max_norm2}")
-        self.n_items, self.factors, self.max_norm2 = int(n_items), int(factors), float(max_norm2)
-        self.init_scale = float(init_scale)
-        self.device_ids = list(range(first_id, first_id + len(users)))
-        self._index = {d: i for i, d in enumerate(self.device_ids)}
-        lengths = np.array([np.asarray(u[0]).size for u in users], dtype=np.int64)
-        self.indptr = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-        self.items = (
-            np.concatenate([np.asarray(u[0], dtype=np.int64).ravel() for u in users])
-            if users
-            else np.zeros(0, np.int64)
-        )
-        if self.items.size and (self.items.min() < 0 or self.items.max() >= n_items):
-            raise ConfigError(f"an item id is outside [0, {n_items})")
-        self.targets = (
-            np.concatenate(
-                [np.ones(np.asarray(i).size) if r is None else np.asarray(r, np.float64).ravel() for i, r in users]
-            )
-            if users
-            else np.zeros(0)
-        )
-        if self.targets.shape != self.items.shape:
-            raise ConfigError("every device needs one rating per rated item (or None)")
-        if self.targets.size and not (
-            np.all(np.isfinite(self.targets)) and self.targets.min() >= 0 and self.targets.max() <= max_norm2
-        ):
-            # Outside [0, R] the per-example gradient bound 2R^{3/2} would not hold (`device_sdk.mf`).
-            raise ConfigError(f"ratings must be finite and lie in [0, R] = [0, {max_norm2}]")
-        self.user_factors = np.zeros((len(users), factors))
-        self.trained = np.zeros(len(users), dtype=bool)
-        self.batch = int(batch)
-
-    def _gen(self, draws: DeviceDraws, row: np.integer | int) -> np.random.Generator:
-        return draws[self.device_ids[int(row)]][0]
-
-    def quantized_sum(
-        self,
-        V: NDArray[np.float64],
-        invite: RoundInvite,
-        cohort: Iterable[int],
-        survivors: Iterable[int],
-        rng: np.random.Generator,
-        coins: NoiseStream,
-        *,
-        device_draws: DeviceDraws | None = None,
-    ) -> NDArray[np.int64]:
-        """Train every cohort device for one round against the item matrix ``V``; return Σ over
-        ``survivors`` of their quantized uploads as signed integers (length m·f).  ``rng`` and ``coins``
-        are the cohort's generator and coin stream; ``device_draws`` replaces both by each device's own
-        (see the class)."""
-        from device_sdk.mf import fit_users, initial_factors, sample_negatives, trim_per_user
-        from protocol.families.mf import project_rows
-        from protocol.plan import MFParams
-
-        p = invite.plan.params
-        if not isinstance(p, MFParams):
-            raise ConfigError(f"an MF cohort needs an MF plan, got {type(p).__name__}")
-        R = float(p.max_norm2)
-        if R != self.max_norm2:
-            raise ConfigError(f"the round's max_norm2 {R} differs from the cohort's {self.max_norm2}")
-        m, f = self.n_items, self.factors
-        if int(invite.vector_length) != m * f:
-            raise ConfigError(f"the round expects {invite.vector_length} values, an MF upload has {m * f}")
-        Vd = project_rows(np.asarray(V, dtype=np.float64).reshape(m, f), R)  # as the device's set_global
-        qcfg = invite.quantization()
-        lr, reg, neg, cap = float(p.learning_rate), float(p.reg), int(p.negatives), int(invite.example_cap)
-        alive = np.zeros(len(self.device_ids), dtype=bool)
-        alive[[self._index[d] for d in survivors]] = True
-        rows_all = np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
-        total = np.zeros(m * f)
-        cols = np.arange(f, dtype=np.int64)
-        for lo in range(0, rows_all.size, self.batch):
-            rows = rows_all[lo : lo + self.batch]
-            counts = self.indptr[rows + 1] - self.indptr[rows]
-            owner = np.repeat(np.arange(rows.size), counts)
-            first = np.cumsum(counts) - counts
-            take = np.arange(owner.size) - first[owner] + self.indptr[rows][owner]
-            items, r = self.items[take], self.targets[take]
-            U = self.user_factors[rows]
-            # Stage 1 for devices seen for the first time (with ratings): a fresh small u, then pre-training.
-            new = np.flatnonzero(~self.trained[rows] & (counts > 0))
-            if new.size:
-                if device_draws is None:
-                    U[new] = initial_factors(new.size, f, R, self.init_scale, rng)
-                else:
-                    for jn in new.tolist():
-                        U[jn] = initial_factors(1, f, R, self.init_scale, self._gen(device_draws, rows[jn]))[0]
-                is_new = np.zeros(rows.size, dtype=bool)
-                is_new[new] = True
-                sel = is_new[owner]
-                U = fit_users(U, Vd, owner[sel], items[sel], r[sel], lr, reg, R, int(p.pretrain_epochs))
-                self.trained[rows[new]] = True
-            U = fit_users(U, Vd, owner, items, r, lr, reg, R, int(p.local_epochs))
-            self.user_factors[rows] = U
-            # θ ratings per device (trimming keys are drawn for every rating, as the device draws them).
-            if device_draws is None:
-                keep = trim_per_user(owner, cap, rng)
-            else:
-                keep = np.concatenate(
-                    [np.zeros(0, np.int64)]
-                    + [
-                        trim_per_user(np.zeros(int(counts[j]), np.int64), cap, self._gen(device_draws, rows[j]))
-                        + first[j]
-                        for j in range(rows.size)
-                    ]
-                )
-            ku, ki, kr = owner[keep], items[keep], r[keep]
-            if neg > 0 and ku.size:
-                if device_draws is None:
-                    nu, ni = sample_negatives(np.repeat(ku, neg), owner, items, m, rng)
-                else:  # a device with kept ratings draws its negatives after its trimming keys
-                    parts = []
-                    kc = np.bincount(ku, minlength=rows.size)
-                    for jk in np.flatnonzero(kc).tolist():
-                        g = self._gen(device_draws, rows[jk])
-                        own = items[first[jk] : first[jk] + counts[jk]]
-                        _, nj = sample_negatives(
-                            np.zeros(int(kc[jk]) * neg, np.int64), np.zeros(own.size, np.int64), own, m, g
-                        )
-                        parts.append((np.full(nj.size, jk), nj))
-                    nu = np.concatenate([a for a, _ in parts]).astype(np.int64)
-                    ni = np.concatenate([b for _, b in parts]).astype(np.int64)
-                # Each device's negatives after its kept ratings (the device's example order).
-                ku, ki, kr = np.r_[ku, nu], np.r_[ki, ni], np.r_[kr, np.zeros(nu.size)]
-                order = np.argsort(ku, kind="stable")
-                ku, ki, kr = ku[order], ki[order], kr[order]
-            # The V-gradient rows, summed per (device, item) in example order (`item_gradient_sum`).
-            w = -2.0 * (kr - np.einsum("ij,ij->i", U[ku], Vd[ki]))
-            keys, inv = np.unique(ku * m + ki, return_inverse=True)
-            inv = inv.ravel()
-            vals = np.empty((keys.size, f))
-            g_rows = w[:, None] * U[ku]
-            for k in range(f):  # loop over the small rank only
-                vals[:, k] = np.bincount(inv, weights=g_rows[:, k], minlength=keys.size)
-            downer, ditem = keys // m, keys % m
-            bounds = np.searchsorted(downer, np.arange(rows.size + 1))
-            scaled_parts: list[NDArray[np.float64]] = []
-            idx_parts: list[NDArray[np.int64]] = []
-            words = np.zeros(0)
-            for j in range(rows.size):
-                a, b = int(bounds[j]), int(bounds[j + 1])
-                up = alive[rows[j]]
-                if device_draws is not None:  # every cohort device reads its m·f coin words (its quantize)
-                    stream = device_draws[self.device_ids[int(rows[j])]][1]
-                    words = stream.uniform(m * f)
-                if not up or a == b:
-                    continue
-                clipped, _ = clip_l2(vals[a:b], qcfg.clip_norm)
-                v = clipped * qcfg.scale
-                idx = (ditem[a:b, None] * f + cols).ravel()
-                if device_draws is not None:
-                    low = np.floor(v).ravel()
-                    q = low.astype(np.int64) + (words[idx] < v.ravel() - low).astype(np.int64)
-                    total += np.bincount(idx, weights=q.astype(np.float64), minlength=m * f)
-                else:
-                    scaled_parts.append(v.ravel())
-                    idx_parts.append(idx)
-            if scaled_parts:
-                q = stochastic_round(np.concatenate(scaled_parts), coins)
-                total += np.bincount(np.concatenate(idx_parts), weights=q.astype(np.float64), minlength=m * f)
-        return np.rint(total).astype(np.int64)
-
-
-def _lightfr_params(invite: RoundInvite) -> LightFRParams:
-    """The LightFR training parameters an invite of the scaled LightFR simulation carries."""
-    if not isinstance(invite.params, LightFRParams):
-        raise ConfigError(f"the scaled LightFR simulation needs a LightFR plan, got {invite.params!r}")
-    return invite.params
