@@ -47,15 +47,8 @@ from protocol.message_base import (
 )
 from protocol.plan import FamilyParams, FELBParams, FNMFParams, LightFRParams, MFParams, TrainingPlan, params_from_wire
 from protocol.quantization import QuantizationConfig
-from protocol.service_messages import (
-    CheckIn,
-    ModelPayload,
-    RegisterRequest,
-    RegisterResponse,
-    RevocationListPayload,
-    RoundResult,
-    Wait,
-)
+from protocol.service_messages import *  # noqa: F403
+from protocol.service_messages import __all__ as _service_all
 from protocol.spec import MAX_TEXT, MAX_VECTOR_LENGTH, ModelKind
 
 __all__ = [
@@ -75,13 +68,7 @@ __all__ = [
     "ConsistencySignature",
     "Abort",
     "ErrorMessage",
-    "RegisterRequest",
-    "RegisterResponse",
-    "CheckIn",
-    "Wait",
-    "ModelPayload",
-    "RoundResult",
-    "RevocationListPayload",
+    *_service_all,
 ]
 
 _MAX_CODE = 64
