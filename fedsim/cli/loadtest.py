@@ -142,7 +142,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     import tempfile
 
     from fedsim.data.synthetic import synthetic
-    from fedsim.fleets.demo import RoundProgress, format_loadtest, loadtest_record, run_loadtest
+    from fedsim.fleets.demo import RoundProgress, run_loadtest
+    from fedsim.fleets.loadtest_report import format_loadtest, loadtest_record
     from fedsim.fleets.local import FleetConfig
 
     if not 0 <= args.dropout < 1:

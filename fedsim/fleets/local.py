@@ -171,7 +171,7 @@ class FleetReport:
     cpu_start: float | None = None
     #: (seconds since the fleet started, step, latency seconds) of every phase a device finished.
     latency_series: list[tuple[float, str, float]] = field(default_factory=list)
-    #: (unix time, seconds, ok, body) of each ``GET /v1/health`` probe (`fedsim.fleets.demo.HealthProbe`).
+    #: (unix time, seconds, ok, body) of each ``GET /v1/health`` probe (`fedsim.fleets.server_process.HealthProbe`).
     health: list[tuple[float, float, bool, str]] = field(default_factory=list)
     #: The server's ``/v1/status`` once the fleet stopped (model digest, ledger, process figures).
     final_status: dict[str, Any] | None = None
