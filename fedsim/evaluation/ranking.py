@@ -1,6 +1,3 @@
-# One module over 800 lines on purpose: the sampled and the all-items protocols share TieMode, the CSR
-# membership helpers and the Scorer type, and the CLI imports both from here (the all-items section, under
-# its own banner and invariants below, is the seam to split along if it grows).
 # Invariants of this module:
 # - Higher score = better.  Ranks are 0-based: rank r means r candidates are placed above the positive.
 # - A positive's rank = (#candidates scoring strictly higher) + tie offset, where the tie offset is 0
@@ -9,7 +6,11 @@
 # - With RANDOM ties and no rng, evaluation returns the exact expectation over tie-breaking
 #   (closed form), so results are deterministic without a hidden seed.
 # - Kernels take an explicit `np.random.Generator` (or a seed) and never touch global random state.
-"""Ranking evaluation: negative sampling, rank of the positive, HR@k / NDCG@k, baselines."""
+"""Ranking evaluation: negative sampling, rank of the positive, HR@k / NDCG@k, baselines.
+
+Why one module: the sampled and the all-items protocols share TieMode, the CSR membership helpers and the
+Scorer type; the all-items section, under its own banner and invariants below, is the seam to split along.
+"""
 
 from __future__ import annotations
 
