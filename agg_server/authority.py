@@ -17,20 +17,21 @@ from typing import Any, TextIO
 from protocol.enrollment import DEFAULT_VALID_DAYS
 from protocol.errors import ConfigError
 
-__all__ = ["NAME", "register", "run"]
+__all__ = ["DESCRIPTION", "HELP", "NAME", "add_options", "run"]
 
+# What `fedsim.cli.build_parser` adds this tool as (it builds a `fedsim.cli.args.Command` of them; the server's
+# packages never import fedsim).
 NAME = "enroll-ca"
+HELP = "the operator's enrollment authority: create it, certify devices"
+DESCRIPTION = (
+    "The enrollment authority (CA) certifies devices' long-term Ed25519 identity keys (protocol "
+    "1.4).  Keep its key file away from the aggregation server: the server's configuration holds only the "
+    "public key (enrollment.authority_key), and devices pin it."
+)
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``fedrec enroll-ca`` and its actions to ``sub``."""
-    ca = sub.add_parser(
-        "enroll-ca",
-        help="the operator's enrollment authority: create it, certify devices",
-        description="The enrollment authority (CA) certifies devices' long-term Ed25519 identity keys (protocol "
-        "1.4).  Keep its key file away from the aggregation server: the server's configuration holds only the "
-        "public key (enrollment.authority_key), and devices pin it.",
-    )
+def add_options(ca: argparse.ArgumentParser) -> None:
+    """Add the actions of ``fedrec enroll-ca`` (init, issue, revoke) and their options to ``ca``."""
     ca_sub = ca.add_subparsers(dest="ca_command", required=True, metavar="ACTION")
     ca_init = ca_sub.add_parser("init", help="create the authority key file and print its public key")
     ca_init.add_argument("--key", type=Path, required=True, metavar="FILE", help="key file to create (mode 0600)")

@@ -1,6 +1,6 @@
 """A round's shape: which of the waiting devices form its cohort and which SecAgg+ graph (k, t) and DP
-survivor floor t_min it runs with — the one rule for the coordinator (`agg_server.coordinator`) and the
-private-round simulator (`fedsim.private.simulator`).
+survivor floor t_min it runs with, and the SecAgg+ parameters built from that shape — the one rule for
+the coordinator (`agg_server.coordinator`) and the private-round simulator (`fedsim.private.simulator`).
 
 Invariants:
 - The cohort is drawn with the round's own generator only, so a seeded run draws the same cohort on
@@ -17,8 +17,10 @@ import numpy as np
 from agg_server.enrollment import capped_cohort
 from protocol.graph import find_parameters, validate_parameters
 from protocol.noise import minimum_survivors
+from protocol.quantization import QuantizationConfig
+from protocol.round_params import RoundParameters
 
-__all__ = ["round_shape"]
+__all__ = ["round_parameters", "round_shape"]
 
 
 def round_shape(
@@ -55,3 +57,31 @@ def round_shape(
         gp = find_parameters(n, cfg.dropout_rate, cfg.adversary_rate)
         k, t = gp.k, gp.t
     return cohort, k, t, minimum_survivors(n, cfg.dropout_rate) if dp else 0
+
+
+def round_parameters(
+    round_id: int,
+    vector_length: int,
+    shape: tuple[int, int, int],
+    quantization: QuantizationConfig,
+    mu: float,
+    *,
+    deadlines: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
+    authority_key: bytes = b"",
+) -> RoundParameters:
+    """The SecAgg+ parameters of round ``round_id`` with graph ``shape`` = (k, t, t_min) (from `round_shape`),
+    the round's quantization and per-device noise ``mu``: what the coordinator opens a session with and
+    what the private-round simulator replays (without deadlines or an enrollment authority)."""
+    k, t, t_min = shape
+    return RoundParameters(
+        round_id=round_id,
+        vector_length=vector_length,
+        k=k,
+        t=t,
+        clip_norm=float(quantization.clip_norm),
+        scale_bits=quantization.scale_bits,
+        dp_mu=float(mu),
+        dp_t_min=t_min,
+        deadlines=deadlines,
+        authority_key=authority_key,
+    )

@@ -12,10 +12,10 @@ Invariants of this module:
   so a config means the same thing wherever the server is started from.
 * Apart from checking that TLS files exist, nothing here does I/O; reading the file is `load_config`.
 
-Why one module of ~850 lines: one table, one dataclass, each with its checks and the docstring an
-operator reads; the families' training parameters are not here but in `protocol.plan` (the [mf], [felb]
-and [fnmf] sections subclass them; the [lightfr] section holds them beside the server's own,
-`agg_server.strategy.lightfr.LightFRServerParams`).
+Why one module of ~700 lines: one table, one dataclass, each with its checks and the docstring an
+operator reads.  The model families' tables ([model], [lightfr], [mf], [felb], [fnmf]) and the older
+[model] LightFR keys are in `agg_server.config_families` (re-exported here); the field checks all sections
+share are in `agg_server.config_fields`.
 """
 
 from __future__ import annotations
@@ -23,28 +23,30 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
-import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from agg_server.strategy.lightfr import LightFRServerParams
-from protocol.errors import ConfigError
-from protocol.families.lightfr import DENSITY_SCALE, density_weight
-from protocol.graph import find_parameters, validate_parameters
-from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams, check_float, check_int, params_type
-from protocol.quantization import DEFAULT_SCALE_BITS, MAX_SCALE_BITS, QuantizationConfig
-from protocol.spec import (
-    MAX_ITEMS,
-    MAX_LOCAL_STEPS,
-    MAX_RANK,
-    MAX_VECTOR_LENGTH,
-    ModelKind,
+from agg_server.config_families import (
+    FELBSection,
+    FNMFSection,
+    LightFRSection,
+    MFSection,
+    ModelSection,
+    _lightfr_table,
+    _refuse_unused_lightfr,
+    _unused_table,
+    lightfr_default,
+    lightfr_keys,
 )
+from agg_server.config_fields import _bool, _choice, _fail, _float, _int, _is_default, _optional_path, _path, _set
+from protocol.errors import ConfigError
+from protocol.graph import find_parameters, validate_parameters
+from protocol.quantization import DEFAULT_SCALE_BITS, MAX_SCALE_BITS, QuantizationConfig
+from protocol.spec import MAX_VECTOR_LENGTH, ModelKind
 
 __all__ = [
     "MIN_COHORT",
@@ -65,6 +67,8 @@ __all__ = [
     "MAX_VECTOR_LENGTH",
     "load_config",
     "config_from_dict",
+    "lightfr_keys",
+    "lightfr_default",
 ]
 
 
@@ -75,69 +79,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 """Accepted values of ``log.level`` (case-insensitive on input, stored lower-case)."""
 
 _MIB = 1 << 20
-# Limits shared with the wire messages (protocol.spec): a config the messages would refuse must be
-# refused here, at start-up, instead of at the first round.
-_MAX_BITS = MAX_RANK
-_MAX_ITEMS = MAX_ITEMS
-_MAX_LOCAL_STEPS = MAX_LOCAL_STEPS
-
-
-# -- field checks -------------------------------------------------------------------------------------
-# Each returns the normalised value or raises ConfigError("<key>: must be <what>, got <value>").
-
-
-def _fail(key: str, what: str, value: object) -> ConfigError:
-    return ConfigError(f"{key}: must be {what}, got {value!r}")
-
-
-def _int(key: str, value: object, **bounds: int | None) -> int:
-    # The same checks, and messages, as the training plan's parameters (`protocol.plan`).
-    try:
-        return check_int(key, value, **bounds)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _float(key: str, value: object, **bounds: Any) -> float:
-    try:
-        return check_float(key, value, **bounds)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _bool(key: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise _fail(key, "true or false", value)
-    return value
-
-
-def _choice(key: str, value: object, choices: tuple[str, ...], *, fold_case: bool = False) -> str:
-    what = "one of " + ", ".join(repr(c) for c in choices)
-    if not isinstance(value, str):
-        raise _fail(key, what, value)
-    text = value.lower() if fold_case else value
-    if text not in choices:
-        raise _fail(key, what, value)
-    return text
-
-
-def _optional_path(key: str, value: object) -> Path | None:
-    if value is None:
-        return None
-    return _path(key, value)
-
-
-def _path(key: str, value: object) -> Path:
-    if isinstance(value, Path):
-        return value
-    if isinstance(value, str | os.PathLike) and os.fspath(value):
-        return Path(value)
-    raise _fail(key, "a non-empty path", value)
-
-
-def _set(obj: object, name: str, value: object) -> None:
-    # Normalising a frozen dataclass's own field during __post_init__ is the one sanctioned bypass.
-    object.__setattr__(obj, name, value)
 
 
 # -- sections ---------------------------------------------------------------------------------------
@@ -217,141 +158,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-#: The keys of [model]: the model family and the catalogue size.  LightFR's settings have their own table,
-#: [lightfr]; older files give them in [model], which is still read (`config_from_dict`).
-_MODEL_KEYS = ("kind", "n_items")
-
-
-def _is_default(value: object, default: object) -> bool:
-    """Whether a configured value is the key's default (an int for a float default counts; a bool never
-    stands for a number, nor a number for a bool)."""
-    if isinstance(value, bool) or isinstance(default, bool):
-        return value is default
-    return bool(type(value) is type(default) or (_is_number(value) and _is_number(default))) and value == default
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelSection:
-    """The global model (TOML table ``[model]``).
-
-    Attributes
-    ----------
-    kind : str
-        Model family, a `protocol.spec.ModelKind` value: "lightfr" (default), "mf", "felb" or
-        "fnmf"; each takes its hyper-parameters from the table of that name (``[lightfr]``, ``[mf]``, ...).
-        LightFR's keys may also be given here, as older files do (`config_from_dict` moves them to
-        ``[lightfr]``; a key given in both is refused).
-    n_items : int
-        Catalogue size m (required), 1 <= m <= 2**26.
-    """
-
-    kind: str = ModelKind.LIGHTFR.value
-    n_items: int
-
-    def __post_init__(self) -> None:
-        # Stored as plain str (not the StrEnum) so the values serialise the same everywhere.
-        _set(self, "kind", _choice("model.kind", self.kind, tuple(k.value for k in ModelKind)))
-        _int("model.n_items", self.n_items, lo=1, hi=_MAX_ITEMS)
-
-
-#: The [lightfr] keys that configure `LightFRServerParams` (``learn_bias`` is not an operator setting).
-_LIGHTFR_SERVER_KEYS = tuple(f.name for f in dataclasses.fields(LightFRServerParams) if f.name != "learn_bias")
-#: Where the [lightfr] table's defaults differ from the types it builds: w0 is "auto" (derived from the
-#: catalogue's density each round), with κ the density rule's (`protocol.families.lightfr.DENSITY_SCALE`).
-_LIGHTFR_TABLE_DEFAULTS: dict[str, object] = {"unobserved_weight": "auto", "unobserved_scale": DENSITY_SCALE}
-
-
-def lightfr_keys() -> list[str]:
-    """The keys of the [lightfr] table: `protocol.plan.LightFRParams`' fields, then the server's own."""
-    return [f.name for f in dataclasses.fields(params_type(ModelKind.LIGHTFR))] + list(_LIGHTFR_SERVER_KEYS)
-
-
-def lightfr_default(key: str) -> object:
-    """The value a [lightfr] key has when it is left out."""
-    if key in _LIGHTFR_TABLE_DEFAULTS:
-        return _LIGHTFR_TABLE_DEFAULTS[key]
-    for cls in (params_type(ModelKind.LIGHTFR), LightFRServerParams):
-        for f in dataclasses.fields(cls):
-            if f.name == key:
-                return f.default.value if isinstance(f.default, Enum) else f.default
-    raise KeyError(key)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LightFRSection:
-    """LightFR (TOML table ``[lightfr]``, used when ``model.kind = "lightfr"``): the devices' training
-    parameters, `protocol.plan.LightFRParams` (their keys, defaults and bounds), and what only the server
-    uses, `agg_server.strategy.lightfr.LightFRServerParams`.  The table's keys are those two types'
-    attributes, read by `from_table`; the server's strategy is built from ``params`` and ``server``.
-
-    Two keys differ from the types they build:
-
-    unobserved_weight : float or "auto"
-        A number in [0, 1 + confidence] fixes w0 (0 = sampled negatives).  "auto" (the default) is the
-        all-items objective with w0 derived each round from the catalogue's density,
-        w0 = unobserved_scale · density^(2/3), density = the round's summed counts / (survivors · m)
-        (`protocol.families.lightfr.density_weight`; chosen on validation across three datasets): the first
-        round's plan carries the rule at its floor (one positive per device).
-    unobserved_scale : float
-        κ > 0 of that rule (default 0.6); used only with ``unobserved_weight = "auto"``.
-
-    The others, as in those types: ``aggregation``, ``lam``, ``negatives``, ``local_epochs``, ``max_sweeps``,
-    ``confidence``, ``counts_share``, ``query_planes``, ``user_reg`` (sent in every round's plan), and
-    ``bits``, ``flip_fraction``, ``hamming_weight``, ``popularity_span``, ``mean_field``, ``code_sweeps``
-    (server-only).  Built in code, ``LightFRSection()`` is the two types' defaults (w0 fixed at the plan's).
-    """
-
-    params: LightFRParams = field(default_factory=LightFRParams)
-    server: LightFRServerParams = field(default_factory=LightFRServerParams)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.params, params_type(ModelKind.LIGHTFR)):
-            raise _fail("lightfr", "LightFR's training parameters (protocol.plan.LightFRParams)", self.params)
-        if not isinstance(self.server, LightFRServerParams):
-            raise _fail("lightfr", "LightFR's server parameters (LightFRServerParams)", self.server)
-        try:
-            self.server.check_plan(self.params)
-        except ValueError as exc:
-            raise ConfigError(f"lightfr.{exc}") from None
-
-    @classmethod
-    def from_table(
-        cls, table: Mapping[str, Any], n_items: int, *, origin: Mapping[str, str] | None = None
-    ) -> LightFRSection:
-        """The section of a [lightfr] table (keys as `lightfr_keys`; absent ones at `lightfr_default`) for
-        a catalogue of ``n_items``.  ``origin`` names the table each key came from ("model" for the older
-        place), so that an error names the key as the operator wrote it (``model.lam: must be ...``)."""
-        where = dict(origin or {})
-
-        def key(name: str) -> str:
-            return f"{where.get(name, 'lightfr')}.{name}"
-
-        def failed(exc: ValueError) -> ConfigError:  # the types' messages start with the attribute's name
-            return ConfigError(f"{where.get(str(exc).split(':', 1)[0], 'lightfr')}.{exc}")
-
-        w0 = table.get("unobserved_weight", _LIGHTFR_TABLE_DEFAULTS["unobserved_weight"])
-        if isinstance(w0, str) and w0 != "auto":
-            raise _fail(key("unobserved_weight"), '"auto" or a number in [0, 1 + confidence]', w0)
-        scale = _float(key("unobserved_scale"), table.get("unobserved_scale", DENSITY_SCALE), lo=0.0, lo_open=True)
-        auto = isinstance(w0, str)
-        ptype = params_type(ModelKind.LIGHTFR)
-        plan = {f.name: table[f.name] for f in dataclasses.fields(ptype) if f.name in table}
-        plan["unobserved_weight"] = density_weight(0.0, 1, n_items, scale=scale, cap=1.0) if auto else w0
-        server = {name: table[name] for name in _LIGHTFR_SERVER_KEYS if name in table}
-        server["unobserved_scale"] = scale if auto else 0.0
-        try:
-            params: LightFRParams = ptype(**plan)  # type: ignore[assignment]  # LightFR's type, or a subclass
-            server_params = LightFRServerParams(**server)
-            server_params.check_plan(params)
-        except ValueError as exc:
-            raise failed(exc) from None
-        return cls(params=params, server=server_params)
 
 
 #: The smallest cohort a secure-aggregation round accepts (``rounds.cohort_size`` and ``min_cohort``).
@@ -676,87 +482,6 @@ class LogSection:
         _set(self, "level", _choice("log.level", self.level, LOG_LEVELS, fold_case=True))
 
 
-def _family_checks(table: str, params_type: type, section: object) -> None:
-    """Run the family parameter type's validator (`protocol.plan`) on a config table, with the table
-    named in the error (``mf.local_epochs: must be ...``)."""
-    try:
-        params_type.__post_init__(section)  # type: ignore[attr-defined]
-    except ValueError as exc:
-        raise ConfigError(f"{table}.{exc}") from None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MFSection(MFParams):
-    """Real-valued MF (TOML table ``[mf]``, used when ``model.kind = "mf"``): the devices' training
-    parameters are `protocol.plan.MFParams` (their defaults and bounds), plus the server's own.
-
-    Attributes
-    ----------
-    rank : int
-        Factor count f in [1, 4096].
-    server_lr : float
-        Server step on the survivors' mean gradient (> 0).
-    max_norm2, learning_rate, reg, pretrain_epochs, local_epochs, negatives
-        As in `protocol.plan.MFParams`.
-    """
-
-    rank: int = 32
-    server_lr: float = 1.0
-
-    def __post_init__(self) -> None:
-        _family_checks("mf", MFParams, self)
-        _int("mf.rank", self.rank, lo=1, hi=_MAX_BITS)
-        _set(self, "server_lr", _float("mf.server_lr", self.server_lr, lo=0.0, lo_open=True))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FELBSection(FELBParams):
-    """Federated Boolean MF (TOML table ``[felb]``, used when ``model.kind = "felb"``): the devices'
-    training parameters are `protocol.plan.FELBParams`, plus the server's own.
-
-    Attributes
-    ----------
-    rank : int
-        Component count k in [1, 4096].
-    server_scale : float
-        s > 0 in the server prox with (s·κ, s·λ_r).
-    local_epochs, reg, reg_growth, kappa, proximity, inertia, step_rule
-        As in `protocol.plan.FELBParams`.
-    """
-
-    rank: int = 5
-    server_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        _family_checks("felb", FELBParams, self)
-        _int("felb.rank", self.rank, lo=1, hi=_MAX_BITS)
-        _set(self, "server_scale", _float("felb.server_scale", self.server_scale, lo=0.0, lo_open=True))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FNMFSection(FNMFParams):
-    """Coherent federated NMF (TOML table ``[fnmf]``, used when ``model.kind = "fnmf"``): the devices'
-    training parameters are `protocol.plan.FNMFParams`, plus the rank.
-
-    Over HTTP the server runs the secure variant only: devices align their V to the broadcast V̄
-    and the server needs just the sum.  The barycenter that needs each client's matrix exists only
-    in the in-process simulator's explicit trusted-aggregator mode.
-
-    Attributes
-    ----------
-    rank : int
-        Component count k in [1, 4096].
-    local_steps, proximity, inertia, alignment
-        As in `protocol.plan.FNMFParams`.
-    """
-
-    rank: int = 5
-
-    def __post_init__(self) -> None:
-        _family_checks("fnmf", FNMFParams, self)
-        _int("fnmf.rank", self.rank, lo=1, hi=_MAX_BITS)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerConfig:
     """The whole server configuration.
@@ -822,13 +547,6 @@ class ServerConfig:
                 f"model.n_items: n_items * bits = {n_items} * {bits} = {n_items * bits} "
                 f"exceeds the largest update vector 2**28 = {MAX_VECTOR_LENGTH}; lower lightfr.bits or model.n_items"
             )
-
-
-def _unused_table(table: str, key: str, kind: str, value: object) -> ConfigError:
-    return ConfigError(
-        f'{table}.{key}: the [{table}] table configures model.kind = "{table}", unused with '
-        f'model.kind = "{kind}": delete it or set model.kind = "{table}" (got {value!r})'
-    )
 
 
 _SECTION_TYPES: dict[str, type] = {
@@ -912,6 +630,22 @@ def config_from_dict(data: Mapping[str, Any], *, base_dir: Path) -> ServerConfig
         Naming the offending key: an unknown table or key (with a "did you mean" hint), a missing
         required key, a wrong type, a value out of range or a broken cross-field rule.
     """
+    values = _read_tables(data)
+    _resolve_paths(values, Path(base_dir))
+    data_dir = values["server"].pop("data_dir")
+    lightfr, origin = _lightfr_table(values)
+    sections = {attr: cls(**values[table]) for table, (attr, cls) in _TABLES.items() if table != "lightfr"}
+    model = sections["model"]
+    if model.kind == ModelKind.LIGHTFR.value:
+        sections["lightfr"] = LightFRSection.from_table(lightfr, model.n_items, origin=origin)
+    else:
+        _refuse_unused_lightfr(lightfr, origin, model.kind)
+    return ServerConfig(data_dir=data_dir, **sections)
+
+
+def _read_tables(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every known table of ``data`` as a dict (absent ones empty), after refusing an unknown table or key,
+    a removed key and a missing required key."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"configuration must be a table of tables, got {type(data).__name__}")
     for table in data:
@@ -932,45 +666,16 @@ def config_from_dict(data: Mapping[str, Any], *, base_dir: Path) -> ServerConfig
     for table, key in _REQUIRED:
         if key not in values[table]:
             raise ConfigError(f"{table}.{key}: required key is missing")
+    return values
+
+
+def _resolve_paths(values: dict[str, dict[str, Any]], base_dir: Path) -> None:
+    """Resolve the path keys given in ``values`` against ``base_dir``, in place (``~`` expanded)."""
     for table, key in _PATH_KEYS:
         if key in values[table]:
             path = _path(f"{table}.{key}", values[table][key]).expanduser()
             # An absolute path stays as it is: base_dir / "/abs" == "/abs".
-            values[table][key] = Path(base_dir) / path
-    data_dir = values["server"].pop("data_dir")
-    lightfr, origin = _lightfr_table(values)
-    sections = {attr: cls(**values[table]) for table, (attr, cls) in _TABLES.items() if table != "lightfr"}
-    model = sections["model"]
-    if model.kind == ModelKind.LIGHTFR.value:
-        sections["lightfr"] = LightFRSection.from_table(lightfr, model.n_items, origin=origin)
-    else:
-        # Nothing reads LightFR's settings under another kind: one changed from its default is refused.
-        for key, value in lightfr.items():
-            if _is_default(value, lightfr_default(key)):
-                continue
-            if origin.get(key) == "model":
-                raise ConfigError(
-                    f'model.{key}: a LightFR setting, unused with model.kind = "{model.kind}", which reads '
-                    f"only model.kind, model.n_items and the [{model.kind}] table: delete it (got {value!r})"
-                )
-            raise _unused_table("lightfr", key, model.kind, value)
-    return ServerConfig(data_dir=data_dir, **sections)
-
-
-def _lightfr_table(values: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, str]]:
-    """The [lightfr] table with the LightFR keys an older file gives in [model] moved into it (taken out of
-    ``values["model"]``), and the table each key came from; a key given in both is refused."""
-    table = dict(values["lightfr"])
-    origin = dict.fromkeys(table, "lightfr")
-    for key in [k for k in values["model"] if k not in _MODEL_KEYS]:
-        value = values["model"].pop(key)
-        if key in table:
-            raise ConfigError(
-                f"model.{key}: also given as lightfr.{key}; LightFR's settings belong in the [lightfr] table "
-                f"([model] keeps them for older files): give it once, in [lightfr]"
-            )
-        table[key], origin[key] = value, "model"
-    return table, origin
+            values[table][key] = base_dir / path
 
 
 def load_config(path: Path) -> ServerConfig:

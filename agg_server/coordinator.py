@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from agg_server.cohort import round_shape
+from agg_server.cohort import round_parameters, round_shape
 from agg_server.commit import FinishJob, GlobalModel, Prepared
 from agg_server.config import ServerConfig
 from agg_server.enrollment import Enrollment
@@ -75,7 +75,7 @@ from protocol.noise import minimum_survivors
 from protocol.phases import ACTIVE_PHASES, SERVER_EXPECTS, TERMINAL_PHASES, Phase
 from protocol.plan import TrainingPlan
 from protocol.quantization import check_bit_budget
-from protocol.session import RoundParameters, ServerSecAggSession
+from protocol.session import ServerSecAggSession
 
 __all__ = ["RoundCoordinator"]
 
@@ -412,15 +412,12 @@ class RoundCoordinator:
         )
         d0, d1, d2, d3 = (now + t for t in itertools.accumulate(timeouts))
         deadlines = (d0, d1, d2, d3)
-        params = RoundParameters(
-            round_id=round_id,
-            vector_length=self.vector_length,
-            k=k,
-            t=t,
-            clip_norm=float(self.quantization.clip_norm),
-            scale_bits=self.quantization.scale_bits,
-            dp_mu=float(self.mu),
-            dp_t_min=t_min,
+        params = round_parameters(
+            round_id,
+            self.vector_length,
+            (k, t, t_min),
+            self.quantization,
+            self.mu,
             deadlines=deadlines,
             authority_key=self.enrollment.authority,
         )

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsim.data.datasets import synthetic
-from fedsim.fleets.demo import ServerProcess, run_loadtest, write_server_config
+from fedsim.data.synthetic import synthetic
+from fedsim.fleets.demo import run_loadtest
 from fedsim.fleets.local import FleetConfig
+from fedsim.fleets.server_process import ServerProcess, write_server_config
 
 _PROBE = r"""
 import sys, time, urllib.request

@@ -3,7 +3,7 @@ local update.
 
     python benchmarks/bench_dcd.py
 
-Data: `fedsim.data.datasets.synthetic` sized like MovieLens-1M (6,040 users × 3,706 items, ≈ 1M ratings),
+Data: `fedsim.data.synthetic.synthetic` sized like MovieLens-1M (6,040 users × 3,706 items, ≈ 1M ratings),
 f = 64.  "observed" fits the ratings only; "implicit" adds 4 sampled negatives per rating (≈ 5M
 entries).  The first sweep includes the set-up (inner products, the constant rating term); later
 sweeps are reported separately.  The device figure is `LightFRModel.fit_local` for one user with 166
@@ -19,7 +19,7 @@ import numpy as np
 
 from device_sdk import lightfr
 from device_sdk.models import LightFRConfig, LightFRModel
-from fedsim.data.datasets import synthetic
+from fedsim.data.synthetic import synthetic
 from fedsim.federation.lightfr import user_data, with_negatives
 from protocol.codes import random_signs
 

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedsim.data.datasets import load_movielens  # noqa: E402
+from fedsim.data.loaders import load_movielens  # noqa: E402
 from tests.multi_helpers import (  # noqa: E402
     Instance,
     check_sums,

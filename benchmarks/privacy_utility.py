@@ -32,7 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsim.data.datasets import Ratings, TrainTestSplit, load_amazon_book
+from fedsim.data.datasets import load_amazon_book
+from fedsim.data.kgat import TrainTestSplit
+from fedsim.data.ratings import Ratings
 from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private
 
 

@@ -40,7 +40,8 @@ import numpy as np  # noqa: E402
 import scipy.sparse as sp  # noqa: E402
 from numpy.typing import NDArray  # noqa: E402
 
-from fedsim.data.datasets import Ratings, load_amazon_book  # noqa: E402
+from fedsim.data.datasets import load_amazon_book  # noqa: E402
+from fedsim.data.ratings import Ratings  # noqa: E402
 from fedsim.data.splits import carve_validation  # noqa: E402
 from fedsim.evaluation.ranking import (  # noqa: E402
     Scorer,

@@ -33,7 +33,8 @@ import numpy as np
 from device_sdk import lightfr
 from device_sdk.batched import snapped_vectors
 from device_sdk.models import LightFRConfig
-from fedsim.data.datasets import Ratings, load_amazon_book
+from fedsim.data.datasets import load_amazon_book
+from fedsim.data.ratings import Ratings
 from fedsim.evaluation.als import implicit_als
 from fedsim.evaluation.ranking import evaluate_all_items, popularity_scorer
 from fedsim.federation.lightfr import FederatedLightFR, FederationConfig, run_lightfr, user_data

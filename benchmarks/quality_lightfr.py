@@ -35,7 +35,7 @@ from dataclasses import replace
 import numpy as np
 
 from device_sdk.models import LightFRConfig
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 from fedsim.evaluation.als import implicit_als
 from fedsim.evaluation.experiment import Experiment, Protocol, baselines, prepare, validation_carves
 from fedsim.evaluation.ranking import TieMode, evaluate_candidates

@@ -25,7 +25,8 @@ import time
 import numpy as np
 
 from agg_server.strategy.mf import MFStrategy
-from fedsim.data.datasets import Ratings, load_dataset
+from fedsim.data.datasets import load_dataset
+from fedsim.data.ratings import Ratings
 from fedsim.data.splits import leave_one_out
 from fedsim.evaluation.experiment import baselines, prepare
 from fedsim.evaluation.ranking import TieMode

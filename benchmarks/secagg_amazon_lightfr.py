@@ -54,7 +54,9 @@ import numpy as np
 from agg_server.config import config_from_dict
 from device_sdk import lightfr
 from device_sdk.batched import snapped_vectors
-from fedsim.data.datasets import Ratings, TrainTestSplit, load_amazon_book
+from fedsim.data.datasets import load_amazon_book
+from fedsim.data.kgat import TrainTestSplit
+from fedsim.data.ratings import Ratings
 from fedsim.evaluation.ranking import evaluate_all_items, popularity_scorer
 from fedsim.federation.lightfr import run_lightfr, user_data
 from fedsim.private.coordinator_rounds import run_private_lightfr

@@ -4,13 +4,13 @@ latency of ``/v1/health`` measured throughout (issue 12's bars).
 Starts ``python -m agg_server`` on loopback with an ML-1M-shaped model (3,706 items x 64 bits by
 default), runs ``fedrec loadtest``'s engine (`fedsim.fleets.demo.run_loadtest`, real `DeviceClient`s over
 HTTP, silent drops at random phases) against it, and probes ``GET /v1/health`` every 50 ms from a
-separate process (`fedsim.fleets.demo.HealthProbe`).  Server CPU is the server process's own (``getrusage``, as
-``/v1/status`` reports it) between the fleet's start and each round's end.  The fleet's worker processes
-run ``--fleet-nice`` levels below the server and the probe, so that on a machine shared with the fleet
-the figures are the server's, not the scheduler's.
+separate process (`fedsim.fleets.server_process.HealthProbe`).  Server CPU is the server process's own
+(``getrusage``, as ``/v1/status`` reports it) between the fleet's start and each round's end.  The fleet's
+worker processes run ``--fleet-nice`` levels below the server and the probe, so that on a machine shared
+with the fleet the figures are the server's, not the scheduler's.
 
 Run: ``python benchmarks/server_load.py --devices 1000 --rounds 2 --dropout 0.2 --workers 2``.
-Prints the ``fedrec loadtest --json`` record (`fedsim.fleets.demo.loadtest_record`) as its last line.
+Prints the ``fedrec loadtest --json`` record (`fedsim.fleets.loadtest_report.loadtest_record`) as its last line.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsim.data.datasets import synthetic
-from fedsim.fleets.demo import ServerProcess, loadtest_record, run_loadtest, write_server_config
+from fedsim.data.synthetic import synthetic
+from fedsim.fleets.demo import run_loadtest
+from fedsim.fleets.loadtest_report import loadtest_record
 from fedsim.fleets.local import FleetConfig
+from fedsim.fleets.server_process import ServerProcess, write_server_config
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -22,173 +22,19 @@ from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr
 from device_sdk.family import LocalRatings, LocalResult
+from device_sdk.lightfr_config import _KIND, LightFRConfig, LocalUpdate, apply_plan
+from device_sdk.lightfr_store import load_model, save_model
 from device_sdk.retrieval import Recommender, as_items, check_userid, fold_in_items
-from device_sdk.store import load_store, save_store
 from device_sdk.topk import HammingIndex
-from protocol.codes import from_bytes, pack_signs, random_signs, to_bytes, unpack_signs, words_for
-from protocol.errors import ModelError, StorageError
+from protocol.codes import from_bytes, pack_signs, random_signs, unpack_signs, words_for
+from protocol.errors import ModelError
 from protocol.families.lightfr import LEVEL_CENTER, UploadLayout, bias_from_levels, clip_parts
 from protocol.plan import LightFRParams, TrainingPlan
-from protocol.spec import MAX_RANK, Aggregation
+from protocol.spec import Aggregation
 
+#: LightFRConfig, LocalUpdate and apply_plan live in `device_sdk.lightfr_config`, the store format in
+#: `device_sdk.lightfr_store`; this module is where callers import the LightFR model's names from.
 __all__ = ["LightFRConfig", "LightFRModel", "LocalUpdate", "apply_plan"]
-
-_KIND = "lightfr"
-_PARAMS = LightFRParams()
-
-
-@dataclass(frozen=True, slots=True)
-class LightFRConfig:
-    """Hyper-parameters of LightFR on a device.
-
-    Attributes
-    ----------
-    bits : code length f (64 by default, as in the paper).
-    lam : balance weight λ.  The paper uses 0.6, but at f = 64 the balance term (≥ 2λ per bit)
-        then outweighs the data term (≈ |Ω_u|/f) for almost every user, so DCD flips nothing and codes
-        stay random; 0 (the authors' reference code) learns.  See docs/design.md §2.2.
-    negatives : sampled unobserved items per observed rating, fitted as rating 0 (implicit feedback,
-        resampled every local epoch); 0 fits the observed ratings only (the paper's explicit setting).
-    local_epochs : local epochs E per round.
-    max_sweeps : cap on DCD sweeps over the f bits per epoch.
-    rating_range : (r_min, r_max) used to normalise raw ratings to [0, 1]; None means the ratings
-        given are already normalised.
-    binary_positives : fit every observed rating as 1 (pure implicit feedback) instead of its
-        normalised value.
-    unobserved_weight : w0 (0.1 for a model trained alone; in federated rounds the server's plan sets
-        it, by default from the catalogue's density, `protocol.families.lightfr.density_weight`).
-        0 selects the paper's objective with ``negatives`` sampled unobserved items; w0 > 0 the
-        all-items objective (every unobserved item at target 0 with weight w0, through the item Gram;
-        ``negatives`` is then unused; see `device_sdk.lightfr.dcd_full`).
-    confidence : α ≥ 0 of the all-items objective: observed items weigh c = 1 + α (w0 ≤ c).
-    query_planes : P in [0, 8].  P >= 1 (all-items objective only: refused with ``unobserved_weight = 0``,
-        as the server's config and the round plan refuse it) is asymmetric scoring: the device
-        solves its real-valued vector exactly against the item codes (`lightfr.ridge_users`) instead of
-        a ±1 code by DCD, keeps it as P ±1 bit-planes and a weight, uploads the same parts with it, and
-        `recommend` ranks by the integer a·Σ_p 2^p(f − 2·Hamming) + 2^8·level (`device_sdk.topk.plane_scores`).
-        0 (default): ±1 user codes.  In federated rounds the plan sets it (protocol 1.6,
-        `protocol.plan.LightFRParams.query_planes`; a plan from a 1.5 server means 0).
-    user_reg : ridge weight of that solve, in [1e-6, 1e6] (the plan's bounds; set by the plan too).
-    rank_planes : a device setting (not in the plan): with ``query_planes`` >= 1, the planes of the vector
-        the device keeps and ranks with (0 = ``query_planes``), while its uploads keep ``query_planes``
-        planes.  With ``query_planes`` 0 under the all-items objective (symmetric training): the device
-        still trains and uploads with its ±1 code by DCD, and also solves its real-valued vector against
-        the item codes (ridge weight ``rank_ridge``·w0·m) and ranks with it as ``rank_planes`` planes
-        (`fit_local`, `fold_in`; the vector depends only on the ratings and the model, so
-        `refresh_ranking` (which `DeviceClient` runs on adopting a model) or `fold_in` after a download
-        refreshes it); 0 ranks with the ±1 code; unused without the all-items objective
-        (and accepted then: the plan switches the objective and the planes round by round, `apply_plan`,
-        and this standing preference must survive a round whose plan turns them off).
-    rank_ridge : a device setting (not in the plan): the ridge weight of that ranking-time solve in units
-        of w0·m (tr(w0·DᵀD)/f, the unobserved term's weight on the catalogue), > 0.
-    substring_index : a device setting (not in the plan): let `recommend` for one user search a
-        catalogue of 786,432 items or more (262,144 for a plane user; f = 64) through exact
-        multi-index hashing tables
-        (`device_sdk.topk.HammingIndex`), built on the first such call: about 48 bytes an item (480 MB
-        at 10^7 items) beside the 8 of the codes, and a few times faster than the scan.  False keeps
-        the linear scan and no extra memory; the recommendations are the same either way.
-    """
-
-    bits: int = 64
-    # The training parameters: defaults and bounds are `protocol.plan.LightFRParams`' (a round's plan
-    # replaces them).
-    lam: float = _PARAMS.lam
-    negatives: int = _PARAMS.negatives
-    local_epochs: int = _PARAMS.local_epochs
-    max_sweeps: int = _PARAMS.max_sweeps
-    rating_range: tuple[float, float] | None = (1.0, 5.0)
-    binary_positives: bool = False
-    unobserved_weight: float = _PARAMS.unobserved_weight
-    confidence: float = _PARAMS.confidence
-    query_planes: int = _PARAMS.query_planes
-    user_reg: float = _PARAMS.user_reg
-    rank_planes: int = 3
-    rank_ridge: float = 2.0
-    substring_index: bool = True
-
-    def __post_init__(self) -> None:
-        bits = self.bits
-        if isinstance(bits, bool) or not isinstance(bits, int | np.integer) or not 1 <= bits <= MAX_RANK:
-            raise ValueError(f"bits must be an integer in [1, {MAX_RANK}], got {bits!r}")
-        planes = self.query_planes
-        if isinstance(planes, bool) or not isinstance(planes, int | np.integer) or not 0 <= planes <= 8:
-            raise ValueError(f"query_planes must be an integer in [0, 8], got {planes!r}")
-        ranked = self.rank_planes
-        if isinstance(ranked, bool) or not isinstance(ranked, int | np.integer) or not 0 <= ranked <= 8:
-            raise ValueError(f"rank_planes must be an integer in [0, 8], got {ranked!r}")
-        if not (isinstance(self.user_reg, int | float) and np.isfinite(self.user_reg) and self.user_reg > 0):
-            raise ValueError(f"user_reg must be a finite number > 0, got {self.user_reg!r}")
-        ridge = self.rank_ridge
-        if isinstance(ridge, bool) or not (isinstance(ridge, int | float) and np.isfinite(ridge) and 0 < ridge <= 1e6):
-            raise ValueError(f"rank_ridge must be a finite number in (0, 1e6], got {ridge!r}")
-        if not isinstance(self.substring_index, bool):
-            raise ValueError(f"substring_index must be a bool, got {self.substring_index!r}")
-        w0 = self.unobserved_weight
-        if planes and isinstance(w0, int | float) and not isinstance(w0, bool) and w0 == 0:
-            # Would train ±1 codes by DCD while asking for planes; the server's config and the plan refuse it too.
-            raise ValueError(
-                f"query_planes: {planes} planes (asymmetric scoring) need the all-items objective, "
-                f"unobserved_weight > 0, got unobserved_weight={w0!r}; set unobserved_weight > 0 or query_planes=0"
-            )
-        self.params(Aggregation.GRAD)  # the plan's bounds, as the server's config checks them
-        if self.rating_range is not None:
-            bounds = self.rating_range
-            if not (
-                isinstance(bounds, tuple | list)
-                and len(bounds) == 2
-                and all(
-                    isinstance(b, int | float | np.integer | np.floating) and not isinstance(b, bool) for b in bounds
-                )
-                and np.isfinite(bounds[0])
-                and np.isfinite(bounds[1])
-                and bounds[1] > bounds[0]
-            ):
-                raise ValueError(f"rating_range must be (low, high), finite numbers with high > low, got {bounds!r}")
-
-    def params(self, aggregation: Aggregation) -> LightFRParams:
-        """These training parameters as a `protocol.plan.LightFRParams` (which validates them; a parameter
-        this configuration does not hold is the plan's default)."""
-        return LightFRParams(aggregation=aggregation, **{name: getattr(self, name) for name in _PLAN_NAMES})
-
-    def normalize(self, ratings: NDArray[np.float64] | None, n: int) -> NDArray[np.float64]:
-        """Targets in [0, 1] for ``n`` observed ratings (all 1 when ``ratings`` is None)."""
-        if ratings is None or self.binary_positives:
-            return np.ones(n)
-        r = np.asarray(ratings, dtype=np.float64)
-        if r.shape != (n,):
-            raise ValueError(f"expected {n} ratings, got shape {r.shape}")
-        if not np.all(np.isfinite(r)):
-            raise ValueError("ratings must be finite")
-        if self.rating_range is None:
-            return r
-        lo, hi = self.rating_range
-        return (r - lo) / (hi - lo)
-
-
-#: The plan's parameters a device's configuration holds: a round's plan replaces them (`apply_plan`).
-_PLAN_NAMES = tuple(f.name for f in fields(LightFRConfig) if f.name in {g.name for g in fields(LightFRParams)})
-
-
-@dataclass(frozen=True, slots=True)
-class LocalUpdate:
-    """What one device uploads after a local round.
-
-    Attributes
-    ----------
-    values : (m, f) float64 item gradient (Agg_grad) or int64 updated item codes (Agg_para); dense,
-        so that which items the user rated stays hidden inside secure aggregation.
-    aggregation : which rule the values are for.
-    n_examples : observed ratings plus sampled negatives fitted in the last epoch.
-    flips : user-code bits flipped by DCD over all epochs.
-    parts : under the all-items objective, every part of the upload by name
-        (`protocol.families.lightfr.UploadLayout`; ``values`` is then its "gradient").
-    """
-
-    values: NDArray[Any]
-    aggregation: Aggregation
-    n_examples: int
-    flips: int
-    parts: dict[str, NDArray[np.float64]] | None = None
 
 
 @dataclass
@@ -816,80 +662,10 @@ class LightFRModel(Recommender):
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the model atomically to one store file (see `device_sdk.store`)."""
-        cfg = asdict(self.config)
-        cfg["rating_range"] = list(cfg["rating_range"]) if cfg["rating_range"] is not None else None
-        save_store(
-            path,
-            _KIND,
-            {
-                "config": cfg,
-                "n_items": self.n_items,
-                "n_users": self.n_users,
-                "model_version": self.model_version,
-                "item_words": to_bytes(self._item_words),
-                "user_words": to_bytes(self._user_words),
-                "user_trained": np.packbits(self.user_trained).tobytes(),
-                "item_levels": None if self._levels is None else self._levels.tobytes(),
-                "hamming_weight": self._weight,
-                "user_q": self.user_q.astype("<i2").tobytes(),
-                "user_weight": self.user_weight.astype("<i8").tobytes(),
-                "private_rounds": self.private_rounds,
-                "private_model": self.private_model,
-            },
-        )
+        """Write the model atomically to one store file (see `device_sdk.store`, `device_sdk.lightfr_store`)."""
+        save_model(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, rng: np.random.Generator | None = None) -> LightFRModel:
         """Read a model written by `save`; raises `StorageError` on any problem with the file."""
-        state = load_store(path, _KIND)
-        try:
-            raw_cfg = dict(state["config"])
-            if raw_cfg.get("rating_range") is not None:
-                raw_cfg["rating_range"] = tuple(raw_cfg["rating_range"])
-            if raw_cfg.get("unobserved_weight") == 0 and raw_cfg.get("query_planes"):
-                # Stored by an SDK that accepted planes with w0 = 0 and trained ±1 codes for them: what P = 0 is.
-                raw_cfg["query_planes"] = 0
-            config = LightFRConfig(**raw_cfg)
-            n_items, n_users = int(state["n_items"]), int(state["n_users"])
-            model = cls(n_items, config, n_users=n_users, rng=rng or np.random.default_rng())
-            f = config.bits
-            model.set_item_codes(from_bytes(state["item_words"], f, n_items), int(state["model_version"]))
-            uw = from_bytes(state["user_words"], f, n_users)
-            model.user_codes = unpack_signs(uw, f)
-            model._user_words = uw.copy()
-            trained = np.unpackbits(np.frombuffer(state["user_trained"], np.uint8))[:n_users]
-            model.user_trained = trained.astype(bool)
-            # Files written before the item term existed hold neither key.
-            levels = state.get("item_levels")
-            model.item_levels = None if levels is None else np.frombuffer(levels, dtype=np.uint8).copy()
-            model.hamming_weight = int(state.get("hamming_weight", 1))
-            # Files written before asymmetric scoring hold no vectors.
-            if state.get("user_q") is not None:
-                uq = np.frombuffer(state["user_q"], dtype="<i2").reshape(n_users, f).astype(np.int16)
-                uwt = np.frombuffer(state["user_weight"], dtype="<i8").astype(np.int64)
-                if uwt.shape != (n_users,) or np.any(uwt < 0):
-                    raise ValueError("user_weight must hold one weight >= 0 per user")
-                model.user_q, model.user_weight = uq.copy(), uwt.copy()
-            private = state.get("private_rounds", False)  # files written before the rule hold none
-            if not isinstance(private, bool):
-                raise ValueError(f"private_rounds must be a boolean, got {private!r}")
-            model.private_rounds = private
-            held = state.get("private_model", False)  # files written before protocol 1.7 hold none
-            if not isinstance(held, bool):
-                raise ValueError(f"private_model must be a boolean, got {held!r}")
-            model.private_model = held
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StorageError(f"{path} is a valid store file but its LightFR state is invalid: {exc}") from exc
-        return model
-
-
-def apply_plan(model: LightFRModel, plan: TrainingPlan) -> None:
-    """Adopt the round's training plan (λ, negatives, epochs, sweeps, w0, α, and since protocol 1.6 the
-    query planes P and ridge weight of asymmetric scoring) after checking it fits the model the device
-    holds.  The plan wins over the device's own setting: P = 0 in the plan (a 1.5 server's) trains and
-    ranks with a ±1 user code."""
-    plan.check_fits(_KIND, model.n_items, model.config.bits)
-    p = plan.params
-    assert isinstance(p, LightFRParams)
-    model.config = replace(model.config, **{name: getattr(p, name) for name in _PLAN_NAMES})
+        return load_model(cls, path, rng=rng)

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fedsim.cli import main as fedrec
-from fedsim.fleets.demo import ServerProcess, write_server_config
+from fedsim.fleets.server_process import ServerProcess, write_server_config
 from protocol.enrollment import EnrollmentAuthority
 from protocol.errors import FedRecError
 

@@ -39,7 +39,7 @@ from numpy.typing import NDArray
 
 from device_sdk import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
 from fedsim import synthetic
-from fedsim.fleets.demo import write_server_config
+from fedsim.fleets.server_process import write_server_config
 from protocol.policy import PrivacyPolicy
 
 EXAMPLE_CONFIG = Path(__file__).resolve().parent / "server.toml"

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-from fedsim.data.datasets import (
+from fedsim.data.datasets import find_data_dir, load_amazon_book, load_dataset
+from fedsim.data.kgat import TrainTestSplit, load_kgat
+from fedsim.data.loaders import (
     CandidateBlocks,
     LightFRSplit,
-    Ratings,
-    TrainTestSplit,
-    find_data_dir,
-    load_amazon_book,
-    load_dataset,
     load_filmtrust,
     load_generic,
-    load_kgat,
     load_lightfr_split,
     load_movielens,
-    synthetic,
 )
+from fedsim.data.ratings import Ratings
 from fedsim.data.splits import Split, chronological_split, leave_one_out
+from fedsim.data.synthetic import synthetic
 from fedsim.evaluation.experiment import Candidates, Experiment, Protocol, baselines, prepare
 from fedsim.evaluation.ranking import (
     EvalResult,

@@ -106,7 +106,7 @@ _LAZY = {
     "TRANSITIONS": "phases",
     "DeviceSecAggSession": "device_session",
     "Phase": "phases",
-    "RoundParameters": "server_session",
+    "RoundParameters": "round_params",
     "SecAggResult": "server_session",
     "ServerSecAggSession": "server_session",
     "Aggregation": "spec",

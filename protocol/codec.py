@@ -641,6 +641,19 @@ def decode(
         Anything else: malformed msgpack, more than `MAX_OBJECTS` objects or deeper than `MAX_DEPTH`,
         wrong types or shapes, unknown type code, missing fields, or values the message class refuses.
     """
+    obj = _unpack(data, max_size=max_size, max_objects=max_objects)
+    try:
+        cls, fields, body = _open_envelope(obj)
+        return _build_message(cls, fields, body)
+    except (DecodeError, VersionMismatch):
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
+        raise DecodeError(f"invalid message: {exc}") from None
+
+
+def _unpack(data: bytes | bytearray | memoryview, *, max_size: int, max_objects: int) -> Any:
+    """`decode`'s first step: size and shape checks, then msgpack, with long byte strings left in place
+    (`_Spliced`); any parse failure becomes `DecodeError`."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise DecodeError(f"expected bytes, got {type(data).__name__}")
     if len(data) > max_size:
@@ -660,7 +673,7 @@ def decode(
         return _Spliced(views[index])
 
     try:
-        obj = msgpack.unpackb(
+        return msgpack.unpackb(
             parse,
             raw=False,
             use_list=True,
@@ -674,42 +687,50 @@ def decode(
         )
     except Exception as exc:  # msgpack raises several unrelated types; all mean "not a message"
         raise DecodeError(f"malformed msgpack: {exc}") from None
-    try:
-        _want(type(obj) is dict, "envelope must be a map")
-        version = obj.get("v")
-        _want(
-            type(version) is list and len(version) == 2 and all(type(x) is int for x in version),
-            "envelope version must be [major, minor]",
-        )
-        check_version((version[0], version[1]))
-        type_code, body = obj.get("t"), obj.get("b")
-        _want(type(type_code) is int, "envelope type must be an integer")
-        entry = _SCHEMA.get(type_code)
-        if entry is None:
-            raise DecodeError(f"unknown message type {type_code}")
-        cls, fields = entry
-        _want(type(body) is dict, "envelope body must be a map")
-        defaults = {
-            f.name
-            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-            if f.default is not dataclasses.MISSING
-        }
-        kwargs: dict[str, Any] = {}
-        plan: dict[str, Any] = {}
-        for item in _entries(fields):
-            if isinstance(item, str):
-                if item in body:
-                    plan[item] = _decode_value(_param_kind(item), body[item], item)
-                continue
-            name, key, kind = item
-            if key in body:
-                kwargs[name] = _decode_value(kind, body[key], key)
-            elif name not in defaults:
-                raise DecodeError(f"{cls.__name__}: missing field {key!r}")
-        if cls is RoundInvite:
-            kwargs["params"] = params_from_wire(kwargs.get("model_kind", "lightfr"), plan)
-        return cls(**kwargs)
-    except (DecodeError, VersionMismatch):
-        raise
-    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
-        raise DecodeError(f"invalid message: {exc}") from None
+
+
+def _open_envelope(obj: Any) -> tuple[type[Message], tuple[tuple[str, str, Kind] | str, ...], dict[str, Any]]:
+    """`decode`'s second step: check the envelope map and its version; the message class and table entries of
+    its type code, and its body."""
+    _want(type(obj) is dict, "envelope must be a map")
+    version = obj.get("v")
+    _want(
+        type(version) is list and len(version) == 2 and all(type(x) is int for x in version),
+        "envelope version must be [major, minor]",
+    )
+    check_version((version[0], version[1]))
+    type_code, body = obj.get("t"), obj.get("b")
+    _want(type(type_code) is int, "envelope type must be an integer")
+    entry = _SCHEMA.get(type_code)
+    if entry is None:
+        raise DecodeError(f"unknown message type {type_code}")
+    cls, fields = entry
+    _want(type(body) is dict, "envelope body must be a map")
+    return cls, fields, body
+
+
+def _build_message(
+    cls: type[Message], fields: tuple[tuple[str, str, Kind] | str, ...], body: dict[str, Any]
+) -> Message:
+    """`decode`'s last step: decode each body field the table lists (unknown keys ignored, a missing field
+    with a default takes it) and build the message, whose class validates it."""
+    defaults = {
+        f.name
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.default is not dataclasses.MISSING
+    }
+    kwargs: dict[str, Any] = {}
+    plan: dict[str, Any] = {}
+    for item in _entries(fields):
+        if isinstance(item, str):
+            if item in body:
+                plan[item] = _decode_value(_param_kind(item), body[item], item)
+            continue
+        name, key, kind = item
+        if key in body:
+            kwargs[name] = _decode_value(kind, body[key], key)
+        elif name not in defaults:
+            raise DecodeError(f"{cls.__name__}: missing field {key!r}")
+    if cls is RoundInvite:
+        kwargs["params"] = params_from_wire(kwargs.get("model_kind", "lightfr"), plan)
+    return cls(**kwargs)

@@ -1,40 +1,55 @@
-# Invariants: every message is an immutable value; `__post_init__` rejects anything whose types, ranges or
-# lengths are wrong, so an invalid message can be built neither by a peer's bytes nor by our own code.
-# Relational rules that need session context (an id listed twice, an id in both lists, an id outside the
-# neighbourhood, keys not distinct) are protocol rules: the receiving session checks them and raises
-# `RemoteProtocolError`, which keeps those malicious-server defences testable on their own.
-# Arrays are stored as read-only, C-contiguous copies, so a message cannot change after it was built.
-"""SecAgg+ round messages (docs/design.md §4).
+# Invariants: every message is an immutable value (`protocol.message_base`); `__post_init__` rejects anything
+# whose types, ranges or lengths are wrong, so an invalid message can be built neither by a peer's bytes nor
+# by our own code.  Relational rules that need session context (an id listed twice, an id in both lists, an
+# id outside the neighbourhood, keys not distinct) are protocol rules: the receiving session checks them and
+# raises `RemoteProtocolError`, which keeps those malicious-server defences testable on their own.
+"""SecAgg+ round messages (docs/design.md §4), and the one place every protocol message is imported from.
 
 Device ids are non-negative integers below 2**63; round ids likewise.  Byte strings are raw: X25519 public
 keys are 32 bytes, the session id is a 32-byte SHA-256 digest.  Ring vectors are 1-D ``np.uint32`` arrays
 (arithmetic mod 2**32).  Deadlines are absolute times on the coordinator's clock, in seconds.
 
-Why one module of ~1,000 lines: every message of the protocol, each a frozen dataclass with its field
-docs and its validation, side by side so the wire format reads in one place; the training plan's typed
-form lives in `protocol.plan`.
+This module defines the messages of a round's phases (type codes 1–10, 20, 21), side by side so that part
+of the wire format reads in one place.  The registration, check-in, model download, round result and
+revocation list messages (11–16, 22) live in `protocol.service_messages`, the `Message` base and the
+field validators in `protocol.message_base`; both are re-exported here, so the codec's table, the test
+vectors and every caller import any message from this one module.  The training plan's typed form lives
+in `protocol.plan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 
 from protocol.errors import FedRecError, error_class_for_code
+from protocol.message_base import (
+    KEY_BYTES,
+    MAX_ID,
+    SESSION_ID_BYTES,
+    Message,
+    check_addressed,
+    check_bytes,
+    check_bytes_tuple,
+    check_ciphertexts,
+    check_float,
+    check_id,
+    check_ids,
+    check_in_session,
+    check_text,
+    fail,
+    frozen_u32,
+    set_field,
+)
 from protocol.plan import FamilyParams, FELBParams, FNMFParams, LightFRParams, MFParams, TrainingPlan, params_from_wire
 from protocol.quantization import QuantizationConfig
-from protocol.spec import (
-    MAX_ITEMS,
-    MAX_RANK,
-    MAX_TEXT,
-    MAX_VECTOR_LENGTH,
-    ModelKind,
-)
+from protocol.service_messages import *  # noqa: F403
+from protocol.service_messages import __all__ as _service_all
+from protocol.spec import MAX_TEXT, MAX_VECTOR_LENGTH, ModelKind
 
 __all__ = [
     "KEY_BYTES",
@@ -53,105 +68,10 @@ __all__ = [
     "ConsistencySignature",
     "Abort",
     "ErrorMessage",
-    "RegisterRequest",
-    "RegisterResponse",
-    "CheckIn",
-    "Wait",
-    "ModelPayload",
-    "RoundResult",
-    "RevocationListPayload",
+    *_service_all,
 ]
 
-KEY_BYTES = 32
-SESSION_ID_BYTES = 32
-MAX_ID = 2**63 - 1
 _MAX_CODE = 64
-
-
-def _fail(cls_name: str, text: str) -> None:
-    # ValueError, not a FedRecError: building an invalid message is a programming or decoding error; the
-    # codec translates it into DecodeError at the wire boundary.
-    raise ValueError(f"{cls_name}: {text}")
-
-
-def _check_id(owner: str, name: str, value: object) -> None:
-    if type(value) is not int or not 0 <= value <= MAX_ID:
-        _fail(owner, f"{name} must be an int in [0, 2**63), got {value!r}")
-
-
-def _check_ids(owner: str, name: str, values: object) -> None:
-    if type(values) is not tuple:
-        _fail(owner, f"{name} must be a tuple of ints")
-    for v in values:  # type: ignore[attr-defined]
-        _check_id(owner, name, v)
-
-
-def _check_bytes(owner: str, name: str, value: object, length: int | None = None, max_len: int = 1 << 20) -> None:
-    if type(value) is not bytes:
-        _fail(owner, f"{name} must be bytes, got {type(value).__name__}")
-    n = len(value)  # type: ignore[arg-type]
-    if length is not None and n != length:
-        _fail(owner, f"{name} must be {length} bytes, got {n}")
-    if n > max_len:
-        _fail(owner, f"{name} is {n} bytes, limit {max_len}")
-
-
-def _check_bytes_tuple(owner: str, name: str, values: object, length: int | None = None) -> None:
-    if type(values) is not tuple:
-        _fail(owner, f"{name} must be a tuple of bytes")
-    for v in values:  # type: ignore[attr-defined]
-        _check_bytes(owner, name, v, length)
-
-
-def _check_text(owner: str, name: str, value: object, max_len: int) -> None:
-    if type(value) is not str or len(value) > max_len:
-        _fail(owner, f"{name} must be a str of at most {max_len} characters")
-
-
-def _check_float(owner: str, name: str, value: object, *, minimum: float | None = None) -> None:
-    if type(value) is not float or not math.isfinite(value):
-        _fail(owner, f"{name} must be a finite float, got {value!r}")
-    if minimum is not None and value < minimum:  # type: ignore[operator]
-        _fail(owner, f"{name} must be >= {minimum}, got {value!r}")
-
-
-def _frozen_u32(owner: str, name: str, value: object) -> NDArray[np.uint32]:
-    if not isinstance(value, np.ndarray) or value.dtype != np.uint32 or value.ndim != 1:
-        _fail(owner, f"{name} must be a 1-D numpy uint32 array")
-    arr: NDArray[np.uint32] = np.array(value, dtype=np.uint32, order="C", copy=True)
-    arr.setflags(write=False)
-    return arr
-
-
-def _set(obj: object, name: str, value: object) -> None:
-    object.__setattr__(obj, name, value)
-
-
-class Message:
-    """Base of every round message: equality that compares numpy fields by value.
-
-    Dataclass equality would compare arrays with ``==`` and fail on truth-testing; messages holding
-    arrays are therefore unhashable and compared field by field here.
-    """
-
-    __slots__ = ()
-    #: Stable wire type code (never reused); the codec table is keyed by it.
-    TYPE: ClassVar[int]
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            a: Any = getattr(self, f.name)
-            b: Any = getattr(other, f.name)
-            if isinstance(a, np.ndarray):
-                if not (isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)):
-                    return False
-            elif a != b:
-                return False
-        return True
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -243,43 +163,42 @@ class RoundInvite(Message):
                 pass
         if self.params is not None:
             if not isinstance(self.params, LightFRParams | MFParams | FELBParams | FNMFParams):
-                _fail(n, f"params must be a family's training parameters (protocol.plan), got {self.params!r}")
+                fail(n, f"params must be a family's training parameters (protocol.plan), got {self.params!r}")
             if self.params.KIND != self.model_kind:
-                _fail(n, f"params are {self.params.KIND.value!r} parameters, model_kind is {self.model_kind!r}")
-        _check_id(n, "cohort_size", self.cohort_size)
-        _check_id(n, "round_index", self.round_index)
+                fail(n, f"params are {self.params.KIND.value!r} parameters, model_kind is {self.model_kind!r}")
+        check_id(n, "cohort_size", self.cohort_size)
+        check_id(n, "round_index", self.round_index)
         for name in ("model_version", "bits", "n_items", "example_cap"):
-            _check_id(n, name, getattr(self, name))
-        _check_text(n, "model_kind", self.model_kind, 32)
+            check_id(n, name, getattr(self, name))
+        check_text(n, "model_kind", self.model_kind, 32)
         if self.bits and self.n_items:
             size = self.bits * self.n_items
             if self.model_kind == ModelKind.LIGHTFR and self.params is not None:
                 want = self.params.upload_length(self.n_items, self.bits)
                 if want != self.vector_length:
-                    _fail(n, f"vector_length {self.vector_length} != {want}, the LightFR upload for this plan")
+                    fail(n, f"vector_length {self.vector_length} != {want}, the LightFR upload for this plan")
             if size > self.vector_length:
-                _fail(n, f"vector_length {self.vector_length} < n_items {self.n_items} × bits {self.bits}")
-        _check_id(n, "round_id", self.round_id)
-        _check_id(n, "device_id", self.device_id)
+                fail(n, f"vector_length {self.vector_length} < n_items {self.n_items} × bits {self.bits}")
+        check_addressed(n, self)
         for name in ("vector_length", "graph_k", "graph_t", "scale_bits", "dp_t_min"):
-            _check_id(n, name, getattr(self, name))
+            check_id(n, name, getattr(self, name))
         if not 1 <= self.vector_length <= MAX_VECTOR_LENGTH:
-            _fail(n, f"vector_length must be in [1, 2**28], got {self.vector_length}")
+            fail(n, f"vector_length must be in [1, 2**28], got {self.vector_length}")
         if not 1 <= self.graph_t <= self.graph_k:
-            _fail(n, f"need 1 <= graph_t <= graph_k, got t={self.graph_t}, k={self.graph_k}")
-        _check_float(n, "clip_norm", self.clip_norm)
+            fail(n, f"need 1 <= graph_t <= graph_k, got t={self.graph_t}, k={self.graph_k}")
+        check_float(n, "clip_norm", self.clip_norm)
         if self.clip_norm <= 0.0:
-            _fail(n, f"clip_norm must be > 0, got {self.clip_norm}")
+            fail(n, f"clip_norm must be > 0, got {self.clip_norm}")
         if self.scale_bits > 30:
-            _fail(n, f"scale_bits must be <= 30 (the quantizer's limit), got {self.scale_bits}")
-        _check_float(n, "dp_mu", self.dp_mu, minimum=0.0)
+            fail(n, f"scale_bits must be <= 30 (the quantizer's limit), got {self.scale_bits}")
+        check_float(n, "dp_mu", self.dp_mu, minimum=0.0)
         if (self.dp_mu == 0.0) != (self.dp_t_min == 0):
-            _fail(n, "dp_mu and dp_t_min must both be zero (no DP) or both positive")
+            fail(n, "dp_mu and dp_t_min must both be zero (no DP) or both positive")
         deadlines = self.deadlines
         for name, d in zip(("advertise", "share_keys", "masked_input", "unmask"), deadlines, strict=True):
-            _check_float(n, f"{name}_deadline", d)
+            check_float(n, f"{name}_deadline", d)
         if any(b < a for a, b in zip(deadlines, deadlines[1:], strict=False)):
-            _fail(n, "phase deadlines must be non-decreasing")
+            fail(n, "phase deadlines must be non-decreasing")
 
     @property
     def plan(self) -> TrainingPlan:
@@ -291,7 +210,7 @@ class RoundInvite(Message):
         """This invite carrying ``plan`` (`TrainingPlan.invite_fields`); ValueError if the plan's upload is
         not ``vector_length`` entries."""
         if plan.vector_length != self.vector_length:
-            _fail("RoundInvite", f"vector_length {self.vector_length} != {plan.vector_length}, the plan's upload")
+            fail("RoundInvite", f"vector_length {self.vector_length} != {plan.vector_length}, the plan's upload")
         return dataclasses.replace(self, **plan.invite_fields())
 
     def quantization(self) -> QuantizationConfig:
@@ -339,14 +258,13 @@ class PublicKeys(Message):
 
     def __post_init__(self) -> None:
         n = "PublicKeys"
-        _check_id(n, "round_id", self.round_id)
-        _check_id(n, "device_id", self.device_id)
-        _check_bytes(n, "c_public_key", self.c_public_key, KEY_BYTES)
-        _check_bytes(n, "s_public_key", self.s_public_key, KEY_BYTES)
-        _check_bytes(n, "certificate", self.certificate, max_len=256)
-        _check_bytes(n, "signature", self.signature, max_len=64)
+        check_addressed(n, self)
+        check_bytes(n, "c_public_key", self.c_public_key, KEY_BYTES)
+        check_bytes(n, "s_public_key", self.s_public_key, KEY_BYTES)
+        check_bytes(n, "certificate", self.certificate, max_len=256)
+        check_bytes(n, "signature", self.signature, max_len=64)
         if self.c_public_key == self.s_public_key:
-            _fail(n, "c_public_key and s_public_key must differ")
+            fail(n, "c_public_key and s_public_key must differ")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -380,19 +298,17 @@ class ShareKeysBroadcast(Message):
 
     def __post_init__(self) -> None:
         n = "ShareKeysBroadcast"
-        _check_id(n, "round_id", self.round_id)
-        _check_id(n, "device_id", self.device_id)
-        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
-        _check_ids(n, "neighbour_ids", self.neighbour_ids)
-        _check_bytes_tuple(n, "c_public_keys", self.c_public_keys, KEY_BYTES)
-        _check_bytes_tuple(n, "s_public_keys", self.s_public_keys, KEY_BYTES)
+        check_in_session(n, self)
+        check_ids(n, "neighbour_ids", self.neighbour_ids)
+        check_bytes_tuple(n, "c_public_keys", self.c_public_keys, KEY_BYTES)
+        check_bytes_tuple(n, "s_public_keys", self.s_public_keys, KEY_BYTES)
         if not len(self.neighbour_ids) == len(self.c_public_keys) == len(self.s_public_keys):
-            _fail(n, "neighbour_ids, c_public_keys and s_public_keys must have equal lengths")
-        _check_bytes_tuple(n, "certificates", self.certificates)
-        _check_bytes_tuple(n, "signatures", self.signatures)
+            fail(n, "neighbour_ids, c_public_keys and s_public_keys must have equal lengths")
+        check_bytes_tuple(n, "certificates", self.certificates)
+        check_bytes_tuple(n, "signatures", self.signatures)
         if self.certificates or self.signatures:
             if not len(self.certificates) == len(self.signatures) == len(self.neighbour_ids):
-                _fail(n, "certificates and signatures must have one entry per neighbour")
+                fail(n, "certificates and signatures must have one entry per neighbour")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -420,13 +336,8 @@ class EncryptedShares(Message):
 
     def __post_init__(self) -> None:
         n = "EncryptedShares"
-        _check_id(n, "round_id", self.round_id)
-        _check_id(n, "device_id", self.device_id)
-        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
-        _check_ids(n, "recipient_ids", self.recipient_ids)
-        _check_bytes_tuple(n, "ciphertexts", self.ciphertexts)
-        if len(self.recipient_ids) != len(self.ciphertexts):
-            _fail(n, "recipient_ids and ciphertexts must have equal lengths")
+        check_in_session(n, self)
+        check_ciphertexts(n, "recipient_ids", self.recipient_ids, self.ciphertexts)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -457,13 +368,8 @@ class MaskedInputRequest(Message):
 
     def __post_init__(self) -> None:
         n = "MaskedInputRequest"
-        _check_id(n, "round_id", self.round_id)
-        _check_id(n, "device_id", self.device_id)
-        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
-        _check_ids(n, "sender_ids", self.sender_ids)
-        _check_bytes_tuple(n, "ciphertexts", self.ciphertexts)
-        if len(self.sender_ids) != len(self.ciphertexts):
-            _fail(n, "sender_ids and ciphertexts must have equal lengths")
+        check_in_session(n, self)
+        check_ciphertexts(n, "sender_ids", self.sender_ids, self.ciphertexts)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -494,17 +400,15 @@ class MaskedInput(Message):
 
     def __post_init__(self) -> None:
         n = "MaskedInput"
-        _check_id(n, "round_id", self.round_id)
-        _check_id(n, "device_id", self.device_id)
-        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
-        _set(self, "masked", _frozen_u32(n, "masked", self.masked))
+        check_in_session(n, self)
+        set_field(self, "masked", frozen_u32(n, "masked", self.masked))
         if self.masked.size == 0:
-            _fail(n, "masked must not be empty")
-        _check_ids(n, "bad_share_senders", self.bad_share_senders)
+            fail(n, "masked must not be empty")
+        check_ids(n, "bad_share_senders", self.bad_share_senders)
         if list(self.bad_share_senders) != sorted(set(self.bad_share_senders)):
-            _fail(n, "bad_share_senders must be sorted and list each device once")
+            fail(n, "bad_share_senders must be sorted and list each device once")
         if self.device_id in self.bad_share_senders:
-            _fail(n, "bad_share_senders must not name the sender itself")
+            fail(n, "bad_share_senders must not name the sender itself")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -547,18 +451,16 @@ class UnmaskRequest(Message):
 
     def __post_init__(self) -> None:
         n = "UnmaskRequest"
-        _check_id(n, "round_id", self.round_id)
-        _check_id(n, "device_id", self.device_id)
-        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
-        _check_ids(n, "survivors", self.survivors)
-        _check_ids(n, "dropped", self.dropped)
-        _check_id(n, "n_survivors", self.n_survivors)
-        _check_ids(n, "survivor_set", self.survivor_set)
-        _check_ids(n, "signer_ids", self.signer_ids)
-        _check_bytes_tuple(n, "signer_certificates", self.signer_certificates)
-        _check_bytes_tuple(n, "signatures", self.signatures)
+        check_in_session(n, self)
+        check_ids(n, "survivors", self.survivors)
+        check_ids(n, "dropped", self.dropped)
+        check_id(n, "n_survivors", self.n_survivors)
+        check_ids(n, "survivor_set", self.survivor_set)
+        check_ids(n, "signer_ids", self.signer_ids)
+        check_bytes_tuple(n, "signer_certificates", self.signer_certificates)
+        check_bytes_tuple(n, "signatures", self.signatures)
         if not len(self.signer_ids) == len(self.signer_certificates) == len(self.signatures):
-            _fail(n, "signer_ids, signer_certificates and signatures must have equal lengths")
+            fail(n, "signer_ids, signer_certificates and signatures must have equal lengths")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -583,10 +485,8 @@ class ConsistencyRequest(Message):
 
     def __post_init__(self) -> None:
         n = "ConsistencyRequest"
-        _check_id(n, "round_id", self.round_id)
-        _check_id(n, "device_id", self.device_id)
-        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
-        _check_ids(n, "survivor_set", self.survivor_set)
+        check_in_session(n, self)
+        check_ids(n, "survivor_set", self.survivor_set)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -611,10 +511,8 @@ class ConsistencySignature(Message):
 
     def __post_init__(self) -> None:
         n = "ConsistencySignature"
-        _check_id(n, "round_id", self.round_id)
-        _check_id(n, "device_id", self.device_id)
-        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
-        _check_bytes(n, "signature", self.signature, 64)
+        check_in_session(n, self)
+        check_bytes(n, "signature", self.signature, 64)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -651,16 +549,14 @@ class UnmaskResponse(Message):
 
     def __post_init__(self) -> None:
         n = "UnmaskResponse"
-        _check_id(n, "round_id", self.round_id)
-        _check_id(n, "device_id", self.device_id)
-        _check_bytes(n, "session_id", self.session_id, SESSION_ID_BYTES)
-        _check_ids(n, "b_share_ids", self.b_share_ids)
-        _check_bytes_tuple(n, "b_shares", self.b_shares)
-        _check_ids(n, "s_share_ids", self.s_share_ids)
-        _check_bytes_tuple(n, "s_shares", self.s_shares)
+        check_in_session(n, self)
+        check_ids(n, "b_share_ids", self.b_share_ids)
+        check_bytes_tuple(n, "b_shares", self.b_shares)
+        check_ids(n, "s_share_ids", self.s_share_ids)
+        check_bytes_tuple(n, "s_shares", self.s_shares)
         if len(self.b_share_ids) != len(self.b_shares) or len(self.s_share_ids) != len(self.s_shares):
-            _fail(n, "share id lists and share lists must have equal lengths")
-        _set(self, "dp_excess", _frozen_u32(n, "dp_excess", self.dp_excess))
+            fail(n, "share id lists and share lists must have equal lengths")
+        set_field(self, "dp_excess", frozen_u32(n, "dp_excess", self.dp_excess))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -684,9 +580,8 @@ class Abort(Message):
 
     def __post_init__(self) -> None:
         n = "Abort"
-        _check_id(n, "round_id", self.round_id)
-        _check_id(n, "device_id", self.device_id)
-        _check_text(n, "reason", self.reason, MAX_TEXT)
+        check_addressed(n, self)
+        check_text(n, "reason", self.reason, MAX_TEXT)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -710,8 +605,8 @@ class ErrorMessage(Message):
 
     def __post_init__(self) -> None:
         n = "ErrorMessage"
-        _check_text(n, "code", self.code, _MAX_CODE)
-        _check_text(n, "message", self.message, MAX_TEXT)
+        check_text(n, "code", self.code, _MAX_CODE)
+        check_text(n, "message", self.message, MAX_TEXT)
         code = self.code
         if (
             not code
@@ -719,7 +614,7 @@ class ErrorMessage(Message):
             or not code[0].islower()
             or not all(c == "_" or (c.isascii() and (c.islower() or c.isdigit())) for c in code)
         ):
-            _fail(n, f"error code must match [a-z][a-z0-9_]*, got {code!r}")
+            fail(n, f"error code must match [a-z][a-z0-9_]*, got {code!r}")
 
     @classmethod
     def from_exception(cls, exc: FedRecError) -> ErrorMessage:
@@ -748,270 +643,3 @@ class ErrorMessage(Message):
         if cls.code != self.code:
             return FedRecError(f"[{self.code}] {self.message}")
         return cls(self.message)
-
-
-# -- registration, check-in and model distribution (type codes 11–16) -------------------------------
-
-_MAX_TOKEN = 256
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class RegisterRequest(Message):
-    """Device → server: ask for an identity (``POST /v1/devices``).
-
-    Attributes
-    ----------
-    platform : str
-        Free-form description of the device software (at most 128 characters), for operators.
-    certificate : bytes
-        Protocol 1.4: the device's enrollment certificate (`protocol.identity.issue_certificate`), or empty.
-    proof : bytes
-        Protocol 1.4: with a certificate, the device's Ed25519 signature of
-        `protocol.identity.registration_payload` (proof that it holds the certified key), else empty.
-    enrollment_token : str
-        Protocol 1.4: an operator-issued one-time enrollment token (test fleets), or empty.
-    """
-
-    TYPE: ClassVar[int] = 11
-    platform: str = ""
-    certificate: bytes = b""
-    proof: bytes = b""
-    enrollment_token: str = ""
-
-    def __post_init__(self) -> None:
-        n = "RegisterRequest"
-        _check_text(n, "platform", self.platform, 128)
-        _check_bytes(n, "certificate", self.certificate, max_len=256)
-        _check_bytes(n, "proof", self.proof, max_len=64)
-        _check_text(n, "enrollment_token", self.enrollment_token, _MAX_TOKEN)
-        if bool(self.certificate) != bool(self.proof):
-            _fail(n, "certificate and proof go together")
-        if self.certificate and self.enrollment_token:
-            _fail(n, "one credential per registration: a certificate or an enrollment token, not both")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class RegisterResponse(Message):
-    """Server → device: the new device id and its bearer token (shown once; the server keeps a hash).
-
-    Attributes
-    ----------
-    device_id : int
-    token : str
-        Opaque bearer token (URL-safe text, 16..256 characters).
-    """
-
-    TYPE: ClassVar[int] = 12
-    device_id: int
-    token: str
-
-    def __post_init__(self) -> None:
-        _check_id("RegisterResponse", "device_id", self.device_id)
-        _check_text("RegisterResponse", "token", self.token, _MAX_TOKEN)
-        if len(self.token) < 16:
-            _fail("RegisterResponse", "token must be at least 16 characters")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class CheckIn(Message):
-    """Device → server: "I am available" (``POST /v1/checkin``).
-
-    The answer is a `RoundInvite` (join the round now) or a `Wait`.
-
-    Attributes
-    ----------
-    device_id : int
-    model_version : int
-        Version of the global model the device holds (0 = none).
-    """
-
-    TYPE: ClassVar[int] = 13
-    device_id: int
-    model_version: int = 0
-
-    def __post_init__(self) -> None:
-        _check_id("CheckIn", "device_id", self.device_id)
-        _check_id("CheckIn", "model_version", self.model_version)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class Wait(Message):
-    """Server → device: no round for you now; check in again after ``retry_after`` seconds.
-
-    Attributes
-    ----------
-    retry_after : float
-        Seconds (>= 0) before the next check-in.
-    reason : str
-        Why (e.g. "no round open", "round abandoned after a restart").
-    """
-
-    TYPE: ClassVar[int] = 14
-    retry_after: float
-    reason: str = ""
-
-    def __post_init__(self) -> None:
-        _check_float("Wait", "retry_after", self.retry_after, minimum=0.0)
-        _check_text("Wait", "reason", self.reason, MAX_TEXT)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class ModelPayload(Message):
-    """Server → device: the global model (``GET /v1/model``).
-
-    Attributes
-    ----------
-    model_version : int
-    model_kind : str
-    bits, n_items : int
-        Code length f (LightFR) or rank (factors / components of the other families), and the
-        catalogue size m.
-    words : bytes
-        LightFR item codes in the wire form of `protocol.codes` (little-endian (w, m) uint64 words,
-        ``8 * ceil(f / 64) * m`` bytes); empty for the other families.
-    values : bytes
-        Protocol 1.2, the real-valued families (MF, FELB, FNMF): the item matrix as ``bits * n_items``
-        little-endian float64 in C order — MF's V is (n_items, bits), FELB's and FNMF's V is
-        (bits, n_items).  Empty for LightFR.
-    item_levels : bytes
-        Protocol 1.3, LightFR: one uint8 level per item (``n_items`` bytes) or empty (no item term).
-        A device scores item i as (bits − Hamming)·hamming_weight + level_i.
-    hamming_weight : int
-        Protocol 1.3, LightFR: B in [1, 255] of that integer score.
-    unobserved_weight : float
-        Protocol 1.7, LightFR all-items objective: the w0 this model goes with, the one the server's next
-        round plan carries (under the server's ``unobserved_weight = "auto"`` the w0 it derived from the
-        density of the round that produced this model; round 1's is the density rule's floor).  A device
-        ranks and folds in with it (`device_sdk.models.LightFRModel.set_global`).  In [0, 1 + confidence];
-        > 0 only for a LightFR model with ``item_levels``.  0 (the default, and what a 1.6 server's
-        payload means): not stated, the device keeps the w0 of the last plan it saw.
-    confidence : float
-        Protocol 1.7, LightFR: the α >= 0 that goes with ``unobserved_weight`` (observed items weigh
-        1 + α); 0 when w0 is not stated.
-    dp_trained : bool
-        Protocol 1.7: True when any round that produced this model version (this one or an earlier
-        one) added DP noise; the server keeps it with the model, so it is sticky.  A LightFR device
-        holding such a model ranks with its ±1 code (`LightFRModel.private_model`).  False (the default,
-        and what a 1.6 server's payload means): not stated.
-    """
-
-    TYPE: ClassVar[int] = 15
-    model_version: int
-    model_kind: str = "lightfr"
-    bits: int
-    n_items: int
-    words: bytes
-    values: bytes = b""
-    # Appended in protocol 1.3 (LightFR item term).
-    item_levels: bytes = b""
-    hamming_weight: int = 1
-    # Appended in protocol 1.7 (the w0 a model goes with, and whether DP noise trained it).
-    unobserved_weight: float = 0.0
-    confidence: float = 0.0
-    dp_trained: bool = False
-
-    def __post_init__(self) -> None:
-        n = "ModelPayload"
-        _check_float(n, "confidence", self.confidence, minimum=0.0)
-        _check_float(n, "unobserved_weight", self.unobserved_weight, minimum=0.0)
-        if self.unobserved_weight > 1.0 + self.confidence:
-            _fail(
-                n,
-                f"unobserved_weight must be <= 1 + confidence = {1.0 + self.confidence!r}, "
-                f"got {self.unobserved_weight!r}",
-            )
-        if self.confidence > 0 and self.unobserved_weight == 0:
-            _fail(n, "confidence goes with a stated unobserved_weight (> 0)")
-        if type(self.dp_trained) is not bool:
-            _fail(n, f"dp_trained must be a bool, got {self.dp_trained!r}")
-        _check_id(n, "model_version", self.model_version)
-        _check_text(n, "model_kind", self.model_kind, 32)
-        _check_id(n, "bits", self.bits)
-        _check_id(n, "n_items", self.n_items)
-        if not (1 <= self.bits <= MAX_RANK and 1 <= self.n_items <= MAX_ITEMS):
-            _fail(n, f"bits must be in [1, {MAX_RANK}] and n_items in [1, 2**26], got {self.bits}, {self.n_items}")
-        if self.model_kind == "lightfr":
-            expected = 8 * ((self.bits + 63) // 64) * self.n_items
-            _check_bytes(n, "words", self.words, expected, max_len=1 << 31)
-            _check_bytes(n, "values", self.values, 0)
-        else:
-            _check_bytes(n, "words", self.words, 0)
-            _check_bytes(n, "values", self.values, 8 * self.bits * self.n_items, max_len=1 << 31)
-        _check_id(n, "hamming_weight", self.hamming_weight)
-        if not 1 <= self.hamming_weight <= 255:
-            _fail(n, f"hamming_weight must be in [1, 255], got {self.hamming_weight}")
-        if self.item_levels:
-            if self.model_kind != "lightfr":
-                _fail(n, "item_levels are for LightFR models only")
-            _check_bytes(n, "item_levels", self.item_levels, self.n_items, max_len=1 << 27)
-        if self.unobserved_weight > 0 and not (self.model_kind == "lightfr" and self.item_levels):
-            _fail(n, "unobserved_weight > 0 is for LightFR models of the all-items objective (with item_levels)")
-
-    def lightfr_extras(self) -> dict[str, Any]:
-        """Keyword arguments a LightFR device model's ``set_global`` takes beyond words and values
-        (the item term, protocol 1.3; the w0, α and DP flag, protocol 1.7); empty for the other families."""
-        if self.model_kind != "lightfr":
-            return {}
-        return {
-            "item_levels": self.item_levels,
-            "hamming_weight": self.hamming_weight,
-            "unobserved_weight": self.unobserved_weight,
-            "confidence": self.confidence,
-            "dp_trained": self.dp_trained,
-        }
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class RoundResult(Message):
-    """Server → device, answering the last phase: how the round ended.
-
-    Attributes
-    ----------
-    round_id : int
-    committed : bool
-        True if a new model was committed from this round.
-    model_version : int
-        The global model version after the round.
-    reason : str
-        Why the round aborted, if it did.
-    """
-
-    TYPE: ClassVar[int] = 16
-    round_id: int
-    committed: bool
-    model_version: int
-    reason: str = ""
-
-    def __post_init__(self) -> None:
-        _check_id("RoundResult", "round_id", self.round_id)
-        if type(self.committed) is not bool:
-            _fail("RoundResult", "committed must be a bool")
-        _check_id("RoundResult", "model_version", self.model_version)
-        _check_text("RoundResult", "reason", self.reason, MAX_TEXT)
-
-
-#: The largest signed revocation list a `RevocationListPayload` carries: 2**20 device keys (``"FRL1"``,
-#: number, issued_at, count, the keys and the signature).
-MAX_REVOCATION_LIST_BYTES = 4 + 8 + 8 + 4 + 32 * (1 << 20) + 64
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class RevocationListPayload(Message):
-    """Server → device (protocol 1.5): the enrollment authority's signed revocation list the server
-    enforces (``GET /v1/enrollment/revocations``).
-
-    The server only relays it: a device checks the signature against its pinned authority key and never
-    goes back to a lower list number than the one it holds (`protocol.identity.verify_revocation_list`).
-
-    Attributes
-    ----------
-    data : bytes
-        The signed list exactly as the authority wrote it (``"FRL1"`` ‖ number ‖ issued_at ‖ count ‖ keys ‖
-        signature, protocol.md §1.3), or empty when the server enforces none.
-    """
-
-    TYPE: ClassVar[int] = 22
-    data: bytes = b""
-
-    def __post_init__(self) -> None:
-        _check_bytes("RevocationListPayload", "data", self.data, max_len=MAX_REVOCATION_LIST_BYTES)

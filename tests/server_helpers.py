@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from agg_server.config import ServerConfig, config_from_dict
-from fedsim.data.datasets import synthetic
+from fedsim.data.synthetic import synthetic
 
 N_ITEMS = 60
 BITS = 16

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
-from fedsim.data.datasets import synthetic
 from fedsim.data.splits import carve_validation
+from fedsim.data.synthetic import synthetic
 from fedsim.evaluation.als import _half_step, implicit_als
 from fedsim.evaluation.ranking import evaluate_all_items, popularity_scorer
 

@@ -400,7 +400,7 @@ def test_version_and_data_listing(capsys: pytest.CaptureFixture[str], tmp_path: 
 
 
 def test_loadtest_failure_is_one_line_naming_the_cause() -> None:
-    from fedsim.fleets.demo import describe_outcomes
+    from fedsim.fleets.loadtest_report import describe_outcomes
     from fedsim.fleets.local import FleetReport
 
     rep = FleetReport(devices=60)

@@ -1,4 +1,4 @@
-"""Tests of fedsim.data.datasets: the Ratings container, loaders (clean and malformed input), synthetic data."""
+"""Tests of fedsim.data: the Ratings container, loaders (clean and malformed input), synthetic data, load_dataset."""
 
 from __future__ import annotations
 
@@ -8,20 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedsim.data.datasets import (
-    LightFRSplit,
-    Ratings,
-    TrainTestSplit,
-    find_data_dir,
-    load_amazon_book,
-    load_dataset,
-    load_filmtrust,
-    load_generic,
-    load_kgat,
-    load_lightfr_split,
-    load_movielens,
-    synthetic,
-)
+from fedsim.data.datasets import find_data_dir, load_amazon_book, load_dataset
+from fedsim.data.kgat import TrainTestSplit, load_kgat
+from fedsim.data.loaders import LightFRSplit, load_filmtrust, load_generic, load_lightfr_split, load_movielens
+from fedsim.data.ratings import Ratings
+from fedsim.data.synthetic import synthetic
 from protocol.errors import DatasetError
 
 

@@ -10,7 +10,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from fedsim.data.datasets import Ratings, load_amazon_book, load_lightfr_split, load_movielens
+from fedsim.data.datasets import load_amazon_book
+from fedsim.data.loaders import load_lightfr_split, load_movielens
+from fedsim.data.ratings import Ratings
 from fedsim.data.splits import leave_one_out
 from fedsim.evaluation.ranking import (
     EvalResult,

@@ -32,7 +32,7 @@ def test_lightfr_learns_on_the_filmtrust_split(shared_data: Path) -> None:
 
 def test_paper_lambda_leaves_codes_random() -> None:
     """With λ = 0.6 at f = 64 the balance term outweighs the data term: DCD flips (almost) nothing."""
-    from fedsim.data.datasets import synthetic
+    from fedsim.data.synthetic import synthetic
 
     data = synthetic(n_users=200, n_items=150, ratings_per_user=25, seed=1)
     rng = np.random.default_rng(0)
@@ -48,7 +48,7 @@ def test_paper_lambda_leaves_codes_random() -> None:
 
 
 def test_runs_are_reproducible_and_para_works() -> None:
-    from fedsim.data.datasets import synthetic
+    from fedsim.data.synthetic import synthetic
 
     data = synthetic(n_users=120, n_items=80, ratings_per_user=15, seed=2)
     cfg = LightFRConfig(bits=32, rating_range=(1.0, 5.0))
@@ -64,7 +64,7 @@ def test_runs_are_reproducible_and_para_works() -> None:
 
 def test_cohort_sum_equals_sum_of_device_uploads() -> None:
     """What the simulator aggregates is exactly Σ of what each LightFRModel device would upload."""
-    from fedsim.data.datasets import synthetic
+    from fedsim.data.synthetic import synthetic
 
     data = synthetic(n_users=30, n_items=40, ratings_per_user=8, seed=3)
     cfg = LightFRConfig(bits=16, rating_range=None, negatives=0, binary_positives=True, unobserved_weight=0.0)
@@ -122,7 +122,7 @@ def test_full_ranking_scores_equal_the_candidate_scores(levels: bool) -> None:
 def test_density_derived_w0_is_what_the_server_reads_off_the_counts() -> None:
     """With unobserved_scale > 0 and every user in every cohort, the w0 of the run is the density rule
     at the training set's exact density (the counts slice sums to the number of distinct ratings)."""
-    from fedsim.data.datasets import synthetic
+    from fedsim.data.synthetic import synthetic
     from protocol.families.lightfr import density_weight
 
     data = synthetic(n_users=40, n_items=60, ratings_per_user=10, seed=4)
@@ -140,7 +140,7 @@ def test_rank_planes_set_the_planes_of_the_refreshed_vectors_only() -> None:
     """With rank_planes the final vectors (what a device ranks with) are the ridge solve against the final
     model quantized to that many planes; training (the uploads) is the query_planes run's, unchanged."""
     from device_sdk.batched import snapped_vectors as _quantized
-    from fedsim.data.datasets import synthetic
+    from fedsim.data.synthetic import synthetic
     from protocol.families.lightfr import bias_from_levels
 
     data = synthetic(n_users=40, n_items=60, ratings_per_user=10, seed=4)
@@ -167,7 +167,7 @@ def test_symmetric_training_ranks_with_vectors_of_its_own_ridge() -> None:
     the vectors the devices rank with are the ridge solve (weight rank_ridge·w0·m) against the final model,
     as rank_planes planes; the scores are theirs, not the codes'."""
     from device_sdk.batched import snapped_vectors as _quantized
-    from fedsim.data.datasets import synthetic
+    from fedsim.data.synthetic import synthetic
     from protocol.families.lightfr import bias_from_levels
 
     data = synthetic(n_users=40, n_items=60, ratings_per_user=10, seed=4)

@@ -8,7 +8,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from fedsim.data.datasets import Ratings, TrainTestSplit, synthetic
+from fedsim.data.kgat import TrainTestSplit
+from fedsim.data.ratings import Ratings
+from fedsim.data.synthetic import synthetic
 from fedsim.private.mf import IMPLICIT_MF, evaluate_private_mf_scaled
 from fedsim.private.scaled_lightfr import ALPHAS, ScaledSettings, evaluate_private, full_ranking_metrics
 

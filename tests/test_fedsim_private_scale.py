@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from agg_server.strategy.lightfr import LightFRServerParams, LightFRServerStrategy
-from fedsim.data.datasets import synthetic
+from fedsim.data.synthetic import synthetic
 from fedsim.private.scaled_lightfr import (
     ALPHAS,
     NoiseAwareLightFR,
@@ -86,8 +86,8 @@ def test_scaled_run_charges_the_ledger_and_learns_popularity() -> None:
 def test_private_mf_popularity_channel_is_charged_and_chosen_on_validation() -> None:
     # MF with the private popularity channel: the ledger holds the release and every round within ε,
     # and the weight of the level comes from validation (a grid that includes the level alone).
-    from fedsim.data.datasets import synthetic
     from fedsim.data.splits import leave_one_out
+    from fedsim.data.synthetic import synthetic
     from fedsim.evaluation.experiment import prepare
     from fedsim.private.mf import PrivateMFSettings, run_private_mf
 

@@ -7,8 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedsim.data.datasets import Ratings, load_movielens, synthetic
+from fedsim.data.loaders import load_movielens
+from fedsim.data.ratings import Ratings
 from fedsim.data.splits import Split, carve_validation, chronological_split, leave_one_out, split_counts
+from fedsim.data.synthetic import synthetic
 
 
 def _log(users: list[int], ts: list[int] | None, n_items: int = 50) -> Ratings:

@@ -17,9 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedsim.data.datasets import synthetic
-from fedsim.fleets.demo import ServerProcess, loadtest_record, run_loadtest, write_server_config
+from fedsim.data.synthetic import synthetic
+from fedsim.fleets.demo import run_loadtest
+from fedsim.fleets.loadtest_report import loadtest_record
 from fedsim.fleets.local import FleetConfig
+from fedsim.fleets.server_process import ServerProcess, write_server_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
 

@@ -20,7 +20,7 @@ from device_sdk import mf
 from device_sdk.family import FederatedModel, LocalRatings
 from device_sdk.mf import MFConfig, MFModel
 from device_sdk.store import save_store
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 from fedsim.federation.mf import (
     MFSchedule,
     centralized_mf,

@@ -228,8 +228,9 @@ def _signed_round(
     import numpy as np
 
     from protocol.device_session import DeviceSecAggSession
+    from protocol.round_params import RoundParameters
     from protocol.samplers import insecure_test_noise_stream
-    from protocol.server_session import RoundParameters, ServerSecAggSession
+    from protocol.server_session import ServerSecAggSession
 
     ids = list(range(100, 100 + n))
     authority, enrolled = enrollment if enrollment is not None else _enrolled(ids)
@@ -646,8 +647,9 @@ def test_garbage_share_ciphertexts_exclude_their_sender_and_the_round_stays_bit_
 
     from protocol.device_session import DeviceSecAggSession
     from protocol.phases import Phase
+    from protocol.round_params import RoundParameters
     from protocol.samplers import insecure_test_noise_stream
-    from protocol.server_session import RoundParameters, ServerSecAggSession
+    from protocol.server_session import ServerSecAggSession
 
     bad = 100
     if signed:
@@ -727,8 +729,9 @@ def _reporter_at_unmask(bad: int, reporter: int) -> tuple[Any, list[int]]:
     import numpy as np
 
     from protocol.device_session import DeviceSecAggSession
+    from protocol.round_params import RoundParameters
     from protocol.samplers import insecure_test_noise_stream
-    from protocol.server_session import RoundParameters, ServerSecAggSession
+    from protocol.server_session import ServerSecAggSession
 
     ids = list(range(100, 106))
     params = RoundParameters(

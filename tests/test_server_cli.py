@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fedsim.fleets.demo import write_server_config
+from fedsim.fleets.server_process import write_server_config
 
 
 def test_start_lines_and_a_second_server_on_the_same_data_dir_refuses(tmp_path: Path) -> None:

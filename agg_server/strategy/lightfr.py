@@ -268,7 +268,7 @@ def default_flip_fraction(all_items: bool, mean_field: bool) -> float:
 class LightFRServerParams:
     """What only the server uses of LightFR's settings: nothing here is in a device's training plan
     (that is `protocol.plan.LightFRParams`).  The one home of these defaults and bounds: the server's
-    ``[lightfr]`` table (`agg_server.config.LightFRSection`) builds this type, and every error is a
+    ``[lightfr]`` table (`agg_server.config_families.LightFRSection`) builds this type, and every error is a
     ValueError whose message starts with the attribute's name, so the table can prefix its key.
 
     Attributes

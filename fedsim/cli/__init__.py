@@ -1,4 +1,5 @@
-"""The ``fedrec`` command line: one module per sub-command, each adding its own parser and running it.
+"""The ``fedrec`` command line: one module per sub-command, each declaring its `Command` (name, help,
+description, options, run), which this module adds to one parser and runs.
 
 This is the edge of the program: it reads the environment, parses and validates arguments, and turns
 every `FedRecError`/`ValueError` into one clear line on stderr and exit status 2.
@@ -14,12 +15,27 @@ from typing import TextIO
 
 from agg_server import authority
 from fedsim.cli import data, demo, evaluate, export, loadtest, plan_privacy, recommend, simulate
+from fedsim.cli.args import Command
 from protocol.errors import FedRecError
 
 __all__ = ["main", "build_parser"]
 
-# In the order `fedrec --help` lists them; ``enroll-ca`` is the operator's tool of `agg_server.authority`.
-_COMMANDS = (demo, loadtest, simulate, evaluate, plan_privacy, recommend, export, authority, data)
+# ``enroll-ca`` is the operator's tool of `agg_server.authority`, which cannot import fedsim: its module
+# constants make its `Command` here.
+_ENROLL_CA = Command(authority.NAME, authority.HELP, authority.DESCRIPTION, authority.add_options, authority.run)
+
+# In the order `fedrec --help` lists them.
+_COMMANDS = (
+    demo.COMMAND,
+    loadtest.COMMAND,
+    simulate.COMMAND,
+    evaluate.COMMAND,
+    plan_privacy.COMMAND,
+    recommend.COMMAND,
+    export.COMMAND,
+    _ENROLL_CA,
+    data.COMMAND,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,12 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fedrec {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in _COMMANDS:
-        command.register(sub)
+        command.add_options(sub.add_parser(command.name, help=command.help, description=command.description))
     return parser
 
 
 def _run(args: argparse.Namespace, out: TextIO) -> int:
-    handlers = {command.NAME: command.run for command in _COMMANDS}
+    handlers = {command.name: command.run for command in _COMMANDS}
     return handlers[args.command](args, out)
 
 

@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import TextIO
 
-from fedsim.cli.args import DATA_DIR_HELP, resolve_data_dir
+from fedsim.cli.args import Command, add_data_dir, resolve_data_dir
 from fedsim.data.datasets import DATASET_NAMES, LightFRSplit, TrainTestSplit, load_dataset
 from protocol.errors import FedRecError
 
-__all__ = ["NAME", "register", "run"]
-
-NAME = "data"
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``fedrec data`` and its options to ``sub``."""
-    data = sub.add_parser("data", help="list the datasets fedrec can find")
-    data.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=DATA_DIR_HELP)
+__all__ = ["COMMAND"]
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
@@ -41,3 +32,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         train = data.train if isinstance(data, LightFRSplit) else data
         out.write(f"  {name:<18} {train.n_users:>6} users {train.n_items:>6} items {len(train):>8} ratings\n")
     return 0
+
+
+COMMAND = Command(
+    name="data", help="list the datasets fedrec can find", description=None, add_options=add_data_dir, run=run
+)

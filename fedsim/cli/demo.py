@@ -12,7 +12,19 @@ import numpy as np
 
 from agg_server.config import MIN_COHORT
 from device_sdk.models import LightFRModel
-from fedsim.cli.args import DATA_DIR_HELP, fraction, nonneg_float, nonneg_int, positive_float, positive_int
+from fedsim.cli.args import (
+    Command,
+    add_dataset,
+    add_json,
+    add_quiet,
+    add_seed,
+    fraction,
+    nonneg_float,
+    nonneg_int,
+    option_defaults,
+    positive_float,
+    positive_int,
+)
 from fedsim.cli.results import report_sampled, resolve_dataset
 from fedsim.evaluation.experiment import Experiment, item_titles
 from fedsim.evaluation.ranking import TieMode
@@ -20,45 +32,33 @@ from fedsim.evaluation.report import result_record, write_json
 from protocol.errors import ConfigError
 from protocol.plan import LightFRParams
 
-__all__ = ["NAME", "register", "run"]
-
-NAME = "demo"
+__all__ = ["COMMAND"]
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``fedrec demo`` and its options to ``sub``."""
-    demo = sub.add_parser(
-        "demo",
-        help="run a real server and a fleet of devices on loopback, then show recommendations",
-        description="Starts fedrec-server on a free loopback port, registers one simulated device per user "
-        "(MovieLens-100K when ../shared/data or --data-dir has it, else a built-in synthetic dataset), runs "
-        "federated LightFR rounds with SecAgg+ and distributed DP, prints a per-round table, then each "
-        "device's HR@10/NDCG@10 averaged beside popularity and a few recommendations for one device.",
-    )
-    demo.add_argument("--dataset", default="auto", help="dataset name or file (default: ml-100k if found)")
-    demo.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=DATA_DIR_HELP)
+def _add_options(p: argparse.ArgumentParser) -> None:
+    add_dataset(p, "dataset name or file (default: ml-100k if found)", default="auto")
     # One round of every device: with DP each device's share of the released sum is largest when every
     # device is in it, and on ML-100K's validation blocks one round of all 943 ranked better (HR@10 0.451)
     # than three rounds of 300 (0.436); three of all 943 (0.462) would triple the demo's wall time.
-    demo.add_argument("--rounds", type=positive_int, default=1, help="server rounds (default: 1)")
-    demo.add_argument("--cohort", type=positive_int, default=None, help="devices per round (default: every device)")
-    demo.add_argument("--devices", type=positive_int, default=None, help="use only the first N users")
-    demo.add_argument("--bits", type=positive_int, default=64, help="code length f (default: 64)")
-    demo.add_argument("--dropout", type=nonneg_float, default=0.05, help="chance a device drops (default 0.05)")
-    demo.add_argument(
+    p.add_argument("--rounds", type=positive_int, default=1, help="server rounds (default: 1)")
+    p.add_argument("--cohort", type=positive_int, default=None, help="devices per round (default: every device)")
+    p.add_argument("--devices", type=positive_int, default=None, help="use only the first N users")
+    p.add_argument("--bits", type=positive_int, default=64, help="code length f (default: 64)")
+    p.add_argument("--dropout", type=nonneg_float, default=0.05, help="chance a device drops (default 0.05)")
+    p.add_argument(
         "--epsilon",
         type=nonneg_float,
         default=8.0,
         help="DP budget ε over the run at δ=1e-5 (0 = no DP; default 8)",
     )
-    demo.add_argument(
+    p.add_argument(
         "--flip-fraction",
         type=fraction,
         default=None,
         help="Agg_grad damping ρ (default 0.3: the demo runs the server's Jacobi step, model.mean_field = false, "
         "the recipe its figures were measured with)",
     )
-    demo.add_argument(
+    p.add_argument(
         "--query-planes",
         type=nonneg_int,
         default=0,
@@ -67,40 +67,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "device solves a real user vector against the item codes and keeps it as P ±1 bit-planes (0..8; "
         "default 0: ±1 user codes)",
     )
-    demo.add_argument(
+    p.add_argument(
         "--user-reg",
         type=positive_float,
         default=1.0,
         help="ridge weight of the devices' user solve under --query-planes (model.user_reg; default 1)",
     )
-    demo.add_argument(
-        "--seed",
-        type=nonneg_int,
-        default=0,
-        help="seed of everything the simulation decides: which devices each round invites, which drop and "
+    add_seed(
+        p,
+        "seed of everything the simulation decides: which devices each round invites, which drop and "
         "where, the devices' first codes and sampled negatives, the server's cohort graph and damping, and "
         "the evaluation's tie-breaks (default: 0). Without DP (--epsilon 0) two runs with one seed print "
         "the same output; with DP the noise is fresh from the OS each run, so figures differ by the noise "
         "only (see --insecure-seed-dp-noise)",
     )
-    demo.add_argument(
+    p.add_argument(
         "--insecure-seed-dp-noise",
         action="store_true",
         help="TEST HOOK: derive every device's DP noise from --seed too, so DP runs repeat exactly; anyone "
         "who knows the seed can remove the noise, so the run's ε is NOT a privacy guarantee (it says so)",
     )
-    demo.add_argument("--workdir", type=Path, default=None, help="keep server data and device stores here")
-    demo.add_argument("--quiet", action="store_true", help="no progress bar")
-    demo.add_argument(
-        "--json", action="store_true", help="print the result as one JSON object, the last line of stdout"
-    )
-
-
-def _defaults() -> argparse.Namespace:
-    """Every ``demo`` option's value when not given."""
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
-    return parser.parse_args([NAME])
+    p.add_argument("--workdir", type=Path, default=None, help="keep server data and device stores here")
+    add_quiet(p)
+    add_json(p, "print the result as one JSON object, the last line of stdout")
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
@@ -113,7 +102,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         raise ConfigError(f"--devices {args.devices}: a secure-aggregation round needs at least {MIN_COHORT} devices")
     if args.cohort is not None and args.cohort < MIN_COHORT:
         raise ConfigError(f"--cohort {args.cohort}: a secure-aggregation round needs at least {MIN_COHORT} devices")
-    if not args.query_planes and args.user_reg != _defaults().user_reg:
+    if not args.query_planes and args.user_reg != option_defaults(_add_options).user_reg:
         raise ConfigError("--user-reg applies with --query-planes P >= 1 only (the ridge weight of the user solve)")
     try:  # the plan's own bounds (protocol.plan.LightFRParams), before a server is started
         LightFRParams(query_planes=args.query_planes, user_reg=args.user_reg)
@@ -261,3 +250,15 @@ def _show_device(exp: Experiment, model: LightFRModel, data_dir: Path | None, ou
     for rank, (i, s) in enumerate(zip(ids, scores, strict=True), start=1):
         mark = "   <- its held-out test item" if int(i) == held else ""
         out.write(f"  {rank}. {name(int(i))}  (score {s:.3f}){mark}\n")
+
+
+COMMAND = Command(
+    name="demo",
+    help="run a real server and a fleet of devices on loopback, then show recommendations",
+    description="Starts fedrec-server on a free loopback port, registers one simulated device per user "
+    "(MovieLens-100K when ../shared/data or --data-dir has it, else a built-in synthetic dataset), runs "
+    "federated LightFR rounds with SecAgg+ and distributed DP, prints a per-round table, then each "
+    "device's HR@10/NDCG@10 averaged beside popularity and a few recommendations for one device.",
+    add_options=_add_options,
+    run=run,
+)

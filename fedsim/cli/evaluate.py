@@ -5,56 +5,45 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import TextIO
 
 import numpy as np
 
 from device_sdk.batched import plane_vectors
-from fedsim.cli.args import DATA_DIR_HELP, JSON_HELP, positive_int, resolve_data_dir
+from fedsim.cli.args import Command, add_dataset, add_json, add_run_file, positive_int, resolve_data_dir
 from fedsim.cli.results import evaluate_and_report
 from fedsim.evaluation.experiment import Experiment, Protocol, prepare
 from fedsim.evaluation.report import result_record, write_json
 from fedsim.federation.lightfr import FederatedLightFR
 from protocol.errors import ConfigError, FedRecError
 
-__all__ = ["NAME", "register", "run"]
-
-NAME = "eval"
+__all__ = ["COMMAND"]
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``fedrec eval`` and its options to ``sub``."""
-    ev = sub.add_parser(
-        "eval",
-        help="evaluate a saved run or a baseline",
-        description="Evaluate a run saved by 'fedrec simulate --save' on its test blocks, or a baseline "
-        "(popularity, random) on a dataset.",
-    )
-    ev.add_argument("run", nargs="?", type=Path, help="a run file written by 'fedrec simulate --save'")
-    ev.add_argument("--baseline", choices=["popularity", "random"], default=None, help="evaluate a baseline instead")
-    ev.add_argument("--dataset", default=None, help="dataset (for --baseline; a run file names its own)")
-    ev.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=DATA_DIR_HELP)
-    ev.add_argument(
+def _add_options(p: argparse.ArgumentParser) -> None:
+    add_run_file(p, nargs="?")
+    p.add_argument("--baseline", choices=["popularity", "random"], default=None, help="evaluate a baseline instead")
+    add_dataset(p, "dataset (for --baseline; a run file names its own)")
+    p.add_argument(
         "--protocol",
         choices=[p.value for p in Protocol],
         default=None,
         help="with --baseline, as for simulate; a run file evaluates on its own (another one is refused)",
     )
-    ev.add_argument(
+    p.add_argument(
         "--eval-negatives",
         type=positive_int,
         default=None,
         help="sampled negatives per test positive, with --baseline (default: 99); a run file uses its own "
         "(another number is refused)",
     )
-    ev.add_argument(
+    p.add_argument(
         "--eval-seed",
         type=int,
         default=None,
         help="seed of the evaluation (default: the run file's, else 0); see simulate --eval-seed",
     )
-    ev.add_argument("--json", action="store_true", help=JSON_HELP)
+    add_json(p)
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
@@ -143,3 +132,13 @@ def _load_run(args: argparse.Namespace) -> tuple[Experiment, FederatedLightFR, i
             f"{args.run} was trained on {n_users}×{n_items}, the dataset is {exp.train.n_users}×{exp.train.n_items}"
         )
     return exp, state, run_eval_seed, rounds
+
+
+COMMAND = Command(
+    name="eval",
+    help="evaluate a saved run or a baseline",
+    description="Evaluate a run saved by 'fedrec simulate --save' on its test blocks, or a baseline "
+    "(popularity, random) on a dataset.",
+    add_options=_add_options,
+    run=run,
+)

@@ -6,26 +6,15 @@ import argparse
 from pathlib import Path
 from typing import TextIO
 
-from fedsim.cli.args import check_output_file
+from fedsim.cli.args import Command, add_run_file, check_output_file
 
-__all__ = ["NAME", "register", "run"]
-
-NAME = "export"
+__all__ = ["COMMAND"]
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``fedrec export`` and its options to ``sub``."""
-    exp_ = sub.add_parser(
-        "export",
-        help="turn a saved run into the on-device model file the SDK loads",
-        description="Write the model file a device loads (LightFRModel.load, MFModel.load, FELBModel.load, "
-        "FNMFModel.load) from a run saved by 'fedrec simulate --save'. With --user: that user's device model "
-        "(LightFR, MF: a one-user model; FELB, FNMF: the client model holding the user, and its row). Without: "
-        "the whole run as one model (LightFR, MF).",
-    )
-    exp_.add_argument("run", type=Path, help="a run file written by 'fedrec simulate --save'")
-    exp_.add_argument("-o", dest="output", type=Path, required=True, help="model file to write (e.g. model.fedrec)")
-    exp_.add_argument("--user", default=None, help="export only this user's device model (raw id as in the dataset)")
+def _add_options(p: argparse.ArgumentParser) -> None:
+    add_run_file(p)
+    p.add_argument("-o", dest="output", type=Path, required=True, help="model file to write (e.g. model.fedrec)")
+    p.add_argument("--user", default=None, help="export only this user's device model (raw id as in the dataset)")
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
@@ -41,3 +30,15 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     who = "every user of the run" if user is None else f"user {run.user_label(user)} as userid={row}"
     out.write(f"wrote {args.output}: a {cls} ({who}); load it with {cls}.load({str(args.output)!r})\n")
     return 0
+
+
+COMMAND = Command(
+    name="export",
+    help="turn a saved run into the on-device model file the SDK loads",
+    description="Write the model file a device loads (LightFRModel.load, MFModel.load, FELBModel.load, "
+    "FNMFModel.load) from a run saved by 'fedrec simulate --save'. With --user: that user's device model "
+    "(LightFR, MF: a one-user model; FELB, FNMF: the client model holding the user, and its row). Without: "
+    "the whole run as one model (LightFR, MF).",
+    add_options=_add_options,
+    run=run,
+)

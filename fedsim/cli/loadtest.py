@@ -10,63 +10,56 @@ from typing import TextIO
 
 import numpy as np
 
-from fedsim.cli.args import nonneg_float, nonneg_int, option_name, positive_int
+from fedsim.cli.args import (
+    Command,
+    add_json,
+    add_plot,
+    add_quiet,
+    add_seed,
+    nonneg_float,
+    nonneg_int,
+    option_name,
+    positive_int,
+)
 from fedsim.evaluation.report import write_json
 from protocol.errors import ConfigError
 
-__all__ = ["NAME", "register", "run"]
-
-NAME = "loadtest"
+__all__ = ["COMMAND"]
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``fedrec loadtest`` and its options to ``sub``."""
-    lt = sub.add_parser(
-        "loadtest",
-        help="run simulated devices against a server",
-        description="Simulated devices as asyncio tasks (in several worker processes when asked) against "
-        "a running fedrec-server, with dropouts injected at every phase (including disconnects in the middle "
-        "of a request); prints per-phase latency percentiles, rounds completed, server CPU and memory per "
-        "round, bytes per device and errors by type.",
-    )
-    _add_fleet_args(lt)
-    lt.add_argument("--quiet", action="store_true", help="no progress bar")
-    lt.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        metavar="FILE.png",
-        help="draw every per-phase latency the devices saw against time (needs the 'plot' extra)",
-    )
-    lt.add_argument("--json", action="store_true", help="print the report as one JSON object, the last line of stdout")
-    lt.add_argument("--store", type=Path, default=None, help="device store folder (default: a temporary one)")
-    _add_credential_args(lt)
+def _add_options(p: argparse.ArgumentParser) -> None:
+    _add_fleet_args(p)
+    add_quiet(p)
+    add_plot(p, "draw every per-phase latency the devices saw against time (needs the 'plot' extra)")
+    add_json(p, "print the report as one JSON object, the last line of stdout")
+    p.add_argument("--store", type=Path, default=None, help="device store folder (default: a temporary one)")
+    _add_credential_args(p)
 
 
-def _add_fleet_args(lt: argparse.ArgumentParser) -> None:
+def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     """The fleet: its server, size, rounds, shards, dropouts and seeds."""
-    lt.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8080")
-    lt.add_argument("--devices", type=positive_int, default=100, help="number of devices (default: 100)")
-    lt.add_argument("--dropout", type=nonneg_float, default=0.2, help="chance a device drops per round")
-    lt.add_argument("--rounds", type=positive_int, default=3, help="stop after this many rounds (default: 3)")
-    lt.add_argument(
+    p.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8080")
+    p.add_argument("--devices", type=positive_int, default=100, help="number of devices (default: 100)")
+    p.add_argument("--dropout", type=nonneg_float, default=0.2, help="chance a device drops per round")
+    p.add_argument("--rounds", type=positive_int, default=3, help="stop after this many rounds (default: 3)")
+    p.add_argument(
         "--n-items",
         type=positive_int,
         default=None,
         help="catalogue size the server trains (default: read from the server's /v1/status; a different value is "
         "an error)",
     )
-    lt.add_argument(
+    p.add_argument(
         "--bits", type=positive_int, default=None, help="code length of the server's model (default: read from it)"
     )
-    lt.add_argument("--ratings-per-user", type=positive_int, default=166, help="synthetic ratings per device")
-    lt.add_argument(
+    p.add_argument("--ratings-per-user", type=positive_int, default=166, help="synthetic ratings per device")
+    p.add_argument(
         "--workers",
         type=positive_int,
         default=1,
         help="shards of the fleet: worker processes, or Ray actors with --backend ray (default: 1)",
     )
-    lt.add_argument(
+    p.add_argument(
         "--backend",
         choices=("local", "ray"),
         default="local",
@@ -74,14 +67,14 @@ def _add_fleet_args(lt: argparse.ArgumentParser) -> None:
         "asyncio tasks (needs the 'ray' extra; RAY_ADDRESS selects an existing cluster, else a local Ray is "
         "started for the run)",
     )
-    lt.add_argument(
+    p.add_argument(
         "--nice",
         type=nonneg_int,
         default=0,
         help="lower the priority of the fleet's worker processes by N (a fleet on the server's own machine then "
         "leaves the server its CPU; --workers 1 runs the fleet in this process, which is not reniced)",
     )
-    lt.add_argument(
+    p.add_argument(
         "--cohort",
         type=positive_int,
         default=None,
@@ -90,22 +83,20 @@ def _add_fleet_args(lt: argparse.ArgumentParser) -> None:
         "runs with the same seeds commit the same rounds on every back-end and split, and with "
         "--insecure-seed-noise the same model (default: every device checks in whenever it is free)",
     )
-    lt.add_argument(
+    p.add_argument(
         "--insecure-seed-noise",
         action="store_true",
         help="TEST HOOK: derive every device's noise stream (DP noise and stochastic-rounding coins) from --seed "
         "too, so seeded runs commit bit-identical models; anyone who knows the seed can remove the noise, so the "
         "run's ε is NOT a privacy guarantee (it says so)",
     )
-    lt.add_argument(
-        "--seed",
-        type=nonneg_int,
-        default=0,
-        help="seed of the devices' synthetic ratings and of which devices drop, where (default: 0); keys, masks "
+    add_seed(
+        p,
+        "seed of the devices' synthetic ratings and of which devices drop, where (default: 0); keys, masks "
         "and DP noise always come from the OS, and which devices the server invites depends on timing",
     )
-    lt.add_argument("--time-limit", type=nonneg_float, default=3600.0, help="seconds before giving up")
-    lt.add_argument(
+    p.add_argument("--time-limit", type=nonneg_float, default=3600.0, help="seconds before giving up")
+    p.add_argument(
         "--announce-drops",
         action="store_true",
         help="dropped devices tell the server they leave, so phases close at quorum instead of waiting for their "
@@ -113,15 +104,15 @@ def _add_fleet_args(lt: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_credential_args(lt: argparse.ArgumentParser) -> None:
+def _add_credential_args(p: argparse.ArgumentParser) -> None:
     """How the devices trust the server and register with it."""
-    lt.add_argument(
+    p.add_argument(
         "--ca-file",
         type=Path,
         default=None,
         help="PEM certificate to trust for an https server with a private or self-signed certificate",
     )
-    lt.add_argument(
+    p.add_argument(
         "--authority-key",
         type=Path,
         default=None,
@@ -129,7 +120,7 @@ def _add_credential_args(lt: argparse.ArgumentParser) -> None:
         help="the operator's enrollment authority key (fedrec enroll-ca init): each device gets a certificate for "
         "its identity key and registers with it; rounds run signed (the server's enrollment.authority_key)",
     )
-    lt.add_argument(
+    p.add_argument(
         "--admin-token-file",
         type=Path,
         default=None,
@@ -138,7 +129,7 @@ def _add_credential_args(lt: argparse.ArgumentParser) -> None:
         "per device and each device registers with its token (default without either: open registration, "
         "which a server accepts on loopback only)",
     )
-    lt.add_argument(
+    p.add_argument(
         "--credential-sources",
         type=positive_int,
         default=1,
@@ -150,8 +141,9 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``fedrec loadtest``; returns the exit status."""
     import tempfile
 
-    from fedsim.data.datasets import synthetic
-    from fedsim.fleets.demo import RoundProgress, format_loadtest, loadtest_record, run_loadtest
+    from fedsim.data.synthetic import synthetic
+    from fedsim.fleets.demo import RoundProgress, run_loadtest
+    from fedsim.fleets.loadtest_report import format_loadtest, loadtest_record
     from fedsim.fleets.local import FleetConfig
 
     if not 0 <= args.dropout < 1:
@@ -268,3 +260,15 @@ def _read_secret(path: Path) -> str:
     if not text:
         raise ConfigError(f"{path} is empty")
     return text
+
+
+COMMAND = Command(
+    name="loadtest",
+    help="run simulated devices against a server",
+    description="Simulated devices as asyncio tasks (in several worker processes when asked) against "
+    "a running fedrec-server, with dropouts injected at every phase (including disconnects in the middle "
+    "of a request); prints per-phase latency percentiles, rounds completed, server CPU and memory per "
+    "round, bytes per device and errors by type.",
+    add_options=_add_options,
+    run=run,
+)

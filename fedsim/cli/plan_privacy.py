@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any, TextIO
 
-from fedsim.cli.args import DATA_DIR_HELP, nonneg_int, open_fraction, positive_float, positive_int, resolve_data_dir
+from fedsim.cli.args import (
+    Command,
+    add_dataset,
+    nonneg_int,
+    open_fraction,
+    positive_float,
+    positive_int,
+    resolve_data_dir,
+)
 from fedsim.cli.results import print_rows
 from fedsim.data.datasets import LightFRSplit, TrainTestSplit, load_dataset
 
-__all__ = ["MAX_PLAN_ROUNDS", "NAME", "register", "run"]
-
-NAME = "plan-privacy"
+__all__ = ["COMMAND", "MAX_PLAN_ROUNDS"]
 
 #: The most rounds `fedrec plan-privacy` plans (its accountant composes every round: 10^3 take about
 #: 3 s, 10^4 about 25 s).
@@ -26,30 +31,20 @@ def _plan_rounds(text: str) -> int:
     return value
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``fedrec plan-privacy`` and its options to ``sub``."""
-    plan = sub.add_parser(
-        "plan-privacy",
-        help="predict per-coordinate signal-to-noise of private LightFR choices before spending any ε",
-        description="For a dataset and a target ε (user-level, δ=1e-5, every round charged), predicts for each "
-        "number of rounds and clip norm the released noise σ per coordinate, the signal-to-noise of the median "
-        "item, the share of interactions on items with SNR >= 2, and the noise of the private popularity "
-        "release, using the accountant's own μ (docs/dp-accounting.md §6).",
-    )
-    plan.add_argument("--dataset", required=True, help="dataset name or ratings file")
-    plan.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=DATA_DIR_HELP)
-    plan.add_argument("--epsilon", type=positive_float, default=8.0, help="target ε over the run (default 8)")
-    plan.add_argument("--bits", type=positive_int, default=64, help="code length f (default 64)")
-    plan.add_argument("--example-cap", type=nonneg_int, default=50, help="θ items per device (default 50)")
-    plan.add_argument("--negatives", type=nonneg_int, default=0, help="sampled negatives per item (default 0)")
-    plan.add_argument(
+def _add_options(p: argparse.ArgumentParser) -> None:
+    add_dataset(p, "dataset name or ratings file", required=True)
+    p.add_argument("--epsilon", type=positive_float, default=8.0, help="target ε over the run (default 8)")
+    p.add_argument("--bits", type=positive_int, default=64, help="code length f (default 64)")
+    p.add_argument("--example-cap", type=nonneg_int, default=50, help="θ items per device (default 50)")
+    p.add_argument("--negatives", type=nonneg_int, default=0, help="sampled negatives per item (default 0)")
+    p.add_argument(
         "--pop-share",
         type=open_fraction,
         default=0.5,
         help="share of ε for popularity, the rest pays for the rounds (default 0.5)",
     )
-    plan.add_argument("--rounds", type=_plan_rounds, nargs="+", default=[1, 2, 3, 5, 10], help="rounds to plan")
-    plan.add_argument("--clips", type=positive_float, nargs="+", default=[1.0, 4.0], help="clip norms C to plan")
+    p.add_argument("--rounds", type=_plan_rounds, nargs="+", default=[1, 2, 3, 5, 10], help="rounds to plan")
+    p.add_argument("--clips", type=positive_float, nargs="+", default=[1.0, 4.0], help="clip norms C to plan")
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
@@ -93,3 +88,15 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         "assumes the gradients of an item's devices agree, so it is an upper bound on what a round can learn\n"
     )
     return 0
+
+
+COMMAND = Command(
+    name="plan-privacy",
+    help="predict per-coordinate signal-to-noise of private LightFR choices before spending any ε",
+    description="For a dataset and a target ε (user-level, δ=1e-5, every round charged), predicts for each "
+    "number of rounds and clip norm the released noise σ per coordinate, the signal-to-noise of the median "
+    "item, the share of interactions on items with SNR >= 2, and the noise of the private popularity "
+    "release, using the accountant's own μ (docs/dp-accounting.md §6).",
+    add_options=_add_options,
+    run=run,
+)

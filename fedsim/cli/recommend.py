@@ -4,34 +4,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import TextIO
 
-from fedsim.cli.args import nonneg_int, positive_int
+from fedsim.cli.args import Command, add_json, add_run_file, add_seed, positive_int
 from fedsim.evaluation.report import write_json
 from fedsim.ui import table
 
-__all__ = ["NAME", "register", "run"]
-
-NAME = "recommend"
+__all__ = ["COMMAND"]
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``fedrec recommend`` and its options to ``sub``."""
-    rec = sub.add_parser(
-        "recommend",
-        help="top-N items for one user of a saved run",
-        description="Recommend from a run saved by 'fedrec simulate --save' (any model family): the user's "
-        "device model is rebuilt from the run and ranks every item the user did not rate in training, with the "
-        "SDK's recommend (random ties from --seed).",
-    )
-    rec.add_argument("run", type=Path, help="a run file written by 'fedrec simulate --save'")
-    rec.add_argument(
-        "--user", required=True, help="user id as in the dataset (its raw id; planted data: the row number)"
-    )
-    rec.add_argument("-n", type=positive_int, default=10, help="how many items (default: 10)")
-    rec.add_argument("--seed", type=nonneg_int, default=0, help="seed of the tie-breaking (default: 0)")
-    rec.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+def _add_options(p: argparse.ArgumentParser) -> None:
+    add_run_file(p)
+    p.add_argument("--user", required=True, help="user id as in the dataset (its raw id; planted data: the row number)")
+    p.add_argument("-n", type=positive_int, default=10, help="how many items (default: 10)")
+    add_seed(p, "seed of the tie-breaking (default: 0)")
+    add_json(p, "print one JSON object instead of a table")
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
@@ -57,3 +44,14 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     )
     table(["rank", "item", "score"], [[str(k), str(r[0]), f"{r[2]:.4f}"] for k, r in enumerate(rows, 1)], out)
     return 0
+
+
+COMMAND = Command(
+    name="recommend",
+    help="top-N items for one user of a saved run",
+    description="Recommend from a run saved by 'fedrec simulate --save' (any model family): the user's "
+    "device model is rebuilt from the run and ranks every item the user did not rate in training, with the "
+    "SDK's recommend (random ties from --seed).",
+    add_options=_add_options,
+    run=run,
+)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from device_sdk.store import save_store
-from fedsim.cli.args import JSON_HELP, check_output_file, resolve_data_dir
+from fedsim.cli.args import Command, add_json, add_plot, add_quiet, check_output_file, option_defaults, resolve_data_dir
 from fedsim.cli.results import evaluate_and_report, print_rows, resolve_dataset, score_blocks
 from fedsim.cli.simulate_options import (
     add_data_args,
@@ -38,48 +38,23 @@ from fedsim.federation.lightfr import FederatedLightFR, RoundReport, run_lightfr
 from fedsim.ui import progress
 from protocol.errors import ConfigError
 
-__all__ = ["NAME", "register", "run"]
-
-NAME = "simulate"
+__all__ = ["COMMAND"]
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``fedrec simulate`` and its options to ``sub``."""
-    sim = sub.add_parser(
-        "simulate",
-        help="run an in-process federated training and evaluate it",
-        description="In-process federated training (no sockets) on a dataset, evaluated beside simple "
-        "baselines. LightFR (default): HR@10/NDCG@10 in both tie modes beside popularity and random. "
-        "--model mf: test RMSE and HR@10/NDCG@10, optionally private through the real coordinator "
-        "(--epsilon). --model felb / fnmf: the planted recipes (or binarized ratings for felb) with F1 / "
-        "Σ-RMSD figures.",
-    )
-    add_model_args(sim)
-    add_fed_args(sim, rounds=50)
-    add_family_args(sim)
-    add_data_args(sim, default=None)
-    sim.add_argument("--save", type=Path, default=None, help="write the trained run to this file")
-    sim.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        metavar="FILE.png",
-        help="draw validation HR@10/NDCG@10 per evaluated round (LightFR in-process runs; needs the 'plot' extra)",
-    )
-    sim.add_argument("--quiet", action="store_true", help="no progress bar")
-    sim.add_argument("--json", action="store_true", help=JSON_HELP)
-
-
-def _defaults() -> argparse.Namespace:
-    """Every ``simulate`` option's value when not given."""
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
-    return parser.parse_args([NAME])
+def _add_options(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    add_fed_args(p, rounds=50)
+    add_family_args(p)
+    add_data_args(p, default=None)
+    p.add_argument("--save", type=Path, default=None, help="write the trained run to this file")
+    add_plot(p, "draw validation HR@10/NDCG@10 per evaluated round (LightFR in-process runs; needs the 'plot' extra)")
+    add_quiet(p)
+    add_json(p)
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``fedrec simulate``; returns the exit status."""
-    defaults = _defaults()
+    defaults = option_defaults(_add_options)
     check_applicable(args, defaults)
     if args.plot is not None:
         from fedsim.cli.plots import check_plot_target
@@ -226,3 +201,16 @@ def _save(args: argparse.Namespace, exp: Experiment, state: FederatedLightFR, ou
         },
     )
     out.write(f"saved the run to {args.save}\n")
+
+
+COMMAND = Command(
+    name="simulate",
+    help="run an in-process federated training and evaluate it",
+    description="In-process federated training (no sockets) on a dataset, evaluated beside simple "
+    "baselines. LightFR (default): HR@10/NDCG@10 in both tie modes beside popularity and random. "
+    "--model mf: test RMSE and HR@10/NDCG@10, optionally private through the real coordinator "
+    "(--epsilon). --model felb / fnmf: the planted recipes (or binarized ratings for felb) with F1 / "
+    "Σ-RMSD figures.",
+    add_options=_add_options,
+    run=run,
+)

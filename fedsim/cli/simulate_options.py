@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 from agg_server.strategy.lightfr import default_flip_fraction
 from device_sdk.models import LightFRConfig
 from fedsim.cli.args import (
-    DATA_DIR_HELP,
+    add_dataset,
+    add_seed,
     fraction,
     local_steps,
     nonneg_float,
@@ -166,12 +166,11 @@ def add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
         "step, which follows the item's bits already changed (raters' Gram taken as counts_i/n · G_U; the server's "
         "model.mean_field)",
     )
-    g.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the model and the federation: initial codes, cohorts, sampled training negatives "
+    add_seed(
+        g,
+        "seed of the model and the federation: initial codes, cohorts, sampled training negatives "
         "(default: 0); the test split and candidates come from --eval-seed",
+        type=int,
     )
 
 
@@ -246,13 +245,12 @@ _EVAL_SEED_HELP = (
 
 def add_data_args(p: argparse.ArgumentParser, default: str | None) -> None:
     g = p.add_argument_group("data and evaluation")
-    g.add_argument(
-        "--dataset",
-        default=default,
-        help=f"dataset name ({', '.join(DATASET_NAMES)}), a ratings file/folder, or planted "
+    add_dataset(
+        g,
+        f"dataset name ({', '.join(DATASET_NAMES)}), a ratings file/folder, or planted "
         "(felb/fnmf recipe); required for lightfr and mf",
+        default=default,
     )
-    g.add_argument("--data-dir", type=Path, default=None, metavar="FOLDER", help=DATA_DIR_HELP)
     g.add_argument(
         "--protocol",
         choices=[p.value for p in Protocol],

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 
 __all__ = ["Split", "chronological_split", "leave_one_out", "split_counts", "carve_validation", "holdout_rule"]
 

@@ -13,7 +13,7 @@ import numpy as np
 import scipy.sparse as sp
 from numpy.typing import NDArray
 
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 
 __all__ = ["implicit_als"]
 

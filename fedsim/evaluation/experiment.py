@@ -17,7 +17,10 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from fedsim.data.datasets import LightFRSplit, Ratings, TrainTestSplit, load_dataset
+from fedsim.data.datasets import load_dataset
+from fedsim.data.kgat import TrainTestSplit
+from fedsim.data.loaders import LightFRSplit
+from fedsim.data.ratings import Ratings
 from fedsim.data.splits import carve_validation, chronological_split, holdout_rule, leave_one_out
 from fedsim.evaluation.ranking import (
     EvalResult,

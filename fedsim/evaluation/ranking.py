@@ -6,7 +6,11 @@
 # - With RANDOM ties and no rng, evaluation returns the exact expectation over tie-breaking
 #   (closed form), so results are deterministic without a hidden seed.
 # - Kernels take an explicit `np.random.Generator` (or a seed) and never touch global random state.
-"""Ranking evaluation: negative sampling, rank of the positive, HR@k / NDCG@k, baselines."""
+"""Ranking evaluation: negative sampling, rank of the positive, HR@k / NDCG@k, baselines.
+
+Why one module: the sampled and the all-items protocols share TieMode, the CSR membership helpers and the
+Scorer type; the all-items section, under its own banner and invariants below, is the seam to split along.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 
 __all__ = [
     "TieMode",
@@ -199,7 +203,20 @@ def sample_negatives(
     out[:, 0] = positives
     if n == 0 or n_negatives == 0:
         return out
+    available = _available_items(keys, users, positives, n_items, n_known_users, n_negatives)
+    pending = _draw_by_rejection(rng, keys, users, positives, available, n_items, out)
+    for row in pending.tolist():  # only users who rated almost every item get here
+        u = int(users[row])
+        seen = keys[(keys >= u * n_items) & (keys < (u + 1) * n_items)] - u * n_items
+        free = np.setdiff1d(np.arange(n_items), np.append(seen, positives[row]))
+        out[row, 1:] = rng.choice(free, size=n_negatives, replace=False)
+    return out
 
+
+def _available_items(
+    keys: IntArray, users: IntArray, positives: IntArray, n_items: int, n_known_users: int, n_negatives: int
+) -> IntArray:
+    """Items each test row may draw from (never interacted, not its positive); raises if a row has too few."""
     key_users = keys // n_items
     degree = np.bincount(key_users, minlength=n_known_users)[users]
     pos_known = _is_member(keys, users * n_items + positives)
@@ -211,8 +228,21 @@ def sample_negatives(
             f"{short.size} test row(s) have fewer than {n_negatives} items to sample from "
             f"(e.g. row {j}: user {users[j]} has {available[j]} non-interacted items)"
         )
+    return available
 
-    pending = np.arange(n)
+
+def _draw_by_rejection(
+    rng: np.random.Generator,
+    keys: IntArray,
+    users: IntArray,
+    positives: IntArray,
+    available: IntArray,
+    n_items: int,
+    out: IntArray,
+) -> IntArray:
+    """Fill ``out[:, 1:]`` by up to four rounds of bulk rejection sampling; returns the rows still short."""
+    n_negatives = out.shape[1] - 1
+    pending = np.arange(users.shape[0])
     for attempt in range(4):  # rounds over all pending rows, not a loop per candidate
         frac = available[pending] / n_items
         draws = int(np.ceil((1.3 * n_negatives + 8) / max(float(frac.min()), 1e-3)))
@@ -220,27 +250,27 @@ def sample_negatives(
         cand = rng.integers(0, n_items, size=(pending.size, draws), dtype=np.int64)
         ok = ~_is_member(keys, users[pending, None] * n_items + cand)
         ok &= cand != positives[pending, None]
-        # first occurrence of each item in its row, in draw order, by a stable per-row sort (the same
-        # rows as one np.unique over all keys; sample_test_blocks on amazon-book 5.7 s -> 4.1 s)
-        o = np.argsort(cand, axis=1, kind="stable")
-        s = np.take_along_axis(cand, o, axis=1)
-        first_sorted = np.ones(s.shape, dtype=np.bool_)
-        np.not_equal(s[:, 1:], s[:, :-1], out=first_sorted[:, 1:])
-        first = np.empty_like(first_sorted)
-        np.put_along_axis(first, o, first_sorted, axis=1)
-        ok &= first
+        ok &= _first_in_row(cand)
         done = ok.sum(axis=1) >= n_negatives
         take = ok & (np.cumsum(ok, axis=1) <= n_negatives) & done[:, None]
         out[pending[done], 1:] = cand[take].reshape(-1, n_negatives)
         pending = pending[~done]
         if pending.size == 0:
-            return out
-    for row in pending.tolist():  # only users who rated almost every item get here
-        u = int(users[row])
-        seen = keys[(keys >= u * n_items) & (keys < (u + 1) * n_items)] - u * n_items
-        free = np.setdiff1d(np.arange(n_items), np.append(seen, positives[row]))
-        out[row, 1:] = rng.choice(free, size=n_negatives, replace=False)
-    return out
+            break
+    return pending
+
+
+def _first_in_row(cand: IntArray) -> npt.NDArray[np.bool_]:
+    """Mask of the first occurrence of each item in its row, in draw order."""
+    # a stable per-row sort (the same rows as one np.unique over all keys; sample_test_blocks on
+    # amazon-book 5.7 s -> 4.1 s)
+    o = np.argsort(cand, axis=1, kind="stable")
+    s = np.take_along_axis(cand, o, axis=1)
+    first_sorted = np.ones(s.shape, dtype=np.bool_)
+    np.not_equal(s[:, 1:], s[:, :-1], out=first_sorted[:, 1:])
+    first = np.empty_like(first_sorted)
+    np.put_along_axis(first, o, first_sorted, axis=1)
+    return first
 
 
 def _validate_scores(scores: npt.ArrayLike) -> FloatArray:
@@ -646,6 +676,23 @@ def evaluate_all_items(
     rel_keys = _unique_sorted(test.users * n_items + test.items)
     rel_keys = rel_keys[~_is_member(train_keys, rel_keys)]
     n_rel = np.bincount(rel_keys // max(n_items, 1), minlength=n_users)
+    targets = _target_users(n_rel, users)
+    tr_indptr = np.zeros(n_users + 1, dtype=np.int64)
+    np.cumsum(np.bincount(train_keys // max(n_items, 1), minlength=n_users), out=tr_indptr[1:])
+    tr_items = train_keys % max(n_items, 1)
+    gain = 1.0 / np.log2(np.arange(k, dtype=np.float64) + 2.0)
+    ideal = np.concatenate([[0.0], np.cumsum(gain)])
+    hits, dcg = _hits_and_dcg(score, targets, (tr_indptr, tr_items), rel_keys, n_items, gain, tie_mode, rng, batch_size)
+    n = n_rel[targets]
+    recall = hits / n
+    nd = dcg / ideal[np.minimum(n, k)]
+    used_seed = None if rng is None else (seed if isinstance(seed, int) else -1)
+    return RankingResult(float(recall.mean()), float(nd.mean()), int(targets.size), k, tie_mode, used_seed)
+
+
+def _target_users(n_rel: IntArray, users: npt.ArrayLike | None) -> IntArray:
+    """Users with a relevant test item, restricted to ``users`` if given; raises if none is left."""
+    n_users = n_rel.shape[0]
     targets = np.flatnonzero(n_rel)
     if users is not None:
         want = np.asarray(users, dtype=np.int64)
@@ -654,12 +701,24 @@ def evaluate_all_items(
         targets = np.intersect1d(targets, want)
     if targets.size == 0:
         raise ValueError("no user has a test item outside its train set: nothing to evaluate")
-    tr_indptr = np.zeros(n_users + 1, dtype=np.int64)
-    np.cumsum(np.bincount(train_keys // max(n_items, 1), minlength=n_users), out=tr_indptr[1:])
-    tr_items = train_keys % max(n_items, 1)
+    return targets
 
-    gain = 1.0 / np.log2(np.arange(k, dtype=np.float64) + 2.0)
-    ideal = np.concatenate([[0.0], np.cumsum(gain)])
+
+def _hits_and_dcg(
+    score: _Factors | ScoreFn,
+    targets: IntArray,
+    train_csr: tuple[IntArray, IntArray],
+    rel_keys: IntArray,
+    n_items: int,
+    gain: FloatArray,
+    tie_mode: TieMode,
+    rng: np.random.Generator | None,
+    batch_size: int,
+) -> tuple[IntArray, FloatArray]:
+    """Relevant items in the top k (k = len(gain)) of each target user, train items excluded, and
+    their DCG@k; users scored ``batch_size`` at a time."""
+    tr_indptr, tr_items = train_csr
+    k = gain.shape[0]
     hits = np.zeros(targets.shape[0], dtype=np.int64)
     dcg = np.zeros(targets.shape[0], dtype=np.float64)
     for start in range(0, targets.shape[0], batch_size):  # loop over user batches
@@ -677,11 +736,7 @@ def evaluate_all_items(
         rows, pos, rel = _top_k(S, k, relevant, tie_mode, rng)
         hits[start : start + batch.shape[0]] = np.bincount(rows[rel], minlength=batch.shape[0])
         dcg[start : start + batch.shape[0]] = np.bincount(rows[rel], weights=gain[pos[rel]], minlength=batch.shape[0])
-    n = n_rel[targets]
-    recall = hits / n
-    nd = dcg / ideal[np.minimum(n, k)]
-    used_seed = None if rng is None else (seed if isinstance(seed, int) else -1)
-    return RankingResult(float(recall.mean()), float(nd.mean()), int(targets.size), k, tie_mode, used_seed)
+    return hits, dcg
 
 
 def hamming_scorer(user_words: npt.ArrayLike, item_words: npt.ArrayLike, bits: int) -> ScoreFn:

@@ -22,18 +22,24 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
-from fedsim.data.datasets import Ratings, load_dataset
+from fedsim.data.datasets import load_dataset
 from fedsim.data.planted import planted_binary, planted_nonnegative
+from fedsim.data.ratings import Ratings
 from fedsim.data.splits import leave_one_out
 from fedsim.evaluation.experiment import baselines, prepare
 from fedsim.evaluation.ranking import TieMode
 from fedsim.ui import table
 from protocol.errors import ConfigError
 from protocol.plan import FELBParams, FNMFParams
+
+if TYPE_CHECKING:  # the runners import their families lazily, when the CLI asks for one
+    from agg_server.strategy.mf import MFStrategy
+    from fedsim.evaluation.experiment import Experiment
+    from fedsim.federation.mf import FederatedMF, MFEvaluation, MFSchedule
 
 __all__ = ["FAMILY_DEFAULT_ROUNDS", "simulate_family"]
 
@@ -65,11 +71,6 @@ def simulate_family(args: argparse.Namespace, data_dir: Path | None, out: TextIO
 
 
 def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
-    from agg_server.strategy.mf import MFStrategy
-    from fedsim.federation.mf import MFSchedule, evaluate_mf, run_federated_mf
-    from fedsim.private.coordinator_rounds import PrivateRun
-    from fedsim.private.mf import PrivateMFSettings, run_private_mf
-
     if args.dataset in (None, "planted"):
         raise ConfigError("--model mf needs --dataset (a rating log such as ml-100k or synthetic)")
     if getattr(args, "json", False):
@@ -88,87 +89,9 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
     if secure:
         if args.silos:
             raise ConfigError("--silos runs in-process without secure aggregation; drop --epsilon/--secure")
-        settings = PrivateMFSettings(
-            epsilon=args.epsilon,
-            rounds=args.rounds,
-            cohort=max(3, int(round(args.fraction * train.n_users))),
-            clip_norm=args.clip_norm,
-            example_cap=args.example_cap,
-            factors=rank,
-            max_norm2=R,
-            server_lr=args.server_lr,
-            learning_rate=args.lr,
-            seed=args.seed,
-        )
-        out.write(
-            f"MF f={rank}, R={R:g}, θ={args.example_cap}, C={args.clip_norm:g}; T={args.rounds} private rounds "
-            f"through the private-round simulator (the released SecAgg+ sums, 30% tolerated dropout"
-            + (f", per-user ε={args.epsilon:g} at δ=1e-5)" if args.epsilon > 0 else ", no DP noise)")
-            + f"; seed {args.seed}\n"
-        )
-
-        def progress(run: PrivateRun) -> None:
-            if not args.quiet:
-                out.write(f"  round {run.coordinator.model_version - 1}/{args.rounds} committed\n")
-                out.flush()
-
-        res = run_private_mf(train, test, exp.test, settings, val=(val, exp.val), on_round=progress)
-        ev = res.test
-        extra_rows = []
-        if res.alpha is not None and res.mf_only is not None and res.private_popularity is not None:
-            for label, e in (("MF alone (u·v)", res.mf_only), ("private popularity", res.private_popularity)):
-                assert e.ranking is not None
-                extra_rows.append(
-                    [
-                        label,
-                        f"{e.rmse:.4f}" if label.startswith("MF") else "—",
-                        f"{e.ranking.hr:.4f}",
-                        f"{e.ranking.ndcg:.4f}",
-                    ]
-                )
-            out.write(
-                f"private popularity channel: {settings.pop_share:g} of ε on a release of each device's items clipped "
-                f"to √{settings.pop_theta}; ranking by u·v + α·level, α={res.alpha:g} chosen on validation (inf = "
-                "the level alone); the RMSE is u·v's\n"
-            )
-        eps = f"per-user ε {res.epsilon_user:.3g}, per-rating ε {res.epsilon_rating:.3g} (δ=1e-5)"
-        out.write(f"{res.committed} rounds committed; {eps if args.epsilon > 0 else 'no DP noise'}\n")
+        ev, extra_rows = _mf_private(args, exp, train, val, test, rank, R, out)
     else:
-        strategy = MFStrategy(train.n_items, rank=rank, max_norm2=R, server_lr=args.server_lr, learning_rate=args.lr)
-        schedule = MFSchedule(
-            rounds=args.rounds,
-            fraction=args.fraction,
-            example_cap=args.example_cap,
-            silos=args.silos,
-            seed=args.seed,
-        )
-        mode = f"{args.silos} silos (cross-silo HFL)" if args.silos else "one device per user"
-        out.write(
-            f"MF f={rank}, R={R:g}, θ={args.example_cap or 'all'}; T={args.rounds} rounds in-process (plain sums, "
-            f"no noise), {mode}, fraction {args.fraction}; seed {args.seed}\n"
-        )
-        state = run_federated_mf(train, strategy, schedule)
-        ev = evaluate_mf(state.user_factors, state.item_factors, test, exp.test)
-        if getattr(args, "save", None) is not None:
-            from device_sdk.mf import MFModel
-            from fedsim.federation.mf import device_config
-            from fedsim.federation.runs import TrainItems, save_family_run
-
-            model = MFModel(train.n_items, device_config(strategy, schedule), n_users=train.n_users)
-            model.item_factors = np.array(state.item_factors, dtype=np.float64)
-            model.user_factors = np.array(state.user_factors, dtype=np.float64)
-            model.user_trained[:] = True
-            model.model_version = args.rounds + 1
-            save_family_run(
-                args.save,
-                "mf",
-                [(model, train.n_users)],
-                TrainItems.from_pairs(train.users, train.items, train.n_users),
-                {"dataset": str(args.dataset), "seed": args.seed, "n_items": train.n_items},
-                user_ids=train.user_ids,
-                item_ids=train.item_ids,
-            )
-            out.write(f"saved the run to {args.save}\n")
+        ev = _mf_plain(args, exp, train, test, rank, R, out)
     assert ev.ranking is not None
     b = baselines(exp, TieMode.RANDOM)
     mean = float(np.mean(train.ratings))
@@ -180,6 +103,119 @@ def _mf(args: argparse.Namespace, data_dir: Path | None, out: TextIO) -> None:
         [f"global mean {mean:.2f}", f"{float(np.sqrt(np.mean((test.ratings - mean) ** 2))):.4f}", "—", "—"],
     ]
     _rows(out, ["model", "test RMSE", "HR@10", "NDCG@10"], rows)
+
+
+def _mf_private(
+    args: argparse.Namespace,
+    exp: Experiment,
+    train: Ratings,
+    val: Ratings,
+    test: Ratings,
+    rank: int,
+    R: float,
+    out: TextIO,
+) -> tuple[MFEvaluation, list[list[str]]]:
+    """MF through the private rounds (`fedsim.private.mf`); the test figures and the extra table rows
+    of the private popularity channel."""
+    from fedsim.private.coordinator_rounds import PrivateRun
+    from fedsim.private.mf import PrivateMFSettings, run_private_mf
+
+    settings = PrivateMFSettings(
+        epsilon=args.epsilon,
+        rounds=args.rounds,
+        cohort=max(3, int(round(args.fraction * train.n_users))),
+        clip_norm=args.clip_norm,
+        example_cap=args.example_cap,
+        factors=rank,
+        max_norm2=R,
+        server_lr=args.server_lr,
+        learning_rate=args.lr,
+        seed=args.seed,
+    )
+    out.write(
+        f"MF f={rank}, R={R:g}, θ={args.example_cap}, C={args.clip_norm:g}; T={args.rounds} private rounds "
+        f"through the private-round simulator (the released SecAgg+ sums, 30% tolerated dropout"
+        + (f", per-user ε={args.epsilon:g} at δ=1e-5)" if args.epsilon > 0 else ", no DP noise)")
+        + f"; seed {args.seed}\n"
+    )
+
+    def progress(run: PrivateRun) -> None:
+        if not args.quiet:
+            out.write(f"  round {run.coordinator.model_version - 1}/{args.rounds} committed\n")
+            out.flush()
+
+    res = run_private_mf(train, test, exp.test, settings, val=(val, exp.val), on_round=progress)
+    extra_rows = []
+    if res.alpha is not None and res.mf_only is not None and res.private_popularity is not None:
+        for label, e in (("MF alone (u·v)", res.mf_only), ("private popularity", res.private_popularity)):
+            assert e.ranking is not None
+            rmse = f"{e.rmse:.4f}" if label.startswith("MF") else "—"
+            extra_rows.append([label, rmse, f"{e.ranking.hr:.4f}", f"{e.ranking.ndcg:.4f}"])
+        out.write(
+            f"private popularity channel: {settings.pop_share:g} of ε on a release of each device's items clipped "
+            f"to √{settings.pop_theta}; ranking by u·v + α·level, α={res.alpha:g} chosen on validation (inf = "
+            "the level alone); the RMSE is u·v's\n"
+        )
+    eps = f"per-user ε {res.epsilon_user:.3g}, per-rating ε {res.epsilon_rating:.3g} (δ=1e-5)"
+    out.write(f"{res.committed} rounds committed; {eps if args.epsilon > 0 else 'no DP noise'}\n")
+    return res.test, extra_rows
+
+
+def _mf_plain(
+    args: argparse.Namespace, exp: Experiment, train: Ratings, test: Ratings, rank: int, R: float, out: TextIO
+) -> MFEvaluation:
+    """MF in-process with plain sums (one device per user, or cross-silo); the test figures."""
+    from agg_server.strategy.mf import MFStrategy
+    from fedsim.federation.mf import MFSchedule, evaluate_mf, run_federated_mf
+
+    strategy = MFStrategy(train.n_items, rank=rank, max_norm2=R, server_lr=args.server_lr, learning_rate=args.lr)
+    schedule = MFSchedule(
+        rounds=args.rounds,
+        fraction=args.fraction,
+        example_cap=args.example_cap,
+        silos=args.silos,
+        seed=args.seed,
+    )
+    mode = f"{args.silos} silos (cross-silo HFL)" if args.silos else "one device per user"
+    out.write(
+        f"MF f={rank}, R={R:g}, θ={args.example_cap or 'all'}; T={args.rounds} rounds in-process (plain sums, "
+        f"no noise), {mode}, fraction {args.fraction}; seed {args.seed}\n"
+    )
+    state = run_federated_mf(train, strategy, schedule)
+    ev = evaluate_mf(state.user_factors, state.item_factors, test, exp.test)
+    if getattr(args, "save", None) is not None:
+        _save_mf_run(args, train, strategy, schedule, state, out)
+    return ev
+
+
+def _save_mf_run(
+    args: argparse.Namespace,
+    train: Ratings,
+    strategy: MFStrategy,
+    schedule: MFSchedule,
+    state: FederatedMF,
+    out: TextIO,
+) -> None:
+    """Write the trained factors as a saved run (``--save``)."""
+    from device_sdk.mf import MFModel
+    from fedsim.federation.mf import device_config
+    from fedsim.federation.runs import TrainItems, save_family_run
+
+    model = MFModel(train.n_items, device_config(strategy, schedule), n_users=train.n_users)
+    model.item_factors = np.array(state.item_factors, dtype=np.float64)
+    model.user_factors = np.array(state.user_factors, dtype=np.float64)
+    model.user_trained[:] = True
+    model.model_version = args.rounds + 1
+    save_family_run(
+        args.save,
+        "mf",
+        [(model, train.n_users)],
+        TrainItems.from_pairs(train.users, train.items, train.n_users),
+        {"dataset": str(args.dataset), "seed": args.seed, "n_items": train.n_items},
+        user_ids=train.user_ids,
+        item_ids=train.item_ids,
+    )
+    out.write(f"saved the run to {args.save}\n")
 
 
 # -- FELB ------------------------------------------------------------------------------------------

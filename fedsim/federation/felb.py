@@ -30,7 +30,7 @@ from agg_server.strategy.base import round_plan
 from agg_server.strategy.felb import FELBStrategy
 from device_sdk.family import LocalRatings
 from device_sdk.felb import FELBConfig, FELBModel, boolean_product, integrality_gap
-from fedsim.data.datasets import load_movielens
+from fedsim.data.loaders import load_movielens
 from protocol.plan import TrainingPlan
 
 __all__ = [

@@ -180,6 +180,59 @@ def secure_fixed_point(
     return v_bar, rounds
 
 
+def _server_side(config: FNMFRunConfig, k: int, m: int) -> tuple[FNMFStrategy, TrustedBarycenterFNMF | None]:
+    """The method's strategy, and for the trusted barycenter the aggregator that sees every matrix."""
+    aligned = config.method in (Method.FNMF, Method.FNMF_TRUSTED)
+    strategy = FNMFStrategy(
+        rank=k,
+        n_items=m,
+        local_steps=config.local_steps,
+        proximity=0.0 if config.method is Method.FEDAVG else config.proximity,
+        inertia=config.inertia,
+        alignment=config.alignment if aligned else "none",
+    )
+    trusted = (
+        TrustedBarycenterFNMF(
+            k, m, iterations=config.fixed_point_iterations, warm_start=not config.fixed_point_every_round
+        )
+        if config.method is Method.FNMF_TRUSTED
+        else None
+    )
+    return strategy, trusted
+
+
+def _fnmf_round(
+    r: int,
+    v_bar: NDArray[np.float64],
+    config: FNMFRunConfig,
+    strategy: FNMFStrategy,
+    trusted: TrustedBarycenterFNMF | None,
+    models: tuple[FNMFModel, ...],
+    data: list[LocalRatings],
+    client_rngs: list[np.random.Generator],
+    rng: np.random.Generator,
+) -> tuple[NDArray[np.float64], int]:
+    """Round ``r`` (0-based): every client trains from V̄ and the server forms the next V̄; returns it
+    and the synchronisation rounds the aggregation used."""
+    aligned = config.method in (Method.FNMF, Method.FNMF_TRUSTED)
+    plan = round_plan(strategy, r + 1)
+    values = strategy.to_wire(v_bar)["values"]
+    for model in models:
+        model.set_global(b"", values, r + 1)
+    if trusted is not None:
+        mats = [mdl.train(plan, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
+        v_bar, _ = trusted.aggregate_matrices(v_bar if r > 0 else None, mats)
+        return v_bar, 1
+    if aligned and (config.fixed_point_every_round or (r == 0 and config.independent_init)):
+        mats = [mdl.train(plan, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
+        return secure_fixed_point(
+            mats, strategy, v_bar, config.fixed_point_iterations, eps=config.sinkhorn_eps, alpha=config.rho_alpha
+        )
+    results = [mdl.local_update(plan, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
+    total = np.sum([res.vector for res in results], axis=0)
+    return strategy.aggregate(v_bar, total, len(models), rng, round_index=r), 1
+
+
 def run_fnmf(
     clients: Sequence[NDArray[Any]],
     k: int,
@@ -204,22 +257,7 @@ def run_fnmf(
     if any(np.any(x < 0.0) or not np.all(np.isfinite(x)) for x in clients):
         raise ValueError("client matrices must be finite and non-negative")
     m = clients[0].shape[1]
-    aligned = config.method in (Method.FNMF, Method.FNMF_TRUSTED)
-    strategy = FNMFStrategy(
-        rank=k,
-        n_items=m,
-        local_steps=config.local_steps,
-        proximity=0.0 if config.method is Method.FEDAVG else config.proximity,
-        inertia=config.inertia,
-        alignment=config.alignment if aligned else "none",
-    )
-    trusted = (
-        TrustedBarycenterFNMF(
-            k, m, iterations=config.fixed_point_iterations, warm_start=not config.fixed_point_every_round
-        )
-        if config.method is Method.FNMF_TRUSTED
-        else None
-    )
+    strategy, trusted = _server_side(config, k, m)
     v_bar = strategy.initialize(rng)
     client_rngs = rng.spawn(len(clients))
     device_cfg = FNMFConfig(
@@ -233,25 +271,8 @@ def run_fnmf(
     data = [LocalRatings.from_matrix(x) for x in clients]
     sync_rounds = 0
     for r in range(config.rounds):
-        plan = round_plan(strategy, r + 1)
-        values = strategy.to_wire(v_bar)["values"]
-        for model in models:
-            model.set_global(b"", values, r + 1)
-        if trusted is not None:
-            mats = [mdl.train(plan, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
-            v_bar, _ = trusted.aggregate_matrices(v_bar if r > 0 else None, mats)
-            sync_rounds += 1
-        elif aligned and (config.fixed_point_every_round or (r == 0 and config.independent_init)):
-            mats = [mdl.train(plan, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
-            v_bar, used = secure_fixed_point(
-                mats, strategy, v_bar, config.fixed_point_iterations, eps=config.sinkhorn_eps, alpha=config.rho_alpha
-            )
-            sync_rounds += used
-        else:
-            results = [mdl.local_update(plan, d, g) for mdl, d, g in zip(models, data, client_rngs, strict=True)]
-            total = np.sum([res.vector for res in results], axis=0)
-            v_bar = strategy.aggregate(v_bar, total, len(models), rng, round_index=r)
-            sync_rounds += 1
+        v_bar, used = _fnmf_round(r, v_bar, config, strategy, trusted, models, data, client_rngs, rng)
+        sync_rounds += used
     values = strategy.to_wire(v_bar)["values"]
     for model in models:
         model.set_global(b"", values, config.rounds + 1)

@@ -23,7 +23,7 @@ from agg_server.strategy import LightFRStrategy
 from agg_server.strategy.lightfr import agg_full
 from device_sdk import batched, lightfr
 from device_sdk.models import LightFRConfig
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 from fedsim.evaluation.ranking import EvalResult
 from protocol.codes import random_signs
 from protocol.families.lightfr import bias_from_levels, density_weight, levels_from_bias

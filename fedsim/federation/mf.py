@@ -31,7 +31,7 @@ from agg_server.strategy.base import round_plan
 from agg_server.strategy.mf import MFStrategy
 from device_sdk.family import LocalRatings
 from device_sdk.mf import MFConfig, MFModel, example_rmse, initial_factors, project_rows, sample_negatives
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 from fedsim.evaluation.experiment import Candidates
 from fedsim.evaluation.ranking import EvalResult, TieMode, evaluate_candidates
 from protocol.accounting import compute_epsilon
@@ -224,49 +224,24 @@ def run_federated_mf(
         groups = np.array_split(rng.permutation(active), schedule.silos)
     else:
         groups = [active]  # one pool model; its clients are the single users
-    local_of = np.full(n, -1, dtype=np.int64)
-    silo_of = np.full(n, -1, dtype=np.int64)
-    for s, g in enumerate(groups):  # loop over silos (few)
-        local_of[g] = np.arange(g.size)
-        silo_of[g] = s
+    silos = _Silos.of(train, groups)
     models = [MFModel(strategy.n_items, cfg, n_users=g.size, rng=rng) for g in groups]
-
-    def data_of(s: int, mask: NDArray[np.bool_]) -> LocalRatings:
-        sel = mask & (silo_of[train.users] == s)
-        users = local_of[train.users[sel]]
-        return LocalRatings(users, train.items[sel].astype(np.int64), train.ratings[sel], groups[s].size)
-
     clients = len(groups) if schedule.silos else active.size
     cohort_size = max(1, math.ceil(schedule.fraction * clients))
     state = FederatedMF(user_factors=np.zeros((n, strategy.rank)), item_factors=V)
     for t in range(schedule.rounds):
         start = time.perf_counter()
         cohort = rng.choice(clients, size=cohort_size, replace=False)
-        version = t + 1
-        plan = round_plan(strategy, version, round_index=t, example_cap=schedule.example_cap)
-        wire = strategy.to_wire(V)["values"]
-        total = np.zeros(strategy.vector_length)
-        examples, sq, count = 0, 0.0, 0
         if schedule.silos:
             parts = [(int(s), np.ones(len(train), dtype=bool)) for s in np.sort(cohort)]
         else:
             in_cohort = np.zeros(n, dtype=bool)
             in_cohort[active[cohort]] = True
             parts = [(0, in_cohort[train.users])]
-        for s, mask in parts:  # loop over the cohort's silos (one pool call in the cross-device mode)
-            models[s].set_global(b"", wire, version)
-            data = data_of(s, mask)
-            result = models[s].local_update(plan, data, rng)
-            total += result.vector
-            examples += result.examples
-            sq += float(result.info["train_rmse"]) ** 2 * data.items.size
-            count += data.items.size
-        new_V = strategy.aggregate(V, total, cohort_size, rng, round_index=t)
+        new_V, examples, train_rmse = _mf_round(t, V, parts, cohort_size, models, silos, strategy, schedule, rng)
         change = strategy.describe(V, new_V)
         V = new_V
-        report = MFRoundReport(
-            t + 1, cohort_size, examples, change, time.perf_counter() - start, math.sqrt(sq / max(count, 1))
-        )
+        report = MFRoundReport(t + 1, cohort_size, examples, change, time.perf_counter() - start, train_rmse)
         state.history.append(report)
         if on_round is not None:
             on_round(report)
@@ -274,10 +249,65 @@ def run_federated_mf(
     everyone = np.ones(len(train), dtype=bool)
     for s, model in enumerate(models):  # stage 3 on every client
         model.set_global(b"", wire, schedule.rounds + 1)
-        model.fine_tune(data_of(s, everyone), schedule.fine_tune_epochs, rng=rng)
+        model.fine_tune(silos.data_of(s, everyone), schedule.fine_tune_epochs, rng=rng)
         state.user_factors[groups[s]] = model.user_factors
     state.item_factors = V
     return state
+
+
+@dataclass(frozen=True, slots=True)
+class _Silos:
+    """The clients' users: client model ``s`` holds ``groups[s]`` (cross-device: one pool of single users)."""
+
+    train: Ratings
+    groups: list[NDArray[np.int64]]
+    local_of: NDArray[np.int64]  # each user's row in its client model (-1: no ratings)
+    silo_of: NDArray[np.int64]  # each user's client model (-1: no ratings)
+
+    @classmethod
+    def of(cls, train: Ratings, groups: list[NDArray[np.int64]]) -> _Silos:
+        local_of = np.full(train.n_users, -1, dtype=np.int64)
+        silo_of = np.full(train.n_users, -1, dtype=np.int64)
+        for s, g in enumerate(groups):  # loop over silos (few)
+            local_of[g] = np.arange(g.size)
+            silo_of[g] = s
+        return cls(train, groups, local_of, silo_of)
+
+    def data_of(self, s: int, mask: NDArray[np.bool_]) -> LocalRatings:
+        """The ratings of client model ``s`` among the rows ``mask`` selects."""
+        train = self.train
+        sel = mask & (self.silo_of[train.users] == s)
+        users = self.local_of[train.users[sel]]
+        return LocalRatings(users, train.items[sel].astype(np.int64), train.ratings[sel], self.groups[s].size)
+
+
+def _mf_round(
+    t: int,
+    V: NDArray[np.float64],
+    parts: list[tuple[int, NDArray[np.bool_]]],
+    cohort_size: int,
+    models: list[MFModel],
+    silos: _Silos,
+    strategy: MFStrategy,
+    schedule: MFSchedule,
+    rng: np.random.Generator,
+) -> tuple[NDArray[np.float64], int, float]:
+    """Round ``t`` (0-based) over the cohort's ``(client model, rows)`` parts, ``cohort_size`` clients:
+    the new V, the examples in the plain sum, and the cohort's train RMSE."""
+    version = t + 1
+    plan = round_plan(strategy, version, round_index=t, example_cap=schedule.example_cap)
+    wire = strategy.to_wire(V)["values"]
+    total = np.zeros(strategy.vector_length)
+    examples, sq, count = 0, 0.0, 0
+    for s, mask in parts:  # loop over the cohort's silos (one pool call in the cross-device mode)
+        models[s].set_global(b"", wire, version)
+        data = silos.data_of(s, mask)
+        result = models[s].local_update(plan, data, rng)
+        total += result.vector
+        examples += result.examples
+        sq += float(result.info["train_rmse"]) ** 2 * data.items.size
+        count += data.items.size
+    return strategy.aggregate(V, total, cohort_size, rng, round_index=t), examples, math.sqrt(sq / max(count, 1))
 
 
 # -- evaluation ------------------------------------------------------------------------------------

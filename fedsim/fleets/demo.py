@@ -9,6 +9,9 @@ Invariants:
   only averages the per-device results.
 - The load test sends traffic only to the URL it is given, stops after the requested rounds or its
   time limit, and can split the fleet over several worker processes.
+
+The server process and the health probe are `fedsim.fleets.server_process`; the load test's record and
+tables, `fedsim.fleets.loadtest_report`.
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,11 +30,11 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from device_sdk.client import DeviceClient
 from device_sdk.lightfr import LEVEL_SHIFT
 from fedsim.evaluation.experiment import Experiment, baselines
 from fedsim.evaluation.ranking import EvalResult, TieMode, evaluate_candidates
 from fedsim.fleets.local import (
-    PHASE_STEPS,
     FleetConfig,
     FleetReport,
     fetch_status,
@@ -41,6 +42,7 @@ from fedsim.fleets.local import (
     rounds_so_far,
     run_fleet,
 )
+from fedsim.fleets.server_process import HealthProbe, ServerProcess, write_server_config
 from protocol.codec import decode, encode
 from protocol.codes import from_bytes, unpack_signs
 from protocol.enrollment import EnrollmentAuthority
@@ -50,12 +52,9 @@ from protocol.identity import SigningKey, registration_payload
 from protocol.messages import ModelPayload, RegisterRequest, RegisterResponse
 
 __all__ = [
-    "ServerProcess",
-    "write_server_config",
     "device_data",
     "run_demo_fleet",
     "run_loadtest",
-    "format_loadtest",
     "verdict",
     "simulated_beside",
 ]
@@ -65,90 +64,6 @@ __all__ = [
 #: docs/dp-accounting.md §9): half of the clip norm's square buys the upload's per-item counts, and the
 #: item levels come from them on a log scale spanning the widest bias the uint8 levels hold at B = 1.
 PRIVATE_MODEL: dict[str, Any] = {"counts_share": 0.5, "popularity_span": 4.0, "hamming_weight": 1}
-
-
-def write_server_config(path: Path, settings: dict[str, dict[str, Any]]) -> None:
-    """Write a server TOML file from nested {table: {key: value}} (strings, numbers, booleans)."""
-    lines = []
-    for table, values in settings.items():
-        lines.append(f"[{table}]")
-        for key, value in values.items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, str | Path):
-                text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-            else:
-                text = repr(value)
-            lines.append(f"{key} = {text}")
-        lines.append("")
-    path.write_text("\n".join(lines))
-
-
-def _die_with_parent() -> None:
-    """In the server child (Linux): get SIGTERM when the process that started it dies, however it dies
-    (a killed demo must not leave its server running)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-class ServerProcess:
-    """`python -m agg_server --config FILE` as a child process on a free loopback port."""
-
-    def __init__(self, config: Path, log_path: Path) -> None:
-        self.config = config
-        self.log_path = log_path
-        self.proc: subprocess.Popen[str] | None = None
-        self.url = ""
-
-    def __enter__(self) -> ServerProcess:
-        log = open(self.log_path, "a")  # noqa: SIM115 - the child keeps its own descriptor
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agg_server", "--config", str(self.config), "--port", "0"],
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
-            )
-        finally:
-            log.close()
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if "listening on" not in line:
-            self.stop()
-            raise FedRecError(f"the server did not start: {self.last_error()}")
-        self.url = line.strip().rsplit(" ", 1)[-1]
-        return self
-
-    def last_error(self) -> str:
-        """The server's own error line from its log (its last line when none says 'error')."""
-        try:
-            lines = [ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            lines = []
-        errors = [ln for ln in lines if "error" in ln.lower()]
-        return (errors or lines or [f"no output (log {self.log_path})"])[-1]
-
-    def stop(self, grace: float = 20.0) -> int | None:
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-        return proc.returncode
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def device_data(exp: Experiment, n_devices: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -278,57 +193,22 @@ def run_demo_fleet(
 ) -> dict[str, Any]:
     """Start a server, run a device per user for ``rounds`` rounds, evaluate, stop the server."""
     n_users = int(np.max(exp.train.users)) + 1 if len(exp.train) else 0
-    m = exp.train.n_items
     cohort = min(cohort, n_users)
-    dp = privacy_epsilon is not None
     with _workdir(workdir) as root:
-        # The demo plays the operator: it creates an enrollment authority (its key stays outside the
-        # server's folder), gives the server only the public key, and certifies each device's identity key
-        # before the device registers; every round then runs signed, with the consistency check.
-        authority_file = root / "enrollment-authority.key"
-        if not authority_file.exists():
-            EnrollmentAuthority.generate().save(authority_file)
-        authority = EnrollmentAuthority.load(authority_file)
-        settings: dict[str, dict[str, Any]] = {
-            "server": {"host": "127.0.0.1", "port": 0, "data_dir": str(root / "server-data")},
-            "model": {
-                "n_items": m,
-                "bits": bits,
-                # The recipe the demo's figures were measured with: the Jacobi step, ρ = 0.3 unless asked.
-                "mean_field": False,
-                "flip_fraction": 0.3 if flip_fraction is None else flip_fraction,
-                **(PRIVATE_MODEL if dp else {}),
-                # Asymmetric scoring in the round plan (protocol 1.6): the devices follow it.
-                "query_planes": query_planes,
-                "user_reg": user_reg,
-            },
-            "rounds": {
-                "cohort_size": cohort,
-                # The fleet sends exactly the seeded cohort (FleetConfig.cohort): wait for all of it.
-                "min_cohort": cohort,
-                "max_rounds": rounds,
-                "dropout_rate": 0.33,
-                "clip_norm": 8.0,
-                "scale_bits": 12,
-                "example_cap": 0,
-                # Devices that drop announce it and the fleet sends only the cohort, so a phase closes as
-                # soon as every device answered: the deadlines are only a safety net, generous enough for
-                # 300 devices training in one process on a busy 2-core machine.
-                "advertise_timeout": 300.0,
-                "share_keys_timeout": 300.0,
-                "masked_input_timeout": 300.0,
-                "unmask_timeout": 300.0,
-                "round_interval": 0.5,
-                "seed": seed,
-            },
-            "privacy": (
-                {"enabled": True, "epsilon": privacy_epsilon, "delta": 1e-5, "planned_rounds": rounds}
-                if privacy_epsilon is not None
-                else {"enabled": False}  # the budget keys are refused without DP (nothing reads them)
-            ),
-            "log": {"format": "text", "level": "warning"},
-            "enrollment": {"authority_key": authority.public_key.hex()},
-        }
+        authority_file, authority = _demo_authority(root)
+        settings = _server_settings(
+            root,
+            authority,
+            n_items=exp.train.n_items,
+            bits=bits,
+            rounds=rounds,
+            cohort=cohort,
+            privacy_epsilon=privacy_epsilon,
+            flip_fraction=flip_fraction,
+            seed=seed,
+            query_planes=query_planes,
+            user_reg=user_reg,
+        )
         config_path = root / "server.toml"
         write_server_config(config_path, settings)
         # Where and when (paths, port, seconds) goes to stderr; stdout is the run's result, the same in
@@ -339,49 +219,20 @@ def run_demo_fleet(
         with ServerProcess(config_path, root / "server.log") as server:
             log.write(f"server: listening on {server.url}; {n_users} devices registering\n")
             log.flush()
-            header = (
-                f"{'round':>5} {'cohort':>6} {'survivors':>9}  dropped per phase (keys/shares/masked/unmask)  "
-                f"{'ε spent':>8}\n"
-            )
-            out.write(header)
-
-            def on_round(rec: dict[str, Any]) -> None:
-                drops = "/".join(str(p["dropped"]) for p in rec.get("phases", []))
-                eps = (rec.get("privacy") or {}).get("epsilon_spent")
-                eps_text = f"{eps:8.3f}" if isinstance(eps, float) else "       -"
-                state = "" if rec.get("status") == "committed" else f"  ({rec.get('status')}: {rec.get('reason')})"
-                bar.write(
-                    out,
-                    f"{rec['round_id']:>5} {rec.get('cohort_size', 0):>6} {rec.get('survivors') or 0:>9}  "
-                    f"{drops:<46} {eps_text}{state}\n",
-                )
-
-            fleet_cfg = FleetConfig(
-                url=server.url,
-                store_root=root / "devices",
-                n_items=m,
+            out.write(_ROUND_HEADER)
+            fleet_cfg = _fleet_config(
+                server.url,
+                root,
+                exp,
                 bits=bits,
                 rounds=rounds,
                 dropout=dropout,
                 seed=seed,
-                rating_range=exp.rating_range,
-                time_limit=1800.0,
-                # Devices that drop say so (like an app closed cleanly), so phases close at quorum.
-                announce_drops=True,
-                # The fleet picks each round's cohort from the seed and the devices train from it, so
-                # runs with one seed match; the DP noise is keyed from the OS unless the test hook says.
                 cohort=cohort,
-                seed_training=True,
-                insecure_reproducible=insecure_seed_noise,
-                authority_key_file=authority_file,
+                insecure_seed_noise=insecure_seed_noise,
+                authority_file=authority_file,
             )
-            bar = RoundProgress(rounds, "demo", enabled=show_progress)
-            try:
-                report, clients = asyncio.run(
-                    run_fleet(fleet_cfg, device_data(exp, n_users), on_round=on_round, on_status=bar.on_status)
-                )
-            finally:
-                bar.close()
+            report, clients = _drive_fleet(fleet_cfg, device_data(exp, n_users), out, show_progress)
             payload, status = asyncio.run(_final_model(server.url, authority))
         log.write(f"server: stopped (exit {server.proc.returncode if server.proc else '?'})\n")
         if report.errors:  # e.g. timeouts on an overloaded machine: the run is then not the seed's alone
@@ -400,6 +251,137 @@ def run_demo_fleet(
             "item_codes": codes,
             "seconds": time.perf_counter() - t0,
         }
+
+
+def _demo_authority(root: Path) -> tuple[Path, EnrollmentAuthority]:
+    """The demo plays the operator: it creates an enrollment authority (its key stays outside the
+    server's folder), gives the server only the public key, and certifies each device's identity key
+    before the device registers; every round then runs signed, with the consistency check."""
+    authority_file = root / "enrollment-authority.key"
+    if not authority_file.exists():
+        EnrollmentAuthority.generate().save(authority_file)
+    return authority_file, EnrollmentAuthority.load(authority_file)
+
+
+def _server_settings(
+    root: Path,
+    authority: EnrollmentAuthority,
+    *,
+    n_items: int,
+    bits: int,
+    rounds: int,
+    cohort: int,
+    privacy_epsilon: float | None,
+    flip_fraction: float | None,
+    seed: int,
+    query_planes: int,
+    user_reg: float,
+) -> dict[str, dict[str, Any]]:
+    """The demo server's configuration (written to ``server.toml``)."""
+    return {
+        "server": {"host": "127.0.0.1", "port": 0, "data_dir": str(root / "server-data")},
+        "model": {
+            "n_items": n_items,
+            "bits": bits,
+            # The recipe the demo's figures were measured with: the Jacobi step, ρ = 0.3 unless asked.
+            "mean_field": False,
+            "flip_fraction": 0.3 if flip_fraction is None else flip_fraction,
+            **(PRIVATE_MODEL if privacy_epsilon is not None else {}),
+            # Asymmetric scoring in the round plan (protocol 1.6): the devices follow it.
+            "query_planes": query_planes,
+            "user_reg": user_reg,
+        },
+        "rounds": {
+            "cohort_size": cohort,
+            # The fleet sends exactly the seeded cohort (FleetConfig.cohort): wait for all of it.
+            "min_cohort": cohort,
+            "max_rounds": rounds,
+            "dropout_rate": 0.33,
+            "clip_norm": 8.0,
+            "scale_bits": 12,
+            "example_cap": 0,
+            # Devices that drop announce it and the fleet sends only the cohort, so a phase closes as
+            # soon as every device answered: the deadlines are only a safety net, generous enough for
+            # 300 devices training in one process on a busy 2-core machine.
+            "advertise_timeout": 300.0,
+            "share_keys_timeout": 300.0,
+            "masked_input_timeout": 300.0,
+            "unmask_timeout": 300.0,
+            "round_interval": 0.5,
+            "seed": seed,
+        },
+        "privacy": (
+            {"enabled": True, "epsilon": privacy_epsilon, "delta": 1e-5, "planned_rounds": rounds}
+            if privacy_epsilon is not None
+            else {"enabled": False}  # the budget keys are refused without DP (nothing reads them)
+        ),
+        "log": {"format": "text", "level": "warning"},
+        "enrollment": {"authority_key": authority.public_key.hex()},
+    }
+
+
+def _drive_fleet(
+    fleet_cfg: FleetConfig, users: list[tuple[np.ndarray, np.ndarray]], out: TextIO, show_progress: bool | None
+) -> tuple[FleetReport, list[DeviceClient]]:
+    """Run the fleet to its last round, printing a table row per round (with a progress bar on a terminal)."""
+    bar = RoundProgress(fleet_cfg.rounds, "demo", enabled=show_progress)
+    try:
+        return asyncio.run(
+            run_fleet(fleet_cfg, users, on_round=lambda rec: bar.write(out, _round_line(rec)), on_status=bar.on_status)
+        )
+    finally:
+        bar.close()
+
+
+def _fleet_config(
+    url: str,
+    root: Path,
+    exp: Experiment,
+    *,
+    bits: int,
+    rounds: int,
+    dropout: float,
+    seed: int,
+    cohort: int,
+    insecure_seed_noise: bool,
+    authority_file: Path,
+) -> FleetConfig:
+    return FleetConfig(
+        url=url,
+        store_root=root / "devices",
+        n_items=exp.train.n_items,
+        bits=bits,
+        rounds=rounds,
+        dropout=dropout,
+        seed=seed,
+        rating_range=exp.rating_range,
+        time_limit=1800.0,
+        # Devices that drop say so (like an app closed cleanly), so phases close at quorum.
+        announce_drops=True,
+        # The fleet picks each round's cohort from the seed and the devices train from it, so
+        # runs with one seed match; the DP noise is keyed from the OS unless the test hook says.
+        cohort=cohort,
+        seed_training=True,
+        insecure_reproducible=insecure_seed_noise,
+        authority_key_file=authority_file,
+    )
+
+
+_ROUND_HEADER = (
+    f"{'round':>5} {'cohort':>6} {'survivors':>9}  dropped per phase (keys/shares/masked/unmask)  {'ε spent':>8}\n"
+)
+
+
+def _round_line(rec: dict[str, Any]) -> str:
+    """One row of the demo's per-round table, from the server's round record."""
+    drops = "/".join(str(p["dropped"]) for p in rec.get("phases", []))
+    eps = (rec.get("privacy") or {}).get("epsilon_spent")
+    eps_text = f"{eps:8.3f}" if isinstance(eps, float) else "       -"
+    state = "" if rec.get("status") == "committed" else f"  ({rec.get('status')}: {rec.get('reason')})"
+    return (
+        f"{rec['round_id']:>5} {rec.get('cohort_size', 0):>6} {rec.get('survivors') or 0:>9}  "
+        f"{drops:<46} {eps_text}{state}\n"
+    )
 
 
 async def _final_model(url: str, authority: EnrollmentAuthority) -> tuple[ModelPayload, dict[str, Any]]:
@@ -505,69 +487,6 @@ def _worker(
     return report.to_dict()
 
 
-_PROBE = r"""
-import sys, time, urllib.request
-url = sys.argv[1]
-while True:
-    t0 = time.perf_counter()
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            state = r.read().decode().replace(" ", "")
-        ok = 1
-    except Exception as exc:
-        state, ok = type(exc).__name__, 0
-    print(f"{time.time():.3f} {time.perf_counter() - t0:.4f} {ok} {state}", flush=True)
-    time.sleep(0.05)
-"""
-
-
-class HealthProbe:
-    """``GET /v1/health`` every 50 ms from a child process (so the fleet's own load on its event loop
-    does not count as server latency); `samples` holds (unix time, seconds, ok, body) per probe."""
-
-    def __init__(self, url: str, *, enabled: bool = True) -> None:
-        self.url, self.enabled = url, enabled
-        self.samples: list[tuple[float, float, bool, str]] = []
-        self._proc: subprocess.Popen[str] | None = None
-        self._out: Any = None
-
-    def __enter__(self) -> HealthProbe:
-        if self.enabled and self.url.startswith("http://"):  # https would need the CA: not probed
-            self._out = tempfile.TemporaryFile("w+")
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", _PROBE, f"{self.url}/v1/health"], stdout=self._out, text=True
-            )
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._proc is None:
-            return
-        self._proc.terminate()
-        self._proc.wait()
-        self._out.seek(0)
-        for line in self._out.read().splitlines():
-            parts = line.split(" ", 3)
-            if len(parts) == 4:
-                self.samples.append((float(parts[0]), float(parts[1]), parts[2] == "1", parts[3]))
-        self._out.close()
-
-
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
-def describe_outcomes(report: FleetReport) -> str:
-    """What the devices' ``run_round`` calls ended in, in words."""
-    o = report.outcomes
-    parts = [f"{o.get('committed', 0)} took part in a committed round", f"{o.get('aborted', 0)} in an aborted one"]
-    drops = ", ".join(f"{k} {v}" for k, v in sorted(report.drops.items()))
-    parts.append(f"{o.get('dropped', 0)} dropped as injected" + (f" ({drops})" if drops else ""))
-    if o.get("refused"):
-        parts.append(f"{o['refused']} refused by the device's privacy floor")
-    parts.append(f"{o.get('waited', 0)} check-ins were told to wait (not in the cohort, or no round open)")
-    return "device rounds: " + "; ".join(parts)
-
-
 class RoundProgress:
     """An in-round progress bar (stderr) driven by the fleet's ``/v1/status`` snapshots: one step per
     SecAgg+ phase of each requested round, with the current phase and the devices still in it, and an
@@ -618,164 +537,3 @@ class RoundProgress:
 
     def close(self) -> None:
         self.bar.close()
-
-
-def _round_rows(report: FleetReport) -> list[dict[str, Any]]:
-    """The fleet's rounds as the server recorded them, with the server CPU spent since the previous one."""
-    rows = []
-    prev = report.cpu_start
-    for rec in report.server_rounds:
-        proc = rec.get("process") or {}
-        cpu = proc.get("cpu_seconds")
-        delta = None if cpu is None or prev is None else cpu - prev
-        cohort = int(rec.get("cohort_size") or 0)
-        rows.append(
-            {
-                "round_id": rec.get("round_id"),
-                "status": rec.get("status"),
-                "reason": rec.get("reason") or None,
-                "cohort": cohort,
-                "survivors": rec.get("survivors"),
-                "seconds": _finite((rec.get("finished_at") or 0) - (rec.get("started_at") or 0)),
-                "phases": {ph["phase"]: _finite(ph["seconds"]) for ph in rec.get("phases") or []},
-                "cpu_seconds": None if delta is None else _finite(delta),
-                "cpu_ms_per_device": None if delta is None or not cohort else _finite(1e3 * delta / cohort),
-                "peak_rss_mb": proc.get("max_rss_mb"),
-            }
-        )
-        prev = cpu if cpu is not None else prev
-    return rows
-
-
-def _health(report: FleetReport) -> dict[str, Any] | None:
-    if not report.health:
-        return None
-    lat = np.array([s[1] for s in report.health])
-    finishing = np.array([s[1] for s in report.health if "finishing" in s[3]])
-
-    def ms(values: np.ndarray, q: float) -> float | None:
-        return _finite(1e3 * float(np.percentile(values, q))) if values.size else None
-
-    return {
-        "probes": int(lat.size),
-        "failures": sum(1 for s in report.health if not s[2]),
-        "p50_ms": ms(lat, 50),
-        "p99_ms": ms(lat, 99),
-        "max_ms": ms(lat, 100),
-        "probes_while_finishing": int(finishing.size),
-        "p99_ms_while_finishing": ms(finishing, 99),
-    }
-
-
-def loadtest_record(report: FleetReport, wanted: int, failure: str | None, **extra: Any) -> dict[str, Any]:
-    """``fedrec loadtest --json``: the report as one JSON-able object (schema in `fedsim.evaluation.report`)."""
-    latency = {
-        step: {
-            "n": len(v),
-            "p50": _finite(_pct(v, 50)),
-            "p95": _finite(_pct(v, 95)),
-            "p99": _finite(_pct(v, 99)),
-            "max": _finite(max(v)) if v else None,
-        }
-        for step, v in ((s, report.latencies.get(s, [])) for s in PHASE_STEPS)
-    }
-    rounds = _round_rows(report)
-    cpu = [r["cpu_seconds"] for r in rounds if r["cpu_seconds"] is not None]
-    device_rounds = sum(r["cohort"] for r in rounds if r["cpu_seconds"] is not None)
-    final = report.final_status or {}
-    model = final.get("model") or {}
-    proc = final.get("process") or {}
-    instance = {
-        "url": extra.pop("url", None),
-        "rounds_committed": report.committed,
-        "peak_rss_mb": proc.get("max_rss_mb"),
-        "cpu_seconds": _finite(sum(cpu)) if cpu else None,
-    }
-    privacy = final.get("privacy")
-    return {
-        **extra,
-        "devices": report.devices,
-        "rounds_requested": wanted,
-        "rounds_finished": report.rounds_finished,
-        "rounds_committed": report.committed,
-        "seconds": round(report.seconds, 3),
-        "ok": failure is None,
-        "failure": failure,
-        "outcomes": dict(report.outcomes),
-        "drops": dict(report.drops),
-        "latency_seconds": latency,
-        "round_seconds_max": max((r["seconds"] for r in rounds if r["seconds"] is not None), default=None),
-        "server_cpu_ms_per_device_round": _finite(1e3 * sum(cpu) / device_rounds) if device_rounds else None,
-        "health": _health(report),
-        "instances": [instance],
-        "bytes_up_median": float(np.median(report.bytes_up)) if report.bytes_up else None,
-        "bytes_down_median": float(np.median(report.bytes_down)) if report.bytes_down else None,
-        "bytes_per_device_round_mean": _finite(float(np.mean(np.add(report.bytes_up, report.bytes_down))))
-        if report.bytes_up
-        else None,
-        "ledger": None
-        if not privacy
-        else {k: privacy.get(k) for k in ("epsilon_spent", "epsilon_budget", "delta", "rounds_charged")},
-        "final_model": {"version": model.get("version"), "sha256": model.get("sha256")} if model else None,
-        "server_rounds": rounds,
-        "errors": dict(report.errors),
-        "error_examples": dict(report.error_examples),
-        "device_errors": report.device_errors,
-    }
-
-
-def _finite(x: float) -> float | None:
-    return round(float(x), 4) if np.isfinite(x) else None
-
-
-def format_loadtest(report: FleetReport, out: TextIO) -> None:
-    """The load-test summary tables."""
-    out.write(
-        f"\n{report.devices} devices, {report.rounds_finished} rounds finished ({report.committed} committed) "
-        f"in {report.seconds:.1f} s\n"
-    )
-    out.write(describe_outcomes(report) + "\n")
-    out.write("\nper-phase latency seen by devices (seconds; phases include the long-poll wait)\n")
-    out.write(f"{'phase':<8} {'n':>7} {'p50':>8} {'p95':>8} {'p99':>8}\n")
-    for step in PHASE_STEPS:
-        v = report.latencies.get(step, [])
-        out.write(f"{step:<8} {len(v):>7} {_pct(v, 50):>8.3f} {_pct(v, 95):>8.3f} {_pct(v, 99):>8.3f}\n")
-    if report.bytes_up:
-        out.write(
-            f"\nbytes per device per committed round: up median {np.median(report.bytes_up) / 1e3:.1f} kB, "
-            f"down median {np.median(report.bytes_down) / 1e3:.1f} kB\n"
-        )
-    out.write("\nserver, per round\n")
-    out.write(
-        f"{'round':>5} {'status':<10} {'cohort':>6} {'survivors':>9} {'seconds':>8} {'cpu s':>8} {'ms/device':>9} "
-        f"{'peak RSS MB':>12}\n"
-    )
-    for row in _round_rows(report):
-        cpu, per = row["cpu_seconds"], row["cpu_ms_per_device"]
-        out.write(
-            f"{row['round_id']:>5} {row['status']:<10} {row['cohort']:>6} {row['survivors'] or 0:>9} "
-            f"{row['seconds'] or 0:>8.1f} {'—' if cpu is None else f'{cpu:.1f}':>8} "
-            f"{'—' if per is None else f'{per:.1f}':>9} {row['peak_rss_mb'] or float('nan'):>12.0f}\n"
-        )
-        if row["phases"]:
-            out.write("      phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in row["phases"].items() if v) + "\n")
-    record = loadtest_record(report, 0, None)
-    if record["server_cpu_ms_per_device_round"] is not None:
-        out.write(f"server CPU per device-round: {record['server_cpu_ms_per_device_round']:.1f} ms\n")
-    health = record["health"]
-    if health:
-        out.write(
-            f"GET /v1/health: {health['probes']} probes, {health['failures']} failed, p50 {health['p50_ms']} ms, "
-            f"p99 {health['p99_ms']} ms, max {health['max_ms']} ms; while finishing: "
-            f"{health['probes_while_finishing']} probes, p99 {health['p99_ms_while_finishing']} ms\n"
-        )
-    if record["ledger"]:
-        led = record["ledger"]
-        out.write(
-            f"privacy ledger: epsilon {led['epsilon_spent']:.4g} of {led['epsilon_budget']:.4g} spent, "
-            f"{led['rounds_charged']} rounds charged\n"
-        )
-    if record["final_model"]:
-        fm = record["final_model"]
-        out.write(f"final model: version {fm['version']}, sha256 {fm['sha256']}\n")
-    out.write(f"\nerrors by type: {dict(report.errors) if report.errors else 'none'}\n")

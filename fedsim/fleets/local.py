@@ -30,6 +30,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus, insecure_seeded_rngs
+from device_sdk.transport import Transport
 from fedsim.fleets.faults import DropoutAt, FaultyTransport
 from fedsim.threads import one_blas_thread
 from protocol.enrollment import EnrollmentAuthority
@@ -170,7 +171,7 @@ class FleetReport:
     cpu_start: float | None = None
     #: (seconds since the fleet started, step, latency seconds) of every phase a device finished.
     latency_series: list[tuple[float, str, float]] = field(default_factory=list)
-    #: (unix time, seconds, ok, body) of each ``GET /v1/health`` probe (`fedsim.fleets.demo.HealthProbe`).
+    #: (unix time, seconds, ok, body) of each ``GET /v1/health`` probe (`fedsim.fleets.server_process.HealthProbe`).
     health: list[tuple[float, float, bool, str]] = field(default_factory=list)
     #: The server's ``/v1/status`` once the fleet stopped (model digest, ledger, process figures).
     final_status: dict[str, Any] | None = None
@@ -433,40 +434,16 @@ async def _run_fleet(
     joined: dict[int, int] = {}  # device index -> the round it is taking part in
     try:
         for offset, (items, ratings) in enumerate(users):
-            index = first_index + offset
-            holder: dict[str, DeviceClient] = {}
-            # The device code is unchanged: dropouts are injected by wrapping its transport.
-            transport = FaultyTransport(
+            client, transport = _new_device(
+                config,
+                first_index + offset,
+                items,
+                ratings,
                 HttpTransport(config.url, session=session),
-                _dropout_schedule(config, index, holder, joined),
-                announce=config.announce_drops,
+                authority,
+                joined,
             )
             faults.append(transport)
-
-            def rngs(round_id: int, _h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, NoiseStream]:
-                device_id = int(_h["c"].device_id or 0)
-                if config.insecure_reproducible:
-                    return insecure_seeded_rngs(config.seed, round_id, device_id)
-                training, _ = np.random.SeedSequence([config.seed, round_id, device_id]).spawn(2)
-                return np.random.default_rng(training), NoiseStream.from_os()
-
-            client = DeviceClient(
-                transport,
-                ClientConfig(
-                    store_dir=config.store_root / f"device-{index:06d}",
-                    long_poll_timeout=config.long_poll_timeout,
-                    privacy=config.privacy,
-                    authority_key=authority.public_key if authority is not None else None,
-                ),
-                items=items,
-                ratings=ratings,
-                n_items=config.n_items,
-                bits=config.bits,
-                rating_range=config.rating_range,
-                binary_positives=config.binary_positives,
-                rng_for_round=rngs if config.insecure_reproducible or config.seed_training else None,
-            )
-            holder["c"] = client
             clients.append(client)
         # Register one after the other: device ids then follow the order of ``users``, which makes a
         # seeded run reproducible (the in-process reference registers in the same order); a shard first
@@ -486,31 +463,85 @@ async def _run_fleet(
             )
             for i, c in enumerate(clients)
         ]
-        tasks = list(devices)
-        if monitor:
-            tasks.append(
-                asyncio.create_task(_monitor(session, config, report, stop, on_round, on_status, gate, round_over))
-            )
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=config.time_limit)
-        except TimeoutError:
-            report.errors[TIME_LIMIT] += 1
-        stop.set()
-        # Devices still reading the result of a round the fleet counted finish it (their outcome is
-        # recorded); devices in any later round are cancelled.
-        counted = {r.get("round_id") for r in report.server_rounds}
-        finishing = [t for i, t in enumerate(devices) if joined.get(first_index + i) in counted]
-        if finishing:
-            await asyncio.wait(finishing, timeout=_FINISH_GRACE)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        monitor_task = (
+            asyncio.create_task(_monitor(session, config, report, stop, on_round, on_status, gate, round_over))
+            if monitor
+            else None
+        )
+        await _until_done(config, report, stop, devices, monitor_task, first_index, joined)
     finally:
         for c in clients:
             await c.close()
         await session.close()
     report.seconds = time.perf_counter() - start
     return report, clients
+
+
+def _new_device(
+    config: FleetConfig,
+    index: int,
+    items: NDArray[np.int64],
+    ratings: NDArray[np.float64] | None,
+    http: Transport,
+    authority: EnrollmentAuthority | None,
+    joined: dict[int, int],
+) -> tuple[DeviceClient, FaultyTransport]:
+    """Device ``index`` of the fleet: an unchanged `DeviceClient` whose transport injects the dropouts."""
+    holder: dict[str, DeviceClient] = {}
+    transport = FaultyTransport(http, _dropout_schedule(config, index, holder, joined), announce=config.announce_drops)
+
+    def rngs(round_id: int, _h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, NoiseStream]:
+        device_id = int(_h["c"].device_id or 0)
+        if config.insecure_reproducible:
+            return insecure_seeded_rngs(config.seed, round_id, device_id)
+        training, _ = np.random.SeedSequence([config.seed, round_id, device_id]).spawn(2)
+        return np.random.default_rng(training), NoiseStream.from_os()
+
+    client = DeviceClient(
+        transport,
+        ClientConfig(
+            store_dir=config.store_root / f"device-{index:06d}",
+            long_poll_timeout=config.long_poll_timeout,
+            privacy=config.privacy,
+            authority_key=authority.public_key if authority is not None else None,
+        ),
+        items=items,
+        ratings=ratings,
+        n_items=config.n_items,
+        bits=config.bits,
+        rating_range=config.rating_range,
+        binary_positives=config.binary_positives,
+        rng_for_round=rngs if config.insecure_reproducible or config.seed_training else None,
+    )
+    holder["c"] = client
+    return client, transport
+
+
+async def _until_done(
+    config: FleetConfig,
+    report: FleetReport,
+    stop: asyncio.Event,
+    devices: list[asyncio.Task[None]],
+    monitor_task: asyncio.Task[None] | None,
+    first_index: int,
+    joined: dict[int, int],
+) -> None:
+    """Wait for the fleet to stop (its last round, or the time limit), then wind the device tasks down."""
+    tasks = [*devices, *([monitor_task] if monitor_task is not None else [])]
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=config.time_limit)
+    except TimeoutError:
+        report.errors[TIME_LIMIT] += 1
+    stop.set()
+    # Devices still reading the result of a round the fleet counted finish it (their outcome is
+    # recorded); devices in any later round are cancelled.
+    counted = {r.get("round_id") for r in report.server_rounds}
+    finishing = [t for i, t in enumerate(devices) if joined.get(first_index + i) in counted]
+    if finishing:
+        await asyncio.wait(finishing, timeout=_FINISH_GRACE)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _dropout_schedule(

@@ -23,15 +23,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from agg_server.config import ServerConfig, config_from_dict
 from agg_server.storage import Storage
 from device_sdk.family import LocalRatings
 from device_sdk.mf import MFConfig, MFModel
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 from fedsim.evaluation.experiment import Candidates
 from fedsim.federation.mf import MFEvaluation, evaluate_mf, mf_epsilons
 from fedsim.fleets.faults import DropoutAt
@@ -165,13 +166,65 @@ def run_private_mf(
     """
     start = time.perf_counter()
     s = settings
+    clients = _clients_of(train)
+    device_cfg = _device_config(s)
+    dropout = _dropout_schedule(s)
+
+    def new_model(device_id: int) -> MFModel:
+        return MFModel(
+            train.n_items, device_cfg, rng=np.random.default_rng(np.random.SeedSequence([s.seed, 1, device_id]))
+        )
+
+    with tempfile.TemporaryDirectory(prefix="fedrec-private-mf-") as tmp:
+        cfg = _server_config(workdir or Path(tmp), s, train.n_items, len(clients))
+        counts = None
+        mu_rounds: float | None = None
+        charges: list[tuple[float, float, float]] = []
+        if s.epsilon > 0 and s.pop_share > 0:
+            if not s.simulator:
+                raise ValueError("the private popularity channel (pop_share > 0) runs through the simulator only")
+            counts, mu_rounds, charges = _popularity_release(train, s, cfg)
+        run_rounds = _simulated_rounds if s.simulator else _coordinator_rounds
+        trained = run_rounds(cfg, s, clients, new_model, dropout, on_round, mu_rounds, charges)
+    V, committed, mu = trained.V, trained.committed, trained.mu
+    U = _fine_tune_all(trained, clients, train.n_users, s)
+    eps_rating = _epsilon_per_rating(s, mu, committed)
+    test_ev = evaluate_mf(U, V, test, test_blocks)
+    val_ev = evaluate_mf(U, V, val[0], val[1]) if val is not None else None
+    alpha = pop_ev = mf_ev = None
+    if counts is not None:
+        if val is None:
+            raise ValueError("the private popularity channel needs validation blocks to choose its weight")
+        mf_ev = test_ev
+        alpha, pop_ev, test_ev, val_ev = _with_popularity_level(U, V, counts, s, test, test_blocks, val)
+    return PrivateMFResult(
+        test_ev,
+        val_ev,
+        trained.eps_user,
+        eps_rating,
+        mu,
+        committed,
+        time.perf_counter() - start,
+        U,
+        V,
+        alpha,
+        pop_ev,
+        mf_ev,
+    )
+
+
+def _clients_of(train: Ratings) -> dict[int, LocalRatings]:
+    """One device's data per user with at least one training rating, keyed by dense user index."""
     idx = train.by_user()
-    clients = {
+    return {
         int(u): LocalRatings.single_user(idx.items[lo:hi], idx.ratings[lo:hi])
         for u, (lo, hi) in enumerate(zip(idx.indptr[:-1], idx.indptr[1:], strict=True))
         if hi > lo
     }
-    device_cfg = MFConfig(
+
+
+def _device_config(s: PrivateMFSettings) -> MFConfig:
+    return MFConfig(
         factors=s.factors,
         max_norm2=s.max_norm2,
         learning_rate=s.learning_rate,
@@ -180,6 +233,11 @@ def run_private_mf(
         fine_tune_epochs=s.fine_tune_epochs,
         negatives=s.negatives,
     )
+
+
+def _dropout_schedule(s: PrivateMFSettings) -> Callable[[int, int], DropoutAt]:
+    """Seeded dropouts: each (round, device) drops with chance ``drop_chance`` at a random phase,
+    drawn the first time the pair is asked about and remembered after."""
     schedule_rng = np.random.default_rng(np.random.SeedSequence([s.seed, 7]))
     drops: dict[tuple[int, int], DropoutAt] = {}
 
@@ -190,111 +248,142 @@ def run_private_mf(
             drops[key] = _PHASES[int(schedule_rng.integers(len(_PHASES)))] if hit else DropoutAt.NONE
         return drops[key]
 
-    def new_model(device_id: int) -> MFModel:
-        return MFModel(
-            train.n_items, device_cfg, rng=np.random.default_rng(np.random.SeedSequence([s.seed, 1, device_id]))
-        )
+    return dropout
 
+
+class _Trained(NamedTuple):
+    """The outcome of the private rounds: the server's final V and what the ledger says."""
+
+    V: npt.NDArray[np.float64]
+    committed: int  # rounds committed
+    mu: float
+    eps_user: float  # the ledger's per-user ε (∞ without DP)
     devices: dict[int, Any]
-    with tempfile.TemporaryDirectory(prefix="fedrec-private-mf-") as tmp:
-        data_dir = workdir or Path(tmp)
-        cfg = _server_config(data_dir, s, train.n_items, len(clients))
-        counts = None
-        mu_rounds: float | None = None
-        charges: list[tuple[float, float, float]] = []
-        if s.epsilon > 0 and s.pop_share > 0:
-            if not s.simulator:
-                raise ValueError("the private popularity channel (pop_share > 0) runs through the simulator only")
-            counts, mu_rounds, charges = _popularity_release(train, s, cfg)
-        if s.simulator:
-            srun = run_simulated(
-                cfg,
-                clients,
-                new_model,
-                rounds=s.rounds,
-                seed=s.seed,
-                dropout=dropout,
-                after_round=on_round,  # type: ignore[arg-type]
-                per_device_noise=False,
-                mu=mu_rounds,
-                prior_charges=charges,
-            )
-            sim = srun.simulator
-            V = np.asarray(sim.model_state, dtype=np.float64)
-            committed, mu, devices = sim.model_version - 1, sim.mu, srun.devices
-            eps_user = sim.ledger.spent() if sim.ledger is not None else math.inf
-        else:
-            store = Storage(cfg.data_dir)
-            try:
-                run = run_private(
-                    cfg,
-                    clients,
-                    new_model,
-                    rounds=s.rounds,
-                    seed=s.seed,
-                    dropout=dropout,
-                    storage=store,
-                    after_round=on_round,
-                )
-                coord = run.coordinator
-                V = np.asarray(coord.model_state, dtype=np.float64)
-                committed = coord.model_version - 1
-                mu = coord.mu
-                eps_user = coord.ledger.spent() if coord.ledger is not None else math.inf
-                devices = run.devices
-            finally:
-                store.close()
-    # Stage 3 on every device against the final V, then the held-out figures.
+
+
+def _simulated_rounds(
+    cfg: ServerConfig,
+    s: PrivateMFSettings,
+    clients: dict[int, LocalRatings],
+    new_model: Callable[[int], MFModel],
+    dropout: Callable[[int, int], DropoutAt],
+    on_round: Callable[[PrivateRun], None] | None,
+    mu_rounds: float | None,
+    charges: list[tuple[float, float, float]],
+) -> _Trained:
+    srun = run_simulated(
+        cfg,
+        clients,
+        new_model,
+        rounds=s.rounds,
+        seed=s.seed,
+        dropout=dropout,
+        after_round=on_round,  # type: ignore[arg-type]
+        per_device_noise=False,
+        mu=mu_rounds,
+        prior_charges=charges,
+    )
+    sim = srun.simulator
+    eps_user = sim.ledger.spent() if sim.ledger is not None else math.inf
+    return _Trained(
+        np.asarray(sim.model_state, dtype=np.float64), sim.model_version - 1, sim.mu, eps_user, srun.devices
+    )
+
+
+def _coordinator_rounds(
+    cfg: ServerConfig,
+    s: PrivateMFSettings,
+    clients: dict[int, LocalRatings],
+    new_model: Callable[[int], MFModel],
+    dropout: Callable[[int, int], DropoutAt],
+    on_round: Callable[[PrivateRun], None] | None,
+    mu_rounds: float | None,
+    charges: list[tuple[float, float, float]],
+) -> _Trained:
+    """Every round through the real `RoundCoordinator` (``mu_rounds`` and ``charges`` are the
+    simulator's popularity channel, never set on this path)."""
+    store = Storage(cfg.data_dir)
+    try:
+        run = run_private(
+            cfg,
+            clients,
+            new_model,
+            rounds=s.rounds,
+            seed=s.seed,
+            dropout=dropout,
+            storage=store,
+            after_round=on_round,
+        )
+        coord = run.coordinator
+        eps_user = coord.ledger.spent() if coord.ledger is not None else math.inf
+        V = np.asarray(coord.model_state, dtype=np.float64)
+        return _Trained(V, coord.model_version - 1, coord.mu, eps_user, run.devices)
+    finally:
+        store.close()
+
+
+def _fine_tune_all(
+    trained: _Trained, clients: dict[int, LocalRatings], n_users: int, s: PrivateMFSettings
+) -> npt.NDArray[np.float64]:
+    """Stage 3 on every device against the final V; returns the user factors (n_users, f)."""
     # `run_private` registers the clients in the mapping's order: the k-th device id is the k-th user.
-    user_of = dict(zip(sorted(devices), clients, strict=True))
-    U = np.zeros((train.n_users, s.factors))
-    wire = V.astype("<f8").tobytes()
-    for device_id, dev in devices.items():
+    user_of = dict(zip(sorted(trained.devices), clients, strict=True))
+    U = np.zeros((n_users, s.factors))
+    wire = trained.V.astype("<f8").tobytes()
+    for device_id, dev in trained.devices.items():
         model: MFModel = dev.model
-        model.set_global(b"", wire, committed + 1)
+        model.set_global(b"", wire, trained.committed + 1)
         model.fine_tune(dev.data, s.fine_tune_epochs)
         U[user_of[device_id]] = model.user_factors[0]
-    eps_rating = math.inf
-    if s.epsilon > 0:
-        eps_rating = mf_epsilons(
-            mu,
-            s.scale_bits,
-            s.example_cap,
-            s.max_norm2,
-            s.factors,
-            committed,
-            s.delta,
-            negatives=s.negatives,
-            clip_norm=s.clip_norm,
-        ).per_rating
-    test_ev = evaluate_mf(U, V, test, test_blocks)
-    val_ev = evaluate_mf(U, V, val[0], val[1]) if val is not None else None
-    alpha = pop_ev = mf_ev = None
-    if counts is not None:
-        if val is None:
-            raise ValueError("the private popularity channel needs validation blocks to choose its weight")
-        level = np.log1p(np.maximum(counts, 0.0))
-        level = level * (s.max_norm2 / level.max()) if level.max() > 0 else level
+    return U
 
-        def ranked(ev: MFEvaluation) -> float:
-            return ev.ranking.hr if ev.ranking is not None else 0.0
 
-        best: tuple[float, float] | None = None
-        for a in _ALPHAS:
-            inf = math.isinf(a)
-            v = ranked(evaluate_mf(U, V, val[0], val[1], item_term=level if inf else a * level, term_only=inf))
-            if best is None or v > best[1]:
-                best = (a, v)
-        assert best is not None
-        alpha = best[0]
-        mf_ev = test_ev
-        pop_ev = evaluate_mf(U, V, test, test_blocks, item_term=level, term_only=True)
-        inf = math.isinf(alpha)
-        test_ev = evaluate_mf(U, V, test, test_blocks, item_term=level if inf else alpha * level, term_only=inf)
-        val_ev = evaluate_mf(U, V, val[0], val[1], item_term=level if inf else alpha * level, term_only=inf)
-    return PrivateMFResult(
-        test_ev, val_ev, eps_user, eps_rating, mu, committed, time.perf_counter() - start, U, V, alpha, pop_ev, mf_ev
-    )
+def _epsilon_per_rating(s: PrivateMFSettings, mu: float, committed: int) -> float:
+    if s.epsilon <= 0:
+        return math.inf
+    return mf_epsilons(
+        mu,
+        s.scale_bits,
+        s.example_cap,
+        s.max_norm2,
+        s.factors,
+        committed,
+        s.delta,
+        negatives=s.negatives,
+        clip_norm=s.clip_norm,
+    ).per_rating
+
+
+def _with_popularity_level(
+    U: npt.NDArray[np.float64],
+    V: npt.NDArray[np.float64],
+    counts: npt.NDArray[np.float64],
+    s: PrivateMFSettings,
+    test: Ratings,
+    test_blocks: Candidates,
+    val: tuple[Ratings, Candidates],
+) -> tuple[float, MFEvaluation, MFEvaluation, MFEvaluation]:
+    """Choose the weight α of the private popularity level on validation HR; returns α, the level
+    alone on test, and the test and validation figures of u·v + α level."""
+    level = np.log1p(np.maximum(counts, 0.0))
+    level = level * (s.max_norm2 / level.max()) if level.max() > 0 else level
+
+    def ranked(ev: MFEvaluation) -> float:
+        return ev.ranking.hr if ev.ranking is not None else 0.0
+
+    best: tuple[float, float] | None = None
+    for a in _ALPHAS:
+        inf = math.isinf(a)
+        v = ranked(evaluate_mf(U, V, val[0], val[1], item_term=level if inf else a * level, term_only=inf))
+        if best is None or v > best[1]:
+            best = (a, v)
+    assert best is not None
+    alpha = best[0]
+    pop_ev = evaluate_mf(U, V, test, test_blocks, item_term=level, term_only=True)
+    inf = math.isinf(alpha)
+    test_ev = evaluate_mf(U, V, test, test_blocks, item_term=level if inf else alpha * level, term_only=inf)
+    val_ev = evaluate_mf(U, V, val[0], val[1], item_term=level if inf else alpha * level, term_only=inf)
+    return alpha, pop_ev, test_ev, val_ev
 
 
 #: The weights of the private popularity level tried on validation (∞ = the level alone).
@@ -414,7 +503,7 @@ def evaluate_private_mf_scaled(
     test_users: int | None = None,
     on_round: Callable[[int, float], None] | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
-    """Private MF on a published split (`fedsim.data.datasets.TrainTestSplit`) by full ranking, as
+    """Private MF on a published split (`fedsim.data.kgat.TrainTestSplit`) by full ranking, as
     `fedsim.private.scaled_lightfr.evaluate_private` evaluates LightFR: trained (`run_private_mf_scaled`) on train
     minus one carved validation item per user, scored u·v + α·level (the private counts on a log scale
     over [0, R]) with α chosen on that item from a grid holding the level alone (α = inf), then the test

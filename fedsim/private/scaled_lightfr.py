@@ -42,7 +42,7 @@ from numpy.typing import NDArray
 from agg_server.config import ServerConfig, config_from_dict
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy
-from fedsim.data.datasets import Ratings
+from fedsim.data.ratings import Ratings
 from fedsim.private.cohorts import LightFRCohort
 from fedsim.private.simulator import PrivateSimulator, one_blas_thread
 from protocol.accounting import calibrate_mu, composed_rdp, epsilon_from_rdp
@@ -611,7 +611,7 @@ def evaluate_private(
     log: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """Train privately on ``data`` (a `fedsim.evaluation.experiment.Experiment` with candidate blocks, or a
-    `fedsim.data.datasets.TrainTestSplit` evaluated by full ranking) and evaluate on its test split.
+    `fedsim.data.kgat.TrainTestSplit` evaluated by full ranking) and evaluate on its test split.
 
     α of the item level is chosen on validation (candidate blocks carved from train, or one carved
     train item per user); the test split is scored once for the chosen α, for private popularity
@@ -623,7 +623,7 @@ def evaluate_private(
     (metrics, extra) : ``metrics`` maps "model", "private_popularity", "popularity", "random" to
         their metric maps; ``extra`` holds "epsilon" (the ledger's), "delta", "alpha" and the μ's.
     """
-    from fedsim.data.datasets import TrainTestSplit
+    from fedsim.data.kgat import TrainTestSplit
     from fedsim.evaluation.ranking import TieMode, evaluate_candidates, popularity_scorer, random_scorer
 
     say = log or (lambda text: None)

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from agg_server.cohort import round_shape
+from agg_server.cohort import round_parameters, round_shape
 from agg_server.config import ServerConfig
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
@@ -271,17 +271,7 @@ class PrivateSimulator:
                 f"rounds.k/t are fixed for a cohort of {cfg.cohort_size} but only {len(fresh)} devices are eligible"
             )
         cohort, k, t, t_min = shape
-        params = RoundParameters(
-            round_id=round_id,
-            vector_length=self.vector_length,
-            k=k,
-            t=t,
-            clip_norm=float(self.quantization.clip_norm),
-            scale_bits=self.quantization.scale_bits,
-            dp_mu=float(self.mu),
-            dp_t_min=t_min,
-            deadlines=(0.0, 0.0, 0.0, 0.0),
-        )
+        params = round_parameters(round_id, self.vector_length, (k, t, t_min), self.quantization, self.mu)
         plan = round_plan(
             self.strategy, self.model_version, example_cap=cfg.example_cap, clip_norm=self.quantization.clip_norm
         )

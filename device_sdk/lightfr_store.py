@@ -1,0 +1,96 @@
+"""`LightFRModel`'s persistence: its state as one on-device store file (`device_sdk.store`, kind "lightfr").
+
+The model's ``save`` and ``load`` are these two functions; they read and set its private arrays (the packed
+words it keeps beside the ±1 codes) so that a load restores exactly what was saved.  Keys added later are
+optional on load (a file written before the item term, asymmetric scoring or the DP flags holds none).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from device_sdk.lightfr_config import _KIND, LightFRConfig
+from device_sdk.store import load_store, save_store
+from protocol.codes import from_bytes, to_bytes, unpack_signs
+from protocol.errors import StorageError
+
+if TYPE_CHECKING:
+    from device_sdk.models import LightFRModel
+
+__all__ = ["save_model", "load_model"]
+
+
+def save_model(model: LightFRModel, path: str | os.PathLike[str]) -> None:
+    """Write ``model`` atomically to one store file (see `device_sdk.store`): `LightFRModel.save`."""
+    cfg = asdict(model.config)
+    cfg["rating_range"] = list(cfg["rating_range"]) if cfg["rating_range"] is not None else None
+    save_store(
+        path,
+        _KIND,
+        {
+            "config": cfg,
+            "n_items": model.n_items,
+            "n_users": model.n_users,
+            "model_version": model.model_version,
+            "item_words": to_bytes(model._item_words),
+            "user_words": to_bytes(model._user_words),
+            "user_trained": np.packbits(model.user_trained).tobytes(),
+            "item_levels": None if model._levels is None else model._levels.tobytes(),
+            "hamming_weight": model._weight,
+            "user_q": model.user_q.astype("<i2").tobytes(),
+            "user_weight": model.user_weight.astype("<i8").tobytes(),
+            "private_rounds": model.private_rounds,
+            "private_model": model.private_model,
+        },
+    )
+
+
+def load_model(
+    cls: type[LightFRModel], path: str | os.PathLike[str], *, rng: np.random.Generator | None = None
+) -> LightFRModel:
+    """Read a model of type ``cls`` written by `save_model`: `LightFRModel.load`; raises `StorageError` on any
+    problem with the file."""
+    state = load_store(path, _KIND)
+    try:
+        raw_cfg = dict(state["config"])
+        if raw_cfg.get("rating_range") is not None:
+            raw_cfg["rating_range"] = tuple(raw_cfg["rating_range"])
+        if raw_cfg.get("unobserved_weight") == 0 and raw_cfg.get("query_planes"):
+            # Stored by an SDK that accepted planes with w0 = 0 and trained ±1 codes for them: what P = 0 is.
+            raw_cfg["query_planes"] = 0
+        config = LightFRConfig(**raw_cfg)
+        n_items, n_users = int(state["n_items"]), int(state["n_users"])
+        model = cls(n_items, config, n_users=n_users, rng=rng or np.random.default_rng())
+        f = config.bits
+        model.set_item_codes(from_bytes(state["item_words"], f, n_items), int(state["model_version"]))
+        uw = from_bytes(state["user_words"], f, n_users)
+        model.user_codes = unpack_signs(uw, f)
+        model._user_words = uw.copy()
+        trained = np.unpackbits(np.frombuffer(state["user_trained"], np.uint8))[:n_users]
+        model.user_trained = trained.astype(bool)
+        # Files written before the item term existed hold neither key.
+        levels = state.get("item_levels")
+        model.item_levels = None if levels is None else np.frombuffer(levels, dtype=np.uint8).copy()
+        model.hamming_weight = int(state.get("hamming_weight", 1))
+        # Files written before asymmetric scoring hold no vectors.
+        if state.get("user_q") is not None:
+            uq = np.frombuffer(state["user_q"], dtype="<i2").reshape(n_users, f).astype(np.int16)
+            uwt = np.frombuffer(state["user_weight"], dtype="<i8").astype(np.int64)
+            if uwt.shape != (n_users,) or np.any(uwt < 0):
+                raise ValueError("user_weight must hold one weight >= 0 per user")
+            model.user_q, model.user_weight = uq.copy(), uwt.copy()
+        private = state.get("private_rounds", False)  # files written before the rule hold none
+        if not isinstance(private, bool):
+            raise ValueError(f"private_rounds must be a boolean, got {private!r}")
+        model.private_rounds = private
+        held = state.get("private_model", False)  # files written before protocol 1.7 hold none
+        if not isinstance(held, bool):
+            raise ValueError(f"private_model must be a boolean, got {held!r}")
+        model.private_model = held
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StorageError(f"{path} is a valid store file but its LightFR state is invalid: {exc}") from exc
+    return model
