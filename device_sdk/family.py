@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, runtime_checkable
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from protocol.plan import TrainingPlan
 
-__all__ = ["FederatedModel", "LocalRatings", "LocalResult"]
+if TYPE_CHECKING:
+    from protocol.messages import RoundInvite
+
+__all__ = ["FederatedModel", "LocalRatings", "LocalResult", "RoundHooks"]
 
 
 @dataclass(frozen=True)
@@ -128,8 +131,18 @@ class FederatedModel(Protocol):
         ValueError when they do not fit this model."""
         ...
 
+    def start_round(self, invite: RoundInvite) -> None:
+        """Called before `local_update` with the round's invite, for what a family reads of the round
+        beyond its plan (`RoundHooks` gives the no-op default)."""
+        ...
+
     def local_update(self, plan: TrainingPlan, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
         """Train on ``data`` as ``plan`` says and return the upload (``plan.vector_length`` entries)."""
+        ...
+
+    def adopted(self, data: LocalRatings) -> None:
+        """Called once after `set_global` adopted a new version, with the device's own ratings, before the
+        model is saved (`RoundHooks` gives the no-op default)."""
         ...
 
     def recommend(
@@ -154,3 +167,14 @@ class FederatedModel(Protocol):
     def load(cls, path: str | os.PathLike[str], *, rng: np.random.Generator | None = None) -> Self:
         """Read a model written by `save`; ``rng`` becomes its tie-breaking generator."""
         ...
+
+
+class RoundHooks:
+    """The no-op defaults of `FederatedModel.start_round` and `FederatedModel.adopted`: a family overrides
+    the hook it needs, so the client and the trainer call both on every family and never branch on it."""
+
+    def start_round(self, invite: RoundInvite) -> None:
+        """Nothing to read from the invite beyond the plan."""
+
+    def adopted(self, data: LocalRatings) -> None:
+        """Nothing to recompute when a new global version arrives."""

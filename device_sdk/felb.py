@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from device_sdk.family import LocalRatings, LocalResult
+from device_sdk.family import LocalRatings, LocalResult, RoundHooks
 from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes, float_matrix_to_bytes
@@ -298,7 +298,7 @@ class FELBConfig:
 
 
 @dataclass
-class FELBModel(Recommender):
+class FELBModel(Recommender, RoundHooks):
     """The on-device FELB model (`device_sdk.family.FederatedModel` of kind "felb").
 
     Parameters

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from device_sdk.family import LocalRatings, LocalResult
+from device_sdk.family import LocalRatings, LocalResult, RoundHooks
 from device_sdk.retrieval import Recommender, as_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes
@@ -264,7 +264,7 @@ class FNMFConfig:
 
 
 @dataclass
-class FNMFModel(Recommender):
+class FNMFModel(Recommender, RoundHooks):
     """The FNMF device model: private U and local V in the client's order, the global V̄ as received.
 
     Parameters

@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from device_sdk.family import LocalRatings, LocalResult
+from device_sdk.family import LocalRatings, LocalResult, RoundHooks
 from device_sdk.retrieval import Recommender, as_items, check_userid, fold_in_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes
@@ -290,7 +290,7 @@ def _targets(ratings: NDArray[np.float64] | None, n: int, R: float) -> NDArray[n
 
 
 @dataclass
-class MFModel(Recommender):
+class MFModel(Recommender, RoundHooks):
     """Matrix-factorization recommender with embedding clipping for one device or one silo.
 
     Parameters

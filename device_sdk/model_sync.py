@@ -8,7 +8,6 @@ import logging
 from typing import Any
 
 from device_sdk.client_core import ClientCore, message_name
-from device_sdk.models import LightFRModel
 from device_sdk.outcome import Tally
 from device_sdk.persistence import Sync, fresh_model, load_model, save_model
 from protocol.errors import ConfigError, RemoteProtocolError, StaleRound
@@ -62,11 +61,7 @@ class ModelSyncMixin(ClientCore):
             self._model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
         except ValueError as exc:
             raise RemoteProtocolError(f"model {payload.model_version}: {exc}") from exc
-        if isinstance(self._model, LightFRModel):
-            # Once per adopted version: the ranking vectors solved against the previous item codes are
-            # re-solved against these, in memory, so the next `_save_model` writes codes and vectors in one
-            # atomic store file (a crash before it leaves the old model with its old vectors).
-            self._model.refresh_ranking(self._data)
+        self._model.adopted(self._data)  # e.g. LightFR re-solves its ranking vectors against the new codes
         # Persisted after the model itself (`_save_model`), never before.
         self._sync = Sync(etag=etag, model_version=payload.model_version)
 

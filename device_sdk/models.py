@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr
-from device_sdk.family import LocalRatings, LocalResult
+from device_sdk.family import LocalRatings, LocalResult, RoundHooks
 from device_sdk.lightfr_config import _KIND, LightFRConfig, LocalUpdate, apply_plan
 from device_sdk.lightfr_store import load_model, save_model
 from device_sdk.retrieval import Recommender, as_items, check_userid, fold_in_items
@@ -32,13 +32,16 @@ from protocol.families.lightfr import LEVEL_CENTER, UploadLayout, bias_from_leve
 from protocol.plan import LightFRParams, TrainingPlan
 from protocol.spec import Aggregation
 
+if TYPE_CHECKING:
+    from protocol.messages import RoundInvite
+
 #: LightFRConfig, LocalUpdate and apply_plan live in `device_sdk.lightfr_config`, the store format in
 #: `device_sdk.lightfr_store`; this module is where callers import the LightFR model's names from.
 __all__ = ["LightFRConfig", "LightFRModel", "LocalUpdate", "apply_plan"]
 
 
 @dataclass
-class LightFRModel(Recommender):
+class LightFRModel(Recommender, RoundHooks):
     """LightFR binary-code recommender for one device (or a small batch of users).
 
     Parameters
@@ -447,6 +450,16 @@ class LightFRModel(Recommender):
         cfg = self.config
         private = self.private_rounds or self.private_model
         return bool(cfg.rank_planes) and cfg.unobserved_weight > 0 and not private
+
+    def start_round(self, invite: RoundInvite) -> None:
+        """Before training: a private round's model ranks with the ±1 code (``private_rounds``)."""
+        self.private_rounds = invite.dp_mu > 0.0
+
+    def adopted(self, data: LocalRatings) -> None:
+        """Once per adopted version: the ranking vectors solved against the previous item codes are re-solved
+        against these (`refresh_ranking`), in memory, so the client's next save writes codes and vectors in
+        one atomic store file (a crash before it leaves the old model with its old vectors)."""
+        self.refresh_ranking(data)
 
     def refresh_ranking(self, data: LocalRatings) -> int:
         """Re-solve the ranking vectors (``rank_planes``, symmetric training) of ``data``'s trained users

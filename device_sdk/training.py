@@ -22,7 +22,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import FederatedModel, LocalRatings
-from device_sdk.models import LightFRModel, apply_plan
+from device_sdk.models import apply_plan
 from protocol.messages import RoundInvite
 from protocol.quantization import QuantizationStats, quantize
 from protocol.samplers import NoiseStream
@@ -72,9 +72,7 @@ def local_round(
         data = items
     else:
         data = LocalRatings.single_user(items, ratings)
-    if isinstance(model, LightFRModel):
-        # Before training: a private round's model ranks with the ±1 code (see LightFRModel.private_rounds).
-        model.private_rounds = invite.dp_mu > 0.0
+    model.start_round(invite)
     result = model.local_update(plan, data, rng)
     x = np.asarray(result.vector, dtype=np.float64).ravel()
     if x.size != invite.vector_length:
