@@ -394,14 +394,14 @@ def _popularity_release(
     train: Ratings, s: PrivateMFSettings, cfg: ServerConfig
 ) -> tuple[np.ndarray, float, list[tuple[float, float, float]]]:
     """(private counts, μ of every round, [(μ, Δ1, Δ2) of the popularity release]) for ``s``'s ε."""
-    from fedsim.private.scaled_lightfr import _largest_scale_bits, _per_user, release_counts, split_budget
-    from protocol.quantization import QuantizationConfig, sensitivity
+    from fedsim.private.scaled_lightfr import _per_user, release_counts, split_budget, widest_quantization
+    from protocol.quantization import sensitivity
 
     n, m = train.n_users, train.n_items
     qm = cfg.rounds.quantization()
     l2m, l1m = sensitivity(qm, m * s.factors)
     theta = s.pop_theta
-    qp = QuantizationConfig(clip_norm=math.sqrt(theta), scale_bits=_largest_scale_bits(n, math.sqrt(theta)))
+    qp = widest_quantization(n, math.sqrt(theta))
     l2p, l1p = sensitivity(qp, m)
     mu_rounds, mu_pop = split_budget(s.epsilon, s.delta, s.rounds, (l1m, l2m), (l1p, l2p), s.pop_share)
     rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
@@ -441,10 +441,9 @@ def run_private_mf_scaled(
     """
     from device_sdk.mf import fit_users
     from fedsim.private.cohorts import MFCohort
-    from fedsim.private.scaled_lightfr import _largest_scale_bits, _per_user, release_counts
+    from fedsim.private.scaled_lightfr import _per_user, release_counts, widest_quantization
     from fedsim.private.simulator import PrivateSimulator
     from protocol.families.mf import project_rows
-    from protocol.quantization import QuantizationConfig
 
     start = time.perf_counter()
     s = settings
@@ -466,7 +465,7 @@ def run_private_mf_scaled(
                 mu_pop = charges[0][0]
             else:
                 theta = s.pop_theta
-                qp = QuantizationConfig(clip_norm=math.sqrt(theta), scale_bits=_largest_scale_bits(n, math.sqrt(theta)))
+                qp = widest_quantization(n, math.sqrt(theta))
                 rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
                 counts = release_counts(_per_user(train), m, theta, qp, 0.0, rng)
         sim = PrivateSimulator(cfg, mu=mu_rounds)

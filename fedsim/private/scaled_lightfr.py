@@ -57,6 +57,7 @@ __all__ = [
     "ScaledResult",
     "NoiseAwareLightFR",
     "split_budget",
+    "widest_quantization",
     "release_counts",
     "run_private_scaled",
     "scaled_config",
@@ -178,6 +179,12 @@ def _largest_scale_bits(n: int, clip_norm: float, head: float = 0.9) -> int:
     while s < 30 and n * math.ceil(2 ** (s + 1) * clip_norm) < head * 2**31:
         s += 1
     return s
+
+
+def widest_quantization(n: int, clip_norm: float) -> QuantizationConfig:
+    """Clip norm ``clip_norm`` with the finest scale a sum of ``n`` devices leaves room for
+    (`_largest_scale_bits`): the quantization of a simulated release outside the model rounds."""
+    return QuantizationConfig(clip_norm=clip_norm, scale_bits=_largest_scale_bits(n, clip_norm))
 
 
 def split_budget(
@@ -352,7 +359,7 @@ def run_private_scaled(
     base = build_strategy(cfg)
     l2m, l1m = sensitivity(qm, int(base.vector_length))
     theta_pop = s.example_cap or int(max(u.size for u in per_user))
-    qp = QuantizationConfig(clip_norm=math.sqrt(theta_pop), scale_bits=_largest_scale_bits(n, math.sqrt(theta_pop)))
+    qp = widest_quantization(n, math.sqrt(theta_pop))
     l2p, l1p = sensitivity(qp, m)
     mu_model = mu_pop = 0.0
     if dp:
@@ -525,12 +532,12 @@ def plan_privacy(
     kept = np.minimum(per_user, example_cap) if example_cap else per_user
     users_per_item = np.bincount(train.items, minlength=m).astype(np.float64)
     theta_pop = example_cap or int(per_user.max())
-    qp = QuantizationConfig(clip_norm=math.sqrt(theta_pop), scale_bits=_largest_scale_bits(n, math.sqrt(theta_pop)))
+    qp = widest_quantization(n, math.sqrt(theta_pop))
     l2p, l1p = sensitivity(qp, m)
     out = []
     for clip in clips:
-        s_bits = _largest_scale_bits(n, clip)
-        qm = QuantizationConfig(clip_norm=clip, scale_bits=s_bits)
+        qm = widest_quantization(n, clip)
+        s_bits = qm.scale_bits
         l2m, l1m = sensitivity(qm, m * bits)
         norm = 0.5 * np.sqrt((1 + negatives) * np.maximum(kept, 1) * bits)
         c = float(np.mean(np.minimum(1.0, clip / norm)))
