@@ -1,35 +1,44 @@
 """fedrec aggregation server: configuration, storage, the round coordinator, strategies and the
-aiohttp application (`create_app`)."""
+aiohttp application (`create_app`).
+
+The names re-exported here load their module on first use (PEP 562), so importing one light module
+(`agg_server.config`, the operator's `agg_server.authority`) does not load aiohttp and dp-accounting.
+"""
 
 from __future__ import annotations
 
-from agg_server.app import create_app
-from agg_server.config import (
-    ListenConfig,
-    LogSection,
-    ModelSection,
-    PrivacySection,
-    RoundSection,
-    ServerConfig,
-    config_from_dict,
-    load_config,
-)
-from agg_server.coordinator import RoundCoordinator
-from agg_server.storage import Storage
-from agg_server.strategy import (
-    LightFRServerStrategy,
-    LightFRStrategy,
-    Strategy,
-    agg_grad,
-    agg_para,
-    build_strategy,
-    cold_start_items,
-)
-from agg_server.strategy.felb import FELBStrategy
-from agg_server.strategy.fnmf import FNMFStrategy, TrustedBarycenterFNMF
-from agg_server.strategy.mf import MFStrategy
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from protocol.errors import *  # noqa: F403
 from protocol.errors import __all__ as _errors_all
+
+if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use (PEP 562)
+    from agg_server.app import create_app
+    from agg_server.config import (
+        ListenConfig,
+        LogSection,
+        ModelSection,
+        PrivacySection,
+        RoundSection,
+        ServerConfig,
+        config_from_dict,
+        load_config,
+    )
+    from agg_server.coordinator import RoundCoordinator
+    from agg_server.storage import Storage
+    from agg_server.strategy import (
+        LightFRServerStrategy,
+        LightFRStrategy,
+        Strategy,
+        agg_grad,
+        agg_para,
+        build_strategy,
+        cold_start_items,
+    )
+    from agg_server.strategy.felb import FELBStrategy
+    from agg_server.strategy.fnmf import FNMFStrategy, TrustedBarycenterFNMF
+    from agg_server.strategy.mf import MFStrategy
 
 __all__ = [
     "create_app",
@@ -56,3 +65,42 @@ __all__ = [
     "cold_start_items",
     *_errors_all,
 ]
+
+# exported name -> the module that defines it, imported on first use
+_LAZY = {
+    "create_app": "agg_server.app",
+    "ListenConfig": "agg_server.config",
+    "LogSection": "agg_server.config",
+    "ModelSection": "agg_server.config",
+    "PrivacySection": "agg_server.config",
+    "RoundSection": "agg_server.config",
+    "ServerConfig": "agg_server.config",
+    "config_from_dict": "agg_server.config",
+    "load_config": "agg_server.config",
+    "RoundCoordinator": "agg_server.coordinator",
+    "Storage": "agg_server.storage",
+    "LightFRServerStrategy": "agg_server.strategy",
+    "LightFRStrategy": "agg_server.strategy",
+    "Strategy": "agg_server.strategy",
+    "agg_grad": "agg_server.strategy",
+    "agg_para": "agg_server.strategy",
+    "build_strategy": "agg_server.strategy",
+    "cold_start_items": "agg_server.strategy",
+    "FELBStrategy": "agg_server.strategy.felb",
+    "FNMFStrategy": "agg_server.strategy.fnmf",
+    "TrustedBarycenterFNMF": "agg_server.strategy.fnmf",
+    "MFStrategy": "agg_server.strategy.mf",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agg_server' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -14,8 +14,8 @@ import math
 from pathlib import Path
 from typing import Any, TextIO
 
-from protocol.enrollment import DEFAULT_VALID_DAYS
 from protocol.errors import ConfigError
+from protocol.spec import DEFAULT_VALID_DAYS
 
 __all__ = ["DESCRIPTION", "HELP", "NAME", "add_options", "run"]
 

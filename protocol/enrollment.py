@@ -33,6 +33,7 @@ from protocol.identity import (
     issue_revocation_list,
     verify_revocation_list,
 )
+from protocol.spec import DEFAULT_VALID_DAYS
 
 __all__ = [
     "EnrollmentAuthority",
@@ -45,8 +46,6 @@ __all__ = [
     "write_revocation_list",
 ]
 
-#: How long a certificate `EnrollmentAuthority.issue` writes is valid by default (days).
-DEFAULT_VALID_DAYS = 365
 #: The longest validity period it accepts (days, 10 years).
 MAX_VALID_DAYS = 3653
 

@@ -9,6 +9,7 @@ from enum import StrEnum
 __all__ = [
     "Aggregation",
     "Alignment",
+    "DEFAULT_VALID_DAYS",
     "MAX_ITEMS",
     "MAX_LOCAL_STEPS",
     "MAX_QUERY_PLANES",
@@ -42,6 +43,9 @@ USER_REG_RANGE = (1e-6, 1e6)
 matrix stays well away from singular and the vector finite whatever item codes a server ships."""
 MAX_TEXT = 4096
 """Longest human-readable reason or detail in a message."""
+DEFAULT_VALID_DAYS = 365
+"""How long a device certificate `protocol.enrollment.EnrollmentAuthority.issue` writes is valid by default
+(days); here, beside the other limits, so the operator's CLI shows it without loading the crypto."""
 
 
 class ModelKind(StrEnum):

@@ -6,7 +6,6 @@ import argparse
 from typing import TextIO
 
 from fedsim.cli.args import Command, add_data_dir, resolve_data_dir
-from fedsim.data.datasets import DATASET_NAMES, LightFRSplit, TrainTestSplit, load_dataset
 from protocol.errors import FedRecError
 
 __all__ = ["COMMAND"]
@@ -14,6 +13,8 @@ __all__ = ["COMMAND"]
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``fedrec data``; returns the exit status."""
+    from fedsim.data.datasets import DATASET_NAMES, LightFRSplit, TrainTestSplit, load_dataset
+
     base = resolve_data_dir(args.data_dir)
     out.write(f"data folder: {base if base is not None else 'not found (set FEDREC_DATA or --data-dir)'}\n")
     names = [n for n in DATASET_NAMES if n != "synthetic"] if base is not None else []

@@ -6,12 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
-from agg_server.config import MIN_COHORT
-from device_sdk.models import LightFRModel
 from fedsim.cli.args import (
     Command,
     add_dataset,
@@ -25,12 +23,12 @@ from fedsim.cli.args import (
     positive_float,
     positive_int,
 )
-from fedsim.cli.results import report_sampled, resolve_dataset
-from fedsim.evaluation.experiment import Experiment, item_titles
-from fedsim.evaluation.ranking import TieMode
-from fedsim.evaluation.report import result_record, write_json
 from protocol.errors import ConfigError
 from protocol.plan import LightFRParams
+
+if TYPE_CHECKING:  # the simulator, the server and the SDK load when the command runs, not to parse it
+    from device_sdk.models import LightFRModel
+    from fedsim.evaluation.experiment import Experiment
 
 __all__ = ["COMMAND"]
 
@@ -94,6 +92,10 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``fedrec demo``; returns the exit status."""
+    from agg_server.config import MIN_COHORT
+    from fedsim.cli.results import report_sampled, resolve_dataset
+    from fedsim.evaluation.ranking import TieMode
+    from fedsim.evaluation.report import write_json
     from fedsim.fleets.demo import run_demo_fleet, verdict
 
     if not 0 <= args.dropout < 1:
@@ -200,6 +202,9 @@ def _record(
     args: argparse.Namespace, exp: Experiment, res: dict[str, Any], ours: Any, privacy: dict[str, Any] | None
 ) -> dict[str, Any]:
     """The ``--json`` result of the demo (`fedsim.evaluation.report`)."""
+    from fedsim.evaluation.ranking import TieMode
+    from fedsim.evaluation.report import result_record
+
     base = res["baselines"][TieMode.RANDOM]
     figures = {"model": ours, "popularity": base["popularity"], "random": base["random"]}
     rounds_run = res["report"].server_rounds
@@ -233,6 +238,8 @@ def _first_users(exp: Experiment, n: int) -> Experiment:
 
 
 def _show_device(exp: Experiment, model: LightFRModel, data_dir: Path | None, out: TextIO) -> None:
+    from fedsim.evaluation.experiment import item_titles
+
     titles = item_titles(exp, data_dir)
     user = int(exp.test.users[0])
     train = exp.train

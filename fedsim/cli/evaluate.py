@@ -5,17 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-import numpy as np
-
-from device_sdk.batched import plane_vectors
 from fedsim.cli.args import Command, add_dataset, add_json, add_run_file, positive_int, resolve_data_dir
-from fedsim.cli.results import evaluate_and_report
-from fedsim.evaluation.experiment import Experiment, Protocol, prepare
-from fedsim.evaluation.report import result_record, write_json
-from fedsim.federation.lightfr import FederatedLightFR
+from fedsim.evaluation.experiment import Protocol
 from protocol.errors import ConfigError, FedRecError
+
+if TYPE_CHECKING:  # the simulator loads when the command runs, not to parse it
+    from fedsim.evaluation.experiment import Experiment
+    from fedsim.federation.lightfr import FederatedLightFR
 
 __all__ = ["COMMAND"]
 
@@ -48,6 +46,10 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``fedrec eval``; returns the exit status."""
+    from fedsim.cli.results import evaluate_and_report
+    from fedsim.evaluation.experiment import prepare
+    from fedsim.evaluation.report import result_record, write_json
+
     if (args.run is None) == (args.baseline is None):
         raise ValueError("give either a run file or --baseline")
     t0 = time.perf_counter()
@@ -80,6 +82,11 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
 
 def _load_run(args: argparse.Namespace) -> tuple[Experiment, FederatedLightFR, int, int | None]:
     """A saved LightFR run and the experiment it was trained on (same split, same evaluation seed)."""
+    import numpy as np
+
+    from device_sdk.batched import plane_vectors
+    from fedsim.evaluation.experiment import prepare
+    from fedsim.federation.lightfr import FederatedLightFR
     from fedsim.federation.runs import load_run
 
     run = load_run(args.run)

@@ -14,8 +14,6 @@ from fedsim.cli.args import (
     positive_int,
     resolve_data_dir,
 )
-from fedsim.cli.results import print_rows
-from fedsim.data.datasets import LightFRSplit, TrainTestSplit, load_dataset
 
 __all__ = ["COMMAND", "MAX_PLAN_ROUNDS"]
 
@@ -49,6 +47,8 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``fedrec plan-privacy``; returns the exit status."""
+    from fedsim.cli.results import print_rows
+    from fedsim.data.datasets import LightFRSplit, TrainTestSplit, load_dataset
     from fedsim.private.scaled_lightfr import plan_privacy
 
     data: Any = load_dataset(args.dataset, resolve_data_dir(args.data_dir))

@@ -7,8 +7,6 @@ import sys
 from typing import TextIO
 
 from fedsim.cli.args import Command, add_json, add_run_file, add_seed, positive_int
-from fedsim.evaluation.report import write_json
-from fedsim.ui import table
 
 __all__ = ["COMMAND"]
 
@@ -23,7 +21,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``fedrec recommend``; returns the exit status."""
+    from fedsim.evaluation.report import write_json
     from fedsim.federation.runs import load_run
+    from fedsim.ui import table
 
     run = load_run(args.run)
     user = run.user_index(str(args.user))

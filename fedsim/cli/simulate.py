@@ -11,11 +11,9 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from device_sdk.store import save_store
 from fedsim.cli.args import Command, add_json, add_plot, add_quiet, check_output_file, option_defaults, resolve_data_dir
-from fedsim.cli.results import evaluate_and_report, print_rows, resolve_dataset, score_blocks
 from fedsim.cli.simulate_options import (
     add_data_args,
     add_family_args,
@@ -28,15 +26,11 @@ from fedsim.cli.simulate_options import (
     model_config,
     unobserved_weight,
 )
-from fedsim.cli.simulate_private import simulate_mf_published, simulate_private_lightfr
-from fedsim.data.datasets import TrainTestSplit, load_dataset
-from fedsim.evaluation.experiment import Experiment
-from fedsim.evaluation.ranking import TieMode
-from fedsim.evaluation.report import result_record, write_json
-from fedsim.federation.families import FAMILY_DEFAULT_ROUNDS, simulate_family
-from fedsim.federation.lightfr import FederatedLightFR, RoundReport, run_lightfr, user_data
-from fedsim.ui import progress
 from protocol.errors import ConfigError
+
+if TYPE_CHECKING:  # the simulator loads when the command runs, not to parse it
+    from fedsim.evaluation.experiment import Experiment
+    from fedsim.federation.lightfr import FederatedLightFR, RoundReport
 
 __all__ = ["COMMAND"]
 
@@ -54,6 +48,12 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``fedrec simulate``; returns the exit status."""
+    from fedsim.cli.results import evaluate_and_report, resolve_dataset
+    from fedsim.cli.simulate_private import simulate_mf_published, simulate_private_lightfr
+    from fedsim.data.datasets import TrainTestSplit, load_dataset
+    from fedsim.evaluation.report import result_record, write_json
+    from fedsim.federation.families import FAMILY_DEFAULT_ROUNDS, simulate_family
+
     defaults = option_defaults(_add_options)
     check_applicable(args, defaults)
     if args.plot is not None:
@@ -111,6 +111,11 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _train(args: argparse.Namespace, exp: Experiment, out: TextIO, show_progress: bool) -> FederatedLightFR:
+    from fedsim.cli.results import print_rows, score_blocks
+    from fedsim.evaluation.ranking import TieMode
+    from fedsim.federation.lightfr import run_lightfr, user_data
+    from fedsim.ui import progress
+
     cfg, fed = model_config(args, exp), fed_config(args)
     if fed.query_planes and getattr(args, "save", None) is not None:
         raise ValueError("--save stores ±1 user codes; a run with --query-planes keeps bit-plane user vectors")
@@ -174,6 +179,7 @@ def _plot(args: argparse.Namespace, exp: Experiment, state: FederatedLightFR, ou
 
 def _save(args: argparse.Namespace, exp: Experiment, state: FederatedLightFR, out: TextIO) -> None:
     """``--save``: the trained LightFR run as a ``lightfr-run`` store file (`fedsim.federation.runs`)."""
+    from device_sdk.store import save_store
     from fedsim.federation.runs import LIGHTFR_RUN, TrainItems, lightfr_run_fields
 
     train = exp.train

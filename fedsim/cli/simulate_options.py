@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TYPE_CHECKING
 
-from agg_server.strategy.lightfr import default_flip_fraction
-from device_sdk.models import LightFRConfig
 from fedsim.cli.args import (
     add_dataset,
     add_seed,
@@ -29,11 +28,14 @@ from fedsim.cli.args import (
 )
 from fedsim.data.datasets import DATASET_NAMES
 from fedsim.evaluation.experiment import Experiment, Protocol
-from fedsim.federation.lightfr import FederationConfig
 from protocol.errors import ConfigError
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
 from protocol.plan import LightFRParams
 from protocol.spec import Aggregation
+
+if TYPE_CHECKING:  # the device SDK and the simulator load when a configuration is made, not to parse
+    from device_sdk.models import LightFRConfig
+    from fedsim.federation.lightfr import FederationConfig
 
 __all__ = [
     "NOT_PRIVATE_LIGHTFR",
@@ -274,6 +276,8 @@ def add_data_args(p: argparse.ArgumentParser, default: str | None) -> None:
 
 
 def model_config(args: argparse.Namespace, exp: Experiment) -> LightFRConfig:
+    from device_sdk.models import LightFRConfig
+
     return LightFRConfig(
         bits=args.bits,
         lam=args.lam,
@@ -305,6 +309,8 @@ def flip_fraction(args: argparse.Namespace) -> float:
     """--flip-fraction, or the server's default for this objective (`strategy.lightfr.default_flip_fraction`)."""
     if args.flip_fraction is not None:
         return float(args.flip_fraction)
+    from agg_server.strategy.lightfr import default_flip_fraction
+
     full = unobserved_weight(args) != 0 and args.aggregation == Aggregation.GRAD.value
     return default_flip_fraction(full, mean_field(args))
 
@@ -317,6 +323,8 @@ def mean_field(args: argparse.Namespace) -> bool:
 def fed_config(args: argparse.Namespace) -> FederationConfig:
     # Symmetric training under the all-items objective ranks as a device does by default: with its vector
     # ridge-solved against the final item codes, as planes (`LightFRConfig.rank_planes` / `rank_ridge`).
+    from fedsim.federation.lightfr import FederationConfig
+
     ranked = not getattr(args, "query_planes", 0) and unobserved_weight(args) != 0
     return FederationConfig(
         rounds=args.rounds,
@@ -335,12 +343,16 @@ def fed_config(args: argparse.Namespace) -> FederationConfig:
 
 def _rank_planes(args: argparse.Namespace) -> int:
     """--rank-planes, or the device SDK's default (`LightFRConfig.rank_planes`)."""
+    from device_sdk.models import LightFRConfig
+
     planes = getattr(args, "rank_planes", None)
     return LightFRConfig().rank_planes if planes is None else int(planes)
 
 
 def rank_ridge(args: argparse.Namespace) -> float:
     """--rank-ridge, or the device SDK's default (`LightFRConfig.rank_ridge`)."""
+    from device_sdk.models import LightFRConfig
+
     ridge = getattr(args, "rank_ridge", None)
     return LightFRConfig().rank_ridge if ridge is None else float(ridge)
 
