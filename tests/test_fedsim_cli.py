@@ -133,6 +133,37 @@ def test_bad_arguments_name_the_problem(argv: list[str], message: str, capsys: p
     assert message in capsys.readouterr().err
 
 
+def test_argument_errors_are_one_line_and_a_pointer_to_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """An argument error prints the error and where to look, not the command's whole usage (26 lines)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--rounds", "abc"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        "fedrec simulate: error: argument --rounds: expected a whole number, got 'abc'\n"
+        "(see fedrec simulate --help)\n"
+    )
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--roudns", "3"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        "fedrec simulate: error: unrecognized arguments: --roudns 3; did you mean --rounds?\n"
+        "(see fedrec simulate --help)\n"
+    )
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--basline=popularity"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "fedrec eval: error: unrecognized arguments: --basline=popularity; did you mean --baseline?\n" + (
+        "(see fedrec eval --help)\n"
+    )
+    with pytest.raises(SystemExit) as exc:
+        main(["recommend", "run.fedrec"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        "fedrec recommend: error: the following arguments are required: --user\n(see fedrec recommend --help)\n"
+    )
+
+
 def test_runtime_errors_are_one_clear_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["simulate", "--dataset", str(tmp_path / "nope.csv"), "--rounds", "1"]) == 2
     err = capsys.readouterr().err

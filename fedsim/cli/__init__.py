@@ -2,16 +2,21 @@
 description, options, run), which this module adds to one parser and runs.
 
 This is the edge of the program: it reads the environment, parses and validates arguments, and turns
-every `FedRecError`/`ValueError` into one clear line on stderr and exit status 2.
+every `FedRecError`/`ValueError` into one clear line on stderr and exit status 2. An argument error is one
+line too, ``fedrec COMMAND: error: ...`` (with "did you mean --xyz?" for a misspelt option), then
+``(see fedrec COMMAND --help)``, exit status 2: not the whole usage.
+
+Building the parser imports only what the options need; each command imports its work in its ``run``.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, NoReturn, TextIO
 
 from agg_server import authority
 from fedsim.cli import data, demo, evaluate, export, loadtest, plan_privacy, recommend, simulate
@@ -38,9 +43,45 @@ _COMMANDS = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line and a pointer to ``--help``, not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        # An unknown option is reported by the top parser; name the sub-command it was given to instead,
+        # with the nearest of that command's options.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self._command_parser(parsed)
+            (command or self).error(f"unrecognized arguments: {' '.join(extras)}{_did_you_mean(extras, command)}")
+        return parsed
+
+    def _command_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser | None:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen: argparse.ArgumentParser | None = action.choices.get(getattr(parsed, action.dest, None))
+                return chosen
+        return None
+
+
+def _did_you_mean(extras: list[str], parser: argparse.ArgumentParser | None) -> str:
+    """``; did you mean --xyz?`` for the first unknown option that is close to one of ``parser``'s."""
+    if parser is None:
+        return ""
+    known = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    for extra in extras:
+        if extra.startswith("--"):
+            close = difflib.get_close_matches(extra.split("=", 1)[0], known, n=1)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fedrec`` argument parser (also used to generate the CLI reference)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fedrec",
         description="fedrec: on-device federated recommendation (LightFR binary codes).",
     )
