@@ -12,12 +12,15 @@ Invariants:
   is fsync'ed.  A crash at any point leaves either the old file or the new one, never a mix.
 - A load verifies everything (msgpack structure, magic, major version, kind, checksum) before any
   field is used.  A file that fails is moved aside to ``<name>.corrupt-<n>`` (never deleted or
-  overwritten) and `StorageError` is raised naming the file and the reason.
+  overwritten; a warning is logged) and `StorageError` is raised naming the file and the reason.  That is
+  for the device's own store, which must start over without the damaged file; a reader of a file the user
+  named (``load_store(..., move_aside=False)``, the ``fedrec`` CLI) reports it and leaves it where it is.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,8 @@ from protocol.atomic import write_atomic
 from protocol.errors import StorageError
 
 __all__ = ["STORE_FORMAT", "save_store", "load_store", "MAX_STORE_BYTES"]
+
+_log = logging.getLogger(__name__)
 
 STORE_MAGIC = "fedrec-store"
 STORE_FORMAT = (1, 0)
@@ -78,22 +83,28 @@ def _move_aside(path: Path) -> Path:
     raise StorageError(f"too many corrupt copies of {path}; clean them up")  # pragma: no cover
 
 
-def _corrupt(path: Path, reason: str) -> StorageError:
+def _corrupt(path: Path, reason: str, move_aside: bool) -> StorageError:
+    if not move_aside:
+        return StorageError(f"{path} is corrupt or not a fedrec store file ({reason}); left it unchanged")
     try:
         moved = _move_aside(path)
     except OSError as exc:  # pragma: no cover - read-only media
         return StorageError(f"{path} is corrupt ({reason}) and could not be moved aside: {exc}")
+    _log.warning("store file %s is corrupt (%s); moved it aside to %s", path, reason, moved.name)
     return StorageError(f"{path} is corrupt ({reason}); moved it aside to {moved.name}")
 
 
-def load_store(path: str | os.PathLike[str], kind: str) -> dict[str, Any]:
+def load_store(path: str | os.PathLike[str], kind: str, *, move_aside: bool = True) -> dict[str, Any]:
     """Read and verify a store file written by :func:`save_store`.
+
+    ``move_aside`` is for the device's own store (the default): a corrupted file is renamed so the device
+    can start over.  A reader of a file the user named passes False, and the file stays where it is.
 
     Raises
     ------
     StorageError
         If the file is missing, truncated, corrupted, of another kind or of an incompatible
-        format.  A corrupted file is moved aside first (``<name>.corrupt-<n>``).
+        format.  With ``move_aside``, a corrupted file is moved aside first (``<name>.corrupt-<n>``).
     """
     path = Path(path)
     try:
@@ -108,26 +119,26 @@ def load_store(path: str | os.PathLike[str], kind: str) -> dict[str, Any]:
     try:
         outer = msgpack.unpackb(data, raw=False, max_bin_len=MAX_STORE_BYTES, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on bad input
-        raise _corrupt(path, f"not a valid msgpack document: {type(exc).__name__}") from exc
+        raise _corrupt(path, f"not a valid msgpack document: {type(exc).__name__}", move_aside) from exc
     if not isinstance(outer, dict) or outer.get("magic") != STORE_MAGIC:
-        raise _corrupt(path, "missing fedrec-store header")
+        raise _corrupt(path, "missing fedrec-store header", move_aside)
     fmt = outer.get("format")
     if not (isinstance(fmt, list) and len(fmt) == 2 and all(isinstance(x, int) for x in fmt)):
-        raise _corrupt(path, "malformed format version")
+        raise _corrupt(path, "malformed format version", move_aside)
     if fmt[0] != STORE_FORMAT[0]:
         # Not corrupt: written by an incompatible version. Leave it where it is.
         raise StorageError(f"{path} has store format {fmt[0]}.{fmt[1]}; this fedrec reads {STORE_FORMAT[0]}.x")
     payload, digest = outer.get("payload"), outer.get("sha256")
     if not isinstance(payload, bytes) or not isinstance(digest, bytes):
-        raise _corrupt(path, "missing payload or checksum")
+        raise _corrupt(path, "missing payload or checksum", move_aside)
     if hashlib.sha256(payload).digest() != digest:
-        raise _corrupt(path, "checksum mismatch")
+        raise _corrupt(path, "checksum mismatch", move_aside)
     if outer.get("kind") != kind:
         raise StorageError(f"{path} holds a {outer.get('kind')!r} model, expected {kind!r}")
     try:
         state = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:
-        raise _corrupt(path, f"payload is not valid msgpack: {type(exc).__name__}") from exc
+        raise _corrupt(path, f"payload is not valid msgpack: {type(exc).__name__}", move_aside) from exc
     if not isinstance(state, dict):
-        raise _corrupt(path, "payload is not a map")
+        raise _corrupt(path, "payload is not a map", move_aside)
     return state

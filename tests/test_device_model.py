@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import scipy.sparse as sp
 
 import device_sdk.store as store
 from device_sdk.models import LightFRConfig, LightFRModel
+from device_sdk.store import load_store
 from fedsim.federation.lightfr import FederationConfig, UserData, run_lightfr
 from protocol.codes import random_signs
 from protocol.errors import ModelError, StorageError
@@ -164,7 +166,9 @@ def test_save_load_roundtrip(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
-def test_corrupt_file_raises_and_is_moved_aside(tmp_path: Path, damage: str) -> None:
+def test_corrupt_file_raises_and_is_moved_aside(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "model.fedrec"
     _model().save(path)
     data = bytearray(path.read_bytes())
@@ -177,16 +181,26 @@ def test_corrupt_file_raises_and_is_moved_aside(tmp_path: Path, damage: str) -> 
     else:
         data = bytearray()
     path.write_bytes(bytes(data))
-    with pytest.raises(StorageError, match="corrupt"):
+    with caplog.at_level(logging.WARNING, logger="device_sdk.store"), pytest.raises(StorageError, match="corrupt"):
         LightFRModel.load(path)
     assert not path.exists()
     aside = tmp_path / "model.fedrec.corrupt-1"
+    assert f"store file {path} is corrupt" in caplog.text and "moved it aside to model.fedrec.corrupt-1" in caplog.text
     assert aside.read_bytes() == bytes(data)  # kept byte for byte, never overwritten
     # A second corrupt file gets its own name.
     path.write_bytes(bytes(data))
     with pytest.raises(StorageError):
         LightFRModel.load(path)
     assert (tmp_path / "model.fedrec.corrupt-2").exists() and aside.read_bytes() == bytes(data)
+
+
+def test_a_reader_of_the_users_file_leaves_a_corrupt_one_where_it_is(tmp_path: Path) -> None:
+    """``load_store(..., move_aside=False)``: the error names the file, and the file is not renamed."""
+    path = tmp_path / "model.fedrec"
+    path.write_bytes(b"\xc1not msgpack at all")
+    with pytest.raises(StorageError, match="corrupt or not a fedrec store file .*left it unchanged"):
+        load_store(path, "lightfr", move_aside=False)
+    assert path.read_bytes() == b"\xc1not msgpack at all" and sorted(tmp_path.iterdir()) == [path]
 
 
 def test_crash_during_save_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -164,6 +164,34 @@ def test_argument_errors_are_one_line_and_a_pointer_to_help(capsys: pytest.Captu
     )
 
 
+@pytest.mark.parametrize("damage", ["garbage", "flip"])
+def test_commands_that_read_a_run_leave_a_damaged_file_where_it_is(
+    damage: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """eval, recommend and export report a corrupt or foreign file and never rename it (only the device's own
+    store moves a damaged file aside)."""
+    path = tmp_path / "binary.dat"
+    if damage == "garbage":
+        data = bytes(range(256)) * 4
+    else:
+        assert main(["simulate", "--dataset", "synthetic", "--rounds", "1", "--quiet", "--save", str(path)]) == 0
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) - 100] ^= 0x01  # inside the payload: the checksum catches it
+        data = bytes(raw)
+    path.write_bytes(data)
+    capsys.readouterr()
+    for argv in (
+        ["eval", str(path)],
+        ["recommend", str(path), "--user", "1"],
+        ["export", str(path), "-o", str(tmp_path / "model.fedrec")],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"fedrec {argv[0]}: error: {path} is corrupt") and err.count("\n") == 1, err
+        assert "moved" not in err and "left it unchanged" in err
+        assert path.read_bytes() == data and sorted(p.name for p in tmp_path.iterdir()) == ["binary.dat"]
+
+
 def test_runtime_errors_are_one_clear_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["simulate", "--dataset", str(tmp_path / "nope.csv"), "--rounds", "1"]) == 2
     err = capsys.readouterr().err

@@ -288,14 +288,14 @@ def load_run(path: Path) -> Run:
     """
     kind = _peek_kind(Path(path))
     if kind is None:  # unreadable or not a store file: let the store say exactly what is wrong
-        load_store(path, LIGHTFR_RUN)
+        load_store(path, LIGHTFR_RUN, move_aside=False)
         kind = LIGHTFR_RUN
     if kind not in (LIGHTFR_RUN, FAMILY_RUN):
         raise StorageError(
             f"{path} is a {kind!r} file, not a run written by 'fedrec simulate --save'"
             + (" (it is already an on-device model file)" if kind in ("lightfr", "mf", "felb", "fnmf") else "")
         )
-    state = load_store(path, kind)
+    state = load_store(path, kind, move_aside=False)  # the user's file: report a damaged one, never rename it
     try:
         train = TrainItems.from_fields(state)
         family = "lightfr" if kind == LIGHTFR_RUN else str(state["family"])
