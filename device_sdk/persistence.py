@@ -124,7 +124,7 @@ def save_identity(store_dir: Path, identity: Identity) -> None:
     state: dict[str, Any] = {"device_id": identity.device_id, "token": identity.token}
     if identity.certificate:
         state["certificate"] = identity.certificate
-    save_store(store_dir / IDENTITY_FILE, _IDENTITY_KIND, state)
+    save_store(store_dir / IDENTITY_FILE, _IDENTITY_KIND, state, private=True)  # the token is a credential
 
 
 def load_or_create_signing_key(store_dir: Path) -> SigningKey:
@@ -147,7 +147,7 @@ def load_or_create_signing_key(store_dir: Path) -> SigningKey:
         except CryptoError as exc:
             raise StorageError(f"{path} holds a malformed identity key: {exc}") from exc
     key = SigningKey.generate()
-    save_store(path, _SIGNING_KEY_KIND, {"seed": key.private_bytes()})
+    save_store(path, _SIGNING_KEY_KIND, {"seed": key.private_bytes()}, private=True)  # mode 0600
     return key
 
 

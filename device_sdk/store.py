@@ -44,8 +44,9 @@ def _write_chunk(fh: Any, chunk: bytes) -> None:
     fh.write(chunk)
 
 
-def save_store(path: str | os.PathLike[str], kind: str, state: dict[str, Any]) -> None:
-    """Atomically write ``state`` (msgpack-serialisable builtins and bytes) as a store file.
+def save_store(path: str | os.PathLike[str], kind: str, state: dict[str, Any], *, private: bool = False) -> None:
+    """Atomically write ``state`` (msgpack-serialisable builtins and bytes) as a store file; ``private``
+    (key material, credentials) creates it with mode 0600.
 
     Raises
     ------
@@ -69,7 +70,9 @@ def save_store(path: str | os.PathLike[str], kind: str, state: dict[str, Any]) -
         use_bin_type=True,
     )
     try:
-        write_atomic(path, blob, write_chunk=lambda fh, chunk: _write_chunk(fh, chunk))
+        write_atomic(
+            path, blob, write_chunk=lambda fh, chunk: _write_chunk(fh, chunk), mode=0o600 if private else 0o666
+        )
     except OSError as exc:
         raise StorageError(f"could not write {path}: {exc}") from exc
 

@@ -44,6 +44,7 @@ def write_atomic(
     data: bytes,
     *,
     write_chunk: Callable[[BinaryIO, bytes], object] | None = None,
+    mode: int = 0o666,
 ) -> None:
     """Replace ``path`` with ``data`` atomically and durably.
 
@@ -53,6 +54,8 @@ def write_atomic(
     data : the new content.
     write_chunk : writes one chunk (at most 1 MiB) to the open temporary file; default ``fh.write``.
         A test seam: a fault injected here fails the write part-way, and the old file stays.
+    mode : the permission bits the file is created with (less the umask); key material passes 0o600, so
+        it is never readable by others, not even for the moment before a chmod.
 
     Raises
     ------
@@ -65,7 +68,8 @@ def write_atomic(
     temp = directory / f".{target.name}.tmp-{secrets.token_hex(6)}"
     write = write_chunk if write_chunk is not None else _write
     try:
-        with open(temp, "xb") as fh:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), mode)
+        with open(fd, "wb") as fh:
             for start in range(0, len(data), _CHUNK):
                 write(fh, data[start : start + _CHUNK])
             fh.flush()

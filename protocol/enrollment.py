@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import re
 import time
 from collections.abc import Sequence
@@ -156,14 +155,10 @@ class EnrollmentAuthority:
         if path.exists():
             raise ConfigError(f"{path} exists; an enrollment authority key is never overwritten")
         text = f"{_KEY_FILE_HEADER}\n{self.key.private_bytes().hex()}\n".encode("ascii")
-        old = os.umask(0o077)
         try:
-            write_atomic(path, text)
+            write_atomic(path, text, mode=0o600)
         except OSError as exc:
             raise ConfigError(f"cannot write {path}: {exc}") from exc
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
 
     @classmethod
     def load(cls, path: Path) -> EnrollmentAuthority:

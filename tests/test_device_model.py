@@ -203,6 +203,28 @@ def test_a_reader_of_the_users_file_leaves_a_corrupt_one_where_it_is(tmp_path: P
     assert path.read_bytes() == b"\xc1not msgpack at all" and sorted(tmp_path.iterdir()) == [path]
 
 
+def test_key_material_is_created_readable_by_its_owner_only(tmp_path: Path) -> None:
+    """The device's identity key and its credential file are created with mode 0600 (not chmod-ed after)."""
+    from device_sdk.persistence import (
+        IDENTITY_FILE,
+        SIGNING_KEY_FILE,
+        Identity,
+        load_or_create_signing_key,
+        save_identity,
+    )
+
+    old = os.umask(0o022)
+    try:
+        load_or_create_signing_key(tmp_path)
+        save_identity(tmp_path, Identity(device_id=1, token="secret", certificate=b""))
+        _model().save(tmp_path / "model.fedrec")
+    finally:
+        os.umask(old)
+    assert (tmp_path / SIGNING_KEY_FILE).stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / IDENTITY_FILE).stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "model.fedrec").stat().st_mode & 0o777 == 0o644  # not key material: as before
+
+
 def test_crash_during_save_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "model.fedrec"
     first = _model()

@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -139,8 +143,7 @@ def test_argument_errors_are_one_line_and_a_pointer_to_help(capsys: pytest.Captu
         main(["simulate", "--rounds", "abc"])
     assert exc.value.code == 2
     assert capsys.readouterr().err == (
-        "fedrec simulate: error: argument --rounds: expected a whole number, got 'abc'\n"
-        "(see fedrec simulate --help)\n"
+        "fedrec simulate: error: argument --rounds: expected a whole number, got 'abc'\n(see fedrec simulate --help)\n"
     )
     with pytest.raises(SystemExit) as exc:
         main(["simulate", "--roudns", "3"])
@@ -504,6 +507,55 @@ def test_simulate_private_lightfr_reports_the_ledgers_epsilon(capsys: pytest.Cap
     assert "ranking with the ridge vector (3 planes, ridge 2·w0·m)" in capsys.readouterr().out
     assert main([*argv, "--rank-planes", "2", "--rank-ridge", "0.5"]) == 0
     assert "ranking with the ridge vector (2 planes, ridge 0.5·w0·m)" in capsys.readouterr().out
+
+
+def test_sigterm_or_sigint_stops_the_demo_and_removes_its_folder(tmp_path: Path) -> None:
+    """SIGTERM (and SIGINT, the same path) to ``fedrec demo``: the server child stops, the temporary folder
+    with the authority's private key, the server database and every device store is removed, one line
+    says so, and the status is 128 + the signal.  The key material in it was never readable by others."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        err_path = tmp_path / f"demo-{signum}.err"
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fedsim.cli", "demo", "--dataset", "synthetic", "--devices", "40"]
+                + ["--cohort", "20", "--rounds", "50", "--quiet"],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                # a background child of a non-interactive shell starts with SIGINT ignored; the demo sets its own
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
+            )
+        try:
+            deadline = time.monotonic() + 120
+            while "listening on" not in err_path.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, err_path.read_text()
+                time.sleep(0.2)
+            found = re.search(r"starting fedrec-server \((.+)/server\.toml\)", err_path.read_text())
+            assert found, err_path.read_text()
+            folder = Path(found.group(1))
+            key = folder / "enrollment-authority.key"
+            while not list(folder.glob("devices/*/signing-key.fedrec")) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            private = [key, *folder.glob("devices/*/signing-key.fedrec"), *folder.glob("devices/*/identity.fedrec")]
+            assert len(private) > 1
+            for path in private:
+                with contextlib.suppress(FileNotFoundError):  # a file replaced this instant
+                    assert path.stat().st_mode & 0o777 == 0o600, path
+            server = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            assert server, "no fedrec-server child"
+            proc.send_signal(signum)
+            assert proc.wait(timeout=60) == 128 + signum
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        name = signal.Signals(signum).name
+        last = err_path.read_text().splitlines()[-1]
+        assert last == f"fedrec demo: stopped by {name}; removed {folder}", err_path.read_text()
+        assert "Traceback" not in err_path.read_text()
+        assert not folder.exists()
+        for pid in server:  # the server child is gone, not left to its parent-death signal
+            assert not Path(f"/proc/{pid}").exists() or "agg_server" not in Path(f"/proc/{pid}/cmdline").read_text()
 
 
 @pytest.mark.slow  # two demo runs: about 35 s on 2 cores

@@ -1,10 +1,21 @@
 """``fedrec demo``: a real server on loopback and one simulated device per user, then each device's
-own evaluation beside popularity and a few recommendations computed on one device."""
+own evaluation beside popularity and a few recommendations computed on one device.
+
+SIGTERM or SIGINT stops the demo cleanly: the server child is stopped, the temporary folder (the
+enrollment authority's private key, the server database, every device store) is removed, one line on
+stderr says so, and the exit status is 128 + the signal number.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
+import signal
 import sys
+import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -90,8 +101,70 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     add_json(p, "print the result as one JSON object, the last line of stdout")
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGINT during the demo. A KeyboardInterrupt, so that it unwinds the event loop and every
+    ``with`` block as Ctrl-C does (asyncio re-raises it from any task): the server child stops on the way."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int) -> None:
+    raise _Stopped(signum)
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT raise `_Stopped` while the demo runs; the first one sets both to be ignored, so
+    that stopping the server and removing the folder are not cut short by a second."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        import asyncio
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise _Stopped(signum) from None
+        # Inside the fleet's event loop: raised from a callback of the loop, not from whichever device task
+        # was running, so it ends the loop and no task is left holding it ("exception never retrieved").
+        loop.call_soon_threadsafe(_raise_stopped, signum)
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
-    """Run ``fedrec demo``; returns the exit status."""
+    """Run ``fedrec demo``; returns the exit status (128 + the signal's number when stopped by SIGTERM or
+    SIGINT, after stopping the server and removing the temporary folder)."""
+    tmp: Path | None = None
+    try:
+        with _stop_on_signals():
+            try:
+                if args.workdir is None:  # private to this run (mode 0700); removed however the run ends
+                    tmp = Path(tempfile.mkdtemp(prefix="fedrec-demo-"))
+                return _run(args, out, args.workdir if tmp is None else tmp)
+            finally:
+                if tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    except _Stopped as exc:
+        if tmp is not None:  # a signal during the removal above cut it short
+            shutil.rmtree(tmp, ignore_errors=True)
+        where = f"; removed {tmp}" if tmp is not None else f"; kept {args.workdir}" if args.workdir else ""
+        print(f"fedrec demo: stopped by {signal.Signals(exc.signum).name}{where}", file=sys.stderr)
+        return 128 + exc.signum
+
+
+def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
     from agg_server.config import MIN_COHORT
     from fedsim.cli.results import report_sampled, resolve_dataset
     from fedsim.evaluation.ranking import TieMode
@@ -152,7 +225,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         out=out,
         query_planes=args.query_planes,
         user_reg=args.user_reg,
-        workdir=args.workdir,
+        workdir=workdir,
         show_progress=False if args.quiet else None,
         insecure_seed_noise=args.insecure_seed_dp_noise,
     )

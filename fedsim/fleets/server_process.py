@@ -71,7 +71,11 @@ class ServerProcess:
         finally:
             log.close()
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        try:
+            line = self.proc.stdout.readline()
+        except BaseException:  # interrupted (SIGINT, a demo's SIGTERM) while the server starts: stop it too
+            self.stop()
+            raise
         if "listening on" not in line:
             self.stop()
             raise FedRecError(f"the server did not start: {self.last_error()}")
