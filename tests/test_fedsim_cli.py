@@ -408,8 +408,18 @@ def test_unwritable_output_files_are_refused_before_the_run(
 
         return record
 
-    for name in ("resolve_dataset", "_train", "simulate_family", "load_dataset"):
-        monkeypatch.setattr(simulate, name, step(name))
+    import fedsim.cli.results
+    import fedsim.data.datasets
+    import fedsim.federation.families
+
+    # `simulate` imports the steps of a run when it runs: each is patched where it is defined.
+    for module, name in (
+        (fedsim.cli.results, "resolve_dataset"),
+        (simulate, "_train"),
+        (fedsim.federation.families, "simulate_family"),
+        (fedsim.data.datasets, "load_dataset"),
+    ):
+        monkeypatch.setattr(module, name, step(name))
     assert main(["simulate", "--dataset", "synthetic", "--save", str(missing)]) == 2
     err = capsys.readouterr().err
     assert err == f"fedrec simulate: error: --save {missing}: folder {missing.parent} does not exist\n"
