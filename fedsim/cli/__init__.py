@@ -61,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
     def _command_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser | None:
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
-                chosen: argparse.ArgumentParser | None = action.choices.get(getattr(parsed, action.dest, None))
+                chosen: argparse.ArgumentParser | None = action.choices.get(str(getattr(parsed, action.dest, "")))
                 return chosen
         return None
 
