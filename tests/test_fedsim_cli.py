@@ -646,6 +646,7 @@ def test_plan_privacy_prints_one_row_per_choice(capsys: pytest.CaptureFixture[st
 def test_plots_are_written_and_bad_targets_refused_before_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    pytest.importorskip("matplotlib", reason="plots need the 'plot' extra (part of 'dev')")
     from fedsim.cli.plots import plot_loadtest
 
     png = tmp_path / "quality.png"

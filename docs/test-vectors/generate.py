@@ -80,6 +80,8 @@ from protocol.spec import PROTOCOL_VERSION  # noqa: E402
 
 OUT = Path(__file__).resolve().parent
 PREFIX = b"fedrec test vector/"
+#: `protocol.samplers.insecure_test_noise_stream`'s key label (the quantization vector's coins).
+NOISE_LABEL = b"fedrec/INSECURE-test-only/noise-stream"
 
 # Protocol version that introduced each field (fields not listed: 1.0 for types 1-10, 1.1 for 11-16, 1.3 for
 # the consistency check's types 20-21, 1.5 for type 22, RevocationListPayload).
@@ -125,6 +127,7 @@ _SINCE_1_3 = {
 
 _SINCE_1_4 = {"RegisterRequest": ("certificate", "proof", "enrollment_token")}
 _SINCE_1_6 = {"RoundInvite": ("query_planes", "user_reg")}
+_SINCE_1_7 = {"ModelPayload": ("unobserved_weight", "confidence", "dp_trained")}
 
 
 def _check(condition: bool) -> None:
@@ -143,6 +146,8 @@ def fixed_field_element(label: str) -> int:
 
 
 def _since(cls_name: str, type_code: int, field: str) -> str:
+    if field in _SINCE_1_7.get(cls_name, ()):
+        return "1.7"
     if field in _SINCE_1_6.get(cls_name, ()):
         return "1.6"
     if type_code == 22:
@@ -531,6 +536,15 @@ def crypto_vectors() -> dict[str, Any]:
             "uint32": [int(v) for v in prg],
             "pair_mask_first_8": [int(v) for v in crypto.prg_uint32(pair_key, 8)],
             "self_mask_first_8": [int(v) for v in crypto.prg_uint32(self_key, 8)],
+            "keys": {
+                "key": "an arbitrary 32-byte key: SHA-256(\"fedrec test vector/prg key\"); `keystream` and `uint32` "
+                "are PRG(key, 16)",
+                "pair_mask_first_8": "PRG(s_uv, 8) with s_uv = hkdf.pair_mask.okm, the pairwise mask key of devices "
+                "10 and 30: derive(X25519(a_private, b_public), \"fedrec/secagg/pair-mask\", (10, 30)) under "
+                "session_id.session_id",
+                "self_mask_first_8": "PRG(k, 8) with k = hkdf.self_mask.okm, device 10's self-mask key: "
+                "derive(b_10 = hkdf.self_mask.ikm, \"fedrec/secagg/self-mask\", (10,)) under session_id.session_id",
+            },
         },
         "shamir": {
             "prime": "2**521 - 1",
@@ -549,6 +563,10 @@ def crypto_vectors() -> dict[str, Any]:
             "clipped": clipped.tolist(),
             "was_clipped": stats.clipped,
             "noise_stream_seed": 20260101,
+            "noise_stream": "ChaCha20 (RFC 8439 block function, 16-byte initial block counter ‖ nonce all zero) keyed "
+            "with SHA-256(\"fedrec/INSECURE-test-only/noise-stream\" ‖ u64be(noise_stream_seed)); uniforms[i] = "
+            "(⌊w_i / 2**11⌋ + 1/2) / 2**53 for the i-th little-endian uint64 word w_i of the keystream",
+            "noise_stream_key": hashlib.sha256(NOISE_LABEL + (20260101).to_bytes(8, "big")).hexdigest(),
             "uniforms": uniforms.tolist(),
             "q_uint32": [int(v) for v in q],
             "q_int32": [int(v) for v in q.view(np.int32)],
