@@ -216,7 +216,10 @@ class Recommender:
         Returns
         -------
         (item_ids, scores): int64 and float32 (higher is better).  1-D for one user; (n, N) for a
-        batch, padded with -1 / -inf where fewer than N items are eligible.
+        batch, padded with -1 / -inf where fewer than N items are eligible.  ``item_ids`` (like every
+        item id this model takes) are 0-based indices in the model's item order (the rows of the item
+        codes), not the dataset's ids: a run saved by ``fedrec simulate --save`` maps index ``i`` to its
+        dataset id with ``fedsim.federation.runs.load_run(path).item_label(i)`` (as ``fedrec recommend`` shows).
 
         Raises
         ------

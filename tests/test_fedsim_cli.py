@@ -633,6 +633,58 @@ def test_saved_runs_recommend_and_export_to_sdk_models(
     assert "not a run written by 'fedrec simulate --save'" in capsys.readouterr().err
 
 
+def _movielens_like(folder: Path) -> Path:
+    """A tiny ratings log in MovieLens-100K's layout (``u.data`` beside ``u.item``), raw ids from 101."""
+    folder.mkdir()
+    rng = np.random.default_rng(5)
+    lines = [
+        f"{101 + u}\t{1001 + i}\t{int(rng.integers(1, 6))}\t{880000000 + 7 * u + i}"
+        for u in range(40)
+        for i in sorted(rng.choice(150, size=12, replace=False).tolist())
+    ]
+    (folder / "u.data").write_text("\n".join(lines) + "\n")
+    titles = [f"{1001 + i}|Film number {i} (1990)|01-Jan-1990||http://x|0" for i in range(150)]
+    (folder / "u.item").write_text("\n".join(titles) + "\n", encoding="latin-1")
+    return folder / "u.data"
+
+
+def test_recommend_shows_dataset_ids_and_titles(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`fedrec recommend` names items by the dataset's ids and, beside a MovieLens ``u.item``, their titles;
+    the SDK's 0-based indices map back through `Run.item_label`."""
+    from fedsim.federation.runs import load_run
+
+    ratings, run_file = _movielens_like(tmp_path / "ml"), tmp_path / "run.fedrec"
+    assert main(["simulate", "--dataset", str(ratings), "--rounds", "2", "--quiet", "--save", str(run_file)]) == 0
+    capsys.readouterr()
+    run = load_run(run_file)
+    assert run.item_label(0) == 1001 and run.user_label(0) == 101 and run.user_index("101") == 0
+    assert main(["recommend", str(run_file), "--user", "107", "-n", "3", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["user"] == 107 and len(record["items"]) == 3
+    for it in record["items"]:
+        assert it["item"] == 1001 + it["index"] == run.item_label(it["index"])
+        assert it["title"] == f"Film number {it['index']} (1990)"
+    assert main(["recommend", str(run_file), "--user", "107", "-n", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "rank  item   score  title" in out
+    first = record["items"][0]
+    assert re.search(rf"^1 +{first['item']} +{first['score']:.4f}  {re.escape(first['title'])}$", out, re.M), out
+    # No u.item beside the ratings: ids only, and the JSON title is null.
+    (tmp_path / "ml" / "u.item").unlink()
+    assert main(["recommend", str(run_file), "--user", "107", "-n", "3", "--json"]) == 0
+    assert [it["title"] for it in json.loads(capsys.readouterr().out)["items"]] == [None] * 3
+
+
+def test_recommend_titles_movielens(shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_file = tmp_path / "run.fedrec"
+    argv = ["--dataset", "ml-100k", "--data-dir", str(shared_data)]
+    assert main(["simulate", *argv, "--rounds", "2", "--quiet", "--save", str(run_file)]) == 0
+    capsys.readouterr()
+    assert main(["recommend", str(run_file), "--user", "196", "-n", "10", "--data-dir", str(shared_data)]) == 0
+    out = capsys.readouterr().out
+    assert "top 10 for user 196" in out and "title" in out and "(19" in out  # e.g. "Star Wars (1977)"
+
+
 def test_plan_privacy_prints_one_row_per_choice(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["plan-privacy", "--dataset", "synthetic", "--epsilon", "4", "--rounds", "1", "5", "--clips", "2"])
     out = capsys.readouterr().out

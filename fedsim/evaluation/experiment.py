@@ -10,9 +10,11 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -32,7 +34,16 @@ from fedsim.evaluation.ranking import (
     sample_test_blocks,
 )
 
-__all__ = ["Protocol", "Candidates", "Experiment", "prepare", "validation_carves", "baselines", "item_titles"]
+__all__ = [
+    "Protocol",
+    "Candidates",
+    "Experiment",
+    "prepare",
+    "validation_carves",
+    "baselines",
+    "item_titles",
+    "dataset_titles",
+]
 
 
 class Protocol(StrEnum):
@@ -268,9 +279,21 @@ def baselines(exp: Experiment, tie_mode: TieMode = TieMode.RANDOM, seed: int = 0
 
 def item_titles(exp: Experiment, data_dir: Path | None) -> list[str] | None:
     """Movie titles for MovieLens-100K (from ``u.item``), indexed by dense item index, if present."""
-    if data_dir is None or exp.name not in ("u", "u.data", "ml-100k"):
+    return dataset_titles(exp.name, data_dir, exp.train.item_ids)
+
+
+def dataset_titles(dataset: str, data_dir: Path | None, item_ids: Sequence[Any] | None) -> list[str] | None:
+    """Titles of ``item_ids`` (the dataset's raw item ids, in dense index order) when ``dataset`` is
+    MovieLens-100K and its ``u.item`` is under ``data_dir/ml-100k`` (or beside a ``u.data`` path); else None."""
+    if item_ids is None:
         return None
-    path = data_dir / "ml-100k" / "u.item"
+    given = Path(dataset)
+    if given.name == "u.data" and given.parent != Path(".") and (given.parent / "u.item").is_file():
+        path = given.parent / "u.item"
+    elif data_dir is not None and dataset in ("u", "u.data", "ml-100k"):
+        path = data_dir / "ml-100k" / "u.item"
+    else:
+        return None
     if not path.is_file():
         return None
     titles: dict[str, str] = {}
@@ -278,4 +301,4 @@ def item_titles(exp: Experiment, data_dir: Path | None) -> list[str] | None:
         parts = line.split("|")
         if len(parts) > 1:
             titles[parts[0]] = parts[1]
-    return [titles.get(str(raw), f"item {raw}") for raw in exp.train.item_ids]
+    return [titles.get(str(raw), f"item {raw}") for raw in item_ids]

@@ -36,8 +36,9 @@ separate process: `probes`, `failures`, `p50_ms`, `p99_ms`, `max_ms`, `probes_wh
 `peak_rss_mb`), `errors` (counts by type), `error_examples` (the first message of each type) and
 `device_errors` (the counts without the monitor's status reads and the time limit).
 
-`fedrec recommend --json`: `{"run", "family", "user", "items": [{"item", "index", "score"}, ...]}`,
-best first; `item` / `user` are the dataset's raw ids when the run kept them, `index` the dense index.
+`fedrec recommend --json`: `{"run", "family", "user", "items": [{"item", "index", "score", "title"}, ...]}`,
+best first; `item` / `user` are the dataset's raw ids when the run kept them, `index` the dense index
+(0-based, the model's item order: what the SDK's `recommend` returns), `title` the MovieLens-100K title or null.
 
 Invariants: values are finite floats (`allow_nan=False`), the object is one line, and extra keys
 (e.g. `epsilon`, `delta`) never shadow the fixed ones.

@@ -192,10 +192,13 @@ class Run:
         return u
 
     def item_label(self, item: int) -> Any:
+        """The dataset's id of item ``item`` (a 0-based index in the model's item order, as the SDK's
+        ``recommend`` returns): its raw id when the run kept them, else the index itself."""
         ids = self.state.get("item_ids")
         return ids[item] if ids is not None else int(item)
 
     def user_label(self, user: int) -> Any:
+        """The dataset's id of user ``user`` (a 0-based row); `user_index` is the inverse."""
         ids = self.state.get("user_ids")
         return ids[user] if ids is not None else int(user)
 
