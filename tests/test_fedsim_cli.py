@@ -355,6 +355,52 @@ def _fedrec(*argv: str, stdin: bytes | None = None, timeout: float = 120) -> sub
     )
 
 
+_STAMPED = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ round (\d+) (\w+): (\d+)/(\d+) devices")
+
+
+@pytest.mark.integration
+def test_demo_prints_timestamped_phase_lines_when_stderr_is_not_a_terminal() -> None:
+    """With stderr a pipe (CI, a log file) the demo says what each round is doing, one stamped line per
+    phase change; stdout is the same report as with --quiet, which prints no such lines."""
+    argv = ("demo", "--dataset", "synthetic", "--devices", "40", "--cohort", "20", "--rounds", "2")
+    proc = _fedrec(*argv)
+    assert proc.returncode == 0, proc.stderr
+    stamped = [m for m in map(_STAMPED.match, proc.stderr.splitlines()) if m]
+    ends = [(m[1], m[2]) for m in stamped if m[2] in ("committed", "aborted")]
+    assert [rid for rid, _ in ends] == ["1", "2"], proc.stderr
+    phases = {"advertise_keys", "share_keys", "masked_input", "unmask", "committed", "aborted"}
+    assert all(m[2] in phases for m in stamped)
+    assert not _STAMPED.search(proc.stdout) and "\r" not in proc.stderr  # no bar, no stray lines on stdout
+    quiet = _fedrec(*argv, "--quiet")
+    assert quiet.returncode == 0 and not any(map(_STAMPED.match, quiet.stderr.splitlines())), quiet.stderr
+    def shape(text: str) -> list[str]:  # the first words of the header and round table, not the numbers
+        return [(line.split() or [""])[0] for line in text.splitlines()[:6]]  # (the verdict's length varies)
+
+    assert shape(proc.stdout) == shape(quiet.stdout)
+    assert "Top-5 computed on device" in proc.stdout
+
+
+def test_round_progress_logs_each_phase_once_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    from fedsim.fleets.demo import RoundProgress
+
+    bar = RoundProgress(2, "demo")  # pytest's stderr is not a terminal: stamped lines, no bar
+    cur = {"round_id": 1, "phase": "share_keys", "alive": 19, "cohort": 20}
+    bar.on_status({"recent_rounds": [], "round": None})
+    bar.on_status({"recent_rounds": [], "round": cur})
+    bar.on_status({"recent_rounds": [], "round": {**cur, "alive": 18}})  # same phase: no new line
+    done = {"round_id": 1, "status": "committed", "survivors": 18, "cohort_size": 20, "reason": ""}
+    bar.on_status({"recent_rounds": [done], "round": None})
+    bar.on_status({"recent_rounds": [done], "round": None})
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert [m and m.groups() for m in map(_STAMPED.match, lines)] == [
+        ("1", "share_keys", "19", "20"),
+        ("1", "committed", "18", "20"),
+    ], lines
+    RoundProgress(2, "demo", enabled=False).on_status({"recent_rounds": [], "round": cur})  # --quiet
+    assert capsys.readouterr().err == ""
+
+
 def test_bad_input_is_one_line_and_an_exit_code(tmp_path: Path) -> None:
     binary = tmp_path / "ratings.csv.gz"
     binary.write_bytes(gzip.compress(b"1,2,5\n" * 5000))

@@ -490,7 +490,9 @@ def _worker(
 class RoundProgress:
     """An in-round progress bar (stderr) driven by the fleet's ``/v1/status`` snapshots: one step per
     SecAgg+ phase of each requested round, with the current phase and the devices still in it, and an
-    ETA."""
+    ETA.  With ``enabled=None`` and stderr not a terminal (CI, a log file) there is no bar: one
+    timestamped line per phase change instead (``2026-11-27T09:31:02Z round 1 share_keys: 905/943
+    devices``); ``enabled=False`` prints neither."""
 
     PHASES = ("advertise_keys", "share_keys", "masked_input", "unmask")
 
@@ -501,6 +503,29 @@ class RoundProgress:
         self.rounds = rounds
         self._last_foreign: int | None = None
         self._finished: set[int] = set()
+        self._lines = enabled is None and not sys.stderr.isatty()
+        self._last_phase: tuple[int, str] | None = None
+        self._reported: set[int] = set()
+
+    def _log(self, text: str) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        sys.stderr.write(f"{stamp} {text}\n")
+        sys.stderr.flush()
+
+    def _log_changes(self, recent: list[dict[str, Any]], cur: dict[str, Any] | None) -> None:
+        """Plain-line mode: one line per round the fleet saw end and per phase it saw begin."""
+        assert self._last_foreign is not None
+        for r in sorted(recent, key=lambda r: int(r["round_id"])):
+            rid = int(r["round_id"])
+            if r.get("status") in ("committed", "aborted") and rid > self._last_foreign and rid not in self._reported:
+                self._reported.add(rid)
+                why = f" ({r['reason']})" if r.get("reason") else ""
+                self._log(f"round {rid} {r['status']}: {r.get('survivors', 0)}/{r.get('cohort_size', 0)} devices{why}")
+        if cur and cur.get("phase") in self.PHASES and int(cur["round_id"]) > self._last_foreign:
+            key = (int(cur["round_id"]), str(cur["phase"]))
+            if key != self._last_phase:
+                self._last_phase = key
+                self._log(f"round {key[0]} {key[1]}: {cur.get('alive', 0)}/{cur.get('cohort', 0)} devices")
 
     @property
     def finished(self) -> int:
@@ -512,6 +537,8 @@ class RoundProgress:
         if self._last_foreign is None:  # as the fleet's monitor: rounds open before the fleet are not ours
             ids = [int(r["round_id"]) for r in recent] + ([int(cur["round_id"])] if cur else [])
             self._last_foreign = max(ids, default=0)
+        if self._lines:
+            self._log_changes(recent, cur)
         for r in recent:
             if r.get("status") in ("committed", "aborted") and int(r["round_id"]) > self._last_foreign:
                 self._finished.add(int(r["round_id"]))
