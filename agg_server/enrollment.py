@@ -325,9 +325,7 @@ class Enrollment:
             await self._refresh_locked(executor, True)
             return self._store_upload(crl, data, etag, now)
 
-    def _store_upload(
-        self, crl: RevocationList, data: bytes, etag: str, now: float
-    ) -> tuple[RevocationList, bool]:
+    def _store_upload(self, crl: RevocationList, data: bytes, etag: str, now: float) -> tuple[RevocationList, bool]:
         if self._crl is not None and crl.number < self._crl.number:
             raise RevocationListInvalid(
                 f"revocation list #{crl.number} is older than #{self._crl.number} in force (a rollback); nothing stored"

@@ -63,7 +63,7 @@ def batch_id(name: str) -> bytes:
     """
     if not isinstance(name, str) or BATCH_NAME.fullmatch(name) is None:
         raise ConfigError(f"a certificate batch name is 1-64 characters of [A-Za-z0-9._-], got {name!r}")
-    return hashlib.sha256(b"fedrec/enrollment/batch/" + name.encode("ascii")).digest()[: BATCH_BYTES]
+    return hashlib.sha256(b"fedrec/enrollment/batch/" + name.encode("ascii")).digest()[:BATCH_BYTES]
 
 
 class EnrollmentAuthority:
@@ -139,9 +139,7 @@ class EnrollmentAuthority:
         keys = set(old.device_keys) if old is not None else set()
         keys.update(device_keys)
         number = old.number + 1 if old is not None else 1
-        return issue_revocation_list(
-            self.key, number, math.floor(time.time() if now is None else now), sorted(keys)
-        )
+        return issue_revocation_list(self.key, number, math.floor(time.time() if now is None else now), sorted(keys))
 
     def save(self, path: Path) -> None:
         """Write the key file (mode 0600; refuses to replace an existing file).

@@ -166,9 +166,7 @@ def test_save_load_roundtrip(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
-def test_corrupt_file_raises_and_is_moved_aside(
-    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_corrupt_file_raises_and_is_moved_aside(tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "model.fedrec"
     _model().save(path)
     data = bytearray(path.read_bytes())

@@ -330,9 +330,7 @@ def test_a_revoked_members_survivor_signature_does_not_count() -> None:
     assert isinstance(device.send(), UnmaskResponse)
     outsiders = [enrolled[v][0].public_key for v in ids if v not in neighbours]
     assert len(neighbours) == 5 and len(outsiders) == 7
-    revoked = verify_revocation_list(
-        issue_revocation_list(authority, 1, 0, outsiders), authority.public_key
-    )
+    revoked = verify_revocation_list(issue_revocation_list(authority, 1, 0, outsiders), authority.public_key)
     device, request, again = run(revoked)
     assert again == neighbours
     with pytest.raises(RemoteProtocolError, match="only 5 valid survivor signatures on the signed set, 7 required"):

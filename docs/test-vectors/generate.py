@@ -537,13 +537,13 @@ def crypto_vectors() -> dict[str, Any]:
             "pair_mask_first_8": [int(v) for v in crypto.prg_uint32(pair_key, 8)],
             "self_mask_first_8": [int(v) for v in crypto.prg_uint32(self_key, 8)],
             "keys": {
-                "key": "an arbitrary 32-byte key: SHA-256(\"fedrec test vector/prg key\"); `keystream` and `uint32` "
+                "key": 'an arbitrary 32-byte key: SHA-256("fedrec test vector/prg key"); `keystream` and `uint32` '
                 "are PRG(key, 16)",
                 "pair_mask_first_8": "PRG(s_uv, 8) with s_uv = hkdf.pair_mask.okm, the pairwise mask key of devices "
-                "10 and 30: derive(X25519(a_private, b_public), \"fedrec/secagg/pair-mask\", (10, 30)) under "
+                '10 and 30: derive(X25519(a_private, b_public), "fedrec/secagg/pair-mask", (10, 30)) under '
                 "session_id.session_id",
                 "self_mask_first_8": "PRG(k, 8) with k = hkdf.self_mask.okm, device 10's self-mask key: "
-                "derive(b_10 = hkdf.self_mask.ikm, \"fedrec/secagg/self-mask\", (10,)) under session_id.session_id",
+                'derive(b_10 = hkdf.self_mask.ikm, "fedrec/secagg/self-mask", (10,)) under session_id.session_id',
             },
         },
         "shamir": {
@@ -564,7 +564,7 @@ def crypto_vectors() -> dict[str, Any]:
             "was_clipped": stats.clipped,
             "noise_stream_seed": 20260101,
             "noise_stream": "ChaCha20 (RFC 8439 block function, 16-byte initial block counter ‖ nonce all zero) keyed "
-            "with SHA-256(\"fedrec/INSECURE-test-only/noise-stream\" ‖ u64be(noise_stream_seed)); uniforms[i] = "
+            'with SHA-256("fedrec/INSECURE-test-only/noise-stream" ‖ u64be(noise_stream_seed)); uniforms[i] = '
             "(⌊w_i / 2**11⌋ + 1/2) / 2**53 for the i-th little-endian uint64 word w_i of the keystream",
             "noise_stream_key": hashlib.sha256(NOISE_LABEL + (20260101).to_bytes(8, "big")).hexdigest(),
             "uniforms": uniforms.tolist(),
