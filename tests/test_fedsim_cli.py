@@ -373,6 +373,7 @@ def test_demo_prints_timestamped_phase_lines_when_stderr_is_not_a_terminal() -> 
     assert not _STAMPED.search(proc.stdout) and "\r" not in proc.stderr  # no bar, no stray lines on stdout
     quiet = _fedrec(*argv, "--quiet")
     assert quiet.returncode == 0 and not any(map(_STAMPED.match, quiet.stderr.splitlines())), quiet.stderr
+
     def shape(text: str) -> list[str]:  # the first words of the header and round table, not the numbers
         return [(line.split() or [""])[0] for line in text.splitlines()[:6]]  # (the verdict's length varies)
 
