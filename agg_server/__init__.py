@@ -7,11 +7,11 @@ The names re-exported here load their module on first use (PEP 562), so importin
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from protocol.errors import *  # noqa: F403
 from protocol.errors import __all__ as _errors_all
+from protocol.lazy import lazy_exports
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use (PEP 562)
     from agg_server.app import create_app
@@ -93,14 +93,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'agg_server' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports("agg_server", _LAZY, globals())

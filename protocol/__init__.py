@@ -8,11 +8,11 @@ imported as a submodule only.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from protocol.errors import *  # noqa: F403
 from protocol.errors import __all__ as _errors_all
+from protocol.lazy import lazy_exports
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
     from protocol.codec import check_version, decode, encode, is_compatible
@@ -114,14 +114,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'protocol' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"protocol.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports("protocol", _LAZY, globals(), prefix="protocol.")

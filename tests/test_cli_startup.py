@@ -16,31 +16,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.calibration import CALIBRATE, CALIBRATION_REFERENCE, scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # CPU seconds (user + system) of one `python -m fedsim.cli ...` child, interpreter start-up included, on the
 # reference machine of `test_import_contract` (calibration 0.017 s): measured 0.25-0.27 s there, against
 # 1.2-3.5 s when the package imported the server, dp-accounting, aiohttp and scipy to build its parser.
 CLI_STARTUP_BUDGET = 0.35
-CALIBRATION_REFERENCE = 0.017
 
-_PROBE = """
-import json, resource, subprocess, sys, time
-
-def calibrate():
-    # the workload of tests/test_import_contract.py: how fast this machine runs the interpreter
-    t = time.process_time()
-    for _ in range(300):
-        class C:
-            a = 1
-            def f(self):
-                return self.a
-        d = {str(i): i for i in range(200)}
-    x = 0
-    for i in range(300000):
-        x += i & 7
-    return time.process_time() - t
-
+_PROBE = (
+    "import json, resource, subprocess, sys, time\n"
+    + CALIBRATE
+    + """
 speed = min(calibrate() for _ in range(3))
 before = resource.getrusage(resource.RUSAGE_CHILDREN)
 out = subprocess.run([sys.executable, "-m", "fedsim.cli", *sys.argv[1:]], capture_output=True, check=True)
@@ -48,6 +36,7 @@ after = resource.getrusage(resource.RUSAGE_CHILDREN)
 cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 print(json.dumps({"cpu": cpu, "speed": speed, "lines": len(out.stdout.splitlines())}))
 """
+)
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -74,7 +63,7 @@ def test_the_cli_answers_at_once(args: list[str], tmp_path: Path) -> None:
     runs = [_probe(args, env) for _ in range(3)]
     cpu = min(run["cpu"] for run in runs)
     speed = min(run["speed"] for run in runs)
-    limit = CLI_STARTUP_BUDGET * max(1.0, speed / CALIBRATION_REFERENCE)
+    limit = scaled(CLI_STARTUP_BUDGET, speed)
     assert cpu <= limit, (
         f"python -m fedsim.cli {' '.join(args)} took {cpu:.3f} s of CPU (limit {limit:.3f} s; "
         f"calibration {speed:.4f} s against {CALIBRATION_REFERENCE} s)"

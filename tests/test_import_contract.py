@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.calibration import CALIBRATE, CALIBRATION_REFERENCE, scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "device_sdk", "agg_server", "fedsim")
 
@@ -109,24 +111,10 @@ _DEPENDENCIES = (
     "cryptography.hazmat.primitives.kdf.hkdf",
 )
 
-_PROBE = """
-import importlib, json, sys, time
-
-def calibrate():
-    # A fixed pure-Python workload (class creation, dict building, a loop): what an import costs in
-    # kind, so its time measures how fast this machine runs the interpreter.
-    t = time.process_time()
-    for _ in range(300):
-        class C:
-            a = 1
-            def f(self):
-                return self.a
-        d = {str(i): i for i in range(200)}
-    x = 0
-    for i in range(300000):
-        x += i & 7
-    return time.process_time() - t
-
+_PROBE = (
+    "import importlib, json, sys, time\n"
+    + CALIBRATE
+    + """
 for name in sys.argv[1:]:
     importlib.import_module(name)
 speed = min(calibrate() for _ in range(3))
@@ -135,12 +123,12 @@ import device_sdk
 cpu = time.process_time() - t
 print(json.dumps({"cpu": cpu, "speed": speed, "modules": sorted({m.split(".")[0] for m in sys.modules})}))
 """
+)
 
 # fedrec's own import budget, and the calibration workload's CPU time on the machine it was set on
 # (a 2-core CI-class VM: own import 0.054-0.10 s, calibration 0.016-0.032 s).  A slower machine gets a
 # proportionally larger budget; a faster one does not get a smaller one.
 OWN_IMPORT_BUDGET = 0.2
-CALIBRATION_REFERENCE = 0.017
 
 
 def _probe(env: dict[str, str]) -> dict[str, object]:
@@ -170,7 +158,7 @@ def test_import_device_sdk_is_light(tmp_path: Path) -> None:
     runs = [_probe(env) for _ in range(3)]
     cpu = min(float(run["cpu"]) for run in runs)  # type: ignore[arg-type]
     speed = min(float(run["speed"]) for run in runs)  # type: ignore[arg-type]
-    limit = OWN_IMPORT_BUDGET * max(1.0, speed / CALIBRATION_REFERENCE)
+    limit = scaled(OWN_IMPORT_BUDGET, speed)
     assert cpu <= limit, (
         f"import device_sdk took {cpu:.3f} s of CPU beyond its dependencies (limit {limit:.3f} s; "
         f"calibration {speed:.4f} s against {CALIBRATION_REFERENCE} s)"
