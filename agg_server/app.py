@@ -21,6 +21,11 @@ Invariants:
 - The enrollment authority's revocation list is kept current by a background task
   (`_revocation_refresher`, every `agg_server.enrollment.REFRESH_PERIOD` s) that reads and verifies a new
   list in a worker thread; requests only read the list in force (no filesystem I/O, no signature check).
+- Nothing blocks the event loop on the database: every call into the coordinators, the lease keeper,
+  the enrollment state and the storage runs on one "state" thread (`_STATE`, `_on_state`, `_act`), one
+  call at a time, as they ran on the loop before; the loop only moves bytes and answers `/v1/health`
+  from memory.  `/v1/ready` (readiness) answers 503 while the database is unreachable, a call to it
+  has been in flight longer than `READY_STALL` seconds, or a held cohort lease could not be renewed.
 - The instance runs ``storage.cohorts_per_instance`` coordinators, one per cohort lease it holds
   (`agg_server.cluster`); a device's requests go to the coordinator of its cohort, or are forwarded to
   the instance that leads it.  ``app[COORDINATOR]`` is the first one (the dashboard's).
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -39,7 +45,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -51,7 +57,7 @@ from agg_server.config import ServerConfig
 from agg_server.coordinator import RoundCoordinator
 from agg_server.enrollment import REFRESH_PERIOD
 from agg_server.logs import current_request_id
-from agg_server.storage import Storage
+from agg_server.storage import Storage, Timeouts
 from agg_server.strategy.base import Strategy
 from protocol.codec import MAX_OBJECTS, decode, encode
 from protocol.errors import (
@@ -97,6 +103,9 @@ _CHECKIN_HOLD = 15.0  # seconds a check-in that cannot join the open round is he
 _CHECKIN_SPREAD = 1.0  # seconds over which the check-ins held until a round's end are answered
 _PRESENCE_CHECK = 5.0  # seconds between a waiting long-poll's checks that its connection is still open
 _FINISH_WAIT = 300.0  # seconds a graceful shutdown waits for a finishing round to commit
+READY_STALL = 2.0
+"""Seconds a database call may be in flight before `/v1/ready` answers 503 (a lock or a stalled server)."""
+_T = TypeVar("_T")
 
 
 class _Changes:
@@ -131,6 +140,29 @@ _KEEPER = web.AppKey("lease_keeper", LeaseKeeper)
 #: One worker thread that reads and verifies revocation lists (`_revocation_refresher`, uploads).
 _CRL_EXECUTOR = web.AppKey("crl_executor", ThreadPoolExecutor)
 _PROXY = web.AppKey("proxy_session", aiohttp.ClientSession)
+#: The one thread every coordinator, lease keeper, enrollment and storage call runs on.
+_STATE = web.AppKey("state_executor", ThreadPoolExecutor)
+
+
+async def _on_state(app: web.Application, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``fn(*args, **kwargs)`` on the state thread (off the event loop)."""
+    return await asyncio.get_running_loop().run_in_executor(app[_STATE], functools.partial(fn, *args, **kwargs))
+
+
+async def _act(app: web.Application, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """`_on_state` for a call that may move what long-polls wait for: they are woken when it did (also
+    when the awaiting handler was cancelled meanwhile)."""
+    loop = asyncio.get_running_loop()
+
+    def run() -> _T:
+        before = _fingerprint(app)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if _fingerprint(app) != before:
+                loop.call_soon_threadsafe(app[_CHANGES].notify)
+
+    return await loop.run_in_executor(app[_STATE], run)
 
 
 class BodyTimeout(RemoteProtocolError):
@@ -322,10 +354,10 @@ def _send(message: Message, status: int = 200, headers: dict[str, str] | None = 
     return web.Response(body=encode(message), status=status, content_type=MSGPACK, headers=headers)
 
 
-def _device(request: web.Request) -> int:
+async def _device(request: web.Request) -> int:
     header = request.headers.get("Authorization", "")
     token = header[7:].strip() if header.lower().startswith("bearer ") else None
-    return request.app[COORDINATOR].authenticate(token)
+    return await _on_state(request.app, request.app[COORDINATOR].authenticate, token)
 
 
 def _round_id(request: web.Request) -> int:
@@ -389,7 +421,9 @@ async def register(request: web.Request) -> web.Response:
     msg = await _read(request)
     if not isinstance(msg, RegisterRequest):
         raise RemoteProtocolError(f"expected RegisterRequest, got {type(msg).__name__}")
-    reply = request.app[COORDINATOR].register(
+    reply = await _on_state(
+        request.app,
+        request.app[COORDINATOR].register,
         msg.platform,
         request.app[_CLOCK](),
         certificate=msg.certificate,
@@ -411,8 +445,12 @@ async def admin_enrollment_tokens(request: web.Request) -> web.Response:
     if not isinstance(doc, dict) or set(doc) - {"count", "source"}:
         raise RemoteProtocolError('enrollment-tokens: expected {"count": <int>, "source": "<label>"}')
     try:
-        tokens = request.app[COORDINATOR].enrollment.issue_tokens(
-            doc.get("count", 1), doc.get("source", ""), request.app[_CLOCK]()
+        tokens = await _on_state(
+            request.app,
+            request.app[COORDINATOR].enrollment.issue_tokens,
+            doc.get("count", 1),
+            doc.get("source", ""),
+            request.app[_CLOCK](),
         )
     except ValueError as exc:
         raise RemoteProtocolError(f"enrollment-tokens: {exc}") from None
@@ -441,7 +479,7 @@ async def admin_revocation_list(request: web.Request) -> web.Response:
 
 
 async def check_in(request: web.Request) -> web.StreamResponse:
-    device = _device(request)
+    device = await _device(request)
     leader = _leader(request, device)
     if not isinstance(leader, RoundCoordinator):
         return await _elsewhere(request, device, leader, await _read_body(request, body_limit(request)))
@@ -450,11 +488,8 @@ async def check_in(request: web.Request) -> web.StreamResponse:
         raise RemoteProtocolError(f"expected CheckIn, got {type(msg).__name__}")
     coordinator = leader
     coordinator.check_sender(device, msg)
-    before = _fingerprint(request.app)
-    try:
-        reply = coordinator.check_in(device, request.app[_CLOCK]())  # may drop a device that left its round
-    finally:
-        _notify_if_moved(request.app, before)
+    # may drop a device that left its round
+    reply = await _act(request.app, coordinator.check_in, device, request.app[_CLOCK]())
     if isinstance(reply, Wait) and coordinator.open_round is not None and not coordinator.stopped_reason:
         reply = await _hold_check_in(request, coordinator, device, coordinator.open_round.round_id)
     if isinstance(reply, Wait):
@@ -481,23 +516,19 @@ async def _hold_check_in(
         await changes.wait(min(remaining, _PRESENCE_CHECK))
     if coordinator.open_round is None or coordinator.open_round.round_id != round_id:
         await asyncio.sleep(random.uniform(0.0, _CHECKIN_SPREAD))  # not a secret: load spreading only
-    before = _fingerprint(app)
-    try:
-        return coordinator.check_in(device, clock())
-    finally:
-        _notify_if_moved(app, before)
+    return await _act(app, coordinator.check_in, device, clock())
 
 
 async def model(request: web.Request) -> web.StreamResponse:
-    device = _device(request)
+    device = await _device(request)
     leader = _leader(request, device)
     if not isinstance(leader, RoundCoordinator):
         return await _elsewhere(request, device, leader, None)
     coordinator = leader  # the version its cohort's round trains
-    etag = coordinator.model_etag
+    etag, body = await _on_state(request.app, lambda: (coordinator.model_etag, coordinator.model_bytes))
     if request.headers.get("If-None-Match") == etag:
         return web.Response(status=304, headers={"ETag": etag})
-    return web.Response(body=coordinator.model_bytes, content_type=MSGPACK, headers={"ETag": etag})
+    return web.Response(body=body, content_type=MSGPACK, headers={"ETag": etag})
 
 
 async def revocations(request: web.Request) -> web.StreamResponse:
@@ -505,7 +536,7 @@ async def revocations(request: web.Request) -> web.StreamResponse:
     enrollment authority's revocation list this server enforces, as a `RevocationListPayload` with an
     ETag (``If-None-Match`` → 304).  Without ``enrollment.revocation_list`` the payload is empty (and
     has no ETag): the server enforces no list, and a device keeps enforcing the newest it holds."""
-    data, etag = request.app[COORDINATOR].enrollment.signed_revocation_list()
+    data, etag = await _on_state(request.app, request.app[COORDINATOR].enrollment.signed_revocation_list)
     if not etag:
         return _send(RevocationListPayload())
     if request.headers.get("If-None-Match") == etag:
@@ -522,7 +553,7 @@ async def revocations(request: web.Request) -> web.StreamResponse:
 
 def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handler(request: web.Request) -> web.StreamResponse:
-        device = _device(request)
+        device = await _device(request)
         round_id = _round_id(request)
         app = request.app
         leader = _leader(request, device)
@@ -538,12 +569,8 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         if not isinstance(msg, expected):
             raise RemoteProtocolError(f"expected {expected.__name__} on this route, got {type(msg).__name__}")
         coordinator, changes, clock = leader, app[_CHANGES], app[_CLOCK]
-        before = _fingerprint(app)
-        try:
-            after = coordinator.submit(device, round_id, msg, clock(), digest=digest)
-            consistency = isinstance(msg, ConsistencySignature)
-        finally:
-            _notify_if_moved(app, before)
+        after = await _act(app, coordinator.submit, device, round_id, msg, clock(), digest=digest)
+        consistency = isinstance(msg, ConsistencySignature)
         leaving = isinstance(msg, Abort)
         del msg  # the masked input is in the session's running sum now; do not pin it while polling
         if leaving:
@@ -551,7 +578,7 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
                 RoundResult(
                     round_id=round_id,
                     committed=False,
-                    model_version=coordinator.model_version,
+                    model_version=coordinator.model_version,  # one attribute read
                     reason="left the round",
                 )
             )
@@ -559,10 +586,10 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         give_up = clock() + cfg.advertise_timeout + cfg.share_keys_timeout + cfg.masked_input_timeout
         give_up += cfg.unmask_timeout + 30.0
         answered = False
-        coordinator.poll_started(device, round_id)
+        await _on_state(app, coordinator.poll_started, device, round_id)
         try:
             while True:
-                reply = coordinator.reply(device, round_id, after, consistency=consistency)
+                reply = await _on_state(app, coordinator.reply, device, round_id, after, consistency=consistency)
                 if reply is not None:
                     answered = True
                     return _send(reply)
@@ -574,8 +601,9 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
                     raise ConnectionResetError("the device closed its long-poll connection")
                 await changes.wait(min(remaining, _PRESENCE_CHECK))
         finally:
-            # Cancelled (the connection closed) or given up: unanswered.
-            coordinator.poll_ended(device, round_id, clock(), answered=answered)
+            # Cancelled (the connection closed) or given up: unanswered.  Not awaited: a cancelled handler
+            # cannot await, and the state thread runs it in order all the same.
+            app[_STATE].submit(coordinator.poll_ended, device, round_id, clock(), answered=answered)
 
     handler.__name__ = f"upload_{expected.__name__}"
     return handler
@@ -589,39 +617,67 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "state": state})
 
 
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: 200 ``{"status": "ready"}``, or 503 ``{"status": "not ready", "reasons": [...]}`` while
+    the database is unreachable, a database call has been in flight longer than `READY_STALL` seconds,
+    or a cohort lease this instance holds could not be renewed.  Answered from memory."""
+    app = request.app
+    reasons = []
+    health = app[_STORAGE].health
+    busy = health.busy_since
+    if busy is not None and time.monotonic() - busy > READY_STALL:
+        reasons.append(f"a database call has been waiting for {time.monotonic() - busy:.1f} s")
+    if health.failure:
+        reasons.append(f"database: {health.failure}")
+    reasons += app[_KEEPER].unrenewed()
+    if reasons:
+        return web.json_response({"status": "not ready", "reasons": reasons}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+def _status_body(app: web.Application) -> dict[str, Any]:
+    now = app[_CLOCK]()
+    body = app[COORDINATOR].status(now)
+    body["cluster"] = app[_KEEPER].describe(now)
+    body["errors_by_status"] = app[dashboard.OPERATOR].metrics.errors_by_status()
+    return body
+
+
 async def status(request: web.Request) -> web.Response:
     request.app[dashboard.OPERATOR].check_operator(request.headers.get("Authorization"))
-    now = request.app[_CLOCK]()
-    body = request.app[COORDINATOR].status(now)
-    body["cluster"] = request.app[_KEEPER].describe(now)
-    body["errors_by_status"] = request.app[dashboard.OPERATOR].metrics.errors_by_status()
-    return web.json_response(body)
+    return web.json_response(await _on_state(request.app, _status_body, request.app))
 
 
 # -- lifecycle ------------------------------------------------------------------------------------
 
 
-async def _ticker(app: web.Application) -> None:
+def _tick(app: web.Application) -> list[tuple[RoundCoordinator, FinishJob]]:
+    """One tick on the state thread: the leases, then every coordinator; the finishing jobs it produced."""
     clock, keeper = app[_CLOCK], app[_KEEPER]
-    while True:
-        before = _fingerprint(app)
+    try:
+        keeper.step(clock())
+    except Exception:
+        log.exception("lease keeper failed on one tick")
+    jobs = []
+    for coordinator in app[_SLOTS]:
         try:
-            keeper.step(clock())
-        except Exception:
-            log.exception("lease keeper failed on one tick")
-        for coordinator in app[_SLOTS]:
-            try:
-                coordinator.tick(clock())
-            except FedRecError:
-                log.exception("round ticker: a round could not be advanced")
-            except Exception:  # keep the server alive; the error is logged with its traceback
-                log.exception("round ticker crashed on one tick")
-            job = coordinator.take_finish_job()
-            if job is not None:
-                app[_FINISHING][job.round_id] = asyncio.create_task(
-                    _finish(app, coordinator, job), name=f"fedrec-finish-{job.round_id}"
-                )
-        _notify_if_moved(app, before)
+            coordinator.tick(clock())
+        except FedRecError:
+            log.exception("round ticker: a round could not be advanced")
+        except Exception:  # keep the server alive; the error is logged with its traceback
+            log.exception("round ticker crashed on one tick")
+        job = coordinator.take_finish_job()
+        if job is not None:
+            jobs.append((coordinator, job))
+    return jobs
+
+
+async def _ticker(app: web.Application) -> None:
+    while True:
+        for coordinator, job in await _act(app, _tick, app):
+            app[_FINISHING][job.round_id] = asyncio.create_task(
+                _finish(app, coordinator, job), name=f"fedrec-finish-{job.round_id}"
+            )
         await asyncio.sleep(TICK_SECONDS)
 
 
@@ -643,11 +699,7 @@ async def _finish(app: web.Application, coordinator: RoundCoordinator, job: Fini
     clock = app[_CLOCK]
     try:
         await asyncio.get_running_loop().run_in_executor(app[_EXECUTOR], job.run)
-        before = _fingerprint(app)
-        try:
-            coordinator.complete_finish(job, clock())
-        finally:
-            _notify_if_moved(app, before)
+        await _act(app, coordinator.complete_finish, job, clock())
     except Exception:
         log.exception("round %d could not be finished", job.round_id)
     finally:
@@ -665,11 +717,6 @@ def _fingerprint(app: web.Application) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _notify_if_moved(app: web.Application, before: tuple[Any, ...]) -> None:
-    if _fingerprint(app) != before:
-        app[_CHANGES].notify()
-
-
 async def _wait_finishing(app: web.Application) -> None:
     tasks = list(app[_FINISHING].values())
     if tasks:
@@ -677,43 +724,64 @@ async def _wait_finishing(app: web.Application) -> None:
         await asyncio.wait(tasks, timeout=_FINISH_WAIT)
 
 
-async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+def _open_state(app: web.Application) -> tuple[Storage, list[RoundCoordinator], LeaseKeeper]:
+    """On the state thread: open the storage, build the coordinators and take the free cohorts."""
     config = app[CONFIG]
-    storage = Storage(config.data_dir, url=config.storage.url)
-    app[_STORAGE] = storage
-    slots = config.storage.cohorts_per_instance
-    executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="fedrec-finish")
-    app[_EXECUTOR] = executor
-    crl_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrec-crl")
-    app[_CRL_EXECUTOR] = crl_executor
-    app[_FINISHING] = {}
+    s = config.storage
+    timeouts = Timeouts(connect=s.connect_timeout, statement=s.statement_timeout, lock=s.lock_timeout)
+    storage = Storage(config.data_dir, url=s.url, timeouts=timeouts)
     try:
         coordinators = [
             RoundCoordinator(
                 config, storage, now=app[_CLOCK](), strategy=app[_STRATEGY], defer_finish=True, leased=True
             )
-            for _ in range(slots)
+            for _ in range(s.cohorts_per_instance)
         ]
         for c in coordinators[1:]:
             c.listeners = coordinators[0].listeners  # one set of observers (metrics, dashboard) for all
-        app[COORDINATOR] = coordinators[0]
-        app[_SLOTS] = coordinators
         keeper = LeaseKeeper(config, storage, coordinators)
         keeper.step(app[_CLOCK](), force=True)  # lead the free cohorts (a restart: its own) at once
-        app[_KEEPER] = keeper
-        app[_CHANGES] = _Changes()
-        app[_PROXY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        for c in coordinators:
-            c.enrollment.in_background = True
-        task = asyncio.create_task(_ticker(app), name="fedrec-round-ticker")
-        refresher = None
-        if config.enrollment.authority_public_key:
-            refresher = asyncio.create_task(_revocation_refresher(app), name="fedrec-revocation-refresher")
     except BaseException:
-        executor.shutdown(wait=False)
-        crl_executor.shutdown(wait=False)
         storage.close()
         raise
+    return storage, coordinators, keeper
+
+
+def _close_state(app: web.Application) -> None:
+    """On the state thread: abandon open rounds, give the leases up, close the storage."""
+    _shutdown_rounds(app)
+    app[_KEEPER].release_all()
+    app[_STORAGE].close()
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    state = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrec-state")
+    app[_STATE] = state
+    executor = ThreadPoolExecutor(max_workers=config.storage.cohorts_per_instance, thread_name_prefix="fedrec-finish")
+    app[_EXECUTOR] = executor
+    crl_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrec-crl")
+    app[_CRL_EXECUTOR] = crl_executor
+    app[_FINISHING] = {}
+    try:
+        storage, coordinators, keeper = await _on_state(app, _open_state, app)
+    except BaseException:
+        for pool in (state, executor, crl_executor):
+            pool.shutdown(wait=False)
+        raise
+    app[_STORAGE] = storage
+    app[COORDINATOR] = coordinators[0]
+    app[_SLOTS] = coordinators
+    app[_KEEPER] = keeper
+    app[_CHANGES] = _Changes()
+    app[_PROXY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    for c in coordinators:
+        c.enrollment.in_background = True
+        c.enrollment.storage_executor = state
+    task = asyncio.create_task(_ticker(app), name="fedrec-round-ticker")
+    refresher = None
+    if config.enrollment.authority_public_key:
+        refresher = asyncio.create_task(_revocation_refresher(app), name="fedrec-revocation-refresher")
     try:
         yield
     finally:
@@ -725,11 +793,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         crl_executor.shutdown(wait=True)
         await _wait_finishing(app)
         executor.shutdown(wait=True)
-        _shutdown_rounds(app)
-        app[_KEEPER].release_all()
-        app[_CHANGES].notify()
-        await app[_PROXY].close()
-        storage.close()
+        try:
+            await _on_state(app, _close_state, app)
+        finally:
+            state.shutdown(wait=True)
+            app[_CHANGES].notify()
+            await app[_PROXY].close()
         log.info("storage closed")
 
 
@@ -738,8 +807,7 @@ async def _on_shutdown(app: web.Application) -> None:
     # long-poll is answered (aborted) at once instead of holding the shutdown until it times out.
     # A round that is finishing commits first: its sum is unmasked already.
     await _wait_finishing(app)
-    _shutdown_rounds(app)
-    app[_CHANGES].notify()
+    await _act(app, _shutdown_rounds, app)
 
 
 def _shutdown_rounds(app: web.Application) -> None:
@@ -782,9 +850,10 @@ def create_app(
     app.router.add_post("/v1/rounds/{round_id}/unmask", _phase_handler(UnmaskResponse))
     app.router.add_post("/v1/rounds/{round_id}/abort", _phase_handler(Abort))
     app.router.add_get("/v1/health", health)
+    app.router.add_get("/v1/ready", ready)
     app.router.add_get("/v1/status", status)
     app.router.add_post("/v1/admin/enrollment-tokens", admin_enrollment_tokens)
     app.router.add_post("/v1/admin/revocation-list", admin_revocation_list)
     # The dashboard (GET /), its JSON, /metrics and the admin quality endpoint; observes the coordinator.
-    dashboard.install(app, config=config, clock=clock, coordinator=COORDINATOR, storage=_STORAGE)
+    dashboard.install(app, config=config, clock=clock, coordinator=COORDINATOR, storage=_STORAGE, executor=_STATE)
     return app

@@ -15,8 +15,9 @@ Invariants:
   and relays the answer: a device may be pointed at any instance.  A forwarded request is never
   forwarded again (``X-Fedrec-Forwarded``); without a live leader a check-in is told to wait and any other
   request gets 503 with Retry-After, which device transports retry.
-- Nothing here decides a round: the coordinators do.  Every database call runs on the event loop's
-  thread, like the coordinators' own.
+- Nothing here decides a round: the coordinators do.  Every call into `LeaseKeeper` and every database
+  call runs on the server's state thread, like the coordinators' own (`agg_server.app`); `route` and
+  `unrenewed` only read attributes and may be called from the event loop.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class LeaseKeeper:
         self._renewed = float("-inf")
         self._looked = float("-inf")
         self._leases: dict[int, LeaseRecord] = {}
+        self._unrenewed: dict[int, str] = {}  # cohort -> why its last renewal failed (readiness)
 
     def step(self, now: float, *, force: bool = False) -> None:
         """Renew held leases (every third of their length), drop lost ones, fill free slots."""
@@ -108,10 +110,12 @@ class LeaseKeeper:
                     kept = self.storage.renew_lease(cohort, token, now, self.ttl)
                 except StorageError as exc:
                     log.warning("could not renew the lease of cohort %d: %s", cohort, exc)
+                    self._unrenewed[cohort] = f"the lease of cohort {cohort} could not be renewed: {exc}"
                     kept = now < self._until.get(i, now)
                     if not kept:
                         slot.lose_lease(now, f"the lease of cohort {cohort} expired (database unreachable)")
                     continue
+                self._unrenewed.pop(cohort, None)
                 if kept:
                     self._until[i] = now + self.ttl
                 else:
@@ -173,6 +177,11 @@ class LeaseKeeper:
         if not lease.url:
             return Route(reason=f"the leader of cohort {cohort} ({lease.holder}) advertises no URL")
         return Route(url=lease.url)
+
+    def unrenewed(self) -> list[str]:
+        """Why held leases could not be renewed at their last try (empty: all renewed); for `/v1/ready`."""
+        held = {s.cohort for s in self.slots}
+        return [why for cohort, why in list(self._unrenewed.items()) if cohort in held]
 
     def release_all(self) -> None:
         """Give every held lease up (graceful shutdown): other instances take the cohorts at once."""

@@ -303,6 +303,15 @@ class StorageSection:
     advertise_url : str or None
         Where the other instances forward the requests of devices of this instance's cohorts, e.g.
         ``"http://10.0.0.5:8080"``.  Default: ``http(s)://server.host:server.port`` (none for port 0).
+    connect_timeout : float
+        Seconds one connection attempt to PostgreSQL may take; after a lost connection the server
+        reconnects by itself, backing off from 0.25 s to 5 s between attempts.
+    statement_timeout : float
+        Seconds one PostgreSQL statement may run before the database cancels it (a commit writes the
+        whole model: keep it well above a commit's time).
+    lock_timeout : float
+        Seconds a statement may wait for a lock another session holds before giving up (PostgreSQL's
+        ``lock_timeout``; SQLite's busy timeout).  The round goes on or retries; nothing waits longer.
     """
 
     url: str | None = None
@@ -311,9 +320,17 @@ class StorageSection:
     lease_seconds: float = 15.0
     instance_id: str | None = None
     advertise_url: str | None = None
+    connect_timeout: float = 5.0
+    statement_timeout: float = 60.0
+    lock_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         _set(self, "cohorts", _int("storage.cohorts", self.cohorts, lo=1, hi=4096))
+        _set(self, "connect_timeout", _float("storage.connect_timeout", self.connect_timeout, lo=1.0, hi=300.0))
+        _set(self, "statement_timeout", _float("storage.statement_timeout", self.statement_timeout, lo=1.0, hi=3600.0))
+        _set(self, "lock_timeout", _float("storage.lock_timeout", self.lock_timeout, lo=0.1, hi=600.0))
+        if self.lock_timeout > self.statement_timeout:
+            raise _fail("storage.lock_timeout", "at most storage.statement_timeout", self.lock_timeout)
         _set(
             self,
             "cohorts_per_instance",

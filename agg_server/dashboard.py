@@ -39,7 +39,8 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -65,6 +66,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("agg_server.dashboard")
+_T = TypeVar("_T")
 access_log = logging.getLogger(ACCESS_LOGGER)
 
 ERROR_RING = 50
@@ -118,6 +120,14 @@ class Operator:
         self.storage: Storage | None = None
         self._open: dict[str, Any] | None = None  # the open round's cohort and phases, from events
         self.static = {name: _load_static(name) for name in STATIC_FILES}
+        #: The thread every coordinator and storage call runs on (the server's state thread); None: here.
+        self.executor: Executor | None = None
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` on `executor` (off the event loop), or here without one."""
+        if self.executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     # -- wiring -----------------------------------------------------------------------------------
 
@@ -467,13 +477,15 @@ def _asset(name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
 
 
 async def dashboard_json(request: web.Request) -> web.Response:
-    request.app[OPERATOR].check_operator(request.headers.get("Authorization"))
-    return web.json_response(request.app[OPERATOR].snapshot(), headers={"Cache-Control": "no-store"})
+    operator = request.app[OPERATOR]
+    operator.check_operator(request.headers.get("Authorization"))
+    return web.json_response(await operator.run(operator.snapshot), headers={"Cache-Control": "no-store"})
 
 
 async def metrics(request: web.Request) -> web.Response:
-    request.app[OPERATOR].check_operator(request.headers.get("Authorization"))
-    return web.Response(body=request.app[OPERATOR].metrics_text(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    operator = request.app[OPERATOR]
+    operator.check_operator(request.headers.get("Authorization"))
+    return web.Response(body=await operator.run(operator.metrics_text), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 async def admin_quality(request: web.Request) -> web.Response:
@@ -486,7 +498,7 @@ async def admin_quality(request: web.Request) -> web.Response:
         body = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError) as exc:
         raise DecodeError(f"body is not JSON: {exc}") from None
-    return web.json_response(operator.report_quality(body), status=201)
+    return web.json_response(await operator.run(operator.report_quality, body), status=201)
 
 
 def _refuse_constant(name: str) -> object:
@@ -503,6 +515,7 @@ def install(
     clock: Callable[[], float],
     coordinator: web.AppKey[RoundCoordinator],
     storage: web.AppKey[Storage],
+    executor: web.AppKey[ThreadPoolExecutor] | None = None,
 ) -> None:
     """Add the operator routes and state to ``app``.
 
@@ -515,12 +528,15 @@ def install(
     config : its configuration.
     clock : its wall clock.
     coordinator, storage : the app keys under which the lifecycle stores them.
+    executor : the app key of the thread that every coordinator and storage call must run on (None: the
+        event loop's).
     """
     app[OPERATOR] = Operator(config, clock)
 
     async def observe(app: web.Application) -> AsyncIterator[None]:
         operator = app[OPERATOR]
-        operator.attach(app[coordinator], app[storage])
+        operator.executor = None if executor is None else app[executor]
+        await operator.run(operator.attach, app[coordinator], app[storage])
         try:
             yield
         finally:

@@ -33,9 +33,10 @@ import re
 import secrets
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -59,6 +60,8 @@ from protocol.identity import (
     verify_signature,
 )
 from protocol.messages import RegisterResponse
+
+_T = TypeVar("_T")
 
 __all__ = ["Enrollment", "Credential", "capped_cohort", "token_digest", "TOKEN_LABEL", "MAX_TOKENS_PER_REQUEST"]
 
@@ -123,6 +126,8 @@ class Enrollment:
         self._db_checked = -math.inf
         #: Set by the server, whose background task calls `refresh`: the request path does not refresh.
         self.in_background = False
+        #: Set by the server: the thread its storage calls run on (the state thread); None: the caller's.
+        self.storage_executor: Executor | None = None
         self._refreshing = asyncio.Lock()  # serializes `refresh` and `upload_revocation_list_async`
         if self._crl_path is not None:
             # At start-up a list that is missing, tampered with or foreign stops the server (fail closed).
@@ -139,7 +144,7 @@ class Enrollment:
     # read and the signature check over the whole list run in a worker thread, and the request path
     # (`check`, `revoked_devices`, `signed_revocation_list`) does no refresh and no filesystem I/O: it
     # keeps enforcing the list in force, also while a refresh is in flight, until the refresh swaps the
-    # new list in on the loop in one step (no await between the forward-only check and the swap).
+    # new list in on the server's state thread in one step (no await between the forward-only check and the swap).
     # Without a refresher (in-process simulations, tests of this class) the request path refreshes
     # itself synchronously, as `refresh_revocations` says.
     def _stamp(self) -> tuple[int, int, int] | None:
@@ -250,18 +255,24 @@ class Enrollment:
         async with self._refreshing:
             await self._refresh_locked(executor, force_database)
 
+    async def _on_storage(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` on `storage_executor` (the server's state thread), or here without one."""
+        if self.storage_executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.storage_executor, fn, *args)
+
     async def _refresh_locked(self, executor: Executor | None, force_database: bool) -> None:
         loop = asyncio.get_running_loop()
         if self._crl_path is not None:
             found = await loop.run_in_executor(executor, self._file_candidate)
             if found is not None:
-                retired = self._adopt(*found, "file", str(self._crl_path))
+                retired = await self._on_storage(self._adopt, *found, "file", str(self._crl_path))
                 await loop.run_in_executor(executor, retired.clear)  # the old list is freed there
-        blob = self._database_candidate(force_database)  # two short queries on the loop (storage's thread)
+        blob = await self._on_storage(self._database_candidate, force_database)  # two short queries
         if blob is not None:
             checked = await loop.run_in_executor(executor, self._checked_upload, blob)
             if checked is not None:
-                retired = self._adopt(checked[0], blob, checked[1], "database", "the database")
+                retired = await self._on_storage(self._adopt, checked[0], blob, checked[1], "database", "the database")
                 await loop.run_in_executor(executor, retired.clear)
 
     def _database_candidate(self, force: bool) -> bytes | None:
@@ -323,7 +334,7 @@ class Enrollment:
         crl, etag = await asyncio.get_running_loop().run_in_executor(executor, self._verify_bytes, data)
         async with self._refreshing:
             await self._refresh_locked(executor, True)
-            return self._store_upload(crl, data, etag, now)
+            return await self._on_storage(self._store_upload, crl, data, etag, now)
 
     def _store_upload(self, crl: RevocationList, data: bytes, etag: str, now: float) -> tuple[RevocationList, bool]:
         if self._crl is not None and crl.number < self._crl.number:

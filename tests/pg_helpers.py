@@ -16,12 +16,20 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-__all__ = ["postgres_bin", "running_postgres"]
+__all__ = ["postgres_bin", "running_postgres", "PostgresServer"]
+
+
+class PostgresServer(str):
+    """The base URL `running_postgres` yields (a ``str``), which can also stop and start its server."""
+
+    stop: Callable[[], None]
+    start: Callable[[], None]
+
 
 
 def postgres_bin() -> Path | None:
@@ -73,12 +81,23 @@ def running_postgres() -> Iterator[str]:
             raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()}")
 
     started = False
-    try:
-        run(str(bindir / "initdb"), "-D", str(data), "-U", "fedrec", "--auth=trust", "-E", "UTF8", "--no-sync")
-        options = f"-k {root} -c listen_addresses='' -c fsync=off -c max_connections=50"
+    options = f"-k {root} -c listen_addresses='' -c fsync=off -c max_connections=50"
+
+    def start() -> None:
+        nonlocal started
         run(str(bindir / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(root / "log"), "-w", "start")
         started = True
-        yield f"postgresql://fedrec@/postgres?host={root}"
+
+    def stop() -> None:
+        # "fast": every session is disconnected at once, as a database restart by an operator does.
+        run(str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
+
+    try:
+        run(str(bindir / "initdb"), "-D", str(data), "-U", "fedrec", "--auth=trust", "-E", "UTF8", "--no-sync")
+        start()
+        server = PostgresServer(f"postgresql://fedrec@/postgres?host={root}")
+        server.stop, server.start = stop, start
+        yield server
     finally:
         if started:
             with contextlib.suppress(Exception):

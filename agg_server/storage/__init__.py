@@ -17,7 +17,15 @@
 
 from __future__ import annotations
 
-from agg_server.storage.database import DATABASE_NAME, SCHEMA_VERSION, redact_url
+from agg_server.storage.database import (
+    DATABASE_NAME,
+    SCHEMA_VERSION,
+    DatabaseHealth,
+    DatabaseUnavailable,
+    Timeouts,
+    mask_secrets,
+    redact_url,
+)
 from agg_server.storage.records import (
     COHORT_PHASE,
     CheckpointRecord,
@@ -47,4 +55,8 @@ __all__ = [
     "LeaseLost",
     "HeadMoved",
     "redact_url",
+    "mask_secrets",
+    "Timeouts",
+    "DatabaseHealth",
+    "DatabaseUnavailable",
 ]

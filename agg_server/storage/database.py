@@ -16,20 +16,64 @@ Invariants of this module:
   (a file path, or a URL without its password).
 * SQLite runs in WAL mode with ``synchronous=FULL`` and foreign keys on; PostgreSQL in autocommit
   mode with explicit transactions at READ COMMITTED plus explicit locks where instances race.
+* Every wait is bounded (`Timeouts`): PostgreSQL connects within ``connect``, cancels a statement after
+  ``statement`` and a lock wait after ``lock`` seconds (SQLite's busy timeout is ``lock``).  A lost
+  PostgreSQL connection is reopened by the next call, at most once per back-off step (0.25 s doubling to
+  5 s); calls in between fail at once with a `StorageError` saying when the next attempt is.
+* `Database.health` is readable from any thread without blocking: since when a call is in flight, and
+  the driver error of the last call that failed (cleared by the next success).  The server's readiness
+  probe reads it; the connection itself is used by one thread at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from protocol.errors import StorageError
 
-__all__ = ["SCHEMA_VERSION", "DATABASE_NAME", "Database", "open_database", "redact_url"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "DATABASE_NAME",
+    "Database",
+    "DatabaseHealth",
+    "DatabaseUnavailable",
+    "Timeouts",
+    "open_database",
+    "redact_url",
+    "mask_secrets",
+]
+
+log = logging.getLogger("agg_server.storage")
+
+_BACKOFF_FIRST = 0.25  # seconds before the second reconnection attempt; doubles up to _BACKOFF_MAX
+_BACKOFF_MAX = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Bounds on every database wait, in seconds (``storage.connect_timeout`` etc.)."""
+
+    connect: float = 5.0
+    statement: float = 60.0
+    lock: float = 5.0
+
+
+@dataclass(slots=True)
+class DatabaseHealth:
+    """What the readiness probe reads: plain attributes, written by the thread using the database."""
+
+    busy_since: float | None = None  # time.monotonic() when the call in flight started
+    failure: str = ""  # the last failed call's driver error ("" after a success)
+
 
 SCHEMA_VERSION = 5
 """Schema version (SQLite: ``PRAGMA user_version``; PostgreSQL: table ``fedrec_schema``)."""
@@ -176,19 +220,28 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
 _PG_MIGRATION_LOCK = 0x66656472  # "fedr": the advisory lock key of schema migrations
 
 
+# A password in any form of connection string: a URL's user-info ("scheme://user:SECRET@host", the
+# last "@" before the path ends it), a query or keyword parameter ("?password=SECRET",
+# "host=db password='SE CRET'").
+_URL_SECRET = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s]*(@)")
+_PARAM_SECRET = re.compile(r"(?i)\b(password|passwd|sslpassword|pgpassword)(\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s&;]*)")
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with every password of a connection string in it replaced by ``***`` (URL user-info,
+    ``?password=`` and keyword style ``password=...``), for messages and logs."""
+    text = _URL_SECRET.sub(r"\1***\2", text)
+    return _PARAM_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}***", text)
+
+
 def redact_url(url: str) -> str:
-    """``url`` without its password (for messages and logs)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable database URL>"
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = parts.username or ""
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+    """``url`` (a URL or a keyword-style connection string) without its password, for messages and logs."""
+    return mask_secrets(url)
+
+
+class DatabaseUnavailable(StorageError):
+    """The database could not be reached, or a statement or lock wait timed out: the call may succeed
+    later (the connection is reopened by itself)."""
 
 
 class Cursor(Protocol):
@@ -213,6 +266,8 @@ class Database:
 
     dialect: str
     where: str
+    health: DatabaseHealth
+    _depth: int = 0
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Cursor:
         raise NotImplementedError
@@ -222,15 +277,43 @@ class Database:
 
     @contextlib.contextmanager
     def guard(self, op: str) -> Iterator[Database]:
-        """Map driver errors of the block to `StorageError` naming ``op``."""
+        """Map driver errors of the block to `StorageError` naming ``op`` (`DatabaseUnavailable` when the
+        database could not be reached or timed out); keep `health` current."""
+        outer = self._depth == 0
+        if outer:
+            self.health.busy_since = time.monotonic()
+        self._depth += 1
         try:
             yield self
+            if outer:
+                self.health.failure = ""
+        except DatabaseUnavailable as exc:
+            if outer:
+                self.health.failure = str(exc)
+            raise
         except StorageError:
             raise
         except Exception as exc:
             if not self._is_driver_error(exc):
                 raise
-            raise StorageError(f"{op} failed on database {self.where}: {exc}") from exc
+            self._after_driver_error()
+            text = f"{op} failed on database {self.where}: {mask_secrets(str(exc).strip())}"
+            if not self._is_unavailable(exc):
+                raise StorageError(text) from exc
+            if outer:
+                self.health.failure = text
+            raise DatabaseUnavailable(text) from exc
+        finally:
+            self._depth -= 1
+            if outer:
+                self.health.busy_since = None
+
+    def _is_unavailable(self, exc: Exception) -> bool:
+        """A driver error that says the database is down, unreachable or too slow (not a bad statement)."""
+        raise NotImplementedError
+
+    def _after_driver_error(self) -> None:
+        """Drop a connection the error broke (reopened by the next call)."""
 
     @contextlib.contextmanager
     def transaction(self, op: str) -> Iterator[Database]:
@@ -300,12 +383,16 @@ class SqliteDatabase(Database):
 
     dialect = "sqlite"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, timeouts: Timeouts | None = None) -> None:
         self.path = path
         self.where = str(path)
+        self.health = DatabaseHealth()
+        timeouts = timeouts or Timeouts()
         try:
             # isolation_level=None: no implicit transactions; `transaction` says BEGIN/COMMIT itself.
-            conn = sqlite3.connect(path, isolation_level=None)
+            # check_same_thread=False: the server opens it on one thread and uses it from its storage
+            # thread, one call at a time.
+            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
             raise StorageError(f"cannot open database {path}: {exc}") from exc
         self._conn: sqlite3.Connection | None = conn
@@ -315,7 +402,7 @@ class SqliteDatabase(Database):
                 raise StorageError(f"database {path} cannot use WAL mode (journal_mode={mode})")
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA foreign_keys=ON")
-            conn.execute("PRAGMA busy_timeout=5000")
+            conn.execute(f"PRAGMA busy_timeout={max(1, round(timeouts.lock * 1000))}")
             self._migrate()
         except sqlite3.Error as exc:
             conn.close()
@@ -391,38 +478,101 @@ class SqliteDatabase(Database):
     def _is_driver_error(self, exc: Exception) -> bool:
         return isinstance(exc, sqlite3.Error)
 
+    def _is_unavailable(self, exc: Exception) -> bool:
+        return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+
 
 class PostgresDatabase(Database):
     """The shared back-end: a PostgreSQL database that several server instances use at once."""
 
     dialect = "postgresql"
 
-    def __init__(self, url: str, *, connect_timeout: float = 10.0) -> None:
+    def __init__(self, url: str, timeouts: Timeouts | None = None) -> None:
         self.where = redact_url(url)
+        self.health = DatabaseHealth()
+        timeouts = timeouts or Timeouts()
         try:
             import psycopg
         except ImportError as exc:
             raise StorageError(f"storage.url {self.where} needs psycopg 3: pip install 'fedrec[postgres]'") from exc
         self._psycopg = psycopg
-        try:
-            self._conn: Any = psycopg.connect(url, autocommit=True, connect_timeout=max(1, int(connect_timeout)))
-        except psycopg.Error as exc:
-            # The driver's message may repeat the URL: keep only its first line, which names the cause.
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise StorageError(
-                f"cannot connect to the database {self.where}: {first.replace(url, self.where)}"
-            ) from None
+        self._url = url
+        self._timeouts = timeouts
+        self._closed = False
+        self._retry_at = 0.0
+        self._backoff = 0.0
+        self._conn: Any = self._connect()
         try:
             self._migrate()
         except BaseException:
             self._conn.close()
             self._conn = None
+            self._closed = True
             raise
 
+    def _connect(self) -> Any:
+        psycopg, url, t = self._psycopg, self._url, self._timeouts
+        try:
+            conn = psycopg.connect(
+                url,
+                autocommit=True,
+                connect_timeout=max(1, round(t.connect)),
+                # A peer that vanishes without closing (a dead host, a cut network) is noticed within ~10 s.
+                keepalives=1,
+                keepalives_idle=5,
+                keepalives_interval=2,
+                keepalives_count=3,
+            )
+        except psycopg.Error as exc:
+            raise DatabaseUnavailable(f"cannot connect to the database {self.where}: {self._first_line(exc)}") from None
+        try:
+            conn.execute(
+                "SELECT set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false)",
+                (f"{max(1, round(t.statement * 1000))}ms", f"{max(1, round(t.lock * 1000))}ms"),
+            )
+        except psycopg.Error as exc:
+            conn.close()
+            raise StorageError(f"cannot configure the connection to {self.where}: {self._first_line(exc)}") from None
+        return conn
+
+    def _first_line(self, exc: Exception) -> str:
+        # The driver's message may repeat the URL or its parts: keep only the first line, which names the
+        # cause, and never the secret (`mask_secrets`).
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        return mask_secrets(first.replace(self._url, self.where))
+
     def _connection(self) -> Any:
-        if self._conn is None:
+        conn = self._conn
+        if conn is not None and not conn.closed and not conn.broken:
+            return conn
+        if self._closed:
             raise StorageError(f"storage {self.where} is closed")
+        now = time.monotonic()
+        if now < self._retry_at:
+            raise DatabaseUnavailable(
+                f"database {self.where} is unreachable; the next connection attempt is in {self._retry_at - now:.1f} s"
+            )
+        self._conn = None
+        try:
+            self._conn = self._connect()
+        except DatabaseUnavailable:
+            self._backoff = min(_BACKOFF_MAX, self._backoff * 2 if self._backoff else _BACKOFF_FIRST)
+            self._retry_at = time.monotonic() + self._backoff
+            raise
+        if self._backoff:
+            log.warning("reconnected to the database %s", self.where)
+        self._backoff = 0.0
+        self._retry_at = 0.0
         return self._conn
+
+    def _after_driver_error(self) -> None:
+        conn = self._conn
+        if conn is not None and (conn.closed or conn.broken):
+            log.warning("lost the connection to the database %s; reconnecting", self.where)
+            self._conn = None
+            with contextlib.suppress(Exception):
+                conn.close()
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Cursor:
         cursor: Cursor = self._connection().execute(sql.replace("?", "%s"), tuple(params))
@@ -498,6 +648,7 @@ class PostgresDatabase(Database):
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
+        self._closed = True
         if conn is None:
             return
         try:
@@ -507,13 +658,19 @@ class PostgresDatabase(Database):
 
     @property
     def closed(self) -> bool:
-        return self._conn is None
+        return self._closed
 
     def _is_driver_error(self, exc: Exception) -> bool:
         return isinstance(exc, self._psycopg.Error)
 
+    def _is_unavailable(self, exc: Exception) -> bool:
+        # Connection failures, a server shutting down, statement and lock timeouts (all OperationalError).
+        return isinstance(exc, self._psycopg.OperationalError)
 
-def open_database(data_dir: Path, url: str | None) -> SqliteDatabase | PostgresDatabase:
+
+def open_database(
+    data_dir: Path, url: str | None, timeouts: Timeouts | None = None
+) -> SqliteDatabase | PostgresDatabase:
     """The configured back-end: PostgreSQL for a ``postgresql://`` (or ``postgres://``) URL, else
     SQLite in ``data_dir``.
 
@@ -524,11 +681,11 @@ def open_database(data_dir: Path, url: str | None) -> SqliteDatabase | PostgresD
         its schema is newer or foreign.
     """
     if url is None:
-        return SqliteDatabase(Path(data_dir) / DATABASE_NAME)
+        return SqliteDatabase(Path(data_dir) / DATABASE_NAME, timeouts)
     scheme = urlsplit(url).scheme.lower()
     if scheme in ("postgresql", "postgres"):
-        return PostgresDatabase(url)
+        return PostgresDatabase(url, timeouts)
     if scheme == "sqlite":
         path = urlsplit(url).path
-        return SqliteDatabase(Path(path) if path else Path(data_dir) / DATABASE_NAME)
+        return SqliteDatabase(Path(path) if path else Path(data_dir) / DATABASE_NAME, timeouts)
     raise StorageError(f"storage.url {redact_url(url)}: unsupported scheme {scheme!r} (postgresql:// or sqlite://)")

@@ -38,7 +38,7 @@ from pathlib import Path
 from types import TracebackType
 
 from agg_server.storage.checkpoints import CheckpointFiles
-from agg_server.storage.database import DATABASE_NAME, open_database
+from agg_server.storage.database import DATABASE_NAME, DatabaseHealth, Timeouts, open_database
 from agg_server.storage.devices import DeviceQueries
 from agg_server.storage.ledger import LedgerQueries
 from agg_server.storage.models import HeadMoved, ModelQueries
@@ -57,6 +57,10 @@ class Storage(DeviceQueries, RevocationQueries, RoundQueries, LedgerQueries, Mod
         Folder for ``fedrec.sqlite3`` and ``checkpoints/`` (created if missing).
     keep_checkpoints : int
         Good checkpoint files to keep (>= 1); older ones are deleted after each commit.
+    url : str or None
+        ``storage.url``: None for SQLite in ``data_dir``, else a PostgreSQL URL.
+    timeouts : `Timeouts` or None
+        Connect, statement and lock timeouts (``storage.*_timeout``).
 
     Raises
     ------
@@ -68,10 +72,13 @@ class Storage(DeviceQueries, RevocationQueries, RoundQueries, LedgerQueries, Mod
 
     Notes
     -----
-    Use from one thread.  `close` (or leaving a ``with`` block) checkpoints the WAL and closes.
+    Use from one thread at a time (the server runs every call on its storage thread).  `close` (or leaving
+    a ``with`` block) checkpoints the WAL and closes.
     """
 
-    def __init__(self, data_dir: Path, *, keep_checkpoints: int = 5, url: str | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, *, keep_checkpoints: int = 5, url: str | None = None, timeouts: Timeouts | None = None
+    ) -> None:
         if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
         self.data_dir = Path(data_dir)
@@ -79,8 +86,10 @@ class Storage(DeviceQueries, RevocationQueries, RoundQueries, LedgerQueries, Mod
         self.keep_checkpoints = keep_checkpoints
         self._files = CheckpointFiles(self.data_dir)
         self._checkpoint_dir = self._files.folder
-        self._db = open_database(self.data_dir, url)
+        self._db = open_database(self.data_dir, url, timeouts or Timeouts())
         self.where = self._db.where
+        #: Readable from any thread without blocking (the readiness probe): see `DatabaseHealth`.
+        self.health: DatabaseHealth = self._db.health
         try:
             self._remove_leftovers()
         except BaseException:
