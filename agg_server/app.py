@@ -740,6 +740,7 @@ def _open_state(app: web.Application) -> tuple[Storage, list[RoundCoordinator], 
         for c in coordinators[1:]:
             c.listeners = coordinators[0].listeners  # one set of observers (metrics, dashboard) for all
         keeper = LeaseKeeper(config, storage, coordinators)
+        keeper.claim_instance_id()  # a second live process with this instance_id: refuse to start
         keeper.step(app[_CLOCK](), force=True)  # lead the free cohorts (a restart: its own) at once
     except BaseException:
         storage.close()

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 from collections.abc import Sequence
@@ -98,6 +99,11 @@ class LeaseKeeper:
         self._leases: dict[int, LeaseRecord] = {}
         self._unrenewed: dict[int, str] = {}  # cohort -> why its last renewal failed (readiness)
 
+    def claim_instance_id(self) -> None:
+        """Refuse to run (`StorageError`) while another live process uses this instance's id: the two would
+        take each other's leases every second."""
+        self.storage.claim_instance(self.instance)
+
     def step(self, now: float, *, force: bool = False) -> None:
         """Renew held leases (every third of their length), drop lost ones, fill free slots."""
         if force or now - self._renewed >= self.ttl / 3:
@@ -123,7 +129,12 @@ class LeaseKeeper:
         if force or now - self._looked >= _LEASE_REFRESH:
             self._looked = now
             try:
-                self._leases = {lease.cohort: lease for lease in self.storage.leases()}
+                # Expiry rebased on this host's clock from the seconds left by the database's clock: hosts'
+                # clocks may differ, the durations agree.
+                self._leases = {
+                    lease.cohort: dataclasses.replace(lease, expires_at=now + lease.expires_in)
+                    for lease in self.storage.leases()
+                }
                 self._fill(now)
             except StorageError as exc:
                 log.warning("could not read the cohort leases: %s", exc)

@@ -195,6 +195,7 @@ class GlobalModel:
         state, dp_trained = self.decode(head, payload)
         self.set(head, state, payload, dp_trained)
         self.resume_strategy(head)
+        self.storage.prune_checkpoint_files()  # that commit may have pruned rows of this instance's files
         log.info("model version %d (committed by another cohort) is the head now", head)
 
     def resume_strategy(self, version: int) -> None:

@@ -40,19 +40,26 @@ def backend(request: pytest.FixtureRequest) -> str | None:
 
 
 def test_a_lease_fences_the_writes_of_a_deposed_leader(backend: str | None, tmp_path: Path) -> None:
+    # Lease expiry goes by the database's clock: the callers' `now` (their hosts' clocks, which may be
+    # hours apart) decides nothing, so a lease is made to expire by renewing it for 0.2 s and waiting.
+    skewed = time.time() + 3600.0
     with Storage(tmp_path / "a", url=backend) as a, Storage(tmp_path / "a", url=backend) as b:
         d = a.add_device(bytes(32), "x", 0.0)
-        got = a.acquire_lease(0, "A", "http://a", 100.0, 10.0)
+        got = a.acquire_lease(0, "A", "http://a", 100.0, 30.0)
         assert got == (1, [])
-        assert b.acquire_lease(0, "B", "http://b", 105.0, 10.0) is None  # A's lease is live
+        assert b.acquire_lease(0, "B", "http://b", skewed, 30.0) is None  # A's lease is live, whatever B's clock
+        (lease,) = a.leases()
+        assert 25.0 < lease.expires_in <= 30.0
         a.start_round(1, 1, [d], {}, 101.0, fence=(0, 1))
-        assert b.acquire_lease(0, "B", "http://b", 111.0, 10.0) == (2, [1])  # expired: taken over, round 1 abandoned
+        assert a.renew_lease(0, 1, 0.0, 0.2)
+        time.sleep(0.3)
+        assert b.acquire_lease(0, "B", "http://b", 0.0, 30.0) == (2, [1])  # expired: taken over, round 1 abandoned
         with pytest.raises(LeaseLost, match="token 2"):
             a.record_phase(1, "advertise_keys", [d], [], 1.0, 112.0, fence=(0, 1))
         with pytest.raises(LeaseLost):
             a.start_round(2, 1, [d], {}, 112.0, fence=(0, 1))
         assert not a.renew_lease(0, 1, 112.0, 10.0) and b.renew_lease(0, 2, 112.0, 10.0)
-        assert a.acquire_lease(0, "A", "http://a", 113.0, 10.0) is None
+        assert a.acquire_lease(0, "A", "http://a", skewed, 10.0) is None
         b.release_lease(0, 2)
         assert a.acquire_lease(0, "A", "http://a", 113.0, 10.0) == (3, [])
         (lease,) = a.leases()
@@ -73,6 +80,98 @@ def test_commits_compare_and_set_the_model_version(backend: str | None, tmp_path
         assert a.head_version() == 3
         if backend is not None:  # every instance reads every version from the database
             assert a.load_model(3) == b"three" and b.load_model(2) == b"two"
+
+
+def test_checkpoint_files_whose_rows_another_instance_pruned_are_removed(backend: str | None, tmp_path: Path) -> None:
+    shared = backend or f"sqlite://{tmp_path / 'shared.sqlite3'}"  # one database, two data directories
+    with (
+        Storage(tmp_path / "a", url=shared, keep_checkpoints=3) as a,
+        Storage(tmp_path / "b", url=shared, keep_checkpoints=3) as b,
+    ):
+        a.commit_model(1, None, b"v1", 1.0)
+        for version in range(2, 13):  # the instances take turns
+            (a if version % 2 else b).commit_model(
+                version, None, b"v%d" % version, float(version), base_version=version - 1
+            )
+        a.prune_checkpoint_files()  # as a's next round does when it follows the head b committed
+        for folder in ("a", "b"):
+            files = sorted(p.name for p in (tmp_path / folder / "checkpoints").glob("model-*.msgpack"))
+            kept = {f"model-{v}.msgpack" for v in (10, 11, 12)}
+            assert set(files) <= kept, (folder, files)
+        assert a.head_version() == 12
+
+
+def _race_takeover_and_reveal(
+    leader: Storage, fence: tuple[int, int], rid: int, other: Storage, name: str
+) -> dict[str, object]:
+    """The deposed leader reveals round ``rid`` while ``other`` takes the cohort over, released together."""
+    barrier = threading.Barrier(2)
+    results: dict[str, object] = {}
+
+    def reveal() -> None:
+        barrier.wait()
+        try:
+            leader.mark_revealed(rid, fence=fence)
+            results["reveal"] = "revealed"
+        except LeaseLost:
+            results["reveal"] = "lease lost"
+        except Exception as exc:  # reported by the caller
+            results["reveal"] = exc
+
+    def take() -> None:
+        barrier.wait()
+        try:
+            results["take"] = other.acquire_lease(fence[0], name, "", 0.0, 30.0)
+        except Exception as exc:  # reported by the caller
+            results["take"] = exc
+
+    threads = [threading.Thread(target=reveal), threading.Thread(target=take)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+@pytest.mark.postgres
+def test_a_takeover_racing_a_reveal_never_deadlocks(pg_server: str, tmp_path: Path) -> None:
+    # mark_revealed and acquire_lease take the rounds lock and the lease row in one order: 100 races of a
+    # take-over against the deposed leader's reveal end with one of them first, never "deadlock detected".
+    url = database_url(pg_server, f"m{next(_names)}")
+    with Storage(tmp_path / "a", url=url) as a, Storage(tmp_path / "b", url=url) as b:
+        d = a.add_device(bytes(32), "x", 0.0)
+        leader, other = (a, "A"), (b, "B")
+        got = a.acquire_lease(0, "A", "", 0.0, 30.0)
+        assert got is not None
+        token = got[0]
+        outcomes: dict[str, int] = {}
+        for rid in range(1, 101):
+            leader[0].start_round(rid, 1, [d], {}, 0.0, fence=(0, token))
+            assert leader[0].renew_lease(0, token, 0.0, 0.0)  # expired at once: the other may take over
+            results = _race_takeover_and_reveal(leader[0], (0, token), rid, other[0], other[1])
+            assert results["reveal"] in ("revealed", "lease lost"), results
+            taken = results["take"]
+            assert isinstance(taken, tuple) and taken[1] == [rid], results  # the round was abandoned
+            outcome = str(results["reveal"])
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            token = taken[0]
+            leader, other = other, leader
+        assert sum(outcomes.values()) == 100
+        revealed = {r.round_id for r in a.recent_rounds(200) if r.status.value == "abandoned"}
+        assert len(revealed) == 100
+
+
+def test_a_second_live_process_with_the_same_instance_id_is_refused(backend: str | None, tmp_path: Path) -> None:
+    from protocol.errors import StorageError
+
+    shared = backend or f"sqlite://{tmp_path / 'shared.sqlite3'}"
+    with Storage(tmp_path / "a", url=shared) as a, Storage(tmp_path / "b", url=shared) as b:
+        a.claim_instance("srv-a")
+        with pytest.raises(StorageError, match="instance_id 'srv-a' is in use by another running instance"):
+            b.claim_instance("srv-a")
+        b.claim_instance("srv-b")
+    with Storage(tmp_path / "c", url=shared) as c:
+        c.claim_instance("srv-a")  # its holder stopped: free again
 
 
 def _reserve(budget: PrivacyLedger, mu: float, l1: float, l2: float, rid: int):  # type: ignore[no-untyped-def]
@@ -222,6 +321,25 @@ async def test_two_instances_run_four_cohorts_in_parallel(pg_server: str, tmp_pa
         stop.set()
         for inst in instances:
             inst.kill()
+
+
+@pytest.mark.postgres
+def test_a_server_with_a_duplicate_instance_id_refuses_to_start(pg_server: str, tmp_path: Path) -> None:
+    from tests.multi_helpers import Instance
+    from tests.server_helpers import BITS, N_ITEMS
+
+    url = database_url(pg_server, f"m{next(_names)}")
+    first = Instance("same", tmp_path / "one", url, 2, 1, N_ITEMS, BITS, cohort_size=5)
+    second = Instance("same", tmp_path / "two", url, 2, 1, N_ITEMS, BITS, cohort_size=5)
+    first.start()
+    try:
+        with pytest.raises(RuntimeError, match="exited") as refused:
+            second.start()
+        assert "storage.instance_id 'same' is in use by another running instance" in str(refused.value)
+        assert second.proc is not None and second.proc.returncode != 0
+    finally:
+        first.kill()
+        second.kill()
 
 
 def _lease_holders(url: str) -> dict[str, int]:

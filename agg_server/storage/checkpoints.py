@@ -71,11 +71,15 @@ class CheckpointFiles:
         for temp in leftovers:  # the second pattern: temp files of releases before protocol.atomic
             with contextlib.suppress(OSError):
                 temp.unlink()
-        if oldest_recorded is None:
-            return
+        if oldest_recorded is not None:
+            self.remove_older_than(oldest_recorded)
+
+    def remove_older_than(self, version: int) -> None:
+        """Delete the model files of versions below ``version`` (their rows are gone); failures are ignored
+        (the next prune tries again)."""
         for path in self.folder.glob("model-*.msgpack"):
-            version = path.name[len("model-") : -len(".msgpack")]
-            if version.isdigit() and int(version) < oldest_recorded:
+            found = path.name[len("model-") : -len(".msgpack")]
+            if found.isdigit() and int(found) < version:
                 with contextlib.suppress(OSError):
                     path.unlink()
 

@@ -28,6 +28,8 @@ Invariants of this module:
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import logging
 import re
 import sqlite3
@@ -218,6 +220,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
 }
 
 _PG_MIGRATION_LOCK = 0x66656472  # "fedr": the advisory lock key of schema migrations
+_PG_INSTANCE_LOCK = 0x66656469  # "fedi": the first key of the session advisory locks on instance ids
 
 
 # A password in any form of connection string: a URL's user-info ("scheme://user:SECRET@host", the
@@ -325,6 +328,16 @@ class Database:
         """Inside a transaction: serialise round-id allocation, commits, the privacy ledger and the
         cohort leases with other instances (SQLite's ``BEGIN IMMEDIATE`` already serialises everything)."""
 
+    def claim(self, name: str) -> bool:
+        """Hold ``name`` (an instance id) while this connection lives; False when another live process
+        holds it.  PostgreSQL: a session advisory lock (re-taken after a reconnection); SQLite: an
+        exclusive lock on a file next to the database."""
+        raise NotImplementedError
+
+    def now_sql(self) -> str:
+        """The SQL expression of the database's clock, in seconds since the epoch (the lease clock)."""
+        raise NotImplementedError
+
     def order_of_insertion(self) -> str:
         """The SQL expression that orders rows of a never-updated table by insertion."""
         raise NotImplementedError
@@ -387,6 +400,7 @@ class SqliteDatabase(Database):
         self.path = path
         self.where = str(path)
         self.health = DatabaseHealth()
+        self._claims: list[Any] = []
         timeouts = timeouts or Timeouts()
         try:
             # isolation_level=None: no implicit transactions; `transaction` says BEGIN/COMMIT itself.
@@ -443,6 +457,24 @@ class SqliteDatabase(Database):
     def order_of_insertion(self) -> str:
         return "rowid"
 
+    def now_sql(self) -> str:
+        return "((julianday('now') - 2440587.5) * 86400.0)"
+
+    def claim(self, name: str) -> bool:
+        digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:16]
+        path = self.path.with_name(f"{self.path.name}.instance-{digest}.lock")
+        try:
+            handle = open(path, "a+b")  # noqa: SIM115 - held open until close()
+        except OSError as exc:
+            raise StorageError(f"cannot create {path}: {exc}") from exc
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            return False
+        self._claims.append(handle)
+        return True
+
     def schema_version(self) -> int:
         return int(self.execute("PRAGMA user_version").fetchone()[0])
 
@@ -459,6 +491,9 @@ class SqliteDatabase(Database):
         return "\n".join(str(row[0]) for row in rows)
 
     def close(self) -> None:
+        for handle in self._claims:
+            handle.close()  # releases its lock
+        self._claims.clear()
         conn, self._conn = self._conn, None
         if conn is None:
             return
@@ -499,6 +534,7 @@ class PostgresDatabase(Database):
         self._url = url
         self._timeouts = timeouts
         self._closed = False
+        self._claims: list[str] = []  # instance ids held (session advisory locks), re-taken on reconnection
         self._retry_at = 0.0
         self._backoff = 0.0
         self._conn: Any = self._connect()
@@ -530,9 +566,15 @@ class PostgresDatabase(Database):
                 "SELECT set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false)",
                 (f"{max(1, round(t.statement * 1000))}ms", f"{max(1, round(t.lock * 1000))}ms"),
             )
+            lost = [name for name in self._claims if not self._try_claim(conn, name)]
         except psycopg.Error as exc:
             conn.close()
             raise StorageError(f"cannot configure the connection to {self.where}: {self._first_line(exc)}") from None
+        if lost:
+            conn.close()
+            raise DatabaseUnavailable(
+                f"storage.instance_id {lost[0]!r} was taken by another process while the database was unreachable"
+            )
         return conn
 
     def _first_line(self, exc: Exception) -> str:
@@ -600,7 +642,23 @@ class PostgresDatabase(Database):
         return f" FOR {mode.upper()}"
 
     def order_of_insertion(self) -> str:
-        return "ctid"  # rows of phase_timings are never updated, so their heap order is insertion order
+        return "ctid"
+
+    def now_sql(self) -> str:
+        return "CAST(extract(epoch FROM clock_timestamp()) AS DOUBLE PRECISION)"
+
+    def claim(self, name: str) -> bool:
+        with self.guard("claim"):
+            held = self._try_claim(self._connection(), name)
+        if held:
+            self._claims.append(name)
+        return held
+
+    @staticmethod
+    def _try_claim(conn: Any, name: str) -> bool:
+        key = int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:4], "big", signed=True)
+        row = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (_PG_INSTANCE_LOCK, key)).fetchone()
+        return bool(row[0])  # rows of phase_timings are never updated, so their heap order is insertion order
 
     def schema_version(self) -> int:
         self.execute("CREATE TABLE IF NOT EXISTS fedrec_schema (version BIGINT NOT NULL)")

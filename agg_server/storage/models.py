@@ -133,8 +133,12 @@ class ModelQueries(Tables):
                 store_ledger(conn, ledger_text)
             if round_update is not None and rid is not None:
                 close_round(conn, self.where, rid, RoundStatus.COMMITTED, new_model_version=version, now=at, **update)
-            expired = self._expire_checkpoints(conn)
+            expired, oldest = self._expire_checkpoints(conn)
         self._files.delete(expired)
+        if oldest is not None:
+            # Files of this data directory whose rows another instance's commit pruned (on PostgreSQL
+            # every instance writes its own files, but one commit prunes every instance's rows).
+            self._files.remove_older_than(oldest)
 
     def _check_newer(self, version: int, conn: Database | None = None, *, base: int | None = None) -> None:
         if conn is None:
@@ -178,21 +182,21 @@ class ModelQueries(Tables):
             oldest = conn.execute("SELECT min(model_version) FROM checkpoints").fetchone()[0]
         self._files.remove_leftovers(None if oldest is None else int(oldest))
 
-    def _expire_checkpoints(self, conn: Database) -> list[str]:
+    def _expire_checkpoints(self, conn: Database) -> tuple[list[str], int | None]:
         # Inside the commit's transaction, so the row count never exceeds keep_checkpoints good ones
         # whatever the moment of a crash.  Everything older than the keep-th newest good checkpoint
         # goes, corrupt rows included.  Returns the files to delete once the transaction committed:
         # rows go first, so a crash leaves orphan files (removed on the next open), never rows
-        # pointing at deleted files (which would look corrupt).
+        # pointing at deleted files (which would look corrupt).  Also returns the oldest version kept.
         row = conn.execute(
             "SELECT model_version FROM checkpoints WHERE status = ? ORDER BY model_version DESC LIMIT 1 OFFSET ?",
             (CheckpointStatus.GOOD.value, self.keep_checkpoints - 1),
         ).fetchone()
         if row is None:
-            return []
+            return [], None
         old = conn.execute("SELECT path FROM checkpoints WHERE model_version < ?", (row[0],)).fetchall()
         conn.execute("DELETE FROM checkpoints WHERE model_version < ?", (row[0],))
-        return [str(r[0]) for r in old]
+        return [str(r[0]) for r in old], int(row[0])
 
     def strategy_state(self, model_version: int) -> dict[str, Any]:
         """What the strategy stored with ``model_version`` when its round committed (the mapping given
@@ -309,6 +313,14 @@ class ModelQueries(Tables):
         if hashlib.sha256(data).digest() != bytes(expected):
             raise StorageError(f"load_model: model version {v} does not match its recorded SHA-256")
         return data
+
+    def prune_checkpoint_files(self) -> None:
+        """Delete this data directory's model files whose rows are gone (another instance's commit pruned
+        them); every commit does this too."""
+        with self._guard("prune_checkpoint_files") as conn:
+            oldest = conn.execute("SELECT min(model_version) FROM checkpoints").fetchone()[0]
+        if oldest is not None:
+            self._files.remove_older_than(int(oldest))
 
     def head_version(self) -> int | None:
         """The newest good committed model version (None before the first commit)."""

@@ -178,7 +178,10 @@ class LeaseRecord:
     token : int
         Fencing token: grows by one at every acquisition; writes of a round carry the token of its leader.
     expires_at : float
-        Wall-clock time after which another instance may take the cohort over.
+        Time after which another instance may take the cohort over, by the database's clock.
+    expires_in : float
+        Seconds left until then, by the database's clock when the row was read (negative: expired);
+        the one figure an instance compares with its own clock (hosts' clocks may differ).
     """
 
     cohort: int
@@ -186,3 +189,4 @@ class LeaseRecord:
     url: str
     token: int
     expires_at: float
+    expires_in: float = 0.0

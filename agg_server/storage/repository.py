@@ -44,6 +44,7 @@ from agg_server.storage.ledger import LedgerQueries
 from agg_server.storage.models import HeadMoved, ModelQueries
 from agg_server.storage.revocation import RevocationQueries
 from agg_server.storage.rounds import LeaseLost, RoundQueries
+from protocol.errors import StorageError
 
 __all__ = ["Storage", "LeaseLost", "HeadMoved"]
 
@@ -123,6 +124,21 @@ class Storage(DeviceQueries, RevocationQueries, RoundQueries, LedgerQueries, Mod
     def __repr__(self) -> str:
         state = "closed" if self._db is None else "open"
         return f"Storage({str(self.data_dir)!r}, {self.where!r}, {state})"
+
+    def claim_instance(self, instance_id: str) -> None:
+        """Hold ``instance_id`` for as long as this storage is open, so that a second live process with
+        the same ``storage.instance_id`` is refused at start instead of stealing this one's leases.
+
+        Raises
+        ------
+        StorageError
+            Another running process holds it (or the database fails).
+        """
+        if not self._database("claim_instance").claim(instance_id):
+            raise StorageError(
+                f"storage.instance_id {instance_id!r} is in use by another running instance on {self.where}; "
+                "give every instance its own storage.instance_id"
+            )
 
     def integrity_check(self) -> str:
         """Check the database: SQLite's ``PRAGMA integrity_check``; on PostgreSQL, a full read of every

@@ -231,17 +231,20 @@ class RoundQueries(Tables):
                 "ON CONFLICT (cohort) DO NOTHING",
                 (c,),
             )
+            # Expiry by the database's clock (one clock for every instance, whatever their hosts' skew).
             row = conn.execute(
-                f"SELECT holder, token, expires_at FROM cohort_leases WHERE cohort = ?{conn.row_lock('update')}",
+                f"SELECT holder, token, expires_at > {conn.now_sql()} FROM cohort_leases WHERE cohort = ?"
+                f"{conn.row_lock('update')}",
                 (c,),
             ).fetchone()
-            current, token, expires = str(row[0]), int(row[1]), float(row[2])
-            if current and current != holder and expires > at:
+            current, token, live = str(row[0]), int(row[1]), bool(row[2])
+            if current and current != holder and live:
                 return None
             token = token + 1 if current else token
             conn.execute(
-                "UPDATE cohort_leases SET holder = ?, url = ?, token = ?, expires_at = ? WHERE cohort = ?",
-                (holder, str(url), token, at + ttl, c),
+                f"UPDATE cohort_leases SET holder = ?, url = ?, token = ?, expires_at = {conn.now_sql()} + ? "
+                "WHERE cohort = ?",
+                (holder, str(url), token, ttl, c),
             )
             abandoned = abandon(conn, c, f"cohort {c} taken over by {holder}", at, self.where)
         for rid in abandoned:
@@ -251,9 +254,13 @@ class RoundQueries(Tables):
     def renew_lease(self, cohort: int, token: int, now: float, seconds: float) -> bool:
         """Extend a held lease; False when the token is no longer current (the lease was lost)."""
         c, t = check_id("cohort", cohort), check_id("token", token)
-        until = check_time("now", now) + check_time("seconds", seconds)
+        check_time("now", now)
+        ttl = check_time("seconds", seconds)
         with self._transaction("renew_lease") as conn:
-            cur = conn.execute("UPDATE cohort_leases SET expires_at = ? WHERE cohort = ? AND token = ?", (until, c, t))
+            cur = conn.execute(
+                f"UPDATE cohort_leases SET expires_at = {conn.now_sql()} + ? WHERE cohort = ? AND token = ?",
+                (ttl, c, t),
+            )
             return cur.rowcount == 1
 
     def release_lease(self, cohort: int, token: int) -> None:
@@ -263,14 +270,17 @@ class RoundQueries(Tables):
             conn.execute("UPDATE cohort_leases SET expires_at = 0 WHERE cohort = ? AND token = ?", (c, t))
 
     def leases(self) -> list[LeaseRecord]:
-        """Every cohort lease, by cohort."""
+        """Every cohort lease, by cohort (``expires_in``: seconds left by the database's clock)."""
         with self._guard("leases") as conn:
             rows = conn.execute(
-                "SELECT cohort, holder, url, token, expires_at FROM cohort_leases ORDER BY cohort"
+                f"SELECT cohort, holder, url, token, expires_at, expires_at - {conn.now_sql()} FROM cohort_leases "
+                "ORDER BY cohort"
             ).fetchall()
         return [
-            LeaseRecord(cohort=int(c), holder=str(h), url=str(u), token=int(t), expires_at=float(e))
-            for c, h, u, t, e in rows
+            LeaseRecord(
+                cohort=int(c), holder=str(h), url=str(u), token=int(t), expires_at=float(e), expires_in=float(left)
+            )
+            for c, h, u, t, e, left in rows
         ]
 
     def mark_revealed(self, round_id: int, *, fence: Fence | None = None) -> None:
@@ -278,6 +288,9 @@ class RoundQueries(Tables):
         on: its ε reservation then stays charged whatever happens to the round."""
         rid = check_id("round_id", round_id)
         with self._transaction("mark_revealed") as conn:
+            # The rounds lock first, then the lease row: the order of `acquire_lease` (the opposite order
+            # deadlocked a take-over racing a reveal).
+            conn.lock_rounds()
             if fence is not None:
                 check_fence(conn, "mark_revealed", fence)
             cur = conn.execute(
