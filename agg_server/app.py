@@ -6,7 +6,8 @@ Invariants:
   closed there on shutdown, after the ticker has stopped.
 - Handlers stay short: read bytes, decode, call the coordinator, encode, respond.  All decisions are
   the coordinator's.
-- Every error leaves as an encoded `ErrorMessage` with the status the one middleware assigns.
+- Every error leaves as an encoded `ErrorMessage` with the status the one middleware assigns
+  (`agg_server.http_errors`).
 - Long-polls wake only when what they wait for moved: the round's phase, the round itself or the model
   version (`_fingerprint`); an upload that leaves the phase open wakes no one.
 - The end of a round (mask removal, aggregation, encoding) runs in a worker thread while the event
@@ -41,7 +42,6 @@ import json
 import logging
 import math
 import random
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -56,25 +56,16 @@ from agg_server.commit import FinishJob
 from agg_server.config import ServerConfig
 from agg_server.coordinator import RoundCoordinator
 from agg_server.enrollment import REFRESH_PERIOD
+from agg_server.http_errors import MSGPACK, BodyTimeout, error_middleware
 from agg_server.logs import current_request_id
 from agg_server.storage import Storage, Timeouts
 from agg_server.strategy.base import Strategy
 from protocol.codec import MAX_OBJECTS, decode, encode
 from protocol.errors import (
-    AuthError,
-    ConfigError,
-    CryptoError,
-    DatasetError,
     FedRecError,
-    LocalProtocolError,
     PayloadTooLarge,
-    PermissionDenied,
-    PrivacyBudgetExceeded,
-    ProtocolError,
-    RateLimited,
     RemoteProtocolError,
     RoundError,
-    VersionMismatch,
 )
 from protocol.messages import (
     Abort,
@@ -93,11 +84,10 @@ from protocol.messages import (
     Wait,
 )
 
-__all__ = ["create_app", "CONFIG", "COORDINATOR", "status_for", "MSGPACK"]
+__all__ = ["create_app", "CONFIG", "COORDINATOR", "MSGPACK"]
 
 log = logging.getLogger("agg_server.app")
 
-MSGPACK = "application/msgpack"
 TICK_SECONDS = 0.05
 _CHECKIN_HOLD = 15.0  # seconds a check-in that cannot join the open round is held (devices wait 30 s)
 _CHECKIN_SPREAD = 1.0  # seconds over which the check-ins held until a round's end are answered
@@ -163,97 +153,6 @@ async def _act(app: web.Application, fn: Callable[..., _T], *args: Any, **kwargs
                 loop.call_soon_threadsafe(app[_CHANGES].notify)
 
     return await loop.run_in_executor(app[_STATE], run)
-
-
-class BodyTimeout(RemoteProtocolError):
-    """A request body did not arrive within ``server.body_timeout`` (408; the connection is closed)."""
-
-
-_STATUS: list[tuple[type[FedRecError], int]] = [
-    (BodyTimeout, 408),
-    (PermissionDenied, 403),
-    (AuthError, 401),
-    (PayloadTooLarge, 413),
-    (VersionMismatch, 426),
-    (LocalProtocolError, 500),  # our own state machine refused: a server fault, not the device's
-    (ProtocolError, 400),
-    (CryptoError, 400),  # a device's share or key material that does not verify
-    (ConfigError, 400),
-    (DatasetError, 400),
-    (RoundError, 409),
-    (PrivacyBudgetExceeded, 409),
-    (RateLimited, 429),
-]
-
-
-def status_for(exc: FedRecError) -> int:
-    """The HTTP status of an error of the fedrec tree (500 for anything unlisted)."""
-    for cls, status in _STATUS:
-        if isinstance(exc, cls):
-            return status
-    return 500
-
-
-def _error_response(request: web.Request, exc: FedRecError, status: int, request_id: str) -> web.Response:
-    message = ErrorMessage.from_exception(exc)
-    request[dashboard.ERROR] = message  # for the metrics and the error ring, without decoding the body
-    headers = {"X-Request-Id": request_id}
-    if isinstance(exc, RateLimited):
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-    return web.Response(body=encode(message), status=status, content_type=MSGPACK, headers=headers)
-
-
-@web.middleware
-async def _errors(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    # Set (from a sane X-Request-Id or fresh) by the outer `dashboard.observe_requests` middleware.
-    request_id = current_request_id() or secrets.token_hex(8)
-    try:
-        response = await handler(request)
-    except FedRecError as exc:
-        status = status_for(exc)
-        if status >= 500:
-            log.error("request %s %s %s failed: %s", request_id, request.method, request.path, exc)
-            # Do not hand internals (paths, state) to a device.
-            exc = FedRecError(f"internal error (request id {request_id})")
-        else:
-            log.info(
-                "request %s %s %s -> %d %s: %s",
-                request_id,
-                request.method,
-                request.path,
-                status,
-                exc.code,
-                exc,
-            )
-        response = _error_response(request, exc, status, request_id)
-        if isinstance(exc, BodyTimeout):
-            # A stalled body: answer, then close at once instead of aiohttp's lingering read of the
-            # rest (up to 10 s more per connection); a 413 keeps the lingering so its sender reads it.
-            response.force_close()
-            await response.prepare(request)
-            await response.write_eof()
-            if request.transport is not None:
-                request.transport.close()
-        return response
-    except web.HTTPRequestEntityTooLarge as exc:
-        return _error_response(request, PayloadTooLarge(exc.text or "request body too large"), 413, request_id)
-    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
-        what = "no route" if exc.status == 404 else "method not allowed:"
-        error = RemoteProtocolError(f"{what} {request.method} {request.path}")
-        if "application/json" in request.headers.get("Accept", ""):  # curl, browsers' fetch: readable JSON
-            request[dashboard.ERROR] = ErrorMessage.from_exception(error)
-            body = {"error": error.code, "message": str(error), "request_id": request_id}
-            return web.json_response(body, status=exc.status, headers={"X-Request-Id": request_id})
-        return _error_response(request, error, exc.status, request_id)
-    except web.HTTPException:
-        raise
-    except Exception:
-        log.exception("request %s %s %s crashed", request_id, request.method, request.path)
-        return _error_response(request, FedRecError(f"internal error (request id {request_id})"), 500, request_id)
-    response.headers.setdefault("X-Request-Id", request_id)
-    return response
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -832,7 +731,7 @@ def create_app(
         ``config.model.kind`` names.  An operator's own rule plugs in here.
     """
     app = web.Application(
-        client_max_size=config.listen.max_body_bytes, middlewares=[dashboard.observe_requests, _errors]
+        client_max_size=config.listen.max_body_bytes, middlewares=[dashboard.observe_requests, error_middleware]
     )
     app[CONFIG] = config
     app[_STRATEGY] = strategy

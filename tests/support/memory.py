@@ -11,7 +11,7 @@ Invariants:
   so the coordinator opens a round with the devices waiting) and a phase whose every expected device
   is `gone` (to that phase's deadline).  A dropout is therefore decided by the devices, never by how
   loaded the machine is, and no test sleeps.
-- Errors become the status and `ErrorMessage` the HTTP app would answer with (`agg_server.app.status_for`).
+- Errors become the status and `ErrorMessage` the HTTP app would answer with (`agg_server.http_errors.status_for`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
-from agg_server.app import status_for
 from agg_server.coordinator import RoundCoordinator
+from agg_server.http_errors import status_for
 from device_sdk.transport import Response
 from protocol.codec import decode, encode
 from protocol.errors import FedRecError, RemoteProtocolError
