@@ -46,8 +46,8 @@ from agg_server.commit import FinishJob, GlobalModel, Prepared
 from agg_server.config import ServerConfig
 from agg_server.enrollment import Enrollment
 from agg_server.ledger import PrivacyAccount
-from agg_server.status import open_round_status, process_stats, recent_rounds
-from agg_server.storage import LeaseLost, Storage
+from agg_server.status import coordinator_status
+from agg_server.storage import DatabaseUnavailable, LeaseLost, Storage
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
 from protocol.accounting import PrivacyLedger
@@ -167,6 +167,8 @@ class RoundCoordinator:
         self._pool_since: dict[int, float] = {}  # waiting device -> first check-in of this wait
         self._round: _OpenRound | None = None
         self._finished: dict[int, RoundResult] = {}
+        #: Round id -> (status, reason) of ended rounds whose end the unreachable database missed (`tick` retries).
+        self._unrecorded: dict[int, tuple[str, str]] = {}
         self._next_open = now
         self._rounds_run = 0
         self.stopped_reason = ""
@@ -244,6 +246,7 @@ class RoundCoordinator:
         """The lease is gone (expired, or taken by another instance): drop the open round without writing
         (every write would be refused); its new leader abandons it in the database."""
         r, self.fence = self._round, None
+        self._unrecorded.clear()  # the cohort's new leader abandons those rounds
         self._pool.clear()
         self._pool_since.clear()
         self._job = None
@@ -604,6 +607,8 @@ class RoundCoordinator:
 
     def tick(self, now: float) -> None:
         """Advance deadlines, finish rounds, and open the next round when devices are waiting."""
+        if self._unrecorded:
+            self._record_ends(now)
         r = self._round
         if r is not None and not r.finishing:
             try:
@@ -711,8 +716,10 @@ class RoundCoordinator:
             else:
                 log.warning("round %d aborted: %s", r.round_id, reason)
                 self.storage.finish_round(r.round_id, "aborted", reason=reason, now=now, fence=self.fence)
-        except Exception:
+        except Exception as exc:
             log.exception("round %d could not be finished cleanly", r.round_id)
+            if isinstance(exc, DatabaseUnavailable) and not outcome.committed:
+                self._unrecorded[r.round_id] = ("aborted", outcome.reason)  # written once the database answers
         finally:
             self._finished[r.round_id] = outcome
             with contextlib.suppress(Exception):
@@ -724,6 +731,17 @@ class RoundCoordinator:
                 self._finished.pop(next(iter(self._finished)))
             self._round = None
             self._next_open = now + self.config.rounds.round_interval
+
+    def _record_ends(self, now: float) -> None:
+        """Write the ends of rounds that could not be written when they ended (`_unrecorded`)."""
+        for rid, (status, reason) in list(self._unrecorded.items()):
+            try:
+                self.storage.finish_round(rid, status, reason=reason, now=now, fence=self.fence)
+            except DatabaseUnavailable:
+                return  # still unreachable: the next tick tries again
+            except StorageError as exc:  # the lease is lost, or the round was closed meanwhile
+                log.warning("round %d: its end (%s) is not recorded: %s", rid, status, exc)
+            del self._unrecorded[rid]
 
     def _emit_finished(self, r: _OpenRound, now: float, outcome: str, version: int, reason: str) -> None:
         self._emit(
@@ -770,26 +788,11 @@ class RoundCoordinator:
     def open_round(self) -> _OpenRound | None:
         return self._round
 
+    @property
+    def waiting_devices(self) -> int:
+        """Devices in the pool a round's cohort is drawn from."""
+        return len(self._pool)
+
     def status(self, now: float) -> dict[str, Any]:
-        """A JSON-able snapshot for `/v1/status` and the dashboard."""
-        r = self._round
-        current = None if r is None else open_round_status(r, now)
-        privacy = self.privacy.status()
-        return {
-            "model": {
-                "version": self.model_version,
-                "kind": self.strategy.kind,
-                "bits": self.strategy.rank,
-                "n_items": self.strategy.n_items,
-                "sha256": self.model_sha256,  # of the served ModelPayload: tells two runs' models apart
-            },
-            "round": current,
-            "waiting_devices": len(self._pool),
-            "registered_devices": self.storage.device_count(),
-            "rounds": self.storage.round_counts(),
-            "recent_rounds": recent_rounds(self.storage, 10),
-            "process": process_stats(),
-            "privacy": privacy,
-            "stopped": self.stopped_reason or None,
-            "abandoned_at_start": list(self.abandoned),
-        }
+        """A JSON-able snapshot for `/v1/status` and the dashboard (`agg_server.status.coordinator_status`)."""
+        return coordinator_status(self, now)

@@ -18,7 +18,7 @@ from agg_server.storage import Storage
 from protocol.phases import ACTIVE_PHASES
 from protocol.session import ServerSecAggSession
 
-__all__ = ["open_round_status", "recent_rounds", "process_stats"]
+__all__ = ["coordinator_status", "open_round_status", "recent_rounds", "process_stats"]
 
 
 class OpenRoundView(Protocol):
@@ -66,3 +66,27 @@ def _records(records: Any) -> list[dict[str, Any]]:
         d = dataclasses.asdict(rec) if dataclasses.is_dataclass(rec) and not isinstance(rec, type) else dict(rec)
         out.append({k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in d.items()})
     return out
+
+
+def coordinator_status(c: Any, now: float) -> dict[str, Any]:
+    """`RoundCoordinator.status`: a JSON-able snapshot of coordinator ``c`` for `/v1/status` and the
+    dashboard (the model it serves, its open round, its pool, the storage's counts, the privacy ledger)."""
+    r = c.open_round
+    return {
+        "model": {
+            "version": c.model_version,
+            "kind": c.strategy.kind,
+            "bits": c.strategy.rank,
+            "n_items": c.strategy.n_items,
+            "sha256": c.model_sha256,  # of the served ModelPayload: tells two runs' models apart
+        },
+        "round": None if r is None else open_round_status(r, now),
+        "waiting_devices": c.waiting_devices,
+        "registered_devices": c.storage.device_count(),
+        "rounds": c.storage.round_counts(),
+        "recent_rounds": recent_rounds(c.storage, 10),
+        "process": process_stats(),
+        "privacy": c.privacy.status(),
+        "stopped": c.stopped_reason or None,
+        "abandoned_at_start": list(c.abandoned),
+    }
