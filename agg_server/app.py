@@ -535,9 +535,16 @@ async def ready(request: web.Request) -> web.Response:
 
 
 def _status_body(app: web.Application) -> dict[str, Any]:
+    """On the state thread: the first coordinator's status plus the cluster's view (the newest model any
+    instance committed, every cohort's leader); also the dashboard's and the metrics' status source."""
     now = app[_CLOCK]()
     body = app[COORDINATOR].status(now)
-    body["cluster"] = app[_KEEPER].describe(now)
+    try:
+        head = app[_STORAGE].head_version()
+    except FedRecError as exc:  # the database is down: the rest of the page still answers
+        log.warning("status: the cluster's model version is unknown: %s", exc)
+        head = None
+    body["cluster"] = app[_KEEPER].describe(now, head)
     body["errors_by_status"] = app[dashboard.OPERATOR].metrics.errors_by_status()
     return body
 
@@ -674,6 +681,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     app[_SLOTS] = coordinators
     app[_KEEPER] = keeper
     app[_CHANGES] = _Changes()
+    app[dashboard.OPERATOR].status_source = functools.partial(_status_body, app)
     app[_PROXY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     for c in coordinators:
         c.enrollment.in_background = True

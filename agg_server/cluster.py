@@ -158,6 +158,9 @@ class LeaseKeeper:
             if got is None:
                 continue
             token, abandoned = got
+            self._leases[cohort] = LeaseRecord(
+                cohort=cohort, holder=self.instance, url=self.url, token=token, expires_at=now + self.ttl
+            )
             i = free.pop(0)
             self.slots[i].take_lease(cohort, token, abandoned)
             self._until[i] = now + self.ttl
@@ -206,11 +209,27 @@ class LeaseKeeper:
                 log.warning("could not release the lease of cohort %d: %s", cohort, exc)
             slot.fence = None
 
-    def describe(self, now: float) -> dict[str, Any]:
-        """The instance's part of `/v1/status`."""
+    def describe(self, now: float, head: int | None = None) -> dict[str, Any]:
+        """The ``cluster`` part of `/v1/status`: this instance and its slots, and the cluster's view —
+        ``model_version`` (``head``: the newest model any instance committed) and ``leaders`` (every
+        cohort's leader by the lease table as last read, None while a cohort has no live leader)."""
+        leaders = []
+        for cohort in range(self.cohorts):
+            lease = self._leases.get(cohort)
+            live = lease is not None and bool(lease.holder) and lease.expires_at > now
+            leaders.append(
+                {
+                    "cohort": cohort,
+                    "leader": lease.holder if live and lease is not None else None,
+                    "url": (lease.url or None) if live and lease is not None else None,
+                    "here": any(s.cohort == cohort for s in self.slots),
+                }
+            )
         return {
             "instance": self.instance,
             "url": self.url,
+            "model_version": head,
+            "leaders": leaders,
             "cohorts": self.cohorts,
             "slots": [
                 {

@@ -43,6 +43,7 @@ from agg_server.config_families import (
     lightfr_keys,
 )
 from agg_server.config_fields import _bool, _choice, _fail, _float, _int, _is_default, _optional_path, _path, _set
+from agg_server.storage.database import is_keyword_dsn, mask_secrets
 from protocol.errors import ConfigError
 from protocol.graph import find_parameters, validate_parameters
 from protocol.quantization import DEFAULT_SCALE_BITS, MAX_SCALE_BITS, QuantizationConfig
@@ -286,7 +287,8 @@ class StorageSection:
     ----------
     url : str or None
         None (default): SQLite in ``server.data_dir``.  ``"postgresql://user:password@host:port/db"``
-        (or ``?host=/socket/dir`` for a Unix socket): a PostgreSQL database, which needs the
+        (or ``?host=/socket/dir`` for a Unix socket, or PostgreSQL's keyword style
+        ``"host=db dbname=fedrec user=fedrec password=..."``): a PostgreSQL database, which needs the
         ``postgres`` extra (psycopg 3).  Model checkpoint files stay in ``server.data_dir`` (on PostgreSQL
         the model bytes are in the database too, so every instance reads every version).
     cohorts : int
@@ -350,12 +352,13 @@ class StorageSection:
             return
         if not isinstance(self.url, str) or not self.url.strip():
             raise _fail("storage.url", "a database URL string", self.url)
+        if is_keyword_dsn(self.url):
+            return  # PostgreSQL's keyword style: "host=db dbname=fedrec user=fedrec password=..."
         scheme = self.url.split(":", 1)[0].lower() if ":" in self.url else ""
         if scheme not in ("postgresql", "postgres", "sqlite"):
-            shown = self.url.split("@", 1)[-1] if "@" in self.url else self.url
             raise ConfigError(
                 f"storage.url: must start with postgresql:// (or sqlite://), got a {scheme or 'scheme-less'} URL "
-                f"({shown!r})"
+                f"({mask_secrets(self.url)!r})"
             )
 
 

@@ -122,6 +122,9 @@ class Operator:
         self.static = {name: _load_static(name) for name in STATIC_FILES}
         #: The thread every coordinator and storage call runs on (the server's state thread); None: here.
         self.executor: Executor | None = None
+        #: The status document of the page and the metrics' gauges (set by the server: its `/v1/status`
+        #: body with the cluster's view); None: the coordinator's own status.
+        self.status_source: Callable[[], dict[str, Any]] | None = None
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` on `executor` (off the event loop), or here without one."""
@@ -135,7 +138,7 @@ class Operator:
         """Start observing ``coordinator``: seed counters and history from ``storage``, then listen."""
         self.coordinator = coordinator
         self.storage = storage
-        self.metrics = Metrics(storage.round_counts(), status_source=lambda: coordinator.status(self.clock()))
+        self.metrics = Metrics(storage.round_counts(), status_source=self._status)
         for rec in reversed(storage.recent_rounds(HISTORY)):
             if rec.finished_at is None:
                 continue
@@ -158,6 +161,12 @@ class Operator:
                 }
             )
         coordinator.listeners.append(self.on_round_event)
+
+    def _status(self) -> dict[str, Any]:
+        if self.status_source is not None:
+            return self.status_source()
+        coordinator, _ = self._parts()
+        return coordinator.status(self.clock())
 
     def detach(self) -> None:
         """Stop listening to the coordinator (on shutdown)."""
@@ -269,7 +278,7 @@ class Operator:
                 "planned_rounds": self.config.privacy.planned_rounds if self.config.privacy.enabled else None,
                 "max_rounds": self.config.rounds.max_rounds or None,
             },
-            "status": coordinator.status(now),
+            "status": self._status(),
             "history": list(self.history),
             "quality": [dataclasses.asdict(q) for q in storage.model_quality(200)],
             "errors": list(reversed(self.errors)),

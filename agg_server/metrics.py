@@ -93,6 +93,23 @@ class _StatusGauges(Collector):
         yield GaugeMetricFamily(
             "fedrec_model_version", "Version of the current global model.", value=int(status["model"]["version"])
         )
+        cluster = status.get("cluster") or {}
+        if cluster.get("model_version") is not None:
+            yield GaugeMetricFamily(
+                "fedrec_cluster_model_version",
+                "Newest model version any instance on the shared database committed.",
+                value=int(cluster["model_version"]),
+            )
+        if cluster.get("leaders"):
+            leaders = GaugeMetricFamily(
+                "fedrec_cohort_led_here",
+                "1 for each cohort this instance leads, 0 for the others (instance: this instance's id).",
+                labels=["cohort", "instance"],
+            )
+            instance = str(cluster.get("instance", ""))
+            for lead in cluster["leaders"]:
+                leaders.add_metric([str(lead["cohort"]), instance], 1.0 if lead["here"] else 0.0)
+            yield leaders
         yield GaugeMetricFamily(
             "fedrec_registered_devices", "Devices registered with this server.", value=int(status["registered_devices"])
         )

@@ -152,6 +152,29 @@ def test_an_unreachable_database_is_named_without_its_password(tmp_path: Path) -
     assert redact_url("postgresql://u:p@h:5/db") == "postgresql://u:***@h:5/db"
 
 
+@pytest.mark.parametrize(
+    "form",
+    [
+        "postgresql://fedrec@/fedrec?host={d}/nowhere&password=s3cret-pw&connect_timeout=1",
+        "host={d}/nowhere dbname=fedrec user=fedrec password=s3cret-pw connect_timeout=1",
+        "host={d}/nowhere dbname=fedrec user=fedrec password='s3cret-pw' connect_timeout=1",
+    ],
+)
+def test_a_password_is_masked_in_every_form_of_connection_string(form: str, tmp_path: Path) -> None:
+    with pytest.raises(StorageError) as info:
+        Storage(tmp_path / "a", url=form.format(d=tmp_path))
+    assert "s3cret-pw" not in str(info.value) and "password=***" in str(info.value), str(info.value)
+
+
+@pytest.mark.postgres
+def test_a_keyword_style_connection_string_reaches_postgresql(pg_server: str, tmp_path: Path) -> None:
+    url = database_url(pg_server, "keywords")
+    host = url.split("host=", 1)[1]
+    with Storage(tmp_path / "a", url=f"host={host} dbname=keywords user=fedrec") as s:
+        assert s.dialect == "postgresql" and s.head_version() is None
+        assert s.where == f"host={host} dbname=keywords user=fedrec"
+
+
 @pytest.mark.integration  # starts a fedrec-server process
 def test_the_server_refuses_to_start_when_the_database_is_unreachable(tmp_path: Path) -> None:
     config = tmp_path / "server.toml"

@@ -97,3 +97,19 @@ def test_secrets_are_masked_in_every_form_of_connection_string(text: str, secret
     for masked in (mask_secrets(text), redact_url(text)):
         assert secret not in masked and "***" in masked, masked
     assert "db" in mask_secrets(text) or "server" in mask_secrets(text)  # the rest stays readable
+
+
+@pytest.mark.asyncio
+async def test_status_and_metrics_show_the_cluster_view(aiohttp_client: Any, tmp_path: Path) -> None:
+    cfg = dataclasses.replace(small_config(tmp_path, cohort=3), storage=StorageSection(cohorts=2, instance_id="srv-a"))
+    client = await aiohttp_client(create_app(cfg))
+    cluster = (await (await client.get("/v1/status")).json())["cluster"]
+    assert cluster["model_version"] == 1 and cluster["instance"] == "srv-a"
+    assert cluster["leaders"] == [
+        {"cohort": 0, "leader": "srv-a", "url": None, "here": True},
+        {"cohort": 1, "leader": None, "url": None, "here": False},  # one slot: cohort 1 waits for an instance
+    ]
+    text = await (await client.get("/metrics")).text()
+    assert "fedrec_cluster_model_version 1.0" in text
+    assert 'fedrec_cohort_led_here{cohort="0",instance="srv-a"} 1.0' in text
+    assert 'fedrec_cohort_led_here{cohort="1",instance="srv-a"} 0.0' in text

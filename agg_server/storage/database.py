@@ -52,6 +52,7 @@ __all__ = [
     "open_database",
     "redact_url",
     "mask_secrets",
+    "is_keyword_dsn",
 ]
 
 log = logging.getLogger("agg_server.storage")
@@ -235,6 +236,11 @@ def mask_secrets(text: str) -> str:
     ``?password=`` and keyword style ``password=...``), for messages and logs."""
     text = _URL_SECRET.sub(r"\1***\2", text)
     return _PARAM_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}***", text)
+
+
+def is_keyword_dsn(url: str) -> bool:
+    """Whether ``url`` is a PostgreSQL connection string in keyword style (``host=db dbname=fedrec``)."""
+    return "://" not in url and re.match(r"\s*[A-Za-z_]+\s*=", url) is not None
 
 
 def redact_url(url: str) -> str:
@@ -740,6 +746,8 @@ def open_database(
     """
     if url is None:
         return SqliteDatabase(Path(data_dir) / DATABASE_NAME, timeouts)
+    if is_keyword_dsn(url):
+        return PostgresDatabase(url, timeouts)
     scheme = urlsplit(url).scheme.lower()
     if scheme in ("postgresql", "postgres"):
         return PostgresDatabase(url, timeouts)
