@@ -9,6 +9,7 @@ instead (`.ci/run` installs the extra).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,3 +110,86 @@ def test_ray_and_local_backends_commit_the_same_rounds_and_model(tmp_path: Path,
     assert local["final_model"]["version"] == on_ray["final_model"]["version"] == ROUNDS + 1
     assert local["final_model"]["sha256"] == on_ray["final_model"]["sha256"]
     assert local["device_errors"] == on_ray["device_errors"] == {}
+
+
+# -- a cluster with token authentication (RAY_ADDRESS) ------------------------------------------------------
+
+
+@pytest.fixture()
+def token_cluster() -> Iterator[tuple[str, str, str]]:
+    """A Ray head started by ``ray start --head --block`` with token authentication, in its own session (stopped
+    by signalling that session only).  Yields (address, token, home folder)."""
+    pytest.importorskip("ray")
+    import secrets
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import tempfile
+    import time
+
+    home = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths live under --temp-dir
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = secrets.token_hex(32)
+    env = {**os.environ, "HOME": home, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    env.pop("RAY_ADDRESS", None)
+    cmd = ["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=1", "--include-dashboard=false"]
+    cmd += ["--disable-usage-stats", f"--temp-dir={home}/r"]
+    log = open(Path(home) / "head.log", "wb")  # noqa: SIM115 - the child holds it
+    head = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert head.poll() is None, (Path(home) / "head.log").read_text(errors="replace")[-2000:]
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}", token, home
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+_CONNECT = (
+    "import ray\n"
+    "from fedsim.fleets.ray_fleet import connect_ray\n"
+    "from protocol.errors import ConfigError\n"
+    "try:\n"
+    "    connect_ray()\n"
+    "except ConfigError as exc:\n"
+    "    raise SystemExit(f'refused: {exc}')\n"
+    "print('cpus', int(ray.cluster_resources()['CPU']))\n"
+)
+
+
+def test_ray_address_reaches_a_token_authenticated_cluster(token_cluster: tuple[str, str, str]) -> None:
+    import subprocess
+    import sys
+
+    address, token, home = token_cluster
+    base = {**os.environ, "HOME": home, "RAY_ADDRESS": address}
+    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        base.pop(key, None)
+    # As documented: RAY_AUTH_MODE=token and the cluster's token.
+    ok = subprocess.run(
+        [sys.executable, "-c", _CONNECT],
+        env={**base, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert ok.returncode == 0 and "cpus 1" in ok.stdout, ok.stderr[-2000:]
+    # Without them: refused, and the error says what to set.
+    refused = subprocess.run([sys.executable, "-c", _CONNECT], env=base, capture_output=True, text=True, timeout=180)
+    assert refused.returncode != 0
+    assert "refused: cannot connect to the Ray cluster RAY_ADDRESS=" in refused.stderr
+    assert "set RAY_AUTH_MODE=token" in refused.stderr and token not in refused.stderr

@@ -6,7 +6,10 @@ Invariants:
 - ``ray`` is an optional extra (``pip install -e '.[ray]'``), imported only here and only when the
   back-end is chosen.
 - Without ``RAY_ADDRESS`` a private local Ray is started for the run (no dashboard) and stopped after
-  it; with ``RAY_ADDRESS`` set, ``ray.init()`` connects to that cluster unchanged and leaves it running.
+  it; with ``RAY_ADDRESS`` set, ``ray.init()`` connects to that cluster unchanged and leaves it running
+  (`connect_ray`).  A cluster started with token authentication (``RAY_AUTH_MODE=token``) needs the same
+  on this side plus its token (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``); a
+  refused connection says so instead of Ray's bare "Failed to connect".
   A Ray already initialised by the caller (a test) is used as it is.
 - Each actor keeps its devices' stores in a temporary folder on its own node unless the caller names
   a folder (``store_root``; only meaningful when every actor runs on the caller's machine).
@@ -27,6 +30,51 @@ import numpy as np
 
 from fedsim.fleets.local import FleetConfig, run_fleet
 from protocol.errors import ConfigError
+
+#: The Ray releases the Ray back-end is tested with (pyproject.toml's ``ray`` extra pins the same range).
+RAY_VERSIONS = ">=2.60,<2.61"
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            f"--backend ray needs Ray: pip install -e '.[ray]' (or pip install 'ray{RAY_VERSIONS}')"
+        ) from None
+    return ray
+
+
+def connect_ray() -> bool:
+    """Initialise Ray for a run unless the caller did: the cluster ``RAY_ADDRESS`` names, else a private local
+    Ray.  Returns whether it was initialised here (and is to be shut down after the run).
+
+    Raises
+    ------
+    ConfigError
+        Ray is not installed, or the cluster ``RAY_ADDRESS`` names refused the connection (the message
+        says what token authentication needs on this side).
+    """
+    ray = _import_ray()
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        ray.init(include_dashboard=False, log_to_driver=True)
+        return True
+    try:
+        ray.init(log_to_driver=True)  # the cluster RAY_ADDRESS names, unchanged
+    except ConnectionError as exc:
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+            hint = "check that RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) holds the cluster's token"
+        else:
+            hint = (
+                "a cluster started with token authentication refuses drivers without it: set RAY_AUTH_MODE=token "
+                "and the cluster's token in RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH (`ray get-auth-token` on the "
+                "head node prints it)"
+            )
+        raise ConfigError(f"cannot connect to the Ray cluster RAY_ADDRESS={address} names ({exc}); {hint}") from None
+    return True
 
 __all__ = ["run_ray_fleet", "FleetShard"]
 
@@ -79,17 +127,8 @@ def run_ray_fleet(
     ConfigError
         ``ray`` is not installed.
     """
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError("--backend ray needs Ray: pip install -e '.[ray]' (or pip install 'ray>=2.9')") from None
-    started = False
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(log_to_driver=True)  # the cluster RAY_ADDRESS names, unchanged
-        else:
-            ray.init(include_dashboard=False, log_to_driver=True)
-        started = True
+    ray = _import_ray()
+    started = connect_ray()
     try:
         cpus = float(ray.cluster_resources().get("CPU", 1.0))
         # Every actor fits at once (a shard that waited for a CPU would stall the others' rounds).
