@@ -344,7 +344,7 @@ def test_a_server_with_a_duplicate_instance_id_refuses_to_start(pg_server: str, 
         with pytest.raises(RuntimeError, match="exited") as refused:
             second.start()
         assert "storage.instance_id 'same' is in use by another running instance" in str(refused.value)
-        assert second.proc is not None and second.proc.returncode != 0
+        assert second.proc is not None and second.proc.returncode == 2
     finally:
         first.kill()
         second.kill()
