@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Required, TypedDict, Unpack
@@ -292,7 +293,7 @@ class DeviceClient(RoundParticipation, AsyncClosing):
     @classmethod
     def connect(
         cls,
-        base_url: str,
+        base_url: str | Sequence[str],
         config: ClientConfig,
         *,
         retries: int = 5,
@@ -302,8 +303,9 @@ class DeviceClient(RoundParticipation, AsyncClosing):
 
         Parameters
         ----------
-        base_url : str
-            Server root, e.g. ``http://127.0.0.1:8080``.
+        base_url : str or sequence of str
+            Server root, e.g. ``http://127.0.0.1:8080``, or the roots of several instances of one server
+            (a device whose instance dies goes on with the next one at once; `HttpTransport`).
         config, **options
             As for `DeviceClient` (``items``, ``ratings`` and ``n_items`` required; `ClientOptions`).
         retries : int

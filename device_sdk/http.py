@@ -14,7 +14,7 @@ import math
 import random
 import secrets
 import ssl as ssl_module
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 from yarl import URL
@@ -28,6 +28,7 @@ __all__ = ["HttpTransport", "RETRY_STATUSES"]
 
 #: Statuses that mean "try again later": rate limited, or a gateway/overload answer.
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
+_GATEWAY_FAILURES = frozenset({502, 504})  # a proxy in front of a root cannot reach it: try the next root
 
 _log = logging.getLogger(__name__)
 
@@ -39,8 +40,12 @@ class HttpTransport(AsyncClosing):
 
     Parameters
     ----------
-    base_url : str
-        Server root, e.g. ``http://127.0.0.1:8080``; request paths (``/v1/...``) are appended to it.
+    base_url : str or sequence of str
+        Server root, e.g. ``http://127.0.0.1:8080``; request paths (``/v1/...``) are appended to it.  Several
+        roots (the instances of one server sharing a database, in the order to try them): a request that
+        cannot reach the current one (a refused or broken connection, a timeout, 502 or 504) is sent to the
+        next one at once, without a pause, and the transport stays there; it pauses (``backoff``) only once
+        every root failed since the last pause.
     retries : int
         Extra attempts after the first for connection errors, timeouts, 429, 502, 503 and 504.
     backoff_base, backoff_max : float
@@ -70,7 +75,7 @@ class HttpTransport(AsyncClosing):
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         *,
         retries: int = 5,
         backoff_base: float = 0.2,
@@ -82,12 +87,11 @@ class HttpTransport(AsyncClosing):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         ssl: ssl_module.SSLContext | None = None,
     ) -> None:
-        try:
-            url = URL(base_url)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"invalid base_url {base_url!r}: {exc}") from exc
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ConfigError(f"base_url must be an absolute http(s) URL, got {base_url!r}")
+        roots = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not roots:
+            raise ConfigError("base_url: give at least one server URL")
+        self.base_urls = tuple(_server_root(u) for u in roots)
+        self._current = 0
         if retries < 0:
             raise ConfigError(f"retries must be >= 0, got {retries}")
         for name, value in (
@@ -102,7 +106,6 @@ class HttpTransport(AsyncClosing):
         if ssl is not None and session is not None:
             raise ConfigError("pass ssl or session, not both (a session carries its own TLS settings)")
         self._ssl = ssl
-        self.base_url = str(url).rstrip("/")
         self.retries = retries
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
@@ -113,6 +116,22 @@ class HttpTransport(AsyncClosing):
         self._session = session
         self._owns_session = session is None
         self._closed = False
+
+    @property
+    def base_url(self) -> str:
+        """The server root requests go to now (the first of ``base_urls`` until a failover)."""
+        return self.base_urls[self._current]
+
+    def _fail_over(self, tried: set[int]) -> bool:
+        """Move to the next root; False when it was tried since the last pause (then pause first)."""
+        if len(self.base_urls) == 1:
+            return False
+        self._current = (self._current + 1) % len(self.base_urls)
+        if self._current in tried:
+            return False
+        tried.add(self._current)
+        _log.info("server %s unreachable; going on with %s", self.base_urls[self._current - 1], self.base_url)
+        return True
 
     async def close(self) -> None:
         """Close the session if this transport created it (idempotent)."""
@@ -183,12 +202,14 @@ class HttpTransport(AsyncClosing):
             headers["Authorization"] = f"Bearer {token}"
         if if_none_match is not None:
             headers["If-None-Match"] = if_none_match
-        url = self.base_url + path
         client_timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout)
         session = self._get_session()
         bytes_up = bytes_down = 0
         failure = ""
+        tried = {self._current}
+        url = self.base_url + path
         for attempt in range(self.retries + 1):
+            url = self.base_url + path
             try:
                 async with session.request(method, url, data=body, headers=headers, timeout=client_timeout) as resp:
                     bytes_up += len(body) if body is not None else 0
@@ -203,12 +224,18 @@ class HttpTransport(AsyncClosing):
                 failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 if attempt == self.retries:
                     break
+                if self._fail_over(tried):
+                    continue
+                tried = {self._current}
                 delay = self.backoff(attempt)
                 _log.debug("%s %s failed (%s); retry %d in %.3fs", method, path, failure, attempt + 1, delay)
                 await self._sleep(delay)
                 continue
             retry_after = _parse_retry_after(resp_headers.get("Retry-After"))
+            if status in _GATEWAY_FAILURES and attempt < self.retries and self._fail_over(tried):
+                continue  # a proxy in front of this root cannot reach it
             if status in RETRY_STATUSES and attempt < self.retries:
+                tried = {self._current}
                 if retry_after is not None:
                     delay = min(retry_after, 10.0 * self.backoff_max)
                 else:
@@ -260,6 +287,16 @@ class HttpTransport(AsyncClosing):
             )
         message = decode(raw, max_size=self.max_message_bytes)
         return Response(status, message, etag, retry_after, bytes_up, bytes_down)
+
+
+def _server_root(base_url: str) -> str:
+    try:
+        url = URL(base_url)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid base_url {base_url!r}: {exc}") from exc
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ConfigError(f"base_url must be an absolute http(s) URL, got {base_url!r}")
+    return str(url).rstrip("/")
 
 
 def _parse_retry_after(value: str | None) -> float | None:

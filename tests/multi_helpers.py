@@ -186,31 +186,6 @@ class Instance:
             return dict(json.loads(r.read()))
 
 
-class FailoverTransport:
-    """A device's list of server URLs (as behind a DNS round robin): it talks to its first instance and
-    moves to the next one when a request cannot reach it (`TransportError`)."""
-
-    def __init__(self, transports: Sequence[Any]) -> None:
-        self._transports = list(transports)
-        self._current = 0
-
-    async def request(self, method: str, path: str, message: Any = None, **kwargs: Any) -> Any:
-        from device_sdk.transport import TransportError
-
-        for attempt in range(len(self._transports)):
-            try:
-                return await self._transports[self._current].request(method, path, message, **kwargs)
-            except TransportError:
-                if attempt == len(self._transports) - 1:
-                    raise
-                self._current = (self._current + 1) % len(self._transports)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def close(self) -> None:
-        for t in self._transports:
-            await t.close()
-
-
 @dataclass
 class DeviceRun:
     outcomes: Counter[str] = field(default_factory=Counter)
@@ -233,7 +208,7 @@ async def run_devices(
     """One `DeviceClient` per user until ``stop`` is set.  Device d (ids follow ``users``' order) talks
     to ``urls[((d - 1) // cohorts) % len(urls)]`` first: every cohort has devices on every instance, so
     many requests are forwarded to the cohort's leader.  A device whose instance is unreachable moves to
-    the next URL (`FailoverTransport`)."""
+    the next URL (`device_sdk.http.HttpTransport` given every URL)."""
     import aiohttp
 
     from device_sdk.client import ClientConfig, DeviceClient, RoundStatus
@@ -247,9 +222,8 @@ async def run_devices(
         for i, (items, ratings) in enumerate(users):
             first = (i // cohorts) % len(urls)
             order = [urls[(first + j) % len(urls)] for j in range(len(urls))]
-            transport = FailoverTransport(
-                [HttpTransport(u, session=session, retries=2, backoff_max=1.0) for u in order]
-            )
+            # Every instance's URL, its own first: the SDK's failover moves on at once when one dies.
+            transport = HttpTransport(order, session=session, retries=2, backoff_max=1.0)
             clients.append(
                 DeviceClient(
                     transport,  # type: ignore[arg-type]

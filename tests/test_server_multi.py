@@ -401,6 +401,14 @@ async def test_a_sigkilled_instance_loses_its_round_and_resumes_while_the_other_
                 "the other instance to commit two more rounds",
             )
             assert len(_committed(database_rounds(url), ca)) == before_a  # nobody ran the dead instance's cohort
+            # The survivor's cohort lost no round for want of devices: the devices pointed at the dead
+            # instance went on with the survivor (every device has both URLs).
+            starved = [
+                r
+                for r in database_rounds(url)
+                if r["cohort"] == cb and r["round_id"] > killed and r["status"] == "aborted" and "below" in r["reason"]
+            ]
+            assert not starved, starved
             a.start()  # the same instance id: it takes its cohort back at once and abandons the killed round
             await _until(
                 lambda: len(_committed(database_rounds(url), ca)) >= before_a + 1,

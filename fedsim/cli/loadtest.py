@@ -38,7 +38,13 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     """The fleet: its server, size, rounds, shards, dropouts and seeds."""
-    p.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8080")
+    p.add_argument(
+        "--url",
+        required=True,
+        action="append",
+        help="server root, e.g. http://127.0.0.1:8080; give it once per instance of a server on a shared database "
+        "(devices spread over them and go on with the next one when theirs dies)",
+    )
     p.add_argument("--devices", type=positive_int, default=100, help="number of devices (default: 100)")
     p.add_argument("--dropout", type=nonneg_float, default=0.2, help="chance a device drops per round")
     p.add_argument("--rounds", type=positive_int, default=3, help="stop after this many rounds (default: 3)")
@@ -158,7 +164,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         from protocol.enrollment import EnrollmentAuthority
 
         EnrollmentAuthority.load(args.authority_key)
-    url = args.url.rstrip("/")
+    urls = [u.rstrip("/") for u in args.url]
+    url = urls[0]
     _match_server_model(args, url)
     data = synthetic(n_users=args.devices, n_items=args.n_items, ratings_per_user=args.ratings_per_user, seed=args.seed)
     idx = data.by_user()
@@ -171,7 +178,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     ]
     shard = "Ray actor" if args.backend == "ray" else "worker process"
     out.write(
-        f"load test: {args.devices} devices ({args.workers} {shard}(s)) against {url}; "
+        f"load test: {args.devices} devices ({args.workers} {shard}(s)) against {', '.join(urls)}; "
         f"m={args.n_items}, f={args.bits} (as the server trains), ~{args.ratings_per_user} ratings each; "
         f"dropout {args.dropout:.0%} ({'announced' if args.announce_drops else 'silent'}); {args.rounds} rounds\n"
     )
@@ -181,6 +188,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         with tempfile.TemporaryDirectory(prefix="fedrec-loadtest-") as tmp:
             cfg = FleetConfig(
                 url=url,
+                failover_urls=tuple(urls[1:]),
                 store_root=args.store or Path(tmp),
                 n_items=args.n_items,
                 bits=args.bits,

@@ -435,7 +435,7 @@ def run_loadtest(
     """
     if backend not in ("local", "ray"):
         raise ConfigError(f"backend must be 'local' or 'ray', got {backend!r}")
-    status = get_status(config.url, config.ca_file)
+    status = _status_of(config)
     seeded = config.cohort is not None or config.seed_training or config.insecure_reproducible
     config = replace(
         config,
@@ -450,7 +450,7 @@ def run_loadtest(
     def watch() -> None:
         if progress is not None:
             with contextlib.suppress(FedRecError):
-                progress.on_status(get_status(config.url, config.ca_file))
+                progress.on_status(_status_of(config))
 
     with HealthProbe(config.url, enabled=probe_health) as probe:
         if backend == "ray":
@@ -473,8 +473,19 @@ def run_loadtest(
         merged.merge(FleetReport.from_dict(d))
     merged.health = probe.samples
     with contextlib.suppress(FedRecError):
-        merged.final_status = get_status(config.url, config.ca_file)
+        merged.final_status = _status_of(config)
     return merged
+
+
+def _status_of(config: FleetConfig) -> dict[str, Any]:
+    """The server's status from the first of the fleet's roots that answers (`get_status`)."""
+    for i, url in enumerate(config.urls):
+        try:
+            return get_status(url, config.ca_file)
+        except FedRecError:
+            if i == len(config.urls) - 1:
+                raise
+    raise FedRecError("no server URL given")
 
 
 def _worker(

@@ -63,6 +63,10 @@ class FleetConfig:
     Attributes
     ----------
     url : server root, e.g. ``http://127.0.0.1:8080``.
+    failover_urls : the roots of the server's other instances (several instances on one database): device
+        i talks first to root ``i mod n`` of ``urls`` and goes on with the next one at once when its
+        instance cannot be reached (`device_sdk.http.HttpTransport`); the fleet reads the server's status
+        from whichever root answers.
     store_root : folder holding one store folder per device.
     n_items, bits : the model shape the server trains.
     rounds : stop after this many rounds have finished (committed or aborted) on the server.
@@ -139,6 +143,18 @@ class FleetConfig:
     authority_key_file: Path | None = None
     admin_token: str | None = None
     credential_sources: int = 1
+    failover_urls: tuple[str, ...] = ()
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every server root: ``url`` first, then ``failover_urls``."""
+        return (self.url, *self.failover_urls)
+
+    def device_urls(self, index: int) -> list[str]:
+        """The roots device ``index`` tries, in order (spread over the instances by index)."""
+        urls = self.urls
+        first = index % len(urls)
+        return [*urls[first:], *urls[:first]]
 
     def __post_init__(self) -> None:
         if self.authority_key_file is not None and self.admin_token is not None:
@@ -306,15 +322,25 @@ def _operator_headers(admin_token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-async def fetch_status(session: Any, url: str, admin_token: str | None = None) -> dict[str, Any]:
+async def fetch_status(session: Any, url: str | Sequence[str], admin_token: str | None = None) -> dict[str, Any]:
     """GET ``/v1/status`` as JSON (``session`` is an aiohttp ClientSession); with ``admin_token`` (default:
-    the ``FEDREC_ADMIN_TOKEN`` environment variable) as the bearer token when one is given."""
-    async with session.get(f"{url}/v1/status", headers=_operator_headers(admin_token)) as resp:
-        text = await resp.text()
-        if resp.status != 200:
-            raise RuntimeError(f"status endpoint answered {resp.status}")
-        data: dict[str, Any] = json.loads(text)
-        return data
+    the ``FEDREC_ADMIN_TOKEN`` environment variable) as the bearer token when one is given.  Several roots
+    (instances of one server): the first that answers."""
+    import aiohttp
+
+    roots = [url] if isinstance(url, str) else list(url)
+    for i, root in enumerate(roots):
+        try:
+            async with session.get(f"{root}/v1/status", headers=_operator_headers(admin_token)) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise RuntimeError(f"status endpoint answered {resp.status}")
+                data: dict[str, Any] = json.loads(text)
+                return data
+        except (OSError, RuntimeError, aiohttp.ClientError):
+            if i == len(roots) - 1:
+                raise
+    raise ValueError("fetch_status: no server URL given")
 
 
 def _tls_context(ca_file: Path | None) -> ssl.SSLContext | None:
@@ -439,7 +465,7 @@ async def _run_fleet(
                 first_index + offset,
                 items,
                 ratings,
-                HttpTransport(config.url, session=session),
+                HttpTransport(config.device_urls(first_index + offset), session=session),
                 authority,
                 joined,
             )
@@ -610,7 +636,7 @@ async def _wait_registered(session: Any, config: FleetConfig, count: int, stop: 
     """Until the server holds ``count`` registered devices (the shards before this one registered)."""
     deadline = time.monotonic() + config.time_limit
     while True:
-        status = await fetch_status(session, config.url)
+        status = await fetch_status(session, config.urls)
         if int(status.get("registered_devices") or 0) >= count:
             return
         if time.monotonic() > deadline:
@@ -690,7 +716,7 @@ async def _monitor(
     last_foreign: int | None = config.rounds_before
     while not stop.is_set():
         try:
-            status = await fetch_status(session, config.url)
+            status = await fetch_status(session, config.urls)
         except Exception as exc:  # the server may be busy unmasking; try again shortly
             report.errors[f"status: {type(exc).__name__}"] += 1
             await _sleep(stop, 1.0)
