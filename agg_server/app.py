@@ -502,7 +502,8 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         finally:
             # Cancelled (the connection closed) or given up: unanswered.  Not awaited: a cancelled handler
             # cannot await, and the state thread runs it in order all the same.
-            app[_STATE].submit(coordinator.poll_ended, device, round_id, clock(), answered=answered)
+            with contextlib.suppress(RuntimeError):  # the state thread is gone (shut down): nothing to record
+                app[_STATE].submit(coordinator.poll_ended, device, round_id, clock(), answered=answered)
 
     handler.__name__ = f"upload_{expected.__name__}"
     return handler

@@ -226,14 +226,14 @@ class Metrics:
     def errors_by_code(self) -> dict[str, int]:
         """Error answers so far, by fedrec error code."""
         out: Tally[str] = Tally()
-        for (code, _), n in self._errors.items():
+        for (code, _), n in list(self._errors.items()):  # a copy: requests count on the event loop's thread
             out[code] += n
         return dict(sorted(out.items()))
 
     def errors_by_status(self) -> dict[str, int]:
         """Error answers so far, by HTTP status (as text)."""
         out: Tally[int] = Tally()
-        for (_, status), n in self._errors.items():
+        for (_, status), n in list(self._errors.items()):  # (the status is read on the state thread)
             out[status] += n
         return {str(k): v for k, v in sorted(out.items())}
 
