@@ -94,6 +94,14 @@ class _StatusGauges(Collector):
             "fedrec_model_version", "Version of the current global model.", value=int(status["model"]["version"])
         )
         cluster = status.get("cluster") or {}
+        if cluster.get("instance"):
+            info = GaugeMetricFamily(
+                "fedrec_instance_info",
+                "1, labelled with this instance's id (storage.instance_id) and advertised URL, to join on.",
+                labels=["instance", "url"],
+            )
+            info.add_metric([str(cluster["instance"]), str(cluster.get("url") or "")], 1.0)
+            yield info
         if cluster.get("model_version") is not None:
             yield GaugeMetricFamily(
                 "fedrec_cluster_model_version",

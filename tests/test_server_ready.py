@@ -113,3 +113,4 @@ async def test_status_and_metrics_show_the_cluster_view(aiohttp_client: Any, tmp
     assert "fedrec_cluster_model_version 1.0" in text
     assert 'fedrec_cohort_led_here{cohort="0",instance="srv-a"} 1.0' in text
     assert 'fedrec_cohort_led_here{cohort="1",instance="srv-a"} 0.0' in text
+    assert 'fedrec_instance_info{instance="srv-a",url=""} 1.0' in text
