@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -135,8 +136,10 @@ _STATE = web.AppKey("state_executor", ThreadPoolExecutor)
 
 
 async def _on_state(app: web.Application, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """``fn(*args, **kwargs)`` on the state thread (off the event loop)."""
-    return await asyncio.get_running_loop().run_in_executor(app[_STATE], functools.partial(fn, *args, **kwargs))
+    """``fn(*args, **kwargs)`` on the state thread (off the event loop), in a copy of the caller's context
+    (its log records keep the request id)."""
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(app[_STATE], call)
 
 
 async def _act(app: web.Application, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -152,7 +155,7 @@ async def _act(app: web.Application, fn: Callable[..., _T], *args: Any, **kwargs
             if _fingerprint(app) != before:
                 loop.call_soon_threadsafe(app[_CHANGES].notify)
 
-    return await loop.run_in_executor(app[_STATE], run)
+    return await loop.run_in_executor(app[_STATE], contextvars.copy_context().run, run)
 
 
 # -- helpers --------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import dataclasses
 import hashlib
 import hmac
@@ -130,7 +131,8 @@ class Operator:
         """``fn(*args)`` on `executor` (off the event loop), or here without one."""
         if self.executor is None:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        call = contextvars.copy_context().run  # its log records keep the request id
+        return await asyncio.get_running_loop().run_in_executor(self.executor, call, fn, *args)
 
     # -- wiring -----------------------------------------------------------------------------------
 
