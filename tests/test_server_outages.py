@@ -28,8 +28,8 @@ pytestmark = [pytest.mark.postgres]
 _names = itertools.count()
 
 
-@pytest.fixture()
-def pg_server() -> Iterator[PostgresServer]:
+@pytest.fixture(scope="module")
+def pg_server() -> Iterator[PostgresServer]:  # one server for the module: the restart test starts it again
     with running_postgres() as url:
         assert isinstance(url, PostgresServer)
         yield url
