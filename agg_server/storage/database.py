@@ -568,8 +568,12 @@ class PostgresDatabase(Database):
         except psycopg.Error as exc:
             raise DatabaseUnavailable(f"cannot connect to the database {self.where}: {self._first_line(exc)}") from None
         try:
+            # The server's own keepalives on this session: if this process's host dies, the database ends the
+            # session (and frees its instance id, `claim`) within ~11 s instead of the system's 2 hours.
             conn.execute(
-                "SELECT set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false)",
+                "SELECT set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false), "
+                "set_config('tcp_keepalives_idle', '5', false), set_config('tcp_keepalives_interval', '2', false), "
+                "set_config('tcp_keepalives_count', '3', false)",
                 (f"{max(1, round(t.statement * 1000))}ms", f"{max(1, round(t.lock * 1000))}ms"),
             )
             lost = [name for name in self._claims if not self._try_claim(conn, name)]

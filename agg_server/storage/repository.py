@@ -137,7 +137,8 @@ class Storage(DeviceQueries, RevocationQueries, RoundQueries, LedgerQueries, Mod
         if not self._database("claim_instance").claim(instance_id):
             raise StorageError(
                 f"storage.instance_id {instance_id!r} is in use by another running instance on {self.where}; "
-                "give every instance its own storage.instance_id"
+                "give every instance its own storage.instance_id (the id of an instance whose host died is free "
+                "again within about 15 s)"
             )
 
     def integrity_check(self) -> str:
