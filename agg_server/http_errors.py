@@ -5,6 +5,8 @@ the one middleware (`error_middleware`) that turns every error a handler raises 
 Invariants:
 - Every error leaves as an encoded `ErrorMessage`; a 5xx never hands internals (paths, state) to a
   device: its message names only the request id, and the error is logged with it.
+- The database being unreachable or timing out (`DatabaseUnavailable`) is 503 with ``Retry-After``: a
+  transient state devices retry, named without internals.
 - 404 and 405 are answered as readable JSON to a client that accepts JSON (curl, browsers' fetch).
 """
 
@@ -19,6 +21,7 @@ from aiohttp import web
 
 from agg_server import dashboard
 from agg_server.logs import current_request_id
+from agg_server.storage import DatabaseUnavailable
 from protocol.codec import encode
 from protocol.errors import (
     AuthError,
@@ -34,6 +37,7 @@ from protocol.errors import (
     RateLimited,
     RemoteProtocolError,
     RoundError,
+    StorageError,
     VersionMismatch,
 )
 from protocol.messages import ErrorMessage
@@ -43,6 +47,8 @@ __all__ = ["BodyTimeout", "status_for", "error_middleware", "MSGPACK"]
 log = logging.getLogger("agg_server.app")
 
 MSGPACK = "application/msgpack"
+DATABASE_RETRY_AFTER = 2
+"""Seconds a device is told to wait (``Retry-After``) when the server's database is unavailable (503)."""
 
 
 class BodyTimeout(RemoteProtocolError):
@@ -91,6 +97,13 @@ async def error_middleware(
     request_id = current_request_id() or secrets.token_hex(8)
     try:
         response = await handler(request)
+    except DatabaseUnavailable as exc:
+        # Transient (the server reconnects by itself): 503 + Retry-After, which device transports retry.
+        log.warning("request %s %s %s: %s", request_id, request.method, request.path, exc)
+        error = StorageError(f"the server's database is unavailable; retry shortly (request id {request_id})")
+        response = _error_response(request, error, 503, request_id)
+        response.headers["Retry-After"] = str(DATABASE_RETRY_AFTER)
+        return response
     except FedRecError as exc:
         status = status_for(exc)
         if status >= 500:

@@ -42,28 +42,28 @@ def _committed(url: str) -> int:
 async def _chaos(
     pg: PostgresServer, url: str, instances: list[Instance], rng: random.Random, target: int, start: float
 ) -> list[dict[str, object]]:
-    """Until ``target`` rounds committed: every 15-40 s one event, the database and each instance in turn
-    (in a random order per pass)."""
+    """Until ``target`` rounds committed: every 2-6 s one event, the database and each instance in turn
+    (in a random order per pass), each down for 1-4 s."""
     events: list[dict[str, object]] = []
     kinds = ["database", *(i.name for i in instances)]
     while True:
         rng.shuffle(kinds)
         for kind in kinds:
-            await asyncio.sleep(rng.uniform(15.0, 40.0))
+            await asyncio.sleep(rng.uniform(2.0, 6.0))
             done = await asyncio.to_thread(_committed, url)
             if done >= target:
                 return events
             at = round(time.perf_counter() - start, 1)
             if kind == "database":
                 await asyncio.to_thread(pg.stop)
-                down = rng.uniform(1.0, 5.0)
+                down = rng.uniform(1.0, 4.0)
                 await asyncio.sleep(down)
                 await asyncio.to_thread(pg.start)
                 event = {"at": at, "event": "database restarted", "down_seconds": round(down, 1)}
             else:
                 (inst,) = [i for i in instances if i.name == kind]
                 await asyncio.to_thread(inst.kill)
-                down = rng.uniform(1.0, 5.0)
+                down = rng.uniform(1.0, 4.0)
                 await asyncio.sleep(down)
                 await asyncio.to_thread(inst.start)
                 event = {"at": at, "event": f"instance {kind} SIGKILLed and restarted", "down_seconds": round(down, 1)}
@@ -75,8 +75,21 @@ async def _chaos(
 async def _run(args: argparse.Namespace, pg: PostgresServer, root: Path) -> dict[str, object]:
     url = database_url(pg, "chaos")
     privacy = {"enabled": True, "epsilon": 50.0, "planned_rounds": 4 * args.rounds}
+    # A pause of 3 s between a cohort's rounds: the events land in every phase of some round.
     instances = [
-        Instance(name, root / name, url, 2, 1, N_ITEMS, BITS, cohort_size=5, privacy=privacy, lease_seconds=6.0)
+        Instance(
+            name,
+            root / name,
+            url,
+            2,
+            1,
+            N_ITEMS,
+            BITS,
+            cohort_size=5,
+            privacy=privacy,
+            lease_seconds=6.0,
+            rounds={"round_interval": 3.0},
+        )
         for name in "ab"
     ]
     for inst in instances:

@@ -114,3 +114,28 @@ async def test_status_and_metrics_show_the_cluster_view(aiohttp_client: Any, tmp
     assert 'fedrec_cohort_led_here{cohort="0",instance="srv-a"} 1.0' in text
     assert 'fedrec_cohort_led_here{cohort="1",instance="srv-a"} 0.0' in text
     assert 'fedrec_instance_info{instance="srv-a",url=""} 1.0' in text
+
+
+@pytest.mark.asyncio
+async def test_a_device_request_while_the_database_is_unavailable_gets_503_with_retry_after(
+    aiohttp_client: Any, tmp_path: Path
+) -> None:
+    from protocol.codec import decode, encode
+    from protocol.messages import ErrorMessage, RegisterRequest
+
+    cfg = dataclasses.replace(small_config(tmp_path, cohort=3), storage=StorageSection(lock_timeout=0.2))
+    client = await aiohttp_client(create_app(cfg))
+    blocker = sqlite3.connect(tmp_path / DATABASE_NAME, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # a registration (a write) now times out on the lock
+    try:
+        headers = {"Content-Type": "application/msgpack"}
+        response = await client.post("/v1/devices", data=encode(RegisterRequest(platform="t")), headers=headers)
+        body = decode(await response.read())
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert response.status == 503 and response.headers["Retry-After"] == "2"
+    assert isinstance(body, ErrorMessage) and body.code == "storage_error"
+    assert "database is unavailable" in body.message and str(tmp_path) not in body.message  # no internals
+    response = await client.post("/v1/devices", data=encode(RegisterRequest(platform="t")), headers=headers)
+    assert response.status == 201  # the lock is gone: served again, no restart
