@@ -1,6 +1,9 @@
 """The README's commands and its SDK example, run literally, work.
 
-The SDK example (the first ```python block) runs as written in a temporary folder.
+The SDK example (the first ```python block) runs as written in a temporary folder.  The device recipe (the
+```python block that connects a `DeviceClient`) runs as written too, once per device, in three processes each
+in its own folder, against a server started from ``examples/server.toml``; the only change is the URL (the
+test's server listens on a free port, not 8080).
 
 The server is started with the README's own line (``fedrec-server --config examples/server.toml``) plus
 two overrides a test needs (a temporary ``--data-dir`` and ``--port 0``); the load test is the README's
@@ -12,12 +15,14 @@ checkout under test runs, not an installed copy.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -123,3 +128,72 @@ def test_readme_server_and_loadtest_work_together(tmp_path: Path) -> None:
     assert code == 0
     # Nothing was written into the checkout (the server's data_dir and the plot live under tmp_path).
     assert _checkout_files() == before
+
+
+# One device of the README's recipe: the block is compiled as written (top-level ``await`` allowed) with the
+# names the README's first example defines (``my_items``, ``my_ratings``), here a seeded user of its own.
+_DEVICE = """
+import ast, asyncio, sys
+import numpy as np
+code = open(sys.argv[1], encoding="utf-8").read()
+rng = np.random.default_rng(int(sys.argv[2]))
+my_items = np.sort(rng.choice(1682, size=30, replace=False))
+my_ratings = rng.integers(1, 6, size=30).astype(np.float64)
+scope = {"my_items": my_items, "my_ratings": my_ratings}
+result = eval(compile(code, "README.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT), scope)
+if result is not None:
+    asyncio.run(result)
+"""
+
+EXAMPLE_URL = "http://127.0.0.1:8080"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_readme_device_recipe_joins_a_round_of_the_example_server(tmp_path: Path) -> None:
+    # The SDK recipe with the SDK's default privacy policy, three devices, the example server as the README
+    # starts it: a round commits (before, every device refused it: the example server ran without DP).
+    recipe = _readme_python("from pathlib import Path\nfrom device_sdk import ClientConfig, DeviceClient")
+    assert recipe.count(EXAMPLE_URL) == 1 and "PrivacyPolicy" not in recipe, recipe
+    server_cmd = _readme_line("fedrec-server ")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    server = [sys.executable, "-m", "agg_server", *server_cmd[1:], "--data-dir", str(tmp_path / "data"), "--port", "0"]
+    with (
+        open(tmp_path / "server.log", "w") as log,
+        subprocess.Popen(server, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True) as proc,
+    ):
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert "listening on http://127.0.0.1:" in line, (tmp_path / "server.log").read_text()
+            url = line.strip().rsplit(" ", 1)[-1]
+            (tmp_path / "recipe.py").write_text(recipe.replace(EXAMPLE_URL, url), encoding="utf-8")
+            devices = []
+            for i in range(3):
+                (tmp_path / f"app-{i}").mkdir()
+                devices.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _DEVICE, str(tmp_path / "recipe.py"), str(i)],
+                        cwd=tmp_path / f"app-{i}",
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                )
+            results = [d.communicate(timeout=180) for d in devices]
+            with urllib.request.urlopen(f"{url}/v1/status", timeout=30) as resp:  # the test's own loopback server
+                status = json.loads(resp.read())
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=60)
+    for d, (out, err) in zip(devices, results, strict=True):
+        assert d.returncode == 0, f"{out}\n{err}\n{(tmp_path / 'server.log').read_text()[-3000:]}"
+        assert "refusing round" not in err, err
+    committed = [r for r in status["recent_rounds"] if r["status"] == "committed"]
+    assert committed and committed[0]["survivors"] == 3, status["recent_rounds"]
+    assert status["model"]["version"] >= 2
+    assert status["privacy"]["epsilon_spent"] > 0  # the round ran with DP noise, as the default device requires
+    for i in range(3):  # each device's store is in its own folder, where the recipe's Path("store") put it
+        assert (tmp_path / f"app-{i}" / "store" / "model.fedrec").is_file()
+    assert code == 0
