@@ -559,6 +559,13 @@ def test_loadtest_failure_is_one_line_naming_the_cause() -> None:
         "1 of 1 rounds committed; aborted: x ×1; "
         "devices failed 40× with ConfigError (invite n_items 1682 != device 3706)"
     )
+    # A server whose privacy budget is spent (the example server runs with DP) says so in its status.
+    rep.final_status = {"stopped": "privacy budget exhausted: round 11 would raise epsilon from 8 to 8.491"}
+    assert rep.failure(2) == (
+        "1 of 2 rounds committed; aborted: x ×1; devices failed 40× with ConfigError (invite n_items 1682 != device "
+        "3706); the server opens no more rounds: privacy budget exhausted: round 11 would raise epsilon from 8 to 8.491"
+    )
+    rep.final_status = None
     del rep.errors["ConfigError"]
     assert rep.failure(1) is None  # the monitor's status read timing out is not a device failure
     rep.outcomes.update({"committed": 50, "waited": 700, "dropped": 3})
