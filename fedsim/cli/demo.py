@@ -49,7 +49,7 @@ DEFAULT_EPSILON = 8.0
 #: signal-to-noise >= 2 (`fedsim.private.scaled_lightfr.plan_privacy`, its "covered") for the demo to run with
 #: DP by default.  The plan for ML-100K's 943 devices in one round is 0.79, for all 600 synthetic devices 0.49
 #: (both keep DP: their private model is about as good as popularity), for the README's quick demo (40 synthetic
-#: devices, 3 rounds) 0.00, where the private model lost to popularity by half (docs/results/2026-11-27-quick-demo.md).
+#: devices, 3 rounds) 0.00, where the private model lost to popularity by half (docs/results/2026-11-27-first-hour.md).
 MIN_PLANNED_COVERAGE = 0.4
 
 
