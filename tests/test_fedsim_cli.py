@@ -218,7 +218,9 @@ def test_every_subcommand_has_help() -> None:
         assert cmd in text
 
 
-def test_the_demo_leaves_dp_off_only_where_the_planner_finds_the_fleet_too_small() -> None:
+def test_the_demo_leaves_dp_off_only_where_the_planner_finds_the_fleet_too_small(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # The quick demo's 40 devices ran DP at a size where its noise swamps the signal (HR@10 0.108 against
     # popularity's 0.225); the planner now sends that fleet, and only such fleets, without DP, saying so.
     from fedsim.cli.demo import DEFAULT_EPSILON, _first_users, small_fleet_privacy
@@ -228,6 +230,11 @@ def test_the_demo_leaves_dp_off_only_where_the_planner_finds_the_fleet_too_small
     eps, note = small_fleet_privacy(_first_users(exp, 40), 40, 3, 64)
     assert eps == 0.0 and note is not None and note.startswith("no DP: at 40 devices and ε=8 ")
     assert f"--epsilon {DEFAULT_EPSILON:g} turns DP on" in note and "\n" not in note
+    # The test hook that seeds DP noise asks for DP: without --epsilon at such a size, one error line says so.
+    assert main(["demo", "--dataset", "synthetic", "--devices", "40", "--insecure-seed-dp-noise"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedrec demo: error: --insecure-seed-dp-noise: at 40 devices and ε=8 "), err
+    assert err.count("\n") == 1, err
     # Every synthetic user, one round (the demo's default without MovieLens): DP on, as before.
     assert small_fleet_privacy(exp, exp.train.n_users, 1, 64) == (DEFAULT_EPSILON, None)
 

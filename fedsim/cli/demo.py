@@ -213,6 +213,8 @@ def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
     out.write(head + "\n")
     if args.epsilon is None:
         args.epsilon, note = small_fleet_privacy(exp, n_devices, args.rounds, args.bits)
+        if note and args.insecure_seed_dp_noise:  # the hook seeds DP noise, and this run would have none
+            raise ConfigError(f"--insecure-seed-dp-noise: {note.removeprefix('no DP: ')}")
         if note:
             out.write(note + "\n")
     eps = args.epsilon or None
