@@ -459,7 +459,16 @@ async def check_in(request: web.Request) -> web.StreamResponse:
         reply = await _hold_check_in(request, coordinator, device, coordinator.open_round.round_id)
     if isinstance(reply, Wait):
         return _send(reply, headers={"Retry-After": str(max(1, math.ceil(reply.retry_after)))})
-    return _send(reply)
+    if FORWARDED_HEADER in request.headers:  # relayed: whether it arrived is the relaying instance's to see
+        return _send(reply)
+    # Written here: once it left on an open connection, a second check-in before the keys means that the
+    # device left the round (`agg_server.presence`); an answer the device gave up on is handed out again.
+    response = _send(reply, headers={"X-Request-Id": current_request_id() or secrets.token_hex(8)})
+    await response.prepare(request)
+    await response.write_eof()
+    if request.transport is not None and not request.transport.is_closing():
+        coordinator.invitation_delivered(device, reply.round_id)
+    return response
 
 
 async def _hold_check_in(

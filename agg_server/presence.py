@@ -1,0 +1,89 @@
+"""Which devices of the open round are still there: the part of `agg_server.coordinator.RoundCoordinator`
+that lets a phase close as soon as every device still taking part has answered (`Presence`).
+
+Invariants:
+- A device is there while it holds a long-poll, or while its connection has been gone for less than
+  ``rounds.disconnect_grace`` seconds; after that, a device still awaited is dropped from the phase.
+- A device whose invitation reached it (the answer left on a connection still open) and that checks in
+  again before sending its keys has left the round (`RoundCoordinator.check_in`); an invitation whose answer
+  was lost is handed out again.
+- Nothing here reads a clock: ``now`` is passed in, as everywhere in the coordinator.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from protocol.session import ServerSecAggSession
+
+__all__ = ["Presence"]
+
+
+class _RoundView(Protocol):
+    round_id: int
+    session: ServerSecAggSession
+    finishing: bool
+    handed_out: set[int]
+    delivered: set[int]
+    polling: dict[int, int]
+    gone: dict[int, float]
+
+
+class Presence:
+    """Long-polls, broken connections and delivered invitations of the open round (a mixin of the
+    coordinator, which provides ``_round``, ``config`` and ``_leave``)."""
+
+    _round: Any
+    config: Any
+
+    def _leave(self, r: Any, device_id: int, reason: str, now: float) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _open_round_of(self, round_id: int) -> _RoundView | None:
+        r: _RoundView | None = self._round
+        return r if r is not None and r.round_id == round_id else None
+
+    def poll_started(self, device_id: int, round_id: int) -> None:
+        """A device's long-poll on ``round_id`` is open (it is connected and waiting for the next phase)."""
+        r = self._open_round_of(round_id)
+        if r is None:
+            return
+        r.polling[device_id] = r.polling.get(device_id, 0) + 1
+        r.gone.pop(device_id, None)
+
+    def invitation_delivered(self, device_id: int, round_id: int) -> None:
+        """The answer carrying the invitation to ``round_id`` left on a connection that was still open: a
+        later check-in of this device in ADVERTISE_KEYS means it left (one whose answer was lost, and that
+        is not marked, gets the same invitation again)."""
+        r = self._open_round_of(round_id)
+        if r is not None and device_id in r.handed_out:
+            r.delivered.add(device_id)
+
+    def poll_ended(self, device_id: int, round_id: int, now: float, *, answered: bool) -> None:
+        """A device's long-poll ended: ``answered`` (it got its next message) or not (its connection
+        closed first).  A device whose connection is gone and that does not come back within
+        ``rounds.disconnect_grace`` seconds is dropped from the phase (`_drop_gone`, on each tick)."""
+        r = self._open_round_of(round_id)
+        if r is None:
+            return
+        left = r.polling.get(device_id, 0) - 1
+        if left > 0:
+            r.polling[device_id] = left
+            return
+        r.polling.pop(device_id, None)
+        if not answered:
+            r.gone[device_id] = now
+
+    def _drop_gone(self, r: _RoundView, now: float) -> None:
+        # A device gone while nothing is awaited from it (it had uploaded for this phase) stays listed
+        # until the next phase awaits it.
+        grace = self.config.rounds.disconnect_grace
+        late = [(d, since) for d, since in r.gone.items() if now - since >= grace]
+        if not late:
+            return
+        expected = r.session.expected()
+        for device_id, since in late:
+            if self._round is not r or r.finishing:
+                return
+            if device_id in expected:
+                self._leave(r, device_id, f"connection gone for {now - since:.1f} s", now)

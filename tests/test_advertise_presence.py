@@ -1,0 +1,167 @@
+"""ADVERTISE_KEYS closes once every device still taking part has sent its keys: a device that vanished after
+its invitation and checks in again is dropped at once, not waited for until the deadline; a device that is
+merely slow is waited for; and every closed phase says how it ended (all answered, drops detected, deadline).
+
+Real aiohttp servers on loopback and real devices (`fedsim.fleets.local`).  Deadlines are long (60 s) on
+purpose: the assertions compare the server's own phase durations with them, not with a wall clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agg_server.app import COORDINATOR, create_app
+from agg_server.coordinator import RoundCoordinator
+from agg_server.storage import Storage
+from fedsim.fleets import faults
+from fedsim.fleets.faults import DropoutAt
+from fedsim.fleets.loadtest_report import format_loadtest, loadtest_record
+from fedsim.fleets.local import FleetConfig, run_fleet
+from protocol.device_session import DeviceSecAggSession
+from protocol.messages import PublicKeys, RoundInvite, Wait
+from protocol.phases import Phase
+from protocol.samplers import insecure_test_noise_stream
+from tests.server_helpers import BITS, N_ITEMS, small_config, users
+
+DEADLINE = 60.0
+
+
+def _fleet(server: Any, tmp_path: Path, **kw: Any) -> FleetConfig:
+    return FleetConfig(
+        url=str(server.make_url("")).rstrip("/"),
+        store_root=tmp_path / "devices",
+        n_items=N_ITEMS,
+        bits=BITS,
+        rounds=1,
+        time_limit=4 * DEADLINE,
+        **kw,
+    )
+
+
+@pytest.mark.asyncio
+async def test_silent_drops_in_advertise_keys_are_detected_and_a_slow_device_is_waited_for(
+    aiohttp_server: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.INFO, logger="agg_server.coordinator")
+    cfg = small_config(tmp_path / "srv", cohort=8, min_cohort=8, timeout=DEADLINE, disconnect_grace=3.0)
+    app = create_app(cfg)
+    server = await aiohttp_server(app)
+    events: list[tuple[str, dict[str, Any]]] = []
+    app[COORDINATOR].listeners.append(lambda event, fields: events.append((event, dict(fields))))
+    silent = {2, 5}  # device ids that vanish after training, before their keys (the fleet's silent drop)
+    slow = 7  # sends its keys only after a pause longer than the grace, with no connection open meanwhile
+    pause = cfg.rounds.disconnect_grace + 2.0
+    keys_sent: list[int] = []
+    inner_request = faults.FaultyTransport.request
+
+    async def request(self: faults.FaultyTransport, method: str, path: str, message: Any = None, **kw: Any) -> Any:
+        if isinstance(message, PublicKeys):
+            if message.device_id == slow:
+                await asyncio.sleep(pause)  # a slow phone: at least this long, however loaded the machine
+            if message.device_id not in silent:
+                keys_sent.append(message.device_id)
+        return await inner_request(self, method, path, message, **kw)
+
+    monkeypatch.setattr(faults.FaultyTransport, "request", request)
+    fleet = _fleet(server, tmp_path, schedule=lambda r, d: DropoutAt.BEFORE_KEYS if d in silent else DropoutAt.NONE)
+    report, _ = await run_fleet(fleet, list(users(8).values()))
+
+    assert report.rounds_finished == 1 and report.outcomes["committed"] == 6 and not report.errors
+    # Each silent device dropped once: it was not handed the invitation again and again (it used to be,
+    # once per check-in, until the deadline).
+    assert report.outcomes["dropped"] == 2 and report.drops == {"before_keys": 2}
+    rec = report.server_rounds[0]
+    assert rec["status"] == "committed" and rec["survivors"] == 6
+    advertise = next(p for p in rec["phases"] if p["phase"] == "advertise_keys")
+    assert advertise["dropped"] == 2 and advertise["ended"] == "drops_detected"
+    # Closed by the server's detection, well before its 60 s deadline; and only after the slow device's
+    # keys (it was waited for although it had held no connection for longer than the grace).
+    assert pause <= advertise["seconds"] < DEADLINE / 2, advertise
+    assert slow in keys_sent and set(keys_sent) == set(range(1, 9)) - silent
+    for d in silent:
+        assert caplog.text.count(f"device {d} dropped from advertise_keys: checked in again") == 1, caplog.text
+    assert not re.search(rf"device {slow} dropped", caplog.text)
+    # Event order: the phase event came after every surviving device's keys and says how it ended.
+    phases = [f for e, f in events if e == "phase"]
+    assert [f["phase"] for f in phases] == ["advertise_keys", "share_keys", "masked_input", "unmask"]
+    assert [f["ended"] for f in phases] == ["drops_detected", "all_answered", "all_answered", "all_answered"]
+    # The load test's report says it too, in its text and its JSON.
+    record = loadtest_record(report, 1, None)
+    assert record["server_rounds"][0]["phase_ends"] == {
+        "advertise_keys": "drops_detected",
+        "share_keys": "all_answered",
+        "masked_input": "all_answered",
+        "unmask": "all_answered",
+    }
+    text = _text(report)
+    assert re.search(r"advertise_keys [0-9.]+ \(drops detected\), share_keys [0-9.]+ \(all answered\)", text), text
+
+
+def _text(report: Any) -> str:
+    import io
+
+    out = io.StringIO()
+    format_loadtest(report, out)
+    return out.getvalue()
+
+
+def _coordinator(tmp_path: Path, storage: Storage, **rounds: Any) -> tuple[RoundCoordinator, list[int]]:
+    cfg = small_config(tmp_path / "srv", cohort=4, min_cohort=4, timeout=30.0, k=4, t=2, **rounds)
+    coordinator = RoundCoordinator(cfg, storage, now=0.0)
+    devices = [coordinator.register("test", 0.0).device_id for _ in range(4)]
+    for d in devices:
+        coordinator.check_in(d, 99.5)
+    coordinator.tick(100.0)
+    return coordinator, devices
+
+
+def _keys(coordinator: RoundCoordinator, d: int, invite: Any, now: float) -> None:
+    keys = DeviceSecAggSession(invite, rng=insecure_test_noise_stream(0, d)).send()
+    coordinator.submit(d, invite.round_id, keys, now)
+
+
+def test_a_device_that_got_its_invitation_and_checks_in_again_has_left(tmp_path: Path) -> None:
+    with Storage(tmp_path / "db") as storage:
+        coordinator, (a, b, c, e) = _coordinator(tmp_path, storage)
+        r = coordinator.open_round
+        assert r is not None
+        events: list[dict[str, Any]] = []
+        coordinator.listeners.append(lambda e, f: events.append(f) if e == "phase" else None)
+        invites = {d: coordinator.check_in(d, 100.1) for d in (a, b, c, e)}
+        assert all(isinstance(i, RoundInvite) for i in invites.values())
+        coordinator.invitation_delivered(a, r.round_id)  # a's answer left on an open connection
+        # b's answer was lost (never marked): b gets the same invitation again and stays awaited.
+        assert coordinator.check_in(b, 100.2) == invites[b] and b in r.session.expected()
+        again = coordinator.check_in(a, 100.3)  # a checks in again: it is in no round, so it left ours
+        assert isinstance(again, Wait) and a in r.session._left
+        for d in (b, c, e):
+            _keys(coordinator, d, invites[d], 100.4)
+        assert r.session.phase is Phase.SHARE_KEYS
+        assert events[0]["phase"] == "advertise_keys" and events[0]["ended"] == "drops_detected"
+        assert events[0]["dropped"] == 1 and events[0]["seconds"] == pytest.approx(0.4)
+
+
+def test_phase_endings_all_answered_and_deadline(tmp_path: Path) -> None:
+    with Storage(tmp_path / "db") as storage:
+        coordinator, devices = _coordinator(tmp_path, storage)
+        r = coordinator.open_round
+        assert r is not None
+        events: list[dict[str, Any]] = []
+        coordinator.listeners.append(lambda e, f: events.append(f) if e == "phase" else None)
+        invites = {d: coordinator.check_in(d, 100.1) for d in devices}
+        for d in devices:
+            _keys(coordinator, d, invites[d], 100.2)
+        assert [(f["phase"], f["ended"]) for f in events] == [("advertise_keys", "all_answered")]
+        coordinator.tick(100.0 + 2 * 30.0 + 0.1)  # nobody sends shares: SHARE_KEYS ends at its deadline
+        assert [(f["phase"], f["ended"]) for f in events][1] == ("share_keys", "deadline")
+        assert r.session.phase is not Phase.SHARE_KEYS
+        # /v1/status carries it with the recorded phases (the round aborted: fewer than t shares).
+        recent = coordinator.status(200.0)["recent_rounds"][0]
+        ends = {p["phase"]: p["ended"] for p in recent["phases"]}
+        assert ends["advertise_keys"] == "all_answered" and ends["share_keys"] == "deadline"
