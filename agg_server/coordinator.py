@@ -107,6 +107,7 @@ class _OpenRound:
     gone: dict[int, float] = field(default_factory=dict)  # device -> when its long-poll broke unanswered
     finishing: bool = False  # UNMASK closed; the mask removal and commit run off the event loop
     delivered: set[int] = field(default_factory=set)  # the invitation reached the device (its connection took it)
+    departed: dict[int, str] = field(default_factory=dict)  # device -> why it left while nothing was awaited
     ended: dict[Phase, str] = field(default_factory=dict)  # closed phase -> how it ended (`closed_phase_endings`)
 
 
@@ -491,10 +492,15 @@ class RoundCoordinator(Presence):
     # -- presence (`agg_server.presence`): phases close as soon as every device still there answered ------
     def _leave(self, r: _OpenRound, device_id: int, reason: str, now: float) -> None:
         """Drop a device that is evidently no longer taking part from the open phase (as if it had sent
-        `Abort`), so the phase closes once everyone else has answered."""
-        r.gone.pop(device_id, None)
-        if r.finishing or r.session.phase not in ACTIVE_PHASES or device_id not in r.session.expected():
+        `Abort`), so the phase closes once everyone else has answered.  One that has answered this phase
+        already is dropped when the next phase awaits it (`agg_server.presence.Presence._drop_gone`)."""
+        if r.finishing or r.session.phase not in ACTIVE_PHASES:
             return
+        if device_id not in r.session.expected():
+            r.departed[device_id] = reason
+            return
+        r.gone.pop(device_id, None)
+        r.departed.pop(device_id, None)
         log.info("round %d: device %d dropped from %s: %s", r.round_id, device_id, r.session.phase.value, reason)
         try:
             r.session.receive(device_id, Abort(round_id=r.round_id, device_id=device_id, reason=reason))
@@ -581,7 +587,7 @@ class RoundCoordinator(Presence):
                 r.session.advance(now)
             finally:
                 self._after_change(now, "deadline")
-            if self._round is r and r.gone:
+            if self._round is r and (r.gone or r.departed):
                 self._drop_gone(r, now)
         self._maybe_open(now)
 

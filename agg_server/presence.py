@@ -4,6 +4,9 @@ that lets a phase close as soon as every device still taking part has answered (
 Invariants:
 - A device is there while it holds a long-poll, or while its connection has been gone for less than
   ``rounds.disconnect_grace`` seconds; after that, a device still awaited is dropped from the phase.
+- A device that left while nothing was awaited from it (its long-poll broke, or it checked in again,
+  after its upload for the phase) is remembered and dropped as soon as a later phase awaits it: a
+  held check-in must not hide it until the hold ends.
 - A device whose invitation reached it (the answer left on a connection still open) and that checks in
   again before sending its keys has left the round (`RoundCoordinator.check_in`); an invitation whose answer
   was lost is handed out again.
@@ -27,6 +30,7 @@ class _RoundView(Protocol):
     delivered: set[int]
     polling: dict[int, int]
     gone: dict[int, float]
+    departed: dict[int, str]
 
 
 class Presence:
@@ -75,15 +79,16 @@ class Presence:
             r.gone[device_id] = now
 
     def _drop_gone(self, r: _RoundView, now: float) -> None:
-        # A device gone while nothing is awaited from it (it had uploaded for this phase) stays listed
-        # until the next phase awaits it.
+        # A device gone, or departed (it checked in again), while nothing is awaited from it (it had
+        # uploaded for this phase) stays listed until the next phase awaits it.
         grace = self.config.rounds.disconnect_grace
-        late = [(d, since) for d, since in r.gone.items() if now - since >= grace]
+        late = [(d, f"connection gone for {now - since:.1f} s") for d, since in r.gone.items() if now - since >= grace]
+        late += list(r.departed.items())
         if not late:
             return
         expected = r.session.expected()
-        for device_id, since in late:
+        for device_id, reason in late:
             if self._round is not r or r.finishing:
                 return
             if device_id in expected:
-                self._leave(r, device_id, f"connection gone for {now - since:.1f} s", now)
+                self._leave(r, device_id, reason, now)
