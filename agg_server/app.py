@@ -464,10 +464,11 @@ async def check_in(request: web.Request) -> web.StreamResponse:
     # Written here: once it left on an open connection, a second check-in before the keys means that the
     # device left the round (`agg_server.presence`); an answer the device gave up on is handed out again.
     response = _send(reply, headers={"X-Request-Id": current_request_id() or secrets.token_hex(8)})
-    await response.prepare(request)
-    await response.write_eof()
-    if request.transport is not None and not request.transport.is_closing():
-        coordinator.invitation_delivered(device, reply.round_id)
+    with contextlib.suppress(ConnectionResetError):  # gone first: not delivered
+        await response.prepare(request)
+        await response.write_eof()
+        if request.transport is not None and not request.transport.is_closing():
+            coordinator.invitation_delivered(device, reply.round_id)
     return response
 
 
