@@ -140,6 +140,67 @@ async def test_a_device_that_leaves_after_its_upload_is_dropped_when_the_next_ph
     assert re.search(rf"device {leaving} dropped from (masked_input|unmask)", caplog.text), caplog.text
 
 
+@pytest.mark.asyncio
+async def test_a_keys_upload_whose_connection_breaks_is_dropped_after_the_grace(
+    aiohttp_client: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A device whose connection closes while its keys are still arriving is gone: ADVERTISE_KEYS drops it
+    after ``rounds.disconnect_grace`` instead of waiting for it until the deadline."""
+    import aiohttp
+
+    from protocol.codec import decode, encode
+    from protocol.messages import CheckIn, RegisterRequest, ShareKeysBroadcast
+
+    caplog.set_level(logging.INFO, logger="agg_server.coordinator")
+    cfg = small_config(tmp_path / "srv", cohort=4, min_cohort=4, timeout=DEADLINE, disconnect_grace=0.5, k=4, t=2)
+    app = create_app(cfg)
+    client = await aiohttp_client(app)
+    headers = {"Content-Type": "application/msgpack"}
+
+    async def post(path: str, message: Any, token: str | None = None) -> Any:
+        h = dict(headers, Authorization=f"Bearer {token}") if token else headers
+        resp = await client.post(path, data=encode(message), headers=h, timeout=aiohttp.ClientTimeout(total=30))
+        return decode(await resp.read())
+
+    tokens = {}
+    for _ in range(4):
+        reg = await post("/v1/devices", RegisterRequest(platform="test"))
+        tokens[reg.device_id] = reg.token
+    invites: dict[int, RoundInvite] = {}
+    while len(invites) < 4:
+        for d, tok in tokens.items():
+            if d not in invites:
+                msg = await post("/v1/checkin", CheckIn(device_id=d), tok)
+                if isinstance(msg, RoundInvite):
+                    invites[d] = msg
+        await asyncio.sleep(0.05)
+    a, *others = sorted(tokens)
+    rid = invites[a].round_id
+    body = encode(DeviceSecAggSession(invites[a], rng=insecure_test_noise_stream(0, a)).send())
+    sent_half = asyncio.Event()
+
+    async def stalled() -> Any:
+        yield body[: len(body) // 2]
+        sent_half.set()
+        await asyncio.sleep(3600)  # the rest never comes: the phone lost the network mid-upload
+
+    h = dict(headers, Authorization=f"Bearer {tokens[a]}", **{"Content-Length": str(len(body))})
+    upload = asyncio.create_task(client.post(f"/v1/rounds/{rid}/keys", data=stalled(), headers=h))
+    await sent_half.wait()
+    await asyncio.sleep(0.2)
+    upload.cancel()  # closes its connection
+    await asyncio.gather(upload, return_exceptions=True)
+    coordinator = app[COORDINATOR]
+    r = coordinator.open_round
+    assert r is not None and r.session.phase is Phase.ADVERTISE_KEYS
+    keys = {d: DeviceSecAggSession(invites[d], rng=insecure_test_noise_stream(0, d)).send() for d in others}
+    replies = await asyncio.gather(*(post(f"/v1/rounds/{rid}/keys", keys[d], tokens[d]) for d in others))
+    # The others' long-polls were answered by the phase's close: a was dropped by the grace, not the deadline.
+    assert all(isinstance(m, ShareKeysBroadcast) for m in replies)
+    assert re.search(rf"device {a} dropped from advertise_keys: connection gone for [0-9.]+ s", caplog.text)
+    assert r.ended[Phase.ADVERTISE_KEYS] == "drops_detected"
+
+
 def _text(report: Any) -> str:
     import io
 
