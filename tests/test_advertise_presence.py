@@ -263,3 +263,26 @@ def test_phase_endings_all_answered_and_deadline(tmp_path: Path) -> None:
         recent = coordinator.status(200.0)["recent_rounds"][0]
         ends = {p["phase"]: p["ended"] for p in recent["phases"]}
         assert ends["advertise_keys"] == "all_answered" and ends["share_keys"] == "deadline"
+
+
+def test_the_load_test_report_says_how_each_phase_ended() -> None:
+    from fedsim.fleets.local import FleetReport
+
+    report = FleetReport(devices=3)
+    phases = [
+        {"phase": "advertise_keys", "seconds": 60.0, "arrived": 3, "dropped": 1, "ended": "deadline"},
+        {"phase": "share_keys", "seconds": 1.5, "arrived": 2, "dropped": 1, "ended": "drops_detected"},
+        {"phase": "masked_input", "seconds": 0.0, "arrived": 0, "dropped": 0, "ended": "aborted"},
+    ]
+    base = {"status": "aborted", "cohort_size": 3, "survivors": 0, "started_at": 10.0, "finished_at": 71.5}
+    report.server_rounds.append({"round_id": 1, **base, "phases": phases})
+    # A round the server did not time itself (another instance, an older server): no "ended".
+    report.server_rounds.append({"round_id": 2, **base, "phases": [{"phase": "advertise_keys", "seconds": 2.0}]})
+    rows = loadtest_record(report, 2, None)["server_rounds"]
+    ends = {"advertise_keys": "deadline", "share_keys": "drops_detected", "masked_input": "aborted"}
+    assert rows[0]["phase_ends"] == ends
+    assert rows[1]["phase_ends"] == {"advertise_keys": None}
+    text = _text(report)
+    assert "phases (s): advertise_keys 60.0 (DEADLINE), share_keys 1.5 (drops detected)\n" in text, text
+    assert "phases (s): advertise_keys 2.0\n" in text, text
+    assert "phases ended: drops detected 1, DEADLINE 1, aborted 1\n" in text, text

@@ -5,6 +5,7 @@ words (`describe_outcomes`).  Pure functions of a `FleetReport`; nothing here ta
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, TextIO
 
 import numpy as np
@@ -193,6 +194,10 @@ def format_loadtest(report: FleetReport, out: TextIO) -> None:
         if row["phases"]:
             out.write("      phases (s): " + _phase_line(row) + "\n")
     record = loadtest_record(report, 0, None)
+    endings = Counter(how for row in record["server_rounds"] for how in row["phase_ends"].values() if how)
+    if endings:
+        order = [k for k in _ENDED if k in endings] + sorted(set(endings) - set(_ENDED))
+        out.write("phases ended: " + ", ".join(f"{_ENDED.get(k, k)} {endings[k]}" for k in order) + "\n")
     if record["server_cpu_ms_per_device_round"] is not None:
         out.write(f"server CPU per device-round: {record['server_cpu_ms_per_device_round']:.1f} ms\n")
     health = record["health"]
