@@ -2,14 +2,16 @@
 that lets a phase close as soon as every device still taking part has answered (`Presence`).
 
 Invariants:
-- A device is there while it holds a long-poll, or while its connection has been gone for less than
-  ``rounds.disconnect_grace`` seconds; after that, a device still awaited is dropped from the phase.
+- A device is there while a phase request of it is open (its body arriving, or its long-poll waiting), or
+  while its connection has been gone for less than ``rounds.disconnect_grace`` seconds; after that, a
+  device still awaited is dropped from the phase.
 - A device that left while nothing was awaited from it (its long-poll broke, or it checked in again,
   after its upload for the phase) is remembered and dropped as soon as a later phase awaits it: a
   held check-in must not hide it until the hold ends.
 - A device whose invitation reached it (the answer left on a connection still open) and that checks in
-  again before sending its keys has left the round (`RoundCoordinator.check_in`); an invitation whose answer
-  was lost is handed out again.
+  again before sending its keys has left the round (`RoundCoordinator.check_in`); an invitation whose
+  answer was lost is handed out again.  A device that only trains, without a word and without a
+  connection, cannot be told from a slow one: it is waited for until the phase's deadline.
 - Nothing here reads a clock: ``now`` is passed in, as everywhere in the coordinator.
 """
 
@@ -48,7 +50,8 @@ class Presence:
         return r if r is not None and r.round_id == round_id else None
 
     def poll_started(self, device_id: int, round_id: int) -> None:
-        """A device's long-poll on ``round_id`` is open (it is connected and waiting for the next phase)."""
+        """A device's phase request on ``round_id`` is open: its body is arriving, or it waits for the next
+        phase (a long-poll); either way it is connected."""
         r = self._open_round_of(round_id)
         if r is None:
             return
@@ -64,9 +67,10 @@ class Presence:
             r.delivered.add(device_id)
 
     def poll_ended(self, device_id: int, round_id: int, now: float, *, answered: bool) -> None:
-        """A device's long-poll ended: ``answered`` (it got its next message) or not (its connection
-        closed first).  A device whose connection is gone and that does not come back within
-        ``rounds.disconnect_grace`` seconds is dropped from the phase (`_drop_gone`, on each tick)."""
+        """A device's phase request ended: ``answered`` (it got its next message) or not (its connection
+        closed first, maybe before its body had arrived).  A device whose connection is gone and that does
+        not come back within ``rounds.disconnect_grace`` seconds is dropped from the phase (`_drop_gone`,
+        on each tick)."""
         r = self._open_round_of(round_id)
         if r is None:
             return
