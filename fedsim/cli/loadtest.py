@@ -103,8 +103,9 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--announce-drops",
         action="store_true",
-        help="dropped devices tell the server they leave, so phases close at quorum instead of waiting for their "
-        "deadlines (default: drops are silent, and each phase with a silent drop lasts its full deadline)",
+        help="dropped devices tell the server they leave, so phases close at once (default: drops are silent, "
+        "and the server notices them when the device's connection stays closed past rounds.disconnect_grace or "
+        "it checks in again)",
     )
 
 
