@@ -82,13 +82,13 @@ def test_plan_takes_the_smallest_share_that_reaches_the_target_or_the_whole_budg
     def sigma_at(share: float) -> float:
         return sigmas.get(share, 0.5)
 
-    plan = plan_private_run(train, epsilon=8, delta=1e-5, full_ranking=False, sigma_at=sigma_at, sigma_all=0.4)
+    plan = plan_private_run(train, epsilon=8, delta=1e-5, negatives=99, sigma_at=sigma_at, sigma_all=0.4)
     assert plan.rounds == 3 and plan.forecast >= TARGET_RATIO
     chosen = sorted(sigmas).index(plan.pop_share) if plan.pop_share in sigmas else len(sigmas)
     for share in sorted(sigmas)[:chosen]:  # every smaller share misses the target
-        assert forecast_ratio(train, sigma_at(share), full_ranking=False) < TARGET_RATIO
+        assert forecast_ratio(train, sigma_at(share), negatives=99) < TARGET_RATIO
     hopeless = plan_private_run(
-        train, epsilon=0.1, delta=1e-5, full_ranking=False, sigma_at=lambda s: 500.0, sigma_all=200.0
+        train, epsilon=0.1, delta=1e-5, negatives=99, sigma_at=lambda s: 500.0, sigma_all=200.0
     )
     assert (hopeless.rounds, hopeless.pop_share) == (0, 1.0) and not hopeless.personalises
     assert "the private model is the private popularity list" in hopeless.verdict()
@@ -112,7 +112,7 @@ def _measured_ratio(exp: object, sigma_eps: float) -> tuple[float, float]:
         ).hr
         for r in range(5)
     ]
-    return forecast_ratio(tr, sigma, full_ranking=False), float(np.mean(got)) / base
+    return forecast_ratio(tr, sigma, negatives=99), float(np.mean(got)) / base
 
 
 @pytest.mark.parametrize("dataset", ["filmtrust", "ml-100k"])
@@ -128,7 +128,7 @@ def test_forecasts_match_measured_private_popularity(shared_data: Path, dataset:
 def test_private_model_never_ranks_below_its_floor_and_the_floor_is_near_popularity(shared_data: Path) -> None:
     exp = prepare(load_dataset("filmtrust", shared_data))
     settings = ScaledSettings(epsilon=8.0, unobserved_weight="auto", seed=0)
-    plan = plan_run(exp.train, settings, full_ranking=False)
+    plan = plan_run(exp.train, settings, negatives=99)
     assert plan.forecast >= TARGET_RATIO
     metrics, extra = evaluate_private(exp, with_plan(settings, plan))
     pop = metrics["popularity"]["hr@10"]

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``fedrec plan-privacy``; returns the exit status."""
     from fedsim.cli.results import print_rows
     from fedsim.data.datasets import LightFRSplit, TrainTestSplit, load_dataset
+    from fedsim.evaluation.experiment import prepare
     from fedsim.private.scaled_lightfr import ScaledSettings, plan_privacy, plan_run
 
     data: Any = load_dataset(args.dataset, resolve_data_dir(args.data_dir))
@@ -88,7 +89,12 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         "assumes the gradients of an item's devices agree, so it is an upper bound on what a round can learn\n"
     )
     settings = ScaledSettings(epsilon=args.epsilon, bits=args.bits, unobserved_weight="auto")
-    plan = plan_run(train, settings, full_ranking=isinstance(data, TrainTestSplit))
+    # The evaluation `fedrec simulate` would run: full ranking on a published split, else sampled candidates.
+    if isinstance(data, TrainTestSplit):
+        plan = plan_run(data.train, settings, negatives=None)
+    else:
+        exp = prepare(data)
+        plan = plan_run(exp.train, settings, negatives=exp.n_negatives)
     out.write(plan.verdict() + " (what `fedrec simulate --epsilon` runs by default)\n")
     return 0
 

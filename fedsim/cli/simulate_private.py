@@ -79,7 +79,8 @@ def simulate_private_lightfr(args: argparse.Namespace, defaults: argparse.Namesp
         raise ConfigError("--query-planes needs the all-items objective (drop --unobserved-weight 0)")
     plan = None
     if args.epsilon > 0 and args.pop_share is None:
-        plan = plan_run(data.train, settings, full_ranking=isinstance(data, TrainTestSplit), rounds=rounds)
+        negatives = None if isinstance(data, TrainTestSplit) else data.n_negatives
+        plan = plan_run(data.train, settings, negatives=negatives, rounds=rounds)
         out.write(plan.verdict() + "\n")
         if plan.rounds or args.rounds is None:
             settings = with_plan(settings, plan)

@@ -161,7 +161,8 @@ def simulated_beside(exp: Experiment, epsilon: float, seed: int) -> tuple[dict[s
     from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private, plan_run, with_plan
 
     settings = ScaledSettings(epsilon=epsilon, rounds=3, example_cap=20, threshold=0.0, seed=seed)
-    return evaluate_private(exp, with_plan(settings, plan_run(exp.train, settings, full_ranking=False)), eval_seed=0)
+    plan = plan_run(exp.train, settings, negatives=exp.n_negatives)
+    return evaluate_private(exp, with_plan(settings, plan), eval_seed=0)
 
 
 @contextlib.contextmanager

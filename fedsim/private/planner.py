@@ -141,22 +141,22 @@ def forecast_ratio(
     train: Ratings,
     sigma: float,
     *,
-    full_ranking: bool,
+    negatives: int | None,
     theta: int = POP_THETA,
-    negatives: int = 99,
     seed: int = 0,
 ) -> float:
     """Forecast private popularity / popularity, with noise ``sigma`` on the released sums.
 
-    Sampled protocol: held-out interactions drawn from train (the item's count less that device's own
-    contribution), each ranked with ``negatives`` uniform items by HR@10 (exact expectation over random
-    ties).  Full ranking: the share of interactions whose item is in the top 20 of the catalogue.
+    Sampled protocol (``negatives`` sampled items per positive): held-out interactions drawn from train (the
+    item's count less that device's own contribution), each ranked with ``negatives`` uniform items by
+    HR@10 (exact expectation over random ties).  Full ranking (``negatives`` None): the share of
+    interactions whose item is in the top 20 of the catalogue.
     A seeded simulation over the public shape; nothing is released.
     """
     rng = np.random.default_rng(seed)
     counts = np.bincount(train.items, minlength=train.n_items).astype(np.float64)
     released, w = popularity_weights(train, theta)
-    if full_ranking:
+    if negatives is None:
         return _forecast_full(counts, released, sigma, rng)
     n = len(train)
     if n == 0:
@@ -203,7 +203,7 @@ def plan_private_run(
     *,
     epsilon: float,
     delta: float,
-    full_ranking: bool,
+    negatives: int | None,
     sigma_at: Callable[[float], float],
     sigma_all: float,
     rounds: int = 3,
@@ -215,10 +215,10 @@ def plan_private_run(
 
     ``sigma_at(s)`` is the popularity release's noise (devices per item) when it gets share s of ε and
     ``rounds`` rounds get the rest; ``sigma_all`` its noise with the whole ε.  ``rounds`` = 0 plans the
-    popularity list alone.
+    popularity list alone.  ``negatives``: sampled items per held-out positive (None: full ranking).
     """
-    metric = "Recall@20" if full_ranking else "HR@10 among 100"
-    forecast_all = forecast_ratio(train, sigma_all, full_ranking=full_ranking, seed=seed)
+    metric = "Recall@20" if negatives is None else f"HR@10 among {negatives + 1}"
+    forecast_all = forecast_ratio(train, sigma_all, negatives=negatives, seed=seed)
 
     def plan(share: float, r: int, sigma: float, forecast: float) -> PrivatePlan:
         return PrivatePlan(
@@ -240,7 +240,7 @@ def plan_private_run(
             if share > MAX_SHARE:
                 break
             sigma = sigma_at(share)
-            forecast = forecast_ratio(train, sigma, full_ranking=full_ranking, seed=seed)
+            forecast = forecast_ratio(train, sigma, negatives=negatives, seed=seed)
             if forecast >= target:
                 return plan(share, rounds, sigma, forecast)
     return plan(1.0, 0, sigma_all, forecast_all)

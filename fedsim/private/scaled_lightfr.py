@@ -356,9 +356,10 @@ def _sensitivities(n: int, m: int, settings: ScaledSettings) -> tuple[ServerConf
     return cfg, base, (l1m, l2m), widest_quantization(n, math.sqrt(s.pop_theta))
 
 
-def plan_run(train: Ratings, settings: ScaledSettings, *, full_ranking: bool, rounds: int = 3) -> PrivatePlan:
+def plan_run(train: Ratings, settings: ScaledSettings, *, negatives: int | None, rounds: int = 3) -> PrivatePlan:
     """The privacy planner's choice of the popularity share and the rounds for ``settings.epsilon`` over
-    ``train`` (`fedsim.private.planner`), with this run's own sensitivities and accountant."""
+    ``train`` (`fedsim.private.planner`), with this run's own sensitivities and accountant; ``negatives``: the
+    evaluation's sampled items per positive (None: full ranking)."""
     s = settings
     n, m = train.n_users, train.n_items
     _, _, model_sens, qp = _sensitivities(n, m, replace(s, pop_theta=POP_THETA))
@@ -372,7 +373,7 @@ def plan_run(train: Ratings, settings: ScaledSettings, *, full_ranking: bool, ro
         train,
         epsilon=s.epsilon,
         delta=s.delta,
-        full_ranking=full_ranking,
+        negatives=negatives,
         sigma_at=sigma_at,
         sigma_all=sigma_all,
         rounds=rounds,
