@@ -18,6 +18,7 @@ from fedsim.evaluation.ranking import evaluate_candidates, expected_hits
 from fedsim.private.planner import (
     MAX_SHARE,
     POP_THETA,
+    PRIVATE_ROUNDS,
     TARGET_RATIO,
     choose_with_margin,
     forecast_ratio,
@@ -83,7 +84,7 @@ def test_plan_takes_the_smallest_share_that_reaches_the_target_or_the_whole_budg
         return sigmas.get(share, 0.5)
 
     plan = plan_private_run(train, epsilon=8, delta=1e-5, negatives=99, sigma_at=sigma_at, sigma_all=0.4)
-    assert plan.rounds == 3 and plan.forecast >= TARGET_RATIO
+    assert plan.rounds == PRIVATE_ROUNDS and plan.forecast >= TARGET_RATIO
     chosen = sorted(sigmas).index(plan.pop_share) if plan.pop_share in sigmas else len(sigmas)
     for share in sorted(sigmas)[:chosen]:  # every smaller share misses the target
         assert forecast_ratio(train, sigma_at(share), negatives=99) < TARGET_RATIO

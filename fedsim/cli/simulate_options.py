@@ -144,7 +144,8 @@ def add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
         "--rounds",
         type=nonneg_int,
         default=None,
-        help=f"global rounds T (default: {rounds} for lightfr, 20 for mf, 100 for felb, 10 for fnmf)",
+        help=f"global rounds T (default: {rounds} for lightfr, 20 for mf, 100 for felb, 10 for fnmf; lightfr with "
+        "--epsilon: the privacy planner's, 5 or none)",
     )
     g.add_argument("--fraction", type=fraction, default=0.6, help="client fraction p per round (default: 0.6)")
     g.add_argument(

@@ -24,7 +24,7 @@ def simulate_private_lightfr(args: argparse.Namespace, defaults: argparse.Namesp
     """``simulate --epsilon E`` for LightFR: the popularity release and private rounds of every device
     through the private-round simulator (`fedsim.private.scaled_lightfr`), evaluated beside the baselines;
     ``defaults`` holds every ``simulate`` option's value when not given."""
-    from fedsim.private.planner import MAX_SHARE
+    from fedsim.private.planner import MAX_SHARE, PRIVATE_ROUNDS
     from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private, plan_run, with_plan
 
     if args.dataset is None:
@@ -39,7 +39,7 @@ def simulate_private_lightfr(args: argparse.Namespace, defaults: argparse.Namesp
             n_negatives=args.eval_negatives,
             seed=args.eval_seed,
         )
-    rounds = args.rounds if args.rounds is not None else 3
+    rounds = args.rounds if args.rounds is not None else PRIVATE_ROUNDS
     if args.epsilon > 0 and rounds > 0 and args.pop_theta != 1 and args.pop_share is None:
         raise ConfigError("--pop-theta other than 1 needs --pop-share: the privacy planner plans θ = 1")
     for dest in NOT_PRIVATE_LIGHTFR:

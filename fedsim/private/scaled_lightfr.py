@@ -44,7 +44,7 @@ from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy
 from fedsim.data.ratings import Ratings
 from fedsim.private.cohorts import LightFRCohort
-from fedsim.private.planner import POP_THETA, PrivatePlan, choose_with_margin, plan_private_run
+from fedsim.private.planner import POP_THETA, PRIVATE_ROUNDS, PrivatePlan, choose_with_margin, plan_private_run
 from fedsim.private.simulator import PrivateSimulator, one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu, composed_rdp, epsilon_from_rdp
 from protocol.codes import pack_signs
@@ -356,7 +356,9 @@ def _sensitivities(n: int, m: int, settings: ScaledSettings) -> tuple[ServerConf
     return cfg, base, (l1m, l2m), widest_quantization(n, math.sqrt(s.pop_theta))
 
 
-def plan_run(train: Ratings, settings: ScaledSettings, *, negatives: int | None, rounds: int = 3) -> PrivatePlan:
+def plan_run(
+    train: Ratings, settings: ScaledSettings, *, negatives: int | None, rounds: int = PRIVATE_ROUNDS
+) -> PrivatePlan:
     """The privacy planner's choice of the popularity share and the rounds for ``settings.epsilon`` over
     ``train`` (`fedsim.private.planner`), with this run's own sensitivities and accountant; ``negatives``: the
     evaluation's sampled items per positive (None: full ranking)."""
