@@ -30,7 +30,11 @@ __all__ = ["COMMAND"]
 def _add_options(p: argparse.ArgumentParser) -> None:
     _add_fleet_args(p)
     add_quiet(p)
-    add_plot(p, "draw every per-phase latency the devices saw against time (needs the 'plot' extra)")
+    add_plot(
+        p,
+        "draw every per-phase latency the devices saw against time; 'model' points are model downloads "
+        "(needs the 'plot' extra)",
+    )
     add_json(p, "print the report as one JSON object, the last line of stdout")
     p.add_argument("--store", type=Path, default=None, help="device store folder (default: a temporary one)")
     _add_credential_args(p)

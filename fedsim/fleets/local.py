@@ -247,6 +247,9 @@ class FleetReport:
             kind, n = Counter(device_errors).most_common(1)[0]
             example = self.error_examples.get(kind, "")
             parts.append(f"devices failed {n}× with {kind}" + (f" ({example})" if example else ""))
+        stopped = (self.final_status or {}).get("stopped")
+        if stopped:  # e.g. its privacy budget is spent: it opens no more rounds
+            parts.append(f"the server opens no more rounds: {stopped}")
         if TIME_LIMIT in self.errors:
             parts.append(f"the fleet's time limit was reached after {self.seconds:.0f} s")
         return "; ".join(parts)
