@@ -229,6 +229,8 @@ def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
             else "\n"
         )
     )
+    if eps:
+        out.write(_plan_line(exp, eps, args.bits, n_devices) + "\n")
     res = run_demo_fleet(
         exp,
         rounds=args.rounds,
@@ -263,6 +265,20 @@ def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
     if args.json:
         write_json(_record(args, exp, res, ours, privacy), sys.stdout)
     return 0
+
+
+def _plan_line(exp: Experiment, epsilon: float, bits: int, n_devices: int) -> str:
+    """The privacy planner's verdict for this data and ε (`fedsim.private.planner`), printed before the run;
+    ``n_devices`` of the id space's users hold the training ratings."""
+    from dataclasses import replace
+
+    from fedsim.private.scaled_lightfr import ScaledSettings, plan_run
+
+    settings = ScaledSettings(epsilon=epsilon, bits=bits, unobserved_weight="auto")
+    plan = replace(plan_run(exp.train, settings, negatives=exp.n_negatives), devices=n_devices)
+    return plan.verdict() + (
+        " (the planner's forecast, as `fedrec simulate --epsilon` runs it; the real server's verdict follows the run)"
+    )
 
 
 def small_fleet_privacy(exp: Experiment, n_devices: int, rounds: int, bits: int) -> tuple[float, str | None]:
