@@ -96,7 +96,8 @@ class DeviceSecAggSession:
         The device's privacy floor (`protocol.policy`), checked against the invite before anything is
         generated; None checks nothing (protocol tests and simulations).  `DeviceClient` always passes one.
     ledger : DeviceLedger, optional
-        The device's own privacy ledger, for the policy's total-ε floor.
+        The device's own privacy ledger, for the policy's total-ε floor, and (protocol 1.8) its session
+        history: the round id is admitted into it here, and a round id it already holds is refused.
     identity, certificate : SigningKey and bytes, optional
         Protocol 1.3: the device's long-term Ed25519 key and its enrollment certificate; the key
         advertisement and the survivor set are signed with it.
@@ -114,6 +115,8 @@ class DeviceSecAggSession:
     ------
     PrivacyFloorViolation
         The invite is below ``policy``: the device sits the round out.
+    SessionReplayed
+        ``ledger`` shows this device already took part in a session of the invite's round id.
     """
 
     def __init__(
@@ -146,6 +149,11 @@ class DeviceSecAggSession:
         self._signed_set: tuple[int, ...] | None = None
         #: ε the round charges this device at its policy's δ (0 without a policy or without DP).
         self.round_epsilon = 0.0 if policy is None else check_invite(invite, policy, ledger)
+        # Protocol 1.8: one session per round id, ever (the ledger's history; `SessionReplayed` otherwise),
+        # admitted before any key exists.  The caller persists the ledger before the keys leave.
+        self._ledger = ledger
+        if ledger is not None:
+            ledger.admit_round(invite.round_id)
         self.invite = invite
         if rng is not None and not isinstance(rng, NoiseStream):
             raise TypeError(f"rng must be a protocol.samplers.NoiseStream, got {type(rng).__name__}")
@@ -488,6 +496,8 @@ class DeviceSecAggSession:
         check_neighbourhood(len(ids), inv)
         self._check_signed_keys(msg)
         self._session = msg.session_id
+        if self._ledger is not None:
+            self._ledger.record_session(inv.round_id, msg.session_id)
         self._neighbours = keys
         order = sorted(ids)
         self._index = {v: i + 1 for i, v in enumerate(order)}

@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from protocol.errors import ConfigError, PrivacyFloorViolation
+from protocol.errors import ConfigError, PrivacyFloorViolation, SessionReplayed
 from protocol.graph import validate_parameters
 from protocol.messages import RoundInvite
 from protocol.quantization import sensitivity
 from protocol.rdp import ORDERS, rdp_to_epsilon, skellam_rdp
 
-__all__ = ["PrivacyPolicy", "DeviceLedger", "check_invite", "round_rdp"]
+__all__ = ["PrivacyPolicy", "DeviceLedger", "SESSION_HISTORY", "check_invite", "round_rdp"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,15 +180,27 @@ def check_invite(invite: RoundInvite, policy: PrivacyPolicy, ledger: DeviceLedge
     return eps
 
 
+#: Most (round id, session id) pairs a device's ledger keeps; older ones are folded into its round floor.
+SESSION_HISTORY = 4096
+
+
 @dataclass(slots=True)
 class DeviceLedger:
-    """The privacy a device has been charged, kept by the device itself (an RDP curve at `ORDERS`).
+    """The privacy a device has been charged, kept by the device itself (an RDP curve at `ORDERS`), and the
+    history of the sessions it took part in (protocol 1.8).
 
-    A round is charged when the device releases its masked input, whatever happens afterwards.
+    A round is charged when the device releases its masked input, whatever happens afterwards.  A round id
+    enters the history when the device creates its session for it, before any key is generated or
+    signed: a device takes part in at most one session per round id, so it signs one key advertisement
+    and at most one survivor set per round id, ever, whatever session id a server names.  The history is
+    bounded (`SESSION_HISTORY` pairs); a pair pushed out raises ``round_floor`` to its round id, and round
+    ids at or below the floor are refused as well (the server numbers its rounds in increasing order).
     """
 
     rdp: NDArray[np.float64] = field(default_factory=lambda: np.zeros(len(ORDERS)))
     rounds: int = 0
+    sessions: dict[int, bytes] = field(default_factory=dict)
+    round_floor: int = -1
 
     def charge(self, invite: RoundInvite) -> None:
         """Add one DP round (no-op without noise)."""
@@ -200,13 +212,43 @@ class DeviceLedger:
         """Epsilon spent so far at ``delta``."""
         return rdp_to_epsilon(self.rdp, delta)
 
+    def admit_round(self, round_id: int) -> None:
+        """Record that this device takes part in round ``round_id``, or refuse a round id it already used.
+
+        Raises
+        ------
+        SessionReplayed
+            ``round_id`` is in the history or at or below its floor.
+        """
+        if round_id in self.sessions or round_id <= self.round_floor:
+            raise SessionReplayed(
+                f"this device already took part in a session of round {round_id}: a second session for one round "
+                "is refused (it would let the server replay signatures of the first)"
+            )
+        self.sessions[round_id] = b""
+        while len(self.sessions) > SESSION_HISTORY:
+            oldest = next(iter(self.sessions))
+            del self.sessions[oldest]
+            self.round_floor = max(self.round_floor, oldest)
+
+    def record_session(self, round_id: int, session_id: bytes) -> None:
+        """Name the session id of an admitted round (for the record; the round id alone is what is refused)."""
+        if round_id in self.sessions:
+            self.sessions[round_id] = bytes(session_id)
+
     def to_dict(self) -> dict[str, Any]:
         """The store form."""
-        return {"orders": list(ORDERS), "rdp": [float(x) for x in self.rdp], "rounds": self.rounds}
+        return {
+            "orders": list(ORDERS),
+            "rdp": [float(x) for x in self.rdp],
+            "rounds": self.rounds,
+            "sessions": [[r, s.hex()] for r, s in self.sessions.items()],
+            "round_floor": self.round_floor,
+        }
 
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> DeviceLedger:
-        """Rebuild from `to_dict`.
+        """Rebuild from `to_dict` (a ledger written before protocol 1.8 has no session history).
 
         Raises
         ------
@@ -219,4 +261,19 @@ class DeviceLedger:
         curve = np.asarray(rdp, dtype=np.float64)
         if not np.all(np.isfinite(curve)) or np.any(curve < 0) or rounds < 0:
             raise ConfigError("malformed device privacy ledger")
-        return cls(rdp=curve, rounds=rounds)
+        return cls(rdp=curve, rounds=rounds, **_history_from_dict(state))
+
+
+def _history_from_dict(state: dict[str, Any]) -> dict[str, Any]:
+    pairs, floor = state.get("sessions", []), state.get("round_floor", -1)
+    if not isinstance(pairs, list) or type(floor) is not int or len(pairs) > SESSION_HISTORY:
+        raise ConfigError("malformed session history in the device ledger")
+    sessions: dict[int, bytes] = {}
+    for pair in pairs:
+        if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and isinstance(pair[1], str)):
+            raise ConfigError("malformed session history in the device ledger")
+        try:
+            sessions[pair[0]] = bytes.fromhex(pair[1])
+        except ValueError:
+            raise ConfigError("malformed session history in the device ledger") from None
+    return {"sessions": sessions, "round_floor": floor}
