@@ -525,6 +525,16 @@ class Enrollment:
         return tokens
 
     # -- cohorts --------------------------------------------------------------------------------------
+    def roster(self, cohort: Sequence[int]) -> dict[int, bytes] | None:
+        """A signed round's roster (protocol 1.8): each device's certified identity key; None on a server
+        without an authority.  A device registered without one (before the server had an authority) is
+        named with a key nobody holds, distinct per device: it is excluded at `keys`."""
+        if not self.authority:
+            return None
+        known = self.storage.identity_keys(cohort)
+        nobody = b"fedrec/roster/no-identity"
+        return {d: known.get(d) or hashlib.sha256(nobody + d.to_bytes(8, "big")).digest() for d in cohort}
+
     def sources(self, device_ids: Sequence[int]) -> dict[int, str]:
         """The credential source of each device (cached; read from storage once per device)."""
         missing = [d for d in device_ids if d not in self._sources]

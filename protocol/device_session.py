@@ -27,9 +27,11 @@ from protocol import crypto
 from protocol.errors import CertificateRevoked, CryptoError, LocalProtocolError, RemoteProtocolError, StaleRound
 from protocol.fixed_secrets import FixedDeviceSecrets
 from protocol.identity import (
+    Cohort,
     RevocationList,
     SigningKey,
     key_advertisement_payload,
+    roster_digest,
     survivor_set_payload,
     verify_certificate,
     verify_signature,
@@ -143,6 +145,11 @@ class DeviceSecAggSession:
                 raise CryptoError("the device's certificate does not certify its identity key")
         self._identity = identity
         self._certificate = certificate
+        # Protocol 1.8: the roster this device signs (n, digest), and each roster id's certified key.
+        self._roster: dict[int, bytes] = {}
+        self._cohort: Cohort = None
+        if authority_key is not None and identity is not None:
+            self._roster, self._cohort = _check_roster(invite, identity.public_key)
         self._authority = authority_key
         self._revoked: RevocationList | frozenset[bytes] = revoked if revoked is not None else frozenset()
         self._gamma = 0.0 if policy is None else policy.adversary_rate
@@ -361,7 +368,7 @@ class DeviceSecAggSession:
         rid, me, c, s = self.invite.round_id, self.device_id, self._c.public_key, self._s.public_key
         if self._identity is None:
             return PublicKeys(round_id=rid, device_id=me, c_public_key=c, s_public_key=s)
-        signature = self._identity.sign(key_advertisement_payload(rid, me, c, s))
+        signature = self._identity.sign(key_advertisement_payload(rid, me, c, s, self._cohort))
         return PublicKeys(
             round_id=rid,
             device_id=me,
@@ -392,10 +399,18 @@ class DeviceSecAggSession:
             if identity in seen:
                 raise RemoteProtocolError(f"ShareKeys broadcast uses one certified identity twice (at {v})")
             seen.add(identity)
+            if self._roster.get(v) != identity:
+                raise RemoteProtocolError(
+                    f"neighbour device {v} is not on the round's roster with the identity it presents: the roster "
+                    "this device signed is the whole cohort"
+                )
             try:
-                verify_signature(identity, sig, key_advertisement_payload(self.invite.round_id, v, c, s))
+                verify_signature(identity, sig, key_advertisement_payload(self.invite.round_id, v, c, s, self._cohort))
             except CryptoError:
-                raise CryptoError(f"the keys advertised for device {v} are not signed by its certified key") from None
+                raise CryptoError(
+                    f"the keys advertised for device {v} are not signed by its certified key for this round's "
+                    "cohort (a signature on another cohort size or roster does not count)"
+                ) from None
             self._identities[v] = identity
             self._certified[cert] = identity
 
@@ -410,9 +425,12 @@ class DeviceSecAggSession:
             raise RemoteProtocolError("the survivor set must be sorted and list each device once")
         if self.device_id not in members:
             raise RemoteProtocolError("the survivor set omits this device, which sent its masked input")
+        outside = [v for v in members if v not in self._roster]
+        if self._cohort is not None and outside:
+            raise RemoteProtocolError(f"the survivor set names {outside[:5]}, not on the round's roster")
         session = self._session or b""
         self._signed_set = members
-        signature = self._identity.sign(survivor_set_payload(self.invite.round_id, session, members))
+        signature = self._identity.sign(survivor_set_payload(self.invite.round_id, session, members, self._cohort))
         return ConsistencySignature(
             round_id=self.invite.round_id, device_id=self.device_id, session_id=session, signature=signature
         )
@@ -428,7 +446,7 @@ class DeviceSecAggSession:
         if msg.survivor_set != self._signed_set:
             raise RemoteProtocolError("UnmaskRequest rests on a different survivor set than the one this device signed")
         members = set(self._signed_set)
-        payload = survivor_set_payload(self.invite.round_id, self._session or b"", self._signed_set)
+        payload = survivor_set_payload(self.invite.round_id, self._session or b"", self._signed_set, self._cohort)
         valid: set[int] = set()
         identities: set[bytes] = set()
         need = required_signatures(self.invite, self._gamma)
@@ -449,6 +467,8 @@ class DeviceSecAggSession:
                     identity = verify_certificate(cert, self._authority, revoked=self._revoked)
                 if identity in identities or (v in self._identities and self._identities[v] != identity):
                     continue
+                if self._cohort is not None and self._roster.get(v) != identity:
+                    continue  # protocol 1.8: only the roster's identities count
                 verify_signature(identity, sig, payload)
             except CryptoError:
                 continue
@@ -654,3 +674,28 @@ class DeviceSecAggSession:
         self._held_b.clear()
         self._held_s.clear()
         return response
+
+
+def _check_roster(invite: RoundInvite, own_key: bytes) -> tuple[dict[int, bytes], Cohort]:
+    """Protocol 1.8: the roster a signed round's invite shows, checked before anything is generated: one
+    certified identity key per id, ``cohort_size`` of them, this device among them under its own key.
+
+    Why it is enough (the consistency threshold, `protocol.phases.required_signatures`): every signature a
+    device counts names (n, roster digest), so all devices that accept one neighbour's keys count signers
+    of the same n-device roster, of which at most ⌊γ n⌋ are dishonest; an honest device signs one survivor
+    set per round id, ever (the ledger's history); so two different sets each signed by more than
+    (n + ⌊γ n⌋) / 2 roster identities would need an honest identity that signed both.  A server that
+    shows a smaller n must list every participant in the smaller roster (each checks it is on it), so the
+    threshold still counts a majority of everyone who takes part.
+    """
+    ids, keys = invite.roster_ids, invite.roster_keys
+    if not ids or not keys:
+        raise RemoteProtocolError(
+            "the invite shows no roster of identity keys: this device signs only a cohort it was shown in full"
+        )
+    roster = dict(zip(ids, keys, strict=True))
+    if len(set(keys)) != len(keys):
+        raise RemoteProtocolError("the roster lists one identity key twice")
+    if roster.get(invite.device_id) != own_key:
+        raise RemoteProtocolError(f"the roster does not list this device ({invite.device_id}) under its own key")
+    return roster, (len(ids), roster_digest(ids, keys))

@@ -51,6 +51,8 @@ __all__ = [
     "verify_revocation_list",
     "key_advertisement_payload",
     "survivor_set_payload",
+    "Cohort",
+    "roster_digest",
 ]
 
 SIGNATURE_BYTES = 64
@@ -71,6 +73,7 @@ MAX_REVOKED = 1 << 20
 _LABEL_CERTIFICATE = b"fedrec/enrollment/certificate"
 _LABEL_KEY_ADVERTISEMENT = b"fedrec/secagg/key-advertisement"
 _LABEL_SURVIVOR_SET = b"fedrec/secagg/survivor-set"
+_LABEL_ROSTER = b"fedrec/secagg/roster"
 _LABEL_REGISTRATION = b"fedrec/enrollment/registration"
 #: Protocol 1.4: the first 8 of a certificate's 16 serial bytes name its enrollment batch.
 BATCH_BYTES = 8
@@ -407,13 +410,48 @@ def verify_revocation_list(data: bytes, authority_public_key: bytes, *, interrup
     return RevocationList(number=number, issued_at=issued_at, device_keys=device_keys)
 
 
-def key_advertisement_payload(round_id: int, device_id: int, c_public_key: bytes, s_public_key: bytes) -> bytes:
-    """What a device signs when it advertises its round keys (binds round, device id and both keys)."""
-    return _LABEL_KEY_ADVERTISEMENT + _VERSION_BINDING + _u64(round_id) + _u64(device_id) + c_public_key + s_public_key
+#: Protocol 1.8: what a signed round's cohort is bound by, (n, `roster_digest`) (None in older rounds).
+Cohort = tuple[int, bytes] | None
 
 
-def survivor_set_payload(round_id: int, session: bytes, survivors: Sequence[int]) -> bytes:
-    """What a survivor signs in the consistency check: the round, the session and the sorted set U3."""
+def roster_digest(device_ids: Sequence[int], identity_keys: Sequence[bytes]) -> bytes:
+    """Protocol 1.8: SHA-256 of a round's roster, the invited devices in increasing id order each with its
+    certified identity key; a device signs it (with n) in its key advertisement and its survivor set."""
+    if len(device_ids) != len(identity_keys):
+        raise CryptoError("a roster names one identity key per device")
+    h = hashlib.sha256(_LABEL_ROSTER + _VERSION_BINDING + struct.pack(">I", len(device_ids)))
+    for v, key in zip(device_ids, identity_keys, strict=True):
+        h.update(_u64(v) + _len_prefixed(key))
+    return h.digest()
+
+
+def _cohort_binding(cohort: Cohort) -> bytes:
+    # Empty before protocol 1.8 (the payload keeps its older, shorter form); n and the roster digest after.
+    if cohort is None:
+        return b""
+    n, digest = cohort
+    return _u64(n) + _len_prefixed(digest)
+
+
+def key_advertisement_payload(
+    round_id: int, device_id: int, c_public_key: bytes, s_public_key: bytes, cohort: Cohort = None
+) -> bytes:
+    """What a device signs when it advertises its round keys (binds round, device id and both keys, and
+    since protocol 1.8 the cohort size n and the digest of the roster it was shown)."""
+    return (
+        _LABEL_KEY_ADVERTISEMENT
+        + _VERSION_BINDING
+        + _u64(round_id)
+        + _u64(device_id)
+        + c_public_key
+        + s_public_key
+        + _cohort_binding(cohort)
+    )
+
+
+def survivor_set_payload(round_id: int, session: bytes, survivors: Sequence[int], cohort: Cohort = None) -> bytes:
+    """What a survivor signs in the consistency check: the round, the session and the sorted set U3 (and
+    since protocol 1.8 the cohort size n and the roster digest)."""
     ids = sorted(survivors)
     return (
         _LABEL_SURVIVOR_SET
@@ -422,4 +460,5 @@ def survivor_set_payload(round_id: int, session: bytes, survivors: Sequence[int]
         + _len_prefixed(session)
         + struct.pack(">I", len(ids))
         + b"".join(_u64(v) for v in ids)
+        + _cohort_binding(cohort)
     )

@@ -60,6 +60,11 @@ class PrivacyPolicy:
         Most epsilon this device lets itself be charged over all the rounds it joins (default 16.0).
     delta : float
         The delta of the device's own accounting (default 1e-6).
+    min_cohort_size : int
+        Least cohort size n an invite may state (protocol 1.8; default 2): the operator pins the size
+        below which this device's input is not mixed with enough others.  In a signed round n is the
+        length of the roster the device signs, so a server cannot understate it without leaving devices
+        off the roster, and those refuse.
     enforce : bool
         False only for `PrivacyPolicy.no_floor` (simulations of tiny cohorts and tests).
 
@@ -75,6 +80,7 @@ class PrivacyPolicy:
     max_epsilon_per_round: float = 8.0
     max_epsilon_total: float = 16.0
     delta: float = 1e-6
+    min_cohort_size: int = 2
     enforce: bool = True
 
     def __post_init__(self) -> None:
@@ -86,6 +92,8 @@ class PrivacyPolicy:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
         if not (0.0 < self.delta < 1.0):
             raise ConfigError(f"delta must be in (0, 1), got {self.delta!r}")
+        if type(self.min_cohort_size) is not int or self.min_cohort_size < 2:
+            raise ConfigError(f"min_cohort_size must be an integer >= 2, got {self.min_cohort_size!r}")
 
     @classmethod
     def no_floor(cls) -> PrivacyPolicy:
@@ -146,6 +154,10 @@ def check_invite(invite: RoundInvite, policy: PrivacyPolicy, ledger: DeviceLedge
     n, k, t = invite.cohort_size, invite.graph_k, invite.graph_t
     if n < 2:
         raise PrivacyFloorViolation(f"the invite states no usable cohort size (cohort_size={n}); refused")
+    if n < policy.min_cohort_size:
+        raise PrivacyFloorViolation(
+            f"cohort of {n} is below this device's pinned minimum cohort size {policy.min_cohort_size}"
+        )
     if k > n:
         raise PrivacyFloorViolation(f"neighbourhood k={k} exceeds the stated cohort of {n}")
     problem = _graph_floor(n, k, t, policy.adversary_rate)

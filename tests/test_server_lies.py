@@ -13,7 +13,13 @@ import pytest
 from device_sdk.persistence import load_ledger, save_ledger
 from protocol.device_session import DeviceSecAggSession
 from protocol.errors import ConfigError, SessionReplayed
-from protocol.identity import SigningKey, issue_certificate, survivor_set_payload, verify_signature
+from protocol.identity import (
+    SigningKey,
+    issue_certificate,
+    roster_digest,
+    survivor_set_payload,
+    verify_signature,
+)
 from protocol.messages import ConsistencyRequest, ConsistencySignature, PublicKeys
 from protocol.phases import Phase
 from protocol.policy import SESSION_HISTORY, DeviceLedger
@@ -30,7 +36,15 @@ def _enrolled(ids: list[int]) -> tuple[SigningKey, dict[int, tuple[SigningKey, b
     return authority, {u: (key, issue_certificate(authority, key.public_key)) for u, key in keys.items()}
 
 
-def _server(ids: list[int], authority: SigningKey, *, round_id: int = 3, t: int = 4, seed: int = 0) -> Any:
+def _server(
+    ids: list[int],
+    enrolled: dict[int, tuple[SigningKey, bytes]],
+    authority: SigningKey,
+    *,
+    round_id: int = 3,
+    t: int = 4,
+    seed: int = 0,
+) -> Any:
     params = RoundParameters(
         round_id=round_id,
         vector_length=LENGTH,
@@ -41,7 +55,8 @@ def _server(ids: list[int], authority: SigningKey, *, round_id: int = 3, t: int 
         deadlines=(1.0, 2.0, 3.0, 4.0),
         authority_key=authority.public_key,
     )
-    return ServerSecAggSession(params, ids, rng=np.random.default_rng(seed))
+    identities = {u: enrolled[u][0].public_key for u in ids}
+    return ServerSecAggSession(params, ids, rng=np.random.default_rng(seed), identities=identities)
 
 
 def _devices(
@@ -83,7 +98,7 @@ def test_a_second_session_of_a_round_is_refused_before_any_key_exists() -> None:
     ids = list(range(100, 112))
     authority, enrolled = _enrolled(ids)
     ledgers = {u: DeviceLedger() for u in ids}
-    first = _server(ids, authority)
+    first = _server(ids, enrolled, authority)
     devices = _devices(first, enrolled, authority, ledgers)
     _to_consistency(first, devices)
     x = ids[0]
@@ -97,7 +112,7 @@ def test_a_second_session_of_a_round_is_refused_before_any_key_exists() -> None:
         assert isinstance(out, ConsistencySignature)
         sigs[u] = out.signature
     assert all(ledgers[u].sessions[3] == first.session_id for u in ids)
-    second = _server(ids, authority, seed=1)
+    second = _server(ids, enrolled, authority, seed=1)
     for u in ids:
         invite = second.outbox(u)
         with pytest.raises(SessionReplayed, match="already took part in a session of round 3"):
@@ -109,7 +124,8 @@ def test_a_second_session_of_a_round_is_refused_before_any_key_exists() -> None:
                 ledger=ledgers[u],
             )
     # the replay material is genuine: 11 valid signatures on (round 3, session 1, the set without X) ...
-    payload = survivor_set_payload(3, first.session_id, without_x)
+    cohort = (len(ids), roster_digest(ids, [enrolled[u][0].public_key for u in ids]))
+    payload = survivor_set_payload(3, first.session_id, without_x, cohort)
     for u, sig in sigs.items():
         verify_signature(enrolled[u][0].public_key, sig, payload)
     # ... but no device of the round ever joins a session it could be replayed into
@@ -154,7 +170,7 @@ def test_a_refused_invite_does_not_use_up_its_round_id() -> None:
     ids = list(range(100, 104))
     authority, enrolled = _enrolled(ids)
     ledger = DeviceLedger()
-    invite = _server(ids, authority, t=2).outbox(100)
+    invite = _server(ids, enrolled, authority, t=2).outbox(100)
     with pytest.raises(PrivacyFloorViolation):
         DeviceSecAggSession(invite, policy=PrivacyPolicy(), ledger=ledger)
     assert ledger.sessions == {}

@@ -188,7 +188,8 @@ def run_secagg_round(
     )
     root = np.random.SeedSequence(seed)
     graph_seq = root.spawn(1)[0]
-    server = ServerSecAggSession(params, ids, rng=np.random.default_rng(graph_seq))
+    identities = {u: key.public_key for u, (key, _) in enrolled.items()} if enrolled else None
+    server = ServerSecAggSession(params, ids, rng=np.random.default_rng(graph_seq), identities=identities)
     tick = clock or (lambda: 0.0)
 
     upload: Counter[str] = Counter()
