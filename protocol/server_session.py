@@ -122,8 +122,8 @@ class ServerSecAggSession:
     identities : mapping of int to bytes, optional
         Protocol 1.8, signed rounds: each invited device's certified identity key.  The invites then carry
         the roster (ids and keys) that every device signs, and a device whose advertisement presents
-        another identity is excluded.  Without it the roster lists the ids only, which a device that
-        pins an enrollment authority refuses.
+        another identity is excluded.  Without it the invites carry no roster (an unsigned round), which
+        a device that pins an enrollment authority refuses.
 
     Raises
     ------
@@ -150,7 +150,9 @@ class ServerSecAggSession:
         self._cohort: Cohort = (len(roster), roster_digest(roster, keys)) if keys else None
         # validates every field once; the cohort size and roster let each device check its floor and sign them
         self._invites = {
-            u: dataclasses.replace(params.invite(u), cohort_size=len(ids), roster_ids=roster, roster_keys=keys)
+            u: dataclasses.replace(
+                params.invite(u), cohort_size=len(ids), roster_ids=roster if keys else (), roster_keys=keys
+            )
             for u in ids
         }
         if params.k < len(ids) and params.k % 2 == 0:

@@ -37,6 +37,7 @@ from protocol.identity import (
     key_advertisement_payload,
     read_certificate,
     registration_payload,
+    roster_digest,
     survivor_set_payload,
     verify_certificate,
     verify_revocation_list,
@@ -584,6 +585,19 @@ def test_identity_vectors_reproduce_byte_for_byte() -> None:
     payload = survivor_set_payload(ss["round_id"], bytes.fromhex(ss["session_id"]), ss["survivors"])
     assert payload.hex() == ss["payload"] and device.sign(payload).hex() == ss["signature"]
     verify_signature(device.public_key, bytes.fromhex(ss["signature"]), payload)
+    ro = vec["roster"]  # protocol 1.8: the payloads bind (n, roster digest)
+    keys = [bytes.fromhex(k) for k in ro["identity_keys"]]
+    assert roster_digest(ro["ids"], keys).hex() == ro["digest"] and device.public_key in keys
+    cohort = (len(ro["ids"]), bytes.fromhex(ro["digest"]))
+    payload = key_advertisement_payload(
+        ka["round_id"], ka["device_id"], bytes.fromhex(ka["c_public_key"]), bytes.fromhex(ka["s_public_key"]), cohort
+    )
+    assert (
+        payload.hex() == ro["key_advertisement_payload"]
+        and device.sign(payload).hex() == ro["key_advertisement_signature"]
+    )
+    payload = survivor_set_payload(ss["round_id"], bytes.fromhex(ss["session_id"]), ss["survivors"], cohort)
+    assert payload.hex() == ro["survivor_set_payload"] and device.sign(payload).hex() == ro["survivor_set_signature"]
     for vector in vec["messages"].values():
         message = _build(vector)
         assert codec.encode(message).hex() == vector["hex"]

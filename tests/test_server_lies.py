@@ -5,14 +5,17 @@ with real `DeviceClient`s are in tests/test_server_lies_http.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from device_sdk.persistence import load_ledger, save_ledger
 from protocol.device_session import DeviceSecAggSession
-from protocol.errors import ConfigError, SessionReplayed
+from protocol.errors import ConfigError, CryptoError, PrivacyFloorViolation, RemoteProtocolError, SessionReplayed
 from protocol.identity import (
     SigningKey,
     issue_certificate,
@@ -20,14 +23,35 @@ from protocol.identity import (
     survivor_set_payload,
     verify_signature,
 )
-from protocol.messages import ConsistencyRequest, ConsistencySignature, PublicKeys
-from protocol.phases import Phase
-from protocol.policy import SESSION_HISTORY, DeviceLedger
+from protocol.messages import (
+    ConsistencyRequest,
+    ConsistencySignature,
+    PublicKeys,
+    RoundInvite,
+    ShareKeysBroadcast,
+    UnmaskRequest,
+)
+from protocol.phases import Phase, required_signatures
+from protocol.policy import SESSION_HISTORY, DeviceLedger, PrivacyPolicy
 from protocol.round_params import RoundParameters
 from protocol.samplers import insecure_test_noise_stream
 from protocol.server_session import ServerSecAggSession
 
 LENGTH = 8
+#: An invite with the smallest threshold (t = 1), so that the majority term is what the property test sees.
+_TEMPLATE = RoundInvite(
+    round_id=3,
+    device_id=0,
+    vector_length=LENGTH,
+    graph_k=1,
+    graph_t=1,
+    clip_norm=1.0,
+    scale_bits=16,
+    advertise_deadline=1.0,
+    share_keys_deadline=2.0,
+    masked_input_deadline=3.0,
+    unmask_deadline=4.0,
+)
 
 
 def _enrolled(ids: list[int]) -> tuple[SigningKey, dict[int, tuple[SigningKey, bytes]]]:
@@ -176,3 +200,219 @@ def test_a_refused_invite_does_not_use_up_its_round_id() -> None:
     assert ledger.sessions == {}
     session = DeviceSecAggSession(invite, ledger=ledger)
     assert isinstance(session.send(), PublicKeys) and 3 in ledger.sessions
+
+
+# -- a cohort size the server cannot shrink ----------------------------------------------------------------------
+
+
+def _keys_of(devices: dict[int, DeviceSecAggSession]) -> dict[int, PublicKeys]:
+    out = {}
+    for u, dev in devices.items():
+        msg = dev.send()
+        assert isinstance(msg, PublicKeys)
+        out[u] = msg
+    return out
+
+
+def _broadcast(u: int, keys: dict[int, PublicKeys], neighbours: list[int], sid: bytes) -> ShareKeysBroadcast:
+    """What a lying server builds by hand: device ``u``'s ShareKeys broadcast over ``neighbours``."""
+    ns = sorted(neighbours)
+    return ShareKeysBroadcast(
+        round_id=3,
+        device_id=u,
+        session_id=sid,
+        neighbour_ids=tuple(ns),
+        c_public_keys=tuple(keys[v].c_public_key for v in ns),
+        s_public_keys=tuple(keys[v].s_public_key for v in ns),
+        certificates=tuple(keys[v].certificate for v in ns),
+        signatures=tuple(keys[v].signature for v in ns),
+    )
+
+
+def _lied_invite(honest: RoundInvite, roster: list[int], enrolled: dict[int, tuple[SigningKey, bytes]]) -> RoundInvite:
+    ids = tuple(sorted(roster))
+    return dataclasses.replace(
+        honest, cohort_size=len(ids), roster_ids=ids, roster_keys=tuple(enrolled[v][0].public_key for v in ids)
+    )
+
+
+def test_an_understated_cohort_shown_as_two_rosters_is_refused_before_any_share() -> None:
+    # The attack: the cohort is 40; the server tells two disjoint groups of X's neighbours that the cohort
+    # is 17 (a roster of their group and X each), so that each group's signatures pass a 17-device
+    # threshold on a different survivor set.  X signs the one roster it was shown; the neighbours shown the
+    # other roster find X's advertisement signed for another cohort and refuse before making any share.
+    ids = list(range(100, 140))
+    authority, enrolled = _enrolled(ids)
+    server = _server(ids, enrolled, authority, t=4)
+    x, group_a, group_b = ids[0], ids[1:17], ids[17:33]
+    devices = {}
+    for group in (group_a, group_b):
+        for u in [*group, x] if group is group_a else group:
+            invite = _lied_invite(server.outbox(u), [x, *group], enrolled)
+            assert invite.cohort_size == 17
+            devices[u] = DeviceSecAggSession(
+                invite, identity=enrolled[u][0], certificate=enrolled[u][1], authority_key=authority.public_key
+            )
+    keys = _keys_of(devices)
+    sid = bytes(32)
+    for u in group_a:  # same roster as X: the broadcast of their own group and X is accepted
+        devices[u].receive(_broadcast(u, keys, [x, *group_a], sid))
+    for u in group_b:
+        with pytest.raises(CryptoError, match="not signed by its certified key for this round's cohort"):
+            devices[u].receive(_broadcast(u, keys, [x, *group_b], sid))
+        assert devices[u].phase is Phase.ERROR  # nothing sent: the reply was never built
+
+
+def test_a_shrunken_roster_leaves_devices_off_it_and_they_refuse() -> None:
+    # One roster of 17 for everybody: the 23 devices left off it refuse the invite; the 17 on it can only
+    # ever count signatures of those 17, a majority of everyone who takes part.
+    ids = list(range(100, 140))
+    authority, enrolled = _enrolled(ids)
+    server = _server(ids, enrolled, authority, t=4)
+    small = ids[:17]
+    for u in ids:
+        invite = _lied_invite(server.outbox(u), small, enrolled)
+        if u in small:
+            DeviceSecAggSession(
+                invite, identity=enrolled[u][0], certificate=enrolled[u][1], authority_key=authority.public_key
+            )
+            continue
+        with pytest.raises(RemoteProtocolError, match="roster does not list this device"):
+            DeviceSecAggSession(
+                invite, identity=enrolled[u][0], certificate=enrolled[u][1], authority_key=authority.public_key
+            )
+
+
+@pytest.mark.parametrize(
+    "lie, error, match",
+    [
+        ("no roster", RemoteProtocolError, "shows no roster"),
+        ("ids only", RemoteProtocolError, "shows no roster"),
+        ("forged own key", RemoteProtocolError, "under its own key"),
+        ("below the pinned minimum", PrivacyFloorViolation, "pinned minimum cohort size"),
+    ],
+)
+def test_an_invite_whose_roster_cannot_be_signed_is_refused(lie: str, error: type, match: str) -> None:
+    ids = list(range(100, 112))
+    authority, enrolled = _enrolled(ids)
+    honest = _server(ids, enrolled, authority).outbox(100)
+    invite = {
+        "no roster": dataclasses.replace(honest, roster_ids=(), roster_keys=()),
+        "ids only": dataclasses.replace(honest, roster_keys=()),
+        "forged own key": dataclasses.replace(
+            honest, roster_keys=(SigningKey.generate().public_key, *honest.roster_keys[1:])
+        ),
+        "below the pinned minimum": honest,
+    }[lie]
+    policy = PrivacyPolicy(min_cohort_size=20, enforce=True, require_noise=False, adversary_rate=0.0)
+    with pytest.raises(error, match=match):
+        DeviceSecAggSession(
+            invite,
+            identity=enrolled[100][0],
+            certificate=enrolled[100][1],
+            authority_key=authority.public_key,
+            policy=policy if lie == "below the pinned minimum" else None,
+        )
+
+
+def test_a_neighbour_off_the_roster_or_with_a_foreign_identity_is_refused() -> None:
+    ids = list(range(100, 112))
+    authority, enrolled = _enrolled(ids)
+    outsider_key = SigningKey.generate()
+    enrolled_out = {**enrolled, 200: (outsider_key, issue_certificate(authority, outsider_key.public_key))}
+    server = _server(ids, enrolled, authority)
+    devices = _devices(server, enrolled, authority, {u: DeviceLedger() for u in ids})
+    keys = _keys_of(devices)
+    # a certified device of the same authority, not invited: the server slips it in as a neighbour
+    stranger = DeviceSecAggSession(
+        dataclasses.replace(_lied_invite(server.outbox(100), [*ids, 200], enrolled_out), device_id=200),
+        identity=outsider_key,
+        certificate=enrolled_out[200][1],
+        authority_key=authority.public_key,
+    )
+    keys[200] = stranger.send()
+    with pytest.raises(RemoteProtocolError, match="not on the round's roster"):
+        devices[101].receive(_broadcast(101, keys, [101, 102, 103, 104, 200], bytes(32)))
+
+
+def _split_attack(n: int, corrupt: int, gamma: float, seed: int) -> dict[str, int]:
+    """The split-view attack on a signed round of ``n`` devices with ``corrupt`` colluders (whose keys the
+    server holds, and which sign both sets): X's honest neighbours are split at random in two groups, one
+    shown U3 with X and one without.  Returns how many honest devices of each group released shares."""
+    rng = np.random.default_rng(seed)
+    ids = list(range(100, 100 + n))
+    authority, enrolled = _enrolled(ids)
+    server = _server(ids, enrolled, authority, t=2, seed=seed)
+    policy = PrivacyPolicy(adversary_rate=gamma, enforce=False, require_noise=False)
+    devices = {
+        u: DeviceSecAggSession(
+            server.outbox(u),
+            rng=insecure_test_noise_stream(seed, u),
+            identity=enrolled[u][0],
+            certificate=enrolled[u][1],
+            authority_key=authority.public_key,
+            policy=policy,
+        )
+        for u in ids
+    }
+    _to_consistency(server, devices)
+    order = [int(v) for v in rng.permutation(ids)]
+    x, bad, honest = order[0], order[1 : 1 + corrupt], order[1 + corrupt :]
+    cut = int(rng.integers(0, len(honest) + 1))
+    groups = {"with X": (honest[:cut], tuple(ids)), "without X": (honest[cut:], tuple(v for v in ids if v != x))}
+    cohort = (n, roster_digest(ids, [enrolled[u][0].public_key for u in ids]))
+    sid = server.session_id
+    released = {}
+    for name, (group, shown) in groups.items():
+        sigs = {v: enrolled[v][0].sign(survivor_set_payload(3, sid, shown, cohort)) for v in bad}
+        for u in group:
+            devices[u].receive(ConsistencyRequest(round_id=3, device_id=u, session_id=sid, survivor_set=shown))
+            sigs[u] = devices[u].send().signature
+        signers = tuple(sorted(sigs))
+        released[name] = 0
+        for u in group:
+            u2 = tuple(ids)
+            request = UnmaskRequest(
+                round_id=3,
+                device_id=u,
+                session_id=sid,
+                survivors=tuple(v for v in u2 if v in shown),
+                dropped=tuple(v for v in u2 if v not in shown),
+                n_survivors=len(signers),
+                survivor_set=shown,
+                signer_ids=signers,
+                signer_certificates=tuple(enrolled[v][1] for v in signers),
+                signatures=tuple(sigs[v] for v in signers),
+            )
+            try:
+                devices[u].receive(request)
+            except RemoteProtocolError:
+                continue
+            released[name] += 1
+    return released
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_two_disjoint_honest_groups_never_both_release_whatever_the_split(seed: int) -> None:
+    # Real sessions, random cohorts, random splits, the most colluders the device's gamma allows: at most
+    # one of the two groups ever gets enough signatures, so X's b-shares and s-shares never both leave.
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(8, 19))
+    gamma = float(rng.choice([0.0, 0.05, 0.1, 0.2]))
+    released = _split_attack(n, int(gamma * n), gamma, seed)
+    assert min(released.values()) == 0, released
+
+
+@settings(max_examples=400, deadline=None)
+@given(n=st.integers(2, 5000), gamma=st.floats(0.0, 0.49), data=st.data())
+def test_no_two_disjoint_honest_sets_reach_the_threshold(n: int, gamma: float, data: st.DataObject) -> None:
+    # The property behind `required_signatures`: with f <= floor(gamma n) dishonest identities on an n-device
+    # roster, each honest identity signing one set, two disjoint honest groups H1, H2 (|H1| + |H2| <= n - f)
+    # can never both reach the threshold with the f dishonest signatures added to each.
+    # Proof: need = floor((n + f) / 2) + 1 > (n + f) / 2, so |H1| + f >= need and |H2| + f >= need would give
+    # |H1| + |H2| >= 2 need - 2 f > n - f, more honest identities than the roster holds.
+    f = data.draw(st.integers(0, int(gamma * n)), label="f")
+    h1 = data.draw(st.integers(0, n - f), label="h1")
+    h2 = data.draw(st.integers(0, n - f - h1), label="h2")
+    need = required_signatures(dataclasses.replace(_TEMPLATE, cohort_size=n), gamma)
+    assert not (h1 + f >= need and h2 + f >= need)
