@@ -53,8 +53,8 @@ from protocol.errors import (
 from protocol.identity import (
     RevocationList,
     certificate_batch,
+    read_certificate,
     registration_payload,
-    verify_certificate,
     verify_revocation_list,
     verify_signature,
 )
@@ -88,6 +88,7 @@ class Credential:
     identity_key: bytes | None = None
     token_sha256: bytes | None = None
     rate_key: str = ""
+    device_id: int | None = None  # a format-3 certificate's device id: the device registers under it
 
 
 class _Bucket:
@@ -382,12 +383,12 @@ class Enrollment:
             self._refresh_on_request()
             revoked: RevocationList | frozenset[bytes] = self._crl if self._crl is not None else frozenset()
             try:
-                identity = verify_certificate(certificate, self.authority, revoked=revoked)
-                verify_signature(identity, proof, registration_payload(certificate))
+                checked = read_certificate(certificate, self.authority, revoked=revoked)
+                verify_signature(checked.subject, proof, registration_payload(certificate))
             except CryptoError as exc:
                 raise EnrollmentRefused(f"certificate refused: {exc}") from None
             source = "cert:" + certificate_batch(certificate).hex()
-            return Credential(source=source, identity_key=identity, rate_key=source)
+            return Credential(source=source, identity_key=checked.subject, rate_key=source, device_id=checked.device_id)
         if token:
             if self.authority:
                 raise EnrollmentRefused(
@@ -470,6 +471,7 @@ class Enrollment:
             source=credential.source,
             identity_key=credential.identity_key,
             enrollment_token_sha256=credential.token_sha256,
+            device_id=credential.device_id,
         )
         self.remember(device_id, credential.source)
         return RegisterResponse(device_id=device_id, token=token)

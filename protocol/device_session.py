@@ -141,7 +141,9 @@ class DeviceSecAggSession:
         if authority_key is not None and (identity is None or not certificate):
             raise TypeError("a session that pins an enrollment authority needs the device's identity and certificate")
         if identity is not None and authority_key is not None:
-            if verify_certificate(certificate, authority_key) != identity.public_key:
+            # Its own certificate: signature, validity period (expiry checked on the device) and, format 3,
+            # issued for this device id.
+            if verify_certificate(certificate, authority_key, device_id=invite.device_id) != identity.public_key:
                 raise CryptoError("the device's certificate does not certify its identity key")
         self._identity = identity
         self._certificate = certificate
@@ -390,7 +392,7 @@ class DeviceSecAggSession:
             msg.neighbour_ids, msg.c_public_keys, msg.s_public_keys, msg.certificates, msg.signatures, strict=True
         ):
             try:
-                identity = verify_certificate(cert, self._authority, revoked=self._revoked)
+                identity = verify_certificate(cert, self._authority, revoked=self._revoked, device_id=v)
             except CertificateRevoked as exc:
                 raise CertificateRevoked(
                     f"neighbour device {v} in the ShareKeys broadcast of round {self.invite.round_id}: {exc}; "
@@ -464,7 +466,7 @@ class DeviceSecAggSession:
                 elif cert in self._certified:
                     identity = self._certified[cert]  # verified in this round's key broadcast
                 else:
-                    identity = verify_certificate(cert, self._authority, revoked=self._revoked)
+                    identity = verify_certificate(cert, self._authority, revoked=self._revoked, device_id=v)
                 if identity in identities or (v in self._identities and self._identities[v] != identity):
                     continue
                 if self._cohort is not None and self._roster.get(v) != identity:

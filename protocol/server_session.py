@@ -655,7 +655,7 @@ class ServerSecAggSession:
             return
         if not message.certificate or not message.signature:
             raise RemoteProtocolError(f"device {u} advertised unsigned keys; this round requires enrolled devices")
-        identity = verify_certificate(message.certificate, authority)
+        identity = verify_certificate(message.certificate, authority, device_id=u)
         if self._identities.get(identity, u) != u:
             raise RemoteProtocolError(f"device {u} presents a certified identity another device already used")
         if self._cohort is not None and self._roster_keys[u] != identity:

@@ -570,6 +570,18 @@ def test_identity_vectors_reproduce_byte_for_byte() -> None:
     parsed = read_certificate(cert2, authority.public_key, now=v2["not_before"])
     assert parsed.subject == device.public_key
     assert (parsed.not_before, parsed.not_after) == (v2["not_before"], v2["not_after"])
+    v3 = vec["certificate_v3"]  # protocol 1.8: the device id it was issued for
+    cert3 = issue_certificate(
+        authority,
+        device.public_key,
+        batch=bytes.fromhex(vec["batch_id"]),
+        serial=bytes.fromhex(vec["serial_tail"]),
+        not_before=v3["not_before"],
+        not_after=v3["not_after"],
+        device_id=v3["device_id"],
+    )
+    assert cert3.hex() == v3["hex"] and cert3[:-72] == cert2[:-64].replace(b"FRC2", b"FRC3", 1)
+    assert read_certificate(cert3, authority.public_key, now=v3["not_before"]).device_id == v3["device_id"]
     crl = vec["revocation_list"]
     keys = [bytes.fromhex(k) for k in crl["device_keys"]]
     data = issue_revocation_list(authority, crl["number"], crl["issued_at"], keys)

@@ -6,6 +6,7 @@ with real `DeviceClient`s are in tests/test_server_lies_http.py."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -15,12 +16,23 @@ from hypothesis import strategies as st
 
 from device_sdk.persistence import load_ledger, save_ledger
 from protocol.device_session import DeviceSecAggSession
-from protocol.errors import ConfigError, CryptoError, PrivacyFloorViolation, RemoteProtocolError, SessionReplayed
+from protocol.errors import (
+    CertificateExpired,
+    ConfigError,
+    CryptoError,
+    PrivacyFloorViolation,
+    RemoteProtocolError,
+    SessionReplayed,
+)
 from protocol.identity import (
+    CERTIFICATE_V3_BYTES,
     SigningKey,
     issue_certificate,
+    key_advertisement_payload,
+    read_certificate,
     roster_digest,
     survivor_set_payload,
+    verify_certificate,
     verify_signature,
 )
 from protocol.messages import (
@@ -416,3 +428,78 @@ def test_no_two_disjoint_honest_sets_reach_the_threshold(n: int, gamma: float, d
     h2 = data.draw(st.integers(0, n - f - h1), label="h2")
     need = required_signatures(dataclasses.replace(_TEMPLATE, cohort_size=n), gamma)
     assert not (h1 + f >= need and h2 + f >= need)
+
+
+# -- certificates that bind the device id, expiry checked on the device -------------------------------------------
+
+
+def _issued(authority: SigningKey, key: SigningKey, device_id: int | None, *, expired: bool = False) -> bytes:
+    now = int(time.time())
+    start, end = (now - 10 * 86400, now - 86400) if expired else (now - 60, now + 86400)
+    return issue_certificate(authority, key.public_key, not_before=start, not_after=end, device_id=device_id)
+
+
+def test_a_certificate_names_its_device_id_and_is_refused_for_another() -> None:
+    authority, key = SigningKey.generate(), SigningKey.generate()
+    cert = _issued(authority, key, 7)
+    assert len(cert) == CERTIFICATE_V3_BYTES
+    assert read_certificate(cert, authority.public_key).device_id == 7
+    assert verify_certificate(cert, authority.public_key, device_id=7) == key.public_key
+    with pytest.raises(CryptoError, match="issued for device 7 is presented for device 8"):
+        verify_certificate(cert, authority.public_key, device_id=8)
+    with pytest.raises(CryptoError, match="needs a validity period"):
+        issue_certificate(authority, key.public_key, device_id=7)
+    forged = cert[:-72] + (8).to_bytes(8, "big") + cert[-64:]  # the id is under the authority's signature
+    with pytest.raises(CryptoError, match="not signed by the pinned authority"):
+        read_certificate(forged, authority.public_key)
+
+
+def test_a_device_refuses_its_own_certificate_for_another_id_or_expired() -> None:
+    ids = list(range(100, 104))
+    authority, enrolled = _enrolled(ids)
+    invite = _server(ids, enrolled, authority).outbox(100)
+    key = enrolled[100][0]
+    for cert, error, match in (
+        (_issued(authority, key, 101), CryptoError, "issued for device 101"),
+        (_issued(authority, key, 100, expired=True), CertificateExpired, "expired"),
+    ):
+        with pytest.raises(error, match=match):
+            DeviceSecAggSession(invite, identity=key, certificate=cert, authority_key=authority.public_key)
+    DeviceSecAggSession(
+        invite, identity=key, certificate=_issued(authority, key, 100), authority_key=authority.public_key
+    )
+
+
+@pytest.mark.parametrize("lie", ["issued for another id", "expired"])
+def test_a_neighbour_whose_certificate_names_another_id_or_expired_is_refused(lie: str) -> None:
+    # The server relabels a certified device (its certificate was issued for id 200) as neighbour 103, or
+    # forwards a neighbour certificate that has expired: each device checks it before making a share.
+    ids = list(range(100, 104))
+    authority = SigningKey.generate()
+    keys = {u: SigningKey.generate() for u in ids}
+    certs = {u: _issued(authority, keys[u], u) for u in ids}
+    certs[103] = _issued(authority, keys[103], 200 if lie == "issued for another id" else 103, expired=lie == "expired")
+    enrolled = {u: (keys[u], certs[u]) for u in ids}
+    server = _server(ids, enrolled, authority)
+    devices = {
+        u: DeviceSecAggSession(
+            server.outbox(u), identity=keys[u], certificate=certs[u], authority_key=authority.public_key
+        )
+        for u in ids
+        if u != 103
+    }
+    published = _keys_of(devices)
+    liar = PublicKeys(  # what device 103 would advertise: signed by its key over this round's roster
+        round_id=3,
+        device_id=103,
+        c_public_key=SigningKey.generate().public_key,
+        s_public_key=SigningKey.generate().public_key,
+        certificate=certs[103],
+    )
+    cohort = (len(ids), roster_digest(ids, [keys[u].public_key for u in ids]))
+    payload = key_advertisement_payload(3, 103, liar.c_public_key, liar.s_public_key, cohort)
+    published[103] = dataclasses.replace(liar, signature=keys[103].sign(payload))
+    error = CryptoError if lie == "issued for another id" else CertificateExpired
+    with pytest.raises(error, match="issued for device 200" if lie == "issued for another id" else "expired"):
+        devices[100].receive(_broadcast(100, published, ids, bytes(32)))
+    assert devices[100].phase is Phase.ERROR

@@ -15,7 +15,7 @@ import pytest
 from agg_server.app import COORDINATOR, create_app
 from device_sdk.client import RoundOutcome, RoundStatus
 from protocol.enrollment import EnrollmentAuthority
-from protocol.errors import CryptoError, RemoteProtocolError, SessionReplayed
+from protocol.errors import CryptoError, EnrollmentRefused, RemoteProtocolError, SessionReplayed
 from protocol.messages import RoundInvite
 from tests.test_enrollment_http import _clients, _config, _join
 
@@ -133,5 +133,43 @@ async def test_an_understated_cohort_is_refused_over_http(
         assert any("for this round's cohort" in str(r) for r in refused), results
         assert "EncryptedShares" not in uploads and "MaskedInput" not in uploads, uploads
     assert coordinator.status(0.0)["recent_rounds"][0]["status"] == "aborted"
+    for c in clients:
+        await c.close()
+
+
+@pytest.mark.asyncio
+async def test_certificates_naming_device_ids_register_under_them_and_a_relabelling_server_is_refused(
+    aiohttp_server: Any, tmp_path: Path
+) -> None:
+    # Certificates issued for device ids 50.. register under those ids and run an honest round to a commit;
+    # a certificate for an id already taken is refused; a server that registers a device under another id
+    # than its certificate names is refused by the device.
+    ca = EnrollmentAuthority.generate()
+    n = 4
+    app = create_app(_config(tmp_path / "srv", cohort=n, enrollment={"authority_key": ca.public_key.hex()}))
+    server = await aiohttp_server(app)
+    coordinator = app[COORDINATOR]
+    url = str(server.make_url("")).rstrip("/")
+    clients = _clients(url, tmp_path / "dev", n + 2, ca.public_key)
+    for i, c in enumerate(clients[:n]):
+        await c.register(certificate=ca.issue(c.identity_public_key, "b0", device_id=50 + i))
+    assert [c.device_id for c in clients[:n]] == [50, 51, 52, 53]
+    results = await asyncio.gather(*(_join(c) for c in clients[:n]))
+    assert all(r.status is RoundStatus.COMMITTED for r in results), results
+    taken = clients[n]
+    with pytest.raises(EnrollmentRefused, match="device id 51 named by the certificate is already registered"):
+        await taken.register(certificate=ca.issue(taken.identity_public_key, "b0", device_id=51))
+    honest_register = coordinator.register
+
+    def relabelling_register(*args: Any, **kw: Any) -> Any:
+        out = honest_register(*args, **kw)
+        return dataclasses.replace(out, device_id=out.device_id + 1000)
+
+    coordinator.register = relabelling_register  # type: ignore[method-assign]
+    victim = clients[n + 1]
+    with pytest.raises(
+        RemoteProtocolError, match="registered as device 1060, but the certificate was issued for device 60"
+    ):
+        await victim.register(certificate=ca.issue(victim.identity_public_key, "b0", device_id=60))
     for c in clients:
         await c.close()

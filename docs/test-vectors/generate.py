@@ -792,6 +792,20 @@ def identity_vectors() -> dict[str, Any]:
             "not_after": not_after,
             "hex": certificate_v2.hex(),
         },
+        "certificate_v3": {  # protocol 1.8: format 2 plus the device id it was issued for
+            "not_before": not_before,
+            "not_after": not_after,
+            "device_id": 42,
+            "hex": issue_certificate(
+                authority,
+                device.public_key,
+                batch=batch,
+                serial=tail,
+                not_before=not_before,
+                not_after=not_after,
+                device_id=42,
+            ).hex(),
+        },
         "revocation_list": {
             "number": 3,
             "issued_at": 1_790_086_400,
