@@ -65,6 +65,11 @@ class PrivacyPolicy:
         below which this device's input is not mixed with enough others.  In a signed round n is the
         length of the roster the device signs, so a server cannot understate it without leaving devices
         off the roster, and those refuse.
+    placement_safe : bool
+        Refuse a sparse round (k < n) whose t an adversary could reach by choosing where its colluders sit
+        (default False): the server places the neighbourhoods, so with t <= ⌊γ n⌋ it can put ⌊γ n⌋
+        colluders around this device and hold t of its shares.  True asks t >= ⌊γ n⌋ + 1 (or k = n);
+        the parameter finder's (k, t) at γ = 0.05 meet it only below n ≈ 360.
     enforce : bool
         False only for `PrivacyPolicy.no_floor` (simulations of tiny cohorts and tests).
 
@@ -81,6 +86,7 @@ class PrivacyPolicy:
     max_epsilon_total: float = 16.0
     delta: float = 1e-6
     min_cohort_size: int = 2
+    placement_safe: bool = False
     enforce: bool = True
 
     def __post_init__(self) -> None:
@@ -163,6 +169,12 @@ def check_invite(invite: RoundInvite, policy: PrivacyPolicy, ledger: DeviceLedge
     problem = _graph_floor(n, k, t, policy.adversary_rate)
     if problem is not None:
         raise PrivacyFloorViolation(f"k={k}, t={t} for a cohort of {n} is below this device's floor: {problem}")
+    colluders = int(policy.adversary_rate * n)
+    if policy.placement_safe and k < n and t <= colluders:
+        raise PrivacyFloorViolation(
+            f"t={t} with k={k} < n={n}: a server that places its {colluders} colluders around this device holds t "
+            "of its shares (this device asks t > ⌊γ n⌋ for sparse rounds)"
+        )
     if invite.dp_mu <= 0.0:
         if policy.require_noise:
             raise PrivacyFloorViolation("the round adds no DP noise (dp_mu = 0) and this device requires it")

@@ -44,7 +44,7 @@ from protocol.messages import (
     UnmaskRequest,
 )
 from protocol.phases import Phase, required_signatures
-from protocol.policy import SESSION_HISTORY, DeviceLedger, PrivacyPolicy
+from protocol.policy import SESSION_HISTORY, DeviceLedger, PrivacyPolicy, check_invite
 from protocol.round_params import RoundParameters
 from protocol.samplers import insecure_test_noise_stream
 from protocol.server_session import ServerSecAggSession
@@ -503,3 +503,23 @@ def test_a_neighbour_whose_certificate_names_another_id_or_expired_is_refused(li
     with pytest.raises(error, match="issued for device 200" if lie == "issued for another id" else "expired"):
         devices[100].receive(_broadcast(100, published, ids, bytes(32)))
     assert devices[100].phase is Phase.ERROR
+
+
+# -- graph placement: the server's, so a device may ask for (k, t) that hold wherever colluders sit ----------------
+
+
+def test_a_placement_safe_device_refuses_a_sparse_round_whose_t_colluders_can_reach() -> None:
+    from protocol.graph import find_parameters
+
+    safe = PrivacyPolicy(placement_safe=True, require_noise=False)
+    for n in (100, 1000):
+        g = find_parameters(n, 0.33, 0.05)
+        invite = dataclasses.replace(_TEMPLATE, cohort_size=n, graph_k=g.k, graph_t=g.t)
+        if g.t > int(0.05 * n):  # n = 100: k = 29, t = 6 > 5 colluders wherever they sit
+            check_invite(invite, safe)
+        else:  # n = 1000: k = 73, t = 24 <= 50 colluders, all placed around this device
+            with pytest.raises(PrivacyFloorViolation, match="places its 50 colluders"):
+                check_invite(invite, safe)
+            check_invite(invite, PrivacyPolicy(require_noise=False))  # the default trusts placement
+    # the complete graph never depends on placement
+    check_invite(dataclasses.replace(_TEMPLATE, cohort_size=40, graph_k=40, graph_t=21), safe)
