@@ -138,6 +138,9 @@ class RoundParticipation(EnrollmentMixin, ModelSyncMixin):
             # its 150 s deadline with 1,000 devices).
             outgoing = session.send()
             path = f"/v1/rounds/{invite.round_id}/{name}"
+            if name == "shares":
+                # The ledger's history now names this round's session id: persisted before any share leaves.
+                save_ledger(self.config.store_dir, self._ledger)
             if name == "masked":
                 self._charge(invite)  # the masked input may leave now: charge the device's own ledger first
             with tally.step(name):

@@ -158,8 +158,9 @@ class DeviceSecAggSession:
         self._signed_set: tuple[int, ...] | None = None
         #: ε the round charges this device at its policy's δ (0 without a policy or without DP).
         self.round_epsilon = 0.0 if policy is None else check_invite(invite, policy, ledger)
-        # Protocol 1.8: one session per round id, ever (the ledger's history; `SessionReplayed` otherwise),
-        # admitted before any key exists.  The caller persists the ledger before the keys leave.
+        # Protocol 1.8: shares and a survivor signature in one session per round id, ever (the ledger's
+        # history; `SessionReplayed` otherwise), admitted before any key exists and named at ShareKeys.
+        # The caller persists the ledger before the keys and the shares leave.
         self._ledger = ledger
         if ledger is not None:
             ledger.admit_round(invite.round_id)

@@ -215,8 +215,11 @@ class DeviceLedger:
 
     A round is charged when the device releases its masked input, whatever happens afterwards.  A round id
     enters the history when the device creates its session for it, before any key is generated or
-    signed: a device takes part in at most one session per round id, so it signs one key advertisement
-    and at most one survivor set per round id, ever, whatever session id a server names.  The history is
+    signed, and the session id once the ShareKeys broadcast names it, before any share is made.  A round
+    id with a session id is refused for good: a device makes shares in at most one session per round id
+    and signs at most one survivor set per round id, ever, whatever session id a server names.  Until
+    then the same round may be joined again (the server hands the invitation out again when a device's
+    key advertisement was lost; the keys of the abandoned session are gone).  The history is
     bounded (`SESSION_HISTORY` pairs); a pair pushed out raises ``round_floor`` to its round id, and round
     ids at or below the floor are refused as well (the server numbers its rounds in increasing order).
     """
@@ -242,13 +245,15 @@ class DeviceLedger:
         Raises
         ------
         SessionReplayed
-            ``round_id`` is in the history or at or below its floor.
+            ``round_id`` is in the history with a session id, or at or below its floor.
         """
-        if round_id in self.sessions or round_id <= self.round_floor:
+        if self.sessions.get(round_id) or round_id <= self.round_floor:
             raise SessionReplayed(
                 f"this device already took part in a session of round {round_id}: a second session for one round "
                 "is refused (it would let the server replay signatures of the first)"
             )
+        if round_id in self.sessions:
+            return  # admitted before, but left before any session id, share or signature: the same invitation
         self.sessions[round_id] = b""
         while len(self.sessions) > SESSION_HISTORY:
             oldest = next(iter(self.sessions))

@@ -178,6 +178,10 @@ def test_the_session_history_survives_a_restart_and_stays_bounded(tmp_path: Any)
     with pytest.raises(SessionReplayed):
         again.admit_round(7)
     again.admit_round(8)
+    again.admit_round(8)  # the same invitation again: no session id yet, no share, no signature
+    again.record_session(8, b"\x02" * 32)
+    with pytest.raises(SessionReplayed):
+        again.admit_round(8)
     # bounded: the oldest pair leaves the history and raises the floor, which still refuses its round id
     for rid in range(9, 9 + SESSION_HISTORY):
         again.admit_round(rid)
