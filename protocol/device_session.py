@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import NoReturn
 
 import numpy as np
@@ -148,10 +149,9 @@ class DeviceSecAggSession:
         self._identity = identity
         self._certificate = certificate
         # Protocol 1.8: the roster this device signs (n, digest), and each roster id's certified key.
-        self._roster: dict[int, bytes] = {}
         self._cohort: Cohort = None
         if authority_key is not None and identity is not None:
-            self._roster, self._cohort = _check_roster(invite, identity.public_key)
+            self._cohort = _check_roster(invite, identity.public_key)
         self._authority = authority_key
         self._revoked: RevocationList | frozenset[bytes] = revoked if revoked is not None else frozenset()
         self._gamma = 0.0 if policy is None else policy.adversary_rate
@@ -402,7 +402,7 @@ class DeviceSecAggSession:
             if identity in seen:
                 raise RemoteProtocolError(f"ShareKeys broadcast uses one certified identity twice (at {v})")
             seen.add(identity)
-            if self._roster.get(v) != identity:
+            if _roster_key(self.invite, v) != identity:
                 raise RemoteProtocolError(
                     f"neighbour device {v} is not on the round's roster with the identity it presents: the roster "
                     "this device signed is the whole cohort"
@@ -428,7 +428,7 @@ class DeviceSecAggSession:
             raise RemoteProtocolError("the survivor set must be sorted and list each device once")
         if self.device_id not in members:
             raise RemoteProtocolError("the survivor set omits this device, which sent its masked input")
-        outside = [v for v in members if v not in self._roster]
+        outside = [v for v in members if _roster_key(self.invite, v) is None]
         if self._cohort is not None and outside:
             raise RemoteProtocolError(f"the survivor set names {outside[:5]}, not on the round's roster")
         session = self._session or b""
@@ -470,7 +470,7 @@ class DeviceSecAggSession:
                     identity = verify_certificate(cert, self._authority, revoked=self._revoked, device_id=v)
                 if identity in identities or (v in self._identities and self._identities[v] != identity):
                     continue
-                if self._cohort is not None and self._roster.get(v) != identity:
+                if self._cohort is not None and _roster_key(self.invite, v) != identity:
                     continue  # protocol 1.8: only the roster's identities count
                 verify_signature(identity, sig, payload)
             except CryptoError:
@@ -679,7 +679,7 @@ class DeviceSecAggSession:
         return response
 
 
-def _check_roster(invite: RoundInvite, own_key: bytes) -> tuple[dict[int, bytes], Cohort]:
+def _check_roster(invite: RoundInvite, own_key: bytes) -> Cohort:
     """Protocol 1.8: the roster a signed round's invite shows, checked before anything is generated: one
     certified identity key per id, ``cohort_size`` of them, this device among them under its own key.
 
@@ -696,9 +696,18 @@ def _check_roster(invite: RoundInvite, own_key: bytes) -> tuple[dict[int, bytes]
         raise RemoteProtocolError(
             "the invite shows no roster of identity keys: this device signs only a cohort it was shown in full"
         )
-    roster = dict(zip(ids, keys, strict=True))
     if len(set(keys)) != len(keys):
         raise RemoteProtocolError("the roster lists one identity key twice")
-    if roster.get(invite.device_id) != own_key:
+    if _roster_key(invite, invite.device_id) != own_key:
         raise RemoteProtocolError(f"the roster does not list this device ({invite.device_id}) under its own key")
-    return roster, (len(ids), roster_digest(ids, keys))
+    return len(ids), roster_digest(ids, keys)
+
+
+def _roster_key(invite: RoundInvite, device_id: int) -> bytes | None:
+    """The identity key the invite's roster lists for ``device_id`` (None off the roster; the ids are sorted,
+    so the device keeps no second copy of an n-entry roster)."""
+    ids = invite.roster_ids
+    i = bisect.bisect_left(ids, device_id)
+    if i < len(ids) and ids[i] == device_id and invite.roster_keys:
+        return invite.roster_keys[i]
+    return None
