@@ -240,8 +240,18 @@ class RoundInvite(Message):
         )
 
 
+#: The roster tuples last found valid (held, so their ids cannot be reused): a server builds one invite per
+#: device around the same two tuples, and checking them again for each would cost O(n²).  Tuples of ints
+#: and bytes never change, so a hit is exactly the answer a fresh check would give.
+_CHECKED_ROSTER: list[object] = [None, None, -1]
+
+
 def _check_roster(invite: RoundInvite) -> None:
     n, ids = "RoundInvite", invite.roster_ids
+    if _CHECKED_ROSTER[0] is ids and _CHECKED_ROSTER[1] is invite.roster_keys and _CHECKED_ROSTER[2] == len(ids):
+        if len(ids) != invite.cohort_size:
+            fail(n, f"the roster lists {len(ids)} devices, cohort_size is {invite.cohort_size}")
+        return
     check_ids(n, "roster_ids", ids)
     if any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
         fail(n, "roster_ids must be in increasing order, each id once")
@@ -250,6 +260,7 @@ def _check_roster(invite: RoundInvite) -> None:
     check_bytes_tuple(n, "roster_keys", invite.roster_keys, KEY_BYTES)
     if invite.roster_keys and len(invite.roster_keys) != len(ids):
         fail(n, "roster_keys must have one identity key per roster id, or none")
+    _CHECKED_ROSTER[:] = [ids, invite.roster_keys, len(ids)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -527,3 +527,24 @@ def test_a_placement_safe_device_refuses_a_sparse_round_whose_t_colluders_can_re
             check_invite(invite, PrivacyPolicy(require_noise=False))  # the default trusts placement
     # the complete graph never depends on placement
     check_invite(dataclasses.replace(_TEMPLATE, cohort_size=40, graph_k=40, graph_t=21), safe)
+
+
+def test_the_server_checks_one_roster_once_not_once_per_invite(monkeypatch: pytest.MonkeyPatch) -> None:
+    # n invites around the same roster: checking it per invite would cost O(n²) on the server's loop.
+    import protocol.messages as messages
+
+    calls = []
+    real = messages.check_bytes_tuple
+
+    def counting(owner: str, name: str, values: object, length: int | None = None) -> None:
+        calls.append(name)
+        real(owner, name, values, length)
+
+    monkeypatch.setattr(messages, "check_bytes_tuple", counting)
+    ids = list(range(100, 300))
+    authority, enrolled = _enrolled(ids)
+    server = _server(ids, enrolled, authority)
+    assert calls.count("roster_keys") == 1
+    assert all(server.outbox(u).roster_keys == server.outbox(100).roster_keys for u in ids)
+    with pytest.raises(ValueError, match="cohort_size"):  # the memo never skips the size check
+        dataclasses.replace(server.outbox(100), cohort_size=5)
