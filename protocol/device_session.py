@@ -148,7 +148,7 @@ class DeviceSecAggSession:
                 raise CryptoError("the device's certificate does not certify its identity key")
         self._identity = identity
         self._certificate = certificate
-        # Protocol 1.8: the roster this device signs (n, digest), and each roster id's certified key.
+        # Protocol 1.8: the cohort this device signs, (n, roster digest); the roster stays in the invite.
         self._cohort: Cohort = None
         if authority_key is not None and identity is not None:
             self._cohort = _check_roster(invite, identity.public_key)
