@@ -15,9 +15,10 @@ Invariants:
   so the loop gets the interpreter at every switch interval, and one round finishes at a time.
 - A check-in that cannot join the open round is held until that round ends (at most `_CHECKIN_HOLD`
   seconds), so waiting devices do not poll while a round runs.
-- A long-poll whose connection closes before its answer tells the coordinator, which drops that device
-  after ``rounds.disconnect_grace`` seconds (the server runs with ``handler_cancellation``, so a closed
-  connection cancels its handler; without it a waiter notices within `_PRESENCE_CHECK` seconds).
+- A phase request whose connection closes before its answer (its body still arriving, or waiting) tells
+  the coordinator, which drops that device after ``rounds.disconnect_grace`` seconds (the server runs
+  with ``handler_cancellation``, so a closed connection cancels its handler; without it a waiter notices
+  within `_PRESENCE_CHECK` seconds).
 - The enrollment authority's revocation list is kept current by a background task
   (`_revocation_refresher`, every `agg_server.enrollment.REFRESH_PERIOD` s) that reads and verifies a new
   list in a worker thread; requests only read the list in force (no filesystem I/O, no signature check).
@@ -459,7 +460,17 @@ async def check_in(request: web.Request) -> web.StreamResponse:
         reply = await _hold_check_in(request, coordinator, device, coordinator.open_round.round_id)
     if isinstance(reply, Wait):
         return _send(reply, headers={"Retry-After": str(max(1, math.ceil(reply.retry_after)))})
-    return _send(reply)
+    if FORWARDED_HEADER in request.headers:  # relayed: whether it arrived is the relaying instance's to see
+        return _send(reply)
+    # Written here: once it left on an open connection, a second check-in before the keys means that the
+    # device left the round (`agg_server.presence`); an answer the device gave up on is handed out again.
+    response = _send(reply, headers={"X-Request-Id": current_request_id() or secrets.token_hex(8)})
+    with contextlib.suppress(ConnectionResetError):  # gone first: not delivered
+        await response.prepare(request)
+        await response.write_eof()
+        if request.transport is not None and not request.transport.is_closing():
+            coordinator.invitation_delivered(device, reply.round_id)
+    return response
 
 
 async def _hold_check_in(
@@ -531,36 +542,30 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         if expected in (EncryptedShares, MaskedInput, UnmaskResponse):
             leader.check_open(round_id)  # a late upload: StaleRound, not a 413 against the small-route limit
         limit = body_limit(request, expected, leader)
-        body = await _read_body(request, limit)
-        # the digest identifies a retransmission without encoding msg again
-        msg, digest = await _decode(body, limit, body_objects(request, expected, leader))
-        del body
-        if not isinstance(msg, expected):
-            raise RemoteProtocolError(f"expected {expected.__name__} on this route, got {type(msg).__name__}")
         coordinator, changes, clock = leader, app[_CHANGES], app[_CLOCK]
-        before = _fingerprint(app)
-        try:
-            after = coordinator.submit(device, round_id, msg, clock(), digest=digest)
-            consistency = isinstance(msg, ConsistencySignature)
-        finally:
-            _notify_if_moved(app, before)
-        leaving = isinstance(msg, Abort)
-        del msg  # the masked input is in the session's running sum now; do not pin it while polling
-        if leaving:
-            return _send(
-                RoundResult(
-                    round_id=round_id,
-                    committed=False,
-                    model_version=coordinator.model_version,
-                    reason="left the round",
-                )
-            )
-        cfg = app[CONFIG].rounds
-        give_up = clock() + cfg.advertise_timeout + cfg.share_keys_timeout + cfg.masked_input_timeout
-        give_up += cfg.unmask_timeout + 30.0
         answered = False
-        coordinator.poll_started(device, round_id)
+        coordinator.poll_started(device, round_id)  # its connection is its presence from here, body included
         try:
+            body = await _read_body(request, limit)
+            # the digest identifies a retransmission without encoding msg again
+            msg, digest = await _decode(body, limit, body_objects(request, expected, leader))
+            del body
+            if not isinstance(msg, expected):
+                raise RemoteProtocolError(f"expected {expected.__name__} on this route, got {type(msg).__name__}")
+            before = _fingerprint(app)
+            try:
+                after = coordinator.submit(device, round_id, msg, clock(), digest=digest)
+                consistency = isinstance(msg, ConsistencySignature)
+            finally:
+                _notify_if_moved(app, before)
+            leaving = answered = isinstance(msg, Abort)
+            del msg  # the masked input is in the session's running sum now; do not pin it while polling
+            if leaving:
+                version, reason = coordinator.model_version, "left the round"
+                return _send(RoundResult(round_id=round_id, committed=False, model_version=version, reason=reason))
+            cfg = app[CONFIG].rounds
+            give_up = clock() + cfg.advertise_timeout + cfg.share_keys_timeout + cfg.masked_input_timeout
+            give_up += cfg.unmask_timeout + 30.0
             while True:
                 reply = coordinator.reply(device, round_id, after, consistency=consistency)
                 if reply is not None:
@@ -574,7 +579,7 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
                     raise ConnectionResetError("the device closed its long-poll connection")
                 await changes.wait(min(remaining, _PRESENCE_CHECK))
         finally:
-            # Cancelled (the connection closed) or given up: unanswered.
+            # Cancelled (the connection closed, maybe before the body arrived) or given up: unanswered.
             coordinator.poll_ended(device, round_id, clock(), answered=answered)
 
     handler.__name__ = f"upload_{expected.__name__}"

@@ -46,7 +46,8 @@ from agg_server.commit import FinishJob, GlobalModel, Prepared
 from agg_server.config import ServerConfig
 from agg_server.enrollment import Enrollment
 from agg_server.ledger import PrivacyAccount
-from agg_server.status import open_round_status, process_stats, recent_rounds
+from agg_server.presence import Presence
+from agg_server.status import closed_phase_endings, open_round_status, process_stats, recent_rounds
 from agg_server.storage import LeaseLost, Storage
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy, round_plan
@@ -105,9 +106,12 @@ class _OpenRound:
     polling: dict[int, int] = field(default_factory=dict)  # device -> open long-polls
     gone: dict[int, float] = field(default_factory=dict)  # device -> when its long-poll broke unanswered
     finishing: bool = False  # UNMASK closed; the mask removal and commit run off the event loop
+    delivered: set[int] = field(default_factory=set)  # the invitation reached the device (its connection took it)
+    departed: dict[int, str] = field(default_factory=dict)  # device -> why it left while nothing was awaited
+    ended: dict[Phase, str] = field(default_factory=dict)  # closed phase -> how it ended (`closed_phase_endings`)
 
 
-class RoundCoordinator:
+class RoundCoordinator(Presence):
     """Runs training rounds for one model.
 
     Parameters
@@ -167,14 +171,15 @@ class RoundCoordinator:
         self._pool_since: dict[int, float] = {}  # waiting device -> first check-in of this wait
         self._round: _OpenRound | None = None
         self._finished: dict[int, RoundResult] = {}
+        self._phase_ends: dict[int, dict[str, str]] = {}  # round -> phase -> how it ended (recent rounds)
         self._next_open = now
         self._rounds_run = 0
         self.stopped_reason = ""
         #: Observers of round events, called as ``listener(event, fields)`` (metrics, dashboards).
         #: Events: "round_opened" {round_id, cohort}; "phase" {round_id, phase, seconds, alive,
-        #: dropped}; "round_finished" {round_id, outcome: "committed" | "aborted" | "abandoned",
-        #: seconds, survivors, epsilon_spent, model_version, reason}.  A listener that raises is
-        #: logged and otherwise ignored: observers never break a round.
+        #: dropped, ended (`agg_server.status.PHASE_ENDINGS`)}; "round_finished" {round_id, outcome:
+        #: "committed" | "aborted" | "abandoned", seconds, survivors, epsilon_spent, model_version, reason}.
+        #: A listener that raises is logged and otherwise ignored: observers never break a round.
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
     # -- model and privacy ledger (`agg_server.commit`, `agg_server.ledger`) ----------------------------
@@ -332,7 +337,11 @@ class RoundCoordinator:
             # the same invitation again.  It cannot take part twice: the session accepts one key
             # advertisement per device, and the device charges its ledger only when its masked
             # input leaves.
-            if r.session.phase is Phase.ADVERTISE_KEYS and device_id in r.session.expected():
+            # A device whose invitation reached it (`invitation_delivered`) and that checks in again
+            # before sending its keys has left, like a device in a later phase: a vanished device that
+            # comes back is not waited for until the deadline.
+            awaited = r.session.phase is Phase.ADVERTISE_KEYS and device_id in r.session.expected()
+            if awaited and device_id not in r.delivered:
                 invite = r.session.outbox(device_id)
                 if isinstance(invite, RoundInvite):
                     r.handed_out.add(device_id)
@@ -481,36 +490,18 @@ class RoundCoordinator:
         self.stopped_reason = f"privacy budget exhausted: {exc}"
         log.warning("%s", self.stopped_reason)
 
-    # -- presence: phases close as soon as every device still there has answered ---------------------
-    def poll_started(self, device_id: int, round_id: int) -> None:
-        """A device's long-poll on ``round_id`` is open (it is connected and waiting for the next phase)."""
-        r = self._round
-        if r is None or r.round_id != round_id:
-            return
-        r.polling[device_id] = r.polling.get(device_id, 0) + 1
-        r.gone.pop(device_id, None)
-
-    def poll_ended(self, device_id: int, round_id: int, now: float, *, answered: bool) -> None:
-        """A device's long-poll ended: ``answered`` (it got its next message) or not (its connection
-        closed first).  A device whose connection is gone and that does not come back within
-        ``rounds.disconnect_grace`` seconds is dropped from the phase (`tick`)."""
-        r = self._round
-        if r is None or r.round_id != round_id:
-            return
-        left = r.polling.get(device_id, 0) - 1
-        if left > 0:
-            r.polling[device_id] = left
-            return
-        r.polling.pop(device_id, None)
-        if not answered:
-            r.gone[device_id] = now
-
+    # -- presence (`agg_server.presence`): phases close as soon as every device still there answered ------
     def _leave(self, r: _OpenRound, device_id: int, reason: str, now: float) -> None:
         """Drop a device that is evidently no longer taking part from the open phase (as if it had sent
-        `Abort`), so the phase closes once everyone else has answered."""
-        r.gone.pop(device_id, None)
-        if r.finishing or r.session.phase not in ACTIVE_PHASES or device_id not in r.session.expected():
+        `Abort`), so the phase closes once everyone else has answered.  One that has answered this phase
+        already is dropped when the next phase awaits it (`agg_server.presence.Presence._drop_gone`)."""
+        if r.finishing or r.session.phase not in ACTIVE_PHASES:
             return
+        if device_id not in r.session.expected():
+            r.departed[device_id] = reason
+            return
+        r.gone.pop(device_id, None)
+        r.departed.pop(device_id, None)
         log.info("round %d: device %d dropped from %s: %s", r.round_id, device_id, r.session.phase.value, reason)
         try:
             r.session.receive(device_id, Abort(round_id=r.round_id, device_id=device_id, reason=reason))
@@ -519,21 +510,7 @@ class RoundCoordinator:
         except FedRecError:
             log.exception("round %d: could not drop device %d", r.round_id, device_id)
         finally:
-            self._after_change(now)
-
-    def _drop_gone(self, r: _OpenRound, now: float) -> None:
-        # A device gone while nothing is awaited from it (it had uploaded for this phase) stays listed
-        # until the next phase awaits it.
-        grace = self.config.rounds.disconnect_grace
-        late = [(d, since) for d, since in r.gone.items() if now - since >= grace]
-        if not late:
-            return
-        expected = r.session.expected()
-        for device_id, since in late:
-            if self._round is not r or r.finishing:
-                return
-            if device_id in expected:
-                self._leave(r, device_id, f"connection gone for {now - since:.1f} s", now)
+            self._after_change(now, "drops_detected")
 
     def submit(
         self, device_id: int, round_id: int, message: Message, now: float, *, digest: bytes | None = None
@@ -610,18 +587,22 @@ class RoundCoordinator:
             try:
                 r.session.advance(now)
             finally:
-                self._after_change(now)
-            if self._round is r and r.gone:
+                self._after_change(now, "deadline")
+            if self._round is r and (r.gone or r.departed):
                 self._drop_gone(r, now)
         self._maybe_open(now)
 
-    def _after_change(self, now: float) -> None:
+    def _after_change(self, now: float, cause: str = "all_answered") -> None:
+        """Record what an upload (``cause`` "all_answered"), a dropped device ("drops_detected") or the
+        clock ("deadline") moved."""
         r = self._round
         if r is None:
             return
         if r.finishing:
             return
         phase = r.session.phase
+        if r.session.finishing or phase is not r.phase:
+            r.ended = {**closed_phase_endings(r.phase, r.session, cause), **r.ended}
         if phase is not r.phase:
             self._record_phases(r, phase, now)
         if not r.revealed and (phase in (Phase.UNMASK, Phase.DONE) or r.session.finishing):
@@ -686,8 +667,10 @@ class RoundCoordinator:
                     "seconds": now - r.phase_started,
                     "alive": len(r.alive),
                     "dropped": len(dropped),
+                    "ended": r.ended.setdefault(p, "aborted"),
                 },
             )
+            self._phase_ends.setdefault(r.round_id, {})[p.value] = r.ended[p]
             r.phase_started = now
         r.phase = phase
 
@@ -723,6 +706,8 @@ class RoundCoordinator:
             )
             while len(self._finished) > _KEEP_FINISHED:
                 self._finished.pop(next(iter(self._finished)))
+            while len(self._phase_ends) > _KEEP_FINISHED:
+                self._phase_ends.pop(next(iter(self._phase_ends)))
             self._round = None
             self._next_open = now + self.config.rounds.round_interval
 
@@ -788,7 +773,7 @@ class RoundCoordinator:
             "waiting_devices": len(self._pool),
             "registered_devices": self.storage.device_count(),
             "rounds": self.storage.round_counts(),
-            "recent_rounds": recent_rounds(self.storage, 10),
+            "recent_rounds": recent_rounds(self.storage, 10, self._phase_ends),
             "process": process_stats(),
             "privacy": privacy,
             "stopped": self.stopped_reason or None,

@@ -1,206 +1,177 @@
-"""Privacy–utility at scale: Recall@20 against the number of devices on amazon-book, for user-level ε in
-{1, 2, 4, 8, ∞}, private LightFR and private MF, with private popularity as the floor.
+"""Privacy–utility at scale, as a user gets it: Recall@20 against the number of devices on amazon-book for
+user-level ε in {1, 2, 4, 8, ∞}, every figure from ``fedrec simulate --dataset FOLDER [--epsilon E] --json``
+with the shipped defaults (the privacy planner's budget split and rounds; ε = ∞ is the non-private default),
+with popularity and private popularity as the floor lines.
 
-    python benchmarks/privacy_utility.py                       # the full grid (about an hour on 2 cores)
+    python benchmarks/privacy_utility.py                                  # 1k, 5k, 20k, 70,679 devices
     python benchmarks/privacy_utility.py --sizes 1000 5000 --epsilons 8 inf --out /tmp/pu
+    python benchmarks/privacy_utility.py --sizes 70679 --replicate 2 4 --epsilons 8   # toward 10^6 devices
 
-Protocol: the KGAT amazon-book split; a subsample of n users (seeded) keeps all 24,915 items; every user
-of the subsample is one device and takes part in every round (no amplification is claimed); ε at
-δ = 1e-5 from the ledger (docs/dp-accounting.md §6–7).  Recall@20 / NDCG@20 rank every item not in the
-user's train set, random ties, over the subsample's users with a test item.
+Protocol: the KGAT amazon-book split; a subsample of n users (seeded) keeps all 24,915 items and is written
+as a KGAT folder (``train.txt``, ``test.txt``) the CLI reads like any user's; ``--replicate R`` writes every
+user R times (a fleet of R·n devices with the same data, each copy a device of its own, the noise drawn once
+per release as always).  Every device takes part in every round (no amplification is claimed); ε at
+δ = 1e-5 from the ledger.  Recall@20 / NDCG@20 rank every item not in the user's train set, random ties.
 
-- LightFR: `fedsim.private.scaled_lightfr` (private popularity release with ``--pop-share`` of ε, T rounds through
-  the private-round simulator, noise-aware aggregation, item level α chosen on a validation item carved
-  from each user's train); the α = ∞ scorer is private popularity, the floor line.
-- MF: `fedsim.private.mf.run_private_mf_scaled` (every device's `MFModel.local_update` batched by
-  `fedsim.private.cohorts.MFCohort`: only the rows of its kept and negative items are built, clipped and rounded,
-  and summed sparsely; the released noise drawn in one piece), the same private popularity channel,
-  u·v + α·level ranked with α chosen on the carved validation item; at the sizes in ``--mf-sizes``.
-  f = 32, R = 1, θ = 20 with one negative each, C, γ and T from ``--mf-clip``, ``--mf-server-lr``,
-  ``--mf-rounds``.
-
-Writes ``privacy_utility.md`` (the table) and ``privacy_utility.png`` into ``--out``.
+Writes ``privacy_utility.md`` (the table and the commands), ``privacy_utility.json`` (every record) and, with
+matplotlib installed, ``privacy_utility.png`` into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import json
 import math
+import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from fedsim.data.datasets import load_amazon_book
-from fedsim.data.kgat import TrainTestSplit
-from fedsim.data.ratings import Ratings
-from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private
+from fedsim.cli import main as fedrec
+from fedsim.data.datasets import find_data_dir
 
 
-def subsample(data: TrainTestSplit, n: int, seed: int) -> TrainTestSplit:
-    """The first ``n`` users of a seeded permutation, renumbered 0..n-1 (all items kept)."""
-    if n >= data.train.n_users:
-        return data
-    keep = np.sort(np.random.default_rng(seed).choice(data.train.n_users, n, replace=False))
-    new_id = -np.ones(data.train.n_users, dtype=np.int64)
-    new_id[keep] = np.arange(n)
-
-    def cut(r: Ratings) -> Ratings:
-        m = new_id[r.users] >= 0
-        return replace(
-            r,
-            users=new_id[r.users[m]],
-            items=r.items[m],
-            ratings=r.ratings[m],
-            timestamps=None if r.timestamps is None else r.timestamps[m],
-            n_users=n,
-            user_ids=r.user_ids[keep],
-        )
-
-    return TrainTestSplit(cut(data.train), cut(data.test), f"{data.name}[{n}]")
+def write_subsample(source: Path, out: Path, n: int, seed: int, replicate: int = 1) -> int:
+    """Write ``n`` seeded users of the KGAT folder ``source`` (each ``replicate`` times, renumbered) to ``out``;
+    returns the number of devices written."""
+    train = [line.split() for line in (source / "train.txt").read_text().splitlines() if line.strip()]
+    test = {p[0]: p[1:] for p in (line.split() for line in (source / "test.txt").read_text().splitlines()) if p}
+    pick = np.sort(np.random.default_rng(seed).choice(len(train), min(n, len(train)), replace=False))
+    out.mkdir(parents=True, exist_ok=True)
+    tr_lines, te_lines, new = [], [], 0
+    for _ in range(replicate):
+        for row in (train[i] for i in pick):
+            tr_lines.append(" ".join([str(new), *row[1:]]))
+            if test.get(row[0]):
+                te_lines.append(" ".join([str(new), *test[row[0]]]))
+            new += 1
+    (out / "train.txt").write_text("\n".join(tr_lines) + "\n")
+    (out / "test.txt").write_text("\n".join(te_lines) + "\n")
+    return new
 
 
-def run_mf(
-    data: TrainTestSplit, epsilon: float, args: argparse.Namespace, *, test_users: int | None = None
-) -> dict[str, object]:
-    """Private MF over every user of ``data`` through the simulator's scale mode
-    (`fedsim.private.mf.evaluate_private_mf_scaled`: u·v + α·level, α chosen on a carved validation item)."""
-    from fedsim.private.mf import IMPLICIT_MF, evaluate_private_mf_scaled
+def simulate(folder: Path, epsilon: float) -> tuple[dict[str, Any], list[str], float]:
+    """One ``fedrec simulate --dataset folder [--epsilon E] --json`` run: (its JSON record, the command, CPU s)."""
+    argv = ["simulate", "--dataset", str(folder), "--json", "--quiet"]
+    if math.isfinite(epsilon):
+        argv += ["--epsilon", f"{epsilon:g}"]
+    buf = io.StringIO()
+    t = time.process_time()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+        code = fedrec(argv)
+    if code != 0:
+        raise SystemExit(f"fedrec {' '.join(argv)} exited {code}")
+    text = buf.getvalue()
+    return json.loads(text[text.index("{") :]), ["fedrec", *argv], time.process_time() - t
 
-    settings = replace(
-        IMPLICIT_MF,
-        epsilon=epsilon,
-        rounds=args.mf_rounds,
-        clip_norm=args.mf_clip,
-        server_lr=args.mf_server_lr,
-        pop_share=args.pop_share,
-        seed=args.seed,
-    )
-    metrics, extra = evaluate_private_mf_scaled(data, settings, eval_seed=0, val_users=4000, test_users=test_users)
+
+def _row(devices: int, eps: float, record: dict[str, Any], cpu: float) -> dict[str, Any]:
+    m = record["metrics"]
+    model = m.get("model") or m.get("LightFR (Agg_grad)") or next(iter(m.values()))
     return {
-        "recall@20": metrics["model"]["recall@20"],
-        "ndcg@20": metrics["model"]["ndcg@20"],
-        "mf_alone": metrics["mf_alone"]["recall@20"],
-        "alpha": extra["alpha"] if extra["alpha"] != "popularity only" else math.inf,
-        "epsilon": extra["epsilon"],
+        "devices": devices,
+        "epsilon": eps,
+        "spent": record.get("epsilon"),
+        "model": model["recall@20"],
+        "private_popularity": m.get("private_popularity", {}).get("recall@20", math.nan),
+        "popularity": m["popularity"]["recall@20"],
+        "plan": record.get("plan"),
+        "seconds": record["seconds"],
+        "cpu_seconds": cpu,
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000, 20000, 70679])
-    p.add_argument("--mf-sizes", type=int, nargs="*", default=[1000, 5000, 20000, 70679])
+    p.add_argument("--replicate", type=int, nargs="*", default=[], help="also every size × R devices (copies)")
     p.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0, math.inf])
-    p.add_argument("--rounds", type=int, default=3, help="LightFR rounds")
-    p.add_argument("--mf-rounds", type=int, default=5)
-    # MF's C, γ and T: the best validation Recall@20 at 5,000 devices and ε = 8 among C in {0.25, 0.5, 2, 20},
-    # γ in {30, 100} (0.3 to 3000 without DP) and T in {5, 10, 20} (docs/dp-accounting.md §8).
-    p.add_argument("--mf-clip", type=float, default=0.5, help="MF clip norm C")
-    p.add_argument("--mf-server-lr", type=float, default=100.0, help="MF server step γ (on the survivors' mean)")
-    p.add_argument("--pop-share", type=float, default=0.5)
-    p.add_argument("--threshold", type=float, default=0.0)
-    p.add_argument(
-        "--unobserved-weight",
-        default="auto",
-        help='LightFR w0: "auto" (the server default: all-items objective, w0 from the density) or a number '
-        "(0 = sampled negatives, the objective of the figures before this option)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--test-users", type=int, default=None, help="evaluate a seeded sample of users (default all)")
+    p.add_argument("--seed", type=int, default=0, help="the subsample's seed")
     p.add_argument("--out", type=Path, default=Path("."))
     args = p.parse_args()
+    base = find_data_dir()
+    if base is None or not (base / "amazon-book-kgat" / "train.txt").is_file():
+        raise SystemExit("amazon-book not found: set FEDREC_DATA (docs/datasets.md)")
     args.out.mkdir(parents=True, exist_ok=True)
-    full = load_amazon_book()
-    rows: list[dict[str, object]] = []
+    rows: list[dict[str, Any]] = []
     table = [
-        "| devices | ε (spent) | LightFR Recall@20 | private popularity | MF Recall@20 | popularity (no DP) | s |",
+        "| devices | ε (spent) | model Recall@20 | private popularity | popularity (no DP) | plan | wall s |",
         "|---|---|---|---|---|---|---|",
     ]
-    for n in args.sizes:
-        data = subsample(full, n, args.seed)
-        for eps in args.epsilons:
-            t = time.perf_counter()
-            private = math.isfinite(eps)
-            settings = ScaledSettings(
-                epsilon=eps if private else 0.0,
-                rounds=args.rounds,
-                example_cap=50,
-                pop_share=args.pop_share,
-                threshold=args.threshold,
-                seed=args.seed,
-                unobserved_weight=args.unobserved_weight
-                if args.unobserved_weight == "auto"
-                else float(args.unobserved_weight),
-            )
-            metrics, extra = evaluate_private(data, settings, eval_seed=0, val_users=4000, test_users=args.test_users)
-            mf: dict[str, object] = {"recall@20": float("nan")}
-            if n in args.mf_sizes:
-                mf = run_mf(data, eps if private else 0.0, args, test_users=args.test_users)
-            secs = time.perf_counter() - t
-            spent = extra["epsilon"]
-            pop = metrics["popularity"]["recall@20"]
-            row = {
-                "devices": data.train.n_users,
-                "epsilon": eps,
-                "spent": spent,
-                "lightfr": metrics["model"]["recall@20"],
-                "private_popularity": metrics["private_popularity"]["recall@20"],
-                "mf": mf["recall@20"],
-                "mf_alpha": mf.get("alpha"),
-                "mf_alone": mf.get("mf_alone"),
-                "popularity": pop,
-                "alpha": extra["alpha"],
-                "seconds": secs,
-            }
-            rows.append(row)
-            eps_text = f"{eps:g} ({spent:.3f})" if private else "∞"
-            mf_r = float(mf["recall@20"])  # type: ignore[arg-type]
-            mf_text = "—" if math.isnan(mf_r) else f"{mf_r:.4f} (α={mf['alpha']}; u·v alone {mf['mf_alone']:.4f})"
-            line = (
-                f"| {data.train.n_users} | {eps_text} | {row['lightfr']:.4f} (α={extra['alpha']}) | "
-                f"{row['private_popularity']:.4f} | {mf_text} | {pop:.4f} | {secs:.0f} |"
-            )
-            table.append(line)
-            print(line, flush=True)
+    with tempfile.TemporaryDirectory(prefix="fedrec-pu-") as tmp:
+        for n in args.sizes:
+            for r in [1, *args.replicate]:
+                folder = Path(tmp) / f"amazon-book-{n}x{r}"
+                devices = write_subsample(base / "amazon-book-kgat", folder, n, args.seed, r)
+                for eps in args.epsilons:
+                    record, argv, cpu = simulate(folder, eps)
+                    row = _row(devices, eps, record, cpu)
+                    rows.append(row)
+                    plan = row["plan"]
+                    plan_text = (
+                        "—"
+                        if plan is None
+                        else (
+                            "popularity only"
+                            if not plan["rounds"]
+                            else f"{plan['pop_share']:g} pop, T={plan['rounds']}"
+                        )
+                    )
+                    eps_text = f"{eps:g} ({row['spent']:.3f})" if math.isfinite(eps) else "∞ (non-private default)"
+                    line = (
+                        f"| {devices} | {eps_text} | {row['model']:.4f} | {row['private_popularity']:.4f} | "
+                        f"{row['popularity']:.4f} | {plan_text} | {row['seconds']:.0f} |"
+                    )
+                    table.append(line)
+                    print(line, flush=True)
     header = (
-        f"amazon-book (KGAT split), users subsampled (seed {args.seed}), all 24,915 items; user-level ε at "
-        "δ=1e-5, every device in every round; Recall@20 full ranking, random ties. LightFR: "
-        f"{args.rounds} rounds, f=64, θ=50, C=4, no negatives, noise-aware threshold {args.threshold}σ, "
-        f"popularity share {args.pop_share}. MF: {args.mf_rounds} rounds, f=32, R=1, θ=20, 1 negative, "
-        f"C={args.mf_clip}, γ={args.mf_server_lr}. Command: python benchmarks/privacy_utility.py"
+        f"amazon-book (KGAT split), users subsampled (seed {args.seed}), all 24,915 items; user-level ε at δ=1e-5, "
+        "every device in every round; Recall@20 full ranking, random ties. Every row is "
+        "`fedrec simulate --dataset FOLDER [--epsilon E] --json` with the shipped defaults on the subsample's "
+        "KGAT folder. Command: python benchmarks/privacy_utility.py "
+        + " ".join(
+            [f"--sizes {' '.join(map(str, args.sizes))}", f"--epsilons {' '.join(f'{e:g}' for e in args.epsilons)}"]
+            + ([f"--replicate {' '.join(map(str, args.replicate))}"] if args.replicate else [])
+        )
     )
     (args.out / "privacy_utility.md").write_text(header + "\n\n" + "\n".join(table) + "\n")
-    _plot(rows, args.out / "privacy_utility.png")
-    print(f"wrote {args.out / 'privacy_utility.md'} and {args.out / 'privacy_utility.png'}")
+    (args.out / "privacy_utility.json").write_text(json.dumps(rows, indent=1) + "\n")
+    wrote = [args.out / "privacy_utility.md", args.out / "privacy_utility.json"]
+    try:
+        _plot(rows, args.out / "privacy_utility.png")
+        wrote.append(args.out / "privacy_utility.png")
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install 'fedrec[plot]')")
+    print("wrote " + ", ".join(map(str, wrote)))
 
 
-def _plot(rows: list[dict[str, object]], path: Path) -> None:
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    eps_values = sorted({float(r["epsilon"]) for r in rows}, key=lambda e: (math.isinf(e), e))  # type: ignore[arg-type]
+    eps_values = sorted({float(r["epsilon"]) for r in rows}, key=lambda e: (math.isinf(e), e))
     colors = plt.cm.viridis(np.linspace(0, 0.9, len(eps_values)))
     for color, eps in zip(colors, eps_values, strict=True):
-        sel = [r for r in rows if r["epsilon"] == eps]
+        sel = sorted((r for r in rows if r["epsilon"] == eps), key=lambda r: r["devices"])
         x = [r["devices"] for r in sel]
-        label = "ε=∞" if math.isinf(eps) else f"ε={eps:g}"
-        ax.plot(x, [r["lightfr"] for r in sel], "-o", color=color, label=f"LightFR {label}")
-        mf = [(r["devices"], r["mf"]) for r in sel if not math.isnan(float(r["mf"]))]  # type: ignore[arg-type]
-        if mf:
-            ax.plot(*zip(*mf, strict=True), "--s", color=color, label=f"MF {label}")
+        label = "ε=∞ (non-private default)" if math.isinf(eps) else f"ε={eps:g}"
+        ax.plot(x, [r["model"] for r in sel], "-o", color=color, label=label)
         if not math.isinf(eps):
             ax.plot(x, [r["private_popularity"] for r in sel], ":", color=color, alpha=0.8)
-    sel = [r for r in rows if r["epsilon"] == eps_values[0]]
+    sel = sorted((r for r in rows if r["epsilon"] == eps_values[0]), key=lambda r: r["devices"])
     ax.plot([r["devices"] for r in sel], [r["popularity"] for r in sel], "-", color="grey", label="popularity (no DP)")
     ax.set_xscale("log")
     ax.set_xlabel("devices (amazon-book users)")
     ax.set_ylabel("Recall@20 (full ranking, random ties)")
-    ax.set_title("Private LightFR / MF vs devices; dotted: private popularity at the same ε")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("fedrec simulate defaults vs devices; dotted: private popularity at the same ε")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

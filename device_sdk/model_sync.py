@@ -81,20 +81,25 @@ class ModelSyncMixin(ClientCore):
         return sync.model_version
 
     async def _sync_model(self, invite: RoundInvite, tally: Tally) -> None:
+        """The round's model: nothing to do when the device holds it (no "model" step is timed then, so a
+        load test's model latencies are downloads only), else downloaded and adopted under the "model" step."""
         held = self._held_version()
         if held == invite.model_version:
             return
-        fetched = await self._fetch_model(tally)
-        if fetched is None:
-            # The server's current model is the one we hold; it must be the round's.
-            raise StaleRound(f"round {invite.round_id} trains model {invite.model_version}, the server serves {held}")
-        payload, etag = fetched
-        if payload.model_version != invite.model_version:
-            raise StaleRound(
-                f"round {invite.round_id} trains model {invite.model_version}, "
-                f"the server serves {payload.model_version}"
-            )
-        await asyncio.to_thread(self._adopt, payload, etag)  # off the loop: unpacking, the item Gram
+        with tally.step("model"):
+            fetched = await self._fetch_model(tally)
+            if fetched is None:
+                # The server's current model is the one we hold; it must be the round's.
+                raise StaleRound(
+                    f"round {invite.round_id} trains model {invite.model_version}, the server serves {held}"
+                )
+            payload, etag = fetched
+            if payload.model_version != invite.model_version:
+                raise StaleRound(
+                    f"round {invite.round_id} trains model {invite.model_version}, "
+                    f"the server serves {payload.model_version}"
+                )
+            await asyncio.to_thread(self._adopt, payload, etag)  # off the loop: unpacking, the item Gram
 
     def _save_model(self) -> None:
         save_model(self.config.store_dir, self._model, self._sync)

@@ -40,9 +40,10 @@ class RoundOutcome:
     retry_after : float or None
         Seconds to wait before checking in again ("waited" only).
     timings : dict of str to float
-        Seconds per step: "register", "checkin", "model", "revocations" (protocol 1.5, pinned authority
-        only), "train", "keys", "shares", "masked", "unmask" (the phase steps include the long-poll wait),
-        and "total".
+        Seconds per step: "register", "checkin", "model" (only when the call asked the server for the model: its
+        first contact, or a round of a model the device did not hold), "revocations" (protocol 1.5, pinned
+        authority only), "train", "keys", "shares", "masked", "unmask" (the phase steps include the long-poll
+        wait), and "total".
     bytes_up, bytes_down : int
         Encoded message bytes sent and received during the call, retries included.
     reason : str

@@ -87,8 +87,7 @@ class RoundParticipation(EnrollmentMixin, ModelSyncMixin):
         try:
             self._check_plan(invite)
             try:
-                with tally.step("model"):
-                    await self._sync_model(invite, tally)
+                await self._sync_model(invite, tally)  # times a "model" step only when it downloads
             except StaleRound as exc:
                 # Found out locally: tell the server, which would otherwise wait for us until the deadline.
                 await self._leave(invite, str(exc))

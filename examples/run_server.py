@@ -1,6 +1,6 @@
 """Running the aggregation server as an operator would, end to end on loopback.
 
-1. Take the documented configuration `examples/server.toml` (every key with its default), change
+1. Take the documented configuration `examples/server.toml` (every key with its default, DP on), change
    what a small local run needs (port 0 = any free port, a fresh ``data_dir``, a 200-item catalogue,
    short phase deadlines, distributed DP on) and write it to a temporary folder.
 2. Start ``python -m agg_server --config FILE`` (the same program as the ``fedrec-server`` console

@@ -36,7 +36,15 @@ from protocol.messages import RoundInvite
 from protocol.quantization import sensitivity
 from protocol.rdp import ORDERS, rdp_to_epsilon, skellam_rdp
 
-__all__ = ["PrivacyPolicy", "DeviceLedger", "SESSION_HISTORY", "check_invite", "round_rdp"]
+__all__ = ["PrivacyPolicy", "DeviceLedger", "SESSION_HISTORY", "check_invite", "round_rdp", "NO_NOISE_REFUSAL"]
+
+#: Why a device with ``require_noise`` refuses a round without DP noise, and the two settings that would
+#: let such a round run: DP on at the server, or the device's explicit opt-out.
+NO_NOISE_REFUSAL = (
+    "the round adds no DP noise (dp_mu = 0) and this device requires it: run the server with "
+    "[privacy] enabled = true, or let the device join rounds without DP with "
+    "ClientConfig(privacy=PrivacyPolicy(require_noise=False))"
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,7 +185,7 @@ def check_invite(invite: RoundInvite, policy: PrivacyPolicy, ledger: DeviceLedge
         )
     if invite.dp_mu <= 0.0:
         if policy.require_noise:
-            raise PrivacyFloorViolation("the round adds no DP noise (dp_mu = 0) and this device requires it")
+            raise PrivacyFloorViolation(NO_NOISE_REFUSAL)
         return 0.0
     if not (t <= invite.dp_t_min <= n):
         raise PrivacyFloorViolation(

@@ -141,9 +141,42 @@ async def test_a_round_commits_the_exact_secure_sum(tmp_path: Path, recording: l
     outcome = outcomes[0]
     assert outcome.bytes_up > 4 * N_ITEMS * BITS  # the masked input alone is 4 bytes per element
     assert outcome.bytes_down > N_ITEMS * BITS // 8
-    assert {"checkin", "model", "train", "keys", "shares", "masked", "unmask", "total"} <= set(outcome.timings)
+    assert {"checkin", "train", "keys", "shares", "masked", "unmask", "total"} <= set(outcome.timings)
+    assert "model" not in outcome.timings  # fetched at the first contact (the waited call), held since
     # The server charged its privacy ledger for the released sum.
     assert server.coordinator.ledger is not None and len(server.coordinator.ledger.rounds) == 1
+
+
+@pytest.mark.asyncio
+async def test_the_model_step_times_model_requests_only(tmp_path: Path) -> None:
+    # A load test's "model" latencies read 1e-6 s: the step timed the no-op of a device that held the round's
+    # model already.  Now a "model" time is a request for the model, and a round of a held model has none.
+    server, _ = _server(tmp_path, dp=False)
+    clients = _clients(server, tmp_path, {})
+
+    async def drive(c: DeviceClient) -> RoundOutcome:
+        try:
+            return await c.run_round()
+        finally:
+            await server.mark_gone(int(c.device_id or 0))
+
+    requests = len(server.model_requests)
+    first = []
+    for c in clients:
+        await c.register()
+        first.append(await c.run_round())  # the first contact: GET /v1/model, then told to wait
+    assert all(o.status is RoundStatus.WAITED and o.timings["model"] > 0 for o in first)
+    assert len(server.model_requests) == requests + COHORT
+    await server.open_round()
+    held = await asyncio.gather(*(drive(c) for c in clients))
+    assert all(o.status is RoundStatus.COMMITTED and "model" not in o.timings for o in held)
+    assert len(server.model_requests) == requests + COHORT  # nothing downloaded: no step timed
+    for c in clients:
+        assert (await c.run_round()).status is RoundStatus.WAITED
+    await server.open_round()
+    newer = await asyncio.gather(*(drive(c) for c in clients))  # round 2 trains version 2, which none holds
+    assert all(o.status is RoundStatus.COMMITTED and o.timings["model"] > 0 for o in newer)
+    assert len(server.model_requests) == requests + 2 * COHORT
 
 
 @pytest.mark.asyncio

@@ -119,6 +119,20 @@ def test_relative_links_point_to_existing_files(page: Path) -> None:
     assert not broken, f"{page.relative_to(ROOT)} links to missing files: {broken}"
 
 
+@pytest.mark.parametrize("page", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_cite_nothing_outside_a_clone_and_no_internal_names(page: Path) -> None:
+    # A fresh clone has no ../shared/DESIGN.md or ../shared/STYLE.md (they were cited as the architecture and the
+    # style) and no tracker to resolve "issue 15 item 5"; the datasets' folder is a documented default location.
+    text = page.read_text(encoding="utf-8")
+    root = ROOT.resolve()
+    outside = [t for t in relative_links(text) if not (page.parent / t).resolve().is_relative_to(root)]
+    assert not outside, f"{page.relative_to(ROOT)} links outside the checkout: {outside}"
+    cited = re.findall(r"\.\./shared/(?!data\b)[\w./-]*", text)
+    assert not cited, f"{page.relative_to(ROOT)} cites files outside the checkout: {cited}"
+    internal = re.findall(r"\b[Ii]ssue #?\d+[^.;\n]*", text)
+    assert not internal, f"{page.relative_to(ROOT)} names internal issues: {internal}"
+
+
 def test_link_extraction() -> None:
     text = (
         'See [the API](docs/http-api.md#errors), ![picture](img/a.svg "title"), [web](https://x.org/a.md),\n'

@@ -89,12 +89,16 @@ def test_demo_runs_a_real_server_and_fleet(
 
     monkeypatch.setattr(fedsim.fleets.demo, "evaluate_devices", watch)
     # No --cohort: the cohort is every device the run has (12 of synthetic's 600 users), not the dataset's users.
-    argv = ["demo", "--dataset", "synthetic", "--devices", "12", "--rounds", "2"]
+    # --epsilon 8: at 12 devices the demo would run without DP by default (the privacy planner's call).
+    argv = ["demo", "--dataset", "synthetic", "--devices", "12", "--rounds", "2", "--epsilon", "8"]
     assert main([*argv, "--dropout", "0.1", "--workdir", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
     assert out.startswith("synthetic: the first 12 of 600 users, ") and "; 2 rounds of up to 12 devices; " in out
-    # Under DP (the demo's default ε = 8) the devices rank with their ±1 codes: the model download says DP noise
+    # The privacy planner's forecast comes before the run's own lines.
+    plan_at = out.index("plan: at 12 devices and ε = 8")
+    assert plan_at < out.index("verdict: private model over the real server")
+    # Under DP (ε = 8) the devices rank with their ±1 codes: the model download says DP noise
     # trained it (ModelPayload.dp_trained, protocol 1.7), so with the SDK's own setting (3 rank planes) each
     # device, invited or not, holds no ranking vector; and each takes the w0 the server derived after round 2.
     assert "devices rank with their ±1 codes" in out
@@ -215,6 +219,36 @@ def test_every_subcommand_has_help() -> None:
     text = parser.format_help()
     for cmd in ("demo", "simulate", "eval", "data"):
         assert cmd in text
+
+
+def test_the_demo_leaves_dp_off_only_where_the_planner_finds_the_fleet_too_small(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The quick demo's 40 devices ran DP at a size where its noise swamps the signal (HR@10 0.108 against
+    # popularity's 0.225); the planner now sends that fleet, and only such fleets, without DP, saying so.
+    from fedsim.cli.demo import DEFAULT_EPSILON, _first_users, small_fleet_privacy
+    from fedsim.evaluation.experiment import prepare
+
+    exp = prepare("synthetic", None, n_negatives=99, seed=0)
+    eps, note = small_fleet_privacy(_first_users(exp, 40), 40, 3, 64)
+    assert eps == 0.0 and note is not None and note.startswith("no DP: at 40 devices and ε=8 ")
+    assert f"--epsilon {DEFAULT_EPSILON:g} turns DP on" in note and "\n" not in note
+    # The test hook that seeds DP noise asks for DP: without --epsilon at such a size, one error line says so.
+    assert main(["demo", "--dataset", "synthetic", "--devices", "40", "--insecure-seed-dp-noise"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedrec demo: error: --insecure-seed-dp-noise: at 40 devices and ε=8 "), err
+    assert err.count("\n") == 1, err
+    # Every synthetic user, one round (the demo's default without MovieLens): DP on, as before.
+    assert small_fleet_privacy(exp, exp.train.n_users, 1, 64) == (DEFAULT_EPSILON, None)
+
+
+@pytest.mark.data
+def test_the_full_demo_keeps_dp_on(shared_data: Path) -> None:
+    from fedsim.cli.demo import DEFAULT_EPSILON, small_fleet_privacy
+    from fedsim.evaluation.experiment import prepare
+
+    exp = prepare("ml-100k", None, n_negatives=99, seed=0, data_dir=shared_data)
+    assert small_fleet_privacy(exp, exp.train.n_users, 1, 64) == (DEFAULT_EPSILON, None)
 
 
 @pytest.mark.slow
@@ -535,6 +569,13 @@ def test_loadtest_failure_is_one_line_naming_the_cause() -> None:
         "1 of 1 rounds committed; aborted: x ×1; "
         "devices failed 40× with ConfigError (invite n_items 1682 != device 3706)"
     )
+    # A server whose privacy budget is spent (the example server runs with DP) says so in its status.
+    rep.final_status = {"stopped": "privacy budget exhausted: round 11 would raise epsilon from 8 to 8.491"}
+    assert rep.failure(2) == (
+        "1 of 2 rounds committed; aborted: x ×1; devices failed 40× with ConfigError (invite n_items 1682 != device "
+        "3706); the server opens no more rounds: privacy budget exhausted: round 11 would raise epsilon from 8 to 8.491"
+    )
+    rep.final_status = None
     del rep.errors["ConfigError"]
     assert rep.failure(1) is None  # the monitor's status read timing out is not a device failure
     rep.outcomes.update({"committed": 50, "waited": 700, "dropped": 3})
@@ -619,6 +660,7 @@ def test_sigterm_or_sigint_stops_the_demo_and_removes_its_folder(tmp_path: Path)
 def test_two_demo_runs_with_one_seed_print_the_same(capsys: pytest.CaptureFixture[str]) -> None:
     """Cohorts, dropouts, training and (through the loudly named test hook) the DP noise all follow --seed."""
     argv = ["demo", "--dataset", "synthetic", "--devices", "10", "--cohort", "8", "--rounds", "2", "--dropout", "0.2"]
+    argv += ["--epsilon", "8"]  # DP on (at 10 devices the demo would leave it off by default)
     outputs = []
     for _ in range(2):
         assert main([*argv, "--quiet", "--insecure-seed-dp-noise"]) == 0

@@ -151,6 +151,21 @@ def test_invites_below_the_floor_are_refused_before_anything_is_generated(change
         DeviceSecAggSession(_invite(**changes), policy=PrivacyPolicy())
 
 
+def test_a_round_without_noise_is_refused_naming_both_settings_that_allow_it() -> None:
+    # A newcomer's device meets a server without DP: the refusal says what to change on each side.
+    from agg_server.config import PrivacySection
+    from protocol.errors import PrivacyFloorViolation
+    from protocol.policy import PrivacyPolicy, check_invite
+
+    with pytest.raises(PrivacyFloorViolation) as info:
+        check_invite(_invite(dp_mu=0.0, dp_t_min=0), PrivacyPolicy())
+    text = str(info.value)
+    assert "[privacy] enabled = true" in text and "PrivacyPolicy(require_noise=False)" in text, text
+    # Both named settings exist and do what the message says.
+    assert PrivacySection(enabled=True).enabled
+    assert check_invite(_invite(dp_mu=0.0, dp_t_min=0), PrivacyPolicy(require_noise=False)) == 0.0
+
+
 def test_a_sound_invite_passes_and_the_device_keeps_its_own_ledger() -> None:
     from protocol.device_session import DeviceSecAggSession
     from protocol.errors import PrivacyFloorViolation

@@ -57,12 +57,18 @@ def test_example_loads_and_states_the_defaults() -> None:
     config = load_config(EXAMPLE)
     # Outside the checkout: running the example never writes into the repository.
     assert config.data_dir == Path("~/.local/share/fedrec/example-server").expanduser()
-    # Every value in the example is the default: the same config from only the required keys.
+    # Every value in the example is the default but privacy.enabled: the example runs with DP on, so that a
+    # device with the SDK's default PrivacyPolicy (it refuses rounds without noise) can join its rounds.
     defaults = config_from_dict(
-        {"server": {"data_dir": "~/.local/share/fedrec/example-server"}, "model": {"n_items": 1682}},
+        {
+            "server": {"data_dir": "~/.local/share/fedrec/example-server"},
+            "model": {"n_items": 1682},
+            "privacy": {"enabled": True},
+        },
         base_dir=EXAMPLE.parent,
     )
     assert config == defaults
+    assert PrivacySection().enabled is False  # the code's default stays off (tests and simulations of tiny cohorts)
 
 
 def test_example_lists_every_key() -> None:

@@ -43,6 +43,15 @@ if TYPE_CHECKING:  # the simulator, the server and the SDK load when the command
 
 __all__ = ["COMMAND"]
 
+#: The demo's DP budget when ``--epsilon`` is not given and the fleet is large enough for it.
+DEFAULT_EPSILON = 8.0
+#: Least share of the training ratings on items whose released sum the privacy planner predicts at
+#: signal-to-noise >= 2 (`fedsim.private.scaled_lightfr.plan_privacy`, its "covered") for the demo to run with
+#: DP by default.  The plan for ML-100K's 943 devices in one round is 0.79, for all 600 synthetic devices 0.49
+#: (both keep DP: their private model is about as good as popularity), for the README's quick demo (40 synthetic
+#: devices, 3 rounds) 0.00, where the private model lost to popularity by half (docs/results/2026-11-27-first-hour.md).
+MIN_PLANNED_COVERAGE = 0.4
+
 
 def _add_options(p: argparse.ArgumentParser) -> None:
     add_dataset(p, "dataset name or file (default: ml-100k if found)", default="auto")
@@ -57,8 +66,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--epsilon",
         type=nonneg_float,
-        default=8.0,
-        help="DP budget ε over the run at δ=1e-5 (0 = no DP; default 8)",
+        default=None,
+        help=f"DP budget ε over the run at δ=1e-5 (0 = no DP; default {DEFAULT_EPSILON:g}, or no DP for a fleet so "
+        "small that the privacy planner predicts the noise above the signal for most ratings: a line says so)",
     )
     p.add_argument(
         "--flip-fraction",
@@ -201,6 +211,12 @@ def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
     if n_devices < exp.train.n_users:  # the id space stays the dataset's; say who takes part
         head = head.replace(f"{exp.train.n_users} users,", f"the first {n_devices} of {exp.train.n_users} users,", 1)
     out.write(head + "\n")
+    if args.epsilon is None:
+        args.epsilon, note = small_fleet_privacy(exp, n_devices, args.rounds, args.bits)
+        if note and args.insecure_seed_dp_noise:  # the hook seeds DP noise, and this run would have none
+            raise ConfigError(f"--insecure-seed-dp-noise: {note.removeprefix('no DP: ')}")
+        if note:
+            out.write(note + "\n")
     eps = args.epsilon or None
     out.write(
         f"LightFR f={args.bits}; {args.rounds} rounds of up to {min(args.cohort, n_devices)} devices; "
@@ -213,6 +229,8 @@ def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
             else "\n"
         )
     )
+    if eps:
+        out.write(_plan_line(exp, eps, args.bits, n_devices) + "\n")
     res = run_demo_fleet(
         exp,
         rounds=args.rounds,
@@ -247,6 +265,51 @@ def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
     if args.json:
         write_json(_record(args, exp, res, ours, privacy), sys.stdout)
     return 0
+
+
+def _plan_line(exp: Experiment, epsilon: float, bits: int, n_devices: int) -> str:
+    """The privacy planner's verdict for this data and ε (`fedsim.private.planner`), printed before the run;
+    ``n_devices`` of the id space's users hold the training ratings."""
+    from dataclasses import replace
+
+    from fedsim.private.scaled_lightfr import ScaledSettings, plan_run
+
+    settings = ScaledSettings(epsilon=epsilon, bits=bits, unobserved_weight="auto")
+    plan = replace(plan_run(exp.train, settings, negatives=exp.n_negatives), devices=n_devices)
+    return plan.verdict() + (
+        " (the planner's forecast, as `fedrec simulate --epsilon` runs it; the real server's verdict follows the run)"
+    )
+
+
+def small_fleet_privacy(exp: Experiment, n_devices: int, rounds: int, bits: int) -> tuple[float, str | None]:
+    """The demo's ε when ``--epsilon`` is not given: `DEFAULT_EPSILON`, unless the fleet is too small for DP.
+
+    The privacy planner (`fedsim.private.scaled_lightfr.plan_privacy`, what ``fedrec plan-privacy`` prints)
+    predicts, from the fleet's ratings alone, the share of them on items whose released sum stands at
+    signal-to-noise >= 2 after ``rounds`` rounds at ε = `DEFAULT_EPSILON` (its best clip norm; an upper bound,
+    since it assumes every device in every round).  Below `MIN_PLANNED_COVERAGE` the noise swamps what a round
+    can learn and the private model ranks below counting, so the demo runs without DP and says so.
+
+    Returns
+    -------
+    tuple
+        ε (0: no DP) and the one line to print when DP was left off (else None).
+    """
+    from dataclasses import replace
+
+    from fedsim.private.scaled_lightfr import plan_privacy
+
+    train = exp.train  # the fleet's devices are users 0..n_devices-1 (`_first_users`); plan for them alone
+    if n_devices < train.n_users:
+        train = replace(train, n_users=n_devices, user_ids=train.user_ids[:n_devices])
+    covered = max(r.covered for r in plan_privacy(train, epsilon=DEFAULT_EPSILON, bits=bits, rounds=(rounds,)))
+    if covered >= MIN_PLANNED_COVERAGE:
+        return DEFAULT_EPSILON, None
+    return 0.0, (
+        f"no DP: at {n_devices} devices and ε={DEFAULT_EPSILON:g} the privacy planner (fedrec plan-privacy) puts "
+        f"{1 - covered:.0%} of the ratings under the noise; --epsilon {DEFAULT_EPSILON:g} turns DP on, and at this "
+        "size expect the private model below item popularity"
+    )
 
 
 def _explain_private_loss(

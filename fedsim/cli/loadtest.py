@@ -30,7 +30,11 @@ __all__ = ["COMMAND"]
 def _add_options(p: argparse.ArgumentParser) -> None:
     _add_fleet_args(p)
     add_quiet(p)
-    add_plot(p, "draw every per-phase latency the devices saw against time (needs the 'plot' extra)")
+    add_plot(
+        p,
+        "draw every per-phase latency the devices saw against time; 'model' points are model downloads "
+        "(needs the 'plot' extra)",
+    )
     add_json(p, "print the report as one JSON object, the last line of stdout")
     p.add_argument("--store", type=Path, default=None, help="device store folder (default: a temporary one)")
     _add_credential_args(p)
@@ -99,8 +103,9 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--announce-drops",
         action="store_true",
-        help="dropped devices tell the server they leave, so phases close at quorum instead of waiting for their "
-        "deadlines (default: drops are silent, and each phase with a silent drop lasts its full deadline)",
+        help="dropped devices tell the server they leave, so phases close at once (default: drops are silent, "
+        "and the server notices them when the device's connection stays closed past rounds.disconnect_grace or "
+        "it checks in again)",
     )
 
 

@@ -49,7 +49,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``fedrec plan-privacy``; returns the exit status."""
     from fedsim.cli.results import print_rows
     from fedsim.data.datasets import LightFRSplit, TrainTestSplit, load_dataset
-    from fedsim.private.scaled_lightfr import plan_privacy
+    from fedsim.evaluation.experiment import prepare
+    from fedsim.private.scaled_lightfr import ScaledSettings, plan_privacy, plan_run
 
     data: Any = load_dataset(args.dataset, resolve_data_dir(args.data_dir))
     train = data.train if isinstance(data, TrainTestSplit | LightFRSplit) else data
@@ -87,6 +88,14 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         f"most interactions above SNR 2: T={best.rounds}, C={best.clip_norm:g} ({best.covered:.1%}); the SNR "
         "assumes the gradients of an item's devices agree, so it is an upper bound on what a round can learn\n"
     )
+    settings = ScaledSettings(epsilon=args.epsilon, bits=args.bits, unobserved_weight="auto")
+    # The evaluation `fedrec simulate` would run: full ranking on a published split, else sampled candidates.
+    if isinstance(data, TrainTestSplit):
+        plan = plan_run(data.train, settings, negatives=None)
+    else:
+        exp = prepare(data)
+        plan = plan_run(exp.train, settings, negatives=exp.n_negatives)
+    out.write(plan.verdict() + " (what `fedrec simulate --epsilon` runs by default)\n")
     return 0
 
 
@@ -96,7 +105,9 @@ COMMAND = Command(
     description="For a dataset and a target ε (user-level, δ=1e-5, every round charged), predicts for each "
     "number of rounds and clip norm the released noise σ per coordinate, the signal-to-noise of the median "
     "item, the share of interactions on items with SNR >= 2, and the noise of the private popularity "
-    "release, using the accountant's own μ (docs/dp-accounting.md §6).",
+    "release, using the accountant's own μ (docs/dp-accounting.md §6); then prints the plan `fedrec simulate "
+    "--epsilon` runs by default: the share of ε the private popularity list needs to stay near popularity, "
+    "and whether the rest buys rounds of personalisation.",
     add_options=_add_options,
     run=run,
 )

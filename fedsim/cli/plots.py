@@ -73,13 +73,16 @@ def plot_training(
 
 def plot_loadtest(path: Path, series: Sequence[tuple[float, str, float]], phases: Sequence[str], title: str) -> None:
     """Every latency a device measured, per phase, against the time it finished (seconds since the
-    fleet started); log scale, since long-polls span milliseconds to deadlines."""
+    fleet started); log scale, since long-polls span milliseconds to deadlines.  The "model" phase has a point
+    only where a device asked the server for the model (`device_sdk.RoundOutcome.timings`), so it is labelled
+    as the download it is."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     for phase in phases:
         pts = [(t, v) for t, step, v in series if step == phase and v > 0]
         if pts:
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=6, alpha=0.6, label=phase)
+            label = "model download" if phase == "model" else phase
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=6, alpha=0.6, label=label)
     ax.set_yscale("log")
     ax.set_xlabel("seconds since the fleet started")
     ax.set_ylabel("latency seen by the device (s)")

@@ -144,7 +144,8 @@ def add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
         "--rounds",
         type=nonneg_int,
         default=None,
-        help=f"global rounds T (default: {rounds} for lightfr, 20 for mf, 100 for felb, 10 for fnmf)",
+        help=f"global rounds T (default: {rounds} for lightfr, 20 for mf, 100 for felb, 10 for fnmf; lightfr with "
+        "--epsilon: the privacy planner's, 5 or none)",
     )
     g.add_argument("--fraction", type=fraction, default=0.6, help="client fraction p per round (default: 0.6)")
     g.add_argument(
@@ -201,9 +202,16 @@ def add_family_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pop-share",
         type=open_fraction,
-        default=0.5,
+        default=None,
         help="lightfr private: share of ε calibrating the private popularity release, the rest pays for the "
-        "rounds (default 0.5)",
+        "rounds (default: the privacy planner's choice, printed before the run)",
+    )
+    g.add_argument(
+        "--pop-theta",
+        type=positive_int,
+        default=1,
+        help="lightfr private: each device's item indicator in the popularity release is clipped to L2 norm "
+        "√θ (default 1: every device's items weigh 1/√k, the most signal per unit of noise)",
     )
     g.add_argument(
         "--threshold",
@@ -392,7 +400,7 @@ _APPLIES_TO: dict[str, tuple[str, ...]] = {
     "local_steps": ("felb", "fnmf"),
     **dict.fromkeys(("secure", "clip_norm", "example_cap", "silos", "server_lr", "lr", "max_norm2"), ("mf",)),
     "epsilon": ("lightfr", "mf"),
-    **dict.fromkeys(("pop_share", "threshold"), ("lightfr",)),
+    **dict.fromkeys(("pop_share", "pop_theta", "threshold"), ("lightfr",)),
     **dict.fromkeys(("step_rule", "xor_noise", "noise_sigma", "binarize_at", "server_scale"), ("felb",)),
     **dict.fromkeys(("alignment", "aggregator"), ("fnmf",)),
 }

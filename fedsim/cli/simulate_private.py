@@ -24,7 +24,8 @@ def simulate_private_lightfr(args: argparse.Namespace, defaults: argparse.Namesp
     """``simulate --epsilon E`` for LightFR: the popularity release and private rounds of every device
     through the private-round simulator (`fedsim.private.scaled_lightfr`), evaluated beside the baselines;
     ``defaults`` holds every ``simulate`` option's value when not given."""
-    from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private
+    from fedsim.private.planner import MAX_SHARE, PRIVATE_ROUNDS
+    from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private, plan_run, with_plan
 
     if args.dataset is None:
         raise ValueError("--dataset is required (a dataset name, a ratings file, or synthetic)")
@@ -38,7 +39,9 @@ def simulate_private_lightfr(args: argparse.Namespace, defaults: argparse.Namesp
             n_negatives=args.eval_negatives,
             seed=args.eval_seed,
         )
-    rounds = args.rounds if args.rounds is not None else 3
+    rounds = args.rounds if args.rounds is not None else PRIVATE_ROUNDS
+    if args.epsilon > 0 and rounds > 0 and args.pop_theta != 1 and args.pop_share is None:
+        raise ConfigError("--pop-theta other than 1 needs --pop-share: the privacy planner plans θ = 1")
     for dest in NOT_PRIVATE_LIGHTFR:
         if getattr(args, dest) != getattr(defaults, dest):
             raise ConfigError(
@@ -55,7 +58,8 @@ def simulate_private_lightfr(args: argparse.Namespace, defaults: argparse.Namesp
         # Every device is in every round, and few rounds: the paper's full Agg_grad step unless asked.
         flip_fraction=args.flip_fraction if args.flip_fraction != defaults.flip_fraction else 1.0,
         threshold=args.threshold,
-        pop_share=args.pop_share,
+        pop_share=args.pop_share if args.pop_share is not None else 0.5,
+        pop_theta=args.pop_theta,
         seed=args.seed,
         # The server's objective unless asked: all items (w0 > 0, learned item levels), or sampled negatives.
         unobserved_weight=unobserved_weight(args),
@@ -73,12 +77,49 @@ def simulate_private_lightfr(args: argparse.Namespace, defaults: argparse.Namesp
     )
     if settings.query_planes and settings.unobserved_weight == 0:
         raise ConfigError("--query-planes needs the all-items objective (drop --unobserved-weight 0)")
+    plan = None
+    if args.epsilon > 0 and args.pop_share is None:
+        negatives = None if isinstance(data, TrainTestSplit) else data.n_negatives
+        plan = plan_run(data.train, settings, negatives=negatives, rounds=rounds)
+        out.write(plan.verdict() + "\n")
+        if plan.rounds or args.rounds is None:
+            settings = with_plan(settings, plan)
+        else:  # --rounds asked for rounds the floor cannot spare: they get what the planner's largest share leaves
+            settings = dataclasses.replace(settings, pop_share=MAX_SHARE)
+            out.write(f"--rounds {rounds} given: the rounds get {1 - MAX_SHARE:g} of ε all the same\n")
+        rounds = settings.rounds
     n_users = data.train.n_users
     out.write(
         f"private LightFR on {args.dataset}: {n_users} devices, every one in every round; ε={args.epsilon:g} at "
-        f"δ=1e-5 over a private popularity release ({args.pop_share:g} of ε) and T={rounds} rounds, θ="
-        f"{settings.example_cap} items per device, C={settings.clip_norm:g}, "
         + (
+            f"δ=1e-5 over a private popularity release alone (θ={settings.pop_theta}); no model round\n"
+            if rounds == 0
+            else f"δ=1e-5 over a private popularity release ({settings.pop_share:g} of ε, θ={settings.pop_theta}) "
+            f"and T={rounds} rounds, θ={settings.example_cap} items per device, C={settings.clip_norm:g}, "
+        )
+    )
+    if rounds:
+        out.write(_round_description(args, settings))
+
+    def on_round(r: int, seconds: float) -> None:
+        if not getattr(args, "quiet", False):
+            out.write(f"  round {r}/{rounds}: {seconds:.1f} s\n")
+            out.flush()
+
+    def log(text: str) -> None:
+        out.write(text + "\n")
+
+    metrics, extra = evaluate_private(data, settings, eval_seed=args.eval_seed, on_round=on_round, log=log)
+    note = f"item level α={extra['alpha']} chosen on validation; random ties"
+    if plan is not None:
+        extra = {**extra, "plan": plan.record()}
+    return _report_private(args, out, t0, metrics, extra, rounds, note, private=True)
+
+
+def _round_description(args: argparse.Namespace, settings: Any) -> str:
+    """The rest of the header line of a private LightFR run with model rounds: objective, scoring, step."""
+    return (
+        (
             f"all-items objective (w0={settings.unobserved_weight}, learned item levels), "
             if settings.unobserved_weight != 0
             else f"{settings.negatives} negatives per item, "
@@ -96,18 +137,6 @@ def simulate_private_lightfr(args: argparse.Namespace, defaults: argparse.Namesp
         f"noise-aware threshold {args.threshold:g}σ; rounds through the private-round simulator "
         "(fedsim.private.simulator)\n"
     )
-
-    def on_round(r: int, seconds: float) -> None:
-        if not getattr(args, "quiet", False):
-            out.write(f"  round {r}/{rounds}: {seconds:.1f} s\n")
-            out.flush()
-
-    def log(text: str) -> None:
-        out.write(text + "\n")
-
-    metrics, extra = evaluate_private(data, settings, eval_seed=args.eval_seed, on_round=on_round, log=log)
-    note = f"item level α={extra['alpha']} chosen on validation; random ties"
-    return _report_private(args, out, t0, metrics, extra, rounds, note, private=True)
 
 
 def simulate_mf_published(
@@ -190,6 +219,7 @@ def _report_private(
             seconds=seconds,
             metrics=metrics,
             **({"epsilon": extra["epsilon"], "delta": extra["delta"]} if private else {}),
+            **({"plan": extra["plan"]} if "plan" in extra else {}),
         )
         write_json(record, sys.stdout)
     return 0

@@ -282,7 +282,9 @@ def item_titles(exp: Experiment, data_dir: Path | None) -> list[str] | None:
     return dataset_titles(exp.name, data_dir, exp.train.item_ids)
 
 
-def dataset_titles(dataset: str, data_dir: Path | None, item_ids: Sequence[Any] | NDArray[Any] | None) -> list[str] | None:
+def dataset_titles(
+    dataset: str, data_dir: Path | None, item_ids: Sequence[Any] | NDArray[Any] | None
+) -> list[str] | None:
     """Titles of ``item_ids`` (the dataset's raw item ids, in dense index order) when ``dataset`` is
     MovieLens-100K and its ``u.item`` is under ``data_dir/ml-100k`` (or beside a ``u.data`` path); else None."""
     if item_ids is None:

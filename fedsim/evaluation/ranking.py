@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -34,6 +34,7 @@ __all__ = [
     "hit_ratio",
     "ndcg",
     "evaluate_candidates",
+    "expected_hits",
     "evaluate_full_ranking",
     "popularity_scores",
     "random_scores",
@@ -297,8 +298,8 @@ def _break_ties(greater: IntArray, tied: IntArray, tie_mode: TieMode, rng: np.ra
     return greater + rng.integers(0, tied + 1, dtype=np.int64)
 
 
-def _expected_hr_ndcg(greater: IntArray, tied: IntArray, k: int) -> tuple[float, float]:
-    """Exact mean HR@k / NDCG@k when the positive's offset is uniform on {0, ..., tied}."""
+def _expected_rows(greater: IntArray, tied: IntArray, k: int) -> tuple[FloatArray, FloatArray]:
+    """Each row's exact HR@k / NDCG@k when the positive's offset is uniform on {0, ..., tied}."""
     if k < 1:
         raise ValueError("k must be >= 1")
     gain = 1.0 / np.log2(np.arange(k, dtype=np.float64) + 2.0)
@@ -306,9 +307,20 @@ def _expected_hr_ndcg(greater: IntArray, tied: IntArray, k: int) -> tuple[float,
     lo = np.minimum(greater, k)
     hi = np.minimum(greater + tied + 1, k)  # ranks greater .. greater+tied, cut at k
     width = (tied + 1).astype(np.float64)
-    hr = (hi - lo) / width
-    nd = (cum[hi] - cum[lo]) / width
+    return (hi - lo) / width, (cum[hi] - cum[lo]) / width
+
+
+def _expected_hr_ndcg(greater: IntArray, tied: IntArray, k: int) -> tuple[float, float]:
+    """Exact mean HR@k / NDCG@k when the positive's offset is uniform on {0, ..., tied}."""
+    hr, nd = _expected_rows(greater, tied, k)
     return float(hr.mean()), float(nd.mean())
+
+
+def expected_hits(scores: npt.ArrayLike, k: int = 10) -> FloatArray:
+    """Each candidate block's HR@k, exact in expectation over random ties (positive in column 0): the
+    per-row values whose mean `evaluate_candidates` reports, for paired comparisons of two scorers."""
+    greater, tied = _tie_counts(_validate_scores(scores))
+    return _expected_rows(greater, tied, k)[0]
 
 
 def rank_of_positive(
@@ -526,6 +538,8 @@ class RankingResult:
     k: int
     tie_mode: TieMode
     seed: int | None
+    #: Each evaluated user's Recall@k (for paired comparisons), in the order of the evaluated users.
+    per_user: FloatArray | None = field(default=None, compare=False, repr=False)
 
     def metrics(self) -> dict[str, float]:
         """``{"recall@k": ..., "ndcg@k": ...}``, the keys of the ``--json`` metric maps."""
@@ -687,7 +701,9 @@ def evaluate_all_items(
     recall = hits / n
     nd = dcg / ideal[np.minimum(n, k)]
     used_seed = None if rng is None else (seed if isinstance(seed, int) else -1)
-    return RankingResult(float(recall.mean()), float(nd.mean()), int(targets.size), k, tie_mode, used_seed)
+    return RankingResult(
+        float(recall.mean()), float(nd.mean()), int(targets.size), k, tie_mode, used_seed, per_user=recall
+    )
 
 
 def _target_users(n_rel: IntArray, users: npt.ArrayLike | None) -> IntArray:

@@ -32,8 +32,10 @@ separate process: `probes`, `failures`, `p50_ms`, `p99_ms`, `max_ms`, `probes_wh
 `peak_rss_mb`, `cpu_seconds`), `bytes_up_median` / `bytes_down_median` / `bytes_per_device_round_mean`,
 `ledger` (`epsilon_spent`, `epsilon_budget`, `delta`, `rounds_charged`; null without DP), `final_model`
 (`version`, `sha256` of the served model), `server_rounds` (per round: `round_id`, `status`, `reason`, `cohort`,
-`survivors`, `seconds`, `phases` (seconds per SecAgg phase), `cpu_seconds`, `cpu_ms_per_device`,
-`peak_rss_mb`), `errors` (counts by type), `error_examples` (the first message of each type) and
+`survivors`, `seconds`, `phases` (seconds per SecAgg phase), `phase_ends` (how each phase ended:
+`all_answered`, `drops_detected` (closed before its deadline, some devices dropped on a closed connection
+or a new check-in), `deadline`, `aborted`; null for a round another process ran), `cpu_seconds`,
+`cpu_ms_per_device`, `peak_rss_mb`), `errors` (counts by type), `error_examples` (the first message of each type) and
 `device_errors` (the counts without the monitor's status reads and the time limit).
 
 `fedrec recommend --json`: `{"run", "family", "user", "items": [{"item", "index", "score", "title"}, ...]}`,

@@ -158,10 +158,11 @@ def simulated_beside(exp: Experiment, epsilon: float, seed: int) -> tuple[dict[s
     """The same data and ε through the private-round simulator with the budget spent where it buys
     signal (`fedsim.private.scaled_lightfr`: a private popularity release feeding the item level, noise-aware
     aggregation, every device in every round), evaluated on the same test blocks."""
-    from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private
+    from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private, plan_run, with_plan
 
-    settings = ScaledSettings(epsilon=epsilon, rounds=3, pop_share=0.5, example_cap=20, threshold=0.0, seed=seed)
-    return evaluate_private(exp, settings, eval_seed=0)
+    settings = ScaledSettings(epsilon=epsilon, example_cap=20, threshold=0.0, seed=seed)
+    plan = plan_run(exp.train, settings, negatives=exp.n_negatives)
+    return evaluate_private(exp, with_plan(settings, plan), eval_seed=0)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ words (`describe_outcomes`).  Pure functions of a `FleetReport`; nothing here ta
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, TextIO
 
 import numpy as np
@@ -48,6 +49,7 @@ def _round_rows(report: FleetReport) -> list[dict[str, Any]]:
                 "survivors": rec.get("survivors"),
                 "seconds": _finite((rec.get("finished_at") or 0) - (rec.get("started_at") or 0)),
                 "phases": {ph["phase"]: _finite(ph["seconds"]) for ph in rec.get("phases") or []},
+                "phase_ends": {ph["phase"]: ph.get("ended") for ph in rec.get("phases") or []},
                 "cpu_seconds": None if delta is None else _finite(delta),
                 "cpu_ms_per_device": None if delta is None or not cohort else _finite(1e3 * delta / cohort),
                 "peak_rss_mb": proc.get("max_rss_mb"),
@@ -138,6 +140,28 @@ def _finite(x: float) -> float | None:
     return round(float(x), 4) if np.isfinite(x) else None
 
 
+#: How a phase ended (`agg_server.status.PHASE_ENDINGS`), in the text report.
+_ENDED = {
+    "all_answered": "all answered",
+    "drops_detected": "drops detected",
+    "deadline": "DEADLINE",
+    "aborted": "aborted",
+}
+
+
+def _phase_line(row: dict[str, Any]) -> str:
+    """``advertise_keys 4.1 (all answered), share_keys 60.0 (DEADLINE), ...``: each phase that ran, with
+    how it ended when the server said (a phase cut short by an abort and never run is left out)."""
+    parts = []
+    for phase, seconds in row["phases"].items():
+        ended = row["phase_ends"].get(phase)
+        if not seconds and ended in (None, "aborted"):
+            continue
+        how = _ENDED.get(str(ended), str(ended)) if ended else None
+        parts.append(f"{phase} {seconds or 0:.1f}" + (f" ({how})" if how else ""))
+    return ", ".join(parts)
+
+
 def format_loadtest(report: FleetReport, out: TextIO) -> None:
     """The load-test summary tables."""
     out.write(
@@ -168,8 +192,12 @@ def format_loadtest(report: FleetReport, out: TextIO) -> None:
             f"{'—' if per is None else f'{per:.1f}':>9} {row['peak_rss_mb'] or float('nan'):>12.0f}\n"
         )
         if row["phases"]:
-            out.write("      phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in row["phases"].items() if v) + "\n")
+            out.write("      phases (s): " + _phase_line(row) + "\n")
     record = loadtest_record(report, 0, None)
+    endings = Counter(how for row in record["server_rounds"] for how in row["phase_ends"].values() if how)
+    if endings:
+        order = [k for k in _ENDED if k in endings] + sorted(set(endings) - set(_ENDED))
+        out.write("phases ended: " + ", ".join(f"{_ENDED.get(k, k)} {endings[k]}" for k in order) + "\n")
     if record["server_cpu_ms_per_device_round"] is not None:
         out.write(f"server CPU per device-round: {record['server_cpu_ms_per_device_round']:.1f} ms\n")
     health = record["health"]

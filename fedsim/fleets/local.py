@@ -83,9 +83,11 @@ class FleetConfig:
     long_poll_timeout : seconds a device waits on one phase request.
     schedule : a fixed dropout schedule ``schedule(round_id, device_id)`` used instead of
         ``dropout``.
-    announce_drops : dropped devices tell the server they leave (phases then close at quorum instead
-        of at their deadline); by default they vanish silently.
-    drop_pause : seconds a dropped device stays away before checking in again.
+    announce_drops : dropped devices tell the server they leave (the phase closes without them at once);
+        by default they vanish silently, and the server notices them when they check in again (after
+        ``drop_pause``) or their long-poll connection stays closed past ``rounds.disconnect_grace``.
+    drop_pause : seconds a dropped device stays away before checking in again (the server then drops it
+        from its round and holds the check-in until the round ends).
     cohort : when set, the fleet picks each round's cohort itself: for its k-th round it draws this many
         devices from ``SeedSequence([seed, 11, k])`` and only those check in, so the server's pool (and
         with a seeded server, the round) is the same in every run with the same seed, however the
@@ -247,6 +249,9 @@ class FleetReport:
             kind, n = Counter(device_errors).most_common(1)[0]
             example = self.error_examples.get(kind, "")
             parts.append(f"devices failed {n}× with {kind}" + (f" ({example})" if example else ""))
+        stopped = (self.final_status or {}).get("stopped")
+        if stopped:  # e.g. its privacy budget is spent: it opens no more rounds
+            parts.append(f"the server opens no more rounds: {stopped}")
         if TIME_LIMIT in self.errors:
             parts.append(f"the fleet's time limit was reached after {self.seconds:.0f} s")
         return "; ".join(parts)

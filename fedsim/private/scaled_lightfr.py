@@ -44,8 +44,9 @@ from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy
 from fedsim.data.ratings import Ratings
 from fedsim.private.cohorts import LightFRCohort
+from fedsim.private.planner import POP_THETA, PRIVATE_ROUNDS, PrivatePlan, choose_with_margin, plan_private_run
 from fedsim.private.simulator import PrivateSimulator, one_blas_thread
-from protocol.accounting import calibrate_mu, composed_rdp, epsilon_from_rdp
+from protocol.accounting import PrivacyLedger, calibrate_mu, composed_rdp, epsilon_from_rdp
 from protocol.codes import pack_signs
 from protocol.families.lightfr import bias_from_levels
 from protocol.noise import released_variance, sample_skellam
@@ -62,6 +63,8 @@ __all__ = [
     "run_private_scaled",
     "scaled_config",
     "carve_validation",
+    "plan_run",
+    "with_plan",
 ]
 
 #: The α grid of the item level (∞ = private popularity alone, 0 = the codes alone).
@@ -127,6 +130,7 @@ class ScaledSettings:
     code_sweeps: int = 1
     rank_planes: int = 0
     rank_ridge: float = 2.0
+    pop_theta: int = 1
 
     def __post_init__(self) -> None:
         if not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
@@ -336,13 +340,62 @@ def scaled_config(n_users: int, n_items: int, settings: ScaledSettings, data_dir
     )
 
 
+def _sensitivities(n: int, m: int, settings: ScaledSettings) -> tuple[ServerConfig, Any, tuple[float, float], Any]:
+    """(configuration, strategy, (Δ1, Δ2) of a model round, popularity quantization) of a run over ``n``
+    devices and ``m`` items; the configuration's data folder is a temporary one, removed again."""
+    s = settings
+    cohort_size = max(1, math.ceil(s.fraction * n))
+    scale_bits = s.scale_bits or _largest_scale_bits(cohort_size, s.clip_norm)
+    tmp = tempfile.mkdtemp(prefix="fedrec-privsim-")
+    try:
+        cfg = scaled_config(n, m, replace(s, scale_bits=scale_bits), Path(tmp))
+        base = build_strategy(cfg)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the configuration needs a data folder; the simulator writes none
+    l2m, l1m = sensitivity(cfg.rounds.quantization(), int(base.vector_length))
+    return cfg, base, (l1m, l2m), widest_quantization(n, math.sqrt(s.pop_theta))
+
+
+def plan_run(
+    train: Ratings, settings: ScaledSettings, *, negatives: int | None, rounds: int = PRIVATE_ROUNDS
+) -> PrivatePlan:
+    """The privacy planner's choice of the popularity share and the rounds for ``settings.epsilon`` over
+    ``train`` (`fedsim.private.planner`), with this run's own sensitivities and accountant; ``negatives``: the
+    evaluation's sampled items per positive (None: full ranking)."""
+    s = settings
+    n, m = train.n_users, train.n_items
+    _, _, model_sens, qp = _sensitivities(n, m, replace(s, pop_theta=POP_THETA))
+    l2p, l1p = sensitivity(qp, m)
+
+    def sigma_at(share: float) -> float:
+        return math.sqrt(split_budget(s.epsilon, s.delta, rounds, model_sens, (l1p, l2p), share)[1]) / qp.scale
+
+    sigma_all = math.sqrt(calibrate_mu(s.epsilon, s.delta, 1, l1p, l2p)) / qp.scale
+    return plan_private_run(
+        train,
+        epsilon=s.epsilon,
+        delta=s.delta,
+        negatives=negatives,
+        sigma_at=sigma_at,
+        sigma_all=sigma_all,
+        rounds=rounds,
+        seed=s.seed,
+    )
+
+
+def with_plan(settings: ScaledSettings, plan: PrivatePlan) -> ScaledSettings:
+    """``settings`` with the plan's popularity share and rounds (no round: the share is not used)."""
+    return replace(settings, pop_share=plan.pop_share if plan.rounds else settings.pop_share, rounds=plan.rounds)
+
+
 def run_private_scaled(
     train: Ratings,
     settings: ScaledSettings,
     *,
     on_round: Callable[[int, float], None] | None = None,
 ) -> ScaledResult:
-    """Run the popularity release and T private LightFR rounds over every user of ``train``."""
+    """Run the popularity release and T private LightFR rounds over every user of ``train`` (T = 0: the
+    release alone, with the whole ε)."""
     from device_sdk.batched import refreshed_vectors
     from device_sdk.lightfr import dcd_full, dcd_update
 
@@ -350,29 +403,24 @@ def run_private_scaled(
     s = settings
     n, m = train.n_users, train.n_items
     per_user = _per_user(train)
-    cohort_size = max(1, math.ceil(s.fraction * n))
-    scale_bits = s.scale_bits or _largest_scale_bits(cohort_size, s.clip_norm)
     dp = s.epsilon > 0
-    tmp = tempfile.mkdtemp(prefix="fedrec-privsim-")
-    cfg = scaled_config(n, m, replace(s, scale_bits=scale_bits), Path(tmp))
+    if s.rounds == 0:
+        return _popularity_only(per_user, m, s, start)
+    cfg, base, (l1m, l2m), qp = _sensitivities(n, m, s)
     qm = cfg.rounds.quantization()
-    base = build_strategy(cfg)
-    l2m, l1m = sensitivity(qm, int(base.vector_length))
-    theta_pop = s.example_cap or int(max(u.size for u in per_user))
-    qp = widest_quantization(n, math.sqrt(theta_pop))
+    scale_bits = qm.scale_bits
     l2p, l1p = sensitivity(qp, m)
     mu_model = mu_pop = 0.0
     if dp:
         mu_model, mu_pop = split_budget(
-            s.epsilon, s.delta, max(1, s.rounds), (l1m, l2m), (l1p, l2p), s.pop_share if s.pop_share > 0 else 0.0
+            s.epsilon, s.delta, s.rounds, (l1m, l2m), (l1p, l2p), s.pop_share if s.pop_share > 0 else 0.0
         )
     strategy: Strategy = base
     if dp and s.threshold > 0:
         strategy = NoiseAwareLightFR(base, math.sqrt(mu_model) / qm.scale, s.threshold)
     sim = PrivateSimulator(cfg, strategy=strategy, mu=mu_model if dp else None)
-    shutil.rmtree(tmp, ignore_errors=True)  # the configuration needs a data folder; the simulator writes none
     rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
-    counts = release_counts(per_user, m, theta_pop, qp, mu_pop, rng)
+    counts = release_counts(per_user, m, s.pop_theta, qp, mu_pop, rng)
     if sim.ledger is not None and mu_pop > 0:
         sim.ledger.record_round(mu_pop, l1p, l2p)
     cohort = LightFRCohort([(u, None) for u in per_user], m, s.bits)
@@ -425,6 +473,31 @@ def run_private_scaled(
         unobserved_weight=float(st.current_weight) if st.full else 0.0,
         hamming_weight=int(st.hamming_weight),
         item_levels=levels,
+    )
+
+
+def _popularity_only(per_user: list[NDArray[np.int64]], m: int, s: ScaledSettings, start: float) -> ScaledResult:
+    """The popularity release alone, calibrated to the whole ε (no model round: the model is the list)."""
+    n = len(per_user)
+    qp = widest_quantization(n, math.sqrt(s.pop_theta))
+    l2p, l1p = sensitivity(qp, m)
+    mu_pop, eps = 0.0, None
+    if s.epsilon > 0:
+        mu_pop = calibrate_mu(s.epsilon, s.delta, 1, l1p, l2p)
+        ledger = PrivacyLedger(epsilon_budget=s.epsilon, delta=s.delta)
+        eps = ledger.record_round(mu_pop, l1p, l2p)
+    rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
+    counts = release_counts(per_user, m, s.pop_theta, qp, mu_pop, rng)
+    return ScaledResult(
+        item_codes=np.ones((m, s.bits), np.int8),
+        user_codes=np.ones((n, s.bits), np.int8),
+        private_counts=counts,
+        epsilon=eps,
+        delta=s.delta,
+        mu_model=0.0,
+        mu_pop=mu_pop,
+        seconds=time.perf_counter() - start,
+        settings=s,
     )
 
 
@@ -573,20 +646,28 @@ def choose_alpha_full_ranking(
     eval_seed: int,
     say: Callable[[str], None] = lambda text: None,
 ) -> tuple[float, float]:
-    """The item-level weight α with the best validation Recall@20 (full ranking over ``fit``'s items,
-    a seeded sample of ``val_users`` users, random ties), and that Recall; the first of equals wins."""
+    """The item-level weight α by validation Recall@20 (full ranking over ``fit``'s items, a seeded sample of
+    ``val_users`` users, random ties) and that Recall: the best α only if it beats the private popularity
+    list (α = ∞, which must be in ``alphas``) by more than `MARGIN_SE` paired standard errors, else ∞."""
     from fedsim.evaluation.ranking import evaluate_all_items
 
     users = np.random.default_rng(eval_seed).choice(fit.n_users, min(val_users, fit.n_users), replace=False)
-    chosen: tuple[float, float] | None = None
+    per_user: dict[float, NDArray[np.float64]] = {}
     for a in alphas:
-        v = evaluate_all_items(scorer_for(a), fit, val, k=20, users=users, seed=eval_seed).recall
-        say(f"  validation Recall@20 with item level α={a:g}: {v:.4f}")
-        if chosen is None or v > chosen[1]:
-            chosen = (a, v)
-    if chosen is None:
+        r = evaluate_all_items(scorer_for(a), fit, val, k=20, users=users, seed=eval_seed)
+        say(f"  validation Recall@20 with item level α={a:g}: {r.recall:.4f}")
+        assert r.per_user is not None
+        per_user[a] = r.per_user
+    return _chosen(per_user, say)
+
+
+def _chosen(per_user: dict[float, NDArray[np.float64]], say: Callable[[str], None]) -> tuple[float, float]:
+    """`choose_with_margin` over the α grid's per-user validation results; (α, its mean)."""
+    if not per_user:
         raise ValueError("no α to choose from")
-    return chosen
+    alpha, why = choose_with_margin(per_user, floor=math.inf)
+    say(f"  {why}")
+    return alpha, float(per_user[alpha].mean())
 
 
 def full_ranking_metrics(data: Any, *, eval_seed: int, test_users: int | None) -> Callable[[Any], dict[str, float]]:
@@ -631,7 +712,7 @@ def evaluate_private(
         their metric maps; ``extra`` holds "epsilon" (the ledger's), "delta", "alpha" and the μ's.
     """
     from fedsim.data.kgat import TrainTestSplit
-    from fedsim.evaluation.ranking import TieMode, evaluate_candidates, popularity_scorer, random_scorer
+    from fedsim.evaluation.ranking import TieMode, evaluate_candidates, expected_hits, popularity_scorer, random_scorer
 
     say = log or (lambda text: None)
     chosen: tuple[float, float] | None = None
@@ -639,7 +720,13 @@ def evaluate_private(
         fit, val = carve_validation(data.train, eval_seed)
         res = run_private_scaled(fit, settings, on_round=on_round)
         chosen = choose_alpha_full_ranking(
-            lambda a: scorer(res, a), fit, val, ALPHAS, val_users=val_users, eval_seed=eval_seed, say=say
+            lambda a: scorer(res, a),
+            fit,
+            val,
+            ALPHAS if settings.rounds else (math.inf,),
+            val_users=val_users,
+            eval_seed=eval_seed,
+            say=say,
         )
         seen = data.train
         full = full_ranking_metrics(data, eval_seed=eval_seed, test_users=test_users)
@@ -653,12 +740,11 @@ def evaluate_private(
     else:
         exp = data
         res = run_private_scaled(exp.train, settings, on_round=on_round)
-        for a in ALPHAS:
-            v = evaluate_candidates(candidate_scores(res, exp.val.users, exp.val.items, a), 10, TieMode.RANDOM).hr
-            say(f"  validation HR@10 with item level α={a:g}: {v:.4f}")
-            if chosen is None or v > chosen[1]:
-                chosen = (a, v)
-        assert chosen is not None
+        hits: dict[float, NDArray[np.float64]] = {}
+        for a in ALPHAS if settings.rounds else (math.inf,):
+            hits[a] = expected_hits(candidate_scores(res, exp.val.users, exp.val.items, a), 10)
+            say(f"  validation HR@10 with item level α={a:g}: {hits[a].mean():.4f}")
+        chosen = _chosen(hits, say)
 
         def blocks(scores: Any) -> dict[str, float]:
             r = evaluate_candidates(np.asarray(scores, dtype=np.float64), 10, TieMode.RANDOM)
