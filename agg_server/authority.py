@@ -54,6 +54,14 @@ def add_options(ca: argparse.ArgumentParser) -> None:
         help=f"how long the certificate is valid from now (default {DEFAULT_VALID_DAYS}); the server refuses it "
         "at registration and devices refuse it in signed rounds outside that period",
     )
+    ca_issue.add_argument(
+        "--device-id",
+        type=int,
+        default=None,
+        metavar="ID",
+        help="issue the certificate for this device id only (>= 1): the server registers the device under it and "
+        "devices refuse the certificate for any other id (default: any id the server assigns)",
+    )
     ca_revoke = ca_sub.add_parser(
         "revoke",
         help="add device keys to the authority's signed revocation list (the file enrollment.revocation_list names)",
@@ -101,7 +109,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     if args.ca_command == "revoke":
         return _revoke(authority, args, out)
     device_key = _hex_key("--device-key", args.device_key)
-    out.write(authority.issue(device_key, args.batch, valid_days=args.valid_days).hex() + "\n")
+    certificate = authority.issue(device_key, args.batch, valid_days=args.valid_days, device_id=args.device_id)
+    out.write(certificate.hex() + "\n")
     return 0
 
 

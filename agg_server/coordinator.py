@@ -433,7 +433,8 @@ class RoundCoordinator(Presence):
             deadlines=deadlines,
             authority_key=self.enrollment.authority,
         )
-        session = ServerSecAggSession(params, cohort, rng=rng, defer_finish=self.defer_finish)
+        roster = self.enrollment.roster(cohort)  # signed rounds: each device's certified identity key
+        session = ServerSecAggSession(params, cohort, rng=rng, defer_finish=self.defer_finish, identities=roster)
         plan = round_plan(
             self.strategy, self.model_version, example_cap=cfg.example_cap, clip_norm=self.quantization.clip_norm
         )

@@ -54,8 +54,8 @@ from protocol.errors import (
 from protocol.identity import (
     RevocationList,
     certificate_batch,
+    read_certificate,
     registration_payload,
-    verify_certificate,
     verify_revocation_list,
     verify_signature,
 )
@@ -91,6 +91,7 @@ class Credential:
     identity_key: bytes | None = None
     token_sha256: bytes | None = None
     rate_key: str = ""
+    device_id: int | None = None  # a format-3 certificate's device id: the device registers under it
 
 
 class _Bucket:
@@ -393,12 +394,12 @@ class Enrollment:
             self._refresh_on_request()
             revoked: RevocationList | frozenset[bytes] = self._crl if self._crl is not None else frozenset()
             try:
-                identity = verify_certificate(certificate, self.authority, revoked=revoked)
-                verify_signature(identity, proof, registration_payload(certificate))
+                checked = read_certificate(certificate, self.authority, revoked=revoked)
+                verify_signature(checked.subject, proof, registration_payload(certificate))
             except CryptoError as exc:
                 raise EnrollmentRefused(f"certificate refused: {exc}") from None
             source = "cert:" + certificate_batch(certificate).hex()
-            return Credential(source=source, identity_key=identity, rate_key=source)
+            return Credential(source=source, identity_key=checked.subject, rate_key=source, device_id=checked.device_id)
         if token:
             if self.authority:
                 raise EnrollmentRefused(
@@ -481,6 +482,7 @@ class Enrollment:
             source=credential.source,
             identity_key=credential.identity_key,
             enrollment_token_sha256=credential.token_sha256,
+            device_id=credential.device_id,
         )
         self.remember(device_id, credential.source)
         return RegisterResponse(device_id=device_id, token=token)
@@ -536,6 +538,16 @@ class Enrollment:
         return tokens
 
     # -- cohorts --------------------------------------------------------------------------------------
+    def roster(self, cohort: Sequence[int]) -> dict[int, bytes] | None:
+        """A signed round's roster (protocol 1.8): each device's certified identity key; None on a server
+        without an authority.  A device registered without one (before the server had an authority) is
+        named with a key nobody holds, distinct per device: it is excluded at `keys`."""
+        if not self.authority:
+            return None
+        known = self.storage.identity_keys(cohort)
+        nobody = b"fedrec/roster/no-identity"
+        return {d: known.get(d) or hashlib.sha256(nobody + d.to_bytes(8, "big")).digest() for d in cohort}
+
     def sources(self, device_ids: Sequence[int]) -> dict[int, str]:
         """The credential source of each device (cached; read from storage once per device)."""
         missing = [d for d in device_ids if d not in self._sources]

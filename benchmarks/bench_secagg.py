@@ -75,6 +75,7 @@ def _run(
     active = [s for u, s in result.device_seconds.items() if u not in schedule[Phase.MASKED_INPUT]]
     masked_bytes = result.upload_bytes["MaskedInput"] / max(1, len(result.survivors))
     total_up = sum(result.upload_bytes.values()) / max(1, len(active))
+    total_down = sum(result.download_bytes.values()) / max(1, len(active))
     return {
         "n": n,
         "k": result.params.k,
@@ -87,6 +88,7 @@ def _run(
         "dev_max_s": float(np.max(active)),
         "B/elem_masked": masked_bytes / length,
         "B/elem_all": total_up / length,
+        "kB_down/dev": total_down / 1000,
         "peak_MB": peak / 2**20,
     }
 
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "dev_max_s",
         "B/elem_masked",
         "B/elem_all",
+        "kB_down/dev",
         "peak_MB",
     )
     rows = []

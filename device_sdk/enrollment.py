@@ -20,6 +20,7 @@ from protocol.errors import ConfigError, RemoteProtocolError, RevocationListInva
 from protocol.identity import (
     RevocationList,
     SigningKey,
+    read_certificate,
     registration_payload,
     verify_certificate,
     verify_revocation_list,
@@ -79,6 +80,11 @@ class EnrollmentMixin(ClientCore):
         message = response.message
         if not isinstance(message, RegisterResponse):
             raise RemoteProtocolError(f"registration answered with {message_name(message)}")
+        named = read_certificate(certificate, authority).device_id if certificate and authority is not None else None
+        if named is not None and message.device_id != named:
+            raise RemoteProtocolError(
+                f"registered as device {message.device_id}, but the certificate was issued for device {named}"
+            )
         identity = Identity(device_id=message.device_id, token=message.token, certificate=certificate)
         save_identity(self.config.store_dir, identity)
         self._identity = identity

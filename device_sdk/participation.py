@@ -103,6 +103,9 @@ class RoundParticipation(EnrollmentMixin, ModelSyncMixin):
                 _log.warning("refusing round %d: %s", rid, exc)
                 await self._leave(invite, f"refused: {exc}")
                 return self._outcome(RoundStatus.REFUSED, rid, tally, reason=str(exc))
+            # The session admitted the round id into the ledger's history: persisted before any key leaves,
+            # so a restarted device still refuses a second session of this round.
+            save_ledger(self.config.store_dir, self._ledger)
             with tally.step("train"):
                 # Off the app's event loop: training is the device's long CPU step.
                 update = await asyncio.to_thread(self._train, invite, training_rng, noise_rng)
@@ -134,6 +137,9 @@ class RoundParticipation(EnrollmentMixin, ModelSyncMixin):
             # its 150 s deadline with 1,000 devices).
             outgoing = session.send()
             path = f"/v1/rounds/{invite.round_id}/{name}"
+            if name == "shares":
+                # The ledger's history now names this round's session id: persisted before any share leaves.
+                save_ledger(self.config.store_dir, self._ledger)
             if name == "masked":
                 self._charge(invite)  # the masked input may leave now: charge the device's own ledger first
             with tally.step(name):
@@ -200,8 +206,7 @@ class RoundParticipation(EnrollmentMixin, ModelSyncMixin):
             _log.debug("could not tell the server this device left round %d: %s", invite.round_id, exc)
 
     def _charge(self, invite: RoundInvite) -> None:
-        if invite.dp_mu <= 0.0:
-            return
+        # Saved with or without DP: the ledger's session history now names the round's session id.
         self._ledger.charge(invite)
         save_ledger(self.config.store_dir, self._ledger)
 

@@ -154,6 +154,9 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind] | str, ..
                 # protocol 1.6: LightFR asymmetric scoring in the plan
                 "qp",
                 "ur",
+                # protocol 1.8: the roster devices sign (omitted when empty)
+                ("roster_ids", "ro", Kind.INTS),
+                ("roster_keys", "rok", Kind.BYTES_LIST),
             ),
         ),
         PublicKeys.TYPE: (
@@ -393,7 +396,7 @@ def _encode_value(kind: Kind, value: Any) -> Any:
 
 #: Fields written only when non-empty: an honest device's message keeps the bytes it had before the field
 #: existed (the committed test vectors, peers of the same major that predate it).
-_OMITTED_WHEN_EMPTY = frozenset({(MaskedInput.TYPE, "bad")})
+_OMITTED_WHEN_EMPTY = frozenset({(MaskedInput.TYPE, "bad"), (RoundInvite.TYPE, "ro"), (RoundInvite.TYPE, "rok")})
 
 
 def encode(message: Message) -> bytes:

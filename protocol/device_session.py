@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import NoReturn
 
 import numpy as np
@@ -27,9 +28,11 @@ from protocol import crypto
 from protocol.errors import CertificateRevoked, CryptoError, LocalProtocolError, RemoteProtocolError, StaleRound
 from protocol.fixed_secrets import FixedDeviceSecrets
 from protocol.identity import (
+    Cohort,
     RevocationList,
     SigningKey,
     key_advertisement_payload,
+    roster_digest,
     survivor_set_payload,
     verify_certificate,
     verify_signature,
@@ -96,7 +99,8 @@ class DeviceSecAggSession:
         The device's privacy floor (`protocol.policy`), checked against the invite before anything is
         generated; None checks nothing (protocol tests and simulations).  `DeviceClient` always passes one.
     ledger : DeviceLedger, optional
-        The device's own privacy ledger, for the policy's total-ε floor.
+        The device's own privacy ledger, for the policy's total-ε floor, and (protocol 1.8) its session
+        history: the round id is admitted into it here, and a round id it already holds is refused.
     identity, certificate : SigningKey and bytes, optional
         Protocol 1.3: the device's long-term Ed25519 key and its enrollment certificate; the key
         advertisement and the survivor set are signed with it.
@@ -114,6 +118,8 @@ class DeviceSecAggSession:
     ------
     PrivacyFloorViolation
         The invite is below ``policy``: the device sits the round out.
+    SessionReplayed
+        ``ledger`` shows this device already took part in a session of the invite's round id.
     """
 
     def __init__(
@@ -136,16 +142,28 @@ class DeviceSecAggSession:
         if authority_key is not None and (identity is None or not certificate):
             raise TypeError("a session that pins an enrollment authority needs the device's identity and certificate")
         if identity is not None and authority_key is not None:
-            if verify_certificate(certificate, authority_key) != identity.public_key:
+            # Its own certificate: signature, validity period (expiry checked on the device) and, format 3,
+            # issued for this device id.
+            if verify_certificate(certificate, authority_key, device_id=invite.device_id) != identity.public_key:
                 raise CryptoError("the device's certificate does not certify its identity key")
         self._identity = identity
         self._certificate = certificate
+        # Protocol 1.8: the cohort this device signs, (n, roster digest); the roster stays in the invite.
+        self._cohort: Cohort = None
+        if authority_key is not None and identity is not None:
+            self._cohort = _check_roster(invite, identity.public_key)
         self._authority = authority_key
         self._revoked: RevocationList | frozenset[bytes] = revoked if revoked is not None else frozenset()
         self._gamma = 0.0 if policy is None else policy.adversary_rate
         self._signed_set: tuple[int, ...] | None = None
         #: ε the round charges this device at its policy's δ (0 without a policy or without DP).
         self.round_epsilon = 0.0 if policy is None else check_invite(invite, policy, ledger)
+        # Protocol 1.8: shares and a survivor signature in one session per round id, ever (the ledger's
+        # history; `SessionReplayed` otherwise), admitted before any key exists and named at ShareKeys.
+        # The caller persists the ledger before the keys and the shares leave.
+        self._ledger = ledger
+        if ledger is not None:
+            ledger.admit_round(invite.round_id)
         self.invite = invite
         if rng is not None and not isinstance(rng, NoiseStream):
             raise TypeError(f"rng must be a protocol.samplers.NoiseStream, got {type(rng).__name__}")
@@ -353,7 +371,7 @@ class DeviceSecAggSession:
         rid, me, c, s = self.invite.round_id, self.device_id, self._c.public_key, self._s.public_key
         if self._identity is None:
             return PublicKeys(round_id=rid, device_id=me, c_public_key=c, s_public_key=s)
-        signature = self._identity.sign(key_advertisement_payload(rid, me, c, s))
+        signature = self._identity.sign(key_advertisement_payload(rid, me, c, s, self._cohort))
         return PublicKeys(
             round_id=rid,
             device_id=me,
@@ -375,7 +393,7 @@ class DeviceSecAggSession:
             msg.neighbour_ids, msg.c_public_keys, msg.s_public_keys, msg.certificates, msg.signatures, strict=True
         ):
             try:
-                identity = verify_certificate(cert, self._authority, revoked=self._revoked)
+                identity = verify_certificate(cert, self._authority, revoked=self._revoked, device_id=v)
             except CertificateRevoked as exc:
                 raise CertificateRevoked(
                     f"neighbour device {v} in the ShareKeys broadcast of round {self.invite.round_id}: {exc}; "
@@ -384,10 +402,18 @@ class DeviceSecAggSession:
             if identity in seen:
                 raise RemoteProtocolError(f"ShareKeys broadcast uses one certified identity twice (at {v})")
             seen.add(identity)
+            if _roster_key(self.invite, v) != identity:
+                raise RemoteProtocolError(
+                    f"neighbour device {v} is not on the round's roster with the identity it presents: the roster "
+                    "this device signed is the whole cohort"
+                )
             try:
-                verify_signature(identity, sig, key_advertisement_payload(self.invite.round_id, v, c, s))
+                verify_signature(identity, sig, key_advertisement_payload(self.invite.round_id, v, c, s, self._cohort))
             except CryptoError:
-                raise CryptoError(f"the keys advertised for device {v} are not signed by its certified key") from None
+                raise CryptoError(
+                    f"the keys advertised for device {v} are not signed by its certified key for this round's "
+                    "cohort (a signature on another cohort size or roster does not count)"
+                ) from None
             self._identities[v] = identity
             self._certified[cert] = identity
 
@@ -402,9 +428,12 @@ class DeviceSecAggSession:
             raise RemoteProtocolError("the survivor set must be sorted and list each device once")
         if self.device_id not in members:
             raise RemoteProtocolError("the survivor set omits this device, which sent its masked input")
+        outside = [v for v in members if _roster_key(self.invite, v) is None]
+        if self._cohort is not None and outside:
+            raise RemoteProtocolError(f"the survivor set names {outside[:5]}, not on the round's roster")
         session = self._session or b""
         self._signed_set = members
-        signature = self._identity.sign(survivor_set_payload(self.invite.round_id, session, members))
+        signature = self._identity.sign(survivor_set_payload(self.invite.round_id, session, members, self._cohort))
         return ConsistencySignature(
             round_id=self.invite.round_id, device_id=self.device_id, session_id=session, signature=signature
         )
@@ -420,7 +449,7 @@ class DeviceSecAggSession:
         if msg.survivor_set != self._signed_set:
             raise RemoteProtocolError("UnmaskRequest rests on a different survivor set than the one this device signed")
         members = set(self._signed_set)
-        payload = survivor_set_payload(self.invite.round_id, self._session or b"", self._signed_set)
+        payload = survivor_set_payload(self.invite.round_id, self._session or b"", self._signed_set, self._cohort)
         valid: set[int] = set()
         identities: set[bytes] = set()
         need = required_signatures(self.invite, self._gamma)
@@ -438,9 +467,11 @@ class DeviceSecAggSession:
                 elif cert in self._certified:
                     identity = self._certified[cert]  # verified in this round's key broadcast
                 else:
-                    identity = verify_certificate(cert, self._authority, revoked=self._revoked)
+                    identity = verify_certificate(cert, self._authority, revoked=self._revoked, device_id=v)
                 if identity in identities or (v in self._identities and self._identities[v] != identity):
                     continue
+                if self._cohort is not None and _roster_key(self.invite, v) != identity:
+                    continue  # protocol 1.8: only the roster's identities count
                 verify_signature(identity, sig, payload)
             except CryptoError:
                 continue
@@ -488,6 +519,8 @@ class DeviceSecAggSession:
         check_neighbourhood(len(ids), inv)
         self._check_signed_keys(msg)
         self._session = msg.session_id
+        if self._ledger is not None:
+            self._ledger.record_session(inv.round_id, msg.session_id)
         self._neighbours = keys
         order = sorted(ids)
         self._index = {v: i + 1 for i, v in enumerate(order)}
@@ -644,3 +677,37 @@ class DeviceSecAggSession:
         self._held_b.clear()
         self._held_s.clear()
         return response
+
+
+def _check_roster(invite: RoundInvite, own_key: bytes) -> Cohort:
+    """Protocol 1.8: the roster a signed round's invite shows, checked before anything is generated: one
+    certified identity key per id, ``cohort_size`` of them, this device among them under its own key.
+
+    Why it is enough (the consistency threshold, `protocol.phases.required_signatures`): every signature a
+    device counts names (n, roster digest), so all devices that accept one neighbour's keys count signers
+    of the same n-device roster, of which at most ⌊γ n⌋ are dishonest; an honest device signs one survivor
+    set per round id, ever (the ledger's history); so two different sets each signed by more than
+    (n + ⌊γ n⌋) / 2 roster identities would need an honest identity that signed both.  A server that
+    shows a smaller n must list every participant in the smaller roster (each checks it is on it), so the
+    threshold still counts a majority of everyone who takes part.
+    """
+    ids, keys = invite.roster_ids, invite.roster_keys
+    if not ids or not keys:
+        raise RemoteProtocolError(
+            "the invite shows no roster of identity keys: this device signs only a cohort it was shown in full"
+        )
+    if len(set(keys)) != len(keys):
+        raise RemoteProtocolError("the roster lists one identity key twice")
+    if _roster_key(invite, invite.device_id) != own_key:
+        raise RemoteProtocolError(f"the roster does not list this device ({invite.device_id}) under its own key")
+    return len(ids), roster_digest(ids, keys)
+
+
+def _roster_key(invite: RoundInvite, device_id: int) -> bytes | None:
+    """The identity key the invite's roster lists for ``device_id`` (None off the roster; the ids are sorted,
+    so the device keeps no second copy of an n-entry roster)."""
+    ids = invite.roster_ids
+    i = bisect.bisect_left(ids, device_id)
+    if i < len(ids) and ids[i] == device_id and invite.roster_keys:
+        return invite.roster_keys[i]
+    return None

@@ -95,9 +95,12 @@ class EnrollmentAuthority:
         *,
         valid_days: float = DEFAULT_VALID_DAYS,
         not_before: float | None = None,
+        device_id: int | None = None,
     ) -> bytes:
         """Certify a device's 32-byte Ed25519 public key under the batch called ``batch``, valid from
-        ``not_before`` (Unix seconds, default now) for ``valid_days`` days (certificate format 2).
+        ``not_before`` (Unix seconds, default now) for ``valid_days`` days (certificate format 2), and with
+        ``device_id`` for that device id only (format 3, protocol 1.8: the server registers the device
+        under it; ids >= 1).
 
         Raises
         ------
@@ -116,12 +119,15 @@ class EnrollmentAuthority:
         if isinstance(start, bool) or not isinstance(start, int | float) or not 0 <= start < 1 << 40:
             raise ConfigError(f"not_before must be Unix seconds, got {not_before!r}")
         first = math.floor(start)
+        if device_id is not None and (isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 1):
+            raise ConfigError(f"a certificate's device id must be an integer >= 1, got {device_id!r}")
         return issue_certificate(
             self.key,
             device_public_key,
             batch=batch_id(batch),
             not_before=first,
             not_after=first + math.ceil(valid_days * 86400),
+            device_id=device_id,
         )
 
     def revoke(self, previous: bytes | None, device_keys: Sequence[bytes], now: float | None = None) -> bytes:

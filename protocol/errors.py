@@ -24,6 +24,7 @@ __all__ = [
     "RevocationListInvalid",
     "RoundError",
     "StaleRound",
+    "SessionReplayed",
     "RoundClosed",
     "NotEnoughParticipants",
     "PrivacyBudgetExceeded",
@@ -178,6 +179,13 @@ class PrivacyFloorViolation(RemoteProtocolError):
     """A round asks less privacy than the device's `PrivacyPolicy` allows; the device sits it out."""
 
     code = "privacy_floor"
+
+
+class SessionReplayed(RemoteProtocolError):
+    """A server opened a second session for a round id this device already took part in (a device keeps
+    the history of its rounds and signs for each round id at most once)."""
+
+    code = "session_replayed"
 
 
 class PayloadTooLarge(RemoteProtocolError):

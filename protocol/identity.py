@@ -45,12 +45,15 @@ __all__ = [
     "Certificate",
     "read_certificate",
     "CERTIFICATE_V2_BYTES",
+    "CERTIFICATE_V3_BYTES",
     "CERTIFICATE_CLOCK_SKEW",
     "RevocationList",
     "issue_revocation_list",
     "verify_revocation_list",
     "key_advertisement_payload",
     "survivor_set_payload",
+    "Cohort",
+    "roster_digest",
 ]
 
 SIGNATURE_BYTES = 64
@@ -61,6 +64,10 @@ CERTIFICATE_BYTES = len(_CERT_MAGIC) + KEY_BYTES + 16 + SIGNATURE_BYTES
 #: big-endian Unix seconds) ‖ CA signature over (label ‖ everything before it).  Format 1 stays readable.
 _CERT_MAGIC_V2 = b"FRC2"
 CERTIFICATE_V2_BYTES = CERTIFICATE_BYTES + 16
+#: Certificate format 3 (protocol 1.8, the device id it was issued for): "FRC3" ‖ subject ‖ serial ‖
+#: not_before ‖ not_after ‖ device id (u64 big-endian) ‖ CA signature over (label ‖ everything before it).
+_CERT_MAGIC_V3 = b"FRC3"
+CERTIFICATE_V3_BYTES = CERTIFICATE_V2_BYTES + 8
 #: How far a verifier's clock may be off the authority's (seconds) before a certificate counts as not yet
 #: valid or expired.
 CERTIFICATE_CLOCK_SKEW = 300
@@ -71,6 +78,7 @@ MAX_REVOKED = 1 << 20
 _LABEL_CERTIFICATE = b"fedrec/enrollment/certificate"
 _LABEL_KEY_ADVERTISEMENT = b"fedrec/secagg/key-advertisement"
 _LABEL_SURVIVOR_SET = b"fedrec/secagg/survivor-set"
+_LABEL_ROSTER = b"fedrec/secagg/roster"
 _LABEL_REGISTRATION = b"fedrec/enrollment/registration"
 #: Protocol 1.4: the first 8 of a certificate's 16 serial bytes name its enrollment batch.
 BATCH_BYTES = 8
@@ -161,6 +169,7 @@ def issue_certificate(
     serial: bytes | None = None,
     not_before: int | None = None,
     not_after: int | None = None,
+    device_id: int | None = None,
 ) -> bytes:
     """The enrollment authority certifies a device's long-term public key.
 
@@ -180,6 +189,10 @@ def issue_certificate(
         The validity period in Unix seconds, both or neither: with them a format-2 certificate
         (`CERTIFICATE_V2_BYTES`), without them a format-1 certificate that never expires (kept for the
         test vectors of protocol 1.4; `protocol.enrollment.EnrollmentAuthority.issue` always sets them).
+    device_id : int, optional
+        Protocol 1.8: the device id the certificate is issued for (format 3, `CERTIFICATE_V3_BYTES`; needs
+        the validity period).  The server registers the device under it, and every verifier refuses
+        the certificate for any other id.
 
     Returns
     -------
@@ -203,6 +216,12 @@ def issue_certificate(
         if not_after <= not_before:
             raise CryptoError(f"a certificate's not_after ({not_after}) must be after its not_before ({not_before})")
         body = _CERT_MAGIC_V2 + subject_public_key + batch + tail + _u64(not_before) + _u64(not_after)
+        if device_id is not None:
+            if type(device_id) is not int or not 0 <= device_id < 1 << 63:
+                raise CryptoError(f"a certificate's device id is a non-negative integer, got {device_id!r}")
+            body = _CERT_MAGIC_V3 + body[len(_CERT_MAGIC_V2) :] + _u64(device_id)
+    if device_id is not None and not body.startswith(_CERT_MAGIC_V3):
+        raise CryptoError("a certificate that names a device id needs a validity period")
     return body + authority.sign(_LABEL_CERTIFICATE + body)
 
 
@@ -219,12 +238,28 @@ class Certificate:
     not_before, not_after : int or None
         The validity period in Unix seconds; None for a format-1 certificate (no period: it never expires,
         only revocation ends it).
+    device_id : int or None
+        Format 3: the device id it was issued for; None for formats 1 and 2 (any id).
     """
 
     subject: bytes
     serial: bytes
     not_before: int | None
     not_after: int | None
+    device_id: int | None = None
+
+    def check_device(self, device_id: int) -> None:
+        """Refuse the certificate for a device id it does not name (format 3).
+
+        Raises
+        ------
+        CryptoError
+            It names another device id.
+        """
+        if self.device_id is not None and self.device_id != device_id:
+            raise CryptoError(
+                f"enrollment certificate issued for device {self.device_id} is presented for device {device_id}"
+            )
 
     @property
     def batch(self) -> bytes:
@@ -270,6 +305,8 @@ def read_certificate(
         v2 = False
     elif len(certificate) == CERTIFICATE_V2_BYTES and certificate.startswith(_CERT_MAGIC_V2):
         v2 = True
+    elif len(certificate) == CERTIFICATE_V3_BYTES and certificate.startswith(_CERT_MAGIC_V3):
+        v2 = True
     else:
         raise CryptoError("malformed enrollment certificate")
     body, signature = certificate[:-SIGNATURE_BYTES], certificate[-SIGNATURE_BYTES:]
@@ -281,8 +318,11 @@ def read_certificate(
     subject = body[start : start + KEY_BYTES]
     serial = body[start + KEY_BYTES : start + KEY_BYTES + 16]
     not_before = not_after = None
+    device_id = None
     if v2:
-        not_before, not_after = struct.unpack(">QQ", body[start + KEY_BYTES + 16 :])
+        not_before, not_after = struct.unpack(">QQ", body[start + KEY_BYTES + 16 : start + KEY_BYTES + 32])
+        if len(body) > start + KEY_BYTES + 32:
+            (device_id,) = struct.unpack(">Q", body[start + KEY_BYTES + 32 :])
     if not_before is not None and not_after is not None and check_period:
         clock = time.time() if now is None else now
         if clock + CERTIFICATE_CLOCK_SKEW < not_before:
@@ -301,7 +341,7 @@ def read_certificate(
         raise CertificateRevoked(
             f"enrollment certificate revoked: the authority's revocation list{number} names device key {subject.hex()}"
         )
-    return Certificate(subject=subject, serial=serial, not_before=not_before, not_after=not_after)
+    return Certificate(subject=subject, serial=serial, not_before=not_before, not_after=not_after, device_id=device_id)
 
 
 def certificate_batch(certificate: bytes) -> bytes:
@@ -322,9 +362,10 @@ def verify_certificate(
     *,
     now: float | None = None,
     revoked: frozenset[bytes] | RevocationList = frozenset(),
+    device_id: int | None = None,
 ) -> bytes:
-    """Check a certificate (`read_certificate`: signature, validity period, revocation); return the
-    certified device public key.
+    """Check a certificate (`read_certificate`: signature, validity period, revocation, and with
+    ``device_id`` that a format-3 certificate names that id); return the certified device public key.
 
     Raises
     ------
@@ -333,7 +374,10 @@ def verify_certificate(
     CertificateNotYetValid, CertificateExpired, CertificateRevoked
         As `read_certificate`.
     """
-    return read_certificate(certificate, authority_public_key, now=now, revoked=revoked).subject
+    checked = read_certificate(certificate, authority_public_key, now=now, revoked=revoked)
+    if device_id is not None:
+        checked.check_device(device_id)
+    return checked.subject
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,13 +451,48 @@ def verify_revocation_list(data: bytes, authority_public_key: bytes, *, interrup
     return RevocationList(number=number, issued_at=issued_at, device_keys=device_keys)
 
 
-def key_advertisement_payload(round_id: int, device_id: int, c_public_key: bytes, s_public_key: bytes) -> bytes:
-    """What a device signs when it advertises its round keys (binds round, device id and both keys)."""
-    return _LABEL_KEY_ADVERTISEMENT + _VERSION_BINDING + _u64(round_id) + _u64(device_id) + c_public_key + s_public_key
+#: Protocol 1.8: what a signed round's cohort is bound by, (n, `roster_digest`) (None in older rounds).
+Cohort = tuple[int, bytes] | None
 
 
-def survivor_set_payload(round_id: int, session: bytes, survivors: Sequence[int]) -> bytes:
-    """What a survivor signs in the consistency check: the round, the session and the sorted set U3."""
+def roster_digest(device_ids: Sequence[int], identity_keys: Sequence[bytes]) -> bytes:
+    """Protocol 1.8: SHA-256 of a round's roster, the invited devices in increasing id order each with its
+    certified identity key; a device signs it (with n) in its key advertisement and its survivor set."""
+    if len(device_ids) != len(identity_keys):
+        raise CryptoError("a roster names one identity key per device")
+    h = hashlib.sha256(_LABEL_ROSTER + _VERSION_BINDING + struct.pack(">I", len(device_ids)))
+    for v, key in zip(device_ids, identity_keys, strict=True):
+        h.update(_u64(v) + _len_prefixed(key))
+    return h.digest()
+
+
+def _cohort_binding(cohort: Cohort) -> bytes:
+    # Empty before protocol 1.8 (the payload keeps its older, shorter form); n and the roster digest after.
+    if cohort is None:
+        return b""
+    n, digest = cohort
+    return _u64(n) + _len_prefixed(digest)
+
+
+def key_advertisement_payload(
+    round_id: int, device_id: int, c_public_key: bytes, s_public_key: bytes, cohort: Cohort = None
+) -> bytes:
+    """What a device signs when it advertises its round keys (binds round, device id and both keys, and
+    since protocol 1.8 the cohort size n and the digest of the roster it was shown)."""
+    return (
+        _LABEL_KEY_ADVERTISEMENT
+        + _VERSION_BINDING
+        + _u64(round_id)
+        + _u64(device_id)
+        + c_public_key
+        + s_public_key
+        + _cohort_binding(cohort)
+    )
+
+
+def survivor_set_payload(round_id: int, session: bytes, survivors: Sequence[int], cohort: Cohort = None) -> bytes:
+    """What a survivor signs in the consistency check: the round, the session and the sorted set U3 (and
+    since protocol 1.8 the cohort size n and the roster digest)."""
     ids = sorted(survivors)
     return (
         _LABEL_SURVIVOR_SET
@@ -422,4 +501,5 @@ def survivor_set_payload(round_id: int, session: bytes, survivors: Sequence[int]
         + _len_prefixed(session)
         + struct.pack(">I", len(ids))
         + b"".join(_u64(v) for v in ids)
+        + _cohort_binding(cohort)
     )

@@ -115,6 +115,12 @@ class RoundInvite(Message):
         Protocol 1.3: the number of devices invited to the round (n), which the device's privacy floor
         (`protocol.policy`) checks k, t and t_min against; 0 = not stated (a 1.2 server), which a device
         with a privacy floor refuses.
+    roster_ids, roster_keys : tuple of int, tuple of bytes
+        Protocol 1.8: the invited cohort, every device id in increasing order (``cohort_size`` of them)
+        and, in a signed round, each one's certified 32-byte identity key.  A device that pins an
+        enrollment authority signs n and `protocol.identity.roster_digest` of them in its key
+        advertisement and its survivor set; empty = not stated (an older server), which such a device
+        refuses.
     params : FamilyParams or None
         The family's training parameters (`protocol.plan.LightFRParams`, `MFParams`, `FELBParams` or
         `FNMFParams`, whose type must be ``model_kind``'s and which validated them), None for a family
@@ -149,6 +155,9 @@ class RoundInvite(Message):
     round_index: int = 0
     # Appended in protocol 1.3 (device-side privacy floor).
     cohort_size: int = 0
+    # Appended in protocol 1.8 (a cohort the server cannot shrink): the roster the devices sign.
+    roster_ids: tuple[int, ...] = ()
+    roster_keys: tuple[bytes, ...] = ()
     # The family's parameters (protocol 1.1-1.3 and 1.6 appended their keys; `protocol.plan.param_field`).
     params: FamilyParams | None = None
 
@@ -168,6 +177,8 @@ class RoundInvite(Message):
                 fail(n, f"params are {self.params.KIND.value!r} parameters, model_kind is {self.model_kind!r}")
         check_id(n, "cohort_size", self.cohort_size)
         check_id(n, "round_index", self.round_index)
+        if self.roster_ids or self.roster_keys:
+            _check_roster(self)
         for name in ("model_version", "bits", "n_items", "example_cap"):
             check_id(n, name, getattr(self, name))
         check_text(n, "model_kind", self.model_kind, 32)
@@ -227,6 +238,29 @@ class RoundInvite(Message):
             self.masked_input_deadline,
             self.unmask_deadline,
         )
+
+
+#: The roster tuples last found valid (held, so their ids cannot be reused): a server builds one invite per
+#: device around the same two tuples, and checking them again for each would cost O(n²).  Tuples of ints
+#: and bytes never change, so a hit is exactly the answer a fresh check would give.
+_CHECKED_ROSTER: list[object] = [None, None, -1]
+
+
+def _check_roster(invite: RoundInvite) -> None:
+    n, ids = "RoundInvite", invite.roster_ids
+    if _CHECKED_ROSTER[0] is ids and _CHECKED_ROSTER[1] is invite.roster_keys and _CHECKED_ROSTER[2] == len(ids):
+        if len(ids) != invite.cohort_size:
+            fail(n, f"the roster lists {len(ids)} devices, cohort_size is {invite.cohort_size}")
+        return
+    check_ids(n, "roster_ids", ids)
+    if any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+        fail(n, "roster_ids must be in increasing order, each id once")
+    if len(ids) != invite.cohort_size:
+        fail(n, f"the roster lists {len(ids)} devices, cohort_size is {invite.cohort_size}")
+    check_bytes_tuple(n, "roster_keys", invite.roster_keys, KEY_BYTES)
+    if invite.roster_keys and len(invite.roster_keys) != len(ids):
+        fail(n, "roster_keys must have one identity key per roster id, or none")
+    _CHECKED_ROSTER[:] = [ids, invite.roster_keys, len(ids)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

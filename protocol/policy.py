@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from protocol.errors import ConfigError, PrivacyFloorViolation
+from protocol.errors import ConfigError, PrivacyFloorViolation, SessionReplayed
 from protocol.graph import validate_parameters
 from protocol.messages import RoundInvite
 from protocol.quantization import sensitivity
 from protocol.rdp import ORDERS, rdp_to_epsilon, skellam_rdp
 
-__all__ = ["PrivacyPolicy", "DeviceLedger", "check_invite", "round_rdp", "NO_NOISE_REFUSAL"]
+__all__ = ["PrivacyPolicy", "DeviceLedger", "SESSION_HISTORY", "check_invite", "round_rdp", "NO_NOISE_REFUSAL"]
 
 #: Why a device with ``require_noise`` refuses a round without DP noise, and the two settings that would
 #: let such a round run: DP on at the server, or the device's explicit opt-out.
@@ -68,6 +68,16 @@ class PrivacyPolicy:
         Most epsilon this device lets itself be charged over all the rounds it joins (default 16.0).
     delta : float
         The delta of the device's own accounting (default 1e-6).
+    min_cohort_size : int
+        Least cohort size n an invite may state (protocol 1.8; default 2): the operator pins the size
+        below which this device's input is not mixed with enough others.  In a signed round n is the
+        length of the roster the device signs, so a server cannot understate it without leaving devices
+        off the roster, and those refuse.
+    placement_safe : bool
+        Refuse a sparse round (k < n) whose t an adversary could reach by choosing where its colluders sit
+        (default False): the server places the neighbourhoods, so with t <= ⌊γ n⌋ it can put ⌊γ n⌋
+        colluders around this device and hold t of its shares.  True asks t >= ⌊γ n⌋ + 1 (or k = n);
+        the parameter finder's (k, t) at γ = 0.05 meet it only below n ≈ 360.
     enforce : bool
         False only for `PrivacyPolicy.no_floor` (simulations of tiny cohorts and tests).
 
@@ -83,6 +93,8 @@ class PrivacyPolicy:
     max_epsilon_per_round: float = 8.0
     max_epsilon_total: float = 16.0
     delta: float = 1e-6
+    min_cohort_size: int = 2
+    placement_safe: bool = False
     enforce: bool = True
 
     def __post_init__(self) -> None:
@@ -94,6 +106,8 @@ class PrivacyPolicy:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
         if not (0.0 < self.delta < 1.0):
             raise ConfigError(f"delta must be in (0, 1), got {self.delta!r}")
+        if type(self.min_cohort_size) is not int or self.min_cohort_size < 2:
+            raise ConfigError(f"min_cohort_size must be an integer >= 2, got {self.min_cohort_size!r}")
 
     @classmethod
     def no_floor(cls) -> PrivacyPolicy:
@@ -154,11 +168,21 @@ def check_invite(invite: RoundInvite, policy: PrivacyPolicy, ledger: DeviceLedge
     n, k, t = invite.cohort_size, invite.graph_k, invite.graph_t
     if n < 2:
         raise PrivacyFloorViolation(f"the invite states no usable cohort size (cohort_size={n}); refused")
+    if n < policy.min_cohort_size:
+        raise PrivacyFloorViolation(
+            f"cohort of {n} is below this device's pinned minimum cohort size {policy.min_cohort_size}"
+        )
     if k > n:
         raise PrivacyFloorViolation(f"neighbourhood k={k} exceeds the stated cohort of {n}")
     problem = _graph_floor(n, k, t, policy.adversary_rate)
     if problem is not None:
         raise PrivacyFloorViolation(f"k={k}, t={t} for a cohort of {n} is below this device's floor: {problem}")
+    colluders = int(policy.adversary_rate * n)
+    if policy.placement_safe and k < n and t <= colluders:
+        raise PrivacyFloorViolation(
+            f"t={t} with k={k} < n={n}: a server that places its {colluders} colluders around this device holds t "
+            "of its shares (this device asks t > ⌊γ n⌋ for sparse rounds)"
+        )
     if invite.dp_mu <= 0.0:
         if policy.require_noise:
             raise PrivacyFloorViolation(NO_NOISE_REFUSAL)
@@ -188,15 +212,30 @@ def check_invite(invite: RoundInvite, policy: PrivacyPolicy, ledger: DeviceLedge
     return eps
 
 
+#: Most (round id, session id) pairs a device's ledger keeps; older ones are folded into its round floor.
+SESSION_HISTORY = 4096
+
+
 @dataclass(slots=True)
 class DeviceLedger:
-    """The privacy a device has been charged, kept by the device itself (an RDP curve at `ORDERS`).
+    """The privacy a device has been charged, kept by the device itself (an RDP curve at `ORDERS`), and the
+    history of the sessions it took part in (protocol 1.8).
 
-    A round is charged when the device releases its masked input, whatever happens afterwards.
+    A round is charged when the device releases its masked input, whatever happens afterwards.  A round id
+    enters the history when the device creates its session for it, before any key is generated or
+    signed, and the session id once the ShareKeys broadcast names it, before any share is made.  A round
+    id with a session id is refused for good: a device makes shares in at most one session per round id
+    and signs at most one survivor set per round id, ever, whatever session id a server names.  Until
+    then the same round may be joined again (the server hands the invitation out again when a device's
+    key advertisement was lost; the keys of the abandoned session are gone).  The history is
+    bounded (`SESSION_HISTORY` pairs); a pair pushed out raises ``round_floor`` to its round id, and round
+    ids at or below the floor are refused as well (the server numbers its rounds in increasing order).
     """
 
     rdp: NDArray[np.float64] = field(default_factory=lambda: np.zeros(len(ORDERS)))
     rounds: int = 0
+    sessions: dict[int, bytes] = field(default_factory=dict)
+    round_floor: int = -1
 
     def charge(self, invite: RoundInvite) -> None:
         """Add one DP round (no-op without noise)."""
@@ -208,13 +247,45 @@ class DeviceLedger:
         """Epsilon spent so far at ``delta``."""
         return rdp_to_epsilon(self.rdp, delta)
 
+    def admit_round(self, round_id: int) -> None:
+        """Record that this device takes part in round ``round_id``, or refuse a round id it already used.
+
+        Raises
+        ------
+        SessionReplayed
+            ``round_id`` is in the history with a session id, or at or below its floor.
+        """
+        if self.sessions.get(round_id) or round_id <= self.round_floor:
+            raise SessionReplayed(
+                f"this device already took part in a session of round {round_id}: a second session for one round "
+                "is refused (it would let the server replay signatures of the first)"
+            )
+        if round_id in self.sessions:
+            return  # admitted before, but left before any session id, share or signature: the same invitation
+        self.sessions[round_id] = b""
+        while len(self.sessions) > SESSION_HISTORY:
+            oldest = next(iter(self.sessions))
+            del self.sessions[oldest]
+            self.round_floor = max(self.round_floor, oldest)
+
+    def record_session(self, round_id: int, session_id: bytes) -> None:
+        """Name the session id of an admitted round (for the record; the round id alone is what is refused)."""
+        if round_id in self.sessions:
+            self.sessions[round_id] = bytes(session_id)
+
     def to_dict(self) -> dict[str, Any]:
         """The store form."""
-        return {"orders": list(ORDERS), "rdp": [float(x) for x in self.rdp], "rounds": self.rounds}
+        return {
+            "orders": list(ORDERS),
+            "rdp": [float(x) for x in self.rdp],
+            "rounds": self.rounds,
+            "sessions": [[r, s.hex()] for r, s in self.sessions.items()],
+            "round_floor": self.round_floor,
+        }
 
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> DeviceLedger:
-        """Rebuild from `to_dict`.
+        """Rebuild from `to_dict` (a ledger written before protocol 1.8 has no session history).
 
         Raises
         ------
@@ -227,4 +298,19 @@ class DeviceLedger:
         curve = np.asarray(rdp, dtype=np.float64)
         if not np.all(np.isfinite(curve)) or np.any(curve < 0) or rounds < 0:
             raise ConfigError("malformed device privacy ledger")
-        return cls(rdp=curve, rounds=rounds)
+        return cls(rdp=curve, rounds=rounds, **_history_from_dict(state))
+
+
+def _history_from_dict(state: dict[str, Any]) -> dict[str, Any]:
+    pairs, floor = state.get("sessions", []), state.get("round_floor", -1)
+    if not isinstance(pairs, list) or type(floor) is not int or len(pairs) > SESSION_HISTORY:
+        raise ConfigError("malformed session history in the device ledger")
+    sessions: dict[int, bytes] = {}
+    for pair in pairs:
+        if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and isinstance(pair[1], str)):
+            raise ConfigError("malformed session history in the device ledger")
+        try:
+            sessions[pair[0]] = bytes.fromhex(pair[1])
+        except ValueError:
+            raise ConfigError("malformed session history in the device ledger") from None
+    return {"sessions": sessions, "round_floor": floor}

@@ -37,7 +37,14 @@ from protocol.errors import (
     StaleRound,
 )
 from protocol.graph import harary_graph
-from protocol.identity import key_advertisement_payload, survivor_set_payload, verify_certificate, verify_signature
+from protocol.identity import (
+    Cohort,
+    key_advertisement_payload,
+    roster_digest,
+    survivor_set_payload,
+    verify_certificate,
+    verify_signature,
+)
 from protocol.masking import MaskedSumAccumulator, pair_mask_keys
 from protocol.messages import (
     Abort,
@@ -112,6 +119,11 @@ class ServerSecAggSession:
         The invited cohort.
     rng : np.random.Generator
         Randomness for the Harary graph placement.
+    identities : mapping of int to bytes, optional
+        Protocol 1.8, signed rounds: each invited device's certified identity key.  The invites then carry
+        the roster (ids and keys) that every device signs, and a device whose advertisement presents
+        another identity is excluded.  Without it the invites carry no roster (an unsigned round), which
+        a device that pins an enrollment authority refuses.
 
     Raises
     ------
@@ -126,13 +138,23 @@ class ServerSecAggSession:
         *,
         rng: np.random.Generator,
         defer_finish: bool = False,
+        identities: Mapping[int, bytes] | None = None,
     ) -> None:
         ids = [int(i) for i in device_ids]
         if len(set(ids)) != len(ids):
             raise ValueError("device ids must be distinct")
         self.params = params
-        # validates every field once; the cohort size lets each device check its privacy floor
-        self._invites = {u: dataclasses.replace(params.invite(u), cohort_size=len(ids)) for u in ids}
+        roster = tuple(sorted(ids))
+        keys = () if identities is None else tuple(bytes(identities[u]) for u in roster)
+        self._roster_keys = dict(zip(roster, keys, strict=True)) if keys else {}
+        self._cohort: Cohort = (len(roster), roster_digest(roster, keys)) if keys else None
+        # validates every field once; the cohort size and roster let each device check its floor and sign them
+        self._invites = {
+            u: dataclasses.replace(
+                params.invite(u), cohort_size=len(ids), roster_ids=roster if keys else (), roster_keys=keys
+            )
+            for u in ids
+        }
         if params.k < len(ids) and params.k % 2 == 0:
             harary_graph(ids, params.k, rng)  # raises the graph module's ConfigError
         self._rng = rng
@@ -633,10 +655,14 @@ class ServerSecAggSession:
             return
         if not message.certificate or not message.signature:
             raise RemoteProtocolError(f"device {u} advertised unsigned keys; this round requires enrolled devices")
-        identity = verify_certificate(message.certificate, authority)
+        identity = verify_certificate(message.certificate, authority, device_id=u)
         if self._identities.get(identity, u) != u:
             raise RemoteProtocolError(f"device {u} presents a certified identity another device already used")
-        payload = key_advertisement_payload(message.round_id, u, message.c_public_key, message.s_public_key)
+        if self._cohort is not None and self._roster_keys[u] != identity:
+            raise RemoteProtocolError(f"device {u} presents another identity than the roster's")
+        payload = key_advertisement_payload(
+            message.round_id, u, message.c_public_key, message.s_public_key, self._cohort
+        )
         verify_signature(identity, message.signature, payload)
         self._certs[u] = (message.certificate, message.signature, identity)
         self._identities[identity] = u
@@ -653,7 +679,7 @@ class ServerSecAggSession:
         self._digests.clear()
         self._signing = bool(self.params.authority_key)
         if self._signing:
-            self._set_payload = survivor_set_payload(self.params.round_id, self._session, sorted(u3))
+            self._set_payload = survivor_set_payload(self.params.round_id, self._session, sorted(u3), self._cohort)
         self._phase = CLOSE_TRANSITIONS[self._phase]
 
     def _close_consistency(self) -> None:

@@ -37,6 +37,7 @@ from protocol.identity import (
     key_advertisement_payload,
     read_certificate,
     registration_payload,
+    roster_digest,
     survivor_set_payload,
     verify_certificate,
     verify_revocation_list,
@@ -569,6 +570,18 @@ def test_identity_vectors_reproduce_byte_for_byte() -> None:
     parsed = read_certificate(cert2, authority.public_key, now=v2["not_before"])
     assert parsed.subject == device.public_key
     assert (parsed.not_before, parsed.not_after) == (v2["not_before"], v2["not_after"])
+    v3 = vec["certificate_v3"]  # protocol 1.8: the device id it was issued for
+    cert3 = issue_certificate(
+        authority,
+        device.public_key,
+        batch=bytes.fromhex(vec["batch_id"]),
+        serial=bytes.fromhex(vec["serial_tail"]),
+        not_before=v3["not_before"],
+        not_after=v3["not_after"],
+        device_id=v3["device_id"],
+    )
+    assert cert3.hex() == v3["hex"] and cert3[:-72] == cert2[:-64].replace(b"FRC2", b"FRC3", 1)
+    assert read_certificate(cert3, authority.public_key, now=v3["not_before"]).device_id == v3["device_id"]
     crl = vec["revocation_list"]
     keys = [bytes.fromhex(k) for k in crl["device_keys"]]
     data = issue_revocation_list(authority, crl["number"], crl["issued_at"], keys)
@@ -584,6 +597,19 @@ def test_identity_vectors_reproduce_byte_for_byte() -> None:
     payload = survivor_set_payload(ss["round_id"], bytes.fromhex(ss["session_id"]), ss["survivors"])
     assert payload.hex() == ss["payload"] and device.sign(payload).hex() == ss["signature"]
     verify_signature(device.public_key, bytes.fromhex(ss["signature"]), payload)
+    ro = vec["roster"]  # protocol 1.8: the payloads bind (n, roster digest)
+    keys = [bytes.fromhex(k) for k in ro["identity_keys"]]
+    assert roster_digest(ro["ids"], keys).hex() == ro["digest"] and device.public_key in keys
+    cohort = (len(ro["ids"]), bytes.fromhex(ro["digest"]))
+    payload = key_advertisement_payload(
+        ka["round_id"], ka["device_id"], bytes.fromhex(ka["c_public_key"]), bytes.fromhex(ka["s_public_key"]), cohort
+    )
+    assert (
+        payload.hex() == ro["key_advertisement_payload"]
+        and device.sign(payload).hex() == ro["key_advertisement_signature"]
+    )
+    payload = survivor_set_payload(ss["round_id"], bytes.fromhex(ss["session_id"]), ss["survivors"], cohort)
+    assert payload.hex() == ro["survivor_set_payload"] and device.sign(payload).hex() == ro["survivor_set_signature"]
     for vector in vec["messages"].values():
         message = _build(vector)
         assert codec.encode(message).hex() == vector["hex"]

@@ -681,6 +681,8 @@ def test_two_demo_runs_with_one_seed_print_the_same(capsys: pytest.CaptureFixtur
             "random",
         }
     )
+    # The planner's plan, printed before the run, is in the record too.
+    assert record["plan"]["pop_theta"] == 1 and {"pop_share", "rounds", "forecast_ratio"} <= set(record["plan"])
 
 
 @pytest.mark.parametrize(

@@ -134,6 +134,8 @@ def invite_fields(draw: st.DrawFn) -> dict[str, object]:
         vector_length = lightfr if kind == ModelKind.LIGHTFR else draw(st.integers(n_items * bits, 2**28))
     else:
         n_items = 0 if bits else draw(st.integers(0, MAX_ITEMS))
+    roster = tuple(sorted(draw(st.sets(ids, max_size=8))))  # protocol 1.8, empty = not stated
+    keyed = bool(roster) and draw(st.booleans())
     return {
         "round_id": draw(ids),
         "device_id": draw(ids),
@@ -154,7 +156,9 @@ def invite_fields(draw: st.DrawFn) -> dict[str, object]:
         "n_items": n_items,
         "example_cap": draw(st.integers(0, 10**6)),
         "round_index": draw(st.integers(0, 10**6)),
-        "cohort_size": draw(st.integers(0, 10**6)),
+        "cohort_size": len(roster) if roster else draw(st.integers(0, 10**6)),
+        "roster_ids": roster,
+        "roster_keys": tuple(draw(st.lists(key, min_size=len(roster), max_size=len(roster)))) if keyed else (),
         "params": params,
     }
 

@@ -260,7 +260,9 @@ def _signed_round(
         authority_key=authority.public_key,
         **params,
     )
-    server = ServerSecAggSession(round_params, ids, rng=np.random.default_rng(seed))
+    server = ServerSecAggSession(
+        round_params, ids, rng=np.random.default_rng(seed), identities={u: enrolled[u][0].public_key for u in ids}
+    )
     devices = {
         u: DeviceSecAggSession(
             server.outbox(u),  # type: ignore[arg-type]

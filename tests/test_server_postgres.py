@@ -39,6 +39,21 @@ def backend(request: pytest.FixtureRequest) -> str | None:
     return database_url(server, f"t{next(_names)}")
 
 
+def test_a_device_registers_under_the_id_its_certificate_names_and_later_ids_do_not_collide(
+    backend: str | None, tmp_path: Path
+) -> None:
+    # Protocol 1.8: a format-3 certificate names the device id; PostgreSQL's id sequence must skip past it.
+    from protocol.errors import EnrollmentRefused
+
+    with Storage(tmp_path / "a", url=backend) as s:
+        assert s.add_device(bytes([1] * 32), "x", 1.0) == 1
+        assert s.add_device(bytes([2] * 32), "x", 2.0, identity_key=bytes([9] * 32), device_id=3) == 3
+        with pytest.raises(EnrollmentRefused, match="device id 3 named by the certificate is already registered"):
+            s.add_device(bytes([3] * 32), "x", 3.0, device_id=3)
+        assert [s.add_device(bytes([4 + i] * 32), "x", 4.0 + i) for i in range(2)] == [4, 5]
+        assert s.identity_keys([1, 3, 4]) == {3: bytes([9] * 32)}
+
+
 def test_every_table_round_trips_and_survives_reopening(backend: str | None, tmp_path: Path) -> None:
     digest = bytes(range(32))
     with Storage(tmp_path / "a", url=backend) as s:

@@ -11,6 +11,7 @@ Invariants of this module:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from agg_server.storage.base import Tables, check_devices, check_digest, check_time
 from protocol.errors import EnrollmentRefused, StorageError
@@ -30,6 +31,7 @@ class DeviceQueries(Tables):
         source: str = "",
         identity_key: bytes | None = None,
         enrollment_token_sha256: bytes | None = None,
+        device_id: int | None = None,
     ) -> int:
         """Register a device by the SHA-256 of its bearer token.
 
@@ -47,6 +49,8 @@ class DeviceQueries(Tables):
             Its certified Ed25519 public key (32 bytes); a key registers once.
         enrollment_token_sha256 : bytes, optional
             The digest of the one-time enrollment token it used: marked used in the same transaction.
+        device_id : int, optional
+            The id to register it under (>= 1: a certificate that names its device id); default the next.
 
         Returns
         -------
@@ -83,11 +87,14 @@ class DeviceQueries(Tables):
                     raise EnrollmentRefused(
                         "the enrollment token is unknown or was used before (tokens are single use)"
                     )
-            row = conn.execute(
-                "INSERT INTO devices (token_sha256, platform, registered_at, source, identity_key) "
-                "VALUES (?, ?, ?, ?, ?) RETURNING device_id",
-                (digest, str(platform), at, str(source), identity_key),
-            ).fetchone()
+            if device_id is None:
+                row = conn.execute(
+                    "INSERT INTO devices (token_sha256, platform, registered_at, source, identity_key) "
+                    "VALUES (?, ?, ?, ?, ?) RETURNING device_id",
+                    (digest, str(platform), at, str(source), identity_key),
+                ).fetchone()
+            else:
+                row = self._insert_with_id(conn, device_id, (digest, str(platform), at, str(source), identity_key))
             if row is None:  # pragma: no cover - RETURNING always gives the new row
                 raise StorageError("add_device: no row id returned")
             if enrollment is not None:
@@ -95,6 +102,24 @@ class DeviceQueries(Tables):
                     "UPDATE enrollment_tokens SET used_by = ? WHERE token_sha256 = ?", (int(row[0]), enrollment)
                 )
         return int(row[0])
+
+    def _insert_with_id(self, conn: Any, device_id: int, values: tuple[Any, ...]) -> Any:
+        """Insert a device under ``device_id`` (refused if taken); keep PostgreSQL's id sequence above it."""
+        if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 1:
+            raise EnrollmentRefused(f"a certificate's device id must be >= 1, got {device_id!r}")
+        if conn.execute("SELECT 1 FROM devices WHERE device_id = ?", (device_id,)).fetchone():
+            raise EnrollmentRefused(f"device id {device_id} named by the certificate is already registered")
+        row = conn.execute(
+            "INSERT INTO devices (device_id, token_sha256, platform, registered_at, source, identity_key) "
+            "VALUES (?, ?, ?, ?, ?, ?) RETURNING device_id",
+            (device_id, *values),
+        ).fetchone()
+        if self.dialect == "postgresql":
+            conn.execute(
+                "SELECT setval(pg_get_serial_sequence('devices', 'device_id'), "
+                "GREATEST((SELECT max(device_id) FROM devices), 1))"
+            )
+        return row
 
     def add_enrollment_tokens(self, token_sha256s: Sequence[bytes], source: str, now: float) -> None:
         """Store the digests of new one-time enrollment tokens of one credential source."""

@@ -78,3 +78,17 @@ class RevocationQueries(Tables):
                     for r in conn.execute(f"SELECT device_id FROM devices WHERE identity_key IN ({marks})", chunk)
                 )
         return sorted(out)
+
+    def identity_keys(self, device_ids: Sequence[int]) -> dict[int, bytes]:
+        """The certified identity key of each of ``device_ids`` that registered with one (a signed round's
+        roster)."""
+        ids = sorted({check_id("device_id", d) for d in device_ids})
+        out: dict[int, bytes] = {}
+        with self._guard("identity_keys") as conn:
+            for start in range(0, len(ids), 500):
+                chunk = ids[start : start + 500]
+                marks = ",".join("?" * len(chunk))
+                query = "SELECT device_id, identity_key FROM devices WHERE identity_key IS NOT NULL AND device_id IN "
+                rows = conn.execute(f"{query}({marks})", chunk)
+                out.update((int(d), bytes(k)) for d, k in rows)
+        return out

@@ -39,6 +39,7 @@ from protocol.identity import (  # noqa: E402
     issue_revocation_list,
     key_advertisement_payload,
     registration_payload,
+    roster_digest,
     survivor_set_payload,
     verify_certificate,
     verify_revocation_list,
@@ -128,6 +129,7 @@ _SINCE_1_3 = {
 _SINCE_1_4 = {"RegisterRequest": ("certificate", "proof", "enrollment_token")}
 _SINCE_1_6 = {"RoundInvite": ("query_planes", "user_reg")}
 _SINCE_1_7 = {"ModelPayload": ("unobserved_weight", "confidence", "dp_trained")}
+_SINCE_1_8 = {"RoundInvite": ("roster_ids", "roster_keys")}
 
 
 def _check(condition: bool) -> None:
@@ -146,6 +148,8 @@ def fixed_field_element(label: str) -> int:
 
 
 def _since(cls_name: str, type_code: int, field: str) -> str:
+    if field in _SINCE_1_8.get(cls_name, ()):
+        return "1.8"
     if field in _SINCE_1_7.get(cls_name, ()):
         return "1.7"
     if field in _SINCE_1_6.get(cls_name, ()):
@@ -190,6 +194,7 @@ def describe(message: Message) -> dict[str, Any]:
                 "value": _json_value(kind, value),
             }
             for name, key, kind, value in codec.body_fields(message)
+            if (cls.TYPE, key) not in codec._OMITTED_WHEN_EMPTY or len(value)  # absent from the body when empty
         ],
         "hex": codec.encode(message).hex(),
     }
@@ -223,6 +228,9 @@ def message_vectors() -> dict[str, Any]:
         n_items=2,
         example_cap=200,
         round_index=2,
+        cohort_size=3,
+        roster_ids=(100, 300, 500),  # protocol 1.8, written only when non-empty
+        roster_keys=tuple(fixed_bytes(f"roster key {v}") for v in (100, 300, 500)),
         # The keys of the other families' parameters travel at their ``absent`` values.
         params=MFParams(max_norm2=4.0, learning_rate=0.125, reg=0.0625, pretrain_epochs=5, local_epochs=2, negatives=0),
     )
@@ -784,6 +792,20 @@ def identity_vectors() -> dict[str, Any]:
             "not_after": not_after,
             "hex": certificate_v2.hex(),
         },
+        "certificate_v3": {  # protocol 1.8: format 2 plus the device id it was issued for
+            "not_before": not_before,
+            "not_after": not_after,
+            "device_id": 42,
+            "hex": issue_certificate(
+                authority,
+                device.public_key,
+                batch=batch,
+                serial=tail,
+                not_before=not_before,
+                not_after=not_after,
+                device_id=42,
+            ).hex(),
+        },
         "revocation_list": {
             "number": 3,
             "issued_at": 1_790_086_400,
@@ -807,11 +829,40 @@ def identity_vectors() -> dict[str, Any]:
             "payload": survivor_payload.hex(),
             "signature": signature.signature.hex(),
         },
+        "roster": _roster_vector(device, c_key, s_key, session, survivors),
         "messages": {
             "RegisterRequest": describe(register),
             "PublicKeys": describe(keys),
             "ConsistencySignature": describe(signature),
         },
+    }
+
+
+def _roster_vector(
+    device: SigningKey, c_key: bytes, s_key: bytes, session: bytes, survivors: list[int]
+) -> dict[str, Any]:
+    """Protocol 1.8: a roster (ids 3, 42, 99; 42 is the vector's device), its digest, and the key
+    advertisement and survivor-set payloads that bind (n, digest)."""
+    ids = [3, 42, 99]
+    keys = [
+        device.public_key if v == 42 else SigningKey.from_private_bytes(fixed_bytes(f"identity/roster {v}")).public_key
+        for v in ids
+    ]
+    digest = roster_digest(ids, keys)
+    cohort = (len(ids), digest)
+    advert = key_advertisement_payload(7, 42, c_key, s_key, cohort)
+    survivor_payload = survivor_set_payload(7, session, survivors, cohort)
+    for data in (advert, survivor_payload):
+        verify_signature(device.public_key, device.sign(data), data)
+    return {
+        "description": "protocol 1.8: the signed round's roster; the payloads append u64be(n) ‖ u32be(32) ‖ digest",
+        "ids": ids,
+        "identity_keys": [k.hex() for k in keys],
+        "digest": digest.hex(),
+        "key_advertisement_payload": advert.hex(),
+        "key_advertisement_signature": device.sign(advert).hex(),
+        "survivor_set_payload": survivor_payload.hex(),
+        "survivor_set_signature": device.sign(survivor_payload).hex(),
     }
 
 

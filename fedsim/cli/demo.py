@@ -229,8 +229,9 @@ def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
             else "\n"
         )
     )
-    if eps:
-        out.write(_plan_line(exp, eps, args.bits, n_devices) + "\n")
+    plan = _plan(exp, eps, args.bits, n_devices) if eps else None
+    if plan is not None:
+        out.write(plan.verdict() + _PLAN_SUFFIX + "\n")
     res = run_demo_fleet(
         exp,
         rounds=args.rounds,
@@ -263,22 +264,24 @@ def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
     _show_device(exp, client.model, data_dir, out)
     print(f"done in {res['seconds']:.1f} s", file=sys.stderr)
     if args.json:
-        write_json(_record(args, exp, res, ours, privacy), sys.stdout)
+        write_json(_record(args, exp, res, ours, privacy, plan), sys.stdout)
     return 0
 
 
-def _plan_line(exp: Experiment, epsilon: float, bits: int, n_devices: int) -> str:
-    """The privacy planner's verdict for this data and ε (`fedsim.private.planner`), printed before the run;
-    ``n_devices`` of the id space's users hold the training ratings."""
+_PLAN_SUFFIX = (
+    " (the planner's forecast, as `fedrec simulate --epsilon` runs it; the real server's verdict follows the run)"
+)
+
+
+def _plan(exp: Experiment, epsilon: float, bits: int, n_devices: int) -> Any:
+    """The privacy planner's plan for this data and ε (`fedsim.private.planner.PrivatePlan`), printed before
+    the run; ``n_devices`` of the id space's users hold the training ratings."""
     from dataclasses import replace
 
     from fedsim.private.scaled_lightfr import ScaledSettings, plan_run
 
     settings = ScaledSettings(epsilon=epsilon, bits=bits, unobserved_weight="auto")
-    plan = replace(plan_run(exp.train, settings, negatives=exp.n_negatives), devices=n_devices)
-    return plan.verdict() + (
-        " (the planner's forecast, as `fedrec simulate --epsilon` runs it; the real server's verdict follows the run)"
-    )
+    return replace(plan_run(exp.train, settings, negatives=exp.n_negatives), devices=n_devices)
 
 
 def small_fleet_privacy(exp: Experiment, n_devices: int, rounds: int, bits: int) -> tuple[float, str | None]:
@@ -335,7 +338,12 @@ def _explain_private_loss(
 
 
 def _record(
-    args: argparse.Namespace, exp: Experiment, res: dict[str, Any], ours: Any, privacy: dict[str, Any] | None
+    args: argparse.Namespace,
+    exp: Experiment,
+    res: dict[str, Any],
+    ours: Any,
+    privacy: dict[str, Any] | None,
+    plan: Any,
 ) -> dict[str, Any]:
     """The ``--json`` result of the demo (`fedsim.evaluation.report`)."""
     from fedsim.evaluation.ranking import TieMode
@@ -355,6 +363,7 @@ def _record(
         seed=args.seed,
         epsilon_is_guarantee=bool(privacy) and not args.insecure_seed_dp_noise,
         server_rounds=[{k: r.get(k) for k in ("round_id", "status", "cohort_size", "survivors")} for r in rounds_run],
+        **({"plan": plan.record()} if plan is not None else {}),
     )
 
 

@@ -64,6 +64,8 @@ class HarnessResult:
         ("b" | "s", owner id) → number of shares of that owner's secret the server received.
     upload_bytes : Counter of str
         Encoded bytes uploaded by devices, per message type.
+    download_bytes : Counter of str
+        Encoded bytes the server sent devices, per message type.
     device_seconds : dict of int to float
         Per-device time inside its session (crypto, masking, noise), when a clock was given.
     server_unmask_seconds : float
@@ -80,6 +82,7 @@ class HarnessResult:
     dp_t_min: int
     shares_received: Counter[tuple[str, int]] = field(default_factory=Counter)
     upload_bytes: Counter[str] = field(default_factory=Counter)
+    download_bytes: Counter[str] = field(default_factory=Counter)
     device_seconds: dict[int, float] = field(default_factory=dict)
     server_unmask_seconds: float = 0.0
 
@@ -188,10 +191,12 @@ def run_secagg_round(
     )
     root = np.random.SeedSequence(seed)
     graph_seq = root.spawn(1)[0]
-    server = ServerSecAggSession(params, ids, rng=np.random.default_rng(graph_seq))
+    identities = {u: key.public_key for u, (key, _) in enrolled.items()} if enrolled else None
+    server = ServerSecAggSession(params, ids, rng=np.random.default_rng(graph_seq), identities=identities)
     tick = clock or (lambda: 0.0)
 
     upload: Counter[str] = Counter()
+    download: Counter[str] = Counter()
     shares: Counter[tuple[str, int]] = Counter()
     device_seconds = dict.fromkeys(ids, 0.0)
     unmask_seconds = 0.0
@@ -199,7 +204,9 @@ def run_secagg_round(
     def carry(message: Message) -> Message:
         if not wire:
             return message
-        return decode(encode(message))
+        raw = encode(message)
+        download[type(message).__name__] += len(raw)
+        return decode(raw)
 
     def upload_to_server(u: int, message: Message) -> None:
         nonlocal unmask_seconds
@@ -295,6 +302,7 @@ def run_secagg_round(
         dp_t_min=dp_t_min,
         shares_received=shares,
         upload_bytes=upload,
+        download_bytes=download,
         device_seconds=device_seconds,
         server_unmask_seconds=unmask_seconds,
     )
