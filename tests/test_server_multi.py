@@ -306,11 +306,14 @@ async def test_two_instances_run_four_cohorts_in_parallel(pg_server: str, tmp_pa
             stop.set()
             run = await task
             # The cluster view: every instance reports the cluster's newest model and every cohort's leader.
-            views = [(await asyncio.to_thread(inst.status))["cluster"] for inst in instances]
+            # (a round still finishing may commit meanwhile: the view is the head between the two reads)
             with Storage(tmp_path / "view", url=url) as s:
-                head = s.head_version()
+                before = s.head_version()
+                views = [(await asyncio.to_thread(inst.status))["cluster"] for inst in instances]
+                after = s.head_version()
+            assert before is not None and after is not None
             for inst, view in zip(instances, views, strict=True):
-                assert view["model_version"] == head, view
+                assert before <= view["model_version"] <= after and before > 1, view
                 assert sorted(lead["leader"] for lead in view["leaders"]) == ["a", "a", "b", "b"], view
                 assert sum(lead["here"] for lead in view["leaders"]) == 2 and view["instance"] == inst.name
             for inst in instances:
