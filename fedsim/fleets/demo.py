@@ -160,7 +160,7 @@ def simulated_beside(exp: Experiment, epsilon: float, seed: int) -> tuple[dict[s
     aggregation, every device in every round), evaluated on the same test blocks."""
     from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private, plan_run, with_plan
 
-    settings = ScaledSettings(epsilon=epsilon, example_cap=20, threshold=0.0, seed=seed)
+    settings = ScaledSettings(epsilon=epsilon, threshold=0.0, seed=seed)
     plan = plan_run(exp.train, settings, negatives=exp.n_negatives)
     return evaluate_private(exp, with_plan(settings, plan), eval_seed=0)
 

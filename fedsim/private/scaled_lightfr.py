@@ -113,9 +113,11 @@ class ScaledSettings:
     delta: float = 1e-5
     rounds: int = 3
     bits: int = 64
-    clip_norm: float = 4.0
+    # θ and C: the best validation Recall@20 on amazon-book at ε = 8 (5 rounds, the planner's split) among the
+    # nine (θ, C) pairs tried, θ in {20, 50, 100}, C in {0.5, 1, 2, 4, 8} (results/2026-11-27-private-planner.md).
+    clip_norm: float = 1.0
     scale_bits: int = 0  # 0 = the largest that fits the bit budget
-    example_cap: int = 20
+    example_cap: int = 50
     negatives: int = 0
     flip_fraction: float = 1.0
     threshold: float = 0.0
