@@ -122,8 +122,10 @@ def main() -> None:
                         )
                     )
                     eps_text = f"{eps:g} ({row['spent']:.3f})" if math.isfinite(eps) else "∞ (non-private default)"
+                    floor = row["private_popularity"]
+                    floor_text = "—" if math.isnan(floor) else f"{floor:.4f}"
                     line = (
-                        f"| {devices} | {eps_text} | {row['model']:.4f} | {row['private_popularity']:.4f} | "
+                        f"| {devices} | {eps_text} | {row['model']:.4f} | {floor_text} | "
                         f"{row['popularity']:.4f} | {plan_text} | {row['seconds']:.0f} |"
                     )
                     table.append(line)
