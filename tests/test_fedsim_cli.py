@@ -685,6 +685,22 @@ def test_two_demo_runs_with_one_seed_print_the_same(capsys: pytest.CaptureFixtur
     assert record["plan"]["pop_theta"] == 1 and {"pop_share", "rounds", "forecast_ratio"} <= set(record["plan"])
 
 
+@pytest.mark.slow  # two demo runs: about 10 s on 2 cores
+def test_two_demo_runs_without_dp_with_one_seed_print_the_same(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without DP no test hook is needed: cohorts, dropouts, training and the stochastic-rounding coins of
+    the devices' updates all follow --seed, so the printed results (metrics and top-5 scores) repeat."""
+    argv = ["demo", "--dataset", "synthetic", "--devices", "10", "--cohort", "8", "--rounds", "2", "--dropout", "0.2"]
+    argv += ["--epsilon", "0", "--quiet"]
+    outputs = []
+    for _ in range(2):
+        assert main(argv) == 0
+        captured = capsys.readouterr()
+        assert "NOT a privacy guarantee" not in captured.out + captured.err
+        outputs.append(captured.out)
+    assert outputs[0] == outputs[1]
+    assert "no DP" in outputs[0] and "Top-5 computed on device" in outputs[0]
+
+
 @pytest.mark.parametrize(
     ("family", "argv", "loader"),
     [

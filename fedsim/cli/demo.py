@@ -95,10 +95,10 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     add_seed(
         p,
         "seed of everything the simulation decides: which devices each round invites, which drop and "
-        "where, the devices' first codes and sampled negatives, the server's cohort graph and damping, and "
-        "the evaluation's tie-breaks (default: 0). Without DP (--epsilon 0) two runs with one seed print "
-        "the same output; with DP the noise is fresh from the OS each run, so figures differ by the noise "
-        "only (see --insecure-seed-dp-noise)",
+        "where, the devices' first codes and sampled negatives, the server's cohort graph and damping, the "
+        "evaluation's tie-breaks and, without DP, the rounding of the devices' updates (default: 0). Without DP "
+        "(--epsilon 0) two runs with one seed print the same output; with DP the noise is fresh from the OS "
+        "each run, so figures differ by the noise only (see --insecure-seed-dp-noise)",
     )
     p.add_argument(
         "--insecure-seed-dp-noise",

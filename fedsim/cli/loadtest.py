@@ -89,9 +89,10 @@ def _add_fleet_args(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="reproducible rounds: the fleet picks each round's N devices from --seed and only those check in, and "
-        "the devices' training is seeded; with a server whose rounds.cohort_size is N and rounds.seed is set, "
-        "runs with the same seeds commit the same rounds on every back-end and split, and with "
-        "--insecure-seed-noise the same model (default: every device checks in whenever it is free)",
+        "the devices' training (and, in rounds without DP noise, the rounding of their updates) is seeded; with a "
+        "server whose rounds.cohort_size is N and rounds.seed is set, runs with the same seeds commit the same "
+        "rounds on every back-end and split, and without DP or with --insecure-seed-noise the same model "
+        "(default: every device checks in whenever it is free)",
     )
     p.add_argument(
         "--insecure-seed-noise",

@@ -90,6 +90,8 @@ class FaultyTransport:
         self.disconnect_after = float(disconnect_after)
         self._dropout = dropout
         self._decided: dict[int, DropoutAt] = {}
+        #: The last round invitation this device received (read by a fleet's seeded generators).
+        self.last_invite: RoundInvite | None = None
 
     def dropout_of(self, round_id: int) -> DropoutAt:
         """Where this device leaves round ``round_id`` (decided once per round)."""
@@ -126,6 +128,7 @@ class FaultyTransport:
             method, path, message, token=token, if_none_match=if_none_match, timeout=timeout
         )
         if path == "/v1/checkin" and isinstance(response.message, RoundInvite):
+            self.last_invite = response.message
             self.dropout_of(response.message.round_id)  # decided once the invitation arrived
         if route is not None and phase in _LEAVES_ON_ANSWER_TO.get(drop, ()):
             ends = response.status >= 400 or isinstance(response.message, RoundResult)

@@ -81,7 +81,10 @@ class FleetConfig:
     seed_training : seed only the devices' training generators (first-round user code, θ and negative
         sampling: child 0 of ``SeedSequence([seed, round_id, device_id])``, as `insecure_seeded_rngs`
         draws it) while their DP noise stays keyed from `secrets`: a simulation reproduces its
-        cohorts, dropouts and training, and its ε stays a guarantee.
+        cohorts, dropouts and training, and its ε stays a guarantee.  In a round without DP noise
+        (the invitation's ``dp_mu`` is 0) the noise stream supplies only the stochastic-rounding coins
+        of the update, so it is seeded too (`insecure_seeded_rngs`' stream): such a run repeats
+        exactly.  Keys and masks never come from these generators.
     rating_range, binary_positives : how devices normalise their ratings.
     time_limit : seconds after which the fleet stops regardless.
     long_poll_timeout : seconds a device waits on one phase request.
@@ -523,7 +526,10 @@ def _new_device(
 
     def rngs(round_id: int, _h: dict[str, DeviceClient] = holder) -> tuple[np.random.Generator, NoiseStream]:
         device_id = int(_h["c"].device_id or 0)
-        if config.insecure_reproducible:
+        invite = transport.last_invite
+        if config.insecure_reproducible or (invite is not None and invite.round_id == round_id and invite.dp_mu == 0):
+            # A round without DP noise reads only its stochastic-rounding coins from the noise stream: a
+            # simulation choice, seeded like the training generator (keys and masks never come from it).
             return insecure_seeded_rngs(config.seed, round_id, device_id)
         training, _ = np.random.SeedSequence([config.seed, round_id, device_id]).spawn(2)
         return np.random.default_rng(training), NoiseStream.from_os()
