@@ -26,11 +26,13 @@ from device_sdk.training import local_round
 from device_sdk.transport import LeftRound, Response, Transport, TransportError, raise_for_error
 from protocol.errors import *  # noqa: F403
 from protocol.errors import __all__ as _errors_all
+from protocol.policy import PrivacyPolicy
 from protocol.spec import Aggregation
 
 __all__ = [
     "DeviceClient",
     "ClientConfig",
+    "PrivacyPolicy",
     "RoundOutcome",
     "RoundStatus",
     "insecure_seeded_rngs",
