@@ -170,7 +170,7 @@ SMALL_BODY_BYTES = 64 * 1024
 def body_limit(
     request: web.Request, expected: type[Message] | None = None, coordinator: RoundCoordinator | None = None
 ) -> int:
-    """The largest body a route accepts (issue 15 item 8): sized from the open round for the routes
+    """The largest body a route accepts (docs/threat-model.md §3.5): sized from the open round for the routes
     that carry a ring vector or k ciphertexts, `SMALL_BODY_BYTES` for every other route, and never more
     than ``listen.max_body_bytes``."""
     cap = request.app[CONFIG].listen.max_body_bytes
@@ -199,7 +199,7 @@ def body_objects(
     return min(MAX_OBJECTS, SMALL_ROUTE_OBJECTS + 4 * r.session.params.k)
 
 
-#: Bodies above this size are decoded (and hashed) in a worker thread (issue 15 item 8): a body this small
+#: Bodies above this size are decoded (and hashed) in a worker thread (docs/threat-model.md §3.5): a body this small
 #: holds at most a few thousand msgpack objects, a few milliseconds of parsing; above it, the codec's
 #: header walk (Python, which yields the interpreter to the loop), SHA-256 and the message's copy of the
 #: vector (both release it) run off the loop; msgpack parses only the envelope around the vector, which
@@ -234,7 +234,7 @@ async def _read_body(request: web.Request, limit: int | None = None) -> bytearra
     # Read the body ourselves instead of `request.read()`, which caches the bytes on the request for
     # its whole life: a long-poll handler would then pin every device's upload (1000 devices ×
     # 1 MB masked inputs) until the phase closes.  A body that has not fully arrived after
-    # ``server.body_timeout`` seconds is cut (issue 15 item 8: slow or partial bodies held sockets forever).
+    # ``server.body_timeout`` seconds is cut (slow or partial bodies used to hold sockets forever).
     listen = request.app[CONFIG].listen
     limit = listen.max_body_bytes if limit is None else limit
     if request.content_length is not None and request.content_length > limit:

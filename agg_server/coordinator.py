@@ -540,7 +540,7 @@ class RoundCoordinator(Presence):
         try:
             r.session.receive(device_id, message, digest=digest)
             if isinstance(message, MaskedInput) and message.bad_share_senders:
-                # issue 15 item 5: the reported devices are out of the round (the session excluded them)
+                # the reported devices are out of the round (the session excluded them)
                 log.warning(
                     "round %d: device %d reported unusable share ciphertexts from %s; excluded from the round",
                     r.round_id,

@@ -1,4 +1,4 @@
-"""Who may register a device (protocol 1.4, issue 15 items 1 and 4): enrollment credentials, their
+"""Who may register a device (protocol 1.4, docs/threat-model.md §3.10): enrollment credentials, their
 sources, the per-source registration rate, and the per-source share of a round's cohort; registering a
 device and authenticating its bearer token.
 

@@ -1,10 +1,10 @@
-"""Issue 15's resource-limit bar: one fedrec-server runs an honest round twice, alone and with 300
+"""Resource limits under attack: one fedrec-server runs an honest round twice, alone and with 300
 partial request bodies plus repeated 64 MiB garbage uploads in flight; reports ``/v1/health`` latency
 (p50/p99/max over the attack's window, or the round's without attack, and p99/max during the round
 itself; probed every 20 ms from a separate process) and the server's peak resident memory
 (``VmHWM`` of ``/proc/<pid>/status``, a fresh server process per run).
 
-Bars: health p99 <= 100 ms under attack, peak memory under attack < 2 x the honest run's.
+Aims: health p99 <= 100 ms under attack, peak memory under attack < 2 x the honest run's.
 
 The garbage goes to the masked-input route of the round the fleet is in (read from ``/v1/status``), so
 the server reads it up to that route's limit (64 KiB + 4·L + 512·k) and tries to decode it.

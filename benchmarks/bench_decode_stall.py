@@ -1,4 +1,4 @@
-"""How long decoding a request body holds the server's event loop (issue 15 item 8: at most 50 ms).
+"""How long decoding a request body holds the server's event loop (the aim: at most 50 ms).
 
 Runs the server's own body decoder (`agg_server.app._decode`: in a worker thread above 4 KiB) on masked
 inputs of several lengths and on a hostile body of 65,536 empty arrays, while a 1 ms ticker runs on the

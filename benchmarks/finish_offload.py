@@ -2,7 +2,7 @@
 need a process?  Measures the lateness of a 10 ms asyncio timer (what a /v1/health request waits for
 the loop) while the CPU work of an unmask runs (a) on the loop, (b) in a thread, (c) in a process.
 
-The work is the real kernels at the bar's scale: n = 1,000 survivors with 24-of-72 Shamir
+The work is the real kernels at the load test's scale: n = 1,000 survivors with 24-of-72 Shamir
 reconstruction (`protocol.shamir.reconstruct`) and one self-mask expansion each, plus the pair masks of
 --dropped devices with 72 neighbours each (`MaskedSumAccumulator`, AES-CTR over L = 3,706 x 64).
 

@@ -1,5 +1,5 @@
 """The same seeded fleet on the local multi-process back-end and on the Ray back-end of ``fedrec loadtest``:
-wall time of each, and whether both committed the same rounds and the same final model (issue 12 item 3).
+wall time of each, and whether both committed the same rounds and the same final model.
 
 For each back-end a fresh ``python -m agg_server`` starts on loopback with an ML-100K-shaped model
 (1,682 items x 64 bits by default), ``rounds.cohort_size = --cohort`` and a fixed ``rounds.seed``, without

@@ -1,4 +1,4 @@
-"""Two `fedrec-server` instances on one PostgreSQL, four device cohorts in parallel (issue 12 item 2):
+"""Two `fedrec-server` instances on one PostgreSQL, four device cohorts in parallel:
 round times, every committed sum against the in-process reference, model versions, the privacy ledger,
 server CPU and peak RSS per instance.
 

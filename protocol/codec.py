@@ -212,7 +212,7 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind] | str, ..
                 ("device_id", "d", Kind.INT),
                 ("session_id", "sid", Kind.BYTES),
                 ("masked", "y", Kind.U32),
-                # protocol 1.3: neighbours whose share ciphertexts were unusable (issue 15 item 5)
+                # protocol 1.3: neighbours whose share ciphertexts were unusable (docs/threat-model.md §3.6)
                 ("bad_share_senders", "bad", Kind.INTS),
             ),
         ),
@@ -525,7 +525,7 @@ def check_shape(
 
 
 #: A byte string at least this long is not copied by msgpack: `decode` hands the field a view of the
-#: caller's buffer instead (issue 15 item 8: msgpack copies a bin while holding the interpreter, 32–35 ms
+#: caller's buffer instead (docs/threat-model.md §3.5: msgpack copies a bin while holding the interpreter, 32–35 ms
 #: for a 64 MiB masked input on an idle machine, far more under load, during which the server's event
 #: loop cannot run even though decoding happens in a worker thread).
 SPLICE_BIN_BYTES = 1 << 16

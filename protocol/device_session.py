@@ -576,7 +576,7 @@ class DeviceSecAggSession:
             try:
                 held_b[v], held_s[v] = self._open_share(v, blob, session)
             except CryptoError:
-                # Issue 15 item 5: one bad neighbour (or a ciphertext altered on the way) does not fail this
+                # One bad neighbour (or a ciphertext altered on the way) does not fail this
                 # session.  The neighbour is treated as dropped before the masked input: no share of it is
                 # held, it is left out of U2 (so out of the pairwise masks), and the report makes the server
                 # exclude it.  Nothing about it can be released later: the device's unmask checks refuse any

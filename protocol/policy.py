@@ -5,7 +5,7 @@
 # - Fail closed: a field the floor needs that the invite does not state (cohort_size = 0) is a refusal.
 # - Light: numpy and the standard library only (no dp-accounting, no scipy), so a phone can import it;
 #   the per-round RDP bound is the one the server's accountant uses (`protocol.rdp.skellam_rdp`).
-"""The device-side privacy floor (issue 15 item 3): what a device refuses to take part in.
+"""The device-side privacy floor (docs/threat-model.md §3.8): what a device refuses to take part in.
 
 A `PrivacyPolicy` sits in the device's configuration with safe defaults.  `check_invite` refuses, with a
 `PrivacyFloorViolation` naming the violated floor, an invite whose

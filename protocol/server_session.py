@@ -175,7 +175,7 @@ class ServerSecAggSession:
         self._shares_out: dict[int, dict[int, bytes]] = {}  # dst -> src -> ciphertext
         self._sent_shares: set[int] = set()
         self._masked_from: set[int] = set()
-        # issue 15 item 5: masked inputs not yet in the sum, reports of unusable shares, and per device the
+        # Masked inputs not yet in the sum, reports of unusable shares, and per device the
         # number of its neighbours that got its shares and have not yet answered (or gone)
         self._pending: dict[int, NDArray[np.uint32]] = {}
         self._bad: dict[int, frozenset[int]] = {}
@@ -646,7 +646,7 @@ class ServerSecAggSession:
         self._phase = CLOSE_TRANSITIONS[self._phase]
 
     def _check_public_keys(self, u: int, message: PublicKeys) -> None:
-        # Item 5 of issue 15: a low-order or malformed X25519 point is refused before it is broadcast, so
+        # A low-order or malformed X25519 point is refused before it is broadcast, so
         # one bad device cannot fail its neighbours' sessions (crypto.x25519 refuses an all-zero secret).
         for key in (message.c_public_key, message.s_public_key):
             crypto.x25519(self._probe.private_key, key)

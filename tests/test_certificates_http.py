@@ -1,4 +1,4 @@
-"""Certificates that expire and can be revoked (issue 15, left over from items 1 and 4): certificate
+"""Certificates that expire and can be revoked (docs/threat-model.md §3.11): certificate
 format 2 carries a validity period the server checks at registration and devices check on every
 neighbour's certificate in signed rounds; the enrollment authority's signed revocation list is enforced
 at registration and in cohort draws.  Real aiohttp servers on loopback, real `DeviceClient`s, real

@@ -122,7 +122,7 @@ def test_relative_links_point_to_existing_files(page: Path) -> None:
 @pytest.mark.parametrize("page", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_docs_cite_nothing_outside_a_clone_and_no_internal_names(page: Path) -> None:
     # A fresh clone has no ../shared/DESIGN.md or ../shared/STYLE.md (they were cited as the architecture and the
-    # style) and no tracker to resolve "issue 15 item 5"; the datasets' folder is a documented default location.
+    # style) and no tracker to resolve an issue number; the datasets' folder is a documented default location.
     text = page.read_text(encoding="utf-8")
     root = ROOT.resolve()
     outside = [t for t in relative_links(text) if not (page.parent / t).resolve().is_relative_to(root)]
@@ -131,6 +131,45 @@ def test_docs_cite_nothing_outside_a_clone_and_no_internal_names(page: Path) -> 
     assert not cited, f"{page.relative_to(ROOT)} cites files outside the checkout: {cited}"
     internal = re.findall(r"\b[Ii]ssue #?\d+[^.;\n]*", text)
     assert not internal, f"{page.relative_to(ROOT)} names internal issues: {internal}"
+
+
+_SHIPPED_DIRS = ("protocol", "device_sdk", "agg_server", "fedsim", "benchmarks", "examples", "docs")
+_ISSUE_NUMBER = re.compile(r"\b[Ii]ssue \d+")
+_URL = re.compile(r"\bhttps?://\S+")
+
+
+def issue_numbers(text: str) -> list[str]:
+    """The lines of ``text`` that name a tracker item ("issue 15", "Issue 12 item 2"), URLs left out."""
+    return [line.strip() for line in text.splitlines() if _ISSUE_NUMBER.search(_URL.sub("", line))]
+
+
+def _shipped_text_files() -> Iterator[Path]:
+    for folder in _SHIPPED_DIRS:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix not in {".pyc", ".npz", ".png"}:
+                yield path
+
+
+def test_shipped_files_name_no_tracker_items() -> None:
+    # The code, benchmarks, examples and docs are read by people without access to the project's tracker:
+    # a reference such as "(issue 15 item 8)" says what it stood for or points at docs/ instead.
+    named = {}
+    for path in _shipped_text_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        if hits := issue_numbers(text):
+            named[str(path.relative_to(ROOT))] = hits
+    assert not named, f"files name internal tracker items: {named}"
+
+
+def test_issue_number_detection() -> None:
+    text = (
+        "A (issue 15 item 5) reference.\nItem 5 of Issue 15.\nissue 12's bars\n"
+        "The server issues 32 random bytes.\nSee https://github.com/o/r/issues/15 or https://x.org/issue 7.\n"
+    )
+    assert issue_numbers(text) == ["A (issue 15 item 5) reference.", "Item 5 of Issue 15.", "issue 12's bars"]
 
 
 def test_link_extraction() -> None:

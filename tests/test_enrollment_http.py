@@ -1,4 +1,4 @@
-"""Issue 15 items 1, 2 and 4 over HTTP: certified identities, signed key advertisements and the consistency
+"""docs/threat-model.md §3.7 and §3.10 over HTTP: certified identities, signed key advertisements and the consistency
 check between real `DeviceClient`s and a real aiohttp `fedrec` server on loopback; enrollment credentials,
 the per-source registration rate and the per-source cohort share.
 
@@ -105,7 +105,7 @@ async def _join(client: DeviceClient) -> RoundOutcome:
         await asyncio.sleep(0.05)
 
 
-# -- registration needs a credential (item 2) --------------------------------------------------------------
+# -- registration needs a credential (§3.10) -------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -254,7 +254,7 @@ def test_config_validates_the_enrollment_section(tmp_path: Path) -> None:
     )
 
 
-# -- the per-source cohort share (item 4) -------------------------------------------------------------------
+# -- the per-source cohort share (§3.10) ------------------------------------------------------------------
 
 
 def test_capped_cohort_never_exceeds_the_share() -> None:
@@ -270,7 +270,7 @@ def test_capped_cohort_never_exceeds_the_share() -> None:
         if cohort:
             counts = np.unique([sources[d] for d in cohort], return_counts=True)[1]
             assert counts.max() <= share * len(cohort) + 1e-9, (trial, cohort)
-    # issue 15 row 6: 120 Sybils of one credential source beside 4 honest devices of their own sources
+    # A Sybil attack: 120 Sybils of one credential source beside 4 honest devices of their own sources
     sources = {d: "token:sybil" for d in range(120)} | {120 + i: f"cert:{i}" for i in range(4)}
     for _ in range(6):
         cohort = capped_cohort(list(sources), 50, sources, 0.25, rng)
@@ -300,7 +300,7 @@ async def test_the_sampler_caps_each_credential_source_share_of_a_round(aiohttp_
     assert counts == {"token:many": 2, "token:few": 2}  # 8 waiting, but "many" may fill at most half
 
 
-# -- signed rounds over HTTP (item 1) ------------------------------------------------------------------------
+# -- signed rounds over HTTP (§3.7) ------------------------------------------------------------------------
 
 
 def _fleet(url: str, root: Path, **kw: Any) -> FleetConfig:
@@ -401,7 +401,7 @@ async def test_signed_http_rounds_with_dropouts_at_every_phase_are_bit_exact(
 
 @pytest.mark.asyncio
 async def test_substituted_keys_are_refused_over_http(aiohttp_server: Any, tmp_path: Path) -> None:
-    # Issue 15 row 2 over HTTP: the server puts its own keys in X's slot of its neighbours' broadcasts.
+    # Key substitution over HTTP: the server puts its own keys in X's slot of its neighbours' broadcasts.
     ca = EnrollmentAuthority.generate()
     app = create_app(_config(tmp_path / "srv", cohort=6, enrollment={"authority_key": ca.public_key.hex()}))
     server = await aiohttp_server(app)
@@ -437,7 +437,7 @@ async def test_substituted_keys_are_refused_over_http(aiohttp_server: Any, tmp_p
 
 @pytest.mark.asyncio
 async def test_split_view_is_refused_by_every_device_over_http(aiohttp_server: Any, tmp_path: Path) -> None:
-    # Issue 15 row 1 over HTTP: the server shows half of the survivors U3 and the other half U3 without X,
+    # A split view over HTTP: the server shows half of the survivors U3 and the other half U3 without X,
     # collects each half's signatures on what it showed them and forwards them in the unmask requests.
     ca = EnrollmentAuthority.generate()
     n = 20

@@ -474,7 +474,7 @@ def test_float_matrix_wire_form_round_trips_and_refuses_bad_bytes() -> None:
 
 
 def test_long_byte_strings_are_decoded_without_msgpack_copying_them() -> None:
-    # Issue 15 item 8: msgpack copied a masked vector while holding the interpreter (a 64 MiB vector
+    # msgpack used to copy a masked vector while holding the interpreter (a 64 MiB vector
     # stalled the server's event loop 32-133 ms even though decoding runs in a worker thread).  A byte
     # string of SPLICE_BIN_BYTES or more is now handed over as a view of the caller's buffer: decoding
     # allocates the message's own copy of the vector and nothing else of its size.

@@ -160,7 +160,7 @@ def test_sensitivity_bounds_actual_quantized_norms() -> None:
 
 
 def test_rounding_coins_come_from_the_keystream_and_a_numpy_generator_is_refused() -> None:
-    # Issue 15 item 6: the rounding residue enters the sum the server sees, so its coins come from the
+    # The rounding residue enters the sum the server sees, so its coins come from the
     # device's ChaCha20 stream: one word per element, in order, and nothing else is accepted.
     cfg = QuantizationConfig(clip_norm=100.0, scale_bits=3)
     x = np.linspace(-2.0, 2.0, 257)

@@ -274,7 +274,7 @@ def test_device_checks_its_own_keys_and_distinct_keys_in_broadcast() -> None:
 
 
 def test_device_sets_aside_tampered_or_misaddressed_share_ciphertexts() -> None:
-    # Issue 15 item 5: an unusable ciphertext no longer fails the session; its sender is treated as dropped
+    # An unusable ciphertext no longer fails the session; its sender is treated as dropped
     # (no share held, left out of the masks) and reported in the masked input.
     from protocol.errors import RemoteProtocolError
 

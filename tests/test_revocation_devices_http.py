@@ -1,4 +1,4 @@
-"""Devices enforce the enrollment authority's revocation list themselves (protocol 1.5, issue 15): the
+"""Devices enforce the enrollment authority's revocation list themselves (protocol 1.5): the
 server serves the signed list it enforces (``GET /v1/enrollment/revocations``, ETag), a device checks
 it against its pinned authority, keeps the newest in its store, refuses rollbacks and forgeries, and
 refuses a signed round whose ShareKeys broadcast names a revoked neighbour before it makes a share.  A

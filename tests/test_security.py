@@ -1,5 +1,5 @@
-"""Issue 15's attack table, row by row: each attack re-run against the device session or a live server on
-loopback, with its new outcome."""
+"""The attacks of docs/threat-model.md §3, one by one: each attack re-run against the device session or a live
+server on loopback, with its new outcome."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ async def _post(client: Any, path: str, body: bytes, token: str | None = None) -
     return resp.status, decode(await resp.read())
 
 
-# -- strict inputs (item 7) ------------------------------------------------------------------------------
+# -- strict inputs (§3.5) ------------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -99,7 +99,7 @@ async def test_a_deeply_nested_registration_is_refused_quickly(aiohttp_client: A
     assert issubclass(DecodeError, RemoteProtocolError)
 
 
-# -- the device-side privacy floor (item 3) ---------------------------------------------------------------
+# -- the device-side privacy floor (§3.8) ---------------------------------------------------------------
 
 
 def _invite(**changes: Any) -> Any:
@@ -206,7 +206,7 @@ def test_an_overstated_survivor_count_is_refused() -> None:
 
     invite = _invite()
     check_survivor_quorum(20, 100, invite)
-    for factor in (2, 10, 1000):  # issue 15: 2x, 10x, 1000x the real 70 survivors
+    for factor in (2, 10, 1000):  # 2x, 10x, 1000x the real 70 survivors
         with pytest.raises(RemoteProtocolError, match="exceeds the invited cohort"):
             check_survivor_quorum(20, 70 * factor, invite)
 
@@ -366,7 +366,7 @@ def _to_consistency(n: int = 20, t: int = 4) -> Any:
 
 
 def test_split_view_of_one_device_is_refused_by_every_honest_neighbour() -> None:
-    # Issue 15 row 1: the server tells some neighbours of X that X survived and others that X dropped.
+    # A split view: the server tells some neighbours of X that X survived and others that X dropped.
     # Before: x_X recovered bit-exact.  Now: each group holds signatures on a different set and neither
     # reaches the majority a device requires, so nobody releases anything about X.
     from protocol.errors import RemoteProtocolError
@@ -453,7 +453,7 @@ def test_overstated_survivor_count_is_refused_against_the_signed_set() -> None:
 
 
 def test_substituted_keys_are_refused() -> None:
-    # Issue 15 row 2: the server puts its own public keys in X's slot.  Before: x_X recovered.  Now the
+    # Key substitution: the server puts its own public keys in X's slot.  Before: x_X recovered.  Now the
     # substituted keys carry no valid signature of X's certified identity (or no certificate of the
     # pinned authority) and the receiving device refuses the broadcast.
     import dataclasses
@@ -539,7 +539,7 @@ def test_signed_harness_rounds_are_bit_exact_with_a_drop_in_every_phase(dp: bool
     assert 5 in result.survivors and 2 not in result.survivors  # signed-set dropouts stay in the sum
 
 
-# -- resource limits (item 8, per-route body limits) -------------------------------------------------------
+# -- resource limits (§3.5, per-route body limits) -------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -590,7 +590,7 @@ def test_with_dp_a_survivor_count_above_the_signatures_is_refused_even_below_the
         devices[103].receive(dataclasses.replace(honest, n_survivors=11))  # below the cohort of 12
 
 
-# -- one bad device cannot abort a round (item 5, device side and exclusion) --------------------------------
+# -- one bad device cannot abort a round (§3.6, device side and exclusion) --------------------------------
 
 
 def _garble(shares: Any, victims: set[int] | None = None) -> Any:
@@ -657,7 +657,7 @@ def _run_with_a_bad_sharer(
 def test_garbage_share_ciphertexts_exclude_their_sender_and_the_round_stays_bit_exact(
     signed: bool, victims: set[int] | None
 ) -> None:
-    # Issue 15 row 7 (garbage share ciphertexts): before, every honest neighbour failed its session and the
+    # Garbage share ciphertexts: before, every honest neighbour failed its session and the
     # round aborted.  Now each sets the sender aside, reports it, and the server leaves it out of the sum,
     # even though its masked input arrived first.
     import numpy as np
@@ -799,7 +799,7 @@ def test_a_reporting_device_never_releases_a_share_of_the_neighbour_it_reported(
 async def test_a_device_sending_garbage_shares_over_http_is_excluded_and_the_round_commits(
     aiohttp_server: Any, aiohttp_client: Any, tmp_path: Path
 ) -> None:
-    # Issue 15 row 7 against a live server: one enrolled device runs the real session but replaces every
+    # Garbage share ciphertexts against a live server: one enrolled device runs the real session but replaces every
     # share ciphertext with random bytes and rushes its masked input.  Before, its honest neighbours failed
     # their sessions and the round aborted; now they report it, the server excludes it, and the round of
     # the six honest devices commits.
@@ -863,7 +863,7 @@ async def test_a_device_sending_garbage_shares_over_http_is_excluded_and_the_rou
     assert coordinator.model_version == 2
 
 
-# -- resource limits (item 8): body deadline, off-loop decoding, operator endpoints -------------------------
+# -- resource limits (§3.5): body deadline, off-loop decoding, operator endpoints -------------------------
 
 
 async def _raw_request(port: int, head: bytes, body_parts: list[bytes], gap: float) -> tuple[bytes, float, int]:
@@ -900,7 +900,7 @@ async def _raw_request(port: int, head: bytes, body_parts: list[bytes], gap: flo
 
 @pytest.mark.asyncio
 async def test_slow_and_partial_bodies_are_cut_after_the_body_timeout(aiohttp_server: Any, tmp_path: Path) -> None:
-    # Issue 15 row "300 partial request bodies left open": all were still held after 20 s.  Now a body
+    # 300 partial request bodies left open: all were still held after 20 s.  Now a body
     # that has not arrived within server.body_timeout gets 408 and its connection is closed.
     import dataclasses
 
@@ -976,7 +976,7 @@ def test_config_refuses_a_bad_operator_switch(tmp_path: Path) -> None:
 async def test_large_bodies_are_decoded_off_the_event_loop_and_object_counts_are_capped_per_route(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Issue 15 rows "16/64 MiB garbage body" and "63 MiB of nested empty arrays": decoded on the event loop,
+    # A 16/64 MiB garbage body and 63 MiB of nested empty arrays: decoded on the event loop,
     # every route frozen 32.6 s.  Now bodies above 4 KiB are decoded and hashed in a worker thread, and
     # each route caps the object count at what its largest legitimate message needs.  Checked by event
     # order and counters (the stall itself, in milliseconds, is the slow test below).
@@ -1135,7 +1135,7 @@ async def _health_under_abuse(aiohttp_server: Any, aiohttp_client: Any, tmp_path
 async def test_health_answers_with_300_partial_bodies_and_a_64_mib_upload_in_flight(
     aiohttp_server: Any, aiohttp_client: Any, tmp_path: Path
 ) -> None:
-    # Issue 15 rows "300 partial request bodies" and "64 MiB garbage body": /v1/health took 32 s meanwhile
+    # 300 partial request bodies and a 64 MiB garbage body: /v1/health took 32 s meanwhile
     # (the garbage decoded on the event loop).  Load-independent: every probe answered while the partial
     # bodies were held, and the whole exchange costs little CPU time (decoding 64 MiB would not).  The
     # latency itself is the slow test below.
@@ -1160,14 +1160,14 @@ async def test_health_stays_fast_with_300_partial_bodies_and_a_64_mib_upload_in_
     assert p99 <= 0.1, (p99, max(latencies))
 
 
-# -- noise a server cannot predict (item 6) ----------------------------------------------------------------
+# -- noise a server cannot predict (§3.9) ----------------------------------------------------------------
 
 
 def test_noise_thinning_and_rounding_coins_refuse_numpy_generators_and_default_to_secret_streams(
     tmp_path: Path,
 ) -> None:
-    # Issue 15 rows "fedrec demo and fedsim.fleets.local: devices' generators default to seed 0" and "DP noise and
-    # thinning coins drawn from PCG64": every randomness that enters the released sum (noise, thinning
+    # Devices' generators in fedrec demo and fedsim.fleets.local defaulted to seed 0, and DP noise and
+    # thinning coins were drawn from PCG64: every randomness that enters the released sum (noise, thinning
     # coins, and now the stochastic-rounding coins) comes from a ChaCha20 stream keyed from `secrets`
     # unless a loudly named test hook is used.
     import numpy as np

@@ -1,5 +1,5 @@
 """A responsive single instance: targeted long-poll wake-ups, the round's end off the event loop, and
-phases that close as soon as every device still there has answered (issue 12, part 1).
+phases that close as soon as every device still there has answered.
 
 Real aiohttp servers on loopback and real devices (`fedsim.fleets.local`); deadlines are long on purpose where
 a test shows that a phase closed *before* its deadline.
