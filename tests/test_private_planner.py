@@ -16,7 +16,6 @@ from fedsim.data.ratings import Ratings
 from fedsim.evaluation.experiment import prepare
 from fedsim.evaluation.ranking import evaluate_candidates, expected_hits
 from fedsim.private.planner import (
-    MAX_SHARE,
     POP_THETA,
     PRIVATE_ROUNDS,
     TARGET_RATIO,
@@ -28,6 +27,7 @@ from fedsim.private.planner import (
 from fedsim.private.scaled_lightfr import (
     ScaledSettings,
     _per_user,
+    choose_alpha_full_ranking,
     evaluate_private,
     plan_run,
     release_counts,
@@ -93,7 +93,6 @@ def test_plan_takes_the_smallest_share_that_reaches_the_target_or_the_whole_budg
     )
     assert (hopeless.rounds, hopeless.pop_share) == (0, 1.0) and not hopeless.personalises
     assert "the private model is the private popularity list" in hopeless.verdict()
-    assert MAX_SHARE < 1.0
 
 
 def _measured_ratio(exp: object, sigma_eps: float) -> tuple[float, float]:
@@ -169,3 +168,22 @@ def test_simulate_with_no_rounds_serves_the_private_list_with_the_whole_budget(
     assert record["rounds"] == 0 and record["plan"]["pop_share"] == 1.0
     assert record["metrics"]["model"] == record["metrics"]["private_popularity"]
     assert 1.99 < record["epsilon"] <= 2.0
+
+
+def test_alpha_without_the_private_list_in_the_grid_is_the_best_on_validation() -> None:
+    """A grid without α = ∞ (no popularity channel) has no floor to beat: the best validation mean wins."""
+    fit = _ratings([0, 1, 2], [0, 1, 2], 3, 40)
+    val = _ratings([0, 1, 2], [5, 6, 7], 3, 40)
+
+    def scorer_for(alpha: float) -> object:
+        good = np.zeros(40)
+        good[[5, 6, 7]] = 1.0 if alpha == 0.0 else -1.0  # α = 0 ranks the held-out items first
+        return lambda users: np.tile(good, (np.asarray(users).size, 1))
+
+    alpha, recall = choose_alpha_full_ranking(scorer_for, fit, val, (1.0, 0.0), val_users=3, eval_seed=0)
+    assert alpha == 0.0 and recall == 1.0
+    # With the list in the grid, a learned score that does not beat it clearly is not served.
+    alpha, _ = choose_alpha_full_ranking(
+        lambda a: scorer_for(0.0), fit, val, (0.0, math.inf), val_users=3, eval_seed=0
+    )
+    assert alpha == math.inf

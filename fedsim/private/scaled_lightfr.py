@@ -421,8 +421,7 @@ def run_private_scaled(
     if dp and s.threshold > 0:
         strategy = NoiseAwareLightFR(base, math.sqrt(mu_model) / qm.scale, s.threshold)
     sim = PrivateSimulator(cfg, strategy=strategy, mu=mu_model if dp else None)
-    rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
-    counts = release_counts(per_user, m, s.pop_theta, qp, mu_pop, rng)
+    counts = _popularity_counts(per_user, m, s, qp, mu_pop)
     if sim.ledger is not None and mu_pop > 0:
         sim.ledger.record_round(mu_pop, l1p, l2p)
     cohort = LightFRCohort([(u, None) for u in per_user], m, s.bits)
@@ -488,8 +487,7 @@ def _popularity_only(per_user: list[NDArray[np.int64]], m: int, s: ScaledSetting
         mu_pop = calibrate_mu(s.epsilon, s.delta, 1, l1p, l2p)
         ledger = PrivacyLedger(epsilon_budget=s.epsilon, delta=s.delta)
         eps = ledger.record_round(mu_pop, l1p, l2p)
-    rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
-    counts = release_counts(per_user, m, s.pop_theta, qp, mu_pop, rng)
+    counts = _popularity_counts(per_user, m, s, qp, mu_pop)
     return ScaledResult(
         item_codes=np.ones((m, s.bits), np.int8),
         user_codes=np.ones((n, s.bits), np.int8),
@@ -501,6 +499,14 @@ def _popularity_only(per_user: list[NDArray[np.int64]], m: int, s: ScaledSetting
         seconds=time.perf_counter() - start,
         settings=s,
     )
+
+
+def _popularity_counts(
+    per_user: list[NDArray[np.int64]], m: int, s: ScaledSettings, qp: QuantizationConfig, mu_pop: float
+) -> NDArray[np.float64]:
+    """The run's popularity release (`release_counts`) from its own seeded stream (a simulation)."""
+    rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
+    return release_counts(per_user, m, s.pop_theta, qp, mu_pop, rng)
 
 
 def item_levels(counts: NDArray[np.float64], bits: int) -> NDArray[np.float64]:
@@ -650,7 +656,7 @@ def choose_alpha_full_ranking(
 ) -> tuple[float, float]:
     """The item-level weight α by validation Recall@20 (full ranking over ``fit``'s items, a seeded sample of
     ``val_users`` users, random ties) and that Recall: the best α only if it beats the private popularity
-    list (α = ∞, which must be in ``alphas``) by more than `MARGIN_SE` paired standard errors, else ∞."""
+    list (α = ∞) by more than `MARGIN_SE` paired standard errors, else ∞; without ∞ in ``alphas``, the best."""
     from fedsim.evaluation.ranking import evaluate_all_items
 
     users = np.random.default_rng(eval_seed).choice(fit.n_users, min(val_users, fit.n_users), replace=False)
@@ -664,11 +670,15 @@ def choose_alpha_full_ranking(
 
 
 def _chosen(per_user: dict[float, NDArray[np.float64]], say: Callable[[str], None]) -> tuple[float, float]:
-    """`choose_with_margin` over the α grid's per-user validation results; (α, its mean)."""
+    """`choose_with_margin` over the α grid's per-user validation results, against the private popularity
+    list (α = ∞) when the grid has it, else the best mean (the first of equals); (α, its mean)."""
     if not per_user:
         raise ValueError("no α to choose from")
-    alpha, why = choose_with_margin(per_user, floor=math.inf)
-    say(f"  {why}")
+    if math.inf in per_user:
+        alpha, why = choose_with_margin(per_user, floor=math.inf)
+        say(f"  {why}")
+    else:
+        alpha = max(per_user, key=lambda a: float(per_user[a].mean()))
     return alpha, float(per_user[alpha].mean())
 
 
