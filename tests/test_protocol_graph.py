@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from protocol.errors import ConfigError
-from protocol.graph import GraphParams, find_parameters, harary_graph, validate_parameters
+from protocol.graph import GraphParams, find_parameters, harary_graph, placement_floor, validate_parameters
 
 # FCP graph_parameter_finder_test (semi-honest, 40-bit security, 2^-20 failure).  FCP's "degree" column
 # counts neighbours WITHOUT the device itself (its server adds the self-edge afterwards), so the
@@ -31,10 +31,45 @@ PRODUCTION_TABLE = [
 
 @pytest.mark.parametrize(("n", "gamma", "omega", "degree", "t"), PRODUCTION_TABLE)
 def test_finder_reproduces_fcp_table(n: int, gamma: float, omega: float, degree: int, t: int) -> None:
-    params = find_parameters(n, dropout_rate=omega, adversary_rate=gamma)
+    # FCP's table is the semi-honest (random placement) setting; the server never uses it.
+    params = find_parameters(n, dropout_rate=omega, adversary_rate=gamma, adversarial_placement=False)
     assert params == GraphParams(k=degree + 1, t=t)
     assert params.degree == degree
+    validate_parameters(n, params.k, params.t, omega, gamma, adversarial_placement=False)
+
+
+# Protocol 1.9, the default: t >= ⌊γ n⌋ + 2 for every sparse graph, whoever places the devices.
+# (n, adversary_rate, dropout_rate, k, t)
+PLACEMENT_TABLE = [
+    (10, 0.05, 0.33, 7, 2),
+    (100, 0.05, 0.33, 29, 7),
+    (360, 0.05, 0.33, 61, 20),
+    (1000, 0.05, 0.33, 123, 52),
+    (10_000, 0.05, 0.33, 879, 502),
+    (1000, 0.33, 0.33, 563, 332),
+]
+
+
+@pytest.mark.parametrize(("n", "gamma", "omega", "k", "t"), PLACEMENT_TABLE)
+def test_finder_holds_under_adversarial_placement(n: int, gamma: float, omega: float, k: int, t: int) -> None:
+    params = find_parameters(n, dropout_rate=omega, adversary_rate=gamma)
+    assert params == GraphParams(k=k, t=t)
+    assert params.k == n or params.t >= placement_floor(n, gamma) == int(gamma * n) + 2
     validate_parameters(n, params.k, params.t, omega, gamma)
+    # the semi-honest figures for the same cohort are never larger
+    semi = find_parameters(n, omega, gamma, adversarial_placement=False)
+    assert semi.k <= params.k and semi.t <= params.t
+
+
+def test_validation_refuses_a_sparse_t_a_placing_server_reaches() -> None:
+    semi = find_parameters(1000, 0.33, 0.05, adversarial_placement=False)  # k = 73, t = 24
+    validate_parameters(1000, semi.k, semi.t, 0.33, 0.05, adversarial_placement=False)
+    with pytest.raises(ConfigError, match="places its 50 colluders .* need t >= 52"):
+        validate_parameters(1000, semi.k, semi.t, 0.33, 0.05)
+    with pytest.raises(ConfigError, match="need t >= 52"):
+        validate_parameters(1000, 123, 51, 0.33, 0.05)  # 50 colluders + the device's own share
+    validate_parameters(1000, 123, 52, 0.33, 0.05)
+    validate_parameters(1000, 1000, 51, 0.33, 0.05)  # the complete graph needs only t > ⌊γ n⌋
 
 
 def test_finder_rechecks_correctness_after_raising_t_to_two() -> None:
