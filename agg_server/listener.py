@@ -195,11 +195,27 @@ class CappedTCPSite(web.BaseSite):
         return len(self._live(source)) if source in self._open else 0
 
 
-class _Listening:
+class _Listening(asyncio.AbstractServer):
     """The part of `asyncio.Server` that `aiohttp.web.BaseSite.stop` and ``runner.addresses`` use."""
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
         self._sock, self._loop = sock, loop
+        self._closed = asyncio.Event()
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def is_serving(self) -> bool:
+        return self._sock.fileno() != -1
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    async def start_serving(self) -> None:
+        return None  # serving since `CappedTCPSite.start`
+
+    async def serve_forever(self) -> None:
+        await self._closed.wait()
 
     @property
     def sockets(self) -> tuple[socket.socket, ...]:
@@ -209,3 +225,4 @@ class _Listening:
         if self._sock.fileno() != -1:
             self._loop.remove_reader(self._sock.fileno())
             self._sock.close()
+        self._closed.set()
