@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocol.errors import ConfigError
 from protocol.graph import GraphParams, find_parameters, harary_graph, placement_floor, validate_parameters
@@ -182,3 +184,26 @@ def test_finder_output_builds_a_valid_graph() -> None:
     p = find_parameters(1000, 0.33, 0.05)
     ids = list(range(1000))
     _check_graph(harary_graph(ids, p.k, np.random.default_rng(1)), ids, p.k)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(2, 1500),
+    gamma=st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.2]),
+    omega=st.sampled_from([0.0, 0.1, 0.2, 0.33]),
+)
+def test_no_placement_lets_the_colluders_and_the_device_reach_t(n: int, gamma: float, omega: float) -> None:
+    # Protocol 1.9, for any cohort the finder accepts: a server that puts all ⌊γ n⌋ colluders in one device's
+    # neighbourhood and reports every other neighbour as dropped holds the colluders' shares plus the device's
+    # own, and that is below t.  (The complete graph needs only t > ⌊γ n⌋: every honest survivor is then in the
+    # device's neighbourhood, so no smaller group can be cut off.)
+    try:
+        p = find_parameters(n, omega, gamma)
+    except ConfigError:
+        return  # too many adversaries plus dropouts for this n: no round at all
+    colluders = int(gamma * n)
+    if p.k < n:
+        assert min(colluders, p.k - 1) + 1 < p.t
+    else:
+        assert colluders < p.t
+    validate_parameters(n, p.k, p.t, omega, gamma)
