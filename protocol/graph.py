@@ -173,9 +173,7 @@ def placement_floor(n: int, adversary_rate: float) -> int:
     return math.floor(exact_rate(adversary_rate, "adversary_rate") * int(n)) + 2
 
 
-def _sparse_threshold(
-    n: int, d: int, adversaries: int, survivors: int, dropouts: int, floor: int = 2
-) -> int | None:
+def _sparse_threshold(n: int, d: int, adversaries: int, survivors: int, dropouts: int, floor: int = 2) -> int | None:
     """Return t for ``d`` ring neighbours if the conditions (module docstring) hold, else None; ``floor`` is
     the least t (condition 4, or 2 without it)."""
     if _log_prob_disconnected(n, d, adversaries + dropouts) >= _LOG_SECURITY_PER_EVENT:
@@ -303,8 +301,9 @@ def validate_parameters(
     if adversarial_placement and t < adversaries + 2:
         raise ConfigError(
             f"threshold t={t} is unsafe for a sparse graph (k={k} < n={n}): a server that places its {adversaries} "
-            f"colluders (adversary_rate={adversary_rate}) around one device and reports the device's other "
-            f"neighbours as dropped reconstructs its input; need t >= {adversaries + 2} (or k = n)"
+            f"colluder{'' if adversaries == 1 else 's'} (adversary_rate={adversary_rate}) around one device and "
+            f"reports the device's other neighbours as dropped reconstructs its input; need t >= {adversaries + 2} "
+            "(or k = n)"
         )
     log_adv = float(_log_sf(n, adversaries, d)[t]) if t <= d else -math.inf
     if log_adv >= _LOG_SECURITY_PER_EVENT - math.log(n):

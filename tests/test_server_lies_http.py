@@ -221,7 +221,7 @@ async def test_a_placement_a_server_could_exploit_is_refused_over_http(aiohttp_s
     coordinator.check_in = lying_check_in  # type: ignore[method-assign]
     uploads = _record_uploads(coordinator)
     lied = await asyncio.gather(*(_join(c) for c in clients))
-    assert all(r.status is RoundStatus.REFUSED and "places its 1 colluders" in (r.reason or "") for r in lied), lied
+    assert all(r.status is RoundStatus.REFUSED and "places its 1 colluder " in (r.reason or "") for r in lied), lied
     assert set(uploads) == {"Abort"}, uploads  # no key advertisement, share or masked input left a device
     for c in clients:
         await c.close()
