@@ -109,6 +109,14 @@ class ListenConfig:
         Put ``/metrics``, ``/v1/status`` and the dashboard's data (``/v1/dashboard``; the page itself holds
         none) behind the admin token.  None (the default) means on when ``host`` is not a loopback address and
         off on loopback.  On without ``admin_token_sha256`` leaves those endpoints closed (403).
+    max_connections_per_source : int
+        Most connections one source address may hold open (default 64; 0 = no cap).  Connections beyond it
+        are closed at accept, before a byte is read (docs/threat-model.md §3.5): one address opening
+        hundreds of partial bodies cannot slow ``/v1/health``.  Behind a reverse proxy, or with devices
+        behind one carrier NAT address, list those addresses in ``uncapped_sources``.
+    uncapped_sources : tuple of str
+        Networks (``"10.0.0.0/8"``) or addresses never capped: the proxy, the load balancer's health
+        checker, the other instances of a cluster.  Default: loopback (``127.0.0.1``, ``::1``).
     """
 
     host: str = "127.0.0.1"
@@ -119,6 +127,8 @@ class ListenConfig:
     admin_token_sha256: str | None = None
     body_timeout: float = 30.0
     protect_operator_endpoints: bool | None = None
+    max_connections_per_source: int = 64
+    uncapped_sources: tuple[str, ...] = ("127.0.0.1", "::1")
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -141,6 +151,21 @@ class ListenConfig:
         _set(self, "body_timeout", _float("server.body_timeout", self.body_timeout, lo=0.0, hi=86400.0, lo_open=True))
         if self.protect_operator_endpoints is not None:
             _bool("server.protect_operator_endpoints", self.protect_operator_endpoints)
+        _int("server.max_connections_per_source", self.max_connections_per_source, lo=0)
+        sources = self.uncapped_sources
+        if not isinstance(sources, list | tuple) or not all(isinstance(x, str) for x in sources):
+            raise _fail("server.uncapped_sources", "a list of addresses or networks", sources)
+        for text in sources:
+            try:
+                ipaddress.ip_network(text.strip(), strict=False)
+            except ValueError:
+                raise _fail("server.uncapped_sources", "addresses or networks like 10.0.0.0/8", text) from None
+        _set(self, "uncapped_sources", tuple(s.strip() for s in sources))
+
+    @property
+    def uncapped_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        """``uncapped_sources`` as networks."""
+        return tuple(ipaddress.ip_network(s, strict=False) for s in self.uncapped_sources)
 
     @property
     def operator_endpoints_protected(self) -> bool:

@@ -412,8 +412,16 @@ def test_privacy_keys_without_privacy_enabled_are_refused(key: str, value: objec
 
 def test_graph_override_accepted_when_safe() -> None:
     data = _minimal()
-    data["rounds"] = {"k": 21, "t": 3}
+    data["rounds"] = {"k": 21, "t": 4}
     assert config_from_dict(data, base_dir=Path("/srv")).rounds.k == 21
+
+
+def test_graph_override_refused_when_a_placing_server_reaches_t() -> None:
+    # 2 colluders of 50 placed around one device plus its own share reach t = 3 (protocol 1.9)
+    data = _minimal()
+    data["rounds"] = {"k": 21, "t": 3}
+    with pytest.raises(ConfigError, match=r"^rounds\.t: unsafe .*places its 2 colluders.*need t >= 4"):
+        config_from_dict(data, base_dir=Path("/srv"))
 
 
 def test_vector_length_limit() -> None:
