@@ -392,8 +392,10 @@ class IALSParams:
     """
 
     KIND: ClassVar[ModelKind] = ModelKind.IALS
-    alpha: float = param_field(20.0, "cf")
-    reg: float = param_field(0.1, "rg")
+    # The keys LightFR's α and MF's λ use, with their meaning and absence (a new family has no older peer, and
+    # an invite without "rg" is refused: λ must be > 0).
+    alpha: float = param_field(20.0, "cf", absent=0.0)
+    reg: float = param_field(0.1, "rg", absent=0.0)
 
     def __post_init__(self) -> None:
         _set(self, "alpha", check_float("alpha", self.alpha, lo=0.0, hi=IALS_ALPHA_MAX))
