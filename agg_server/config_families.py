@@ -19,6 +19,7 @@ from typing import Any
 from agg_server.config_fields import _choice, _fail, _float, _int, _is_default, _set
 from agg_server.strategy.lightfr import LightFRServerParams
 from protocol.errors import ConfigError
+from protocol.families.ials import DEFAULT_FACTORS as IALS_FACTORS
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
 from protocol.plan import FELBParams, FNMFParams, IALSParams, LightFRParams, MFParams, params_type
 from protocol.spec import MAX_ITEMS, MAX_RANK, ModelKind
@@ -260,7 +261,7 @@ class IALSSection(IALSParams):
         As in `protocol.plan.IALSParams`.
     """
 
-    rank: int = 64
+    rank: int = IALS_FACTORS
 
     def __post_init__(self) -> None:
         _family_checks("ials", IALSParams, self)

@@ -41,7 +41,7 @@ from device_sdk.retrieval import Recommender, fold_in_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
-from protocol.families.ials import IALSLayout, initial_item_factors
+from protocol.families.ials import DEFAULT_FACTORS, IALSLayout, initial_item_factors
 from protocol.plan import IALSParams, TrainingPlan
 from protocol.spec import MAX_RANK, ModelKind
 
@@ -121,7 +121,7 @@ def upload_sums(
     deg = np.diff(indptr)
     owner = np.repeat(np.arange(n), deg)
     idx = (cols[:, None] * d + np.arange(d)[None, :]).ravel()
-    B = np.bincount(idx, weights=U[owner].ravel(), minlength=n_items * d).reshape(n_items, d)
+    B = np.bincount(idx, weights=U[owner].ravel(), minlength=n_items * d).astype(np.float64).reshape(n_items, d)
     c = np.bincount(cols, minlength=n_items).astype(np.float64)
     held = U[deg > 0]
     w = deg[deg > 0].astype(np.float64)
@@ -142,7 +142,7 @@ class IALSConfig:
     reg : ridge weight λ of `fold_in`.
     """
 
-    factors: int = 64
+    factors: int = DEFAULT_FACTORS
     alpha: float = IALSParams().alpha
     reg: float = IALSParams().reg
 

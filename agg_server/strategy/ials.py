@@ -28,7 +28,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from agg_server.strategy.base import FloatStrategy, float_state_from_bytes
-from protocol.families.ials import IALSLayout, initial_item_factors
+from protocol.families.ials import DEFAULT_FACTORS, IALSLayout, initial_item_factors
 from protocol.plan import IALSParams
 from protocol.spec import MAX_RANK, ModelKind
 
@@ -79,7 +79,7 @@ class IALSStrategy(FloatStrategy):
     """
 
     n_items: int
-    rank: int = 64
+    rank: int = DEFAULT_FACTORS
     alpha: float = IALSParams().alpha
     reg: float = IALSParams().reg
     kind: str = ModelKind.IALS.value

@@ -53,7 +53,8 @@ def simulate_ials(args: argparse.Namespace, defaults: argparse.Namespace, out: T
     factors, alphas, reg = _grids(args)
     # Every device in every round unless --fraction is given (its default is LightFR's).
     fraction = args.fraction if args.fraction != defaults.fraction else 1.0
-    schedule = IALSSchedule(rounds=args.rounds if args.rounds is not None else 5, fraction=fraction, seed=args.seed)
+    given = {} if args.rounds is None else {"rounds": args.rounds}  # else the schedule's default
+    schedule = IALSSchedule(**given, fraction=fraction, seed=args.seed)
     t0, c0 = time.perf_counter(), time.process_time()
     exp, _ = resolve_dataset(args, out)
     out.write(exp.describe() + "\n")

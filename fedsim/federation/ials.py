@@ -31,6 +31,7 @@ from device_sdk.ials import IALSConfig, IALSModel
 from fedsim.data.ratings import Ratings
 from fedsim.evaluation.experiment import Experiment, Protocol
 from fedsim.evaluation.ranking import TieMode, evaluate_all_items, evaluate_candidates
+from protocol.families.ials import DEFAULT_FACTORS
 from protocol.plan import IALSParams
 
 __all__ = [
@@ -48,7 +49,7 @@ __all__ = [
 #: The confidences α tried on validation when none is given (one training each; the best is kept).
 ALPHA_GRID: tuple[float, ...] = (5.0, 20.0, 100.0)
 #: The factor counts d tried on validation when none is given: the first with every α, the others at the best α.
-FACTOR_GRID: tuple[int, ...] = (64, 32)
+FACTOR_GRID: tuple[int, ...] = (DEFAULT_FACTORS, 32)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["INIT_SCALE", "IALSLayout", "initial_item_factors"]
+__all__ = ["DEFAULT_FACTORS", "INIT_SCALE", "IALSLayout", "initial_item_factors"]
+
+#: The factor count d a device model, the server's [ials] table and the strategy default to.
+DEFAULT_FACTORS = 64
 
 #: The version-1 item factors are N(0, INIT_SCALE²), as centralised implicit ALS starts.
 INIT_SCALE = 0.01
