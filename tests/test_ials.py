@@ -12,6 +12,7 @@ import pytest
 
 from agg_server.config import ServerConfig, config_from_dict
 from agg_server.storage import Storage
+from agg_server.strategy import build_strategy
 from agg_server.strategy.base import round_plan
 from agg_server.strategy.ials import IALSStrategy, solve_items
 from device_sdk.family import LocalRatings
@@ -21,6 +22,7 @@ from fedsim.data.ratings import Ratings
 from fedsim.evaluation.experiment import baselines, prepare
 from fedsim.federation.ials import IALSSchedule, run_federated_ials, select_and_train, validation_metric
 from fedsim.private.coordinator_rounds import run_private
+from protocol.errors import ConfigError
 from protocol.families.ials import IALSLayout
 from protocol.plan import IALSParams, TrainingPlan
 
@@ -282,3 +284,27 @@ def test_ials_misuse_is_one_clear_line(argv: list[str], message: str, capsys: py
     assert main(["simulate", "--model", "ials", "--dataset", "synthetic", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fedrec simulate: error:") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"alpha": -1.0}, "ials.alpha: must be a finite number in [0.0, 1000000.0], got -1.0"),
+        ({"reg": 0.0}, "ials.reg: must be a finite number in [1e-06, 1000000.0], got 0.0"),
+        ({"rank": 0}, "ials.rank"),
+        ({"alpha": True}, "ials.alpha"),
+    ],
+)
+def test_server_config_refuses_bad_ials_values_in_one_line(table: dict[str, object], message: str) -> None:
+    data = {"server": {"data_dir": "/srv"}, "model": {"kind": "ials", "n_items": 10}, "ials": table}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data, base_dir=Path("/srv"))
+    assert str(info.value).startswith(message) and "\n" not in str(info.value), str(info.value)
+
+
+def test_server_config_builds_the_ials_strategy() -> None:
+    cfg = config_from_dict(
+        {"server": {"data_dir": "/srv"}, "model": {"kind": "ials", "n_items": 10}, "ials": {"rank": 8, "alpha": 3}},
+        base_dir=Path("/srv"),
+    )
+    assert build_strategy(cfg) == IALSStrategy(10, rank=8, alpha=3.0, reg=0.1)
