@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from agg_server.config import ServerConfig, config_from_dict
+from agg_server.coordinator import RoundCoordinator
 from agg_server.storage import Storage
 from agg_server.strategy import build_strategy
 from agg_server.strategy.base import round_plan
@@ -218,8 +219,6 @@ def test_secure_rounds_give_the_plain_federations_model(tmp_path: Path) -> None:
         # Version 1 as the coordinator drew it (the same configuration, a fresh data folder).
         first = Storage(tmp_path / "v1")
         try:
-            from agg_server.coordinator import RoundCoordinator
-
             v1 = np.asarray(RoundCoordinator(_secagg_config(tmp_path / "v1"), first, now=0.0).model_state)
         finally:
             first.close()

@@ -1,8 +1,8 @@
 """``fedrec simulate``: in-process federated training on a dataset, evaluated beside the baselines.
 
 LightFR runs here (plain sums, no sockets); ``--epsilon`` and MF on a published split go through the
-private-round simulator (`fedsim.cli.simulate_private`), the other families through
-`fedsim.federation.families`.
+private-round simulator (`fedsim.cli.simulate_private`), implicit ALS through `fedsim.cli.simulate_ials`, the
+other families through `fedsim.federation.families`.
 """
 
 from __future__ import annotations
