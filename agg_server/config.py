@@ -13,7 +13,7 @@ Invariants of this module:
 * Apart from checking that TLS files exist, nothing here does I/O; reading the file is `load_config`.
 
 Why one module of ~700 lines: one table, one dataclass, each with its checks and the docstring an
-operator reads.  The model families' tables ([model], [lightfr], [mf], [felb], [fnmf]) and the older
+operator reads.  The model families' tables ([model], [lightfr], [mf], [felb], [fnmf], [ials]) and the older
 [model] LightFR keys are in `agg_server.config_families` (re-exported here); the field checks all sections
 share are in `agg_server.config_fields`.
 """
@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 from agg_server.config_families import (
     FELBSection,
     FNMFSection,
+    IALSSection,
     LightFRSection,
     MFSection,
     ModelSection,
@@ -62,6 +63,7 @@ __all__ = [
     "MFSection",
     "FELBSection",
     "FNMFSection",
+    "IALSSection",
     "ServerConfig",
     "LOG_FORMATS",
     "LOG_LEVELS",
@@ -542,7 +544,7 @@ class ServerConfig:
     log : LogSection
     storage : StorageSection
     enrollment : EnrollmentSection
-    lightfr, mf, felb, fnmf : the model families' hyper-parameters (only ``model.kind``'s is used; another
+    lightfr, mf, felb, fnmf, ials : the model families' hyper-parameters (only ``model.kind``'s is used; another
         family's table must be absent or at its defaults, or the key changed is refused, naming it and the kind)
     """
 
@@ -558,13 +560,14 @@ class ServerConfig:
     mf: MFSection = field(default_factory=MFSection)
     felb: FELBSection = field(default_factory=FELBSection)
     fnmf: FNMFSection = field(default_factory=FNMFSection)
+    ials: IALSSection = field(default_factory=IALSSection)
 
     def __post_init__(self) -> None:
         _set(self, "data_dir", _path("server.data_dir", self.data_dir))
         for name, cls in _SECTION_TYPES.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name}: must be a {cls.__name__}, got {getattr(self, name)!r}")
-        for table, cls in (("mf", MFSection), ("felb", FELBSection), ("fnmf", FNMFSection)):
+        for table, cls in (("mf", MFSection), ("felb", FELBSection), ("fnmf", FNMFSection), ("ials", IALSSection)):
             if table == self.model.kind:
                 continue
             # Another family's table does nothing; left at its defaults (examples/server.toml lists them all)
@@ -606,6 +609,7 @@ _SECTION_TYPES: dict[str, type] = {
     "mf": MFSection,
     "felb": FELBSection,
     "fnmf": FNMFSection,
+    "ials": IALSSection,
 }
 
 # TOML table -> (attribute of ServerConfig, dataclass); [server] also carries data_dir.
@@ -621,6 +625,7 @@ _TABLES: dict[str, tuple[str, type]] = {
     "mf": ("mf", MFSection),
     "felb": ("felb", FELBSection),
     "fnmf": ("fnmf", FNMFSection),
+    "ials": ("ials", IALSSection),
 }
 # Keys older files may hold that the server never read: each is refused with what to do instead.
 _DEVICE_SIDE = (

@@ -55,6 +55,7 @@ class ModelKind(StrEnum):
     MF = "mf"  # real-valued MF with embedding clipping (federated MF with privacy guarantee)
     FELB = "felb"  # Boolean MF with the ELB proximal operator (federated binary MF)
     FNMF = "fnmf"  # coherent federated NMF with client-side alignment
+    IALS = "ials"  # real-valued implicit ALS: exact user step on the device, shared-curvature item solve
 
 
 class Aggregation(StrEnum):
