@@ -211,7 +211,11 @@ class IALSCohort:
         owner = np.repeat(np.arange(U.shape[0]), deg)
         rows = (unit * (w * factor)[:, None])[owner]  # (nnz, d)
         counts = (w * factor)[owner]
-        grams = np.einsum("ij,ik->ijk", unit * np.sqrt(p.gram_weight * factor)[:, None], unit * np.sqrt(p.gram_weight * factor)[:, None])
+        grams = np.einsum(
+            "ij,ik->ijk",
+            unit * np.sqrt(p.gram_weight * factor)[:, None],
+            unit * np.sqrt(p.gram_weight * factor)[:, None],
+        )
         values = np.concatenate([rows.ravel(), counts, grams.ravel()])
         rounded = stochastic_round(values, coins).astype(np.float64)
         n_rows = rows.size
@@ -220,7 +224,9 @@ class IALSCohort:
         total[m * d : m * d + m] += np.bincount(cols, weights=rounded[n_rows : n_rows + cols.size], minlength=m).astype(
             np.int64
         )
-        total[gram_at : gram_at + d * d] += rounded[n_rows + cols.size :].reshape(-1, d * d).sum(axis=0).astype(np.int64)
+        total[gram_at : gram_at + d * d] += (
+            rounded[n_rows + cols.size :].reshape(-1, d * d).sum(axis=0).astype(np.int64)
+        )
 
 
 def _config(n: int, m: int, s: PrivateIALSSettings, data_dir: Path, scale_bits: int) -> ServerConfig:
