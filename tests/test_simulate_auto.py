@@ -107,7 +107,7 @@ def test_private_auto_reports_the_kept_runs_epsilon_and_the_uncharged_choice(
         (["--bits", "16"], "--bits applies to --model lightfr; with the default --model auto both families run: add "),
         (["--alpha", "5"], "--alpha applies to --model ials; with the default --model auto both families run: add "),
         (["--rank", "8"], "--rank applies to --model ials; with the default --model auto both families run"),
-        (["--epsilon", "8", "--threshold", "1"], "--threshold applies to --model lightfr; with the default --model auto"),
+        (["--epsilon", "8", "--threshold", "1"], "--threshold applies to --model lightfr; with the default"),
         (["--eval-every", "2"], "--eval-every applies to --model lightfr; with the default --model auto"),
         (["--save", "run.fedrec"], "--save applies to --model lightfr; with the default --model auto both families"),
         (["--plot", "q.png"], "--plot applies to --model lightfr; with the default --model auto both families run"),
