@@ -1,0 +1,212 @@
+"""`LightFRModel`'s two-stage ranking: stage 1 keeps each user's C best items by a Hamming cost over the
+packed codes (`device_sdk.topk.HammingIndex.candidates`), stage 2 re-scores only those, with the
+real-valued item embeddings against the user's real-valued vector (`device_sdk.realvalued`) when the model
+holds them, else with the user's bit-planes.
+
+Invariants:
+- Stage 1's query is the user's sign code (the top plane of its ranking vector, or its ±1 code) and its
+  item term weighs one level as the user's full score does against one bit of that plane: λ = 2^s /
+  (2a·(2^P − 1)) for a plane user (its score is a·Σ_p 2^p·(f − 2·H_p) + 2^s·level), 1/B for a ±1 code.
+- Stage 1 asks for C + |excluded| items, so at least C eligible ones reach stage 2 (all of them when the
+  catalogue is smaller); the excluded are dropped before stage 2.
+- Stage 2 is exact among the candidates: its scores are the ones the single-stage ranking would give
+  (the plane score Δ'·qᵀd/f + β, or E·u), and the top N among the candidates equals the full ranking's
+  whenever that top N lies among them.  Ties are broken uniformly at random (`realvalued.top_rows`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from device_sdk import lightfr, realvalued
+from protocol.families.lightfr import LEVEL_CENTER
+
+if TYPE_CHECKING:
+    from device_sdk.models import LightFRModel
+
+__all__ = [
+    "adopt_embeddings",
+    "plane_counts",
+    "plane_words",
+    "stage1",
+    "stage1_of",
+    "stage1_queries",
+    "top_n",
+    "two_stage_rows",
+]
+
+
+def two_stage_rows(model: LightFRModel, users: NDArray[np.int64]) -> NDArray[np.bool_]:
+    """Which of ``users`` are ranked in two stages: ``rerank`` and ``candidates`` > 0, and the user holds a
+    real-valued vector for the model's embeddings or bit-planes."""
+    cfg = model.config
+    if not cfg.rerank or cfg.candidates == 0:
+        return np.zeros(users.size, bool)
+    ok = model.user_weight[users] > 0
+    if model.item_embeddings is not None:
+        ok |= model.user_vector_ok[users]
+    return ok
+
+
+def plane_counts(model: LightFRModel, users: NDArray[np.int64]) -> NDArray[np.int64]:
+    """P of each plane user's vector: the bit length of its largest |q| (0 for a ±1 code)."""
+    top = np.abs(model.user_q[users].astype(np.int64)).max(axis=1)
+    P = (top[:, None] >= 1 << np.arange(9)).sum(axis=1)
+    return np.where(model.user_weight[users] > 0, np.maximum(P, 1), 0)
+
+
+def plane_words(q: NDArray[np.integer], P: int, w: int) -> NDArray[np.uint64]:
+    """The P ±1 planes of odd integers q (r, f) (`device_sdk.lightfr.sign_planes`), packed: (r, P, w)
+    uint64, plane p weighing 2^p, bit k of a plane code k (the bit order of `protocol.codes`)."""
+    r, f = q.shape
+    v = (q.astype(np.int16) + (2**P - 1)) >> 1  # in [0, 2^P − 1]: bit p of v is plane p's bit
+    bits = ((v[:, None, :] >> np.arange(P, dtype=np.int16)[None, :, None]) & 1).astype(np.uint8)
+    if f != 64 * w:
+        bits = np.concatenate((bits, np.zeros((r, P, 64 * w - f), np.uint8)), axis=2)
+    packed = np.packbits(bits, axis=2, bitorder="little")
+    return np.ascontiguousarray(packed).view("<u8").astype(np.uint64, copy=False)
+
+
+class _Query:
+    """One user's ranking query, derived from its vector (q, a) and cached while they stay the same: its
+    plane count P (0: a ±1 code), packed planes (P, w), stage-1 sign code (w,) and λ."""
+
+    __slots__ = ("key", "P", "planes", "sign", "lam")
+
+    def __init__(self, key: tuple[bytes, int, int], P: int, planes: NDArray[np.uint64], lam: float) -> None:
+        self.key, self.P, self.planes, self.lam = key, P, planes, lam
+        self.sign = planes[P - 1] if P else planes[0]
+
+
+def _query(model: LightFRModel, u: int) -> _Query:
+    """User u's `_Query`, from the model's cache when its vector, code and weights did not change."""
+    q, a = model.user_q[u], int(model.user_weight[u])
+    code = model._user_words[:, u]
+    key = (q.tobytes() + code.tobytes(), a, model.hamming_weight)
+    held = model._queries.get(u)
+    if held is not None and held.key == key:
+        return held
+    if a > 0:
+        P = int(plane_counts(model, np.array([u]))[0])
+        planes = plane_words(q[None, :], P, code.size)[0]
+        lam = 2.0**lightfr.LEVEL_SHIFT / (2.0 * a * (2.0**P - 1))
+        made = _Query(key, P, planes, lam)
+    else:
+        made = _Query(key, 0, code[None, :].copy(), 1.0 / model.hamming_weight)
+    model._queries[u] = made
+    return made
+
+
+def stage1_queries(model: LightFRModel, users: NDArray[np.int64]) -> list[_Query]:
+    """Every user's query (stage 1: its sign code and λ, see the module docstring; stage 2: its planes)."""
+    return [_query(model, int(u)) for u in users]
+
+
+def _plane_scores(model: LightFRModel, cand: NDArray[np.int64], query: _Query, a: int) -> NDArray[np.float64]:
+    """The real plane score Δ'·qᵀd/f + β of one plane user's candidates (K,) (-1 slots: any value)."""
+    f, s, B, P = model.config.bits, lightfr.LEVEL_SHIFT, model.hamming_weight, query.P
+    safe = np.maximum(cand, 0)
+    iw = model._item_words[:, safe]  # (w, K)
+    # W = Σ_p 2^p·H_p: every plane against every candidate in one XOR and one popcount.
+    H = np.bitwise_count(iw[None, :, :] ^ query.planes[:, :, None]).sum(axis=1, dtype=np.int64)  # (P, K)
+    W = (1 << np.arange(P, dtype=np.int64)) @ H
+    levels = model.item_levels
+    lv = LEVEL_CENTER if levels is None else levels[safe].astype(np.int64)
+    S = a * (f * (2**P - 1) - 2 * W) + (lv << s) - (LEVEL_CENTER << s)
+    return S * (2.0 / (2**s * B * f))  # type: ignore[no-any-return]
+
+
+def _drop(cand: NDArray[np.int64], exclude: list[NDArray[np.int64] | None]) -> None:
+    """Set to -1, in place, every candidate of row u that is in ``exclude[u]``."""
+    for u, e in enumerate(exclude):
+        if e is not None and e.size:
+            es = np.sort(e)
+            row = cand[u]
+            at = np.minimum(np.searchsorted(es, row), es.size - 1)
+            row[es[at] == row] = -1
+
+
+def stage1(
+    model: LightFRModel,
+    users: NDArray[np.int64],
+    exclude: list[NDArray[np.int64] | None],
+    items: NDArray[np.int64] | None,
+    rng: np.random.Generator | None,
+) -> tuple[list[_Query], NDArray[np.int64]]:
+    """Every user's query and stage-1 candidates ((n, K) ids, -1 where excluded or padded)."""
+    queries = stage1_queries(model, users)
+    words = np.array([qy.sign for qy in queries], dtype=np.uint64).reshape(users.size, -1)
+    lam = np.array([qy.lam for qy in queries])
+    extra = np.array([0 if e is None else e.size for e in exclude], np.int64)
+    cand = model._hamming_index().candidates(words, model.config.candidates + extra, lam, rng, items=items)
+    _drop(cand, exclude)
+    return queries, cand
+
+
+def top_n(
+    model: LightFRModel,
+    users: NDArray[np.int64],
+    N: int,
+    exclude: list[NDArray[np.int64] | None],
+    items: NDArray[np.int64] | None,
+    rng: np.random.Generator,
+) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """Two-stage top N of ``users`` (all of them `two_stage_rows`): (n, N) ids padded -1 and float32 scores
+    padded -inf."""
+    queries, cand = stage1(model, users, exclude, items, rng)
+    E = model.item_embeddings
+    real = model.user_vector_ok[users] if E is not None else np.zeros(users.size, bool)
+    scores = np.empty(cand.shape)
+    if real.any():
+        assert E is not None
+        rows = np.flatnonzero(real)
+        U = model.user_vectors[users[rows]]
+        vec = E[np.maximum(cand[rows], 0)].astype(np.float32)  # (r, K, d)
+        scores[rows] = np.matmul(vec, U[..., None])[..., 0]
+    for r in np.flatnonzero(~real).tolist():  # plane users, each a few calls over its candidates
+        scores[r] = _plane_scores(model, cand[r], queries[r], int(model.user_weight[users[r]]))
+    return realvalued.top_rows(cand, scores, N, rng)
+
+
+def adopt_embeddings(
+    model: LightFRModel, embeddings: ArrayLike | None, alpha: float, reg: float, gram: ArrayLike | None
+) -> None:
+    """`LightFRModel.set_embeddings`: check everything, then install E as float16, its Gram and (α, reg), and
+    mark every user's real-valued vector stale."""
+    if embeddings is None:
+        model._embeddings, model._embedding_gram = None, None
+        model.user_vectors = np.zeros((model.n_users, 0), dtype=np.float32)
+        model.user_vector_ok[:] = False
+        return
+    E = realvalued.check_embeddings(embeddings, model.n_items)
+    a, r = realvalued.check_ials_params(alpha, reg)
+    with np.errstate(over="ignore"):
+        half = E.astype(np.float16)
+    if not np.all(np.isfinite(half)):
+        raise ValueError("item embeddings must fit float16 (|value| < 65504)")
+    d = half.shape[1]
+    G = realvalued.embedding_gram(half) if gram is None else realvalued.check_gram(gram, d).astype(np.float32)
+    model._embeddings, model._embedding_gram = half, G
+    model.ials_alpha, model.ials_reg = a, r
+    model.user_vectors = np.zeros((model.n_users, d), dtype=np.float32)
+    model.user_vector_ok[:] = False
+
+
+def stage1_of(
+    model: LightFRModel, userid: int, liked: NDArray[np.int64] | None, candidates: int | None, rng: np.random.Generator
+) -> NDArray[np.int64]:
+    """`LightFRModel.stage1_candidates` for a checked user: its stage-1 ids with ``liked`` left out."""
+    C = model.config.candidates if candidates is None else candidates
+    if isinstance(C, bool) or int(C) != C or C < 1:
+        raise ValueError(f"candidates must be an integer >= 1, got {C!r}")
+    saved = model.config
+    model.config = replace(saved, candidates=int(C))
+    try:
+        _, cand = stage1(model, np.array([userid], dtype=np.int64), [liked], None, rng)
+    finally:
+        model.config = saved
+    return cand[0][cand[0] >= 0]
