@@ -103,6 +103,10 @@ class LightFRModel(Recommender, RoundHooks):
     #: vector, code and weights stay the same (a cache: checked against them on every use).
     _queries: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
 
+    def _derived_clear(self) -> None:
+        """Forget what is derived from the item codes, levels or embeddings (the ranking queries)."""
+        self._queries.clear()
+
     def __post_init__(self) -> None:
         if self.n_items <= 0:
             raise ValueError(f"n_items must be positive, got {self.n_items}")
@@ -140,6 +144,7 @@ class LightFRModel(Recommender, RoundHooks):
             self._levels = lv.astype(np.uint8)
         self._index = None
         self._gram = None
+        self._derived_clear()
 
     @property
     def hamming_weight(self) -> int:
@@ -153,6 +158,7 @@ class LightFRModel(Recommender, RoundHooks):
         self._weight = int(weight)
         self._index = None
         self._gram = None
+        self._derived_clear()
 
     def item_gram(self) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
         """(G_D = DᵀD (f, f), Dᵀβ (f,), β (m,)) of the current item codes and the item biases β the
@@ -335,6 +341,7 @@ class LightFRModel(Recommender, RoundHooks):
         self._item_words = pack_signs(signs)
         self._index = None
         self._gram = None
+        self._derived_clear()
         self.model_version = int(version)
 
     # -- training -------------------------------------------------------------------------------
