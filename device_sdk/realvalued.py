@@ -36,6 +36,7 @@ __all__ = [
     "ials_user_vectors",
     "rerank",
     "stage1_recall",
+    "top_row",
     "top_rows",
     "two_stage_topk",
 ]
@@ -198,15 +199,24 @@ def top_rows(
         return out_ids, out_scores
     real = ids >= 0
     for u in range(n):  # each row a handful of calls over its K candidates
-        i, v = ids[u][real[u]], scores[u][real[u]]
-        if i.size > N:
-            top = v >= np.partition(v, i.size - N)[i.size - N]  # the N-th best and everything above it
-            i, v = i[top], v[top]
-        key = i if rng is None else rng.random(i.size)
-        order = np.lexsort((key, -v))[:N]
-        out_ids[u, : order.size] = i[order]
-        out_scores[u, : order.size] = v[order]
+        i, v = top_row(ids[u][real[u]], scores[u][real[u]], N, rng)
+        out_ids[u, : i.size] = i
+        out_scores[u, : i.size] = v
     return out_ids, out_scores
+
+
+def top_row(
+    ids: NDArray[np.int64], scores: NDArray[np.floating], N: int, rng: np.random.Generator | None
+) -> tuple[NDArray[np.int64], NDArray[np.floating]]:
+    """`top_rows` of one row of real candidates (no -1): at most N ids best first and their scores."""
+    if N <= 0:
+        return ids[:0], scores[:0]
+    if ids.size > N:
+        top = scores >= np.partition(scores, ids.size - N)[ids.size - N]  # the N-th best and all above it
+        ids, scores = ids[top], scores[top]
+    key = ids if rng is None else rng.random(ids.size)
+    order = np.lexsort((key, -scores))[:N]
+    return ids[order], scores[order]
 
 
 def _drop_excluded(cand: NDArray[np.int64], exclude: Sequence[NDArray[np.int64] | None] | None) -> None:

@@ -278,19 +278,24 @@ class HammingIndex:
             raise ValueError(f"kk and lift must hold one value per user ({n}), got {want.shape} and {lam.shape}")
         if n and (want.min() < 0 or not np.all(np.isfinite(lam)) or lam.min() < 0):
             raise ValueError("kk must be >= 0 and lift a finite value >= 0 for every user")
-        if self._stage1 is None:
-            self._stage1 = Stage1Layout(self)
-        layout = self._stage1
         found = []
         for u in range(n):  # each user one vectorised scan over the index's buffers
             if items is None:
-                found.append(candidates_one(self, layout, users[u], int(want[u]), float(lam[u]), rng))
+                found.append(self._candidates_one(users[u], int(want[u]), float(lam[u]), rng))
             else:
                 found.append(candidates_subset(self, users[u], int(want[u]), float(lam[u]), rng, items))
         out = np.full((n, max((ids.size for ids in found), default=0)), -1, np.int64)
         for u, ids in enumerate(found):
             out[u, : ids.size] = ids
         return out
+
+    def _candidates_one(
+        self, user: NDArray[np.uint64], kk: int, lam: float, rng: np.random.Generator | None
+    ) -> NDArray[np.int64]:
+        """`candidates` of one user, (w,) words, over the whole catalogue, arguments unchecked: its ids."""
+        if self._stage1 is None:
+            self._stage1 = Stage1Layout(self)
+        return candidates_one(self, self._stage1, user, kk, lam, rng)
 
     def search_planes(
         self,
