@@ -16,26 +16,27 @@ Invariants:
 - One user's scan is XOR + popcount once per item (`device_sdk.topk.scan._fill`), the item term added
   once per stretch of equal q, a threshold read from an even sample of the catalogue held contiguously
   (`Stage1Layout`, built once per index, so the threshold never touches the scan's buffer out of order),
-  then one grouped compare (`device_sdk.topk.scan._hits`): no histogram, sort or partition over the
-  catalogue.  A batch runs the users' scans one after the other on the same buffers.
+  then a compare, raised one value at a time until kk pass (`_compare`): no histogram, sort or partition
+  over the catalogue.  A batch runs the users' scans one after the other on the same buffers.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from device_sdk.topk.scan import _CHUNK, _fill, _hits, _one_buffers
+from device_sdk.topk.scan import _CHUNK, _GROUPS, _fill, _one_buffers
 
 if TYPE_CHECKING:
     from device_sdk.topk.index import HammingIndex
 
 # Items of the even sample a threshold is read from, and how many items more than kk it aims to pass (a
-# second compare at a higher threshold runs when fewer than kk pass).
-_SAMPLE = 2048
+# second compare at a higher threshold runs when fewer than kk pass).  A quantile of 250 in 10^6 read from
+# 2048 items is rank 0.5: 8192 cut the hits of the first compare from ~1500 to ~600 there.
+_SAMPLE = 8192
+_SAMPLE_MIN = 2048  # a sample of m / 64 items between these two sizes
 _MARGIN = 1.5
 # Catalogues from which the pass over the values is the grouped compare (see `_compare`).
 _GROUPED_MIN = 1 << 18
@@ -46,7 +47,7 @@ class Stage1Layout:
     starts, and L − its level) and an even sample of the items (their packed codes contiguous, (w, s),
     and L − their level)."""
 
-    __slots__ = ("starts", "gaps", "sample_words", "sample_gaps", "vdt", "cap")
+    __slots__ = ("starts", "gaps", "sample_words", "sample_gaps", "size", "vdt", "cap")
 
     def __init__(self, ix: HammingIndex) -> None:
         m = ix.m
@@ -59,7 +60,8 @@ class Stage1Layout:
             self.starts = np.flatnonzero(np.diff(lv, prepend=lv[0] + 1))
             self.gaps = ix._top - lv[self.starts]
             gap_of_pos = ix._top - lv
-        at = np.arange(0, m, max(m // _SAMPLE, 1))
+        at = np.arange(0, m, max(m // min(_SAMPLE, max(_SAMPLE_MIN, m // 64)), 1))
+        self.size = at.size
         self.sample_words = np.ascontiguousarray(ix._sorted[:, at])
         self.sample_gaps = None if gap_of_pos is None else gap_of_pos[at].astype(np.float64)
         self.vdt: type[np.unsignedinteger[Any]] = np.uint8 if ix.f < 192 else np.uint16
@@ -76,15 +78,16 @@ class Stage1Layout:
         keep = qs > 0
         return at[keep].tolist(), stops[keep].tolist(), qs[keep].tolist()
 
-    def sample_values(self, user: NDArray[np.uint64], lam: float) -> NDArray[np.int64]:
-        """v of the sample's items, sorted."""
-        d = np.bitwise_count(self.sample_words[0] ^ user[0]).astype(np.int64)
-        for j in range(1, self.sample_words.shape[0]):
-            d += np.bitwise_count(self.sample_words[j] ^ user[j])
-        if self.sample_gaps is not None and lam > 0:
-            d += np.minimum(np.floor(self.sample_gaps * lam), self.cap).astype(np.int64)
-        d.sort()
-        return d
+    def sample_counts(self, user: NDArray[np.uint64], lam: float) -> NDArray[np.int64]:
+        """c[t] = how many of the sample's items have v <= t, for t = 0 .. the sample's largest v."""
+        d = np.bitwise_count(self.sample_words[0] ^ user[0])
+        if self.sample_words.shape[0] > 1 or (self.sample_gaps is not None and lam > 0):
+            d = d.astype(np.int64)
+            for j in range(1, self.sample_words.shape[0]):
+                d += np.bitwise_count(self.sample_words[j] ^ user[j])
+            if self.sample_gaps is not None and lam > 0:
+                d += np.minimum(np.floor(self.sample_gaps * lam), self.cap).astype(np.int64)
+        return np.cumsum(np.bincount(d))
 
 
 def _pick(pos: NDArray[np.intp], val: NDArray[Any], kk: int, rng: np.random.Generator | None) -> NDArray[np.intp]:
@@ -110,14 +113,43 @@ def _tie_cap(kk: int) -> int:
 
 
 def _compare(
-    vs: NDArray[Any], t: int, mask: NDArray[np.bool_], wtmp: NDArray[np.uint64], wflag: NDArray[np.bool_]
+    vs: NDArray[Any],
+    t: int,
+    kk: int,
+    buffers: tuple[NDArray[np.bool_], NDArray[np.uint64], NDArray[np.bool_]],
 ) -> NDArray[np.intp]:
-    """Positions of the values <= t: one compare and one nonzero below _GROUPED_MIN values, the grouped
-    compare (`device_sdk.topk.scan._hits`) from there (10^5 values, ~400 hits: 13 against 20 µs; 10^6:
-    114 against 53 µs)."""
-    if vs.size < _GROUPED_MIN:
-        return np.less_equal(vs, t, out=mask[: vs.size]).nonzero()[0]
-    return _hits(vs, t, mask, wtmp, wflag)
+    """Positions of the values <= t (ascending), t raised by one until at least kk pass.
+
+    Below _GROUPED_MIN values each try is one compare and one nonzero.  From there the values are read as
+    _GROUPS rows of c = n // _GROUPS and reduced once to the minimum of each column (see
+    `device_sdk.topk.scan._hits`); each try then compares the c minima and looks only at the columns whose
+    minimum passes, so a second try costs a few microseconds, not a pass over the catalogue (10^6 values,
+    ~400 hits: 53 µs against 114 µs for one compare and nonzero; 10^5: 20 against 13 µs)."""
+    mask, wtmp, wflag = buffers
+    n, top = vs.size, int(np.iinfo(vs.dtype).max)
+    if n < _GROUPED_MIN:
+        while True:
+            pos = np.less_equal(vs, t, out=mask[:n]).nonzero()[0]
+            if pos.size >= kk or t >= top:
+                return pos
+            t += 1
+    R = _GROUPS
+    c = n // R
+    mins = np.minimum.reduce(vs[: c * R].reshape(R, c), axis=0, out=wtmp.view(vs.dtype)[:c])
+    rows = np.arange(0, c * R, c)[:, None]
+    tail = vs[c * R :]
+    while True:
+        cols = np.less_equal(mins, t, out=wflag[:c]).nonzero()[0]
+        if cols.size * R > n // 4:  # hits everywhere: compare them all
+            pos = np.less_equal(vs, t, out=mask[:n]).nonzero()[0]
+        else:
+            cand = (cols + rows).ravel()  # row by row, each ascending: ascending
+            pos = cand[vs[cand] <= t]
+            if tail.size:
+                pos = np.concatenate((pos, np.flatnonzero(tail <= t) + c * R))
+        if pos.size >= kk or t >= top:
+            return pos
+        t += 1
 
 
 def candidates_one(
@@ -147,15 +179,12 @@ def candidates_one(
     if 4 * kk >= m:
         pos: NDArray[np.intp] = np.arange(m)
     else:
-        sample = layout.sample_values(user, lam)
-        # The sample's rank that should pass about _MARGIN·kk items of the catalogue.
-        r = min(sample.size - 1, math.ceil(_MARGIN * kk * sample.size / m))
-        t = int(sample[r])
-        pos = _compare(vs, t, mask, wtmp, wflag)
-        while pos.size < kk:  # rare: the next value the sample holds, or everything
-            higher = sample[sample > t]
-            t = int(higher[0]) if higher.size else int(np.iinfo(vdt).max)
-            pos = _compare(vs, t, mask, wtmp, wflag)
+        counts = layout.sample_counts(user, lam)
+        # The first threshold: where the sample puts about _MARGIN·kk items of the catalogue (a grouped
+        # compare tries again cheaply, so it aims at kk there).
+        margin = _MARGIN if m < _GROUPED_MIN else 1.0
+        t = int(np.searchsorted(counts, margin * kk * layout.size / m))
+        pos = _compare(vs, t, kk, (mask, wtmp, wflag))
     chosen = _pick(pos, vs[pos], kk, rng)
     return chosen.astype(np.int64) if ix._order is None else ix._order[chosen]
 
