@@ -169,9 +169,7 @@ def top_n(
     if real.any():
         assert E is not None
         rows = np.flatnonzero(real)
-        U = model.user_vectors[users[rows]]
-        vec = E[np.maximum(cand[rows], 0)].astype(np.float32)  # (r, K, d)
-        scores[rows] = np.matmul(vec, U[..., None])[..., 0]
+        scores[rows] = realvalued.dot_rows(E, cand[rows], model.user_vectors[users[rows]])
     for r in np.flatnonzero(~real).tolist():  # plane users, each a few calls over its candidates
         scores[r] = _plane_scores(model, cand[r], queries[r], int(model.user_weight[users[r]]))
     return realvalued.top_rows(cand, scores, N, rng)
@@ -192,7 +190,7 @@ def _top_n_one(
         cand = cand[es[np.minimum(np.searchsorted(es, cand), es.size - 1)] != cand]
     E = model.item_embeddings
     if E is not None and model.user_vector_ok[u]:
-        scores = E[cand].astype(np.float32) @ model.user_vectors[u]
+        scores = realvalued.dot_rows(E, cand[None, :], model.user_vectors[u : u + 1])[0]
     else:
         scores = _plane_scores(model, cand, query, int(model.user_weight[u]))
     ids, best = realvalued.top_row(cand, scores, N, rng)
@@ -216,8 +214,8 @@ def adopt_embeddings(
     E = realvalued.check_embeddings(embeddings, model.n_items)
     a, r = realvalued.check_ials_params(alpha, reg)
     with np.errstate(over="ignore"):
-        half = E.astype(np.float16)
-    if not np.all(np.isfinite(half)):
+        half = E.astype(np.float16)  # a copy the model owns, even of float16 rows
+    if not realvalued.all_finite(half):
         raise ValueError("item embeddings must fit float16 (|value| < 65504)")
     d = half.shape[1]
     G = realvalued.embedding_gram(half) if gram is None else realvalued.check_gram(gram, d).astype(np.float32)

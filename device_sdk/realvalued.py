@@ -29,9 +29,11 @@ from numpy.typing import ArrayLike, NDArray
 from device_sdk.topk import HammingIndex
 
 __all__ = [
+    "all_finite",
     "check_embeddings",
     "check_gram",
     "check_ials_params",
+    "dot_rows",
     "embedding_gram",
     "ials_user_vectors",
     "rerank",
@@ -56,9 +58,15 @@ def check_embeddings(embeddings: ArrayLike, n_items: int | None = None) -> NDArr
         raise ValueError(f"item embeddings must be float16, float32 or float64, got {E.dtype}")
     if n_items is not None and E.shape[0] != n_items:
         raise ValueError(f"item embeddings have {E.shape[0]} rows for {n_items} items")
-    if not np.all(np.isfinite(E)):
+    if not all_finite(E):
         raise ValueError("item embeddings must be finite (no NaN or inf)")
     return E
+
+
+def all_finite(x: NDArray[np.floating]) -> bool:
+    """Whether every value of ``x`` is finite, checked 2^16 rows at a time (no mask the size of ``x``)."""
+    step = 1 << 16
+    return all(bool(np.isfinite(x[s : s + step]).all()) for s in range(0, max(x.shape[0], 1), step))
 
 
 def embedding_gram(embeddings: ArrayLike) -> NDArray[np.float32]:
@@ -271,17 +279,37 @@ def rerank(
     if exclude is not None and len(exclude) != n:
         raise ValueError(f"exclude has {len(exclude)} rows for {n} users")
     _drop_excluded(cand, None if exclude is None else [None if e is None else np.asarray(e) for e in exclude])
+    return _rerank(cand, E, U, int(N), rng, budget)
+
+
+def dot_rows(E: NDArray[np.floating], cand: NDArray[np.int64], U: NDArray[np.floating]) -> NDArray[np.float32]:
+    """s[r, k] = E[cand[r, k]]·U[r] in float32 ((r, K) candidates, -1 slots: any value): one gather and one
+    batched product, the same kernel for one row as for many."""
+    rows = E[np.maximum(cand, 0)].astype(np.float32)  # (r, K, d)
+    return np.matmul(rows, U.astype(np.float32, copy=False)[..., None])[..., 0]  # type: ignore[no-any-return]
+
+
+def _rerank(
+    cand: NDArray[np.int64],
+    E: NDArray[np.floating],
+    U: NDArray[np.floating],
+    N: int,
+    rng: np.random.Generator | None,
+    budget: int,
+) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """`rerank` of checked arguments, the excluded already set to -1."""
+    n, K = cand.shape
+    d = E.shape[1]
     out_ids = np.full((n, int(N)), -1, np.int64)
     out_scores = np.full((n, int(N)), -np.inf, np.float32)
     step = max(1, int(budget) // max(K * d, 1))
     for s in range(0, n, step):  # chunks of users, each one gather and one batched product per block
         c = cand[s : s + step]
-        u = U[s : s + step].astype(np.float32)[..., None]
+        u = U[s : s + step]
         sc = np.empty(c.shape, np.float32)
         width = max(1, int(budget) // max(c.shape[0] * d, 1))
         for b in range(0, K, width):  # blocks of candidates: at most ``budget`` gathered floats
-            rows = E[np.maximum(c[:, b : b + width], 0)].astype(np.float32)  # (b, width, d)
-            sc[:, b : b + width] = np.matmul(rows, u)[..., 0]
+            sc[:, b : b + width] = dot_rows(E, c[:, b : b + width], u)
         out_ids[s : s + step], out_scores[s : s + step] = top_rows(c, sc, int(N), rng)
     return out_ids, out_scores
 
@@ -336,6 +364,12 @@ def two_stage_topk(
     lam = np.broadcast_to(np.asarray(lift, dtype=np.float64), (n,))
     if exclude is not None and len(exclude) != n:
         raise ValueError(f"exclude has {len(exclude)} rows for {n} users")
+    E = check_embeddings(embeddings, index.m)
+    U = np.asarray(user_vectors)
+    if U.shape != (n, E.shape[1]) or not np.issubdtype(U.dtype, np.floating) or not all_finite(U):
+        raise ValueError(f"user vectors must be a finite ({n}, {E.shape[1]}) float array, got {U.dtype} {U.shape}")
+    if isinstance(N, bool) or int(N) != N or N < 0:
+        raise ValueError(f"N must be an integer >= 0, got {N!r}")
     excl = [None if e is None else np.asarray(e, dtype=np.int64) for e in exclude] if exclude is not None else None
     extra = np.zeros(n, np.int64) if excl is None else np.array([0 if e is None else e.size for e in excl], np.int64)
     out_ids = np.full((n, int(N)), -1, np.int64)
@@ -344,14 +378,8 @@ def two_stage_topk(
     for s in range(0, n, step):
         sl = slice(s, s + step)
         cand = index.candidates(users[sl], int(candidates) + extra[sl], lam[sl], rng)
-        out_ids[sl], out_scores[sl] = rerank(
-            cand,
-            embeddings,
-            np.asarray(user_vectors)[sl],
-            N,
-            exclude=None if excl is None else excl[sl],
-            rng=rng,
-        )
+        _drop_excluded(cand, None if excl is None else excl[sl])
+        out_ids[sl], out_scores[sl] = _rerank(cand, E, U[sl], int(N), rng, _RERANK_BUDGET)
     return out_ids, out_scores
 
 
