@@ -26,6 +26,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr, realvalued
+from protocol.codes import pack_signs
 from protocol.families.lightfr import LEVEL_CENTER
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ __all__ = [
     "stage1_of",
     "stage1_queries",
     "top_n",
+    "top_n_planes",
     "two_stage_rows",
 ]
 
@@ -240,3 +242,48 @@ def stage1_of(
     finally:
         model.config = saved
     return cand[0][cand[0] >= 0]
+
+
+def top_n_planes(
+    model: LightFRModel,
+    users: NDArray[np.int64],
+    planes: NDArray[np.int64],
+    N: int,
+    exclude: list[NDArray[np.int64] | None],
+    items: NDArray[np.int64] | None,
+    rng: np.random.Generator,
+) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """Without stage 1 (``candidates`` 0), the exact top-N of a batch where some users hold bit-plane
+    vectors: their integer plane scores (`device_sdk.topk.plane_scores`) selected by counting
+    (`HammingIndex.search_planes_batch`, one scan for all such users of one plane count) with random ties,
+    reported as the real score Δ'·qᵀd/f + β; the others by the model's own `_top_n`."""
+    f, B, s = model.config.bits, model.hamming_weight, lightfr.LEVEL_SHIFT
+    out_ids = np.full((users.size, N), -1, dtype=np.int64)
+    out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
+    rest = np.setdiff1d(np.arange(users.size), planes)
+    if rest.size:
+        ids, sc = model._top_n(users[rest], N, [exclude[i] for i in rest], items, rng)
+        out_ids[rest], out_scores[rest] = ids, sc
+    # The planes each user's vector was quantized to (a later plan may have changed the setting);
+    # users sharing a P are ranked in one batched scan over the packed item codes.
+    top = np.abs(model.user_q[users[planes]].astype(np.int64)).max(axis=1)
+    P_of = np.maximum(1, (top[:, None] >= 1 << np.arange(9)).sum(axis=1))  # the bit length of the top
+    for P in np.unique(P_of).tolist():
+        grp = planes[P_of == P]
+        signs = np.swapaxes(lightfr.sign_planes(model.user_q[users[grp]], P), 0, 1).reshape(-1, f)
+        words = np.ascontiguousarray(pack_signs(signs).T).reshape(grp.size, P, -1)
+        ids, S = model._hamming_index().search_planes_batch(
+            words,
+            model.user_weight[users[grp]],
+            N,
+            rng,
+            level_shift=s,
+            exclude=[exclude[i] for i in grp],
+            candidates=items,
+        )
+        S = np.where(ids >= 0, S, LEVEL_CENTER << s)  # padded slots: -inf below
+        if model.item_levels is None:
+            S = S + (LEVEL_CENTER << s)  # no levels: every item at the centre (β = 0)
+        real = np.where(ids >= 0, (S - (LEVEL_CENTER << s)) * 2.0 / (2**s * B * f), -np.inf)
+        out_ids[grp], out_scores[grp] = ids, real.astype(np.float32)
+    return out_ids, out_scores

@@ -21,6 +21,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr, lightfr_rank, realvalued
+from device_sdk.codes import all_signs, pack_rows
 from device_sdk.family import LocalRatings, LocalResult, RoundHooks
 from device_sdk.lightfr_config import _KIND, LightFRConfig, LocalUpdate, apply_plan
 from device_sdk.lightfr_store import load_model, save_model
@@ -114,7 +115,7 @@ class LightFRModel(Recommender, RoundHooks):
             raise ValueError(f"n_users must be positive, got {self.n_users}")
         f = self.config.bits
         self.item_codes = random_signs(self.n_items, f, self.rng)
-        self._item_words = pack_signs(self.item_codes)
+        self._item_words = pack_rows(self.item_codes)
         self.user_codes = random_signs(self.n_users, f, self.rng)
         self._user_words = pack_signs(self.user_codes)
         self.user_trained = np.zeros(self.n_users, dtype=bool)
@@ -334,11 +335,11 @@ class LightFRModel(Recommender, RoundHooks):
                 raise ValueError(f"packed item codes must be {(words_for(f), m)}, got {arr.shape}")
             signs = unpack_signs(arr.astype(np.uint64), f)
         else:
-            if arr.shape != (m, f) or not np.isin(arr, (-1, 1)).all():
+            if arr.shape != (m, f) or not all_signs(arr):
                 raise ValueError(f"item codes must be a ({m}, {f}) matrix of ±1")
             signs = arr.astype(np.int8)
         self.item_codes = signs
-        self._item_words = pack_signs(signs)
+        self._item_words = pack_rows(signs)
         self._index = None
         self._gram = None
         self._derived_clear()
@@ -695,7 +696,7 @@ class LightFRModel(Recommender, RoundHooks):
             return realvalued.rerank(every, self._embeddings, self.user_vectors[users], N, exclude=exclude, rng=rng)
         planes = np.flatnonzero(self.user_weight[users] > 0)
         if planes.size:
-            return self._top_n_planes(users, planes, N, exclude, items, rng)
+            return lightfr_rank.top_n_planes(self, users, planes, N, exclude, items, rng)
         return self._top_n_codes(users, N, exclude, items, rng)
 
     def _top_n_codes(
@@ -713,50 +714,6 @@ class LightFRModel(Recommender, RoundHooks):
         scores = (score / np.float64(self.config.bits * self._weight)).astype(np.float32)
         scores[ids < 0] = -np.inf
         return ids, scores
-
-    def _top_n_planes(
-        self,
-        users: NDArray[np.int64],
-        planes: NDArray[np.int64],
-        N: int,
-        exclude: list[NDArray[np.int64] | None],
-        items: NDArray[np.int64] | None,
-        rng: np.random.Generator,
-    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-        """Top-N for a batch where some users hold bit-plane vectors: their integer plane scores
-        (`device_sdk.topk.plane_scores`) selected by counting (`HammingIndex.search_planes_batch`, one
-        scan for all such users of one plane count) with random ties, reported as the real score Δ'·qᵀd/f + β;
-        the others by the Hamming scan."""
-        f, B, s = self.config.bits, self._weight, lightfr.LEVEL_SHIFT
-        out_ids = np.full((users.size, N), -1, dtype=np.int64)
-        out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
-        rest = np.setdiff1d(np.arange(users.size), planes)
-        if rest.size:
-            ids, sc = self._top_n(users[rest], N, [exclude[i] for i in rest], items, rng)
-            out_ids[rest], out_scores[rest] = ids, sc
-        # The planes each user's vector was quantized to (a later plan may have changed the setting);
-        # users sharing a P are ranked in one batched scan over the packed item codes.
-        top = np.abs(self.user_q[users[planes]].astype(np.int64)).max(axis=1)
-        P_of = np.maximum(1, (top[:, None] >= 1 << np.arange(9)).sum(axis=1))  # the bit length of the top
-        for P in np.unique(P_of).tolist():
-            grp = planes[P_of == P]
-            signs = np.swapaxes(lightfr.sign_planes(self.user_q[users[grp]], P), 0, 1).reshape(-1, f)
-            words = np.ascontiguousarray(pack_signs(signs).T).reshape(grp.size, P, -1)
-            ids, S = self._hamming_index().search_planes_batch(
-                words,
-                self.user_weight[users[grp]],
-                N,
-                rng,
-                level_shift=s,
-                exclude=[exclude[i] for i in grp],
-                candidates=items,
-            )
-            S = np.where(ids >= 0, S, LEVEL_CENTER << s)  # padded slots: -inf below
-            if self._levels is None:
-                S = S + (LEVEL_CENTER << s)  # no levels: every item at the centre (β = 0)
-            real = np.where(ids >= 0, (S - (LEVEL_CENTER << s)) * 2.0 / (2**s * B * f), -np.inf)
-            out_ids[grp], out_scores[grp] = ids, real.astype(np.float32)
-        return out_ids, out_scores
 
     def stage1_candidates(
         self,
