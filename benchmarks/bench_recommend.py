@@ -10,6 +10,7 @@ The fedrec side calls only the public API a device uses: ``LightFRModel(m, Light
 is imported.  Times are CPU seconds of the calling thread (`time.thread_time`), the median of up to
 ``--repeat`` calls, the two methods taking turns in bursts (``bench_topk._timed``), each one-user call a
 new user (users rotate); on a shared machine the ratio to faiss within a run is the figure to read.
+Beside them (f = 64), the floor of any numpy scan: one XOR and one popcount call over the packed codes.
 
 The catalogue is synthetic: item embeddings E (m, d) of rank ``--rank`` plus noise, and item codes the
 signs of E under a random projection (so codes and embeddings agree, as trained ones would); a user's
@@ -128,14 +129,23 @@ def measure(args: argparse.Namespace, m: int, rng: np.random.Generator) -> dict[
     batch = args.batch
     users = np.arange(batch)
     fns.append(lambda: model.recommend(liked[:batch], N=N, userid=users))
+    # The floor of any numpy scan: one XOR and one popcount call over the packed codes, nothing else.
+    words = pack_signs(codes)[0] if args.bits == 64 else None
+    if words is not None:
+        user_words = pack_signs(model.user_codes)[0]
+        fns.append(rotating(lambda u: np.bitwise_count(np.bitwise_xor(words, user_words[u])), n))
     if index is not None:
         queries = np.packbits(model.user_codes > 0, axis=1, bitorder="little")
         fns.append(rotating(lambda u: index.search(queries[u : u + 1], N), n))
         fns.append(lambda: index.search(queries[:batch], N))
     t = _timed(fns, args.repeat, args.budget, False)
     row: dict[str, Any] = {"items": m, "one_ms": t[0] * 1e3, "batch_ms": t[1] * 1e3}
+    if words is not None:
+        row["numpy_xor_popcount_ms"] = t.pop(2) * 1e3
     if index is not None:
         row.update(faiss_one_ms=t[2] * 1e3, faiss_batch_ms=t[3] * 1e3, one_x=t[0] / t[2], batch_x=t[1] / t[3])
+        if words is not None:
+            row["numpy_xor_popcount_x"] = row["numpy_xor_popcount_ms"] / row["faiss_one_ms"]
     held = [model.item_codes, model._item_words, model.item_levels, model.item_embeddings]  # noqa: SLF001
     row["bytes_per_item_min"] = args.bits / 8 + (1 if args.levels else 0) + (2 * args.dim if args.embeddings else 0)
     row["bytes_per_item_held"] = sum(a.nbytes for a in held if a is not None) / m
