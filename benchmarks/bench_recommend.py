@@ -33,7 +33,6 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
-import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -205,8 +204,10 @@ def _status_mb(field: str) -> float:
 def rss_child(path: str, rated: int) -> None:
     """In a fresh process: load the model, fold in a user, then recommend twice, the peak RSS reset before
     each (Linux: "5" into /proc/self/clear_refs), so a recommend's own peak is read apart from the load's."""
+    # ru_maxrss would carry the parent's high-water mark over fork: reset the peak to this process's own.
+    Path("/proc/self/clear_refs").write_text("5")
     model = LightFRModel.load(path)
-    peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_load = _status_mb("VmHWM")
     items = np.random.default_rng(0).choice(model.n_items, rated, replace=False)
     model.fold_in(items, userid=0)
     before = _status_mb("VmRSS")
