@@ -12,6 +12,7 @@ import pytest
 import scipy.sparse as sp
 
 from device_sdk import LightFRConfig, LightFRModel, realvalued
+from device_sdk.family import LocalRatings
 from device_sdk.store import load_store, save_store
 from device_sdk.topk import HammingIndex
 from protocol.codes import pack_signs, random_signs
@@ -341,3 +342,28 @@ def test_set_embeddings_checks_everything_before_changing_anything() -> None:
         LightFRConfig(candidates=-1)
     with pytest.raises(ValueError, match="rerank must be a bool"):
         LightFRConfig(rerank=1)  # type: ignore[arg-type]
+
+
+def test_fit_local_and_refresh_ranking_solve_the_vectors_again() -> None:
+    """`fit_local` solves the user's real-valued vector too; after new embeddings the vectors are stale until
+    `refresh_ranking` (what a device runs on adopting a model) solves them in one batch, with any rank mode."""
+    model, E, liked = _embedded_model()
+    users = np.repeat(np.arange(4), [a.size for a in liked])
+    data = LocalRatings(users.astype(np.int64), np.concatenate(liked).astype(np.int64), None, 4)
+    rng = np.random.default_rng(3)
+    model.set_embeddings(E[:, ::-1].copy(), alpha=2.0, reg=0.5)
+    assert not model.user_vector_ok.any()
+    assert model.refresh_ranking(data) == 4 and model.user_vector_ok.all()
+    E16 = model.item_embeddings
+    assert E16 is not None
+    want = realvalued.ials_user_vectors(E16, realvalued.embedding_gram(E16), liked, 2.0, 0.5)
+    np.testing.assert_allclose(model.user_vectors, want, rtol=1e-6)
+    model.config = replace(model.config, rank_planes=0)  # no planes to refresh: the vectors still are
+    model.set_embeddings(E, alpha=2.0, reg=0.5)
+    assert model.refresh_ranking(data) == 4 and model.user_vector_ok.all()
+    one = LightFRModel(model.n_items, LightFRConfig(bits=64), rng=rng)
+    one.set_item_codes(model.item_codes, 3)
+    one.set_embeddings(E, alpha=2.0, reg=0.5)
+    one.fit_local(liked[2], rng=rng)
+    assert one.user_vector_ok[0]
+    np.testing.assert_allclose(one.user_vectors[0], model.user_vectors[2], rtol=1e-6)
