@@ -122,7 +122,7 @@ def _plane_scores(model: LightFRModel, cand: NDArray[np.int64], query: _Query, a
     levels = model.item_levels
     lv = LEVEL_CENTER if levels is None else levels[safe].astype(np.int64)
     S = a * (f * (2**P - 1) - 2 * W) + (lv << s) - (LEVEL_CENTER << s)
-    return S * (2.0 / (2**s * B * f))  # type: ignore[no-any-return]
+    return S * (2.0 / (2**s * B * f))
 
 
 def _drop(cand: NDArray[np.int64], exclude: list[NDArray[np.int64] | None]) -> None:

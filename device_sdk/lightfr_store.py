@@ -83,10 +83,13 @@ def _load_embeddings(model: LightFRModel, state: dict[str, object]) -> None:
     d, m, n = state["embedding_dim"], model.n_items, model.n_users
     if not isinstance(d, int) or isinstance(d, bool) or d < 1:
         raise ValueError(f"embedding_dim must be an integer >= 1, got {d!r}")
-    raw = [state[k] for k in ("item_embeddings", "embedding_gram", "user_vectors", "user_vector_ok")]
-    if not all(isinstance(b, bytes) for b in raw):
-        raise ValueError("the embedding arrays must be bytes")
-    E, G, U, ok = (np.frombuffer(b, dtype=t) for b, t in zip(raw, ("<f2", "<f4", "<f4", np.uint8), strict=True))
+    raw: list[bytes] = []
+    for key in ("item_embeddings", "embedding_gram", "user_vectors", "user_vector_ok"):
+        value = state[key]
+        if not isinstance(value, bytes):
+            raise ValueError(f"{key} must be bytes")
+        raw.append(value)
+    E, G, U, ok = (np.frombuffer(b, dtype=t) for b, t in zip(raw, ("<f2", "<f4", "<f4", "u1"), strict=True))
     if E.size != m * d or G.size != d * d or U.size != n * d:
         raise ValueError(f"the embedding arrays do not hold {m} items, {n} users and d = {d}")
     alpha, reg = state["ials_alpha"], state["ials_reg"]

@@ -286,7 +286,7 @@ def dot_rows(E: NDArray[np.floating], cand: NDArray[np.int64], U: NDArray[np.flo
     """s[r, k] = E[cand[r, k]]·U[r] in float32 ((r, K) candidates, -1 slots: any value): one gather and one
     batched product, the same kernel for one row as for many."""
     rows = E[np.maximum(cand, 0)].astype(np.float32)  # (r, K, d)
-    return np.matmul(rows, U.astype(np.float32, copy=False)[..., None])[..., 0]  # type: ignore[no-any-return]
+    return np.matmul(rows, U.astype(np.float32, copy=False)[..., None])[..., 0]
 
 
 def _rerank(

@@ -205,4 +205,4 @@ def candidates_subset(
         v += np.bitwise_count(ix._words[j, items] ^ user[j])
     if ix._levels is not None and lam > 0:
         v += np.floor((ix._top - ix._levels[items].astype(np.int64)) * lam).astype(np.int64)
-    return items[_pick(np.arange(items.size), v, min(kk, items.size), rng)]  # type: ignore[no-any-return]
+    return items[_pick(np.arange(items.size), v, min(kk, items.size), rng)]
