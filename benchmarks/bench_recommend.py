@@ -44,7 +44,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 from numpy.typing import NDArray  # noqa: E402
 
-from device_sdk import LightFRConfig, LightFRModel, pack_signs, to_bytes  # noqa: E402
+from device_sdk import LightFRConfig, LightFRModel, pack_signs, to_bytes, words_for  # noqa: E402
 from device_sdk.realvalued import dot_rows, stage1_recall, top_row  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -145,9 +145,12 @@ def measure(args: argparse.Namespace, m: int, rng: np.random.Generator) -> dict[
         row.update(faiss_one_ms=t[2] * 1e3, faiss_batch_ms=t[3] * 1e3, one_x=t[0] / t[2], batch_x=t[1] / t[3])
         if words is not None:
             row["numpy_xor_popcount_x"] = row["numpy_xor_popcount_ms"] / row["faiss_one_ms"]
-    held = [model.item_codes, model._item_words, model.item_levels, model.item_embeddings]  # noqa: SLF001
+    # What the model holds: the ±1 matrix, the packed words beside it (8 bytes a word), levels, embeddings.
+    held: list[NDArray[Any]] = [
+        a for a in (model.item_codes, model.item_levels, model.item_embeddings) if a is not None
+    ]
     row["bytes_per_item_min"] = args.bits / 8 + (1 if args.levels else 0) + (2 * args.dim if args.embeddings else 0)
-    row["bytes_per_item_held"] = sum(a.nbytes for a in held if a is not None) / m
+    row["bytes_per_item_held"] = (sum(a.nbytes for a in held) + m * 8 * words_for(args.bits)) / m
     if args.embeddings:
         row["rerank"] = rerank_cost(args, model, E, liked)
     return row
