@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
     )
     from agg_server.strategy.felb import FELBStrategy
     from agg_server.strategy.fnmf import FNMFStrategy, TrustedBarycenterFNMF
+    from agg_server.strategy.ials import IALSStrategy
     from agg_server.strategy.mf import MFStrategy
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "FELBStrategy",
     "FNMFStrategy",
     "TrustedBarycenterFNMF",
+    "IALSStrategy",
     "Strategy",
     "build_strategy",
     "agg_grad",
@@ -90,6 +92,7 @@ _LAZY = {
     "FNMFStrategy": "agg_server.strategy.fnmf",
     "TrustedBarycenterFNMF": "agg_server.strategy.fnmf",
     "MFStrategy": "agg_server.strategy.mf",
+    "IALSStrategy": "agg_server.strategy.ials",
 }
 
 

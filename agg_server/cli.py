@@ -28,6 +28,7 @@ from aiohttp import web
 
 from agg_server.app import create_app
 from agg_server.config import LOG_LEVELS, ServerConfig, load_config
+from agg_server.listener import CappedTCPSite
 from agg_server.logs import configure_logging
 from protocol.errors import ConfigError, FedRecError
 
@@ -84,7 +85,17 @@ async def _serve(config: ServerConfig) -> None:
     # A deep accept queue (the kernel caps it at net.core.somaxconn): a fleet's first check-ins, and the
     # requests another instance forwards, arrive as bursts of new connections; with aiohttp's default of
     # 128 the overflow was dropped and connects timed out (measured with 2,000 devices on two instances).
-    site = web.TCPSite(runner, config.listen.host, config.listen.port, ssl_context=context, backlog=4096)
+    # One address holding more than server.max_connections_per_source open connections has the next ones
+    # closed at accept (agg_server.listener).
+    site = CappedTCPSite(
+        runner,
+        config.listen.host,
+        config.listen.port,
+        per_source=config.listen.max_connections_per_source,
+        exempt=config.listen.uncapped_networks,
+        ssl_context=context,
+        backlog=4096,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

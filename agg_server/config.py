@@ -13,7 +13,7 @@ Invariants of this module:
 * Apart from checking that TLS files exist, nothing here does I/O; reading the file is `load_config`.
 
 Why one module of ~700 lines: one table, one dataclass, each with its checks and the docstring an
-operator reads.  The model families' tables ([model], [lightfr], [mf], [felb], [fnmf]) and the older
+operator reads.  The model families' tables ([model], [lightfr], [mf], [felb], [fnmf], [ials]) and the older
 [model] LightFR keys are in `agg_server.config_families` (re-exported here); the field checks all sections
 share are in `agg_server.config_fields`.
 """
@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 from agg_server.config_families import (
     FELBSection,
     FNMFSection,
+    IALSSection,
     LightFRSection,
     MFSection,
     ModelSection,
@@ -62,6 +63,7 @@ __all__ = [
     "MFSection",
     "FELBSection",
     "FNMFSection",
+    "IALSSection",
     "ServerConfig",
     "LOG_FORMATS",
     "LOG_LEVELS",
@@ -109,6 +111,14 @@ class ListenConfig:
         Put ``/metrics``, ``/v1/status`` and the dashboard's data (``/v1/dashboard``; the page itself holds
         none) behind the admin token.  None (the default) means on when ``host`` is not a loopback address and
         off on loopback.  On without ``admin_token_sha256`` leaves those endpoints closed (403).
+    max_connections_per_source : int
+        Most connections one source address may hold open (default 64; 0 = no cap).  Connections beyond it
+        are closed at accept, before a byte is read (docs/threat-model.md §3.5): one address opening
+        hundreds of partial bodies cannot slow ``/v1/health``.  Behind a reverse proxy, or with devices
+        behind one carrier NAT address, list those addresses in ``uncapped_sources``.
+    uncapped_sources : tuple of str
+        Networks (``"10.0.0.0/8"``) or addresses never capped: the proxy, the load balancer's health
+        checker, the other instances of a cluster.  Default: loopback (``127.0.0.1``, ``::1``).
     """
 
     host: str = "127.0.0.1"
@@ -119,6 +129,8 @@ class ListenConfig:
     admin_token_sha256: str | None = None
     body_timeout: float = 30.0
     protect_operator_endpoints: bool | None = None
+    max_connections_per_source: int = 64
+    uncapped_sources: tuple[str, ...] = ("127.0.0.1", "::1")
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host.strip():
@@ -141,6 +153,21 @@ class ListenConfig:
         _set(self, "body_timeout", _float("server.body_timeout", self.body_timeout, lo=0.0, hi=86400.0, lo_open=True))
         if self.protect_operator_endpoints is not None:
             _bool("server.protect_operator_endpoints", self.protect_operator_endpoints)
+        _int("server.max_connections_per_source", self.max_connections_per_source, lo=0)
+        sources = self.uncapped_sources
+        if not isinstance(sources, list | tuple) or not all(isinstance(x, str) for x in sources):
+            raise _fail("server.uncapped_sources", "a list of addresses or networks", sources)
+        for text in sources:
+            try:
+                ipaddress.ip_network(text.strip(), strict=False)
+            except ValueError:
+                raise _fail("server.uncapped_sources", "addresses or networks like 10.0.0.0/8", text) from None
+        _set(self, "uncapped_sources", tuple(s.strip() for s in sources))
+
+    @property
+    def uncapped_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        """``uncapped_sources`` as networks."""
+        return tuple(ipaddress.ip_network(s, strict=False) for s in self.uncapped_sources)
 
     @property
     def operator_endpoints_protected(self) -> bool:
@@ -517,7 +544,7 @@ class ServerConfig:
     log : LogSection
     storage : StorageSection
     enrollment : EnrollmentSection
-    lightfr, mf, felb, fnmf : the model families' hyper-parameters (only ``model.kind``'s is used; another
+    lightfr, mf, felb, fnmf, ials : the model families' hyper-parameters (only ``model.kind``'s is used; another
         family's table must be absent or at its defaults, or the key changed is refused, naming it and the kind)
     """
 
@@ -533,13 +560,14 @@ class ServerConfig:
     mf: MFSection = field(default_factory=MFSection)
     felb: FELBSection = field(default_factory=FELBSection)
     fnmf: FNMFSection = field(default_factory=FNMFSection)
+    ials: IALSSection = field(default_factory=IALSSection)
 
     def __post_init__(self) -> None:
         _set(self, "data_dir", _path("server.data_dir", self.data_dir))
         for name, cls in _SECTION_TYPES.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name}: must be a {cls.__name__}, got {getattr(self, name)!r}")
-        for table, cls in (("mf", MFSection), ("felb", FELBSection), ("fnmf", FNMFSection)):
+        for table, cls in (("mf", MFSection), ("felb", FELBSection), ("fnmf", FNMFSection), ("ials", IALSSection)):
             if table == self.model.kind:
                 continue
             # Another family's table does nothing; left at its defaults (examples/server.toml lists them all)
@@ -581,6 +609,7 @@ _SECTION_TYPES: dict[str, type] = {
     "mf": MFSection,
     "felb": FELBSection,
     "fnmf": FNMFSection,
+    "ials": IALSSection,
 }
 
 # TOML table -> (attribute of ServerConfig, dataclass); [server] also carries data_dir.
@@ -596,6 +625,7 @@ _TABLES: dict[str, tuple[str, type]] = {
     "mf": ("mf", MFSection),
     "felb": ("felb", FELBSection),
     "fnmf": ("fnmf", FNMFSection),
+    "ials": ("ials", IALSSection),
 }
 # Keys older files may hold that the server never read: each is refused with what to do instead.
 _DEVICE_SIDE = (

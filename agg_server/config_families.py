@@ -1,7 +1,7 @@
 """The model families' configuration tables: ``[model]`` (which family, the catalogue size), ``[lightfr]``,
-``[mf]``, ``[felb]`` and ``[fnmf]``, and how an older file's LightFR keys in ``[model]`` are read.
+``[mf]``, ``[felb]``, ``[fnmf]`` and ``[ials]``, and how an older file's LightFR keys in ``[model]`` are read.
 
-The families' training parameters live in `protocol.plan` (the [mf], [felb] and [fnmf] sections subclass
+The families' training parameters live in `protocol.plan` (the [mf], [felb], [fnmf] and [ials] sections subclass
 them; the [lightfr] section holds them beside the server's own,
 `agg_server.strategy.lightfr.LightFRServerParams`).  `agg_server.config` assembles these sections into a
 `ServerConfig`; the invariants of that module (every error names its TOML key, numbers are normalised on
@@ -19,8 +19,9 @@ from typing import Any
 from agg_server.config_fields import _choice, _fail, _float, _int, _is_default, _set
 from agg_server.strategy.lightfr import LightFRServerParams
 from protocol.errors import ConfigError
+from protocol.families.ials import DEFAULT_FACTORS as IALS_FACTORS
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
-from protocol.plan import FELBParams, FNMFParams, LightFRParams, MFParams, params_type
+from protocol.plan import FELBParams, FNMFParams, IALSParams, LightFRParams, MFParams, params_type
 from protocol.spec import MAX_ITEMS, MAX_RANK, ModelKind
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "MFSection",
     "FELBSection",
     "FNMFSection",
+    "IALSSection",
     "lightfr_keys",
     "lightfr_default",
 ]
@@ -50,8 +52,8 @@ class ModelSection:
     Attributes
     ----------
     kind : str
-        Model family, a `protocol.spec.ModelKind` value: "lightfr" (default), "mf", "felb" or
-        "fnmf"; each takes its hyper-parameters from the table of that name (``[lightfr]``, ``[mf]``, ...).
+        Model family, a `protocol.spec.ModelKind` value: "lightfr" (default), "mf", "felb", "fnmf" or
+        "ials"; each takes its hyper-parameters from the table of that name (``[lightfr]``, ``[mf]``, ...).
         LightFR's keys may also be given here, as older files do (`config_from_dict` moves them to
         ``[lightfr]``; a key given in both is refused).
     n_items : int
@@ -240,6 +242,30 @@ class FNMFSection(FNMFParams):
     def __post_init__(self) -> None:
         _family_checks("fnmf", FNMFParams, self)
         _int("fnmf.rank", self.rank, lo=1, hi=_MAX_BITS)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IALSSection(IALSParams):
+    """Federated implicit ALS (TOML table ``[ials]``, used when ``model.kind = "ials"``): the devices'
+    training parameters are `protocol.plan.IALSParams`, plus the rank.
+
+    For a non-private run, set ``rounds.clip_norm`` above the largest upload's norm (about the most items one
+    device holds, times 1 + ‖u‖²) so that nothing is clipped (`device_sdk.ials` says how to pick
+    ``rounds.scale_bits``).
+
+    Attributes
+    ----------
+    rank : int
+        Factor count d in [1, 4096] (default 64).
+    alpha, reg
+        As in `protocol.plan.IALSParams`.
+    """
+
+    rank: int = IALS_FACTORS
+
+    def __post_init__(self) -> None:
+        _family_checks("ials", IALSParams, self)
+        _int("ials.rank", self.rank, lo=1, hi=_MAX_BITS)
 
 
 def _unused_table(table: str, key: str, kind: str, value: object) -> ConfigError:

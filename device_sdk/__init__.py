@@ -1,5 +1,5 @@
 """fedrec device SDK: models trained on the device (LightFR binary codes with Hamming top-k; real-valued
-MF; FELB Boolean MF; FNMF), the on-device store and the client that takes part in private rounds.
+MF; FELB Boolean MF; FNMF; implicit ALS), the on-device store and the client that takes part in private rounds.
 
 Importing this package never imports aiohttp (the HTTP transport is a separate module).
 """
@@ -18,6 +18,7 @@ from device_sdk.codes import __all__ as _codes_all
 from device_sdk.family import FederatedModel, LocalRatings, LocalResult
 from device_sdk.felb import FELBConfig, FELBModel
 from device_sdk.fnmf import FNMFConfig, FNMFModel
+from device_sdk.ials import IALSConfig, IALSModel
 from device_sdk.mf import MFConfig, MFModel
 from device_sdk.models import LightFRConfig, LightFRModel, LocalUpdate
 from device_sdk.store import load_store, save_store
@@ -51,6 +52,8 @@ __all__ = [
     "FELBModel",
     "FNMFConfig",
     "FNMFModel",
+    "IALSConfig",
+    "IALSModel",
     "FederatedModel",
     "LocalRatings",
     "LocalResult",

@@ -27,11 +27,22 @@ surviving neighbours Hypergeom(n, S, d).  The 40-bit security budget is split ev
 3. *correctness*: P[Hypergeom(n, S, d) <= t - 1] < 2^-20 / n, so with probability > 1 - 2^-20 every
    neighbourhood keeps at least t live share holders.
 
-The smallest even ``d`` (from 2 up to n - 2) meeting all three gives ``k = d + 1`` and ``t`` (at least 2,
+4. *placement* (protocol 1.9): t >= ⌊γ n⌋ + 2, `placement_floor`.  The server places the
+   neighbourhoods, so conditions 1 and 2 (random placement) do not bind it: it can put all A colluders
+   around one device X and, by reporting X's honest neighbours as dropped (their pairwise masks are then
+   reconstructed), leave X's self-mask seed with A colluder shares plus X's own (an honest survivor
+   releases its own b-share).  t >= A + 2 forces every reconstructable self mask to rest on a share of at
+   least one other honest survivor, which is then in X's component: the server learns sums over at least
+   t - A honest survivors (2 at the floor), never one device's input, wherever it places anyone.
+
+The smallest even ``d`` (from 2 up to n - 2) meeting all four gives ``k = d + 1`` and ``t`` (at least 2,
 since one share must not reveal the secret).  If none exists the graph is complete: ``k = n`` and
 ``t = S`` (the guaranteed survivors), which is deterministic-safe iff ``S > A``.  This reproduces the
 FCP test table: its "degree" column is ``d`` (FCP adds the self-edge afterwards), so FCP's
-n=100, gamma=5%, omega=33% row "28, 6" is ``GraphParams(k=29, t=6)`` here.
+n=100, gamma=5%, omega=33% row "28, 6" is ``GraphParams(k=29, t=6)`` here, with the placement rule off
+(``adversarial_placement=False``, the semi-honest setting of Bell et al. and FCP); with it (the default,
+and the only setting the server uses) n = 100 moves to k = 29, t = 7 and n = 1,000 from k = 73, t = 24
+to k = 123, t = 52.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ __all__ = [
     "CORRECTNESS_BITS",
     "GraphParams",
     "find_parameters",
+    "placement_floor",
     "validate_parameters",
     "harary_graph",
 ]
@@ -146,15 +158,31 @@ def _log_cdf(n: int, marked: int, d: int) -> np.ndarray:
     return np.logaddexp.accumulate(_log_pmf(n, marked, d))
 
 
-def _sparse_threshold(n: int, d: int, adversaries: int, survivors: int, dropouts: int) -> int | None:
-    """Return t for ``d`` ring neighbours if the three conditions (module docstring) hold, else None."""
+def placement_floor(n: int, adversary_rate: float) -> int:
+    """The least t of a sparse round (k < n) that holds wherever the server places the neighbourhoods.
+
+    ⌊γ n⌋ + 2 (module docstring, condition 4): ⌊γ n⌋ colluders around a device plus the device's own share
+    stay below t, so its self mask is never reconstructed without a share of another honest survivor.
+
+    Raises
+    ------
+    ConfigError
+        n or the rate is invalid.
+    """
+    _check_n(n)
+    return math.floor(exact_rate(adversary_rate, "adversary_rate") * int(n)) + 2
+
+
+def _sparse_threshold(n: int, d: int, adversaries: int, survivors: int, dropouts: int, floor: int = 2) -> int | None:
+    """Return t for ``d`` ring neighbours if the conditions (module docstring) hold, else None; ``floor`` is
+    the least t (condition 4, or 2 without it)."""
     if _log_prob_disconnected(n, d, adversaries + dropouts) >= _LOG_SECURITY_PER_EVENT:
         return None
     log_sec = _LOG_SECURITY_PER_EVENT - math.log(n)
     ok = np.nonzero(_log_sf(n, adversaries, d) < log_sec)[0]
     if ok.size == 0:
         return None
-    t = max(int(ok[0]), 2)
+    t = max(int(ok[0]), floor)
     if t > d:
         return None
     if _log_cdf(n, survivors, d)[t - 1] >= _LOG_CORRECTNESS - math.log(n):
@@ -162,8 +190,10 @@ def _sparse_threshold(n: int, d: int, adversaries: int, survivors: int, dropouts
     return t
 
 
-def find_parameters(n: int, dropout_rate: float, adversary_rate: float) -> GraphParams:
-    """Find the smallest SecAgg+ neighbourhood ``k`` and its threshold ``t`` (semi-honest server).
+def find_parameters(
+    n: int, dropout_rate: float, adversary_rate: float, *, adversarial_placement: bool = True
+) -> GraphParams:
+    """Find the smallest SecAgg+ neighbourhood ``k`` and its threshold ``t``.
 
     Parameters
     ----------
@@ -173,6 +203,10 @@ def find_parameters(n: int, dropout_rate: float, adversary_rate: float) -> Graph
         omega in [0, 1): the largest fraction of the cohort that may drop out.
     adversary_rate : float
         gamma in [0, 1): the fraction of devices the adversary may control (colluding with the server).
+    adversarial_placement : bool
+        True (the default; the server never passes False): a sparse t is at least `placement_floor`, so
+        (k, t) hold against a server that places the neighbourhoods.  False gives the semi-honest figures
+        of Bell et al. 2020 and FCP (random placement), for comparison only.
 
     Returns
     -------
@@ -188,8 +222,9 @@ def find_parameters(n: int, dropout_rate: float, adversary_rate: float) -> Graph
     _check_n(n)
     n = int(n)
     adversaries, dropouts, survivors = _counts(n, dropout_rate, adversary_rate)
-    for d in range(2, n - 1, 2):
-        t = _sparse_threshold(n, d, adversaries, survivors, dropouts)
+    floor = adversaries + 2 if adversarial_placement else 2
+    for d in range(max(2, floor + floor % 2), n - 1, 2):  # d >= t >= floor
+        t = _sparse_threshold(n, d, adversaries, survivors, dropouts, floor)
         if t is not None:
             return GraphParams(k=d + 1, t=t)
     params = GraphParams(k=n, t=max(survivors, 2))
@@ -197,7 +232,9 @@ def find_parameters(n: int, dropout_rate: float, adversary_rate: float) -> Graph
     return params
 
 
-def validate_parameters(n: int, k: int, t: int, dropout_rate: float, adversary_rate: float) -> None:
+def validate_parameters(
+    n: int, k: int, t: int, dropout_rate: float, adversary_rate: float, *, adversarial_placement: bool = True
+) -> None:
     """Refuse an unsafe or impossible SecAgg+ configuration.
 
     Parameters
@@ -212,13 +249,17 @@ def validate_parameters(n: int, k: int, t: int, dropout_rate: float, adversary_r
         omega in [0, 1).
     adversary_rate : float
         gamma in [0, 1).
+    adversarial_placement : bool
+        True (the default): a sparse t below `placement_floor` is refused.  False checks the random-placement
+        (semi-honest) conditions only.
 
     Raises
     ------
     ConfigError
         Naming the offending value: rates outside [0, 1); k outside [2, n] or even for a sparse
         graph; t outside [2, k]; t reachable by the adversary (complete graph: t <= floor(gamma*n);
-        sparse: probability >= 2^-41/n per device); t not reachable by the survivors (complete graph:
+        sparse: t < floor(gamma*n) + 2 with ``adversarial_placement``, or probability >= 2^-41/n per
+        device); t not reachable by the survivors (complete graph:
         t > n - floor(omega*n); sparse: probability >= 2^-20/n per device); or a graph that the bad
         devices disconnect with probability >= 2^-41.
     """
@@ -256,6 +297,13 @@ def validate_parameters(n: int, k: int, t: int, dropout_rate: float, adversary_r
             f"neighbourhood size k={k} is unsafe for n={n}: adversaries plus dropouts "
             f"({adversaries}+{dropouts}) disconnect the graph with probability up to "
             f"2^{log_disc / _LN2:.1f} (need < 2^-{SECURITY_BITS + 1})"
+        )
+    if adversarial_placement and t < adversaries + 2:
+        raise ConfigError(
+            f"threshold t={t} is unsafe for a sparse graph (k={k} < n={n}): a server that places its {adversaries} "
+            f"colluder{'' if adversaries == 1 else 's'} (adversary_rate={adversary_rate}) around one device and "
+            f"reports the device's other neighbours as dropped reconstructs its input; need t >= {adversaries + 2} "
+            "(or k = n)"
         )
     log_adv = float(_log_sf(n, adversaries, d)[t]) if t <= d else -math.inf
     if log_adv >= _LOG_SECURITY_PER_EVENT - math.log(n):

@@ -45,7 +45,16 @@ from protocol.message_base import (
     frozen_u32,
     set_field,
 )
-from protocol.plan import FamilyParams, FELBParams, FNMFParams, LightFRParams, MFParams, TrainingPlan, params_from_wire
+from protocol.plan import (
+    FamilyParams,
+    FELBParams,
+    FNMFParams,
+    IALSParams,
+    LightFRParams,
+    MFParams,
+    TrainingPlan,
+    params_from_wire,
+)
 from protocol.quantization import QuantizationConfig
 from protocol.service_messages import *  # noqa: F403
 from protocol.service_messages import __all__ as _service_all
@@ -171,7 +180,7 @@ class RoundInvite(Message):
             except ValueError:
                 pass
         if self.params is not None:
-            if not isinstance(self.params, LightFRParams | MFParams | FELBParams | FNMFParams):
+            if not isinstance(self.params, LightFRParams | MFParams | FELBParams | FNMFParams | IALSParams):
                 fail(n, f"params must be a family's training parameters (protocol.plan), got {self.params!r}")
             if self.params.KIND != self.model_kind:
                 fail(n, f"params are {self.params.KIND.value!r} parameters, model_kind is {self.model_kind!r}")

@@ -1,7 +1,7 @@
 """The training plan of a round, typed: what a device trains, how, and what it uploads.
 
 Invariants:
-- One parameter type per model family (`LightFRParams`, `MFParams`, `FELBParams`, `FNMFParams`):
+- One parameter type per model family (`LightFRParams`, `MFParams`, `FELBParams`, `FNMFParams`, `IALSParams`):
   frozen, with the one set of defaults and the one validator of that family's training
   hyper-parameters.  The server's configuration tables, the strategies, the device models and the
   CLI all build these types, so they cannot disagree on a default or a bound.
@@ -29,6 +29,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 import numpy as np
 
 from protocol.families.fnmf import upload_length
+from protocol.families.ials import IALSLayout
 from protocol.families.lightfr import UploadLayout
 from protocol.spec import (
     MAX_ITEMS,
@@ -47,6 +48,7 @@ __all__ = [
     "FamilyParams",
     "FELBParams",
     "FNMFParams",
+    "IALSParams",
     "LightFRParams",
     "MFParams",
     "TrainingPlan",
@@ -201,7 +203,7 @@ def known_wire_params() -> dict[str, WireParam]:
     return out
 
 
-# -- the four families' parameters ------------------------------------------------------------------------
+# -- the families' parameters ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -370,7 +372,41 @@ class FNMFParams:
         return upload_length(rank, n_items, self.alignment)
 
 
-FamilyParams = LightFRParams | MFParams | FELBParams | FNMFParams
+#: Bounds of iALS's confidence α and ridge weight (inclusive): the solves' matrices stay well away from singular
+#: and their results finite whatever a server ships.
+IALS_ALPHA_MAX = 1e6
+IALS_REG_RANGE = (1e-6, 1e6)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IALSParams:
+    """Implicit ALS's local training (Hu, Koren and Volinsky's confidence-weighted objective): the device
+    solves its user vectors exactly against the downloaded item factors and uploads the sums the server's
+    item solve needs (`protocol.families.ials.IALSLayout`).
+
+    Attributes
+    ----------
+    alpha : confidence α in [0, 1e6]: an observed (user, item) pair weighs 1 + α, every other pair 1
+        (``cf`` on the wire, the key LightFR's α uses).
+    reg : ridge weight λ in [1e-6, 1e6] of the user and the item solves (``rg``).
+    """
+
+    KIND: ClassVar[ModelKind] = ModelKind.IALS
+    # The keys LightFR's α and MF's λ use, with their meaning and absence (a new family has no older peer, and
+    # an invite without "rg" is refused: λ must be > 0).
+    alpha: float = param_field(20.0, "cf", absent=0.0)
+    reg: float = param_field(0.1, "rg", absent=0.0)
+
+    def __post_init__(self) -> None:
+        _set(self, "alpha", check_float("alpha", self.alpha, lo=0.0, hi=IALS_ALPHA_MAX))
+        lo, hi = IALS_REG_RANGE
+        _set(self, "reg", check_float("reg", self.reg, lo=lo, hi=hi))
+
+    def upload_length(self, n_items: int, rank: int) -> int:
+        return IALSLayout(n_items, rank).length
+
+
+FamilyParams = LightFRParams | MFParams | FELBParams | FNMFParams | IALSParams
 """The training parameters of one family."""
 
 _PARAMS: dict[ModelKind, type[FamilyParams]] = {
@@ -378,6 +414,7 @@ _PARAMS: dict[ModelKind, type[FamilyParams]] = {
     ModelKind.MF: MFParams,
     ModelKind.FELB: FELBParams,
     ModelKind.FNMF: FNMFParams,
+    ModelKind.IALS: IALSParams,
 }
 
 # Attribute of a parameter type -> its name in the stored round record (`TrainingPlan.record`), where the two
@@ -444,7 +481,7 @@ class TrainingPlan:
     clip_norm: float = math.inf
 
     def __post_init__(self) -> None:
-        if not isinstance(self.params, LightFRParams | MFParams | FELBParams | FNMFParams):
+        if not isinstance(self.params, LightFRParams | MFParams | FELBParams | FNMFParams | IALSParams):
             raise ValueError(f"params: must be a family's parameters, got {self.params!r}")
         check_int("n_items", self.n_items, lo=1, hi=MAX_ITEMS)
         check_int("rank", self.rank, lo=1, hi=MAX_RANK)

@@ -75,9 +75,11 @@ class PrivacyPolicy:
         off the roster, and those refuse.
     placement_safe : bool
         Refuse a sparse round (k < n) whose t an adversary could reach by choosing where its colluders sit
-        (default False): the server places the neighbourhoods, so with t <= ⌊γ n⌋ it can put ⌊γ n⌋
-        colluders around this device and hold t of its shares.  True asks t >= ⌊γ n⌋ + 1 (or k = n);
-        the parameter finder's (k, t) at γ = 0.05 meet it only below n ≈ 360.
+        (default True, protocol 1.9): the server places the neighbourhoods, so it can put ⌊γ n⌋ colluders
+        around this device, report its other neighbours as dropped and hold ⌊γ n⌋ + 1 shares of its self
+        mask (the device releases its own).  True asks t >= ⌊γ n⌋ + 2 (`protocol.graph.placement_floor`)
+        or k = n, which the parameter finder's (k, t) always meet.  False trusts the server to place the
+        devices at random (the semi-honest setting of Bell et al. 2020).
     enforce : bool
         False only for `PrivacyPolicy.no_floor` (simulations of tiny cohorts and tests).
 
@@ -94,7 +96,7 @@ class PrivacyPolicy:
     max_epsilon_total: float = 16.0
     delta: float = 1e-6
     min_cohort_size: int = 2
-    placement_safe: bool = False
+    placement_safe: bool = True
     enforce: bool = True
 
     def __post_init__(self) -> None:
@@ -132,10 +134,10 @@ def round_rdp(invite: RoundInvite) -> NDArray[np.float64]:
 
 
 @lru_cache(maxsize=256)
-def _graph_floor(n: int, k: int, t: int, adversary_rate: float) -> str | None:
+def _graph_floor(n: int, k: int, t: int, adversary_rate: float, placement_safe: bool) -> str | None:
     # Only the privacy side of the graph rules: no dropouts assumed, so liveness never refuses a round.
     try:
-        validate_parameters(n, k, t, 0.0, adversary_rate)
+        validate_parameters(n, k, t, 0.0, adversary_rate, adversarial_placement=placement_safe)
     except ConfigError as exc:
         return str(exc)
     return None
@@ -174,15 +176,9 @@ def check_invite(invite: RoundInvite, policy: PrivacyPolicy, ledger: DeviceLedge
         )
     if k > n:
         raise PrivacyFloorViolation(f"neighbourhood k={k} exceeds the stated cohort of {n}")
-    problem = _graph_floor(n, k, t, policy.adversary_rate)
+    problem = _graph_floor(n, k, t, policy.adversary_rate, policy.placement_safe)
     if problem is not None:
         raise PrivacyFloorViolation(f"k={k}, t={t} for a cohort of {n} is below this device's floor: {problem}")
-    colluders = int(policy.adversary_rate * n)
-    if policy.placement_safe and k < n and t <= colluders:
-        raise PrivacyFloorViolation(
-            f"t={t} with k={k} < n={n}: a server that places its {colluders} colluders around this device holds t "
-            "of its shares (this device asks t > ⌊γ n⌋ for sparse rounds)"
-        )
     if invite.dp_mu <= 0.0:
         if policy.require_noise:
             raise PrivacyFloorViolation(NO_NOISE_REFUSAL)

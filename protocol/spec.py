@@ -22,7 +22,7 @@ __all__ = [
     "USER_REG_RANGE",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 8)
+PROTOCOL_VERSION: tuple[int, int] = (1, 9)
 """(major, minor): what the codec writes in every envelope (`protocol.codec.is_compatible` decides who can
 talk) and whose major version `protocol.crypto` binds into every derived key and `protocol.identity` into
 every signed round payload."""
@@ -55,6 +55,7 @@ class ModelKind(StrEnum):
     MF = "mf"  # real-valued MF with embedding clipping (federated MF with privacy guarantee)
     FELB = "felb"  # Boolean MF with the ELB proximal operator (federated binary MF)
     FNMF = "fnmf"  # coherent federated NMF with client-side alignment
+    IALS = "ials"  # real-valued implicit ALS: exact user step on the device, shared-curvature item solve
 
 
 class Aggregation(StrEnum):

@@ -25,6 +25,7 @@ from device_sdk.family import LocalRatings
 from device_sdk.felb import FELBConfig, FELBModel
 from device_sdk.fnmf import FNMFConfig, FNMFModel
 from device_sdk.http import HttpTransport
+from device_sdk.ials import IALSConfig, IALSModel
 from device_sdk.mf import MFConfig, MFModel
 from fedsim.data.planted import planted_binary, planted_nonnegative
 from fedsim.fleets.faults import DropoutAt, FaultyTransport
@@ -62,6 +63,7 @@ def _config(data_dir: Path, kind: str) -> ServerConfig:
                 "mf": {"rank": 4, "pretrain_epochs": 5},
                 "felb": {"rank": 3, "local_epochs": 3},
                 "fnmf": {"rank": 3, "local_steps": 5},
+                "ials": {"rank": 4, "alpha": 5.0},
             }[kind],
         },
         base_dir=data_dir,
@@ -81,6 +83,10 @@ def _family(kind: str) -> tuple[Callable[[], Any], list[LocalRatings]]:
             ratings = rng.integers(1, 6, size=16).astype(float)
             data.append(LocalRatings(users, items, ratings, 2))
         return (lambda: MFModel(N_ITEMS, MFConfig(factors=4), n_users=2, rng=np.random.default_rng(0))), data
+    if kind == "ials":
+        # Implicit feedback, one phone per user: each device's distinct items.
+        data = [LocalRatings.single_user(rng.choice(N_ITEMS, size=6, replace=False)) for _ in range(DEVICES)]
+        return (lambda: IALSModel(N_ITEMS, IALSConfig(factors=4, alpha=5.0))), data
     if kind == "felb":
         planted = planted_binary(DEVICES, 5, N_ITEMS, 3, tile_columns=(4, 8), rng=rng)
         return (lambda: FELBModel(N_ITEMS, FELBConfig(rank=3))), [
@@ -145,7 +151,7 @@ async def _http_round(cfg: ServerConfig, kind: str, aiohttp_server: Any, store: 
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind", ["mf", "felb", "fnmf"])
+@pytest.mark.parametrize("kind", ["mf", "felb", "fnmf", "ials"])
 async def test_family_round_over_http_matches_in_process(kind: str, aiohttp_server: Any, tmp_path: Path) -> None:
     coord, statuses, data, new_model = await _http_round(
         _config(tmp_path / "http", kind), kind, aiohttp_server, tmp_path / "devices"

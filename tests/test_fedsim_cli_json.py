@@ -131,7 +131,7 @@ def test_eval_refuses_another_split_than_the_run_trained_on(capsys: pytest.Captu
 
 def test_json_is_refused_where_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--model", "felb", "--dataset", "planted", "--json"]) == 2
-    assert "--json applies to --model lightfr or --model mf only" in capsys.readouterr().err
+    assert "--json applies to --model lightfr or --model mf or --model ials only" in capsys.readouterr().err
     assert main(["simulate", "--model", "mf", "--dataset", "synthetic", "--json"]) == 2
     assert "published split (amazon-book) only" in capsys.readouterr().err
 

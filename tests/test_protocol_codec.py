@@ -39,6 +39,7 @@ from protocol.plan import (
     FamilyParams,
     FELBParams,
     FNMFParams,
+    IALSParams,
     LightFRParams,
     MFParams,
     known_wire_params,
@@ -97,6 +98,8 @@ def family_params(draw: st.DrawFn, kind: ModelKind) -> FamilyParams:
             local_epochs=draw(epochs),
             negatives=draw(st.integers(0, 100)),
         )
+    if kind == ModelKind.IALS:
+        return IALSParams(alpha=draw(st.floats(0.0, 1e6)), reg=draw(st.floats(1e-6, 1e6)))
     inertia = draw(st.floats(0.0, 1.0, exclude_max=True))
     if kind == ModelKind.FELB:
         return FELBParams(
@@ -300,7 +303,7 @@ def test_the_invites_plan_keys_are_the_parameter_types_keys() -> None:
     declare (`protocol.plan.param_field`); a key two families share means the same type and absence."""
     listed = {item for item in _SCHEMA[RoundInvite.TYPE][1] if isinstance(item, str)}
     declared: dict[str, tuple[type, object]] = {}
-    for ptype in (LightFRParams, MFParams, FELBParams, FNMFParams):
+    for ptype in (LightFRParams, MFParams, FELBParams, FNMFParams, IALSParams):
         for w in wire_params(ptype):
             kind = (type(w.absent), w.absent)
             assert declared.setdefault(w.key, kind) == kind, (ptype.__name__, w)

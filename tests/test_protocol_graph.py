@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocol.errors import ConfigError
-from protocol.graph import GraphParams, find_parameters, harary_graph, validate_parameters
+from protocol.graph import GraphParams, find_parameters, harary_graph, placement_floor, validate_parameters
 
 # FCP graph_parameter_finder_test (semi-honest, 40-bit security, 2^-20 failure).  FCP's "degree" column
 # counts neighbours WITHOUT the device itself (its server adds the self-edge afterwards), so the
@@ -31,10 +33,45 @@ PRODUCTION_TABLE = [
 
 @pytest.mark.parametrize(("n", "gamma", "omega", "degree", "t"), PRODUCTION_TABLE)
 def test_finder_reproduces_fcp_table(n: int, gamma: float, omega: float, degree: int, t: int) -> None:
-    params = find_parameters(n, dropout_rate=omega, adversary_rate=gamma)
+    # FCP's table is the semi-honest (random placement) setting; the server never uses it.
+    params = find_parameters(n, dropout_rate=omega, adversary_rate=gamma, adversarial_placement=False)
     assert params == GraphParams(k=degree + 1, t=t)
     assert params.degree == degree
+    validate_parameters(n, params.k, params.t, omega, gamma, adversarial_placement=False)
+
+
+# Protocol 1.9, the default: t >= ⌊γ n⌋ + 2 for every sparse graph, whoever places the devices.
+# (n, adversary_rate, dropout_rate, k, t)
+PLACEMENT_TABLE = [
+    (10, 0.05, 0.33, 7, 2),
+    (100, 0.05, 0.33, 29, 7),
+    (360, 0.05, 0.33, 61, 20),
+    (1000, 0.05, 0.33, 123, 52),
+    (10_000, 0.05, 0.33, 879, 502),
+    (1000, 0.33, 0.33, 563, 332),
+]
+
+
+@pytest.mark.parametrize(("n", "gamma", "omega", "k", "t"), PLACEMENT_TABLE)
+def test_finder_holds_under_adversarial_placement(n: int, gamma: float, omega: float, k: int, t: int) -> None:
+    params = find_parameters(n, dropout_rate=omega, adversary_rate=gamma)
+    assert params == GraphParams(k=k, t=t)
+    assert params.k == n or params.t >= placement_floor(n, gamma) == int(gamma * n) + 2
     validate_parameters(n, params.k, params.t, omega, gamma)
+    # the semi-honest figures for the same cohort are never larger
+    semi = find_parameters(n, omega, gamma, adversarial_placement=False)
+    assert semi.k <= params.k and semi.t <= params.t
+
+
+def test_validation_refuses_a_sparse_t_a_placing_server_reaches() -> None:
+    semi = find_parameters(1000, 0.33, 0.05, adversarial_placement=False)  # k = 73, t = 24
+    validate_parameters(1000, semi.k, semi.t, 0.33, 0.05, adversarial_placement=False)
+    with pytest.raises(ConfigError, match="places its 50 colluders .* need t >= 52"):
+        validate_parameters(1000, semi.k, semi.t, 0.33, 0.05)
+    with pytest.raises(ConfigError, match="need t >= 52"):
+        validate_parameters(1000, 123, 51, 0.33, 0.05)  # 50 colluders + the device's own share
+    validate_parameters(1000, 123, 52, 0.33, 0.05)
+    validate_parameters(1000, 1000, 51, 0.33, 0.05)  # the complete graph needs only t > ⌊γ n⌋
 
 
 def test_finder_rechecks_correctness_after_raising_t_to_two() -> None:
@@ -147,3 +184,26 @@ def test_finder_output_builds_a_valid_graph() -> None:
     p = find_parameters(1000, 0.33, 0.05)
     ids = list(range(1000))
     _check_graph(harary_graph(ids, p.k, np.random.default_rng(1)), ids, p.k)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(2, 1500),
+    gamma=st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.2]),
+    omega=st.sampled_from([0.0, 0.1, 0.2, 0.33]),
+)
+def test_no_placement_lets_the_colluders_and_the_device_reach_t(n: int, gamma: float, omega: float) -> None:
+    # Protocol 1.9, for any cohort the finder accepts: a server that puts all ⌊γ n⌋ colluders in one device's
+    # neighbourhood and reports every other neighbour as dropped holds the colluders' shares plus the device's
+    # own, and that is below t.  (The complete graph needs only t > ⌊γ n⌋: every honest survivor is then in the
+    # device's neighbourhood, so no smaller group can be cut off.)
+    try:
+        p = find_parameters(n, omega, gamma)
+    except ConfigError:
+        return  # too many adversaries plus dropouts for this n: no round at all
+    colluders = int(gamma * n)
+    if p.k < n:
+        assert min(colluders, p.k - 1) + 1 < p.t
+    else:
+        assert colluders < p.t
+    validate_parameters(n, p.k, p.t, omega, gamma)

@@ -17,6 +17,7 @@ import scipy.sparse as sp
 from device_sdk.family import FederatedModel
 from device_sdk.felb import FELBConfig, FELBModel
 from device_sdk.fnmf import FNMFConfig, FNMFModel
+from device_sdk.ials import IALSConfig, IALSModel
 from device_sdk.mf import MFConfig, MFModel
 from device_sdk.models import LightFRConfig, LightFRModel
 from protocol.codes import random_signs
@@ -194,6 +195,16 @@ class TestFNMF(RecommenderContract):
         return model
 
     def fold(self, model: FNMFModel, liked: np.ndarray, userid: int) -> None:
+        model.fold_in(liked, userid=userid)
+
+
+class TestIALS(RecommenderContract):
+    def make(self, seed: int = 0) -> IALSModel:
+        model = IALSModel(M, IALSConfig(factors=2), n_users=3, rng=np.random.default_rng(seed))
+        model.set_global(b"", _groups(2).T.astype("<f8").tobytes(), 1)
+        return model
+
+    def fold(self, model: IALSModel, liked: np.ndarray, userid: int) -> None:
         model.fold_in(liked, userid=userid)
 
 

@@ -15,6 +15,7 @@ from agg_server.config import (
     EnrollmentSection,
     FELBSection,
     FNMFSection,
+    IALSSection,
     LightFRSection,
     ListenConfig,
     LogSection,
@@ -83,6 +84,7 @@ def test_example_lists_every_key() -> None:
         "mf": [f.name for f in dataclasses.fields(MFSection)],
         "felb": [f.name for f in dataclasses.fields(FELBSection)],
         "fnmf": [f.name for f in dataclasses.fields(FNMFSection)],
+        "ials": [f.name for f in dataclasses.fields(IALSSection)],
         "storage": [f.name for f in dataclasses.fields(StorageSection)],
         "enrollment": [f.name for f in dataclasses.fields(EnrollmentSection)],
     }
@@ -338,7 +340,7 @@ def test_every_lightfr_key_has_a_changed_value_in_the_test() -> None:
     assert sorted(_CHANGED) == sorted(_LIGHTFR_ONLY)
 
 
-@pytest.mark.parametrize("kind", ["mf", "felb", "fnmf"])
+@pytest.mark.parametrize("kind", ["mf", "felb", "fnmf", "ials"])
 @pytest.mark.parametrize("key", _LIGHTFR_ONLY)
 def test_lightfr_keys_are_refused_under_another_kind(kind: str, key: str) -> None:
     data = _minimal()
@@ -369,7 +371,12 @@ def test_lightfr_keys_at_their_defaults_load_under_another_kind() -> None:
 
 @pytest.mark.parametrize(
     ("kind", "table", "key", "value"),
-    [("lightfr", "mf", "rank", 4), ("mf", "felb", "local_epochs", 3), ("felb", "fnmf", "alignment", "none")],
+    [
+        ("lightfr", "mf", "rank", 4),
+        ("mf", "felb", "local_epochs", 3),
+        ("felb", "fnmf", "alignment", "none"),
+        ("fnmf", "ials", "alpha", 5.0),
+    ],
 )
 def test_another_familys_table_changed_is_refused(kind: str, table: str, key: str, value: object) -> None:
     data = _minimal()
@@ -412,8 +419,16 @@ def test_privacy_keys_without_privacy_enabled_are_refused(key: str, value: objec
 
 def test_graph_override_accepted_when_safe() -> None:
     data = _minimal()
-    data["rounds"] = {"k": 21, "t": 3}
+    data["rounds"] = {"k": 21, "t": 4}
     assert config_from_dict(data, base_dir=Path("/srv")).rounds.k == 21
+
+
+def test_graph_override_refused_when_a_placing_server_reaches_t() -> None:
+    # 2 colluders of 50 placed around one device plus its own share reach t = 3 (protocol 1.9)
+    data = _minimal()
+    data["rounds"] = {"k": 21, "t": 3}
+    with pytest.raises(ConfigError, match=r"^rounds\.t: unsafe .*places its 2 colluders.*need t >= 4"):
+        config_from_dict(data, base_dir=Path("/srv"))
 
 
 def test_vector_length_limit() -> None:

@@ -20,10 +20,12 @@ from protocol.errors import (
     CertificateExpired,
     ConfigError,
     CryptoError,
+    NotEnoughParticipants,
     PrivacyFloorViolation,
     RemoteProtocolError,
     SessionReplayed,
 )
+from protocol.graph import find_parameters
 from protocol.identity import (
     CERTIFICATE_V3_BYTES,
     SigningKey,
@@ -48,6 +50,7 @@ from protocol.policy import SESSION_HISTORY, DeviceLedger, PrivacyPolicy, check_
 from protocol.round_params import RoundParameters
 from protocol.samplers import insecure_test_noise_stream
 from protocol.server_session import ServerSecAggSession
+from protocol.shamir import Share, reconstruct
 
 LENGTH = 8
 #: An invite with the smallest threshold (t = 1), so that the majority term is what the property test sees.
@@ -512,21 +515,121 @@ def test_a_neighbour_whose_certificate_names_another_id_or_expired_is_refused(li
 # -- graph placement: the server's, so a device may ask for (k, t) that hold wherever colluders sit ----------------
 
 
-def test_a_placement_safe_device_refuses_a_sparse_round_whose_t_colluders_can_reach() -> None:
-    from protocol.graph import find_parameters
-
-    safe = PrivacyPolicy(placement_safe=True, require_noise=False)
+def test_a_device_refuses_a_sparse_round_whose_t_a_placing_server_reaches() -> None:
+    # Protocol 1.9: the default floor asks t >= ⌊γ n⌋ + 2 of a sparse round, the finder always gives it.
+    default, trusting = PrivacyPolicy(require_noise=False), PrivacyPolicy(require_noise=False, placement_safe=False)
+    assert default.placement_safe
     for n in (100, 1000):
         g = find_parameters(n, 0.33, 0.05)
-        invite = dataclasses.replace(_TEMPLATE, cohort_size=n, graph_k=g.k, graph_t=g.t)
-        if g.t > int(0.05 * n):  # n = 100: k = 29, t = 6 > 5 colluders wherever they sit
-            check_invite(invite, safe)
-        else:  # n = 1000: k = 73, t = 24 <= 50 colluders, all placed around this device
-            with pytest.raises(PrivacyFloorViolation, match="places its 50 colluders"):
-                check_invite(invite, safe)
-            check_invite(invite, PrivacyPolicy(require_noise=False))  # the default trusts placement
+        check_invite(dataclasses.replace(_TEMPLATE, cohort_size=n, graph_k=g.k, graph_t=g.t), default)
+        semi = find_parameters(n, 0.33, 0.05, adversarial_placement=False)  # n = 1,000: k = 73, t = 24
+        invite = dataclasses.replace(_TEMPLATE, cohort_size=n, graph_k=semi.k, graph_t=semi.t)
+        with pytest.raises(PrivacyFloorViolation, match=f"places its {int(0.05 * n)} colluders"):
+            check_invite(invite, default)
+        check_invite(invite, trusting)  # a device that trusts the server's placement
+    with pytest.raises(PrivacyFloorViolation, match="need t >= 52"):  # 50 colluders + its own share
+        check_invite(dataclasses.replace(_TEMPLATE, cohort_size=1000, graph_k=123, graph_t=51), default)
     # the complete graph never depends on placement
-    check_invite(dataclasses.replace(_TEMPLATE, cohort_size=40, graph_k=40, graph_t=21), safe)
+    check_invite(dataclasses.replace(_TEMPLATE, cohort_size=40, graph_k=40, graph_t=21), default)
+    # ... and the device refuses the semi-honest invite before it generates any key
+    semi = find_parameters(1000, 0.33, 0.05, adversarial_placement=False)
+    invite = dataclasses.replace(_TEMPLATE, cohort_size=1000, graph_k=semi.k, graph_t=semi.t)
+    ledger = DeviceLedger()
+    with pytest.raises(PrivacyFloorViolation):
+        DeviceSecAggSession(invite, policy=default, ledger=ledger)
+    assert ledger.sessions == {}
+
+
+def _ring_graph(ring: list[int], k: int) -> dict[int, tuple[int, ...]]:
+    """The Harary ring `protocol.graph.harary_graph` builds, over a ring order the server chose."""
+    half, n = (k - 1) // 2, len(ring)
+    return {ring[i]: tuple(sorted(ring[(i + o) % n] for o in range(-half, half + 1))) for i in range(n)}
+
+
+def _placed_attack(k: int, t: int, policy: PrivacyPolicy, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """40 devices, γ = 0.1: the server puts its 4 colluders right around X (ring positions ±1, ±2), runs the
+    round with the real sessions, then says X's 16 honest neighbours dropped before their masked inputs (it
+    would reconstruct their pairwise masks from their other neighbours) and asks X to unmask.  Returns what
+    the server then holds of X's self-mask seed: the colluders' shares, plus X's own if X answered.
+
+    A survivor set of the other 24 devices would also pass the consistency check (⌊(40 + 4)/2⌋ + 1 = 23
+    signatures), so this runs unsigned: what stops it is t, not the signatures.
+    """
+    n, x, colluders = 40, 0, [1, 2, 3, 4]
+    honest = list(range(5, n))
+    ring = [honest[-1], honest[-2], 3, 1, x, 2, 4, *honest[:-2]]
+    graph = _ring_graph(ring, k)
+    monkeypatch.setattr("protocol.server_session.harary_graph", lambda ids, k_, rng: graph)
+    params = RoundParameters(
+        round_id=3, vector_length=LENGTH, k=k, t=t, clip_norm=1.0, scale_bits=16, deadlines=(1.0, 2.0, 3.0, 4.0)
+    )
+    server = ServerSecAggSession(params, list(range(n)), rng=np.random.default_rng(0))
+    devices = {
+        u: DeviceSecAggSession(server.outbox(u), rng=insecure_test_noise_stream(0, u), policy=policy) for u in range(n)
+    }
+    dropped = [v for v in graph[x] if v != x and v not in colluders]
+    assert len(dropped) == k - 1 - len(colluders)
+    rng = np.random.default_rng(1)
+    for index in range(3):
+        for u, dev in devices.items():
+            if index > 0:
+                dev.receive(server.outbox(u))
+            if index == 2:
+                dev.provide_input(rng.integers(0, 2**32, size=LENGTH, dtype=np.uint32))
+            message = dev.send()
+            if not (index == 2 and u in dropped):  # the lie: their masked inputs "never arrived"
+                server.receive(u, message)
+        server.advance(params.deadlines[index])
+    seed = devices[x]._seed  # X's secret, to compare with what the adversary reconstructs
+    held = [devices[c]._held_b[x] for c in colluders]  # the colluders' memory: one share of b_X each
+    survivors = tuple(sorted((x, *colluders)))
+    request = UnmaskRequest(
+        round_id=3,
+        device_id=x,
+        session_id=server.session_id,
+        survivors=survivors,
+        dropped=tuple(sorted(dropped)),
+        n_survivors=n - len(dropped),
+    )
+    outcome: dict[str, Any] = {"seed": seed, "held": held, "refused": None}
+    try:
+        devices[x].receive(request)
+    except RemoteProtocolError as exc:
+        outcome["refused"] = exc
+        outcome["phase"] = devices[x].phase
+        return outcome
+    response = devices[x].send()
+    held.append(Share.from_bytes(response.b_shares[response.b_share_ids.index(x)]))  # X's own share
+    return outcome
+
+
+def test_colluders_placed_around_a_device_hold_fewer_than_t_of_its_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The finder's (k, t) at n = 40, γ = 0.1: k = 21, t = 6 = ⌊γ n⌋ + 2.  The 4 colluders hold 4 shares of
+    # b_X; X refuses the unmask request (5 surviving neighbours, itself included, < t) and releases nothing.
+    g = find_parameters(40, 0.33, 0.1)
+    assert (g.k, g.t) == (21, 6)
+    out = _placed_attack(g.k, g.t, PrivacyPolicy(adversary_rate=0.1, require_noise=False), monkeypatch)
+    assert isinstance(out["refused"], RemoteProtocolError) and "below the threshold t=6" in str(out["refused"])
+    assert out["phase"] is Phase.ERROR
+    assert len(out["held"]) == 4 < g.t
+    with pytest.raises(NotEnoughParticipants):
+        reconstruct(out["held"], g.t)
+
+
+def test_the_placement_attack_recovers_the_self_mask_under_semi_honest_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The control: the semi-honest finder's (k, t) = (19, 5) = ⌊γ n⌋ + 1, on a device that trusts the
+    # server's placement.  X answers, and its own share plus the colluders' 4 reconstruct its self-mask seed.
+    g = find_parameters(40, 0.33, 0.1, adversarial_placement=False)
+    assert (g.k, g.t) == (19, 5)
+    trusting = PrivacyPolicy(adversary_rate=0.1, require_noise=False, placement_safe=False)
+    out = _placed_attack(g.k, g.t, trusting, monkeypatch)
+    assert out["refused"] is None
+    assert reconstruct(out["held"], g.t) == out["seed"]
+    # the default device refuses the same invite before it makes a key
+    with pytest.raises(PrivacyFloorViolation, match="places its 4 colluders"):
+        _placed_attack(g.k, g.t, PrivacyPolicy(adversary_rate=0.1, require_noise=False), monkeypatch)
 
 
 def test_the_server_checks_one_roster_once_not_once_per_invite(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,10 +13,13 @@ from typing import Any
 import pytest
 
 from agg_server.app import COORDINATOR, create_app
-from device_sdk.client import RoundOutcome, RoundStatus
+from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus
 from protocol.enrollment import EnrollmentAuthority
 from protocol.errors import CryptoError, EnrollmentRefused, RemoteProtocolError, SessionReplayed
+from protocol.graph import GraphParams, find_parameters
 from protocol.messages import RoundInvite
+from protocol.policy import PrivacyPolicy
+from tests.server_helpers import BITS, N_ITEMS, users
 from tests.test_enrollment_http import _clients, _config, _join
 
 
@@ -171,5 +174,54 @@ async def test_certificates_naming_device_ids_register_under_them_and_a_relabell
         RemoteProtocolError, match="registered as device 1060, but the certificate was issued for device 60"
     ):
         await victim.register(certificate=ca.issue(victim.identity_public_key, "b0", device_id=60))
+    for c in clients:
+        await c.close()
+
+
+@pytest.mark.asyncio
+async def test_a_placement_a_server_could_exploit_is_refused_over_http(aiohttp_server: Any, tmp_path: Path) -> None:
+    # Real devices with the default floor (protocol 1.9: t >= ⌊γ n⌋ + 2 for a sparse round).  Round 1 runs
+    # with the server's own (k, t) = (11, 3) for 20 devices and commits; then the server invites with the
+    # semi-honest figures (k = 9, t = 2 = ⌊γ n⌋ + 1), under which its colluder placed next to X plus X's own
+    # share would reach t.  Every device refuses before it generates a key; only their leave notices arrive.
+    ca = EnrollmentAuthority.generate()
+    n = 20
+    app = create_app(_config(tmp_path / "srv", cohort=n, enrollment={"authority_key": ca.public_key.hex()}))
+    server = await aiohttp_server(app)
+    coordinator = app[COORDINATOR]
+    url = str(server.make_url("")).rstrip("/")
+    floor = PrivacyPolicy(require_noise=False)  # the shipped floor; this server runs without DP
+    data = users(n)
+    clients = [
+        DeviceClient.connect(
+            url,
+            ClientConfig(store_dir=tmp_path / "dev" / f"d{u}", privacy=floor, authority_key=ca.public_key),
+            items=data[u][0],
+            ratings=data[u][1],
+            n_items=N_ITEMS,
+            bits=BITS,
+            retries=0,
+        )
+        for u in range(n)
+    ]
+    for i, c in enumerate(clients):
+        await c.register(certificate=ca.issue(c.identity_public_key, f"b{i % 2}"))
+    honest = await asyncio.gather(*(_join(c) for c in clients))
+    assert all(r.status is RoundStatus.COMMITTED for r in honest), honest
+    semi = find_parameters(n, 0.33, 0.05, adversarial_placement=False)
+    assert (semi.k, semi.t) == (9, 2) and find_parameters(n, 0.33, 0.05) == GraphParams(k=11, t=3)
+    honest_check_in = coordinator.check_in
+
+    def lying_check_in(device_id: int, now: float) -> Any:
+        out = honest_check_in(device_id, now)
+        if isinstance(out, RoundInvite):
+            out = dataclasses.replace(out, graph_k=semi.k, graph_t=semi.t)
+        return out
+
+    coordinator.check_in = lying_check_in  # type: ignore[method-assign]
+    uploads = _record_uploads(coordinator)
+    lied = await asyncio.gather(*(_join(c) for c in clients))
+    assert all(r.status is RoundStatus.REFUSED and "places its 1 colluder " in (r.reason or "") for r in lied), lied
+    assert set(uploads) == {"Abort"}, uploads  # no key advertisement, share or masked input left a device
     for c in clients:
         await c.close()

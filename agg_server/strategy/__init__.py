@@ -37,7 +37,7 @@ __all__ = [
 
 def build_strategy(config: ServerConfig) -> Strategy:
     """The strategy ``config.model.kind`` names, built from that family's table (``[lightfr]``, ``[mf]``,
-    ``[felb]`` or ``[fnmf]``), whose attributes are exactly the strategy's keyword arguments."""
+    ``[felb]``, ``[fnmf]`` or ``[ials]``), whose attributes are exactly the strategy's keyword arguments."""
     m = config.model
     table = getattr(config, m.kind)
     try:
@@ -62,4 +62,8 @@ def _family(kind: str) -> Callable[..., Strategy]:
         from agg_server.strategy.fnmf import FNMFStrategy
 
         return FNMFStrategy
+    if kind == "ials":
+        from agg_server.strategy.ials import IALSStrategy
+
+        return IALSStrategy
     raise ConfigError(f"model.kind: {kind!r} has no server strategy")

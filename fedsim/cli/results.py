@@ -7,6 +7,10 @@ import argparse
 import os
 from pathlib import Path
 from typing import Any, TextIO
+from typing import Protocol as TypingProtocol
+
+import numpy as np
+from numpy.typing import NDArray
 
 from fedsim.cli.args import resolve_data_dir
 from fedsim.evaluation.experiment import Experiment, Protocol, baselines, prepare
@@ -20,13 +24,24 @@ from fedsim.evaluation.ranking import (
     popularity_scorer,
     random_scorer,
 )
-from fedsim.federation.lightfr import FederatedLightFR
 from fedsim.ui import table
 
-__all__ = ["evaluate_and_report", "print_rows", "report_sampled", "resolve_dataset", "score_blocks"]
+__all__ = ["ScoredModel", "evaluate_and_report", "print_rows", "report_sampled", "resolve_dataset", "score_blocks"]
 
 
-def score_blocks(state: FederatedLightFR, blocks: Any, tie_mode: TieMode) -> EvalResult:
+class ScoredModel(TypingProtocol):
+    """What the test table needs of a trained model (`FederatedLightFR`, `fedsim.federation.ials.IALSRun`)."""
+
+    def scores(self, users: NDArray[np.int64], candidates: NDArray[np.int64]) -> Any:
+        """Each user's scores of its candidate items, (n, c)."""
+        ...
+
+    def all_scores(self, users: NDArray[np.int64]) -> Any:
+        """Scores against every item, (len(users), m)."""
+        ...
+
+
+def score_blocks(state: ScoredModel, blocks: Any, tie_mode: TieMode) -> EvalResult:
     return evaluate_candidates(state.scores(blocks.users, blocks.items), 10, tie_mode)
 
 
@@ -59,7 +74,7 @@ def report_sampled(exp: Experiment, results: dict[str, dict[TieMode, EvalResult]
 
 
 def _all_results(
-    exp: Experiment, state: FederatedLightFR | None, label: str, eval_seed: int = 0
+    exp: Experiment, state: ScoredModel | None, label: str, eval_seed: int = 0
 ) -> dict[str, dict[TieMode, EvalResult]]:
     results: dict[str, dict[TieMode, EvalResult]] = {}
     if state is not None:
@@ -71,7 +86,7 @@ def _all_results(
 
 
 def _full_results(
-    exp: Experiment, state: FederatedLightFR | None, eval_seed: int, only: str | None = None
+    exp: Experiment, state: ScoredModel | None, eval_seed: int, only: str | None = None
 ) -> dict[str, RankingResult]:
     """The published full-ranking protocol (protocol full): Recall@20 / NDCG@20, random ties."""
     if exp.seen is None or exp.test_pairs is None:
@@ -90,7 +105,7 @@ def _full_results(
 
 def evaluate_and_report(
     exp: Experiment,
-    state: FederatedLightFR | None,
+    state: ScoredModel | None,
     label: str,
     eval_seed: int,
     out: TextIO,

@@ -1,8 +1,8 @@
 """``fedrec simulate``: in-process federated training on a dataset, evaluated beside the baselines.
 
 LightFR runs here (plain sums, no sockets); ``--epsilon`` and MF on a published split go through the
-private-round simulator (`fedsim.cli.simulate_private`), the other families through
-`fedsim.federation.families`.
+private-round simulator (`fedsim.cli.simulate_private`), implicit ALS through `fedsim.cli.simulate_ials`, the
+other families through `fedsim.federation.families`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         from fedsim.cli.plots import check_plot_target
 
         if args.model != "lightfr" or args.epsilon > 0:
-            raise ConfigError("--plot draws in-process LightFR runs only (not --model mf|felb|fnmf or --epsilon) yet")
+            raise ConfigError(
+                "--plot draws in-process LightFR runs only (not --model mf|felb|fnmf|ials or --epsilon) yet"
+            )
         check_plot_target(args.plot)
     if args.save is not None:
         check_output_file("--save", args.save)
@@ -68,6 +70,10 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         if args.save is not None:
             raise ConfigError("--save is not available for private LightFR runs (--epsilon) yet; drop --save")
         return simulate_private_lightfr(args, defaults, out)
+    if args.model == "ials":
+        from fedsim.cli.simulate_ials import simulate_ials
+
+        return simulate_ials(args, defaults, out)
     if args.model == "mf" and args.dataset not in (None, "planted", "synthetic"):
         published = load_dataset(args.dataset, resolve_data_dir(args.data_dir))
         if isinstance(published, TrainTestSplit):
@@ -216,7 +222,8 @@ COMMAND = Command(
     "baselines. LightFR (default): HR@10/NDCG@10 in both tie modes beside popularity and random. "
     "--model mf: test RMSE and HR@10/NDCG@10, optionally private through the real coordinator "
     "(--epsilon). --model felb / fnmf: the planted recipes (or binarized ratings for felb) with F1 / "
-    "Σ-RMSD figures.",
+    "Σ-RMSD figures. --model ials: federated implicit ALS, confidence α and factors d chosen on validation, "
+    "the same test protocol as LightFR.",
     add_options=_add_options,
     run=run,
 )

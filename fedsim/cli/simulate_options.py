@@ -64,9 +64,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LightFR model")
     g.add_argument(
         "--model",
-        choices=["lightfr", "mf", "felb", "fnmf"],
+        choices=["lightfr", "mf", "felb", "fnmf", "ials"],
         default="lightfr",
-        help="model family (default: lightfr); mf, felb and fnmf take the options of their own group below",
+        help="model family (default: lightfr); mf, felb, fnmf and ials take the options of their own group below",
     )
     g.add_argument("--bits", type=positive_int, default=64, help="code length f (default: 64)")
     g.add_argument(
@@ -144,10 +144,15 @@ def add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
         "--rounds",
         type=nonneg_int,
         default=None,
-        help=f"global rounds T (default: {rounds} for lightfr, 20 for mf, 100 for felb, 10 for fnmf; lightfr with "
-        "--epsilon: the privacy planner's, 5 or none)",
+        help=f"global rounds T (default: {rounds} for lightfr, 20 for mf, 100 for felb, 10 for fnmf, 5 for ials; "
+        "lightfr with --epsilon: the privacy planner's, 5 or none)",
     )
-    g.add_argument("--fraction", type=fraction, default=0.6, help="client fraction p per round (default: 0.6)")
+    g.add_argument(
+        "--fraction",
+        type=fraction,
+        default=0.6,
+        help="client fraction p per round (default: 0.6; ials: 1, every device)",
+    )
     g.add_argument(
         "--aggregation",
         choices=[a.value for a in Aggregation],
@@ -178,12 +183,25 @@ def add_fed_args(p: argparse.ArgumentParser, rounds: int) -> None:
 
 
 def add_family_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("MF, FELB and FNMF (--model mf|felb|fnmf)")
+    g = p.add_argument_group("MF, FELB, FNMF and iALS (--model mf|felb|fnmf|ials)")
     g.add_argument(
         "--rank",
         type=positive_int,
         default=None,
-        help="factors f (mf, default 32) or components k (felb/fnmf: 5 on planted data, 20 on ratings)",
+        help="factors f (mf, default 32; ials: default 64 or 32, chosen on validation) or components k (felb/fnmf: "
+        "5 on planted data, 20 on ratings)",
+    )
+    g.add_argument(
+        "--alpha",
+        type=nonneg_float,
+        default=None,
+        help="ials: confidence α, held items weigh 1 + α (default: chosen on validation from 5, 20, 100)",
+    )
+    g.add_argument(
+        "--reg",
+        type=positive_float,
+        default=None,
+        help="ials: ridge weight λ of the user and item solves (default 0.1)",
     )
     g.add_argument("--clients", type=positive_int, default=None, help="felb/fnmf clients (default 10; 50 on ratings)")
     g.add_argument(
@@ -381,7 +399,6 @@ _APPLIES_TO: dict[str, tuple[str, ...]] = {
             "sweeps",
             "aggregation",
             "flip_fraction",
-            "protocol",
             "query_planes",
             "user_reg",
             "rank_planes",
@@ -391,11 +408,13 @@ _APPLIES_TO: dict[str, tuple[str, ...]] = {
         ("lightfr",),
     ),
     "eval_every": ("lightfr",),
-    "json": ("lightfr", "mf"),
-    "eval_seed": ("lightfr", "mf"),
-    "fraction": ("lightfr", "mf"),
-    "eval_negatives": ("lightfr", "mf"),
-    "rank": ("mf", "felb", "fnmf"),
+    "protocol": ("lightfr", "ials"),
+    "json": ("lightfr", "mf", "ials"),
+    "eval_seed": ("lightfr", "mf", "ials"),
+    "fraction": ("lightfr", "mf", "ials"),
+    "eval_negatives": ("lightfr", "mf", "ials"),
+    "rank": ("mf", "felb", "fnmf", "ials"),
+    **dict.fromkeys(("alpha", "reg"), ("ials",)),
     "clients": ("felb", "fnmf"),
     "local_steps": ("felb", "fnmf"),
     **dict.fromkeys(("secure", "clip_norm", "example_cap", "silos", "server_lr", "lr", "max_norm2"), ("mf",)),

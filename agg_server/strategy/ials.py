@@ -1,0 +1,139 @@
+"""Server side of federated implicit ALS (docs/design.md §3.5), pure numpy.
+
+Each device uploads, over its users, B (row j = Σ u of the users holding item j), c (how many hold j),
+Σ u uᵀ, Σ |I|·u uᵀ and Σ |I| (`protocol.families.ials.IALSLayout`); secure aggregation reveals only the
+cohort's sum.  The exact iALS item step needs, per item, Σ_{u ∈ N(j)} u uᵀ (d² numbers per item, which the
+sum does not hold); the server replaces it by the **shared curvature** c_j·M, M = Σ|I|·u uᵀ / Σ|I| (the
+raters' Gram weighted by activity), and solves
+
+    v_j = (A + α·c_j·M)⁻¹ (1 + α)·B_j,   A = Σ u uᵀ + λI,
+
+for every item at once by simultaneous diagonalisation: L = chol(A), (μ, Q) = eigh(L⁻¹ M L⁻ᵀ),
+W = L⁻ᵀQ (so WᵀAW = I and WᵀMW = diag μ), V = ((1 + α)·B W / (1 + α·c ⊗ μ)) Wᵀ.  An item nobody holds gets
+v_j = 0 (B_j = 0).
+
+Invariants:
+- The state is V, (n_items, d) float64, finite.
+- `aggregate` is a function of the sum only (the survivor count and the old V are not used): it runs
+  unchanged behind SecAgg+.
+- Wire form: ``values`` = float64 little-endian C-order bytes of V, ``words`` empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from agg_server.strategy.base import FloatStrategy, float_state_from_bytes
+from protocol.families.ials import DEFAULT_FACTORS, IALSLayout, initial_item_factors
+from protocol.plan import IALSParams
+from protocol.spec import MAX_RANK, ModelKind
+
+__all__ = ["IALSStrategy", "solve_items"]
+
+def solve_items(
+    B: NDArray[np.float64],
+    c: NDArray[np.float64],
+    G: NDArray[np.float64],
+    M: NDArray[np.float64],
+    alpha: float,
+    reg: float,
+) -> NDArray[np.float64]:
+    """v_j = (G + λI + α·c_j·M)⁻¹ (1 + α)·B_j for every item j, by simultaneous diagonalisation of
+    A = G + λI and M (see the module docstring).
+
+    Parameters
+    ----------
+    B : (m, d) summed user vectors per item; c : (m,) holder counts (clipped at 0: noise may push one below).
+    G : (d, d) Σ u uᵀ; M : (d, d) the shared curvature (symmetric positive semi-definite).
+    alpha, reg : α >= 0 and λ > 0.
+
+    Returns
+    -------
+    (m, d) float64.
+    """
+    d = G.shape[0]
+    A = 0.5 * (G + G.T) + reg * np.eye(d)
+    L = np.linalg.cholesky(A)
+    Li = np.linalg.inv(L)
+    mu, Q = np.linalg.eigh(Li @ (0.5 * (M + M.T)) @ Li.T)
+    mu = np.maximum(mu, 0.0)  # M is a sum of u uᵀ terms: rounding (or noise) must not make A + α c M indefinite
+    W = Li.T @ Q
+    denom = 1.0 + alpha * np.maximum(c, 0.0)[:, None] * mu[None, :]
+    return (((1.0 + alpha) * (B @ W)) / denom) @ W.T
+
+
+@dataclass(frozen=True, slots=True)
+class IALSStrategy(FloatStrategy):
+    """The iALS server strategy: initial item factors, the plan devices train with, the shared-curvature
+    item solve per round.
+
+    Attributes
+    ----------
+    n_items : catalogue size m.
+    rank : factor count d (default 64).
+    alpha, reg : confidence α and ridge weight λ (`protocol.plan.IALSParams`: their defaults and bounds).
+    """
+
+    n_items: int
+    rank: int = DEFAULT_FACTORS
+    alpha: float = IALSParams().alpha
+    reg: float = IALSParams().reg
+    kind: str = ModelKind.IALS.value
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n_items, bool) or not isinstance(self.n_items, int) or self.n_items <= 0:
+            raise ValueError(f"n_items must be a positive integer, got {self.n_items!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"rank must be an integer in [1, {MAX_RANK}], got {self.rank!r}")
+        self.plan()  # the plan's bounds: `protocol.plan.IALSParams` checks them
+        if self.kind != ModelKind.IALS.value:
+            raise ValueError(f"kind must be {ModelKind.IALS.value!r}, got {self.kind!r}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """V is (n_items, d)."""
+        return (self.n_items, self.rank)
+
+    @property
+    def layout(self) -> IALSLayout:
+        """Where each part of an upload sits."""
+        return IALSLayout(self.n_items, self.rank)
+
+    @property
+    def vector_length(self) -> int:
+        """One upload: m·d + m + 2·d² + 1 (`IALSLayout`)."""
+        return self.layout.length
+
+    def initialize(self, rng: np.random.Generator) -> NDArray[np.float64]:
+        """V ~ N(0, 0.01²) (the version-1 item factors, `protocol.families.ials.initial_item_factors`)."""
+        return initial_item_factors(self.n_items, self.rank, rng)
+
+    def plan(self) -> IALSParams:
+        """What every device trains with."""
+        return IALSParams(alpha=self.alpha, reg=self.reg)
+
+    def step(
+        self, state: NDArray[np.float64], total: NDArray[np.float64], survivors: int, round_index: int
+    ) -> NDArray[np.float64]:
+        """The shared-curvature item solve on the cohort's sum (``state``, ``survivors`` and ``round_index``
+        are unused: the new V is a function of the sum alone)."""
+        parts = self.layout.split(total)
+        positives = float(parts["positives"])
+        M = parts["weighted_gram"] / positives if positives > 0 else np.zeros((self.rank, self.rank))
+        return solve_items(parts["factors"], parts["counts"], parts["gram"], M, self.alpha, self.reg)
+
+    def from_wire(self, words: bytes, values: bytes) -> NDArray[np.float64]:
+        """Inverse of `to_wire`; raises ValueError on packed words, a wrong length or non-finite values."""
+        if words:
+            raise ValueError("an iALS model payload carries no packed words")
+        return float_state_from_bytes(values, self.shape)
+
+    def describe(self, old: NDArray[Any], new: NDArray[Any]) -> str:
+        """E.g. "mean |ΔV| = 0.0123, 17 items held by nobody"."""
+        delta = float(np.mean(np.abs(np.asarray(new, np.float64) - np.asarray(old, np.float64))))
+        empty = int(np.count_nonzero(~np.any(np.asarray(new) != 0.0, axis=1)))
+        return f"mean |ΔV| = {delta:.4g}, {empty} items held by nobody"

@@ -1,0 +1,232 @@
+"""Federated implicit ALS in the simulator: in-process federation (plain sums, no secure aggregation), the
+choice of α and d on validation, and the one scoring call every evaluation of the family goes through.
+
+Invariants:
+- Devices run exactly `device_sdk.ials.IALSModel.local_update`, and the server exactly
+  `agg_server.strategy.ials.IALSStrategy.aggregate`, on the plain **sum** of the cohort's uploads: the split
+  of work of a real round, without masking or noise.  Every part of the upload is a sum over users, so the
+  cohort's uploads are computed by one `local_update` on a model holding every user: the same function of
+  the data as the sum of one call per device.
+- After the last round every device adopts the final V (`IALSModel.adopted`: its exact user step against
+  it, nothing uploaded), as a device does when it downloads a new version.
+- Every score of a trained model comes from `IALSRun.score` (validation and test alike), so the ranking a
+  device uses is switched in one place.
+- All randomness comes from one generator seeded by the schedule: a run is reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+from agg_server.strategy.base import round_plan
+from agg_server.strategy.ials import IALSStrategy
+from device_sdk.family import LocalRatings
+from device_sdk.ials import IALSConfig, IALSModel
+from fedsim.data.ratings import Ratings
+from fedsim.evaluation.experiment import Experiment, Protocol
+from fedsim.evaluation.ranking import TieMode, evaluate_all_items, evaluate_candidates
+from protocol.families.ials import DEFAULT_FACTORS
+from protocol.plan import IALSParams
+
+__all__ = [
+    "ALPHA_GRID",
+    "FACTOR_GRID",
+    "IALSRoundReport",
+    "IALSRun",
+    "IALSSchedule",
+    "IALSSelection",
+    "run_federated_ials",
+    "select_and_train",
+    "validation_metric",
+]
+
+#: The confidences α tried on validation when none is given (one training each; the best is kept).
+ALPHA_GRID: tuple[float, ...] = (5.0, 20.0, 100.0)
+#: The factor counts d tried on validation when none is given: the first with every α, the others at the best α.
+FACTOR_GRID: tuple[int, ...] = (DEFAULT_FACTORS, 32)
+
+
+@dataclass(frozen=True, slots=True)
+class IALSSchedule:
+    """Federation schedule of an in-process iALS run.
+
+    Attributes
+    ----------
+    rounds : global rounds T (>= 1; default 5).
+    fraction : share of the devices (users) invited per round, in (0, 1] (default 1: every device).
+    seed : seed of the run's generator (initial V, cohorts).
+    """
+
+    rounds: int = 5
+    fraction: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"rounds must be an integer >= 1, got {self.rounds!r}")
+        if not (isinstance(self.fraction, int | float) and 0 < self.fraction <= 1):
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class IALSRoundReport:
+    """One round: index, devices that uploaded, positives in the sum, the server's change, seconds."""
+
+    round: int
+    devices: int
+    positives: int
+    change: str
+    seconds: float
+
+
+@dataclass
+class IALSRun:
+    """A trained model: every user's vector (against the final V) and the global V."""
+
+    user_factors: NDArray[np.float64]
+    item_factors: NDArray[np.float64]
+    history: list[IALSRoundReport] = field(default_factory=list)
+
+    def score(self, users: NDArray[np.int64]) -> NDArray[np.float64]:
+        """(len(users), m) scores u·v of every item: the one ranking call of the family's evaluation."""
+        return self.user_factors[np.asarray(users, dtype=np.int64)] @ self.item_factors.T
+
+    def scores(self, users: NDArray[np.int64], candidates: NDArray[np.int64]) -> NDArray[np.float64]:
+        """The scores of each user's candidate items ((n, c) from `score`)."""
+        return np.take_along_axis(self.score(users), np.asarray(candidates, dtype=np.int64), axis=1)
+
+    def all_scores(self, users: NDArray[np.int64]) -> NDArray[np.float64]:
+        """Scores against every item, a full-ranking scorer (`fedsim.evaluation.ranking.evaluate_all_items`)."""
+        return self.score(users)
+
+
+def _pool(train: Ratings) -> LocalRatings:
+    return LocalRatings(train.users.astype(np.int64), train.items.astype(np.int64), None, max(train.n_users, 1))
+
+
+def run_federated_ials(
+    train: Ratings,
+    strategy: IALSStrategy,
+    schedule: IALSSchedule,
+    *,
+    initial: NDArray[np.float64] | None = None,
+    on_round: Callable[[IALSRoundReport], None] | None = None,
+) -> IALSRun:
+    """Federated iALS with plain sums: T rounds; each round a random cohort of ⌈fraction · devices⌉
+    devices (one per user with a rating) downloads V and runs `IALSModel.local_update` (exact user step,
+    upload sums), and the server applies `IALSStrategy.aggregate` to the sum.  Then every device adopts
+    the final V.
+
+    Parameters
+    ----------
+    train : the training log (implicit: every (user, item) pair counts once).
+    strategy : the server strategy (d, α, λ).
+    schedule : rounds, cohort fraction, seed.
+    initial : the version-1 V (default: `IALSStrategy.initialize` from the schedule's generator), e.g. a
+        real server's, to compare a run through secure aggregation with this one.
+    on_round : called with each round's report.
+    """
+    if train.n_items != strategy.n_items:
+        raise ValueError(f"the data has {train.n_items} items, the strategy {strategy.n_items}")
+    rng = np.random.default_rng(schedule.seed)
+    V = strategy.initialize(rng) if initial is None else np.array(initial, dtype=np.float64)
+    cfg = IALSConfig(factors=strategy.rank, alpha=strategy.alpha, reg=strategy.reg)
+    data = _pool(train)
+    model = IALSModel(strategy.n_items, cfg, n_users=data.n_users, rng=rng)
+    active = np.flatnonzero(np.bincount(train.users, minlength=data.n_users) > 0)
+    cohort_size = max(1, math.ceil(schedule.fraction * active.size))
+    run = IALSRun(user_factors=model.user_factors, item_factors=V)
+    for t in range(schedule.rounds):
+        start = time.perf_counter()
+        cohort = active if cohort_size == active.size else np.sort(rng.choice(active, cohort_size, replace=False))
+        in_cohort = np.zeros(data.n_users, dtype=bool)
+        in_cohort[cohort] = True
+        rows = in_cohort[data.users]
+        part = LocalRatings(data.users[rows], data.items[rows], None, data.n_users)
+        model.set_global(b"", strategy.to_wire(V)["values"], t + 1)
+        result = model.local_update(round_plan(strategy, t + 1, round_index=t), part, rng)
+        new_V = strategy.aggregate(V, result.vector, cohort_size, rng, round_index=t)
+        change, V = strategy.describe(V, new_V), new_V
+        run.history.append(IALSRoundReport(t + 1, cohort_size, result.examples, change, time.perf_counter() - start))
+        if on_round is not None:
+            on_round(run.history[-1])
+    model.set_global(b"", strategy.to_wire(V)["values"], schedule.rounds + 1)
+    model.adopted(data)
+    run.user_factors, run.item_factors = model.user_factors, V
+    return run
+
+
+# -- choice on validation ---------------------------------------------------------------------------
+
+
+def validation_metric(exp: Experiment, run: IALSRun, *, eval_seed: int = 0) -> tuple[str, float]:
+    """The validation figure a choice is made on: Recall@20 of a full ranking over the carved validation
+    pairs (protocol full), else HR@10 of the validation blocks; random ties."""
+    if exp.protocol is Protocol.FULL:
+        if exp.val_pairs is None:
+            raise ValueError("a full-ranking experiment without validation pairs")
+        res = evaluate_all_items(run.all_scores, exp.train, exp.val_pairs, k=20, seed=eval_seed)
+        return "recall@20", res.recall
+    return "hr@10", evaluate_candidates(run.scores(exp.val.users, exp.val.items), 10, TieMode.RANDOM).hr
+
+
+@dataclass(frozen=True, slots=True)
+class IALSSelection:
+    """The outcome of `select_and_train`: the kept run, its (d, α), and every candidate's validation figure."""
+
+    run: IALSRun
+    factors: int
+    alpha: float
+    metric: str
+    validation: dict[tuple[int, float], float]
+    seconds: float
+
+
+def select_and_train(
+    exp: Experiment,
+    schedule: IALSSchedule,
+    *,
+    factors: Sequence[int] = FACTOR_GRID,
+    alphas: Sequence[float] = ALPHA_GRID,
+    reg: float = IALSParams().reg,
+    eval_seed: int = 0,
+    on_candidate: Callable[[int, float, str, float, float], None] | None = None,
+) -> IALSSelection:
+    """Choose (d, α) on validation by a coordinate search and keep the best run; nothing is refitted.
+
+    Every α of ``alphas`` is trained at ``factors[0]``; then every other factor count at the best α so far.
+    Each run trains on ``exp.train`` and is judged by `validation_metric` (the first of equal figures wins).
+    ``on_candidate(d, α, metric, value, seconds)`` is called after each training.
+    """
+    if not factors or not alphas:
+        raise ValueError("need at least one factor count and one α")
+    t0 = time.perf_counter()
+    best: tuple[float, IALSRun, int, float] | None = None
+    seen: dict[tuple[int, float], float] = {}
+    metric = ""
+
+    def trial(d: int, alpha: float) -> None:
+        nonlocal best, metric
+        start = time.perf_counter()
+        strategy = IALSStrategy(exp.train.n_items, rank=d, alpha=alpha, reg=reg)
+        run = run_federated_ials(exp.train, strategy, schedule)
+        metric, value = validation_metric(exp, run, eval_seed=eval_seed)
+        seen[(d, alpha)] = value
+        if on_candidate is not None:
+            on_candidate(d, alpha, metric, value, time.perf_counter() - start)
+        if best is None or value > best[0]:
+            best = (value, run, d, alpha)
+
+    for alpha in alphas:  # loop over the few candidates
+        trial(int(factors[0]), float(alpha))
+    assert best is not None
+    chosen_alpha = best[3]
+    for d in factors[1:]:
+        trial(int(d), chosen_alpha)
+    return IALSSelection(best[1], best[2], best[3], metric, seen, time.perf_counter() - t0)
