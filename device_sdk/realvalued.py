@@ -9,8 +9,10 @@ Invariants:
   1 + α on the user's items and 1 elsewhere):
       u = (G + α·E_Iᵀ E_I + reg·I)⁻¹ (1 + α)·E_Iᵀ 1,      G = EᵀE over the whole catalogue,
   E_I the rows of the user's items (each item once).  G is computed once per model (`embedding_gram`), so
-  a user costs O(|I|·d² + d³) whatever m is; users are solved in chunks of similar item counts, one
-  batched ``np.linalg.solve`` per chunk over at most ``budget`` padded floats.
+  a user costs O(|I|·d² + d³) whatever m is.  The solve is the federated iALS family's own kernel
+  (`device_sdk.ials.solve_users`: users in chunks of similar item counts, one batched ``np.linalg.solve``
+  per chunk over at most ``budget`` padded floats), so a device ranking with embeddings and a device
+  training iALS solve the same step the same way.
 - Stage 2 scores only the candidates: s_ui = E_i·u for the C items stage 1 kept, the top N by score with
   ties in uniformly random order (`top_rows`).  The result is exact among the candidates; it equals the
   full real-valued ranking whenever the real-valued top N lie among them, which `stage1_recall` measures.
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from device_sdk.ials import solve_users
 from device_sdk.topk import HammingIndex
 
 __all__ = [
@@ -43,9 +46,9 @@ __all__ = [
     "two_stage_topk",
 ]
 
-# Padded floats per batched solve of `ials_user_vectors` (20,000 users of 5-100 items, d = 64: 2^22 took
-# 1.56 s and 195 MB above the inputs, 2^20 1.45 s and 80 MB), and candidate floats per chunk of `rerank`.
-_SOLVE_BUDGET = 1 << 20
+# Padded floats per batched solve of `ials_user_vectors` (`device_sdk.ials.solve_users`'s chunks), and
+# candidate floats per chunk of `rerank`.
+_SOLVE_BUDGET = 1 << 22
 _RERANK_BUDGET = 1 << 22
 
 
@@ -149,8 +152,7 @@ def ials_user_vectors(
         repeated ids count once.
     alpha : confidence α >= 0 of a user's items.
     reg : ridge weight > 0.
-    budget : padded floats per batched solve (the memory bound beside E and the output: 8 bytes each, about
-        three copies; each chunk gathers its own rows of E).
+    budget : padded floats per batched solve (`device_sdk.ials.solve_users`).
 
     Returns
     -------
@@ -166,30 +168,7 @@ def ials_user_vectors(
     G = check_gram(gram, d)
     a, r = check_ials_params(alpha, reg)
     indptr, items = _csr_lists(item_lists, m)
-    n = indptr.size - 1
-    deg = np.diff(indptr)
-    U = np.zeros((n, d), np.float32)
-    nonempty = np.flatnonzero(deg)
-    if nonempty.size == 0:
-        return U
-    base = G + r * np.eye(d)
-    order = nonempty[np.argsort(deg[nonempty], kind="stable")]
-    start = 0
-    while start < order.size:  # chunks of users of similar item counts, each one batched solve
-        ahead = deg[order[start : start + 4096]]
-        padded = ahead * np.arange(1, ahead.size + 1) * d
-        size = max(1, int(np.searchsorted(padded, max(int(budget), d), side="right")))
-        size = min(size, max(1, int(budget) // (d * d)))  # the (B, d, d) systems within the budget too
-        who = order[start : start + size]
-        L = int(deg[who].max())
-        pos = indptr[who][:, None] + np.arange(L)[None, :]
-        live = np.arange(L)[None, :] < deg[who][:, None]
-        P = E[items[np.where(live, pos, 0)]].astype(np.float64) * live[..., None]  # (B, L, d), zero padding
-        A = base + a * np.matmul(P.transpose(0, 2, 1), P)
-        rhs = (1.0 + a) * P.sum(axis=1)  # (1 + α)·E_Iᵀ 1
-        U[who] = np.linalg.solve(A, rhs[..., None])[..., 0]
-        start += who.size
-    return U
+    return solve_users(E, indptr, items, a, r, budget, gram=G).astype(np.float32)
 
 
 def top_rows(
