@@ -367,3 +367,24 @@ def test_fit_local_and_refresh_ranking_solve_the_vectors_again() -> None:
     one.fit_local(liked[2], rng=rng)
     assert one.user_vector_ok[0]
     np.testing.assert_allclose(one.user_vectors[0], model.user_vectors[2], rtol=1e-6)
+
+
+def test_two_stage_topk_checks_its_inputs_in_one_line() -> None:
+    rng = np.random.default_rng(0)
+    D = random_signs(100, 64, rng)
+    E = rng.standard_normal((100, 8)).astype(np.float16)
+    users = np.ascontiguousarray(pack_signs(random_signs(3, 64, rng)).T)
+    U = rng.standard_normal((3, 8)).astype(np.float32)
+    for kwargs, message in [
+        ({"candidates": 0}, "candidates must be an integer >= 1"),
+        ({"user_vectors": U[:2]}, r"user vectors must be a finite \(3, 8\)"),
+        ({"embeddings": E[:50]}, "50 rows for 100 items"),
+        ({"user_words": users.astype(np.int64)}, "uint64 words"),
+        ({"exclude": [None]}, "exclude has 1 rows for 3 users"),
+        ({"N": -1}, "N must be an integer >= 0"),
+    ]:
+        args = {"user_words": users, "embeddings": E, "user_vectors": U, "N": 5}
+        args.update(kwargs)
+        with pytest.raises(ValueError, match=message) as info:
+            realvalued.two_stage_topk(pack_signs(D), 64, **args)  # type: ignore[arg-type]
+        assert "\n" not in str(info.value)
