@@ -21,6 +21,7 @@ items are ``--rated`` drawn from the top 1% of a random taste's scores.  ``--lev
     python benchmarks/bench_recommend.py                          # 10^5 and 10^6 items, stage 2 by the planes
     python benchmarks/bench_recommend.py --embeddings             # stage 2 by E·u (d = 64), C = 100, 200, 500
     python benchmarks/bench_recommend.py --sizes 1000000 --rss    # + peak RSS of a recommend in a child process
+    python benchmarks/bench_recommend.py --exact                  # candidates=0: every item by the planes (before)
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def rotating(fn: Callable[[int], Any], n: int) -> Callable[[], Any]:
 
 def build(args: argparse.Namespace, m: int, rng: np.random.Generator) -> tuple[LightFRModel, Any, Any, list]:
     E, codes, A = synthetic(m, args.dim, args.bits, args.rank, rng)
-    model = LightFRModel(m, LightFRConfig(bits=args.bits), n_users=args.users, rng=np.random.default_rng(1))
+    config = LightFRConfig(bits=args.bits, candidates=0) if args.exact else LightFRConfig(bits=args.bits)
+    model = LightFRModel(m, config, n_users=args.users, rng=np.random.default_rng(1))
     if args.levels:
         model.set_global(  # as a ModelPayload brings codes and levels
             to_bytes(pack_signs(codes)),
@@ -270,18 +272,22 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--budget", type=float, default=3.0, help="CPU seconds per method before it stops early")
     p.add_argument("--rss", action="store_true", help="peak RSS of load + fold_in + recommend in a child process")
+    p.add_argument(
+        "--exact", action="store_true", help="not the default: candidates=0, every item scored (the one-stage ranking)"
+    )
     p.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rss_child:
         rss_child(args.rss_child, args.rated)
         return
-    cfg = LightFRConfig()
+    cfg = LightFRConfig(candidates=0) if args.exact else LightFRConfig()
     try:
         import faiss  # noqa: F401
     except ImportError:
         print("faiss not installed: fedrec measured alone (pip install 'fedrec[bench]' for the comparison)")
     print(
-        f"recommend, default LightFRConfig (rank_planes={cfg.rank_planes}, candidates={cfg.candidates}, "
+        f"recommend, {'NOT the default: ' if args.exact else 'default '}LightFRConfig(rank_planes={cfg.rank_planes}, "
+        f"candidates={cfg.candidates}, "
         f"rerank={cfg.rerank}), N = {N}, f = {args.bits}, {args.rated} rated items a user"
         f"{', item term' if args.levels else ''}{f', embeddings d = {args.dim}' if args.embeddings else ''}; "
         f"load average {os.getloadavg()}",
