@@ -41,6 +41,7 @@ __all__ = [
     "stage1_queries",
     "top_n",
     "top_n_planes",
+    "top_n_real",
     "two_stage_rows",
 ]
 
@@ -200,6 +201,24 @@ def _top_n_one(
     out_scores = np.full((1, N), -np.inf, np.float32)
     out_ids[0, : ids.size], out_scores[0, : ids.size] = ids, best
     return out_ids, out_scores
+
+
+def top_n_real(
+    model: LightFRModel,
+    users: NDArray[np.int64],
+    N: int,
+    exclude: list[NDArray[np.int64] | None],
+    items: NDArray[np.int64] | None,
+    rng: np.random.Generator,
+) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """Without stage 1 (``candidates`` 0): every item (or every one of ``items``) of each user by E·u,
+    exact, in the re-rank's memory-bounded blocks."""
+    E = model.item_embeddings
+    assert E is not None
+    ranked = np.arange(model.n_items, dtype=np.int64) if items is None else items
+    cand = np.tile(ranked, (users.size, 1))
+    _drop(cand, exclude)
+    return realvalued.rerank_checked(cand, E, model.user_vectors[users], N, rng)
 
 
 def adopt_embeddings(

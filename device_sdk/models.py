@@ -691,9 +691,7 @@ class LightFRModel(Recommender, RoundHooks):
         if not self.config.rerank:  # stage 2 off: the ±1 code alone
             return self._top_n_codes(users, N, exclude, items, rng)
         if self.config.candidates == 0 and self._embeddings is not None and self.user_vector_ok[users].all():
-            ranked = np.arange(self.n_items, dtype=np.int64) if items is None else items
-            every = np.broadcast_to(ranked, (users.size, ranked.size))
-            return realvalued.rerank(every, self._embeddings, self.user_vectors[users], N, exclude=exclude, rng=rng)
+            return lightfr_rank.top_n_real(self, users, N, exclude, items, rng)
         planes = np.flatnonzero(self.user_weight[users] > 0)
         if planes.size:
             return lightfr_rank.top_n_planes(self, users, planes, N, exclude, items, rng)

@@ -40,6 +40,7 @@ __all__ = [
     "embedding_gram",
     "ials_user_vectors",
     "rerank",
+    "rerank_checked",
     "stage1_recall",
     "top_row",
     "top_rows",
@@ -259,7 +260,7 @@ def rerank(
     if exclude is not None and len(exclude) != n:
         raise ValueError(f"exclude has {len(exclude)} rows for {n} users")
     _drop_excluded(cand, None if exclude is None else [None if e is None else np.asarray(e) for e in exclude])
-    return _rerank(cand, E, U, int(N), rng, budget)
+    return rerank_checked(cand, E, U, int(N), rng, budget)
 
 
 def dot_rows(E: NDArray[np.floating], cand: NDArray[np.int64], U: NDArray[np.floating]) -> NDArray[np.float32]:
@@ -269,15 +270,16 @@ def dot_rows(E: NDArray[np.floating], cand: NDArray[np.int64], U: NDArray[np.flo
     return np.matmul(rows, U.astype(np.float32, copy=False)[..., None])[..., 0]
 
 
-def _rerank(
+def rerank_checked(
     cand: NDArray[np.int64],
     E: NDArray[np.floating],
     U: NDArray[np.floating],
     N: int,
     rng: np.random.Generator | None,
-    budget: int,
+    budget: int = _RERANK_BUDGET,
 ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-    """`rerank` of checked arguments, the excluded already set to -1."""
+    """`rerank` of arguments the caller has checked (a model's own arrays), the excluded already set to -1:
+    no pass over E to check it again."""
     n, K = cand.shape
     d = E.shape[1]
     out_ids = np.full((n, int(N)), -1, np.int64)
@@ -359,7 +361,7 @@ def two_stage_topk(
         sl = slice(s, s + step)
         cand = index.candidates(users[sl], int(candidates) + extra[sl], lam[sl], rng)
         _drop_excluded(cand, None if excl is None else excl[sl])
-        out_ids[sl], out_scores[sl] = _rerank(cand, E, U[sl], int(N), rng, _RERANK_BUDGET)
+        out_ids[sl], out_scores[sl] = rerank_checked(cand, E, U[sl], int(N), rng)
     return out_ids, out_scores
 
 
