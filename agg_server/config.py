@@ -582,6 +582,11 @@ class ServerConfig:
                     f'lightfr: the [lightfr] table configures model.kind = "lightfr", unused with '
                     f'model.kind = "{self.model.kind}": leave it out or set model.kind = "lightfr"'
                 )
+            if self.model.kind == ModelKind.IALS.value and self.privacy.enabled and not self.ials.theta:
+                raise ConfigError(
+                    "ials.theta: privacy.enabled needs the bounded upload, theta >= 1 (e.g. 10, with "
+                    "rounds.clip_norm = sqrt(2 + gram_weight**2)); the plain upload's norm grows with a device's items"
+                )
             rank = getattr(self, self.model.kind).rank
             if self.model.n_items * rank > MAX_VECTOR_LENGTH:
                 raise ConfigError(

@@ -257,8 +257,9 @@ class IALSSection(IALSParams):
     ----------
     rank : int
         Factor count d in [1, 4096] (default 64).
-    alpha, reg
-        As in `protocol.plan.IALSParams`.
+    alpha, reg, theta, gram_weight
+        As in `protocol.plan.IALSParams`.  A server with ``privacy.enabled`` needs θ >= 1 (the bounded upload,
+        norm at most √(2 + γ²): set ``rounds.clip_norm`` to that value).
     """
 
     rank: int = IALS_FACTORS

@@ -117,19 +117,41 @@ def solve_users(
 
 
 def upload_sums(
-    U: NDArray[np.float64], indptr: NDArray[np.int64], cols: NDArray[np.int64], n_items: int
+    U: NDArray[np.float64],
+    indptr: NDArray[np.int64],
+    cols: NDArray[np.int64],
+    n_items: int,
+    *,
+    theta: int = 0,
+    gram_weight: float = 0.1,
 ) -> NDArray[np.float64]:
     """The upload of users with vectors ``U`` and items (indptr, cols) (`protocol.families.ials.IALSLayout`):
-    B, c, Σ u uᵀ, Σ |I|·u uᵀ, Σ |I| over the users holding at least one item."""
+    B, c, Σ u uᵀ, Σ |I|·u uᵀ, Σ |I| over the users holding at least one item.
+
+    ``theta`` >= 1 gives the bounded upload of a DP round (`protocol.plan.IALSParams.theta`): each u scaled to
+    unit norm (a zero u stays 0), its B rows and counts weighted by w = 1/√max(|I|, θ), the Gram part
+    Σ γ·u uᵀ (γ = ``gram_weight``), the weighted Gram and positives parts 0.  One user's bounded upload has
+    L2 norm at most √(2 + γ²): Σ_j w²‖u‖² = |I|/max(|I|, θ) <= 1 for B, as much for c, γ‖u‖² for the Gram.
+    """
     n, d = U.shape
     deg = np.diff(indptr)
+    held = deg > 0
+    weight = np.ones(n)
+    if theta:
+        norms = np.linalg.norm(U, axis=1)
+        U = np.divide(U, norms[:, None], out=np.zeros_like(U), where=norms[:, None] > 0)
+        weight = 1.0 / np.sqrt(np.maximum(deg, theta).astype(np.float64))
     owner = np.repeat(np.arange(n), deg)
     idx = (cols[:, None] * d + np.arange(d)[None, :]).ravel()
-    B = np.bincount(idx, weights=U[owner].ravel(), minlength=n_items * d).astype(np.float64).reshape(n_items, d)
-    c = np.bincount(cols, minlength=n_items).astype(np.float64)
-    held = U[deg > 0]
-    w = deg[deg > 0].astype(np.float64)
-    return IALSLayout(n_items, d).join(B, c, held.T @ held, (held * w[:, None]).T @ held, float(w.sum()))
+    B = np.bincount(idx, weights=(U * weight[:, None])[owner].ravel(), minlength=n_items * d).reshape(n_items, d)
+    c = np.bincount(cols, weights=weight[owner], minlength=n_items).astype(np.float64)
+    Uh = U[held]
+    layout = IALSLayout(n_items, d)
+    if theta:
+        zero = np.zeros((d, d))
+        return layout.join(B, c, gram_weight * (Uh.T @ Uh), zero, 0.0)
+    w = deg[held].astype(np.float64)
+    return layout.join(B, c, Uh.T @ Uh, (Uh * w[:, None]).T @ Uh, float(w.sum()))
 
 
 # -- the model --------------------------------------------------------------------------------------
@@ -241,7 +263,8 @@ class IALSModel(Recommender, RoundHooks):
         self.user_factors[present] = U[present]
         self.user_trained |= present
         info = {"users": int(present.sum()), "positives": int(cols.size)}
-        return LocalResult(vector=upload_sums(U, indptr, cols, self.n_items), examples=int(cols.size), info=info)
+        vector = upload_sums(U, indptr, cols, self.n_items, theta=p.theta, gram_weight=p.gram_weight)
+        return LocalResult(vector=vector, examples=int(cols.size), info=info)
 
     def adopted(self, data: LocalRatings) -> None:
         """After a new global V: every local user in ``data`` takes its exact user step against it (the config's

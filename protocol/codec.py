@@ -157,6 +157,9 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind] | str, ..
                 # protocol 1.8: the roster devices sign (omitted when empty)
                 ("roster_ids", "ro", Kind.INTS),
                 ("roster_keys", "rok", Kind.BYTES_LIST),
+                # protocol 1.9: iALS's bounded upload for DP rounds
+                "bd",
+                "gw",
             ),
         ),
         PublicKeys.TYPE: (

@@ -376,6 +376,8 @@ class FNMFParams:
 #: and their results finite whatever a server ships.
 IALS_ALPHA_MAX = 1e6
 IALS_REG_RANGE = (1e-6, 1e6)
+#: The largest θ of the bounded iALS upload.
+IALS_THETA_MAX = 1_000_000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -389,6 +391,11 @@ class IALSParams:
     alpha : confidence α in [0, 1e6]: an observed (user, item) pair weighs 1 + α, every other pair 1
         (``cf`` on the wire, the key LightFR's α uses).
     reg : ridge weight λ in [1e-6, 1e6] of the user and the item solves (``rg``).
+    theta : 0 (the default) for the plain upload; θ >= 1 for the **bounded** upload a DP round needs
+        (``bd``): each user's vector is scaled to unit norm, its rows of B and its counts weigh
+        1/√max(|I|, θ), the Gram part is Σ γ·u uᵀ and the weighted Gram and positives parts are 0, so one
+        user's upload has L2 norm at most √(2 + γ²) whatever it holds (`bounded_norm`).
+    gram_weight : γ in (0, 1] of the bounded upload's Gram part (``gw``; unused when θ = 0).
     """
 
     KIND: ClassVar[ModelKind] = ModelKind.IALS
@@ -396,11 +403,22 @@ class IALSParams:
     # an invite without "rg" is refused: λ must be > 0).
     alpha: float = param_field(20.0, "cf", absent=0.0)
     reg: float = param_field(0.1, "rg", absent=0.0)
+    theta: int = param_field(0, "bd")
+    gram_weight: float = param_field(0.1, "gw")
 
     def __post_init__(self) -> None:
         _set(self, "alpha", check_float("alpha", self.alpha, lo=0.0, hi=IALS_ALPHA_MAX))
         lo, hi = IALS_REG_RANGE
         _set(self, "reg", check_float("reg", self.reg, lo=lo, hi=hi))
+        _set(self, "theta", check_int("theta", self.theta, lo=0, hi=IALS_THETA_MAX))
+        _set(self, "gram_weight", check_float("gram_weight", self.gram_weight, lo=0.0, hi=1.0, lo_open=True))
+
+    @property
+    def bounded_norm(self) -> float:
+        """The largest L2 norm of one user's bounded upload, √(2 + γ²) (θ >= 1; infinite for the plain upload,
+        whose norm grows with |I|): B's rows weigh |I|/max(|I|, θ) <= 1 in total, the counts as much, the
+        Gram part ‖γ u uᵀ‖_F = γ."""
+        return math.sqrt(2.0 + self.gram_weight**2) if self.theta else math.inf
 
     def upload_length(self, n_items: int, rank: int) -> int:
         return IALSLayout(n_items, rank).length

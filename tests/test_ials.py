@@ -270,7 +270,7 @@ def test_simulate_ials_json(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--epsilon", "1"], "--epsilon is not implemented for --model ials"),
+        (["--epsilon", "1", "--fraction", "0.5"], "--fraction does not apply to private iALS runs"),
         (["--alpha", "2e6"], "--alpha: must be a finite number in [0.0, 1000000.0]"),
         (["--reg", "1e7"], "--reg: must be a finite number in [1e-06, 1000000.0]"),
         (["--rounds", "0"], "--rounds must be >= 1 for --model ials"),

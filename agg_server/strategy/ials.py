@@ -76,12 +76,17 @@ class IALSStrategy(FloatStrategy):
     n_items : catalogue size m.
     rank : factor count d (default 64).
     alpha, reg : confidence α and ridge weight λ (`protocol.plan.IALSParams`: their defaults and bounds).
+    theta, gram_weight : θ >= 1 asks the devices for the bounded upload of a DP round (unit user vectors, rows
+        weighted 1/√max(|I|, θ), the Gram part scaled by γ, no weighted Gram); the item solve then takes
+        M = G / tr G, the mean u uᵀ of unit vectors (`step`).  0: the plain upload.
     """
 
     n_items: int
     rank: int = DEFAULT_FACTORS
     alpha: float = IALSParams().alpha
     reg: float = IALSParams().reg
+    theta: int = IALSParams().theta
+    gram_weight: float = IALSParams().gram_weight
     kind: str = ModelKind.IALS.value
 
     def __post_init__(self) -> None:
@@ -114,7 +119,7 @@ class IALSStrategy(FloatStrategy):
 
     def plan(self) -> IALSParams:
         """What every device trains with."""
-        return IALSParams(alpha=self.alpha, reg=self.reg)
+        return IALSParams(alpha=self.alpha, reg=self.reg, theta=self.theta, gram_weight=self.gram_weight)
 
     def step(
         self, state: NDArray[np.float64], total: NDArray[np.float64], survivors: int, round_index: int
@@ -122,9 +127,23 @@ class IALSStrategy(FloatStrategy):
         """The shared-curvature item solve on the cohort's sum (``state``, ``survivors`` and ``round_index``
         are unused: the new V is a function of the sum alone)."""
         parts = self.layout.split(total)
+        if self.theta:
+            return self._bounded_step(parts)
         positives = float(parts["positives"])
         M = parts["weighted_gram"] / positives if positives > 0 else np.zeros((self.rank, self.rank))
         return solve_items(parts["factors"], parts["counts"], parts["gram"], M, self.alpha, self.reg)
+
+    def _bounded_step(self, parts: dict[str, NDArray[np.float64]]) -> NDArray[np.float64]:
+        """The item solve on a sum of bounded uploads (noised under DP).  G = (Gram part)/γ is made symmetric and
+        positive semi-definite (noise may leave a negative eigenvalue); each user's weighted curvature
+        Σ_{u ∈ N(j)} w_u u uᵀ is taken as c_j·M with M = G / tr G (tr G = the number of unit vectors summed), and
+        B and c are the weighted sums (`device_sdk.ials.upload_sums`)."""
+        G = parts["gram"] / self.gram_weight
+        evals, Q = np.linalg.eigh(0.5 * (G + G.T))
+        G = (Q * np.maximum(evals, 0.0)) @ Q.T
+        trace = float(np.trace(G))
+        M = G / trace if trace > 0 else np.zeros_like(G)
+        return solve_items(parts["factors"], parts["counts"], G, M, self.alpha, self.reg)
 
     def from_wire(self, words: bytes, values: bytes) -> NDArray[np.float64]:
         """Inverse of `to_wire`; raises ValueError on packed words, a wrong length or non-finite values."""

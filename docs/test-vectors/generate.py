@@ -130,6 +130,7 @@ _SINCE_1_4 = {"RegisterRequest": ("certificate", "proof", "enrollment_token")}
 _SINCE_1_6 = {"RoundInvite": ("query_planes", "user_reg")}
 _SINCE_1_7 = {"ModelPayload": ("unobserved_weight", "confidence", "dp_trained")}
 _SINCE_1_8 = {"RoundInvite": ("roster_ids", "roster_keys")}
+_SINCE_1_9 = {"RoundInvite": ("theta", "gram_weight")}
 
 
 def _check(condition: bool) -> None:
@@ -148,6 +149,8 @@ def fixed_field_element(label: str) -> int:
 
 
 def _since(cls_name: str, type_code: int, field: str) -> str:
+    if field in _SINCE_1_9.get(cls_name, ()):
+        return "1.9"
     if field in _SINCE_1_8.get(cls_name, ()):
         return "1.8"
     if field in _SINCE_1_7.get(cls_name, ()):

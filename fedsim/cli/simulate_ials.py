@@ -50,6 +50,12 @@ def simulate_ials(args: argparse.Namespace, defaults: argparse.Namespace, out: T
         raise ConfigError("--model ials needs --dataset (a rating log such as ml-100k, filmtrust-lightfr, amazon-book)")
     if args.save is not None:
         raise ConfigError("--save is not available for --model ials yet; drop --save")
+    if args.epsilon > 0:
+        from fedsim.cli.simulate_private import simulate_private_ials
+
+        return simulate_private_ials(args, defaults, out)
+    if args.pop_share is not None:
+        raise ConfigError("--pop-share applies to private runs only (with --epsilon)")
     factors, alphas, reg = _grids(args)
     # Every device in every round unless --fraction is given (its default is LightFR's).
     fraction = args.fraction if args.fraction != defaults.fraction else 1.0

@@ -418,8 +418,9 @@ _APPLIES_TO: dict[str, tuple[str, ...]] = {
     "clients": ("felb", "fnmf"),
     "local_steps": ("felb", "fnmf"),
     **dict.fromkeys(("secure", "clip_norm", "example_cap", "silos", "server_lr", "lr", "max_norm2"), ("mf",)),
-    "epsilon": ("lightfr", "mf"),
-    **dict.fromkeys(("pop_share", "pop_theta", "threshold"), ("lightfr",)),
+    "epsilon": ("lightfr", "mf", "ials"),
+    "pop_share": ("lightfr", "ials"),
+    **dict.fromkeys(("pop_theta", "threshold"), ("lightfr",)),
     **dict.fromkeys(("step_rule", "xor_noise", "noise_sigma", "binarize_at", "server_scale"), ("felb",)),
     **dict.fromkeys(("alignment", "aggregator"), ("fnmf",)),
 }
