@@ -4,7 +4,9 @@ real-valued ranking.  Used by `LightFRModel` (one user or a few) and by the simu
 
 Invariants:
 - Item embeddings E are (m, d) and finite; a device keeps them as float16 (2·d bytes an item beside the
-  f/8 of the codes); every product here is formed in float64 from them and the results are float32.
+  f/8 of the codes).  The user step is solved in float64 and returned as float32; stage 2's products
+  E_i·u are float32 (`dot_rows`, one kernel for one row and for many, so a batch row's scores are a
+  one-user call's, bit for bit).
 - The user step is implicit ALS's (Hu, Koren & Volinsky 2008, eq. 4, binary preferences, confidence
   1 + α on the user's items and 1 elsewhere):
       u = (G + α·E_Iᵀ E_I + reg·I)⁻¹ (1 + α)·E_Iᵀ 1,      G = EᵀE over the whole catalogue,
