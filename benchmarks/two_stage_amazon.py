@@ -8,7 +8,7 @@ stand-in for item factors and codes trained through the federation.  A seeded sa
 is folded in on a `LightFRModel` with the SDK's defaults (`set_item_codes`, `set_embeddings(Y, alpha=100,
 reg=0.1)`, `fold_in(train items)`), and for each C the device's `recommend(N=20)` is scored by Recall@20
 on the validation items, beside stage 1's recall of the real-valued top 20 (`stage1_recall`).  C = 0 is
-the full real-valued ranking of the device's own vector, ``rerank=False`` the ±1 code alone, and
+the full real-valued ranking of the device's own vector, ``rerank=False`` stage 1 alone, and
 "planes" the model without embeddings (stage 2 by the bit-planes).  These are validation figures: nothing
 here looks at the test split.
 
@@ -93,7 +93,7 @@ def main() -> None:
         print(json.dumps(out), flush=True)
     model.config = replace(base, rerank=False)
     ids, _ = model.recommend(liked, N=N, userid=rows)
-    print(json.dumps({"ranking": "±1 code alone (rerank=False)", "recall@20": round(recall_at(ids, truth), 4)}))
+    print(json.dumps({"ranking": "stage 1 alone (rerank=False)", "recall@20": round(recall_at(ids, truth), 4)}))
     model.config = base
     model.set_embeddings(None)
     ids, _ = model.recommend(liked, N=N, userid=rows)

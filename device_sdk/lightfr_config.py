@@ -84,8 +84,9 @@ class LightFRConfig:
         `device_sdk.realvalued.stage1_recall`).  0: no stage 1, every item scored by the planes (exact,
         several times slower) or by E·u (exact, a float product per item).
     rerank : a device setting (not in the plan): False switches stage 2 off for the smallest devices:
-        `recommend` ranks with the ±1 code alone (the exact Hamming top-N with the item term, as
-        ``rank_planes=0`` does), whatever planes or embeddings the model holds.
+        `recommend` returns stage 1's own N best (the Hamming distance of the vector's sign plus the item
+        term, scored 1 − v/f), one scan and no planes or embeddings read; a user with only a ±1 code
+        ranks as always.
     """
 
     bits: int = 64

@@ -15,6 +15,9 @@ Invariants:
 - Stage 2 is exact among the candidates: its scores are the ones the single-stage ranking would give
   (the plane score Δ'·qᵀd/f + β, or E·u), and the top N among the candidates equals the full ranking's
   whenever that top N lies among them.  Ties are broken uniformly at random (`realvalued.top_rows`).
+- ``rerank=False`` switches stage 2 off: such a user gets stage 1's own N best (by v, scored 1 − v/f).
+  It is the cheapest ranking and better than the ±1 code it trains with (amazon-book validation,
+  benchmarks/two_stage_amazon.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr, realvalued
+from device_sdk.topk.candidates import values_of
 from protocol.codes import pack_signs
 from protocol.families.lightfr import LEVEL_CENTER
 
@@ -47,10 +51,10 @@ __all__ = [
 
 
 def two_stage_rows(model: LightFRModel, users: NDArray[np.int64]) -> NDArray[np.bool_]:
-    """Which of ``users`` are ranked in two stages: ``rerank`` and ``candidates`` > 0, and the user holds a
-    real-valued vector for the model's embeddings or bit-planes."""
+    """Which of ``users`` go through stage 1 (`top_n`): those holding a real-valued vector for the model's
+    embeddings or bit-planes, unless ``candidates`` is 0 with ``rerank`` on (every item scored then)."""
     cfg = model.config
-    if not cfg.rerank or cfg.candidates == 0:
+    if cfg.rerank and cfg.candidates == 0:
         return np.zeros(users.size, bool)
     ok = model.user_weight[users] > 0
     if model.item_embeddings is not None:
@@ -126,6 +130,12 @@ def _plane_scores(model: LightFRModel, cand: NDArray[np.int64], query: _Query, a
     return S * (2.0 / (2**s * B * f))
 
 
+def _stage1_scores(model: LightFRModel, cand: NDArray[np.int64], query: _Query) -> NDArray[np.float64]:
+    """Stage 1's own score of candidates (-1 slots: any value), 1 − v/f, higher is better."""
+    v = values_of(model._hamming_index(), query.sign, query.lam, np.maximum(cand, 0))
+    return 1.0 - v / model.config.bits
+
+
 def _drop(cand: NDArray[np.int64], exclude: list[NDArray[np.int64] | None]) -> None:
     """Set to -1, in place, every candidate of row u that is in ``exclude[u]``."""
     for u, e in enumerate(exclude):
@@ -142,13 +152,16 @@ def stage1(
     exclude: list[NDArray[np.int64] | None],
     items: NDArray[np.int64] | None,
     rng: np.random.Generator | None,
+    want: int | None = None,
 ) -> tuple[list[_Query], NDArray[np.int64]]:
-    """Every user's query and stage-1 candidates ((n, K) ids, -1 where excluded or padded)."""
+    """Every user's query and stage-1 candidates ((n, K) ids, -1 where excluded or padded): its ``want`` best
+    (default the config's C) plus |excluded|."""
     queries = stage1_queries(model, users)
     words = np.array([qy.sign for qy in queries], dtype=np.uint64).reshape(users.size, -1)
     lam = np.array([qy.lam for qy in queries])
     extra = np.array([0 if e is None else e.size for e in exclude], np.int64)
-    cand = model._hamming_index().candidates(words, model.config.candidates + extra, lam, rng, items=items)
+    C = model.config.candidates if want is None else want
+    cand = model._hamming_index().candidates(words, C + extra, lam, rng, items=items)
     _drop(cand, exclude)
     return queries, cand
 
@@ -162,9 +175,15 @@ def top_n(
     rng: np.random.Generator,
 ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
     """Two-stage top N of ``users`` (all of them `two_stage_rows`): (n, N) ids padded -1 and float32 scores
-    padded -inf."""
+    padded -inf.  With ``rerank`` off, stage 1 alone: its N best, scored 1 − v/f."""
     if users.size == 1 and items is None:
         return _top_n_one(model, int(users[0]), N, exclude[0], rng)
+    if not model.config.rerank:
+        queries, cand = stage1(model, users, exclude, items, rng, want=N)
+        scores = np.empty(cand.shape)
+        for r in range(users.size):
+            scores[r] = _stage1_scores(model, cand[r], queries[r])
+        return realvalued.top_rows(cand, scores, N, rng)
     queries, cand = stage1(model, users, exclude, items, rng)
     E = model.item_embeddings
     real = model.user_vector_ok[users] if E is not None else np.zeros(users.size, bool)
@@ -186,13 +205,16 @@ def _top_n_one(
     batch row (`stage1`, `realvalued.top_rows`)."""
     query = _query(model, u)
     ix = model._hamming_index()
-    kk = model.config.candidates + (0 if exclude is None else exclude.size)
+    rerank = model.config.rerank
+    kk = (model.config.candidates if rerank else N) + (0 if exclude is None else exclude.size)
     cand = ix._candidates_one(query.sign, kk, query.lam, rng)
     if exclude is not None and exclude.size:
         es = np.sort(exclude)
         cand = cand[es[np.minimum(np.searchsorted(es, cand), es.size - 1)] != cand]
     E = model.item_embeddings
-    if E is not None and model.user_vector_ok[u]:
+    if not rerank:
+        scores = _stage1_scores(model, cand, query)
+    elif E is not None and model.user_vector_ok[u]:
         scores = realvalued.dot_rows(E, cand[None, :], model.user_vectors[u : u + 1])[0]
     else:
         scores = _plane_scores(model, cand, query, int(model.user_weight[u]))

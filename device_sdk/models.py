@@ -688,8 +688,6 @@ class LightFRModel(Recommender, RoundHooks):
             for sel in (np.flatnonzero(two), np.flatnonzero(~two)):
                 out_ids[sel], out_scores[sel] = self._top_n(users[sel], N, [exclude[i] for i in sel], items, rng)
             return out_ids, out_scores
-        if not self.config.rerank:  # stage 2 off: the ±1 code alone
-            return self._top_n_codes(users, N, exclude, items, rng)
         if self.config.candidates == 0 and self._embeddings is not None and self.user_vector_ok[users].all():
             return lightfr_rank.top_n_real(self, users, N, exclude, items, rng)
         planes = np.flatnonzero(self.user_weight[users] > 0)

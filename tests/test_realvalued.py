@@ -228,7 +228,7 @@ def test_model_folds_in_the_ials_vector_and_reranks_its_stage_one_candidates() -
         np.testing.assert_array_equal(scores[u], model.recommend(liked[u], N=10, userid=u)[1])
 
 
-def test_model_without_stage_one_ranks_every_item_by_e_dot_u_and_rerank_off_by_the_code() -> None:
+def test_model_without_stage_one_ranks_every_item_by_e_dot_u_and_rerank_off_by_stage_one() -> None:
     model, _, liked = _embedded_model(candidates=0)
     E16 = model.item_embeddings
     assert E16 is not None
@@ -236,12 +236,26 @@ def test_model_without_stage_one_ranks_every_item_by_e_dot_u_and_rerank_off_by_t
     s[liked[1]] = -np.inf
     ids, scores = model.recommend(liked[1], N=10, userid=1)
     np.testing.assert_allclose(scores, np.sort(s)[::-1][:10], rtol=1e-6)
+    # Stage 2 off: stage 1's own 10 best by the Hamming distance of the vector's sign plane (no levels
+    # here), scored 1 − v/f, the liked items out; a batch row gives the same scores.
     model.config = replace(model.config, rerank=False, candidates=200)
+    assert model.user_weight[1] > 0
+    sign = np.where(model.user_q[1] > 0, 1, -1)
+    v = (model.item_codes != sign[None, :]).sum(axis=1)
+    v[liked[1]] = 10**6
     ids, scores = model.recommend(liked[1], N=10, userid=1, rng=np.random.default_rng(1))
+    np.testing.assert_allclose(scores, 1 - np.sort(v)[:10] / 64)
+    assert np.array_equal(v[ids], np.sort(v)[:10]) and not np.isin(ids, liked[1]).any()
+    batch = model.recommend(liked, N=10, userid=np.arange(4))[1]
+    np.testing.assert_array_equal(batch[1], scores)
+    # A user holding only a ±1 code ranks as always: the exact Hamming search.
+    model.user_weight[2], model.user_vector_ok[2] = 0, False
     plain = LightFRModel(model.n_items, LightFRConfig(rank_planes=0), n_users=4)
     plain.set_item_codes(model.item_codes, 3)
-    plain.set_user_code(model.user_codes[1], userid=1)
-    np.testing.assert_array_equal(scores, plain.recommend(liked[1], N=10, userid=1)[1])
+    plain.set_user_code(model.user_codes[2], userid=2)
+    np.testing.assert_array_equal(
+        model.recommend(liked[2], N=10, userid=2)[1], plain.recommend(liked[2], N=10, userid=2)[1]
+    )
 
 
 def test_planes_two_stage_equals_the_exact_plane_ranking_when_the_candidates_cover_the_catalogue() -> None:

@@ -189,6 +189,18 @@ def candidates_one(
     return chosen.astype(np.int64) if ix._order is None else ix._order[chosen]
 
 
+def values_of(ix: HammingIndex, user: NDArray[np.uint64], lam: float, ids: NDArray[np.int64]) -> NDArray[np.int64]:
+    """v = dist + ⌊(L − level)·λ⌋ (capped as the scan caps it) of the items ``ids``, (k,) int64: what the
+    scan ranks them by."""
+    v = np.zeros(ids.size, np.int64)
+    for j in range(ix.w):
+        v += np.bitwise_count(ix._words[j, ids] ^ user[j])
+    if ix._levels is not None and lam > 0:
+        cap = int(np.iinfo(np.uint8 if ix.f < 192 else np.uint16).max) - ix.f
+        v += np.minimum(np.floor((ix._top - ix._levels[ids].astype(np.int64)) * lam), cap).astype(np.int64)
+    return v
+
+
 def candidates_subset(
     ix: HammingIndex,
     user: NDArray[np.uint64],
@@ -200,9 +212,5 @@ def candidates_subset(
     """`candidates_one` over the items ``items`` only (sorted unique ids: the ``items=`` restriction)."""
     if items.size == 0 or kk <= 0:
         return np.zeros(0, np.int64)
-    v = np.zeros(items.size, np.int64)
-    for j in range(ix.w):
-        v += np.bitwise_count(ix._words[j, items] ^ user[j])
-    if ix._levels is not None and lam > 0:
-        v += np.floor((ix._top - ix._levels[items].astype(np.int64)) * lam).astype(np.int64)
+    v = values_of(ix, user, lam, items)
     return items[_pick(np.arange(items.size), v, min(kk, items.size), rng)]
