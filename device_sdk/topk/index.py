@@ -261,7 +261,7 @@ class HammingIndex:
         kk : (n,) candidates wanted per user (>= 0).
         lift : (n,) λ >= 0 per user, the weight of one item level in bits of distance.
         rng : tie-breaking generator (None: the lowest scan positions win ties).
-        items : if given, sorted unique ids: only these items are candidates.
+        items : if given, only these item ids are candidates.
 
         Returns
         -------
@@ -278,6 +278,8 @@ class HammingIndex:
             raise ValueError(f"kk and lift must hold one value per user ({n}), got {want.shape} and {lam.shape}")
         if n and (want.min() < 0 or not np.all(np.isfinite(lam)) or lam.min() < 0):
             raise ValueError("kk must be >= 0 and lift a finite value >= 0 for every user")
+        if items is not None:
+            items = _check_candidates(items, self.m)  # sorted, unique, in range
         found = []
         for u in range(n):  # each user one vectorised scan over the index's buffers
             if items is None:
