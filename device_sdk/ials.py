@@ -65,12 +65,14 @@ def user_item_csr(
 
 
 def solve_users(
-    V: NDArray[np.float64],
+    V: NDArray[np.floating],
     indptr: NDArray[np.int64],
     cols: NDArray[np.int64],
     alpha: float,
     reg: float,
     budget: int = 1 << 22,
+    *,
+    gram: NDArray[np.floating] | None = None,
 ) -> NDArray[np.float64]:
     """Every row's exact iALS step against fixed item factors (Hu et al. eq. 4):
     u = (VᵀV + α·V_Iᵀ V_I + λI)⁻¹ (1 + α)·V_Iᵀ 1, with I the row's items ``cols[indptr[r]:indptr[r+1]]``.
@@ -80,16 +82,18 @@ def solve_users(
 
     Parameters
     ----------
-    V : (m, d) item factors.
+    V : (m, d) item factors (any float dtype: the rows a chunk uses are taken to float64).
     indptr, cols : CSR of the rows' distinct items.
     alpha, reg : confidence α >= 0 and ridge weight λ > 0.
+    gram : VᵀV (d, d) when the caller holds it (a device caches it per model: at 10^6 items it is a pass
+        over the catalogue); None computes it.
 
     Returns
     -------
     (n_rows, d) float64.
     """
     n, d = indptr.size - 1, V.shape[1]
-    base = V.T @ V + reg * np.eye(d)
+    base = (V.T @ V if gram is None else np.asarray(gram, dtype=np.float64)) + reg * np.eye(d)
     X = np.zeros((n, d))
     deg = np.diff(indptr)
     order = np.argsort(deg, kind="stable")
@@ -104,7 +108,7 @@ def solve_users(
         L = int(deg_sorted[start + rows.size - 1])
         pos = indptr[rows][:, None] + np.arange(L)[None, :]
         live = np.arange(L)[None, :] < deg[rows][:, None]
-        P = V[cols[np.where(live, pos, 0)]] * live[..., None]  # (B, L, d), zero padding
+        P = V[cols[np.where(live, pos, 0)]].astype(np.float64, copy=False) * live[..., None]  # (B, L, d), 0-padded
         A = base + alpha * np.matmul(P.transpose(0, 2, 1), P)
         b = (1.0 + alpha) * P.sum(axis=1)
         X[rows] = np.linalg.solve(A, b[..., None])[..., 0]

@@ -76,6 +76,17 @@ class LightFRConfig:
         (`device_sdk.topk.HammingIndex`), built on the first such call: about 48 bytes an item (480 MB
         at 10^7 items) beside the 8 of the codes, and a few times faster than the scan.  False keeps
         the linear scan and no extra memory; the recommendations are the same either way.
+    candidates : a device setting (not in the plan): C, the items stage 1 of the two-stage ranking keeps
+        per user (`device_sdk.lightfr_rank`).  A user ranked with a real-valued vector (the model's item
+        embeddings, `LightFRModel.set_embeddings`) or with bit-planes has its C best items by the
+        Hamming distance of its sign code plus the item term found by one XOR + popcount scan, and only
+        those re-scored by E·u or by the planes: exact among the C, not over the catalogue (see
+        `device_sdk.realvalued.stage1_recall`).  0: no stage 1, every item scored by the planes (exact,
+        several times slower) or by E·u (exact, a float product per item).
+    rerank : a device setting (not in the plan): False switches stage 2 off for the smallest devices:
+        `recommend` returns stage 1's own N best (the Hamming distance of the vector's sign plus the item
+        term, scored 1 − v/f), one scan and no planes or embeddings read; a user with only a ±1 code
+        ranks as always.
     """
 
     bits: int = 64
@@ -94,6 +105,8 @@ class LightFRConfig:
     rank_planes: int = 3
     rank_ridge: float = 2.0
     substring_index: bool = True
+    candidates: int = 200
+    rerank: bool = True
 
     def __post_init__(self) -> None:
         bits = self.bits
@@ -112,6 +125,11 @@ class LightFRConfig:
             raise ValueError(f"rank_ridge must be a finite number in (0, 1e6], got {ridge!r}")
         if not isinstance(self.substring_index, bool):
             raise ValueError(f"substring_index must be a bool, got {self.substring_index!r}")
+        cand = self.candidates
+        if isinstance(cand, bool) or not isinstance(cand, int | np.integer) or not 0 <= cand <= 1 << 20:
+            raise ValueError(f"candidates must be an integer in [0, {1 << 20}], got {cand!r}")
+        if not isinstance(self.rerank, bool):
+            raise ValueError(f"rerank must be a bool, got {self.rerank!r}")
         w0 = self.unobserved_weight
         if planes and isinstance(w0, int | float) and not isinstance(w0, bool) and w0 == 0:
             # Would train ±1 codes by DCD while asking for planes; the server's config and the plan refuse it too.

@@ -2,7 +2,8 @@
 
 The model's ``save`` and ``load`` are these two functions; they read and set its private arrays (the packed
 words it keeps beside the ±1 codes) so that a load restores exactly what was saved.  Keys added later are
-optional on load (a file written before the item term, asymmetric scoring or the DP flags holds none).
+optional on load (a file written before the item term, asymmetric scoring, the DP flags or the real-valued
+embeddings holds none).
 """
 
 from __future__ import annotations
@@ -45,8 +46,59 @@ def save_model(model: LightFRModel, path: str | os.PathLike[str]) -> None:
             "user_weight": model.user_weight.astype("<i8").tobytes(),
             "private_rounds": model.private_rounds,
             "private_model": model.private_model,
+            **_embedding_state(model),
         },
     )
+
+
+#: The layout of the real-valued embeddings in a store file: 1 = E as little-endian float16 rows (m, d),
+#: EᵀE as float32 (d, d), each user's vector as float32 (n_users, d) and a packed bit per user saying it
+#: is solved against E.  A file without the key holds no embeddings (written before they existed).
+_EMBEDDING_FORMAT = 1
+
+
+def _embedding_state(model: LightFRModel) -> dict[str, object]:
+    E, G = model.item_embeddings, model.embedding_gram
+    if E is None or G is None:
+        return {}
+    return {
+        "embedding_format": _EMBEDDING_FORMAT,
+        "embedding_dim": int(E.shape[1]),
+        "item_embeddings": E.astype("<f2").tobytes(),
+        "embedding_gram": G.astype("<f4").tobytes(),
+        "ials_alpha": model.ials_alpha,
+        "ials_reg": model.ials_reg,
+        "user_vectors": model.user_vectors.astype("<f4").tobytes(),
+        "user_vector_ok": np.packbits(model.user_vector_ok).tobytes(),
+    }
+
+
+def _load_embeddings(model: LightFRModel, state: dict[str, object]) -> None:
+    """Restore what `_embedding_state` wrote (nothing for a file written before embeddings existed)."""
+    fmt = state.get("embedding_format")
+    if fmt is None:
+        return
+    if fmt != _EMBEDDING_FORMAT:
+        raise ValueError(f"unknown embedding format {fmt!r} (this SDK reads format {_EMBEDDING_FORMAT})")
+    d, m, n = state["embedding_dim"], model.n_items, model.n_users
+    if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+        raise ValueError(f"embedding_dim must be an integer >= 1, got {d!r}")
+    raw: list[bytes] = []
+    for key in ("item_embeddings", "embedding_gram", "user_vectors", "user_vector_ok"):
+        value = state[key]
+        if not isinstance(value, bytes):
+            raise ValueError(f"{key} must be bytes")
+        raw.append(value)
+    E, G, U, ok = (np.frombuffer(b, dtype=t) for b, t in zip(raw, ("<f2", "<f4", "<f4", "u1"), strict=True))
+    if E.size != m * d or G.size != d * d or U.size != n * d:
+        raise ValueError(f"the embedding arrays do not hold {m} items, {n} users and d = {d}")
+    alpha, reg = state["ials_alpha"], state["ials_reg"]
+    model.set_embeddings(E.reshape(m, d), alpha=alpha, reg=reg, gram=G.reshape(d, d))  # type: ignore[arg-type]
+    vectors = U.reshape(n, d).astype(np.float32)
+    if not np.all(np.isfinite(vectors)):
+        raise ValueError("user vectors must be finite")
+    model.user_vectors = vectors
+    model.user_vector_ok = np.unpackbits(ok)[:n].astype(bool)
 
 
 def load_model(
@@ -91,6 +143,7 @@ def load_model(
         if not isinstance(held, bool):
             raise ValueError(f"private_model must be a boolean, got {held!r}")
         model.private_model = held
+        _load_embeddings(model, state)  # files written before embeddings existed hold none
     except (KeyError, TypeError, ValueError) as exc:
         raise StorageError(f"{path} is a valid store file but its LightFR state is invalid: {exc}") from exc
     return model

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from device_sdk import lightfr
+from device_sdk import lightfr, lightfr_rank, realvalued
+from device_sdk.codes import all_signs, pack_rows
 from device_sdk.family import LocalRatings, LocalResult, RoundHooks
 from device_sdk.lightfr_config import _KIND, LightFRConfig, LocalUpdate, apply_plan
 from device_sdk.lightfr_store import load_model, save_model
@@ -89,6 +90,23 @@ class LightFRModel(Recommender, RoundHooks):
     #: make the device rank with its ±1 code (a lie that it is private) or with its planes (a lie that it is
     #: not), a quality question, never a leak.
     private_model: bool = field(default=False, init=False, repr=False)
+    #: Real-valued item embeddings E (m, d) float16 kept beside the codes (`set_embeddings`), their Gram EᵀE
+    #: (d, d) float32 and the implicit-ALS α and reg of the user step; None without them.  Each user's
+    #: real-valued vector (n_users, d) float32, solved by `fold_in` / `fit_local` / `refresh_ranking`, and
+    #: whether it is solved against the embeddings held now.
+    _embeddings: NDArray[np.float16] | None = field(default=None, init=False, repr=False)
+    _embedding_gram: NDArray[np.float32] | None = field(default=None, init=False, repr=False)
+    ials_alpha: float = field(default=0.0, init=False, repr=False)
+    ials_reg: float = field(default=1.0, init=False, repr=False)
+    user_vectors: NDArray[np.float32] = field(init=False, repr=False)
+    user_vector_ok: NDArray[np.bool_] = field(init=False, repr=False)
+    #: Each user's ranking query as `device_sdk.lightfr_rank` derives it from its vector, kept while that
+    #: vector, code and weights stay the same (a cache: checked against them on every use).
+    _queries: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
+
+    def _derived_clear(self) -> None:
+        """Forget what is derived from the item codes, levels or embeddings (the ranking queries)."""
+        self._queries.clear()
 
     def __post_init__(self) -> None:
         if self.n_items <= 0:
@@ -97,12 +115,14 @@ class LightFRModel(Recommender, RoundHooks):
             raise ValueError(f"n_users must be positive, got {self.n_users}")
         f = self.config.bits
         self.item_codes = random_signs(self.n_items, f, self.rng)
-        self._item_words = pack_signs(self.item_codes)
+        self._item_words = pack_rows(self.item_codes)
         self.user_codes = random_signs(self.n_users, f, self.rng)
         self._user_words = pack_signs(self.user_codes)
         self.user_trained = np.zeros(self.n_users, dtype=bool)
         self.user_q = np.zeros((self.n_users, f), dtype=np.int16)
         self.user_weight = np.zeros(self.n_users, dtype=np.int64)
+        self.user_vectors = np.zeros((self.n_users, 0), dtype=np.float32)
+        self.user_vector_ok = np.zeros(self.n_users, dtype=bool)
 
     KIND: ClassVar[str] = _KIND
 
@@ -125,6 +145,7 @@ class LightFRModel(Recommender, RoundHooks):
             self._levels = lv.astype(np.uint8)
         self._index = None
         self._gram = None
+        self._derived_clear()
 
     @property
     def hamming_weight(self) -> int:
@@ -138,6 +159,7 @@ class LightFRModel(Recommender, RoundHooks):
         self._weight = int(weight)
         self._index = None
         self._gram = None
+        self._derived_clear()
 
     def item_gram(self) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
         """(G_D = DᵀD (f, f), Dᵀβ (f,), β (m,)) of the current item codes and the item biases β the
@@ -163,6 +185,41 @@ class LightFRModel(Recommender, RoundHooks):
                     Dl += np.subtract(lv[s : s + step], LEVEL_CENTER, dtype=np.float32) @ c
             self._gram = (G, Dl * (2.0 / (f * self._weight)), beta)
         return self._gram
+
+    # -- real-valued item embeddings (stage 2 of the ranking) ------------------------------------
+    @property
+    def item_embeddings(self) -> NDArray[np.float16] | None:
+        """(m, d) float16 real-valued item embeddings, or None (`set_embeddings`)."""
+        return self._embeddings
+
+    @property
+    def embedding_gram(self) -> NDArray[np.float32] | None:
+        """(d, d) float32 EᵀE of the embeddings held, or None."""
+        return self._embedding_gram
+
+    def set_embeddings(
+        self, embeddings: ArrayLike | None, *, alpha: float = 0.0, reg: float = 1.0, gram: ArrayLike | None = None
+    ) -> None:
+        """Adopt real-valued item embeddings E (m, d), kept as float16, and the implicit-ALS α >= 0 and
+        reg > 0 of the user step (`device_sdk.realvalued.ials_user_vectors`); ``gram`` is EᵀE (d, d) as
+        trained (computed from the float16 rows when None).  None drops them.  Every user's vector is then
+        stale until `fold_in`, `fit_local` or `refresh_ranking` solves it again: until then it ranks as a
+        model without embeddings does.
+
+        Raises ValueError for a wrong shape, a non-float or non-finite array, values beyond float16, or
+        α / reg out of range; nothing changes then."""
+        lightfr_rank.adopt_embeddings(self, embeddings, alpha, reg, gram)
+
+    def _solve_user_vectors(self, users: NDArray[np.int64], item_lists: list[NDArray[np.int64]]) -> None:
+        """Each of ``users``' real-valued vector from its items (`realvalued.ials_user_vectors`), when the
+        model holds embeddings."""
+        if self._embeddings is None or self._embedding_gram is None:
+            return
+        U = realvalued.ials_user_vectors(
+            self._embeddings, self._embedding_gram, item_lists, self.ials_alpha, self.ials_reg
+        )
+        self.user_vectors[users] = U
+        self.user_vector_ok[users] = True
 
     def _hamming_index(self) -> HammingIndex:
         """The retrieval index of the current item codes and levels, built once per change."""
@@ -278,13 +335,14 @@ class LightFRModel(Recommender, RoundHooks):
                 raise ValueError(f"packed item codes must be {(words_for(f), m)}, got {arr.shape}")
             signs = unpack_signs(arr.astype(np.uint64), f)
         else:
-            if arr.shape != (m, f) or not np.isin(arr, (-1, 1)).all():
+            if arr.shape != (m, f) or not all_signs(arr):
                 raise ValueError(f"item codes must be a ({m}, {f}) matrix of ±1")
             signs = arr.astype(np.int8)
         self.item_codes = signs
-        self._item_words = pack_signs(signs)
+        self._item_words = pack_rows(signs)
         self._index = None
         self._gram = None
+        self._derived_clear()
         self.model_version = int(version)
 
     # -- training -------------------------------------------------------------------------------
@@ -338,7 +396,9 @@ class LightFRModel(Recommender, RoundHooks):
         if cfg.unobserved_weight > 0:
             if aggregation is not Aggregation.GRAD:
                 raise ValueError("the all-items objective uploads gradients (aggregation 'grad')")
-            return self._fit_full(items, targets, b, userid)
+            full = self._fit_full(items, targets, b, userid)
+            self._solve_user_vectors(np.array([userid]), [items])
+            return full
         acc: NDArray[Any] | None = None
         flips = 0
         n_examples = 0
@@ -357,6 +417,7 @@ class LightFRModel(Recommender, RoundHooks):
         if aggregation is Aggregation.GRAD:
             acc = acc / cfg.local_epochs
         self._set_user(userid, b[0])
+        self._solve_user_vectors(np.array([userid]), [items])
         return LocalUpdate(values=acc, aggregation=aggregation, n_examples=n_examples, flips=flips)
 
     def _fit_full(
@@ -399,6 +460,7 @@ class LightFRModel(Recommender, RoundHooks):
             uniq, first = np.unique(items, return_index=True)
             q, a, _ = self._solve_vector(uniq, targets[first])
             self._set_vector(userid, q, a)
+            self._solve_user_vectors(np.array([userid]), [uniq])
             return self.user_codes[userid].copy()
         if cfg.unobserved_weight > 0:
             codes = self._fold_in_full(items, targets)
@@ -409,6 +471,7 @@ class LightFRModel(Recommender, RoundHooks):
         if self._ranks_with_vector():
             uniq, first = np.unique(items, return_index=True)
             self._set_ranking_vector(userid, uniq, targets[first])
+        self._solve_user_vectors(np.array([userid]), [items])
         return codes[0].copy()
 
     def _fold_in_full(self, items: NDArray[np.int64], targets: NDArray[np.float64]) -> NDArray[np.int8]:
@@ -472,10 +535,12 @@ class LightFRModel(Recommender, RoundHooks):
         (``rank_planes`` 0, the sampled-negatives objective, a DP-trained model) or trains with its vector
         (``query_planes``).  One batched ridge solve for all users, O(Σ|Ω_u|·f + n·f³) once the item Gram of
         the model is cached (one pass over the catalogue per model, shared with `fold_in`).  Returns how
-        many vectors were solved.
+        many vectors were solved.  With item embeddings (`set_embeddings`) the same users' real-valued
+        vectors are solved again too (one batched implicit-ALS user step), whatever the ranking mode.
 
         Raises ValueError when ``data`` does not fit the model (users or items out of range)."""
-        if not self._ranks_with_vector() or self.config.query_planes:
+        planes = self._ranks_with_vector() and not self.config.query_planes
+        if not planes and self._embeddings is None:
             return 0
         if data.n_users != self.n_users:
             raise ValueError(f"the ratings are for {data.n_users} local users, the model holds {self.n_users}")
@@ -488,7 +553,11 @@ class LightFRModel(Recommender, RoundHooks):
             return 0
         users, counts = np.unique(data.users[keep], return_counts=True)
         indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self._set_ranking_vectors(users, indptr, data.items[keep], targets[keep])
+        items = data.items[keep]
+        if self._embeddings is not None:
+            self._solve_user_vectors(users, [items[indptr[k] : indptr[k + 1]] for k in range(users.size)])
+        if planes:
+            self._set_ranking_vectors(users, indptr, items, targets[keep])
         return int(users.size)
 
     def _set_ranking_vector(self, userid: int, items: NDArray[np.int64], targets: NDArray[np.float64]) -> None:
@@ -568,6 +637,7 @@ class LightFRModel(Recommender, RoundHooks):
         check_userid(userid, self.n_users)
         code = random_signs(1, self.config.bits, rng)[0]
         self.user_weight[userid] = 0
+        self.user_vector_ok[userid] = False
         self.user_codes[userid] = code
         self._user_words[:, userid] = pack_signs(code[None, :])[:, 0]
 
@@ -602,14 +672,38 @@ class LightFRModel(Recommender, RoundHooks):
         items: NDArray[np.int64] | None,
         rng: np.random.Generator,
     ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-        """Hamming top-N (XOR + popcount, counting selection) for all ``users`` in one scan.
+        """Hamming top-N (XOR + popcount, counting selection) for all ``users`` in one scan, or in two
+        stages (`device_sdk.lightfr_rank`) for the users with a real-valued vector or bit-planes.
 
         Scores are the integer scores (f − dist)·B + level divided by f·B: without levels, the
-        similarity 1 − dist/f in [0, 1] (LightFR eq. 4); each level adds 1/(f·B).
+        similarity 1 − dist/f in [0, 1] (LightFR eq. 4); each level adds 1/(f·B).  Two-stage users get
+        their stage-2 scores (E·u, or the plane score Δ'·qᵀd/f + β).
         """
+        two = lightfr_rank.two_stage_rows(self, users)
+        if two.all():
+            return lightfr_rank.top_n(self, users, N, exclude, items, rng)
+        if two.any():
+            out_ids = np.full((users.size, N), -1, dtype=np.int64)
+            out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
+            for sel in (np.flatnonzero(two), np.flatnonzero(~two)):
+                out_ids[sel], out_scores[sel] = self._top_n(users[sel], N, [exclude[i] for i in sel], items, rng)
+            return out_ids, out_scores
+        if self.config.candidates == 0 and self._embeddings is not None and self.user_vector_ok[users].all():
+            return lightfr_rank.top_n_real(self, users, N, exclude, items, rng)
         planes = np.flatnonzero(self.user_weight[users] > 0)
         if planes.size:
-            return self._top_n_planes(users, planes, N, exclude, items, rng)
+            return lightfr_rank.top_n_planes(self, users, planes, N, exclude, items, rng)
+        return self._top_n_codes(users, N, exclude, items, rng)
+
+    def _top_n_codes(
+        self,
+        users: NDArray[np.int64],
+        N: int,
+        exclude: list[NDArray[np.int64] | None],
+        items: NDArray[np.int64] | None,
+        rng: np.random.Generator,
+    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+        """The exact Hamming top-N of the users' ±1 codes with the item term (`HammingIndex.search`)."""
         ids, score = self._hamming_index().search(
             np.ascontiguousarray(self._user_words[:, users].T), N, rng, exclude=exclude, candidates=items
         )
@@ -617,49 +711,26 @@ class LightFRModel(Recommender, RoundHooks):
         scores[ids < 0] = -np.inf
         return ids, scores
 
-    def _top_n_planes(
+    def stage1_candidates(
         self,
-        users: NDArray[np.int64],
-        planes: NDArray[np.int64],
-        N: int,
-        exclude: list[NDArray[np.int64] | None],
-        items: NDArray[np.int64] | None,
-        rng: np.random.Generator,
-    ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-        """Top-N for a batch where some users hold bit-plane vectors: their integer plane scores
-        (`device_sdk.topk.plane_scores`) selected by counting (`HammingIndex.search_planes_batch`, one
-        scan for all such users of one plane count) with random ties, reported as the real score Δ'·qᵀd/f + β;
-        the others by the Hamming scan."""
-        f, B, s = self.config.bits, self._weight, lightfr.LEVEL_SHIFT
-        out_ids = np.full((users.size, N), -1, dtype=np.int64)
-        out_scores = np.full((users.size, N), -np.inf, dtype=np.float32)
-        rest = np.setdiff1d(np.arange(users.size), planes)
-        if rest.size:
-            ids, sc = self._top_n(users[rest], N, [exclude[i] for i in rest], items, rng)
-            out_ids[rest], out_scores[rest] = ids, sc
-        # The planes each user's vector was quantized to (a later plan may have changed the setting);
-        # users sharing a P are ranked in one batched scan over the packed item codes.
-        top = np.abs(self.user_q[users[planes]].astype(np.int64)).max(axis=1)
-        P_of = np.maximum(1, (top[:, None] >= 1 << np.arange(9)).sum(axis=1))  # the bit length of the top
-        for P in np.unique(P_of).tolist():
-            grp = planes[P_of == P]
-            signs = np.swapaxes(lightfr.sign_planes(self.user_q[users[grp]], P), 0, 1).reshape(-1, f)
-            words = np.ascontiguousarray(pack_signs(signs).T).reshape(grp.size, P, -1)
-            ids, S = self._hamming_index().search_planes_batch(
-                words,
-                self.user_weight[users[grp]],
-                N,
-                rng,
-                level_shift=s,
-                exclude=[exclude[i] for i in grp],
-                candidates=items,
-            )
-            S = np.where(ids >= 0, S, LEVEL_CENTER << s)  # padded slots: -inf below
-            if self._levels is None:
-                S = S + (LEVEL_CENTER << s)  # no levels: every item at the centre (β = 0)
-            real = np.where(ids >= 0, (S - (LEVEL_CENTER << s)) * 2.0 / (2**s * B * f), -np.inf)
-            out_ids[grp], out_scores[grp] = ids, real.astype(np.float32)
-        return out_ids, out_scores
+        user_items: ArrayLike | None = None,
+        *,
+        userid: int = 0,
+        candidates: int | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> NDArray[np.int64]:
+        """The items stage 1 of `recommend` keeps for one user before stage 2 re-scores them (see
+        ``LightFRConfig.candidates``): its ``candidates`` (default the config's C) best by Hamming distance
+        of its sign code plus the item term, ties at the C-th included (up to 2·C' + 256, C' = C +
+        |user_items|), ``user_items`` left out; int64 ids in no particular order.  For measuring stage 1
+        (`device_sdk.realvalued.stage1_recall`), whatever the ranking mode.
+
+        Raises ValueError for a userid or item id out of range or ``candidates`` < 1, ModelError for an
+        untrained user."""
+        check_userid(userid, self.n_users)
+        self._check_ready(np.array([userid], dtype=np.int64))
+        liked = None if user_items is None else as_items(user_items, self.n_items)
+        return lightfr_rank.stage1_of(self, userid, liked, candidates, self.rng if rng is None else rng)
 
     def similarity(self, item_ids: ArrayLike, *, userid: int = 0) -> NDArray[np.float64]:
         """sim(b_u, d_i) = 1/2 + b_uᵀd_i/(2f) (LightFR eq. 4) for the given items."""

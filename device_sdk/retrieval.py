@@ -232,12 +232,15 @@ class Recommender:
         if isinstance(N, bool) or int(N) != N or N < 0:
             raise ValueError(f"N must be an integer >= 0, got {N!r}")
         N = int(N)
-        batch = np.ndim(userid) > 0
-        users = np.atleast_1d(np.asarray(userid)).ravel()
-        if users.size and not np.issubdtype(users.dtype, np.integer):
-            raise ValueError(f"userid must be integer, got {users.dtype}")
-        users = users.astype(np.int64)
         held = self._held_users()
+        batch = np.ndim(userid) > 0
+        if not batch and isinstance(userid, int | np.integer) and not isinstance(userid, bool):
+            users = np.array([int(userid)], dtype=np.int64)  # one user: no array checks to run
+        else:
+            users = np.atleast_1d(np.asarray(userid)).ravel()
+            if users.size and not np.issubdtype(users.dtype, np.integer):
+                raise ValueError(f"userid must be integer, got {users.dtype}")
+            users = users.astype(np.int64)
         if held == 0:
             self._check_ready(users)  # no user row at all: a model not trained yet, not a bad id
         if users.size and (users.min() < 0 or users.max() >= held):

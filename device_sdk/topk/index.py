@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from device_sdk.topk.candidates import Stage1Layout, candidates_one, candidates_subset
 from device_sdk.topk.planes import (
     _PLANE_BOUND_MIN,
     _PLANE_ITEMS,
@@ -91,6 +92,7 @@ class HammingIndex:
         "_mih",
         "_mih_lock",
         "_mih_allowed",
+        "_stage1",
     )
 
     _score_table: NDArray[np.int32] | None  # score of every cost, when the costs are few
@@ -124,6 +126,7 @@ class HammingIndex:
         self._dt: type[np.unsignedinteger] = np.uint8 if f < 256 else np.uint16
         self._local = threading.local()
         self._mih, self._mih_lock = None, threading.Lock()
+        self._stage1: Stage1Layout | None = None
         lv = None if levels is None else _check_levels(levels, self.m)
         if lv is None or (lv.size and lv.min() == lv.max()):
             # A constant item term does not change the ranking: scan the codes as they are.
@@ -239,6 +242,62 @@ class HammingIndex:
                 if self._mih is None:
                     self._mih = _SubstringTables(self._sorted[0], self._lift, self._lift_runs)
         return self._mih
+
+    def candidates(
+        self,
+        user_words: NDArray[np.uint64],
+        kk: ArrayLike,
+        lift: ArrayLike,
+        rng: np.random.Generator | None,
+        *,
+        items: NDArray[np.int64] | None = None,
+    ) -> NDArray[np.int64]:
+        """Stage 1 of a two-stage ranking (`device_sdk.topk.candidates`): every user's items at or below its
+        kk-th smallest v = dist + ⌊(L − level)·λ⌋, ties included up to 2·kk + 256 items (drawn beyond).
+
+        Parameters
+        ----------
+        user_words : (n, w) uint64 packed user codes.
+        kk : (n,) candidates wanted per user (>= 0).
+        lift : (n,) λ >= 0 per user, the weight of one item level in bits of distance.
+        rng : tie-breaking generator (None: the lowest scan positions win ties).
+        items : if given, only these item ids are candidates.
+
+        Returns
+        -------
+        (n, K) int64 item ids, row u holding its candidates (at least min(kk_u, m), in no particular order),
+        then -1.
+        """
+        users = np.asarray(user_words)
+        if users.dtype != np.uint64 or users.ndim != 2 or users.shape[1] != self.w:
+            raise ValueError(f"user codes must be (n, {self.w}) uint64 words, got {users.dtype} {users.shape}")
+        n = users.shape[0]
+        want = np.asarray(kk, dtype=np.int64).reshape(-1)
+        lam = np.asarray(lift, dtype=np.float64).reshape(-1)
+        if want.shape != (n,) or lam.shape != (n,):
+            raise ValueError(f"kk and lift must hold one value per user ({n}), got {want.shape} and {lam.shape}")
+        if n and (want.min() < 0 or not np.all(np.isfinite(lam)) or lam.min() < 0):
+            raise ValueError("kk must be >= 0 and lift a finite value >= 0 for every user")
+        if items is not None:
+            items = _check_candidates(items, self.m)  # sorted, unique, in range
+        found = []
+        for u in range(n):  # each user one vectorised scan over the index's buffers
+            if items is None:
+                found.append(self._candidates_one(users[u], int(want[u]), float(lam[u]), rng))
+            else:
+                found.append(candidates_subset(self, users[u], int(want[u]), float(lam[u]), rng, items))
+        out = np.full((n, max((ids.size for ids in found), default=0)), -1, np.int64)
+        for u, ids in enumerate(found):
+            out[u, : ids.size] = ids
+        return out
+
+    def _candidates_one(
+        self, user: NDArray[np.uint64], kk: int, lam: float, rng: np.random.Generator | None
+    ) -> NDArray[np.int64]:
+        """`candidates` of one user, (w,) words, over the whole catalogue, arguments unchecked: its ids."""
+        if self._stage1 is None:
+            self._stage1 = Stage1Layout(self)
+        return candidates_one(self, self._stage1, user, kk, lam, rng)
 
     def search_planes(
         self,
