@@ -52,7 +52,7 @@ __all__ = [
 #: The confidences α tried on validation when none is given (one training each; the best is kept).
 ALPHA_GRID: tuple[float, ...] = (5.0, 20.0, 100.0)
 #: The factor counts d tried on validation when none is given: the first with every α, the others at the best α.
-FACTOR_GRID: tuple[int, ...] = (DEFAULT_FACTORS, 32)
+FACTOR_GRID: tuple[int, ...] = (DEFAULT_FACTORS, 128, 32)
 
 
 @dataclass(frozen=True, slots=True)
