@@ -26,6 +26,8 @@ def test_simulate_prints_table_and_baselines(capsys: pytest.CaptureFixture[str],
     code = main(
         [
             "simulate",
+            "--model",
+            "lightfr",
             "--dataset",
             "synthetic",
             "--rounds",
@@ -57,7 +59,8 @@ def test_simulate_prints_table_and_baselines(capsys: pytest.CaptureFixture[str],
 
 
 def test_simulate_with_asymmetric_scoring(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    argv = ["simulate", "--dataset", "synthetic", "--rounds", "3", "--quiet", "--query-planes", "2"]
+    argv = ["simulate", "--model", "lightfr", "--dataset", "synthetic", "--rounds", "3", "--quiet"]
+    argv += ["--query-planes", "2"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "LightFR (Agg_grad)" in out and "popularity" in out
@@ -67,7 +70,8 @@ def test_simulate_with_asymmetric_scoring(capsys: pytest.CaptureFixture[str], tm
     assert main([*argv, "--unobserved-weight", "0"]) == 2  # the sampled objective has no exact user solve
     assert "all-items objective" in capsys.readouterr().err
     # Private runs take it too (the simulator's devices follow the plan's query_planes, protocol 1.6).
-    private = ["simulate", "--dataset", "synthetic", "--rounds", "1", "--epsilon", "8", "--query-planes", "2"]
+    private = ["simulate", "--model", "lightfr", "--dataset", "synthetic", "--rounds", "1", "--epsilon", "8"]
+    private += ["--query-planes", "2"]
     assert main(private) == 0
     assert "asymmetric scoring (2 bit-planes, ridge 1)" in capsys.readouterr().out
     assert main([*private, "--unobserved-weight", "0"]) == 2
@@ -181,7 +185,8 @@ def test_commands_that_read_a_run_leave_a_damaged_file_where_it_is(
     if damage == "garbage":
         data = bytes(range(256)) * 4
     else:
-        assert main(["simulate", "--dataset", "synthetic", "--rounds", "1", "--quiet", "--save", str(path)]) == 0
+        argv = ["simulate", "--model", "lightfr", "--dataset", "synthetic", "--rounds", "1", "--quiet"]
+        assert main([*argv, "--save", str(path)]) == 0
         raw = bytearray(path.read_bytes())
         raw[len(raw) - 100] ^= 0x01  # inside the payload: the checksum catches it
         data = bytes(raw)
@@ -315,11 +320,11 @@ def test_simulate_mf_in_process_and_private(capsys: pytest.CaptureFixture[str]) 
             "--save is not available for MF runs through the coordinator",
         ),
         (
-            ["simulate", "--dataset", "synthetic", "--epsilon", "1", "--save", "x"],
+            ["simulate", "--model", "lightfr", "--dataset", "synthetic", "--epsilon", "1", "--save", "x"],
             "--save is not available for private",
         ),
         (
-            ["simulate", "--dataset", "synthetic", "--epsilon", "1", "--lam", "0.5"],
+            ["simulate", "--model", "lightfr", "--dataset", "synthetic", "--epsilon", "1", "--lam", "0.5"],
             "--lam does not apply to private LightFR runs",
         ),
         (["simulate"], "--dataset is required"),
@@ -357,7 +362,8 @@ def test_family_misuse_is_one_clear_line(argv: list[str], message: str, capsys: 
     ],
 )
 def test_inapplicable_flags_are_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--dataset", "synthetic", "--rounds", "1", *argv]) == 2
+    # LightFR's own refusals (an argv's own --model comes later and wins).
+    assert main(["simulate", "--dataset", "synthetic", "--rounds", "1", "--model", "lightfr", *argv]) == 2
     out, err = capsys.readouterr()
     assert err.startswith("fedrec simulate: error: ") and message in err and err.count("\n") == 1
     assert out == ""  # refused before the run
@@ -370,6 +376,7 @@ def test_lightfr_options_of_the_objective_in_use_still_run(capsys: pytest.Captur
         ["--confidence", "1"],
         ["--query-planes", "2", "--user-reg", "2"],
     ):
+        argv = ["--model", "lightfr", *argv]
         assert main(["simulate", "--dataset", "synthetic", "--rounds", "1", "--bits", "16", "--quiet", *argv]) == 0
     capsys.readouterr()
     assert main(["demo", "--dataset", "synthetic", "--user-reg", "2"]) == 2
@@ -496,12 +503,12 @@ def test_unwritable_output_files_are_refused_before_the_run(
     # `simulate` imports the steps of a run when it runs: each is patched where it is defined.
     for module, name in (
         (fedsim.cli.results, "resolve_dataset"),
-        (simulate, "_train"),
+        (simulate, "train_lightfr"),
         (fedsim.federation.families, "simulate_family"),
         (fedsim.data.datasets, "load_dataset"),
     ):
         monkeypatch.setattr(module, name, step(name))
-    assert main(["simulate", "--dataset", "synthetic", "--save", str(missing)]) == 2
+    assert main(["simulate", "--model", "lightfr", "--dataset", "synthetic", "--save", str(missing)]) == 2
     err = capsys.readouterr().err
     assert err == f"fedrec simulate: error: --save {missing}: folder {missing.parent} does not exist\n"
     assert main(["simulate", "--model", "mf", "--dataset", "synthetic", "--save", str(tmp_path)]) == 2
@@ -589,7 +596,8 @@ def test_loadtest_failure_is_one_line_naming_the_cause() -> None:
 def test_simulate_private_lightfr_reports_the_ledgers_epsilon(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    argv = ["simulate", "--dataset", "synthetic", "--epsilon", "4", "--rounds", "2", "--bits", "16", "--quiet"]
+    argv = ["simulate", "--model", "lightfr", "--dataset", "synthetic", "--epsilon", "4", "--rounds", "2"]
+    argv += ["--bits", "16", "--quiet"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "ε spent 4.000 at δ=1e-05" in out
@@ -704,7 +712,7 @@ def test_two_demo_runs_without_dp_with_one_seed_print_the_same(capsys: pytest.Ca
 @pytest.mark.parametrize(
     ("family", "argv", "loader"),
     [
-        ("lightfr", ["--dataset", "synthetic", "--rounds", "3"], "LightFRModel"),
+        ("lightfr", ["--model", "lightfr", "--dataset", "synthetic", "--rounds", "3"], "LightFRModel"),
         ("mf", ["--model", "mf", "--dataset", "synthetic", "--rank", "8", "--rounds", "2"], "MFModel"),
         ("felb", ["--model", "felb", "--rounds", "3"], "FELBModel"),
         ("fnmf", ["--model", "fnmf", "--rounds", "2"], "FNMFModel"),
@@ -761,7 +769,8 @@ def test_recommend_shows_dataset_ids_and_titles(tmp_path: Path, capsys: pytest.C
     from fedsim.federation.runs import load_run
 
     ratings, run_file = _movielens_like(tmp_path / "ml"), tmp_path / "run.fedrec"
-    assert main(["simulate", "--dataset", str(ratings), "--rounds", "2", "--quiet", "--save", str(run_file)]) == 0
+    argv = ["simulate", "--model", "lightfr", "--dataset", str(ratings), "--rounds", "2", "--quiet"]
+    assert main([*argv, "--save", str(run_file)]) == 0
     capsys.readouterr()
     run = load_run(run_file)
     assert run.item_label(0) == 1001 and run.user_label(0) == 101 and run.user_index("101") == 0
@@ -784,7 +793,7 @@ def test_recommend_shows_dataset_ids_and_titles(tmp_path: Path, capsys: pytest.C
 
 def test_recommend_titles_movielens(shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_file = tmp_path / "run.fedrec"
-    argv = ["--dataset", "ml-100k", "--data-dir", str(shared_data)]
+    argv = ["--model", "lightfr", "--dataset", "ml-100k", "--data-dir", str(shared_data)]
     assert main(["simulate", *argv, "--rounds", "2", "--quiet", "--save", str(run_file)]) == 0
     capsys.readouterr()
     assert main(["recommend", str(run_file), "--user", "196", "-n", "10", "--data-dir", str(shared_data)]) == 0
@@ -809,7 +818,7 @@ def test_plots_are_written_and_bad_targets_refused_before_the_run(
     from fedsim.cli.plots import plot_loadtest
 
     png = tmp_path / "quality.png"
-    argv = ["simulate", "--dataset", "synthetic", "--rounds", "4", "--eval-every", "2", "--quiet"]
+    argv = ["simulate", "--model", "lightfr", "--dataset", "synthetic", "--rounds", "4", "--eval-every", "2", "--quiet"]
     assert main([*argv, "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot: {png}" in capsys.readouterr().out
     assert main([*argv, "--plot", str(tmp_path / "q.jpg")]) == 2

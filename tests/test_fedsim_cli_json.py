@@ -33,7 +33,8 @@ def _no_timestamps(tmp_path: Path) -> Path:
 
 def test_simulate_and_eval_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     run = tmp_path / "run.fedrec"
-    argv = ["simulate", "--dataset", "synthetic", "--rounds", "2", "--quiet", "--json", "--save", str(run)]
+    argv = ["simulate", "--model", "lightfr", "--dataset", "synthetic", "--rounds", "2", "--quiet", "--json"]
+    argv += ["--save", str(run)]
     rec, err = _json_run(argv, capsys)
     assert list(rec) == ["dataset", "protocol", "rounds", "seconds", "metrics"]
     assert (rec["dataset"], rec["protocol"], rec["rounds"]) == ("synthetic", "loo", 2)
@@ -100,6 +101,8 @@ def test_eval_refuses_another_split_than_the_run_trained_on(capsys: pytest.Captu
         main(
             [
                 "simulate",
+                "--model",
+                "lightfr",
                 "--dataset",
                 data,
                 "--rounds",
@@ -131,7 +134,10 @@ def test_eval_refuses_another_split_than_the_run_trained_on(capsys: pytest.Captu
 
 def test_json_is_refused_where_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--model", "felb", "--dataset", "planted", "--json"]) == 2
-    assert "--json applies to --model lightfr or --model mf or --model ials only" in capsys.readouterr().err
+    assert (
+        "--json applies to --model auto or --model lightfr or --model mf or --model ials only"
+        in capsys.readouterr().err
+    )
     assert main(["simulate", "--model", "mf", "--dataset", "synthetic", "--json"]) == 2
     assert "published split (amazon-book) only" in capsys.readouterr().err
 

@@ -144,7 +144,8 @@ def test_expected_hits_average_to_the_reported_hit_ratio() -> None:
 
 
 def test_simulate_prints_the_plan_first_and_reports_it(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["simulate", "--dataset", "synthetic", "--epsilon", "8", "--bits", "16", "--quiet", "--json"]
+    argv = ["simulate", "--model", "lightfr", "--dataset", "synthetic", "--epsilon", "8", "--bits", "16", "--quiet"]
+    argv.append("--json")
     assert main(argv) == 0
     cap = capsys.readouterr()
     assert cap.err.startswith("plan: at ")  # the human lines go to stderr under --json
@@ -160,7 +161,8 @@ def test_simulate_prints_the_plan_first_and_reports_it(capsys: pytest.CaptureFix
 def test_simulate_with_no_rounds_serves_the_private_list_with_the_whole_budget(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    argv = ["simulate", "--dataset", "synthetic", "--epsilon", "2", "--rounds", "0", "--quiet", "--json"]
+    argv = ["simulate", "--model", "lightfr", "--dataset", "synthetic", "--epsilon", "2", "--rounds", "0", "--quiet"]
+    argv.append("--json")
     assert main(argv) == 0
     cap = capsys.readouterr()
     assert "the private model is the private popularity list" in cap.err.splitlines()[0]

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the simulator loads when the command runs, not to parse it
     from fedsim.evaluation.experiment import Experiment
     from fedsim.federation.lightfr import FederatedLightFR, RoundReport
 
-__all__ = ["COMMAND"]
+__all__ = ["COMMAND", "lightfr_description", "train_lightfr"]
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
@@ -56,6 +56,10 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
 
     defaults = option_defaults(_add_options)
     check_applicable(args, defaults)
+    if args.model == "auto":
+        from fedsim.cli.simulate_auto import simulate_auto
+
+        return simulate_auto(args, defaults, out)
     if args.plot is not None:
         from fedsim.cli.plots import check_plot_target
 
@@ -87,19 +91,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     t0 = time.perf_counter()
     exp, data_dir = resolve_dataset(args, out)
     out.write(exp.describe() + "\n")
-    out.write(
-        f"LightFR f={args.bits}, λ={args.lam}, "
-        + (
-            f"all items (w0={unobserved_weight(args)}, α={args.confidence}, item levels)"
-            if unobserved_weight(args) != 0
-            else f"{args.negatives} negatives per rating"
-        )
-        + f", E={args.epochs}; "
-        f"T={args.rounds} rounds, p={args.fraction}, Agg_{args.aggregation} "
-        f"(flip fraction {flip_fraction(args):g}{', mean field' if mean_field(args) else ''}), "
-        f"seed {args.seed}\n"
-    )
-    state = _train(args, exp, out, show_progress=not getattr(args, "quiet", False))
+    out.write(lightfr_description(args))
+    state = train_lightfr(args, exp, out, show_progress=not getattr(args, "quiet", False))
     if args.plot is not None:
         _plot(args, exp, state, out)
     label = f"LightFR (Agg_{args.aggregation})"
@@ -116,7 +109,24 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace, exp: Experiment, out: TextIO, show_progress: bool) -> FederatedLightFR:
+def lightfr_description(args: argparse.Namespace) -> str:
+    """The line describing an in-process LightFR run of these options."""
+    return (
+        f"LightFR f={args.bits}, λ={args.lam}, "
+        + (
+            f"all items (w0={unobserved_weight(args)}, α={args.confidence}, item levels)"
+            if unobserved_weight(args) != 0
+            else f"{args.negatives} negatives per rating"
+        )
+        + f", E={args.epochs}; "
+        f"T={args.rounds} rounds, p={args.fraction}, Agg_{args.aggregation} "
+        f"(flip fraction {flip_fraction(args):g}{', mean field' if mean_field(args) else ''}), "
+        f"seed {args.seed}\n"
+    )
+
+
+def train_lightfr(args: argparse.Namespace, exp: Experiment, out: TextIO, show_progress: bool) -> FederatedLightFR:
+    """Train LightFR in-process as the options say, printing the per-round validation progress."""
     from fedsim.cli.results import print_rows, score_blocks
     from fedsim.evaluation.ranking import TieMode
     from fedsim.federation.lightfr import run_lightfr, user_data
@@ -219,9 +229,11 @@ COMMAND = Command(
     name="simulate",
     help="run an in-process federated training and evaluate it",
     description="In-process federated training (no sockets) on a dataset, evaluated beside simple "
-    "baselines. LightFR (default): HR@10/NDCG@10 in both tie modes beside popularity and random. "
-    "--model mf: test RMSE and HR@10/NDCG@10, optionally private through the real coordinator "
-    "(--epsilon). --model felb / fnmf: the planted recipes (or binarized ratings for felb) with F1 / "
+    "baselines. Default (--model auto): LightFR and federated implicit ALS both trained with their defaults on the "
+    "same split, compared on the same validation figure, the better one tested once (with --epsilon: both "
+    "private runs, the kept run's ε reported). --model lightfr: HR@10/NDCG@10 in both tie modes beside "
+    "popularity and random. --model mf: test RMSE and HR@10/NDCG@10, optionally private through the real "
+    "coordinator (--epsilon). --model felb / fnmf: the planted recipes (or binarized ratings for felb) with F1 / "
     "Σ-RMSD figures. --model ials: federated implicit ALS, confidence α and factors d chosen on validation, "
     "the same test protocol as LightFR.",
     add_options=_add_options,

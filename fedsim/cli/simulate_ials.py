@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # the simulator loads when the command runs, not to parse it
     from fedsim.evaluation.experiment import Experiment
     from fedsim.federation.ials import IALSSchedule, IALSSelection
 
-__all__ = ["simulate_ials"]
+__all__ = ["ials_schedule", "simulate_ials", "train_ials"]
 
 
 def _grids(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[float, ...], float]:
@@ -39,11 +39,57 @@ def _grids(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[float, ...]
     return factors, alphas, reg
 
 
+def ials_schedule(
+    args: argparse.Namespace, defaults: argparse.Namespace
+) -> tuple[IALSSchedule, tuple[int, ...], tuple[float, ...], float]:
+    """The in-process iALS run the options ask for: its schedule, the factor counts and confidences to try,
+    and λ, every one checked (one clear line)."""
+    from fedsim.federation.ials import IALSSchedule
+
+    factors, alphas, reg = _grids(args)
+    # Every device in every round unless --fraction is given (its default is LightFR's).
+    fraction = args.fraction if args.fraction != defaults.fraction else 1.0
+    given = {} if args.rounds is None else {"rounds": args.rounds}  # else the schedule's default
+    return IALSSchedule(**given, fraction=fraction, seed=args.seed), factors, alphas, reg
+
+
+def train_ials(
+    exp: Experiment,
+    schedule: IALSSchedule,
+    factors: tuple[int, ...],
+    alphas: tuple[float, ...],
+    reg: float,
+    eval_seed: int,
+    out: TextIO,
+) -> IALSSelection:
+    """Print the run's description, train every candidate (d, α), print each validation figure and the choice;
+    the kept run and its figures (`fedsim.federation.ials.select_and_train`)."""
+    from fedsim.federation.ials import select_and_train
+    from fedsim.threads import one_blas_thread
+
+    out.write(
+        f"federated implicit ALS: λ={reg:g}, T={schedule.rounds} rounds in-process (plain sums, no noise), "
+        f"fraction {schedule.fraction:g}, exact user step on each device, shared-curvature item solve on the server; "
+        f"d from {list(factors)}, α from {list(alphas)} chosen on validation; seed {schedule.seed}\n"
+    )
+
+    def candidate(d: int, alpha: float, metric: str, value: float, seconds: float) -> None:
+        out.write(f"  validation d={d}, α={alpha:g}: {metric} {value:.4f} ({seconds:.1f} s)\n")
+        out.flush()
+
+    with one_blas_thread():  # small batched solves: a threaded BLAS on a busy machine only wakes threads
+        sel = select_and_train(
+            exp, schedule, factors=factors, alphas=alphas, reg=reg, eval_seed=eval_seed, on_candidate=candidate
+        )
+    best = sel.validation[(sel.factors, sel.alpha)]
+    out.write(f"chosen on validation: d={sel.factors}, α={sel.alpha:g} ({sel.metric} {best:.4f})\n")
+    return sel
+
+
 def simulate_ials(args: argparse.Namespace, defaults: argparse.Namespace, out: TextIO) -> int:
     """Run ``simulate --model ials``; ``defaults`` holds every ``simulate`` option's value when not given."""
     from fedsim.cli.results import evaluate_and_report, resolve_dataset
     from fedsim.evaluation.report import write_json
-    from fedsim.federation.ials import IALSSchedule, select_and_train
     from fedsim.threads import one_blas_thread
 
     if args.dataset in (None, "planted"):
@@ -56,31 +102,13 @@ def simulate_ials(args: argparse.Namespace, defaults: argparse.Namespace, out: T
         return simulate_private_ials(args, defaults, out)
     if args.pop_share is not None:
         raise ConfigError("--pop-share applies to private runs only (with --epsilon)")
-    factors, alphas, reg = _grids(args)
-    # Every device in every round unless --fraction is given (its default is LightFR's).
-    fraction = args.fraction if args.fraction != defaults.fraction else 1.0
-    given = {} if args.rounds is None else {"rounds": args.rounds}  # else the schedule's default
-    schedule = IALSSchedule(**given, fraction=fraction, seed=args.seed)
+    schedule, factors, alphas, reg = ials_schedule(args, defaults)
     t0, c0 = time.perf_counter(), time.process_time()
     exp, _ = resolve_dataset(args, out)
     out.write(exp.describe() + "\n")
-    out.write(
-        f"federated implicit ALS: λ={reg:g}, T={schedule.rounds} rounds in-process (plain sums, no noise), "
-        f"fraction {fraction:g}, exact user step on each device, shared-curvature item solve on the server; "
-        f"d from {list(factors)}, α from {list(alphas)} chosen on validation; seed {args.seed}\n"
-    )
-
-    def candidate(d: int, alpha: float, metric: str, value: float, seconds: float) -> None:
-        out.write(f"  validation d={d}, α={alpha:g}: {metric} {value:.4f} ({seconds:.1f} s)\n")
-        out.flush()
-
-    with one_blas_thread():  # small batched solves: a threaded BLAS on a busy machine only wakes threads
-        sel = select_and_train(
-            exp, schedule, factors=factors, alphas=alphas, reg=reg, eval_seed=args.eval_seed, on_candidate=candidate
-        )
-        best = sel.validation[(sel.factors, sel.alpha)]
-        out.write(f"chosen on validation: d={sel.factors}, α={sel.alpha:g} ({sel.metric} {best:.4f})\n")
-        label = f"federated iALS (d={sel.factors}, α={sel.alpha:g})"
+    sel = train_ials(exp, schedule, factors, alphas, reg, args.eval_seed, out)
+    label = f"federated iALS (d={sel.factors}, α={sel.alpha:g})"
+    with one_blas_thread():
         metrics = evaluate_and_report(exp, sel.run, label, args.eval_seed, out)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     out.write(f"done in {seconds:.1f} s ({cpu:.1f} s CPU)\n")

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the device SDK and the simulator load when a configuration 
     from fedsim.federation.lightfr import FederationConfig
 
 __all__ = [
+    "AUTO_FAMILIES",
     "NOT_PRIVATE_LIGHTFR",
     "add_data_args",
     "add_family_args",
@@ -49,11 +50,15 @@ __all__ = [
     "mean_field",
     "model_config",
     "rank_ridge",
+    "refuse_with_auto",
     "unobserved_weight",
 ]
 
 
 _LIGHTFR = LightFRParams()  # the training defaults the CLI shows are the plan's
+
+#: The families the default ``--model auto`` trains, compared on validation (the first kept on a tie).
+AUTO_FAMILIES: tuple[str, ...] = ("lightfr", "ials")
 
 
 #: Agg_grad damping ρ: `simulate` takes the server's default (`agg_server.strategy.lightfr.default_flip_fraction`).
@@ -64,9 +69,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LightFR model")
     g.add_argument(
         "--model",
-        choices=["lightfr", "mf", "felb", "fnmf", "ials"],
-        default="lightfr",
-        help="model family (default: lightfr); mf, felb, fnmf and ials take the options of their own group below",
+        choices=["auto", "lightfr", "mf", "felb", "fnmf", "ials"],
+        default="auto",
+        help="model family (default: auto: lightfr and ials both trained with their defaults on the same split, "
+        "the better on validation kept and tested); mf, felb, fnmf and ials take the options of their own group "
+        "below",
     )
     g.add_argument("--bits", type=positive_int, default=64, help="code length f (default: 64)")
     g.add_argument(
@@ -408,18 +415,18 @@ _APPLIES_TO: dict[str, tuple[str, ...]] = {
         ("lightfr",),
     ),
     "eval_every": ("lightfr",),
-    "protocol": ("lightfr", "ials"),
-    "json": ("lightfr", "mf", "ials"),
-    "eval_seed": ("lightfr", "mf", "ials"),
-    "fraction": ("lightfr", "mf", "ials"),
-    "eval_negatives": ("lightfr", "mf", "ials"),
+    "protocol": ("auto", "lightfr", "ials"),
+    "json": ("auto", "lightfr", "mf", "ials"),
+    "eval_seed": ("auto", "lightfr", "mf", "ials"),
+    "fraction": ("auto", "lightfr", "mf", "ials"),
+    "eval_negatives": ("auto", "lightfr", "mf", "ials"),
     "rank": ("mf", "felb", "fnmf", "ials"),
     **dict.fromkeys(("alpha", "reg"), ("ials",)),
     "clients": ("felb", "fnmf"),
     "local_steps": ("felb", "fnmf"),
     **dict.fromkeys(("secure", "clip_norm", "example_cap", "silos", "server_lr", "lr", "max_norm2"), ("mf",)),
-    "epsilon": ("lightfr", "mf", "ials"),
-    "pop_share": ("lightfr", "ials"),
+    "epsilon": ("auto", "lightfr", "mf", "ials"),
+    "pop_share": ("auto", "lightfr", "ials"),
     **dict.fromkeys(("pop_theta", "threshold"), ("lightfr",)),
     **dict.fromkeys(("step_rule", "xor_noise", "noise_sigma", "binarize_at", "server_scale"), ("felb",)),
     **dict.fromkeys(("alignment", "aggregator"), ("fnmf",)),
@@ -447,6 +454,8 @@ def check_applicable(args: argparse.Namespace, defaults: argparse.Namespace) -> 
     for dest, models in _APPLIES_TO.items():
         if model in models or getattr(args, dest) == getattr(defaults, dest):
             continue
+        if model == "auto":
+            refuse_with_auto(option_name(dest), models)
         if dest in ("epsilon", "secure"):
             where = " or ".join(f"--model {m}" for m in models)
             raise ConfigError(
@@ -460,6 +469,19 @@ def check_applicable(args: argparse.Namespace, defaults: argparse.Namespace) -> 
         raise ConfigError("--clip-norm applies to private MF only (with --epsilon or --secure)")
     if model == "lightfr":
         _check_lightfr_objective(args, defaults)
+
+
+def refuse_with_auto(option: str, models: tuple[str, ...]) -> None:
+    """Refuse ``option`` (which applies to ``models``) under the default ``--model auto``, naming the model to
+    choose when it is one of the two families auto trains."""
+    one = [m for m in models if m in AUTO_FAMILIES]
+    if one:
+        raise ConfigError(
+            f"{option} applies to --model {one[0]}; with the default --model auto both families run: "
+            f"add --model {one[0]}"
+        )
+    only = " or ".join(f"--model {m}" for m in models)
+    raise ConfigError(f"{option} applies to {only} only; the default --model auto (lightfr and ials) does not use it")
 
 
 def _check_lightfr_objective(args: argparse.Namespace, defaults: argparse.Namespace) -> None:

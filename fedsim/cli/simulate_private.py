@@ -7,7 +7,8 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import Any, TextIO
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TextIO
 
 from fedsim.cli.args import option_name, resolve_data_dir
 from fedsim.cli.results import print_rows
@@ -17,21 +18,42 @@ from fedsim.evaluation.experiment import Protocol, prepare
 from fedsim.evaluation.report import result_record, write_json
 from protocol.errors import ConfigError
 
-__all__ = ["simulate_mf_published", "simulate_private_ials", "simulate_private_lightfr"]
+if TYPE_CHECKING:  # the simulator loads when the command runs, not to parse it
+    from fedsim.private.served import ServedScore
+
+__all__ = [
+    "PrivateRun",
+    "load_private_data",
+    "private_ials_run",
+    "private_lightfr_run",
+    "report_private",
+    "run_extra",
+    "simulate_mf_published",
+    "simulate_private_ials",
+    "simulate_private_lightfr",
+    "validate_run",
+]
 
 
-def simulate_private_lightfr(args: argparse.Namespace, defaults: argparse.Namespace, out: TextIO) -> int:
-    """``simulate --epsilon E`` for LightFR: the popularity release and private rounds of every device
-    through the private-round simulator (`fedsim.private.scaled_lightfr`), evaluated beside the baselines;
-    ``defaults`` holds every ``simulate`` option's value when not given."""
-    from fedsim.private.planner import MAX_SHARE, PRIVATE_ROUNDS
-    from fedsim.private.scaled_lightfr import ScaledSettings, evaluate_private, plan_run, with_plan
+@dataclass(frozen=True)
+class PrivateRun:
+    """A private run planned from the options, not yet trained: its family ("lightfr" or "ials"), its
+    settings, the privacy planner's plan (None when ``--pop-share`` was given) and the lines that describe it
+    (the planner's verdict first)."""
 
-    if args.dataset is None:
-        raise ValueError("--dataset is required (a dataset name, a ratings file, or synthetic)")
-    t0 = time.perf_counter()
-    data_dir = resolve_data_dir(args.data_dir)
-    data: Any = load_dataset(args.dataset, data_dir)
+    family: str
+    settings: Any
+    plan: Any
+    header: str
+
+    @property
+    def rounds(self) -> int:
+        return int(self.settings.rounds)
+
+
+def load_private_data(args: argparse.Namespace) -> Any:
+    """The data of a private run: a published split as it is, or a rating log split by the options."""
+    data: Any = load_dataset(args.dataset, resolve_data_dir(args.data_dir))
     if not isinstance(data, TrainTestSplit):
         data = prepare(
             data,
@@ -39,6 +61,59 @@ def simulate_private_lightfr(args: argparse.Namespace, defaults: argparse.Namesp
             n_negatives=args.eval_negatives,
             seed=args.eval_seed,
         )
+    return data
+
+
+def validate_run(run: PrivateRun, data: Any, args: argparse.Namespace, out: TextIO) -> ServedScore:
+    """Print the run's description, train it through the private-round simulator and choose its served score
+    on validation (the test split is not read)."""
+    from fedsim.private.scaled_ials import validate_private_ials
+    from fedsim.private.scaled_lightfr import validate_private
+
+    out.write(run.header)
+
+    def on_round(r: int, seconds: float) -> None:
+        if not getattr(args, "quiet", False):
+            out.write(f"  round {r}/{run.rounds}: {seconds:.1f} s\n")
+            out.flush()
+
+    def log(text: str) -> None:
+        out.write(text + "\n")
+
+    validate = validate_private if run.family == "lightfr" else validate_private_ials
+    return validate(data, run.settings, eval_seed=args.eval_seed, on_round=on_round, log=log)
+
+
+def run_extra(run: PrivateRun, served: ServedScore) -> dict[str, Any]:
+    """The evaluation's ``extra`` map (`ServedScore.extra`) with the planner's record when it planned the run."""
+    extra = served.extra()
+    return extra if run.plan is None else {**extra, "plan": run.plan.record()}
+
+
+def simulate_private_lightfr(args: argparse.Namespace, defaults: argparse.Namespace, out: TextIO) -> int:
+    """``simulate --epsilon E`` for LightFR: the popularity release and private rounds of every device
+    through the private-round simulator (`fedsim.private.scaled_lightfr`), evaluated beside the baselines;
+    ``defaults`` holds every ``simulate`` option's value when not given."""
+    if args.dataset is None:
+        raise ValueError("--dataset is required (a dataset name, a ratings file, or synthetic)")
+    from fedsim.private.served import evaluate_served
+
+    t0 = time.perf_counter()
+    data = load_private_data(args)
+    run = private_lightfr_run(args, defaults, data)
+    served = validate_run(run, data, args, out)
+    metrics = evaluate_served(data, served, eval_seed=args.eval_seed)
+    extra = run_extra(run, served)
+    note = f"item level α={extra['alpha']} chosen on validation; random ties"
+    return report_private(args, out, t0, metrics, extra, run.rounds, note, private=True)
+
+
+def private_lightfr_run(args: argparse.Namespace, defaults: argparse.Namespace, data: Any) -> PrivateRun:
+    """The private LightFR run the options ask for (every option checked first, one clear line), planned by
+    the privacy planner unless ``--pop-share`` is given."""
+    from fedsim.private.planner import MAX_SHARE, PRIVATE_ROUNDS
+    from fedsim.private.scaled_lightfr import ScaledSettings, plan_run, with_plan
+
     rounds = args.rounds if args.rounds is not None else PRIVATE_ROUNDS
     if args.epsilon > 0 and rounds > 0 and args.pop_theta != 1 and args.pop_share is None:
         raise ConfigError("--pop-theta other than 1 needs --pop-share: the privacy planner plans θ = 1")
@@ -77,63 +152,54 @@ def simulate_private_lightfr(args: argparse.Namespace, defaults: argparse.Namesp
     )
     if settings.query_planes and settings.unobserved_weight == 0:
         raise ConfigError("--query-planes needs the all-items objective (drop --unobserved-weight 0)")
-    plan = None
+    plan, head = None, ""
     if args.epsilon > 0 and args.pop_share is None:
         negatives = None if isinstance(data, TrainTestSplit) else data.n_negatives
         plan = plan_run(data.train, settings, negatives=negatives, rounds=rounds)
-        out.write(plan.verdict() + "\n")
+        head = plan.verdict() + "\n"
         if plan.rounds or args.rounds is None:
             settings = with_plan(settings, plan)
         else:  # --rounds asked for rounds the floor cannot spare: they get what the planner's largest share leaves
             settings = dataclasses.replace(settings, pop_share=MAX_SHARE)
-            out.write(f"--rounds {rounds} given: the rounds get {1 - MAX_SHARE:g} of ε all the same\n")
+            head += f"--rounds {rounds} given: the rounds get {1 - MAX_SHARE:g} of ε all the same\n"
         rounds = settings.rounds
-    n_users = data.train.n_users
-    out.write(
-        f"private LightFR on {args.dataset}: {n_users} devices, every one in every round; ε={args.epsilon:g} at "
+    head += (
+        f"private LightFR on {args.dataset}: {data.train.n_users} devices, every one in every round; "
+        f"ε={args.epsilon:g} at "
         + (
             f"δ=1e-5 over a private popularity release alone (θ={settings.pop_theta}); no model round\n"
             if rounds == 0
             else f"δ=1e-5 over a private popularity release ({settings.pop_share:g} of ε, θ={settings.pop_theta}) "
             f"and T={rounds} rounds, θ={settings.example_cap} items per device, C={settings.clip_norm:g}, "
+            + _round_description(args, settings)
         )
     )
-    if rounds:
-        out.write(_round_description(args, settings))
-
-    def on_round(r: int, seconds: float) -> None:
-        if not getattr(args, "quiet", False):
-            out.write(f"  round {r}/{rounds}: {seconds:.1f} s\n")
-            out.flush()
-
-    def log(text: str) -> None:
-        out.write(text + "\n")
-
-    metrics, extra = evaluate_private(data, settings, eval_seed=args.eval_seed, on_round=on_round, log=log)
-    note = f"item level α={extra['alpha']} chosen on validation; random ties"
-    if plan is not None:
-        extra = {**extra, "plan": plan.record()}
-    return _report_private(args, out, t0, metrics, extra, rounds, note, private=True)
+    return PrivateRun("lightfr", settings, plan, head)
 
 
 def simulate_private_ials(args: argparse.Namespace, defaults: argparse.Namespace, out: TextIO) -> int:
     """``simulate --model ials --epsilon E``: the popularity release and private iALS rounds of every device
     through the private-round simulator (`fedsim.private.scaled_ials`), the privacy planner's split unless
     ``--pop-share`` is given, evaluated beside the baselines."""
-    from fedsim.private.scaled_ials import PrivateIALSSettings, evaluate_private_ials, plan_private_ials, with_plan
+    from fedsim.private.served import evaluate_served
 
     t0 = time.perf_counter()
+    data = load_private_data(args)
+    run = private_ials_run(args, defaults, data)
+    served = validate_run(run, data, args, out)
+    metrics = evaluate_served(data, served, eval_seed=args.eval_seed)
+    extra = run_extra(run, served)
+    note = f"item level α={extra['alpha']} chosen on validation; random ties"
+    return report_private(args, out, t0, metrics, extra, run.rounds, note, private=True, family="ials")
+
+
+def private_ials_run(args: argparse.Namespace, defaults: argparse.Namespace, data: Any) -> PrivateRun:
+    """The private iALS run the options ask for (checked first, one clear line), planned by the privacy
+    planner unless ``--pop-share`` is given."""
+    from fedsim.private.scaled_ials import PrivateIALSSettings, plan_private_ials, with_plan
+
     if args.fraction != defaults.fraction:
         raise ConfigError("--fraction does not apply to private iALS runs (--epsilon): every device is in every round")
-    data: Any = load_dataset(args.dataset, resolve_data_dir(args.data_dir))
-    if not isinstance(data, TrainTestSplit):
-        data = prepare(
-            data,
-            Protocol(args.protocol) if args.protocol else None,
-            n_negatives=args.eval_negatives,
-            seed=args.eval_seed,
-        )
-    base = PrivateIALSSettings()
     given = {
         "rounds": args.rounds,
         "factors": args.rank,
@@ -143,18 +209,21 @@ def simulate_private_ials(args: argparse.Namespace, defaults: argparse.Namespace
     }
     try:
         settings = dataclasses.replace(
-            base, epsilon=args.epsilon, seed=args.seed, **{k: v for k, v in given.items() if v is not None}
+            PrivateIALSSettings(),
+            epsilon=args.epsilon,
+            seed=args.seed,
+            **{k: v for k, v in given.items() if v is not None},
         )
     except ValueError as exc:
         raise ConfigError(f"--{exc}") from None
-    plan = None
+    plan, head = None, ""
     if args.pop_share is None:
         negatives = None if isinstance(data, TrainTestSplit) else data.n_negatives
         plan = plan_private_ials(data.train, settings, negatives=negatives)
-        out.write(plan.verdict() + "\n")
+        head = plan.verdict() + "\n"
         settings = with_plan(settings, plan)
     s = settings
-    out.write(
+    head += (
         f"private iALS on {args.dataset}: {data.train.n_users} devices, every one in every round; ε={s.epsilon:g} at "
         + (
             f"δ={s.delta:g} over a private popularity release alone (θ={s.pop_theta}); no model round\n"
@@ -164,20 +233,7 @@ def simulate_private_ials(args: argparse.Namespace, defaults: argparse.Namespace
             f"Gram part ×{s.gram_weight:g}, C={s.clip_norm:.3g}); d={s.factors}, α={s.alpha:g}, λ={s.reg:g}\n"
         )
     )
-
-    def on_round(r: int, seconds: float) -> None:
-        if not getattr(args, "quiet", False):
-            out.write(f"  round {r}/{s.rounds}: {seconds:.1f} s\n")
-            out.flush()
-
-    def log(text: str) -> None:
-        out.write(text + "\n")
-
-    metrics, extra = evaluate_private_ials(data, s, eval_seed=args.eval_seed, on_round=on_round, log=log)
-    note = f"item level α={extra['alpha']} chosen on validation; random ties"
-    if plan is not None:
-        extra = {**extra, "plan": plan.record()}
-    return _report_private(args, out, t0, metrics, extra, s.rounds, note, private=True, family="ials")
+    return PrivateRun("ials", settings, plan, head)
 
 
 def _round_description(args: argparse.Namespace, settings: Any) -> str:
@@ -250,10 +306,10 @@ def simulate_mf_published(
 
     metrics, extra = evaluate_private_mf_scaled(data, settings, eval_seed=args.eval_seed, on_round=on_round)
     note = f"u·v + α·level with α={extra['alpha']} chosen on validation; full ranking, random ties"
-    return _report_private(args, out, t0, metrics, extra, s.rounds, note, private=s.epsilon > 0)
+    return report_private(args, out, t0, metrics, extra, s.rounds, note, private=s.epsilon > 0)
 
 
-def _report_private(
+def report_private(
     args: argparse.Namespace,
     out: TextIO,
     t0: float,
@@ -264,9 +320,11 @@ def _report_private(
     *,
     private: bool,
     family: str | None = None,
+    **fields: Any,
 ) -> int:
     """The end of a private-simulator run (LightFR or MF): the metrics table, the ε spent (or "no DP
-    noise") with ``note``, the wall time, and with ``--json`` the result record (ε and δ when private)."""
+    noise") with ``note``, the wall time, and with ``--json`` the result record (ε and δ when private, and
+    ``fields``)."""
     keys = sorted({k for m in metrics.values() for k in m})
     rows = [["model", *keys]]
     for name, values in metrics.items():
@@ -286,6 +344,7 @@ def _report_private(
             **({"epsilon": extra["epsilon"], "delta": extra["delta"]} if private else {}),
             **({"plan": extra["plan"]} if "plan" in extra else {}),
             **({"family": family} if family else {}),
+            **fields,
         )
         write_json(record, sys.stdout)
     return 0

@@ -15,6 +15,13 @@ Schema (`fedrec simulate` and `fedrec eval`; other commands reuse `fedsim.evalua
   `X`), each holding the keys it measured among `hr@10`, `ndcg@10` (sampled negatives) and
   `recall@20`, `ndcg@20` (full ranking), always with random tie-breaking (seeded by `--eval-seed`).
 
+`fedrec simulate` with its default `--model auto` adds `family` (the kept family, `lightfr` or `ials`),
+`validation` (`{"lightfr": x, "ials": y}`, each family's figure on the same validation split) and
+`validation_metric` (`hr@10` or `recall@20`); with `--epsilon` also `epsilon`, `delta` and `plan` (the kept
+run's ledger and plan) and `selection` (the choice between the two private runs is a selection on private data
+the ledger does not charge). When iALS is kept, `factors`, `alpha`, `reg`, `cpu_seconds` and `candidates`
+(every (d, α) tried, with its validation figure) come too; `--model ials` reports that list as `validation`.
+
 `fedrec demo --json` uses the same fixed keys (`metrics` holds `hr@10` / `ndcg@10` of the model the
 server trained, popularity and random; `rounds` counts committed rounds) and adds `epsilon`, `delta`
 (null without DP), `seed`, `epsilon_is_guarantee` (false without DP and with `--insecure-seed-dp-noise`)

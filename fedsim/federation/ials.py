@@ -20,6 +20,8 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+from typing import Protocol as TypingProtocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -41,6 +43,7 @@ __all__ = [
     "IALSRun",
     "IALSSchedule",
     "IALSSelection",
+    "RankedModel",
     "run_federated_ials",
     "select_and_train",
     "validation_metric",
@@ -165,9 +168,24 @@ def run_federated_ials(
 # -- choice on validation ---------------------------------------------------------------------------
 
 
-def validation_metric(exp: Experiment, run: IALSRun, *, eval_seed: int = 0) -> tuple[str, float]:
+class RankedModel(TypingProtocol):
+    """What `validation_metric` scores: a trained model of any family (`IALSRun`,
+    `fedsim.federation.lightfr.FederatedLightFR`)."""
+
+    def scores(self, users: NDArray[np.int64], candidates: NDArray[np.int64]) -> Any:
+        """Each user's scores of its candidate items, (n, c)."""
+        ...
+
+    def all_scores(self, users: NDArray[np.int64]) -> Any:
+        """Scores against every item, (len(users), m)."""
+        ...
+
+
+def validation_metric(exp: Experiment, run: RankedModel, *, eval_seed: int = 0) -> tuple[str, float]:
     """The validation figure a choice is made on: Recall@20 of a full ranking over the carved validation
-    pairs (protocol full), else HR@10 of the validation blocks; random ties."""
+    pairs (protocol full), else HR@10 of the validation blocks; random ties.  Any family's trained model is
+    judged by the same figure on the same held-out items and negatives (``fedrec simulate``'s default compares
+    LightFR and iALS with it)."""
     if exp.protocol is Protocol.FULL:
         if exp.val_pairs is None:
             raise ValueError("a full-ranking experiment without validation pairs")

@@ -46,6 +46,7 @@ from fedsim.private.scaled_lightfr import (
     split_budget,
     widest_quantization,
 )
+from fedsim.private.served import ServedScore, evaluate_served, validate
 from fedsim.private.simulator import PrivateSimulator, one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.errors import ConfigError
@@ -63,6 +64,7 @@ __all__ = [
     "evaluate_private_ials",
     "plan_private_ials",
     "run_private_ials",
+    "validate_private_ials",
     "with_plan",
 ]
 
@@ -384,66 +386,44 @@ def evaluate_private_ials(
 ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """Train privately on ``data`` (an `Experiment` with candidate blocks, or a `TrainTestSplit` evaluated by
     full ranking) and evaluate its test split once, as `fedsim.private.scaled_lightfr.evaluate_private` does:
-    α of the item level chosen on validation against the private list with a margin."""
-    from fedsim.data.kgat import TrainTestSplit
-    from fedsim.evaluation.ranking import TieMode, evaluate_candidates, expected_hits, popularity_scorer, random_scorer
-    from fedsim.private.scaled_lightfr import _chosen, carve_validation, choose_alpha_full_ranking, full_ranking_metrics
+    α of the item level chosen on validation against the private list with a margin (`validate_private_ials`);
+    ``extra`` holds the chosen score's validation figure as "validation"."""
+    served = validate_private_ials(data, settings, eval_seed=eval_seed, val_users=val_users, on_round=on_round, log=log)
+    return evaluate_served(data, served, eval_seed=eval_seed), served.extra()
 
-    say = log or (lambda text: None)
-    grid = IALS_ALPHAS if settings.rounds else (math.inf,)
-    if isinstance(data, TrainTestSplit):
-        fit, val = carve_validation(data.train, eval_seed)
-        res = run_private_ials(fit, settings, on_round=on_round)
-        chosen = choose_alpha_full_ranking(
-            lambda a: _scorer(res, a), fit, val, grid, val_users=val_users, eval_seed=eval_seed, say=say
-        )
-        full = full_ranking_metrics(data, eval_seed=eval_seed, test_users=None)
-        metrics = {
-            "model": full(_scorer(res, chosen[0])),
-            "private_popularity": full(_scorer(res, math.inf)),
-            "popularity": full(popularity_scorer(data.train)),
-            "random": full(random_scorer(data.train.n_items, eval_seed)),
-        }
-        protocol = "full"
-    else:
-        exp = data
-        res = run_private_ials(exp.train, settings, on_round=on_round)
 
-        def cand(users: NDArray[np.int64], items: NDArray[np.int64], a: float) -> NDArray[np.float64]:
-            level = _level(res.private_counts)
-            if math.isinf(a):
-                return level[items]
-            dots = np.einsum("ud,ukd->uk", res.user_factors[users], res.item_factors[items])
-            return dots + a * level[items]
+def _block_scores(
+    res: PrivateIALSResult, users: NDArray[np.int64], items: NDArray[np.int64], alpha: float
+) -> NDArray[np.float64]:
+    """Scores of candidate blocks (``items[j]`` ranked for ``users[j]``), as `_scorer` scores them."""
+    level = _level(res.private_counts)
+    if math.isinf(alpha):
+        return level[items]
+    dots = np.einsum("ud,ukd->uk", res.user_factors[users], res.item_factors[items])
+    return dots + alpha * level[items]
 
-        hits = {}
-        for a in grid:
-            hits[a] = expected_hits(cand(exp.val.users, exp.val.items, a), 10)
-            say(f"  validation HR@10 with item level α={a:g}: {hits[a].mean():.4f}")
-        chosen = _chosen(hits, say)
 
-        def blocks(scores: Any) -> dict[str, float]:
-            r = evaluate_candidates(np.asarray(scores, dtype=np.float64), 10, TieMode.RANDOM)
-            return {"hr@10": r.hr, "ndcg@10": r.ndcg}
-
-        pop = np.bincount(exp.train.items, minlength=exp.train.n_items).astype(np.float64)
-        metrics = {
-            "model": blocks(cand(exp.test.users, exp.test.items, chosen[0])),
-            "private_popularity": blocks(cand(exp.test.users, exp.test.items, math.inf)),
-            "popularity": blocks(pop[exp.test.items]),
-            "random": blocks(np.random.default_rng(eval_seed).random(exp.test.items.shape)),
-        }
-        protocol = exp.protocol.value
-    extra = {
-        "epsilon": res.epsilon if res.epsilon is not None else math.inf,
-        "delta": res.delta,
-        "alpha": chosen[0] if math.isfinite(chosen[0]) else "popularity only",
-        "mu_model": res.mu_model,
-        "mu_popularity": res.mu_pop,
-        "protocol": protocol,
-        "train_seconds": res.seconds,
-    }
-    return metrics, extra
+def validate_private_ials(
+    data: Any,
+    settings: PrivateIALSSettings,
+    *,
+    eval_seed: int = 0,
+    val_users: int = 8000,
+    on_round: Callable[[int, float], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ServedScore:
+    """Train privately on ``data`` and choose α of the item level on validation, without reading the test
+    split: a `fedsim.private.served.ServedScore`, on the same validation as private LightFR's."""
+    return validate(
+        data,
+        lambda train: run_private_ials(train, settings, on_round=on_round),
+        _scorer,
+        _block_scores,
+        IALS_ALPHAS if settings.rounds else (math.inf,),
+        eval_seed=eval_seed,
+        val_users=val_users,
+        say=log or (lambda text: None),
+    )
 
 
 def with_plan(settings: PrivateIALSSettings, plan: PrivatePlan) -> PrivateIALSSettings:

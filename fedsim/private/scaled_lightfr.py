@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -53,6 +53,9 @@ from protocol.noise import released_variance, sample_skellam
 from protocol.quantization import QuantizationConfig, clip_l2, sensitivity, stochastic_round
 from protocol.samplers import insecure_test_noise_stream
 
+if TYPE_CHECKING:  # served imports this module
+    from fedsim.private.served import ServedScore
+
 __all__ = [
     "ScaledSettings",
     "ScaledResult",
@@ -65,6 +68,7 @@ __all__ = [
     "carve_validation",
     "plan_run",
     "with_plan",
+    "validate_private",
 ]
 
 #: The α grid of the item level (∞ = private popularity alone, 0 = the codes alone).
@@ -713,70 +717,43 @@ def evaluate_private(
     """Train privately on ``data`` (a `fedsim.evaluation.experiment.Experiment` with candidate blocks, or a
     `fedsim.data.kgat.TrainTestSplit` evaluated by full ranking) and evaluate on its test split.
 
-    α of the item level is chosen on validation (candidate blocks carved from train, or one carved
-    train item per user); the test split is scored once for the chosen α, for private popularity
-    (α = ∞), and for the non-private popularity and random baselines (random ties everywhere).
-    ``test_users`` evaluates a seeded sample of that many users instead of all (full ranking only).
+    α of the item level is chosen on validation (`validate_private`); the test split is scored once for the
+    chosen α, for private popularity (α = ∞), and for the non-private popularity and random baselines (random
+    ties everywhere; `fedsim.private.served.evaluate_served`).  ``test_users`` evaluates a seeded sample of that
+    many users instead of all (full ranking only).
 
     Returns
     -------
     (metrics, extra) : ``metrics`` maps "model", "private_popularity", "popularity", "random" to
-        their metric maps; ``extra`` holds "epsilon" (the ledger's), "delta", "alpha" and the μ's.
+        their metric maps; ``extra`` holds "epsilon" (the ledger's), "delta", "alpha", "validation" (the
+        chosen score's validation figure) and the μ's (`fedsim.private.served.ServedScore.extra`).
     """
-    from fedsim.data.kgat import TrainTestSplit
-    from fedsim.evaluation.ranking import TieMode, evaluate_candidates, expected_hits, popularity_scorer, random_scorer
+    from fedsim.private.served import evaluate_served
 
-    say = log or (lambda text: None)
-    chosen: tuple[float, float] | None = None
-    if isinstance(data, TrainTestSplit):
-        fit, val = carve_validation(data.train, eval_seed)
-        res = run_private_scaled(fit, settings, on_round=on_round)
-        chosen = choose_alpha_full_ranking(
-            lambda a: scorer(res, a),
-            fit,
-            val,
-            ALPHAS if settings.rounds else (math.inf,),
-            val_users=val_users,
-            eval_seed=eval_seed,
-            say=say,
-        )
-        seen = data.train
-        full = full_ranking_metrics(data, eval_seed=eval_seed, test_users=test_users)
-        metrics = {
-            "model": full(scorer(res, chosen[0])),
-            "private_popularity": full(scorer(res, math.inf)),
-            "popularity": full(popularity_scorer(seen)),
-            "random": full(random_scorer(seen.n_items, eval_seed)),
-        }
-        protocol = "full"
-    else:
-        exp = data
-        res = run_private_scaled(exp.train, settings, on_round=on_round)
-        hits: dict[float, NDArray[np.float64]] = {}
-        for a in ALPHAS if settings.rounds else (math.inf,):
-            hits[a] = expected_hits(candidate_scores(res, exp.val.users, exp.val.items, a), 10)
-            say(f"  validation HR@10 with item level α={a:g}: {hits[a].mean():.4f}")
-        chosen = _chosen(hits, say)
+    served = validate_private(data, settings, eval_seed=eval_seed, val_users=val_users, on_round=on_round, log=log)
+    return evaluate_served(data, served, eval_seed=eval_seed, test_users=test_users), served.extra()
 
-        def blocks(scores: Any) -> dict[str, float]:
-            r = evaluate_candidates(np.asarray(scores, dtype=np.float64), 10, TieMode.RANDOM)
-            return {"hr@10": r.hr, "ndcg@10": r.ndcg}
 
-        pop = np.bincount(exp.train.items, minlength=exp.train.n_items).astype(np.float64)
-        metrics = {
-            "model": blocks(candidate_scores(res, exp.test.users, exp.test.items, chosen[0])),
-            "private_popularity": blocks(candidate_scores(res, exp.test.users, exp.test.items, math.inf)),
-            "popularity": blocks(pop[exp.test.items]),
-            "random": blocks(np.random.default_rng(eval_seed).random(exp.test.items.shape)),
-        }
-        protocol = exp.protocol.value
-    extra = {
-        "epsilon": res.epsilon if res.epsilon is not None else math.inf,
-        "delta": res.delta,
-        "alpha": chosen[0] if math.isfinite(chosen[0]) else "popularity only",
-        "mu_model": res.mu_model,
-        "mu_popularity": res.mu_pop,
-        "protocol": protocol,
-        "train_seconds": res.seconds,
-    }
-    return metrics, extra
+def validate_private(
+    data: Any,
+    settings: ScaledSettings,
+    *,
+    eval_seed: int = 0,
+    val_users: int = 8000,
+    on_round: Callable[[int, float], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ServedScore:
+    """Train privately on ``data`` and choose α of the item level on validation (candidate blocks, or one
+    carved train item per user), without reading the test split: a `fedsim.private.served.ServedScore`."""
+    from fedsim.private.served import validate
+
+    return validate(
+        data,
+        lambda train: run_private_scaled(train, settings, on_round=on_round),
+        scorer,
+        candidate_scores,
+        ALPHAS if settings.rounds else (math.inf,),
+        eval_seed=eval_seed,
+        val_users=val_users,
+        say=log or (lambda text: None),
+    )
