@@ -269,7 +269,8 @@ def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
 
 
 _PLAN_SUFFIX = (
-    " (the planner's forecast, as `fedrec simulate --epsilon` runs it; the real server's verdict follows the run)"
+    " (the planner's forecast, as `fedrec simulate --model lightfr --epsilon` runs it; the real server's verdict"
+    " follows the run)"
 )
 
 
