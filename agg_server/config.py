@@ -587,18 +587,21 @@ class ServerConfig:
                     "ials.theta: privacy.enabled needs the bounded upload, theta >= 1 (e.g. 10, with "
                     "rounds.clip_norm = sqrt(2 + gram_weight**2)); the plain upload's norm grows with a device's items"
                 )
-            rank = getattr(self, self.model.kind).rank
-            if self.model.n_items * rank > MAX_VECTOR_LENGTH:
+            section = getattr(self, self.model.kind)
+            length = section.upload_length(self.model.n_items, section.rank)  # the family's own upload layout
+            if length > MAX_VECTOR_LENGTH:
                 raise ConfigError(
-                    f"{self.model.kind}.rank: n_items * rank = {self.model.n_items * rank} exceeds the largest "
-                    f"update vector 2**28; lower {self.model.kind}.rank or model.n_items"
+                    f"{self.model.kind}.rank: an upload of n_items = {self.model.n_items} and rank {section.rank} has "
+                    f"{length} elements, above the largest update vector 2**28; lower {self.model.kind}.rank or "
+                    "model.n_items"
                 )
             return
         n_items, bits = self.model.n_items, self.lightfr.server.bits
-        if n_items * bits > MAX_VECTOR_LENGTH:
+        length = self.lightfr.params.upload_length(n_items, bits)  # m·f, plus 2m + f² + f under the all-items objective
+        if length > MAX_VECTOR_LENGTH:
             raise ConfigError(
-                f"model.n_items: n_items * bits = {n_items} * {bits} = {n_items * bits} "
-                f"exceeds the largest update vector 2**28 = {MAX_VECTOR_LENGTH}; lower lightfr.bits or model.n_items"
+                f"model.n_items: an upload of n_items = {n_items} and bits = {bits} has {length} elements, "
+                f"above the largest update vector 2**28 = {MAX_VECTOR_LENGTH}; lower lightfr.bits or model.n_items"
             )
 
 

@@ -396,7 +396,21 @@ def test_the_vector_length_limit_of_another_kind_is_its_rank_not_model_bits() ->
     data = {**_minimal(), "model": {"kind": "mf", "n_items": 1 << 23}, "mf": {"rank": 32}}
     assert config_from_dict(data, base_dir=Path("/srv")).model.n_items == 1 << 23
     data["mf"] = {"rank": 33}
-    with pytest.raises(ConfigError, match=r"^mf\.rank: n_items \* rank = .* exceeds"):
+    with pytest.raises(ConfigError, match=r"^mf\.rank: an upload of n_items = 8388608 and rank 33 has .* above"):
+        config_from_dict(data, base_dir=Path("/srv"))
+
+
+def test_the_vector_length_limit_counts_the_familys_whole_upload() -> None:
+    # iALS uploads m·d + m + 2d² + 1 elements: m·d alone at the limit is already too long.
+    m = 1 << 22
+    data = {**_minimal(), "model": {"kind": "ials", "n_items": m}, "ials": {"rank": 64}}
+    with pytest.raises(ConfigError, match=r"^ials\.rank: an upload of n_items = 4194304 and rank 64 has 272637953 "):
+        config_from_dict(data, base_dir=Path("/srv"))
+    data["ials"] = {"rank": 62}
+    assert config_from_dict(data, base_dir=Path("/srv")).ials.rank == 62
+    # LightFR's all-items objective adds 2m + f² + f to m·f.
+    data = {**_minimal(), "model": {"kind": "lightfr", "n_items": 1 << 22}}
+    with pytest.raises(ConfigError, match=r"^model\.n_items: an upload of n_items = 4194304 and bits = 64 has "):
         config_from_dict(data, base_dir=Path("/srv"))
 
 
@@ -434,10 +448,11 @@ def test_graph_override_refused_when_a_placing_server_reaches_t() -> None:
 def test_vector_length_limit() -> None:
     data = _minimal()
     data["model"] = {"n_items": 1 << 22, "bits": 128}
-    with pytest.raises(ConfigError, match=r"^model\.n_items: n_items \* bits = .* exceeds .* 2\*\*28"):
+    with pytest.raises(ConfigError, match=r"^model\.n_items: an upload of n_items = 4194304 .* above .* 2\*\*28"):
         config_from_dict(data, base_dir=Path("/srv"))
-    data["model"] = {"n_items": 1 << 22, "bits": 64}
-    assert config_from_dict(data, base_dir=Path("/srv")).model.n_items == 1 << 22
+    # 64-bit codes of 4,000,000 items under the all-items objective: m·f + 2m + f² + f = 264,004,160 elements.
+    data["model"] = {"n_items": 4_000_000, "bits": 64}
+    assert config_from_dict(data, base_dir=Path("/srv")).model.n_items == 4_000_000
 
 
 def test_int_is_accepted_for_a_float_and_stored_as_float() -> None:
