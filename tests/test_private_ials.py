@@ -262,3 +262,30 @@ def test_simulate_model_ials_with_epsilon_reports_the_plan_and_the_budget(tmp_pa
     assert "plan" in record and set(record["metrics"]) >= {"model", "private_popularity", "popularity"}
     bad = subprocess.run([*cmd, "--fraction", "0.5"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--fraction" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_noisier_round_keeps_fewer_factors() -> None:
+    from fedsim.private.scaled_ials import FACTOR_RANGE, FACTOR_SNR, choose_factors, item_signal
+
+    # amazon-book's validation choices: S/σ 24.2 / 13.3 / 7.2 / 3.8 kept d = 64 / 32 / 16 / 16.
+    assert [choose_factors(s, 1.0) for s in (24.2, 13.3, 7.2, 3.8)] == [64, 32, 16, 16]
+    assert choose_factors(1.0, 0.0) == FACTOR_RANGE[1]
+    sigmas = np.linspace(0.1, 50, 40)
+    ds = [choose_factors(40.0, sigma) for sigma in sigmas]
+    assert ds == sorted(ds, reverse=True) and set(ds) <= {16, 32, 64}
+    assert all(d <= max(FACTOR_RANGE[0], FACTOR_SNR * 40.0 / sig) for d, sig in zip(ds, sigmas, strict=True))
+    from fedsim.data.ratings import Ratings
+
+    # Two users: one with 4 items (weight 1/2 each), one with 1 item (weight 1) shared with the first.
+    train = Ratings(
+        np.array([0, 0, 0, 0, 1], dtype=np.int64),
+        np.array([0, 1, 2, 3, 0], dtype=np.int64),
+        np.ones(5),
+        None,
+        2,
+        4,
+        np.arange(2),
+        np.arange(4),
+    )
+    c = np.array([1.5, 0.5, 0.5, 0.5])
+    assert item_signal(train, 1) == pytest.approx(float((c * c).sum() / c.sum()))

@@ -195,8 +195,8 @@ def add_family_args(p: argparse.ArgumentParser) -> None:
         "--rank",
         type=positive_int,
         default=None,
-        help="factors f (mf, default 32; ials: 64, 128 or 32, chosen on validation) or components k (felb/fnmf: "
-        "5 on planted data, 20 on ratings)",
+        help="factors f (mf, default 32; ials: 64, 128 or 32 chosen on validation, with --epsilon 16, 32 or 64 "
+        "from the noise) or components k (felb/fnmf: 5 on planted data, 20 on ratings)",
     )
     g.add_argument(
         "--alpha",

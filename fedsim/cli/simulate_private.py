@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -196,7 +197,7 @@ def simulate_private_ials(args: argparse.Namespace, defaults: argparse.Namespace
 def private_ials_run(args: argparse.Namespace, defaults: argparse.Namespace, data: Any) -> PrivateRun:
     """The private iALS run the options ask for (checked first, one clear line), planned by the privacy
     planner unless ``--pop-share`` is given."""
-    from fedsim.private.scaled_ials import PrivateIALSSettings, plan_private_ials, with_plan
+    from fedsim.private.scaled_ials import PrivateIALSSettings, plan_private_ials, resolve_factors, with_plan
 
     if args.fraction != defaults.fraction:
         raise ConfigError("--fraction does not apply to private iALS runs (--epsilon): every device is in every round")
@@ -222,6 +223,8 @@ def private_ials_run(args: argparse.Namespace, defaults: argparse.Namespace, dat
         plan = plan_private_ials(data.train, settings, negatives=negatives)
         head = plan.verdict() + "\n"
         settings = with_plan(settings, plan)
+    settings, snr = resolve_factors(data.train, settings)
+    chosen = "" if math.isnan(snr) or math.isinf(snr) else f" (chosen from the noise: S/σ = {snr:.3g})"
     s = settings
     head += (
         f"private iALS on {args.dataset}: {data.train.n_users} devices, every one in every round; ε={s.epsilon:g} at "
@@ -230,7 +233,7 @@ def private_ials_run(args: argparse.Namespace, defaults: argparse.Namespace, dat
             if s.rounds == 0
             else f"δ={s.delta:g} over a private popularity release ({s.pop_share:g} of ε, θ={s.pop_theta}) and "
             f"T={s.rounds} rounds of bounded uploads (unit user vectors, item rows weighted 1/√max(|I|, {s.theta}), "
-            f"Gram part ×{s.gram_weight:g}, C={s.clip_norm:.3g}); d={s.factors}, α={s.alpha:g}, λ={s.reg:g}\n"
+            f"Gram part ×{s.gram_weight:g}, C={s.clip_norm:.3g}); d={s.factors}{chosen}, α={s.alpha:g}, λ={s.reg:g}\n"
         )
     )
     return PrivateRun("ials", settings, plan, head)

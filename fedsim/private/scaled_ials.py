@@ -82,7 +82,7 @@ class PrivateIALSSettings:
     ----------
     epsilon, delta : user-level ε over the whole run at δ (0 = no DP noise).
     rounds : iALS rounds T (0 = the popularity release alone, with the whole ε).
-    factors : d.
+    factors : d; 0 (the default) lets the noise choose it (`choose_factors`).
     alpha, reg : the confidence α and ridge λ of both solves.
     theta : θ of the bounded upload (rows weighted 1/√max(|I|, θ)); 1: every device's rows have total weight 1,
         which per unit of noise gives each item the most signal (as the popularity release's θ = 1). Validation
@@ -97,7 +97,7 @@ class PrivateIALSSettings:
     epsilon: float = 8.0
     delta: float = 1e-5
     rounds: int = PRIVATE_IALS_ROUNDS
-    factors: int = 64
+    factors: int = 0
     alpha: float = 100.0
     reg: float = 0.1
     theta: int = 1
@@ -115,6 +115,8 @@ class PrivateIALSSettings:
             raise ValueError(f"rounds must be an integer >= 0, got {self.rounds!r}")
         if not (isinstance(self.epsilon, int | float) and math.isfinite(self.epsilon) and self.epsilon >= 0):
             raise ValueError(f"epsilon must be a finite number >= 0, got {self.epsilon!r}")
+        if isinstance(self.factors, bool) or not isinstance(self.factors, int) or not 0 <= self.factors <= 4096:
+            raise ValueError(f"rank must be an integer in [1, 4096] (0: chosen from the noise), got {self.factors!r}")
 
     @property
     def clip_norm(self) -> float:
@@ -235,6 +237,55 @@ class IALSCohort:
         )
 
 
+#: d from the noise: the largest power of two at most `FACTOR_SNR`·S/σ within `FACTOR_RANGE`, S the
+#: interaction-weighted mean of the items' weighted holder counts and σ a round's noise per coordinate.
+#: Calibrated on amazon-book's validation carve: the best d at ε = 8 / 4 / 2 / 1 was 64 / 32 / 16 / 16 (of 16, 32,
+#: 64, 128) where S/σ is 24.2 / 13.3 / 7.2 / 3.8 (docs/results/2026-11-27-private-ials.md).
+FACTOR_SNR = 2.7
+FACTOR_RANGE = (16, 64)
+
+
+def item_signal(train: Ratings, theta: int) -> float:
+    """S = Σ_j c_j² / Σ_j c_j with c_j = Σ_{u holds j} 1/√max(|I_u|, θ): the weighted holder count of the item
+    behind a typical interaction, what the bounded upload sums per item (0 for an empty log)."""
+    deg = np.bincount(train.users, minlength=train.n_users).astype(np.float64)
+    w = 1.0 / np.sqrt(np.maximum(deg, theta))
+    c = np.bincount(train.items, weights=w[train.users], minlength=train.n_items)
+    total = float(c.sum())
+    return float((c * c).sum() / total) if total > 0 else 0.0
+
+
+def choose_factors(signal: float, sigma: float) -> int:
+    """The largest power of two d in `FACTOR_RANGE` with d <= `FACTOR_SNR`·signal/σ (the top without noise): each
+    item's noisy sum carries σ·√d of noise against a signal that does not grow with d, so a noisier round keeps
+    fewer factors."""
+    lo, hi = FACTOR_RANGE
+    if sigma <= 0:
+        return hi
+    d = lo
+    while d * 2 <= hi and d * 2 <= FACTOR_SNR * signal / sigma:
+        d *= 2
+    return d
+
+
+def resolve_factors(train: Ratings, settings: PrivateIALSSettings) -> tuple[PrivateIALSSettings, float]:
+    """``settings`` with d chosen from the noise when ``factors`` is 0 (`choose_factors`, σ of a round at d = 64
+    under the settings' split), and the S/σ it was chosen from (∞ without noise); given factors are kept."""
+    s = settings
+    if s.factors:
+        return s, math.nan
+    n, m = train.n_users, train.n_items
+    probe = replace(s, factors=FACTOR_RANGE[1])
+    if s.epsilon <= 0 or s.rounds == 0:
+        return probe, math.inf
+    cfg, model_sens = _sensitivities(n, m, probe)
+    l2p, l1p = sensitivity(widest_quantization(n, math.sqrt(s.pop_theta)), m)
+    mu, _ = split_budget(s.epsilon, s.delta, s.rounds, model_sens, (l1p, l2p), s.pop_share)
+    sigma = math.sqrt(mu) / cfg.rounds.quantization().scale
+    signal = item_signal(train, s.theta)
+    return replace(s, factors=choose_factors(signal, sigma)), signal / sigma
+
+
 def _config(n: int, m: int, s: PrivateIALSSettings, data_dir: Path, scale_bits: int) -> ServerConfig:
     """The server configuration of a private iALS run over ``n`` devices (every device in every round)."""
     dp = s.epsilon > 0
@@ -283,7 +334,7 @@ def plan_private_ials(train: Ratings, settings: PrivateIALSSettings, *, negative
     """The privacy planner's split (`fedsim.private.planner.plan_private_run`) for a private iALS run over
     ``train``: the popularity release's share and whether the rounds are afforded, from this run's own
     sensitivities and accountant."""
-    s = settings
+    s = settings if settings.factors else replace(settings, factors=FACTOR_RANGE[1])
     n, m = train.n_users, train.n_items
     _, model_sens = _sensitivities(n, m, s)
     qp = widest_quantization(n, math.sqrt(POP_THETA))
@@ -311,7 +362,7 @@ def run_private_ials(
     """The popularity release and T private iALS rounds over every user of ``train`` (T = 0: the release alone,
     with the whole ε)."""
     start = time.perf_counter()
-    s = settings
+    s, _ = resolve_factors(train, settings)
     n, m, d = train.n_users, train.n_items, s.factors
     per_user = _per_user(train)
     qp = widest_quantization(n, math.sqrt(s.pop_theta))
