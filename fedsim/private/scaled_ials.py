@@ -42,6 +42,7 @@ from fedsim.private.planner import POP_THETA, PrivatePlan, plan_private_run
 from fedsim.private.scaled_lightfr import (
     _largest_scale_bits,
     _per_user,
+    item_levels,
     release_counts,
     split_budget,
     widest_quantization,
@@ -402,15 +403,8 @@ def run_private_ials(
     )
 
 
-def _level(counts: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Private counts on a log scale over [0, 1] (negative noisy counts count as 0)."""
-    lv = np.log1p(np.maximum(counts, 0.0))
-    top = float(lv.max()) if lv.size else 0.0
-    return lv / top if top > 0 else lv
-
-
 def _scorer(res: PrivateIALSResult, alpha: float) -> Callable[[NDArray[np.int64]], NDArray[np.float64]]:
-    level = _level(res.private_counts)
+    level = item_levels(res.private_counts, 1)  # the log-scale private counts over [0, 1]
     U, Vt = res.user_factors, np.ascontiguousarray(res.item_factors.T)
 
     def score(users: NDArray[np.int64]) -> NDArray[np.float64]:
@@ -447,7 +441,7 @@ def _block_scores(
     res: PrivateIALSResult, users: NDArray[np.int64], items: NDArray[np.int64], alpha: float
 ) -> NDArray[np.float64]:
     """Scores of candidate blocks (``items[j]`` ranked for ``users[j]``), as `_scorer` scores them."""
-    level = _level(res.private_counts)
+    level = item_levels(res.private_counts, 1)  # the log-scale private counts over [0, 1]
     if math.isinf(alpha):
         return level[items]
     dots = np.einsum("ud,ukd->uk", res.user_factors[users], res.item_factors[items])
