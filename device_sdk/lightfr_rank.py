@@ -85,11 +85,13 @@ class _Query:
     """One user's ranking query, derived from its vector (q, a) and cached while they stay the same: its
     plane count P (0: a ±1 code), packed planes (P, w), stage-1 sign code (w,) and λ."""
 
-    __slots__ = ("key", "P", "planes", "sign", "lam")
+    __slots__ = ("key", "P", "planes", "sign", "lam", "plane_col", "pow2")
 
     def __init__(self, key: tuple[bytes, int, int], P: int, planes: NDArray[np.uint64], lam: float) -> None:
         self.key, self.P, self.planes, self.lam = key, P, planes, lam
         self.sign = planes[P - 1] if P else planes[0]
+        self.plane_col = np.ascontiguousarray(planes[:, :1])  # (P, 1): the first word of each plane
+        self.pow2 = 1 << np.arange(P, dtype=np.int64)  # plane p weighs 2^p
 
 
 def _query(model: LightFRModel, u: int) -> _Query:
@@ -200,29 +202,64 @@ def top_n(
 def _top_n_one(
     model: LightFRModel, u: int, N: int, exclude: NDArray[np.int64] | None, rng: np.random.Generator
 ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-    """`top_n` of one user over the whole catalogue, as few numpy calls as it takes (each costs about a
-    microsecond, the scan of 10^5 items about forty): the same candidates, scores and tie draws as a
-    batch row (`stage1`, `realvalued.top_rows`)."""
-    query = _query(model, u)
-    ix = model._hamming_index()
-    rerank = model.config.rerank
-    kk = (model.config.candidates if rerank else N) + (0 if exclude is None else exclude.size)
-    cand = ix._candidates_one(query.sign, kk, query.lam, rng)
-    if exclude is not None and exclude.size:
-        es = np.sort(exclude)
-        cand = cand[es[np.minimum(np.searchsorted(es, cand), es.size - 1)] != cand]
-    E = model.item_embeddings
-    if not rerank:
-        scores = _stage1_scores(model, cand, query)
-    elif E is not None and model.user_vector_ok[u]:
-        scores = realvalued.dot_rows(E, cand[None, :], model.user_vectors[u : u + 1])[0]
-    else:
-        scores = _plane_scores(model, cand, query, int(model.user_weight[u]))
-    ids, best = realvalued.top_row(cand, scores, N, rng)
+    """`top_n` of one user over the whole catalogue, (1, N) padded, from `top_one`."""
+    ids, best = top_one(model, u, N, exclude, rng)
     out_ids = np.full((1, N), -1, np.int64)
     out_scores = np.full((1, N), -np.inf, np.float32)
     out_ids[0, : ids.size], out_scores[0, : ids.size] = ids, best
     return out_ids, out_scores
+
+
+def top_one(
+    model: LightFRModel, u: int, N: int, exclude: NDArray[np.int64] | None, rng: np.random.Generator
+) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """One two-stage user's top N over the whole catalogue, as 1-D ids and float32 scores (at most N), in as
+    few numpy calls as it takes (each costs about a microsecond, the scan of 10^5 items about forty): the
+    same candidates, scores and tie draws as a batch row (`stage1`, `realvalued.top_rows`)."""
+    query = _query(model, u)
+    cfg = model.config
+    rerank = cfg.rerank
+    kk = (cfg.candidates if rerank else N) + (0 if exclude is None else exclude.size)
+    cand = model._hamming_index()._candidates_one(query.sign, kk, query.lam, rng)
+    if exclude is not None and exclude.size:
+        cand = _without(cand, exclude)
+    E = model.item_embeddings
+    if not rerank:
+        ids, best = realvalued.top_row(cand, _stage1_scores(model, cand, query), N, rng)
+    elif E is not None and model.user_vector_ok[u]:
+        scores = realvalued.dot_rows(E, cand[None, :], model.user_vectors[u : u + 1])[0]
+        ids, best = realvalued.top_row(cand, scores, N, rng)
+    else:
+        return _plane_top(model, cand, query, int(model.user_weight[u]), N, rng)
+    return ids, best.astype(np.float32, copy=False)
+
+
+def _without(cand: NDArray[np.int64], exclude: NDArray[np.int64]) -> NDArray[np.int64]:
+    """``cand`` less the ids in ``exclude``, in its order."""
+    es = np.sort(exclude)
+    return cand[es[np.minimum(np.searchsorted(es, cand), es.size - 1)] != cand]
+
+
+def _plane_top(
+    model: LightFRModel, cand: NDArray[np.int64], query: _Query, a: int, N: int, rng: np.random.Generator
+) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """`realvalued.top_row` of one plane user's candidates by their plane score (`_plane_scores`), selected on
+    the integer score S (the real score is S times a positive constant: the same order, the same tie draws)
+    and scaled for the N kept only."""
+    f, s, B, P = model.config.bits, lightfr.LEVEL_SHIFT, model.hamming_weight, query.P
+    words = model._item_words
+    if words.shape[0] == 1:  # every plane against every candidate: one XOR and one popcount
+        H = np.bitwise_count(np.bitwise_xor(words[0].take(cand), query.plane_col))
+    else:
+        H = np.bitwise_count(words[:, cand][None, :, :] ^ query.planes[:, :, None]).sum(axis=1, dtype=np.int64)
+    S = query.pow2 @ H  # W = Σ_p 2^p·H_p
+    S *= -2 * a
+    S += a * f * (2**P - 1)
+    levels = model.item_levels
+    if levels is not None:
+        S += (levels.take(cand).astype(np.int64) << s) - (LEVEL_CENTER << s)
+    ids, best = realvalued.top_row(cand, S, N, rng)
+    return ids, (best * (2.0 / (2**s * B * f))).astype(np.float32)
 
 
 def top_n_real(

@@ -47,7 +47,7 @@ class Stage1Layout:
     starts, and L − its level) and an even sample of the items (their packed codes contiguous, (w, s),
     and L − their level)."""
 
-    __slots__ = ("starts", "gaps", "sample_words", "sample_gaps", "size", "vdt", "cap")
+    __slots__ = ("starts", "gaps", "sample_words", "sample_gaps", "size", "stride", "vdt", "cap")
 
     def __init__(self, ix: HammingIndex) -> None:
         m = ix.m
@@ -60,7 +60,8 @@ class Stage1Layout:
             self.starts = np.flatnonzero(np.diff(lv, prepend=lv[0] + 1))
             self.gaps = ix._top - lv[self.starts]
             gap_of_pos = ix._top - lv
-        at = np.arange(0, m, max(m // min(_SAMPLE, max(_SAMPLE_MIN, m // 64)), 1))
+        self.stride = max(m // min(_SAMPLE, max(_SAMPLE_MIN, m // 64)), 1)
+        at = np.arange(0, m, self.stride)
         self.size = at.size
         self.sample_words = np.ascontiguousarray(ix._sorted[:, at])
         self.sample_gaps = None if gap_of_pos is None else gap_of_pos[at].astype(np.float64)
@@ -179,7 +180,10 @@ def candidates_one(
     if 4 * kk >= m:
         pos: NDArray[np.intp] = np.arange(m)
     else:
-        counts = layout.sample_counts(user, lam)
+        if m < _GROUPED_MIN:  # the values just written are in cache: sample them in place
+            counts = np.cumsum(np.bincount(vs[:: layout.stride]))
+        else:
+            counts = layout.sample_counts(user, lam)
         # The first threshold: where the sample puts about _MARGIN·kk items of the catalogue (a grouped
         # compare tries again cheaply, so it aims at kk there).
         margin = _MARGIN if m < _GROUPED_MIN else 1.0
