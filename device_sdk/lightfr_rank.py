@@ -56,6 +56,10 @@ def two_stage_rows(model: LightFRModel, users: NDArray[np.int64]) -> NDArray[np.
     cfg = model.config
     if cfg.rerank and cfg.candidates == 0:
         return np.zeros(users.size, bool)
+    if users.size == 1:  # one user: scalar reads
+        u = int(users[0])
+        one = model.user_weight[u] > 0 or (model.item_embeddings is not None and bool(model.user_vector_ok[u]))
+        return np.array([one])
     ok = model.user_weight[users] > 0
     if model.item_embeddings is not None:
         ok |= model.user_vector_ok[users]

@@ -46,7 +46,7 @@ def as_items(user_items: ArrayLike, n_items: int) -> NDArray[np.int64]:
         items = np.asarray(row.indices, dtype=np.int64)
     else:
         arr = np.asarray(user_items)
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        if arr.dtype.kind not in "iu" and arr.size and not np.issubdtype(arr.dtype, np.integer):
             if not (np.issubdtype(arr.dtype, np.floating) and np.all(arr == np.round(arr))):
                 raise ValueError(f"item ids must be integers, got {arr.dtype}")
         items = arr.astype(np.int64).ravel()
@@ -236,15 +236,19 @@ class Recommender:
         batch = np.ndim(userid) > 0
         if not batch and isinstance(userid, int | np.integer) and not isinstance(userid, bool):
             users = np.array([int(userid)], dtype=np.int64)  # one user: no array checks to run
+            if held == 0:
+                self._check_ready(users)  # no user row at all: a model not trained yet, not a bad id
+            if not 0 <= int(userid) < held:
+                raise ValueError(f"userid out of range [0, {held})")
         else:
             users = np.atleast_1d(np.asarray(userid)).ravel()
             if users.size and not np.issubdtype(users.dtype, np.integer):
                 raise ValueError(f"userid must be integer, got {users.dtype}")
             users = users.astype(np.int64)
-        if held == 0:
-            self._check_ready(users)  # no user row at all: a model not trained yet, not a bad id
-        if users.size and (users.min() < 0 or users.max() >= held):
-            raise ValueError(f"userid out of range [0, {held})")
+            if held == 0:
+                self._check_ready(users)
+            if users.size and (users.min() < 0 or users.max() >= held):
+                raise ValueError(f"userid out of range [0, {held})")
         self._check_ready(users)
         m = self.n_items
         liked = liked_per_user(user_items, users.size, batch, m)
@@ -257,5 +261,5 @@ class Recommender:
         ids, scores = self._top_n(users, N, exclude, cand, self.rng if rng is None else rng)
         if batch:
             return ids, scores
-        n_ok = int((ids[0] >= 0).sum())
+        n_ok = int(np.count_nonzero(ids[0] >= 0))
         return ids[0, :n_ok], scores[0, :n_ok]
