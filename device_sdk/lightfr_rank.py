@@ -181,9 +181,20 @@ def top_n(
     rng: np.random.Generator,
 ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
     """Two-stage top N of ``users`` (all of them `two_stage_rows`): (n, N) ids padded -1 and float32 scores
-    padded -inf.  With ``rerank`` off, stage 1 alone: its N best, scored 1 − v/f."""
+    padded -inf.  With ``rerank`` off, stage 1 alone: its N best, scored 1 − v/f.
+
+    Over the whole catalogue, unless some user is re-ranked by E·u (one batched product for those rows),
+    every user's stage 1 runs first, in turn, then every user's stage 2 in turn (`top_one`'s calls, row by
+    row): the same draws as `stage1` then `realvalued.top_rows`."""
     if users.size == 1 and items is None:
-        return _top_n_one(model, int(users[0]), N, exclude[0], rng)
+        ids, best = top_one(model, int(users[0]), N, exclude[0], rng)
+        out_ids = np.full((1, N), -1, np.int64)
+        out_scores = np.full((1, N), -np.inf, np.float32)
+        out_ids[0, : ids.size], out_scores[0, : ids.size] = ids, best
+        return out_ids, out_scores
+    E = model.item_embeddings
+    if items is None and (E is None or not model.config.rerank or not model.user_vector_ok[users].any()):
+        return _top_n_rows(model, users, N, exclude, rng)
     if not model.config.rerank:
         queries, cand = stage1(model, users, exclude, items, rng, want=N)
         scores = np.empty(cand.shape)
@@ -191,7 +202,6 @@ def top_n(
             scores[r] = _stage1_scores(model, cand[r], queries[r])
         return realvalued.top_rows(cand, scores, N, rng)
     queries, cand = stage1(model, users, exclude, items, rng)
-    E = model.item_embeddings
     real = model.user_vector_ok[users] if E is not None else np.zeros(users.size, bool)
     scores = np.empty(cand.shape)
     if real.any():
@@ -203,14 +213,22 @@ def top_n(
     return realvalued.top_rows(cand, scores, N, rng)
 
 
-def _top_n_one(
-    model: LightFRModel, u: int, N: int, exclude: NDArray[np.int64] | None, rng: np.random.Generator
+def _top_n_rows(
+    model: LightFRModel,
+    users: NDArray[np.int64],
+    N: int,
+    exclude: list[NDArray[np.int64] | None],
+    rng: np.random.Generator,
 ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-    """`top_n` of one user over the whole catalogue, (1, N) padded, from `top_one`."""
-    ids, best = top_one(model, u, N, exclude, rng)
-    out_ids = np.full((1, N), -1, np.int64)
-    out_scores = np.full((1, N), -np.inf, np.float32)
-    out_ids[0, : ids.size], out_scores[0, : ids.size] = ids, best
+    """`top_n` over the whole catalogue: each user's candidates (`_stage1_one`), then each user's stage 2
+    (`_stage2_one`), (n, N) padded."""
+    queries = stage1_queries(model, users)
+    found = [_stage1_one(model, q, N, e, rng) for q, e in zip(queries, exclude, strict=True)]
+    out_ids = np.full((users.size, N), -1, np.int64)
+    out_scores = np.full((users.size, N), -np.inf, np.float32)
+    for r, (q, cand) in enumerate(zip(queries, found, strict=True)):
+        ids, best = _stage2_one(model, int(users[r]), q, cand, N, rng)
+        out_ids[r, : ids.size], out_scores[r, : ids.size] = ids, best
     return out_ids, out_scores
 
 
@@ -221,14 +239,28 @@ def top_one(
     few numpy calls as it takes (each costs about a microsecond, the scan of 10^5 items about forty): the
     same candidates, scores and tie draws as a batch row (`stage1`, `realvalued.top_rows`)."""
     query = _query(model, u)
+    return _stage2_one(model, u, query, _stage1_one(model, query, N, exclude, rng), N, rng)
+
+
+def _stage1_one(
+    model: LightFRModel, query: _Query, N: int, exclude: NDArray[np.int64] | None, rng: np.random.Generator
+) -> NDArray[np.int64]:
+    """One user's stage-1 candidates over the whole catalogue, its excluded items left out: C (N with
+    ``rerank`` off) plus |excluded| asked for."""
     cfg = model.config
-    rerank = cfg.rerank
-    kk = (cfg.candidates if rerank else N) + (0 if exclude is None else exclude.size)
+    kk = (cfg.candidates if cfg.rerank else N) + (0 if exclude is None else exclude.size)
     cand = model._hamming_index()._candidates_one(query.sign, kk, query.lam, rng)
     if exclude is not None and exclude.size:
         cand = _without(cand, exclude)
+    return cand
+
+
+def _stage2_one(
+    model: LightFRModel, u: int, query: _Query, cand: NDArray[np.int64], N: int, rng: np.random.Generator
+) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """User u's top N of its candidates ``cand`` by stage 2 (stage 1's own value with ``rerank`` off)."""
     E = model.item_embeddings
-    if not rerank:
+    if not model.config.rerank:
         ids, best = realvalued.top_row(cand, _stage1_scores(model, cand, query), N, rng)
     elif E is not None and model.user_vector_ok[u]:
         scores = realvalued.dot_rows(E, cand[None, :], model.user_vectors[u : u + 1])[0]
