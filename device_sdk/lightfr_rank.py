@@ -29,7 +29,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr, realvalued
-from device_sdk.topk.candidates import values_of
+from device_sdk.topk.candidates import values_of, without
 from protocol.codes import pack_signs
 from protocol.families.lightfr import LEVEL_CENTER
 
@@ -251,7 +251,7 @@ def _stage1_one(
     kk = (cfg.candidates if cfg.rerank else N) + (0 if exclude is None else exclude.size)
     cand = model._hamming_index()._candidates_one(query.sign, kk, query.lam, rng)
     if exclude is not None and exclude.size:
-        cand = _without(cand, exclude)
+        cand = without(model._hamming_index(), cand, exclude)
     return cand
 
 
@@ -268,12 +268,6 @@ def _stage2_one(
     else:
         return _plane_top(model, cand, query, int(model.user_weight[u]), N, rng)
     return ids, best.astype(np.float32, copy=False)
-
-
-def _without(cand: NDArray[np.int64], exclude: NDArray[np.int64]) -> NDArray[np.int64]:
-    """``cand`` less the ids in ``exclude``, in its order."""
-    es = np.sort(exclude)
-    return cand[es[np.minimum(np.searchsorted(es, cand), es.size - 1)] != cand]
 
 
 def _plane_top(
