@@ -38,12 +38,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "adopt_embeddings",
+    "one_in_two_stages",
     "plane_counts",
     "plane_words",
     "stage1",
     "stage1_of",
     "stage1_queries",
     "top_n",
+    "top_one",
     "top_n_planes",
     "top_n_real",
     "two_stage_rows",
@@ -57,13 +59,19 @@ def two_stage_rows(model: LightFRModel, users: NDArray[np.int64]) -> NDArray[np.
     if cfg.rerank and cfg.candidates == 0:
         return np.zeros(users.size, bool)
     if users.size == 1:  # one user: scalar reads
-        u = int(users[0])
-        one = model.user_weight[u] > 0 or (model.item_embeddings is not None and bool(model.user_vector_ok[u]))
-        return np.array([one])
+        return np.array([one_in_two_stages(model, int(users[0]))])
     ok = model.user_weight[users] > 0
     if model.item_embeddings is not None:
         ok |= model.user_vector_ok[users]
     return ok
+
+
+def one_in_two_stages(model: LightFRModel, u: int) -> bool:
+    """`two_stage_rows` of one user, from scalars."""
+    cfg = model.config
+    if cfg.rerank and cfg.candidates == 0:
+        return False
+    return bool(model.user_weight[u] > 0) or (model.item_embeddings is not None and bool(model.user_vector_ok[u]))
 
 
 def plane_counts(model: LightFRModel, users: NDArray[np.int64]) -> NDArray[np.int64]:

@@ -149,7 +149,7 @@ class Recommender:
     """Mixin giving a model family the implicit-style `recommend` (see the module docstring).
 
     A subclass provides ``n_items``, ``rng`` (the default tie-breaking generator), `_held_users`,
-    `_check_ready`, and `_scores` or `_top_n`.
+    `_check_ready`, and `_scores` or `_top_n` (and may provide `_top_one`).
     """
 
     n_items: int
@@ -187,6 +187,13 @@ class Recommender:
             )
             out_ids[s : s + step], out_scores[s : s + step] = ids, sc
         return out_ids, out_scores
+
+    def _top_one(
+        self, user: int, N: int, exclude: NDArray[np.int64] | None, rng: np.random.Generator
+    ) -> tuple[NDArray[np.int64], NDArray[np.float32]] | None:
+        """One user's top N over the whole catalogue as 1-D arrays (at most N, best first), for a family with a
+        cheaper one-user path than `_top_n`; None (the default) sends the call through `_top_n`."""
+        return None
 
     # -- the contract -----------------------------------------------------------------------------
     def recommend(
@@ -258,7 +265,12 @@ class Recommender:
         for row in range(users.size):
             parts = [p for p in (liked[row] if filter_already_liked_items else None, blocked) if p is not None]
             exclude.append(np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else None))
-        ids, scores = self._top_n(users, N, exclude, cand, self.rng if rng is None else rng)
+        tie_rng = self.rng if rng is None else rng
+        if not batch and cand is None:
+            one = self._top_one(int(users[0]), N, exclude[0], tie_rng)
+            if one is not None:
+                return one
+        ids, scores = self._top_n(users, N, exclude, cand, tie_rng)
         if batch:
             return ids, scores
         n_ok = int(np.count_nonzero(ids[0] >= 0))
