@@ -282,22 +282,39 @@ def _plane_top(
     model: LightFRModel, cand: NDArray[np.int64], query: _Query, a: int, N: int, rng: np.random.Generator
 ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
     """`realvalued.top_row` of one plane user's candidates by their plane score (`_plane_scores`), selected on
-    the integer score S (the real score is S times a positive constant: the same order, the same tie draws)
-    and scaled for the N kept only."""
+    an integer (the real score is a positive multiple of S = a·(f·(2^P − 1) − 2·W) + 2^s·(level − 128), W =
+    Σ_p 2^p·H_p: the same order and the same tie draws) and scaled for the N kept only.  Without levels the
+    selection is on W alone, lowest first."""
     f, s, B, P = model.config.bits, lightfr.LEVEL_SHIFT, model.hamming_weight, query.P
     words = model._item_words
     if words.shape[0] == 1:  # every plane against every candidate: one XOR and one popcount
         H = np.bitwise_count(np.bitwise_xor(words[0].take(cand), query.plane_col))
     else:
         H = np.bitwise_count(words[:, cand][None, :, :] ^ query.planes[:, :, None]).sum(axis=1, dtype=np.int64)
-    S = query.pow2 @ H  # W = Σ_p 2^p·H_p
-    S *= -2 * a
-    S += a * f * (2**P - 1)
+    W = query.pow2 @ H
     levels = model.item_levels
-    if levels is not None:
-        S += (levels.take(cand).astype(np.int64) << s) - (LEVEL_CENTER << s)
-    ids, best = realvalued.top_row(cand, S, N, rng)
-    return ids, (best * (2.0 / (2**s * B * f))).astype(np.float32)
+    if levels is None:
+        ids, W = _lowest(cand, W, N, rng)
+        S = a * (f * (2**P - 1) - 2 * W)
+    else:
+        S = a * (f * (2**P - 1) - 2 * W) + (levels.take(cand).astype(np.int64) << s) - (LEVEL_CENTER << s)
+        ids, S = realvalued.top_row(cand, S, N, rng)
+    return ids, (S * (2.0 / (2**s * B * f))).astype(np.float32)
+
+
+def _lowest(
+    ids: NDArray[np.int64], cost: NDArray[np.int64], N: int, rng: np.random.Generator | None
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """`realvalued.top_row` by lowest ``cost``: the same selection and draws as top_row on any score that
+    falls strictly as the cost rises."""
+    if N <= 0:
+        return ids[:0], cost[:0]
+    if ids.size > N:
+        top = cost <= np.partition(cost, N - 1)[N - 1]  # the N-th lowest and all below it
+        ids, cost = ids[top], cost[top]
+    key = ids if rng is None else rng.random(ids.size)
+    order = np.lexsort((key, cost))[:N]
+    return ids[order], cost[order]
 
 
 def top_n_real(
