@@ -14,10 +14,13 @@ Invariants:
   scan positions without one) to fill that cap.  Excluded items are not removed here: the caller asks
   for kk = C + |excluded| and drops them.
 - One user's scan is XOR + popcount once per item (`device_sdk.topk.scan._fill`), the item term added
-  once per stretch of equal q, a threshold read from an even sample of the catalogue held contiguously
-  (`Stage1Layout`, built once per index, so the threshold never touches the scan's buffer out of order),
-  then a compare, raised one value at a time until kk pass (`_compare`): no histogram, sort or partition
-  over the catalogue.  A batch runs the users' scans one after the other on the same buffers.
+  once per stretch of equal q, a threshold read from an even sample of the catalogue (every s-th scan
+  position, `Stage1Layout`: below 2^18 items the values just written, still in cache, read in place;
+  from there the sample's codes held contiguously, so the threshold never reads the scan's buffer out of
+  order), then a compare, raised one value at a time until kk pass (`_compare`): no histogram, sort or
+  partition over the catalogue.  A batch runs the users' scans one after the other on the same buffers.
+- `without` drops a caller's excluded ids through a flag per item kept per thread, all False between
+  calls.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ _GROUPED_MIN = 1 << 18
 
 class Stage1Layout:
     """What stage 1 keeps of an index, built once: the runs of equal level along the scan (where each
-    starts, and L − its level) and an even sample of the items (their packed codes contiguous, (w, s),
-    and L − their level)."""
+    starts, and L − its level) and an even sample of the items, every ``stride``-th scan position (their
+    packed codes contiguous, (w, s), and L − their level)."""
 
     __slots__ = ("starts", "gaps", "sample_words", "sample_gaps", "size", "stride", "vdt", "cap")
 
