@@ -156,3 +156,23 @@ def test_rerank_off_and_stage_one_alone_keep_their_contract() -> None:
         np.testing.assert_array_equal(ids, row[0][0])
         np.testing.assert_array_equal(got, row[1][0])
         assert ids.size == 12 and not np.isin(ids, liked[u]).any() and (np.diff(got) <= 0).all()
+
+
+def test_one_user_calls_from_several_threads_match_one_thread() -> None:
+    # Each thread keeps its own scan state (the codes XOR its last user's word): calls interleaved over
+    # threads return what the same calls return one after the other.
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, _, liked = _model(3000, False, seed=4, users=6)
+    calls = [(u % 6, seed) for seed in range(8) for u in range(6)]
+
+    def one(call: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        u, seed = call
+        return model.recommend(liked[u], N=15, userid=u, rng=np.random.default_rng(seed))
+
+    alone = [one(c) for c in calls]
+    with ThreadPoolExecutor(3) as pool:
+        threaded = list(pool.map(one, calls))
+    for (ids, scores), (tids, tscores) in zip(alone, threaded, strict=True):
+        np.testing.assert_array_equal(ids, tids)
+        np.testing.assert_array_equal(scores, tscores)

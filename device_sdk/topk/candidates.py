@@ -19,6 +19,8 @@ Invariants:
   from there the sample's codes held contiguously, so the threshold never reads the scan's buffer out of
   order), then a compare, raised one value at a time until kk pass (`_compare`): no histogram, sort or
   partition over the catalogue.  A batch runs the users' scans one after the other on the same buffers.
+- Below _CHUNK items with one-word codes the scan XORs a per-thread copy of the codes in place (`_xored`,
+  a byte-for-byte equal result to XOR into a buffer, half the memory touched).
 - `without` drops a caller's excluded ids through a flag per item kept per thread, all False between
   calls.
 """
@@ -156,6 +158,21 @@ def _compare(
         t += 1
 
 
+def _xored(ix: HammingIndex, word: np.uint64) -> NDArray[np.uint64]:
+    """The one-word codes in scan order XOR ``word``: a copy kept per thread XOR the last user's word, moved
+    to this one's by one XOR in place (half the memory a scan touches through a separate XOR buffer).  The
+    copy is held away while it changes, so an interruption leaves none that is stale."""
+    held = getattr(ix._local, "xored", None)
+    ix._local.xored = None
+    if held is None:
+        held = (ix._sorted[0].copy(), np.zeros(1, np.uint64))
+    codes, key = held
+    np.bitwise_xor(codes, np.bitwise_xor(key[0], word), out=codes)
+    key[0] = word
+    ix._local.xored = held
+    return codes
+
+
 def candidates_one(
     ix: HammingIndex,
     layout: Stage1Layout,
@@ -172,10 +189,11 @@ def candidates_one(
         return np.zeros(0, np.int64)
     vdt = layout.vdt
     chunk = min(_CHUNK, m)
-    x, tb, v, mask, wtmp, wflag = _one_buffers(ix, m, chunk, vdt)
+    one_call = m == chunk and ix.w == 1 and vdt == np.uint8
+    x, tb, v, mask, wtmp, wflag = _one_buffers(ix, m, 1 if one_call else chunk, vdt)
     vs = v[:m]
-    if m == chunk and ix.w == 1 and vdt == np.uint8:  # one XOR and one popcount call
-        np.bitwise_count(np.bitwise_xor(ix._sorted[0], user[0], out=x[:m]), out=vs)
+    if one_call:  # one XOR in place and one popcount call
+        np.bitwise_count(_xored(ix, user[0]), out=vs)
     else:
         _fill(ix._sorted, None, user, 0, m, chunk, x, tb, vs)
     for a, b, q in zip(*layout.lifts(lam, m), strict=True):
