@@ -15,10 +15,11 @@ Invariants:
 - Stage 2 is exact among the candidates: its scores are the ones the single-stage ranking would give
   (the plane score Δ'·qᵀd/f + β, or E·u), and the top N among the candidates equals the full ranking's
   whenever that top N lies among them.  Ties are broken uniformly at random (`realvalued.top_rows`).
-- One user over the whole catalogue (`top_one`, what `recommend` runs for one userid) and a batch with no row
-  re-ranked by E·u (`top_n`) take the same calls row by row: stage 1 (`candidates_one`), the excluded dropped, then
-  the top N by the integer plane score (W alone without levels), scaled for the N kept; the same
-  candidates, scores and tie draws as the padded batch path (`stage1`, `realvalued.top_rows`).
+- One user over the whole catalogue (`top_one`, what `recommend` runs for one userid) and a batch with
+  no row re-ranked by E·u (`top_n`) take the same calls row by row: stage 1 (`candidates_one`), the
+  excluded dropped, then the top N by the integer plane score (W alone without levels), scaled for the
+  N kept; the same candidates, scores and tie draws as the padded batch path (`stage1`,
+  `realvalued.top_rows`).
 - ``rerank=False`` switches stage 2 off: such a user gets stage 1's own N best (by v, scored 1 − v/f).
   It is the cheapest ranking and better than the ±1 code it trains with (amazon-book validation,
   benchmarks/two_stage_amazon.py).

@@ -161,8 +161,8 @@ def _compare(
 
 def _xored(ix: HammingIndex, word: np.uint64) -> NDArray[np.uint64]:
     """The one-word codes in scan order XOR ``word``: a copy kept per thread XOR the last user's word, moved
-    to this one's by one XOR in place (no separate XOR buffer written and read back).  The
-    copy is held away while it changes, so an interruption leaves none that is stale."""
+    to this one's by one XOR in place (no separate XOR buffer written and read back).  The copy is held
+    away while it changes, so an interruption leaves none that is stale."""
     held = getattr(ix._local, "xored", None)
     ix._local.xored = None
     if held is None:
