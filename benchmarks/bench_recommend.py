@@ -10,7 +10,10 @@ The fedrec side calls only the public API a device uses: ``LightFRModel(m, Light
 is imported.  Times are CPU seconds of the calling thread (`time.thread_time`), the median of up to
 ``--repeat`` calls, the two methods taking turns in bursts (``bench_topk._timed``), each one-user call a
 new user (users rotate); on a shared machine the ratio to faiss within a run is the figure to read.
-Beside them (f = 64), the floor of any numpy scan: one XOR and one popcount call over the packed codes.
+Beside them (f = 64), the floor of any numpy scan: one XOR and one popcount call over the packed codes
+(new arrays each), the same with the XOR in place on a copy of the codes and the counts into a buffer
+(what stage 1 does), and that with the one compare and nonzero over the catalogue an exact threshold adds
+(at each user's own (C + rated)-th distance).
 
 The catalogue is synthetic: item embeddings E (m, d) of rank ``--rank`` plus noise, and item codes the
 signs of E under a random projection (so codes and embeddings agree, as trained ones would); a user's
@@ -135,6 +138,21 @@ def measure(args: argparse.Namespace, m: int, rng: np.random.Generator) -> dict[
     if words is not None:
         user_words = pack_signs(model.user_codes)[0]
         fns.append(rotating(lambda u: np.bitwise_count(np.bitwise_xor(words, user_words[u])), n))
+        # The least a numpy scan needs (what stage 1 does with one-word codes): one XOR in place on a copy of
+        # the codes (held XOR the last user's word) and one popcount into a buffer; and the same with the
+        # one compare and nonzero over the catalogue that an exact threshold adds, at the user's own
+        # (C + rated)-th distance (found beforehand, not timed).
+        kth = model.config.candidates + args.rated - 1
+        cut = [int(np.partition(np.bitwise_count(words ^ user_words[u]), kth)[kth]) for u in range(n)]
+        held, key, counts = words.copy(), np.zeros(1, np.uint64), np.empty(m, np.uint8)
+
+        def scan_in_place(u: int) -> NDArray[np.uint8]:
+            np.bitwise_xor(held, key[0] ^ user_words[u], out=held)
+            key[0] = user_words[u]
+            return np.bitwise_count(held, out=counts)
+
+        fns.append(rotating(scan_in_place, n))
+        fns.append(rotating(lambda u: np.flatnonzero(scan_in_place(u) <= cut[u]), n))
     if index is not None:
         queries = np.packbits(model.user_codes > 0, axis=1, bitorder="little")
         fns.append(rotating(lambda u: index.search(queries[u : u + 1], N), n))
@@ -143,16 +161,22 @@ def measure(args: argparse.Namespace, m: int, rng: np.random.Generator) -> dict[
     row: dict[str, Any] = {"items": m, "one_ms": t[0] * 1e3, "batch_ms": t[1] * 1e3}
     if words is not None:
         row["numpy_xor_popcount_ms"] = t.pop(2) * 1e3
+        row["numpy_scan_in_place_ms"] = t.pop(2) * 1e3
+        row["numpy_scan_in_place_compare_ms"] = t.pop(2) * 1e3
     if index is not None:
         row.update(faiss_one_ms=t[2] * 1e3, faiss_batch_ms=t[3] * 1e3, one_x=t[0] / t[2], batch_x=t[1] / t[3])
         if words is not None:
             row["numpy_xor_popcount_x"] = row["numpy_xor_popcount_ms"] / row["faiss_one_ms"]
+            for name in ("numpy_scan_in_place", "numpy_scan_in_place_compare"):
+                row[name + "_x"] = row[name + "_ms"] / row["faiss_one_ms"]
     # What the model holds: the ±1 matrix, the packed words beside it (8 bytes a word), levels, embeddings.
     held: list[NDArray[Any]] = [
         a for a in (model.item_codes, model.item_levels, model.item_embeddings) if a is not None
     ]
     row["bytes_per_item_min"] = args.bits / 8 + (1 if args.levels else 0) + (2 * args.dim if args.embeddings else 0)
     row["bytes_per_item_held"] = (sum(a.nbytes for a in held) + m * 8 * words_for(args.bits)) / m
+    # Stage 1's scan copy of one-word codes, per thread that ranks (see device_sdk.topk.candidates).
+    row["bytes_per_item_scan_copy"] = 8 if args.bits <= 64 else 0
     if args.embeddings:
         row["rerank"] = rerank_cost(args, model, E, liked)
     return row

@@ -15,6 +15,11 @@ Invariants:
 - Stage 2 is exact among the candidates: its scores are the ones the single-stage ranking would give
   (the plane score Δ'·qᵀd/f + β, or E·u), and the top N among the candidates equals the full ranking's
   whenever that top N lies among them.  Ties are broken uniformly at random (`realvalued.top_rows`).
+- One user over the whole catalogue (`top_one`, what `recommend` runs for one userid) and a batch with
+  no row re-ranked by E·u (`top_n`) take the same calls row by row: stage 1 (`candidates_one`), the
+  excluded dropped, then the top N by the integer plane score (W alone without levels), scaled for the
+  N kept; the same candidates, scores and tie draws as the padded batch path (`stage1`,
+  `realvalued.top_rows`).
 - ``rerank=False`` switches stage 2 off: such a user gets stage 1's own N best (by v, scored 1 − v/f).
   It is the cheapest ranking and better than the ±1 code it trains with (amazon-book validation,
   benchmarks/two_stage_amazon.py).
@@ -29,7 +34,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from device_sdk import lightfr, realvalued
-from device_sdk.topk.candidates import values_of
+from device_sdk.topk.candidates import values_of, without
 from protocol.codes import pack_signs
 from protocol.families.lightfr import LEVEL_CENTER
 
@@ -38,12 +43,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "adopt_embeddings",
+    "one_in_two_stages",
     "plane_counts",
     "plane_words",
     "stage1",
     "stage1_of",
     "stage1_queries",
     "top_n",
+    "top_one",
     "top_n_planes",
     "top_n_real",
     "two_stage_rows",
@@ -56,10 +63,20 @@ def two_stage_rows(model: LightFRModel, users: NDArray[np.int64]) -> NDArray[np.
     cfg = model.config
     if cfg.rerank and cfg.candidates == 0:
         return np.zeros(users.size, bool)
+    if users.size == 1:  # one user: scalar reads
+        return np.array([one_in_two_stages(model, int(users[0]))])
     ok = model.user_weight[users] > 0
     if model.item_embeddings is not None:
         ok |= model.user_vector_ok[users]
     return ok
+
+
+def one_in_two_stages(model: LightFRModel, u: int) -> bool:
+    """`two_stage_rows` of one user, from scalars."""
+    cfg = model.config
+    if cfg.rerank and cfg.candidates == 0:
+        return False
+    return bool(model.user_weight[u] > 0) or (model.item_embeddings is not None and bool(model.user_vector_ok[u]))
 
 
 def plane_counts(model: LightFRModel, users: NDArray[np.int64]) -> NDArray[np.int64]:
@@ -85,11 +102,13 @@ class _Query:
     """One user's ranking query, derived from its vector (q, a) and cached while they stay the same: its
     plane count P (0: a ±1 code), packed planes (P, w), stage-1 sign code (w,) and λ."""
 
-    __slots__ = ("key", "P", "planes", "sign", "lam")
+    __slots__ = ("key", "P", "planes", "sign", "lam", "plane_col", "pow2")
 
     def __init__(self, key: tuple[bytes, int, int], P: int, planes: NDArray[np.uint64], lam: float) -> None:
         self.key, self.P, self.planes, self.lam = key, P, planes, lam
         self.sign = planes[P - 1] if P else planes[0]
+        self.plane_col = np.ascontiguousarray(planes[:, :1])  # (P, 1): the first word of each plane
+        self.pow2 = 1 << np.arange(P, dtype=np.int64)  # plane p weighs 2^p
 
 
 def _query(model: LightFRModel, u: int) -> _Query:
@@ -175,9 +194,20 @@ def top_n(
     rng: np.random.Generator,
 ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
     """Two-stage top N of ``users`` (all of them `two_stage_rows`): (n, N) ids padded -1 and float32 scores
-    padded -inf.  With ``rerank`` off, stage 1 alone: its N best, scored 1 − v/f."""
+    padded -inf.  With ``rerank`` off, stage 1 alone: its N best, scored 1 − v/f.
+
+    Over the whole catalogue, unless some user is re-ranked by E·u (one batched product for those rows),
+    every user's stage 1 runs first, in turn, then every user's stage 2 in turn (`top_one`'s calls, row by
+    row): the same draws as `stage1` then `realvalued.top_rows`."""
     if users.size == 1 and items is None:
-        return _top_n_one(model, int(users[0]), N, exclude[0], rng)
+        ids, best = top_one(model, int(users[0]), N, exclude[0], rng)
+        out_ids = np.full((1, N), -1, np.int64)
+        out_scores = np.full((1, N), -np.inf, np.float32)
+        out_ids[0, : ids.size], out_scores[0, : ids.size] = ids, best
+        return out_ids, out_scores
+    E = model.item_embeddings
+    if items is None and (E is None or not model.config.rerank or not model.user_vector_ok[users].any()):
+        return _top_n_rows(model, users, N, exclude, rng)
     if not model.config.rerank:
         queries, cand = stage1(model, users, exclude, items, rng, want=N)
         scores = np.empty(cand.shape)
@@ -185,7 +215,6 @@ def top_n(
             scores[r] = _stage1_scores(model, cand[r], queries[r])
         return realvalued.top_rows(cand, scores, N, rng)
     queries, cand = stage1(model, users, exclude, items, rng)
-    E = model.item_embeddings
     real = model.user_vector_ok[users] if E is not None else np.zeros(users.size, bool)
     scores = np.empty(cand.shape)
     if real.any():
@@ -197,32 +226,100 @@ def top_n(
     return realvalued.top_rows(cand, scores, N, rng)
 
 
-def _top_n_one(
+def _top_n_rows(
+    model: LightFRModel,
+    users: NDArray[np.int64],
+    N: int,
+    exclude: list[NDArray[np.int64] | None],
+    rng: np.random.Generator,
+) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """`top_n` over the whole catalogue: each user's candidates (`_stage1_one`), then each user's stage 2
+    (`_stage2_one`), (n, N) padded."""
+    queries = stage1_queries(model, users)
+    found = [_stage1_one(model, q, N, e, rng) for q, e in zip(queries, exclude, strict=True)]
+    out_ids = np.full((users.size, N), -1, np.int64)
+    out_scores = np.full((users.size, N), -np.inf, np.float32)
+    for r, (q, cand) in enumerate(zip(queries, found, strict=True)):
+        ids, best = _stage2_one(model, int(users[r]), q, cand, N, rng)
+        out_ids[r, : ids.size], out_scores[r, : ids.size] = ids, best
+    return out_ids, out_scores
+
+
+def top_one(
     model: LightFRModel, u: int, N: int, exclude: NDArray[np.int64] | None, rng: np.random.Generator
 ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-    """`top_n` of one user over the whole catalogue, as few numpy calls as it takes (each costs about a
-    microsecond, the scan of 10^5 items about forty): the same candidates, scores and tie draws as a
-    batch row (`stage1`, `realvalued.top_rows`)."""
+    """One two-stage user's top N over the whole catalogue, as 1-D ids and float32 scores (at most N), in as
+    few numpy calls as it takes (each costs about a microsecond, the scan of 10^5 items about forty): the
+    same candidates, scores and tie draws as a batch row (`stage1`, `realvalued.top_rows`)."""
     query = _query(model, u)
-    ix = model._hamming_index()
-    rerank = model.config.rerank
-    kk = (model.config.candidates if rerank else N) + (0 if exclude is None else exclude.size)
-    cand = ix._candidates_one(query.sign, kk, query.lam, rng)
+    return _stage2_one(model, u, query, _stage1_one(model, query, N, exclude, rng), N, rng)
+
+
+def _stage1_one(
+    model: LightFRModel, query: _Query, N: int, exclude: NDArray[np.int64] | None, rng: np.random.Generator
+) -> NDArray[np.int64]:
+    """One user's stage-1 candidates over the whole catalogue, its excluded items left out: C (N with
+    ``rerank`` off) plus |excluded| asked for."""
+    cfg = model.config
+    kk = (cfg.candidates if cfg.rerank else N) + (0 if exclude is None else exclude.size)
+    cand = model._hamming_index()._candidates_one(query.sign, kk, query.lam, rng)
     if exclude is not None and exclude.size:
-        es = np.sort(exclude)
-        cand = cand[es[np.minimum(np.searchsorted(es, cand), es.size - 1)] != cand]
+        cand = without(model._hamming_index(), cand, exclude)
+    return cand
+
+
+def _stage2_one(
+    model: LightFRModel, u: int, query: _Query, cand: NDArray[np.int64], N: int, rng: np.random.Generator
+) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """User u's top N of its candidates ``cand`` by stage 2 (stage 1's own value with ``rerank`` off)."""
     E = model.item_embeddings
-    if not rerank:
-        scores = _stage1_scores(model, cand, query)
+    if not model.config.rerank:
+        ids, best = realvalued.top_row(cand, _stage1_scores(model, cand, query), N, rng)
     elif E is not None and model.user_vector_ok[u]:
         scores = realvalued.dot_rows(E, cand[None, :], model.user_vectors[u : u + 1])[0]
+        ids, best = realvalued.top_row(cand, scores, N, rng)
     else:
-        scores = _plane_scores(model, cand, query, int(model.user_weight[u]))
-    ids, best = realvalued.top_row(cand, scores, N, rng)
-    out_ids = np.full((1, N), -1, np.int64)
-    out_scores = np.full((1, N), -np.inf, np.float32)
-    out_ids[0, : ids.size], out_scores[0, : ids.size] = ids, best
-    return out_ids, out_scores
+        return _plane_top(model, cand, query, int(model.user_weight[u]), N, rng)
+    return ids, best.astype(np.float32, copy=False)
+
+
+def _plane_top(
+    model: LightFRModel, cand: NDArray[np.int64], query: _Query, a: int, N: int, rng: np.random.Generator
+) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """`realvalued.top_row` of one plane user's candidates by their plane score (`_plane_scores`), selected on
+    an integer (the real score is a positive multiple of S = a·(f·(2^P − 1) − 2·W) + 2^s·(level − 128), W =
+    Σ_p 2^p·H_p: the same order and the same tie draws) and scaled for the N kept only.  Without levels the
+    selection is on W alone, lowest first."""
+    f, s, B, P = model.config.bits, lightfr.LEVEL_SHIFT, model.hamming_weight, query.P
+    words = model._item_words
+    if words.shape[0] == 1:  # every plane against every candidate: one XOR and one popcount
+        H = np.bitwise_count(np.bitwise_xor(words[0].take(cand), query.plane_col))
+    else:
+        H = np.bitwise_count(words[:, cand][None, :, :] ^ query.planes[:, :, None]).sum(axis=1, dtype=np.int64)
+    W = query.pow2 @ H
+    levels = model.item_levels
+    if levels is None:
+        ids, W = _lowest(cand, W, N, rng)
+        S = a * (f * (2**P - 1) - 2 * W)
+    else:
+        S = a * (f * (2**P - 1) - 2 * W) + (levels.take(cand).astype(np.int64) << s) - (LEVEL_CENTER << s)
+        ids, S = realvalued.top_row(cand, S, N, rng)
+    return ids, (S * (2.0 / (2**s * B * f))).astype(np.float32)
+
+
+def _lowest(
+    ids: NDArray[np.int64], cost: NDArray[np.int64], N: int, rng: np.random.Generator | None
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """`realvalued.top_row` by lowest ``cost``: the same selection and draws as top_row on any score that
+    falls strictly as the cost rises."""
+    if N <= 0:
+        return ids[:0], cost[:0]
+    if ids.size > N:
+        top = cost <= np.partition(cost, N - 1)[N - 1]  # the N-th lowest and all below it
+        ids, cost = ids[top], cost[top]
+    key = ids if rng is None else rng.random(ids.size)
+    order = np.lexsort((key, cost))[:N]
+    return ids[order], cost[order]
 
 
 def top_n_real(

@@ -695,6 +695,15 @@ class LightFRModel(Recommender, RoundHooks):
             return lightfr_rank.top_n_planes(self, users, planes, N, exclude, items, rng)
         return self._top_n_codes(users, N, exclude, items, rng)
 
+    def _top_one(
+        self, user: int, N: int, exclude: NDArray[np.int64] | None, rng: np.random.Generator
+    ) -> tuple[NDArray[np.int64], NDArray[np.float32]] | None:
+        """`_top_n` of one two-stage user over the whole catalogue, as 1-D arrays (`lightfr_rank.top_one`, the
+        same result in fewer calls); None for a user ranked another way."""
+        if not lightfr_rank.one_in_two_stages(self, user):
+            return None
+        return lightfr_rank.top_one(self, user, N, exclude, rng)
+
     def _top_n_codes(
         self,
         users: NDArray[np.int64],

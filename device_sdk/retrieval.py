@@ -46,7 +46,7 @@ def as_items(user_items: ArrayLike, n_items: int) -> NDArray[np.int64]:
         items = np.asarray(row.indices, dtype=np.int64)
     else:
         arr = np.asarray(user_items)
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        if arr.dtype.kind not in "iu" and arr.size and not np.issubdtype(arr.dtype, np.integer):
             if not (np.issubdtype(arr.dtype, np.floating) and np.all(arr == np.round(arr))):
                 raise ValueError(f"item ids must be integers, got {arr.dtype}")
         items = arr.astype(np.int64).ravel()
@@ -149,7 +149,7 @@ class Recommender:
     """Mixin giving a model family the implicit-style `recommend` (see the module docstring).
 
     A subclass provides ``n_items``, ``rng`` (the default tie-breaking generator), `_held_users`,
-    `_check_ready`, and `_scores` or `_top_n`.
+    `_check_ready`, and `_scores` or `_top_n` (and may provide `_top_one`).
     """
 
     n_items: int
@@ -187,6 +187,13 @@ class Recommender:
             )
             out_ids[s : s + step], out_scores[s : s + step] = ids, sc
         return out_ids, out_scores
+
+    def _top_one(
+        self, user: int, N: int, exclude: NDArray[np.int64] | None, rng: np.random.Generator
+    ) -> tuple[NDArray[np.int64], NDArray[np.float32]] | None:
+        """One user's top N over the whole catalogue as 1-D arrays (at most N, best first), for a family with a
+        cheaper one-user path than `_top_n`; None (the default) sends the call through `_top_n`."""
+        return None
 
     # -- the contract -----------------------------------------------------------------------------
     def recommend(
@@ -236,15 +243,19 @@ class Recommender:
         batch = np.ndim(userid) > 0
         if not batch and isinstance(userid, int | np.integer) and not isinstance(userid, bool):
             users = np.array([int(userid)], dtype=np.int64)  # one user: no array checks to run
+            if held == 0:
+                self._check_ready(users)  # no user row at all: a model not trained yet, not a bad id
+            if not 0 <= int(userid) < held:
+                raise ValueError(f"userid out of range [0, {held})")
         else:
             users = np.atleast_1d(np.asarray(userid)).ravel()
             if users.size and not np.issubdtype(users.dtype, np.integer):
                 raise ValueError(f"userid must be integer, got {users.dtype}")
             users = users.astype(np.int64)
-        if held == 0:
-            self._check_ready(users)  # no user row at all: a model not trained yet, not a bad id
-        if users.size and (users.min() < 0 or users.max() >= held):
-            raise ValueError(f"userid out of range [0, {held})")
+            if held == 0:
+                self._check_ready(users)
+            if users.size and (users.min() < 0 or users.max() >= held):
+                raise ValueError(f"userid out of range [0, {held})")
         self._check_ready(users)
         m = self.n_items
         liked = liked_per_user(user_items, users.size, batch, m)
@@ -254,8 +265,13 @@ class Recommender:
         for row in range(users.size):
             parts = [p for p in (liked[row] if filter_already_liked_items else None, blocked) if p is not None]
             exclude.append(np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else None))
-        ids, scores = self._top_n(users, N, exclude, cand, self.rng if rng is None else rng)
+        tie_rng = self.rng if rng is None else rng
+        if not batch and cand is None:
+            one = self._top_one(int(users[0]), N, exclude[0], tie_rng)
+            if one is not None:
+                return one
+        ids, scores = self._top_n(users, N, exclude, cand, tie_rng)
         if batch:
             return ids, scores
-        n_ok = int((ids[0] >= 0).sum())
+        n_ok = int(np.count_nonzero(ids[0] >= 0))
         return ids[0, :n_ok], scores[0, :n_ok]
