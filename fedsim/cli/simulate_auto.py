@@ -77,13 +77,13 @@ def simulate_auto(args: argparse.Namespace, defaults: argparse.Namespace, out: T
         raise ConfigError("--pop-share applies to private runs only (with --epsilon)")
     from fedsim.cli.results import evaluate_and_report, resolve_dataset
     from fedsim.cli.simulate import lightfr_description, train_lightfr
-    from fedsim.cli.simulate_ials import _record, ials_schedule, train_ials
+    from fedsim.cli.simulate_ials import _record, ials_label, ials_schedule, train_ials
     from fedsim.evaluation.report import result_record, write_json
     from fedsim.federation.families import FAMILY_DEFAULT_ROUNDS
     from fedsim.federation.ials import validation_metric
     from fedsim.threads import one_blas_thread
 
-    schedule, factors, alphas, reg = ials_schedule(args, defaults)  # every option checked before training
+    schedule, factors, alphas, regs = ials_schedule(args, defaults)  # every option checked before training
     if args.rounds is None:
         args.rounds = FAMILY_DEFAULT_ROUNDS["lightfr"]
     t0, c0 = time.perf_counter(), time.process_time()
@@ -96,21 +96,20 @@ def simulate_auto(args: argparse.Namespace, defaults: argparse.Namespace, out: T
     out.write(lightfr_description(args))
     lightfr = train_lightfr(args, exp, out, show_progress=not getattr(args, "quiet", False))
     metric, lightfr_value = validation_metric(exp, lightfr, eval_seed=args.eval_seed)
-    sel = train_ials(exp, schedule, factors, alphas, reg, args.eval_seed, out)
-    validation = {"lightfr": lightfr_value, "ials": sel.validation[(sel.factors, sel.alpha)]}
+    sel = train_ials(exp, schedule, factors, alphas, regs, args.eval_seed, out)
+    validation = {"lightfr": lightfr_value, "ials": sel.value}
     kept = keep_better(validation)
     out.write(_choice_lines(metric, validation, kept))
     with one_blas_thread():
         if kept == "ials":
-            label = f"federated iALS (d={sel.factors}, α={sel.alpha:g})"
-            metrics = evaluate_and_report(exp, sel.run, label, args.eval_seed, out)
+            metrics = evaluate_and_report(exp, sel.run, ials_label(sel), args.eval_seed, out)
         else:
             metrics = evaluate_and_report(exp, lightfr, f"LightFR (Agg_{args.aggregation})", args.eval_seed, out)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     out.write(f"done in {seconds:.1f} s ({cpu:.1f} s CPU)\n")
     if args.json:
         if kept == "ials":
-            record = _record(exp, schedule, sel, metrics, seconds, cpu, reg)
+            record = _record(exp, schedule, sel, metrics, seconds, cpu)
             record["candidates"] = record.pop("validation")
         else:
             record = result_record(
