@@ -326,7 +326,8 @@ def message_vectors() -> dict[str, Any]:
         "payload (MF), an UnmaskResponse without DP (empty dp_excess), a LightFR invite whose plan asks for "
         "asymmetric scoring (protocol 1.6: query_planes, user_reg), a LightFR model with its w0, alpha and DP "
         "flag (1.7), an iALS model with item levels and their weight (1.10: score u.v + w*level/255) and an "
-        "invite with every appended field at its default.  Envelope: msgpack map {v: [major, minor], t: type code, b: body}.",
+        "invite with every appended field at its default.  Envelope: msgpack map {v: [major, minor], t: type code, "
+        "b: body}.",
         "protocol_version": list(PROTOCOL_VERSION),
         "messages": [describe(m) for m in messages],
         "extra": [describe(m) for m in extra],
