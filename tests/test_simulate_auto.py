@@ -57,7 +57,7 @@ def test_auto_keeps_lightfr_where_it_validates_better_and_tests_that_very_model(
     assert rec["metrics"] == alone["metrics"]
     # ... and iALS was judged by the figure its own selection reports, on the same held-out items and negatives.
     ials, _ = _json_run([*argv, "--model", "ials"], capsys)
-    assert rec["validation"]["ials"] == max(c["hr@10"] for c in ials["validation"])
+    assert rec["validation"]["ials"] == max(c["hr@10"] for c in ials["level_weights"])
 
 
 def test_auto_keeps_ials_where_it_validates_better(shared_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
