@@ -36,6 +36,10 @@ def test_keep_better_takes_the_higher_figure_and_lightfr_on_a_tie() -> None:
     assert keep_better({"lightfr": 0.60, "ials": 0.65}) == "ials"
     assert keep_better({"ials": 0.10, "lightfr": 0.12}) == "lightfr"
     assert keep_better({"lightfr": 0.3317, "ials": 0.3317}) == "lightfr"  # equal: the binary codes, cheaper to rank
+    # Without DP a near tie keeps them too: the other family must be better by more than the figure's noise.
+    assert keep_better({"lightfr": 0.9471, "ials": 0.9481}, 0.0071) == "lightfr"
+    assert keep_better({"lightfr": 0.4185, "ials": 0.4786}, 0.0090) == "ials"
+    assert keep_better({"lightfr": 0.50, "ials": 0.40}, 0.01) == "lightfr"
     with pytest.raises(ValueError, match="no validation figure for ials"):
         keep_better({"lightfr": 0.5})
 
@@ -65,7 +69,8 @@ def test_auto_keeps_ials_where_it_validates_better(shared_data: Path, capsys: py
     argv = ["simulate", "--dataset", "ml-100k", "--data-dir", str(shared_data), "--rounds", "2"]
     rec, err = _json_run(argv, capsys)
     assert rec["family"] == "ials" and rec["validation"]["ials"] > rec["validation"]["lightfr"] + 0.03
-    assert "kept: iALS (higher); only it is tested" in err and "LightFR (Agg_grad)" not in err
+    assert f"kept: iALS (higher by more than the noise bound {rec['validation_margin']:.4f}); only it" in err
+    assert "LightFR (Agg_grad)" not in err
     assert rec["rounds"] == 2 and (rec["factors"], rec["alpha"]) != (None, None)
     assert {c["factors"] for c in rec["candidates"]} == set(FACTOR_GRID)  # every candidate iALS tried
     alone, _ = _json_run([*argv, "--model", "ials"], capsys)
@@ -79,7 +84,8 @@ def test_auto_on_a_published_split_compares_recall_of_the_carved_pairs(
     argv = ["simulate", "--dataset", str(folder), "--rounds", "2", "--eval-negatives", "20"]
     rec, err = _json_run(argv, capsys)
     assert rec["protocol"] == "full" and rec["validation_metric"] == "recall@20"
-    assert rec["family"] == keep_better(rec["validation"])
+    assert rec["family"] == keep_better(rec["validation"], rec["validation_margin"])
+    assert 0 < rec["validation_margin"] < 0.1  # √(p(1 − p)/n) over the carve's users
     assert all(set(v) == {"recall@20", "ndcg@20"} for v in rec["metrics"].values())
     assert "validation recall@20, LightFR: " in err and "validation recall@20, iALS: " in err
 
