@@ -18,20 +18,21 @@ if TYPE_CHECKING:  # the simulator loads when the command runs, not to parse it
 __all__ = ["ials_label", "ials_schedule", "simulate_ials", "train_ials"]
 
 
-def _grids(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
-    """The factor counts, confidences and ridge weights to try: the ones given, else the family's grids; each
-    one checked by `protocol.plan.IALSParams` and the strategy's bounds (one clear line)."""
-    from fedsim.federation.ials import ALPHA_GRID, FACTOR_GRID, REG_GRID
+def _grids(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...] | None]:
+    """The factor counts, confidences and ridge weights to try: the ones given, else the family's grids (None
+    for λ: `fedsim.federation.ials.ridge_grid` of each α); each one checked by `protocol.plan.IALSParams` and the
+    strategy's bounds (one clear line)."""
+    from fedsim.federation.ials import ALPHA_GRID, FACTOR_GRID, ridge_grid
     from protocol.spec import MAX_RANK
 
     factors = (int(args.rank),) if args.rank is not None else FACTOR_GRID
     if factors[0] > MAX_RANK:
         raise ConfigError(f"--rank must be in [1, {MAX_RANK}] for --model ials, got {factors[0]}")
     alphas = (float(args.alpha),) if args.alpha is not None else ALPHA_GRID
-    regs = (float(args.reg),) if args.reg is not None else REG_GRID
+    regs = (float(args.reg),) if args.reg is not None else None
     try:
         for alpha in alphas:
-            for reg in regs:
+            for reg in regs or ridge_grid(alpha):
                 IALSParams(alpha=alpha, reg=reg)
     except ValueError as exc:
         raise ConfigError(f"--{exc}") from None
@@ -42,7 +43,7 @@ def _grids(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[float, ...]
 
 def ials_schedule(
     args: argparse.Namespace, defaults: argparse.Namespace
-) -> tuple[IALSSchedule, tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
+) -> tuple[IALSSchedule, tuple[int, ...], tuple[float, ...], tuple[float, ...] | None]:
     """The in-process iALS run the options ask for: its schedule, the factor counts, confidences and ridge
     weights to try, every one checked (one clear line)."""
     from fedsim.federation.ials import IALSSchedule
@@ -59,19 +60,20 @@ def train_ials(
     schedule: IALSSchedule,
     factors: tuple[int, ...],
     alphas: tuple[float, ...],
-    regs: tuple[float, ...],
+    regs: tuple[float, ...] | None,
     eval_seed: int,
     out: TextIO,
 ) -> IALSSelection:
     """Print the run's description, train every candidate (d, α, λ), print each validation figure, the item
     term's and the choice; the kept run and its figures (`fedsim.federation.ials.select_and_train`)."""
-    from fedsim.federation.ials import LEVEL_WEIGHTS, select_and_train
+    from fedsim.federation.ials import LEVEL_WEIGHTS, STRONG_RIDGE, select_and_train
     from fedsim.threads import one_blas_thread
 
+    ridges = list(regs) if regs is not None else f"[{IALSParams().reg:g}, {STRONG_RIDGE:g}·(1 + α)]"
     out.write(
         f"federated implicit ALS: T={schedule.rounds} rounds in-process (plain sums, no noise), "
         f"fraction {schedule.fraction:g}, exact user step on each device, shared-curvature item solve on the server; "
-        f"α from {list(alphas)}, λ from {list(regs)}, d from {list(factors)} chosen on validation, then the weight "
+        f"α from {list(alphas)}, λ from {ridges} and d from {list(factors)} chosen on validation, then the weight "
         f"w of the item term (score u·v + w·level, level the log-scale holder counts over [0, 1]) from "
         f"{list(LEVEL_WEIGHTS)}; seed {schedule.seed}\n"
     )

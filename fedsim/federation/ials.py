@@ -46,19 +46,27 @@ __all__ = [
     "IALSSchedule",
     "IALSSelection",
     "LEVEL_WEIGHTS",
-    "REG_GRID",
     "RankedModel",
+    "STRONG_RIDGE",
     "run_federated_ials",
+    "ridge_grid",
     "select_and_train",
     "validation_metric",
 ]
 
 #: The confidences α tried on validation when none is given (one training each; the best is kept).
 ALPHA_GRID: tuple[float, ...] = (5.0, 20.0, 100.0)
-#: The ridge weights λ tried on validation when none is given: the first with every α, the others at the best α.
-#: A strong λ shrinks the factors towards the few directions the data supports, what sparse logs (a few items per
-#: user, most items held once or twice) need; dense logs keep the weak one.
-REG_GRID: tuple[float, ...] = (IALSParams().reg, 100.0)
+#: The strong ridge tried on validation when no λ is given, per unit of a held item's confidence: λ = ρ·(1 + α).
+#: Divided by 1 + α, the user step weighs a held item about 1 and λ as ρ, so ρ is the ridge on the scale of the
+#: data whatever α is (the figures that chose it: docs/results/2026-11-27-auto-default.md).  A strong ridge shrinks
+#: the factors towards the few directions the data supports, what sparse logs (a few items per user, most items
+#: held once or twice) need; dense logs keep the family's weak default, λ = 0.1.
+STRONG_RIDGE = 5.0
+
+
+def ridge_grid(alpha: float) -> tuple[float, ...]:
+    """The λ tried at confidence α when none is given: the family's default, then the strong ridge ρ·(1 + α)."""
+    return (IALSParams().reg, STRONG_RIDGE * (1.0 + alpha))
 #: The factor counts d tried on validation when none is given: the first with every α, the others at the best
 #: (α, λ).
 FACTOR_GRID: tuple[int, ...] = (DEFAULT_FACTORS, 128, 32)
@@ -248,7 +256,7 @@ def select_and_train(
     *,
     factors: Sequence[int] = FACTOR_GRID,
     alphas: Sequence[float] = ALPHA_GRID,
-    regs: Sequence[float] = REG_GRID,
+    regs: Sequence[float] | None = None,
     level_weights: Sequence[float] = LEVEL_WEIGHTS,
     eval_seed: int = 0,
     on_candidate: Callable[[int, float, float, str, float, float], None] | None = None,
@@ -257,12 +265,13 @@ def select_and_train(
     item term; nothing is refitted.
 
     Every α of ``alphas`` is trained at ``factors[0]`` and ``regs[0]``; then every other λ at the best α; then
-    every other factor count at the best (α, λ).  Each run trains on ``exp.train`` and is judged by
+    every other factor count at the best (α, λ).  ``regs`` None: `ridge_grid` of each α (λ = 0.1 with every α,
+    then ρ·(1 + α) at the best).  Each run trains on ``exp.train`` and is judged by
     `validation_metric` on u·v (the first of equal figures wins).  Then the kept run is judged at every w of
     ``level_weights`` (scores only: w changes no training) and keeps the best (the first of equal figures).
     ``on_candidate(d, α, λ, metric, value, seconds)`` is called after each training.
     """
-    if not factors or not alphas or not regs or not level_weights:
+    if not factors or not alphas or (regs is not None and not regs) or not level_weights:
         raise ValueError("need at least one factor count, one α, one λ and one item-term weight")
     t0 = time.perf_counter()
     best: tuple[float, IALSRun, int, float, float] | None = None
@@ -282,9 +291,9 @@ def select_and_train(
             best = (value, run, d, alpha, reg)
 
     for alpha in alphas:  # loop over the few candidates
-        trial(int(factors[0]), float(alpha), float(regs[0]))
+        trial(int(factors[0]), float(alpha), float((regs or ridge_grid(alpha))[0]))
     assert best is not None
-    for reg in regs[1:]:
+    for reg in (regs or ridge_grid(best[3]))[1:]:
         trial(int(factors[0]), best[3], float(reg))
     chosen_alpha, chosen_reg = best[3], best[4]
     for d in factors[1:]:
