@@ -67,6 +67,8 @@ STRONG_RIDGE = 5.0
 def ridge_grid(alpha: float) -> tuple[float, ...]:
     """The λ tried at confidence α when none is given: the family's default, then the strong ridge ρ·(1 + α)."""
     return (IALSParams().reg, STRONG_RIDGE * (1.0 + alpha))
+
+
 #: The factor counts d tried on validation when none is given: the first with every α, the others at the best
 #: (α, λ).
 FACTOR_GRID: tuple[int, ...] = (DEFAULT_FACTORS, 128, 32)
