@@ -36,6 +36,7 @@ from device_sdk.topk import index as topk_index  # noqa: E402
 from fedsim.data.datasets import load_amazon_book  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from own_settings import own_settings  # noqa: E402
 from quality_amazon_lightfr import GRID, train_lightfr  # noqa: E402
 
 
@@ -46,6 +47,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="user sample and tie-breaking seed")
     p.add_argument("--group-min", type=int, default=1 << 12, help="smallest level group given tables")
     args = p.parse_args()
+    own_settings(
+        "LightFR trained on amazon-book with the mean-field recipe and --rounds as given, for the search's "
+        "timings"
+    )
     train = load_amazon_book().train
     t = time.perf_counter()
     state = train_lightfr(train, GRID[10], args.rounds, 0)

@@ -21,6 +21,7 @@ import math
 import time
 
 import numpy as np
+from own_settings import own_settings
 
 from fedsim.data.datasets import load_dataset
 from fedsim.data.ratings import Ratings
@@ -44,6 +45,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference", action="store_true", help="also fit the centralized reference")
     args = p.parse_args()
+    own_settings("private federated MF on ML-100K at the per-user ε listed, this script's rounds and clip norm")
     data = load_dataset("ml-100k")
     assert isinstance(data, Ratings)
     exp = prepare(data, seed=0)

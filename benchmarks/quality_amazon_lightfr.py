@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+from own_settings import own_settings
 
 from device_sdk import lightfr
 from device_sdk.batched import snapped_vectors
@@ -202,6 +203,10 @@ def main() -> None:
     )
     p.add_argument("--at", type=int, nargs="*", default=None, help="with --val-users: rounds to evaluate after")
     args = p.parse_args()
+    own_settings(
+        "LightFR recipes on amazon-book from this script's GRID / CHOSEN (asymmetric scoring, all-items "
+        "objective), beside centralised implicit ALS f = 64"
+    )
     data = load_amazon_book()
     if args.select:
         fit, val = carve_validation(data.train, seed=0)

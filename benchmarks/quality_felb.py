@@ -24,6 +24,7 @@ import argparse
 import time
 
 import numpy as np
+from own_settings import own_settings
 
 from agg_server.strategy.felb import FELBStrategy
 from fedsim.data.datasets import find_data_dir
@@ -108,6 +109,7 @@ def main() -> None:
     p.add_argument("--ml-seed", type=int, default=0)
     p.add_argument("--ml-scales", nargs="+", choices=["1", "1/C"], default=["1", "1/C"])
     args = p.parse_args()
+    own_settings("FELB / FELB^MU on the planted recipe and binarized ML-100K, this script's step sizes and rounds")
     t0 = time.perf_counter()
     if not args.skip_synthetic:
         synthetic(args.noise, args.seeds, args.rounds)

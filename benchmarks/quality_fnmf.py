@@ -23,6 +23,7 @@ import time
 from dataclasses import replace
 
 import numpy as np
+from own_settings import own_settings
 
 from fedsim.data.planted import planted_nonnegative
 from fedsim.federation.fnmf import FNMFRunConfig, Method, run_fnmf, sigma_rmsd
@@ -55,6 +56,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--gamma", type=float, default=1.0)
     args = p.parse_args()
+    own_settings("FNMF on planted data with --steps / --rounds / --seeds as given, beside FedAvg and FedProx")
     logging.basicConfig(level=logging.ERROR)  # the trusted mode's warning is expected here
     start = time.perf_counter()
     data = [planted_nonnegative(rng=np.random.default_rng(seed)) for seed in range(args.seeds)]

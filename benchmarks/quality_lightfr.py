@@ -33,6 +33,7 @@ import time
 from dataclasses import replace
 
 import numpy as np
+from own_settings import own_settings
 
 from device_sdk.models import LightFRConfig
 from fedsim.data.ratings import Ratings
@@ -392,6 +393,7 @@ def main() -> None:
         help="T, the federated rounds of every recipe that does not name its own (default %(default)s)",
     )
     args = p.parse_args()
+    own_settings("LightFR recipes from this script's grid, chosen on validation, on FilmTrust and ML-100K")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.holdout:

@@ -23,6 +23,7 @@ import argparse
 import time
 
 import numpy as np
+from own_settings import own_settings
 
 from agg_server.strategy.mf import MFStrategy
 from fedsim.data.datasets import load_dataset
@@ -56,6 +57,7 @@ def main() -> None:
         "--server-lr", type=float, default=SERVER_LR, help="server step γ (validation: 0.3 for θ=all, 1.0 for θ=20)"
     )
     args = p.parse_args()
+    own_settings("real-valued MF with embedding clipping on ML-100K, --rounds and --seed as given")
     data = load_dataset("ml-100k")
     if not isinstance(data, Ratings):  # pragma: no cover - ml-100k is a rating log
         raise SystemExit("ml-100k did not load as a rating log")

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from own_settings import own_settings
 
 from agg_server.config import config_from_dict
 from device_sdk import lightfr
@@ -261,6 +262,7 @@ def main() -> None:
         q.add_argument("--rounds", type=int, default=20)
         q.add_argument("--clip-norm", type=float, default=64.0, help="rounds.clip_norm (default 64, the server's)")
     args = p.parse_args()
+    own_settings("the asymmetric LightFR recipe of quality_amazon_lightfr.py (CHOSEN) through SecAgg+ without DP")
     (subset_main if args.mode == "subset" else scale_main)(args)
 
 

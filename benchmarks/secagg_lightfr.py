@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from own_settings import own_settings
 
 from agg_server.config import config_from_dict
 from device_sdk.models import LightFRConfig
@@ -114,6 +115,7 @@ def main() -> None:
     p.add_argument("--clip-norm", type=float, default=64.0, help="rounds.clip_norm of the SecAgg+ run (default 64)")
     p.add_argument("--skip-plain", action="store_true")
     args = p.parse_args()
+    own_settings("LightFR's recipe through SecAgg+ without DP, --clip-norm and rounds as given")
     exp = prepare(args.dataset, seed=0)
     print(f"### {exp.describe()}; T={args.rounds}, f=64, p=0.6, clip norm {args.clip_norm}")
     rows: dict[str, list[tuple[float, float]]] = {"plain in-process": [], "SecAgg+ (no DP)": []}

@@ -29,6 +29,7 @@ import time  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 import numpy as np  # noqa: E402
+from own_settings import own_settings  # noqa: E402
 
 from device_sdk import LightFRConfig, LightFRModel  # noqa: E402
 from device_sdk.realvalued import stage1_recall  # noqa: E402
@@ -52,6 +53,10 @@ def main() -> None:
     p.add_argument("--reg", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    own_settings(
+        "centralised implicit ALS (f = 64, α = 100, λ = 0.1, 15 iterations) as a stand-in for federated item "
+        "factors, its signs as the codes"
+    )
     t0 = time.perf_counter()
     fit, val = carve_validation(load_amazon_book().train, seed=0)
     _, Y = implicit_als(fit, factors=64, reg=args.reg, alpha=args.alpha, iterations=15, seed=0)

@@ -289,7 +289,7 @@ def test_simulate_ials_json(capsys: pytest.CaptureFixture[str]) -> None:
         (["--reg", "1e7"], "--reg: must be a finite number in [1e-06, 1000000.0]"),
         (["--rounds", "0"], "--rounds must be >= 1 for --model ials"),
         (["--rank", "5000"], "--rank must be in [1, 4096] for --model ials"),
-        (["--save", "x"], "--save is not available for --model ials"),
+        (["--epsilon", "1", "--save", "x"], "--save is not available for private iALS runs (--epsilon) yet"),
         (["--lam", "1"], "--lam applies to --model lightfr only; --model ials"),
     ],
 )

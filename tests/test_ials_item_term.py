@@ -188,3 +188,38 @@ def test_the_simulated_device_scores_as_the_run_does() -> None:
     run.level_weight = 0.0
     np.testing.assert_allclose(run.score(users), uv, rtol=1e-12)
     assert validation_metric(exp, run)[0] == "hr@10"
+
+
+def test_a_saved_run_keeps_the_item_term(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+    import io
+    import json
+
+    from fedsim.cli import main
+    from fedsim.cli.simulate_ials import save_ials_run
+    from fedsim.evaluation.ranking import TieMode, evaluate_candidates
+    from fedsim.federation.ials import select_and_train
+    from fedsim.federation.runs import load_run
+
+    exp = prepare("synthetic")
+    schedule = IALSSchedule(rounds=2, seed=0)
+    sel = select_and_train(exp, schedule, factors=(8,), alphas=(5.0,), regs=(1.0,), level_weights=(0.5,))
+    assert sel.level_weight == 0.5 and sel.run.item_levels is not None
+    path = tmp_path / "run.fedrec"
+    args = argparse.Namespace(save=path, dataset="synthetic", seed=0, eval_seed=0)
+    out = io.StringIO()
+    save_ials_run(args, exp, schedule, sel, out)
+    assert "saved the run" in out.getvalue()
+    run = load_run(path)
+    whole, _ = run.device_model(None)
+    one, _ = run.device_model(3)
+    for model in (whole, one):
+        assert model.level_weight == 0.5 and np.array_equal(model.item_levels, sel.run.item_levels)
+    np.testing.assert_allclose(one._scores(np.array([0])), sel.run.score(np.array([3])), rtol=1e-12)
+    # `fedrec eval` scores with the term: the figure of the run's own scores (not of u·v alone).
+    assert main(["eval", str(path), "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    want = evaluate_candidates(sel.run.scores(exp.test.users, exp.test.items), 10, TieMode.RANDOM).hr
+    assert rec["metrics"]["model"]["hr@10"] == pytest.approx(want, abs=1e-12)
+    sel.run.level_weight = 0.0
+    assert evaluate_candidates(sel.run.scores(exp.test.users, exp.test.items), 10, TieMode.RANDOM).hr != want

@@ -117,7 +117,7 @@ def test_private_auto_reports_the_kept_runs_epsilon_and_the_uncharged_choice(
         (["--rank", "8"], "--rank applies to --model ials; with the default --model auto both families run"),
         (["--epsilon", "8", "--threshold", "1"], "--threshold applies to --model lightfr; with the default"),
         (["--eval-every", "2"], "--eval-every applies to --model lightfr; with the default --model auto"),
-        (["--save", "run.fedrec"], "--save applies to --model lightfr; with the default --model auto both families"),
+        (["--epsilon", "8", "--save", "run.fedrec"], "--save is not available for private runs (--epsilon) yet"),
         (["--plot", "q.png"], "--plot applies to --model lightfr; with the default --model auto both families run"),
         (["--secure"], "--secure applies to --model mf only; the default --model auto (lightfr and ials)"),
         (["--pop-share", "0.5"], "--pop-share applies to private runs only (with --epsilon)"),

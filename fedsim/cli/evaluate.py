@@ -1,11 +1,11 @@
-"""``fedrec eval``: re-score a saved LightFR run on the split it was trained on, or score a baseline."""
+"""``fedrec eval``: re-score a saved LightFR or iALS run on the split it was trained on, or score a baseline."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from fedsim.cli.args import Command, add_dataset, add_json, add_run_file, positive_int, resolve_data_dir
 from fedsim.evaluation.experiment import Protocol
@@ -13,7 +13,6 @@ from protocol.errors import ConfigError, FedRecError
 
 if TYPE_CHECKING:  # the simulator loads when the command runs, not to parse it
     from fedsim.evaluation.experiment import Experiment
-    from fedsim.federation.lightfr import FederatedLightFR
 
 __all__ = ["COMMAND"]
 
@@ -68,9 +67,9 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         metrics = evaluate_and_report(exp, None, "", eval_seed, out, only=args.baseline)
         rounds: int | None = 0
     else:
-        exp, state, eval_seed, rounds = _load_run(args)
+        exp, state, label, eval_seed, rounds = _load_run(args)
         out.write(exp.describe() + "\n")
-        metrics = evaluate_and_report(exp, state, "LightFR (saved run)", eval_seed, out)
+        metrics = evaluate_and_report(exp, state, label, eval_seed, out)
     if args.json:
         seconds = time.perf_counter() - t0
         record = result_record(
@@ -80,33 +79,45 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _load_run(args: argparse.Namespace) -> tuple[Experiment, FederatedLightFR, int, int | None]:
-    """A saved LightFR run and the experiment it was trained on (same split, same evaluation seed)."""
+def _run_state(family: str, model: Any) -> tuple[Any, str]:
+    """(what `evaluate_and_report` scores, its label) of a saved run's whole model."""
     import numpy as np
 
     from device_sdk.batched import plane_vectors
-    from fedsim.evaluation.experiment import prepare
+    from fedsim.federation.ials import IALSRun
     from fedsim.federation.lightfr import FederatedLightFR
+
+    if family == "ials":
+        term = {"item_levels": model.item_levels, "level_weight": model.level_weight}  # the item term, if any
+        return IALSRun(model.user_factors, model.item_factors, **term), "iALS (saved run)"
+    state = FederatedLightFR(
+        user_codes=model.user_codes.copy(),
+        item_codes=model.item_codes.copy(),
+        item_levels=model.item_levels,
+        hamming_weight=model.hamming_weight,
+    )
+    if np.all(model.user_weight > 0):  # the run saved the vectors its users rank with
+        state.user_vectors = plane_vectors(model.user_q, model.user_weight, model.hamming_weight)
+    return state, "LightFR (saved run)"
+
+
+def _load_run(args: argparse.Namespace) -> tuple[Experiment, Any, str, int, int | None]:
+    """A saved LightFR or iALS run (what it scores with and its label) and the experiment it was trained on
+    (same split, same evaluation seed)."""
+    from fedsim.evaluation.experiment import prepare
     from fedsim.federation.runs import load_run
 
     run = load_run(args.run)
-    if run.family != "lightfr":
+    if run.family not in ("lightfr", "ials"):
         raise ConfigError(
-            f"{args.run} is a {run.family} run: 'fedrec eval' re-scores LightFR runs ('fedrec simulate' printed "
-            f"the {run.family} figures); 'fedrec recommend {args.run} --user ID' uses it"
+            f"{args.run} is a {run.family} run: 'fedrec eval' re-scores LightFR and iALS runs ('fedrec simulate' "
+            f"printed the {run.family} figures); 'fedrec recommend {args.run} --user ID' uses it"
         )
     model = run.device_model(None)[0]
     state_dict = run.state
     try:
         n_users, n_items = run.n_users, run.n_items
-        state = FederatedLightFR(
-            user_codes=model.user_codes.copy(),
-            item_codes=model.item_codes.copy(),
-            item_levels=model.item_levels,
-            hamming_weight=model.hamming_weight,
-        )
-        if np.all(model.user_weight > 0):  # the run saved the vectors its users rank with
-            state.user_vectors = plane_vectors(model.user_q, model.user_weight, model.hamming_weight)
+        state, label = _run_state(run.family, model)
         dataset, protocol = str(state_dict["dataset"]), Protocol(state_dict["protocol"])
         n_neg = int(state_dict["eval_negatives"])
         # runs saved before --eval-seed existed drew their split and candidates from --seed
@@ -138,7 +149,7 @@ def _load_run(args: argparse.Namespace) -> tuple[Experiment, FederatedLightFR, i
         raise FedRecError(
             f"{args.run} was trained on {n_users}×{n_items}, the dataset is {exp.train.n_users}×{exp.train.n_items}"
         )
-    return exp, state, run_eval_seed, rounds
+    return exp, state, label, run_eval_seed, rounds
 
 
 COMMAND = Command(

@@ -36,9 +36,9 @@ COMMAND = Command(
     name="export",
     help="turn a saved run into the on-device model file the SDK loads",
     description="Write the model file a device loads (LightFRModel.load, MFModel.load, FELBModel.load, "
-    "FNMFModel.load) from a run saved by 'fedrec simulate --save'. With --user: that user's device model "
-    "(LightFR, MF: a one-user model; FELB, FNMF: the client model holding the user, and its row). Without: "
-    "the whole run as one model (LightFR, MF).",
+    "FNMFModel.load, IALSModel.load) from a run saved by 'fedrec simulate --save'. With --user: that user's device "
+    "model (LightFR, MF, iALS: a one-user model; FELB, FNMF: the client model holding the user, and its row). "
+    "Without: the whole run as one model (LightFR, MF, iALS).",
     add_options=_add_options,
     run=run,
 )

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the simulator loads when the command runs, not to parse it
     from fedsim.evaluation.experiment import Experiment
     from fedsim.federation.lightfr import FederatedLightFR, RoundReport
 
-__all__ = ["COMMAND", "lightfr_description", "train_lightfr"]
+__all__ = ["COMMAND", "lightfr_description", "save_lightfr_run", "train_lightfr"]
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     label = f"LightFR (Agg_{args.aggregation})"
     metrics = evaluate_and_report(exp, state, label, args.eval_seed, out)
     if getattr(args, "save", None) is not None:
-        _save(args, exp, state, out)
+        save_lightfr_run(args, exp, state, out)
     seconds = time.perf_counter() - t0
     out.write(f"done in {seconds:.1f} s\n")
     if args.json:
@@ -193,7 +193,7 @@ def _plot(args: argparse.Namespace, exp: Experiment, state: FederatedLightFR, ou
     out.write(f"plot: {args.plot}\n")
 
 
-def _save(args: argparse.Namespace, exp: Experiment, state: FederatedLightFR, out: TextIO) -> None:
+def save_lightfr_run(args: argparse.Namespace, exp: Experiment, state: FederatedLightFR, out: TextIO) -> None:
     """``--save``: the trained LightFR run as a ``lightfr-run`` store file (`fedsim.federation.runs`)."""
     from device_sdk.store import save_store
     from fedsim.federation.runs import LIGHTFR_RUN, TrainItems, lightfr_run_fields

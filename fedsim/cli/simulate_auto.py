@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, TextIO
 
+from fedsim.cli.args import check_output_file
 from fedsim.cli.simulate_options import AUTO_FAMILIES, refuse_with_auto
 from protocol.errors import ConfigError
 
@@ -90,9 +91,12 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--dataset is required (a dataset name, a ratings file, or synthetic)")
     if args.dataset == "planted":
         raise ConfigError("--dataset planted is the felb/fnmf recipe: add --model felb or --model fnmf")
-    for option, given in (("--save", args.save is not None), ("--plot", args.plot is not None)):
-        if given:
-            refuse_with_auto(option, ("lightfr",))
+    if args.plot is not None:
+        refuse_with_auto("--plot", ("lightfr",))
+    if args.save is not None:
+        if args.epsilon > 0:
+            raise ConfigError("--save is not available for private runs (--epsilon) yet; drop --save")
+        check_output_file("--save", args.save)
 
 
 def simulate_auto(args: argparse.Namespace, defaults: argparse.Namespace, out: TextIO) -> int:
@@ -104,8 +108,8 @@ def simulate_auto(args: argparse.Namespace, defaults: argparse.Namespace, out: T
     if args.pop_share is not None:
         raise ConfigError("--pop-share applies to private runs only (with --epsilon)")
     from fedsim.cli.results import evaluate_and_report, resolve_dataset
-    from fedsim.cli.simulate import lightfr_description, train_lightfr
-    from fedsim.cli.simulate_ials import _record, ials_label, ials_schedule, train_ials
+    from fedsim.cli.simulate import lightfr_description, save_lightfr_run, train_lightfr
+    from fedsim.cli.simulate_ials import _record, ials_label, ials_schedule, save_ials_run, train_ials
     from fedsim.evaluation.report import result_record, write_json
     from fedsim.federation.families import FAMILY_DEFAULT_ROUNDS
     from fedsim.federation.ials import validation_metric
@@ -134,6 +138,11 @@ def simulate_auto(args: argparse.Namespace, defaults: argparse.Namespace, out: T
             metrics = evaluate_and_report(exp, sel.run, ials_label(sel), args.eval_seed, out)
         else:
             metrics = evaluate_and_report(exp, lightfr, f"LightFR (Agg_{args.aggregation})", args.eval_seed, out)
+    if args.save is not None:  # the kept family's run, as `--model lightfr|ials --save` writes it
+        if kept == "ials":
+            save_ials_run(args, exp, schedule, sel, out)
+        else:
+            save_lightfr_run(args, exp, lightfr, out)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     out.write(f"done in {seconds:.1f} s ({cpu:.1f} s CPU)\n")
     if args.json:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # the simulator loads when the command runs, not to parse it
     from fedsim.evaluation.experiment import Experiment
     from fedsim.federation.ials import IALSSchedule, IALSSelection
 
-__all__ = ["ials_label", "ials_schedule", "simulate_ials", "train_ials"]
+__all__ = ["ials_label", "ials_schedule", "save_ials_run", "simulate_ials", "train_ials"]
 
 
 def _grids(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...] | None]:
@@ -103,9 +103,9 @@ def simulate_ials(args: argparse.Namespace, defaults: argparse.Namespace, out: T
 
     if args.dataset in (None, "planted"):
         raise ConfigError("--model ials needs --dataset (a rating log such as ml-100k, filmtrust-lightfr, amazon-book)")
-    if args.save is not None:
-        raise ConfigError("--save is not available for --model ials yet; drop --save")
     if args.epsilon > 0:
+        if args.save is not None:
+            raise ConfigError("--save is not available for private iALS runs (--epsilon) yet; drop --save")
         from fedsim.cli.simulate_private import simulate_private_ials
 
         return simulate_private_ials(args, defaults, out)
@@ -119,6 +119,8 @@ def simulate_ials(args: argparse.Namespace, defaults: argparse.Namespace, out: T
     label = ials_label(sel)
     with one_blas_thread():
         metrics = evaluate_and_report(exp, sel.run, label, args.eval_seed, out)
+    if args.save is not None:
+        save_ials_run(args, exp, schedule, sel, out)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     out.write(f"done in {seconds:.1f} s ({cpu:.1f} s CPU)\n")
     if args.json:
@@ -129,6 +131,46 @@ def simulate_ials(args: argparse.Namespace, defaults: argparse.Namespace, out: T
 def ials_label(sel: IALSSelection) -> str:
     """The kept model's name in the results table."""
     return f"federated iALS (d={sel.factors}, α={sel.alpha:g}, λ={sel.reg:g}, w={sel.level_weight:g})"
+
+
+def save_ials_run(
+    args: argparse.Namespace, exp: Experiment, schedule: IALSSchedule, sel: IALSSelection, out: TextIO
+) -> None:
+    """``--save``: the kept iALS run as a ``family-run`` (`fedsim.federation.runs`): one `IALSModel` holding every
+    user's vector, V and the item term the run ranks with, with what `fedrec eval` needs to rebuild the split
+    (dataset, protocol, seeds)."""
+    import numpy as np
+
+    from device_sdk.ials import IALSConfig, IALSModel
+    from fedsim.federation.runs import TrainItems, save_family_run
+
+    train = exp.train
+    config = IALSConfig(factors=sel.factors, alpha=sel.alpha, reg=sel.reg)
+    model = IALSModel(train.n_items, config, n_users=train.n_users)
+    model.item_factors = np.array(sel.run.item_factors, dtype=np.float64)
+    model.user_factors = np.array(sel.run.user_factors, dtype=np.float64)
+    model.user_trained[:] = True  # every user took its exact step against the final V (no items: u = 0)
+    model.model_version = schedule.rounds + 1
+    if sel.run.item_levels is not None and sel.level_weight > 0:  # the item term the last payload carried
+        model.item_levels, model.level_weight = sel.run.item_levels.copy(), sel.level_weight
+    save_family_run(
+        args.save,
+        "ials",
+        [(model, train.n_users)],
+        TrainItems.from_pairs(train.users, train.items, train.n_users),
+        {
+            "dataset": str(args.dataset),
+            "protocol": exp.protocol.value,
+            "eval_negatives": exp.n_negatives,
+            "seed": args.seed,
+            "eval_seed": args.eval_seed,
+            "rounds": schedule.rounds,
+            "n_items": train.n_items,
+        },
+        user_ids=train.user_ids,
+        item_ids=train.item_ids,
+    )
+    out.write(f"saved the run to {args.save}\n")
 
 
 def _record(

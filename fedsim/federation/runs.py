@@ -5,17 +5,18 @@ A run file is one `device_sdk.store` file.  Two kinds:
 
 - ``lightfr-run`` (LightFR): every user's code and the item codes as packed words, the item term when
   the run learnt one, and the dataset, protocol and seed that `fedrec eval` needs to re-score it.
-- ``family-run`` (MF, FELB, FNMF): the device models of the run's clients, each stored as the bytes of
-  the model file its own ``save`` writes (one MF model holding every user; one FELB / FNMF model per
-  client holding its rows), plus which global users each client holds.
+- ``family-run`` (MF, FELB, FNMF, iALS): the device models of the run's clients, each stored as the bytes
+  of the model file its own ``save`` writes (one MF or iALS model holding every user; one FELB / FNMF model
+  per client holding its rows), plus which global users each client holds.
 
 Both also keep every user's training items (so a recommendation never repeats an item the user
 already rated) and the dataset's raw user / item ids when it has them.
 
 Invariants:
-- `export_model` writes exactly the file format of the family's ``save``, so ``LightFRModel.load``
-  / ``MFModel.load`` / ``FELBModel.load`` / ``FNMFModel.load`` read it; `recommend` ranks with that same
-  device model's ``recommend`` (the SDK's filters and tie-breaking), never with a copy of its scoring.
+- `export_model` writes exactly the file format of the family's ``save``, so ``LightFRModel.load`` /
+  ``MFModel.load`` / ``FELBModel.load`` / ``FNMFModel.load`` / ``IALSModel.load`` read it; `recommend` ranks
+  with that same device model's ``recommend`` (the SDK's filters and tie-breaking), never with a copy of its
+  scoring.
 - A file that is not a run, or a run whose fields do not fit together, is a `StorageError` naming it.
 """
 
@@ -31,6 +32,7 @@ from numpy.typing import NDArray
 
 from device_sdk.felb import FELBModel
 from device_sdk.fnmf import FNMFModel
+from device_sdk.ials import IALSModel
 from device_sdk.mf import MFModel
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import load_store, save_store
@@ -49,7 +51,7 @@ __all__ = [
 
 LIGHTFR_RUN = "lightfr-run"
 FAMILY_RUN = "family-run"
-_MODELS: dict[str, Any] = {"mf": MFModel, "felb": FELBModel, "fnmf": FNMFModel}
+_MODELS: dict[str, Any] = {"mf": MFModel, "felb": FELBModel, "fnmf": FNMFModel, "ials": IALSModel}
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,7 @@ class Run:
 
     def device_model(self, user: int | None) -> tuple[Any, int]:
         """(model, userid inside it): for ``user``, the model a device holding that user would load;
-        for None, the run's whole model (LightFR and MF: every user; FELB/FNMF: needs a user)."""
+        for None, the run's whole model (LightFR, MF and iALS: every user; FELB/FNMF: needs a user)."""
         if self.family == "lightfr":
             return self._lightfr_model(user), 0
         clients = self.state["clients"]
@@ -215,8 +217,8 @@ class Run:
                 return _model_from_bytes(self.family, client["model"]), 0
             if user is not None and start <= user < start + rows:
                 model = _model_from_bytes(self.family, client["model"])
-                if self.family == "mf":  # one model holds every user: hand out that user's own device model
-                    return _one_mf_user(model, user), 0
+                if self.family in ("mf", "ials"):  # one model holds every user: hand out that user's own model
+                    return _one_user(model, user), 0
                 return model, user - start
             start += rows
         if user is None:
@@ -260,12 +262,15 @@ class Run:
         return np.asarray(ids[keep], dtype=np.int64), np.asarray(scores[keep], dtype=np.float32)
 
 
-def _one_mf_user(model: MFModel, user: int) -> MFModel:
-    one = MFModel(model.n_items, model.config, n_users=1)
+def _one_user(model: Any, user: int) -> Any:
+    """A one-user copy of an MF or iALS model holding every user: the model that user's device holds."""
+    one = type(model)(model.n_items, model.config, n_users=1)
     one.item_factors = model.item_factors.copy()
     one.model_version = model.model_version
     one.user_factors = model.user_factors[user : user + 1].copy()
     one.user_trained = model.user_trained[user : user + 1].copy()
+    if isinstance(model, IALSModel):  # the item term the run ranks with (protocol 1.10)
+        one.item_levels, one.level_weight = model.item_levels, model.level_weight
     return one
 
 
