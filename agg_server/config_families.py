@@ -22,7 +22,7 @@ from protocol.errors import ConfigError
 from protocol.families.ials import DEFAULT_FACTORS as IALS_FACTORS
 from protocol.families.lightfr import DENSITY_SCALE, density_weight
 from protocol.plan import FELBParams, FNMFParams, IALSParams, LightFRParams, MFParams, params_type
-from protocol.spec import MAX_ITEMS, MAX_RANK, ModelKind
+from protocol.spec import MAX_ITEMS, MAX_LEVEL_WEIGHT, MAX_RANK, ModelKind
 
 __all__ = [
     "ModelSection",
@@ -260,13 +260,20 @@ class IALSSection(IALSParams):
     alpha, reg, theta, gram_weight
         As in `protocol.plan.IALSParams`.  A server with ``privacy.enabled`` needs θ >= 1 (the bounded upload,
         norm at most √(2 + γ²): set ``rounds.clip_norm`` to that value).
+    level_weight : float
+        w in [0, 1000] (default 0): > 0 sends each model with its item levels (the log-scale holder counts of
+        the round's sum; noisy under DP) and devices rank by u·v + w·level / 255 (protocol 1.10; a 1.9 device
+        refuses such a model: keep 0 while any is in the fleet).  ``fedrec simulate --model ials`` chooses
+        it on validation and prints the value.
     """
 
     rank: int = IALS_FACTORS
+    level_weight: float = 0.0
 
     def __post_init__(self) -> None:
         _family_checks("ials", IALSParams, self)
         _int("ials.rank", self.rank, lo=1, hi=_MAX_BITS)
+        _set(self, "level_weight", _float("ials.level_weight", self.level_weight, lo=0.0, hi=MAX_LEVEL_WEIGHT))
 
 
 def _unused_table(table: str, key: str, kind: str, value: object) -> ConfigError:

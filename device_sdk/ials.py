@@ -41,9 +41,9 @@ from device_sdk.retrieval import Recommender, fold_in_items
 from device_sdk.store import load_store, save_store
 from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
-from protocol.families.ials import DEFAULT_FACTORS, IALSLayout, initial_item_factors
+from protocol.families.ials import DEFAULT_FACTORS, LEVEL_TOP, IALSLayout, initial_item_factors
 from protocol.plan import IALSParams, TrainingPlan
-from protocol.spec import MAX_RANK, ModelKind
+from protocol.spec import MAX_LEVEL_WEIGHT, MAX_RANK, ModelKind
 
 __all__ = ["IALSConfig", "IALSModel", "initial_item_factors", "solve_users", "upload_sums", "user_item_csr"]
 
@@ -192,6 +192,9 @@ class IALSModel(Recommender, RoundHooks):
     config : hyper-parameters.
     n_users : local users (1 on a phone; a silo's user count in the cross-silo mode).
     rng : generator for the initial item factors and tie-breaking in `recommend`.
+
+    A downloaded model may carry an item term (protocol 1.10): uint8 ``item_levels`` (the log-scale holder
+    counts of the round that produced it) and their weight w; `recommend` then ranks by u·v_i + w·level_i / 255.
     """
 
     KIND: ClassVar[str] = ModelKind.IALS.value
@@ -204,6 +207,8 @@ class IALSModel(Recommender, RoundHooks):
     user_factors: NDArray[np.float64] = field(init=False, repr=False)
     item_factors: NDArray[np.float64] = field(init=False, repr=False)
     user_trained: NDArray[np.bool_] = field(init=False, repr=False)
+    item_levels: NDArray[np.uint8] | None = field(default=None, init=False, repr=False)
+    level_weight: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         if self.n_items <= 0:
@@ -219,17 +224,24 @@ class IALSModel(Recommender, RoundHooks):
         """Factor count d (the ``bits`` field of the wire messages)."""
         return self.config.factors
 
-    def set_global(self, words: bytes, values: bytes, version: int) -> None:
-        """Adopt global item factors ``version``: ``values`` is float64 little-endian V (n_items, d).
+    def set_global(
+        self, words: bytes, values: bytes, version: int, *, item_levels: bytes = b"", level_weight: float = 0.0
+    ) -> None:
+        """Adopt global item factors ``version``: ``values`` is float64 little-endian V (n_items, d); with
+        ``item_levels`` (n_items uint8, or empty) and ``level_weight`` w the item term `recommend` adds
+        (protocol 1.10, `protocol.messages.ModelPayload.ials_extras`).
 
         Raises
         ------
         ValueError
-            If ``words`` is not empty or ``values`` has the wrong length or non-finite entries.
+            If ``words`` is not empty, ``values`` has the wrong length or non-finite entries, the levels are
+            not one byte per item, or w is not in [0, MAX_LEVEL_WEIGHT] (> 0 only with levels).
         """
         if words:
             raise ValueError("an iALS model payload carries no packed words")
+        levels, weight = _item_term(item_levels, level_weight, self.n_items)
         self.item_factors = float_matrix_from_bytes(values, (self.n_items, self.config.factors))
+        self.item_levels, self.level_weight = levels, weight
         self.model_version = int(version)
 
     def local_update(self, plan: TrainingPlan, data: LocalRatings, rng: np.random.Generator) -> LocalResult:
@@ -298,8 +310,12 @@ class IALSModel(Recommender, RoundHooks):
             raise ModelError("this user has no trained vector yet: call local_update or fold_in first")
 
     def _scores(self, users: NDArray[np.int64]) -> NDArray[np.float64]:
-        """u·v_j of every item (the `recommend` scores, returned as float32)."""
-        return self.user_factors[users] @ self.item_factors.T
+        """u·v_j + w·level_j / 255 of every item (the `recommend` scores, returned as float32; u·v_j alone
+        without an item term)."""
+        scores = self.user_factors[users] @ self.item_factors.T
+        if self.item_levels is not None and self.level_weight > 0:
+            scores += (self.level_weight / LEVEL_TOP) * self.item_levels.astype(np.float64)
+        return scores
 
     # -- persistence --------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -315,6 +331,8 @@ class IALSModel(Recommender, RoundHooks):
                 "item_factors": np.ascontiguousarray(self.item_factors, dtype="<f8").tobytes(),
                 "user_factors": np.ascontiguousarray(self.user_factors, dtype="<f8").tobytes(),
                 "user_trained": np.packbits(self.user_trained).tobytes(),
+                "item_levels": None if self.item_levels is None else self.item_levels.tobytes(),
+                "level_weight": self.level_weight,
             },
         )
 
@@ -333,6 +351,26 @@ class IALSModel(Recommender, RoundHooks):
                 raise ValueError(f"user_trained holds {packed.size} bytes for {n_users} users")
             model.user_trained = np.unpackbits(packed)[:n_users].astype(bool)
             model.model_version = int(state["model_version"])
+            # A file written before the item term (protocol 1.10) has neither key: u·v alone.
+            levels = state.get("item_levels")
+            model.item_levels, model.level_weight = _item_term(
+                b"" if levels is None else bytes(levels), float(state.get("level_weight", 0.0)), n_items
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"{path} is a valid store file but its iALS state is invalid: {exc}") from exc
         return model
+
+
+def _item_term(item_levels: bytes, level_weight: float, n_items: int) -> tuple[NDArray[np.uint8] | None, float]:
+    """(levels or None, w) of a model's item term, checked: one byte per item or none, w finite in
+    [0, MAX_LEVEL_WEIGHT], > 0 only with levels."""
+    w = float(level_weight)
+    if not (np.isfinite(w) and 0.0 <= w <= MAX_LEVEL_WEIGHT):
+        raise ValueError(f"level_weight must be a finite number in [0, {MAX_LEVEL_WEIGHT:g}], got {level_weight!r}")
+    if not item_levels:
+        if w > 0:
+            raise ValueError("level_weight > 0 needs item_levels")
+        return None, w
+    if len(item_levels) != n_items:
+        raise ValueError(f"item_levels must hold one byte per item ({n_items}), got {len(item_levels)}")
+    return np.frombuffer(item_levels, dtype=np.uint8).copy(), w

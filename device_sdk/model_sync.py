@@ -58,7 +58,7 @@ class ModelSyncMixin(ClientCore):
         """Install the downloaded model (runs in a worker thread: at 10^6 items and 64 bits, measured 0.5 s to
         unpack and 0.4–0.8 s for the item Gram of the ranking refresh on the shared 2-core machine)."""
         try:
-            self._model.set_global(payload.words, payload.values, payload.model_version, **payload.lightfr_extras())
+            self._model.set_global(payload.words, payload.values, payload.model_version, **payload.family_extras())
         except ValueError as exc:
             raise RemoteProtocolError(f"model {payload.model_version}: {exc}") from exc
         self._model.adopted(self._data)  # e.g. LightFR re-solves its ranking vectors against the new codes

@@ -307,6 +307,7 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind] | str, ..
                 ("unobserved_weight", "w0", Kind.FLOAT),  # protocol 1.7
                 ("confidence", "al", Kind.FLOAT),  # protocol 1.7
                 ("dp_trained", "dp", Kind.BOOL),  # protocol 1.7
+                ("level_weight", "lw", Kind.FLOAT),  # protocol 1.10
             ),
         ),
         RoundResult.TYPE: (

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from protocol.message_base import Message, check_bytes, check_float, check_id, check_text, fail
-from protocol.spec import MAX_ITEMS, MAX_RANK, MAX_TEXT
+from protocol.spec import MAX_ITEMS, MAX_LEVEL_WEIGHT, MAX_RANK, MAX_TEXT
 
 __all__ = [
     "MAX_REVOCATION_LIST_BYTES",
@@ -148,7 +148,8 @@ class ModelPayload(Message):
         (bits, n_items).  Empty for LightFR.
     item_levels : bytes
         Protocol 1.3, LightFR: one uint8 level per item (``n_items`` bytes) or empty (no item term).
-        A device scores item i as (bits − Hamming)·hamming_weight + level_i.
+        A device scores item i as (bits − Hamming)·hamming_weight + level_i.  Protocol 1.10, iALS: the
+        same, the log-scale holder counts of the round that produced this model (`level_weight`).
     hamming_weight : int
         Protocol 1.3, LightFR: B in [1, 255] of that integer score.
     unobserved_weight : float
@@ -166,6 +167,10 @@ class ModelPayload(Message):
         one) added DP noise; the server keeps it with the model, so it is sticky.  A LightFR device
         holding such a model ranks with its ±1 code (`LightFRModel.private_model`).  False (the default,
         and what a 1.6 server's payload means): not stated.
+    level_weight : float
+        Protocol 1.10, iALS: w in [0, MAX_LEVEL_WEIGHT]; a device scores item i as u·v_i + w·level_i / 255.
+        > 0 only for an ``ials`` model with ``item_levels``.  0 (the default, and what a 1.9 server's
+        payload means): u·v alone.
     """
 
     TYPE: ClassVar[int] = 15
@@ -182,6 +187,8 @@ class ModelPayload(Message):
     unobserved_weight: float = 0.0
     confidence: float = 0.0
     dp_trained: bool = False
+    # Appended in protocol 1.10 (iALS item term).
+    level_weight: float = 0.0
 
     def __post_init__(self) -> None:
         n = "ModelPayload"
@@ -214,9 +221,14 @@ class ModelPayload(Message):
         if not 1 <= self.hamming_weight <= 255:
             fail(n, f"hamming_weight must be in [1, 255], got {self.hamming_weight}")
         if self.item_levels:
-            if self.model_kind != "lightfr":
-                fail(n, "item_levels are for LightFR models only")
+            if self.model_kind not in ("lightfr", "ials"):
+                fail(n, "item_levels are for LightFR and iALS models only")
             check_bytes(n, "item_levels", self.item_levels, self.n_items, max_len=1 << 27)
+        check_float(n, "level_weight", self.level_weight, minimum=0.0)
+        if self.level_weight > MAX_LEVEL_WEIGHT:
+            fail(n, f"level_weight must be <= {MAX_LEVEL_WEIGHT:g}, got {self.level_weight!r}")
+        if self.level_weight > 0 and not (self.model_kind == "ials" and self.item_levels):
+            fail(n, "level_weight > 0 is for iALS models with item_levels")
         if self.unobserved_weight > 0 and not (self.model_kind == "lightfr" and self.item_levels):
             fail(n, "unobserved_weight > 0 is for LightFR models of the all-items objective (with item_levels)")
 
@@ -232,6 +244,17 @@ class ModelPayload(Message):
             "confidence": self.confidence,
             "dp_trained": self.dp_trained,
         }
+
+    def ials_extras(self) -> dict[str, Any]:
+        """Keyword arguments an iALS device model's ``set_global`` takes beyond words and values (the item
+        term, protocol 1.10); empty for the other families."""
+        if self.model_kind != "ials":
+            return {}
+        return {"item_levels": self.item_levels, "level_weight": self.level_weight}
+
+    def family_extras(self) -> dict[str, Any]:
+        """`lightfr_extras` or `ials_extras`, whichever this payload's family takes (empty for the others)."""
+        return self.lightfr_extras() or self.ials_extras()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

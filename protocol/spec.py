@@ -11,6 +11,7 @@ __all__ = [
     "Alignment",
     "DEFAULT_VALID_DAYS",
     "MAX_ITEMS",
+    "MAX_LEVEL_WEIGHT",
     "MAX_LOCAL_STEPS",
     "MAX_QUERY_PLANES",
     "MAX_RANK",
@@ -22,7 +23,7 @@ __all__ = [
     "USER_REG_RANGE",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 9)
+PROTOCOL_VERSION: tuple[int, int] = (1, 10)
 """(major, minor): what the codec writes in every envelope (`protocol.codec.is_compatible` decides who can
 talk) and whose major version `protocol.crypto` binds into every derived key and `protocol.identity` into
 every signed round payload."""
@@ -33,6 +34,8 @@ MAX_RANK = 4096
 """Largest code length / factor count / component count: the ``bits`` wire field."""
 MAX_ITEMS = 1 << 26
 """Largest catalogue a model payload may describe."""
+MAX_LEVEL_WEIGHT = 1000.0
+"""Largest weight w of an iALS model's item levels (protocol 1.10): a device scores u·v + w·level / 255."""
 MAX_LOCAL_STEPS = 1000
 """Largest count of local epochs, DCD sweeps, local steps or pre-training epochs a plan may ask."""
 MAX_QUERY_PLANES = 8

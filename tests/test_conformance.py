@@ -43,7 +43,7 @@ from protocol.identity import (
     verify_revocation_list,
     verify_signature,
 )
-from protocol.messages import Message, RoundInvite
+from protocol.messages import Message, ModelPayload, RoundInvite
 from protocol.plan import known_wire_params, params_from_wire
 from protocol.quantization import QuantizationConfig, dequantize_sum, quantize
 from protocol.samplers import insecure_test_noise_stream
@@ -275,6 +275,17 @@ def test_a_model_payload_of_an_older_minor_takes_the_defaults() -> None:
     expected = dict(case["decodes_to"])
     assert type(decoded).__name__ == expected.pop("type")
     assert {k: getattr(decoded, k) for k in expected} == expected
+
+
+def test_an_ials_model_of_an_older_minor_has_no_item_term() -> None:
+    # A 1.9 server's iALS model: no lv / lw keys, so the device ranks by u·v alone.
+    case = MESSAGES["accepted_older_ials_model"]
+    decoded = codec.decode(bytes.fromhex(case["hex"]))
+    expected = dict(case["decodes_to"])
+    assert type(decoded).__name__ == expected.pop("type")
+    assert {k: getattr(decoded, k) for k in expected} == expected
+    assert isinstance(decoded, ModelPayload) and decoded.item_levels == b""
+    assert decoded.ials_extras() == {"item_levels": b"", "level_weight": 0.0}
 
 
 def test_payload_layouts() -> None:

@@ -30,6 +30,8 @@ from device_sdk.mf import MFConfig, MFModel
 from fedsim.data.planted import planted_binary, planted_nonnegative
 from fedsim.fleets.faults import DropoutAt, FaultyTransport
 from fedsim.private.coordinator_rounds import run_private
+from protocol import codec
+from protocol.messages import ModelPayload
 from protocol.policy import PrivacyPolicy
 
 N_ITEMS = 24
@@ -63,7 +65,7 @@ def _config(data_dir: Path, kind: str) -> ServerConfig:
                 "mf": {"rank": 4, "pretrain_epochs": 5},
                 "felb": {"rank": 3, "local_epochs": 3},
                 "fnmf": {"rank": 3, "local_steps": 5},
-                "ials": {"rank": 4, "alpha": 5.0},
+                "ials": {"rank": 4, "alpha": 5.0, "level_weight": 0.5},  # with the item term (protocol 1.10)
             }[kind],
         },
         base_dir=data_dir,
@@ -179,6 +181,10 @@ async def test_family_round_over_http_matches_in_process(kind: str, aiohttp_serv
         assert ref.coordinator.model_version == 2
         assert ref.coordinator.model_bytes == coord.model_bytes
         assert not np.array_equal(ref.coordinator.model_state, _initial_state(ref_cfg))
+        if kind == "ials":  # the model carries the levels of the survivors' holder counts and their weight
+            served = codec.decode(coord.model_bytes)
+            assert isinstance(served, ModelPayload) and served.level_weight == 0.5
+            assert len(served.item_levels) == N_ITEMS and max(served.item_levels) == 255
     finally:
         store.close()
 

@@ -154,18 +154,26 @@ def test_model_refuses_misfit_plans_and_round_trips_its_store(tmp_path: Path) ->
 def test_a_run_on_synthetic_data_learns_and_picks_on_validation() -> None:
     exp = prepare("synthetic")
     schedule = IALSSchedule(rounds=3, seed=0)
-    sel = select_and_train(exp, schedule, factors=(16, 8), alphas=(1.0, 10.0))
-    assert set(sel.validation) == {(16, 1.0), (16, 10.0), (8, max((1.0, 10.0), key=lambda a: sel.validation[(16, a)]))}
-    assert sel.validation[(sel.factors, sel.alpha)] == max(sel.validation.values())
-    assert validation_metric(exp, sel.run) == ("hr@10", sel.validation[(sel.factors, sel.alpha)])
+    sel = select_and_train(exp, schedule, factors=(16, 8), alphas=(1.0, 10.0), regs=(0.1, 10.0), level_weights=(0, 1))
+    # The coordinate search: every α at (16, 0.1), the other λ at the best α, the other d at the best (α, λ).
+    alpha = max((1.0, 10.0), key=lambda a: sel.validation[(16, a, 0.1)])
+    reg = max((0.1, 10.0), key=lambda r: sel.validation[(16, alpha, r)])
+    assert set(sel.validation) == {(16, 1.0, 0.1), (16, 10.0, 0.1), (16, alpha, 10.0), (8, alpha, reg)}
+    assert sel.validation[(sel.factors, sel.alpha, sel.reg)] == max(sel.validation.values())
+    # Then the item term's weight, on the kept run's scores only: w = 0 is its u·v figure.
+    assert set(sel.level_validation) == {0.0, 1.0} and sel.level_validation[0.0] == max(sel.validation.values())
+    assert sel.value == max(sel.level_validation.values()) and sel.run.level_weight == sel.level_weight
+    assert validation_metric(exp, sel.run) == ("hr@10", sel.value)
     pop = baselines(exp)["popularity"].hr
     from fedsim.evaluation.ranking import TieMode, evaluate_candidates
 
     test_hr = evaluate_candidates(sel.run.scores(exp.test.users, exp.test.items), 10, TieMode.RANDOM).hr
     assert test_hr > pop + 0.05, (test_hr, pop)
     # The same schedule and seed give the same model.
-    again = run_federated_ials(exp.train, IALSStrategy(exp.train.n_items, rank=sel.factors, alpha=sel.alpha), schedule)
+    strategy = IALSStrategy(exp.train.n_items, rank=sel.factors, alpha=sel.alpha, reg=sel.reg)
+    again = run_federated_ials(exp.train, strategy, schedule)
     np.testing.assert_array_equal(again.item_factors, sel.run.item_factors)
+    np.testing.assert_array_equal(again.item_levels, sel.run.item_levels)
 
 
 # -- the same rounds through SecAgg+ ---------------------------------------------------------------------
@@ -262,7 +270,13 @@ def test_simulate_ials_json(capsys: pytest.CaptureFixture[str]) -> None:
         "ials",
         8,
     )
-    assert rec["alpha"] in (5.0, 20.0, 100.0) and len(rec["validation"]) == 3
+    assert rec["alpha"] in (5.0, 20.0, 100.0) and len(rec["validation"]) == 4  # 3 α, then λ = 100 at the best
+    # λ = 0.1 with every α, then the strong ridge 5·(1 + α) at the best α.
+    best_alpha = max(rec["validation"][:3], key=lambda c: c["hr@10"])["alpha"]
+    assert [c["reg"] for c in rec["validation"]] == [0.1, 0.1, 0.1, 5.0 * (1 + best_alpha)]
+    assert rec["reg"] in (0.1, 5.0 * (1 + best_alpha))
+    assert [c["level_weight"] for c in rec["level_weights"]] == [0.0, 0.01, 0.03, 0.1]
+    assert rec["level_weight"] in (0.0, 0.01, 0.03, 0.1)
     assert rec["metrics"]["model"]["hr@10"] > rec["metrics"]["popularity"]["hr@10"]
     assert "chosen on validation: d=8" in cap.err and "validation d=8, α=5" in cap.err
 

@@ -16,21 +16,25 @@ Invariants:
 - The state is V, (n_items, d) float64, finite.
 - `aggregate` is a function of the sum only (the survivor count and the old V are not used): it runs
   unchanged behind SecAgg+.
-- Wire form: ``values`` = float64 little-endian C-order bytes of V, ``words`` empty.
+- Wire form: ``values`` = float64 little-endian C-order bytes of V, ``words`` empty.  With ``level_weight``
+  w > 0 (protocol 1.10) also ``item_levels``, the uint8 log-scale holder counts c of the sum that produced V
+  (`protocol.families.ials.item_levels`; noisy under DP), and w: a device ranks by u·v + w·level / 255.  The
+  levels go with the model version (`to_wire` right after `aggregate`; `from_wire` gives a checkpoint's back).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from agg_server.strategy.base import FloatStrategy, float_state_from_bytes
-from protocol.families.ials import DEFAULT_FACTORS, IALSLayout, initial_item_factors
+from protocol.families.ials import DEFAULT_FACTORS, IALSLayout, initial_item_factors, item_levels
 from protocol.plan import IALSParams
-from protocol.spec import MAX_RANK, ModelKind
+from protocol.spec import MAX_LEVEL_WEIGHT, MAX_RANK, ModelKind
 
 __all__ = ["IALSStrategy", "solve_items"]
 
@@ -79,6 +83,9 @@ class IALSStrategy(FloatStrategy):
     theta, gram_weight : θ >= 1 asks the devices for the bounded upload of a DP round (unit user vectors, rows
         weighted 1/√max(|I|, θ), the Gram part scaled by γ, no weighted Gram); the item solve then takes
         M = G / tr G, the mean u uᵀ of unit vectors (`step`).  0: the plain upload.
+    level_weight : w in [0, 1000] of the item term sent with each model (protocol 1.10): > 0 adds the levels of
+        the round's holder counts to the payload (`to_wire`), and devices rank by u·v + w·level / 255.  0 (the
+        default): V alone, a payload every 1.9 device reads.
     """
 
     n_items: int
@@ -87,7 +94,10 @@ class IALSStrategy(FloatStrategy):
     reg: float = IALSParams().reg
     theta: int = IALSParams().theta
     gram_weight: float = IALSParams().gram_weight
+    level_weight: float = 0.0
     kind: str = ModelKind.IALS.value
+    # The levels of the model `aggregate` made last (or `from_wire` read): [] before the first round.
+    _levels: list[NDArray[np.uint8]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.n_items, bool) or not isinstance(self.n_items, int) or self.n_items <= 0:
@@ -95,6 +105,10 @@ class IALSStrategy(FloatStrategy):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_RANK:
             raise ValueError(f"rank must be an integer in [1, {MAX_RANK}], got {self.rank!r}")
         self.plan()  # the plan's bounds: `protocol.plan.IALSParams` checks them
+        w = self.level_weight
+        number = isinstance(w, int | float) and not isinstance(w, bool)
+        if not (number and math.isfinite(w) and 0 <= w <= MAX_LEVEL_WEIGHT):
+            raise ValueError(f"level_weight must be a finite number in [0, {MAX_LEVEL_WEIGHT:g}], got {w!r}")
         if self.kind != ModelKind.IALS.value:
             raise ValueError(f"kind must be {ModelKind.IALS.value!r}, got {self.kind!r}")
 
@@ -127,6 +141,8 @@ class IALSStrategy(FloatStrategy):
         """The shared-curvature item solve on the cohort's sum (``state``, ``survivors`` and ``round_index``
         are unused: the new V is a function of the sum alone)."""
         parts = self.layout.split(total)
+        if self.level_weight > 0:
+            self._levels[:] = [item_levels(parts["counts"])]
         if self.theta:
             return self._bounded_step(parts)
         positives = float(parts["positives"])
@@ -145,11 +161,30 @@ class IALSStrategy(FloatStrategy):
         M = G / trace if trace > 0 else np.zeros_like(G)
         return solve_items(parts["factors"], parts["counts"], G, M, self.alpha, self.reg)
 
-    def from_wire(self, words: bytes, values: bytes) -> NDArray[np.float64]:
-        """Inverse of `to_wire`; raises ValueError on packed words, a wrong length or non-finite values."""
+    @property
+    def levels(self) -> NDArray[np.uint8] | None:
+        """The item levels of the model `aggregate` made last (or `from_wire` read); None before any."""
+        return self._levels[-1] if self._levels else None
+
+    def to_wire(self, state: NDArray[Any]) -> dict[str, Any]:
+        """``values`` (V); with w > 0, once a round has summed counts, also ``item_levels`` and ``level_weight``
+        (called right after `aggregate`: the levels of the sum that produced ``state``)."""
+        wire: dict[str, Any] = dict(FloatStrategy.to_wire(self, state))
+        if self.level_weight > 0 and self._levels:
+            wire["item_levels"] = self._levels[-1].tobytes()
+            wire["level_weight"] = float(self.level_weight)
+        return wire
+
+    def from_wire(self, words: bytes, values: bytes, item_levels: bytes = b"") -> NDArray[np.float64]:
+        """Inverse of `to_wire` (the levels are kept for the next `to_wire`); raises ValueError on packed words,
+        a wrong length or non-finite values."""
         if words:
             raise ValueError("an iALS model payload carries no packed words")
-        return float_state_from_bytes(values, self.shape)
+        if item_levels and len(item_levels) != self.n_items:
+            raise ValueError(f"an iALS model needs {self.n_items} item levels, got {len(item_levels)} bytes")
+        state = float_state_from_bytes(values, self.shape)
+        self._levels[:] = [np.frombuffer(item_levels, dtype=np.uint8).copy()] if item_levels else []
+        return state
 
     def describe(self, old: NDArray[Any], new: NDArray[Any]) -> str:
         """E.g. "mean |ΔV| = 0.0123, 17 items held by nobody"."""

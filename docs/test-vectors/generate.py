@@ -131,6 +131,7 @@ _SINCE_1_6 = {"RoundInvite": ("query_planes", "user_reg")}
 _SINCE_1_7 = {"ModelPayload": ("unobserved_weight", "confidence", "dp_trained")}
 _SINCE_1_8 = {"RoundInvite": ("roster_ids", "roster_keys")}
 _SINCE_1_9 = {"RoundInvite": ("theta", "gram_weight")}
+_SINCE_1_10 = {"ModelPayload": ("level_weight",)}
 
 
 def _check(condition: bool) -> None:
@@ -149,6 +150,8 @@ def fixed_field_element(label: str) -> int:
 
 
 def _since(cls_name: str, type_code: int, field: str) -> str:
+    if field in _SINCE_1_10.get(cls_name, ()):
+        return "1.10"
     if field in _SINCE_1_9.get(cls_name, ()):
         return "1.9"
     if field in _SINCE_1_8.get(cls_name, ()):
@@ -303,6 +306,7 @@ def message_vectors() -> dict[str, Any]:
         ),
         _PLANES_INVITE,  # protocol 1.6: a LightFR plan asking for asymmetric scoring
         _W0_MODEL,  # protocol 1.7: a LightFR model with the w0 and α it goes with, trained with DP noise
+        _LEVELS_MODEL,  # protocol 1.10: an iALS model with its item levels and their weight
         RoundInvite(  # a 1.0-style invite: every appended field at its default
             round_id=1,
             device_id=2,
@@ -320,8 +324,10 @@ def message_vectors() -> dict[str, Any]:
     return {
         "description": "One encoding per message type (type codes 1-16, 20-22), then extra cases: a float64 model "
         "payload (MF), an UnmaskResponse without DP (empty dp_excess), a LightFR invite whose plan asks for "
-        "asymmetric scoring (protocol 1.6: query_planes, user_reg) and an invite with every appended "
-        "field at its default.  Envelope: msgpack map {v: [major, minor], t: type code, b: body}.",
+        "asymmetric scoring (protocol 1.6: query_planes, user_reg), a LightFR model with its w0, alpha and DP "
+        "flag (1.7), an iALS model with item levels and their weight (1.10: score u.v + w*level/255) and an "
+        "invite with every appended field at its default.  Envelope: msgpack map {v: [major, minor], t: type code, "
+        "b: body}.",
         "protocol_version": list(PROTOCOL_VERSION),
         "messages": [describe(m) for m in messages],
         "extra": [describe(m) for m in extra],
@@ -373,6 +379,12 @@ def message_vectors() -> dict[str, Any]:
                 "hamming_weight": 2,
             },
         },
+        "accepted_older_ials_model": {
+            "why": "a 1.9 server's iALS model has no lv/lw keys: no item term (level_weight 0), the device ranks "
+            "by u.v alone",
+            "hex": _raw_envelope([1, 9], 15, _older_body(_LEVELS_MODEL, ("lv", "lw"))).hex(),
+            "decodes_to": {"type": "ModelPayload", "model_kind": "ials", "bits": 2, "level_weight": 0.0},
+        },
         "accepted_unknown_key": {
             "why": "a newer minor version adds key zz: decoders ignore unknown keys",
             "hex": _raw_envelope([1, 9], 13, {"d": 5, "mv": 2, "zz": "later field"}).hex(),
@@ -417,6 +429,20 @@ _W0_MODEL = ModelPayload(
     unobserved_weight=0.03125,
     confidence=0.5,
     dp_trained=True,
+)
+
+
+#: An iALS model (m = 3 items, d = 2) with the uint8 levels of its round's holder counts and their weight
+#: w = 0.03: a device ranks by u·v_i + w·level_i / 255 (protocol 1.10).
+_LEVELS_MODEL = ModelPayload(
+    model_version=6,
+    model_kind="ials",
+    bits=2,
+    n_items=3,
+    words=b"",
+    values=np.array([[0.5, -0.25], [0.125, 1.0], [-1.5, 0.75]], dtype="<f8").tobytes(),
+    item_levels=bytes([255, 0, 161]),
+    level_weight=0.03,
 )
 
 

@@ -88,7 +88,8 @@ def _run_state(family: str, model: Any) -> tuple[Any, str]:
     from fedsim.federation.lightfr import FederatedLightFR
 
     if family == "ials":
-        return IALSRun(user_factors=model.user_factors, item_factors=model.item_factors), "iALS (saved run)"
+        term = {"item_levels": model.item_levels, "level_weight": model.level_weight}  # the item term, if any
+        return IALSRun(model.user_factors, model.item_factors, **term), "iALS (saved run)"
     state = FederatedLightFR(
         user_codes=model.user_codes.copy(),
         item_codes=model.item_codes.copy(),

@@ -234,8 +234,8 @@ COMMAND = Command(
     "private runs, the kept run's ε reported). --model lightfr: HR@10/NDCG@10 in both tie modes beside "
     "popularity and random. --model mf: test RMSE and HR@10/NDCG@10, optionally private through the real "
     "coordinator (--epsilon). --model felb / fnmf: the planted recipes (or binarized ratings for felb) with F1 / "
-    "Σ-RMSD figures. --model ials: federated implicit ALS, confidence α and factors d chosen on validation, "
-    "the same test protocol as LightFR.",
+    "Σ-RMSD figures. --model ials: federated implicit ALS, confidence α, ridge λ, factors d and the weight of "
+    "its item-popularity term chosen on validation, the same test protocol as LightFR.",
     add_options=_add_options,
     run=run,
 )

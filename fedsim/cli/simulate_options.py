@@ -208,7 +208,8 @@ def add_family_args(p: argparse.ArgumentParser) -> None:
         "--reg",
         type=positive_float,
         default=None,
-        help="ials: ridge weight λ of the user and item solves (default 0.1)",
+        help="ials: ridge weight λ of the user and item solves (default: chosen on validation, 0.1 or "
+        "5·(1 + α); with --epsilon 0.1)",
     )
     g.add_argument("--clients", type=positive_int, default=None, help="felb/fnmf clients (default 10; 50 on ratings)")
     g.add_argument(

@@ -19,8 +19,10 @@ Schema (`fedrec simulate` and `fedrec eval`; other commands reuse `fedsim.evalua
 `validation` (`{"lightfr": x, "ials": y}`, each family's figure on the same validation split) and
 `validation_metric` (`hr@10` or `recall@20`); with `--epsilon` also `epsilon`, `delta` and `plan` (the kept
 run's ledger and plan) and `selection` (the choice between the two private runs is a selection on private data
-the ledger does not charge). When iALS is kept, `factors`, `alpha`, `reg`, `cpu_seconds` and `candidates`
-(every (d, α) tried, with its validation figure) come too; `--model ials` reports that list as `validation`.
+the ledger does not charge). When iALS is kept, `factors`, `alpha`, `reg`, `level_weight` (the weight w of the
+item term: scores u·v + w·level, level the log-scale holder counts over [0, 1]), `cpu_seconds`, `candidates`
+(every (d, α, λ) tried, with its validation figure) and `level_weights` (the kept model's figure at each w) come
+too; `--model ials` reports the candidates as `validation`.
 
 `fedrec demo --json` uses the same fixed keys (`metrics` holds `hr@10` / `ndcg@10` of the model the
 server trained, popularity and random; `rounds` counts committed rounds) and adds `epsilon`, `delta`

@@ -1,5 +1,6 @@
 """Federated implicit ALS in the simulator: in-process federation (plain sums, no secure aggregation), the
-choice of α and d on validation, and the one scoring call every evaluation of the family goes through.
+choice of α, λ, d and the item term's weight w on validation, and the one scoring call every evaluation of the
+family goes through.
 
 Invariants:
 - Devices run exactly `device_sdk.ials.IALSModel.local_update`, and the server exactly
@@ -10,7 +11,8 @@ Invariants:
 - After the last round every device adopts the final V (`IALSModel.adopted`: its exact user step against
   it, nothing uploaded), as a device does when it downloads a new version.
 - Every score of a trained model comes from `IALSRun.score` (validation and test alike), so the ranking a
-  device uses is switched in one place.
+  device uses is switched in one place: u·v + w·level / 255, the levels those the server sends with the last
+  round's model (`protocol.families.ials.item_levels` of the sum's holder counts), w = 0 for u·v alone.
 - All randomness comes from one generator seeded by the schedule: a run is reproducible from its seed.
 """
 
@@ -33,7 +35,7 @@ from device_sdk.ials import IALSConfig, IALSModel
 from fedsim.data.ratings import Ratings
 from fedsim.evaluation.experiment import Experiment, Protocol
 from fedsim.evaluation.ranking import TieMode, evaluate_all_items, evaluate_candidates
-from protocol.families.ials import DEFAULT_FACTORS
+from protocol.families.ials import DEFAULT_FACTORS, LEVEL_TOP, item_levels
 from protocol.plan import IALSParams
 
 __all__ = [
@@ -43,16 +45,35 @@ __all__ = [
     "IALSRun",
     "IALSSchedule",
     "IALSSelection",
+    "LEVEL_WEIGHTS",
     "RankedModel",
+    "STRONG_RIDGE",
     "run_federated_ials",
+    "ridge_grid",
     "select_and_train",
     "validation_metric",
 ]
 
 #: The confidences α tried on validation when none is given (one training each; the best is kept).
 ALPHA_GRID: tuple[float, ...] = (5.0, 20.0, 100.0)
-#: The factor counts d tried on validation when none is given: the first with every α, the others at the best α.
+#: The strong ridge tried on validation when no λ is given, per unit of a held item's confidence: λ = ρ·(1 + α).
+#: Divided by 1 + α, the user step weighs a held item about 1 and λ as ρ, so ρ is the ridge on the scale of the
+#: data whatever α is (the figures that chose it: docs/results/2026-11-27-auto-default.md).  A strong ridge shrinks
+#: the factors towards the few directions the data supports, what sparse logs (a few items per user, most items
+#: held once or twice) need; dense logs keep the family's weak default, λ = 0.1.
+STRONG_RIDGE = 5.0
+
+
+def ridge_grid(alpha: float) -> tuple[float, ...]:
+    """The λ tried at confidence α when none is given: the family's default, then the strong ridge ρ·(1 + α)."""
+    return (IALSParams().reg, STRONG_RIDGE * (1.0 + alpha))
+
+
+#: The factor counts d tried on validation when none is given: the first with every α, the others at the best
+#: (α, λ).
 FACTOR_GRID: tuple[int, ...] = (DEFAULT_FACTORS, 128, 32)
+#: The weights w of the item term (u·v + w·level / 255) tried on the kept model; 0 = u·v alone.
+LEVEL_WEIGHTS: tuple[float, ...] = (0.0, 0.01, 0.03, 0.1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,15 +111,22 @@ class IALSRoundReport:
 
 @dataclass
 class IALSRun:
-    """A trained model: every user's vector (against the final V) and the global V."""
+    """A trained model: every user's vector (against the final V), the global V, the item levels of the last
+    round's holder counts (None before a round) and the weight w the scores give them."""
 
     user_factors: NDArray[np.float64]
     item_factors: NDArray[np.float64]
     history: list[IALSRoundReport] = field(default_factory=list)
+    item_levels: NDArray[np.uint8] | None = None
+    level_weight: float = 0.0
 
     def score(self, users: NDArray[np.int64]) -> NDArray[np.float64]:
-        """(len(users), m) scores u·v of every item: the one ranking call of the family's evaluation."""
-        return self.user_factors[np.asarray(users, dtype=np.int64)] @ self.item_factors.T
+        """(len(users), m) scores u·v + w·level / 255 of every item, as `device_sdk.ials.IALSModel` ranks: the
+        one ranking call of the family's evaluation."""
+        scores = self.user_factors[np.asarray(users, dtype=np.int64)] @ self.item_factors.T
+        if self.item_levels is not None and self.level_weight > 0:
+            scores += (self.level_weight / LEVEL_TOP) * self.item_levels.astype(np.float64)
+        return scores
 
     def scores(self, users: NDArray[np.int64], candidates: NDArray[np.int64]) -> NDArray[np.float64]:
         """The scores of each user's candidate items ((n, c) from `score`)."""
@@ -124,7 +152,8 @@ def run_federated_ials(
     """Federated iALS with plain sums: T rounds; each round a random cohort of ⌈fraction · devices⌉
     devices (one per user with a rating) downloads V and runs `IALSModel.local_update` (exact user step,
     upload sums), and the server applies `IALSStrategy.aggregate` to the sum.  Then every device adopts
-    the final V.
+    the final V.  The run keeps the item levels of the last sum's holder counts and the strategy's w
+    (`IALSStrategy.to_wire` sends both when w > 0).
 
     Parameters
     ----------
@@ -144,7 +173,7 @@ def run_federated_ials(
     model = IALSModel(strategy.n_items, cfg, n_users=data.n_users, rng=rng)
     active = np.flatnonzero(np.bincount(train.users, minlength=data.n_users) > 0)
     cohort_size = max(1, math.ceil(schedule.fraction * active.size))
-    run = IALSRun(user_factors=model.user_factors, item_factors=V)
+    run = IALSRun(user_factors=model.user_factors, item_factors=V, level_weight=strategy.level_weight)
     for t in range(schedule.rounds):
         start = time.perf_counter()
         cohort = active if cohort_size == active.size else np.sort(rng.choice(active, cohort_size, replace=False))
@@ -152,17 +181,25 @@ def run_federated_ials(
         in_cohort[cohort] = True
         rows = in_cohort[data.users]
         part = LocalRatings(data.users[rows], data.items[rows], None, data.n_users)
-        model.set_global(b"", strategy.to_wire(V)["values"], t + 1)
+        _download(model, strategy, V, t + 1)
         result = model.local_update(round_plan(strategy, t + 1, round_index=t), part, rng)
         new_V = strategy.aggregate(V, result.vector, cohort_size, rng, round_index=t)
+        run.item_levels = item_levels(strategy.layout.split(result.vector)["counts"])
         change, V = strategy.describe(V, new_V), new_V
         run.history.append(IALSRoundReport(t + 1, cohort_size, result.examples, change, time.perf_counter() - start))
         if on_round is not None:
             on_round(run.history[-1])
-    model.set_global(b"", strategy.to_wire(V)["values"], schedule.rounds + 1)
+    _download(model, strategy, V, schedule.rounds + 1)
     model.adopted(data)
     run.user_factors, run.item_factors = model.user_factors, V
     return run
+
+
+def _download(model: IALSModel, strategy: IALSStrategy, V: NDArray[np.float64], version: int) -> None:
+    """What a device does with a `ModelPayload` of ``V``: V and, with w > 0, the item term."""
+    wire = strategy.to_wire(V)
+    extras = {k: wire[k] for k in ("item_levels", "level_weight") if k in wire}
+    model.set_global(b"", wire["values"], version, **extras)
 
 
 # -- choice on validation ---------------------------------------------------------------------------
@@ -196,14 +233,23 @@ def validation_metric(exp: Experiment, run: RankedModel, *, eval_seed: int = 0) 
 
 @dataclass(frozen=True, slots=True)
 class IALSSelection:
-    """The outcome of `select_and_train`: the kept run, its (d, α), and every candidate's validation figure."""
+    """The outcome of `select_and_train`: the kept run, its (d, α, λ, w), every trained candidate's validation
+    figure (u·v alone) and the kept run's figure at each w."""
 
     run: IALSRun
     factors: int
     alpha: float
+    reg: float
+    level_weight: float
     metric: str
-    validation: dict[tuple[int, float], float]
+    validation: dict[tuple[int, float, float], float]
+    level_validation: dict[float, float]
     seconds: float
+
+    @property
+    def value(self) -> float:
+        """The kept model's validation figure (with its w)."""
+        return self.level_validation[self.level_weight]
 
 
 def select_and_train(
@@ -212,39 +258,52 @@ def select_and_train(
     *,
     factors: Sequence[int] = FACTOR_GRID,
     alphas: Sequence[float] = ALPHA_GRID,
-    reg: float = IALSParams().reg,
+    regs: Sequence[float] | None = None,
+    level_weights: Sequence[float] = LEVEL_WEIGHTS,
     eval_seed: int = 0,
-    on_candidate: Callable[[int, float, str, float, float], None] | None = None,
+    on_candidate: Callable[[int, float, float, str, float, float], None] | None = None,
 ) -> IALSSelection:
-    """Choose (d, α) on validation by a coordinate search and keep the best run; nothing is refitted.
+    """Choose (d, α, λ) on validation by a coordinate search and keep the best run, then the weight w of its
+    item term; nothing is refitted.
 
-    Every α of ``alphas`` is trained at ``factors[0]``; then every other factor count at the best α so far.
-    Each run trains on ``exp.train`` and is judged by `validation_metric` (the first of equal figures wins).
-    ``on_candidate(d, α, metric, value, seconds)`` is called after each training.
+    Every α of ``alphas`` is trained at ``factors[0]`` and ``regs[0]``; then every other λ at the best α; then
+    every other factor count at the best (α, λ).  ``regs`` None: `ridge_grid` of each α (λ = 0.1 with every α,
+    then ρ·(1 + α) at the best).  Each run trains on ``exp.train`` and is judged by
+    `validation_metric` on u·v (the first of equal figures wins).  Then the kept run is judged at every w of
+    ``level_weights`` (scores only: w changes no training) and keeps the best (the first of equal figures).
+    ``on_candidate(d, α, λ, metric, value, seconds)`` is called after each training.
     """
-    if not factors or not alphas:
-        raise ValueError("need at least one factor count and one α")
+    if not factors or not alphas or (regs is not None and not regs) or not level_weights:
+        raise ValueError("need at least one factor count, one α, one λ and one item-term weight")
     t0 = time.perf_counter()
-    best: tuple[float, IALSRun, int, float] | None = None
-    seen: dict[tuple[int, float], float] = {}
+    best: tuple[float, IALSRun, int, float, float] | None = None
+    seen: dict[tuple[int, float, float], float] = {}
     metric = ""
 
-    def trial(d: int, alpha: float) -> None:
+    def trial(d: int, alpha: float, reg: float) -> None:
         nonlocal best, metric
         start = time.perf_counter()
         strategy = IALSStrategy(exp.train.n_items, rank=d, alpha=alpha, reg=reg)
         run = run_federated_ials(exp.train, strategy, schedule)
         metric, value = validation_metric(exp, run, eval_seed=eval_seed)
-        seen[(d, alpha)] = value
+        seen[(d, alpha, reg)] = value
         if on_candidate is not None:
-            on_candidate(d, alpha, metric, value, time.perf_counter() - start)
+            on_candidate(d, alpha, reg, metric, value, time.perf_counter() - start)
         if best is None or value > best[0]:
-            best = (value, run, d, alpha)
+            best = (value, run, d, alpha, reg)
 
     for alpha in alphas:  # loop over the few candidates
-        trial(int(factors[0]), float(alpha))
+        trial(int(factors[0]), float(alpha), float((regs or ridge_grid(alpha))[0]))
     assert best is not None
-    chosen_alpha = best[3]
+    for reg in (regs or ridge_grid(best[3]))[1:]:
+        trial(int(factors[0]), best[3], float(reg))
+    chosen_alpha, chosen_reg = best[3], best[4]
     for d in factors[1:]:
-        trial(int(d), chosen_alpha)
-    return IALSSelection(best[1], best[2], best[3], metric, seen, time.perf_counter() - t0)
+        trial(int(d), chosen_alpha, chosen_reg)
+    _, run, d, alpha, reg = best
+    by_weight = {}
+    for w in level_weights:  # loop over the few weights
+        run.level_weight = float(w)
+        by_weight[float(w)] = seen[(d, alpha, reg)] if w == 0 else validation_metric(exp, run, eval_seed=eval_seed)[1]
+    run.level_weight = max(by_weight, key=lambda w: (by_weight[w], -list(by_weight).index(w)))
+    return IALSSelection(run, d, alpha, reg, run.level_weight, metric, seen, by_weight, time.perf_counter() - t0)

@@ -269,6 +269,8 @@ def _one_user(model: Any, user: int) -> Any:
     one.model_version = model.model_version
     one.user_factors = model.user_factors[user : user + 1].copy()
     one.user_trained = model.user_trained[user : user + 1].copy()
+    if isinstance(model, IALSModel):  # the item term the run ranks with (protocol 1.10)
+        one.item_levels, one.level_weight = model.item_levels, model.level_weight
     return one
 
 

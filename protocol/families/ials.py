@@ -17,13 +17,27 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["DEFAULT_FACTORS", "INIT_SCALE", "IALSLayout", "initial_item_factors"]
+__all__ = ["DEFAULT_FACTORS", "INIT_SCALE", "LEVEL_TOP", "IALSLayout", "initial_item_factors", "item_levels"]
 
 #: The factor count d a device model, the server's [ials] table and the strategy default to.
 DEFAULT_FACTORS = 64
 
 #: The version-1 item factors are N(0, INIT_SCALE²), as centralised implicit ALS starts.
 INIT_SCALE = 0.01
+
+
+#: The highest item level (protocol 1.10): levels are uint8, and a device scores u·v + w·level / LEVEL_TOP.
+LEVEL_TOP = 255
+
+
+def item_levels(counts: NDArray[np.floating]) -> NDArray[np.uint8]:
+    """The uint8 item levels of holder counts: round(LEVEL_TOP · log(1 + c_j) / log(1 + max c)), negative counts
+    (DP noise) taken as 0; all 0 when no item has a positive count."""
+    lv = np.log1p(np.maximum(np.asarray(counts, dtype=np.float64), 0.0))
+    top = float(lv.max()) if lv.size else 0.0
+    if not top > 0:
+        return np.zeros(lv.shape, dtype=np.uint8)
+    return np.rint(lv * (LEVEL_TOP / top)).astype(np.uint8)
 
 
 def initial_item_factors(n_items: int, rank: int, rng: np.random.Generator) -> NDArray[np.float64]:
