@@ -6,13 +6,15 @@ from __future__ import annotations
 import ast
 import importlib.util
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
 
 #: Scripts that train or rank with a configuration of their own (not the CLI's defaults).
 OWN_SETTINGS = (
@@ -67,5 +69,6 @@ def test_a_script_prints_the_notice_before_its_figures() -> None:
         text=True,
         timeout=300,
         check=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))},
     )
     assert run.stdout.splitlines()[0].startswith("settings: FNMF on planted data")
