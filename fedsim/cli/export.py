@@ -28,7 +28,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     model.save(args.output)
     cls = type(model).__name__
     who = "every user of the run" if user is None else f"user {run.user_label(user)} as userid={row}"
-    out.write(f"wrote {args.output}: a {cls} ({who}); load it with {cls}.load({str(args.output)!r})\n")
+    article = "an" if cls[0] in "AEIOU" else "a"  # an IALSModel, a LightFRModel
+    out.write(f"wrote {args.output}: {article} {cls} ({who}); load it with {cls}.load({str(args.output)!r})\n")
     return 0
 
 
