@@ -418,7 +418,11 @@ COMMAND = Command(
     description="Starts fedrec-server on a free loopback port, registers one simulated device per user "
     "(MovieLens-100K when ../shared/data or --data-dir has it, else a built-in synthetic dataset), runs "
     "federated LightFR rounds with SecAgg+ and distributed DP, prints a per-round table, then each "
-    "device's HR@10/NDCG@10 averaged beside popularity and a few recommendations for one device.",
+    "device's HR@10/NDCG@10 averaged beside popularity and a few recommendations for one device. With DP, two "
+    "lines come before the run: the privacy planner's plan, and when personalisation starts paying: `fedrec "
+    "simulate --model lightfr --epsilon E`'s private LightFR on the same data, then on every user replicated 2, 4, "
+    "8 and 16 times (the same shape with more devices, fresh noise), until the learned model beats its private "
+    "popularity list on validation; no test data is read (about half a minute on MovieLens-100K at ε = 8).",
     add_options=_add_options,
     run=run,
 )
