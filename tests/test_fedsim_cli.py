@@ -212,7 +212,7 @@ def test_runtime_errors_are_one_clear_line(capsys: pytest.CaptureFixture[str], t
     err = capsys.readouterr().err
     assert err.startswith("fedrec simulate: error:") and "nope.csv" in err
     bad = tmp_path / "bad.csv"
-    bad.write_text("1,2,5\n1,x,4\n")
+    bad.write_text("1,2,5\n1,3,four\n")
     assert main(["simulate", "--dataset", str(bad), "--rounds", "1"]) == 2
     assert "bad.csv:2" in capsys.readouterr().err
     junk = tmp_path / "run.fedrec"

@@ -131,6 +131,44 @@ class TestGeneric:
         np.testing.assert_array_equal(r.ratings, [3.5, 4.0])
         assert r.name == "r"
 
+    def test_a_byte_order_mark_and_quotes_are_not_part_of_the_values(self, tmp_path: Path) -> None:
+        path = tmp_path / "bx.csv"  # the Book-Crossing layout: ';', every field quoted, a quoted header
+        text = '"User-ID";"ISBN";"Book-Rating"\n"276725";"034545104X";"0"\n"276726";"0155061224";"5"\n'
+        path.write_text(text, encoding="utf-8-sig")
+        r = load_generic(path)
+        assert (len(r), r.n_users, r.n_items) == (2, 2, 2)
+        np.testing.assert_array_equal(r.user_ids, [276725, 276726])
+        assert r.item_ids.tolist() == ["0155061224", "034545104X"]  # names as written: leading zeros kept
+        np.testing.assert_array_equal(r.ratings, [0.0, 5.0])
+        bom = tmp_path / "bom.csv"
+        bom.write_text("7,1,4\n8,1,2\n", encoding="utf-8-sig")
+        np.testing.assert_array_equal(load_generic(bom).user_ids, [7, 8])
+
+    @pytest.mark.parametrize(
+        ("text", "users"),
+        [
+            ("1 5\n1 6\n2 5\n", [1, 2]),
+            ("user,item\n1,5\n1,6\n2,5\n", [1, 2]),
+            ("u1,i5\nu1,i6\nu2,i5\n", ["u1", "u2"]),  # ids with digits: the first line is data
+        ],
+    )
+    def test_user_item_lines_are_implicit_feedback(self, tmp_path: Path, text: str, users: list[object]) -> None:
+        r = load_generic(_write(tmp_path, "r.txt", text))
+        assert len(r) == 3 and r.user_ids.tolist() == users
+        np.testing.assert_array_equal(r.ratings, [1.0, 1.0, 1.0])
+
+    def test_named_ids_and_numeric_timestamps(self, tmp_path: Path) -> None:
+        text = "A2SUAM1J3GNN3B,B000FA64PK,5.0,1365811200.0\nA1X,0132793040,4.0,1.3658e9\nA1X,B000FA64PK,3,1365811300\n"
+        r = load_generic(_write(tmp_path, "amazon.csv", text))
+        assert r.user_ids.tolist() == ["A1X", "A2SUAM1J3GNN3B"] and r.item_ids.tolist() == ["0132793040", "B000FA64PK"]
+        np.testing.assert_array_equal(r.users, [1, 0, 0])
+        assert r.timestamps is not None and r.timestamps.tolist() == [1365811200, 1365800000, 1365811300]
+
+    def test_a_typo_in_a_file_of_integer_ids_is_still_an_error(self, tmp_path: Path) -> None:
+        text = "".join(f"{u},{u + 1},3\n" for u in range(200)) + "1O,4,3\n"  # the letter O for a zero
+        msg = str(pytest.raises(DatasetError, load_generic, _write(tmp_path, "r.csv", text)).value)
+        assert ":201: user id is not an integer" in msg
+
     def test_deduplicates_keeping_last(self, tmp_path: Path) -> None:
         path = _write(tmp_path, "r.tsv", "1\t1\t2\n1\t1\t2\n1\t2\t5\n1\t2\t1\n2\t1\t3\n")
         r = load_generic(path)
@@ -195,7 +233,9 @@ BAD_LINES = [
 class TestMalformed:
     @pytest.mark.parametrize(("line", "reason"), BAD_LINES)
     def test_each_kind_names_file_line_and_reason(self, tmp_path: Path, line: str, reason: str) -> None:
-        path = _write(tmp_path, "r.csv", f"1,1,4\n# comment\n\n{line}\n2,2,5\n")
+        # Among 200 clean lines: one value that is not an integer is a typo, not a column of names.
+        clean = "".join(f"{u},{u % 7},5\n" for u in range(2, 202))
+        path = _write(tmp_path, "r.csv", f"1,1,4\n# comment\n\n{line}\n{clean}")
         with pytest.raises(DatasetError) as info:
             load_generic(path)
         msg = str(info.value)
@@ -203,26 +243,27 @@ class TestMalformed:
         assert "1 malformed line(s)" in msg
 
     def test_bad_timestamp(self, tmp_path: Path) -> None:
-        path = _write(tmp_path, "r.csv", "1,1,4,100\n1,2,4,1.5e9\n1,3,4\n")
+        path = _write(tmp_path, "r.csv", "1,1,4,100\n1,2,4,noon\n1,3,4\n")
         msg = str(pytest.raises(DatasetError, load_generic, path).value)
         assert f"{path}:2: timestamp is not an integer" in msg
         assert f"{path}:3: expected 4 fields (as on line 1), got 3" in msg
 
     def test_reports_every_line_with_total(self, tmp_path: Path) -> None:
         good = [f"{u} {u} 3" for u in range(50)]
-        bad = [f"{u} x 3" for u in range(30)]
+        bad = [f"{u} {u} x" for u in range(30)]
         path = _write(tmp_path, "r.txt", "\n".join(good + bad + ["1 2 nan nan nan"]) + "\n")
         msg = str(pytest.raises(DatasetError, load_generic, path).value)
         assert "31 malformed line(s)" in msg
-        assert f"{path}:51: item id is not an integer" in msg
+        assert f"{path}:51: rating is not a number" in msg
         assert "... and 11 more" in msg
         assert msg.count(f"{path}:") == 1 + 20  # the headline and 20 listed lines
 
     def test_several_reasons_on_one_line(self, tmp_path: Path) -> None:
-        path = _write(tmp_path, "r.txt", "-1 x nan\n")
+        clean = "".join(f"{u} {u} 3\n" for u in range(2, 202))  # x: a typo among integer items, not a name
+        path = _write(tmp_path, "r.txt", "-1 x nan\n" + clean)
         msg = str(pytest.raises(DatasetError, load_generic, path).value)
-        assert "1 malformed line(s)" in msg
-        assert "negative user id" in msg and "item id is not an integer" in msg and "NaN" in msg
+        assert "1 malformed line(s)" in msg and ":1: negative user id" in msg
+        assert "item id is not an integer" in msg and "NaN" in msg
 
     @pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "   \n"])
     def test_empty(self, tmp_path: Path, text: str) -> None:
@@ -254,7 +295,7 @@ class TestMalformed:
 
     def test_latin1_bytes_are_reported_not_crashing(self, tmp_path: Path) -> None:
         path = tmp_path / "r.txt"
-        path.write_bytes(b"1 1 3\n1 \xe9 3\n")
+        path.write_bytes(b"1 1 3\n1 \xe9 3\n" + b"".join(b"%d %d 3\n" % (u, u) for u in range(2, 202)))
         with pytest.raises(DatasetError, match=re.escape(f"{path}:2: item id is not an integer")):
             load_generic(path)
 

@@ -84,15 +84,19 @@ def load_filmtrust(path: str | os.PathLike[str]) -> Ratings:
 
 
 def load_generic(path: str | os.PathLike[str], sep: str | None = None, *, deduplicate: bool = True) -> Ratings:
-    """Load a ``user item rating [timestamp]`` file with integer ids.
+    """Load a ``user item rating [timestamp]`` file, or ``user item`` lines (implicit feedback, rating 1).
 
     Parameters
     ----------
     path : path-like
         The file.  Blank lines and lines starting with ``#`` are skipped; a first line none of whose
-        first three fields is a number is taken as a header (e.g. ``user,item,rating``).
+        first three fields is a number is taken as a header (e.g. ``user,item,rating``; for ``user item``
+        lines, one that also holds no digit).  A byte-order mark and double quotes around fields are
+        ignored.  Ids are integers, or names (``u17``, ``B000FA64PK``) when most of a column is not an
+        integer; timestamps are integers or finite numbers (rounded down).
     sep : str, optional
-        Field separator; auto-detected from the first data line (tab, ``::``, comma, else whitespace).
+        Field separator; auto-detected from the first data line (tab, ``::``, comma, semicolon, else
+        whitespace).
     deduplicate : bool
         Drop repeated user-item pairs, keeping the last line (counts in ``meta``).
 
@@ -102,7 +106,7 @@ def load_generic(path: str | os.PathLike[str], sep: str | None = None, *, dedupl
         If the file is missing, empty, or has malformed lines (all are listed).
     """
     p = Path(path)
-    parsed = parse(p, sep=sep, n_fields=(3, 4))
+    parsed = parse(p, sep=sep, n_fields=(2, 3, 4), names=True)
     return to_ratings(parsed, p.stem, {"source": str(p)}, deduplicate=deduplicate)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +69,8 @@ def _read_lines(path: Path) -> list[str]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         text = raw.decode("latin-1")  # never fails; bad bytes then show up as non-numeric fields
+    # a byte-order mark (files saved by spreadsheet programs) is not part of the first field
+    text = text.removeprefix("\ufeff")
     # split on "\n" only (str.splitlines also splits on \x0b, \x1c ... and would shift line numbers)
     return text.split("\n")
 
@@ -80,7 +82,24 @@ def _detect_sep(line: str) -> str | None:
         return "::"
     if "," in line:
         return ","
+    if ";" in line:
+        return ";"
     return None
+
+
+def _unquote(s: str) -> str:
+    """A field without the double quotes some exports put around every value."""
+    s = s.strip()
+    return s[1:-1].strip() if len(s) >= 2 and s[0] == s[-1] == '"' else s
+
+
+def _is_header(fields: list[str]) -> bool:
+    """Whether a first line is a header: none of its first three fields is a number (``user,item,rating``),
+    and for a two-field line (ids only) no field holds a digit either (``user,item``, not ``u1,i7``)."""
+    fields = [_unquote(f) for f in fields]
+    if any(_is_number(f) for f in fields[:3]):
+        return False
+    return len(fields) > 2 or not any(ch.isdigit() for f in fields for ch in f)
 
 
 def _is_number(s: str) -> bool:
@@ -105,6 +124,34 @@ def _to_int(col: npt.NDArray[np.str_]) -> tuple[IntArray, npt.NDArray[np.bool_]]
         except (ValueError, OverflowError):
             bad[j] = True
     return vals, bad
+
+
+def _to_time(col: npt.NDArray[np.str_]) -> tuple[IntArray, npt.NDArray[np.bool_]]:
+    """Timestamps as int64: integers, or finite numbers (``1391619.0``, ``1.5e9``, as spreadsheets and
+    data-frame exports write them) rounded down; they only order a user's ratings."""
+    vals, bad = _to_int(col)
+    if bad.any():
+        floats, bad_f = _to_float(col[bad])
+        ok = ~bad_f & np.isfinite(floats) & (np.abs(floats) < 2.0**62)
+        idx = np.flatnonzero(bad)
+        vals[idx[ok]] = np.floor(floats[ok]).astype(np.int64)
+        bad[idx[ok]] = False
+    return vals, bad
+
+
+#: A column of ids with more than this share of values that are not integers holds names (below it, those
+#: values are reported as typos in a column of integers).
+NAMES_SHARE = 0.01
+
+
+def _to_ids(col: npt.NDArray[np.str_], names: bool) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_], bool]:
+    """(raw ids, unparsable, whether they are names): integers; or, with ``names`` allowed and more than
+    `NAMES_SHARE` of the column not integers (``u17``, ``B000FA64PK``, ISBNs ending in X), every value as it
+    is written, as a name."""
+    vals, bad = _to_int(col)
+    if names and col.size and np.count_nonzero(bad) > NAMES_SHARE * col.size:
+        return col, np.zeros(col.shape[0], dtype=np.bool_), True
+    return vals, bad, False
 
 
 def _to_float(col: npt.NDArray[np.str_]) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
@@ -172,7 +219,7 @@ def _fast_parse(
         return None
     if floats.shape != (len(lines), width):
         return None
-    ratings = floats[:, 2].copy()
+    ratings = floats[:, 2].copy() if width > 2 else np.ones(len(lines))
     if _value_checks(ints[:, 0], ints[:, 1], ratings, rating_range):
         return None
     return ints, ratings
@@ -186,8 +233,11 @@ def parse(
     rating_range: tuple[float, float] | None = None,
     allow_comments: bool = True,
     allow_header: bool = True,
+    names: bool = False,
 ) -> Parsed:
-    """Parse ``user item rating [timestamp]`` lines, reporting every malformed line at once."""
+    """Parse ``user item rating [timestamp]`` lines, reporting every malformed line at once.  A width of 2
+    in ``n_fields`` reads ``user item`` lines (implicit feedback, rating 1); ``names`` takes a column whose
+    values are mostly not integers as names (`_to_ids`)."""
     lines = _read_lines(path)
     stripped = [ln.strip() for ln in lines]
     keep = [j for j, s in enumerate(stripped) if s and not (allow_comments and s.startswith("#"))]
@@ -196,7 +246,7 @@ def parse(
     if sep is None:
         sep = _detect_sep(stripped[keep[0]])
     # a header is a first line none of whose first three fields is a number (`user,item,rating`)
-    if allow_header and not any(_is_number(f.strip()) for f in stripped[keep[0]].split(sep)[:3]):
+    if allow_header and _is_header(stripped[keep[0]].split(sep)):
         keep = keep[1:]
         if not keep:
             raise DatasetError(f"{path}: only a header line, no data lines")
@@ -213,38 +263,41 @@ def parse(
 
     # slow path: split every line, report every problem
     problems = Problems(path)
-    rows = [ln.split(sep) for ln in data]
-    if sep is not None and sep != "\t" and sep != "::":
-        rows = [[f.strip() for f in r] for r in rows]
+    rows = [[_unquote(f) for f in ln.split(sep)] for ln in data]
     counts = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     bad_count = counts != width
     if bad_count.any():
         if len(n_fields) > 1 and first_width in n_fields:
             expected = f"expected {width} fields (as on line {line_nos[0]})"
         else:
-            expected = f"expected {' or '.join(map(str, n_fields))} fields"
+            *most, last = map(str, n_fields)
+            expected = f"expected {', '.join(most)} or {last} fields" if most else f"expected {last} fields"
         idx = np.flatnonzero(bad_count)
         problems.add(line_nos[idx], [f"{expected}, got {counts[j]}" for j in idx.tolist()])
     good = np.flatnonzero(~bad_count)
     table = np.array([rows[j] for j in good.tolist()], dtype=np.str_).reshape(len(good), width)
     ln = line_nos[good]
-    users, bad_u = _to_int(table[:, 0])
-    items, bad_i = _to_int(table[:, 1])
-    ratings, bad_r = _to_float(table[:, 2])
+    users, bad_u, named_u = _to_ids(table[:, 0], names)
+    items, bad_i, named_i = _to_ids(table[:, 1], names)
+    none = np.zeros(len(good), dtype=np.bool_)
+    ratings, bad_r = _to_float(table[:, 2]) if width > 2 else (np.ones(len(good)), none)
     ts_arr: IntArray | None = None
-    bad_t = np.zeros(len(good), dtype=np.bool_)
+    bad_t = none
     if width >= 4:
-        ts_arr, bad_t = _to_int(table[:, 3])
-    for mask, why in _value_checks(users, items, ratings, rating_range, (bad_u, bad_i, bad_r, bad_t)):
+        ts_arr, bad_t = _to_time(table[:, 3])
+    zero = np.zeros(len(good), dtype=np.int64)  # names are never negative
+    checked = (zero if named_u else users, zero if named_i else items)
+    for mask, why in _value_checks(*checked, ratings, rating_range, (bad_u, bad_i, bad_r, bad_t)):
         idx = np.flatnonzero(mask)
         problems.add(ln[idx], [f"{why}: {' | '.join(table[j].tolist())!r}" for j in idx.tolist()])
     problems.raise_if_any()
     return Parsed(ln, users, items, ratings, ts_arr)
 
 
-def densify(raw: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], IntArray]:
+def densify(raw: npt.NDArray[Any]) -> tuple[npt.NDArray[Any], IntArray]:
+    """(the distinct raw ids ascending: int64, or the names as written; each row's dense index)."""
     ids, inverse = np.unique(raw, return_inverse=True)
-    return ids.astype(np.int64), inverse.astype(np.int64).reshape(-1)
+    return (ids if ids.dtype.kind in "US" else ids.astype(np.int64)), inverse.astype(np.int64).reshape(-1)
 
 
 def _last_of_each_pair(users: IntArray, items: IntArray, n_items: int, parsed: Parsed) -> tuple[IntArray, int, int]:
