@@ -63,6 +63,9 @@ __all__ = [
     "split_budget",
     "widest_quantization",
     "release_counts",
+    "seeded_release",
+    "popularity_only",
+    "plan_split",
     "run_private_scaled",
     "scaled_config",
     "carve_validation",
@@ -268,6 +271,72 @@ def release_counts(
     return total.astype(np.float64) / scale
 
 
+def seeded_release(
+    users: list[NDArray[np.int64]],
+    n_items: int,
+    theta: int,
+    quantization: QuantizationConfig,
+    mu: float,
+    seed: int,
+    ledger: PrivacyLedger | None = None,
+) -> NDArray[np.float64]:
+    """A run's popularity release (`release_counts`) from the run's own seeded stream (a simulation), charged to
+    ``ledger`` when it is noised (μ > 0); the model rounds' streams are other ones."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0xC0]))
+    counts = release_counts(users, n_items, theta, quantization, mu, rng)
+    if ledger is not None and mu > 0:
+        l2, l1 = sensitivity(quantization, n_items)
+        ledger.record_round(mu, l1, l2)
+    return counts
+
+
+def popularity_only(
+    users: list[NDArray[np.int64]], n_items: int, *, epsilon: float, delta: float, theta: int, seed: int
+) -> tuple[NDArray[np.float64], float, float | None]:
+    """(counts, μ, the ledger's ε) of a run without model rounds: the popularity release alone, calibrated to the
+    whole ``epsilon`` (no noise and ε None for ``epsilon`` 0)."""
+    qp = widest_quantization(len(users), math.sqrt(theta))
+    l2p, l1p = sensitivity(qp, n_items)
+    mu_pop, eps = 0.0, None
+    if epsilon > 0:
+        mu_pop = calibrate_mu(epsilon, delta, 1, l1p, l2p)
+        eps = PrivacyLedger(epsilon_budget=epsilon, delta=delta).record_round(mu_pop, l1p, l2p)
+    return seeded_release(users, n_items, theta, qp, mu_pop, seed), mu_pop, eps
+
+
+def plan_split(
+    train: Ratings,
+    *,
+    epsilon: float,
+    delta: float,
+    rounds: int,
+    model_sens: tuple[float, float],
+    negatives: int | None,
+    seed: int,
+) -> PrivatePlan:
+    """The privacy planner's choice (`fedsim.private.planner.plan_private_run`) for a run over ``train`` whose
+    ``rounds`` model rounds have sensitivities ``model_sens`` (Δ1, Δ2), against the popularity release at θ =
+    `POP_THETA`, with `split_budget` and the accountant; ``negatives``: the evaluation's sampled items per
+    positive (None: full ranking)."""
+    qp = widest_quantization(train.n_users, math.sqrt(POP_THETA))
+    l2p, l1p = sensitivity(qp, train.n_items)
+
+    def sigma_at(share: float) -> float:
+        return math.sqrt(split_budget(epsilon, delta, rounds, model_sens, (l1p, l2p), share)[1]) / qp.scale
+
+    sigma_all = math.sqrt(calibrate_mu(epsilon, delta, 1, l1p, l2p)) / qp.scale
+    return plan_private_run(
+        train,
+        epsilon=epsilon,
+        delta=delta,
+        negatives=negatives,
+        sigma_at=sigma_at,
+        sigma_all=sigma_all,
+        rounds=rounds,
+        seed=seed,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class NoiseAwareLightFR:
     """A LightFR strategy that moves a bit only on evidence: summed gradient coordinates smaller
@@ -369,23 +438,9 @@ def plan_run(
     ``train`` (`fedsim.private.planner`), with this run's own sensitivities and accountant; ``negatives``: the
     evaluation's sampled items per positive (None: full ranking)."""
     s = settings
-    n, m = train.n_users, train.n_items
-    _, _, model_sens, qp = _sensitivities(n, m, replace(s, pop_theta=POP_THETA))
-    l2p, l1p = sensitivity(qp, m)
-
-    def sigma_at(share: float) -> float:
-        return math.sqrt(split_budget(s.epsilon, s.delta, rounds, model_sens, (l1p, l2p), share)[1]) / qp.scale
-
-    sigma_all = math.sqrt(calibrate_mu(s.epsilon, s.delta, 1, l1p, l2p)) / qp.scale
-    return plan_private_run(
-        train,
-        epsilon=s.epsilon,
-        delta=s.delta,
-        negatives=negatives,
-        sigma_at=sigma_at,
-        sigma_all=sigma_all,
-        rounds=rounds,
-        seed=s.seed,
+    _, _, model_sens, _ = _sensitivities(train.n_users, train.n_items, s)
+    return plan_split(
+        train, epsilon=s.epsilon, delta=s.delta, rounds=rounds, model_sens=model_sens, negatives=negatives, seed=s.seed
     )
 
 
@@ -425,9 +480,7 @@ def run_private_scaled(
     if dp and s.threshold > 0:
         strategy = NoiseAwareLightFR(base, math.sqrt(mu_model) / qm.scale, s.threshold)
     sim = PrivateSimulator(cfg, strategy=strategy, mu=mu_model if dp else None)
-    counts = _popularity_counts(per_user, m, s, qp, mu_pop)
-    if sim.ledger is not None and mu_pop > 0:
-        sim.ledger.record_round(mu_pop, l1p, l2p)
+    counts = seeded_release(per_user, m, s.pop_theta, qp, mu_pop, s.seed, sim.ledger)
     cohort = LightFRCohort([(u, None) for u in per_user], m, s.bits)
     round_seconds = sim.run_scaled_rounds(cohort, s.rounds, sim_seed=s.seed, on_round=on_round)
     st: Any = base
@@ -484,14 +537,7 @@ def run_private_scaled(
 def _popularity_only(per_user: list[NDArray[np.int64]], m: int, s: ScaledSettings, start: float) -> ScaledResult:
     """The popularity release alone, calibrated to the whole ε (no model round: the model is the list)."""
     n = len(per_user)
-    qp = widest_quantization(n, math.sqrt(s.pop_theta))
-    l2p, l1p = sensitivity(qp, m)
-    mu_pop, eps = 0.0, None
-    if s.epsilon > 0:
-        mu_pop = calibrate_mu(s.epsilon, s.delta, 1, l1p, l2p)
-        ledger = PrivacyLedger(epsilon_budget=s.epsilon, delta=s.delta)
-        eps = ledger.record_round(mu_pop, l1p, l2p)
-    counts = _popularity_counts(per_user, m, s, qp, mu_pop)
+    counts, mu_pop, eps = popularity_only(per_user, m, epsilon=s.epsilon, delta=s.delta, theta=s.pop_theta, seed=s.seed)
     return ScaledResult(
         item_codes=np.ones((m, s.bits), np.int8),
         user_codes=np.ones((n, s.bits), np.int8),
@@ -503,14 +549,6 @@ def _popularity_only(per_user: list[NDArray[np.int64]], m: int, s: ScaledSetting
         seconds=time.perf_counter() - start,
         settings=s,
     )
-
-
-def _popularity_counts(
-    per_user: list[NDArray[np.int64]], m: int, s: ScaledSettings, qp: QuantizationConfig, mu_pop: float
-) -> NDArray[np.float64]:
-    """The run's popularity release (`release_counts`) from its own seeded stream (a simulation)."""
-    rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
-    return release_counts(per_user, m, s.pop_theta, qp, mu_pop, rng)
 
 
 def item_levels(counts: NDArray[np.float64], bits: int) -> NDArray[np.float64]:
