@@ -551,11 +551,12 @@ def _popularity_only(per_user: list[NDArray[np.int64]], m: int, s: ScaledSetting
     )
 
 
-def item_levels(counts: NDArray[np.float64], bits: int) -> NDArray[np.float64]:
-    """Private counts on a log scale spread over [0, f] (negative noisy counts count as 0)."""
+def item_levels(counts: NDArray[np.float64], top: float) -> NDArray[np.float64]:
+    """Private counts on a log scale spread over [0, ``top``] (negative noisy counts count as 0): f for LightFR's
+    codes, 1 for iALS, R for MF."""
     lv = np.log1p(np.maximum(counts, 0.0))
-    top = float(lv.max()) if lv.size else 0.0
-    return lv * (bits / top) if top > 0 else lv
+    highest = float(lv.max()) if lv.size else 0.0
+    return lv * (top / highest) if highest > 0 else lv
 
 
 def scorer(result: ScaledResult, alpha: float) -> Callable[[NDArray[np.int64]], NDArray[np.float64]]:
