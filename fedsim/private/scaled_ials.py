@@ -448,13 +448,15 @@ def validate_private_ials(
     split: a `fedsim.private.served.ServedScore`, on the same validation as private LightFR's."""
     return validate(
         data,
-        lambda train: run_private_ials(train, settings, on_round=on_round),
+        run_private_ials,
+        settings,
         _scorer,
         _block_scores,
-        IALS_ALPHAS if settings.rounds else (math.inf,),
+        IALS_ALPHAS,
         eval_seed=eval_seed,
         val_users=val_users,
-        say=log or (lambda text: None),
+        on_round=on_round,
+        log=log,
     )
 
 

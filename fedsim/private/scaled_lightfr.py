@@ -788,11 +788,13 @@ def validate_private(
 
     return validate(
         data,
-        lambda train: run_private_scaled(train, settings, on_round=on_round),
+        run_private_scaled,
+        settings,
         scorer,
         candidate_scores,
-        ALPHAS if settings.rounds else (math.inf,),
+        ALPHAS,
         eval_seed=eval_seed,
         val_users=val_users,
-        say=log or (lambda text: None),
+        on_round=on_round,
+        log=log,
     )

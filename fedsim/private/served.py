@@ -76,18 +76,27 @@ class ServedScore:
 
 def validate(
     data: Any,
-    train: Callable[[Ratings], Any],
+    run: Callable[..., Any],
+    settings: Any,
     full_scorer: FullScorer,
     block_scorer: BlockScorer,
     alphas: Sequence[float],
     *,
     eval_seed: int,
     val_users: int,
-    say: Callable[[str], None],
+    on_round: Callable[[int, float], None] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> ServedScore:
     """Train on ``data`` (a `TrainTestSplit`: on its train minus one carved item per user; an `Experiment`: on
-    its train) with ``train`` and choose α from ``alphas`` on validation (`choose_alpha_full_ranking` or
-    `fedsim.private.planner.choose_with_margin` against the private list, α = ∞)."""
+    its train) with ``run(train, settings, on_round=on_round)`` and choose α from ``alphas`` on validation
+    (`choose_alpha_full_ranking` or `fedsim.private.planner.choose_with_margin` against the private list, α = ∞);
+    settings without rounds serve the private list alone.  ``log`` hears the validation figures."""
+    say: Callable[[str], None] = log or (lambda text: None)
+    alphas = alphas if settings.rounds else (math.inf,)
+
+    def train(ratings: Ratings) -> Any:
+        return run(ratings, settings, on_round=on_round)
+
     if isinstance(data, TrainTestSplit):
         fit, val = carve_validation(data.train, eval_seed)
         res = train(fit)
