@@ -38,6 +38,7 @@ from agg_server.config import ServerConfig, config_from_dict
 from agg_server.strategy import build_strategy
 from device_sdk.ials import solve_users
 from fedsim.data.ratings import Ratings
+from fedsim.private.cohorts import cohort_rows
 from fedsim.private.planner import POP_THETA, PrivatePlan
 from fedsim.private.scaled_lightfr import (
     _largest_scale_bits,
@@ -178,9 +179,7 @@ class IALSCohort:
             raise ConfigError(f"the round expects {invite.vector_length} values, an iALS upload has {layout.length}")
         Vd = np.asarray(V, dtype=np.float64).reshape(m, d)
         q = invite.quantization()
-        alive = np.zeros(len(self.device_ids), dtype=bool)
-        alive[[self._index[x] for x in survivors]] = True
-        rows_all = np.array(sorted(self._index[x] for x in cohort), dtype=np.int64)
+        alive, rows_all = cohort_rows(self._index, cohort, survivors)
         total = np.zeros(layout.length, dtype=np.int64)
         gram_at = m * d + m
         for lo in range(0, rows_all.size, self.batch):
