@@ -515,13 +515,8 @@ def evaluate_private_mf_scaled(
         "private_popularity" and α is 0.
     """
     from fedsim.evaluation.ranking import popularity_scorer, random_scorer
-    from fedsim.private.scaled_lightfr import (
-        ALPHAS,
-        carve_validation,
-        choose_alpha_full_ranking,
-        full_ranking_metrics,
-        item_levels,
-    )
+    from fedsim.private.scaled_lightfr import ALPHAS, item_levels
+    from fedsim.private.served import carve_validation, choose_alpha_full_ranking, full_ranking_metrics
 
     fit, val = carve_validation(data.train, eval_seed)
     res = run_private_mf_scaled(fit, replace(settings, cohort=fit.n_users), on_round=on_round)

@@ -31,10 +31,10 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -44,7 +44,8 @@ from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy
 from fedsim.data.ratings import Ratings
 from fedsim.private.cohorts import LightFRCohort
-from fedsim.private.planner import POP_THETA, PRIVATE_ROUNDS, PrivatePlan, choose_with_margin, plan_private_run
+from fedsim.private.planner import POP_THETA, PRIVATE_ROUNDS, PrivatePlan, plan_private_run
+from fedsim.private.served import ServedScore, evaluate_served, validate
 from fedsim.private.simulator import PrivateSimulator, one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu, composed_rdp, epsilon_from_rdp
 from protocol.codes import pack_signs
@@ -52,9 +53,6 @@ from protocol.families.lightfr import bias_from_levels
 from protocol.noise import released_variance, sample_skellam
 from protocol.quantization import QuantizationConfig, clip_l2, sensitivity, stochastic_round
 from protocol.samplers import insecure_test_noise_stream
-
-if TYPE_CHECKING:  # served imports this module
-    from fedsim.private.served import ServedScore
 
 __all__ = [
     "ScaledSettings",
@@ -68,7 +66,6 @@ __all__ = [
     "plan_split",
     "run_private_scaled",
     "scaled_config",
-    "carve_validation",
     "plan_run",
     "with_plan",
     "validate_private",
@@ -356,20 +353,6 @@ class NoiseAwareLightFR:
         cut = self.threshold * self.sigma
         kept = np.where(np.abs(total) > cut, total, 0.0)
         return self.base.aggregate(state, kept, survivors, rng, **kw)
-
-
-def carve_validation(train: Ratings, seed: int) -> tuple[Ratings, Ratings]:
-    """(fit, validation): one random train item of every user with at least two moves to validation."""
-    rng = np.random.default_rng(seed)
-    order = np.lexsort((rng.random(len(train)), train.users))
-    users = train.users[order]
-    first = np.ones(users.size, dtype=bool)
-    first[1:] = users[1:] != users[:-1]
-    counts = np.bincount(train.users, minlength=train.n_users)
-    held = first & (counts[users] >= 2)
-    pick = order[held]
-    rest = np.setdiff1d(np.arange(len(train)), pick)
-    return train.subset(rest), train.subset(np.sort(pick))
 
 
 def _per_user(train: Ratings) -> list[NDArray[np.int64]]:
@@ -687,62 +670,6 @@ def plan_privacy(
     return out
 
 
-def choose_alpha_full_ranking(
-    scorer_for: Callable[[float], Any],
-    fit: Any,
-    val: Any,
-    alphas: Sequence[float],
-    *,
-    val_users: int,
-    eval_seed: int,
-    say: Callable[[str], None] = lambda text: None,
-) -> tuple[float, float]:
-    """The item-level weight α by validation Recall@20 (full ranking over ``fit``'s items, a seeded sample of
-    ``val_users`` users, random ties) and that Recall: the best α only if it beats the private popularity
-    list (α = ∞) by more than `MARGIN_SE` paired standard errors, else ∞; without ∞ in ``alphas``, the best."""
-    from fedsim.evaluation.ranking import evaluate_all_items
-
-    users = np.random.default_rng(eval_seed).choice(fit.n_users, min(val_users, fit.n_users), replace=False)
-    per_user: dict[float, NDArray[np.float64]] = {}
-    for a in alphas:
-        r = evaluate_all_items(scorer_for(a), fit, val, k=20, users=users, seed=eval_seed)
-        say(f"  validation Recall@20 with item level α={a:g}: {r.recall:.4f}")
-        assert r.per_user is not None
-        per_user[a] = r.per_user
-    return _chosen(per_user, say)
-
-
-def _chosen(per_user: dict[float, NDArray[np.float64]], say: Callable[[str], None]) -> tuple[float, float]:
-    """`choose_with_margin` over the α grid's per-user validation results, against the private popularity
-    list (α = ∞) when the grid has it, else the best mean (the first of equals); (α, its mean)."""
-    if not per_user:
-        raise ValueError("no α to choose from")
-    if math.inf in per_user:
-        alpha, why = choose_with_margin(per_user, floor=math.inf)
-        say(f"  {why}")
-    else:
-        alpha = max(per_user, key=lambda a: float(per_user[a].mean()))
-    return alpha, float(per_user[alpha].mean())
-
-
-def full_ranking_metrics(data: Any, *, eval_seed: int, test_users: int | None) -> Callable[[Any], dict[str, float]]:
-    """A function scoring one scorer on ``data``'s test split once: Recall@20 and NDCG@20 by full
-    ranking over the items not in each user's train set (random ties), over every test user or a seeded
-    sample of ``test_users`` of them (the same sample for every scorer)."""
-    from fedsim.evaluation.ranking import evaluate_all_items
-
-    seen, test = data.train, data.test
-    users = None
-    if test_users is not None and test_users < seen.n_users:
-        users = np.random.default_rng(eval_seed + 1).choice(seen.n_users, test_users, replace=False)
-
-    def full(score: Any) -> dict[str, float]:
-        r = evaluate_all_items(score, seen, test, k=20, seed=eval_seed, users=users)
-        return {"recall@20": r.recall, "ndcg@20": r.ndcg}
-
-    return full
-
-
 def evaluate_private(
     data: Any,
     settings: ScaledSettings,
@@ -767,8 +694,6 @@ def evaluate_private(
         their metric maps; ``extra`` holds "epsilon" (the ledger's), "delta", "alpha", "validation" (the
         chosen score's validation figure) and the μ's (`fedsim.private.served.ServedScore.extra`).
     """
-    from fedsim.private.served import evaluate_served
-
     served = validate_private(data, settings, eval_seed=eval_seed, val_users=val_users, on_round=on_round, log=log)
     return evaluate_served(data, served, eval_seed=eval_seed, test_users=test_users), served.extra()
 
@@ -784,8 +709,6 @@ def validate_private(
 ) -> ServedScore:
     """Train privately on ``data`` and choose α of the item level on validation (candidate blocks, or one
     carved train item per user), without reading the test split: a `fedsim.private.served.ServedScore`."""
-    from fedsim.private.served import validate
-
     return validate(
         data,
         run_private_scaled,
