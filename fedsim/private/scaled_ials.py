@@ -48,6 +48,7 @@ from fedsim.private.scaled_lightfr import (
     popularity_only,
     seeded_release,
     split_budget,
+    split_run_budget,
     widest_quantization,
 )
 from fedsim.private.served import ServedScore, evaluate_served, validate
@@ -367,9 +368,7 @@ def run_private_ials(
     l2p, l1p = sensitivity(qp, m)
     dp = s.epsilon > 0
     cfg, model_sens = _sensitivities(n, m, s)
-    mu_model = mu_pop = 0.0
-    if dp:
-        mu_model, mu_pop = split_budget(s.epsilon, s.delta, s.rounds, model_sens, (l1p, l2p), s.pop_share)
+    mu_model, mu_pop = split_run_budget(s.epsilon, s.delta, s.rounds, model_sens, (l1p, l2p), s.pop_share)
     tmp = tempfile.mkdtemp(prefix="fedrec-privials-")
     try:
         cfg = _config(n, m, s, Path(tmp), cfg.rounds.scale_bits)

@@ -59,6 +59,7 @@ __all__ = [
     "ScaledResult",
     "NoiseAwareLightFR",
     "split_budget",
+    "split_run_budget",
     "widest_quantization",
     "release_counts",
     "seeded_release",
@@ -231,6 +232,20 @@ def split_budget(
         else:
             hi = mid
     return math.exp(hi), mu_pop
+
+
+def split_run_budget(
+    epsilon: float,
+    delta: float,
+    rounds: int,
+    model_sens: tuple[float, float],
+    pop_sens: tuple[float, float],
+    pop_share: float,
+) -> tuple[float, float]:
+    """`split_budget` of a run with DP (``epsilon`` > 0); (0, 0) without: no noise in either channel."""
+    if epsilon <= 0:
+        return 0.0, 0.0
+    return split_budget(epsilon, delta, rounds, model_sens, pop_sens, pop_share)
 
 
 def release_counts(
@@ -454,11 +469,8 @@ def run_private_scaled(
     qm = cfg.rounds.quantization()
     scale_bits = qm.scale_bits
     l2p, l1p = sensitivity(qp, m)
-    mu_model = mu_pop = 0.0
-    if dp:
-        mu_model, mu_pop = split_budget(
-            s.epsilon, s.delta, s.rounds, (l1m, l2m), (l1p, l2p), s.pop_share if s.pop_share > 0 else 0.0
-        )
+    pop_share = s.pop_share if s.pop_share > 0 else 0.0
+    mu_model, mu_pop = split_run_budget(s.epsilon, s.delta, s.rounds, (l1m, l2m), (l1p, l2p), pop_share)
     strategy: Strategy = base
     if dp and s.threshold > 0:
         strategy = NoiseAwareLightFR(base, math.sqrt(mu_model) / qm.scale, s.threshold)
