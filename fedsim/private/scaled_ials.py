@@ -51,7 +51,7 @@ from fedsim.private.scaled_lightfr import (
     split_run_budget,
     widest_quantization,
 )
-from fedsim.private.served import ServedScore, evaluate_served, validate
+from fedsim.private.served import PrivateRunResult, ServedScore, evaluate_served, validate
 from fedsim.private.simulator import PrivateSimulator, one_blas_thread
 from protocol.errors import ConfigError
 from protocol.families.ials import IALSLayout
@@ -129,18 +129,12 @@ class PrivateIALSSettings:
 
 
 @dataclass
-class PrivateIALSResult:
-    """User vectors against the final V, V, the private counts and the ledger's ε of one run."""
+class PrivateIALSResult(PrivateRunResult):
+    """User vectors against the final V and V of one run, beside its private counts and the ledger's ε
+    (`PrivateRunResult`, keyword fields)."""
 
     user_factors: NDArray[np.float64]
     item_factors: NDArray[np.float64]
-    private_counts: NDArray[np.float64]
-    epsilon: float | None
-    delta: float
-    mu_model: float
-    mu_pop: float
-    seconds: float
-    round_seconds: list[float]
     settings: PrivateIALSSettings
 
 
@@ -363,7 +357,17 @@ def run_private_ials(
             per_user, m, epsilon=s.epsilon, delta=s.delta, theta=s.pop_theta, seed=s.seed
         )
         zeros = np.zeros((n, d)), np.zeros((m, d))
-        return PrivateIALSResult(*zeros, counts, eps, s.delta, 0.0, mu_pop, time.perf_counter() - start, [], s)
+        return PrivateIALSResult(
+            *zeros,
+            s,
+            private_counts=counts,
+            epsilon=eps,
+            delta=s.delta,
+            mu_model=0.0,
+            mu_pop=mu_pop,
+            seconds=time.perf_counter() - start,
+            round_seconds=[],
+        )
     qp = widest_quantization(n, math.sqrt(s.pop_theta))
     l2p, l1p = sensitivity(qp, m)
     dp = s.epsilon > 0
@@ -384,7 +388,16 @@ def run_private_ials(
         U = solve_users(V, cohort.indptr, cohort.items, s.alpha, s.reg)
     eps = sim.ledger.spent() if sim.ledger is not None else None
     return PrivateIALSResult(
-        U, V, counts, eps, s.delta, mu_model, mu_pop, time.perf_counter() - start, round_seconds, s
+        U,
+        V,
+        s,
+        private_counts=counts,
+        epsilon=eps,
+        delta=s.delta,
+        mu_model=mu_model,
+        mu_pop=mu_pop,
+        seconds=time.perf_counter() - start,
+        round_seconds=round_seconds,
     )
 
 

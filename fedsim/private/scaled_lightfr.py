@@ -45,7 +45,7 @@ from agg_server.strategy.base import Strategy
 from fedsim.data.ratings import Ratings
 from fedsim.private.cohorts import LightFRCohort
 from fedsim.private.planner import POP_THETA, PRIVATE_ROUNDS, PrivatePlan, plan_private_run
-from fedsim.private.served import ServedScore, evaluate_served, validate
+from fedsim.private.served import PrivateRunResult, ServedScore, evaluate_served, validate
 from fedsim.private.simulator import PrivateSimulator, one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu, composed_rdp, epsilon_from_rdp
 from protocol.codes import pack_signs
@@ -153,18 +153,11 @@ class ScaledSettings:
 
 
 @dataclass
-class ScaledResult:
-    """Codes, private levels and the ledger's ε of one run."""
+class ScaledResult(PrivateRunResult):
+    """Codes of one run, beside its private counts and the ledger's ε (`PrivateRunResult`, keyword fields)."""
 
     item_codes: NDArray[np.int8]
     user_codes: NDArray[np.int8]
-    private_counts: NDArray[np.float64]
-    epsilon: float | None
-    delta: float
-    mu_model: float
-    mu_pop: float
-    seconds: float
-    round_seconds: list[float] = field(default_factory=list)
     settings: ScaledSettings = field(default_factory=ScaledSettings)
     #: The model's own item term in units of (f − Hamming): β·f/2 for the learned biases β of the
     #: all-items objective (what its levels stand for); zeros under sampled negatives.

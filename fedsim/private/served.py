@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from fedsim.evaluation.ranking import (
 from fedsim.private.planner import choose_with_margin
 
 __all__ = [
+    "PrivateRunResult",
     "ServedScore",
     "carve_validation",
     "choose_alpha_full_ranking",
@@ -117,13 +118,37 @@ def full_ranking_metrics(data: Any, *, eval_seed: int, test_users: int | None) -
     return full
 
 
+@dataclass(kw_only=True)
+class PrivateRunResult:
+    """What every private run reports beside its model (its result types extend this), and what a `ServedScore`
+    reads of it.
+
+    Attributes
+    ----------
+    private_counts : the popularity release, noisy counts per item.
+    epsilon : the ledger's ε (None without DP).
+    delta : δ.
+    mu_model, mu_pop : μ of each model round and of the popularity release (0 where nothing is noised).
+    seconds, round_seconds : the run's wall time and each round's.
+    """
+
+    private_counts: NDArray[np.float64]
+    epsilon: float | None
+    delta: float
+    mu_model: float
+    mu_pop: float
+    seconds: float
+    round_seconds: list[float] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class ServedScore:
     """A trained private run and the score it serves, chosen on validation; not yet tested.
 
     Attributes
     ----------
-    result : the trained run (its ``epsilon``, ``delta``, ``mu_model``, ``mu_pop``, ``seconds``: the ledger's).
+    result : the trained run, a `PrivateRunResult` (its ``epsilon``, ``delta``, ``mu_model``, ``mu_pop``,
+        ``seconds``: the ledger's).
     alpha : the chosen weight of the private item level (∞: the private popularity list alone).
     metric : what ``validation`` measures, "recall@20" (published split) or "hr@10" (validation blocks).
     validation : the chosen score's validation figure.
