@@ -102,6 +102,9 @@ def test_demo_runs_a_real_server_and_fleet(
     # The privacy planner's forecast comes before the run's own lines.
     plan_at = out.index("plan: at 12 devices and ε = 8")
     assert plan_at < out.index("verdict: private model over the real server")
+    # Then the growth forecast: the simulator's private run on the fleet and on replicas of it, before the run.
+    growth_at = out.index("growth: at ε = 8, ")
+    assert plan_at < growth_at < out.index("LightFR over the server")
     # Under DP (ε = 8) the devices rank with their ±1 codes: the model download says DP noise
     # trained it (ModelPayload.dp_trained, protocol 1.7), so with the SDK's own setting (3 rank planes) each
     # device, invited or not, holds no ranking vector; and each takes the w0 the server derived after round 2.

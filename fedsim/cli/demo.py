@@ -176,6 +176,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
 
 def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
     from agg_server.config import MIN_COHORT
+    from fedsim.cli.growth import forecast_growth
     from fedsim.cli.results import report_sampled, resolve_dataset
     from fedsim.evaluation.ranking import TieMode
     from fedsim.evaluation.report import write_json
@@ -230,8 +231,12 @@ def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
         )
     )
     plan = _plan(exp, eps, args.bits, n_devices) if eps else None
+    growth = None
     if plan is not None:
         out.write(plan.verdict() + _PLAN_SUFFIX + "\n")
+        out.flush()
+        growth = forecast_growth(exp, eps, seed=args.seed, bits=args.bits)
+        out.write(growth.line() + "\n")
     res = run_demo_fleet(
         exp,
         rounds=args.rounds,
@@ -264,7 +269,7 @@ def _run(args: argparse.Namespace, out: TextIO, workdir: Path) -> int:
     _show_device(exp, client.model, data_dir, out)
     print(f"done in {res['seconds']:.1f} s", file=sys.stderr)
     if args.json:
-        write_json(_record(args, exp, res, ours, privacy, plan), sys.stdout)
+        write_json(_record(args, exp, res, ours, privacy, plan, growth), sys.stdout)
     return 0
 
 
@@ -345,6 +350,7 @@ def _record(
     ours: Any,
     privacy: dict[str, Any] | None,
     plan: Any,
+    growth: Any,
 ) -> dict[str, Any]:
     """The ``--json`` result of the demo (`fedsim.evaluation.report`)."""
     from fedsim.evaluation.ranking import TieMode
@@ -365,6 +371,7 @@ def _record(
         epsilon_is_guarantee=bool(privacy) and not args.insecure_seed_dp_noise,
         server_rounds=[{k: r.get(k) for k in ("round_id", "status", "cohort_size", "survivors")} for r in rounds_run],
         **({"plan": plan.record()} if plan is not None else {}),
+        **({"growth": growth.record()} if growth is not None else {}),
     )
 
 
@@ -411,7 +418,11 @@ COMMAND = Command(
     description="Starts fedrec-server on a free loopback port, registers one simulated device per user "
     "(MovieLens-100K when ../shared/data or --data-dir has it, else a built-in synthetic dataset), runs "
     "federated LightFR rounds with SecAgg+ and distributed DP, prints a per-round table, then each "
-    "device's HR@10/NDCG@10 averaged beside popularity and a few recommendations for one device.",
+    "device's HR@10/NDCG@10 averaged beside popularity and a few recommendations for one device. With DP, two "
+    "lines come before the run: the privacy planner's plan, and when personalisation starts paying: `fedrec "
+    "simulate --model lightfr --epsilon E`'s private LightFR on the same data, then on every user replicated 2, 4, "
+    "8 and 16 times (the same shape with more devices, fresh noise), until the learned model beats its private "
+    "popularity list on validation; no test data is read (about half a minute on MovieLens-100K at ε = 8).",
     add_options=_add_options,
     run=run,
 )

@@ -40,6 +40,7 @@ __all__ = [
     "Experiment",
     "prepare",
     "validation_carves",
+    "replicated",
     "baselines",
     "item_titles",
     "dataset_titles",
@@ -195,6 +196,52 @@ def _prepare_published(data: TrainTestSplit, protocol: Protocol, n_negatives: in
         val_pairs=val_pairs,
         test_pairs=data.test,
         seen=data.train,
+    )
+
+
+def replicated(exp: Experiment, copies: int) -> Experiment:
+    """``exp`` as a fleet ``copies`` times larger: every user with training ratings becomes ``copies`` users
+    (copy k of the j-th such user is user k·n + j, n of them), each with the user's training ratings and
+    validation block; items are unchanged.  The test blocks are left empty, so whatever is computed on the
+    copy reads validation only.
+
+    Raises
+    ------
+    ValueError
+        ``copies`` < 1, or a protocol with pairs beside the blocks (a published split: full or sampled).
+    """
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"copies must be a whole number >= 1, got {copies!r}")
+    if exp.val_pairs is not None or exp.test_pairs is not None or exp.seen is not None:
+        raise ValueError(f"{exp.name}: a published split ({exp.protocol.value}) cannot be replicated by blocks")
+    tr = exp.train
+    present = np.unique(tr.users)
+    n = int(present.size)
+    dense = np.full(tr.n_users, -1, dtype=np.int64)
+    dense[present] = np.arange(n, dtype=np.int64)
+    keep = dense[exp.val.users] >= 0
+    val_users, val_items = dense[exp.val.users[keep]], exp.val.items[keep]
+    shift = np.repeat(np.arange(copies, dtype=np.int64) * n, len(tr))
+    ids = np.asarray(tr.user_ids)[present]
+    train = Ratings(
+        users=np.tile(dense[tr.users], copies) + shift,
+        items=np.tile(tr.items, copies),
+        ratings=np.tile(tr.ratings, copies),
+        timestamps=None if tr.timestamps is None else np.tile(tr.timestamps, copies),
+        n_users=n * copies,
+        n_items=tr.n_items,
+        user_ids=np.array([f"{u}#{k}" for k in range(copies) for u in ids], dtype=object),
+        item_ids=tr.item_ids,
+        name=f"{tr.name} ×{copies}",
+    )
+    val_shift = np.repeat(np.arange(copies, dtype=np.int64) * n, val_users.size)
+    width = exp.test.items.shape[1] if exp.test.items.ndim == 2 else 0
+    return replace(
+        exp,
+        name=f"{exp.name} ×{copies}",
+        train=train,
+        val=Candidates(np.tile(val_users, copies) + val_shift, np.tile(val_items, (copies, 1))),
+        test=Candidates(np.zeros(0, np.int64), np.zeros((0, width), np.int64)),
     )
 
 

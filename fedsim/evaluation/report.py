@@ -27,7 +27,10 @@ too; `--model ials` reports the candidates as `validation`.
 `fedrec demo --json` uses the same fixed keys (`metrics` holds `hr@10` / `ndcg@10` of the model the
 server trained, popularity and random; `rounds` counts committed rounds) and adds `epsilon`, `delta`
 (null without DP), `seed`, `epsilon_is_guarantee` (false without DP and with `--insecure-seed-dp-noise`)
-and `server_rounds` (`round_id`, `status`, `cohort_size`, `survivors` of each round).
+and `server_rounds` (`round_id`, `status`, `cohort_size`, `survivors` of each round); with DP, `plan` (the privacy
+planner's split) and `growth`: `pays_from_devices` (the smallest fleet at which the private-round simulator's
+learned model beat its private popularity list on validation, or null) and `tried` (`devices`, `pays` of each
+fleet tried).
 
 `fedrec loadtest --json` is a report, not a quality figure: `devices`, `backend` (`local` or `ray`),
 `workers`, `url`, `rounds_requested`, `rounds_finished`, `rounds_committed`, `seconds`, `ok` (the exit
