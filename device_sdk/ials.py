@@ -30,7 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -38,7 +38,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import LocalRatings, LocalResult, RoundHooks
 from device_sdk.retrieval import Recommender, fold_in_items
-from device_sdk.store import load_store, save_store
+from device_sdk.store import factor_state, load_store, read_factor_state, save_store
 from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
 from protocol.families.ials import DEFAULT_FACTORS, LEVEL_TOP, IALSLayout, initial_item_factors
@@ -320,41 +320,19 @@ class IALSModel(Recommender, RoundHooks):
     # -- persistence --------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the model atomically to one store file (see `device_sdk.store`)."""
-        save_store(
-            path,
-            _STORE_KIND,
-            {
-                "config": asdict(self.config),
-                "n_items": self.n_items,
-                "n_users": self.n_users,
-                "model_version": self.model_version,
-                "item_factors": np.ascontiguousarray(self.item_factors, dtype="<f8").tobytes(),
-                "user_factors": np.ascontiguousarray(self.user_factors, dtype="<f8").tobytes(),
-                "user_trained": np.packbits(self.user_trained).tobytes(),
-                "item_levels": None if self.item_levels is None else self.item_levels.tobytes(),
-                "level_weight": self.level_weight,
-            },
-        )
+        levels = None if self.item_levels is None else self.item_levels.tobytes()
+        save_store(path, _STORE_KIND, factor_state(self) | {"item_levels": levels, "level_weight": self.level_weight})
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], rng: np.random.Generator | None = None) -> IALSModel:
         """Read a model written by `save`; raises `StorageError` on any problem with the file."""
         state = load_store(path, _STORE_KIND)
         try:
-            config = IALSConfig(**dict(state["config"]))
-            n_items, n_users = int(state["n_items"]), int(state["n_users"])
-            model = cls(n_items, config, n_users=n_users, rng=rng or np.random.default_rng())
-            model.item_factors = float_matrix_from_bytes(state["item_factors"], (n_items, config.factors))
-            model.user_factors = float_matrix_from_bytes(state["user_factors"], (n_users, config.factors))
-            packed = np.frombuffer(state["user_trained"], np.uint8)
-            if packed.size != (n_users + 7) // 8:
-                raise ValueError(f"user_trained holds {packed.size} bytes for {n_users} users")
-            model.user_trained = np.unpackbits(packed)[:n_users].astype(bool)
-            model.model_version = int(state["model_version"])
+            model = read_factor_state(state, cls, IALSConfig, rng)
             # A file written before the item term (protocol 1.10) has neither key: u·v alone.
             levels = state.get("item_levels")
             model.item_levels, model.level_weight = _item_term(
-                b"" if levels is None else bytes(levels), float(state.get("level_weight", 0.0)), n_items
+                b"" if levels is None else bytes(levels), float(state.get("level_weight", 0.0)), model.n_items
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"{path} is a valid store file but its iALS state is invalid: {exc}") from exc

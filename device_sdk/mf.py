@@ -40,7 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -48,7 +48,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from device_sdk.family import LocalRatings, LocalResult, RoundHooks
 from device_sdk.retrieval import Recommender, as_items, check_userid, fold_in_items
-from device_sdk.store import load_store, save_store
+from device_sdk.store import factor_state, load_store, read_factor_state, save_store
 from protocol.codes import float_matrix_from_bytes
 from protocol.errors import ModelError, StorageError
 from protocol.families.mf import project_rows
@@ -486,19 +486,7 @@ class MFModel(Recommender, RoundHooks):
     # -- persistence ------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the model atomically to one store file (see `device_sdk.store`)."""
-        save_store(
-            path,
-            _STORE_KIND,
-            {
-                "config": asdict(self.config),
-                "n_items": self.n_items,
-                "n_users": self.n_users,
-                "model_version": self.model_version,
-                "item_factors": np.ascontiguousarray(self.item_factors, dtype="<f8").tobytes(),
-                "user_factors": np.ascontiguousarray(self.user_factors, dtype="<f8").tobytes(),
-                "user_trained": np.packbits(self.user_trained).tobytes(),
-            },
-        )
+        save_store(path, _STORE_KIND, factor_state(self))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], rng: np.random.Generator | None = None) -> MFModel:
@@ -506,21 +494,15 @@ class MFModel(Recommender, RoundHooks):
         including factors that break the clipping constraint."""
         state = load_store(path, _STORE_KIND)
         try:
-            config = MFConfig(**dict(state["config"]))
-            n_items, n_users = int(state["n_items"]), int(state["n_users"])
-            model = cls(n_items, config, n_users=n_users, rng=rng or np.random.default_rng())
-            f, R = config.factors, config.max_norm2
-            V = float_matrix_from_bytes(state["item_factors"], (n_items, f))
-            U = float_matrix_from_bytes(state["user_factors"], (n_users, f))
-            for name, X in (("item_factors", V), ("user_factors", U)):
-                if X.size and (X.min() < 0 or np.einsum("ij,ij->i", X, X).max() > R * (1 + _NORM_SLACK)):
-                    raise ValueError(f"{name} break the clipping constraint (rows >= 0, squared norm <= {R})")
-            packed = np.frombuffer(state["user_trained"], np.uint8)
-            if packed.size != (n_users + 7) // 8:
-                raise ValueError(f"user_trained holds {packed.size} bytes for {n_users} users")
-            model.item_factors, model.user_factors = V, U
-            model.user_trained = np.unpackbits(packed)[:n_users].astype(bool)
-            model.model_version = int(state["model_version"])
+            model = read_factor_state(state, cls, MFConfig, rng, check=_check_clipped)
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"{path} is a valid store file but its MF state is invalid: {exc}") from exc
         return model
+
+
+def _check_clipped(V: NDArray[np.float64], U: NDArray[np.float64], config: MFConfig) -> None:
+    """Stored factors must keep the clipping constraint (rows >= 0, squared norm <= R, up to `_NORM_SLACK`)."""
+    R = config.max_norm2
+    for name, X in (("item_factors", V), ("user_factors", U)):
+        if X.size and (X.min() < 0 or np.einsum("ij,ij->i", X, X).max() > R * (1 + _NORM_SLACK)):
+            raise ValueError(f"{name} break the clipping constraint (rows >= 0, squared norm <= {R})")

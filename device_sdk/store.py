@@ -15,6 +15,10 @@ Invariants:
   overwritten; a warning is logged) and `StorageError` is raised naming the file and the reason.  That is
   for the device's own store, which must start over without the damaged file; a reader of a file the user
   named (``load_store(..., move_aside=False)``, the ``fedrec`` CLI) reports it and leaves it where it is.
+
+The factor models (`device_sdk.mf.MFModel`, `device_sdk.ials.IALSModel`) store the same core state
+(`factor_state`, read back by `read_factor_state`): the configuration, the shape, the model version, V and U
+as float64 little-endian and which users are trained; each adds its own keys after it.
 """
 
 from __future__ import annotations
@@ -22,15 +26,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import msgpack
+import numpy as np
+from numpy.typing import NDArray
 
 from protocol.atomic import write_atomic
+from protocol.codes import float_matrix_from_bytes
 from protocol.errors import StorageError
 
-__all__ = ["STORE_FORMAT", "save_store", "load_store", "MAX_STORE_BYTES"]
+__all__ = ["STORE_FORMAT", "save_store", "load_store", "MAX_STORE_BYTES", "factor_state", "read_factor_state"]
 
 _log = logging.getLogger(__name__)
 
@@ -145,3 +154,65 @@ def load_store(path: str | os.PathLike[str], kind: str, *, move_aside: bool = Tr
     if not isinstance(state, dict):
         raise _corrupt(path, "payload is not a map", move_aside)
     return state
+
+
+class FactorModel(Protocol):
+    """What `factor_state` stores of a factor model and `read_factor_state` restores."""
+
+    n_items: int
+    n_users: int
+    config: Any
+    model_version: int
+    item_factors: NDArray[np.float64]
+    user_factors: NDArray[np.float64]
+    user_trained: NDArray[np.bool_]
+
+
+M = TypeVar("M", bound=FactorModel)
+
+
+def factor_state(model: FactorModel) -> dict[str, Any]:
+    """The stored core of a factor model: its configuration (a dataclass), shape, version, V and U (float64
+    little-endian) and its trained users (packed bits)."""
+    return {
+        "config": asdict(model.config),
+        "n_items": model.n_items,
+        "n_users": model.n_users,
+        "model_version": model.model_version,
+        "item_factors": np.ascontiguousarray(model.item_factors, dtype="<f8").tobytes(),
+        "user_factors": np.ascontiguousarray(model.user_factors, dtype="<f8").tobytes(),
+        "user_trained": np.packbits(model.user_trained).tobytes(),
+    }
+
+
+def read_factor_state(
+    state: dict[str, Any],
+    model_type: Callable[..., M],
+    config_type: Callable[..., Any],
+    rng: np.random.Generator | None,
+    *,
+    check: Callable[[NDArray[np.float64], NDArray[np.float64], Any], None] | None = None,
+) -> M:
+    """The factor model `factor_state` stored in ``state``: ``model_type(n_items, config, n_users=, rng=)`` (``rng``
+    or a fresh generator) with the stored V, U, trained users and version; ``check(V, U, config)`` vets the
+    factors before they are adopted.
+
+    Raises
+    ------
+    KeyError, TypeError, ValueError
+        On a missing key or a value that does not fit (the caller names the file in a `StorageError`).
+    """
+    config = config_type(**dict(state["config"]))
+    n_items, n_users = int(state["n_items"]), int(state["n_users"])
+    model = model_type(n_items, config, n_users=n_users, rng=rng or np.random.default_rng())
+    V = float_matrix_from_bytes(state["item_factors"], (n_items, config.factors))
+    U = float_matrix_from_bytes(state["user_factors"], (n_users, config.factors))
+    if check is not None:
+        check(V, U, config)
+    packed = np.frombuffer(state["user_trained"], np.uint8)
+    if packed.size != (n_users + 7) // 8:
+        raise ValueError(f"user_trained holds {packed.size} bytes for {n_users} users")
+    model.item_factors, model.user_factors = V, U
+    model.user_trained = np.unpackbits(packed)[:n_users].astype(bool)
+    model.model_version = int(state["model_version"])
+    return model

@@ -12,7 +12,8 @@ from fedsim.data.kgat import TrainTestSplit
 from fedsim.data.ratings import Ratings
 from fedsim.data.synthetic import synthetic
 from fedsim.private.mf import IMPLICIT_MF, evaluate_private_mf_scaled
-from fedsim.private.scaled_lightfr import ALPHAS, ScaledSettings, evaluate_private, full_ranking_metrics
+from fedsim.private.scaled_lightfr import ALPHAS, ScaledSettings, evaluate_private
+from fedsim.private.served import full_ranking_metrics
 
 
 def _split() -> TrainTestSplit:

@@ -27,13 +27,13 @@ from fedsim.private.planner import (
 from fedsim.private.scaled_lightfr import (
     ScaledSettings,
     _per_user,
-    choose_alpha_full_ranking,
     evaluate_private,
     plan_run,
     release_counts,
     widest_quantization,
     with_plan,
 )
+from fedsim.private.served import choose_alpha_full_ranking
 from protocol.accounting import calibrate_mu
 from protocol.quantization import sensitivity
 

@@ -26,11 +26,21 @@ from protocol.messages import RoundInvite
 from protocol.plan import LightFRParams, MFParams
 from protocol.samplers import NoiseStream
 
-__all__ = ["DeviceDraws", "LightFRCohort", "MFCohort"]
+__all__ = ["DeviceDraws", "LightFRCohort", "MFCohort", "cohort_rows"]
 
 
 #: A device's training generator and noise stream (`device_sdk.client.insecure_seeded_rngs`).
 DeviceDraws = Mapping[int, tuple[np.random.Generator, NoiseStream]]
+
+
+def cohort_rows(
+    index: Mapping[int, int], cohort: Iterable[int], survivors: Iterable[int]
+) -> tuple[NDArray[np.bool_], NDArray[np.int64]]:
+    """(whether each held device survives, the cohort's rows sorted) of a round; ``index`` maps every held
+    device's id to its row."""
+    alive = np.zeros(len(index), dtype=bool)
+    alive[[index[d] for d in survivors]] = True
+    return alive, np.array(sorted(index[d] for d in cohort), dtype=np.int64)
 
 
 class MFCohort:
@@ -145,9 +155,7 @@ class MFCohort:
             raise ConfigError(f"the round expects {invite.vector_length} values, an MF upload has {m * f}")
         Vd = project_rows(np.asarray(V, dtype=np.float64).reshape(m, f), R)  # as the device's set_global
         qcfg = invite.quantization()
-        alive = np.zeros(len(self.device_ids), dtype=bool)
-        alive[[self._index[d] for d in survivors]] = True
-        rows_all = np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
+        alive, rows_all = cohort_rows(self._index, cohort, survivors)
         total = np.zeros(m * f, dtype=np.int64)
         for lo in range(0, rows_all.size, self.batch):
             rows = rows_all[lo : lo + self.batch]
@@ -319,7 +327,7 @@ class LightFRCohort:
                 raise ConfigError("the all-items objective needs the item biases the devices download (beta=)")
             return self._full_sum(D, beta, invite, cohort, survivors, rng, coins, hamming_weight)
         qcfg = invite.quantization()
-        alive, rows_all = self._alive(cohort, survivors)
+        alive, rows_all = cohort_rows(self._index, cohort, survivors)
         total = np.zeros(self.n_items * self.bits, dtype=np.int64)
         self._start_codes(rows_all, rng)
         for lo in range(0, rows_all.size, self.batch):
@@ -327,12 +335,6 @@ class LightFRCohort:
             owner, item, vals = self._gradients(rows, D, invite, rng)
             batched.add_rounded_rows(total, owner, item, vals, alive[rows], qcfg, coins)
         return total
-
-    def _alive(self, cohort: Iterable[int], survivors: Iterable[int]) -> tuple[NDArray[np.bool_], NDArray[np.int64]]:
-        """(whether each held device survives, the cohort's rows sorted)."""
-        alive = np.zeros(len(self.device_ids), dtype=bool)
-        alive[[self._index[d] for d in survivors]] = True
-        return alive, np.array(sorted(self._index[d] for d in cohort), dtype=np.int64)
 
     def _start_codes(self, rows: NDArray[np.int64], rng: np.random.Generator) -> None:
         fresh = rows[~self.trained[rows]]
@@ -402,7 +404,7 @@ class LightFRCohort:
         w0, alpha = float(p.unobserved_weight), float(p.confidence)
         Df = D.astype(np.float64)
         gram = (Df.T @ Df, Df.T @ beta)  # G_D and Dᵀβ, once per model version (as a device caches them)
-        alive, rows_all = self._alive(cohort, survivors)
+        alive, rows_all = cohort_rows(self._index, cohort, survivors)
         self._start_codes(rows_all, rng)
         parts = {"gradient": np.zeros(m * f), "bias": np.zeros(m), "counts": np.zeros(m)}
         parts |= {"gram": np.zeros((f, f)), "code_sum": np.zeros(f)}

@@ -365,8 +365,9 @@ def _with_popularity_level(
 ) -> tuple[float, MFEvaluation, MFEvaluation, MFEvaluation]:
     """Choose the weight α of the private popularity level on validation HR; returns α, the level
     alone on test, and the test and validation figures of u·v + α level."""
-    level = np.log1p(np.maximum(counts, 0.0))
-    level = level * (s.max_norm2 / level.max()) if level.max() > 0 else level
+    from fedsim.private.scaled_lightfr import item_levels
+
+    level = item_levels(counts, s.max_norm2)
 
     def ranked(ev: MFEvaluation) -> float:
         return ev.ranking.hr if ev.ranking is not None else 0.0
@@ -394,7 +395,7 @@ def _popularity_release(
     train: Ratings, s: PrivateMFSettings, cfg: ServerConfig
 ) -> tuple[np.ndarray, float, list[tuple[float, float, float]]]:
     """(private counts, μ of every round, [(μ, Δ1, Δ2) of the popularity release]) for ``s``'s ε."""
-    from fedsim.private.scaled_lightfr import _per_user, release_counts, split_budget, widest_quantization
+    from fedsim.private.scaled_lightfr import _per_user, seeded_release, split_budget, widest_quantization
     from protocol.quantization import sensitivity
 
     n, m = train.n_users, train.n_items
@@ -404,8 +405,7 @@ def _popularity_release(
     qp = widest_quantization(n, math.sqrt(theta))
     l2p, l1p = sensitivity(qp, m)
     mu_rounds, mu_pop = split_budget(s.epsilon, s.delta, s.rounds, (l1m, l2m), (l1p, l2p), s.pop_share)
-    rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
-    counts = release_counts(_per_user(train), m, theta, qp, mu_pop, rng)
+    counts = seeded_release(_per_user(train), m, theta, qp, mu_pop, s.seed)
     return counts, mu_rounds, [(mu_pop, l1p, l2p)]
 
 
@@ -441,7 +441,7 @@ def run_private_mf_scaled(
     """
     from device_sdk.mf import fit_users
     from fedsim.private.cohorts import MFCohort
-    from fedsim.private.scaled_lightfr import _per_user, release_counts, widest_quantization
+    from fedsim.private.scaled_lightfr import _per_user, seeded_release, widest_quantization
     from fedsim.private.simulator import PrivateSimulator
     from protocol.families.mf import project_rows
 
@@ -464,10 +464,8 @@ def run_private_mf_scaled(
                 counts, mu_rounds, charges = _popularity_release(train, s, cfg)
                 mu_pop = charges[0][0]
             else:
-                theta = s.pop_theta
-                qp = widest_quantization(n, math.sqrt(theta))
-                rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
-                counts = release_counts(_per_user(train), m, theta, qp, 0.0, rng)
+                qp = widest_quantization(n, math.sqrt(s.pop_theta))
+                counts = seeded_release(_per_user(train), m, s.pop_theta, qp, 0.0, s.seed)
         sim = PrivateSimulator(cfg, mu=mu_rounds)
         for charge in charges:
             assert sim.ledger is not None
@@ -517,14 +515,14 @@ def evaluate_private_mf_scaled(
         "private_popularity" and α is 0.
     """
     from fedsim.evaluation.ranking import popularity_scorer, random_scorer
-    from fedsim.private.scaled_lightfr import ALPHAS, carve_validation, choose_alpha_full_ranking, full_ranking_metrics
+    from fedsim.private.scaled_lightfr import ALPHAS, item_levels
+    from fedsim.private.served import carve_validation, choose_alpha_full_ranking, full_ranking_metrics
 
     fit, val = carve_validation(data.train, eval_seed)
     res = run_private_mf_scaled(fit, replace(settings, cohort=fit.n_users), on_round=on_round)
     U, V = res.user_factors, res.item_factors
     counts = res.private_counts if res.private_counts is not None else np.zeros(fit.n_items)
-    level = np.log1p(np.maximum(counts, 0.0))
-    level = level * (settings.max_norm2 / level.max()) if level.max() > 0 else level
+    level = item_levels(counts, settings.max_norm2)
 
     def scorer(alpha: float) -> Callable[[np.ndarray], np.ndarray]:
         if math.isinf(alpha):

@@ -38,18 +38,21 @@ from agg_server.config import ServerConfig, config_from_dict
 from agg_server.strategy import build_strategy
 from device_sdk.ials import solve_users
 from fedsim.data.ratings import Ratings
-from fedsim.private.planner import POP_THETA, PrivatePlan, plan_private_run
+from fedsim.private.cohorts import cohort_rows
+from fedsim.private.planner import POP_THETA, PrivatePlan
 from fedsim.private.scaled_lightfr import (
     _largest_scale_bits,
     _per_user,
     item_levels,
-    release_counts,
+    plan_split,
+    popularity_only,
+    seeded_release,
     split_budget,
+    split_run_budget,
     widest_quantization,
 )
-from fedsim.private.served import ServedScore, evaluate_served, validate
+from fedsim.private.served import PrivateRunResult, ServedScore, evaluate_served, validate
 from fedsim.private.simulator import PrivateSimulator, one_blas_thread
-from protocol.accounting import PrivacyLedger, calibrate_mu
 from protocol.errors import ConfigError
 from protocol.families.ials import IALSLayout
 from protocol.messages import RoundInvite
@@ -126,18 +129,12 @@ class PrivateIALSSettings:
 
 
 @dataclass
-class PrivateIALSResult:
-    """User vectors against the final V, V, the private counts and the ledger's ε of one run."""
+class PrivateIALSResult(PrivateRunResult):
+    """User vectors against the final V and V of one run, beside its private counts and the ledger's ε
+    (`PrivateRunResult`, keyword fields)."""
 
     user_factors: NDArray[np.float64]
     item_factors: NDArray[np.float64]
-    private_counts: NDArray[np.float64]
-    epsilon: float | None
-    delta: float
-    mu_model: float
-    mu_pop: float
-    seconds: float
-    round_seconds: list[float]
     settings: PrivateIALSSettings
 
 
@@ -177,9 +174,7 @@ class IALSCohort:
             raise ConfigError(f"the round expects {invite.vector_length} values, an iALS upload has {layout.length}")
         Vd = np.asarray(V, dtype=np.float64).reshape(m, d)
         q = invite.quantization()
-        alive = np.zeros(len(self.device_ids), dtype=bool)
-        alive[[self._index[x] for x in survivors]] = True
-        rows_all = np.array(sorted(self._index[x] for x in cohort), dtype=np.int64)
+        alive, rows_all = cohort_rows(self._index, cohort, survivors)
         total = np.zeros(layout.length, dtype=np.int64)
         gram_at = m * d + m
         for lo in range(0, rows_all.size, self.batch):
@@ -336,23 +331,14 @@ def plan_private_ials(train: Ratings, settings: PrivateIALSSettings, *, negative
     ``train``: the popularity release's share and whether the rounds are afforded, from this run's own
     sensitivities and accountant."""
     s = settings if settings.factors else replace(settings, factors=FACTOR_RANGE[1])
-    n, m = train.n_users, train.n_items
-    _, model_sens = _sensitivities(n, m, s)
-    qp = widest_quantization(n, math.sqrt(POP_THETA))
-    l2p, l1p = sensitivity(qp, m)
-
-    def sigma_at(share: float) -> float:
-        return math.sqrt(split_budget(s.epsilon, s.delta, s.rounds, model_sens, (l1p, l2p), share)[1]) / qp.scale
-
-    sigma_all = math.sqrt(calibrate_mu(s.epsilon, s.delta, 1, l1p, l2p)) / qp.scale
-    return plan_private_run(
+    _, model_sens = _sensitivities(train.n_users, train.n_items, s)
+    return plan_split(
         train,
         epsilon=s.epsilon,
         delta=s.delta,
-        negatives=negatives,
-        sigma_at=sigma_at,
-        sigma_all=sigma_all,
         rounds=s.rounds,
+        model_sens=model_sens,
+        negatives=negatives,
         seed=s.seed,
     )
 
@@ -366,31 +352,34 @@ def run_private_ials(
     s, _ = resolve_factors(train, settings)
     n, m, d = train.n_users, train.n_items, s.factors
     per_user = _per_user(train)
+    if s.rounds == 0:
+        counts, mu_pop, eps = popularity_only(
+            per_user, m, epsilon=s.epsilon, delta=s.delta, theta=s.pop_theta, seed=s.seed
+        )
+        zeros = np.zeros((n, d)), np.zeros((m, d))
+        return PrivateIALSResult(
+            *zeros,
+            s,
+            private_counts=counts,
+            epsilon=eps,
+            delta=s.delta,
+            mu_model=0.0,
+            mu_pop=mu_pop,
+            seconds=time.perf_counter() - start,
+            round_seconds=[],
+        )
     qp = widest_quantization(n, math.sqrt(s.pop_theta))
     l2p, l1p = sensitivity(qp, m)
     dp = s.epsilon > 0
-    counts_rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
-    if s.rounds == 0:
-        mu_pop, eps = 0.0, None
-        if dp:
-            mu_pop = calibrate_mu(s.epsilon, s.delta, 1, l1p, l2p)
-            eps = PrivacyLedger(epsilon_budget=s.epsilon, delta=s.delta).record_round(mu_pop, l1p, l2p)
-        counts = release_counts(per_user, m, s.pop_theta, qp, mu_pop, counts_rng)
-        zeros = np.zeros((n, d)), np.zeros((m, d))
-        return PrivateIALSResult(*zeros, counts, eps, s.delta, 0.0, mu_pop, time.perf_counter() - start, [], s)
     cfg, model_sens = _sensitivities(n, m, s)
-    mu_model = mu_pop = 0.0
-    if dp:
-        mu_model, mu_pop = split_budget(s.epsilon, s.delta, s.rounds, model_sens, (l1p, l2p), s.pop_share)
+    mu_model, mu_pop = split_run_budget(s.epsilon, s.delta, s.rounds, model_sens, (l1p, l2p), s.pop_share)
     tmp = tempfile.mkdtemp(prefix="fedrec-privials-")
     try:
         cfg = _config(n, m, s, Path(tmp), cfg.rounds.scale_bits)
         sim = PrivateSimulator(cfg, mu=mu_model if dp else None)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    counts = release_counts(per_user, m, s.pop_theta, qp, mu_pop, counts_rng)
-    if sim.ledger is not None and mu_pop > 0:
-        sim.ledger.record_round(mu_pop, l1p, l2p)
+    counts = seeded_release(per_user, m, s.pop_theta, qp, mu_pop, s.seed, sim.ledger)
     cohort = IALSCohort(per_user, m, d)
     with one_blas_thread():
         round_seconds = sim.run_scaled_rounds(cohort, s.rounds, sim_seed=s.seed, on_round=on_round)  # type: ignore[arg-type]
@@ -399,7 +388,16 @@ def run_private_ials(
         U = solve_users(V, cohort.indptr, cohort.items, s.alpha, s.reg)
     eps = sim.ledger.spent() if sim.ledger is not None else None
     return PrivateIALSResult(
-        U, V, counts, eps, s.delta, mu_model, mu_pop, time.perf_counter() - start, round_seconds, s
+        U,
+        V,
+        s,
+        private_counts=counts,
+        epsilon=eps,
+        delta=s.delta,
+        mu_model=mu_model,
+        mu_pop=mu_pop,
+        seconds=time.perf_counter() - start,
+        round_seconds=round_seconds,
     )
 
 
@@ -461,13 +459,15 @@ def validate_private_ials(
     split: a `fedsim.private.served.ServedScore`, on the same validation as private LightFR's."""
     return validate(
         data,
-        lambda train: run_private_ials(train, settings, on_round=on_round),
+        run_private_ials,
+        settings,
         _scorer,
         _block_scores,
-        IALS_ALPHAS if settings.rounds else (math.inf,),
+        IALS_ALPHAS,
         eval_seed=eval_seed,
         val_users=val_users,
-        say=log or (lambda text: None),
+        on_round=on_round,
+        log=log,
     )
 
 

@@ -31,10 +31,10 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -44,7 +44,8 @@ from agg_server.strategy import build_strategy
 from agg_server.strategy.base import Strategy
 from fedsim.data.ratings import Ratings
 from fedsim.private.cohorts import LightFRCohort
-from fedsim.private.planner import POP_THETA, PRIVATE_ROUNDS, PrivatePlan, choose_with_margin, plan_private_run
+from fedsim.private.planner import POP_THETA, PRIVATE_ROUNDS, PrivatePlan, plan_private_run
+from fedsim.private.served import PrivateRunResult, ServedScore, evaluate_served, validate
 from fedsim.private.simulator import PrivateSimulator, one_blas_thread
 from protocol.accounting import PrivacyLedger, calibrate_mu, composed_rdp, epsilon_from_rdp
 from protocol.codes import pack_signs
@@ -53,19 +54,19 @@ from protocol.noise import released_variance, sample_skellam
 from protocol.quantization import QuantizationConfig, clip_l2, sensitivity, stochastic_round
 from protocol.samplers import insecure_test_noise_stream
 
-if TYPE_CHECKING:  # served imports this module
-    from fedsim.private.served import ServedScore
-
 __all__ = [
     "ScaledSettings",
     "ScaledResult",
     "NoiseAwareLightFR",
     "split_budget",
+    "split_run_budget",
     "widest_quantization",
     "release_counts",
+    "seeded_release",
+    "popularity_only",
+    "plan_split",
     "run_private_scaled",
     "scaled_config",
-    "carve_validation",
     "plan_run",
     "with_plan",
     "validate_private",
@@ -152,18 +153,11 @@ class ScaledSettings:
 
 
 @dataclass
-class ScaledResult:
-    """Codes, private levels and the ledger's ε of one run."""
+class ScaledResult(PrivateRunResult):
+    """Codes of one run, beside its private counts and the ledger's ε (`PrivateRunResult`, keyword fields)."""
 
     item_codes: NDArray[np.int8]
     user_codes: NDArray[np.int8]
-    private_counts: NDArray[np.float64]
-    epsilon: float | None
-    delta: float
-    mu_model: float
-    mu_pop: float
-    seconds: float
-    round_seconds: list[float] = field(default_factory=list)
     settings: ScaledSettings = field(default_factory=ScaledSettings)
     #: The model's own item term in units of (f − Hamming): β·f/2 for the learned biases β of the
     #: all-items objective (what its levels stand for); zeros under sampled negatives.
@@ -233,6 +227,20 @@ def split_budget(
     return math.exp(hi), mu_pop
 
 
+def split_run_budget(
+    epsilon: float,
+    delta: float,
+    rounds: int,
+    model_sens: tuple[float, float],
+    pop_sens: tuple[float, float],
+    pop_share: float,
+) -> tuple[float, float]:
+    """`split_budget` of a run with DP (``epsilon`` > 0); (0, 0) without: no noise in either channel."""
+    if epsilon <= 0:
+        return 0.0, 0.0
+    return split_budget(epsilon, delta, rounds, model_sens, pop_sens, pop_share)
+
+
 def release_counts(
     users: list[NDArray[np.int64]],
     n_items: int,
@@ -268,6 +276,72 @@ def release_counts(
     return total.astype(np.float64) / scale
 
 
+def seeded_release(
+    users: list[NDArray[np.int64]],
+    n_items: int,
+    theta: int,
+    quantization: QuantizationConfig,
+    mu: float,
+    seed: int,
+    ledger: PrivacyLedger | None = None,
+) -> NDArray[np.float64]:
+    """A run's popularity release (`release_counts`) from the run's own seeded stream (a simulation), charged to
+    ``ledger`` when it is noised (μ > 0); the model rounds' streams are other ones."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0xC0]))
+    counts = release_counts(users, n_items, theta, quantization, mu, rng)
+    if ledger is not None and mu > 0:
+        l2, l1 = sensitivity(quantization, n_items)
+        ledger.record_round(mu, l1, l2)
+    return counts
+
+
+def popularity_only(
+    users: list[NDArray[np.int64]], n_items: int, *, epsilon: float, delta: float, theta: int, seed: int
+) -> tuple[NDArray[np.float64], float, float | None]:
+    """(counts, μ, the ledger's ε) of a run without model rounds: the popularity release alone, calibrated to the
+    whole ``epsilon`` (no noise and ε None for ``epsilon`` 0)."""
+    qp = widest_quantization(len(users), math.sqrt(theta))
+    l2p, l1p = sensitivity(qp, n_items)
+    mu_pop, eps = 0.0, None
+    if epsilon > 0:
+        mu_pop = calibrate_mu(epsilon, delta, 1, l1p, l2p)
+        eps = PrivacyLedger(epsilon_budget=epsilon, delta=delta).record_round(mu_pop, l1p, l2p)
+    return seeded_release(users, n_items, theta, qp, mu_pop, seed), mu_pop, eps
+
+
+def plan_split(
+    train: Ratings,
+    *,
+    epsilon: float,
+    delta: float,
+    rounds: int,
+    model_sens: tuple[float, float],
+    negatives: int | None,
+    seed: int,
+) -> PrivatePlan:
+    """The privacy planner's choice (`fedsim.private.planner.plan_private_run`) for a run over ``train`` whose
+    ``rounds`` model rounds have sensitivities ``model_sens`` (Δ1, Δ2), against the popularity release at θ =
+    `POP_THETA`, with `split_budget` and the accountant; ``negatives``: the evaluation's sampled items per
+    positive (None: full ranking)."""
+    qp = widest_quantization(train.n_users, math.sqrt(POP_THETA))
+    l2p, l1p = sensitivity(qp, train.n_items)
+
+    def sigma_at(share: float) -> float:
+        return math.sqrt(split_budget(epsilon, delta, rounds, model_sens, (l1p, l2p), share)[1]) / qp.scale
+
+    sigma_all = math.sqrt(calibrate_mu(epsilon, delta, 1, l1p, l2p)) / qp.scale
+    return plan_private_run(
+        train,
+        epsilon=epsilon,
+        delta=delta,
+        negatives=negatives,
+        sigma_at=sigma_at,
+        sigma_all=sigma_all,
+        rounds=rounds,
+        seed=seed,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class NoiseAwareLightFR:
     """A LightFR strategy that moves a bit only on evidence: summed gradient coordinates smaller
@@ -287,20 +361,6 @@ class NoiseAwareLightFR:
         cut = self.threshold * self.sigma
         kept = np.where(np.abs(total) > cut, total, 0.0)
         return self.base.aggregate(state, kept, survivors, rng, **kw)
-
-
-def carve_validation(train: Ratings, seed: int) -> tuple[Ratings, Ratings]:
-    """(fit, validation): one random train item of every user with at least two moves to validation."""
-    rng = np.random.default_rng(seed)
-    order = np.lexsort((rng.random(len(train)), train.users))
-    users = train.users[order]
-    first = np.ones(users.size, dtype=bool)
-    first[1:] = users[1:] != users[:-1]
-    counts = np.bincount(train.users, minlength=train.n_users)
-    held = first & (counts[users] >= 2)
-    pick = order[held]
-    rest = np.setdiff1d(np.arange(len(train)), pick)
-    return train.subset(rest), train.subset(np.sort(pick))
 
 
 def _per_user(train: Ratings) -> list[NDArray[np.int64]]:
@@ -369,23 +429,9 @@ def plan_run(
     ``train`` (`fedsim.private.planner`), with this run's own sensitivities and accountant; ``negatives``: the
     evaluation's sampled items per positive (None: full ranking)."""
     s = settings
-    n, m = train.n_users, train.n_items
-    _, _, model_sens, qp = _sensitivities(n, m, replace(s, pop_theta=POP_THETA))
-    l2p, l1p = sensitivity(qp, m)
-
-    def sigma_at(share: float) -> float:
-        return math.sqrt(split_budget(s.epsilon, s.delta, rounds, model_sens, (l1p, l2p), share)[1]) / qp.scale
-
-    sigma_all = math.sqrt(calibrate_mu(s.epsilon, s.delta, 1, l1p, l2p)) / qp.scale
-    return plan_private_run(
-        train,
-        epsilon=s.epsilon,
-        delta=s.delta,
-        negatives=negatives,
-        sigma_at=sigma_at,
-        sigma_all=sigma_all,
-        rounds=rounds,
-        seed=s.seed,
+    _, _, model_sens, _ = _sensitivities(train.n_users, train.n_items, s)
+    return plan_split(
+        train, epsilon=s.epsilon, delta=s.delta, rounds=rounds, model_sens=model_sens, negatives=negatives, seed=s.seed
     )
 
 
@@ -416,18 +462,13 @@ def run_private_scaled(
     qm = cfg.rounds.quantization()
     scale_bits = qm.scale_bits
     l2p, l1p = sensitivity(qp, m)
-    mu_model = mu_pop = 0.0
-    if dp:
-        mu_model, mu_pop = split_budget(
-            s.epsilon, s.delta, s.rounds, (l1m, l2m), (l1p, l2p), s.pop_share if s.pop_share > 0 else 0.0
-        )
+    pop_share = s.pop_share if s.pop_share > 0 else 0.0
+    mu_model, mu_pop = split_run_budget(s.epsilon, s.delta, s.rounds, (l1m, l2m), (l1p, l2p), pop_share)
     strategy: Strategy = base
     if dp and s.threshold > 0:
         strategy = NoiseAwareLightFR(base, math.sqrt(mu_model) / qm.scale, s.threshold)
     sim = PrivateSimulator(cfg, strategy=strategy, mu=mu_model if dp else None)
-    counts = _popularity_counts(per_user, m, s, qp, mu_pop)
-    if sim.ledger is not None and mu_pop > 0:
-        sim.ledger.record_round(mu_pop, l1p, l2p)
+    counts = seeded_release(per_user, m, s.pop_theta, qp, mu_pop, s.seed, sim.ledger)
     cohort = LightFRCohort([(u, None) for u in per_user], m, s.bits)
     round_seconds = sim.run_scaled_rounds(cohort, s.rounds, sim_seed=s.seed, on_round=on_round)
     st: Any = base
@@ -484,14 +525,7 @@ def run_private_scaled(
 def _popularity_only(per_user: list[NDArray[np.int64]], m: int, s: ScaledSettings, start: float) -> ScaledResult:
     """The popularity release alone, calibrated to the whole ε (no model round: the model is the list)."""
     n = len(per_user)
-    qp = widest_quantization(n, math.sqrt(s.pop_theta))
-    l2p, l1p = sensitivity(qp, m)
-    mu_pop, eps = 0.0, None
-    if s.epsilon > 0:
-        mu_pop = calibrate_mu(s.epsilon, s.delta, 1, l1p, l2p)
-        ledger = PrivacyLedger(epsilon_budget=s.epsilon, delta=s.delta)
-        eps = ledger.record_round(mu_pop, l1p, l2p)
-    counts = _popularity_counts(per_user, m, s, qp, mu_pop)
+    counts, mu_pop, eps = popularity_only(per_user, m, epsilon=s.epsilon, delta=s.delta, theta=s.pop_theta, seed=s.seed)
     return ScaledResult(
         item_codes=np.ones((m, s.bits), np.int8),
         user_codes=np.ones((n, s.bits), np.int8),
@@ -505,19 +539,12 @@ def _popularity_only(per_user: list[NDArray[np.int64]], m: int, s: ScaledSetting
     )
 
 
-def _popularity_counts(
-    per_user: list[NDArray[np.int64]], m: int, s: ScaledSettings, qp: QuantizationConfig, mu_pop: float
-) -> NDArray[np.float64]:
-    """The run's popularity release (`release_counts`) from its own seeded stream (a simulation)."""
-    rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0xC0]))
-    return release_counts(per_user, m, s.pop_theta, qp, mu_pop, rng)
-
-
-def item_levels(counts: NDArray[np.float64], bits: int) -> NDArray[np.float64]:
-    """Private counts on a log scale spread over [0, f] (negative noisy counts count as 0)."""
+def item_levels(counts: NDArray[np.float64], top: float) -> NDArray[np.float64]:
+    """Private counts on a log scale spread over [0, ``top``] (negative noisy counts count as 0): f for LightFR's
+    codes, 1 for iALS, R for MF."""
     lv = np.log1p(np.maximum(counts, 0.0))
-    top = float(lv.max()) if lv.size else 0.0
-    return lv * (bits / top) if top > 0 else lv
+    highest = float(lv.max()) if lv.size else 0.0
+    return lv * (top / highest) if highest > 0 else lv
 
 
 def scorer(result: ScaledResult, alpha: float) -> Callable[[NDArray[np.int64]], NDArray[np.float64]]:
@@ -648,62 +675,6 @@ def plan_privacy(
     return out
 
 
-def choose_alpha_full_ranking(
-    scorer_for: Callable[[float], Any],
-    fit: Any,
-    val: Any,
-    alphas: Sequence[float],
-    *,
-    val_users: int,
-    eval_seed: int,
-    say: Callable[[str], None] = lambda text: None,
-) -> tuple[float, float]:
-    """The item-level weight α by validation Recall@20 (full ranking over ``fit``'s items, a seeded sample of
-    ``val_users`` users, random ties) and that Recall: the best α only if it beats the private popularity
-    list (α = ∞) by more than `MARGIN_SE` paired standard errors, else ∞; without ∞ in ``alphas``, the best."""
-    from fedsim.evaluation.ranking import evaluate_all_items
-
-    users = np.random.default_rng(eval_seed).choice(fit.n_users, min(val_users, fit.n_users), replace=False)
-    per_user: dict[float, NDArray[np.float64]] = {}
-    for a in alphas:
-        r = evaluate_all_items(scorer_for(a), fit, val, k=20, users=users, seed=eval_seed)
-        say(f"  validation Recall@20 with item level α={a:g}: {r.recall:.4f}")
-        assert r.per_user is not None
-        per_user[a] = r.per_user
-    return _chosen(per_user, say)
-
-
-def _chosen(per_user: dict[float, NDArray[np.float64]], say: Callable[[str], None]) -> tuple[float, float]:
-    """`choose_with_margin` over the α grid's per-user validation results, against the private popularity
-    list (α = ∞) when the grid has it, else the best mean (the first of equals); (α, its mean)."""
-    if not per_user:
-        raise ValueError("no α to choose from")
-    if math.inf in per_user:
-        alpha, why = choose_with_margin(per_user, floor=math.inf)
-        say(f"  {why}")
-    else:
-        alpha = max(per_user, key=lambda a: float(per_user[a].mean()))
-    return alpha, float(per_user[alpha].mean())
-
-
-def full_ranking_metrics(data: Any, *, eval_seed: int, test_users: int | None) -> Callable[[Any], dict[str, float]]:
-    """A function scoring one scorer on ``data``'s test split once: Recall@20 and NDCG@20 by full
-    ranking over the items not in each user's train set (random ties), over every test user or a seeded
-    sample of ``test_users`` of them (the same sample for every scorer)."""
-    from fedsim.evaluation.ranking import evaluate_all_items
-
-    seen, test = data.train, data.test
-    users = None
-    if test_users is not None and test_users < seen.n_users:
-        users = np.random.default_rng(eval_seed + 1).choice(seen.n_users, test_users, replace=False)
-
-    def full(score: Any) -> dict[str, float]:
-        r = evaluate_all_items(score, seen, test, k=20, seed=eval_seed, users=users)
-        return {"recall@20": r.recall, "ndcg@20": r.ndcg}
-
-    return full
-
-
 def evaluate_private(
     data: Any,
     settings: ScaledSettings,
@@ -728,8 +699,6 @@ def evaluate_private(
         their metric maps; ``extra`` holds "epsilon" (the ledger's), "delta", "alpha", "validation" (the
         chosen score's validation figure) and the μ's (`fedsim.private.served.ServedScore.extra`).
     """
-    from fedsim.private.served import evaluate_served
-
     served = validate_private(data, settings, eval_seed=eval_seed, val_users=val_users, on_round=on_round, log=log)
     return evaluate_served(data, served, eval_seed=eval_seed, test_users=test_users), served.extra()
 
@@ -745,15 +714,15 @@ def validate_private(
 ) -> ServedScore:
     """Train privately on ``data`` and choose α of the item level on validation (candidate blocks, or one
     carved train item per user), without reading the test split: a `fedsim.private.served.ServedScore`."""
-    from fedsim.private.served import validate
-
     return validate(
         data,
-        lambda train: run_private_scaled(train, settings, on_round=on_round),
+        run_private_scaled,
+        settings,
         scorer,
         candidate_scores,
-        ALPHAS if settings.rounds else (math.inf,),
+        ALPHAS,
         eval_seed=eval_seed,
         val_users=val_users,
-        say=log or (lambda text: None),
+        on_round=on_round,
+        log=log,
     )

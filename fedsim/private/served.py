@@ -2,7 +2,8 @@
 
 What `fedsim.private.scaled_lightfr.evaluate_private` (LightFR) and
 `fedsim.private.scaled_ials.evaluate_private_ials` (implicit ALS) share, and what ``fedrec simulate``'s default
-(``--model auto``) compares the two families on before it tests only the one it keeps.
+(``--model auto``) compares the two families on before it tests only the one it keeps; private MF's
+`fedsim.private.mf.evaluate_private_mf_scaled` uses the same carve, α choice and full-ranking metrics.
 
 Invariants:
 - The validation figure of a `ServedScore` is the one its item-level weight α was chosen on: Recall@20 by full
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,15 +26,119 @@ from numpy.typing import NDArray
 
 from fedsim.data.kgat import TrainTestSplit
 from fedsim.data.ratings import Ratings
-from fedsim.evaluation.ranking import TieMode, evaluate_candidates, expected_hits, popularity_scorer, random_scorer
-from fedsim.private.scaled_lightfr import _chosen, carve_validation, choose_alpha_full_ranking, full_ranking_metrics
+from fedsim.evaluation.ranking import (
+    TieMode,
+    evaluate_all_items,
+    evaluate_candidates,
+    expected_hits,
+    popularity_scorer,
+    random_scorer,
+)
+from fedsim.private.planner import choose_with_margin
 
-__all__ = ["ServedScore", "evaluate_served", "validate"]
+__all__ = [
+    "PrivateRunResult",
+    "ServedScore",
+    "carve_validation",
+    "choose_alpha_full_ranking",
+    "evaluate_served",
+    "full_ranking_metrics",
+    "validate",
+]
 
 #: A trained run and α -> a full-ranking scorer (users -> their scores of every item).
 FullScorer = Callable[[Any, float], Callable[[NDArray[np.int64]], NDArray[np.float64]]]
 #: A trained run, users (n,), candidate blocks (n, c) and α -> the blocks' scores (n, c).
 BlockScorer = Callable[[Any, NDArray[np.int64], NDArray[np.int64], float], Any]
+
+
+def carve_validation(train: Ratings, seed: int) -> tuple[Ratings, Ratings]:
+    """(fit, validation): one random train item of every user with at least two moves to validation."""
+    rng = np.random.default_rng(seed)
+    order = np.lexsort((rng.random(len(train)), train.users))
+    users = train.users[order]
+    first = np.ones(users.size, dtype=bool)
+    first[1:] = users[1:] != users[:-1]
+    counts = np.bincount(train.users, minlength=train.n_users)
+    held = first & (counts[users] >= 2)
+    pick = order[held]
+    rest = np.setdiff1d(np.arange(len(train)), pick)
+    return train.subset(rest), train.subset(np.sort(pick))
+
+
+def choose_alpha_full_ranking(
+    scorer_for: Callable[[float], Any],
+    fit: Any,
+    val: Any,
+    alphas: Sequence[float],
+    *,
+    val_users: int,
+    eval_seed: int,
+    say: Callable[[str], None] = lambda text: None,
+) -> tuple[float, float]:
+    """The item-level weight α by validation Recall@20 (full ranking over ``fit``'s items, a seeded sample of
+    ``val_users`` users, random ties) and that Recall: the best α only if it beats the private popularity
+    list (α = ∞) by more than `MARGIN_SE` paired standard errors, else ∞; without ∞ in ``alphas``, the best."""
+    users = np.random.default_rng(eval_seed).choice(fit.n_users, min(val_users, fit.n_users), replace=False)
+    per_user: dict[float, NDArray[np.float64]] = {}
+    for a in alphas:
+        r = evaluate_all_items(scorer_for(a), fit, val, k=20, users=users, seed=eval_seed)
+        say(f"  validation Recall@20 with item level α={a:g}: {r.recall:.4f}")
+        assert r.per_user is not None
+        per_user[a] = r.per_user
+    return _chosen(per_user, say)
+
+
+def _chosen(per_user: dict[float, NDArray[np.float64]], say: Callable[[str], None]) -> tuple[float, float]:
+    """`choose_with_margin` over the α grid's per-user validation results, against the private popularity
+    list (α = ∞) when the grid has it, else the best mean (the first of equals); (α, its mean)."""
+    if not per_user:
+        raise ValueError("no α to choose from")
+    if math.inf in per_user:
+        alpha, why = choose_with_margin(per_user, floor=math.inf)
+        say(f"  {why}")
+    else:
+        alpha = max(per_user, key=lambda a: float(per_user[a].mean()))
+    return alpha, float(per_user[alpha].mean())
+
+
+def full_ranking_metrics(data: Any, *, eval_seed: int, test_users: int | None) -> Callable[[Any], dict[str, float]]:
+    """A function scoring one scorer on ``data``'s test split once: Recall@20 and NDCG@20 by full
+    ranking over the items not in each user's train set (random ties), over every test user or a seeded
+    sample of ``test_users`` of them (the same sample for every scorer)."""
+    seen, test = data.train, data.test
+    users = None
+    if test_users is not None and test_users < seen.n_users:
+        users = np.random.default_rng(eval_seed + 1).choice(seen.n_users, test_users, replace=False)
+
+    def full(score: Any) -> dict[str, float]:
+        r = evaluate_all_items(score, seen, test, k=20, seed=eval_seed, users=users)
+        return {"recall@20": r.recall, "ndcg@20": r.ndcg}
+
+    return full
+
+
+@dataclass(kw_only=True)
+class PrivateRunResult:
+    """What every private run reports beside its model (its result types extend this), and what a `ServedScore`
+    reads of it.
+
+    Attributes
+    ----------
+    private_counts : the popularity release, noisy counts per item.
+    epsilon : the ledger's ε (None without DP).
+    delta : δ.
+    mu_model, mu_pop : μ of each model round and of the popularity release (0 where nothing is noised).
+    seconds, round_seconds : the run's wall time and each round's.
+    """
+
+    private_counts: NDArray[np.float64]
+    epsilon: float | None
+    delta: float
+    mu_model: float
+    mu_pop: float
+    seconds: float
+    round_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -42,7 +147,8 @@ class ServedScore:
 
     Attributes
     ----------
-    result : the trained run (its ``epsilon``, ``delta``, ``mu_model``, ``mu_pop``, ``seconds``: the ledger's).
+    result : the trained run, a `PrivateRunResult` (its ``epsilon``, ``delta``, ``mu_model``, ``mu_pop``,
+        ``seconds``: the ledger's).
     alpha : the chosen weight of the private item level (∞: the private popularity list alone).
     metric : what ``validation`` measures, "recall@20" (published split) or "hr@10" (validation blocks).
     validation : the chosen score's validation figure.
@@ -76,18 +182,27 @@ class ServedScore:
 
 def validate(
     data: Any,
-    train: Callable[[Ratings], Any],
+    run: Callable[..., Any],
+    settings: Any,
     full_scorer: FullScorer,
     block_scorer: BlockScorer,
     alphas: Sequence[float],
     *,
     eval_seed: int,
     val_users: int,
-    say: Callable[[str], None],
+    on_round: Callable[[int, float], None] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> ServedScore:
     """Train on ``data`` (a `TrainTestSplit`: on its train minus one carved item per user; an `Experiment`: on
-    its train) with ``train`` and choose α from ``alphas`` on validation (`choose_alpha_full_ranking` or
-    `fedsim.private.planner.choose_with_margin` against the private list, α = ∞)."""
+    its train) with ``run(train, settings, on_round=on_round)`` and choose α from ``alphas`` on validation
+    (`choose_alpha_full_ranking` or `fedsim.private.planner.choose_with_margin` against the private list, α = ∞);
+    settings without rounds serve the private list alone.  ``log`` hears the validation figures."""
+    say: Callable[[str], None] = log or (lambda text: None)
+    alphas = alphas if settings.rounds else (math.inf,)
+
+    def train(ratings: Ratings) -> Any:
+        return run(ratings, settings, on_round=on_round)
+
     if isinstance(data, TrainTestSplit):
         fit, val = carve_validation(data.train, eval_seed)
         res = train(fit)
