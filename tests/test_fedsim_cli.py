@@ -447,8 +447,8 @@ def test_round_progress_logs_each_phase_once_off_a_terminal(capsys: pytest.Captu
 
 
 def test_bad_input_is_one_line_and_an_exit_code(tmp_path: Path) -> None:
-    binary = tmp_path / "ratings.csv.gz"
-    binary.write_bytes(gzip.compress(b"1,2,5\n" * 5000))
+    binary = tmp_path / "ratings.bin"  # not a known compressed layout: refused as binary
+    binary.write_bytes(b"\x00\x01" + gzip.compress(b"1,2,5\n" * 5000))
     cases = [
         (("demo", "--devices", "2"), "--devices 2: a secure-aggregation round needs at least 3 devices"),
         (("simulate", "--dataset", str(binary)), "binary content (a NUL byte at offset"),

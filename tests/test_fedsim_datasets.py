@@ -169,6 +169,39 @@ class TestGeneric:
         msg = str(pytest.raises(DatasetError, load_generic, _write(tmp_path, "r.csv", text)).value)
         assert ":201: user id is not an integer" in msg
 
+    @pytest.mark.parametrize("kind", ["gz", "bz2", "xz", "zip"])
+    def test_a_compressed_file_is_unpacked(self, tmp_path: Path, kind: str) -> None:
+        import bz2
+        import gzip
+        import lzma
+        import zipfile
+
+        text = b"10,20,4.5,1000\n11,20,3,1001\n10,30,1,999\n"
+        path = tmp_path / f"ratings.csv.{kind}"
+        if kind == "zip":
+            with zipfile.ZipFile(path, "w") as archive:
+                archive.writestr("data/ratings.csv", text)
+        else:
+            path.write_bytes({"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}[kind](text))
+        r = load_generic(path)
+        assert (len(r), r.n_users, r.n_items, r.name) == (3, 2, 2, "ratings")
+        np.testing.assert_array_equal(r.ratings, [4.5, 3.0, 1.0])
+
+    def test_a_damaged_or_ambiguous_archive_is_one_error(self, tmp_path: Path) -> None:
+        import gzip
+        import zipfile
+
+        cut = tmp_path / "r.csv.gz"
+        cut.write_bytes(gzip.compress(b"1,2,3\n" * 1000)[:30])
+        with pytest.raises(DatasetError, match=re.escape(f"{cut}: damaged gzip data")):
+            load_generic(cut)
+        two = tmp_path / "r.zip"
+        with zipfile.ZipFile(two, "w") as archive:
+            archive.writestr("a.csv", "1,2,3\n")
+            archive.writestr("b.csv", "1,2,3\n")
+        with pytest.raises(DatasetError, match=re.escape(f"{two}: a zip archive of 2 files (a.csv, b.csv)")):
+            load_generic(two)
+
     def test_deduplicates_keeping_last(self, tmp_path: Path) -> None:
         path = _write(tmp_path, "r.tsv", "1\t1\t2\n1\t1\t2\n1\t2\t5\n1\t2\t1\n2\t1\t3\n")
         r = load_generic(path)

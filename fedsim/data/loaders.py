@@ -92,8 +92,9 @@ def load_generic(path: str | os.PathLike[str], sep: str | None = None, *, dedupl
         The file.  Blank lines and lines starting with ``#`` are skipped; a first line none of whose
         first three fields is a number is taken as a header (e.g. ``user,item,rating``; for ``user item``
         lines, one that also holds no digit).  A byte-order mark and double quotes around fields are
-        ignored.  Ids are integers, or names (``u17``, ``B000FA64PK``) when most of a column is not an
-        integer; timestamps are integers or finite numbers (rounded down).
+        ignored; gzip, bzip2, xz and a zip archive of one file are unpacked.  Ids are integers, or names
+        (``u17``, ``B000FA64PK``) when more than 1% of a column is not an integer (`parsing.NAMES_SHARE`);
+        timestamps are integers or finite numbers (rounded down).
     sep : str, optional
         Field separator; auto-detected from the first data line (tab, ``::``, comma, semicolon, else
         whitespace).
@@ -107,7 +108,10 @@ def load_generic(path: str | os.PathLike[str], sep: str | None = None, *, dedupl
     """
     p = Path(path)
     parsed = parse(p, sep=sep, n_fields=(2, 3, 4), names=True)
-    return to_ratings(parsed, p.stem, {"source": str(p)}, deduplicate=deduplicate)
+    name = p.name
+    for suffix in (".gz", ".bz2", ".xz", ".zip"):
+        name = name.removesuffix(suffix)
+    return to_ratings(parsed, Path(name).stem, {"source": str(p)}, deduplicate=deduplicate)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

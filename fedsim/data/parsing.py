@@ -7,6 +7,11 @@
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import io
+import lzma
+import zipfile
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -45,16 +50,49 @@ class Problems:
         raise DatasetError(f"{self.path}: {total} malformed line(s):\n{shown}{more}")
 
 
+#: Leading bytes of the compressed layouts a data file may come in, and how to open each.
+_COMPRESSED: tuple[tuple[bytes, str], ...] = (
+    (b"\x1f\x8b", "gzip"),
+    (b"BZh", "bzip2"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"PK\x03\x04", "zip"),
+)
+
+
 def read_bytes(path: Path) -> bytes:
-    """A data file's bytes, or one `DatasetError` naming the file and why it cannot be read."""
+    """A data file's bytes, unpacked when it is gzip, bzip2, xz or a zip archive of one file (public rating
+    sets often ship so), or one `DatasetError` naming the file and why it cannot be read."""
     if not path.exists():
         raise DatasetError(f"{path}: file not found")
     if not path.is_file():
         raise DatasetError(f"{path}: not a regular file")
     try:
-        return path.read_bytes()
+        raw = path.read_bytes()
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read ({exc.strerror})") from exc
+    kind = next((name for magic, name in _COMPRESSED if raw.startswith(magic)), None)
+    return raw if kind is None else _unpack(path, raw, kind)
+
+
+def _unpack(path: Path, raw: bytes, kind: str) -> bytes:
+    """The content of a compressed data file, or one `DatasetError` naming the file and what is wrong."""
+    try:
+        if kind == "gzip":
+            return gzip.decompress(raw)
+        if kind == "bzip2":
+            return bz2.decompress(raw)
+        if kind == "xz":
+            return lzma.decompress(raw)
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            files = [info for info in archive.infolist() if not info.is_dir()]
+            if len(files) == 1:
+                return archive.read(files[0])
+    except (OSError, EOFError, ValueError, lzma.LZMAError, zipfile.BadZipFile) as exc:
+        raise DatasetError(f"{path}: damaged {kind} data ({exc})") from None
+    names = ", ".join(info.filename for info in files[:5]) + (", ..." if len(files) > 5 else "")
+    raise DatasetError(
+        f"{path}: a zip archive of {len(files)} files ({names or 'none'}); unpack it and pass the ratings file"
+    )
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -63,7 +101,7 @@ def _read_lines(path: Path) -> list[str]:
     if nul >= 0:
         raise DatasetError(
             f"{path}: binary content (a NUL byte at offset {nul}), not a text ratings file; expected lines "
-            "of 'user item rating [timestamp]' (compressed? unpack it first)"
+            "of 'user item rating [timestamp]' (plain text, or gzip, bzip2, xz or a zip of one file)"
         )
     try:
         text = raw.decode("utf-8")
