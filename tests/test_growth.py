@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,3 +102,21 @@ def test_the_forecast_line(tried: tuple[tuple[int, bool], ...], expected: str) -
 def test_the_forecast_checks_its_arguments(exp, epsilon: float, copies: tuple[int, ...], message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=message):
         forecast_growth(exp, epsilon, copies=copies)
+
+
+def test_plan_privacy_says_when_personalisation_starts_paying(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from fedsim.cli import main
+
+    assert main(["plan-privacy", "--dataset", "synthetic", "--rounds", "1", "--growth"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].startswith("plan: at 600 devices and ε = 8") and out[-1].startswith("growth: at ε = 8, ")
+    # A published split has no user log to replicate: one line, before any private run.
+    kgat = tmp_path / "kgat"
+    kgat.mkdir()
+    (kgat / "train.txt").write_text("0 1 2 3\n1 2 3 4\n2 0 1\n")
+    (kgat / "test.txt").write_text("0 4\n1 0\n2 2\n")
+    assert main(["plan-privacy", "--dataset", str(kgat), "--growth"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--growth needs a rating log" in err

@@ -14,6 +14,7 @@ from fedsim.cli.args import (
     positive_int,
     resolve_data_dir,
 )
+from protocol.errors import ConfigError
 
 __all__ = ["COMMAND", "MAX_PLAN_ROUNDS"]
 
@@ -43,6 +44,13 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rounds", type=_plan_rounds, nargs="+", default=[1, 2, 3, 5, 10], help="rounds to plan")
     p.add_argument("--clips", type=positive_float, nargs="+", default=[1.0, 4.0], help="clip norms C to plan")
+    p.add_argument(
+        "--growth",
+        action="store_true",
+        help="also say when personalisation starts paying: the private LightFR run `fedrec simulate --model lightfr "
+        "--epsilon E` makes, on the data and on every user replicated 2, 4, 8 and 16 times, until its learned model "
+        "beats its private popularity list on validation (a rating log; takes a few private runs)",
+    )
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
@@ -53,6 +61,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     from fedsim.private.scaled_lightfr import ScaledSettings, plan_privacy, plan_run
 
     data: Any = load_dataset(args.dataset, resolve_data_dir(args.data_dir))
+    if args.growth and isinstance(data, TrainTestSplit):
+        raise ConfigError(f"--growth needs a rating log: {args.dataset} comes with its own train/test split")
     train = data.train if isinstance(data, TrainTestSplit | LightFRSplit) else data
     out.write(
         f"{args.dataset}: {train.n_users} devices, {train.n_items} items; target ε={args.epsilon:g} at δ=1e-5, "
@@ -96,6 +106,11 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         exp = prepare(data)
         plan = plan_run(exp.train, settings, negatives=exp.n_negatives)
     out.write(plan.verdict() + " (what `fedrec simulate --epsilon` runs by default)\n")
+    if args.growth:
+        from fedsim.cli.growth import forecast_growth
+
+        out.flush()
+        out.write(forecast_growth(exp, args.epsilon, bits=args.bits).line() + "\n")
     return 0
 
 
