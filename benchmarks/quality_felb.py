@@ -1,4 +1,4 @@
-"""FELB quality: the synthetic recipe of ``../shared/notes/felb-fnmf.md`` D.1/D.2 and binarized
+"""FELB quality: the synthetic recipe of `docs/design.md` §3.4 and binarized
 MovieLens-100K, for FELB (Lipschitz steps) and FELB^MU (multiplicative-update steps).
 
     python benchmarks/quality_felb.py                        # synthetic table + ML-100K

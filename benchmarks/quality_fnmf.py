@@ -1,4 +1,4 @@
-"""FNMF quality on planted non-negative data (`../shared/notes/felb-fnmf.md` D.3), beside FedAvg and FedProx.
+"""FNMF quality on planted non-negative data (`docs/design.md` §3.4), beside FedAvg and FedProx.
 
     python benchmarks/quality_fnmf.py                        # T ∈ {10, 100}, 3 seeds, 10 rounds
     python benchmarks/quality_fnmf.py --steps 100 --seeds 1 --rounds 4

@@ -7,7 +7,7 @@ the paper targets.  It keeps its row factors U_i ∈ [0,1]^{n_i×k} private and,
 copy V_i ∈ [0,1]^{k×m} of the global components V̂ from the broadcast, runs b local iterations and
 uploads ΔV_i = V_i − V̂.  The server only needs the sum of the ΔV_i (see `agg_server.strategy.felb`).
 
-The local objective, in the ½-convention the gradients use (see ``../shared/notes/felb-fnmf.md`` A.2
+The local objective, in the ½-convention the gradients use (see `docs/design.md` §3.2
 for the papers' errata this follows: squared norms, exact soft-threshold, corrected step sizes):
 
     Φ_i(U, V; V̂) = ½‖A − U V‖²_F + R(U) + R(V) + (γ/2)‖V − V̂‖²_F,

@@ -1,5 +1,5 @@
 """Coherent federated NMF on the device (Dalleiger & Gionis, "Creating Coherence in Federated
-Non-Negative Matrix Factorization"; `../shared/notes/felb-fnmf.md` B–C): projected-gradient NMF
+Non-Negative Matrix Factorization"; `docs/design.md` §3.3): projected-gradient NMF
 steps, the frozen-P alignment-aware proximal pull, and `FNMFModel`, the device side of the "anchored one-round"
 secure variant.
 

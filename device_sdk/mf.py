@@ -1,6 +1,6 @@
 """Real-valued matrix factorization with embedding clipping on a device: the local side of the FMF
 paper's LFL-SGDMF (cross-device, one user per phone) and HFL-SGDMF (cross-silo, many users per
-client), sections 3–6 of ``../shared/papers/federated-mf-privacy-guarantee.md``.
+client), sections 3–6 of that paper (summarised in `docs/design.md` §3.1).
 
 Loss and constraints.  A rating r_ij is fitted by the inner product of a private user vector u_i and
 the global item vector v_j; each example costs (r_ij − u_i·v_j)² (the paper's loss, no 1/2).  Ratings

@@ -1,5 +1,5 @@
 """Slow, literal FELB reference: plain Python loops over entries, written straight from the formulas
-in ``../shared/notes/felb-fnmf.md`` A.2 (exact soft-threshold ELB prox clamped to [0, 1], ½-convention
+in `docs/design.md` §3.2 (exact soft-threshold ELB prox clamped to [0, 1], ½-convention
 gradients, steps 1/(1.1 L) with L the spectral norm of the k × k Gram, or the multiplicative
 steps X ⊘ (denominator + ε), iPALM extrapolation projected onto [0, 1], prox^p towards V̂).
 

@@ -1,7 +1,7 @@
 """FELB (federated Boolean MF with the ELB prox): kernels against the papers' identities and a literal
 reference (tests/felb_reference.py), the server strategy and baselines on hand examples, the device
 model (determinism, persistence, retrieval) and the synthetic recovery recipe of
-``../shared/notes/felb-fnmf.md`` D.2/D.4."""
+`docs/design.md` §3.4."""
 
 from __future__ import annotations
 

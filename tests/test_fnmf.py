@@ -1,5 +1,5 @@
 """FNMF: kernels against the slow references, alignments, the secure strategy and the trusted
-barycenter, the device model, and the synthetic recipe of `../shared/notes/felb-fnmf.md` D.3–D.4."""
+barycenter, the device model, and the synthetic recipe of `docs/design.md` §3.4."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FNMF server side (Dalleiger & Gionis, coherent federated NMF; `../shared/notes/felb-fnmf.md` B.2, C),
+"""FNMF server side (Dalleiger & Gionis, coherent federated NMF; `docs/design.md` §3.3),
 pure numpy: the secure "anchored" aggregation of client-aligned differences, and — for the in-process
 simulator only — the paper's trusted barycenter over individual client matrices.
 

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 __all__ = ["GROWTH_COPIES", "Growth", "forecast_growth"]
 
 #: The fleet sizes tried, as multiples of the data's devices (the first whose learned score pays ends it).
@@ -92,7 +94,7 @@ def forecast_growth(
     args = argparse.Namespace(**vars(defaults))
     args.model, args.dataset, args.epsilon, args.seed, args.quiet = "lightfr", exp.name, float(epsilon), seed, True
     args.bits = bits
-    devices = int(len(set(exp.train.users.tolist())))
+    devices = int(np.unique(exp.train.users).size)
     tried: list[tuple[int, bool]] = []
     for r in copies:
         data = exp if r == 1 else replicated(exp, r)

@@ -1,5 +1,5 @@
 """Synthetic matrices with planted low-rank structure, for the FELB and FNMF test recipes
-(`../shared/notes/felb-fnmf.md` D.1): rows use a few "tiles" (components), each a random set of
+(`docs/design.md` §3.4): rows use a few "tiles" (components), each a random set of
 columns; Boolean data are OR-products of the memberships with ~90%-dense tiles and XOR noise,
 real data are products plus positively truncated Gaussian noise.
 

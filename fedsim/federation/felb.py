@@ -3,7 +3,7 @@ server runs `FELBStrategy.aggregate` on the plain sum of the uploads (what secur
 reveal), with optional per-upload Gaussian noise; plus the paper's quality metrics and a binarized
 MovieLens-100K split.
 
-Metrics (``../shared/notes/felb-fnmf.md`` A.4):
+Metrics (`docs/design.md` §3.2):
 - F1 over matrix entries, pooled over clients, of the Boolean reconstruction [round(U_i)∘round(V̂)]
   against the clients' data; F1* the same against the planted noise-free signal;
 - factor-F1: rows of round(V̂) matched to the planted components by the Hungarian method (maximum

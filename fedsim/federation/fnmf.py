@@ -1,6 +1,6 @@
 """In-process federated NMF runs (no sockets, no masking): FedAvg, FedProx, FNMF over sums (the secure
 variant) and FNMF with the paper's trusted barycenter, all with the same device model
-(`device_sdk.fnmf.FNMFModel`) and the metrics of the FNMF paper (`../shared/notes/felb-fnmf.md` B.4).
+(`device_sdk.fnmf.FNMFModel`) and the metrics of the FNMF paper (`docs/design.md` §3.3).
 
 Invariants:
 - Devices and server exchange exactly what they would over HTTP: V̄ as `ModelPayload` bytes, a

@@ -1,7 +1,7 @@
 """Real-valued MF with embedding clipping in the simulator: the non-private centralized reference,
 in-process federation (cross-device LFL or cross-silo HFL, no secure aggregation), evaluation (test
 RMSE and sampled-negative ranking), and the sensitivity / ε figures of the Skellam noise the
-coordinator adds (FMF paper sections 4–6, ``../shared/papers/federated-mf-privacy-guarantee.md``).
+coordinator adds (FMF paper sections 4–6, `docs/design.md` §3.1).
 
 Invariants:
 - Devices run exactly `device_sdk.mf.MFModel.local_update` / `fine_tune`, and the server exactly

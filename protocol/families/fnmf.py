@@ -1,4 +1,4 @@
-"""Coherent federated NMF (Dalleiger & Gionis; `../shared/notes/felb-fnmf.md` B–C): the alignments of a
+"""Coherent federated NMF (Dalleiger & Gionis; `docs/design.md` §3.3): the alignments of a
 local component matrix V to the broadcast V̄ and the layout of an upload.  The device aligns and
 uploads (`device_sdk.fnmf`); the server splits the cohort's sum by the same layout and its trusted
 barycenter aligns with the same LAP (`agg_server.strategy.fnmf`).
