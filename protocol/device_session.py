@@ -19,14 +19,23 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from typing import NoReturn
 
 import numpy as np
 from numpy.typing import NDArray
 
 from protocol import crypto
-from protocol.errors import CertificateRevoked, CryptoError, LocalProtocolError, RemoteProtocolError, StaleRound
+from protocol.errors import (
+    CertificateRevoked,
+    CryptoError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    StaleRound,
+    SurvivorSetSplit,
+)
 from protocol.fixed_secrets import FixedDeviceSecrets
+from protocol.graph import placement_floor, ring_neighbourhood, roster_ring, survivor_cut
 from protocol.identity import (
     Cohort,
     RevocationList,
@@ -417,6 +426,53 @@ class DeviceSecAggSession:
             self._identities[v] = identity
             self._certified[cert] = identity
 
+    def _ring(self) -> tuple[int, ...] | None:
+        """Protocol 1.11: the roster ring of a signed round (None unsigned); the graph every device recomputes."""
+        if self._cohort is None:
+            return None
+        return roster_ring(tuple(self.invite.roster_ids), self._cohort[1])
+
+    def _check_ring(self, ids: Sequence[int]) -> None:
+        # Protocol 1.11: a signed round's neighbours are the roster ring's, not the server's choice.
+        ring = self._ring()
+        if ring is None:
+            return
+        near = ring_neighbourhood(ring, self.device_id, self.invite.graph_k)
+        off = sorted(set(ids) - near)
+        if off:
+            raise RemoteProtocolError(
+                f"ShareKeys broadcast names {off[:5]}, not within (k-1)/2 = {(self.invite.graph_k - 1) // 2} "
+                "positions of this device on the signed roster's ring: since protocol 1.11 the server does not "
+                "place the graph"
+            )
+
+    def _check_survivor_cut(self, members: Sequence[int]) -> None:
+        # Protocol 1.11 (`protocol.graph.survivor_cut`): before it signs, the device checks that the honest
+        # survivors' mask graph stays in one piece whoever the ⌊γ n⌋ colluders are.  First, every ring
+        # neighbour the set counts as a survivor is one this device masked with (else the server cut the edge
+        # by leaving it out of this device's view); then two disjoint runs of (k-1)/2 ring positions must hold
+        # more survivors than the colluders.  Both depend only on the roster and the signed set, so all
+        # honest survivors decide alike.
+        ring = self._ring()
+        if ring is None or self.invite.graph_k >= len(ring):
+            return
+        alive = set(members)
+        unmasked = sorted(v for v in ring_neighbourhood(ring, self.device_id, self.invite.graph_k) if v in alive)
+        unmasked = [v for v in unmasked if v not in self._u2]
+        if unmasked:
+            raise SurvivorSetSplit(
+                f"the survivor set counts ring neighbours {unmasked[:5]} this device never masked with: their "
+                "masks would not cancel, and the server could separate this device's part of the sum"
+            )
+        colluders = placement_floor(len(ring), self._gamma) - 2
+        cut = survivor_cut(ring, alive, self.invite.graph_k)
+        if cut <= colluders:
+            raise SurvivorSetSplit(
+                f"the survivor set leaves two runs of {(self.invite.graph_k - 1) // 2} ring positions with "
+                f"{cut} survivors, no more than the {colluders} colluders this device allows "
+                f"(adversary_rate={self._gamma:g}): the server could unmask the sum of a part of the cohort"
+            )
+
     def _on_consistency_request(self, msg: ConsistencyRequest) -> ConsistencySignature:
         self._check_addressing(msg)
         if self._identity is None:
@@ -431,6 +487,7 @@ class DeviceSecAggSession:
         outside = [v for v in members if _roster_key(self.invite, v) is None]
         if self._cohort is not None and outside:
             raise RemoteProtocolError(f"the survivor set names {outside[:5]}, not on the round's roster")
+        self._check_survivor_cut(members)
         session = self._session or b""
         self._signed_set = members
         signature = self._identity.sign(survivor_set_payload(self.invite.round_id, session, members, self._cohort))
@@ -518,6 +575,7 @@ class DeviceSecAggSession:
             raise RemoteProtocolError("ShareKeys broadcast contains repeated public keys")
         check_neighbourhood(len(ids), inv)
         self._check_signed_keys(msg)
+        self._check_ring(ids)
         self._session = msg.session_id
         if self._ledger is not None:
             self._ledger.record_session(inv.round_id, msg.session_id)

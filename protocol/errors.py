@@ -25,6 +25,7 @@ __all__ = [
     "RoundError",
     "StaleRound",
     "SessionReplayed",
+    "SurvivorSetSplit",
     "RoundClosed",
     "NotEnoughParticipants",
     "PrivacyBudgetExceeded",
@@ -186,6 +187,14 @@ class SessionReplayed(RemoteProtocolError):
     the history of its rounds and signs for each round id at most once)."""
 
     code = "session_replayed"
+
+
+class SurvivorSetSplit(RemoteProtocolError):
+    """Protocol 1.11: a signed survivor set under which the server could unmask the sum of only part of the
+    honest survivors: a ring neighbour counted as a survivor that this device never masked with, or two runs
+    of the roster ring whose survivors the allowed colluders could all be (`protocol.graph.survivor_cut`)."""
+
+    code = "survivor_set_split"
 
 
 class PayloadTooLarge(RemoteProtocolError):

@@ -35,21 +35,32 @@ surviving neighbours Hypergeom(n, S, d).  The 40-bit security budget is split ev
    least one other honest survivor, which is then in X's component: the server learns sums over at least
    t - A honest survivors (2 at the floor), never one device's input, wherever it places anyone.
 
-The smallest even ``d`` (from 2 up to n - 2) meeting all four gives ``k = d + 1`` and ``t`` (at least 2,
+5. *survivor cut* (protocol 1.11, signed rounds): the graph is the ring over the signed roster
+   (`roster_ring`), so every device can recompute it, and before it releases anything a device checks that
+   the signed survivor set puts more than A survivors in every two disjoint runs of d/2 ring positions
+   (`survivor_cut`).  Honest survivors then form one connected mask graph even after the A colluders leave
+   it: two runs with no honest survivor are what separating the ring takes, since an edge spans at most
+   d/2 positions.  So the server learns only the sum over all honest survivors, whichever honest devices it
+   reports as dropped, and wherever it put anyone.  Under random dropouts the check fails when two runs
+   together lose d - A of their d positions: at most n (n - d - 1) / 2 pairs, each with probability
+   P[Hypergeom(n, D, d) >= d - A], must total < 2^-20 (a second correctness event beside 3).
+
+The smallest even ``d`` (from 2 up to n - 2) meeting all five gives ``k = d + 1`` and ``t`` (at least 2,
 since one share must not reveal the secret).  If none exists the graph is complete: ``k = n`` and
 ``t = S`` (the guaranteed survivors), which is deterministic-safe iff ``S > A``.  This reproduces the
 FCP test table: its "degree" column is ``d`` (FCP adds the self-edge afterwards), so FCP's
 n=100, gamma=5%, omega=33% row "28, 6" is ``GraphParams(k=29, t=6)`` here, with the placement rule off
-(``adversarial_placement=False``, the semi-honest setting of Bell et al. and FCP); with it (the default,
-and the only setting the server uses) n = 100 moves to k = 29, t = 7 and n = 1,000 from k = 73, t = 24
-to k = 123, t = 52.
+(``adversarial_placement=False``, the semi-honest setting of Bell et al. and FCP, which also drops
+condition 5); with it (the default, and the only setting the server uses) n = 100 moves to k = 29, t = 7
+and n = 1,000 from k = 73, t = 24 to k = 131, t = 52 (k = 123 before condition 5).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +76,10 @@ __all__ = [
     "placement_floor",
     "validate_parameters",
     "harary_graph",
+    "roster_ring",
+    "ring_graph",
+    "ring_neighbourhood",
+    "survivor_cut",
 ]
 
 SECURITY_BITS = 40
@@ -173,10 +188,26 @@ def placement_floor(n: int, adversary_rate: float) -> int:
     return math.floor(exact_rate(adversary_rate, "adversary_rate") * int(n)) + 2
 
 
-def _sparse_threshold(n: int, d: int, adversaries: int, survivors: int, dropouts: int, floor: int = 2) -> int | None:
+def _log_prob_cut_refused(n: int, d: int, adversaries: int, dropouts: int) -> float:
+    """Log union bound on condition 5 failing an honest round: two disjoint runs of d/2 ring positions keep at
+    most ``adversaries`` survivors when ``dropouts`` devices drop at random."""
+    need = d - adversaries  # dropouts among the 2 · d/2 positions that leave at most A survivors there
+    if need <= 0:
+        return 0.0
+    if need > min(d, dropouts):
+        return -math.inf
+    log_pairs = math.log(n) + math.log(max(n - d - 1, 1)) - _LN2
+    return float(log_pairs + _log_sf(n, dropouts, d)[need])
+
+
+def _sparse_threshold(
+    n: int, d: int, adversaries: int, survivors: int, dropouts: int, floor: int = 2, *, cut: bool = False
+) -> int | None:
     """Return t for ``d`` ring neighbours if the conditions (module docstring) hold, else None; ``floor`` is
-    the least t (condition 4, or 2 without it)."""
+    the least t (condition 4, or 2 without it); ``cut``: condition 5 too."""
     if _log_prob_disconnected(n, d, adversaries + dropouts) >= _LOG_SECURITY_PER_EVENT:
+        return None
+    if cut and _log_prob_cut_refused(n, d, adversaries, dropouts) >= _LOG_CORRECTNESS:
         return None
     log_sec = _LOG_SECURITY_PER_EVENT - math.log(n)
     ok = np.nonzero(_log_sf(n, adversaries, d) < log_sec)[0]
@@ -205,8 +236,9 @@ def find_parameters(
         gamma in [0, 1): the fraction of devices the adversary may control (colluding with the server).
     adversarial_placement : bool
         True (the default; the server never passes False): a sparse t is at least `placement_floor`, so
-        (k, t) hold against a server that places the neighbourhoods.  False gives the semi-honest figures
-        of Bell et al. 2020 and FCP (random placement), for comparison only.
+        (k, t) hold against a server that places the neighbourhoods, and k passes condition 5 (an honest
+        round's survivor cut check).  False gives the semi-honest figures of Bell et al. 2020 and FCP
+        (random placement), for comparison only.
 
     Returns
     -------
@@ -224,7 +256,7 @@ def find_parameters(
     adversaries, dropouts, survivors = _counts(n, dropout_rate, adversary_rate)
     floor = adversaries + 2 if adversarial_placement else 2
     for d in range(max(2, floor + floor % 2), n - 1, 2):  # d >= t >= floor
-        t = _sparse_threshold(n, d, adversaries, survivors, dropouts, floor)
+        t = _sparse_threshold(n, d, adversaries, survivors, dropouts, floor, cut=adversarial_placement)
         if t is not None:
             return GraphParams(k=d + 1, t=t)
     params = GraphParams(k=n, t=max(survivors, 2))
@@ -372,3 +404,121 @@ def harary_graph(ids: Sequence[int], k: int, rng: np.random.Generator) -> dict[i
     offsets = np.arange(-half, half + 1)
     rows = np.sort(ring[(np.arange(n)[:, None] + offsets[None, :]) % n], axis=1)
     return {int(node): tuple(row) for node, row in zip(ring.tolist(), rows.tolist(), strict=True)}
+
+
+_LABEL_RING = b"fedrec/secagg-ring/v1"
+
+
+@functools.lru_cache(maxsize=4)
+def roster_ring(roster_ids: tuple[int, ...], digest: bytes) -> tuple[int, ...]:
+    """Protocol 1.11: the ring order of a signed round, which every device recomputes from what it signs.
+
+    The roster's ids sorted by SHA-256(label ‖ roster digest ‖ id), ties (never seen) by id.  The server picks
+    the roster, so it can steer the order by trying rosters; nothing rests on the order being random except an
+    honest round's odds of passing the survivor cut check (condition 5), which the server only harms itself by
+    spoiling.
+
+    Raises
+    ------
+    ValueError
+        Repeated ids or an empty digest.
+    """
+    if len(set(roster_ids)) != len(roster_ids):
+        raise ValueError("a roster lists each device once")
+    if not digest:
+        raise ValueError("the ring needs the roster's digest")
+    prefix = _LABEL_RING + len(digest).to_bytes(4, "big") + digest
+    keyed = sorted((hashlib.sha256(prefix + int(v).to_bytes(8, "big")).digest(), int(v)) for v in roster_ids)
+    return tuple(v for _, v in keyed)
+
+
+def ring_neighbourhood(ring: Sequence[int], device_id: int, k: int) -> frozenset[int]:
+    """The ids within (k - 1) / 2 ring positions of ``device_id`` (itself included); the whole ring if k >= n.
+
+    Raises
+    ------
+    ValueError
+        ``device_id`` is not on the ring.
+    """
+    n = len(ring)
+    if k >= n:
+        return frozenset(int(v) for v in ring)
+    half = (k - 1) // 2
+    i = list(ring).index(device_id)
+    return frozenset(int(ring[(i + o) % n]) for o in range(-half, half + 1))
+
+
+def ring_graph(ring: Sequence[int], k: int, members: Iterable[int]) -> dict[int, tuple[int, ...]]:
+    """Protocol 1.11: the graph of a signed round.  Each member is linked to itself and to the members within
+    (k - 1) / 2 positions on each side of the whole roster ring; a roster device that is not a member (it did
+    not advertise keys) leaves a hole, as a dropout would.  ``k >= len(ring)``: every member with every other.
+
+    Returns
+    -------
+    dict[int, tuple[int, ...]]
+        Each member mapped to its sorted neighbourhood, itself included (at most ``k`` ids).  Symmetric.
+
+    Raises
+    ------
+    ConfigError
+        ``k`` even and below the ring's size.
+    ValueError
+        A member not on the ring.
+    """
+    n = len(ring)
+    inside = {int(v) for v in members}
+    position = {int(v): i for i, v in enumerate(ring)}
+    if not inside <= position.keys():
+        raise ValueError(f"graph members off the roster ring: {sorted(inside - position.keys())[:5]}")
+    if k >= n:
+        everyone = tuple(sorted(inside))
+        return {v: everyone for v in everyone}
+    if k % 2 == 0:
+        raise ConfigError(
+            f"neighbourhood size k={k} must be odd when k < n={n} (self + (k-1)/2 on each side of the ring)"
+        )
+    half = (k - 1) // 2
+    out: dict[int, tuple[int, ...]] = {}
+    for v in inside:
+        i = position[v]
+        near = (int(ring[(i + o) % n]) for o in range(-half, half + 1))
+        out[v] = tuple(sorted(w for w in near if w in inside))
+    return out
+
+
+def survivor_cut(ring: Sequence[int], survivors: Iterable[int], k: int) -> int:
+    """The fewest survivors that two disjoint runs of (k - 1) / 2 consecutive ring positions hold (condition
+    5 of the module docstring); ``len(survivors)`` for the complete graph (k >= n), which has no such runs.
+
+    An edge of the ring graph spans at most (k - 1) / 2 positions, so the survivors' mask graph falls apart
+    only where two such runs hold no survivor that still keeps its masks secret.  A device that sees a cut
+    above the colluders' number A = ⌊γ n⌋ knows that every honest survivor is in one component after the A
+    colluders are removed, so the server can unmask only the sum over all of them.
+
+    Raises
+    ------
+    ValueError
+        A survivor off the ring.
+    """
+    n = len(ring)
+    alive = {int(v) for v in survivors}
+    if k >= n:
+        return len(alive)
+    half = (k - 1) // 2
+    flags = np.fromiter((int(v) in alive for v in ring), dtype=np.int64, count=n)
+    if int(flags.sum()) != len(alive):
+        raise ValueError("survivors off the roster ring")
+    doubled = np.concatenate([flags, flags])
+    prefix = np.concatenate([[0], np.cumsum(doubled)])
+    runs = prefix[half : half + n] - prefix[:n]  # runs[i]: survivors at ring positions i .. i + half - 1
+    # Disjoint partners of the run at i start at i + half .. i + n - half (cyclic): a window of n - 2 half + 1
+    # starts, whose minimum a sparse table answers for every i at once.
+    width = n - 2 * half + 1
+    table = np.concatenate([runs, runs, runs])
+    level = 1
+    while level * 2 <= width:
+        table = np.minimum(table[:-level], table[level:])
+        level *= 2
+    starts = np.arange(n) + half
+    partner = np.minimum(table[starts], table[starts + width - level])
+    return int((runs + partner).min())

@@ -36,7 +36,7 @@ from protocol.errors import (
     RoundClosed,
     StaleRound,
 )
-from protocol.graph import harary_graph
+from protocol.graph import harary_graph, ring_graph, roster_ring
 from protocol.identity import (
     Cohort,
     key_advertisement_payload,
@@ -118,7 +118,8 @@ class ServerSecAggSession:
     device_ids : sequence of int
         The invited cohort.
     rng : np.random.Generator
-        Randomness for the Harary graph placement.
+        Randomness for the Harary graph placement of an unsigned round (a signed round's ring comes from its
+        roster, protocol 1.11).
     identities : mapping of int to bytes, optional
         Protocol 1.8, signed rounds: each invited device's certified identity key.  The invites then carry
         the roster (ids and keys) that every device signs, and a device whose advertisement presents
@@ -148,6 +149,8 @@ class ServerSecAggSession:
         keys = () if identities is None else tuple(bytes(identities[u]) for u in roster)
         self._roster_keys = dict(zip(roster, keys, strict=True)) if keys else {}
         self._cohort: Cohort = (len(roster), roster_digest(roster, keys)) if keys else None
+        # Protocol 1.11: a signed round's graph is the ring over the signed roster, which every device recomputes.
+        self._ring: tuple[int, ...] | None = roster_ring(roster, self._cohort[1]) if self._cohort else None
         # validates every field once; the cohort size and roster let each device check its floor and sign them
         self._invites = {
             u: dataclasses.replace(
@@ -632,7 +635,10 @@ class ServerSecAggSession:
         self._need(len(u1), "devices advertised keys")
         keys = {u: self._keys[u] for u in u1}
         self._session = crypto.session_id(self.params.round_id, keys)
-        self._graph = harary_graph(sorted(u1), self.params.k, self._rng)
+        if self._ring is not None:
+            self._graph = ring_graph(self._ring, self.params.k, u1)
+        else:
+            self._graph = harary_graph(sorted(u1), self.params.k, self._rng)
         self._phase = CLOSE_TRANSITIONS[self._phase]
 
     def _close_share_keys(self) -> None:
