@@ -478,12 +478,19 @@ def ring_graph(ring: Sequence[int], k: int, members: Iterable[int]) -> dict[int,
             f"neighbourhood size k={k} must be odd when k < n={n} (self + (k-1)/2 on each side of the ring)"
         )
     half = (k - 1) // 2
-    out: dict[int, tuple[int, ...]] = {}
-    for v in inside:
-        i = position[v]
-        near = (int(ring[(i + o) % n]) for o in range(-half, half + 1))
-        out[v] = tuple(sorted(w for w in near if w in inside))
-    return out
+    ring_ids = np.fromiter((int(v) for v in ring), dtype=np.int64, count=n)
+    member = np.zeros(n, dtype=bool)
+    member[[position[v] for v in inside]] = True
+    at = np.flatnonzero(member)
+    near = (at[:, None] + np.arange(-half, half + 1)[None, :]) % n
+    present = member[near]
+    # Absent positions sort last under the largest id; each row keeps its first `count` entries.
+    rows = np.where(present, ring_ids[near], np.iinfo(np.int64).max)
+    rows.sort(axis=1)
+    counts = present.sum(axis=1).tolist()
+    return {
+        v: tuple(row[:c]) for v, row, c in zip(ring_ids[at].tolist(), rows.tolist(), counts, strict=True)
+    }
 
 
 def survivor_cut(ring: Sequence[int], survivors: Iterable[int], k: int) -> int:
