@@ -15,9 +15,11 @@ import pytest
 from agg_server.app import COORDINATOR, create_app
 from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus
 from protocol.enrollment import EnrollmentAuthority
-from protocol.errors import CryptoError, EnrollmentRefused, RemoteProtocolError, SessionReplayed
-from protocol.graph import GraphParams, find_parameters
-from protocol.messages import RoundInvite
+from protocol.errors import CryptoError, EnrollmentRefused, RemoteProtocolError, SessionReplayed, SurvivorSetSplit
+from protocol.graph import GraphParams, find_parameters, roster_ring
+from protocol.identity import roster_digest
+from protocol.messages import Abort, MaskedInput, RoundInvite
+from protocol.phases import required_signatures
 from protocol.policy import PrivacyPolicy
 from tests.server_helpers import BITS, N_ITEMS, users
 from tests.test_enrollment_http import _clients, _config, _join
@@ -178,6 +180,24 @@ async def test_certificates_naming_device_ids_register_under_them_and_a_relabell
         await c.close()
 
 
+def _clients_with_floor(url: str, root: Path, n: int, authority: bytes) -> list[DeviceClient]:
+    """Devices pinning ``authority`` with the shipped privacy floor (this server runs without DP)."""
+    floor = PrivacyPolicy(require_noise=False)
+    data = users(n)
+    return [
+        DeviceClient.connect(
+            url,
+            ClientConfig(store_dir=root / f"d{u}", privacy=floor, authority_key=authority),
+            items=data[u][0],
+            ratings=data[u][1],
+            n_items=N_ITEMS,
+            bits=BITS,
+            retries=0,
+        )
+        for u in range(n)
+    ]
+
+
 @pytest.mark.asyncio
 async def test_a_placement_a_server_could_exploit_is_refused_over_http(aiohttp_server: Any, tmp_path: Path) -> None:
     # Real devices with the default floor (protocol 1.9: t >= ⌊γ n⌋ + 2 for a sparse round).  Round 1 runs
@@ -189,21 +209,7 @@ async def test_a_placement_a_server_could_exploit_is_refused_over_http(aiohttp_s
     app = create_app(_config(tmp_path / "srv", cohort=n, enrollment={"authority_key": ca.public_key.hex()}))
     server = await aiohttp_server(app)
     coordinator = app[COORDINATOR]
-    url = str(server.make_url("")).rstrip("/")
-    floor = PrivacyPolicy(require_noise=False)  # the shipped floor; this server runs without DP
-    data = users(n)
-    clients = [
-        DeviceClient.connect(
-            url,
-            ClientConfig(store_dir=tmp_path / "dev" / f"d{u}", privacy=floor, authority_key=ca.public_key),
-            items=data[u][0],
-            ratings=data[u][1],
-            n_items=N_ITEMS,
-            bits=BITS,
-            retries=0,
-        )
-        for u in range(n)
-    ]
+    clients = _clients_with_floor(str(server.make_url("")).rstrip("/"), tmp_path / "dev", n, ca.public_key)
     for i, c in enumerate(clients):
         await c.register(certificate=ca.issue(c.identity_public_key, f"b{i % 2}"))
     honest = await asyncio.gather(*(_join(c) for c in clients))
@@ -223,5 +229,70 @@ async def test_a_placement_a_server_could_exploit_is_refused_over_http(aiohttp_s
     lied = await asyncio.gather(*(_join(c) for c in clients))
     assert all(r.status is RoundStatus.REFUSED and "places its 1 colluder " in (r.reason or "") for r in lied), lied
     assert set(uploads) == {"Abort"}, uploads  # no key advertisement, share or masked input left a device
+    for c in clients:
+        await c.close()
+
+
+def _lose_the_walls(coordinator: Any, block: int) -> dict[str, Any]:
+    """Wrap the coordinator for the next round: from the roster in its invites (what every device signs) the
+    liar computes the roster ring, and it "loses" the masked inputs of the two walls of (k - 1) / 2 ring
+    positions around the block B = ring[:block], keeping B and the rest as survivors.  Returns the invite,
+    the ring and the walls once the round is open."""
+    honest_check_in, honest_submit, plan = coordinator.check_in, coordinator.submit, {}
+
+    def lying_check_in(device_id: int, now: float) -> Any:
+        out = honest_check_in(device_id, now)
+        if isinstance(out, RoundInvite) and "ring" not in plan:
+            ring = roster_ring(out.roster_ids, roster_digest(out.roster_ids, out.roster_keys))
+            half = (out.graph_k - 1) // 2
+            plan.update(invite=out, ring=ring, walls=frozenset(ring[block : block + half] + ring[len(ring) - half :]))
+        return out
+
+    def lying_submit(device_id: int, round_id: int, message: Any, now: float, **kw: Any) -> Any:
+        if isinstance(message, MaskedInput) and device_id in plan["walls"]:
+            # The lie: this masked input never arrived.  The sender counts as dropped at once rather than at
+            # the phase's deadline (the survivors are shown the same survivor set either way).
+            message, kw = Abort(round_id=round_id, device_id=device_id, reason="masked input not received"), {}
+        return honest_submit(device_id, round_id, message, now, **kw)
+
+    coordinator.check_in = lying_check_in  # type: ignore[method-assign]
+    coordinator.submit = lying_submit  # type: ignore[method-assign]
+    return plan
+
+
+@pytest.mark.asyncio
+async def test_walls_of_dropouts_around_a_block_are_refused_over_http(aiohttp_server: Any, tmp_path: Path) -> None:
+    # Protocol 1.11, the attack of tests/test_partial_sums.py with real devices: 30 of them, (k, t) = (13, 3).
+    # Round 1 commits.  In round 2 the server drops the masked inputs of the two walls of 6 ring positions
+    # around a block B of 6 and keeps B and the other 12 as survivors: 18 survivors, more than the 16
+    # signatures a device needs, so only the survivor cut check stands between the server and the sum of B.
+    # Every survivor refuses to sign the set: no signature and no unmask share reaches the server.
+    ca = EnrollmentAuthority.generate()
+    n, block = 30, 6
+    app = create_app(_config(tmp_path / "srv", cohort=n, enrollment={"authority_key": ca.public_key.hex()}))
+    server = await aiohttp_server(app)
+    coordinator = app[COORDINATOR]
+    clients = _clients_with_floor(str(server.make_url("")).rstrip("/"), tmp_path / "dev", n, ca.public_key)
+    for i, c in enumerate(clients):
+        await c.register(certificate=ca.issue(c.identity_public_key, f"b{i % 2}"))
+    honest = await asyncio.gather(*(_join(c) for c in clients))
+    assert all(r.status is RoundStatus.COMMITTED and r.round_id == 1 for r in honest), honest
+    plan = _lose_the_walls(coordinator, block)
+    uploads = _record_uploads(coordinator)
+    lied = await asyncio.gather(*(_join(c) for c in clients), return_exceptions=True)
+    invite, ring, walls = plan["invite"], plan["ring"], plan["walls"]
+    assert (invite.round_id, invite.graph_k, invite.graph_t) == (2, 13, 3) and sorted(ring) == sorted(invite.roster_ids)
+    survivors = set(ring) - walls
+    assert len(walls) == 12 and len(survivors) == 18 >= required_signatures(invite, 0.05) == 16
+    outcomes = {c.device_id: r for c, r in zip(clients, lied, strict=True)}
+    for u in survivors:  # inside B or not, every survivor refuses before it signs
+        assert isinstance(outcomes[u], SurvivorSetSplit), outcomes[u]
+        assert "leaves two runs of 6 ring positions with 0 survivors, no more than the 1 colluders" in str(outcomes[u])
+    assert all(isinstance(outcomes[w], RoundOutcome) and outcomes[w].status is RoundStatus.ABORTED for w in walls)
+    # every device masked its input; the survivors then only said they leave
+    assert uploads.count("MaskedInput") == n and uploads.count("Abort") == len(survivors), uploads
+    assert "ConsistencySignature" not in uploads and "UnmaskResponse" not in uploads, uploads
+    recent = coordinator.status(0.0)["recent_rounds"][0]
+    assert recent["round_id"] == 2 and recent["status"] == "aborted", recent
     for c in clients:
         await c.close()
