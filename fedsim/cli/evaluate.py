@@ -31,7 +31,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
         "--eval-negatives",
         type=positive_int,
         default=None,
-        help="sampled negatives per test positive, with --baseline (default: 99); a run file uses its own "
+        help="sampled negatives per test positive, with --baseline (default: as simulate's); a run file uses its own "
         "(another number is refused)",
     )
     p.add_argument(
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         exp = prepare(
             args.dataset,
             Protocol(args.protocol) if args.protocol else None,
-            n_negatives=99 if args.eval_negatives is None else args.eval_negatives,
+            n_negatives=args.eval_negatives,
             seed=eval_seed,
             data_dir=resolve_data_dir(args.data_dir),
         )
@@ -144,7 +144,11 @@ def _load_run(args: argparse.Namespace) -> tuple[Experiment, Any, str, int, int 
                 f"{flag} {asked}: {args.run} is evaluated on the split and candidates it was trained with "
                 f"({flag} {own}); leave {flag} out, or evaluate a baseline with --baseline"
             )
-    exp = prepare(dataset, protocol, n_negatives=n_neg, seed=run_eval_seed, data_dir=data_dir)
+    # A run saved with fewer than the default negatives had them chosen for its small catalogue: the same
+    # choice again (it depends on the data only), with the same users left unranked.
+    exp = prepare(dataset, protocol, n_negatives=n_neg if n_neg >= 99 else None, seed=run_eval_seed, data_dir=data_dir)
+    if exp.n_negatives != n_neg:
+        exp = prepare(dataset, protocol, n_negatives=n_neg, seed=run_eval_seed, data_dir=data_dir)
     if (exp.train.n_users, exp.train.n_items) != (n_users, n_items):
         raise FedRecError(
             f"{args.run} was trained on {n_users}×{n_items}, the dataset is {exp.train.n_users}×{exp.train.n_items}"

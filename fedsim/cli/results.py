@@ -140,7 +140,7 @@ def resolve_dataset(args: argparse.Namespace, out: TextIO) -> tuple[Experiment, 
         else:
             out.write(f"dataset: synthetic (built-in generator): {_where_looked(args.data_dir, data_dir)}\n")
     protocol = Protocol(args.protocol) if getattr(args, "protocol", None) else None
-    n_neg = getattr(args, "eval_negatives", 99)
+    n_neg = getattr(args, "eval_negatives", None)
     exp = prepare(name, protocol, n_negatives=n_neg, seed=getattr(args, "eval_seed", 0), data_dir=data_dir)
     return exp, data_dir
 

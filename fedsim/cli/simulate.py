@@ -51,6 +51,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     from fedsim.cli.results import evaluate_and_report, resolve_dataset
     from fedsim.cli.simulate_private import simulate_mf_published, simulate_private_lightfr
     from fedsim.data.datasets import TrainTestSplit, load_dataset
+    from fedsim.evaluation.experiment import require_validation
     from fedsim.evaluation.report import result_record, write_json
     from fedsim.federation.families import FAMILY_DEFAULT_ROUNDS, simulate_family
 
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         raise ValueError("--dataset is required (a dataset name, a ratings file, or synthetic)")
     t0 = time.perf_counter()
     exp, data_dir = resolve_dataset(args, out)
+    require_validation(exp)
     out.write(exp.describe() + "\n")
     out.write(lightfr_description(args))
     state = train_lightfr(args, exp, out, show_progress=not getattr(args, "quiet", False))

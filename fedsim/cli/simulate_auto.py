@@ -110,6 +110,7 @@ def simulate_auto(args: argparse.Namespace, defaults: argparse.Namespace, out: T
     from fedsim.cli.results import evaluate_and_report, resolve_dataset
     from fedsim.cli.simulate import lightfr_description, save_lightfr_run, train_lightfr
     from fedsim.cli.simulate_ials import _record, ials_label, ials_schedule, save_ials_run, train_ials
+    from fedsim.evaluation.experiment import require_validation
     from fedsim.evaluation.report import result_record, write_json
     from fedsim.federation.families import FAMILY_DEFAULT_ROUNDS
     from fedsim.federation.ials import validation_metric
@@ -120,6 +121,7 @@ def simulate_auto(args: argparse.Namespace, defaults: argparse.Namespace, out: T
         args.rounds = FAMILY_DEFAULT_ROUNDS["lightfr"]
     t0, c0 = time.perf_counter(), time.process_time()
     exp, _ = resolve_dataset(args, out)
+    require_validation(exp)
     out.write(exp.describe() + "\n")
     out.write(
         "model auto: LightFR and federated implicit ALS, each with its defaults, trained on the same split and "
@@ -155,6 +157,8 @@ def simulate_auto(args: argparse.Namespace, defaults: argparse.Namespace, out: T
             )
             record.update(family="lightfr", cpu_seconds=cpu)
         record.update(validation=validation, validation_metric=metric, validation_margin=margin)
+        if exp.protocol.value != "full":
+            record["eval_negatives"] = exp.n_negatives
         write_json(record, sys.stdout)
     return 0
 

@@ -98,6 +98,7 @@ def train_ials(
 def simulate_ials(args: argparse.Namespace, defaults: argparse.Namespace, out: TextIO) -> int:
     """Run ``simulate --model ials``; ``defaults`` holds every ``simulate`` option's value when not given."""
     from fedsim.cli.results import evaluate_and_report, resolve_dataset
+    from fedsim.evaluation.experiment import require_validation
     from fedsim.evaluation.report import write_json
     from fedsim.threads import one_blas_thread
 
@@ -114,6 +115,7 @@ def simulate_ials(args: argparse.Namespace, defaults: argparse.Namespace, out: T
     schedule, factors, alphas, regs = ials_schedule(args, defaults)
     t0, c0 = time.perf_counter(), time.process_time()
     exp, _ = resolve_dataset(args, out)
+    require_validation(exp)
     out.write(exp.describe() + "\n")
     sel = train_ials(exp, schedule, factors, alphas, regs, args.eval_seed, out)
     label = ials_label(sel)

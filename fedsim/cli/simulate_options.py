@@ -297,8 +297,9 @@ def add_data_args(p: argparse.ArgumentParser, default: str | None) -> None:
     g.add_argument(
         "--eval-negatives",
         type=positive_int,
-        default=99,
-        help="sampled negatives per test positive (default: 99)",
+        default=None,
+        help="sampled negatives per test positive (default: 99, or on a catalogue too small for 99 the most that 90%% "
+        "of the held-out rows can draw, the others left unranked)",
     )
     g.add_argument("--eval-seed", type=int, default=0, help=_EVAL_SEED_HELP)
     g.add_argument(

@@ -15,7 +15,7 @@ from fedsim.cli.args import option_name, resolve_data_dir
 from fedsim.cli.results import print_rows
 from fedsim.cli.simulate_options import NOT_PRIVATE_LIGHTFR, mean_field, rank_ridge, unobserved_weight
 from fedsim.data.datasets import TrainTestSplit, load_dataset
-from fedsim.evaluation.experiment import Protocol, prepare
+from fedsim.evaluation.experiment import Protocol, prepare, require_validation
 from fedsim.evaluation.report import result_record, write_json
 from protocol.errors import ConfigError
 
@@ -62,6 +62,7 @@ def load_private_data(args: argparse.Namespace) -> Any:
             n_negatives=args.eval_negatives,
             seed=args.eval_seed,
         )
+        require_validation(data)
     return data
 
 

@@ -26,6 +26,7 @@ from fedsim.data.ratings import Ratings
 from fedsim.data.splits import carve_validation, chronological_split, holdout_rule, leave_one_out
 from fedsim.evaluation.ranking import (
     EvalResult,
+    InteractionCSR,
     TieMode,
     evaluate_candidates,
     interaction_csr,
@@ -33,12 +34,15 @@ from fedsim.evaluation.ranking import (
     sample_negatives,
     sample_test_blocks,
 )
+from protocol.errors import DatasetError
 
 __all__ = [
     "Protocol",
     "Candidates",
     "Experiment",
     "prepare",
+    "require_validation",
+    "DEFAULT_NEGATIVES",
     "validation_carves",
     "replicated",
     "baselines",
@@ -80,7 +84,8 @@ class Experiment:
     n_negatives: int
     rating_range: tuple[float, float] | None
     holdout: str = ""
-    """How held-out ratings were chosen (e.g. "latest by timestamp", "uniformly random (...)")."""
+    """How held-out ratings were chosen (e.g. "latest by timestamp", "uniformly random (...)"); on a small
+    catalogue also how many negatives fit and which users could not be ranked."""
     val_pairs: Ratings | None = None
     """FULL / SAMPLED: the validation pairs carved from the published train (``train`` excludes them)."""
     test_pairs: Ratings | None = None
@@ -116,11 +121,62 @@ def _blocks(
     return Candidates(np.asarray(held.users, dtype=np.int64), cand)
 
 
+DEFAULT_NEGATIVES = 99
+"""Sampled negatives per held-out positive (HR@10 of 100) when the caller asks for none in particular."""
+
+#: On a catalogue too small for `DEFAULT_NEGATIVES`, the share of held-out rows the chosen count must fit.
+FITTING_SHARE = 0.9
+
+
+def _fitting_negatives(n_items: int, inter: InteractionCSR, held: Sequence[Ratings]) -> tuple[int, int]:
+    """(negatives, rows too short for them) of the default on this log: `DEFAULT_NEGATIVES` when every held-out
+    row can draw that many never-interacted items, else the most that `FITTING_SHARE` of the rows can draw.
+
+    Raises
+    ------
+    DatasetError
+        Fewer than one negative fits (every user holds nearly the whole catalogue).
+    """
+    degree = np.diff(inter.indptr)
+    available = np.concatenate([n_items - degree[np.asarray(h.users, dtype=np.int64)] for h in held])
+    if available.size == 0 or int(available.min()) >= DEFAULT_NEGATIVES:
+        return DEFAULT_NEGATIVES, 0
+    fit = int(min(DEFAULT_NEGATIVES, np.quantile(available, 1.0 - FITTING_SHARE, method="lower")))
+    if fit < 1:
+        raise DatasetError(
+            f"{n_items} items, and most users hold nearly all of them: no item is left to rank a held-out one against"
+        )
+    return fit, int(np.count_nonzero(available < fit))
+
+
+def _rankable(held: Ratings, inter: InteractionCSR, n_items: int, n_neg: int) -> Ratings:
+    """``held`` without the rows whose user has fewer than ``n_neg`` never-interacted items."""
+    degree = np.diff(inter.indptr)
+    keep = n_items - degree[np.asarray(held.users, dtype=np.int64)] >= n_neg
+    return held if bool(keep.all()) else held.subset(keep)
+
+
+def require_validation(exp: Experiment) -> Experiment:
+    """``exp`` if it has validation rows to choose models on, else one clear error naming why not.
+
+    Raises
+    ------
+    DatasetError
+        No validation rows: leave-one-out validates on users with three or more ratings.
+    """
+    if len(exp.val) == 0:
+        raise DatasetError(
+            f"{exp.name}: no validation rows to choose the model on: leave-one-out takes one rating of each user "
+            "for test and one more for validation, so it needs users with at least 3 ratings, and this log has none"
+        )
+    return exp
+
+
 def prepare(
     dataset: str | Path | Ratings | LightFRSplit,
     protocol: Protocol | None = None,
     *,
-    n_negatives: int = 99,
+    n_negatives: int | None = DEFAULT_NEGATIVES,
     seed: int = 0,
     data_dir: Path | None = None,
 ) -> Experiment:
@@ -130,16 +186,18 @@ def prepare(
     ----------
     dataset : a dataset name or path (see `fedsim.data.datasets.load_dataset`) or loaded data.
     protocol : LOO by default; the LightFR split always uses its own blocks.
-    n_negatives : sampled negatives per held-out positive (49 or 99 are the usual choices).
+    n_negatives : sampled negatives per held-out positive (49 or 99 are the usual choices).  None: 99, or on a
+        rating log whose catalogue is too small for 99, the most that 90% of the held-out rows can draw; the
+        rows that cannot are left out of the ranking, and ``holdout`` says so.
     seed : the evaluation seed: which ratings a log without timestamps holds out, the validation
         carve of a published split, and the negatives (validation uses ``seed``, test ``seed + 1``).
         Keep it apart from the model's seed, so that changing the model seed never changes the test.
     """
     data = dataset if isinstance(dataset, Ratings | LightFRSplit) else load_dataset(dataset, data_dir)
-    if n_negatives < 1:
+    if n_negatives is not None and n_negatives < 1:
         raise ValueError(f"n_negatives must be >= 1, got {n_negatives}")
     if isinstance(data, TrainTestSplit):
-        return _prepare_published(data, protocol or Protocol.FULL, n_negatives, seed)
+        return _prepare_published(data, protocol or Protocol.FULL, n_negatives or DEFAULT_NEGATIVES, seed)
     if isinstance(data, LightFRSplit):
         if protocol not in (None, Protocol.LIGHTFR_SPLIT):
             raise ValueError("the LightFR split comes with its own blocks; use protocol lightfr-split")
@@ -163,6 +221,16 @@ def prepare(
         train, val, test = chronological_split(data, seed=seed)
     inter = interaction_csr(train, val, test)
     lo, hi = float(np.min(data.ratings)), float(np.max(data.ratings))
+    rule = holdout_rule(data, seed)
+    if n_negatives is None:
+        n_negatives, short = _fitting_negatives(data.n_items, inter, (val, test))
+        if n_negatives < DEFAULT_NEGATIVES:
+            rule += (
+                f"; {data.n_items} items are too few for {DEFAULT_NEGATIVES} negatives, so {n_negatives} "
+                f"(what 90% of the held-out rows can draw) and {short} held-out row(s) of users holding nearly every "
+                "item left unranked"
+            )
+            val, test = (_rankable(h, inter, data.n_items, n_negatives) for h in (val, test))
     return Experiment(
         name=data.name,
         train=train,
@@ -171,7 +239,7 @@ def prepare(
         protocol=protocol,
         n_negatives=n_negatives,
         rating_range=(lo, hi) if hi > lo else None,
-        holdout=holdout_rule(data, seed),
+        holdout=rule,
     )
 
 
