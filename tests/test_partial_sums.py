@@ -43,38 +43,10 @@ def _walled_round(*, block: int, check: bool, monkeypatch: pytest.MonkeyPatch) -
     """A signed round of N devices with the finder's sparse (k, t).  The server keeps the masked inputs of a
     block B of ``block`` consecutive ring positions and of the rest R, and "loses" those of the two walls of
     (k - 1) / 2 positions around B.  Returns the outcome: who refused, and what the server could compute."""
-    params_g = find_parameters(N, OMEGA, GAMMA)
-    ids = list(range(1000, 1000 + N))
-    authority = SigningKey.generate()
-    keys = {u: SigningKey.generate() for u in ids}
-    params = RoundParameters(
-        round_id=5,
-        vector_length=LENGTH,
-        k=params_g.k,
-        t=params_g.t,
-        clip_norm=1.0,
-        scale_bits=16,
-        deadlines=(1.0, 2.0, 3.0, 4.0),
-        authority_key=authority.public_key,
-    )
-    server = ServerSecAggSession(
-        params, ids, rng=np.random.default_rng(0), identities={u: keys[u].public_key for u in ids}
-    )
     if not check:  # the control: a device of protocol 1.10, which signed any consistent set
         monkeypatch.setattr(DeviceSecAggSession, "_check_survivor_cut", lambda self, members: None)
-    policy = PrivacyPolicy(adversary_rate=GAMMA, require_noise=False)
-    devices = {
-        u: DeviceSecAggSession(
-            server.outbox(u),
-            rng=insecure_test_noise_stream(7, u),
-            identity=keys[u],
-            certificate=issue_certificate(authority, keys[u].public_key),
-            authority_key=authority.public_key,
-            policy=policy,
-        )
-        for u in ids
-    }
-    ring = roster_ring(tuple(ids), roster_digest(ids, [keys[u].public_key for u in ids]))
+    server, devices, ring = _signed_cohort(list(range(1000, 1000 + N)), round_id=5, noise_seed=7)
+    params, ids = server.params, list(devices)
     half = (params.k - 1) // 2
     inside = list(ring[:block])
     walls = set(ring[block : block + half]) | set(ring[N - half :])
@@ -238,13 +210,16 @@ def test_the_ring_is_the_roster_s_and_the_server_builds_it() -> None:
     assert all(v in graph[w] for v, row in graph.items() for w in row)  # symmetric
 
 
-def _cohort(n: int = 40) -> tuple[ServerSecAggSession, dict[int, DeviceSecAggSession], tuple[int, ...]]:
-    g = find_parameters(n, OMEGA, GAMMA)
-    ids = list(range(n))
+def _signed_cohort(
+    ids: list[int], *, round_id: int, noise_seed: int
+) -> tuple[ServerSecAggSession, dict[int, DeviceSecAggSession], tuple[int, ...]]:
+    """A signed round over ``ids`` with the finder's (k, t) at γ = 0.05, ω = 0.33, devices pinning the authority
+    with that γ, and the roster ring they all recompute."""
+    g = find_parameters(len(ids), OMEGA, GAMMA)
     authority = SigningKey.generate()
     keys = {u: SigningKey.generate() for u in ids}
     params = RoundParameters(
-        round_id=9, vector_length=LENGTH, k=g.k, t=g.t, clip_norm=1.0, scale_bits=16,
+        round_id=round_id, vector_length=LENGTH, k=g.k, t=g.t, clip_norm=1.0, scale_bits=16,
         deadlines=(1.0, 2.0, 3.0, 4.0), authority_key=authority.public_key,
     )  # fmt: skip
     server = ServerSecAggSession(
@@ -254,7 +229,7 @@ def _cohort(n: int = 40) -> tuple[ServerSecAggSession, dict[int, DeviceSecAggSes
     devices = {
         u: DeviceSecAggSession(
             server.outbox(u),
-            rng=insecure_test_noise_stream(1, u),
+            rng=insecure_test_noise_stream(noise_seed, u),
             identity=keys[u],
             certificate=issue_certificate(authority, keys[u].public_key),
             authority_key=authority.public_key,
@@ -262,10 +237,16 @@ def _cohort(n: int = 40) -> tuple[ServerSecAggSession, dict[int, DeviceSecAggSes
         )  # fmt: skip
         for u in ids
     }
+    return server, devices, roster_ring(tuple(ids), roster_digest(ids, [keys[u].public_key for u in ids]))
+
+
+def _cohort(n: int = 40) -> tuple[ServerSecAggSession, dict[int, DeviceSecAggSession], tuple[int, ...]]:
+    """`_signed_cohort` of n devices with the key advertisement done."""
+    server, devices, ring = _signed_cohort(list(range(n)), round_id=9, noise_seed=1)
     for u, dev in devices.items():
         server.receive(u, dev.send())
     server.advance(1.0)
-    return server, devices, roster_ring(tuple(ids), roster_digest(ids, [keys[u].public_key for u in ids]))
+    return server, devices, ring
 
 
 def _without(broadcast: Any, drop: int, add: tuple[Any, ...] | None = None) -> Any:
