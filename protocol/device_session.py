@@ -456,9 +456,9 @@ class DeviceSecAggSession:
         ring = self._ring()
         if ring is None or self.invite.graph_k >= len(ring):
             return
-        alive = set(members)
-        unmasked = sorted(v for v in ring_neighbourhood(ring, self.device_id, self.invite.graph_k) if v in alive)
-        unmasked = [v for v in unmasked if v not in self._u2]
+        alive, masked = set(members), set(self._u2)
+        near = ring_neighbourhood(ring, self.device_id, self.invite.graph_k)
+        unmasked = sorted(v for v in near if v in alive and v not in masked)
         if unmasked:
             raise SurvivorSetSplit(
                 f"the survivor set counts ring neighbours {unmasked[:5]} this device never masked with: their "

@@ -121,8 +121,8 @@ def test_relative_links_point_to_existing_files(page: Path) -> None:
 
 @pytest.mark.parametrize("page", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_docs_cite_nothing_outside_a_clone_and_no_internal_names(page: Path) -> None:
-    # A fresh clone has no ../shared/DESIGN.md or ../shared/STYLE.md (they were cited as the architecture and the
-    # style) and no tracker to resolve an issue number; the datasets' folder is a documented default location.
+    # A fresh clone has nothing beside it but the datasets' folder (a documented default location), and no
+    # tracker to resolve an issue number: docs cite docs/design.md and CONTRIBUTING.md, never files outside.
     text = page.read_text(encoding="utf-8")
     root = ROOT.resolve()
     outside = [t for t in relative_links(text) if not (page.parent / t).resolve().is_relative_to(root)]

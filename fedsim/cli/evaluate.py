@@ -104,7 +104,7 @@ def _run_state(family: str, model: Any) -> tuple[Any, str]:
 def _load_run(args: argparse.Namespace) -> tuple[Experiment, Any, str, int, int | None]:
     """A saved LightFR or iALS run (what it scores with and its label) and the experiment it was trained on
     (same split, same evaluation seed)."""
-    from fedsim.evaluation.experiment import prepare
+    from fedsim.evaluation.experiment import DEFAULT_NEGATIVES, prepare
     from fedsim.federation.runs import load_run
 
     run = load_run(args.run)
@@ -146,7 +146,8 @@ def _load_run(args: argparse.Namespace) -> tuple[Experiment, Any, str, int, int 
             )
     # A run saved with fewer than the default negatives had them chosen for its small catalogue: the same
     # choice again (it depends on the data only), with the same users left unranked.
-    exp = prepare(dataset, protocol, n_negatives=n_neg if n_neg >= 99 else None, seed=run_eval_seed, data_dir=data_dir)
+    fitted = None if n_neg < DEFAULT_NEGATIVES else n_neg
+    exp = prepare(dataset, protocol, n_negatives=fitted, seed=run_eval_seed, data_dir=data_dir)
     if exp.n_negatives != n_neg:
         exp = prepare(dataset, protocol, n_negatives=n_neg, seed=run_eval_seed, data_dir=data_dir)
     if (exp.train.n_users, exp.train.n_items) != (n_users, n_items):

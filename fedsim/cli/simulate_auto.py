@@ -110,7 +110,7 @@ def simulate_auto(args: argparse.Namespace, defaults: argparse.Namespace, out: T
     from fedsim.cli.results import evaluate_and_report, resolve_dataset
     from fedsim.cli.simulate import lightfr_description, save_lightfr_run, train_lightfr
     from fedsim.cli.simulate_ials import _record, ials_label, ials_schedule, save_ials_run, train_ials
-    from fedsim.evaluation.experiment import require_validation
+    from fedsim.evaluation.experiment import Protocol, require_validation
     from fedsim.evaluation.report import result_record, write_json
     from fedsim.federation.families import FAMILY_DEFAULT_ROUNDS
     from fedsim.federation.ials import validation_metric
@@ -157,7 +157,7 @@ def simulate_auto(args: argparse.Namespace, defaults: argparse.Namespace, out: T
             )
             record.update(family="lightfr", cpu_seconds=cpu)
         record.update(validation=validation, validation_metric=metric, validation_margin=margin)
-        if exp.protocol.value != "full":
+        if exp.protocol is not Protocol.FULL:
             record["eval_negatives"] = exp.n_negatives
         write_json(record, sys.stdout)
     return 0

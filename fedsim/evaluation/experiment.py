@@ -227,8 +227,8 @@ def prepare(
         if n_negatives < DEFAULT_NEGATIVES:
             rule += (
                 f"; {data.n_items} items are too few for {DEFAULT_NEGATIVES} negatives, so {n_negatives} "
-                f"(what 90% of the held-out rows can draw) and {short} held-out row(s) of users holding nearly every "
-                "item left unranked"
+                f"(what {FITTING_SHARE:.0%} of the held-out rows can draw) and {short} held-out row(s) of users "
+                "holding nearly every item left unranked"
             )
             val, test = (_rankable(h, inter, data.n_items, n_negatives) for h in (val, test))
     return Experiment(
