@@ -16,7 +16,7 @@ import numpy as np
 
 from agg_server.enrollment import capped_cohort
 from protocol.graph import find_parameters, validate_parameters
-from protocol.noise import minimum_survivors
+from protocol.noise import colluding_devices, minimum_survivors
 from protocol.quantization import QuantizationConfig
 from protocol.round_params import RoundParameters
 
@@ -31,9 +31,10 @@ def round_shape(
     dp: bool,
     sources: dict[int, str] | None = None,
     max_source_share: float = 1.0,
-) -> tuple[tuple[int, ...], int, int, int] | None:
-    """A round's cohort (drawn from ``fresh`` with the round generator), graph degree k, threshold t and
-    DP survivor floor t_min, by the `[rounds]` config ``cfg``; None when the operator fixed (k, t) and fewer
+) -> tuple[tuple[int, ...], int, int, int, int] | None:
+    """A round's cohort (drawn from ``fresh`` with the round generator), graph degree k, threshold t, DP
+    survivor floor t_min and the colluders f = ⌊γ n⌋ the noise is sized against (both 0 without DP), by
+    the `[rounds]` config ``cfg``; None when the operator fixed (k, t) and fewer
     devices than the full cohort are available (those values were validated for that cohort only), or
     when the per-source cap leaves fewer than ``cfg.min_cohort`` devices.
     The one rule for the coordinator and the private-round simulator (`fedsim.private.simulator`).
@@ -56,23 +57,25 @@ def round_shape(
     else:
         gp = find_parameters(n, cfg.dropout_rate, cfg.adversary_rate)
         k, t = gp.k, gp.t
-    return cohort, k, t, minimum_survivors(n, cfg.dropout_rate) if dp else 0
+    if not dp:
+        return cohort, k, t, 0, 0
+    return cohort, k, t, minimum_survivors(n, cfg.dropout_rate), colluding_devices(n, cfg.adversary_rate)
 
 
 def round_parameters(
     round_id: int,
     vector_length: int,
-    shape: tuple[int, int, int],
+    shape: tuple[int, int, int, int],
     quantization: QuantizationConfig,
     mu: float,
     *,
     deadlines: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
     authority_key: bytes = b"",
 ) -> RoundParameters:
-    """The SecAgg+ parameters of round ``round_id`` with graph ``shape`` = (k, t, t_min) (from `round_shape`),
+    """The SecAgg+ parameters of round ``round_id`` with graph ``shape`` = (k, t, t_min, f) (from `round_shape`),
     the round's quantization and per-device noise ``mu``: what the coordinator opens a session with and
     what the private-round simulator replays (without deadlines or an enrollment authority)."""
-    k, t, t_min = shape
+    k, t, t_min, colluders = shape
     return RoundParameters(
         round_id=round_id,
         vector_length=vector_length,
@@ -82,6 +85,7 @@ def round_parameters(
         scale_bits=quantization.scale_bits,
         dp_mu=float(mu),
         dp_t_min=t_min,
+        dp_colluders=colluders,
         deadlines=deadlines,
         authority_key=authority_key,
     )

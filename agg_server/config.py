@@ -205,7 +205,9 @@ class RoundSection:
     dropout_rate : float
         ω in [0, 1): the fraction of the cohort SecAgg+ must tolerate losing.
     adversary_rate : float
-        γ in [0, 1): the fraction of the cohort assumed malicious.
+        γ in [0, 1): the fraction of the cohort assumed malicious; sizes the graph and, with DP, the noise
+        (the honest survivors alone carry μ when ⌊γ n⌋ colluders add none).  Devices refuse a γ below
+        their own policy's.
     k, t : int or None
         SecAgg+ graph overrides (neighbourhood size incl. self, Shamir threshold); both or neither,
         1 <= t <= k <= cohort_size, and safe for cohort_size under ω and γ.  None: derived per round.

@@ -72,7 +72,7 @@ from protocol.messages import (
     RoundResult,
     Wait,
 )
-from protocol.noise import minimum_survivors
+from protocol.noise import colluding_devices, minimum_survivors
 from protocol.phases import ACTIVE_PHASES, SERVER_EXPECTS, TERMINAL_PHASES, Phase
 from protocol.plan import TrainingPlan
 from protocol.quantization import check_bit_budget
@@ -284,10 +284,11 @@ class RoundCoordinator(Presence):
         return np.random.default_rng(np.random.SeedSequence([self._seed, round_id]))
 
     def _check_bit_budget(self) -> None:
-        n = self.config.rounds.cohort_size
-        t_min = minimum_survivors(n, self.config.rounds.dropout_rate) if self.mu else 1
-        # Before correction every device carries μ/t_min, so n of them carry n·μ/t_min.
-        check_bit_budget(n, self.quantization, self.vector_length, n * self.mu / t_min)
+        cfg = self.config.rounds
+        n = cfg.cohort_size
+        honest = minimum_survivors(n, cfg.dropout_rate) - colluding_devices(n, cfg.adversary_rate) if self.mu else 1
+        # Before correction every device carries μ/(t_min − f), so n of them carry n·μ/(t_min − f).
+        check_bit_budget(n, self.quantization, self.vector_length, n * self.mu / honest)
 
     # -- devices ------------------------------------------------------------------------------------
     def register(
@@ -389,7 +390,7 @@ class RoundCoordinator(Presence):
         shape = round_shape(cfg, fresh, rng, dp=bool(self.mu), sources=sources, max_source_share=share)
         if shape is None:
             return  # the operator's (k, t) were validated for the full cohort only: wait for it
-        self._open(now, round_id, rng, *shape)
+        self._open(now, round_id, rng, shape[0], shape[1:])
 
     def _ready_pool(self, now: float) -> list[int] | None:
         """The waiting devices a cohort is drawn from, or None while too few wait; devices gone quiet or
@@ -412,9 +413,11 @@ class RoundCoordinator(Presence):
         return fresh
 
     def _open(
-        self, now: float, round_id: int, rng: np.random.Generator, cohort: tuple[int, ...], k: int, t: int, t_min: int
+        self, now: float, round_id: int, rng: np.random.Generator, cohort: tuple[int, ...], shape: tuple[int, ...]
     ) -> None:
-        """Record round ``round_id`` of ``cohort`` (reserving its ε) and start its SecAgg+ session."""
+        """Record round ``round_id`` of ``cohort`` (reserving its ε) and start its SecAgg+ session; ``shape`` =
+        (k, t, t_min, f) from `round_shape`."""
+        k, t, t_min, colluders = shape
         cfg = self.config.rounds
         timeouts = (
             cfg.advertise_timeout,
@@ -427,7 +430,7 @@ class RoundCoordinator(Presence):
         params = round_parameters(
             round_id,
             self.vector_length,
-            (k, t, t_min),
+            (k, t, t_min, colluders),
             self.quantization,
             self.mu,
             deadlines=deadlines,
@@ -445,7 +448,8 @@ class RoundCoordinator(Presence):
                 round_id,
                 self.model_version,
                 cohort,
-                {"k": k, "t": t, "mu": self.mu, "t_min": t_min, "deadlines": list(deadlines), **plan.record()},
+                {"k": k, "t": t, "mu": self.mu, "t_min": t_min, "colluders": colluders}
+                | {"deadlines": list(deadlines), **plan.record()},
                 now,
                 fence=self.fence,
                 reserve=reservation,

@@ -160,6 +160,8 @@ _SCHEMA: Mapping[int, tuple[type[Message], tuple[tuple[str, str, Kind] | str, ..
                 # protocol 1.9: iALS's bounded upload for DP rounds
                 "bd",
                 "gw",
+                # protocol 1.12: colluders the DP noise is calibrated against
+                ("dp_colluders", "tc", Kind.INT),
             ),
         ),
         PublicKeys.TYPE: (
@@ -398,9 +400,11 @@ def _encode_value(kind: Kind, value: Any) -> Any:
     return value
 
 
-#: Fields written only when non-empty: an honest device's message keeps the bytes it had before the field
+#: Fields written only when non-empty (or non-zero): an honest device's message keeps the bytes it had before the field
 #: existed (the committed test vectors, peers of the same major that predate it).
-_OMITTED_WHEN_EMPTY = frozenset({(MaskedInput.TYPE, "bad"), (RoundInvite.TYPE, "ro"), (RoundInvite.TYPE, "rok")})
+_OMITTED_WHEN_EMPTY = frozenset(
+    {(MaskedInput.TYPE, "bad"), (RoundInvite.TYPE, "ro"), (RoundInvite.TYPE, "rok"), (RoundInvite.TYPE, "tc")}
+)
 
 
 def encode(message: Message) -> bytes:

@@ -62,7 +62,7 @@ from protocol.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
-from protocol.noise import StoredSkellam, correct_noise, device_noise, to_ring
+from protocol.noise import SkellamDraw, StoredSkellam, correct_noise, device_noise, to_ring
 from protocol.phases import (
     DEVICE_REPLY,
     TERMINAL_PHASES,
@@ -672,8 +672,7 @@ class DeviceSecAggSession:
             raise LocalProtocolError("no session id")
         value = self._input
         if inv.dp_mu > 0.0:
-            # Skellam(mu / t_min): enough noise even if only t_min devices survive (docs/design.md §5).
-            draw = device_noise(inv.dp_mu, inv.dp_t_min, inv.vector_length, self._rng)
+            draw = self._draw_noise()
             self._noise = StoredSkellam.of(draw)
             value = value + to_ring(draw.value())
             del draw
@@ -688,6 +687,12 @@ class DeviceSecAggSession:
         return MaskedInput(
             round_id=inv.round_id, device_id=me, session_id=session, masked=y, bad_share_senders=self._bad
         )
+
+    def _draw_noise(self) -> SkellamDraw:
+        """Skellam(mu / (t_min - f)): enough noise even if only t_min devices survive and f of them are
+        colluders that add none (docs/design.md §5)."""
+        inv = self.invite
+        return device_noise(inv.dp_mu, inv.dp_t_min, inv.vector_length, self._rng, colluders=inv.dp_colluders)
 
     def _on_unmask_request(self, msg: UnmaskRequest) -> UnmaskResponse:
         self._check_addressing(msg)
@@ -715,8 +720,10 @@ class DeviceSecAggSession:
         if inv.dp_mu > 0.0:
             if self._noise is None:  # pragma: no cover - set when the masked input was built
                 raise LocalProtocolError("no noise to correct")
-            # Keep Skellam(mu / s) by binomial thinning; the excess is independent of what stays (§5).
-            kept, revealed = correct_noise(self._noise.draw(), inv.dp_t_min, msg.n_survivors, self._rng)
+            # Keep Skellam(mu / (s - f)) by binomial thinning; the excess is independent of what stays (§5).
+            kept, revealed = correct_noise(
+                self._noise.draw(), inv.dp_t_min, msg.n_survivors, self._rng, colluders=inv.dp_colluders
+            )
             self._kept_after_reply = StoredSkellam.of(kept)  # takes effect only once the excess is actually sent
             excess = to_ring(revealed)
         b_ids = tuple(sorted(survivors))

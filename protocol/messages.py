@@ -107,6 +107,11 @@ class RoundInvite(Message):
         Aggregate Skellam noise variance in quantized units; 0.0 disables DP noise.
     dp_t_min : int
         Worst-case survivor count the noise is calibrated for; 0 iff ``dp_mu == 0``.
+    dp_colluders : int
+        Protocol 1.12: f, how many devices of the cohort the noise assumes may collude with the server and
+        add none; each device adds mu / (dp_t_min - f) and a survivor keeps mu / (s - f), so the honest
+        survivors alone carry mu.  0 without DP, and absent (0) from an older server, which a device whose
+        policy assumes colluders refuses (`protocol.policy`).
     advertise_deadline, share_keys_deadline, masked_input_deadline, unmask_deadline : float
         Absolute phase deadlines in seconds on the coordinator's clock, non-decreasing.
     model_version : int
@@ -167,6 +172,8 @@ class RoundInvite(Message):
     # Appended in protocol 1.8 (a cohort the server cannot shrink): the roster the devices sign.
     roster_ids: tuple[int, ...] = ()
     roster_keys: tuple[bytes, ...] = ()
+    # Appended in protocol 1.12 (noise that colluding devices cannot thin): f of the noise calibration.
+    dp_colluders: int = 0
     # The family's parameters (protocol 1.1-1.3 and 1.6 appended their keys; `protocol.plan.param_field`).
     params: FamilyParams | None = None
 
@@ -200,7 +207,7 @@ class RoundInvite(Message):
             if size > self.vector_length:
                 fail(n, f"vector_length {self.vector_length} < n_items {self.n_items} × bits {self.bits}")
         check_addressed(n, self)
-        for name in ("vector_length", "graph_k", "graph_t", "scale_bits", "dp_t_min"):
+        for name in ("vector_length", "graph_k", "graph_t", "scale_bits", "dp_t_min", "dp_colluders"):
             check_id(n, name, getattr(self, name))
         if not 1 <= self.vector_length <= MAX_VECTOR_LENGTH:
             fail(n, f"vector_length must be in [1, 2**28], got {self.vector_length}")
@@ -211,14 +218,20 @@ class RoundInvite(Message):
             fail(n, f"clip_norm must be > 0, got {self.clip_norm}")
         if self.scale_bits > 30:
             fail(n, f"scale_bits must be <= 30 (the quantizer's limit), got {self.scale_bits}")
-        check_float(n, "dp_mu", self.dp_mu, minimum=0.0)
-        if (self.dp_mu == 0.0) != (self.dp_t_min == 0):
-            fail(n, "dp_mu and dp_t_min must both be zero (no DP) or both positive")
+        self._check_dp()
         deadlines = self.deadlines
         for name, d in zip(("advertise", "share_keys", "masked_input", "unmask"), deadlines, strict=True):
             check_float(n, f"{name}_deadline", d)
         if any(b < a for a, b in zip(deadlines, deadlines[1:], strict=False)):
             fail(n, "phase deadlines must be non-decreasing")
+
+    def _check_dp(self) -> None:
+        n = "RoundInvite"
+        check_float(n, "dp_mu", self.dp_mu, minimum=0.0)
+        if (self.dp_mu == 0.0) != (self.dp_t_min == 0):
+            fail(n, "dp_mu and dp_t_min must both be zero (no DP) or both positive")
+        if self.dp_colluders and self.dp_colluders >= self.dp_t_min:
+            fail(n, f"dp_colluders {self.dp_colluders} must be below dp_t_min {self.dp_t_min} (0 without DP)")
 
     @property
     def plan(self) -> TrainingPlan:

@@ -15,14 +15,16 @@ Invariants of this module:
   noise; simulations key it from a seed only through `protocol.samplers.insecure_test_noise_stream`.
 
 The scheme (docs/design.md §5, correcting section 6 of the FMF privacy paper): each device of a cohort of
-``n`` adds Skellam(mu / t_min), with t_min = ceil((1 - omega) * n), so that any surviving set of at least
-t_min devices carries aggregate variance >= mu.  When the server announces s survivors, each survivor
-splits its draw by binomial thinning with keep fraction t_min / s: it keeps Skellam(mu / s) and reveals
-the excess, which is independent of the kept part.  The final sum carries variance exactly mu (for the
-survivors who corrected) and the server, holding both the pre- and post-correction sums, learns only the
-excess, which is independent of what protects the data.  The paper's own correction ("subtract my noise,
-add fresh noise") gives the server two independent noisy views whose best combination has variance
-mu * s / (s + t_min) < mu; tests/test_protocol_noise.py demonstrates both facts.
+``n`` adds Skellam(mu / (t_min - f)), with t_min = ceil((1 - omega) * n) and f = floor(gamma * n) the
+devices that may collude with the server (protocol 1.12), so that the honest devices of any surviving
+set of at least t_min carry aggregate variance >= mu even when the f colluders add no noise.  When the
+server announces s survivors, each survivor splits its draw by binomial thinning with keep fraction
+(t_min - f) / (s - f): it keeps Skellam(mu / (s - f)) and reveals the excess, which is independent of the
+kept part.  At least s - f survivors are honest, so the final sum carries variance >= mu from them alone
+(s / (s - f) * mu when nobody cheats), and the server, holding both the pre- and post-correction sums,
+learns only the excess, which is independent of what protects the data.  The paper's own correction
+("subtract my noise, add fresh noise") gives the server two independent noisy views whose best
+combination has variance mu * s / (s + t_min) < mu; tests/test_protocol_noise.py demonstrates both facts.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "to_ring",
     "exact_rate",
     "minimum_survivors",
+    "colluding_devices",
     "device_variance",
     "correction_keep_fraction",
     "device_noise",
@@ -277,8 +280,32 @@ def minimum_survivors(n: int, dropout_rate: float) -> int:
     return max(1, math.ceil((1 - omega) * n))
 
 
-def device_variance(mu: float, n: int, dropout_rate: float) -> float:
-    """Return the per-device Skellam variance mu / t_min (docs/design.md §5).
+def colluding_devices(n: int, adversary_rate: float) -> int:
+    """Return f = floor(gamma * n), the devices of a cohort of ``n`` that may collude with the server and
+    skip their noise; the noise is sized so that the other survivors alone carry mu (protocol 1.12).
+
+    Raises
+    ------
+    ConfigError
+        If ``n < 1`` or the rate is outside [0, 1).
+    """
+    if n < 1:
+        raise ConfigError(f"cohort size n must be >= 1, got {n}")
+    return math.floor(exact_rate(adversary_rate, "adversary_rate") * n)
+
+
+def _honest_floor(t_min: int, colluders: int) -> int:
+    """t_min - f, the fewest honest survivors a round may finish with; ConfigError unless >= 1."""
+    if colluders < 0 or t_min - colluders < 1:
+        raise ConfigError(
+            f"need 0 <= colluders < t_min for the noise to have honest survivors to rest on, "
+            f"got t_min={t_min}, colluders={colluders}"
+        )
+    return t_min - colluders
+
+
+def device_variance(mu: float, n: int, dropout_rate: float, adversary_rate: float = 0.0) -> float:
+    """Return the per-device Skellam variance mu / (t_min - f) (docs/design.md §5).
 
     Parameters
     ----------
@@ -288,26 +315,29 @@ def device_variance(mu: float, n: int, dropout_rate: float) -> float:
         Cohort size.
     dropout_rate : float
         omega in [0, 1).
+    adversary_rate : float
+        gamma in [0, 1): f = floor(gamma * n) survivors may add no noise.
 
     Returns
     -------
     float
-        Per-device variance, so any t_min survivors together carry variance >= mu.
+        Per-device variance, so the honest devices of any t_min survivors together carry variance >= mu.
 
     Raises
     ------
     ConfigError
-        If mu is negative or not finite, or n / omega are invalid.
+        If mu is negative or not finite, or n / omega / gamma are invalid.
     """
     m = _check_variance(mu)
-    return m / minimum_survivors(n, dropout_rate)
+    t_min = minimum_survivors(n, dropout_rate)
+    return m / _honest_floor(t_min, colluding_devices(n, adversary_rate))
 
 
-def correction_keep_fraction(n: int, dropout_rate: float, survivors: int) -> float:
-    """Return the binomial-thinning keep fraction t_min / s for s announced survivors.
+def correction_keep_fraction(n: int, dropout_rate: float, survivors: int, adversary_rate: float = 0.0) -> float:
+    """Return the binomial-thinning keep fraction (t_min - f) / (s - f) for s announced survivors.
 
-    Each survivor holds Skellam(mu / t_min); keeping the fraction t_min / s leaves Skellam(mu / s), so
-    s survivors together keep exactly mu.
+    Each survivor holds Skellam(mu / (t_min - f)); keeping the fraction (t_min - f) / (s - f) leaves
+    Skellam(mu / (s - f)), so any s - f of the s survivors together keep mu.
 
     Parameters
     ----------
@@ -317,11 +347,13 @@ def correction_keep_fraction(n: int, dropout_rate: float, survivors: int) -> flo
         omega in [0, 1).
     survivors : int
         s = |U3|, the number of devices whose masked input the server holds.
+    adversary_rate : float
+        gamma in [0, 1).
 
     Returns
     -------
     float
-        t_min / s in (0, 1].
+        (t_min - f) / (s - f) in (0, 1].
 
     Raises
     ------
@@ -331,6 +363,7 @@ def correction_keep_fraction(n: int, dropout_rate: float, survivors: int) -> flo
         If s > n.
     """
     t_min = minimum_survivors(n, dropout_rate)
+    f = colluding_devices(n, adversary_rate)
     if survivors > n:
         raise ValueError(f"survivors ({survivors}) cannot exceed the cohort size n={n}")
     if survivors < t_min:
@@ -338,48 +371,54 @@ def correction_keep_fraction(n: int, dropout_rate: float, survivors: int) -> flo
             f"{survivors} survivors is below t_min={t_min} (n={n}, dropout_rate={dropout_rate}); "
             "the noise would be too small, so the round must abort"
         )
-    return t_min / survivors
+    return _honest_floor(t_min, f) / (survivors - f)
 
 
-def device_noise(mu: float, t_min: int, length: int, rng: NoiseStream) -> SkellamDraw:
-    """The noise one device adds to its masked input: Skellam(mu / t_min) on each of ``length``
-    coordinates (docs/design.md §5).  The device session and the private-round simulator
+def device_noise(mu: float, t_min: int, length: int, rng: NoiseStream, *, colluders: int) -> SkellamDraw:
+    """The noise one device adds to its masked input: Skellam(mu / (t_min - colluders)) on each of
+    ``length`` coordinates (docs/design.md §5).  The device session and the private-round simulator
     (`fedsim.private.simulator`) both draw it here, so they follow one sampler.
 
     Raises
     ------
     ConfigError
-        If ``t_min < 1`` or mu is negative or not finite.
+        If ``t_min < 1``, ``colluders`` is not in [0, t_min), or mu is negative or not finite.
     """
     if t_min < 1:
         raise ConfigError(f"t_min must be >= 1 when noise is added, got {t_min}")
-    return sample_skellam(_check_variance(mu) / t_min, length, rng)
+    return sample_skellam(_check_variance(mu) / _honest_floor(t_min, colluders), length, rng)
 
 
 def correct_noise(
-    draw: SkellamDraw, t_min: int, n_survivors: int, rng: NoiseStream
+    draw: SkellamDraw, t_min: int, n_survivors: int, rng: NoiseStream, *, colluders: int
 ) -> tuple[SkellamDraw, NDArray[np.int64]]:
     """A survivor's correction once the server announced ``n_survivors``: thin ``draw`` with keep
-    fraction t_min / s; returns (kept noise, revealed excess), independent of each other.
+    fraction (t_min - f) / (s - f); returns (kept noise, revealed excess), independent of each other.
 
     Raises
     ------
     ValueError
-        If ``n_survivors < t_min`` or ``t_min < 1`` (the caller must refuse the round instead).
+        If ``n_survivors < t_min``, ``t_min < 1`` or ``colluders`` is not in [0, t_min) (the caller must
+        refuse the round instead).
     """
-    if t_min < 1 or n_survivors < t_min:
-        raise ValueError(f"n_survivors={n_survivors} must be >= t_min={t_min} >= 1")
-    return thin(draw, t_min / n_survivors, rng)
+    if t_min < 1 or n_survivors < t_min or not 0 <= colluders < t_min:
+        raise ValueError(f"need n_survivors={n_survivors} >= t_min={t_min} > colluders={colluders} >= 0")
+    return thin(draw, (t_min - colluders) / (n_survivors - colluders), rng)
 
 
-def released_variance(mu: float, t_min: int, survivors: int, corrected: int) -> float:
-    """Per-coordinate variance of the noise left in a released sum: ``corrected`` survivors keep
-    Skellam(mu / s) each and the other ``survivors - corrected`` keep their Skellam(mu / t_min).
+def released_variance(mu: float, t_min: int, survivors: int, corrected: int, *, colluders: int) -> float:
+    """Per-coordinate variance of the noise left in a released sum when every survivor adds its noise:
+    ``corrected`` survivors keep Skellam(mu / (s - f)) each and the other ``survivors - corrected`` keep
+    their Skellam(mu / (t_min - f)).
 
-    Skellam laws add, so the released noise is Skellam of exactly this variance (at least mu); the
-    simulator draws it in one piece at scale.
+    Skellam laws add, so the released noise is Skellam of exactly this variance (at least
+    s / (s - f) * mu, and at least mu from any s - f survivors); the simulator draws it in one piece at
+    scale.
     """
-    if not 1 <= t_min <= survivors or not 0 <= corrected <= survivors:
-        raise ValueError(f"need 1 <= t_min={t_min} <= survivors={survivors}, 0 <= corrected={corrected} <= survivors")
+    if not 1 <= t_min <= survivors or not 0 <= corrected <= survivors or not 0 <= colluders < t_min:
+        raise ValueError(
+            f"need 0 <= colluders={colluders} < t_min={t_min} <= survivors={survivors}, "
+            f"0 <= corrected={corrected} <= survivors"
+        )
     m = _check_variance(mu)
-    return corrected * m / survivors + (survivors - corrected) * m / t_min
+    return corrected * m / (survivors - colluders) + (survivors - corrected) * m / (t_min - colluders)

@@ -15,7 +15,10 @@ A `PrivacyPolicy` sits in the device's configuration with safe defaults.  `check
   the policy's adversary rate): this refuses t = 1, k = 1, and t = 2 where the cohort's safe t is 6;
 * noise is below the floor: no noise at all (dp_mu = 0, unless the policy allows rounds without DP), a
   noise multiplier sqrt(mu) / Delta_2 below ``min_noise_multiplier`` (dp_mu = 1e-300), or a survivor
-  threshold t_min outside [t, cohort_size] (dp_t_min = 2**62 would make each device add mu / 2**62);
+  threshold t_min outside [t, cohort_size] (dp_t_min = 2**62 would make each device add mu / 2**62), or
+  noise calibrated against fewer colluding devices than the policy's fraction of the cohort
+  (dp_colluders < floor(gamma * n): colluders that skip their noise would leave the honest survivors
+  short of mu);
 * privacy cost exceeds ``max_epsilon_per_round``, or would take the device's own ledger past
   ``max_epsilon_total`` (`DeviceLedger`, kept by the device across rounds).
 """
@@ -33,6 +36,7 @@ from numpy.typing import NDArray
 from protocol.errors import ConfigError, PrivacyFloorViolation, SessionReplayed
 from protocol.graph import validate_parameters
 from protocol.messages import RoundInvite
+from protocol.noise import colluding_devices
 from protocol.quantization import sensitivity
 from protocol.rdp import ORDERS, rdp_to_epsilon, skellam_rdp
 
@@ -192,6 +196,13 @@ def check_invite(invite: RoundInvite, policy: PrivacyPolicy, ledger: DeviceLedge
     if not z >= policy.min_noise_multiplier:
         raise PrivacyFloorViolation(
             f"noise multiplier sqrt(mu)/Delta_2 = {z:.3g} is below this device's floor {policy.min_noise_multiplier}"
+        )
+    colluders = colluding_devices(n, policy.adversary_rate)
+    if invite.dp_colluders < colluders:
+        raise PrivacyFloorViolation(
+            f"the noise is calibrated against {invite.dp_colluders} colluding devices, fewer than the "
+            f"{colluders} this device assumes in a cohort of {n} (adversary_rate {policy.adversary_rate}): "
+            "colluders that skip their noise would leave less than mu"
         )
     curve = round_rdp(invite)
     eps = rdp_to_epsilon(curve, policy.delta)

@@ -280,7 +280,7 @@ def check_bit_budget(
         Number of coordinates L (>= 1).
     noise_variance : float
         Largest total per-coordinate noise variance the sum can carry (quantized units), e.g.
-        ``n_max * device_variance(mu, n_max, omega)`` before the correction.
+        ``n_max * device_variance(mu, n_max, omega, gamma)`` before the correction.
     tail_sigmas : float
         Head-room in standard deviations of the noise.
 

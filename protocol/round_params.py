@@ -19,7 +19,7 @@ class RoundParameters:
 
     Attributes
     ----------
-    round_id, vector_length, k, t, clip_norm, scale_bits, dp_mu, dp_t_min
+    round_id, vector_length, k, t, clip_norm, scale_bits, dp_mu, dp_t_min, dp_colluders
         As in `RoundInvite` (k = graph_k, t = graph_t).
     deadlines : tuple of 4 floats
         Absolute deadlines of ADVERTISE_KEYS, SHARE_KEYS, MASKED_INPUT and UNMASK.
@@ -33,6 +33,7 @@ class RoundParameters:
     scale_bits: int
     dp_mu: float = 0.0
     dp_t_min: int = 0
+    dp_colluders: int = 0
     deadlines: tuple[float, float, float, float]
     #: Protocol 1.3: the enrollment authority's public key; when set, every key advertisement must carry a
     #: certificate of it and a valid signature, and UNMASK starts with the consistency check.
@@ -57,6 +58,7 @@ class RoundParameters:
             scale_bits=self.scale_bits,
             dp_mu=float(self.dp_mu),
             dp_t_min=self.dp_t_min,
+            dp_colluders=self.dp_colluders,
             advertise_deadline=d0,
             share_keys_deadline=d1,
             masked_input_deadline=d2,

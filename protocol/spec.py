@@ -23,7 +23,7 @@ __all__ = [
     "USER_REG_RANGE",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 11)
+PROTOCOL_VERSION: tuple[int, int] = (1, 12)
 """(major, minor): what the codec writes in every envelope (`protocol.codec.is_compatible` decides who can
 talk) and whose major version `protocol.crypto` binds into every derived key and `protocol.identity` into
 every signed round payload."""

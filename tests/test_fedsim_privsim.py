@@ -20,7 +20,7 @@ from fedsim.fleets.faults import DropoutAt
 from fedsim.private.cohorts import LightFRCohort
 from fedsim.private.coordinator_rounds import run_private
 from fedsim.private.simulator import PrivateSimulator, _noise_check, run_simulated, survivor_sets
-from protocol.noise import minimum_survivors
+from protocol.noise import colluding_devices, minimum_survivors
 from protocol.samplers import insecure_test_noise_stream
 
 N_ITEMS = 20
@@ -193,16 +193,36 @@ def test_released_noise_variance_is_mu_after_the_correction(survivors: int, corr
         assert abs(var - mu) <= 0.05 * mu
 
 
+@pytest.mark.parametrize(("survivors", "corrected"), [(70, 70), (100, 100), (85, 80)])
+def test_the_honest_survivors_keep_mu_when_the_colluders_add_no_noise(survivors: int, corrected: int) -> None:
+    # γ = 0.05 of a cohort of 100: f = 5 colluders among the survivors add nothing; the others carry >= mu.
+    mu, n, omega, gamma = 400.0, 100, 0.3, 0.05
+    f = colluding_devices(n, gamma)
+    var = _noise_check(mu, n, omega, survivors, corrected, 40_000, adversary_rate=gamma, silent=f)
+    t_min = minimum_survivors(n, omega)
+    want = (corrected - f) * mu / (survivors - f) + (survivors - corrected) * mu / (t_min - f)
+    assert abs(var - want) <= 0.05 * want
+    assert var >= 0.95 * mu
+
+
+def _honest_share(sim: PrivateSimulator, n: int) -> float:
+    """n / (n − f): the released noise over μ when all n devices add theirs (each keeps μ/(n − f), so the
+    honest ones alone carry μ even if the f = ⌊γ n⌋ colluders add none)."""
+    return n / (n - colluding_devices(n, sim.config.rounds.adversary_rate))
+
+
 def test_scaled_round_noise_has_variance_mu(tmp_path: Path) -> None:
-    # Devices with no ratings upload nothing: the released sum is pure noise, of variance mu.
+    # Devices with no ratings upload nothing: the released sum is pure noise, of variance n/(n - f)·mu.
     n, m = 200, 2000
     sim = PrivateSimulator(_config(tmp_path, "lightfr", n, dp=True, rounds=1, n_items=m, sampled=True))
     cohort = LightFRCohort([(np.zeros(0, np.int64), None)] * n, m, 16)
     out = sim.run_scaled_round(cohort, sim_seed=1)
-    assert out is not None and out.committed and out.noise_variance == pytest.approx(sim.mu)
+    want = sim.mu * _honest_share(sim, n)
+    assert _honest_share(sim, n) == pytest.approx(200 / 190)
+    assert out is not None and out.committed and out.noise_variance == pytest.approx(want)
     assert sim.last_release is not None and sim.last_release.size == m * 16
-    assert abs(float(np.var(sim.last_release)) - sim.mu) <= 0.05 * sim.mu
-    assert abs(float(np.mean(sim.last_release))) < 4 * np.sqrt(sim.mu / sim.last_release.size)
+    assert abs(float(np.var(sim.last_release)) - want) <= 0.05 * want
+    assert abs(float(np.mean(sim.last_release))) < 4 * np.sqrt(want / sim.last_release.size)
 
 
 def test_survivor_sets_refuse_a_graph_shortcut_with_late_dropouts() -> None:
@@ -303,7 +323,8 @@ def test_aggregate_noise_mode_releases_variance_mu(tmp_path: Path) -> None:
     models = {d: MFModel(m, MFConfig(factors=4), rng=np.random.default_rng(0)) for d in empty}
     out = sim.run_round(models, empty, seed=1, per_device_noise=False)
     assert out is not None and out.committed and sim.last_release is not None
-    assert abs(float(np.var(sim.last_release)) - sim.mu) <= 0.05 * sim.mu
+    want = sim.mu * _honest_share(sim, n)
+    assert abs(float(np.var(sim.last_release)) - want) <= 0.05 * want
 
 
 @pytest.mark.asyncio
@@ -501,6 +522,7 @@ def test_scaled_mf_round_noise_has_variance_mu(tmp_path: Path) -> None:
     sim = PrivateSimulator(_config(tmp_path, "mf", n, dp=True, rounds=1, n_items=m))
     cohort = MFCohort([(np.zeros(0, np.int64), None)] * n, m, 4, max_norm2=5.0)
     out = sim.run_scaled_round(cohort, sim_seed=3)
-    assert out is not None and out.committed and out.noise_variance == pytest.approx(sim.mu)
+    want = sim.mu * _honest_share(sim, n)
+    assert out is not None and out.committed and out.noise_variance == pytest.approx(want)
     assert sim.last_release is not None and sim.last_release.size == m * 4
-    assert abs(float(np.var(sim.last_release)) - sim.mu) <= 0.05 * sim.mu
+    assert abs(float(np.var(sim.last_release)) - want) <= 0.05 * want

@@ -203,14 +203,16 @@ def test_private_ials_simulator_is_bit_identical_to_the_coordinator(dp: bool, tm
 
 
 def test_a_scaled_private_ials_round_releases_noise_of_variance_mu(tmp_path: Path) -> None:
-    # Devices with no items upload nothing: the released sum is pure noise, of variance μ.
+    # Devices with no items upload nothing: the released sum is pure noise, of variance n/(n - f)·μ (each of
+    # the n keeps μ/(n - f), so the honest ones alone carry μ if the f = ⌊γ n⌋ = 10 colluders add none).
     n, m = 200, 400
     sim = PrivateSimulator(_config(tmp_path, n, dp=True, rounds=1, m=m))
     cohort = IALSCohort([np.zeros(0, np.int64)] * n, m, D)
     out = sim.run_scaled_round(cohort, sim_seed=1)  # type: ignore[arg-type]
-    assert out is not None and out.committed and out.noise_variance == pytest.approx(sim.mu)
+    want = sim.mu * n / (n - 10)
+    assert out is not None and out.committed and out.noise_variance == pytest.approx(want)
     assert sim.last_release is not None and sim.last_release.size == IALSLayout(m, D).length
-    assert abs(float(np.var(sim.last_release)) - sim.mu) <= 0.05 * sim.mu
+    assert abs(float(np.var(sim.last_release)) - want) <= 0.05 * want
 
 
 def test_a_private_run_spends_its_epsilon_and_learns_the_planted_structure() -> None:

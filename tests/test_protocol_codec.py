@@ -139,6 +139,7 @@ def invite_fields(draw: st.DrawFn) -> dict[str, object]:
         n_items = 0 if bits else draw(st.integers(0, MAX_ITEMS))
     roster = tuple(sorted(draw(st.sets(ids, max_size=8))))  # protocol 1.8, empty = not stated
     keyed = bool(roster) and draw(st.booleans())
+    t_min = draw(st.integers(1, 10**6)) if mu > 0 else 0
     return {
         "round_id": draw(ids),
         "device_id": draw(ids),
@@ -148,7 +149,8 @@ def invite_fields(draw: st.DrawFn) -> dict[str, object]:
         "clip_norm": draw(st.floats(1e-9, 1e9)),
         "scale_bits": draw(st.integers(0, 30)),
         "dp_mu": mu,
-        "dp_t_min": draw(st.integers(1, 10**6)) if mu > 0 else 0,
+        "dp_t_min": t_min,
+        "dp_colluders": draw(st.integers(0, t_min - 1)) if t_min else 0,  # protocol 1.12
         "advertise_deadline": deadlines[0],
         "share_keys_deadline": deadlines[1],
         "masked_input_deadline": deadlines[2],

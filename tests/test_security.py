@@ -117,6 +117,7 @@ def _invite(**changes: Any) -> Any:
         scale_bits=8,
         dp_mu=(3 * (256 + 1000**0.5)) ** 2,  # noise multiplier 3
         dp_t_min=67,
+        dp_colluders=5,
         advertise_deadline=1.0,
         share_keys_deadline=2.0,
         masked_input_deadline=3.0,
@@ -134,10 +135,12 @@ def _invite(**changes: Any) -> Any:
         ({"graph_k": 28 + 1, "graph_t": 2}, "unsafe|adversary"),  # the cohort's safe t is 6 at gamma = 5%
         ({"cohort_size": 0}, "cohort size"),
         ({"graph_k": 101, "graph_t": 60}, "exceeds the stated cohort"),
-        ({"dp_mu": 0.0, "dp_t_min": 0}, "no DP noise"),
+        ({"dp_mu": 0.0, "dp_t_min": 0, "dp_colluders": 0}, "no DP noise"),
         ({"dp_mu": 1e-300}, "noise multiplier"),
         ({"dp_t_min": 2**62}, "t_min"),
-        ({"dp_t_min": 1}, "t_min"),
+        ({"dp_t_min": 1, "dp_colluders": 0}, "t_min"),
+        ({"dp_colluders": 4}, "colluding devices"),  # a 1.11 server states none; this floor assumes 5 of 100
+        ({"dp_colluders": 0}, "colluding devices"),
         ({"dp_mu": (0.3 * 287.6) ** 2}, "noise multiplier"),
         ({"dp_mu": (0.6 * 287.6) ** 2}, "per round"),
     ],
@@ -158,12 +161,12 @@ def test_a_round_without_noise_is_refused_naming_both_settings_that_allow_it() -
     from protocol.policy import PrivacyPolicy, check_invite
 
     with pytest.raises(PrivacyFloorViolation) as info:
-        check_invite(_invite(dp_mu=0.0, dp_t_min=0), PrivacyPolicy())
+        check_invite(_invite(dp_mu=0.0, dp_t_min=0, dp_colluders=0), PrivacyPolicy())
     text = str(info.value)
     assert "[privacy] enabled = true" in text and "PrivacyPolicy(require_noise=False)" in text, text
     # Both named settings exist and do what the message says.
     assert PrivacySection(enabled=True).enabled
-    assert check_invite(_invite(dp_mu=0.0, dp_t_min=0), PrivacyPolicy(require_noise=False)) == 0.0
+    assert check_invite(_invite(dp_mu=0.0, dp_t_min=0, dp_colluders=0), PrivacyPolicy(require_noise=False)) == 0.0
 
 
 def test_a_sound_invite_passes_and_the_device_keeps_its_own_ledger() -> None:
@@ -185,7 +188,7 @@ def test_a_sound_invite_passes_and_the_device_keeps_its_own_ledger() -> None:
     assert rounds >= 1 and ledger.epsilon(policy.delta) <= policy.max_epsilon_total
     assert DeviceLedger.from_dict(ledger.to_dict()).rounds == rounds
     # without DP the default floor refuses; a deployment that runs without DP must say so
-    assert check_invite(_invite(dp_mu=0.0, dp_t_min=0), PrivacyPolicy(require_noise=False)) == 0.0
+    assert check_invite(_invite(dp_mu=0.0, dp_t_min=0, dp_colluders=0), PrivacyPolicy(require_noise=False)) == 0.0
 
 
 def test_the_device_ledger_agrees_with_the_servers_accountant() -> None:
@@ -1180,10 +1183,10 @@ def test_noise_thinning_and_rounding_coins_refuse_numpy_generators_and_default_t
 
     numpy_rng = np.random.default_rng(0)
     with pytest.raises(TypeError, match="NoiseStream"):
-        device_noise(100.0, 10, 8, numpy_rng)  # type: ignore[arg-type]
-    draw = device_noise(100.0, 10, 8, NoiseStream.from_os())
+        device_noise(100.0, 10, 8, numpy_rng, colluders=1)  # type: ignore[arg-type]
+    draw = device_noise(100.0, 10, 8, NoiseStream.from_os(), colluders=1)
     with pytest.raises(TypeError, match="NoiseStream"):
-        correct_noise(draw, 10, 12, numpy_rng)  # type: ignore[arg-type]
+        correct_noise(draw, 10, 12, numpy_rng, colluders=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="NoiseStream"):
         quantize(np.full(8, 0.3), QuantizationConfig(clip_norm=1.0, scale_bits=4), numpy_rng)  # type: ignore[arg-type]
     assert FleetConfig(url="http://127.0.0.1:1", store_root=tmp_path, n_items=4).insecure_reproducible is False

@@ -132,6 +132,7 @@ _SINCE_1_7 = {"ModelPayload": ("unobserved_weight", "confidence", "dp_trained")}
 _SINCE_1_8 = {"RoundInvite": ("roster_ids", "roster_keys")}
 _SINCE_1_9 = {"RoundInvite": ("theta", "gram_weight")}
 _SINCE_1_10 = {"ModelPayload": ("level_weight",)}
+_SINCE_1_12 = {"RoundInvite": ("dp_colluders",)}
 
 
 def _check(condition: bool) -> None:
@@ -150,6 +151,8 @@ def fixed_field_element(label: str) -> int:
 
 
 def _since(cls_name: str, type_code: int, field: str) -> str:
+    if field in _SINCE_1_12.get(cls_name, ()):
+        return "1.12"
     if field in _SINCE_1_10.get(cls_name, ()):
         return "1.10"
     if field in _SINCE_1_9.get(cls_name, ()):
@@ -171,6 +174,11 @@ def _since(cls_name: str, type_code: int, field: str) -> str:
     if field in _SINCE_1_1.get(cls_name, ()) or type_code >= 11:
         return "1.1"
     return "1.0"
+
+
+def _present(value: Any) -> bool:
+    """Whether an omitted-when-empty field is written: a non-empty sequence or a non-zero number."""
+    return bool(len(value)) if hasattr(value, "__len__") else bool(value)
 
 
 def _json_value(kind: codec.Kind, value: Any) -> Any:
@@ -200,7 +208,7 @@ def describe(message: Message) -> dict[str, Any]:
                 "value": _json_value(kind, value),
             }
             for name, key, kind, value in codec.body_fields(message)
-            if (cls.TYPE, key) not in codec._OMITTED_WHEN_EMPTY or len(value)  # absent from the body when empty
+            if (cls.TYPE, key) not in codec._OMITTED_WHEN_EMPTY or _present(value)  # absent when empty or zero
         ],
         "hex": codec.encode(message).hex(),
     }
@@ -237,6 +245,7 @@ def message_vectors() -> dict[str, Any]:
         cohort_size=3,
         roster_ids=(100, 300, 500),  # protocol 1.8, written only when non-empty
         roster_keys=tuple(fixed_bytes(f"roster key {v}") for v in (100, 300, 500)),
+        dp_colluders=2,  # protocol 1.12, written only when non-zero
         # The keys of the other families' parameters travel at their ``absent`` values.
         params=MFParams(max_norm2=4.0, learning_rate=0.125, reg=0.0625, pretrain_epochs=5, local_epochs=2, negatives=0),
     )

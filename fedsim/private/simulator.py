@@ -62,6 +62,7 @@ from protocol.families.lightfr import bias_from_levels
 from protocol.graph import harary_graph
 from protocol.messages import ModelPayload
 from protocol.noise import (
+    colluding_devices,
     correct_noise,
     device_noise,
     minimum_survivors,
@@ -212,8 +213,9 @@ class PrivateSimulator:
                 else float(mu)
             )
         n = config.rounds.cohort_size
-        t_min = minimum_survivors(n, config.rounds.dropout_rate) if self.mu else 1
-        check_bit_budget(n, self.quantization, self.vector_length, n * self.mu / t_min)
+        rc = config.rounds
+        honest = minimum_survivors(n, rc.dropout_rate) - colluding_devices(n, rc.adversary_rate) if self.mu else 1
+        check_bit_budget(n, self.quantization, self.vector_length, n * self.mu / honest)
         self.model_state = self.strategy.initialize(self._rng(0))
         self.model_version = 1
         #: Whether a committed round added DP noise (`ModelPayload.dp_trained`, sticky as the server keeps it).
@@ -270,8 +272,8 @@ class PrivateSimulator:
             raise ConfigError(
                 f"rounds.k/t are fixed for a cohort of {cfg.cohort_size} but only {len(fresh)} devices are eligible"
             )
-        cohort, k, t, t_min = shape
-        params = round_parameters(round_id, self.vector_length, (k, t, t_min), self.quantization, self.mu)
+        cohort, k, t, t_min, colluders = shape
+        params = round_parameters(round_id, self.vector_length, (k, t, t_min, colluders), self.quantization, self.mu)
         plan = round_plan(
             self.strategy, self.model_version, example_cap=cfg.example_cap, clip_norm=self.quantization.clip_norm
         )
@@ -335,18 +337,26 @@ class PrivateSimulator:
         for d in sorted(sets.u3):
             total += rings[d].view(np.int32)
             if params.dp_mu > 0.0 and per_device_noise:
-                draw = device_noise(params.dp_mu, params.dp_t_min, self.vector_length, noise_rngs[d])
+                draw = device_noise(
+                    params.dp_mu, params.dp_t_min, self.vector_length, noise_rngs[d], colluders=params.dp_colluders
+                )
                 if d in sets.corrected:
-                    draw, _ = correct_noise(draw, params.dp_t_min, s, noise_rngs[d])
+                    draw, _ = correct_noise(draw, params.dp_t_min, s, noise_rngs[d], colluders=params.dp_colluders)
                 total += draw.value()
         if params.dp_mu > 0.0 and not per_device_noise:
             noise = insecure_test_noise_stream(seed, round_id, 0x5EED)  # a simulation: ε is not a guarantee here
-            var = released_variance(params.dp_mu, params.dp_t_min, s, len(sets.corrected))
+            var = released_variance(
+                params.dp_mu, params.dp_t_min, s, len(sets.corrected), colluders=params.dp_colluders
+            )
             total += sample_skellam(var, self.vector_length, noise).value()
         ring_total = to_ring(total)
         self.last_survivors = tuple(sorted(sets.u3))
         eps = self._commit(ring_total, s, plan)
-        var = released_variance(self.mu, params.dp_t_min, s, len(sets.corrected)) if self.mu else 0.0
+        var = (
+            released_variance(self.mu, params.dp_t_min, s, len(sets.corrected), colluders=params.dp_colluders)
+            if self.mu
+            else 0.0
+        )
         return RoundOutcome(round_id, True, sets, eps, self.model_version, time.perf_counter() - start, var)
 
     def _spent(self) -> float | None:
@@ -445,12 +455,13 @@ class PrivateSimulator:
         var = 0.0
         t0 = time.perf_counter()
         if params.dp_mu > 0.0:
-            var = released_variance(params.dp_mu, params.dp_t_min, s, len(sets.corrected))
+            f = params.dp_colluders
+            var = released_variance(params.dp_mu, params.dp_t_min, s, len(sets.corrected), colluders=f)
             if draws is not None:  # each survivor's own noise after its coins, corrected as in run_round
                 for d in sorted(sets.u3):
-                    draw = device_noise(params.dp_mu, params.dp_t_min, self.vector_length, draws[d][1])
+                    draw = device_noise(params.dp_mu, params.dp_t_min, self.vector_length, draws[d][1], colluders=f)
                     if d in sets.corrected:
-                        draw, _ = correct_noise(draw, params.dp_t_min, s, draws[d][1])
+                        draw, _ = correct_noise(draw, params.dp_t_min, s, draws[d][1], colluders=f)
                     total += draw.value()
             else:
                 noise = insecure_test_noise_stream(sim_seed, round_id)  # a simulation: ε is not a guarantee here
@@ -520,15 +531,26 @@ def run_simulated(
     return run
 
 
-def _noise_check(mu: float, n: int, dropout_rate: float, survivors: int, corrected: int, length: int) -> float:
+def _noise_check(
+    mu: float,
+    n: int,
+    dropout_rate: float,
+    survivors: int,
+    corrected: int,
+    length: int,
+    adversary_rate: float = 0.0,
+    silent: int = 0,
+) -> float:
     """Empirical variance of the released noise of one round drawn device by device with the
-    device's functions, as the simulator's exact mode draws it (used by tests/test_fedsim_privsim.py)."""
+    device's functions, as the simulator's exact mode draws it (used by tests/test_fedsim_privsim.py);
+    the first ``silent`` survivors are colluders that add no noise."""
     rng = insecure_test_noise_stream(0)  # a check of the variance, not a private run
     t_min = minimum_survivors(n, dropout_rate)
+    f = colluding_devices(n, adversary_rate)
     total = np.zeros(length, dtype=np.int64)
-    for d in range(survivors):
-        draw = device_noise(mu, t_min, length, rng)
+    for d in range(silent, survivors):
+        draw = device_noise(mu, t_min, length, rng, colluders=f)
         if d < corrected:
-            draw, _ = correct_noise(draw, t_min, survivors, rng)
+            draw, _ = correct_noise(draw, t_min, survivors, rng, colluders=f)
         total += draw.value()
     return float(np.var(total))

@@ -21,7 +21,7 @@ from protocol.errors import FedRecError
 from protocol.graph import GraphParams, find_parameters
 from protocol.identity import SigningKey, issue_certificate
 from protocol.messages import Abort, ConsistencySignature, Message, UnmaskResponse
-from protocol.noise import minimum_survivors, to_ring
+from protocol.noise import SkellamDraw, colluding_devices, minimum_survivors, to_ring
 from protocol.phases import consistency_deadline
 from protocol.quantization import QuantizationConfig, quantize
 from protocol.samplers import NoiseStream, insecure_test_noise_stream
@@ -33,7 +33,17 @@ from protocol.session import (
     ServerSecAggSession,
 )
 
-__all__ = ["HarnessResult", "run_secagg_round"]
+__all__ = ["HarnessResult", "SilentDevice", "run_secagg_round"]
+
+
+class SilentDevice(DeviceSecAggSession):
+    """A colluding device: it runs the protocol faithfully but adds no DP noise (so it keeps and reveals
+    none), leaving the honest survivors' noise to protect the sum."""
+
+    def _draw_noise(self) -> SkellamDraw:
+        zeros = np.zeros(self.invite.vector_length, dtype=np.int64)
+        return SkellamDraw(zeros, zeros.copy())
+
 
 InputSource = Sequence[NDArray[np.generic]] | Callable[[int], NDArray[np.generic]]
 
@@ -105,6 +115,8 @@ def run_secagg_round(
     clock: Callable[[], float] | None = None,
     signed: bool = False,
     consistency_dropouts: Iterable[int] = (),
+    silent: Iterable[int] = (),
+    dp_colluders: int | None = None,
 ) -> HarnessResult:
     """Run one SecAgg+ round in process.
 
@@ -141,6 +153,10 @@ def run_secagg_round(
         server's time for it counts as unmasking time).
     consistency_dropouts : ids
         With ``signed``: devices that drop before signing the survivor set.
+    silent : ids
+        Colluding devices that follow the protocol but add no DP noise (`SilentDevice`).
+    dp_colluders : int, optional
+        f of the noise calibration (the invite's ``dp_colluders``); default ⌊γ n⌋ with DP, 0 without.
 
     Returns
     -------
@@ -168,6 +184,9 @@ def run_secagg_round(
             raise ValueError("give both k and t, or neither")
         graph = GraphParams(k=k, t=t)
     dp_t_min = minimum_survivors(n, dropout_rate) if dp_mu > 0 else 0
+    if dp_colluders is None:
+        dp_colluders = colluding_devices(n, adversary_rate) if dp_mu > 0 else 0
+    quiet = set(silent)
     authority = SigningKey.generate() if signed else None
     enrolled: dict[int, tuple[SigningKey, bytes]] = {}
     if authority is not None:
@@ -186,6 +205,7 @@ def run_secagg_round(
         scale_bits=scale,
         dp_mu=float(dp_mu),
         dp_t_min=dp_t_min,
+        dp_colluders=dp_colluders,
         deadlines=(1.0, 2.0, 3.0, 4.0),
         authority_key=authority.public_key if authority is not None else b"",
     )
@@ -249,7 +269,7 @@ def run_secagg_round(
                 noise = insecure_test_noise_stream(seed, round_id, u)  # reproducible runs; not a DP guarantee
                 streams[u] = noise
                 identity, certificate = enrolled.get(u, (None, b""))
-                devices[u] = DeviceSecAggSession(
+                devices[u] = (SilentDevice if u in quiet else DeviceSecAggSession)(
                     carry(incoming),  # type: ignore[arg-type]
                     rng=noise,
                     identity=identity,
