@@ -283,14 +283,8 @@ def minimum_survivors(n: int, dropout_rate: float) -> int:
 def colluding_devices(n: int, adversary_rate: float) -> int:
     """Return f = floor(gamma * n), the devices of a cohort of ``n`` that may collude with the server and
     skip their noise; the noise is sized so that the other survivors alone carry mu (protocol 1.12).
-
-    Raises
-    ------
-    ConfigError
-        If ``n < 1`` or the rate is outside [0, 1).
-    """
-    if n < 1:
-        raise ConfigError(f"cohort size n must be >= 1, got {n}")
+    ConfigError as `minimum_survivors` (n < 1, a rate outside [0, 1))."""
+    minimum_survivors(n, 0.0)  # the cohort check
     return math.floor(exact_rate(adversary_rate, "adversary_rate") * n)
 
 

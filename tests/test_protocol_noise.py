@@ -11,9 +11,13 @@ from protocol.errors import ConfigError, NotEnoughParticipants
 from protocol.noise import (
     SkellamDraw,
     StoredSkellam,
+    colluding_devices,
+    correct_noise,
     correction_keep_fraction,
+    device_noise,
     device_variance,
     minimum_survivors,
+    released_variance,
     sample_skellam,
     thin,
     to_ring,
@@ -47,6 +51,31 @@ def test_device_variance_and_keep_fraction() -> None:
         correction_keep_fraction(N, OMEGA, 101)
     with pytest.raises(ConfigError):
         device_variance(-1.0, N, OMEGA)
+
+
+def test_the_noise_is_sized_for_the_honest_survivors() -> None:
+    # Protocol 1.12: f = ⌊γ n⌋ colluders may add nothing, so each device adds μ/(t_min − f), keeps μ/(s − f).
+    assert colluding_devices(100, 0.05) == 5
+    assert colluding_devices(20, 0.05) == 1 and colluding_devices(19, 0.05) == 0  # exact, not 0.05 * 20 in floats
+    assert colluding_devices(70_679, 0.05) == 3533
+    assert device_variance(MU, N, OMEGA, 0.05) == pytest.approx(MU / 65)
+    assert correction_keep_fraction(N, OMEGA, 70, 0.05) == 1.0
+    assert correction_keep_fraction(N, OMEGA, 100, 0.05) == pytest.approx(65 / 95)
+    # Every survivor corrects: s·μ/(s − f); any s − f of them keep μ.
+    assert released_variance(MU, 70, 100, 100, colluders=5) == pytest.approx(MU * 100 / 95)
+    assert released_variance(MU, 70, 100, 100, colluders=0) == pytest.approx(MU)
+    for bad in (1.0, -0.01, math.nan):
+        with pytest.raises(ConfigError, match="adversary_rate"):
+            colluding_devices(100, bad)
+    with pytest.raises(ConfigError):
+        colluding_devices(0, 0.05)
+    rng = insecure_test_noise_stream(1)
+    with pytest.raises(ConfigError, match="colluders"):
+        device_noise(MU, 70, 4, rng, colluders=70)  # no honest survivor left to carry the noise
+    with pytest.raises(ValueError, match="colluders"):
+        correct_noise(device_noise(MU, 70, 4, rng, colluders=5), 70, 80, rng, colluders=70)
+    with pytest.raises(ValueError, match="colluders"):
+        released_variance(MU, 70, 100, 100, colluders=-1)
 
 
 def test_skellam_moments_and_types() -> None:
