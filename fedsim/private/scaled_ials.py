@@ -43,6 +43,7 @@ from fedsim.private.planner import POP_THETA, PrivatePlan
 from fedsim.private.scaled_lightfr import (
     _largest_scale_bits,
     _per_user,
+    colluder_inflation,
     item_levels,
     plan_split,
     popularity_only,
@@ -277,7 +278,7 @@ def resolve_factors(train: Ratings, settings: PrivateIALSSettings) -> tuple[Priv
     cfg, model_sens = _sensitivities(n, m, probe)
     l2p, l1p = sensitivity(widest_quantization(n, math.sqrt(s.pop_theta)), m)
     mu, _ = split_budget(s.epsilon, s.delta, s.rounds, model_sens, (l1p, l2p), s.pop_share)
-    sigma = math.sqrt(mu) / cfg.rounds.quantization().scale
+    sigma = math.sqrt(mu * colluder_inflation(n)) / cfg.rounds.quantization().scale  # what the sum carries
     signal = item_signal(train, s.theta)
     return replace(s, factors=choose_factors(signal, sigma)), signal / sigma
 

@@ -361,7 +361,7 @@ def plan_split(
 @dataclass(frozen=True, slots=True)
 class NoiseAwareLightFR:
     """A LightFR strategy that moves a bit only on evidence: summed gradient coordinates smaller
-    than ``threshold``·σ (σ = √μ / 2^s, the released noise's standard deviation in float units)
+    than ``threshold``·σ (σ = √(μ·n/(n − f)) / 2^s, the released noise's standard deviation in float units)
     are set to 0 before the base strategy's Agg_grad, which keeps a bit whose d* is 0."""
 
     base: Any
@@ -482,7 +482,7 @@ def run_private_scaled(
     mu_model, mu_pop = split_run_budget(s.epsilon, s.delta, s.rounds, (l1m, l2m), (l1p, l2p), pop_share)
     strategy: Strategy = base
     if dp and s.threshold > 0:
-        strategy = NoiseAwareLightFR(base, math.sqrt(mu_model) / qm.scale, s.threshold)
+        strategy = NoiseAwareLightFR(base, math.sqrt(mu_model * colluder_inflation(n)) / qm.scale, s.threshold)
     sim = PrivateSimulator(cfg, strategy=strategy, mu=mu_model if dp else None)
     counts = seeded_release(per_user, m, s.pop_theta, qp, mu_pop, s.seed, sim.ledger)
     cohort = LightFRCohort([(u, None) for u in per_user], m, s.bits)
@@ -651,8 +651,9 @@ def plan_privacy(
     The model: a device with k kept items uploads (1 + negatives)·k rows of f gradient coordinates of
     magnitude about 1/2, so its norm is about ½·√((1 + negatives)·k·f) and clipping to C scales it by
     c = min(1, C / norm).  An item rated by n_i devices whose gradients agree sums to about ½·c·n_i per
-    coordinate; the released noise has standard deviation σ = √μ / 2^s, with μ from `split_budget`
-    (the accountant's own numbers).  The popularity release adds noise of σ_pop users per item.
+    coordinate; the released noise has standard deviation σ = √(μ·n/(n − f)) / 2^s, with μ from `split_budget`
+    (the accountant's own numbers) and n/(n − f) what every device's share of the colluders' noise adds
+    (`colluder_inflation`).  The popularity release adds noise of σ_pop users per item.
     Every figure uses only the public shape of the data a planner would know (users per item).
     """
     n, m = train.n_users, train.n_items
@@ -660,6 +661,7 @@ def plan_privacy(
     kept = np.minimum(per_user, example_cap) if example_cap else per_user
     users_per_item = np.bincount(train.items, minlength=m).astype(np.float64)
     theta_pop = example_cap or int(per_user.max())
+    inflation = colluder_inflation(n)
     qp = widest_quantization(n, math.sqrt(theta_pop))
     l2p, l1p = sensitivity(qp, m)
     out = []
@@ -671,10 +673,10 @@ def plan_privacy(
         c = float(np.mean(np.minimum(1.0, clip / norm)))
         for r in rounds:
             mu, mu_pop = split_budget(epsilon, delta, r, (l1m, l2m), (l1p, l2p), pop_share)
-            sigma = math.sqrt(mu) / qm.scale
+            sigma = math.sqrt(mu * inflation) / qm.scale
             snr = 0.5 * c * users_per_item / sigma
             covered = float(users_per_item[snr >= 2].sum() / max(users_per_item.sum(), 1))
-            pop_noise = math.sqrt(mu_pop) / qp.scale if mu_pop else 0.0
+            pop_noise = math.sqrt(mu_pop * inflation) / qp.scale if mu_pop else 0.0
             head = float(np.sort(users_per_item)[::-1][min(99, m - 1)])
             out.append(
                 PlanRow(
