@@ -296,3 +296,67 @@ async def test_walls_of_dropouts_around_a_block_are_refused_over_http(aiohttp_se
     assert recent["round_id"] == 2 and recent["status"] == "aborted", recent
     for c in clients:
         await c.close()
+
+
+@pytest.mark.asyncio
+async def test_noise_sized_for_fewer_colluders_is_refused_over_http(aiohttp_server: Any, tmp_path: Path) -> None:
+    # Protocol 1.12: with DP the invite states f, the colluding devices the noise is sized against.  Round 1 of
+    # 20 real devices with the default floor runs with the server's f = ⌊0.05·20⌋ = 1 and commits; in round 2 the
+    # server states f = 0 (noise its colluder could thin below μ by adding none).  Every device refuses before
+    # it generates a key, and says why.
+    ca = EnrollmentAuthority.generate()
+    n = 20
+    cfg = _config(tmp_path / "srv", cohort=n, enrollment={"authority_key": ca.public_key.hex()})
+    cfg = dataclasses.replace(
+        cfg, privacy=dataclasses.replace(cfg.privacy, enabled=True, epsilon=8.0, planned_rounds=2)
+    )
+    app = create_app(cfg)
+    server = await aiohttp_server(app)
+    coordinator = app[COORDINATOR]
+    url = str(server.make_url("")).rstrip("/")
+    data = users(n)
+    clients = [
+        DeviceClient.connect(
+            url,
+            ClientConfig(store_dir=tmp_path / "dev" / f"d{u}", privacy=PrivacyPolicy(), authority_key=ca.public_key),
+            items=data[u][0],
+            ratings=data[u][1],
+            n_items=N_ITEMS,
+            bits=BITS,
+            retries=0,
+        )
+        for u in range(n)
+    ]
+    for i, c in enumerate(clients):
+        await c.register(certificate=ca.issue(c.identity_public_key, f"b{i % 2}"))
+    seen: list[RoundInvite] = []
+    honest_check_in = coordinator.check_in
+
+    def watching_check_in(device_id: int, now: float) -> Any:
+        out = honest_check_in(device_id, now)
+        if isinstance(out, RoundInvite):
+            seen.append(out)
+        return out
+
+    coordinator.check_in = watching_check_in  # type: ignore[method-assign]
+    honest = await asyncio.gather(*(_join(c) for c in clients))
+    assert all(r.status is RoundStatus.COMMITTED for r in honest), honest
+    assert seen and all(i.dp_mu > 0 and i.dp_colluders == 1 and i.cohort_size == n for i in seen)
+    assert all(c.privacy_spent > 0 for c in clients)
+
+    def lying_check_in(device_id: int, now: float) -> Any:
+        out = honest_check_in(device_id, now)
+        if isinstance(out, RoundInvite):
+            out = dataclasses.replace(out, dp_colluders=0)
+        return out
+
+    coordinator.check_in = lying_check_in  # type: ignore[method-assign]
+    spent = [c.privacy_spent for c in clients]
+    uploads = _record_uploads(coordinator)
+    lied = await asyncio.gather(*(_join(c) for c in clients))
+    want = "calibrated against 0 colluding devices, fewer than the 1 this device assumes"
+    assert all(r.status is RoundStatus.REFUSED and want in (r.reason or "") for r in lied), lied
+    assert set(uploads) == {"Abort"}, uploads  # no key advertisement, share or masked input left a device
+    assert [c.privacy_spent for c in clients] == spent  # nothing charged
+    for c in clients:
+        await c.close()
