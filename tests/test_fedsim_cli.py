@@ -812,6 +812,11 @@ def test_plan_privacy_prints_one_row_per_choice(capsys: pytest.CaptureFixture[st
     assert len(rows) == 2
     # More rounds at the same ε: more noise per coordinate and round (the σ/coord column).
     assert float(rows[0].split()[3]) < float(rows[1].split()[3])
+    # The σ are those of the released sum: noise sized for the colluding devices the default policy assumes.
+    from fedsim.private.scaled_lightfr import colluder_inflation
+
+    n = int(out.split(" devices")[0].split()[-1])
+    assert f"collude and add none: {colluder_inflation(n):.3f}× the variance" in out and colluder_inflation(n) > 1
 
 
 def test_plots_are_written_and_bad_targets_refused_before_the_run(

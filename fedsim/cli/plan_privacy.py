@@ -58,7 +58,9 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     from fedsim.cli.results import print_rows
     from fedsim.data.datasets import LightFRSplit, TrainTestSplit, load_dataset
     from fedsim.evaluation.experiment import prepare
-    from fedsim.private.scaled_lightfr import ScaledSettings, plan_privacy, plan_run
+    from fedsim.private.scaled_lightfr import ScaledSettings, colluder_inflation, plan_privacy, plan_run
+    from protocol.noise import colluding_devices
+    from protocol.policy import PrivacyPolicy
 
     data: Any = load_dataset(args.dataset, resolve_data_dir(args.data_dir))
     if args.growth and isinstance(data, TrainTestSplit):
@@ -67,6 +69,12 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     out.write(
         f"{args.dataset}: {train.n_users} devices, {train.n_items} items; target ε={args.epsilon:g} at δ=1e-5, "
         f"f={args.bits}, θ={args.example_cap}, {args.negatives} negatives, popularity share {args.pop_share:g}\n"
+    )
+    colluders = colluding_devices(train.n_users, PrivacyPolicy().adversary_rate)
+    out.write(
+        f"noise sized so the honest devices alone carry it when {colluders} of them (⌊γ n⌋, γ = "
+        f"{PrivacyPolicy().adversary_rate:g}) collude and add none: {colluder_inflation(train.n_users):.3f}× "
+        "the variance the accountant charges, in every σ below\n"
     )
     rows = plan_privacy(
         train,
