@@ -63,12 +63,13 @@ from agg_server.http_errors import MSGPACK, BodyTimeout, error_middleware
 from agg_server.logs import current_request_id
 from agg_server.storage import Storage, Timeouts
 from agg_server.strategy.base import Strategy
-from protocol.codec import MAX_OBJECTS, decode, encode
+from protocol.codec import MAX_OBJECTS, decode_versioned, encode
 from protocol.errors import (
     FedRecError,
     PayloadTooLarge,
     RemoteProtocolError,
     RoundError,
+    VersionMismatch,
 )
 from protocol.messages import (
     Abort,
@@ -86,6 +87,7 @@ from protocol.messages import (
     UnmaskResponse,
     Wait,
 )
+from protocol.spec import DP_COLLUDERS_SINCE
 
 __all__ = ["create_app", "CONFIG", "COORDINATOR", "MSGPACK"]
 
@@ -211,18 +213,19 @@ THREAD_DECODE_BYTES = 4 * 1024
 SMALL_ROUTE_OBJECTS = 1024
 
 
-async def _read(request: web.Request) -> Message:
+async def _read(request: web.Request) -> tuple[Message, tuple[int, int]]:
+    """A small route's message and the (major, minor) its sender wrote in the envelope."""
     limit = body_limit(request)
-    message, _ = await _decode(await _read_body(request, limit), limit, SMALL_ROUTE_OBJECTS)
-    return message
+    message, _, version = await _decode(await _read_body(request, limit), limit, SMALL_ROUTE_OBJECTS)
+    return message, version
 
 
-def _decode_and_hash(body: bytes | bytearray, limit: int, max_objects: int) -> tuple[Message, bytes]:
-    message = decode(body, max_size=limit, max_objects=max_objects)
-    return message, hashlib.sha256(body).digest()
+def _decode_and_hash(body: bytes | bytearray, limit: int, max_objects: int) -> tuple[Message, bytes, tuple[int, int]]:
+    message, version = decode_versioned(body, max_size=limit, max_objects=max_objects)
+    return message, hashlib.sha256(body).digest(), version
 
 
-async def _decode(body: bytes | bytearray, limit: int, max_objects: int) -> tuple[Message, bytes]:
+async def _decode(body: bytes | bytearray, limit: int, max_objects: int) -> tuple[Message, bytes, tuple[int, int]]:
     """Decode a body and hash it (the digest identifies a retransmission); off the event loop when the
     body is larger than `THREAD_DECODE_BYTES`."""
     if len(body) <= THREAD_DECODE_BYTES:
@@ -322,7 +325,7 @@ async def _elsewhere(request: web.Request, device: int, url: str, body: bytes | 
 
 
 async def register(request: web.Request) -> web.Response:
-    msg = await _read(request)
+    msg, _ = await _read(request)
     if not isinstance(msg, RegisterRequest):
         raise RemoteProtocolError(f"expected RegisterRequest, got {type(msg).__name__}")
     reply = await _on_state(
@@ -387,9 +390,12 @@ async def check_in(request: web.Request) -> web.StreamResponse:
     leader = _leader(request, device)
     if not isinstance(leader, RoundCoordinator):
         return await _elsewhere(request, device, leader, await _read_body(request, body_limit(request)))
-    msg = await _read(request)
+    msg, version = await _read(request)
     if not isinstance(msg, CheckIn):
         raise RemoteProtocolError(f"expected CheckIn, got {type(msg).__name__}")
+    if leader.mu > 0 and version < DP_COLLUDERS_SINCE:  # it would size its noise for no colluders
+        have, need = (".".join(map(str, v)) for v in (version, DP_COLLUDERS_SINCE))
+        raise VersionMismatch(f"this server's DP noise needs devices of protocol {need} or later; upgrade ({have})")
     coordinator = leader
     coordinator.check_sender(device, msg)
     # may drop a device that left its round
@@ -485,7 +491,7 @@ def _phase_handler(expected: type[Message]) -> Callable[[web.Request], Awaitable
         try:
             body = await _read_body(request, limit)
             # the digest identifies a retransmission without encoding msg again
-            msg, digest = await _decode(body, limit, body_objects(request, expected, leader))
+            msg, digest, _ = await _decode(body, limit, body_objects(request, expected, leader))
             del body
             if not isinstance(msg, expected):
                 raise RemoteProtocolError(f"expected {expected.__name__} on this route, got {type(msg).__name__}")

@@ -58,6 +58,7 @@ __all__ = [
     "check_version",
     "encode",
     "decode",
+    "decode_versioned",
     "body_fields",
     "check_shape",
     "MAX_OBJECTS",
@@ -652,10 +653,18 @@ def decode(
         Anything else: malformed msgpack, more than `MAX_OBJECTS` objects or deeper than `MAX_DEPTH`,
         wrong types or shapes, unknown type code, missing fields, or values the message class refuses.
     """
+    return decode_versioned(data, max_size=max_size, max_objects=max_objects)[0]
+
+
+def decode_versioned(
+    data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES, max_objects: int = MAX_OBJECTS
+) -> tuple[Message, tuple[int, int]]:
+    """`decode`, and the ``(major, minor)`` the sender wrote in the envelope (a server that needs a feature
+    of a later minor refuses an older peer by it; the major is already checked).  Raises as `decode`."""
     obj = _unpack(data, max_size=max_size, max_objects=max_objects)
     try:
-        cls, fields, body = _open_envelope(obj)
-        return _build_message(cls, fields, body)
+        cls, fields, body, version = _open_envelope(obj)
+        return _build_message(cls, fields, body), version
     except (DecodeError, VersionMismatch):
         raise
     except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
@@ -700,9 +709,11 @@ def _unpack(data: bytes | bytearray | memoryview, *, max_size: int, max_objects:
         raise DecodeError(f"malformed msgpack: {exc}") from None
 
 
-def _open_envelope(obj: Any) -> tuple[type[Message], tuple[tuple[str, str, Kind] | str, ...], dict[str, Any]]:
+def _open_envelope(
+    obj: Any,
+) -> tuple[type[Message], tuple[tuple[str, str, Kind] | str, ...], dict[str, Any], tuple[int, int]]:
     """`decode`'s second step: check the envelope map and its version; the message class and table entries of
-    its type code, and its body."""
+    its type code, its body and the sender's version."""
     _want(type(obj) is dict, "envelope must be a map")
     version = obj.get("v")
     _want(
@@ -717,7 +728,7 @@ def _open_envelope(obj: Any) -> tuple[type[Message], tuple[tuple[str, str, Kind]
         raise DecodeError(f"unknown message type {type_code}")
     cls, fields = entry
     _want(type(body) is dict, "envelope body must be a map")
-    return cls, fields, body
+    return cls, fields, body, (version[0], version[1])
 
 
 def _build_message(

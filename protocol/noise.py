@@ -298,6 +298,11 @@ def _honest_floor(t_min: int, colluders: int) -> int:
     return t_min - colluders
 
 
+def _keep_fraction(t_min: int, colluders: int, survivors: int) -> float:
+    """(t_min - f) / (s - f): what a survivor keeps of its Skellam(mu / (t_min - f)), leaving mu / (s - f)."""
+    return _honest_floor(t_min, colluders) / (survivors - colluders)
+
+
 def device_variance(mu: float, n: int, dropout_rate: float, adversary_rate: float = 0.0) -> float:
     """Return the per-device Skellam variance mu / (t_min - f) (docs/design.md §5).
 
@@ -365,7 +370,7 @@ def correction_keep_fraction(n: int, dropout_rate: float, survivors: int, advers
             f"{survivors} survivors is below t_min={t_min} (n={n}, dropout_rate={dropout_rate}); "
             "the noise would be too small, so the round must abort"
         )
-    return _honest_floor(t_min, f) / (survivors - f)
+    return _keep_fraction(t_min, f, survivors)
 
 
 def device_noise(mu: float, t_min: int, length: int, rng: NoiseStream, *, colluders: int) -> SkellamDraw:
@@ -397,7 +402,7 @@ def correct_noise(
     """
     if t_min < 1 or n_survivors < t_min or not 0 <= colluders < t_min:
         raise ValueError(f"need n_survivors={n_survivors} >= t_min={t_min} > colluders={colluders} >= 0")
-    return thin(draw, (t_min - colluders) / (n_survivors - colluders), rng)
+    return thin(draw, _keep_fraction(t_min, colluders, n_survivors), rng)
 
 
 def released_variance(mu: float, t_min: int, survivors: int, corrected: int, *, colluders: int) -> float:

@@ -189,13 +189,8 @@ def check_invite(invite: RoundInvite, policy: PrivacyPolicy, ledger: DeviceLedge
         return 0.0
     if not (t <= invite.dp_t_min <= n):
         raise PrivacyFloorViolation(
-            f"survivor threshold t_min={invite.dp_t_min} must be in [t={t}, cohort {n}]: each device adds mu / t_min"
-        )
-    l2, _ = sensitivity(invite.quantization(), invite.vector_length)
-    z = math.sqrt(invite.dp_mu) / l2
-    if not z >= policy.min_noise_multiplier:
-        raise PrivacyFloorViolation(
-            f"noise multiplier sqrt(mu)/Delta_2 = {z:.3g} is below this device's floor {policy.min_noise_multiplier}"
+            f"survivor threshold t_min={invite.dp_t_min} must be in [t={t}, cohort {n}]: each device adds "
+            "mu / (t_min - colluders)"
         )
     colluders = colluding_devices(n, policy.adversary_rate)
     if invite.dp_colluders < colluders:
@@ -203,6 +198,12 @@ def check_invite(invite: RoundInvite, policy: PrivacyPolicy, ledger: DeviceLedge
             f"the noise is calibrated against {invite.dp_colluders} colluding devices, fewer than the "
             f"{colluders} this device assumes in a cohort of {n} (adversary_rate {policy.adversary_rate}): "
             "colluders that skip their noise would leave less than mu"
+        )
+    l2, _ = sensitivity(invite.quantization(), invite.vector_length)
+    z = math.sqrt(invite.dp_mu) / l2
+    if not z >= policy.min_noise_multiplier:
+        raise PrivacyFloorViolation(
+            f"noise multiplier sqrt(mu)/Delta_2 = {z:.3g} is below this device's floor {policy.min_noise_multiplier}"
         )
     curve = round_rdp(invite)
     eps = rdp_to_epsilon(curve, policy.delta)

@@ -19,6 +19,7 @@ __all__ = [
     "MAX_VECTOR_LENGTH",
     "ModelKind",
     "PROTOCOL_VERSION",
+    "DP_COLLUDERS_SINCE",
     "StepRule",
     "USER_REG_RANGE",
 ]
@@ -27,6 +28,10 @@ PROTOCOL_VERSION: tuple[int, int] = (1, 12)
 """(major, minor): what the codec writes in every envelope (`protocol.codec.is_compatible` decides who can
 talk) and whose major version `protocol.crypto` binds into every derived key and `protocol.identity` into
 every signed round payload."""
+
+DP_COLLUDERS_SINCE: tuple[int, int] = (1, 12)
+"""The first version whose devices size their DP noise for the colluders an invite states (``dp_colluders``):
+a server adding DP noise refuses the check-in of an older device, whose noise colluders could thin."""
 
 MAX_VECTOR_LENGTH = 1 << 28
 """Largest update vector L (uint32 ring elements, 1 GiB masked)."""

@@ -196,3 +196,16 @@ def test_stored_skellam_rejects_negative_counts() -> None:
     bad = SkellamDraw(np.array([1, -1], dtype=np.int64), np.zeros(2, dtype=np.int64))
     with pytest.raises(ValueError, match="non-negative"):
         StoredSkellam.of(bad)
+
+
+def test_a_survivor_keeps_the_honest_floors_fraction_exactly() -> None:
+    # The keep fraction is (t_min − f)/(s − f), drawn from the survivor's stream: bit for bit what `thin` keeps
+    # at that fraction, and not what the 1.11 fraction t_min/s keeps.
+    draw = device_noise(MU, 70, 2000, insecure_test_noise_stream(2), colluders=5)
+    assert draw.value().var() == pytest.approx(MU / 65, rel=0.1)
+    kept, excess = correct_noise(draw, 70, 90, insecure_test_noise_stream(3), colluders=5)
+    want_kept, want_excess = thin(draw, 65 / 85, insecure_test_noise_stream(3))
+    assert np.array_equal(kept.value(), want_kept.value()) and np.array_equal(excess, want_excess)
+    old, _ = thin(draw, 70 / 90, insecure_test_noise_stream(3))
+    assert not np.array_equal(kept.value(), old.value())
+    assert correction_keep_fraction(100, 0.3, 90, 0.05) == pytest.approx(65 / 85)

@@ -992,6 +992,7 @@ async def test_large_bodies_are_decoded_off_the_event_loop_and_object_counts_are
     import protocol.codec as codec
     from agg_server.app import SMALL_ROUTE_OBJECTS, THREAD_DECODE_BYTES, _decode
     from protocol.messages import MaskedInput
+    from protocol.spec import PROTOCOL_VERSION
 
     loop = asyncio.get_running_loop()
     loop_ran: list[bool] = []  # per decode: the event loop ran a callback while the decode was under way
@@ -1015,8 +1016,8 @@ async def test_large_bodies_are_decoded_off_the_event_loop_and_object_counts_are
     monkeypatch.setattr(codec.msgpack, "unpackb", counting_unpackb)
     masked = MaskedInput(round_id=1, device_id=1, session_id=b"\x01" * 32, masked=np.arange(10**6, dtype=np.uint32))
     body = encode(masked)  # a 4 MB masked input: L = 10^6
-    message, digest = await _decode(body, len(body), 64)
-    assert message == masked and len(digest) == 32
+    message, digest, version = await _decode(body, len(body), 64)
+    assert message == masked and len(digest) == 32 and version == PROTOCOL_VERSION
     assert loop_ran == [True]  # decoded in a worker thread while the loop went on
     assert len(parsed) == 1 and parsed[0] < 1024, parsed  # msgpack parsed the envelope, not the 4 MB vector
     hostile = msgpack.packb({"v": [1, 3], "t": 2, "b": {"p": [[]] * 60_000}})  # under 64 KiB

@@ -69,6 +69,35 @@ def _error(msg: Any, cls: type[Exception]) -> None:
     assert isinstance(msg.to_exception(), cls), (msg.code, msg.message)
 
 
+def _with_version(message: Any, minor: int) -> bytes:
+    """``message`` encoded as a peer of protocol 1.``minor`` would send it (same body)."""
+    envelope = msgpack.unpackb(encode(message), raw=False)
+    envelope["v"] = [1, minor]
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("dp", [True, False])
+async def test_a_dp_server_refuses_devices_older_than_its_noise_rule(
+    aiohttp_client: Any, tmp_path: Path, dp: bool
+) -> None:
+    # Protocol 1.12: a 1.11 device ignores the invite's dp_colluders and adds noise its colluding peers could thin
+    # below μ, so a server with DP refuses its check-in (426, naming both versions); without DP it takes part.
+    cfg = small_config(tmp_path, cohort=3)
+    cfg = dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, enabled=dp, epsilon=8.0))
+    client = await aiohttp_client(create_app(cfg))
+    dev = await _register(client)
+    status, msg = await _post(client, "/v1/checkin", _with_version(CheckIn(device_id=dev.device_id), 11), dev.token)
+    if dp:
+        assert status == 426, msg
+        _error(msg, VersionMismatch)
+        assert "protocol 1.12 or later; upgrade (1.11)" in msg.message
+    else:
+        assert status == 200 and isinstance(msg, Wait), msg
+    status, msg = await _post(client, "/v1/checkin", _with_version(CheckIn(device_id=dev.device_id), 12), dev.token)
+    assert status == 200 and isinstance(msg, Wait), msg
+
+
 @pytest.mark.asyncio
 async def test_hostile_inputs_get_the_right_status(aiohttp_client: Any, tmp_path: Path) -> None:
     cfg = small_config(tmp_path, cohort=3)

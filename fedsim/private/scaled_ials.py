@@ -278,7 +278,8 @@ def resolve_factors(train: Ratings, settings: PrivateIALSSettings) -> tuple[Priv
     cfg, model_sens = _sensitivities(n, m, probe)
     l2p, l1p = sensitivity(widest_quantization(n, math.sqrt(s.pop_theta)), m)
     mu, _ = split_budget(s.epsilon, s.delta, s.rounds, model_sens, (l1p, l2p), s.pop_share)
-    sigma = math.sqrt(mu * colluder_inflation(n)) / cfg.rounds.quantization().scale  # what the sum carries
+    inflation = colluder_inflation(cfg.rounds.cohort_size, cfg.rounds.adversary_rate)  # what the sum carries
+    sigma = math.sqrt(mu * inflation) / cfg.rounds.quantization().scale
     signal = item_signal(train, s.theta)
     return replace(s, factors=choose_factors(signal, sigma)), signal / sigma
 

@@ -243,11 +243,13 @@ def split_run_budget(
     return split_budget(epsilon, delta, rounds, model_sens, pop_sens, pop_share)
 
 
-def colluder_inflation(n: int) -> float:
+def colluder_inflation(n: int, adversary_rate: float | None = None) -> float:
     """n / (n − f): the released noise over μ when all n devices of one secure sum add their noise, with f =
-    ⌊γ n⌋ for the default policy's γ (each keeps μ/(n − f) so the honest ones alone carry μ)."""
+    ⌊γ n⌋ (each keeps μ/(n − f) so the honest ones alone carry μ); γ the round's ``adversary_rate``, by default
+    the default device policy's (which the server's default equals)."""
     n = max(1, int(n))
-    return n / (n - colluding_devices(n, PrivacyPolicy().adversary_rate))
+    gamma = PrivacyPolicy().adversary_rate if adversary_rate is None else adversary_rate
+    return n / (n - colluding_devices(n, gamma))
 
 
 def release_counts(
@@ -482,7 +484,8 @@ def run_private_scaled(
     mu_model, mu_pop = split_run_budget(s.epsilon, s.delta, s.rounds, (l1m, l2m), (l1p, l2p), pop_share)
     strategy: Strategy = base
     if dp and s.threshold > 0:
-        strategy = NoiseAwareLightFR(base, math.sqrt(mu_model * colluder_inflation(n)) / qm.scale, s.threshold)
+        inflation = colluder_inflation(cfg.rounds.cohort_size, cfg.rounds.adversary_rate)
+        strategy = NoiseAwareLightFR(base, math.sqrt(mu_model * inflation) / qm.scale, s.threshold)
     sim = PrivateSimulator(cfg, strategy=strategy, mu=mu_model if dp else None)
     counts = seeded_release(per_user, m, s.pop_theta, qp, mu_pop, s.seed, sim.ledger)
     cohort = LightFRCohort([(u, None) for u in per_user], m, s.bits)
