@@ -180,9 +180,12 @@ async def test_certificates_naming_device_ids_register_under_them_and_a_relabell
         await c.close()
 
 
-def _clients_with_floor(url: str, root: Path, n: int, authority: bytes) -> list[DeviceClient]:
-    """Devices pinning ``authority`` with the shipped privacy floor (this server runs without DP)."""
-    floor = PrivacyPolicy(require_noise=False)
+def _clients_with_floor(
+    url: str, root: Path, n: int, authority: bytes, floor: PrivacyPolicy | None = None
+) -> list[DeviceClient]:
+    """Devices pinning ``authority`` with ``floor``, by default the shipped privacy floor for a server without
+    DP (`PrivacyPolicy(require_noise=False)`)."""
+    floor = PrivacyPolicy(require_noise=False) if floor is None else floor
     data = users(n)
     return [
         DeviceClient.connect(
@@ -314,19 +317,7 @@ async def test_noise_sized_for_fewer_colluders_is_refused_over_http(aiohttp_serv
     server = await aiohttp_server(app)
     coordinator = app[COORDINATOR]
     url = str(server.make_url("")).rstrip("/")
-    data = users(n)
-    clients = [
-        DeviceClient.connect(
-            url,
-            ClientConfig(store_dir=tmp_path / "dev" / f"d{u}", privacy=PrivacyPolicy(), authority_key=ca.public_key),
-            items=data[u][0],
-            ratings=data[u][1],
-            n_items=N_ITEMS,
-            bits=BITS,
-            retries=0,
-        )
-        for u in range(n)
-    ]
+    clients = _clients_with_floor(url, tmp_path / "dev", n, ca.public_key, PrivacyPolicy())  # the device default
     for i, c in enumerate(clients):
         await c.register(certificate=ca.issue(c.identity_public_key, f"b{i % 2}"))
     seen: list[RoundInvite] = []
