@@ -80,12 +80,16 @@ async def _post(client: Any, path: str, message: Any) -> tuple[int, Any, Any]:
     return resp.status, decode(await resp.read()), resp.headers
 
 
-def _clients(url: str, root: Path, n: int, authority: bytes | None) -> list[DeviceClient]:
+def _clients(
+    url: str, root: Path, n: int, authority: bytes | None, floor: PrivacyPolicy | None = None
+) -> list[DeviceClient]:
+    """``n`` devices pinning ``authority`` with the privacy ``floor`` (None: none, `PrivacyPolicy.no_floor`)."""
     data = users(n)
+    policy = PrivacyPolicy.no_floor() if floor is None else floor
     return [
         DeviceClient.connect(
             url,
-            ClientConfig(store_dir=root / f"d{u}", privacy=PrivacyPolicy.no_floor(), authority_key=authority),
+            ClientConfig(store_dir=root / f"d{u}", privacy=policy, authority_key=authority),
             items=data[u][0],
             ratings=data[u][1],
             n_items=N_ITEMS,

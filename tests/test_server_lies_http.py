@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from agg_server.app import COORDINATOR, create_app
-from device_sdk.client import ClientConfig, DeviceClient, RoundOutcome, RoundStatus
+from device_sdk.client import DeviceClient, RoundOutcome, RoundStatus
 from protocol.enrollment import EnrollmentAuthority
 from protocol.errors import CryptoError, EnrollmentRefused, RemoteProtocolError, SessionReplayed, SurvivorSetSplit
 from protocol.graph import GraphParams, find_parameters, roster_ring
@@ -21,7 +21,6 @@ from protocol.identity import roster_digest
 from protocol.messages import Abort, MaskedInput, RoundInvite
 from protocol.phases import required_signatures
 from protocol.policy import PrivacyPolicy
-from tests.server_helpers import BITS, N_ITEMS, users
 from tests.test_enrollment_http import _clients, _config, _join
 
 
@@ -37,14 +36,8 @@ def _forget_round(coordinator: Any, round_id: int) -> None:
 async def test_a_second_session_of_a_round_id_is_refused_over_http(aiohttp_server: Any, tmp_path: Path) -> None:
     # The server runs round 1 honestly, then opens a new session under round id 1 (to replay the first
     # session's survivor signatures).  Every device remembers round 1 and refuses before it sends a key.
-    ca = EnrollmentAuthority.generate()
     n = 6
-    app = create_app(_config(tmp_path / "srv", cohort=n, enrollment={"authority_key": ca.public_key.hex()}))
-    server = await aiohttp_server(app)
-    coordinator = app[COORDINATOR]
-    clients = _clients(str(server.make_url("")).rstrip("/"), tmp_path / "dev", n, ca.public_key)
-    for i, c in enumerate(clients):
-        await c.register(certificate=ca.issue(c.identity_public_key, f"b{i % 2}"))
+    coordinator, clients = await _enrolled_fleet(aiohttp_server, tmp_path, n, None)
     first = await asyncio.gather(*(_join(c) for c in clients))
     assert all(r.status is RoundStatus.COMMITTED and r.round_id == 1 for r in first), first
     _forget_round(coordinator, 1)
@@ -180,25 +173,30 @@ async def test_certificates_naming_device_ids_register_under_them_and_a_relabell
         await c.close()
 
 
-def _clients_with_floor(
-    url: str, root: Path, n: int, authority: bytes, floor: PrivacyPolicy | None = None
-) -> list[DeviceClient]:
-    """Devices pinning ``authority`` with ``floor``, by default the shipped privacy floor for a server without
-    DP (`PrivacyPolicy(require_noise=False)`)."""
-    floor = PrivacyPolicy(require_noise=False) if floor is None else floor
-    data = users(n)
-    return [
-        DeviceClient.connect(
-            url,
-            ClientConfig(store_dir=root / f"d{u}", privacy=floor, authority_key=authority),
-            items=data[u][0],
-            ratings=data[u][1],
-            n_items=N_ITEMS,
-            bits=BITS,
-            retries=0,
-        )
-        for u in range(n)
-    ]
+#: The shipped privacy floor of a device talking to a server without DP.
+NO_DP_FLOOR = PrivacyPolicy(require_noise=False)
+
+
+async def _enrolled_fleet(
+    aiohttp_server: Any,
+    tmp_path: Path,
+    n: int,
+    floor: PrivacyPolicy | None,
+    privacy: dict[str, Any] | None = None,
+) -> tuple[Any, list[DeviceClient]]:
+    """(coordinator, devices): a server whose rounds a fresh enrollment authority signs (DP set by ``privacy``'s
+    fields of `[privacy]`, if given) and ``n`` devices pinning that authority with ``floor`` (`_clients`),
+    registered from two credential sources."""
+    ca = EnrollmentAuthority.generate()
+    cfg = _config(tmp_path / "srv", cohort=n, enrollment={"authority_key": ca.public_key.hex()})
+    if privacy is not None:
+        cfg = dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, **privacy))
+    app = create_app(cfg)
+    server = await aiohttp_server(app)
+    clients = _clients(str(server.make_url("")).rstrip("/"), tmp_path / "dev", n, ca.public_key, floor)
+    for i, c in enumerate(clients):
+        await c.register(certificate=ca.issue(c.identity_public_key, f"b{i % 2}"))
+    return app[COORDINATOR], clients
 
 
 @pytest.mark.asyncio
@@ -207,14 +205,8 @@ async def test_a_placement_a_server_could_exploit_is_refused_over_http(aiohttp_s
     # with the server's own (k, t) = (11, 3) for 20 devices and commits; then the server invites with the
     # semi-honest figures (k = 9, t = 2 = ⌊γ n⌋ + 1), under which its colluder placed next to X plus X's own
     # share would reach t.  Every device refuses before it generates a key; only their leave notices arrive.
-    ca = EnrollmentAuthority.generate()
     n = 20
-    app = create_app(_config(tmp_path / "srv", cohort=n, enrollment={"authority_key": ca.public_key.hex()}))
-    server = await aiohttp_server(app)
-    coordinator = app[COORDINATOR]
-    clients = _clients_with_floor(str(server.make_url("")).rstrip("/"), tmp_path / "dev", n, ca.public_key)
-    for i, c in enumerate(clients):
-        await c.register(certificate=ca.issue(c.identity_public_key, f"b{i % 2}"))
+    coordinator, clients = await _enrolled_fleet(aiohttp_server, tmp_path, n, NO_DP_FLOOR)
     honest = await asyncio.gather(*(_join(c) for c in clients))
     assert all(r.status is RoundStatus.COMMITTED for r in honest), honest
     semi = find_parameters(n, 0.33, 0.05, adversarial_placement=False)
@@ -270,14 +262,8 @@ async def test_walls_of_dropouts_around_a_block_are_refused_over_http(aiohttp_se
     # around a block B of 6 and keeps B and the other 12 as survivors: 18 survivors, more than the 16
     # signatures a device needs, so only the survivor cut check stands between the server and the sum of B.
     # Every survivor refuses to sign the set: no signature and no unmask share reaches the server.
-    ca = EnrollmentAuthority.generate()
     n, block = 30, 6
-    app = create_app(_config(tmp_path / "srv", cohort=n, enrollment={"authority_key": ca.public_key.hex()}))
-    server = await aiohttp_server(app)
-    coordinator = app[COORDINATOR]
-    clients = _clients_with_floor(str(server.make_url("")).rstrip("/"), tmp_path / "dev", n, ca.public_key)
-    for i, c in enumerate(clients):
-        await c.register(certificate=ca.issue(c.identity_public_key, f"b{i % 2}"))
+    coordinator, clients = await _enrolled_fleet(aiohttp_server, tmp_path, n, NO_DP_FLOOR)
     honest = await asyncio.gather(*(_join(c) for c in clients))
     assert all(r.status is RoundStatus.COMMITTED and r.round_id == 1 for r in honest), honest
     plan = _lose_the_walls(coordinator, block)
@@ -307,19 +293,9 @@ async def test_noise_sized_for_fewer_colluders_is_refused_over_http(aiohttp_serv
     # 20 real devices with the default floor runs with the server's f = ⌊0.05·20⌋ = 1 and commits; in round 2 the
     # server states f = 0 (noise its colluder could thin below μ by adding none).  Every device refuses before
     # it generates a key, and says why.
-    ca = EnrollmentAuthority.generate()
     n = 20
-    cfg = _config(tmp_path / "srv", cohort=n, enrollment={"authority_key": ca.public_key.hex()})
-    cfg = dataclasses.replace(
-        cfg, privacy=dataclasses.replace(cfg.privacy, enabled=True, epsilon=8.0, planned_rounds=2)
-    )
-    app = create_app(cfg)
-    server = await aiohttp_server(app)
-    coordinator = app[COORDINATOR]
-    url = str(server.make_url("")).rstrip("/")
-    clients = _clients_with_floor(url, tmp_path / "dev", n, ca.public_key, PrivacyPolicy())  # the device default
-    for i, c in enumerate(clients):
-        await c.register(certificate=ca.issue(c.identity_public_key, f"b{i % 2}"))
+    dp = {"enabled": True, "epsilon": 8.0, "planned_rounds": 2}
+    coordinator, clients = await _enrolled_fleet(aiohttp_server, tmp_path, n, PrivacyPolicy(), dp)  # device default
     seen: list[RoundInvite] = []
     honest_check_in = coordinator.check_in
 

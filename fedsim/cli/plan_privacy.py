@@ -70,11 +70,11 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         f"{args.dataset}: {train.n_users} devices, {train.n_items} items; target ε={args.epsilon:g} at δ=1e-5, "
         f"f={args.bits}, θ={args.example_cap}, {args.negatives} negatives, popularity share {args.pop_share:g}\n"
     )
-    colluders = colluding_devices(train.n_users, PrivacyPolicy().adversary_rate)
+    gamma = PrivacyPolicy().adversary_rate  # the default device's, which the server's default equals
     out.write(
-        f"noise sized so the honest devices alone carry it when {colluders} of them (⌊γ n⌋, γ = "
-        f"{PrivacyPolicy().adversary_rate:g}) collude and add none: {colluder_inflation(train.n_users):.3f}× "
-        "the variance the accountant charges, in every σ below\n"
+        f"noise sized so the honest devices alone carry it when {colluding_devices(train.n_users, gamma)} of them "
+        f"(⌊γ n⌋, γ = {gamma:g}) collude and add none: {colluder_inflation(train.n_users, gamma):.3f}× the variance "
+        "the accountant charges, in every σ below\n"
     )
     rows = plan_privacy(
         train,

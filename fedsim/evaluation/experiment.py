@@ -128,6 +128,11 @@ DEFAULT_NEGATIVES = 99
 FITTING_SHARE = 0.9
 
 
+def _never_held(inter: InteractionCSR, n_items: int, held: Ratings) -> NDArray[np.int64]:
+    """Per held-out row, how many items its user never interacted with (what its negatives are drawn from)."""
+    return n_items - np.diff(inter.indptr)[np.asarray(held.users, dtype=np.int64)]
+
+
 def _fitting_negatives(n_items: int, inter: InteractionCSR, held: Sequence[Ratings]) -> tuple[int, int]:
     """(negatives, rows too short for them) of the default on this log: `DEFAULT_NEGATIVES` when every held-out
     row can draw that many never-interacted items, else the most that `FITTING_SHARE` of the rows can draw.
@@ -137,8 +142,7 @@ def _fitting_negatives(n_items: int, inter: InteractionCSR, held: Sequence[Ratin
     DatasetError
         Fewer than one negative fits (every user holds nearly the whole catalogue).
     """
-    degree = np.diff(inter.indptr)
-    available = np.concatenate([n_items - degree[np.asarray(h.users, dtype=np.int64)] for h in held])
+    available = np.concatenate([_never_held(inter, n_items, h) for h in held])
     if available.size == 0 or int(available.min()) >= DEFAULT_NEGATIVES:
         return DEFAULT_NEGATIVES, 0
     fit = int(min(DEFAULT_NEGATIVES, np.quantile(available, 1.0 - FITTING_SHARE, method="lower")))
@@ -151,8 +155,7 @@ def _fitting_negatives(n_items: int, inter: InteractionCSR, held: Sequence[Ratin
 
 def _rankable(held: Ratings, inter: InteractionCSR, n_items: int, n_neg: int) -> Ratings:
     """``held`` without the rows whose user has fewer than ``n_neg`` never-interacted items."""
-    degree = np.diff(inter.indptr)
-    keep = n_items - degree[np.asarray(held.users, dtype=np.int64)] >= n_neg
+    keep = _never_held(inter, n_items, held) >= n_neg
     return held if bool(keep.all()) else held.subset(keep)
 
 
