@@ -40,6 +40,7 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -231,11 +232,14 @@ def _status_mb(field: str) -> float:
 
 
 def rss_child(path: str, rated: int) -> None:
-    """In a fresh process: load the model, fold in a user, then recommend twice, the peak RSS reset before
-    each (Linux: "5" into /proc/self/clear_refs), so a recommend's own peak is read apart from the load's."""
+    """In a fresh process: load the model (its CPU time and peak RSS), fold in a user, then recommend twice, the
+    peak RSS reset before each (Linux: "5" into /proc/self/clear_refs), so a recommend's own peak is read apart
+    from the load's."""
     # ru_maxrss would carry the parent's high-water mark over fork: reset the peak to this process's own.
     Path("/proc/self/clear_refs").write_text("5")
+    started = time.process_time()
     model = LightFRModel.load(path)
+    load_cpu = time.process_time() - started
     peak_load = _status_mb("VmHWM")
     items = np.random.default_rng(0).choice(model.n_items, rated, replace=False)
     model.fold_in(items, userid=0)
@@ -249,6 +253,7 @@ def rss_child(path: str, rated: int) -> None:
         json.dumps(
             {
                 "store_mb": os.path.getsize(path) / 2**20,
+                "load_cpu_ms": load_cpu * 1e3,
                 "peak_mb_load": peak_load,
                 "rss_mb_before_recommend": before,
                 "peak_mb_first_recommend": peaks[0],

@@ -116,7 +116,7 @@ def load_model(
             raw_cfg["query_planes"] = 0
         config = LightFRConfig(**raw_cfg)
         n_items, n_users = int(state["n_items"]), int(state["n_users"])
-        model = cls(n_items, config, n_users=n_users, rng=rng or np.random.default_rng())
+        model = cls(n_items, config, n_users=n_users, rng=rng or np.random.default_rng(), _random_codes=False)
         f = config.bits
         model.set_item_codes(from_bytes(state["item_words"], f, n_items), int(state["model_version"]))
         uw = from_bytes(state["user_words"], f, n_users)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -64,6 +64,10 @@ class LightFRModel(Recommender, RoundHooks):
     n_users: int = 1
     rng: np.random.Generator = field(default_factory=np.random.default_rng, repr=False)
     model_version: int = 0
+    #: False: start from read-only all-+1 placeholders instead of drawing random codes, for a caller that
+    #: installs every code next (`load`: drawing the 64·10^6 signs of 10^6 items it would throw away took
+    #: 70 ms, and held 64 MB while the stored codes were unpacked beside them).
+    _random_codes: InitVar[bool] = True
     item_codes: NDArray[np.int8] = field(init=False, repr=False)
     user_codes: NDArray[np.int8] = field(init=False, repr=False)
     _item_words: NDArray[np.uint64] = field(init=False, repr=False)
@@ -108,16 +112,24 @@ class LightFRModel(Recommender, RoundHooks):
         """Forget what is derived from the item codes, levels or embeddings (the ranking queries)."""
         self._queries.clear()
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, _random_codes: bool) -> None:
         if self.n_items <= 0:
             raise ValueError(f"n_items must be positive, got {self.n_items}")
         if self.n_users <= 0:
             raise ValueError(f"n_users must be positive, got {self.n_users}")
         f = self.config.bits
-        self.item_codes = random_signs(self.n_items, f, self.rng)
-        self._item_words = pack_rows(self.item_codes)
-        self.user_codes = random_signs(self.n_users, f, self.rng)
-        self._user_words = pack_signs(self.user_codes)
+        if _random_codes:
+            self.item_codes = random_signs(self.n_items, f, self.rng)
+            self.user_codes = random_signs(self.n_users, f, self.rng)
+            self._item_words = pack_rows(self.item_codes)
+            self._user_words = pack_signs(self.user_codes)
+        else:
+            # Read-only all-+1 placeholders holding no memory, until the caller installs codes.
+            ones = pack_signs(np.ones((1, f), dtype=np.int8))  # (w, 1): the words of an all-+1 code
+            self.item_codes = np.broadcast_to(np.int8(1), (self.n_items, f))
+            self.user_codes = np.broadcast_to(np.int8(1), (self.n_users, f))
+            self._item_words = np.broadcast_to(ones, (ones.shape[0], self.n_items))
+            self._user_words = np.broadcast_to(ones, (ones.shape[0], self.n_users))
         self.user_trained = np.zeros(self.n_users, dtype=bool)
         self.user_q = np.zeros((self.n_users, f), dtype=np.int16)
         self.user_weight = np.zeros(self.n_users, dtype=np.int64)
@@ -333,13 +345,17 @@ class LightFRModel(Recommender, RoundHooks):
         if arr.dtype == np.uint64:
             if arr.shape != (words_for(f), m):
                 raise ValueError(f"packed item codes must be {(words_for(f), m)}, got {arr.shape}")
-            signs = unpack_signs(arr.astype(np.uint64), f)
+            words = np.array(arr, dtype=np.uint64, order="C")  # a copy the model owns
+            if f % 64:  # bits above the code length carry nothing: cleared, as unpacking and packing would
+                words[-1] &= np.uint64((1 << (f % 64)) - 1)
+            signs = unpack_signs(words, f)
         else:
             if arr.shape != (m, f) or not all_signs(arr):
                 raise ValueError(f"item codes must be a ({m}, {f}) matrix of ±1")
             signs = arr.astype(np.int8)
+            words = pack_rows(signs)
         self.item_codes = signs
-        self._item_words = pack_rows(signs)
+        self._item_words = words
         self._index = None
         self._gram = None
         self._derived_clear()

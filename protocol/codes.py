@@ -12,10 +12,14 @@ Invariants:
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import numpy as np
 from numpy.typing import NDArray
 
 __all__ = [
+    "all_signs",
     "words_for",
     "pack_signs",
     "unpack_signs",
@@ -35,10 +39,30 @@ def words_for(f: int) -> int:
     return (f + 63) // 64
 
 
+#: Entries of a sign matrix checked at a time by `all_signs` (its temporaries: two bytes an entry).
+_CHECK_CHUNK = 1 << 22
+
+
+def all_signs(signs: NDArray[Any]) -> bool:
+    """Whether every entry of ``signs`` is -1 or +1 (any shape; True when empty).
+
+    For integer, boolean and real dtypes the test is |x| == 1, over `_CHECK_CHUNK` entries at a time: the
+    same answer as ``np.isin(signs, (-1, 1)).all()`` at about a hundredth of its cost (it sorts) and a
+    bounded memory; other dtypes go through `np.isin`."""
+    a = np.asarray(signs)
+    if a.dtype.kind not in "biuf":
+        return bool(np.isin(a, (-1, 1)).all())
+    if a.ndim == 0:
+        return bool(abs(a) == 1)
+    row = math.prod(a.shape[1:])
+    rows = max(1, _CHECK_CHUNK // max(1, row))  # whole rows: no copy of a strided matrix
+    return all(bool((np.abs(a[s : s + rows]) == 1).all()) for s in range(0, a.shape[0], rows))
+
+
 def _check_signs(signs: NDArray[np.int8]) -> None:
     if signs.ndim != 2:
         raise ValueError(f"sign matrix must be 2-D (items x bits), got shape {signs.shape}")
-    if not np.isin(signs, (-1, 1)).all():
+    if not all_signs(signs):
         raise ValueError("sign matrix may only hold -1 and +1")
 
 
@@ -73,8 +97,10 @@ def unpack_signs(words: NDArray[np.uint64], f: int) -> NDArray[np.int8]:
         raise ValueError(f"expected packed words of shape ({w}, m) for f={f}, got {words.shape}")
     m = words.shape[1]
     as_bytes = np.ascontiguousarray(words.T.astype("<u8")).view(np.uint8).reshape(m, w * 8)
-    bits = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :f]
-    return (bits.astype(np.int8) * 2 - 1).astype(np.int8)
+    signs = np.unpackbits(as_bytes, axis=1, count=f, bitorder="little").view(np.int8)  # (m, f) of 0 / 1
+    signs *= 2
+    signs -= 1
+    return signs
 
 
 def pack_user(sign: NDArray[np.int8]) -> NDArray[np.uint64]:

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from device_sdk.codes import (
+    all_signs,
     from_bitarray,
     from_bytes,
     pack_signs,
@@ -57,3 +58,45 @@ def test_rejects_bad_input() -> None:
         from_bytes((1 << 10).to_bytes(8, "little"), 8, 1)
     with pytest.raises(ValueError, match="positive"):
         words_for(0)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.array([[1, -1], [-1, 1]], np.int8),
+        np.array([[1, -128]], np.int8),  # |-128| wraps to -128 in int8: not a sign
+        np.array([[1, 0, -1]], np.int64),
+        np.array([[2**40 + 1, 1]], np.int64),
+        np.array([[1, 255]], np.uint8),
+        np.array([[1, 1]], np.uint16),
+        np.array([[True, True]]),
+        np.array([[True, False]]),
+        np.array([[1.0, -1.0]]),
+        np.array([[1.0, -1.0000001]]),
+        np.array([[1.0, np.nan]]),
+        np.array([[-np.inf, 1.0]]),
+        np.array([[1 + 0j, -1 + 0j]]),
+        np.array([[1j, 1]]),  # |1j| == 1, but it is not a sign: complex goes through np.isin
+        np.zeros((0, 64), np.int8),
+        np.ones((3, 0), np.int8),
+        np.array([1, -1, 1], np.int8),
+        np.ones((2, 3, 4), np.int8),
+        np.array([[1, -1, 1, 3]], np.int8)[:, ::2],  # strided
+        np.array([[1, -1, 1, 3]], np.int8)[:, 1::2],
+    ],
+)
+def test_all_signs_answers_as_isin_does(values: np.ndarray) -> None:
+    assert all_signs(values) is bool(np.isin(values, (-1, 1)).all())
+
+
+def test_all_signs_over_many_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import protocol.codes as codes
+
+    monkeypatch.setattr(codes, "_CHECK_CHUNK", 64)  # 5 rows a chunk of 13 columns
+    signs = random_signs(101, 13, np.random.default_rng(0))
+    assert all_signs(signs)
+    for row in (0, 4, 5, 99, 100):  # first and last row of a chunk, and the last row of all
+        bad = signs.copy()
+        bad[row, 12] = 0
+        assert not all_signs(bad)
+        assert not all_signs(np.asfortranarray(bad))

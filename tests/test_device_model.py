@@ -15,7 +15,7 @@ import device_sdk.store as store
 from device_sdk.models import LightFRConfig, LightFRModel
 from device_sdk.store import load_store
 from fedsim.federation.lightfr import FederationConfig, UserData, run_lightfr
-from protocol.codes import random_signs
+from protocol.codes import pack_signs, random_signs
 from protocol.errors import ModelError, StorageError
 from protocol.spec import Aggregation
 
@@ -163,6 +163,46 @@ def test_save_load_roundtrip(tmp_path: Path) -> None:
     b, _ = back.recommend(np.array([1, 2, 3]), N=20, rng=np.random.default_rng(1))
     assert np.array_equal(a, b)
     assert not list(tmp_path.glob(".*tmp*"))  # no temporary file left behind
+
+
+def test_load_installs_the_stored_codes_without_drawing_random_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load reads its codes from the file: no random codes are drawn to be thrown away (at 10^6 items that
+    was most of a load's time), and what it holds is the model's own, writable, so it trains as before."""
+    import device_sdk.models as models
+
+    path = tmp_path / "model.fedrec"
+    model = _model()
+    model.save(path)
+
+    def no_draws(*args: object, **kwargs: object) -> None:
+        raise AssertionError("load drew random codes")
+
+    monkeypatch.setattr(models, "random_signs", no_draws)
+    back = LightFRModel.load(path, rng=np.random.default_rng(0))
+    for name in ("item_codes", "user_codes", "_item_words", "_user_words"):
+        held = getattr(back, name)
+        assert held.flags.writeable and held.flags.c_contiguous and 0 not in held.strides, name
+        assert np.array_equal(held, getattr(model, name)), name
+    monkeypatch.undo()
+    for m in (model, back):  # the same local round from the same state and generator
+        m.fit_local(np.array([4, 5, 6]), np.array([5.0, 1.0, 3.0]), rng=np.random.default_rng(2))
+    assert np.array_equal(back.user_codes, model.user_codes)
+
+
+def test_packed_item_codes_are_installed_as_given_less_their_padding() -> None:
+    """`set_item_codes` keeps packed words as they are (no unpacking and packing again), clearing any bit
+    above the code length as that round trip did."""
+    rng = np.random.default_rng(4)
+    signs = random_signs(50, 70, rng)
+    words = pack_signs(signs)
+    dirty = words.copy()
+    dirty[1] |= np.uint64(0xFFFF) << np.uint64(6)  # bits 70..85 of each code: padding
+    model = LightFRModel(50, LightFRConfig(bits=70), rng=rng)
+    model.set_item_codes(dirty, version=1)
+    assert np.array_equal(model._item_words, words) and np.array_equal(model.item_codes, signs)
+    assert dirty[1, 0] != words[1, 0]  # the caller's array is not touched
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
