@@ -170,9 +170,10 @@ def measure(args: argparse.Namespace, m: int, rng: np.random.Generator) -> dict[
             row["numpy_xor_popcount_x"] = row["numpy_xor_popcount_ms"] / row["faiss_one_ms"]
             for name in ("numpy_scan_in_place", "numpy_scan_in_place_compare"):
                 row[name + "_x"] = row[name + "_ms"] / row["faiss_one_ms"]
-    # What the model holds: the ±1 matrix, the packed words beside it (8 bytes a word), levels, embeddings.
+    # What the model holds after the fold-ins and recommends: the packed words (8 bytes a word), levels,
+    # embeddings, and the ±1 matrix if anything unpacked it (reading `item_codes` would).
     held: list[NDArray[Any]] = [
-        a for a in (model.item_codes, model.item_levels, model.item_embeddings) if a is not None
+        a for a in (model._item_signs, model.item_levels, model.item_embeddings) if a is not None
     ]
     row["bytes_per_item_min"] = args.bits / 8 + (1 if args.levels else 0) + (2 * args.dim if args.embeddings else 0)
     row["bytes_per_item_held"] = (sum(a.nbytes for a in held) + m * 8 * words_for(args.bits)) / m

@@ -1,8 +1,9 @@
 """`LightFRModel`: the on-device LightFR recommender with an implicit-style API.
 
 Invariants:
-- The model holds the global item codes ``D`` (m, f) as received from the server (plus their packed
-  (w, m) words for retrieval) and this device's private user code(s) ``B`` (n_users, f); a phone has
+- The model holds the global item codes ``D`` as received from the server, packed (w, m) words (ranking and
+  fold-in read them, and the rows they need), and the ±1 matrix (m, f) only once something asks for all of
+  it (`item_codes`: local training); and this device's private user code(s) ``B`` (n_users, f); a phone has
   n_users = 1, a cross-silo client or a simulator may hold more.
 - `fit_local` and `fold_in` change only user codes; item codes change only through `set_item_codes`
   (a new global model).  Ratings never leave the object except through the update `fit_local`
@@ -68,7 +69,8 @@ class LightFRModel(Recommender, RoundHooks):
     #: installs every code next (`load`: drawing the 64·10^6 signs of 10^6 items it would throw away took
     #: 70 ms, and held 64 MB while the stored codes were unpacked beside them).
     _random_codes: InitVar[bool] = True
-    item_codes: NDArray[np.int8] = field(init=False, repr=False)
+    #: The (m, f) ±1 item codes once unpacked from ``_item_words`` (`item_codes`), None until then.
+    _item_signs: NDArray[np.int8] | None = field(default=None, init=False, repr=False)
     user_codes: NDArray[np.int8] = field(init=False, repr=False)
     _item_words: NDArray[np.uint64] = field(init=False, repr=False)
     _user_words: NDArray[np.uint64] = field(init=False, repr=False)
@@ -119,14 +121,13 @@ class LightFRModel(Recommender, RoundHooks):
             raise ValueError(f"n_users must be positive, got {self.n_users}")
         f = self.config.bits
         if _random_codes:
-            self.item_codes = random_signs(self.n_items, f, self.rng)
+            self._item_signs = random_signs(self.n_items, f, self.rng)
             self.user_codes = random_signs(self.n_users, f, self.rng)
-            self._item_words = pack_rows(self.item_codes)
+            self._item_words = pack_rows(self._item_signs)
             self._user_words = pack_signs(self.user_codes)
         else:
             # Read-only all-+1 placeholders holding no memory, until the caller installs codes.
             ones = pack_signs(np.ones((1, f), dtype=np.int8))  # (w, 1): the words of an all-+1 code
-            self.item_codes = np.broadcast_to(np.int8(1), (self.n_items, f))
             self.user_codes = np.broadcast_to(np.int8(1), (self.n_users, f))
             self._item_words = np.broadcast_to(ones, (ones.shape[0], self.n_items))
             self._user_words = np.broadcast_to(ones, (ones.shape[0], self.n_users))
@@ -137,6 +138,23 @@ class LightFRModel(Recommender, RoundHooks):
         self.user_vector_ok = np.zeros(self.n_users, dtype=bool)
 
     KIND: ClassVar[str] = _KIND
+
+    # -- the item codes ---------------------------------------------------------------------------
+    @property
+    def item_codes(self) -> NDArray[np.int8]:
+        """(m, f) int8 ±1 item codes (read-only use: `set_item_codes` changes them).  Unpacked from the
+        packed words on first use and kept until the codes change.  Ranking, the item Gram and fold-in
+        under the all-items objective (the default) read the words and the rows they need alone, so a
+        device that only downloads, folds in and ranks holds 8 bytes an item at f = 64, not 72."""
+        if self._item_signs is None:
+            self._item_signs = unpack_signs(self._item_words, self.config.bits)
+        return self._item_signs
+
+    def _item_rows(self, ids: NDArray[np.int64]) -> NDArray[np.int8]:
+        """Rows ``ids`` of `item_codes`, (k, f), unpacked from their words alone when the matrix is not held."""
+        if self._item_signs is not None:
+            return self._item_signs[ids]
+        return unpack_signs(self._item_words[:, ids], self.config.bits)
 
     # -- the item term ----------------------------------------------------------------------------
     @property
@@ -191,7 +209,7 @@ class LightFRModel(Recommender, RoundHooks):
             buf = np.empty((step, f), np.float32)
             for s in range(0, m, step):  # chunks of the catalogue, each a BLAS product
                 c = buf[: min(step, m - s)]
-                c[...] = self.item_codes[s : s + step]
+                c[...] = self._item_rows(np.arange(s, s + c.shape[0]))
                 G += c.T @ c
                 if lv is not None:
                     Dl += np.subtract(lv[s : s + step], LEVEL_CENTER, dtype=np.float32) @ c
@@ -348,13 +366,11 @@ class LightFRModel(Recommender, RoundHooks):
             words = np.array(arr, dtype=np.uint64, order="C")  # a copy the model owns
             if f % 64:  # bits above the code length carry nothing: cleared, as unpacking and packing would
                 words[-1] &= np.uint64((1 << (f % 64)) - 1)
-            signs = unpack_signs(words, f)
         else:
             if arr.shape != (m, f) or not all_signs(arr):
                 raise ValueError(f"item codes must be a ({m}, {f}) matrix of ±1")
-            signs = arr.astype(np.int8)
-            words = pack_rows(signs)
-        self.item_codes = signs
+            words = pack_rows(arr.astype(np.int8, copy=False))
+        self._item_signs = None  # unpacked again from the words if something needs the ±1 matrix
         self._item_words = words
         self._index = None
         self._gram = None
@@ -501,7 +517,7 @@ class LightFRModel(Recommender, RoundHooks):
         # Repeated ids count once, with the last rating given.
         r = np.zeros(touched.size)
         r[local] = targets
-        D_sub = self.item_codes[touched]
+        D_sub = self._item_rows(touched)
         b_sub = beta[touched]
         c = 1.0 + cfg.confidence
         w0 = cfg.unobserved_weight
@@ -614,7 +630,7 @@ class LightFRModel(Recommender, RoundHooks):
             np.array([0, items.size], dtype=np.int64) if indptr is None else indptr,
             np.arange(items.size, dtype=np.int64),
             targets,
-            self.item_codes[items],
+            self._item_rows(items),
             beta[items],
             cfg.unobserved_weight,
             cfg.confidence,
@@ -763,10 +779,10 @@ class LightFRModel(Recommender, RoundHooks):
         f = self.config.bits
         if self.user_weight[userid] > 0:  # a bit-plane vector: 1/2 + Δ'·qᵀd/(2f)
             delta = 2.0 * self.user_weight[userid] / (2**lightfr.LEVEL_SHIFT * self._weight)
-            return 0.5 + delta * (self.item_codes[ids].astype(np.int64) @ self.user_q[userid].astype(np.int64)) / (
+            return 0.5 + delta * (self._item_rows(ids).astype(np.int64) @ self.user_q[userid].astype(np.int64)) / (
                 2.0 * f
             )
-        dots = self.item_codes[ids].astype(np.int32) @ self.user_codes[userid].astype(np.int32)
+        dots = self._item_rows(ids).astype(np.int32) @ self.user_codes[userid].astype(np.int32)
         return 0.5 + dots / (2.0 * f)
 
     # -- persistence ----------------------------------------------------------------------------

@@ -205,6 +205,37 @@ def test_packed_item_codes_are_installed_as_given_less_their_padding() -> None:
     assert dirty[1, 0] != words[1, 0]  # the caller's array is not touched
 
 
+@pytest.mark.parametrize("config", [LightFRConfig(), LightFRConfig(bits=70, rank_planes=0), LightFRConfig(bits=130)])
+def test_a_ranking_device_never_unpacks_the_catalogue(tmp_path: Path, config: LightFRConfig) -> None:
+    """Download (load), fold in and recommend read the packed words and the rows they need: the (m, f) ±1
+    matrix (f bytes an item) is never built, and every result equals that of a model holding the matrix."""
+    rng = np.random.default_rng(5)
+    m, f = 40_000, config.bits
+    signs = random_signs(m, f, rng)
+    levels = rng.integers(0, 256, m)
+    liked = np.sort(rng.choice(m, 30, replace=False))
+    ratings = rng.uniform(1, 5, liked.size)
+    model = LightFRModel(m, config, rng=np.random.default_rng(1))
+    model.set_item_codes(pack_signs(signs), 3)
+    model.item_levels = levels
+    model.save(tmp_path / "model.fedrec")
+    device = LightFRModel.load(tmp_path / "model.fedrec", rng=np.random.default_rng(1))
+    held = LightFRModel(m, config, rng=np.random.default_rng(1))
+    held.set_item_codes(signs, 3)
+    held.item_levels = levels
+    assert np.array_equal(held.item_codes, signs) and held._item_signs is not None  # unpacked once, then held
+    results = []
+    for one in (device, held):
+        code = one.fold_in(liked, ratings)
+        top = one.recommend(liked, N=20, rng=np.random.default_rng(2))
+        some = one.recommend(liked, N=5, items=np.arange(100), rng=np.random.default_rng(2))
+        results.append((code, *top, *some, *one.item_gram()))
+    assert device._item_signs is None
+    for a, b in zip(*results, strict=True):
+        assert np.array_equal(a, b)
+    assert np.array_equal(device.item_codes, signs) and device._item_signs is not None
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
 def test_corrupt_file_raises_and_is_moved_aside(tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "model.fedrec"
