@@ -341,10 +341,17 @@ def top_n_real(
 
 
 def adopt_embeddings(
-    model: LightFRModel, embeddings: ArrayLike | None, alpha: float, reg: float, gram: ArrayLike | None
+    model: LightFRModel,
+    embeddings: ArrayLike | None,
+    alpha: float,
+    reg: float,
+    gram: ArrayLike | None,
+    *,
+    immutable: bool = False,
 ) -> None:
     """`LightFRModel.set_embeddings`: check everything, then install E as float16, its Gram and (α, reg), and
-    mark every user's real-valued vector stale."""
+    mark every user's real-valued vector stale.  ``immutable``: float16 rows nothing can write (a view of
+    bytes read from a store file) are installed as they are instead of copied."""
     if embeddings is None:
         model._embeddings, model._embedding_gram = None, None
         model._derived_clear()
@@ -353,9 +360,12 @@ def adopt_embeddings(
         return
     E = realvalued.check_embeddings(embeddings, model.n_items)
     a, r = realvalued.check_ials_params(alpha, reg)
-    with np.errstate(over="ignore"):
-        half = E.astype(np.float16)  # a copy the model owns, even of float16 rows
-    if not realvalued.all_finite(half):
+    if immutable and E.dtype == np.float16 and not E.flags.writeable:
+        half = E
+    else:
+        with np.errstate(over="ignore"):
+            half = E.astype(np.float16)  # a copy the model owns, even of float16 rows
+    if E.dtype != np.float16 and not realvalued.all_finite(half):  # float16 rows were checked finite above
         raise ValueError("item embeddings must fit float16 (|value| < 65504)")
     d = half.shape[1]
     G = realvalued.embedding_gram(half) if gram is None else realvalued.check_gram(gram, d).astype(np.float32)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from device_sdk.lightfr_config import _KIND, LightFRConfig
+from device_sdk.lightfr_rank import adopt_embeddings
 from device_sdk.store import load_store, save_store
 from protocol.codes import from_bytes, to_bytes, unpack_signs
 from protocol.errors import StorageError
@@ -93,7 +94,8 @@ def _load_embeddings(model: LightFRModel, state: dict[str, object]) -> None:
     if E.size != m * d or G.size != d * d or U.size != n * d:
         raise ValueError(f"the embedding arrays do not hold {m} items, {n} users and d = {d}")
     alpha, reg = state["ials_alpha"], state["ials_reg"]
-    model.set_embeddings(E.reshape(m, d), alpha=alpha, reg=reg, gram=G.reshape(d, d))  # type: ignore[arg-type]
+    # E views the file's bytes (immutable): installed without a copy of its 2·m·d bytes.
+    adopt_embeddings(model, E.reshape(m, d), alpha, reg, G.reshape(d, d), immutable=True)  # type: ignore[arg-type]
     vectors = U.reshape(n, d).astype(np.float32)
     if not np.all(np.isfinite(vectors)):
         raise ValueError("user vectors must be finite")

@@ -132,6 +132,7 @@ def load_store(path: str | os.PathLike[str], kind: str, *, move_aside: bool = Tr
         outer = msgpack.unpackb(data, raw=False, max_bin_len=MAX_STORE_BYTES, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise _corrupt(path, f"not a valid msgpack document: {type(exc).__name__}", move_aside) from exc
+    del data  # the payload is a copy: the file's bytes need not stay beside it and the state read from it
     if not isinstance(outer, dict) or outer.get("magic") != STORE_MAGIC:
         raise _corrupt(path, "missing fedrec-store header", move_aside)
     fmt = outer.get("format")

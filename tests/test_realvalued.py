@@ -402,3 +402,39 @@ def test_two_stage_topk_checks_its_inputs_in_one_line() -> None:
         with pytest.raises(ValueError, match=message) as info:
             realvalued.two_stage_topk(pack_signs(D), 64, **args)  # type: ignore[arg-type]
         assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_all_finite_answers_as_isfinite_does(dtype: type) -> None:
+    """float16 is read by its bits (exponent all ones): every special value, at either end of a chunk, in a
+    strided view, and the extremes that are finite."""
+    all_finite = realvalued.all_finite
+    base = np.random.default_rng(0).standard_normal((70_000, 3)).astype(dtype)
+    assert all_finite(base) and all_finite(base[:0]) and all_finite(base[:, ::2])
+    assert all_finite(np.array([[np.finfo(dtype).max, -np.finfo(dtype).max, np.finfo(dtype).tiny, -0.0]], dtype))
+    for value in (np.inf, -np.inf, np.nan):
+        for at in ((0, 0), (65_535, 2), (65_536, 0), (69_999, 2)):
+            bad = base.copy()
+            bad[at] = value
+            assert all_finite(bad) is bool(np.isfinite(bad).all()) is False
+            assert all_finite(bad[:, ::2]) is bool(np.isfinite(bad[:, ::2]).all())
+
+
+def test_loaded_embeddings_view_the_file_and_a_callers_rows_are_copied(tmp_path: Path) -> None:
+    """A load installs E as a read-only view of the bytes it read (no second copy of 2·m·d bytes); rows a
+    caller passes are copied even when float16 and read-only, so writing through their base changes nothing."""
+    model, _, _ = _embedded_model()
+    model.save(tmp_path / "with.fedrec")
+    back = LightFRModel.load(tmp_path / "with.fedrec")
+    E16 = back.item_embeddings
+    assert E16 is not None and not E16.flags.writeable and isinstance(E16.base, bytes | memoryview | np.ndarray)
+    np.testing.assert_array_equal(E16, model.item_embeddings)
+    with pytest.raises(ValueError, match="read-only"):
+        E16[0, 0] = 1.0
+    mine = np.ones((600, 16), np.float16)
+    view = mine.view()
+    view.flags.writeable = False
+    model.set_embeddings(view, alpha=5.0, reg=0.1)
+    mine[0, 0] = 7.0
+    held = model.item_embeddings
+    assert held is not None and held[0, 0] == 1.0 and held.flags.writeable
