@@ -122,6 +122,7 @@ class LightFRModel(Recommender, RoundHooks):
         f = self.config.bits
         if _random_codes:
             self._item_signs = random_signs(self.n_items, f, self.rng)
+            self._item_signs.flags.writeable = False  # as `item_codes` hands it out
             self.user_codes = random_signs(self.n_users, f, self.rng)
             self._item_words = pack_rows(self._item_signs)
             self._user_words = pack_signs(self.user_codes)
@@ -142,12 +143,14 @@ class LightFRModel(Recommender, RoundHooks):
     # -- the item codes ---------------------------------------------------------------------------
     @property
     def item_codes(self) -> NDArray[np.int8]:
-        """(m, f) int8 ±1 item codes (read-only use: `set_item_codes` changes them).  Unpacked from the
+        """(m, f) int8 ±1 item codes, read-only (`set_item_codes` changes them).  Unpacked from the
         packed words on first use and kept until the codes change.  Ranking, the item Gram and fold-in
         under the all-items objective (the default) read the words and the rows they need alone, so a
         device that only downloads, folds in and ranks holds 8 bytes an item at f = 64, not 72."""
         if self._item_signs is None:
-            self._item_signs = unpack_signs(self._item_words, self.config.bits)
+            signs = unpack_signs(self._item_words, self.config.bits)
+            signs.flags.writeable = False  # a write would part it from the words that rank
+            self._item_signs = signs
         return self._item_signs
 
     def _item_rows(self, ids: NDArray[np.int64]) -> NDArray[np.int8]:
