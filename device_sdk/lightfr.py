@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from protocol.codes import pack_signs
+from protocol.codes import pack_signs, unpack_signs
+from protocol.families.lightfr import LEVEL_CENTER
 
 __all__ = [
     "inner_products",
@@ -43,6 +44,7 @@ __all__ = [
     "DCDStats",
     "dcd_full",
     "full_upload",
+    "gram_sums",
 ]
 
 
@@ -624,3 +626,30 @@ def sign_planes(q: NDArray[np.integer], planes: int) -> NDArray[np.int8]:
         raise ValueError(f"q must hold odd integers in [-{top}, {top}]")
     v = (qi + top) // 2
     return np.stack([(((v >> p) & 1) * 2 - 1).astype(np.int8) for p in range(planes)])
+
+
+#: Codes per chunk of `gram_sums`: each sum a chunk's float32 product forms stays an integer below 2^24.
+_GRAM_ROWS = 1 << 14
+
+
+def gram_sums(
+    words: NDArray[np.uint64], f: int, levels: NDArray[np.uint8] | None
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """(DᵀD (f, f), Dᵀ(level − 128) (f,)) of the item codes D packed in ``words`` (w, m): what the item Gram
+    of the all-items objective is made of (zeros for the second without levels).
+
+    One pass over the packed codes, `_GRAM_ROWS` items at a time unpacked to float32 (the ±1 matrix is never
+    held whole).  Each chunk's BLAS products form integers below 2^24 in magnitude (at most 2^14 rows of ±1,
+    or of ±1 times at most 128), hence exact, and their float64 sums are exact too: the result does not
+    depend on the chunking."""
+    m = words.shape[1]
+    G = np.zeros((f, f))
+    Dl = np.zeros(f)
+    buf = np.empty((min(m, _GRAM_ROWS), f), np.float32)
+    for s in range(0, m, _GRAM_ROWS):
+        c = buf[: min(_GRAM_ROWS, m - s)]
+        c[...] = unpack_signs(words[:, s : s + _GRAM_ROWS], f)
+        G += c.T @ c
+        if levels is not None:
+            Dl += np.subtract(levels[s : s + _GRAM_ROWS], LEVEL_CENTER, dtype=np.float32) @ c
+    return G, Dl

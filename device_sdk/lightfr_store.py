@@ -47,9 +47,44 @@ def save_model(model: LightFRModel, path: str | os.PathLike[str]) -> None:
             "user_weight": model.user_weight.astype("<i8").tobytes(),
             "private_rounds": model.private_rounds,
             "private_model": model.private_model,
+            **_gram_state(model),
             **_embedding_state(model),
         },
     )
+
+
+def _gram_state(model: LightFRModel) -> dict[str, object]:
+    """The item Gram's sums once computed (`lightfr.gram_sums`, exact integers in float64): a file loaded for a
+    fold-in then skips the pass over the catalogue (82 ms at 10^6 items, f = 64)."""
+    if model._gram_sums is None:
+        return {}
+    G, Dl = model._gram_sums
+    return {"item_gram": {"codes": G.astype("<f8").tobytes(), "levels": Dl.astype("<f8").tobytes()}}
+
+
+def _load_gram(model: LightFRModel, state: dict[str, object]) -> None:
+    """Install the stored Gram sums after checking they can be those of the model's m codes of ±1 (and levels):
+    symmetric integers with m on the diagonal and |DᵀD| <= m, |Dᵀ(level − 128)| <= 128·m, zero without levels."""
+    raw = state.get("item_gram")  # files written before it, or before any fold-in, hold none
+    if raw is None:
+        return
+    if (
+        not isinstance(raw, dict)
+        or set(raw) != {"codes", "levels"}
+        or not all(isinstance(v, bytes) for v in raw.values())
+    ):
+        raise ValueError("item_gram must map codes and levels to bytes")
+    f, m = model.config.bits, model.n_items
+    G, Dl = np.frombuffer(raw["codes"], "<f8"), np.frombuffer(raw["levels"], "<f8")
+    if G.size != f * f or Dl.size != f:
+        raise ValueError(f"item_gram must hold {f}×{f} and {f} sums")
+    G = G.reshape(f, f)
+    whole = bool(np.all(G == np.round(G)) and np.all(Dl == np.round(Dl)))
+    if not (whole and np.array_equal(G, G.T) and np.all(np.diag(G) == m) and np.all(np.abs(G) <= m)):
+        raise ValueError(f"item_gram is not the Gram of {m} codes of ±1")
+    if not np.all(np.abs(Dl) <= 128 * m) or (model.item_levels is None and Dl.any()):
+        raise ValueError("item_gram's level sums do not fit the item levels")
+    model._gram_sums = (G.astype(np.float64), Dl.astype(np.float64))
 
 
 #: The layout of the real-valued embeddings in a store file: 1 = E as little-endian float16 rows (m, d),
@@ -145,6 +180,7 @@ def load_model(
         if not isinstance(held, bool):
             raise ValueError(f"private_model must be a boolean, got {held!r}")
         model.private_model = held
+        _load_gram(model, state)  # after the levels and weight, whose setters forget a Gram
         _load_embeddings(model, state)  # files written before embeddings existed hold none
     except (KeyError, TypeError, ValueError) as exc:
         raise StorageError(f"{path} is a valid store file but its LightFR state is invalid: {exc}") from exc

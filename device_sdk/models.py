@@ -30,7 +30,7 @@ from device_sdk.retrieval import Recommender, as_items, check_userid, fold_in_it
 from device_sdk.topk import HammingIndex
 from protocol.codes import from_bytes, pack_signs, random_signs, unpack_signs, words_for
 from protocol.errors import ModelError
-from protocol.families.lightfr import LEVEL_CENTER, UploadLayout, bias_from_levels, clip_parts
+from protocol.families.lightfr import UploadLayout, bias_from_levels, clip_parts
 from protocol.plan import LightFRParams, TrainingPlan
 from protocol.spec import Aggregation
 
@@ -81,6 +81,8 @@ class LightFRModel(Recommender, RoundHooks):
     _gram: tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]] | None = field(
         default=None, init=False, repr=False
     )
+    #: `lightfr.gram_sums` of the current codes and levels (kept in the store file), None until computed.
+    _gram_sums: tuple[NDArray[np.float64], NDArray[np.float64]] | None = field(default=None, init=False, repr=False)
     #: Asymmetric scoring (``config.query_planes``): each user's odd integers q (n, f) and weight a (n,),
     #: a = 0 for a user who has a ±1 code instead.
     user_q: NDArray[np.int16] = field(init=False, repr=False)
@@ -177,7 +179,7 @@ class LightFRModel(Recommender, RoundHooks):
                 raise ValueError("item_levels must be integers in [0, 255]")
             self._levels = lv.astype(np.uint8)
         self._index = None
-        self._gram = None
+        self._gram = self._gram_sums = None
         self._derived_clear()
 
     @property
@@ -197,26 +199,14 @@ class LightFRModel(Recommender, RoundHooks):
     def item_gram(self) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
         """(G_D = DᵀD (f, f), Dᵀβ (f,), β (m,)) of the current item codes and the item biases β the
         levels stand for (`protocol.families.lightfr.bias_from_levels`): what the all-items objective
-        needs of the catalogue.  Computed once per new model (one pass over the codes, in chunks),
-        then reused by every fold-in.
-
-        Each chunk is float32 BLAS products, DᵀD and Dᵀ(level − 128): every sum they form is an integer
-        below 2^24 in magnitude (at most 2^16 rows of ±1, or of ±1 times at most 128), hence exact,
-        and Dᵀβ = 2/(f·B)·Dᵀ(level − 128)."""
+        needs of the catalogue.  The sums (`lightfr.gram_sums`, exact) are computed once per new model, or
+        read from the store file with the codes; Dᵀβ = 2/(f·B)·Dᵀ(level − 128)."""
         if self._gram is None:
             f, m, lv = self.config.bits, self.n_items, self._levels
-            beta = bias_from_levels(lv, m, f, self._weight)
-            G = np.zeros((f, f))
-            Dl = np.zeros(f)
-            step = min(m, 1 << 14)  # rows per chunk (exactness needs <= 2^16): a few MiB at a time
-            buf = np.empty((step, f), np.float32)
-            for s in range(0, m, step):  # chunks of the catalogue, each a BLAS product
-                c = buf[: min(step, m - s)]
-                c[...] = self._item_rows(np.arange(s, s + c.shape[0]))
-                G += c.T @ c
-                if lv is not None:
-                    Dl += np.subtract(lv[s : s + step], LEVEL_CENTER, dtype=np.float32) @ c
-            self._gram = (G, Dl * (2.0 / (f * self._weight)), beta)
+            if self._gram_sums is None:
+                self._gram_sums = lightfr.gram_sums(self._item_words, f, lv)
+            G, Dl = self._gram_sums
+            self._gram = (G, Dl * (2.0 / (f * self._weight)), bias_from_levels(lv, m, f, self._weight))
         return self._gram
 
     # -- real-valued item embeddings (stage 2 of the ranking) ------------------------------------
@@ -376,7 +366,7 @@ class LightFRModel(Recommender, RoundHooks):
         self._item_signs = None  # unpacked again from the words if something needs the ±1 matrix
         self._item_words = words
         self._index = None
-        self._gram = None
+        self._gram = self._gram_sums = None
         self._derived_clear()
         self.model_version = int(version)
 

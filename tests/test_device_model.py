@@ -237,6 +237,75 @@ def test_a_ranking_device_never_unpacks_the_catalogue(tmp_path: Path, config: Li
     assert np.array_equal(device.item_codes, signs) and device._item_signs is not None
 
 
+def test_the_item_gram_is_stored_and_a_loaded_model_folds_in_without_recomputing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model that computed its item Gram (any fold-in under the all-items objective) saves its sums; the
+    loaded model folds in from them, the same Gram bit for bit and the same code, without a pass over the
+    catalogue.  A file without them (written before, or before any fold-in) computes them as before."""
+    import device_sdk.lightfr as kernels
+
+    rng = np.random.default_rng(3)
+    model = LightFRModel(500, LightFRConfig(), rng=np.random.default_rng(1))
+    model.set_item_codes(random_signs(500, 64, rng), 2)
+    model.item_levels = rng.integers(0, 256, 500)
+    fresh_path, used_path = tmp_path / "fresh.fedrec", tmp_path / "used.fedrec"
+    model.save(fresh_path)
+    model.fold_in(np.array([1, 2, 3]), np.array([5.0, 4.0, 2.0]))
+    model.save(used_path)
+    assert "item_gram" not in load_store(fresh_path, "lightfr") and "item_gram" in load_store(used_path, "lightfr")
+    fresh = LightFRModel.load(fresh_path, rng=np.random.default_rng(4))
+    want = fresh.item_gram()  # computed from the codes
+
+    def no_pass(*args: object) -> None:
+        raise AssertionError("the Gram was computed again")
+
+    monkeypatch.setattr(kernels, "gram_sums", no_pass)
+    used = LightFRModel.load(used_path, rng=np.random.default_rng(4))
+    for a, b in zip(used.item_gram(), want, strict=True):
+        assert np.array_equal(a, b)
+    items, ratings = np.array([7, 8, 9, 10]), np.array([5.0, 1.0, 4.0, 3.0])
+    assert np.array_equal(used.fold_in(items, ratings), fresh.fold_in(items, ratings))
+    used.hamming_weight = 3  # Dᵀβ = 2/(f·B)·Dᵀ(level − 128): rescaled from the same sums, no pass
+    np.testing.assert_allclose(used.item_gram()[1], want[1] / 3, rtol=1e-12)
+    assert np.array_equal(used.item_gram()[0], want[0])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["diagonal", "asymmetric", "fraction", "nan", "size", "levels without levels", "not bytes"],
+)
+def test_a_stored_item_gram_that_cannot_be_the_codes_is_refused(tmp_path: Path, damage: str) -> None:
+    """The stored sums are checked against what any m codes of ±1 give (the file's checksum covers accidents;
+    this covers a file written wrong): a refusal names item_gram and leaves the file where it is."""
+    model = LightFRModel(200, LightFRConfig(), rng=np.random.default_rng(1))
+    model.set_item_codes(random_signs(200, 64, np.random.default_rng(2)), 1)
+    model.fold_in(np.array([1, 2]), np.array([5.0, 3.0]))
+    path = tmp_path / "model.fedrec"
+    model.save(path)
+    state = load_store(path, "lightfr")
+    G = np.frombuffer(state["item_gram"]["codes"], "<f8").reshape(64, 64).copy()
+    Dl = np.zeros(64)
+    if damage == "diagonal":
+        G[3, 3] = 198.0
+    elif damage == "asymmetric":
+        G[0, 1] += 2.0
+    elif damage == "fraction":
+        G[0, 1] = G[1, 0] = G[0, 1] + 0.5
+    elif damage == "nan":
+        G[2, 5] = G[5, 2] = np.nan
+    elif damage == "levels without levels":
+        Dl[0] = 4.0
+    codes = G.tobytes()[:-8] if damage == "size" else G.tobytes()
+    state["item_gram"] = (
+        {"codes": codes, "levels": Dl.tobytes()} if damage != "not bytes" else {"codes": 1, "levels": 2}
+    )
+    store.save_store(path, "lightfr", state)
+    with pytest.raises(StorageError, match="item_gram"):
+        LightFRModel.load(path)
+    assert path.exists()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
 def test_corrupt_file_raises_and_is_moved_aside(tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "model.fedrec"
