@@ -173,7 +173,9 @@ def measure(args: argparse.Namespace, m: int, rng: np.random.Generator) -> dict[
     # What the model holds after the fold-ins and recommends: the packed words (8 bytes a word), levels,
     # embeddings, and the ±1 matrix if anything unpacked it (reading `item_codes` would).
     held: list[NDArray[Any]] = [
-        a for a in (model._item_signs, model.item_levels, model.item_embeddings) if a is not None
+        a
+        for a in (model._item_signs and model._item_signs[1], model.item_levels, model.item_embeddings)
+        if a is not None
     ]
     row["bytes_per_item_min"] = args.bits / 8 + (1 if args.levels else 0) + (2 * args.dim if args.embeddings else 0)
     row["bytes_per_item_held"] = (sum(a.nbytes for a in held) + m * 8 * words_for(args.bits)) / m

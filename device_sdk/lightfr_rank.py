@@ -365,6 +365,7 @@ def adopt_embeddings(
     else:
         with np.errstate(over="ignore"):
             half = E.astype(np.float16)  # a copy the model owns, even of float16 rows
+        half.flags.writeable = False  # read-only however installed, as after a load
     if E.dtype != np.float16 and not realvalued.all_finite(half):  # float16 rows were checked finite above
         raise ValueError("item embeddings must fit float16 (|value| < 65504)")
     d = half.shape[1]

@@ -19,6 +19,7 @@ from device_sdk.lightfr_rank import adopt_embeddings
 from device_sdk.store import load_store, save_store
 from protocol.codes import from_bytes, to_bytes, unpack_signs
 from protocol.errors import StorageError
+from protocol.families.lightfr import LEVEL_CENTER
 
 if TYPE_CHECKING:
     from device_sdk.models import LightFRModel
@@ -56,15 +57,17 @@ def save_model(model: LightFRModel, path: str | os.PathLike[str]) -> None:
 def _gram_state(model: LightFRModel) -> dict[str, object]:
     """The item Gram's sums once computed (`lightfr.gram_sums`, exact integers in float64): a file loaded for a
     fold-in then skips the pass over the catalogue (82 ms at 10^6 items, f = 64)."""
-    if model._gram_sums is None:
+    sums = model._gram_sums
+    if sums is None or sums[0] is not model._item_words or sums[1] is not model.item_levels:
         return {}
-    G, Dl = model._gram_sums
+    G, Dl = sums[2], sums[3]
     return {"item_gram": {"codes": G.astype("<f8").tobytes(), "levels": Dl.astype("<f8").tobytes()}}
 
 
 def _load_gram(model: LightFRModel, state: dict[str, object]) -> None:
-    """Install the stored Gram sums after checking they can be those of the model's m codes of ±1 (and levels):
-    symmetric integers with m on the diagonal and |DᵀD| <= m, |Dᵀ(level − 128)| <= 128·m, zero without levels."""
+    """Install the stored Gram sums after checking they can be those of the model's m codes of ±1 and its levels
+    (symmetric integers of m's parity, m on the diagonal; level sums bounded and of the right parity).  A wrong
+    Gram that passes would change fold-ins, never what leaves the device: the file is the device's own."""
     raw = state.get("item_gram")  # files written before it, or before any fold-in, hold none
     if raw is None:
         return
@@ -80,11 +83,16 @@ def _load_gram(model: LightFRModel, state: dict[str, object]) -> None:
         raise ValueError(f"item_gram must hold {f}×{f} and {f} sums")
     G = G.reshape(f, f)
     whole = bool(np.all(G == np.round(G)) and np.all(Dl == np.round(Dl)))
-    if not (whole and np.array_equal(G, G.T) and np.all(np.diag(G) == m) and np.all(np.abs(G) <= m)):
+    # Each entry of DᵀD sums m terms ±1: |entry| <= m, of m's parity, m on the diagonal.
+    ok = whole and np.array_equal(G, G.T) and np.all(np.diag(G) == m) and np.all(np.abs(G) <= m)
+    if not (ok and np.all(np.mod(G - m, 2) == 0)):
         raise ValueError(f"item_gram is not the Gram of {m} codes of ±1")
-    if not np.all(np.abs(Dl) <= 128 * m) or (model.item_levels is None and Dl.any()):
+    # Each entry of Dᵀ(level − 128) sums ±(level_i − 128): at most Σ|level_i − 128|, of Σ(level_i − 128)'s parity.
+    lv = model.item_levels
+    c = np.zeros(m, np.int64) if lv is None else lv.astype(np.int64) - LEVEL_CENTER
+    if not (np.all(np.abs(Dl) <= np.abs(c).sum()) and np.all(np.mod(Dl - c.sum(), 2) == 0)):
         raise ValueError("item_gram's level sums do not fit the item levels")
-    model._gram_sums = (G.astype(np.float64), Dl.astype(np.float64))
+    model._gram_sums = (model._item_words, model.item_levels, G.astype(np.float64), Dl.astype(np.float64))
 
 
 #: The layout of the real-valued embeddings in a store file: 1 = E as little-endian float16 rows (m, d),

@@ -69,8 +69,9 @@ class LightFRModel(Recommender, RoundHooks):
     #: installs every code next (`load`: drawing the 64·10^6 signs of 10^6 items it would throw away took
     #: 70 ms, and held 64 MB while the stored codes were unpacked beside them).
     _random_codes: InitVar[bool] = True
-    #: The (m, f) ±1 item codes once unpacked from ``_item_words`` (`item_codes`), None until then.
-    _item_signs: NDArray[np.int8] | None = field(default=None, init=False, repr=False)
+    #: (words, the (m, f) ±1 item codes unpacked from them) once `item_codes` asked; used only while ``words``
+    #: is still ``_item_words``, so a model swap racing an unpack never leaves a stale matrix (no lock).
+    _item_signs: tuple[NDArray[np.uint64], NDArray[np.int8]] | None = field(default=None, init=False, repr=False)
     user_codes: NDArray[np.int8] = field(init=False, repr=False)
     _item_words: NDArray[np.uint64] = field(init=False, repr=False)
     _user_words: NDArray[np.uint64] = field(init=False, repr=False)
@@ -78,11 +79,10 @@ class LightFRModel(Recommender, RoundHooks):
     _levels: NDArray[np.uint8] | None = field(default=None, init=False, repr=False)
     _weight: int = field(default=1, init=False, repr=False)
     _index: HammingIndex | None = field(default=None, init=False, repr=False)
-    _gram: tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]] | None = field(
-        default=None, init=False, repr=False
-    )
-    #: `lightfr.gram_sums` of the current codes and levels (kept in the store file), None until computed.
-    _gram_sums: tuple[NDArray[np.float64], NDArray[np.float64]] | None = field(default=None, init=False, repr=False)
+    #: (words, levels, weight, `item_gram`) and (words, levels, G, Dl) of `lightfr.gram_sums` (kept in the store
+    #: file): each used only while the words and levels it was made from are the model's (as ``_item_signs``).
+    _gram: tuple[Any, ...] | None = field(default=None, init=False, repr=False)
+    _gram_sums: tuple[Any, ...] | None = field(default=None, init=False, repr=False)
     #: Asymmetric scoring (``config.query_planes``): each user's odd integers q (n, f) and weight a (n,),
     #: a = 0 for a user who has a ±1 code instead.
     user_q: NDArray[np.int16] = field(init=False, repr=False)
@@ -123,10 +123,11 @@ class LightFRModel(Recommender, RoundHooks):
             raise ValueError(f"n_users must be positive, got {self.n_users}")
         f = self.config.bits
         if _random_codes:
-            self._item_signs = random_signs(self.n_items, f, self.rng)
-            self._item_signs.flags.writeable = False  # as `item_codes` hands it out
+            signs = random_signs(self.n_items, f, self.rng)
+            signs.flags.writeable = False  # as `item_codes` hands it out
             self.user_codes = random_signs(self.n_users, f, self.rng)
-            self._item_words = pack_rows(self._item_signs)
+            self._item_words = pack_rows(signs)
+            self._item_signs = (self._item_words, signs)
             self._user_words = pack_signs(self.user_codes)
         else:
             # Read-only all-+1 placeholders holding no memory, until the caller installs codes.
@@ -149,17 +150,21 @@ class LightFRModel(Recommender, RoundHooks):
         packed words on first use and kept until the codes change.  Ranking, the item Gram and fold-in
         under the all-items objective (the default) read the words and the rows they need alone, so a
         device that only downloads, folds in and ranks holds 8 bytes an item at f = 64, not 72."""
-        if self._item_signs is None:
-            signs = unpack_signs(self._item_words, self.config.bits)
-            signs.flags.writeable = False  # a write would part it from the words that rank
-            self._item_signs = signs
-        return self._item_signs
+        words, held = self._item_words, self._item_signs
+        if held is not None and held[0] is words:
+            signs = held[1]
+        else:
+            signs = unpack_signs(words, self.config.bits)
+            self._item_signs = (words, signs)
+        signs.flags.writeable = False  # a write would part it from the words that rank (also after a deepcopy)
+        return signs
 
     def _item_rows(self, ids: NDArray[np.int64]) -> NDArray[np.int8]:
         """Rows ``ids`` of `item_codes`, (k, f), unpacked from their words alone when the matrix is not held."""
-        if self._item_signs is not None:
-            return self._item_signs[ids]
-        return unpack_signs(self._item_words[:, ids], self.config.bits)
+        words, held = self._item_words, self._item_signs
+        if held is not None and held[0] is words:
+            return held[1][ids]
+        return unpack_signs(words[:, ids], self.config.bits)
 
     # -- the item term ----------------------------------------------------------------------------
     @property
@@ -201,13 +206,16 @@ class LightFRModel(Recommender, RoundHooks):
         levels stand for (`protocol.families.lightfr.bias_from_levels`): what the all-items objective
         needs of the catalogue.  The sums (`lightfr.gram_sums`, exact) are computed once per new model, or
         read from the store file with the codes; Dᵀβ = 2/(f·B)·Dᵀ(level − 128)."""
-        if self._gram is None:
-            f, m, lv = self.config.bits, self.n_items, self._levels
-            if self._gram_sums is None:
-                self._gram_sums = lightfr.gram_sums(self._item_words, f, lv)
-            G, Dl = self._gram_sums
-            self._gram = (G, Dl * (2.0 / (f * self._weight)), bias_from_levels(lv, m, f, self._weight))
-        return self._gram
+        words, lv, weight, held = self._item_words, self._levels, self._weight, self._gram
+        if held is not None and held[0] is words and held[1] is lv and held[2] == weight:
+            return held[3]  # type: ignore[no-any-return]
+        f, m, sums = self.config.bits, self.n_items, self._gram_sums
+        if sums is None or sums[0] is not words or sums[1] is not lv:
+            sums = (words, lv, *lightfr.gram_sums(words, f, lv))
+            self._gram_sums = sums
+        gram = (sums[2], sums[3] * (2.0 / (f * weight)), bias_from_levels(lv, m, f, weight))
+        self._gram = (words, lv, weight, gram)
+        return gram
 
     # -- real-valued item embeddings (stage 2 of the ranking) ------------------------------------
     @property
@@ -363,8 +371,8 @@ class LightFRModel(Recommender, RoundHooks):
             if arr.shape != (m, f) or not all_signs(arr):
                 raise ValueError(f"item codes must be a ({m}, {f}) matrix of ±1")
             words = pack_rows(arr.astype(np.int8, copy=False))
-        self._item_signs = None  # unpacked again from the words if something needs the ±1 matrix
         self._item_words = words
+        self._item_signs = None  # unpacked again from the words if something needs the ±1 matrix
         self._index = None
         self._gram = self._gram_sums = None
         self._derived_clear()

@@ -271,35 +271,82 @@ def test_the_item_gram_is_stored_and_a_loaded_model_folds_in_without_recomputing
     assert np.array_equal(used.item_gram()[0], want[0])
 
 
+def test_a_model_swap_during_an_unpack_leaves_no_stale_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unpacked ±1 matrix and the Gram are kept with the words they came from: a new model adopted while
+    one is being computed (the client adopts downloads in a worker thread) never leaves the old one in use,
+    in memory or in the store file."""
+    import device_sdk.lightfr as kernels
+    import device_sdk.models as models
+
+    old, new = (random_signs(50, 64, np.random.default_rng(s)) for s in (1, 2))
+    model = LightFRModel(50, LightFRConfig(), rng=np.random.default_rng(0))
+    model.set_item_codes(old, 1)
+    unpack, sums = models.unpack_signs, kernels.gram_sums
+
+    def unpack_then_swap(words: np.ndarray, f: int) -> np.ndarray:
+        out = unpack(words, f)  # the old words unpacked, then the other thread adopts new codes
+        monkeypatch.setattr(models, "unpack_signs", unpack)
+        model.set_item_codes(new, 2)
+        return out
+
+    monkeypatch.setattr(models, "unpack_signs", unpack_then_swap)
+    assert np.array_equal(model.item_codes, old)  # the call that raced sees the model it started with
+    assert np.array_equal(model.item_codes, new)  # every later one the new
+
+    def sums_then_swap(words: np.ndarray, f: int, levels: object) -> object:
+        out = sums(words, f, levels)
+        monkeypatch.setattr(kernels, "gram_sums", sums)
+        model.set_item_codes(old, 3)
+        return out
+
+    monkeypatch.setattr(kernels, "gram_sums", sums_then_swap)
+    model.item_gram()
+    model.save(tmp_path / "model.fedrec")
+    assert "item_gram" not in load_store(tmp_path / "model.fedrec", "lightfr")  # not the codes the file holds
+    G = model.item_gram()[0]
+    assert np.array_equal(G, old.T.astype(float) @ old)
+    model.save(tmp_path / "model.fedrec")
+    back = LightFRModel.load(tmp_path / "model.fedrec")
+    assert np.array_equal(back.item_gram()[0], G)
+
+
 @pytest.mark.parametrize(
     "damage",
-    ["diagonal", "asymmetric", "fraction", "nan", "size", "levels without levels", "not bytes"],
+    ["diagonal", "asymmetric", "fraction", "parity", "nan", "size", "no levels", "level parity", "level bound", "type"],
 )
 def test_a_stored_item_gram_that_cannot_be_the_codes_is_refused(tmp_path: Path, damage: str) -> None:
-    """The stored sums are checked against what any m codes of ±1 give (the file's checksum covers accidents;
-    this covers a file written wrong): a refusal names item_gram and leaves the file where it is."""
+    """The stored sums are checked against what any m codes of ±1 and the stored levels can give (the file's
+    checksum covers accidents; this covers a file written wrong): a refusal names item_gram and leaves the
+    file where it is."""
+    rng = np.random.default_rng(2)
     model = LightFRModel(200, LightFRConfig(), rng=np.random.default_rng(1))
-    model.set_item_codes(random_signs(200, 64, np.random.default_rng(2)), 1)
+    model.set_item_codes(random_signs(200, 64, rng), 1)
+    if damage.startswith("level"):
+        model.item_levels = rng.integers(0, 256, 200)
     model.fold_in(np.array([1, 2]), np.array([5.0, 3.0]))
     path = tmp_path / "model.fedrec"
     model.save(path)
     state = load_store(path, "lightfr")
     G = np.frombuffer(state["item_gram"]["codes"], "<f8").reshape(64, 64).copy()
-    Dl = np.zeros(64)
+    Dl = np.frombuffer(state["item_gram"]["levels"], "<f8").copy()
     if damage == "diagonal":
         G[3, 3] = 198.0
     elif damage == "asymmetric":
         G[0, 1] += 2.0
     elif damage == "fraction":
         G[0, 1] = G[1, 0] = G[0, 1] + 0.5
+    elif damage == "parity":  # 200 codes: every entry of DᵀD is even
+        G[0, 1] = G[1, 0] = G[0, 1] + 1.0
     elif damage == "nan":
         G[2, 5] = G[5, 2] = np.nan
-    elif damage == "levels without levels":
+    elif damage == "no levels":
         Dl[0] = 4.0
+    elif damage == "level parity":
+        Dl[0] += 1.0
+    elif damage == "level bound":
+        Dl[0] = 128.0 * 200
     codes = G.tobytes()[:-8] if damage == "size" else G.tobytes()
-    state["item_gram"] = (
-        {"codes": codes, "levels": Dl.tobytes()} if damage != "not bytes" else {"codes": 1, "levels": 2}
-    )
+    state["item_gram"] = {"codes": 1, "levels": 2} if damage == "type" else {"codes": codes, "levels": Dl.tobytes()}
     store.save_store(path, "lightfr", state)
     with pytest.raises(StorageError, match="item_gram"):
         LightFRModel.load(path)
@@ -440,8 +487,9 @@ def test_fold_in_all_items_objective_uses_the_cached_gram_and_matches_the_full_k
     model.hamming_weight = 2
     items = np.sort(rng.choice(m, 25, replace=False))
     code = model.fold_in(items)
-    gram = model._gram
-    assert gram is not None
+    held = model._gram
+    assert held is not None
+    gram = held[3]  # (G, Dᵀβ, β), kept with the words, levels and weight it was made from
     # The same DCD on the whole catalogue (the kernel computes G and Dᵀβ itself) from the same start.
     beta = bias_from_levels(model.item_levels, m, f, 2)
     r = np.ones(items.size)
@@ -453,7 +501,7 @@ def test_fold_in_all_items_objective_uses_the_cached_gram_and_matches_the_full_k
     np.testing.assert_allclose(gram[0], D.T.astype(float) @ D)
     # Cached per model version: a second fold-in reuses it, new codes or levels recompute it.
     model.fold_in(items[:5])
-    assert model._gram is gram
+    assert model._gram is held
     model.item_levels = None
     assert model._gram is None
     model.fold_in(items[:5])

@@ -422,7 +422,8 @@ def test_all_finite_answers_as_isfinite_does(dtype: type) -> None:
 
 def test_loaded_embeddings_view_the_file_and_a_callers_rows_are_copied(tmp_path: Path) -> None:
     """A load installs E as a read-only view of the bytes it read (no second copy of 2·m·d bytes); rows a
-    caller passes are copied even when float16 and read-only, so writing through their base changes nothing."""
+    caller passes are copied even when float16 and read-only, so writing through their base changes nothing,
+    and held read-only too."""
     model, _, _ = _embedded_model()
     model.save(tmp_path / "with.fedrec")
     back = LightFRModel.load(tmp_path / "with.fedrec")
@@ -437,4 +438,4 @@ def test_loaded_embeddings_view_the_file_and_a_callers_rows_are_copied(tmp_path:
     model.set_embeddings(view, alpha=5.0, reg=0.1)
     mine[0, 0] = 7.0
     held = model.item_embeddings
-    assert held is not None and held[0, 0] == 1.0 and held.flags.writeable
+    assert held is not None and held[0, 0] == 1.0 and not held.flags.writeable  # read-only, as after a load
