@@ -743,6 +743,13 @@ def test_saved_runs_recommend_and_export_to_sdk_models(
     assert main(["export", str(run_file), "--user", user, "-o", str(model_file)]) == 0
     assert f"a {loader}" in capsys.readouterr().out
     model = getattr(device_sdk, loader).load(model_file)
+    if family == "lightfr":  # the item Gram comes in the file: a fold-in on the device needs no pass for it
+        assert model._gram_sums is not None and model._gram_sums[0] is model._item_words
+        want = device_sdk.LightFRModel(model.n_items, model.config)
+        want.set_item_codes(model._item_words, 1)
+        want.item_levels, want.hamming_weight = model.item_levels, model.hamming_weight
+        for a, b in zip(model.item_gram(), want.item_gram(), strict=True):
+            assert np.array_equal(a, b)
     row = run.device_model(3)[1]
     ids, _ = model.recommend(run.train.of(3), N=5, userid=row, rng=np.random.default_rng(0))
     assert ids.tolist() == picked

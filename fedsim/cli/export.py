@@ -19,12 +19,15 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Run ``fedrec export``; returns the exit status."""
+    from device_sdk import LightFRModel
     from fedsim.federation.runs import load_run
 
     check_output_file("-o", args.output)
     run = load_run(args.run)
     user = None if args.user is None else run.user_index(str(args.user))
     model, row = run.device_model(user)
+    if isinstance(model, LightFRModel) and model.config.unobserved_weight > 0:
+        model.item_gram()  # kept in the file: the device's first fold-in skips the pass over the catalogue
     model.save(args.output)
     cls = type(model).__name__
     who = "every user of the run" if user is None else f"user {run.user_label(user)} as userid={row}"
