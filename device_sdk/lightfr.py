@@ -45,6 +45,7 @@ __all__ = [
     "dcd_full",
     "full_upload",
     "gram_sums",
+    "held_for",
 ]
 
 
@@ -653,3 +654,10 @@ def gram_sums(
         if levels is not None:
             Dl += np.subtract(levels[s : s + _GRAM_ROWS], LEVEL_CENTER, dtype=np.float32) @ c
     return G, Dl
+
+
+def held_for(cache: tuple[Any, ...] | None, *keys: object) -> tuple[Any, ...] | None:
+    """What ``cache`` holds after its keys if they are ``keys`` (the same objects), else None: a cache kept
+    beside the codes (and levels) it was made from is never used for others, with no lock."""
+    n = len(keys)
+    return cache[n:] if cache is not None and all(a is b for a, b in zip(cache[:n], keys, strict=True)) else None

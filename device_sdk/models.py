@@ -150,21 +150,18 @@ class LightFRModel(Recommender, RoundHooks):
         packed words on first use and kept until the codes change.  Ranking, the item Gram and fold-in
         under the all-items objective (the default) read the words and the rows they need alone, so a
         device that only downloads, folds in and ranks holds 8 bytes an item at f = 64, not 72."""
-        words, held = self._item_words, self._item_signs
-        if held is not None and held[0] is words:
-            signs = held[1]
-        else:
-            signs = unpack_signs(words, self.config.bits)
-            self._item_signs = (words, signs)
+        words = self._item_words
+        held = lightfr.held_for(self._item_signs, words)
+        signs = unpack_signs(words, self.config.bits) if held is None else held[0]
+        self._item_signs = (words, signs)
         signs.flags.writeable = False  # a write would part it from the words that rank (also after a deepcopy)
         return signs
 
     def _item_rows(self, ids: NDArray[np.int64]) -> NDArray[np.int8]:
         """Rows ``ids`` of `item_codes`, (k, f), unpacked from their words alone when the matrix is not held."""
-        words, held = self._item_words, self._item_signs
-        if held is not None and held[0] is words:
-            return held[1][ids]
-        return unpack_signs(words[:, ids], self.config.bits)
+        words = self._item_words
+        held = lightfr.held_for(self._item_signs, words)
+        return unpack_signs(words[:, ids], self.config.bits) if held is None else held[0][ids]
 
     # -- the item term ----------------------------------------------------------------------------
     @property
@@ -206,14 +203,14 @@ class LightFRModel(Recommender, RoundHooks):
         levels stand for (`protocol.families.lightfr.bias_from_levels`): what the all-items objective
         needs of the catalogue.  The sums (`lightfr.gram_sums`, exact) are computed once per new model, or
         read from the store file with the codes; Dᵀβ = 2/(f·B)·Dᵀ(level − 128)."""
-        words, lv, weight, held = self._item_words, self._levels, self._weight, self._gram
-        if held is not None and held[0] is words and held[1] is lv and held[2] == weight:
-            return held[3]  # type: ignore[no-any-return]
-        f, m, sums = self.config.bits, self.n_items, self._gram_sums
-        if sums is None or sums[0] is not words or sums[1] is not lv:
-            sums = (words, lv, *lightfr.gram_sums(words, f, lv))
-            self._gram_sums = sums
-        gram = (sums[2], sums[3] * (2.0 / (f * weight)), bias_from_levels(lv, m, f, weight))
+        words, lv, weight = self._item_words, self._levels, self._weight
+        held = lightfr.held_for(self._gram, words, lv)
+        if held is not None and held[0] == weight:
+            return held[1]
+        f, m = self.config.bits, self.n_items
+        sums = lightfr.held_for(self._gram_sums, words, lv) or lightfr.gram_sums(words, f, lv)
+        self._gram_sums = (words, lv, *sums)
+        gram = (sums[0], sums[1] * (2.0 / (f * weight)), bias_from_levels(lv, m, f, weight))
         self._gram = (words, lv, weight, gram)
         return gram
 
